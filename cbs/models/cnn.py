@@ -1,0 +1,132 @@
+"""Small convolutional classifier: conv blocks (conv → norm → activation → 2×2 pool), dense head.
+
+Letters: B batch, H, W spatial size, C channels, G ghost-batch size, K = B / G ghost batches.
+
+Normalisation (`norm`):
+- "none": no normalisation; convolutions carry a bias.
+- "layernorm": `cbs.layers.LayerNorm` over the channels of each position (per example).
+- "groupnorm": GroupNorm over (H, W, C/groups) of each example. Taken from `cbs.layers` when it
+  defines `GroupNorm` (fast per-example gradient norms), else `nnx.GroupNorm`, whose parameters
+  then fall back to the slow (vmap) path of the per-example statistics.
+- "batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
+  mode (G = 0: the whole batch). This couples the examples of a ghost batch, so per-example
+  losses and gradients are ill-defined in training mode: the model sets
+  `couples_examples = True` and per-example noise statistics must not be taken from it
+  (evaluation mode, which uses the running averages, is per-example again).
+
+Inputs of rank 1 ([L], e.g. a 1-D signal) are treated as [L, 1, 1] with (k, 1) kernels; inputs
+of rank 2 ([H, W]) get one channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cbs import layers
+from cbs.models.mlp import get_activation
+
+NORMS = ("none", "layernorm", "groupnorm", "batchnorm")
+
+
+class GhostBatchNorm(nnx.Module):
+    """`nnx.BatchNorm` whose training statistics come from ghost batches of `ghost_batch_size`.
+
+    The running averages are updated with the mean over ghost batches of their means and
+    (biased) variances. Evaluation mode (`model.eval()`) and ghost_batch_size 0 or >= B defer
+    to `nnx.BatchNorm` itself.
+    """
+
+    def __init__(self, features: int, *, ghost_batch_size: int = 0, momentum: float = 0.99,
+                 rngs: nnx.Rngs):
+        self.ghost_batch_size = ghost_batch_size
+        self.bn = nnx.BatchNorm(features, momentum=momentum, rngs=rngs)
+
+    def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        b, g = x_BxHxWxC.shape[0], self.ghost_batch_size
+        if self.bn.use_running_average or g <= 0 or g >= b:
+            return self.bn(x_BxHxWxC)
+        if b % g:
+            raise ValueError(f"batch size {b} is not divisible by model.ghost_batch_size={g}")
+        x_KxGxHxWxC = x_BxHxWxC.reshape(b // g, g, *x_BxHxWxC.shape[1:])
+        axes = tuple(range(1, x_KxGxHxWxC.ndim - 1))
+        mean_KxC = jnp.mean(x_KxGxHxWxC, axis=axes)
+        var_KxC = jnp.var(x_KxGxHxWxC, axis=axes)
+        expand = (slice(None),) + (None,) * (len(axes)) + (slice(None),)
+        y = (x_KxGxHxWxC - mean_KxC[expand]) * jax.lax.rsqrt(var_KxC[expand] + self.bn.epsilon)
+        y = y * self.bn.scale[...] + self.bn.bias[...]
+        m = self.bn.momentum
+        self.bn.mean[...] = m * self.bn.mean[...] + (1 - m) * jnp.mean(mean_KxC, axis=0)
+        self.bn.var[...] = m * self.bn.var[...] + (1 - m) * jnp.mean(var_KxC, axis=0)
+        return y.reshape(x_BxHxWxC.shape)
+
+
+def _make_norm(norm: str, channels: int, *, num_groups: int, ghost_batch_size: int,
+               rngs: nnx.Rngs) -> nnx.Module | None:
+    if norm == "none":
+        return None
+    if norm == "layernorm":
+        return layers.LayerNorm(channels, rngs=rngs)
+    if norm == "groupnorm":
+        if channels % num_groups:
+            raise ValueError(f"model.num_groups={num_groups} does not divide {channels} channels")
+        group_norm = getattr(layers, "GroupNorm", nnx.GroupNorm)
+        return group_norm(channels, num_groups=num_groups, rngs=rngs)
+    if norm == "batchnorm":
+        return GhostBatchNorm(channels, ghost_batch_size=ghost_batch_size, rngs=rngs)
+    raise ValueError(f"model.norm={norm!r} is not one of {NORMS}")
+
+
+class CNN(nnx.Module):
+    """Conv blocks then an MLP head. Input x: float [B, *input_shape]; output: [B, O]."""
+
+    def __init__(self, input_shape: Sequence[int], out_features: int, *,
+                 channels: Sequence[int] = (16, 32), kernel_size: int = 3, pool: str = "max",
+                 dense_sizes: Sequence[int] = (64,), norm: str = "none", num_groups: int = 4,
+                 ghost_batch_size: int = 0, activation: str = "relu", rngs: nnx.Rngs):
+        if pool not in ("max", "avg"):
+            raise ValueError(f"model.pool={pool!r} is not one of ('max', 'avg')")
+        if len(input_shape) not in (1, 2, 3):
+            raise ValueError(f"CNN input_shape must have rank 1, 2 or 3, got {tuple(input_shape)}")
+        self.image_shape = tuple(input_shape) + (1,) * (3 - len(input_shape))
+        h, w, c = self.image_shape
+        kernel = (kernel_size, kernel_size if w > 1 else 1)
+        self._act = get_activation(activation)
+        self.pool = pool
+        self.couples_examples = norm == "batchnorm"
+        convs, norms = [], []
+        for c_out in channels:
+            convs.append(layers.Conv(c, c_out, kernel, use_bias=norm == "none", rngs=rngs))
+            norms.append(_make_norm(norm, c_out, num_groups=num_groups,
+                                    ghost_batch_size=ghost_batch_size, rngs=rngs))
+            h, w, c = max(h // 2, 1), max(w // 2, 1), c_out
+        self.convs, self.norms = nnx.List(convs), nnx.List(norms)
+        sizes = [h * w * c, *dense_sizes, out_features]
+        self.dense = nnx.List([layers.Linear(d_in, d_out, rngs=rngs)
+                               for d_in, d_out in zip(sizes[:-1], sizes[1:], strict=True)])
+        self.init_scheme = "kernels lecun_normal, biases zero, norm scales one"
+        self.description = (f"CNN(in={self.image_shape}, channels={tuple(channels)}, "
+                            f"kernel={kernel}, pool={pool}, dense={tuple(dense_sizes)}, "
+                            f"out={out_features}, norm={norm}"
+                            + (f", ghost_batch={ghost_batch_size}" if norm == "batchnorm" else "")
+                            + f", act={activation})")
+
+    def _pool(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        window = tuple(2 if n > 1 else 1 for n in x_BxHxWxC.shape[1:3])
+        pool_fn = nnx.max_pool if self.pool == "max" else nnx.avg_pool
+        return pool_fn(x_BxHxWxC, window, strides=window, padding="VALID")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h_BxHxWxC = x.reshape(x.shape[0], *self.image_shape)
+        for conv, norm in zip(self.convs, self.norms, strict=True):
+            h_BxHxWxC = conv(h_BxHxWxC)
+            if norm is not None:
+                h_BxHxWxC = norm(h_BxHxWxC)
+            h_BxHxWxC = self._pool(self._act(h_BxHxWxC))
+        h_BxD = h_BxHxWxC.reshape(h_BxHxWxC.shape[0], -1)
+        for layer in self.dense[:-1]:
+            h_BxD = self._act(layer(h_BxD))
+        return self.dense[-1](h_BxD)
