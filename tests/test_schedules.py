@@ -1,0 +1,294 @@
+"""Tests for cbs.schedules: documented batch sizes, adaptive hysteresis, LR coupling, LR shapes."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from cbs import schedules as sch
+
+MI = 2 ** 20
+
+
+def test_constant():
+    s = sch.Constant(64)
+    assert [s.batch_size_at(e) for e in (0, 10, 1e12)] == [64, 64, 64]
+
+
+def test_step_thresholds_inclusive():
+    s = sch.Step(((0, 8), (100, 16), (1000, 64)))
+    assert [s.batch_size_at(e) for e in (0, 99, 100, 999, 1000, 10**9)] == [8, 8, 16, 16, 64, 64]
+
+
+def test_step_rejects_bad_definitions():
+    with pytest.raises(ValueError, match="start with"):
+        sch.Step(((10, 8),))
+    with pytest.raises(ValueError, match="increase"):
+        sch.Step(((0, 8), (100, 16), (100, 32)))
+
+
+def test_llama3_full_scale():
+    s = sch.llama3_schedule()
+    assert s.batch_size_at(0) == 4 * MI == 1024 * 4096
+    assert s.batch_size_at(251_999_999) == 4 * MI
+    assert s.batch_size_at(252_000_000) == 8 * MI == 1024 * 8192
+    assert s.batch_size_at(1_000_000_000_000) == 8 * MI
+    assert s.batch_size_at(2_869_999_999_999) == 8 * MI
+    assert s.batch_size_at(2_870_000_000_000) == 16 * MI == 2048 * 8192
+    assert s.batch_size_at(15_600_000_000_000) == 16 * MI
+    in_seqs = sch.llama3_schedule(tokens_per_unit=8192)
+    assert [in_seqs.batch_size_at(e) for e in (0, 30_762, 350_341_797)] == [512, 1024, 2048]
+
+
+def test_llama3_trace_steps_and_switch_points():
+    # Walk the first 0.3T tokens: the switch happens on the first step starting at >= 252M.
+    starts, sizes = sch.batch_size_trace(sch.llama3_schedule(), 300_000_000)
+    first_8m = int(np.argmax(sizes == 8 * MI))
+    assert starts[first_8m] >= 252_000_000 > starts[first_8m - 1]
+    assert first_8m == math.ceil(252_000_000 / (4 * MI))  # 61 steps at 4M tokens
+    assert set(sizes.tolist()) == {4 * MI, 8 * MI}
+
+
+def test_deepseek_v3_full_scale_sequences():
+    s = sch.deepseek_v3_schedule()
+    over = 469e9 / 4096  # sequences
+    assert s.batch_size_at(0) == 3072
+    assert s.batch_size_at(over / 2) == (3072 + 15360) // 2 == 9216
+    assert s.batch_size_at(over / 4) == 6144
+    assert s.batch_size_at(over) == 15360
+    assert s.batch_size_at(14.8e12 / 4096) == 15360
+    sizes = [s.batch_size_at(e) for e in np.linspace(0, 1.2 * over, 101)]
+    assert all(b <= c for b, c in zip(sizes, sizes[1:], strict=False))
+
+
+def test_deepseek_v3_full_scale_tokens_and_multiple():
+    s = sch.deepseek_v3_schedule(unit="tokens")
+    assert s.batch_size_at(0) == 3072 * 4096
+    assert s.batch_size_at(234.5e9) == 9216 * 4096
+    assert s.batch_size_at(469e9) == 15360 * 4096
+    coarse = sch.deepseek_v3_schedule(multiple=256)
+    for e in np.linspace(0, 469e9 / 4096, 37):
+        assert coarse.batch_size_at(e) % 256 == 0
+
+
+def test_linear_rounds_to_multiple():
+    s = sch.Linear(start=16, end=128, over=1000, multiple=16)
+    # raw sizes 16 + 112·f; nearest multiple of 16.
+    assert [s.batch_size_at(e) for e in (0, 70, 72, 500, 1000, 5000)] == [16, 16, 32, 80, 128, 128]
+    with pytest.raises(ValueError, match="multiple"):
+        sch.Linear(start=10, end=128, over=1000, multiple=16)
+
+
+def test_scaled_shapes():
+    small = sch.llama3_schedule().scaled(examples=1e-6, batch=1 / MI)
+    assert small.steps == ((0, 4), (252, 8), (2_870_000, 16))
+    ds = sch.deepseek_v3_schedule().scaled(examples=1e-5, batch=1 / 96, multiple=8)
+    assert (ds.start, ds.end, ds.multiple) == (32, 160, 8)
+
+
+def test_from_config_dispatch_and_errors():
+    cfg = ml_collections.ConfigDict({"kind": "step", "steps": [(0, 8), (64, 16)]})
+    assert sch.batch_schedule_from_config(cfg).batch_size_at(64) == 16
+    lin = sch.batch_schedule_from_config({"kind": "linear", "start": 8, "end": 32, "over": 10})
+    assert lin == sch.Linear(8, 32, 10.0, 1)
+    ad = sch.batch_schedule_from_config({"kind": "adaptive", "min_batch": 8, "max_batch": 256})
+    assert ad.init().batch_size == 8
+    with pytest.raises(ValueError, match="'batch_size'"):
+        sch.batch_schedule_from_config({"kind": "constant"})
+    with pytest.raises(ValueError, match="kind"):
+        sch.batch_schedule_from_config({"kind": "cubic"})
+    with pytest.raises(ValueError, match="unknown adaptive fields"):
+        sch.batch_schedule_from_config({"kind": "adaptive", "min_batch": 8, "max_batch": 9,
+                                        "patiance": 3})
+
+
+def test_static_schedules_accept_state_protocol():
+    s = sch.Constant(32)
+    state = s.update(s.init(), 123.0, 10)
+    assert state is None and s.batch_size_at(10, state) == 32
+
+
+# ---------------------------------------------------------------- adaptive
+
+def _run(schedule, signal, every=64):
+    state, sizes = schedule.init(), []
+    for t, x in enumerate(signal):
+        state = schedule.update(state, x, t * every)
+        sizes.append(state.batch_size)
+    return state, np.asarray(sizes)
+
+
+def _naive(signal, rungs):
+    return np.asarray([min(rungs, key=lambda r: abs(math.log(r / x))) for x in signal])
+
+
+def test_adaptive_dead_zone_never_moves():
+    # Alternates across the midpoint 90.5 of rungs 64 and 128 on every update: nearest-rung
+    # rounding flips every time; inside the band B·[1/band, band] nothing may move.
+    s = sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=1)
+    signal = [80.0, 100.0] * 200 + [64 * 1.68, 64 / 1.68] * 50
+    assert np.count_nonzero(np.diff(_naive(signal, s.rungs))) >= 0.99 * len(signal)
+    state, sizes = _run(s, signal)
+    assert state.num_changes == 0 and set(sizes.tolist()) == {64}
+
+
+def test_adaptive_hysteresis_prevents_oscillation_on_noisy_signal():
+    # Worst case: the true noise scale sits at the geometric midpoint between rungs 64 and
+    # 128, seen through i.i.d. log-normal noise of 10 %.
+    rng = np.random.default_rng(0)
+    signal = math.sqrt(64 * 128) * np.exp(0.1 * rng.standard_normal(4000))
+    assert np.count_nonzero(np.diff(_naive(signal, (16, 32, 64, 128, 256)))) > 1000
+    s = sch.Adaptive(min_batch=16, max_batch=256, initial=64)  # defaults: band 1.68, patience 3
+    state, sizes = _run(s, signal)
+    assert state.num_changes <= 2 and set(sizes.tolist()) <= {64, 128}
+    # With 25 % noise and more patience it still does not flip-flop.
+    signal = math.sqrt(64 * 128) * np.exp(0.25 * rng.standard_normal(4000))
+    state, sizes = _run(sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=8),
+                        signal)
+    assert state.num_changes <= 2
+    # Every change is preceded by at least `patience` updates at the old size.
+    state, sizes = _run(sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=3),
+                        signal)
+    dwell = np.diff(np.flatnonzero(np.diff(sizes)))
+    assert state.num_changes > 2 and dwell.min() >= 3
+
+
+def test_adaptive_follows_a_growing_signal_on_allowed_rungs_within_limits():
+    s = sch.Adaptive(min_batch=8, max_batch=512, factor=2, k=2.0, patience=3, multiple=8)
+    rng = np.random.default_rng(1)
+    signal = np.geomspace(1.0, 2000.0, 600) * np.exp(0.2 * rng.standard_normal(600))
+    state, sizes = _run(s, signal)
+    assert sizes[0] == 8 and sizes[-1] == 512
+    assert set(sizes.tolist()) <= set(s.rungs) == {8, 16, 32, 64, 128, 256, 512}
+    ratios = sizes[1:][np.diff(sizes) != 0] / sizes[:-1][np.diff(sizes) != 0]
+    assert np.all(np.isin(ratios, [2.0, 4.0, 8.0, 0.5, 0.25]))  # powers of 2 only
+    assert np.all(np.diff(sizes) >= 0)  # never moved down on an upward trend
+    # Way above max / below min: clipped, never outside [min, max].
+    state, sizes = _run(s, [1e9] * 10 + [1e-9] * 30)
+    assert sizes.max() == 512 and sizes[-1] == 8 and sizes.min() == 8
+
+
+def test_adaptive_patience_and_trusted_target():
+    s = sch.Adaptive(min_batch=16, max_batch=1024, initial=16, patience=3)
+    state = s.init()
+    for i, x in enumerate([1000.0, 1000.0]):
+        state = s.update(state, x, i)
+        assert state.batch_size == 16 and state.streak == i + 1
+    state = s.update(state, 70.0, 2)  # third vote, but the weakest: move to nearest of 70
+    assert state.batch_size == 64 and state.num_changes == 1 and state.streak == 0
+    assert state.last_change_at == 2.0
+    # An interrupted streak restarts.
+    state = s.update(state, 500.0, 3)
+    state = s.update(state, 80.0, 4)  # inside the band of 64: streak resets
+    state = s.update(state, 500.0, 5)
+    state = s.update(state, 500.0, 6)
+    assert state.batch_size == 64 and state.streak == 2
+
+
+def test_adaptive_ignores_nan_and_state_is_json():
+    s = sch.Adaptive(min_batch=8, max_batch=64, patience=2)
+    state = s.update(s.init(), float("nan"), 0)
+    assert state.batch_size == 8 and state.num_updates == 1 and state.streak == 0
+    state = s.update(state, 40.0, 8)
+    blob = json.dumps(state.to_dict())
+    restored = sch.AdaptiveState.from_dict(json.loads(blob))
+    assert restored == state
+    assert s.update(restored, 40.0, 16) == s.update(state, 40.0, 16)
+    assert s.update(restored, 40.0, 16).batch_size == 32
+
+
+def test_adaptive_rejects_band_that_allows_oscillation():
+    with pytest.raises(ValueError, match="sqrt"):
+        sch.Adaptive(min_batch=8, max_batch=64, factor=2, band=1.4)
+    with pytest.raises(ValueError, match="ladder"):
+        sch.Adaptive(min_batch=8, max_batch=64, initial=24)
+
+
+# ---------------------------------------------------------------- LR coupling
+
+def test_coupled_lr_rules_and_cap():
+    assert sch.coupled_lr(0.1, 256, 64, "none") == pytest.approx(0.1)
+    assert sch.coupled_lr(0.1, 256, 64, "linear") == pytest.approx(0.4)
+    assert sch.coupled_lr(0.1, 256, 64, "sqrt") == pytest.approx(0.2)
+    assert sch.coupled_lr(0.1, 1024, 64, "linear", cap=0.5) == pytest.approx(0.5)
+    assert sch.coupled_lr(0.1, 16, 64, "sqrt") == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="rule"):
+        sch.coupled_lr(0.1, 16, 64, "cubic")
+
+
+def test_coupling_applied_exactly_once_per_change():
+    sizes = [64] * 3 + [128] * 4 + [256] * 3 + [128] * 2 + [64] * 2
+    lrs = sch.coupled_lr_history(1e-3, sizes, 64, "sqrt")
+    expected = 1e-3 * np.sqrt(np.asarray(sizes) / 64)
+    np.testing.assert_allclose(lrs, expected, rtol=1e-15)
+    # The multiplier changes exactly at the batch changes, by the ratio of the change.
+    changes = np.flatnonzero(np.diff(sizes)) + 1
+    assert np.array_equal(np.flatnonzero(np.diff(lrs)) + 1, changes)
+    np.testing.assert_allclose(lrs[changes] / lrs[changes - 1],
+                               np.sqrt(np.asarray(sizes)[changes] / np.asarray(sizes)[changes - 1]))
+    # Holding a batch size holds the LR (a compounding rule would give 2, 4, 8 x).
+    linear = sch.coupled_lr_history(1.0, [64, 128, 128, 128], 64, "linear")
+    np.testing.assert_array_equal(linear, [1.0, 2.0, 2.0, 2.0])
+    assert lrs[-1] == 1e-3  # a round trip returns to the base LR exactly
+
+
+def test_coupled_lr_inside_jit_with_schedule():
+    lr_fn = sch.lr_schedule(1e-2, warmup_examples=100, total_examples=1000, decay="linear")
+
+    @jax.jit
+    def lr_at(e):
+        return sch.coupled_lr(lr_fn(e), 256, 64, "linear", cap=3e-2)
+
+    np.testing.assert_allclose(float(lr_at(50.0)), 2e-2, rtol=1e-6)
+    np.testing.assert_allclose(float(lr_at(100.0)), 3e-2, rtol=1e-6)  # 4e-2 capped
+    np.testing.assert_allclose(float(lr_at(550.0)), 2e-2, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- LR schedules
+
+@pytest.mark.usefixtures("x64")
+def test_lr_schedule_key_points():
+    base, w, total = 0.1, 1000.0, 11000.0
+    cos = sch.lr_schedule(base, warmup_examples=w, total_examples=total, decay="cosine",
+                          final_fraction=0.1)
+    lin = sch.lr_schedule(base, warmup_examples=w, total_examples=total, decay="linear")
+    const = sch.lr_schedule(base, warmup_examples=w)
+    for f in (cos, lin, const):
+        assert float(f(0.0)) == 0.0
+        np.testing.assert_allclose(float(f(500.0)), 0.05, rtol=1e-12)
+        np.testing.assert_allclose(float(f(w)), base, rtol=1e-12)
+    np.testing.assert_allclose(float(cos(6000.0)), base * (0.1 + 0.9 * 0.5), rtol=1e-12)
+    np.testing.assert_allclose(float(cos(3500.0)),
+                               base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))), rtol=1e-12)
+    np.testing.assert_allclose(float(cos(total)), 0.01, rtol=1e-12)
+    np.testing.assert_allclose(float(cos(5 * total)), 0.01, rtol=1e-12)
+    np.testing.assert_allclose(float(lin(6000.0)), 0.05, rtol=1e-12)
+    assert float(lin(total)) == 0.0
+    np.testing.assert_allclose(float(const(1e9)), base, rtol=1e-12)
+    # Vectorised over an array of examples, and the same under jit.
+    es = jnp.linspace(0.0, total, 23)
+    np.testing.assert_allclose(jax.jit(cos)(es), [float(cos(e)) for e in es], rtol=1e-12)
+
+
+def test_lr_schedule_is_in_examples_not_steps():
+    # Two batch histories that reach the same examples give the same LR there.
+    f = sch.lr_schedule(1.0, warmup_examples=256, total_examples=4096, decay="cosine")
+    e_small = np.cumsum([32] * 64)  # 64 steps of 32
+    e_ramp = np.cumsum([32] * 16 + [64] * 8 + [128] * 8)  # 32 steps, ramped
+    assert e_small[-1] == e_ramp[-1] == 2048
+    assert float(f(e_small[-1])) == float(f(e_ramp[-1]))
+
+
+def test_lr_schedule_from_config_and_validation():
+    cfg = ml_collections.ConfigDict({"base_lr": 0.5, "warmup_examples": 10,
+                                     "total_examples": 110, "decay": "linear"})
+    f = sch.lr_schedule_from_config(cfg)
+    np.testing.assert_allclose(float(f(60.0)), 0.25, rtol=1e-6)
+    with pytest.raises(ValueError, match="total_examples"):
+        sch.lr_schedule(0.1, decay="cosine")
+    with pytest.raises(ValueError, match="base_lr"):
+        sch.lr_schedule_from_config({"decay": "constant"})
