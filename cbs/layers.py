@@ -1,77 +1,110 @@
 """Standard layers (Flax NNX) whose per-example gradient norms cbs can compute cheaply.
 
-These are drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed` and `nnx.LayerNorm`
-with the same parameter names (`kernel`, `bias`, `embedding`, `scale`). Models built from
-them get the fast ("ghost norm") path of `cbs.noise.exact`; any other layer still works and
-falls back to `vmap` for its own parameters.
+These are drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed`, `nnx.LayerNorm` and
+`nnx.GroupNorm` with the same parameter names (`kernel`, `bias`, `embedding`, `scale`).
+Each layer sends its parameters through `cbs.ghost.tap`, which outside a ghost-norm pass
+just calls the plain function below (same ops, no overhead) and inside one lets
+`cbs.ghost.per_example_grads_info` read the exact per-example gradient norms of these
+parameters from the single backward pass. Any other layer still works; its parameters fall
+back to `vmap`.
 
-Letters: B batch, T positions (sequence or spatial), D input features, O output features.
+Letters: B batch, T positions (sequence or spatial), D input features, O output features,
+V vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cbs import ghost
+
 default_kernel_init = nnx.initializers.lecun_normal()
+default_embedding_init = nnx.initializers.normal(stddev=0.02)
+
+
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
+
+
+def linear(x_BxTxD: jax.Array, kernel_DxO: jax.Array, bias_O: jax.Array | None) -> jax.Array:
+    """y = x @ kernel + bias over the last axis."""
+    y = x_BxTxD @ kernel_DxO
+    return y if bias_O is None else y + bias_O
+
+
+def conv2d(x_BxHxWxD: jax.Array, kernel: jax.Array, bias_O: jax.Array | None, *,
+           strides: tuple[int, int], padding) -> jax.Array:
+    """NHWC convolution with an HWIO kernel, plus bias."""
+    y = jax.lax.conv_general_dilated(x_BxHxWxD, kernel, strides, padding,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y if bias_O is None else y + bias_O
+
+
+def embed(ids_BxT: jax.Array, embedding_VxO: jax.Array) -> jax.Array:
+    """Rows of the table."""
+    return jnp.take(embedding_VxO, ids_BxT, axis=0)
+
+
+def scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None
+                ) -> jax.Array:
+    """xhat * scale + bias, broadcast over the trailing axes."""
+    y = xhat if scale_O is None else xhat * scale_O
+    return y if bias_O is None else y + bias_O
 
 
 class Linear(nnx.Module):
     """y = x @ kernel + bias over the last axis. kernel: [D, O], bias: [O]."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                              kernel_init=default_kernel_init, rngs: nnx.Rngs):
+                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features)))
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        y = x_BxTxD @ self.kernel[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        return ghost.tap(ghost.DENSE, linear, x_BxTxD,
+                         (self.kernel[...], _value(self.bias)))
 
 
 class Conv(nnx.Module):
     """2-D convolution, NHWC. kernel: [kh, kw, D, O], bias: [O]."""
 
     def __init__(self, in_features: int, out_features: int, kernel_size: Sequence[int], *,
-                              strides: Sequence[int] | int = 1, padding: str = "SAME", use_bias: bool = True,
-                              kernel_init=default_kernel_init, rngs: nnx.Rngs):
+                 strides: Sequence[int] | int = 1, padding: str = "SAME", use_bias: bool = True,
+                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
         kh, kw = kernel_size
         self.strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
-        self.padding = padding
+        self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
         self.kernel = nnx.Param(kernel_init(rngs.params(), (kh, kw, in_features, out_features)))
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxHxWxD: jax.Array) -> jax.Array:
-        y = jax.lax.conv_general_dilated(
-                x_BxHxWxD, self.kernel[...], self.strides, self.padding,
-                dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        fn = functools.partial(conv2d, strides=self.strides, padding=self.padding)
+        return ghost.tap(ghost.CONV, fn, x_BxHxWxD, (self.kernel[...], _value(self.bias)),
+                         (self.strides, self.padding))
 
 
 class Embed(nnx.Module):
     """Table lookup. embedding: [V, O]."""
 
     def __init__(self, num_embeddings: int, features: int, *,
-                              embedding_init=nnx.initializers.normal(stddev=0.02), rngs: nnx.Rngs):
+                 embedding_init=default_embedding_init, rngs: nnx.Rngs):
         self.embedding = nnx.Param(embedding_init(rngs.params(), (num_embeddings, features)))
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids_BxT, axis=0)
+        return ghost.tap(ghost.EMBED, embed, ids_BxT, (self.embedding[...],))
 
 
 class LayerNorm(nnx.Module):
     """Normalise over the last axis, then scale and shift. scale, bias: [O]."""
 
     def __init__(self, features: int, *, use_scale: bool = True, use_bias: bool = True,
-                              epsilon: float = 1e-6, rngs: nnx.Rngs | None = None):
+                 epsilon: float = 1e-6, rngs: nnx.Rngs | None = None):
         del rngs
         self.epsilon = epsilon
         self.scale = nnx.Param(jnp.ones((features,))) if use_scale else None
@@ -80,9 +113,40 @@ class LayerNorm(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         mean = jnp.mean(x_BxTxD, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxD - mean), axis=-1, keepdims=True)
-        y = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
-        if self.scale is not None:
-            y = y * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        xhat = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
+        if self.scale is None and self.bias is None:
+            return xhat
+        return ghost.tap(ghost.SCALE_SHIFT, scale_shift, xhat,
+                         (_value(self.scale), _value(self.bias)))
+
+
+class GroupNorm(nnx.Module):
+    """Normalise each example over all non-batch axes within channel groups (channels last),
+    then scale and shift per channel. scale, bias: [O]. Matches `nnx.GroupNorm`'s defaults.
+    """
+
+    def __init__(self, num_features: int, num_groups: int | None = 32,
+                 group_size: int | None = None, *, epsilon: float = 1e-6,
+                 use_scale: bool = True, use_bias: bool = True, rngs: nnx.Rngs | None = None):
+        del rngs
+        if (num_groups is None) == (group_size is None):
+            raise ValueError("give exactly one of num_groups and group_size")
+        num_groups = num_groups if num_groups is not None else num_features // group_size
+        if num_groups < 1 or num_features % num_groups:
+            raise ValueError(f"num_features={num_features} is not divisible into "
+                             f"{num_groups} groups")
+        self.num_groups, self.epsilon = num_groups, epsilon
+        self.scale = nnx.Param(jnp.ones((num_features,))) if use_scale else None
+        self.bias = nnx.Param(jnp.zeros((num_features,))) if use_bias else None
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        b, *middle, d = x_BxTxD.shape
+        x_BxTxGxK = x_BxTxD.reshape(b, -1, self.num_groups, d // self.num_groups)
+        axes = (1, 3)
+        mean = jnp.mean(x_BxTxGxK, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=axes, keepdims=True)
+        xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
+        if self.scale is None and self.bias is None:
+            return xhat
+        return ghost.tap(ghost.SCALE_SHIFT, scale_shift, xhat,
+                         (_value(self.scale), _value(self.bias)))

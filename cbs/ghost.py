@@ -1,0 +1,461 @@
+"""Exact per-example gradient norms in one forward and one backward pass ("ghost norms").
+
+For a loss `L = (1/B) Σ_i ℓ_i` (the mean loss of the DESIGN contract) the per-example gradient
+of a dense layer's kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the layer input at
+position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass already has.
+Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
+
+    |∂ℓ_i/∂W|² = B² |x_i|² |g_i|²                            (no position axis, T = 1)
+               = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
+               = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
+    |∂ℓ_i/∂b|² = B² |Σ_t g_it|²
+
+whichever of the two T > 1 forms is cheaper. A convolution is the dense rule on the input
+patches (`conv_general_dilated_patches`; the norm does not depend on the patch feature order,
+so the native convolution keeps the forward pass and the ordinary gradients). An embedding row
+gathers `Σ_{t: id_t = v} g_t`, so `|∂ℓ_i/∂E|² = B² Σ_{t,s} [id_t = id_s] g_t·g_s` (or one-hot
+when the vocabulary V is smaller than T). Norm scales and shifts act per channel: their
+[B, O] per-example gradients are small and are formed directly.
+
+Mechanism: a trace-time tap. Each `cbs.layers` layer routes its parameters through `tap`,
+which outside a tap context just calls the layer's plain function. Inside one it calls a
+`jax.custom_vjp` primitive with one extra input, a zero array `tap` [B, n] whose cotangent
+the backward rule sets to the n per-example squared norms of that call's parameters; so
+`jax.grad` w.r.t. (params, taps) returns ḡ and all norms from ONE backward pass, and under
+`jit` the only extra work is the small per-layer reductions above. A first, shape-only trace
+(`jax.make_jaxpr`, never run) records which params leaf (by identity of the traced leaf) each
+call uses and counts every use of every leaf in the jaxpr. A leaf is covered when exactly one
+call uses it, nothing else does, and that call's input has the batch as its leading axis.
+Other leaves (raw `nnx.Param`s, foreign layers, tied weights, leaves transformed before use,
+layers under `scan`/`remat`) fall back to `vmap(grad)` restricted to them.
+
+Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
+fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for means over B
+and, with equal lengths, over B×T). Layers that couple examples (BatchNorm in training mode)
+make per-example gradients ill-defined; neither path detects them.
+
+Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
+features, V vocabulary, n parameter leaves of one layer call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+DENSE, CONV, EMBED, SCALE_SHIFT = "dense", "conv", "embed", "scale_shift"
+_RULES = (DENSE, CONV, EMBED, SCALE_SHIFT)
+_METHODS = ("auto", "fast", "vmap")
+
+
+# ----------------------------------------------------------------------------- taps
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One tapped layer call as seen by the recording trace."""
+
+    rule: str
+    leaves: tuple[int | None, ...]  # params leaf index per layer parameter; -1 unknown
+    batch_ok: bool
+    dtype: jnp.dtype  # dtype of the norms (and of the tap)
+
+
+@dataclasses.dataclass(eq=False)
+class _Context:
+    batch_size: int
+    leaf_index: dict[int, int]
+    active: list[tuple[bool, ...]] | None  # apply mode: per call, which norms to compute
+    taps: Sequence[jax.Array] | None
+    calls: list[_Call] = dataclasses.field(default_factory=list)
+
+
+_CONTEXT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar("cbs_ghost_tap",
+                                                                          default=None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Spec:
+    rule: str
+    fn: Callable[..., jax.Array]
+    active: tuple[bool, ...]
+    options: tuple
+
+
+def tap(rule: str, fn: Callable[..., jax.Array], x: jax.Array,
+        params: tuple[jax.Array | None, ...], options: tuple = ()) -> jax.Array:
+    """Returns `fn(x, *params)`, tapping the per-example norms of `params` inside a context.
+
+    rule: one of "dense" (params kernel [D, O], bias [O]), "conv" (kernel [kh, kw, D, O], bias;
+    options (strides, padding)), "embed" (x int ids, params (table [V, O],)), "scale_shift"
+    (params scale, bias broadcast over trailing axes of x). None params are absent.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return fn(x, *params)
+    if rule not in _RULES:
+        raise ValueError(f"unknown tap rule {rule!r}; known: {_RULES}")
+    i = len(ctx.calls)
+    leaves = tuple(None if p is None else ctx.leaf_index.get(id(p), -1) for p in params)
+    min_ndim = 1 if rule == EMBED else 2
+    batch_ok = jnp.ndim(x) >= min_ndim and jnp.shape(x)[0] == ctx.batch_size
+    ctx.calls.append(_Call(rule, leaves, bool(batch_ok), _acc_dtype(params)))
+    if ctx.active is None:  # recording: tap every parameter the call has
+        active = tuple(p is not None for p in params)
+        if not batch_ok:
+            return fn(x, *params)
+        tap_Bxn = jnp.zeros((ctx.batch_size, sum(active)), ctx.calls[-1].dtype)
+    else:
+        if i >= len(ctx.active):
+            raise RuntimeError("loss_fn made more layer calls than when it was first traced")
+        active = ctx.active[i]
+        if not any(active):
+            return fn(x, *params)
+        tap_Bxn = ctx.taps[i]
+    return _tapped(_Spec(rule, fn, active, options), x, params, tap_Bxn)
+
+
+def _acc_dtype(params) -> jnp.dtype:
+    dtypes = [p.dtype for p in params if p is not None]
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tapped(spec: _Spec, x, params, tap_Bxn):
+    del tap_Bxn
+    return spec.fn(x, *params)
+
+
+def _tapped_fwd(spec, x, params, tap_Bxn):
+    del tap_Bxn
+    return spec.fn(x, *params), (x, params)
+
+
+def _tapped_bwd(spec, res, gy):
+    x, params = res
+    dtype = _acc_dtype(params)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        _, vjp = jax.vjp(spec.fn, x, *params)
+        dx, *dparams = vjp(gy)
+    else:
+        _, vjp = jax.vjp(lambda *p: spec.fn(x, *p), *params)
+        dparams = vjp(gy)
+        dx = np.zeros(x.shape, jax.dtypes.float0)
+    x_acc = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+    norms = _RULE_FNS[spec.rule](spec, x_acc, gy.astype(dtype), params)
+    norms_Bxn = jnp.stack([n for n, a in zip(norms, spec.active, strict=True) if a], axis=1)
+    return dx, tuple(dparams), norms_Bxn.astype(dtype)
+
+
+_tapped.defvjp(_tapped_fwd, _tapped_bwd)
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _use_gram(t: int, d: int, o: int) -> bool:
+    """Gram form costs T²(D+O) per example, the direct form T·D·O."""
+    return t * (d + o) < d * o
+
+
+def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
+    _, t, d = x_BxTxD.shape
+    o = g_BxTxO.shape[-1]
+    if t == 1:
+        return jnp.sum(jnp.square(x_BxTxD), (1, 2)) * jnp.sum(jnp.square(g_BxTxO), (1, 2))
+    if _use_gram(t, d, o):
+        xx_BxTxT = jnp.einsum("btd,bsd->bts", x_BxTxD, x_BxTxD)
+        gg_BxTxT = jnp.einsum("bto,bso->bts", g_BxTxO, g_BxTxO)
+        return jnp.sum(xx_BxTxT * gg_BxTxT, (1, 2))
+    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD, g_BxTxO)
+    return jnp.sum(jnp.square(grad_BxDxO), (1, 2))
+
+
+def _dense_rule(spec, x, g, params):
+    b = x.shape[0]
+    x_BxTxD = x.reshape(b, -1, x.shape[-1])
+    g_BxTxO = g.reshape(b, -1, g.shape[-1])
+    kernel_active, bias_active = (tuple(spec.active) + (False,))[:2]
+    return (_kernel_sq_norm(x_BxTxD, g_BxTxO) if kernel_active else None,
+            jnp.sum(jnp.square(g_BxTxO.sum(1)), 1) if bias_active else None)
+
+
+def _conv_rule(spec, x, g, params):
+    strides, padding = spec.options
+    kh, kw = params[0].shape[:2]
+    patches = jax.lax.conv_general_dilated_patches(
+        x, (kh, kw), strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=jax.lax.Precision.HIGHEST)
+    return _dense_rule(spec, patches, g, params)
+
+
+def _embed_rule(spec, ids, g, params):
+    b, v = ids.shape[0], params[0].shape[0]
+    ids_BxT = ids.reshape(b, -1)
+    g_BxTxO = g.reshape(b, ids_BxT.shape[1], -1)
+    if ids_BxT.shape[1] == 1:
+        return (jnp.sum(jnp.square(g_BxTxO), (1, 2)),)
+    if v < ids_BxT.shape[1]:
+        onehot_BxTxV = jax.nn.one_hot(ids_BxT, v, dtype=g.dtype)
+        grad_BxVxO = jnp.einsum("btv,bto->bvo", onehot_BxTxV, g_BxTxO)
+        return (jnp.sum(jnp.square(grad_BxVxO), (1, 2)),)
+    same_BxTxT = ids_BxT[:, :, None] == ids_BxT[:, None, :]
+    gg_BxTxT = jnp.einsum("bto,bso->bts", g_BxTxO, g_BxTxO)
+    return (jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2)),)
+
+
+def _scale_shift_rule(spec, xhat, g, params):
+    out = []
+    for p, active, with_x in zip(params, spec.active, (True, False), strict=True):
+        if p is None or not active:
+            out.append(None)
+            continue
+        per_ex = xhat * g if with_x else g
+        lead = per_ex.ndim - p.ndim  # sum the axes the parameter broadcasts over
+        grad_BxO = jnp.sum(per_ex, tuple(range(1, lead))) if lead > 1 else per_ex
+        out.append(jnp.sum(jnp.square(grad_BxO), tuple(range(1, grad_BxO.ndim))))
+    return tuple(out)
+
+
+_RULE_FNS = {DENSE: _dense_rule, CONV: _conv_rule, EMBED: _embed_rule,
+             SCALE_SHIFT: _scale_shift_rule}
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    call_leaves: list[tuple[int | None, ...]]
+    active: list[tuple[bool, ...]]  # per call: which parameters get a norm column
+    dtypes: list[jnp.dtype]  # per call: tap dtype
+    columns: dict[int, tuple[int, int]]  # covered leaf -> (call, column)
+    unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
+    uncovered: dict[int, str]  # leaf -> why it needs vmap
+
+
+def _batch_size(batch: PyTree) -> int:
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(batch)}
+    if not sizes:
+        raise ValueError("batch has no arrays")
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"batch leaves must share a leading batch axis; got sizes {sizes}")
+    return sizes.pop()
+
+
+def _leaf_paths(params: PyTree) -> list[str]:
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return [p.removesuffix("/value") for p in paths]
+
+
+@contextlib.contextmanager
+def _active(ctx: _Context):
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -> _Plan:
+    """Traces (never runs) the loss once to map layer calls to params leaves."""
+    leaves, treedef = jax.tree.flatten(params)
+    ctx = _Context(batch_size, {}, None, None)
+
+    def record(leaves):
+        ctx.calls.clear()
+        ctx.leaf_index = {id(leaf): i for i, leaf in enumerate(leaves)}
+        with _active(ctx):
+            return loss_fn(jax.tree.unflatten(treedef, leaves), batch)
+
+    jaxpr = jax.make_jaxpr(record)(leaves).jaxpr
+    position = {id(v): i for i, v in enumerate(jaxpr.invars)}
+    uses = [0] * len(leaves)
+    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
+        if id(v) in position:
+            uses[position[id(v)]] += 1
+    refs: list[list[int]] = [[] for _ in leaves]
+    for c, call in enumerate(ctx.calls):
+        for leaf in call.leaves:
+            if leaf is not None and leaf >= 0:
+                refs[leaf].append(c)
+    unused, uncovered, covered = [], {}, set()
+    for leaf, (n_uses, calls) in enumerate(zip(uses, refs, strict=True)):
+        if not calls:
+            if n_uses == 0:
+                unused.append(leaf)
+            else:
+                uncovered[leaf] = "not used through a cbs.layers layer (or transformed first)"
+        elif len(calls) > 1:
+            uncovered[leaf] = f"shared by {len(calls)} layer calls"
+        elif not ctx.calls[calls[0]].batch_ok:
+            uncovered[leaf] = "its layer input does not have the batch as leading axis"
+        elif n_uses > 1:
+            uncovered[leaf] = "also used outside its layer"
+        else:
+            covered.add(leaf)
+    active, dtypes, columns = [], [], {}
+    for c, call in enumerate(ctx.calls):
+        mask = tuple(leaf in covered for leaf in call.leaves)
+        active.append(mask)
+        dtypes.append(call.dtype)
+        for col, leaf in enumerate(l for l, m in zip(call.leaves, mask, strict=True) if m):
+            columns[leaf] = (c, col)
+    return _Plan([c.leaves for c in ctx.calls], active, dtypes, columns, tuple(unused),
+                 uncovered)
+
+
+def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
+    """Params leaf paths the fast path cannot cover, with the reason (traces, never runs)."""
+    plan = _discover(loss_fn, params, batch, _batch_size(batch))
+    paths = _leaf_paths(params)
+    return {paths[leaf]: why for leaf, why in plan.uncovered.items()}
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+def _fast_pass(loss_fn: LossFn, params: PyTree, batch: PyTree, plan: _Plan, batch_size: int):
+    """One forward + one backward: mean loss, ḡ and the tapped norms (scaled to ℓ_i)."""
+    taps = [jnp.zeros((batch_size, sum(mask)), dtype)
+            for mask, dtype in zip(plan.active, plan.dtypes, strict=True)]
+
+    def loss_with_taps(params, taps):
+        index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
+        with _active(_Context(batch_size, index, plan.active, taps)) as ctx:
+            loss = loss_fn(params, batch)
+        if [c.leaves for c in ctx.calls] != plan.call_leaves:
+            raise RuntimeError("loss_fn made different layer calls than when first traced")
+        return loss
+
+    loss, (grad, tap_grads) = jax.value_and_grad(loss_with_taps, argnums=(0, 1))(params, taps)
+    scale = float(batch_size) ** 2  # cotangents of the MEAN loss carry a 1/B
+    norms = {leaf: tap_grads[c][:, col] * scale for leaf, (c, col) in plan.columns.items()}
+    return loss, grad, norms
+
+
+def _sq_norm(g: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+
+
+def _one_example_batch(example: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: a[None], example)
+
+
+def _map_examples(fn: Callable, batch: PyTree, batch_size: int, chunk_size: int | None):
+    """fn(example) -> (summed, per_example); vmapped in chunks of chunk_size examples.
+
+    Returns (Σ_i summed_i, per_example stacked on a leading [B] axis). Memory is
+    O(chunk_size × size of fn's intermediates).
+    """
+    def run(examples):
+        summed, per_example = jax.vmap(fn)(examples)
+        return jax.tree.map(lambda a: a.sum(0), summed), per_example
+
+    if chunk_size is None or chunk_size >= batch_size:
+        return run(batch)
+    n, rest = divmod(batch_size, chunk_size)
+    head = jax.tree.map(lambda a: a[:n * chunk_size].reshape(n, chunk_size, *a.shape[1:]),
+                        batch)
+
+    def body(total, chunk):
+        summed, per_example = run(chunk)
+        return jax.tree.map(jnp.add, total, summed), per_example
+
+    shapes = jax.eval_shape(run, jax.tree.map(lambda a: a[0], head))[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, per_example = jax.lax.scan(body, zeros, head)
+    per_example = jax.tree.map(lambda a: a.reshape(n * chunk_size, *a.shape[2:]), per_example)
+    if rest:
+        summed, tail = run(jax.tree.map(lambda a: a[n * chunk_size:], batch))
+        total = jax.tree.map(jnp.add, total, summed)
+        per_example = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), per_example, tail)
+    return total, per_example
+
+
+def _vmap_info(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int,
+               chunk_size: int | None):
+    """The reference: per-example gradients by vmap(grad), chunked."""
+    def one(example):
+        loss, g = jax.value_and_grad(loss_fn)(params, _one_example_batch(example))
+        return (loss, g), jax.tree.map(_sq_norm, g)
+
+    (loss_sum, grad_sum), sq_norms = _map_examples(one, batch, batch_size, chunk_size)
+    return loss_sum / batch_size, jax.tree.map(lambda g: g / batch_size, grad_sum), sq_norms
+
+
+def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequence[int],
+                   batch_size: int, chunk_size: int | None) -> list[jax.Array]:
+    """|∂ℓ_i/∂leaf|² by vmap(grad) w.r.t. the leaves `which` only."""
+    leaves, treedef = jax.tree.flatten(params)
+
+    def one(example):
+        def loss_of(sub):
+            full = list(leaves)
+            for i, s in zip(which, sub, strict=True):
+                full[i] = s
+            return loss_fn(jax.tree.unflatten(treedef, full), _one_example_batch(example))
+
+        return (), [_sq_norm(g) for g in jax.grad(loss_of)([leaves[i] for i in which])]
+
+    return _map_examples(one, batch, batch_size, chunk_size)[1]
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
+                           method: str = "auto", chunk_size: int | None = None
+                           ) -> tuple[jax.Array, PyTree, PyTree]:
+    """Mean loss, mean gradient ḡ and per-example squared gradient norms per params leaf.
+
+    Args:
+      loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the leading batch axis.
+      params: pytree of float arrays.
+      batch: pytree of arrays sharing a leading axis B.
+      method: "fast" taps cbs.layers layers (one forward + one backward) and raises
+        ValueError naming any leaf it cannot cover; "auto" does the same but computes
+        uncovered leaves by vmap(grad) restricted to them; "vmap" is the chunked reference.
+      chunk_size: examples per vmap chunk (None: all at once); bounds vmap memory.
+
+    Returns:
+      (loss, grad, sq_norms): scalar mean loss; grad like params; sq_norms like params with
+      [B] leaves |∂ℓ_i/∂leaf|² (dtype float32, or the leaf's dtype if wider), ℓ_i being
+      loss_fn on the one-example batch i. Jittable; the batch may be sharded.
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    batch_size = _batch_size(batch)
+    if method == "vmap":
+        return _vmap_info(loss_fn, params, batch, batch_size, chunk_size)
+    plan = _discover(loss_fn, params, batch, batch_size)
+    paths = _leaf_paths(params)
+    if method == "fast" and plan.uncovered:
+        lines = "; ".join(f"{paths[leaf]}: {why}" for leaf, why in plan.uncovered.items())
+        raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); build "
+                         "them from cbs.layers or use method='auto'")
+    loss, grad, norms = _fast_pass(loss_fn, params, batch, plan, batch_size)
+    leaves, treedef = jax.tree.flatten(params)
+    which = sorted(plan.uncovered)
+    if which:
+        fallback = _vmap_sq_norms(loss_fn, params, batch, which, batch_size, chunk_size)
+        norms.update(zip(which, fallback, strict=True))
+    out = []
+    for i, leaf in enumerate(leaves):
+        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+        out.append(norms[i].astype(dtype) if i in norms else jnp.zeros((batch_size,), dtype))
+    return loss, grad, jax.tree.unflatten(treedef, out)
