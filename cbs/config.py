@@ -1,0 +1,223 @@
+"""The training config: defaults with every field documented, and validation at start-up.
+
+`default_config()` is the full schema (units in the trailing comments); experiment configs in
+`experiments/configs/` start from it and change what they need. `validate(config,
+data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a ValueError)
+whose message starts with the dotted name of the offending field.
+
+Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from cbs import optim
+
+NOISE_METHODS = ("auto", "fast", "vmap", "probe")
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value; the message starts with the field's dotted name."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every field the engine reads, with its default."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds parameter init, the data order and the probe vectors
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "digits"  # dataset name in the cbs.data registry
+    c.data.options = ml_collections.ConfigDict()  # extra keyword arguments of get_dataset
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "mlp"  # "mlp" | "cnn" | "transformer"; other fields: cbs.models
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adam"  # "sgd" | "momentum" | "adam" | "adamw"
+    c.optim.learning_rate = 1e-3  # peak η_0 at batch.lr_coupling.base_batch_size
+    c.optim.momentum = 0.9  # heavy-ball coefficient ("momentum" only)
+    c.optim.nesterov = False  # Nesterov momentum ("momentum" only)
+    c.optim.b1 = 0.9  # Adam first-moment decay
+    c.optim.b2 = 0.999  # Adam second-moment decay
+    c.optim.eps = 1e-8  # Adam denominator epsilon
+    c.optim.weight_decay = 0.0  # L2 (sgd, momentum, adam) or decoupled (adamw) coefficient
+    c.optim.weight_decay_mask = "matrices"  # "matrices" (ndim ≥ 2 only) | "all"
+    c.optim.clip_norm = 0.0  # clip the mean gradient to this global norm; 0 = off
+    c.optim.warmup_examples = 0  # linear warmup length, in examples seen
+    c.optim.decay = "constant"  # after warmup: "constant" | "cosine" | "linear"
+    c.optim.total_examples = 0  # end of the decay, in examples; 0 = train.max_examples
+    c.optim.final_fraction = 0.0  # η at the end of the decay, as a fraction of η_0
+
+    c.batch = ml_collections.ConfigDict()
+    c.batch.micro_batch = 32  # m: examples per replica per micro-batch (fixed for a run)
+    c.batch.schedule = ml_collections.ConfigDict()  # cbs.schedules.batch_schedule_from_config
+    c.batch.schedule.kind = "constant"  # "constant" | "step" | "linear" | "adaptive"
+    c.batch.schedule.batch_size = 128  # B for "constant" (examples per update)
+    c.batch.adapt_every = 10  # adaptive schedule: steps between noise-scale observations
+    c.batch.lr_coupling = ml_collections.ConfigDict()
+    c.batch.lr_coupling.rule = "none"  # η·(B/B_0)^p: "none" p=0 | "linear" p=1 | "sqrt" p=1/2
+    c.batch.lr_coupling.base_batch_size = 0  # B_0; 0 = the initial batch size
+    c.batch.lr_coupling.cap = 0.0  # largest learning rate allowed; 0 = no cap
+
+    c.noise = ml_collections.ConfigDict()
+    c.noise.small_batch = 0  # b of the in-step two-batch estimate; divides m or equals R·m;
+    #                          0 = m when A·R ≥ 2, else m/2
+    c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
+    c.noise.every = 0  # steps between exact/probe measurements; 0 = never
+    c.noise.method = "auto"  # "auto" | "fast" | "vmap" (cbs.noise.exact) | "probe"
+    c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
+    c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
+    c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
+    c.noise.chunk_size = 0  # examples per vmap chunk in exact; 0 = all at once
+    c.noise.in_step = False  # measure under lax.cond in the step (True) or in its own jit
+
+    c.train = ml_collections.ConfigDict()
+    c.train.max_steps = 1000  # stop after this many updates (0 = no step limit)
+    c.train.max_examples = 0  # stop once this many examples are seen (0 = no limit)
+    c.train.log_every = 10  # read metrics from the device every this many steps
+    c.train.record_every = 1  # write a train record for every this-many-th step
+    c.train.checkpoint_every = 500  # steps between checkpoints (one is also saved at exit)
+    c.train.keep_checkpoints = 2  # most recent checkpoints kept on disk
+    c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
+    c.train.tensorboard = True  # TensorBoard events in workdir/tensorboard (process 0)
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 0  # steps between evaluations; 0 = only at the end
+    c.eval.batch_size = 1024  # examples per evaluation chunk (rounded up to a multiple of R)
+    c.eval.num_examples = 0  # evaluation-split examples used (the first n); 0 = all
+    c.eval.full_train = True  # also evaluate the loss on the whole training set (in memory)
+    c.eval.train_examples = 0  # training examples in that evaluation (the first n); 0 = all
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # devices on the data axis; -1 = all devices / model
+    c.mesh.model = 1  # devices on the model axis (parameter sharding)
+    return c
+
+
+def _get(config: Any, path: str) -> Any:
+    node = config
+    for part in path.split("."):
+        if part not in node:
+            raise ConfigError(f"config.{path}: missing")
+        node = node[part]
+    return node
+
+
+def _int(config: Any, path: str, *, minimum: int = 1) -> int:
+    value = _get(config, path)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.{path}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(config: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -> float:
+    value = _get(config, path)
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
+    if bad or value < minimum or (strict and value == minimum):
+        op = ">" if strict else ">="
+        raise ConfigError(f"config.{path}: must be a number {op} {minimum}, got {value!r}")
+    return float(value)
+
+
+def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
+    value = _get(config, path)
+    if value not in choices:
+        raise ConfigError(f"config.{path}: unknown value {value!r}; known: {list(choices)}")
+    return value
+
+
+def batch_sizes(config: Any, multiple: int) -> tuple[int, ...]:
+    """Every batch size the configured schedule can produce (for validation and planning)."""
+    from cbs import schedules
+
+    try:
+        schedule = schedules.batch_schedule_from_config(config.batch.schedule)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"config.batch.schedule: {err}") from err
+    if isinstance(schedule, schedules.Constant):
+        return (schedule.batch_size,)
+    if isinstance(schedule, schedules.Step):
+        return tuple(b for _, b in schedule.steps)
+    if isinstance(schedule, schedules.Linear):
+        lo, hi = sorted((schedule.start, schedule.end))
+        if schedule.multiple % multiple:
+            raise ConfigError(f"config.batch.schedule.multiple: {schedule.multiple} is not a "
+                              f"multiple of micro_batch × data replicas = {multiple}")
+        return tuple(range(lo, hi + 1, schedule.multiple))
+    return schedule.rungs
+
+
+def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
+             dataset_names: tuple[str, ...] | None = None) -> None:
+    """Checks every field the engine reads; raises ConfigError naming the first bad one.
+
+    data_replicas: R, the size of the mesh's data axis (every batch size must be a multiple
+    of R·m). model_names / dataset_names: the known names, when the registries are given.
+    """
+    _int(config, "seed", minimum=0)
+    if dataset_names is not None:
+        _choice(config, "data.name", tuple(dataset_names))
+    if model_names is not None:
+        _choice(config, "model.name", tuple(model_names))
+    _choice(config, "optim.name", optim.OPTIMIZERS)
+    _float(config, "optim.learning_rate", strict=True)
+    for field in ("momentum", "b1", "b2", "weight_decay", "clip_norm", "final_fraction"):
+        _float(config, f"optim.{field}")
+    _float(config, "optim.eps", strict=True)
+    _choice(config, "optim.weight_decay_mask", optim.WEIGHT_DECAY_MASKS)
+    _choice(config, "optim.decay", ("constant", "cosine", "linear"))
+    _int(config, "optim.warmup_examples", minimum=0)
+    _int(config, "optim.total_examples", minimum=0)
+    if config.optim.decay != "constant" and not (config.optim.total_examples
+                                                 or config.train.max_examples):
+        raise ConfigError("config.optim.total_examples: decay="
+                          f"{config.optim.decay!r} needs it (or train.max_examples)")
+
+    m = _int(config, "batch.micro_batch")
+    multiple = m * data_replicas
+    sizes = batch_sizes(config, multiple)
+    for b in sizes:
+        if b < 1 or b % multiple:
+            raise ConfigError(f"config.batch.schedule: batch size {b} is not a positive multiple"
+                              f" of micro_batch × data replicas = {m} × {data_replicas}")
+    _int(config, "batch.adapt_every")
+    _choice(config, "batch.lr_coupling.rule", ("none", "linear", "sqrt"))
+    _int(config, "batch.lr_coupling.base_batch_size", minimum=0)
+    _float(config, "batch.lr_coupling.cap")
+
+    b = _int(config, "noise.small_batch", minimum=0)
+    if b and m % b and b != multiple:
+        raise ConfigError(f"config.noise.small_batch: {b} must divide micro_batch={m} or equal "
+                          f"micro_batch × data replicas = {multiple}")
+    _float(config, "noise.ema_decay")
+    if not config.noise.ema_decay < 1:
+        raise ConfigError(f"config.noise.ema_decay: must be < 1, got {config.noise.ema_decay}")
+    every = _int(config, "noise.every", minimum=0)
+    _choice(config, "noise.method", NOISE_METHODS)
+    n = _int(config, "noise.batch_size", minimum=0)
+    if every and n and (n % multiple or n > min(sizes)):
+        raise ConfigError(f"config.noise.batch_size: {n} must be a multiple of micro_batch × "
+                          f"data replicas = {multiple} and at most the smallest batch "
+                          f"{min(sizes)}")
+    if every and (n or multiple) < 2:
+        raise ConfigError("config.noise.batch_size: a measurement needs at least 2 examples")
+    _int(config, "noise.num_probes")
+    _int(config, "noise.chunk_size", minimum=0)
+
+    _int(config, "train.max_steps", minimum=0)
+    _int(config, "train.max_examples", minimum=0)
+    if not (config.train.max_steps or config.train.max_examples):
+        raise ConfigError("config.train.max_steps: set it or train.max_examples (both are 0)")
+    for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints"):
+        _int(config, f"train.{field}")
+    _int(config, "eval.every", minimum=0)
+    _int(config, "eval.batch_size")
+    _int(config, "eval.num_examples", minimum=0)
+    _int(config, "eval.train_examples", minimum=0)
+    data = _get(config, "mesh.data")
+    if not isinstance(data, int) or (data < 1 and data != -1):
+        raise ConfigError(f"config.mesh.data: must be -1 or a positive integer, got {data!r}")
+    _int(config, "mesh.model")

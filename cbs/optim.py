@@ -1,0 +1,92 @@
+"""Optimizers from a config: the update direction from optax, the step size from examples seen.
+
+The optimizer is split in two so that batch-size changes never distort the schedule:
+
+    direction:  u_t = T(g_t)      an optax transformation without a learning rate
+                                  (clipping, momentum or Adam moments, weight decay);
+    step:       θ_{t+1} = θ_t − η(E_t)·c(B_t)·u_t
+
+where E_t is the number of examples seen before step t, η(E) the warmup/decay schedule in
+examples (`cbs.schedules.lr_schedule`) and c(B) the batch-size coupling factor
+(`cbs.schedules.coupled_lr`; 1 unless the config couples the learning rate to B). For a
+constant η this is exactly `optax.sgd / optax.adam / optax.adamw` (optax multiplies by −η in
+its last stage; we do the same outside), which the tests check.
+
+Config fields (`config.optim`): name ∈ {sgd, momentum, adam, adamw}, learning_rate,
+momentum, nesterov, b1, b2, eps, weight_decay, weight_decay_mask, clip_norm, warmup_examples,
+decay, total_examples, final_fraction (see `cbs.config.default_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from cbs import schedules
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+WEIGHT_DECAY_MASKS = ("all", "matrices")
+
+
+def _decay_mask(kind: str) -> Callable | None:
+    """`matrices` decays only leaves with ndim ≥ 2 (kernels, embeddings), not biases/scales."""
+    if kind == "all":
+        return None
+    return lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_direction(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """The optax transformation that maps a mean gradient to an update direction u (no η).
+
+    sgd: u = g (+ wd·θ, coupled L2); momentum: heavy-ball (or Nesterov) trace of that;
+    adam: Adam direction of (g + wd·θ) (coupled L2, as `optax.adam` + `add_decayed_weights`
+    before it); adamw: Adam direction + wd·θ (decoupled, exactly `optax.adamw`).
+    Gradient clipping by global norm (`clip_norm > 0`) comes first in every case.
+    """
+    name = optim.name
+    if name not in OPTIMIZERS:
+        raise ValueError(f"config.optim.name: unknown optimizer {name!r}; known: {OPTIMIZERS}")
+    wd = float(optim.get("weight_decay", 0.0))
+    mask = _decay_mask(optim.get("weight_decay_mask", "matrices"))
+    stages = []
+    if optim.get("clip_norm", 0.0) and optim.clip_norm > 0:
+        stages.append(optax.clip_by_global_norm(float(optim.clip_norm)))
+    if name in ("sgd", "momentum", "adam") and wd > 0:
+        stages.append(optax.add_decayed_weights(wd, mask))
+    if name == "momentum":
+        stages.append(optax.trace(decay=float(optim.get("momentum", 0.9)),
+                                  nesterov=bool(optim.get("nesterov", False))))
+    elif name in ("adam", "adamw"):
+        stages.append(optax.scale_by_adam(b1=float(optim.get("b1", 0.9)),
+                                          b2=float(optim.get("b2", 0.999)),
+                                          eps=float(optim.get("eps", 1e-8))))
+    if name == "adamw" and wd > 0:
+        stages.append(optax.add_decayed_weights(wd, mask))
+    return optax.chain(*stages) if stages else optax.identity()
+
+
+def apply_step(params, updates, lr: jax.Array):
+    """θ − η·u, leaf by leaf, keeping each parameter's dtype (as `optax.apply_updates`)."""
+    return jax.tree.map(
+        lambda p, u: (p - lr.astype(u.dtype) * u).astype(p.dtype) if p is not None else None,
+        params, updates, is_leaf=lambda x: x is None)
+
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
+    """η(E) from `config.optim` (warmup, then constant/cosine/linear decay, in examples).
+
+    The decay ends at `optim.total_examples`, or at `train.max_examples` when that is 0.
+    Jittable; E counts the examples seen including the current batch (`cbs.schedules`).
+    """
+    o = config.optim
+    total = o.get("total_examples", 0) or config.train.get("max_examples", 0) or None
+    return schedules.lr_schedule(float(o.learning_rate),
+                                 warmup_examples=float(o.get("warmup_examples", 0)),
+                                 total_examples=None if total is None else float(total),
+                                 decay=o.get("decay", "constant"),
+                                 final_fraction=float(o.get("final_fraction", 0.0)))

@@ -1,0 +1,312 @@
+"""The pure, jitted train step: accumulation, in-step noise statistics, the optimizer update.
+
+Letters: R data replicas (size of the mesh's `data` axis), m micro-batch per replica,
+A accumulation steps, M = R·m the global micro-batch, B = A·M the logical batch, b the small
+batch of the two-batch estimator, G = M/b groups per micro-batch, P parameters.
+
+One step on a global batch [B, ...] sharded over `data`:
+
+1. view it as A micro-batches [A, M] without moving data: each replica's B/R contiguous
+   examples split into A runs of m, so micro-batch k is the k-th run of every replica;
+2. for each micro-batch (a `lax.scan` over A, float32 accumulators), the gradient of each of
+   its G groups of b examples (a `vmap` over groups when G > 1: the per-replica gradients
+   before the cross-replica mean when b = m) and its squared norm |g_small|²;
+3. ḡ = mean of all group gradients (the gradient of the mean loss over B), |ḡ|²;
+4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.noise.two_batch`) from the
+   mean of the A·G values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
+   (expectation |G|² + tr(Σ)/B), smoothed by `cbs.noise.NoiseScaleEMA` in the state;
+5. optionally, every `measure_every` steps, `cbs.noise.exact` or `cbs.noise.probe` on the
+   first micro-batch(es), under `lax.cond` (or in `measure`, a separate jitted function);
+6. u = direction(ḡ) (optax, `cbs.optim`), θ ← θ − η·u with η = coupled_lr(η(E + B), B)
+   (`cbs.schedules`): the learning rate is a function of examples seen E, never of steps.
+
+When b divides m the groups are the same b-example runs of the global batch whatever the
+split of B into R, A and m, so the estimate does not depend on the device count (only on b).
+b = M (whole micro-batches, no vmap) is the cheapest choice when A ≥ 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cbs import noise, optim
+from cbs.curvature import tree_sq_norm
+
+PyTree = Any
+# loss_fn(params, model_state, batch) -> (mean loss, new model_state)
+StatefulLoss = Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, PyTree]]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything on the device that an exact resume needs.
+
+    step: int32 updates applied; examples_seen: int32 examples consumed (E);
+    params, opt_state: model parameters and optax state; model_state: non-parameter model
+    variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.noise.NoiseScaleEMA` of
+    the in-step two-batch estimates; measure_ema: the same of the every-k-steps measurements
+    (with the curvature pair when measured), which is what an adaptive schedule on b_noise reads.
+    """
+
+    step: jax.Array
+    examples_seen: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree
+    noise_ema: PyTree
+    measure_ema: PyTree
+
+    def replace(self, **changes) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=[f.name for f in dataclasses.fields(TrainState)], meta_fields=[])
+
+
+def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
+                     model_state: PyTree = None, ema_decay: float = 0.95) -> TrainState:
+    """A fresh state at step 0 (jittable: call under `jax.jit` to place it on a mesh)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), examples_seen=jnp.zeros((), jnp.int32),
+                      params=params, opt_state=direction.init(params),
+                      model_state={} if model_state is None else model_state,
+                      noise_ema=noise.NoiseScaleEMA.init(decay=ema_decay),
+                      measure_ema=noise.NoiseScaleEMA.init(decay=ema_decay))
+
+
+def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
+    """Wraps loss_fn(params, batch) into the (params, model_state, batch) form."""
+    return lambda params, model_state, batch: (loss_fn(params, batch), model_state)
+
+
+def _mean_state(tree: PyTree) -> PyTree:
+    """Mean over the leading (group) axis of float leaves; other leaves take group 0."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x[0], tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+    """`train_step(state, inputs, accum_steps) -> (state, metrics)`, jitted per accum count.
+
+    Args:
+      loss_fn: stateful loss (see `stateless`).
+      direction: optax transformation without learning rate (`cbs.optim.make_direction`).
+      lr_fn: η(E), a jittable function of examples seen including the current batch.
+      mesh: the device mesh; the batch is split over its `data` axis.
+      state_sharding: pytree of NamedSharding like the state (in and out of the step).
+      inputs_sharding: sharding (prefix) of the step's second argument.
+      micro_batch: m, examples per replica per micro-batch.
+      small_batch: b for the two-batch estimator, a divisor of m (groups within a replica)
+        or M = R·m (whole micro-batches); 0 = m when A·R ≥ 2, else m/2.
+      batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
+        (e.g. a gather of device-resident data at the stream's indices); None when the inputs
+        are the batch.
+      lr_coupling: (base_batch_size, rule, cap) for `cbs.schedules.coupled_lr`, or None.
+      measure: None, or (method, every, batch_micro, curvature, num_probes, chunk_size,
+        in_step): `method` in exact-methods ("auto", "fast", "vmap") or "probe".
+      seed: seeds the probe vectors (folded with the step).
+    """
+
+    loss_fn: StatefulLoss
+    direction: optax.GradientTransformation
+    lr_fn: Callable[[jax.Array], jax.Array]
+    mesh: jax.sharding.Mesh
+    state_sharding: PyTree
+    inputs_sharding: PyTree = None
+    micro_batch: int = 1
+    small_batch: int = 0
+    batch_fn: Callable[[PyTree], PyTree] | None = None
+    lr_coupling: tuple[int, str, float | None] | None = None
+    measure: tuple | None = None
+    seed: int = 0
+    data_axis: str = "data"
+
+    def __post_init__(self):
+        out = (self.state_sharding, NamedSharding(self.mesh, P()))
+        jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
+                      in_shardings=(self.state_sharding, self.inputs_sharding),
+                      out_shardings=out)
+        measure = jax.jit(self._measure_only, static_argnums=(2,),
+                          in_shardings=(self.state_sharding, self.inputs_sharding),
+                          out_shardings=(self.state_sharding.measure_ema,
+                                         NamedSharding(self.mesh, P())))
+        object.__setattr__(self, "_jit", jit)
+        object.__setattr__(self, "_measure_jit", measure)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def replicas(self) -> int:
+        return self.mesh.shape[self.data_axis]
+
+    def batch_size(self, accum_steps: int) -> int:
+        """B = A·R·m."""
+        return accum_steps * self.replicas * self.micro_batch
+
+    def small_batch_for(self, accum_steps: int) -> int:
+        """b of the two-batch estimator for A accumulation steps (b == B: no estimate)."""
+        if self.small_batch:
+            return self.small_batch
+        m = self.micro_batch
+        return m if accum_steps * self.replicas >= 2 or m < 2 else m // 2
+
+    def measures_in_step(self) -> bool:
+        return self.measure is not None and bool(self.measure[6])
+
+    def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update; `state` is donated. Metrics stay on the device (read them later)."""
+        return self._jit(state, inputs, accum_steps)
+
+    def measure_now(self, state: TrainState, inputs: PyTree, accum_steps: int
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The `noise/*` measurement alone, on the examples the step would use; returns the
+        state with `measure_ema` updated (nothing is donated) and the metrics."""
+        ema, metrics = self._measure_jit(state, inputs, accum_steps)
+        return state.replace(measure_ema=ema), metrics
+
+    def num_compilations(self) -> int:
+        """Distinct compiled variants of the step so far (one per accumulation count)."""
+        return self._jit._cache_size()
+
+    # ------------------------------------------------------------------ internals
+
+    def _micro_batches(self, state: TrainState, inputs: PyTree, accum_steps: int) -> PyTree:
+        """[B, ...] → [A, M, ...], each replica's contiguous B/R examples cut into A runs."""
+        r, a, m = self.replicas, accum_steps, self.micro_batch
+        batch = inputs if self.batch_fn is None else self.batch_fn(
+            inputs, state.examples_seen, a * r * m)
+        spec = NamedSharding(self.mesh, P(None, self.data_axis))
+
+        def view(x):
+            if x.shape[0] != a * r * m:
+                raise ValueError(f"batch has {x.shape[0]} examples, expected "
+                                 f"A·R·m = {a}·{r}·{m}")
+            x = x.reshape(r, a, m, *x.shape[1:]).swapaxes(0, 1).reshape(a, r * m, *x.shape[1:])
+            return jax.lax.with_sharding_constraint(x, spec)
+
+        return jax.tree.map(view, batch)
+
+    def _micro_grad(self, params, model_state, micro, groups: int):
+        """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|²."""
+        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
+        f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)),
+                                     t)
+        if groups == 1:
+            (loss, model_state), grads = value_and_grad(params, model_state, micro)
+            grads = f32(grads)
+            return loss, grads, model_state, tree_sq_norm(grads)
+        # b divides m, so G is a multiple of R and each group lives on one replica.
+        spec = NamedSharding(self.mesh, P(self.data_axis))
+        micro_G = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(groups, x.shape[0] // groups, *x.shape[1:]), spec), micro)
+        (loss_G, state_G), grads_G = jax.vmap(value_and_grad, in_axes=(None, None, 0))(
+            params, model_state, micro_G)
+        grads_G = f32(grads_G)
+        sq_G = sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+                   for g in jax.tree.leaves(grads_G))
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_G)
+        return jnp.mean(loss_G), grads, _mean_state(state_G), jnp.sum(sq_G)
+
+    def _accumulate(self, params, model_state, micro, accum_steps: int, groups: int):
+        """Loss, ḡ and mean |g_small|² over the A micro-batches (float32 accumulators)."""
+        if accum_steps == 1:
+            loss, grads, model_state, sq = self._micro_grad(
+                params, model_state, jax.tree.map(lambda x: x[0], micro), groups)
+            return loss, grads, model_state, sq / groups
+
+        def body(carry, mb):
+            loss_sum, grad_sum, state, sq_sum = carry
+            loss, grads, state, sq = self._micro_grad(params, state, mb, groups)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (loss_sum + loss, grad_sum, state, sq_sum + sq), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype,
+                                                                            jnp.float32)), params)
+        acc = jnp.zeros((), jnp.result_type(float))
+        init = (jnp.zeros((), jnp.float32), zeros, model_state, acc)
+        (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(body, init, micro)
+        grads = jax.tree.map(lambda g: g / accum_steps, grad_sum)
+        return loss_sum / accum_steps, grads, model_state, sq_sum / (accum_steps * groups)
+
+    def _noise_metrics(self, state: TrainState, micro) -> tuple[PyTree, dict[str, jax.Array]]:
+        """(updated measure_ema, noise/* metrics) of one measurement."""
+        method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
+        batch = jax.tree.map(lambda x: x[:n_micro].reshape(-1, *x.shape[2:]), micro)
+        loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
+        if method == "probe":
+            key = jax.random.fold_in(jax.random.key(self.seed), state.step)
+            stats = noise.probe(loss_fn, state.params, batch, key, num_probes=num_probes,
+                                curvature=curvature)
+        else:
+            stats = noise.exact(loss_fn, state.params, batch, chunk_size=chunk_size or None,
+                                curvature=curvature, method=method)
+        curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if curvature else {}
+        ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
+        names = ("b_simple", "grad_sq_norm", "trace_sigma") + (
+            ("b_noise", "g_h_g", "trace_h_sigma") if curvature else ())
+        out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
+                                         for n in names}
+        out = {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+        return ema, out
+
+    def _measure_only(self, state: TrainState, inputs: PyTree, accum_steps: int):
+        return self._noise_metrics(state, self._micro_batches(state, inputs, accum_steps))
+
+    def _learning_rate(self, examples_after: jax.Array, batch_size: int) -> jax.Array:
+        from cbs.schedules import coupled_lr
+
+        lr = self.lr_fn(examples_after)
+        if self.lr_coupling is not None:
+            base, rule, cap = self.lr_coupling
+            lr = coupled_lr(lr, batch_size, base, rule, cap)
+        return jnp.asarray(lr, jnp.float32)
+
+    def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
+        b_big = self.batch_size(accum_steps)
+        b_small = self.small_batch_for(accum_steps)
+        micro = self._micro_batches(state, inputs, accum_steps)
+        groups = self.replicas * self.micro_batch // b_small
+        loss, grads, model_state, small_sq = self._accumulate(
+            state.params, state.model_state, micro, accum_steps, groups)
+        big_sq = tree_sq_norm(grads)
+        ema = state.noise_ema
+        if b_small < b_big:
+            grad_sq_norm, trace_sigma = noise.two_batch(small_sq, big_sq, b_small, b_big)
+            ema = ema.update(grad_sq_norm, trace_sigma)
+        else:
+            grad_sq_norm = trace_sigma = jnp.full((), jnp.nan, jnp.float32)
+        f32 = lambda x: jnp.asarray(x, jnp.float32)
+        metrics = {"train/loss": f32(loss), "opt/grad_norm": f32(jnp.sqrt(big_sq)),
+                   "noise/two_batch_grad_sq_norm": f32(grad_sq_norm),
+                   "noise/two_batch_trace_sigma": f32(trace_sigma),
+                   "noise/ema_grad_sq_norm": f32(ema.grad_sq_norm),
+                   "noise/ema_trace_sigma": f32(ema.trace_sigma),
+                   "noise/ema_b_simple": f32(ema.b_simple)}
+        measure_ema = state.measure_ema
+        if self.measures_in_step():
+            measure = lambda: self._noise_metrics(state, micro)
+            skipped = lambda: (state.measure_ema, jax.tree.map(
+                lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
+            measure_ema, measured = jax.lax.cond(state.step % self.measure[1] == 0, measure,
+                                                 skipped)
+            metrics |= measured
+        updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
+        examples_after = state.examples_seen + b_big
+        lr = self._learning_rate(examples_after, b_big)
+        metrics["opt/lr"] = lr
+        params = optim.apply_step(state.params, updates, lr)
+        new_state = TrainState(step=state.step + 1, examples_seen=examples_after, params=params,
+                               opt_state=opt_state, model_state=model_state, noise_ema=ema,
+                               measure_ema=measure_ema)
+        return new_state, metrics
