@@ -1,0 +1,96 @@
+"""Data for critical-batch-size experiments: a registry of datasets and deterministic batches.
+
+    ds = cbs.data.get_dataset("digits")            # or config.data.name, **options
+    arrays = ds.device_arrays()                    # small datasets live on device
+    batch = cbs.data.device_batch(ds, arrays, examples_seen, batch_size, seed=seed)  # in jit
+
+The global batch is a pure function of (seed, examples_seen, batch_size): positions
+[s, s + B) of an infinite stream of seeded epoch permutations (`cbs.data.stream`), so
+resuming, changing the batch size mid-run and splitting the batch over hosts all read the
+same example sequence.
+
+Registered names: digits, mnist1d, shakespeare_char (embedded, offline); linreg,
+teacher_student (synthetic, known answers); mnist, fashion_mnist, cifar10, svhn_cropped,
+tiny_shakespeare, lm1b (TensorFlow Datasets, prepared locally).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+from cbs.data import embedded, synthetic, tfds_source
+from cbs.data.batching import (
+    HostLoader,
+    device_batch,
+    eval_batches,
+    evaluate,
+    global_batch,
+    host_batch,
+    process_rows,
+    process_slice,
+)
+from cbs.data.dataset import Batch, Dataset, Split
+from cbs.data.stream import check_batch_size, stream_indices
+from cbs.data.synthetic import linreg_noise_stats
+
+_REGISTRY: dict[str, Callable[..., Dataset]] = {
+    "digits": embedded.digits,
+    "mnist1d": embedded.mnist1d,
+    "shakespeare_char": embedded.shakespeare_char,
+    "linreg": synthetic.linreg,
+    "teacher_student": synthetic.teacher_student,
+    **{name: functools.partial(tfds_source.tfds_images, name)
+       for name in tfds_source.IMAGE_DATASETS},
+    "tiny_shakespeare": tfds_source.tiny_shakespeare,
+    "lm1b": tfds_source.lm1b,
+}
+
+
+def known_datasets() -> tuple[str, ...]:
+    """Registered dataset names."""
+    return tuple(sorted(_REGISTRY))
+
+
+def register(name: str, loader: Callable[..., Dataset]) -> None:
+    """Adds a loader `loader(**options) -> Dataset` under `name`."""
+    if name in _REGISTRY:
+        raise ValueError(f"dataset {name!r} is already registered")
+    _REGISTRY[name] = loader
+
+
+def dataset_options(name: str) -> tuple[str, ...]:
+    """Keyword options that `get_dataset(name, ...)` accepts."""
+    loader = _loader(name)
+    params = inspect.signature(loader).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def _loader(name: str) -> Callable[..., Dataset]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_datasets())}")
+    return _REGISTRY[name]
+
+
+def get_dataset(name: str, **options) -> Dataset:
+    """The dataset `name` built with `options` (see `dataset_options(name)`).
+
+    Unknown names and options raise ValueError listing the known ones.
+    """
+    loader = _loader(name)
+    params = inspect.signature(loader).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = sorted(set(options) - set(dataset_options(name)))
+        if unknown:
+            raise ValueError(f"unknown options {unknown} for dataset {name!r}; known: "
+                             f"{', '.join(dataset_options(name))}")
+    return loader(**options)
+
+
+__all__ = [
+    "Batch", "Dataset", "HostLoader", "Split", "check_batch_size", "dataset_options",
+    "device_batch", "eval_batches", "evaluate", "get_dataset", "global_batch", "host_batch",
+    "known_datasets", "linreg_noise_stats", "process_rows", "process_slice", "register",
+    "stream_indices",
+]

