@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from cbs import optim
+from cbs import models, optim
 
 NOISE_METHODS = ("auto", "fast", "vmap", "probe")
 
@@ -32,8 +32,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.name = "digits"  # dataset name in the cbs.data registry
     c.data.options = ml_collections.ConfigDict()  # extra keyword arguments of get_dataset
 
-    c.model = ml_collections.ConfigDict()
-    c.model.name = "mlp"  # "mlp" | "cnn" | "transformer"; other fields: cbs.models
+    c.model = models.default_model_config("mlp")  # fields: cbs.models.default_model_config
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adam"  # "sgd" | "momentum" | "adam" | "adamw"

@@ -1,0 +1,259 @@
+"""The host loop of a run: dispatch steps, read metrics late, evaluate, checkpoint, resume.
+
+It drives a `cbs.train.Trainer` (set-up, step, evaluation) and owns the run directory's
+records (`cbs.metrics`) and checkpoints (`cbs.checkpoint`). The order of events is a function
+of the step number alone (never of timing), so a resumed run does exactly what an
+uninterrupted one does: see `cbs.train` for the loop and the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+
+from cbs import checkpoint, metrics, schedules
+
+StopFn = Callable[[int, dict[str, Any]], bool]
+ENDED = ("finished", "stopped", "diverged")
+
+
+class DivergedError(FloatingPointError):
+    """A non-finite training loss (or gradient); the last checkpoint before it is kept."""
+
+    def __init__(self, message: str, summary: dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+        self.step = summary.get("step")
+
+
+class _Diverged(Exception):
+    def __init__(self, record: dict[str, Any]):
+        self.record = record
+
+
+def config_hash(config: ml_collections.ConfigDict) -> str:
+    """A short hash of the config's JSON (equal configs, equal hashes)."""
+    return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _finite(record: dict[str, Any]) -> bool:
+    return all(math.isfinite(record.get(k, 0.0)) for k in ("train/loss", "opt/grad_norm"))
+
+
+@dataclasses.dataclass
+class _Pending:
+    kind: str  # "train" | "eval"
+    step: int
+    examples_seen: int
+    values: Any  # device arrays, fetched at the next read
+    extra: dict[str, Any]
+
+
+class Loop:
+    """One run of `trainer` in `trainer.workdir` (use `Trainer.run`)."""
+
+    def __init__(self, trainer, stop_fn: StopFn | None = None):
+        self.trainer, self.config, self.stop_fn = trainer, trainer.config, stop_fn
+        self.workdir = trainer.workdir
+        self.primary = jax.process_index() == 0
+        self.pending: list[_Pending] = []
+        self.stop_requested = False
+        self.last_train: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ state
+
+    def _restore_or_init(self) -> None:
+        tr, c = self.trainer, self.config
+        self.ckpt = checkpoint.Checkpointer(
+            os.path.join(self.workdir, checkpoint.CHECKPOINT_DIR),
+            max_to_keep=c.train.keep_checkpoints)
+        self.schedule = tr.schedule
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            self.state = tr.init_state()
+            self.t, self.e, self.sched_state = 0, 0, self.schedule.init()
+            self.last_saved = -1
+            return
+        target = jax.eval_shape(tr._make_state)
+        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              target, tr.state_sharding)
+        self.state, meta = self.ckpt.restore(latest, target)
+        self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
+        raw = meta.get("schedule_state")
+        self.sched_state = (schedules.AdaptiveState.from_dict(raw) if raw is not None
+                            else self.schedule.init())
+        self.last_saved = self.t
+
+    def _meta(self) -> dict[str, Any]:
+        s = self.sched_state
+        return {"step": self.t, "examples_seen": self.e,
+                "schedule_state": None if s is None else s.to_dict(),
+                "config_hash": config_hash(self.config)}
+
+    def _save(self) -> None:
+        if self.primary:
+            self.writer.sync()
+        self.ckpt.save(self.t, self.state, self._meta())
+        self.last_saved = self.t
+
+    # ------------------------------------------------------------------ records
+
+    def _record(self, item: _Pending, values: Any) -> dict[str, Any]:
+        base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
+        if item.kind == "eval":
+            return base | self.trainer.eval_record(values)
+        step_metrics, measured = values
+        rec = base | item.extra | {k: float(v) for k, v in step_metrics.items()}
+        every = self.config.noise.every
+        if every and item.step % every == 0:
+            rec |= {k: float(v) for k, v in (measured or {}).items()}
+            rec["noise/batch_size"] = item.extra["noise_batch"]
+        else:  # the in-step measurement's skipped branch is all NaN: leave it out
+            rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
+                   and k not in _MEASURED_KEYS}
+        rec.pop("noise_batch", None)
+        return rec
+
+    def _read(self, *, keep_newest: bool) -> None:
+        """Fetches pending metrics (all, or all but the newest step's), writes records."""
+        n = len(self.pending)
+        if keep_newest and n and self.pending[-1].kind == "train":
+            n -= 1
+        items, self.pending = self.pending[:n], self.pending[n:]
+        if not items:
+            return
+        fetched = jax.device_get([it.values for it in items])
+        records, every = [], self.config.train.record_every
+        bad = None
+        for item, values in zip(items, fetched, strict=True):
+            rec = self._record(item, values)
+            if item.kind == "train":
+                self.last_train = rec
+                if not _finite(rec):
+                    bad = rec
+                elif item.step % every and "noise/b_simple" not in rec:
+                    continue
+            else:
+                self.last_eval = rec
+            records.append(rec)
+            if bad is not None:
+                break
+        self.writer.write(records)
+        if self.stop_fn is not None:
+            for rec in records:
+                if rec is not bad and self.stop_fn(rec["step"], rec):
+                    self.stop_requested = True
+        if bad is not None:
+            raise _Diverged(bad)
+
+    # ------------------------------------------------------------------ loop
+
+    def _done(self) -> bool:
+        tr = self.config.train
+        return (self.stop_requested or bool(tr.max_steps and self.t >= tr.max_steps)
+                or bool(tr.max_examples and self.e >= tr.max_examples))
+
+    def _observe_noise(self) -> None:
+        """Feeds an adaptive schedule its smoothed noise scale (fixed steps: exact resume)."""
+        every = self.config.batch.adapt_every
+        if not isinstance(self.schedule, schedules.Adaptive) or self.t == 0 or self.t % every:
+            return
+        ema = (self.state.measure_ema if self.schedule.source == "b_noise"
+               else self.state.noise_ema)
+        value = float(jax.device_get(getattr(ema, self.schedule.source)))
+        self.sched_state = self.schedule.update(self.sched_state, value, self.e)
+
+    def _train_step(self) -> None:
+        tr, c = self.trainer, self.config
+        b = self.schedule.batch_size_at(self.e, self.sched_state)
+        a = tr.accum_steps(b)
+        inputs = tr.inputs(self.e, b)
+        measured = None
+        if c.noise.every and not c.noise.in_step and self.t % c.noise.every == 0:
+            self.state, measured = tr.step.measure_now(self.state, inputs, a)
+        self.state, step_metrics = tr.step(self.state, inputs, a)
+        m = c.batch.micro_batch * tr.replicas
+        extra = {"data/batch_size": b, "data/accum_steps": a,
+                 "noise_batch": (c.noise.batch_size or m)}
+        self.pending.append(_Pending("train", self.t, self.e, (step_metrics, measured), extra))
+        self.t, self.e = self.t + 1, self.e + b
+
+    def _iterate(self) -> None:
+        c = self.config
+        last_eval = -1
+        while True:
+            done = self._done()
+            if (done or (c.eval.every and self.t % c.eval.every == 0)) and self.t != last_eval:
+                last_eval = self.t
+                self.pending.append(_Pending("eval", self.t, self.e,
+                                             self.trainer.evaluate_async(self.state), {}))
+            if done or self.t % c.train.checkpoint_every == 0:
+                self._read(keep_newest=False)
+                if self.t != self.last_saved:
+                    self._save()
+                if self.stop_requested and not done:
+                    continue
+            if done:
+                return
+            self._observe_noise()
+            self._train_step()
+            if self.t % c.train.log_every == 0:
+                self._read(keep_newest=True)
+
+    def _summary(self, status: str, message: str = "") -> dict[str, Any]:
+        return {"status": status, "step": self.t, "examples_seen": self.e,
+                "checkpoint_step": self.ckpt.latest_step(), "message": message,
+                "config_hash": config_hash(self.config), "last_train": self.last_train,
+                "last_eval": self.last_eval, "compilations": self.trainer.step.num_compilations(),
+                "elapsed_s": round(time.perf_counter() - self.start, 3)}
+
+    def _write_status(self, summary: dict[str, Any]) -> None:
+        if self.primary:
+            metrics.write_json_atomic(os.path.join(self.workdir, metrics.STATUS_FILE), summary)
+
+    def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
+        """Runs to the end; returns the summary (also written to status.json)."""
+        from cbs.train import save_config
+
+        self.start = time.perf_counter()
+        c = self.config
+        self._restore_or_init()
+        save_config(c, self.workdir)
+        self.writer = metrics.MetricsWriter(
+            self.workdir, start_step=self.t, total_steps=c.train.max_steps or None,
+            enabled=self.primary, progress=c.train.progress_bar, tensorboard=c.train.tensorboard)
+        self._write_status(self._summary("running"))
+        try:
+            self._iterate()
+        except _Diverged as err:
+            self.ckpt.wait()
+            bad = err.record
+            message = (f"non-finite training loss at step {bad['step']} (examples seen "
+                       f"{bad['data/examples_seen']}): train/loss={bad.get('train/loss')}, "
+                       f"opt/grad_norm={bad.get('opt/grad_norm')}; the last good checkpoint "
+                       f"is step {self.ckpt.latest_step()} in {self.ckpt.directory}")
+            summary = self._summary("diverged", message) | {"step": bad["step"]}
+            self._write_status(summary)
+            if raise_on_divergence:
+                raise DivergedError(message, summary) from None
+            return summary
+        finally:
+            self.ckpt.close()
+            self.writer.close()
+        summary = self._summary("stopped" if self.stop_requested else "finished")
+        self._write_status(summary)
+        return summary
+
+
+_MEASURED_KEYS = frozenset(
+    f"noise/{k}" for k in ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple",
+                           "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise"))
