@@ -28,6 +28,7 @@ from cbs.data.batching import (
     evaluate,
     global_batch,
     host_batch,
+    make_batch_fn,
     process_rows,
     process_slice,
 )
@@ -91,6 +92,6 @@ def get_dataset(name: str, **options) -> Dataset:
 __all__ = [
     "Batch", "Dataset", "HostLoader", "Split", "check_batch_size", "dataset_options",
     "device_batch", "eval_batches", "evaluate", "get_dataset", "global_batch", "host_batch",
-    "known_datasets", "linreg_noise_stats", "process_rows", "process_slice", "register",
-    "stream_indices",
+    "known_datasets", "linreg_noise_stats", "make_batch_fn", "process_rows", "process_slice",
+    "register", "stream_indices",
 ]

@@ -44,6 +44,13 @@ def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, 
     return dataset.take(arrays, idx_B, split)
 
 
+def make_batch_fn(dataset: Dataset, *, seed, split: str = "train", shuffle: bool = True
+                  ) -> Callable[[dict[str, jax.Array], Any, int], Batch]:
+    """`batch_fn(arrays, examples_seen, batch_size)`: `device_batch` with the dataset and seed
+    bound, the form a jitted train step takes (batch_size static)."""
+    return functools.partial(device_batch, dataset, seed=seed, split=split, shuffle=shuffle)
+
+
 def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: int,
                split: str = "train", rows: np.ndarray | slice | None = None,
                shuffle: bool = True) -> Batch:
@@ -82,6 +89,11 @@ def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...])
 
 
 def _data_shards(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> int:
+    """How many pieces the sharding cuts the leading (batch) axis into."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,)
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        return int(np.prod([sharding.mesh.shape[a] for a in axes if a is not None]))
     return global_shape[0] // sharding.shard_shape(global_shape)[0]
 
 
