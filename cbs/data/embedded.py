@@ -122,7 +122,7 @@ def strip_markdown(markdown: str) -> str:
     text = re.sub(r"[ \t]+$", "", markdown, flags=re.M)
     text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.M)
     text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)
-    text = re.sub(r"\\(.)", r"\1", text.replace("**", "").replace("_", ""))
+    text = re.sub(r"\\(.)", r"\1", text.replace("*", "").replace("_", ""))
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 

@@ -73,9 +73,11 @@ def _sources(builder, splits: Sequence[str], reader: str) -> dict:
         try:
             import tensorflow  # noqa: F401
         except ImportError as err:
+            why = "reader='load'" if reader == "load" else "its TFRecord files"
             raise ValueError(
-                f"{builder.name} is prepared as TFRecord, which needs TensorFlow to read; "
-                f"install tensorflow or re-prepare with --file_format=array_record") from err
+                f"reading {builder.name} through tfds.load ({why}) needs TensorFlow: install "
+                "tensorflow, or use reader='data_source' on files prepared with "
+                "--file_format=array_record") from err
         import tensorflow_datasets as tfds
 
         return {s: tfds.as_numpy(builder.as_dataset(split=s, batch_size=-1)) for s in splits}
