@@ -1,0 +1,238 @@
+"""Figures for batch-size studies: each function takes plain arrays, fit objects or lists of
+dicts and a path, writes one PNG and returns the path. No model and no pyplot state: figures
+are `matplotlib.figure.Figure` objects rendered by the Agg canvas, safe in scripts and threads.
+
+Letters as in `cbs.fit`: B batch size, S steps and E = B·S examples to a target loss,
+S_min, E_min, B_crit = E_min/S_min the fitted trade-off, L the target loss.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from cbs.fit import PowerLawFit, TradeoffFit
+
+PathLike = str | os.PathLike
+
+
+def _save(fig: Figure, path: PathLike) -> str:
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _new(ncols: int = 1, width: float = 6.0) -> tuple[Figure, list[Any]]:
+    fig = Figure(figsize=(width * ncols, 4.5), layout="constrained")
+    return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+
+
+def _no_data(ax, message: str = "no data") -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+
+
+def _ok(fit: TradeoffFit | PowerLawFit | None) -> bool:
+    return fit is not None and fit.ok
+
+
+def _frontier(fit: TradeoffFit, b_lo: float, b_hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """(S, E) along the fitted hyperbola for B over [b_lo, b_hi], log-spaced."""
+    b = np.geomspace(b_lo, b_hi, 200)
+    return fit.steps(b), fit.examples(b)
+
+
+def _b_range(fit: TradeoffFit, batch_sizes: Sequence[float] = ()) -> tuple[float, float]:
+    b = np.asarray(batch_sizes, dtype=np.float64)
+    lo = min([fit.b_crit / 30] + ([b.min() / 2] if b.size else []))
+    hi = max([fit.b_crit * 30] + ([b.max() * 2] if b.size else []))
+    return lo, hi
+
+
+def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
+                    title: str = "Steps vs examples to each target") -> str:
+    """S (x) against E (y), log-log, one colour per target, with the fitted hyperbolas.
+
+    series: dicts with "target" (float or label), "batch_sizes", "steps" (arrays of the
+    points) and optionally "fit" (TradeoffFit). B_crit, where S = 2·S_min and E = 2·E_min,
+    is starred on each frontier.
+    """
+    fig, (ax,) = _new()
+    for i, item in enumerate(series):
+        color = f"C{i % 10}"
+        b = np.asarray(item.get("batch_sizes", ()), dtype=np.float64)
+        s = np.asarray(item.get("steps", ()), dtype=np.float64)
+        fit = item.get("fit")
+        label = f"L = {item.get('target')}"
+        if _ok(fit):
+            label += f", B_crit = {fit.b_crit:.3g}"
+            s_f, e_f = _frontier(fit, *_b_range(fit, b))
+            ax.plot(s_f, e_f, "-", color=color, lw=1.2)
+            ax.plot([2 * fit.s_min], [2 * fit.e_min], "*", color=color, ms=12, mec="k")
+        ax.plot(s, b * s, "o", color=color, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="steps S", ylabel="examples E = B·S", title=title)
+    if series:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)
+
+
+def tradeoff_collapse(series: Sequence[Mapping[str, Any]], path: PathLike) -> str:
+    """S/S_min and E/E_min against B/B_crit for every target with a fit, on the curves
+    1 + 1/x and 1 + x (McCandlish et al. 2018). series: as for `pareto_frontier`."""
+    fig, (ax_s, ax_e) = _new(ncols=2, width=5.0)
+    xs = []
+    for i, item in enumerate(series):
+        fit = item.get("fit")
+        if not _ok(fit):
+            continue
+        b = np.asarray(item["batch_sizes"], dtype=np.float64)
+        s = np.asarray(item["steps"], dtype=np.float64)
+        x = b / fit.b_crit
+        xs.append(x)
+        kw = dict(color=f"C{i % 10}", ls="none", marker="o", label=f"L = {item.get('target')}")
+        ax_s.plot(x, s / fit.s_min, **kw)
+        ax_e.plot(x, b * s / fit.e_min, **kw)
+    allx = np.concatenate(xs) if xs else np.array([0.1, 10.0])
+    grid = np.geomspace(min(allx.min(), 0.1) / 2, max(allx.max(), 10.0) * 2, 200)
+    ax_s.plot(grid, 1 + 1 / grid, "k--", lw=1, label="1 + B_crit/B")
+    ax_e.plot(grid, 1 + grid, "k--", lw=1, label="1 + B/B_crit")
+    ax_s.set(xscale="log", yscale="log", xlabel="B / B_crit", ylabel="S / S_min")
+    ax_e.set(xscale="log", yscale="log", xlabel="B / B_crit", ylabel="E / E_min")
+    for ax in (ax_s, ax_e):
+        ax.legend(fontsize=8)
+    if not xs:
+        _no_data(ax_s, "no target with a fit")
+    return _save(fig, path)
+
+
+def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: PathLike, *,
+                   b_crit_cis: Sequence[tuple[float, float]] | None = None,
+                   power_law: PowerLawFit | None = None,
+                   measured: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+                   xlabel: str = "target loss L") -> str:
+    """Fitted B_crit per target loss (with intervals), the power law B*/L^(1/α_B), and
+    measured noise scales, e.g. measured={"B_simple": (losses, values), "B_noise": ...}.
+    Log-log; the loss axis runs right to left, as training does."""
+    fig, (ax,) = _new()
+    loss = np.asarray(losses, dtype=np.float64)
+    bc = np.asarray(b_crits, dtype=np.float64)
+    if b_crit_cis is not None and len(b_crit_cis):
+        ci = np.asarray(b_crit_cis, dtype=np.float64).reshape(-1, 2)
+        yerr = np.abs(np.stack([bc - ci[:, 0], ci[:, 1] - bc]))
+        ax.errorbar(loss, bc, yerr=np.nan_to_num(yerr), fmt="o", color="C0", capsize=3,
+                    label="fitted B_crit")
+    else:
+        ax.plot(loss, bc, "o", color="C0", label="fitted B_crit")
+    all_l = [loss[np.isfinite(loss)]]
+    for i, (name, (m_loss, m_val)) in enumerate((measured or {}).items()):
+        m_loss = np.asarray(m_loss, dtype=np.float64)
+        ax.plot(m_loss, np.asarray(m_val, dtype=np.float64), "s--", color=f"C{i + 1}",
+                mfc="none", label=f"measured {name}")
+        all_l.append(m_loss[np.isfinite(m_loss)])
+    all_l = np.concatenate(all_l)
+    if _ok(power_law) and all_l.size:
+        grid = np.geomspace(all_l.min() * 0.9, all_l.max() * 1.1, 100)
+        ax.plot(grid, power_law.b_crit(grid), "k-", lw=1,
+                label=f"B*/L^(1/α_B): B* = {power_law.b_star:.3g}, α_B = {power_law.alpha_b:.3g}")
+    ax.set(xlabel=xlabel, ylabel="batch size")
+    if all_l.size:
+        ax.set(xscale="log", yscale="log")
+        ax.invert_xaxis()
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)
+
+
+def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
+                        x_key: str = "step", keys: Sequence[str] = ("b_simple", "b_noise"),
+                        xlabel: str | None = None) -> str:
+    """Noise scale over training, one colour per run, one line style per key (solid, dashed,
+    dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing keys and
+    non-finite or non-positive values are skipped)."""
+    fig, (ax,) = _new()
+    styles = ["-", "--", ":", "-."]
+    drawn = 0
+    for i, run in enumerate(runs):
+        x = np.asarray(run.get(x_key, ()), dtype=np.float64)
+        for j, key in enumerate(keys):
+            if run.get(key) is None:
+                continue
+            y = np.asarray(run[key], dtype=np.float64)
+            keep = np.isfinite(x) & np.isfinite(y) & (y > 0)
+            ax.plot(x[keep], y[keep], styles[j % len(styles)], color=f"C{i % 10}",
+                    label=f"{run.get('label', i)}: {key}")
+            drawn += 1
+    ax.set(yscale="log", xlabel=xlabel or x_key, ylabel="noise scale")
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)
+
+
+def se_plane(fit: TradeoffFit | None, path: PathLike, *,
+             points: Mapping[str, Sequence[float]] | None = None,
+             runs: Sequence[Mapping[str, Any]] = (),
+             title: str = "Steps and examples to the target") -> str:
+    """The S–E plane of one target: the fitted frontier, the sweep's points
+    (points={"batch_sizes": ..., "steps": ...}) and extra runs (e.g. batch ramps) as labelled
+    markers, runs=[{"label": ..., "steps": S, "examples": E}, ...]."""
+    fig, (ax,) = _new()
+    b = np.asarray((points or {}).get("batch_sizes", ()), dtype=np.float64)
+    s = np.asarray((points or {}).get("steps", ()), dtype=np.float64)
+    if _ok(fit):
+        s_f, e_f = _frontier(fit, *_b_range(fit, b))
+        ax.plot(s_f, e_f, "k-", lw=1.2, label=f"fitted frontier (B_crit = {fit.b_crit:.3g})")
+        ax.axvline(fit.s_min, color="0.6", ls=":", lw=1)
+        ax.axhline(fit.e_min, color="0.6", ls=":", lw=1)
+    if b.size:
+        ax.plot(s, b * s, "o", color="0.5", label="fixed-batch sweep")
+        for bi, si in zip(b, s, strict=True):
+            ax.annotate(f"{bi:g}", (si, bi * si), fontsize=7, color="0.4",
+                        xytext=(3, 3), textcoords="offset points")
+    for i, run in enumerate(runs):
+        if run.get("steps") is None or run.get("examples") is None:
+            continue
+        sx, ex = float(run["steps"]), float(run["examples"])
+        if not (math.isfinite(sx) and math.isfinite(ex)):
+            continue
+        ax.plot([sx], [ex], "D", color=f"C{i % 10}", ms=8, mec="k", label=run.get("label"))
+        ax.annotate(str(run.get("label", i)), (sx, ex), fontsize=8, xytext=(5, -10),
+                    textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlabel="steps S", ylabel="examples E", title=title)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)
+
+
+def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
+                        x_key: str = "examples_seen", xlabel: str = "examples seen") -> str:
+    """Batch size (and, where given, the learning rate on a second axis) against examples
+    seen. runs: dicts with "label", `x_key`, "batch_size" and optionally "lr" (arrays)."""
+    fig, (ax,) = _new()
+    ax_lr = None
+    for i, run in enumerate(runs):
+        x = np.asarray(run[x_key], dtype=np.float64)
+        ax.step(x, np.asarray(run["batch_size"], dtype=np.float64), where="post",
+                color=f"C{i % 10}", label=f"{run.get('label', i)}: batch size")
+        if run.get("lr") is not None:
+            ax_lr = ax_lr or ax.twinx()
+            ax_lr.plot(x, np.asarray(run["lr"], dtype=np.float64), ":", color=f"C{i % 10}")
+    ax.set(yscale="log", xlabel=xlabel, ylabel="batch size")
+    if ax_lr is not None:
+        ax_lr.set_ylabel("learning rate (dotted)")
+    if runs:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)

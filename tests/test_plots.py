@@ -1,0 +1,86 @@
+"""Tests for cbs.plots: every figure writes a decodable, non-blank PNG, also on degenerate input."""
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from cbs import fit, plots
+
+B = np.array([4.0, 16.0, 64.0, 256.0, 1024.0])
+
+
+def _series():
+    out = []
+    for target, (s_min, e_min) in {0.5: (100.0, 3200.0), 0.2: (300.0, 38400.0)}.items():
+        steps = (s_min + e_min / B) * np.exp(0.05 * np.random.default_rng(0).standard_normal(5))
+        out.append({"target": target, "batch_sizes": B, "steps": steps,
+                    "fit": fit.fit_tradeoff(B, steps, bootstrap=20)})
+    return out
+
+
+def _check_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 100
+    assert img[..., :3].std() > 0.01  # something was drawn
+
+
+def test_pareto_and_collapse(tmp_path):
+    series = _series()
+    assert all(item["fit"].ok for item in series)
+    _check_png(plots.pareto_frontier(series, tmp_path / "pareto.png"))
+    _check_png(plots.tradeoff_collapse(series, tmp_path / "sub" / "collapse.png"))
+
+
+def test_b_crit_vs_loss(tmp_path):
+    losses = np.array([0.5, 0.3, 0.2, 0.1])
+    b_crits = 5.0 / losses ** 2
+    law = fit.fit_power_law(losses, b_crits, bootstrap=20)
+    path = plots.b_crit_vs_loss(
+        losses, b_crits, tmp_path / "bcrit.png", b_crit_cis=[(b / 2, b * 2) for b in b_crits],
+        power_law=law, measured={"B_simple": (losses, 2 * b_crits),
+                                 "B_noise": (losses, b_crits / 2)})
+    _check_png(path)
+    _check_png(plots.b_crit_vs_loss(losses, b_crits, tmp_path / "plain.png"))
+
+
+def test_noise_over_training_and_schedule(tmp_path):
+    steps = np.arange(0, 200, 10.0)
+    runs = [{"label": "B=32", "step": steps, "b_simple": 10 + steps, "b_noise": 5 + steps / 2},
+            {"label": "B=128", "step": steps, "b_simple": np.where(steps > 50, 20.0, np.nan)}]
+    _check_png(plots.noise_over_training(runs, tmp_path / "noise.png"))
+    ramp = {"label": "step ramp", "examples_seen": np.array([0, 100, 200, 400]),
+            "batch_size": np.array([8, 8, 16, 32]), "lr": np.array([1.0, 1.0, 1.4, 2.0])}
+    _check_png(plots.batch_size_schedule([ramp], tmp_path / "schedule.png"))
+
+
+def test_se_plane_with_labelled_runs(tmp_path):
+    item = _series()[0]
+    runs = [{"label": "step ramp", "steps": 150.0, "examples": 9000.0},
+            {"label": "adaptive", "steps": 130.0, "examples": 12000.0},
+            {"label": "never reached", "steps": None, "examples": None}]
+    path = plots.se_plane(item["fit"], tmp_path / "se.png",
+                          points={"batch_sizes": item["batch_sizes"], "steps": item["steps"]},
+                          runs=runs)
+    _check_png(path)
+
+
+@pytest.mark.parametrize("name", ["pareto", "collapse", "bcrit", "noise", "se", "schedule"])
+def test_degenerate_inputs_still_write_a_png(tmp_path, name):
+    bad = fit.fit_tradeoff([8, 16], [10, 5])  # insufficient data
+    series = [{"target": 0.1, "batch_sizes": [8, 16], "steps": [10, 5], "fit": bad}]
+    path = tmp_path / f"{name}.png"
+    if name == "pareto":
+        plots.pareto_frontier([], path)
+    elif name == "collapse":
+        plots.tradeoff_collapse(series, path)
+    elif name == "bcrit":
+        plots.b_crit_vs_loss([], [], path, power_law=fit.fit_power_law([1.0], [2.0]))
+    elif name == "noise":
+        plots.noise_over_training([{"label": "x", "step": [0, 1]}], path)
+    elif name == "se":
+        plots.se_plane(bad, path)
+    else:
+        plots.batch_size_schedule([], path)
+    assert path.stat().st_size > 1000
