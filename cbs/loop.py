@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from cbs import checkpoint, metrics, schedules
 
@@ -87,6 +88,11 @@ class Loop:
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               target, tr.state_sharding)
         self.state, meta = self.ckpt.restore(latest, target)
+        if float(self.state.learning_rate) != float(np.float32(c.optim.learning_rate)):
+            # The config's η_0 wins over the checkpoint's (a deliberate change on resume).
+            lr = np.asarray(c.optim.learning_rate, np.float32)
+            self.state = self.state.replace(learning_rate=jax.make_array_from_process_local_data(
+                tr.state_sharding.learning_rate, lr, ()))
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         raw = meta.get("schedule_state")
         self.sched_state = (schedules.AdaptiveState.from_dict(raw) if raw is not None

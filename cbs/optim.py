@@ -77,15 +77,16 @@ def apply_step(params, updates, lr: jax.Array):
 
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
-    """η(E) from `config.optim` (warmup, then constant/cosine/linear decay, in examples).
+def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
+    """s(E) = η(E)/η_0 from `config.optim`: warmup, then constant/cosine/linear decay.
 
     The decay ends at `optim.total_examples`, or at `train.max_examples` when that is 0.
     Jittable; E counts the examples seen including the current batch (`cbs.schedules`).
+    The train step multiplies by η_0 = `optim.learning_rate`, which it holds in its state.
     """
     o = config.optim
     total = o.get("total_examples", 0) or config.train.get("max_examples", 0) or None
-    return schedules.lr_schedule(float(o.learning_rate),
+    return schedules.lr_schedule(1.0,
                                  warmup_examples=float(o.get("warmup_examples", 0)),
                                  total_examples=None if total is None else float(total),
                                  decay=o.get("decay", "constant"),

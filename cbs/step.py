@@ -17,7 +17,7 @@ One step on a global batch [B, ...] sharded over `data`:
    (expectation |G|² + tr(Σ)/B), smoothed by `cbs.noise.NoiseScaleEMA` in the state;
 5. optionally, every `measure_every` steps, `cbs.noise.exact` or `cbs.noise.probe` on the
    first micro-batch(es), under `lax.cond` (or in `measure`, a separate jitted function);
-6. u = direction(ḡ) (optax, `cbs.optim`), θ ← θ − η·u with η = coupled_lr(η(E + B), B)
+6. u = direction(ḡ) (optax, `cbs.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
    (`cbs.schedules`): the learning rate is a function of examples seen E, never of steps.
 
 When b divides m the groups are the same b-example runs of the global batch whatever the
@@ -51,6 +51,8 @@ class TrainState:
     """Everything on the device that an exact resume needs.
 
     step: int32 updates applied; examples_seen: int32 examples consumed (E);
+    learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
+    compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
     variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.noise.NoiseScaleEMA` of
     the in-step two-batch estimates; measure_ema: the same of the every-k-steps measurements
@@ -59,6 +61,7 @@ class TrainState:
 
     step: jax.Array
     examples_seen: jax.Array
+    learning_rate: jax.Array
     params: PyTree
     opt_state: PyTree
     model_state: PyTree
@@ -74,9 +77,11 @@ jax.tree_util.register_dataclass(
 
 
 def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
-                     model_state: PyTree = None, ema_decay: float = 0.95) -> TrainState:
+                     learning_rate: float = 1.0, model_state: PyTree = None,
+                     ema_decay: float = 0.95) -> TrainState:
     """A fresh state at step 0 (jittable: call under `jax.jit` to place it on a mesh)."""
     return TrainState(step=jnp.zeros((), jnp.int32), examples_seen=jnp.zeros((), jnp.int32),
+                      learning_rate=jnp.asarray(learning_rate, jnp.float32),
                       params=params, opt_state=direction.init(params),
                       model_state={} if model_state is None else model_state,
                       noise_ema=noise.NoiseScaleEMA.init(decay=ema_decay),
@@ -101,7 +106,8 @@ class TrainStep:
     Args:
       loss_fn: stateful loss (see `stateless`).
       direction: optax transformation without learning rate (`cbs.optim.make_direction`).
-      lr_fn: η(E), a jittable function of examples seen including the current batch.
+      lr_fn: the schedule's shape s(E) (1 at the peak), jittable, of the examples seen
+        including the current batch; η = state.learning_rate · s(E), then coupled to B.
       mesh: the device mesh; the batch is split over its `data` axis.
       state_sharding: pytree of NamedSharding like the state (in and out of the step).
       inputs_sharding: sharding (prefix) of the step's second argument.
@@ -263,10 +269,10 @@ class TrainStep:
     def _measure_only(self, state: TrainState, inputs: PyTree, accum_steps: int):
         return self._noise_metrics(state, self._micro_batches(state, inputs, accum_steps))
 
-    def _learning_rate(self, examples_after: jax.Array, batch_size: int) -> jax.Array:
+    def _learning_rate(self, state: TrainState, batch_size: int) -> jax.Array:
         from cbs.schedules import coupled_lr
 
-        lr = self.lr_fn(examples_after)
+        lr = state.learning_rate * self.lr_fn(state.examples_seen + batch_size)
         if self.lr_coupling is not None:
             base, rule, cap = self.lr_coupling
             lr = coupled_lr(lr, batch_size, base, rule, cap)
@@ -303,10 +309,10 @@ class TrainStep:
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
         examples_after = state.examples_seen + b_big
-        lr = self._learning_rate(examples_after, b_big)
+        lr = self._learning_rate(state, b_big)
         metrics["opt/lr"] = lr
         params = optim.apply_step(state.params, updates, lr)
-        new_state = TrainState(step=state.step + 1, examples_seen=examples_after, params=params,
-                               opt_state=opt_state, model_state=model_state, noise_ema=ema,
-                               measure_ema=measure_ema)
+        new_state = state.replace(step=state.step + 1, examples_seen=examples_after,
+                                  params=params, opt_state=opt_state, model_state=model_state,
+                                  noise_ema=ema, measure_ema=measure_ema)
         return new_state, metrics

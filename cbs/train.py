@@ -121,6 +121,7 @@ class Trainer:
         def make_state() -> TrainState:
             _, p, r = models.split_model(make_model())
             return init_train_state(p, self.direction, model_state=r,
+                                    learning_rate=c.optim.learning_rate,
                                     ema_decay=c.noise.ema_decay)
 
         self._make_state = make_state
@@ -130,6 +131,7 @@ class Trainer:
         rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
         self.state_sharding = TrainState(
             step=mesh_lib.replicated(self.mesh), examples_seen=mesh_lib.replicated(self.mesh),
+            learning_rate=mesh_lib.replicated(self.mesh),
             params=shard(shapes.params), opt_state=shard(shapes.opt_state),
             model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
             measure_ema=rep(shapes.measure_ema))
@@ -171,7 +173,7 @@ class Trainer:
         if lc.rule != "none":
             base = lc.base_batch_size or self.schedule.batch_size_at(0, self.schedule.init())
             coupling = (base, lc.rule, lc.cap or None)
-        self.step = TrainStep(self.loss_fn, self.direction, optim.learning_rate_schedule(c),
+        self.step = TrainStep(self.loss_fn, self.direction, optim.learning_rate_shape(c),
                               self.mesh, self.state_sharding, inputs_sharding,
                               micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
                               batch_fn=batch_fn, lr_coupling=coupling, measure=measure,

@@ -1,0 +1,411 @@
+"""Tests of the training engine: cbs.step (jitted step), cbs.optim, cbs.train and cbs.loop.
+
+Float32 comparisons of two computations of the same update (different summation order:
+micro-batches, devices) use rtol 2e-5 / atol 1e-6 after 3 steps: a few float32 ulps of
+O(1) parameters, far below any real difference (one SGD step moves parameters by ~1e-3).
+Resume tests compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from cbs import checkpoint, data, metrics, models, noise, optim, schedules, step, train
+from cbs import config as config_lib
+from cbs import mesh as mesh_lib
+
+RTOL, ATOL = 2e-5, 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Identical programs compile once per module (every Trainer re-traces its closures)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(names[1], 0)
+    jax.config.update(names[2], 0)
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+    """digits, MLP 64-16-10, m = 8, B = 32, 12 steps; dotted overrides."""
+    c = config_lib.default_config()
+    c.model.hidden_sizes = (16,)
+    c.batch.micro_batch = 8
+    c.batch.schedule.batch_size = 32
+    c.train.max_steps = 12
+    c.train.log_every = 4
+    c.train.checkpoint_every = 5
+    c.train.progress_bar = False
+    c.train.tensorboard = False
+    c.eval.every = 6
+    c.eval.batch_size = 512
+    c.mesh.data = 1
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def one_device_mesh(n: int = 1) -> jax.sharding.Mesh:
+    return mesh_lib.make_mesh(devices=jax.devices()[:n])
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """(loss_fn, params, batch of 32 digits)."""
+    mc = models.default_model_config("mlp")
+    mc.hidden_sizes = (16,)
+    model = models.build_model(mc, input_shape=(64,), num_classes=10, rngs=nnx.Rngs(0),
+                               verbose=False)
+    graphdef, params, rest = models.split_model(model)
+    ds = data.get_dataset("digits")
+    batch = ds.split("train").read(np.arange(32))
+    return models.make_loss_fn(graphdef, rest, "classification"), params, batch
+
+
+def make_step(loss_fn, params, optim_config, mesh, *, micro_batch, lr=0.05, **kwargs):
+    """(TrainStep, state) with a constant learning rate and the batch passed as inputs."""
+    direction = optim.make_direction(optim_config)
+    rep = mesh_lib.replicated(mesh)
+    state = jax.jit(lambda p: step.init_train_state(p, direction, learning_rate=lr),
+                    out_shardings=rep)(params)
+    sharding = jax.tree.map(lambda x: x.sharding, state)
+    ts = step.TrainStep(step.stateless(loss_fn), direction, lambda e: 1.0, mesh, sharding,
+                        mesh_lib.batch_sharding(mesh), micro_batch=micro_batch, **kwargs)
+    return ts, state
+
+
+def run_steps(ts, state, batch, accum, n=3):
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    history = []
+    for _ in range(n):
+        state, m = ts(state, batch, accum)
+        history.append(m)
+    return state, jax.device_get(history)
+
+
+def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------- optimizers
+
+
+@pytest.mark.parametrize("name, reference", [
+    ("sgd", lambda: optax.sgd(0.1)),
+    ("momentum", lambda: optax.sgd(0.1, momentum=0.9)),
+    ("adam", lambda: optax.adam(0.1)),
+    ("adamw", lambda: optax.adamw(0.1, weight_decay=0.01)),
+    ("clip", lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(0.1))),
+])
+def test_direction_times_lr_is_optax(name, reference):
+    cfg = ml_collections.ConfigDict({"name": "adam" if name == "clip" else name,
+                                     "weight_decay": 0.01 if name == "adamw" else 0.0,
+                                     "weight_decay_mask": "all",
+                                     "clip_norm": 0.5 if name == "clip" else 0.0})
+    direction, ref = optim.make_direction(cfg), reference()
+    params = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.ones(3)}
+    p1, p2 = params, params
+    s1, s2 = direction.init(p1), ref.init(p2)
+    for k in range(3):
+        g = jax.tree.map(lambda x, k=k: jnp.sin(x * (k + 1.0)), p1)
+        u, s1 = direction.update(g, s1, p1)
+        p1 = optim.apply_step(p1, u, jnp.float32(0.1))
+        u2, s2 = ref.update(g, s2, p2)
+        p2 = optax.apply_updates(p2, u2)
+    assert_trees_close(p1, p2, rtol=1e-6, atol=1e-7)
+
+
+def test_unknown_optimizer_names_the_field():
+    with pytest.raises(ValueError, match="config.optim.name"):
+        optim.make_direction(ml_collections.ConfigDict({"name": "lion"}))
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_accumulation_identity(mlp, opt):
+    """micro 8 × accum 4 equals batch 32 in one step, and both equal plain optax."""
+    loss_fn, params, batch = mlp
+    oc = ml_collections.ConfigDict({"name": opt})
+    mesh = one_device_mesh()
+    ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=8)
+    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=32)
+    st_a, hist_a = run_steps(ts_a, st_a, batch, accum=4)
+    st_b, hist_b = run_steps(ts_b, st_b, batch, accum=1)
+    assert_trees_close(st_a.params, st_b.params)
+    tx = optax.sgd(0.05) if opt == "sgd" else optax.adam(0.05)
+    p, s = params, tx.init(params)
+    for h in hist_a:
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        np.testing.assert_allclose(h["train/loss"], loss, rtol=RTOL)
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert_trees_close(st_a.params, p)
+    assert float(jnp.max(jnp.abs(st_a.params["layers"][0]["kernel"][...]
+                                 - params["layers"][0]["kernel"][...]))) > 1e-3
+
+
+def test_eight_devices_equal_one(mlp):
+    """R=8 (m=4, and m=1 with A=4) equals R=1; the two-batch estimate too (b = 4 | m)."""
+    loss_fn, params, batch = mlp
+    oc = ml_collections.ConfigDict({"name": "adam"})
+    ts1, st1 = make_step(loss_fn, params, oc, one_device_mesh(), micro_batch=32, small_batch=4)
+    ts8, st8 = make_step(loss_fn, params, oc, one_device_mesh(8), micro_batch=4, small_batch=4)
+    st1, h1 = run_steps(ts1, st1, batch, accum=1)
+    st8, h8 = run_steps(ts8, st8, batch, accum=1)
+    assert_trees_close(st1.params, st8.params)
+    for a, b in zip(h1, h8, strict=True):
+        for k in ("train/loss", "noise/two_batch_trace_sigma", "noise/ema_b_simple"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4)
+    ts8a, st8a = make_step(loss_fn, params, oc, one_device_mesh(8), micro_batch=1)
+    st8a, _ = run_steps(ts8a, st8a, batch, accum=4)
+    assert_trees_close(st1.params, st8a.params)
+
+
+def test_measure_in_step_equals_separate(mlp):
+    loss_fn, params, batch = mlp
+    oc = ml_collections.ConfigDict({"name": "sgd"})
+    measure = ("auto", 2, 1, False, 1, 0)
+    mesh = one_device_mesh()
+    ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure + (True,))
+    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure + (False,))
+    st_a, hist_a = run_steps(ts_a, st_a, batch, accum=2)
+    b = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
+    hist_b = []
+    for t in range(3):
+        measured = {}
+        if t % 2 == 0:
+            st_b, measured = ts_b.measure_now(st_b, b, 2)
+        st_b, m = ts_b(st_b, b, 2)
+        hist_b.append(jax.device_get(m | measured))
+    assert_trees_close(st_a.params, st_b.params)
+    exact = noise.exact(loss_fn, params, jax.tree.map(lambda x: x[:16], batch))
+    assert "noise/b_simple" not in hist_b[1]
+    assert np.isnan(hist_a[1]["noise/b_simple"])
+    np.testing.assert_allclose(hist_a[0]["noise/b_simple"], exact.b_simple, rtol=1e-4)
+    for t in (0, 2):
+        for k, v in hist_b[t].items():
+            np.testing.assert_allclose(hist_a[t][k], v, rtol=1e-5, err_msg=k)
+
+
+def test_two_batch_estimate_agrees_with_exact_on_average():
+    """At fixed parameters (η = 0), the mean over steps of the in-step estimates equals the
+    exact statistics of the whole training set. Batches are drawn without replacement from
+    the N examples, so E|ḡ_b|² = |G|² + σ²(N − b)/(b(N − 1)) with σ² = Σ|g_i − G|²/N; the
+    two-batch formulas then give exactly exact(train set).trace_sigma (the 1/(N−1) estimate)
+    and exact(train set).grad_sq_norm in expectation. Tolerance: 4 standard errors."""
+    c = tiny_config(**{"batch.schedule.batch_size": 64, "noise.small_batch": 8})
+    tr = train.Trainer(c, mesh=one_device_mesh())
+    state = tr.init_state().replace(learning_rate=jnp.float32(0.0))
+    num_steps, hist = 200, []
+    for t in range(num_steps):
+        state, m = tr.step(state, tr.inputs(t * 64, 64), tr.accum_steps(64))
+        hist.append(m)
+    hist = jax.device_get(hist)
+    loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+    full = tr.dataset.split("train").read(np.arange(tr.dataset.num_train))
+    exact = noise.exact(loss_fn, state.params, full, chunk_size=256)
+    for key, want in (("trace_sigma", exact.trace_sigma), ("grad_sq_norm", exact.grad_sq_norm)):
+        x = np.array([h[f"noise/two_batch_{key}"] for h in hist], np.float64)
+        se = x.std(ddof=1) / np.sqrt(num_steps)
+        assert abs(x.mean() - float(want)) < 4 * se, (key, x.mean(), float(want), se)
+        assert se < 0.25 * abs(float(want)), (key, se)  # the check has power
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def test_no_recompilation_and_one_compile_per_accumulation_count(tmp_path):
+    c = tiny_config(**{"batch.schedule": ml_collections.ConfigDict(
+        {"kind": "step", "steps": ((0, 16), (96, 32), (224, 16))})})
+    c.train.max_steps = 14
+    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh())
+    state = tr.init_state()
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: events.append(name) if "backend_compile" in name else None)
+    sizes = []
+    e = 0
+    for t in range(14):
+        b = tr.schedule.batch_size_at(e)
+        sizes.append(b)
+        before = len(events)
+        state, _ = tr.step(state, tr.inputs(e, b), tr.accum_steps(b))
+        if t > 0 and b == sizes[-2]:
+            assert len(events) == before, f"recompiled at step {t}"
+        e += b
+    assert sorted(set(sizes)) == [16, 32]
+    assert tr.step.num_compilations() == 2  # A = 2 and A = 4, the return to 16 reuses A = 2
+
+
+def test_records_checkpoints_and_status(tmp_path):
+    c = tiny_config(**{"noise.every": 4, "train.tensorboard": True,
+                       "batch.lr_coupling.rule": "sqrt", "optim.warmup_examples": 128})
+    summary = train.run(c, str(tmp_path), mesh=one_device_mesh())
+    assert summary["status"] == "finished" and summary["step"] == 12
+    recs = metrics.read_records(str(tmp_path / metrics.METRICS_FILE))
+    trains = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in trains] == list(range(12))
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    for key in ("train/loss", "opt/lr", "opt/grad_norm", "data/batch_size", "data/examples_seen",
+                "noise/ema_b_simple", "noise/two_batch_trace_sigma"):
+        assert key in trains[5], key
+    assert all(("noise/b_simple" in r) == (r["step"] % 4 == 0) for r in trains)
+    assert {"eval/loss", "eval/accuracy", "full_train/loss", "full_train/accuracy"} <= set(
+        evals[-1])
+    lrs = [r["opt/lr"] for r in trains[:5]]  # warmup: η_0·min(1, (E + B)/128), B_0 = B
+    np.testing.assert_allclose(lrs, [1e-3 * min(1, 32 * (t + 1) / 128) for t in range(5)],
+                               rtol=1e-6)
+    assert trains[3]["data/examples_seen"] == 96
+    ckpt = checkpoint.Checkpointer(str(tmp_path / checkpoint.CHECKPOINT_DIR))
+    assert ckpt.all_steps() == [10, 12]
+    assert os.listdir(tmp_path / metrics.TENSORBOARD_DIR)
+    status = json.loads((tmp_path / metrics.STATUS_FILE).read_text())
+    assert status["status"] == "finished" and status["last_eval"]["step"] == 12
+    # The same command again returns the recorded summary without training.
+    assert train.run(c, str(tmp_path), mesh=one_device_mesh())["elapsed_s"] == summary[
+        "elapsed_s"]
+
+
+def test_full_training_set_evaluation_is_exact(mlp):
+    c = tiny_config(**{"eval.batch_size": 100})
+    tr = train.Trainer(c, mesh=one_device_mesh())
+    state = tr.init_state()
+    got = tr.evaluate(state, "train")
+    full = tr.dataset.split("train").read(np.arange(tr.dataset.num_train))
+    want = tr.loss_fn(state.params, state.model_state, full)[0]
+    np.testing.assert_allclose(got["loss"], float(want), rtol=1e-5)
+    assert 0.0 <= got["accuracy"] <= 1.0
+    assert tr.evaluate(state, "eval", 50)["loss"] != got["loss"]
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at(step_number):
+    def stop_fn(step_, record):
+        if step_ >= step_number:
+            raise _Crash(step_)
+        return False
+    return stop_fn
+
+
+def _final_state(workdir, target):
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))
+    state, meta = ckpt.restore(None, target)
+    ckpt.close()
+    return state, meta
+
+
+@pytest.mark.parametrize("schedule", [
+    {"kind": "step", "steps": ((0, 16), (160, 32))},
+    {"kind": "adaptive", "min_batch": 8, "max_batch": 64, "initial": 16, "patience": 1, "k": 4.0},
+])
+def test_resume_after_crash_is_bit_identical(tmp_path, schedule):
+    """Crash at step 8 (checkpoint at 5, mid-ramp), rerun: same params and records."""
+    c = tiny_config(**{"noise.every": 3, "batch.adapt_every": 2, "eval.every": 4,
+                       "batch.schedule": ml_collections.ConfigDict(schedule)})
+    mesh = one_device_mesh(2)
+    c.mesh.data = 2
+    c.batch.micro_batch = 4
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    s1 = train.run(c, whole, mesh=mesh)
+    with pytest.raises(_Crash):
+        train.run(c, broken, stop_fn=_crash_at(8), mesh=mesh)
+    status = metrics.read_json(os.path.join(broken, metrics.STATUS_FILE))
+    assert status["status"] == "running"
+    s2 = train.run(c, broken, mesh=mesh)
+    assert s2["step"] == s1["step"] == 12
+    r1 = metrics.read_records(os.path.join(whole, metrics.METRICS_FILE))
+    r2 = metrics.read_records(os.path.join(broken, metrics.METRICS_FILE))
+    assert r1 == r2
+    sizes = {r["data/batch_size"] for r in r1 if r["kind"] == "train"}
+    assert len(sizes) >= 2, sizes  # the run did change batch size
+    target = train.Trainer(c, mesh=mesh).init_state()
+    (a, meta_a), (b, meta_b) = _final_state(whole, target), _final_state(broken, target)
+    assert meta_a == meta_b
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _poisoned_digits(bad_step: int, batch_size: int) -> data.Dataset:
+    ds = data.get_dataset("digits")
+    idx = data.stream_indices(bad_step * batch_size, batch_size, ds.num_train, 0)
+    arrays = {k: v.copy() for k, v in ds.train.items()}
+    arrays["x"] = arrays["x"].astype(np.float32)
+    arrays["x"][idx[3]] = np.nan
+    split = dataclasses.replace(ds.split("train"), arrays=arrays)
+    return dataclasses.replace(ds, splits={**ds.splits, "train": split})
+
+
+def test_nan_stops_with_step_named_and_checkpoint_intact(tmp_path):
+    c = tiny_config()
+    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
+                       dataset=_poisoned_digits(7, 32))
+    with pytest.raises(train.DivergedError, match="step 7") as err:
+        tr.run()
+    assert err.value.step == 7
+    status = metrics.read_json(str(tmp_path / metrics.STATUS_FILE))
+    assert status["status"] == "diverged" and status["step"] == 7
+    assert status["checkpoint_step"] == 5
+    ckpt = checkpoint.Checkpointer(str(tmp_path / checkpoint.CHECKPOINT_DIR))
+    state, meta = ckpt.restore(None, jax.tree.map(np.asarray, tr.init_state()))
+    assert meta["step"] == 5 and int(state.step) == 5
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    recs = metrics.read_records(str(tmp_path / metrics.METRICS_FILE))
+    assert recs[-1]["step"] == 7 and not np.isfinite(recs[-1]["train/loss"])
+    summary = train.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
+                            dataset=_poisoned_digits(7, 32)).run(raise_on_divergence=False)
+    assert summary["status"] == "diverged"
+
+
+def test_stop_fn_ends_the_run_as_stopped(tmp_path):
+    c = tiny_config(**{"train.max_steps": 40, "eval.every": 2, "optim.learning_rate": 1e-2})
+    seen = []
+
+    def stop_fn(step_, record):
+        seen.append(step_)
+        return record["kind"] == "eval" and record["full_train/loss"] < 2.0
+
+    summary = train.run(c, str(tmp_path), stop_fn=stop_fn, mesh=one_device_mesh())
+    assert summary["status"] == "stopped" and summary["step"] < 40
+    assert summary["last_eval"]["full_train/loss"] < 2.0
+    assert seen == sorted(seen)
+    again = train.run(c, str(tmp_path), stop_fn=lambda *a: False, mesh=one_device_mesh())
+    assert again == summary
+
+
+def test_train_state_learning_rate_is_runtime(mlp):
+    """η_0 lives in the state: two learning rates share one compilation."""
+    loss_fn, params, batch = mlp
+    ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
+                       one_device_mesh(), micro_batch=32)
+    st2 = st.replace(learning_rate=jnp.float32(0.5))
+    st_a, h_a = run_steps(ts, st, batch, accum=1, n=1)
+    st_b, h_b = run_steps(ts, st2, batch, accum=1, n=1)
+    assert ts.num_compilations() == 1
+    assert h_a[0]["opt/lr"] == pytest.approx(0.05) and h_b[0]["opt/lr"] == pytest.approx(0.5)
+    assert schedules.coupled_lr(0.05, 64, 32, "sqrt") == pytest.approx(0.05 * 2 ** 0.5)
