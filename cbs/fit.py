@@ -159,7 +159,7 @@ def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
 
 def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
            f_scale: float | None, iters: int = 300) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg–Marquardt on R independent problems at once (IRLS weights for soft-L1)."""
+    """Levenberg–Marquardt on R independent problems at once (IRLS weights for Cauchy)."""
     theta = theta_Rx2.astype(np.float64).copy()
     m, _ = _model(theta, logb_RxN)
     cost = _cost(m - logs_RxN, f_scale)
@@ -239,7 +239,9 @@ def fit_tradeoff(batch_sizes: Sequence[float], steps: Sequence[float | None], *,
         indistinguishable from S_min itself.
       resample: "residual" (default; see module docstring) or "pairs".
     Returns:
-      TradeoffFit; status "insufficient data" (NaN values) with fewer than 3 distinct B.
+      TradeoffFit; status "insufficient data" (NaN values) with fewer than 3 distinct B, or
+      "failed: ..." if the numerics break down. Read `warnings` too: a B_crit outside the
+      sampled batch sizes is an extrapolation.
     """
     if method not in ("lsq", "robust") or resample not in ("residual", "pairs"):
         raise ValueError(f"method must be lsq|robust and resample residual|pairs, got "
@@ -250,6 +252,17 @@ def fit_tradeoff(batch_sizes: Sequence[float], steps: Sequence[float | None], *,
     if n_b < 3:
         return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
                            n_dropped, INSUFFICIENT, method, confidence)
+    try:
+        with np.errstate(all="ignore"):  # trial steps may overflow; they are rejected
+            return _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence,
+                                    resample)
+    except (ArithmeticError, ValueError, RuntimeError, np.linalg.LinAlgError) as err:
+        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
+                           n_dropped, f"failed: {type(err).__name__}: {err}", method,
+                           confidence)
+
+
+def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resample):
     logb, logs = np.log(b), np.log(s)
     theta = _fit_point(logb, logs, None)
     f_scale = None
@@ -259,13 +272,14 @@ def fit_tradeoff(batch_sizes: Sequence[float], steps: Sequence[float | None], *,
     fitted, J = _model(theta[None], logb[None])
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
-    cis = [nan2] * 3
+    b_crit = float(np.exp(theta[1] - theta[0]))
+    cis = [(math.nan, math.nan)] * 3
     if bootstrap > 0:
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
-    return TradeoffFit(s_min, e_min, e_min / s_min, *cis, int(b.size), n_b, n_dropped, OK,
-                       method, confidence, float(np.sqrt(np.mean(resid ** 2))),
-                       _tradeoff_warnings(b, e_min / s_min, cis[2]))
+    return TradeoffFit(s_min, e_min, b_crit, *cis, int(b.size), int(np.unique(b).size),
+                       n_dropped, OK, method, confidence, float(np.sqrt(np.mean(resid ** 2))),
+                       _tradeoff_warnings(b, b_crit, cis[2]))
 
 
 def _log_param_se(logb_RxN, logs_RxN, theta_Rx2, f_scale) -> np.ndarray:
@@ -346,6 +360,12 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
     if np.unique(loss).size < 3:
         return PowerLawFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(loss.size),
                            INSUFFICIENT, confidence)
+    with np.errstate(all="ignore"):
+        return _fit_power_law_ok(loss, bc, bootstrap, seed, confidence)
+
+
+def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
+    nan2 = (math.nan, math.nan)
     x, y = np.log(loss), np.log(bc)
     X = np.stack([np.ones_like(x), x], axis=1)
     coef = np.linalg.lstsq(X, y, rcond=None)[0]
@@ -362,9 +382,7 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
         se = _ols_se(X, resid[:, None])[0]
         intercept_ci, slope_ci = (_studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
                                                confidence) for k in (0, 1))
-        with np.errstate(over="ignore"):
-            b_star_ci = tuple(float(v) for v in np.exp(intercept_ci))
-        cis = [b_star_ci,
+        cis = [tuple(float(v) for v in np.exp(intercept_ci)),
                _alpha_interval(slope_ci), slope_ci]
     slope = float(coef[1])
     alpha = -1.0 / slope if slope != 0 else math.inf

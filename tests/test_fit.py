@@ -77,6 +77,15 @@ def test_insufficient_data_never_crashes():
     assert json.loads(blob)["b_crit"] is None
 
 
+@pytest.mark.parametrize("steps", [[10, 20, 40, 80], [10, 10, 10, 10],
+                                   [1e-300, 1e-301, 1e-302, 1e-303],
+                                   [1e300, 1e299, 1e298, 1e297]])
+def test_pathological_tables_do_not_crash(steps):
+    with np.errstate(all="raise"):  # no floating-point error escapes either
+        f = fit.fit_tradeoff([1, 2, 4, 8], steps, bootstrap=50, method="robust")
+    assert f.status == "ok" and f.warnings  # B_crit outside [1, 8]: flagged
+
+
 def test_drops_unreached_and_reports_it():
     steps = list(S_MIN + E_MIN / BATCH_SIZES)
     steps[0] = None  # the smallest batch never reached the target
