@@ -15,11 +15,12 @@ accept the same calls as no-ops, so a training loop needs one code path.
   a ladder of sizes min·factor^n, with hysteresis: it moves only after the target has stayed
   beyond a band (B·band above or B/band below) for `patience` consecutive updates.
 
-Learning-rate coupling (Goyal et al. 2017 for SGD, linear; Malladi et al. 2022 and the
-OLMo batch warmup for Adam, square root): η(B) = η_0 · (B/B_0)^p with p = 0, 1 or 1/2, capped.
-The multiplier is a pure function of the current B, so it is applied exactly once per change
-and never compounds. Learning-rate schedules are functions of e, not of steps, so a batch
-change does not stretch or squeeze warmup and decay; they are jnp code usable inside `jit`.
+Learning-rate coupling (Goyal et al. 2017 for SGD, linear; Malladi et al. 2022 and the OLMo
+batch-size warmup of "Critical Batch Size Revisited", arXiv:2505.23971, for Adam, square
+root): η(B) = η_0 · (B/B_0)^p with p = 0, 1 or 1/2, capped. The multiplier is a pure function
+of the current B, so it is applied exactly once per change and never compounds.
+Learning-rate schedules are functions of e, not of steps, so a batch change does not stretch
+or squeeze warmup and decay; they are jnp code usable inside `jit`.
 """
 
 from __future__ import annotations
