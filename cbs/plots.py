@@ -155,17 +155,17 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                         x_key: str = "step", keys: Sequence[str] = ("b_simple", "b_noise"),
                         xlabel: str | None = None) -> str:
     """Noise scale over training, one colour per run, one line style per key (solid, dashed,
-    dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing keys and
-    non-finite or non-positive values are skipped)."""
+    dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing or empty
+    keys, arrays not aligned with `x_key`, and non-finite or non-positive values are skipped)."""
     fig, (ax,) = _new()
     styles = ["-", "--", ":", "-."]
     drawn = 0
     for i, run in enumerate(runs):
         x = np.asarray(run.get(x_key, ()), dtype=np.float64)
         for j, key in enumerate(keys):
-            if run.get(key) is None:
+            y = np.asarray(run[key] if run.get(key) is not None else (), dtype=np.float64)
+            if y.size == 0 or y.shape != x.shape:  # not measured, or not aligned with x
                 continue
-            y = np.asarray(run[key], dtype=np.float64)
             keep = np.isfinite(x) & np.isfinite(y) & (y > 0)
             ax.plot(x[keep], y[keep], styles[j % len(styles)], color=f"C{i % 10}",
                     label=f"{run.get('label', i)}: {key}")

@@ -48,7 +48,8 @@ def test_b_crit_vs_loss(tmp_path):
 def test_noise_over_training_and_schedule(tmp_path):
     steps = np.arange(0, 200, 10.0)
     runs = [{"label": "B=32", "step": steps, "b_simple": 10 + steps, "b_noise": 5 + steps / 2},
-            {"label": "B=128", "step": steps, "b_simple": np.where(steps > 50, 20.0, np.nan)}]
+            {"label": "B=128", "step": steps, "b_simple": np.where(steps > 50, 20.0, np.nan),
+             "b_noise": []}]
     _check_png(plots.noise_over_training(runs, tmp_path / "noise.png"))
     ramp = {"label": "step ramp", "examples_seen": np.array([0, 100, 200, 400]),
             "batch_size": np.array([8, 8, 16, 32]), "lr": np.array([1.0, 1.0, 1.4, 2.0])}
