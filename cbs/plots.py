@@ -37,6 +37,31 @@ def _no_data(ax, message: str = "no data") -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
 
 
+def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
+    """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
+    legend when something was drawn, else a "no data" note. Returns whether data was drawn."""
+    xs, ys = [np.empty(0)], [np.empty(0)]
+    for line in ax.get_lines():
+        x = np.asarray(line.get_xdata(), dtype=np.float64)
+        y = np.asarray(line.get_ydata(), dtype=np.float64)
+        if x.shape != y.shape or line.get_transform() != ax.transData:
+            continue  # reference lines drawn in axes coordinates
+        ok = np.isfinite(x) & np.isfinite(y)
+        xs.append(x[ok & (x > 0)])
+        ys.append(y[ok & (y > 0)])
+    has_x, has_y = np.concatenate(xs).size > 0, np.concatenate(ys).size > 0
+    if logx and has_x:
+        ax.set_xscale("log")
+    if logy and has_y:
+        ax.set_yscale("log")
+    drawn = has_x and has_y
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        _no_data(ax, message)
+    return drawn
+
+
 def _ok(fit: TradeoffFit | PowerLawFit | None) -> bool:
     return fit is not None and fit.ok
 
@@ -75,11 +100,8 @@ def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
             ax.plot(s_f, e_f, "-", color=color, lw=1.2)
             ax.plot([2 * fit.s_min], [2 * fit.e_min], "*", color=color, ms=12, mec="k")
         ax.plot(s, b * s, "o", color=color, label=label)
-    ax.set(xscale="log", yscale="log", xlabel="steps S", ylabel="examples E = B·S", title=title)
-    if series:
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax)
+    ax.set(xlabel="steps S", ylabel="examples E = B·S", title=title)
+    _finish(ax, logx=True, logy=True)
     return _save(fig, path)
 
 
@@ -103,10 +125,10 @@ def tradeoff_collapse(series: Sequence[Mapping[str, Any]], path: PathLike) -> st
     grid = np.geomspace(min(allx.min(), 0.1) / 2, max(allx.max(), 10.0) * 2, 200)
     ax_s.plot(grid, 1 + 1 / grid, "k--", lw=1, label="1 + B_crit/B")
     ax_e.plot(grid, 1 + grid, "k--", lw=1, label="1 + B/B_crit")
-    ax_s.set(xscale="log", yscale="log", xlabel="B / B_crit", ylabel="S / S_min")
-    ax_e.set(xscale="log", yscale="log", xlabel="B / B_crit", ylabel="E / E_min")
+    ax_s.set(xlabel="B / B_crit", ylabel="S / S_min")
+    ax_e.set(xlabel="B / B_crit", ylabel="E / E_min")
     for ax in (ax_s, ax_e):
-        ax.legend(fontsize=8)
+        _finish(ax, logx=True, logy=True)
     if not xs:
         _no_data(ax_s, "no target with a fit")
     return _save(fig, path)
@@ -142,12 +164,8 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
         ax.plot(grid, power_law.b_crit(grid), "k-", lw=1,
                 label=f"B*/L^(1/α_B): B* = {power_law.b_star:.3g}, α_B = {power_law.alpha_b:.3g}")
     ax.set(xlabel=xlabel, ylabel="batch size")
-    if all_l.size:
-        ax.set(xscale="log", yscale="log")
+    if _finish(ax, logx=True, logy=True):
         ax.invert_xaxis()
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax)
     return _save(fig, path)
 
 
@@ -159,7 +177,6 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
     keys, arrays not aligned with `x_key`, and non-finite or non-positive values are skipped)."""
     fig, (ax,) = _new()
     styles = ["-", "--", ":", "-."]
-    drawn = 0
     for i, run in enumerate(runs):
         x = np.asarray(run.get(x_key, ()), dtype=np.float64)
         for j, key in enumerate(keys):
@@ -169,12 +186,8 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
             keep = np.isfinite(x) & np.isfinite(y) & (y > 0)
             ax.plot(x[keep], y[keep], styles[j % len(styles)], color=f"C{i % 10}",
                     label=f"{run.get('label', i)}: {key}")
-            drawn += 1
-    ax.set(yscale="log", xlabel=xlabel or x_key, ylabel="noise scale")
-    if drawn:
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax)
+    ax.set(xlabel=xlabel or x_key, ylabel="noise scale")
+    _finish(ax, logx=False, logy=True)
     return _save(fig, path)
 
 
@@ -207,11 +220,8 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
         ax.plot([sx], [ex], "D", color=f"C{i % 10}", ms=8, mec="k", label=run.get("label"))
         ax.annotate(str(run.get("label", i)), (sx, ex), fontsize=8, xytext=(5, -10),
                     textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="steps S", ylabel="examples E", title=title)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax)
+    ax.set(xlabel="steps S", ylabel="examples E", title=title)
+    _finish(ax, logx=True, logy=True)
     return _save(fig, path)
 
 
@@ -228,11 +238,8 @@ def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
         if run.get("lr") is not None:
             ax_lr = ax_lr or ax.twinx()
             ax_lr.plot(x, np.asarray(run["lr"], dtype=np.float64), ":", color=f"C{i % 10}")
-    ax.set(yscale="log", xlabel=xlabel, ylabel="batch size")
+    ax.set(xlabel=xlabel, ylabel="batch size")
     if ax_lr is not None:
         ax_lr.set_ylabel("learning rate (dotted)")
-    if runs:
-        ax.legend(fontsize=8)
-    else:
-        _no_data(ax)
+    _finish(ax, logx=False, logy=True)
     return _save(fig, path)

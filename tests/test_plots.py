@@ -67,7 +67,11 @@ def test_se_plane_with_labelled_runs(tmp_path):
     _check_png(path)
 
 
-@pytest.mark.parametrize("name", ["pareto", "collapse", "bcrit", "noise", "se", "schedule"])
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("name", ["pareto", "collapse", "bcrit", "noise", "se", "schedule",
+                                  "bcrit_nan", "se_zero", "pareto_empty_series"])
 def test_degenerate_inputs_still_write_a_png(tmp_path, name):
     bad = fit.fit_tradeoff([8, 16], [10, 5])  # insufficient data
     series = [{"target": 0.1, "batch_sizes": [8, 16], "steps": [10, 5], "fit": bad}]
@@ -82,6 +86,13 @@ def test_degenerate_inputs_still_write_a_png(tmp_path, name):
         plots.noise_over_training([{"label": "x", "step": [0, 1]}], path)
     elif name == "se":
         plots.se_plane(bad, path)
-    else:
+    elif name == "schedule":
         plots.batch_size_schedule([], path)
+    elif name == "bcrit_nan":  # no fit reached, measured values all missing
+        plots.b_crit_vs_loss([0.5], [NAN], path, b_crit_cis=[(NAN, NAN)],
+                             measured={"B_simple": ([0.5, 0.2], [NAN, NAN])})
+    elif name == "se_zero":
+        plots.se_plane(None, path, runs=[{"label": "a", "steps": 0.0, "examples": 0.0}])
+    else:
+        plots.pareto_frontier([{"target": 1, "batch_sizes": [], "steps": [], "fit": None}], path)
     assert path.stat().st_size > 1000
