@@ -1,0 +1,1 @@
+"""Entry points (`python -m experiments.main`) and configs (`experiments/configs/`) for cbs."""

@@ -1,0 +1,123 @@
+"""Tests of cbs.config: every bad field fails, names itself, and fails before compiling."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+import jax
+import ml_collections
+import pytest
+
+from cbs import config as config_lib
+from cbs import mesh as mesh_lib
+from cbs import train
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+
+
+def _set(c, key, value):
+    node = c
+    *path, last = key.split(".")
+    for p in path:
+        node = node[p]
+    node[last] = value
+
+
+def test_default_config_is_valid():
+    config_lib.validate(config_lib.default_config(), data_replicas=1)
+    config_lib.validate(config_lib.default_config(), data_replicas=4)
+
+
+BAD = [
+    ("batch.micro_batch", 0, "config.batch.micro_batch"),
+    ("batch.micro_batch", -8, "config.batch.micro_batch"),
+    ("batch.schedule.batch_size", 100, "config.batch.schedule"),
+    ("batch.schedule.batch_size", 0, "config.batch.schedule"),
+    ("batch.schedule", ml_collections.ConfigDict({"kind": "step", "steps": ((0, 64), (10, 48))}),
+     "config.batch.schedule"),
+    ("batch.schedule", ml_collections.ConfigDict({"kind": "ramp"}), "config.batch.schedule"),
+    ("optim.name", "lion", "config.optim.name"),
+    ("optim.learning_rate", 0.0, "config.optim.learning_rate"),
+    ("optim.learning_rate", -1e-3, "config.optim.learning_rate"),
+    ("optim.decay", "cosine", "config.optim.total_examples"),
+    ("model.name", "resnet", "config.model.name"),
+    ("data.name", "imagenet21k", "config.data.name"),
+    ("noise.small_batch", 3, "config.noise.small_batch"),
+    ("noise.method", "magic", "config.noise.method"),
+    ("noise.ema_decay", 1.0, "config.noise.ema_decay"),
+    ("noise.every", -1, "config.noise.every"),
+    ("train.max_steps", -1, "config.train.max_steps"),
+    ("train.checkpoint_every", 0, "config.train.checkpoint_every"),
+    ("train.log_every", 0, "config.train.log_every"),
+    ("eval.batch_size", 0, "config.eval.batch_size"),
+    ("mesh.data", 0, "config.mesh.data"),
+]
+
+
+@pytest.mark.parametrize("key, value, field", BAD, ids=[f"{b[0]}={b[1]!r}"[:40] for b in BAD])
+def test_bad_field_is_named(key, value, field):
+    c = config_lib.default_config()
+    _set(c, key, value)
+    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+        config_lib.validate(c, data_replicas=1, model_names=("mlp", "cnn", "transformer"),
+                            dataset_names=("digits", "mnist1d"))
+
+
+def test_batch_must_divide_over_replicas():
+    c = config_lib.default_config()  # m = 32, B = 128
+    config_lib.validate(c, data_replicas=4)
+    with pytest.raises(config_lib.ConfigError, match=r"config\.batch\.schedule.*32 × 8"):
+        config_lib.validate(c, data_replicas=8)
+
+
+def test_noise_batch_must_fit_the_smallest_batch():
+    c = config_lib.default_config()
+    c.noise.every, c.noise.batch_size = 10, 256
+    with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.batch_size"):
+        config_lib.validate(c, data_replicas=1)
+
+
+@pytest.fixture
+def compile_events():
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: events.append(name) if "backend_compile" in name else None)
+    return events
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("batch.schedule.batch_size", 36, "config.batch.schedule"),
+    ("batch.schedule.batch_size", 4096, "config.batch.schedule"),  # > 1437 digits examples
+    ("optim.name", "lamb", "config.optim.name"),
+    ("model.name", "vit", "config.model.name"),
+    ("model.hidden_sizes", (0,), "config.model"),
+    ("data.name", "nope", "config.data.name"),
+    ("data.options", ml_collections.ConfigDict({"colour": True}), "config.data"),
+])
+def test_trainer_fails_before_compiling(key, value, field, compile_events):
+    c = config_lib.default_config()
+    _set(c, key, value)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    before = len(compile_events)
+    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+        train.Trainer(c, mesh=mesh)
+    assert len(compile_events) == before
+
+
+def _experiment_configs():
+    return sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
+
+
+@pytest.mark.parametrize("path", _experiment_configs(), ids=os.path.basename)
+def test_experiment_configs_are_valid(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        pytest.skip("helper module")
+    assert "python -m experiments.main" in module.__doc__
+    for arg in ("tiny", ""):
+        c = module.get_config(arg) if arg else module.get_config()
+        config_lib.validate(c, data_replicas=1, model_names=("mlp", "cnn", "transformer"))
