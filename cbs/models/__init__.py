@@ -32,9 +32,9 @@ from cbs.models.mlp import MLP
 from cbs.models.transformer import POSITIONS, SIZES, TransformerLM
 
 __all__ = [
-    "CNN", "MLP", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM", "build_model",
-    "couples_examples", "cross_entropy", "default_model_config", "make_eval_fn", "make_loss_fn",
-    "model_summary", "param_count", "per_example_loss", "split_model",
+    "CNN", "MLP", "MODEL_NAMES", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM",
+    "build_model", "couples_examples", "cross_entropy", "default_model_config", "make_eval_fn",
+    "make_loss_fn", "model_summary", "param_count", "per_example_loss", "split_model",
 ]
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
