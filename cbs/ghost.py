@@ -91,6 +91,7 @@ class _Spec:
     fn: Callable[..., jax.Array]
     active: tuple[bool, ...]
     options: tuple
+    tap_spec: Any = None  # the tap's PartitionSpec (explicit sharding types must match)
 
 
 def tap(rule: str, fn: Callable[..., jax.Array], x: jax.Array,
@@ -111,19 +112,16 @@ def tap(rule: str, fn: Callable[..., jax.Array], x: jax.Array,
     min_ndim = 1 if rule == EMBED else 2
     batch_ok = jnp.ndim(x) >= min_ndim and jnp.shape(x)[0] == ctx.batch_size
     ctx.calls.append(_Call(rule, leaves, bool(batch_ok), _acc_dtype(params)))
-    if ctx.active is None:  # recording: tap every parameter the call has
-        active = tuple(p is not None for p in params)
-        if not batch_ok:
-            return fn(x, *params)
-        tap_Bxn = jnp.zeros((ctx.batch_size, sum(active)), ctx.calls[-1].dtype)
-    else:
-        if i >= len(ctx.active):
-            raise RuntimeError("loss_fn made more layer calls than when it was first traced")
-        active = ctx.active[i]
-        if not any(active):
-            return fn(x, *params)
-        tap_Bxn = ctx.taps[i]
-    return _tapped(_Spec(rule, fn, active, options), x, params, tap_Bxn)
+    if ctx.active is None:  # counting pass
+        return fn(x, *params)
+    if i >= len(ctx.active):
+        raise RuntimeError("loss_fn made more layer calls than when it was first traced")
+    active = ctx.active[i]
+    if not any(active):
+        return fn(x, *params)
+    tap_Bxn = ctx.taps[i]
+    spec = _Spec(rule, fn, active, options, jax.typeof(tap_Bxn).sharding.spec)
+    return _tapped(spec, x, params, tap_Bxn)
 
 
 def _acc_dtype(params) -> jnp.dtype:
@@ -155,6 +153,8 @@ def _tapped_bwd(spec, res, gy):
     x_acc = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
     norms = _RULE_FNS[spec.rule](spec, x_acc, gy.astype(dtype), params)
     norms_Bxn = jnp.stack([n for n, a in zip(norms, spec.active, strict=True) if a], axis=1)
+    if jax.typeof(norms_Bxn).sharding.spec != spec.tap_spec:  # explicit mesh axes only
+        norms_Bxn = jax.sharding.reshard(norms_Bxn, spec.tap_spec)
     return dx, tuple(dparams), norms_Bxn.astype(dtype)
 
 
@@ -270,51 +270,74 @@ def _active(ctx: _Context):
 
 
 def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -> _Plan:
-    """Traces (never runs) the loss once to map layer calls to params leaves."""
+    """Traces (never runs) the loss twice to map layer calls to params leaves.
+
+    The first trace lists the layer calls; the second taps all of them, with the taps as
+    jaxpr inputs, so that the jaxpr shows for each call whether its tap is consumed by its
+    own custom_vjp at top level (not inside scan, cond, remat or a nested jit) and whether
+    that equation is the only consumer of each of the call's leaves.
+    """
     leaves, treedef = jax.tree.flatten(params)
-    ctx = _Context(batch_size, {}, None, None)
 
-    def record(leaves):
-        ctx.calls.clear()
-        ctx.leaf_index = {id(leaf): i for i, leaf in enumerate(leaves)}
-        with _active(ctx):
-            return loss_fn(jax.tree.unflatten(treedef, leaves), batch)
+    def traced(leaves, active=None, taps=None):
+        index = {id(leaf): i for i, leaf in enumerate(leaves)}
+        with _active(_Context(batch_size, index, active, taps)) as ctx:
+            loss = loss_fn(jax.tree.unflatten(treedef, leaves), batch)
+        return loss, ctx.calls
 
-    jaxpr = jax.make_jaxpr(record)(leaves).jaxpr
-    position = {id(v): i for i, v in enumerate(jaxpr.invars)}
-    uses = [0] * len(leaves)
-    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
-        if id(v) in position:
-            uses[position[id(v)]] += 1
+    calls = []
+    jax.eval_shape(lambda leaves: calls.extend(traced(leaves)[1]) or 0.0, leaves)
+    full = [tuple(leaf is not None for leaf in c.leaves) if c.batch_ok else
+            (False,) * len(c.leaves) for c in calls]
+    taps = [jax.ShapeDtypeStruct((batch_size, sum(m)), c.dtype)
+            for m, c in zip(full, calls, strict=True)]
+    jaxpr = jax.make_jaxpr(lambda leaves, taps: traced(leaves, full, taps)[0])(leaves,
+                                                                                taps).jaxpr
+    consumers: dict[int, list[int]] = {}
+    for e, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            consumers.setdefault(id(v), []).append(e)
+    for v in jaxpr.outvars:
+        consumers.setdefault(id(v), []).append(-1)
+    leaf_vars, tap_vars = jaxpr.invars[:len(leaves)], jaxpr.invars[len(leaves):]
+    own_eqn = []  # per call: index of its top-level custom_vjp equation, or None
+    for mask, v in zip(full, tap_vars, strict=True):
+        found = consumers.get(id(v), [])
+        eqn = jaxpr.eqns[found[0]] if len(found) == 1 and found[0] >= 0 else None
+        top = (any(mask) and eqn is not None and eqn.primitive.name == "custom_vjp_call"
+               and eqn.invars[-1] is v)
+        own_eqn.append(found[0] if top else None)
     refs: list[list[int]] = [[] for _ in leaves]
-    for c, call in enumerate(ctx.calls):
+    for c, call in enumerate(calls):
         for leaf in call.leaves:
             if leaf is not None and leaf >= 0:
                 refs[leaf].append(c)
     unused, uncovered, covered = [], {}, set()
-    for leaf, (n_uses, calls) in enumerate(zip(uses, refs, strict=True)):
-        if not calls:
-            if n_uses == 0:
-                unused.append(leaf)
-            else:
+    for leaf, (v, cs) in enumerate(zip(leaf_vars, refs, strict=True)):
+        found = consumers.get(id(v), [])
+        if not cs:
+            if found:
                 uncovered[leaf] = "not used through a cbs.layers layer (or transformed first)"
-        elif len(calls) > 1:
-            uncovered[leaf] = f"shared by {len(calls)} layer calls"
-        elif not ctx.calls[calls[0]].batch_ok:
+            else:
+                unused.append(leaf)
+        elif len(cs) > 1:
+            uncovered[leaf] = f"shared by {len(cs)} layer calls"
+        elif not calls[cs[0]].batch_ok:
             uncovered[leaf] = "its layer input does not have the batch as leading axis"
-        elif n_uses > 1:
+        elif own_eqn[cs[0]] is None:
+            uncovered[leaf] = "its layer runs inside a nested transformation (scan, remat, jit)"
+        elif found != [own_eqn[cs[0]]]:
             uncovered[leaf] = "also used outside its layer"
         else:
             covered.add(leaf)
-    active, dtypes, columns = [], [], {}
-    for c, call in enumerate(ctx.calls):
+    active, columns = [], {}
+    for c, call in enumerate(calls):
         mask = tuple(leaf in covered for leaf in call.leaves)
         active.append(mask)
-        dtypes.append(call.dtype)
         for col, leaf in enumerate(l for l, m in zip(call.leaves, mask, strict=True) if m):
             columns[leaf] = (c, col)
-    return _Plan([c.leaves for c in ctx.calls], active, dtypes, columns, tuple(unused),
-                 uncovered)
+    return _Plan([c.leaves for c in calls], active, [c.dtype for c in calls], columns,
+                 tuple(unused), uncovered)
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
