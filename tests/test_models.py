@@ -279,3 +279,23 @@ def _bad_name():
     config = default_model_config("mlp")
     config.name = "resnet"
     return config
+
+
+def test_ghost_batchnorm_against_numpy():
+    from cbs.models.cnn import GhostBatchNorm
+
+    bn = GhostBatchNorm(3, ghost_batch_size=2, momentum=0.9, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(1).normal(size=(4, 2, 2, 3)) * [1.0, 2.0, 3.0] + 5.0
+    y = np.asarray(bn(jnp.asarray(x, jnp.float32)), np.float64)
+    ghosts = x.reshape(2, 2, 2, 2, 3)
+    mean, var = ghosts.mean(axis=(1, 2, 3), keepdims=True), ghosts.var(axis=(1, 2, 3),
+                                                                          keepdims=True)
+    ref = ((ghosts - mean) / np.sqrt(var + bn.bn.epsilon)).reshape(x.shape)
+    # float32 normalisation of O(1) outputs: agree to a few ulps of the inputs' scale (~5).
+    np.testing.assert_allclose(y, ref, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(bn.bn.mean[...]), 0.1 * mean.mean(axis=(0, 1, 2, 3)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(bn.bn.var[...]),
+                               0.9 + 0.1 * var.mean(axis=(0, 1, 2, 3)), rtol=1e-6)
+    with pytest.raises(ValueError, match="ghost_batch_size"):
+        bn(jnp.ones((3, 2, 2, 3)))

@@ -5,9 +5,7 @@ Letters: B batch, H, W spatial size, C channels, G ghost-batch size, K = B / G g
 Normalisation (`norm`):
 - "none": no normalisation; convolutions carry a bias.
 - "layernorm": `cbs.layers.LayerNorm` over the channels of each position (per example).
-- "groupnorm": GroupNorm over (H, W, C/groups) of each example. Taken from `cbs.layers` when it
-  defines `GroupNorm` (fast per-example gradient norms), else `nnx.GroupNorm`, whose parameters
-  then fall back to the slow (vmap) path of the per-example statistics.
+- "groupnorm": `cbs.layers.GroupNorm` over (H, W, C/groups) of each example.
 - "batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
   mode (G = 0: the whole batch). This couples the examples of a ghost batch, so per-example
   losses and gradients are ill-defined in training mode: the model sets
@@ -52,15 +50,14 @@ class GhostBatchNorm(nnx.Module):
         if b % g:
             raise ValueError(f"batch size {b} is not divisible by model.ghost_batch_size={g}")
         x_KxGxHxWxC = x_BxHxWxC.reshape(b // g, g, *x_BxHxWxC.shape[1:])
-        axes = tuple(range(1, x_KxGxHxWxC.ndim - 1))
-        mean_KxC = jnp.mean(x_KxGxHxWxC, axis=axes)
-        var_KxC = jnp.var(x_KxGxHxWxC, axis=axes)
-        expand = (slice(None),) + (None,) * (len(axes)) + (slice(None),)
-        y = (x_KxGxHxWxC - mean_KxC[expand]) * jax.lax.rsqrt(var_KxC[expand] + self.bn.epsilon)
+        inner = tuple(range(1, x_KxGxHxWxC.ndim - 1))  # G, H, W
+        mean_Kx1x1x1xC = jnp.mean(x_KxGxHxWxC, axis=inner, keepdims=True)
+        var_Kx1x1x1xC = jnp.var(x_KxGxHxWxC, axis=inner, keepdims=True)
+        y = (x_KxGxHxWxC - mean_Kx1x1x1xC) * jax.lax.rsqrt(var_Kx1x1x1xC + self.bn.epsilon)
         y = y * self.bn.scale[...] + self.bn.bias[...]
-        m = self.bn.momentum
-        self.bn.mean[...] = m * self.bn.mean[...] + (1 - m) * jnp.mean(mean_KxC, axis=0)
-        self.bn.var[...] = m * self.bn.var[...] + (1 - m) * jnp.mean(var_KxC, axis=0)
+        m, outer = self.bn.momentum, tuple(range(x_KxGxHxWxC.ndim - 1))
+        self.bn.mean[...] = m * self.bn.mean[...] + (1 - m) * jnp.mean(mean_Kx1x1x1xC, outer)
+        self.bn.var[...] = m * self.bn.var[...] + (1 - m) * jnp.mean(var_Kx1x1x1xC, outer)
         return y.reshape(x_BxHxWxC.shape)
 
 
@@ -73,8 +70,7 @@ def _make_norm(norm: str, channels: int, *, num_groups: int, ghost_batch_size: i
     if norm == "groupnorm":
         if channels % num_groups:
             raise ValueError(f"model.num_groups={num_groups} does not divide {channels} channels")
-        group_norm = getattr(layers, "GroupNorm", nnx.GroupNorm)
-        return group_norm(channels, num_groups=num_groups, rngs=rngs)
+        return layers.GroupNorm(channels, num_groups=num_groups, rngs=rngs)
     if norm == "batchnorm":
         return GhostBatchNorm(channels, ghost_batch_size=ghost_batch_size, rngs=rngs)
     raise ValueError(f"model.norm={norm!r} is not one of {NORMS}")
