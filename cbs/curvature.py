@@ -93,28 +93,26 @@ def hvp_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[PyTree, Call
     return grad, lambda v: lin(tree_cast_like(v, params))
 
 
-def mask_tree(tree: PyTree, keep: list[bool]) -> PyTree:
-    """Zeroes the leaves whose flag in `keep` (one flag per leaf, in leaf order) is False."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([x if k else jnp.zeros_like(x) for x, k in zip(leaves, keep,
-                                                                           strict=True)])
-
-
 def block_quadratic_forms(hvp_lin: Callable, v: PyTree, blocks: list[list[bool]] | None
                           ) -> tuple[jax.Array, jax.Array | None]:
     """vᵀHv and, per block k, the block-diagonal form v_kᵀ H_kk v_k (one HVP per block).
 
     `blocks[k]` flags the leaves of block k. v_kᵀH_kk v_k is computed as ṽᵀHṽ with ṽ equal to
-    v on block k and zero elsewhere. Returns (total, [K] array or None).
+    v on block k and zero elsewhere. The K + 1 HVPs run one after another (lax.map), so
+    memory stays that of one HVP and the HVP is compiled once. Returns (total, [K] or None).
     """
-    total = tree_dot(v, hvp_lin(v))
     if blocks is None:
-        return total, None
-    per_block = []
-    for keep in blocks:
-        vk = mask_tree(v, keep)
-        per_block.append(tree_dot(vk, hvp_lin(vk)))
-    return total, jnp.stack(per_block)
+        return tree_dot(v, hvp_lin(v)), None
+    masks_KxL = jnp.asarray([[True] * len(blocks[0])] + blocks)
+    leaves, treedef = jax.tree.flatten(v)
+
+    def form(mask_L):
+        vk = treedef.unflatten([jnp.where(m, x, jnp.zeros_like(x))
+                                for m, x in zip(mask_L, leaves, strict=True)])
+        return tree_dot(vk, hvp_lin(vk))
+
+    forms = jax.lax.map(form, masks_KxL)
+    return forms[0], forms[1:]
 
 
 # --- Input checks, parameter groups and sharding, shared by the estimators in cbs.noise ---

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -103,26 +104,24 @@ def _one(example: PyTree) -> PyTree:
 
 
 def _chunked_map(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
-    """Applies fn to every example (vmap inside a chunk, lax.scan across chunks).
+    """Applies fn to every example: vmap inside a chunk, lax.scan across n chunks.
 
-    Chunk j holds examples j, j + n, j + 2n, ... (n chunks), so a batch sharded over devices
-    stays spread over the devices within every chunk; a remainder is one extra vmap.
+    The chunk is shrunk to ceil(B/n) ≤ chunk_size and the batch padded with copies of its
+    last example (outputs dropped), so the body is compiled once. Chunk j holds examples
+    j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
     """
     size = jax.tree.leaves(batch)[0].shape[0]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
     if chunk_size is None or chunk_size >= size:
         return jax.vmap(fn)(batch)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
-    n = size // chunk_size
-    main = n * chunk_size
-    head = jax.tree.map(
-        lambda x: x[:main].reshape(chunk_size, n, *x.shape[1:]).swapaxes(0, 1), batch)
-    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, head)
-    ys = jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(main, *y.shape[2:]), ys)
-    if main == size:
-        return ys
-    rest = jax.vmap(fn)(jax.tree.map(lambda x: x[main:], batch))
-    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
+    n = -(-size // chunk_size)
+    chunk = -(-size // n)
+    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
+    chunks = jax.tree.map(
+        lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
+    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)
 
 
 def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
@@ -202,9 +201,27 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
     Returns:
         NoiseStats (scalars in float32, float64 under jax_enable_x64).
     """
-    batch_size = check_inputs(loss_fn, params, batch)
+    check_inputs(loss_fn, params, batch)
+    _check_method(method)
+    return _exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
+                  groups=groups, method=method)
+
+
+def _check_method(method: str) -> None:
     if method not in ("auto", "vmap", "fast"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
+
+
+# Compiled once per (loss_fn, settings, shapes): called eagerly, the estimators would otherwise
+# run op by op; inside an outer jit this is inlined.
+def _jit(fn: Callable) -> Callable:
+    names = [n for n in inspect.signature(fn).parameters if n not in ("params", "batch", "key")]
+    return jax.jit(fn, static_argnames=names)
+
+
+@_jit
+def _exact(loss_fn, params, batch, *, chunk_size, curvature, groups, method) -> NoiseStats:
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
     grouping = group_matrix(params, groups)
     blocks = grouping[2] if grouping else None
 
@@ -228,9 +245,12 @@ def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, meth
     method as in `exact`: "fast"/"auto" use the ghost-norm path of `cbs.ghost`.
     """
     check_inputs(loss_fn, params, batch, min_batch=1)
-    if method not in ("auto", "vmap", "fast"):
-        raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
+    _check_method(method)
+    return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)
 
+
+@_jit
+def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.Array:
     def compute(params, batch):
         info = None if method == "vmap" else _ghost_info(loss_fn, params, batch, method,
                                                          chunk_size)
@@ -275,11 +295,18 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
     Returns:
         NoiseStats with estimated trace_sigma / trace_h_sigma and the unbiased corrections.
     """
-    batch_size = check_inputs(loss_fn, params, batch)
+    check_inputs(loss_fn, params, batch)
     if distribution not in ("rademacher", "gaussian"):
         raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}.")
     if num_probes < 1:
         raise ValueError(f"num_probes must be at least 1, got {num_probes}.")
+    return _probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature,
+                  distribution=distribution)
+
+
+@_jit
+def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) -> NoiseStats:
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
     dtype = cv.accum_dtype()
 
     def compute(params, batch, key):
