@@ -10,7 +10,8 @@ shaped like `params`.
 per-example gradients in `cbs.noise.exact`) reuse the forward residuals.
 
 The second half holds what every estimator in `cbs.noise` shares: input checks (clear
-ValueErrors), parameter groups (`resolve_groups`) and running under an explicitly sharded mesh.
+ValueErrors), parameter groups (`resolve_groups`), running under an explicitly sharded mesh and
+mapping over examples in chunks (`map_examples`).
 """
 
 from __future__ import annotations
@@ -221,3 +222,29 @@ def run_auto_axes(fn: Callable, *args):
             with jax.sharding.use_abstract_mesh(mesh):
                 return jax.sharding.auto_axes(fn, axes=axes, out_sharding=jax.P())(*args)
     return fn(*args)
+
+
+def one_example(example: PyTree) -> PyTree:
+    """Turns one example (leaves without the batch axis) into a batch of size 1."""
+    return jax.tree.map(lambda x: x[None], example)
+
+
+def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
+    """fn(example) for every example, stacked [B, ...]: vmap in a chunk, lax.scan across n chunks.
+
+    The chunk is shrunk to ceil(B/n) ≤ chunk_size and the batch padded with copies of its
+    last example (outputs dropped), so the body is compiled once. Chunk j holds examples
+    j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
+    """
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
+    if chunk_size is None or chunk_size >= size:
+        return jax.vmap(fn)(batch)
+    n = -(-size // chunk_size)
+    chunk = -(-size // n)
+    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
+    chunks = jax.tree.map(
+        lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
+    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)

@@ -18,6 +18,8 @@ Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson,
 O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
 Per-example quantities apply `loss_fn` to one-example batches, so layers that couple the
 examples of a batch (BatchNorm in training mode) make them ill-defined: do not use those.
+Each estimator is compiled with `loss_fn` as a static argument: reuse one function object to
+reuse the compilation (inside an outer jit it is simply inlined).
 """
 
 from __future__ import annotations
@@ -99,31 +101,6 @@ def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None)
                        sums.get("ghg"), sums["dhd"] / n1 if curv else None, group_stats)
 
 
-def _one(example: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: x[None], example)
-
-
-def _chunked_map(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
-    """Applies fn to every example: vmap inside a chunk, lax.scan across n chunks.
-
-    The chunk is shrunk to ceil(B/n) ≤ chunk_size and the batch padded with copies of its
-    last example (outputs dropped), so the body is compiled once. Chunk j holds examples
-    j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
-    """
-    size = jax.tree.leaves(batch)[0].shape[0]
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
-    if chunk_size is None or chunk_size >= size:
-        return jax.vmap(fn)(batch)
-    n = -(-size // chunk_size)
-    chunk = -(-size // n)
-    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
-    chunks = jax.tree.map(
-        lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
-    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
-    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)
-
-
 def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
     """Centred sums from materialised per-example gradients, chunk by chunk."""
     dtype = cv.accum_dtype()
@@ -134,7 +111,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
     grad_acc = cv.tree_cast(grad, dtype)
 
     def per_example(example):
-        g = jax.grad(loss_fn)(params, _one(example))
+        g = jax.grad(loss_fn)(params, cv.one_example(example))
         d = cv.tree_sub(cv.tree_cast(g, dtype), grad_acc)
         out = {"centred_L": jnp.stack(cv.leaf_dots(d, d))}
         if curvature:
@@ -144,7 +121,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
         return out
 
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0),
-                        _chunked_map(per_example, batch, chunk_size))
+                        cv.map_examples(per_example, batch, chunk_size))
     sums["gsq_L"] = jnp.stack(cv.leaf_dots(grad, grad))
     if curvature:
         sums["ghg"], ghg_K = cv.block_quadratic_forms(hvp_lin, grad, blocks)
@@ -216,7 +193,21 @@ def _check_method(method: str) -> None:
 # run op by op; inside an outer jit this is inlined.
 def _jit(fn: Callable) -> Callable:
     names = [n for n in inspect.signature(fn).parameters if n not in ("params", "batch", "key")]
-    return jax.jit(fn, static_argnames=names)
+    jitted = jax.jit(fn, static_argnames=names)
+
+    def call(loss_fn, *args, **kwargs):
+        return jitted(_hashable(loss_fn), *args, **{k: _hashable(v) for k, v in kwargs.items()})
+
+    return call
+
+
+def _hashable(fn):
+    """Static arguments must hash; an unhashable callable is wrapped (compiled per call)."""
+    try:
+        hash(fn)
+        return fn
+    except TypeError:
+        return lambda *args: fn(*args)
 
 
 @_jit
@@ -257,8 +248,8 @@ def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.
         if info is not None:
             dtype = cv.accum_dtype()
             return sum(x.astype(dtype) for x in jax.tree.leaves(info[1]))
-        per_example = lambda ex: cv.tree_sq_norm(jax.grad(loss_fn)(params, _one(ex)))
-        return _chunked_map(per_example, batch, chunk_size)
+        per_example = lambda ex: cv.tree_sq_norm(jax.grad(loss_fn)(params, cv.one_example(ex)))
+        return cv.map_examples(per_example, batch, chunk_size)
 
     return run_auto_axes(compute, params, batch)
 
@@ -315,7 +306,7 @@ def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) 
             mean_ghg = cv.tree_dot(grad, hvp_lin(grad))
         else:
             grad, mean_ghg = jax.grad(loss_fn)(params, batch), None
-        losses_B = lambda p: jax.vmap(lambda ex: loss_fn(p, _one(ex)))(batch)
+        losses_B = lambda p: jax.vmap(lambda ex: loss_fn(p, cv.one_example(ex)))(batch)
         _, jvp_lin = jax.linearize(losses_B, params)
         centred = lambda v: (lambda a_B: a_B - jnp.mean(a_B))(jvp_lin(v).astype(dtype))
 

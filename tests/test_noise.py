@@ -309,3 +309,17 @@ def test_stats_are_a_pytree():
     assert rebuilt.batch_size == 12 and rebuilt.groups.keys() == stats.groups.keys()
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.trace_sigma = 0.0
+
+
+def test_unhashable_loss_callable_works():
+    loss_fn, params, batch = tiny_mlp(jnp.float32)
+
+    class Loss:
+        __hash__ = None  # like a dataclass with eq=True holding arrays
+
+        def __call__(self, p, b):
+            return loss_fn(p, b)
+
+    np.testing.assert_allclose(noise.exact(Loss(), params, batch, method="vmap").trace_sigma,
+                               noise.exact(loss_fn, params, batch, method="vmap").trace_sigma,
+                               rtol=1e-6)
