@@ -61,6 +61,25 @@ def test_permutations_look_uniform():
     assert abs(np.corrcoef(np.arange(5000), idx)[0, 1]) < 4 / np.sqrt(5000)
 
 
+def test_cycle_structure_matches_a_uniform_permutation():
+    # A uniform random permutation has on average 1 fixed point and 1/2 two-cycle (both
+    # counts ~ Poisson); too few shuffle rounds leave about twice as many.
+    num, epochs = 1024, 400
+    fixed, two_cycles = [], []
+    for e in range(epochs):
+        p = stream.stream_indices_np(e * num, num, num, seed=0)
+        fixed.append(np.sum(p == np.arange(num)))
+        two_cycles.append(np.sum((p[p] == np.arange(num)) & (p != np.arange(num))) / 2)
+    assert abs(np.mean(fixed) - 1.0) < 4 * np.sqrt(1.0 / epochs)
+    assert abs(np.mean(two_cycles) - 0.5) < 4 * np.sqrt(0.5 / epochs)
+
+
+def test_epoch_tables_equal_per_index_evaluation(monkeypatch):
+    cached = stream.stream_indices_np(1500, 1000, 1000, seed=4)
+    monkeypatch.setattr(stream, "_TABLE_MAX", 0)
+    np.testing.assert_array_equal(stream.stream_indices_np(1500, 1000, 1000, seed=4), cached)
+
+
 def test_large_positions_with_x64(x64):
     start, batch, num = 3 * 2**31 + 5, 50, 1_000_003
     host = stream.stream_indices_np(start, batch, num, seed=9)
