@@ -140,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and batch sizes")
     args = parser.parse_args()
-    calls, repeats = (10, 3) if args.quick else (30, 5)
+    calls, repeats = (8, 3) if args.quick else (30, 5)
     plan = [
         ("digits", data.get_dataset("digits"), mlp_model,
          (32, 256, 1024) if args.quick else (32, 128, 512, 1024)),

@@ -1,8 +1,17 @@
 """Data for critical-batch-size experiments: a registry of datasets and deterministic batches.
 
-    ds = cbs.data.get_dataset("digits")            # or config.data.name, **options
-    arrays = ds.device_arrays()                    # small datasets live on device
-    batch = cbs.data.device_batch(ds, arrays, examples_seen, batch_size, seed=seed)  # in jit
+Small datasets live on device and the jitted step gathers its own batch:
+
+    ds = cbs.data.get_dataset(config.data.name, **config.data.options)
+    arrays = ds.device_arrays(sharding=replicated)          # once
+    batch_fn = cbs.data.make_batch_fn(ds, seed=config.seed)
+    # inside the jitted step (batch_size static, examples_seen an int32 scalar):
+    batch = batch_fn(arrays, state.examples_seen, batch_size)
+
+Large or streamed datasets come from the host, prefetched, as global sharded arrays:
+
+    loader = cbs.data.HostLoader(ds, seed=config.seed, sharding=batch_sharding)
+    batch = loader(examples_seen, batch_size)                # each process reads its rows
 
 The global batch is a pure function of (seed, examples_seen, batch_size): positions
 [s, s + B) of an infinite stream of seeded epoch permutations (`cbs.data.stream`), so
