@@ -62,8 +62,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.batch.lr_coupling.cap = 0.0  # largest learning rate allowed; 0 = no cap
 
     c.noise = ml_collections.ConfigDict()
-    c.noise.small_batch = 0  # b of the in-step two-batch estimate; divides m or equals R·m;
-    #                          0 = m when A·R ≥ 2, else m/2
+    c.noise.two_batch = True  # in-step two-batch estimate (+ EMA) from the step's gradients
+    c.noise.small_batch = 0  # its small batch b: R·m (micro-batches), m (per replica, R ≥ 2),
+    #   or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2, m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
     c.noise.every = 0  # steps between exact/probe measurements; 0 = never
     c.noise.method = "auto"  # "auto" | "fast" | "vmap" (cbs.noise.exact) | "probe"
@@ -188,9 +189,11 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     _float(config, "batch.lr_coupling.cap")
 
     b = _int(config, "noise.small_batch", minimum=0)
-    if b and m % b and b != multiple:
-        raise ConfigError(f"config.noise.small_batch: {b} must divide micro_batch={m} or equal "
-                          f"micro_batch × data replicas = {multiple}")
+    r = data_replicas
+    if b and b != multiple and not (b == m and r >= 2) and (b % r or m % (b // r)):
+        raise ConfigError(f"config.noise.small_batch: {b} must be micro_batch × data replicas ="
+                          f" {multiple}, micro_batch = {m} (replicas ≥ 2), or a multiple of the"
+                          f" {r} replicas whose share divides micro_batch")
     _float(config, "noise.ema_decay")
     if not config.noise.ema_decay < 1:
         raise ConfigError(f"config.noise.ema_decay: must be < 1, got {config.noise.ema_decay}")

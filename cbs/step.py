@@ -2,27 +2,29 @@
 
 Letters: R data replicas (size of the mesh's `data` axis), m micro-batch per replica,
 A accumulation steps, M = R·m the global micro-batch, B = A·M the logical batch, b the small
-batch of the two-batch estimator, G = M/b groups per micro-batch, P parameters.
+batch of the two-batch estimator, C chunks processed one after another, P parameters.
 
 One step on a global batch [B, ...] sharded over `data`:
 
-1. view it as A micro-batches [A, M] without moving data: each replica's B/R contiguous
-   examples split into A runs of m, so micro-batch k is the k-th run of every replica;
-2. for each micro-batch (a `lax.scan` over A, float32 accumulators), the gradient of each of
-   its G groups of b examples (a `vmap` over groups when G > 1: the per-replica gradients
-   before the cross-replica mean when b = m) and its squared norm |g_small|²;
-3. ḡ = mean of all group gradients (the gradient of the mean loss over B), |ḡ|²;
+1. view it as C chunks [C, B/C] without moving data: each replica's B/R contiguous examples
+   cut into C runs, chunk k = the k-th run of every replica (C = A: the micro-batches);
+2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and its
+   squared norm |g_small|², which the step needs anyway for ḡ (so the estimate is nearly
+   free), or, per micro-batch, a `vmap` over the R replicas that gives the per-replica
+   gradients before their mean (b = m, no extra communication);
+3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
 4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.noise.two_batch`) from the
-   mean of the A·G values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
+   mean of the B/b values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
    (expectation |G|² + tr(Σ)/B), smoothed by `cbs.noise.NoiseScaleEMA` in the state;
 5. optionally, every `measure_every` steps, `cbs.noise.exact` or `cbs.noise.probe` on the
-   first micro-batch(es), under `lax.cond` (or in `measure`, a separate jitted function);
+   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call);
 6. u = direction(ḡ) (optax, `cbs.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
    (`cbs.schedules`): the learning rate is a function of examples seen E, never of steps.
 
-When b divides m the groups are the same b-example runs of the global batch whatever the
-split of B into R, A and m, so the estimate does not depend on the device count (only on b).
-b = M (whole micro-batches, no vmap) is the cheapest choice when A ≥ 2.
+The small batches (`plan`): by default the A micro-batches when A ≥ 2 (free); else each
+replica's share when R ≥ 2; else two halves of the batch (C = 2: the one case that changes
+the computation, by running the batch as two chunks). Splitting the logical batch
+differently changes only the order of float32 sums, never the update.
 """
 
 from __future__ import annotations
@@ -112,8 +114,10 @@ class TrainStep:
       state_sharding: pytree of NamedSharding like the state (in and out of the step).
       inputs_sharding: sharding (prefix) of the step's second argument.
       micro_batch: m, examples per replica per micro-batch.
-      small_batch: b for the two-batch estimator, a divisor of m (groups within a replica)
-        or M = R·m (whole micro-batches); 0 = m when A·R ≥ 2, else m/2.
+      small_batch: b, examples per small batch of the two-batch estimator (see `plan`):
+        M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
+        whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
+      two_batch: compute the two-batch estimate (False: none, for speed comparisons).
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
@@ -131,6 +135,7 @@ class TrainStep:
     inputs_sharding: PyTree = None
     micro_batch: int = 1
     small_batch: int = 0
+    two_batch: bool = True
     batch_fn: Callable[[PyTree], PyTree] | None = None
     lr_coupling: tuple[int, str, float | None] | None = None
     measure: tuple | None = None
@@ -159,13 +164,6 @@ class TrainStep:
         """B = A·R·m."""
         return accum_steps * self.replicas * self.micro_batch
 
-    def small_batch_for(self, accum_steps: int) -> int:
-        """b of the two-batch estimator for A accumulation steps (b == B: no estimate)."""
-        if self.small_batch:
-            return self.small_batch
-        m = self.micro_batch
-        return m if accum_steps * self.replicas >= 2 or m < 2 else m // 2
-
     def measures_in_step(self) -> bool:
         return self.measure is not None and bool(self.measure[6])
 
@@ -187,53 +185,73 @@ class TrainStep:
 
     # ------------------------------------------------------------------ internals
 
-    def _micro_batches(self, state: TrainState, inputs: PyTree, accum_steps: int) -> PyTree:
-        """[B, ...] → [A, M, ...], each replica's contiguous B/R examples cut into A runs."""
+    def plan(self, accum_steps: int) -> tuple[str, int, int]:
+        """(kind, b, C) of the two-batch estimate for A accumulation steps.
+
+        kind "split": the batch is processed as C = B/b sequential chunks of b examples
+        (b/R per replica; C = A when b = M) and the chunks are the small batches;
+        kind "replica": C = A micro-batches, each replica's m examples a small batch (a vmap
+        over the R replicas, no extra communication); kind "none": no estimate, C = A.
+        """
+        r, m, a = self.replicas, self.micro_batch, accum_steps
+        b = self.small_batch or (r * m if a >= 2 else m if r >= 2 else m // 2 * (1 - m % 2))
+        if not self.two_batch or b < 1 or b >= a * r * m:
+            return "none", a * r * m, a
+        if b == m and r >= 2:
+            return "replica", b, a
+        if b % r or m % (b // r):
+            raise ValueError(f"small_batch={b} must be M = R·m = {r * m}, m = {m} (R ≥ 2), or"
+                             f" a multiple of R = {r} whose share b/R divides m")
+        return "split", b, a * r * m // b
+
+    def _chunks(self, state: TrainState, inputs: PyTree, accum_steps: int, chunks: int):
+        """The global batch [B, ...] as [C, B/C, ...]: replica r's contiguous B/R examples cut
+        into C runs, chunk k = the k-th run of every replica (no data moves)."""
         r, a, m = self.replicas, accum_steps, self.micro_batch
         batch = inputs if self.batch_fn is None else self.batch_fn(
             inputs, state.examples_seen, a * r * m)
         spec = NamedSharding(self.mesh, P(None, self.data_axis))
 
         def view(x):
-            if x.shape[0] != a * r * m:
-                raise ValueError(f"batch has {x.shape[0]} examples, expected "
-                                 f"A·R·m = {a}·{r}·{m}")
-            x = x.reshape(r, a, m, *x.shape[1:]).swapaxes(0, 1).reshape(a, r * m, *x.shape[1:])
-            return jax.lax.with_sharding_constraint(x, spec)
+            n, rest = x.shape[0], x.shape[1:]
+            if n != a * r * m:
+                raise ValueError(f"batch has {n} examples, expected A·R·m = {a}·{r}·{m}")
+            x = x.reshape(r, chunks, n // (r * chunks), *rest).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x.reshape(chunks, n // chunks, *rest), spec)
 
         return jax.tree.map(view, batch)
 
-    def _micro_grad(self, params, model_state, micro, groups: int):
+    def _chunk_grad(self, params, model_state, chunk, kind: str):
         """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|²."""
         value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
         f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)),
                                      t)
-        if groups == 1:
-            (loss, model_state), grads = value_and_grad(params, model_state, micro)
+        if kind != "replica":
+            (loss, model_state), grads = value_and_grad(params, model_state, chunk)
             grads = f32(grads)
-            return loss, grads, model_state, tree_sq_norm(grads)
-        # b divides m, so G is a multiple of R and each group lives on one replica.
+            sq = tree_sq_norm(grads) if kind == "split" else jnp.zeros((), jnp.float32)
+            return loss, grads, model_state, sq
+        r = self.replicas  # one group per replica: the per-replica gradients before the mean
         spec = NamedSharding(self.mesh, P(self.data_axis))
-        micro_G = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(groups, x.shape[0] // groups, *x.shape[1:]), spec), micro)
-        (loss_G, state_G), grads_G = jax.vmap(value_and_grad, in_axes=(None, None, 0))(
-            params, model_state, micro_G)
-        grads_G = f32(grads_G)
-        sq_G = sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
-                   for g in jax.tree.leaves(grads_G))
-        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_G)
-        return jnp.mean(loss_G), grads, _mean_state(state_G), jnp.sum(sq_G)
+        chunk_R = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(r, x.shape[0] // r, *x.shape[1:]), spec), chunk)
+        (loss_R, state_R), grads_R = jax.vmap(value_and_grad, in_axes=(None, None, 0))(
+            params, model_state, chunk_R)
+        grads_R = f32(grads_R)
+        sq_R = sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+                   for g in jax.tree.leaves(grads_R))
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads_R)
+        return jnp.mean(loss_R), grads, _mean_state(state_R), jnp.sum(sq_R)
 
-    def _accumulate(self, params, model_state, micro, accum_steps: int, groups: int):
-        """Loss, ḡ and mean |g_small|² over the A micro-batches (float32 accumulators)."""
-        if accum_steps == 1:
-            loss, grads, model_state, sq = self._micro_grad(
-                params, model_state, jax.tree.map(lambda x: x[0], micro), groups)
-            return loss, grads, model_state, sq / groups
+    def _accumulate(self, params, model_state, chunks, kind: str):
+        """Loss, ḡ and Σ|g_small|² over the C chunks (a scan with float32 accumulators)."""
+        if jax.tree.leaves(chunks)[0].shape[0] == 1:
+            return self._chunk_grad(params, model_state, jax.tree.map(lambda x: x[0], chunks),
+                                    kind)
 
-        def body(carry, mb):
+        def body(carry, chunk):
             loss_sum, grad_sum, state, sq_sum = carry
-            loss, grads, state, sq = self._micro_grad(params, state, mb, groups)
+            loss, grads, state, sq = self._chunk_grad(params, state, chunk, kind)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             return (loss_sum + loss, grad_sum, state, sq_sum + sq), None
 
@@ -241,14 +259,17 @@ class TrainStep:
                                                                             jnp.float32)), params)
         acc = jnp.zeros((), jnp.result_type(float))
         init = (jnp.zeros((), jnp.float32), zeros, model_state, acc)
-        (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(body, init, micro)
-        grads = jax.tree.map(lambda g: g / accum_steps, grad_sum)
-        return loss_sum / accum_steps, grads, model_state, sq_sum / (accum_steps * groups)
+        (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(body, init, chunks)
+        c = jax.tree.leaves(chunks)[0].shape[0]
+        return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
-    def _noise_metrics(self, state: TrainState, micro) -> tuple[PyTree, dict[str, jax.Array]]:
-        """(updated measure_ema, noise/* metrics) of one measurement."""
+    def _noise_metrics(self, state: TrainState, chunks, per_micro: int
+                       ) -> tuple[PyTree, dict[str, jax.Array]]:
+        """(updated measure_ema, noise/* metrics) of one measurement on the first micro-batches
+        (the first n·C/A chunks hold the examples of the first n micro-batches)."""
         method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
-        batch = jax.tree.map(lambda x: x[:n_micro].reshape(-1, *x.shape[2:]), micro)
+        batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
+                             chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
         if method == "probe":
             key = jax.random.fold_in(jax.random.key(self.seed), state.step)
@@ -267,7 +288,9 @@ class TrainStep:
         return ema, out
 
     def _measure_only(self, state: TrainState, inputs: PyTree, accum_steps: int):
-        return self._noise_metrics(state, self._micro_batches(state, inputs, accum_steps))
+        _, _, c = self.plan(accum_steps)
+        chunks = self._chunks(state, inputs, accum_steps, c)
+        return self._noise_metrics(state, chunks, c // accum_steps)
 
     def _learning_rate(self, state: TrainState, batch_size: int) -> jax.Array:
         from cbs.schedules import coupled_lr
@@ -280,14 +303,15 @@ class TrainStep:
 
     def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         b_big = self.batch_size(accum_steps)
-        b_small = self.small_batch_for(accum_steps)
-        micro = self._micro_batches(state, inputs, accum_steps)
-        groups = self.replicas * self.micro_batch // b_small
+        kind, b_small, c = self.plan(accum_steps)
+        chunks = self._chunks(state, inputs, accum_steps, c)
         loss, grads, model_state, small_sq = self._accumulate(
-            state.params, state.model_state, micro, accum_steps, groups)
+            state.params, state.model_state, chunks, kind)
+        groups = c * (self.replicas if kind == "replica" else 1)
+        small_sq = small_sq / groups
         big_sq = tree_sq_norm(grads)
         ema = state.noise_ema
-        if b_small < b_big:
+        if kind != "none":
             grad_sq_norm, trace_sigma = noise.two_batch(small_sq, big_sq, b_small, b_big)
             ema = ema.update(grad_sq_norm, trace_sigma)
         else:
@@ -301,7 +325,7 @@ class TrainStep:
                    "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
         if self.measures_in_step():
-            measure = lambda: self._noise_metrics(state, micro)
+            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps)
             skipped = lambda: (state.measure_ema, jax.tree.map(
                 lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
             measure_ema, measured = jax.lax.cond(state.step % self.measure[1] == 0, measure,

@@ -176,6 +176,7 @@ class Trainer:
         self.step = TrainStep(self.loss_fn, self.direction, optim.learning_rate_shape(c),
                               self.mesh, self.state_sharding, inputs_sharding,
                               micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
+                              two_batch=n.two_batch,
                               batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
                               seed=c.seed)
         self._evals: dict[str, Callable] = {}

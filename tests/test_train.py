@@ -217,7 +217,9 @@ def test_two_batch_estimate_agrees_with_exact_on_average():
     and exact(train set).grad_sq_norm in expectation. Tolerance: 4 standard errors."""
     c = tiny_config(**{"batch.schedule.batch_size": 64, "noise.small_batch": 8})
     tr = train.Trainer(c, mesh=one_device_mesh())
-    state = tr.init_state().replace(learning_rate=jnp.float32(0.0))
+    state = tr.init_state()
+    state = state.replace(learning_rate=jax.device_put(jnp.float32(0.0),
+                                                       state.learning_rate.sharding))
     num_steps, hist = 200, []
     for t in range(num_steps):
         state, m = tr.step(state, tr.inputs(t * 64, 64), tr.accum_steps(64))
@@ -403,7 +405,8 @@ def test_train_state_learning_rate_is_runtime(mlp):
     loss_fn, params, batch = mlp
     ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
                        one_device_mesh(), micro_batch=32)
-    st2 = st.replace(learning_rate=jnp.float32(0.5))
+    lr = jax.device_put(jnp.float32(0.5), st.learning_rate.sharding)  # same sharding: no retrace
+    st2 = jax.tree.map(jnp.copy, st).replace(learning_rate=lr)  # (st itself is donated)
     st_a, h_a = run_steps(ts, st, batch, accum=1, n=1)
     st_b, h_b = run_steps(ts, st2, batch, accum=1, n=1)
     assert ts.num_compilations() == 1
