@@ -85,6 +85,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.tensorboard = True  # TensorBoard events in workdir/tensorboard (process 0)
 
     c.eval = ml_collections.ConfigDict()
+    c.eval.enabled = True  # evaluate at all (every eval.every steps and at the end of the run)
     c.eval.every = 0  # steps between evaluations; 0 = only at the end
     c.eval.batch_size = 1024  # examples per evaluation chunk (rounded up to a multiple of R)
     c.eval.num_examples = 0  # evaluation-split examples used (the first n); 0 = all

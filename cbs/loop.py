@@ -198,7 +198,8 @@ class Loop:
         last_eval = -1
         while True:
             done = self._done()
-            if (done or (c.eval.every and self.t % c.eval.every == 0)) and self.t != last_eval:
+            due = done or (c.eval.every and self.t % c.eval.every == 0)
+            if c.eval.enabled and due and self.t != last_eval:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
                                              self.trainer.evaluate_async(self.state), {}))
