@@ -69,6 +69,8 @@ class Loop:
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
+        self.noise_batch = self.config.noise.batch_size or (
+            self.config.batch.micro_batch * trainer.replicas)
 
     # ------------------------------------------------------------------ state
 
@@ -84,7 +86,7 @@ class Loop:
             self.t, self.e, self.sched_state = 0, 0, self.schedule.init()
             self.last_saved = -1
             return
-        target = jax.eval_shape(tr._make_state)
+        target = tr.abstract_state()
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               target, tr.state_sharding)
         self.state, meta = self.ckpt.restore(latest, target)
@@ -122,11 +124,10 @@ class Loop:
         every = self.config.noise.every
         if every and item.step % every == 0:
             rec |= {k: float(v) for k, v in (measured or {}).items()}
-            rec["noise/batch_size"] = item.extra["noise_batch"]
+            rec["noise/batch_size"] = self.noise_batch
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
             rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
                    and k not in _MEASURED_KEYS}
-        rec.pop("noise_batch", None)
         return rec
 
     def _read(self, *, keep_newest: bool) -> None:
@@ -187,9 +188,7 @@ class Loop:
         if c.noise.every and not c.noise.in_step and self.t % c.noise.every == 0:
             self.state, measured = tr.step.measure_now(self.state, inputs, a)
         self.state, step_metrics = tr.step(self.state, inputs, a)
-        m = c.batch.micro_batch * tr.replicas
-        extra = {"data/batch_size": b, "data/accum_steps": a,
-                 "noise_batch": (c.noise.batch_size or m)}
+        extra = {"data/batch_size": b, "data/accum_steps": a}
         self.pending.append(_Pending("train", self.t, self.e, (step_metrics, measured), extra))
         self.t, self.e = self.t + 1, self.e + b
 

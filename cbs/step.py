@@ -172,6 +172,12 @@ class TrainStep:
         """One update; `state` is donated. Metrics stay on the device (read them later)."""
         return self._jit(state, inputs, accum_steps)
 
+    def apply(self, state: TrainState, inputs: PyTree, accum_steps: int
+              ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The same step, pure and unjitted, for use under the caller's jit, vmap or scan
+        (e.g. several learning rates as one vmapped state)."""
+        return self._step(state, inputs, accum_steps)
+
     def measure_now(self, state: TrainState, inputs: PyTree, accum_steps: int
                     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """The `noise/*` measurement alone, on the examples the step would use; returns the

@@ -70,9 +70,8 @@ class Trainer:
         except ValueError as err:
             raise config_lib.ConfigError(f"config.mesh: {err}") from err
         self.replicas = mesh_lib.data_replicas(self.mesh)
-        config_lib.validate(config, data_replicas=self.replicas,
-                            model_names=models.MODEL_NAMES if hasattr(models, "MODEL_NAMES")
-                            else None, dataset_names=None if dataset else data.known_datasets())
+        config_lib.validate(config, data_replicas=self.replicas, model_names=models.MODEL_NAMES,
+                            dataset_names=None if dataset else data.known_datasets())
         self.dataset = dataset or self._load_dataset()
         self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
         self._check_sizes()
@@ -89,6 +88,12 @@ class Trainer:
 
     def _check_sizes(self) -> None:
         c, n = self.config, self.dataset.num_train
+        if (c.eval.enabled and c.eval.full_train and not c.eval.train_examples
+                and not self.dataset.in_memory("train")):
+            raise config_lib.ConfigError(
+                f"config.eval.train_examples: the training split of {self.dataset.name} is "
+                "streamed; evaluate a subset (eval.train_examples=n) or set eval.full_train="
+                "False")
         largest = max(config_lib.batch_sizes(c, c.batch.micro_batch * self.replicas))
         if largest > n:
             raise config_lib.ConfigError(
@@ -125,7 +130,7 @@ class Trainer:
                                     ema_decay=c.noise.ema_decay)
 
         self._make_state = make_state
-        shapes = jax.eval_shape(make_state)
+        shapes = self.abstract_state()
         mode = c.mesh.get("param_mode", "replicated")
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
         rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
@@ -179,11 +184,16 @@ class Trainer:
                               two_batch=n.two_batch,
                               batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
                               seed=c.seed)
-        self._evals: dict[str, Callable] = {}
+        self._evals: dict[tuple[str, int], Callable] = {}
+        self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
 
     def _static_batch_size(self, examples_seen: int) -> int:
         return self.schedule.batch_size_at(examples_seen, None) if not isinstance(
             self.schedule, schedules.Adaptive) else self.schedule.min_batch
+
+    def abstract_state(self) -> TrainState:
+        """The state's shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing computed."""
+        return jax.eval_shape(self._make_state)
 
     def init_state(self) -> TrainState:
         """A fresh state on the mesh (parameters from `config.seed`)."""
@@ -201,42 +211,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _eval_fn(self, split: str, limit: int) -> Callable:
-        key = f"{split}:{limit}"
-        if key in self._evals:
-            return self._evals[key]
+    def eval_sums_fn(self, split: str, num_examples: int = 0) -> tuple[Callable, Any]:
+        """(fn, arrays): fn(params, model_state, arrays) -> {"loss_sum", "count"[,
+        "correct_sum"]} over the first `num_examples` (0 = all) of `split`, in fixed chunks of
+        `eval.batch_size` on the device (a `lax.scan`, padded and masked). Pure and jittable
+        (also under vmap); `arrays` are the split's device-resident arrays."""
+        key = (split, num_examples)
+        if key in self._eval_parts:
+            return self._eval_parts[key]
         ds, c = self.dataset, self.config
         s = ds.split(split)
-        n = min(limit or s.num_examples, s.num_examples)
+        n = min(num_examples or s.num_examples, s.num_examples)
         chunk = -(-min(c.eval.batch_size, n) // self.replicas) * self.replicas
         rep, batch_sh = mesh_lib.replicated(self.mesh), mesh_lib.batch_sharding(self.mesh)
         if s.in_memory:
             arrays, view = ds.device_arrays(split, rep), s.view
-        else:
+        else:  # a streamed split: its first n examples, read once and kept on the device
             host = s.read(np.arange(n))
             arrays = {k: jax.make_array_from_process_local_data(rep, v, v.shape)
                       for k, v in host.items()}
             view = lambda a, idx: {k: v[idx] for k, v in a.items()}
 
-        def evaluate(params, model_state, arrays):
+        def sums_fn(params, model_state, arrays):
             eval_fn = models.make_eval_fn(self.graphdef, model_state, ds.task)
 
-            def body(sums, start):
+            def chunk_sums(start):
                 idx = start + jnp.arange(chunk, dtype=jnp.int32)
                 real = idx < n
                 idx = jax.lax.with_sharding_constraint(jnp.minimum(idx, n - 1), batch_sh)
-                batch = view(arrays, idx) | {"mask": real.astype(jnp.float32)}
-                return jax.tree.map(jnp.add, sums, eval_fn(params, batch)), None
+                return eval_fn(params, view(arrays, idx) | {"mask": real.astype(jnp.float32)})
 
-            starts = jnp.arange(0, n, chunk, dtype=jnp.int32)
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-                lambda: eval_fn(params, view(arrays, jnp.zeros((chunk,), jnp.int32))
-                                | {"mask": jnp.zeros((chunk,), jnp.float32)})))
-            return jax.lax.scan(body, zeros, starts)[0]
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 jax.eval_shape(chunk_sums, jnp.int32(0)))
+            body = lambda sums, start: (jax.tree.map(jnp.add, sums, chunk_sums(start)), None)
+            return jax.lax.scan(body, zeros, jnp.arange(0, n, chunk, dtype=jnp.int32))[0]
 
-        jitted = jax.jit(evaluate, out_shardings=rep)
-        self._evals[key] = fn = lambda state: jitted(state.params, state.model_state, arrays)
-        return fn
+        self._eval_parts[key] = sums_fn, arrays
+        return sums_fn, arrays
+
+    def _eval_fn(self, split: str, num_examples: int) -> Callable:
+        """state -> device sums, jitted once per (split, num_examples)."""
+        key = (split, num_examples)
+        if key not in self._evals:
+            sums_fn, arrays = self.eval_sums_fn(split, num_examples)
+            jitted = jax.jit(sums_fn, out_shardings=mesh_lib.replicated(self.mesh))
+            self._evals[key] = lambda state: jitted(state.params, state.model_state, arrays)
+        return self._evals[key]
 
     def evaluate_async(self, state: TrainState) -> dict[str, Any]:
         """Dispatches the configured evaluations; returns device sums (see `eval_record`)."""

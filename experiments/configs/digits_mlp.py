@@ -3,10 +3,11 @@
     python -m experiments.main --config=experiments/configs/digits_mlp.py --workdir=/tmp/digits
     python -m experiments.main --config=experiments/configs/digits_mlp.py:tiny --workdir=/tmp/t
 
-Expected (measured on 2 CPU cores, one device): 2000 steps of B = 128 in about a minute;
-full_train/loss falls from 2.34 to about 1e-3 and eval/accuracy reaches about 0.97;
-noise/ema_b_simple grows from about 40 at the start to thousands as the training loss
-vanishes. `:tiny` runs 20 steps in a few seconds.
+Expected (measured on 2 shared CPU cores, one device): 2000 steps of B = 128 in about 20 s;
+full_train/loss falls from 2.30 to about 6e-4 (training accuracy 1.0), eval/loss to about
+0.06 and eval/accuracy to about 0.98; noise/ema_b_simple grows from about 90 at the start
+to a few thousand as the gradient vanishes (single exact measurements on 128 examples are
+noisy and can be negative once |G|² is small). `:tiny` runs 20 steps in a few seconds.
 """
 
 from __future__ import annotations

@@ -3,14 +3,16 @@
     python -m experiments.main --config=experiments/configs/mnist1d_mlp.py --workdir=/tmp/m1d
     python -m experiments.main --config=experiments/configs/mnist1d_mlp.py:tiny --workdir=/tmp/t
 
-Expected: see RESULT below (measured on 2 CPU cores, one device).
+Expected (measured on 2 shared CPU cores, one device): 3000 steps in about 70 s;
+full_train/loss falls from 2.43 to 0.003 (training accuracy 1.0: the MLP memorises the 4000
+examples) while eval/loss is lowest (≈1.05, accuracy ≈0.61) near step 600 and then rises; the
+best eval/accuracy is about 0.64. noise/ema_b_simple grows from about 230 to about 2000.
+`:tiny` runs 20 steps in a few seconds.
 """
 
 from __future__ import annotations
 
 from experiments.configs import base
-
-RESULT = "not measured yet"
 
 
 def get_config(arg: str = ""):
