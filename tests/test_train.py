@@ -412,3 +412,52 @@ def test_train_state_learning_rate_is_runtime(mlp):
     assert ts.num_compilations() == 1
     assert h_a[0]["opt/lr"] == pytest.approx(0.05) and h_b[0]["opt/lr"] == pytest.approx(0.5)
     assert schedules.coupled_lr(0.05, 64, 32, "sqrt") == pytest.approx(0.05 * 2 ** 0.5)
+
+
+def _streamed(ds: data.Dataset) -> data.Dataset:
+    """The same dataset with its training split read from the host (no stored arrays)."""
+    split = ds.split("train")
+    streamed = dataclasses.replace(split, arrays=None, reader=split.read)
+    return dataclasses.replace(ds, splits={**ds.splits, "train": streamed})
+
+
+def test_host_stream_equals_device_gather(tmp_path):
+    c = tiny_config(**{"train.max_steps": 4, "eval.full_train": False, "mesh.data": 2,
+                       "batch.micro_batch": 4})
+    mesh = one_device_mesh(2)
+    ds = data.get_dataset("digits")
+    device_run = loop_state(train.Trainer(c, str(tmp_path / "a"), mesh=mesh, dataset=ds))
+    host_trainer = train.Trainer(c, str(tmp_path / "b"), mesh=mesh, dataset=_streamed(ds))
+    assert not host_trainer.in_memory
+    host_run = loop_state(host_trainer)
+    host_trainer.loader.close()
+    assert_trees_close(device_run.params, host_run.params, rtol=1e-6, atol=1e-7)
+
+
+def loop_state(trainer) -> step.TrainState:
+    from cbs import loop
+
+    run = loop.Loop(trainer)
+    run.run()
+    return run.state
+
+
+def test_batchnorm_cnn_keeps_running_statistics(tmp_path):
+    """A model with BatchNorm trains through the stateful loss (statistics in the state) and
+    refuses per-example measurements."""
+    c = tiny_config(**{"train.max_steps": 3, "eval.enabled": False})
+    c.data.options = ml_collections.ConfigDict({"flatten": False})
+    c.model = models.default_model_config("cnn")
+    c.model.channels, c.model.dense_sizes, c.model.norm = (4,), (8,), "batchnorm"
+    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh())
+    assert tr.stateful
+    state = tr.init_state()
+    before = jax.tree.map(np.asarray, state.model_state)
+    state, m = tr.step(state, tr.inputs(0, 32), tr.accum_steps(32))
+    assert np.isfinite(float(m["train/loss"]))
+    changed = [not np.array_equal(a, np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(before), jax.tree.leaves(state.model_state), strict=True)]
+    assert changed and all(changed)
+    c.noise.every = 2
+    with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.every"):
+        train.Trainer(c, mesh=one_device_mesh())
