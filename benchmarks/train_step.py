@@ -100,13 +100,13 @@ def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, two_batch:
     ts = step.TrainStep(step.stateless(loss_fn), direction, lambda e: 1.0, mesh,
                         jax.tree.map(lambda x: x.sharding, state), mesh_lib.batch_sharding(mesh),
                         micro_batch=b // accum, two_batch=two_batch, measure=measure)
-    separate = measure is not None and not measure[6]
+    separate = measure is not None and not measure.in_step
     t = 0
 
     def run(n):
         nonlocal state, t
         for _ in range(n):
-            if separate and t % measure[1] == 0:
+            if separate and t % measure.every == 0:
                 state, _ = ts.measure_now(state, batch, accum)
             state, metrics = ts(state, batch, accum)
             t += 1
@@ -125,7 +125,7 @@ def _time(run, steps: int) -> float:
 def bench(name: str, steps: int, repeats: int, every: int) -> list[tuple[str, float]]:
     loss_fn, params, batch = _model(name)
     batch = jax.device_put(batch)
-    measure = ("fast", every, 2, False, 1, 0)  # exact statistics of the whole batch
+    measure = step.Measurement("fast", every, micro_batches=2)  # the whole batch
     variants = {
         "optax": _optax_runner(loss_fn, params, batch, 1e-3),
         "cbs": _cbs_runner(loss_fn, params, batch, 1e-3, two_batch=False),
@@ -133,9 +133,9 @@ def bench(name: str, steps: int, repeats: int, every: int) -> list[tuple[str, fl
         "cbs A=2": _cbs_runner(loss_fn, params, batch, 1e-3, accum=2, two_batch=False),
         "cbs A=2+2batch (micro)": _cbs_runner(loss_fn, params, batch, 1e-3, accum=2),
         f"cbs A=2+2batch+exact/{every} (cond)": _cbs_runner(
-            loss_fn, params, batch, 1e-3, accum=2, measure=measure + (True,)),
+            loss_fn, params, batch, 1e-3, accum=2, measure=measure._replace(in_step=True)),
         f"cbs A=2+2batch+exact/{every} (jit)": _cbs_runner(
-            loss_fn, params, batch, 1e-3, accum=2, measure=measure + (False,)),
+            loss_fn, params, batch, 1e-3, accum=2, measure=measure),
     }
     for run in variants.values():  # compile and warm up
         jax.block_until_ready(run(steps))

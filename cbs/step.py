@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,18 @@ def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
     return lambda params, model_state, batch: (loss_fn(params, batch), model_state)
 
 
+class Measurement(NamedTuple):
+    """What to measure every `every` steps, on the first `micro_batches` micro-batches."""
+
+    method: str = "auto"  # "auto" | "fast" | "vmap" (cbs.noise.exact) | "probe"
+    every: int = 100  # steps between measurements
+    micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
+    curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
+    num_probes: int = 1  # probe vectors ("probe")
+    chunk_size: int = 0  # examples per vmap chunk in exact (0: all at once)
+    in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
+
+
 def _mean_state(tree: PyTree) -> PyTree:
     """Mean over the leading (group) axis of float leaves; other leaves take group 0."""
     return jax.tree.map(lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -122,8 +134,7 @@ class TrainStep:
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
       lr_coupling: (base_batch_size, rule, cap) for `cbs.schedules.coupled_lr`, or None.
-      measure: None, or (method, every, batch_micro, curvature, num_probes, chunk_size,
-        in_step): `method` in exact-methods ("auto", "fast", "vmap") or "probe".
+      measure: a `Measurement` (or a tuple of its fields), or None.
       seed: seeds the probe vectors (folded with the step).
     """
 
@@ -138,11 +149,13 @@ class TrainStep:
     two_batch: bool = True
     batch_fn: Callable[[PyTree], PyTree] | None = None
     lr_coupling: tuple[int, str, float | None] | None = None
-    measure: tuple | None = None
+    measure: Measurement | None = None
     seed: int = 0
     data_axis: str = "data"
 
     def __post_init__(self):
+        if self.measure is not None:
+            object.__setattr__(self, "measure", Measurement(*self.measure))
         out = (self.state_sharding, NamedSharding(self.mesh, P()))
         jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
                       in_shardings=(self.state_sharding, self.inputs_sharding),
@@ -165,7 +178,7 @@ class TrainStep:
         return accum_steps * self.replicas * self.micro_batch
 
     def measures_in_step(self) -> bool:
-        return self.measure is not None and bool(self.measure[6])
+        return self.measure is not None and bool(self.measure.in_step)
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -274,6 +287,7 @@ class TrainStep:
         """(updated measure_ema, noise/* metrics) of one measurement on the first micro-batches
         (the first n·C/A chunks hold the examples of the first n micro-batches)."""
         method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
+        n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
         batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
                              chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
@@ -334,7 +348,7 @@ class TrainStep:
             measure = lambda: self._noise_metrics(state, chunks, c // accum_steps)
             skipped = lambda: (state.measure_ema, jax.tree.map(
                 lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
-            measure_ema, measured = jax.lax.cond(state.step % self.measure[1] == 0, measure,
+            measure_ema, measured = jax.lax.cond(state.step % self.measure.every == 0, measure,
                                                  skipped)
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)

@@ -48,7 +48,7 @@ from cbs import config as config_lib
 from cbs import data, metrics, models, optim, schedules
 from cbs import mesh as mesh_lib
 from cbs.loop import ENDED, DivergedError, Loop, StopFn, config_hash
-from cbs.step import TrainState, TrainStep, init_train_state
+from cbs.step import Measurement, TrainState, TrainStep, init_train_state
 
 __all__ = ["DivergedError", "Trainer", "config_hash", "run"]
 
@@ -171,8 +171,8 @@ class Trainer:
         measure = None
         if n.every:
             n_micro = max(1, n.batch_size // (c.batch.micro_batch * self.replicas))
-            measure = (n.method, n.every, n_micro, n.curvature, n.num_probes, n.chunk_size,
-                       n.in_step)
+            measure = Measurement(n.method, n.every, n_micro, n.curvature, n.num_probes,
+                                  n.chunk_size, n.in_step)
         lc = c.batch.lr_coupling
         coupling = None
         if lc.rule != "none":

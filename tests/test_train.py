@@ -186,10 +186,11 @@ def test_eight_devices_equal_one(mlp):
 def test_measure_in_step_equals_separate(mlp):
     loss_fn, params, batch = mlp
     oc = ml_collections.ConfigDict({"name": "sgd"})
-    measure = ("auto", 2, 1, False, 1, 0)
+    measure = step.Measurement("auto", every=2)
     mesh = one_device_mesh()
-    ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure + (True,))
-    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure + (False,))
+    ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=16,
+                           measure=measure._replace(in_step=True))
+    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure)
     st_a, hist_a = run_steps(ts_a, st_a, batch, accum=2)
     b = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     hist_b = []
