@@ -185,6 +185,11 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
             raise ConfigError(f"config.batch.schedule: batch size {b} is not a positive multiple"
                               f" of micro_batch × data replicas = {m} × {data_replicas}")
     _int(config, "batch.adapt_every")
+    sched = config.batch.schedule
+    if sched.get("kind") == "adaptive" and sched.get("source", "b_simple") == "b_noise" and not (
+            config.noise.every and config.noise.curvature):
+        raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
+                          "measurements (noise.every > 0 and noise.curvature=True)")
     _choice(config, "batch.lr_coupling.rule", ("none", "linear", "sqrt"))
     _int(config, "batch.lr_coupling.base_batch_size", minimum=0)
     _float(config, "batch.lr_coupling.cap")

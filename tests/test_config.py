@@ -37,6 +37,9 @@ BAD = [
     ("batch.schedule", ml_collections.ConfigDict({"kind": "step", "steps": ((0, 64), (10, 48))}),
      "config.batch.schedule"),
     ("batch.schedule", ml_collections.ConfigDict({"kind": "ramp"}), "config.batch.schedule"),
+    ("batch.schedule", ml_collections.ConfigDict(
+        {"kind": "adaptive", "min_batch": 32, "max_batch": 512, "source": "b_noise"}),
+     "config.batch.schedule.source"),
     ("optim.name", "lion", "config.optim.name"),
     ("optim.learning_rate", 0.0, "config.optim.learning_rate"),
     ("optim.learning_rate", -1e-3, "config.optim.learning_rate"),

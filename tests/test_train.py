@@ -210,6 +210,27 @@ def test_measure_in_step_equals_separate(mlp):
             np.testing.assert_allclose(hist_a[t][k], v, rtol=1e-5, err_msg=k)
 
 
+@pytest.mark.parametrize("method", ["vmap", "probe"])
+def test_curvature_measurement_in_the_step(mlp, method):
+    """exact (vmap) equals cbs.noise.exact on the same micro-batch; probe gives the keys."""
+    loss_fn, params, batch = mlp
+    ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
+                       one_device_mesh(), micro_batch=16,
+                       measure=step.Measurement(method, every=1, curvature=True))
+    b = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    st, measured = ts.measure_now(st, b, 2)
+    measured = jax.device_get(measured)
+    for k in ("b_noise", "g_h_g", "trace_h_sigma", "measured_ema_b_noise", "b_simple"):
+        assert f"noise/{k}" in measured, k
+    if method == "vmap":
+        want = noise.exact(loss_fn, params, jax.tree.map(lambda x: x[:16], batch),
+                           curvature=True, method="vmap")
+        for k in ("b_noise", "trace_h_sigma", "g_h_g", "b_simple"):
+            np.testing.assert_allclose(measured[f"noise/{k}"], getattr(want, k), rtol=1e-4)
+        assert measured["noise/measured_ema_b_noise"] == pytest.approx(
+            float(want.b_noise), rel=1e-4)
+
+
 def test_two_batch_estimate_agrees_with_exact_on_average():
     """At fixed parameters (η = 0), the mean over steps of the in-step estimates equals the
     exact statistics of the whole training set. Batches are drawn without replacement from
