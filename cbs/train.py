@@ -191,6 +191,11 @@ class Trainer:
         return self.schedule.batch_size_at(examples_seen, None) if not isinstance(
             self.schedule, schedules.Adaptive) else self.schedule.min_batch
 
+    def close(self) -> None:
+        """Stops the host prefetch threads of a streamed dataset (no-op in memory)."""
+        if not self.in_memory:
+            self.loader.close()
+
     def abstract_state(self) -> TrainState:
         """The state's shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing computed."""
         return jax.eval_shape(self._make_state)
@@ -321,8 +326,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         if status["status"] == "diverged" and raise_on_divergence:
             raise DivergedError(status.get("message", "diverged"), status)
         return status
-    return Trainer(config, workdir, mesh=mesh).run(stop_fn=stop_fn,
-                                                   raise_on_divergence=raise_on_divergence)
+    trainer = Trainer(config, workdir, mesh=mesh)
+    try:
+        return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
+    finally:
+        trainer.close()
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:

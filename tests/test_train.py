@@ -452,7 +452,7 @@ def test_host_stream_equals_device_gather(tmp_path):
     host_trainer = train.Trainer(c, str(tmp_path / "b"), mesh=mesh, dataset=_streamed(ds))
     assert not host_trainer.in_memory
     host_run = loop_state(host_trainer)
-    host_trainer.loader.close()
+    host_trainer.close()
     assert_trees_close(device_run.params, host_run.params, rtol=1e-6, atol=1e-7)
 
 
