@@ -1,0 +1,282 @@
+"""Batch-size sweeps: the trial grid, sharding across launchers, and the results store.
+
+A sweep is independent trials, one per (batch size B, learning rate η, seed). Each trial
+trains until its progress metric has crossed every target loss or its budget is spent, and
+records, per target, the steps S and examples E = B·S at which the metric first crossed it
+(interpolated between evaluations), together with its loss curve and the noise statistics
+measured along the way. `cbs.fit` turns those records into S_min, E_min and B_crit.
+
+The sweep is declared in the config next to the base run (`config.sweep`, see
+`default_sweep_config`); launchers only iterate it. The learning rate grid is either absolute
+(`sweep.learning_rates`) or centred on a scaling rule from a base learning rate:
+η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear), 1/2 (sqrt) or 0.
+
+Files in a sweep directory (all appended or replaced atomically; analysis reads only these):
+
+- `sweep.json`: the sweep definition and base config of the first launch;
+- `trials.jsonl`: one complete record per finished trial (see `TrialResult`); a record is
+  written once, in one `write`, after the trial's last checkpoint; re-running skips it;
+- `trials.csv`: the same records flattened to one row per (trial, target);
+- `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_collections
+
+from cbs import metrics
+
+TRIALS_FILE = "trials.jsonl"
+CSV_FILE = "trials.csv"
+SWEEP_FILE = "sweep.json"
+LR_RULE_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
+
+
+def default_sweep_config() -> ml_collections.ConfigDict:
+    """The sweep fields, with their meaning and units."""
+    s = ml_collections.ConfigDict()
+    s.batch_sizes = (8, 32, 128, 512)  # global batch sizes B to try (examples per step)
+    s.learning_rates = ()  # absolute learning rates; when empty, the rule below is used
+    s.base_lr = 1e-3  # learning rate at base_batch_size, centre of the grid
+    s.base_batch_size = 64  # batch size at which base_lr is right (examples)
+    s.lr_rule = "sqrt"  # how the grid centre moves with B: "none", "sqrt" or "linear"
+    s.lr_factors = (0.5, 1.0, 2.0)  # multiplicative grid around the centre (factor 2)
+    s.max_lr = 0.0  # cap on any learning rate in the grid (0 = no cap)
+    s.seeds = (0,)  # training seeds (init and data order) per (B, lr)
+    s.targets = (0.5, 0.2, 0.1)  # target values of the progress metric (loss, nats)
+    s.target_metric = "full_train/loss"  # "full_train/loss", "eval/loss" or "train/loss_ema"
+    s.loss_ema_decay = 0.9  # smoothing of the batch loss when target_metric="train/loss_ema"
+    s.max_examples = 2_000_000  # budget per trial in examples (E); 0 = no limit
+    s.max_steps = 5_000  # budget per trial in optimizer steps (S); 0 = no limit
+    s.evals_per_trial = 120  # progress evaluations over a trial's step budget (log-spaced)
+    s.noise_window = 5  # evaluations averaged around a crossing for the measured noise scale
+    s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged
+    s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
+    s.noise_batch_size = 256  # examples per exact noise measurement at each evaluation
+    s.noise_curvature_batch_size = 64  # of those, examples for tr(HΣ), GᵀHG, B_noise (0 = off)
+    s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
+    s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One point of the sweep grid."""
+
+    index: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+
+    @property
+    def trial_id(self) -> str:
+        return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
+
+
+def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the field of an invalid sweep definition."""
+    def fail(field: str, why: str) -> None:
+        raise ValueError(f"config.sweep.{field}: {why}")
+
+    if not sweep.batch_sizes:
+        fail("batch_sizes", "needs at least one batch size")
+    if any(int(b) != b or b <= 0 for b in sweep.batch_sizes):
+        fail("batch_sizes", f"must be positive integers, got {tuple(sweep.batch_sizes)}")
+    if len(set(sweep.batch_sizes)) != len(sweep.batch_sizes):
+        fail("batch_sizes", f"has duplicates: {tuple(sweep.batch_sizes)}")
+    if sweep.learning_rates:
+        if any(not lr > 0 for lr in sweep.learning_rates):
+            fail("learning_rates", f"must be positive, got {tuple(sweep.learning_rates)}")
+    else:
+        if not sweep.base_lr > 0:
+            fail("base_lr", f"must be positive, got {sweep.base_lr}")
+        if not sweep.base_batch_size > 0:
+            fail("base_batch_size", f"must be positive, got {sweep.base_batch_size}")
+        if sweep.lr_rule not in LR_RULE_POWERS:
+            fail("lr_rule", f"must be one of {sorted(LR_RULE_POWERS)}, got {sweep.lr_rule!r}")
+        if not sweep.lr_factors or any(not f > 0 for f in sweep.lr_factors):
+            fail("lr_factors", f"must be positive, got {tuple(sweep.lr_factors)}")
+    if not sweep.seeds:
+        fail("seeds", "needs at least one seed")
+    if not sweep.targets:
+        fail("targets", "needs at least one target loss")
+    if sweep.target_metric not in TARGET_METRICS:
+        fail("target_metric", f"must be one of {TARGET_METRICS}, got {sweep.target_metric!r}")
+    if sweep.max_examples < 0 or sweep.max_steps < 0:
+        fail("max_steps", "budgets must be >= 0 (0 = no limit)")
+    if sweep.max_examples == 0 and sweep.max_steps == 0:
+        fail("max_steps", "set max_steps or max_examples: a trial needs a budget")
+    if sweep.evals_per_trial < 2:
+        fail("evals_per_trial", f"must be >= 2, got {sweep.evals_per_trial}")
+    if sweep.noise_window < 1:
+        fail("noise_window", f"must be >= 1, got {sweep.noise_window}")
+
+
+def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> list[float]:
+    """The learning-rate grid at one batch size (absolute, or centred on the scaling rule)."""
+    if sweep.learning_rates:
+        lrs = [float(lr) for lr in sweep.learning_rates]
+    else:
+        centre = sweep.base_lr * (batch_size / sweep.base_batch_size) ** LR_RULE_POWERS[
+            sweep.lr_rule]
+        lrs = [centre * f for f in sweep.lr_factors]
+    if sweep.max_lr:
+        lrs = sorted({min(lr, sweep.max_lr) for lr in lrs})
+    return lrs
+
+
+def make_trials(sweep: ml_collections.ConfigDict) -> list[Trial]:
+    """The full grid in a fixed order: batch size, then seed, then learning rate."""
+    validate_sweep(sweep)
+    trials = []
+    for b in sorted(int(b) for b in sweep.batch_sizes):
+        for seed in sweep.seeds:
+            for lr in learning_rates_for(sweep, b):
+                trials.append(Trial(len(trials), b, lr, int(seed)))
+    return trials
+
+
+def parse_shard(shard: str | None) -> tuple[int, int]:
+    """'i/n' -> (i, n); None -> (0, 1). Raises ValueError naming --shard."""
+    if not shard:
+        return 0, 1
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like i/n (e.g. 0/4), got {shard!r}") from None
+    if n <= 0 or not 0 <= i < n:
+        raise ValueError(f"--shard={shard}: need 0 <= i < n")
+    return i, n
+
+
+def shard_trials(trials: Sequence[Trial], shard: str | None) -> list[Trial]:
+    """The trials whose index ≡ i (mod n): the same command works as an array job."""
+    i, n = parse_shard(shard)
+    return [t for t in trials if t.index % n == i]
+
+
+@dataclasses.dataclass
+class TrialResult:
+    """What a finished trial records (one line of trials.jsonl).
+
+    status: "done" (every target reached), "budget" (budget spent first) or "diverged".
+    steps_to_target / examples_to_target: per target (as a string key), S and E = B·S at the
+    first crossing of the progress metric, interpolated between evaluations; None if never.
+    noise_at_target: per target, the noise statistics measured around the crossing
+    (ratios of window averages, see `cbs.fit.noise_scale_at_crossing`).
+    curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
+    """
+
+    trial_id: str
+    index: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+    status: str
+    target_metric: str
+    steps_to_target: dict[str, float | None]
+    examples_to_target: dict[str, float | None]
+    noise_at_target: dict[str, dict[str, float]]
+    final_steps: int
+    final_metric: float
+    curve: dict[str, list[float]]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def target_key(target: float) -> str:
+    """The string a target loss is recorded under (stable, exact for typical values)."""
+    return f"{float(target):g}"
+
+
+class SweepStore:
+    """The sweep directory: finished trial records and their CSV export."""
+
+    def __init__(self, sweep_dir: str):
+        self.sweep_dir = sweep_dir
+        os.makedirs(os.path.join(sweep_dir, "trials"), exist_ok=True)
+        self.path = os.path.join(sweep_dir, TRIALS_FILE)
+
+    def trial_dir(self, trial: Trial) -> str:
+        return os.path.join(self.sweep_dir, "trials", trial.trial_id)
+
+    def write_definition(self, definition: dict[str, Any]) -> None:
+        """Keeps the first launch's definition; a later launch must match it."""
+        path = os.path.join(self.sweep_dir, SWEEP_FILE)
+        previous = metrics.read_json(path)
+        if previous is None:
+            metrics.write_json_atomic(path, definition)
+            return
+        if previous.get("sweep") != json.loads(json.dumps(definition.get("sweep"))):
+            raise ValueError(
+                f"{path} holds a different sweep definition; use a new --sweep_dir, or "
+                "rerun the original command to resume it.")
+
+    def definition(self) -> dict[str, Any] | None:
+        return metrics.read_json(os.path.join(self.sweep_dir, SWEEP_FILE))
+
+    def records(self) -> list[dict[str, Any]]:
+        """Finished trial records, first record per trial id (a repeated append is ignored)."""
+        seen, out = set(), []
+        for r in metrics.read_records(self.path):
+            if r["trial_id"] not in seen:
+                seen.add(r["trial_id"])
+                out.append(r)
+        return sorted(out, key=lambda r: r["index"])
+
+    def finished_ids(self) -> set[str]:
+        return {r["trial_id"] for r in self.records()}
+
+    def append(self, results: Sequence[TrialResult]) -> None:
+        """Appends complete records with a single write (all or none) and makes it durable."""
+        line = "".join(json.dumps(r.to_json()) + "\n" for r in results).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def export_csv(self) -> str:
+        """Writes trials.csv (one row per trial and target) atomically; returns its path."""
+        path = os.path.join(self.sweep_dir, CSV_FILE)
+        rows = list(_csv_rows(self.records()))
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", newline="") as f:
+            fields = ["trial_id", "batch_size", "learning_rate", "seed", "status", "target",
+                      "steps", "examples", "b_simple", "b_noise", "final_steps", "final_metric"]
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+        return path
+
+
+def _csv_rows(records: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
+    for r in records:
+        for key, steps in r["steps_to_target"].items():
+            noise_at = r["noise_at_target"].get(key, {})
+            yield {
+                "trial_id": r["trial_id"], "batch_size": r["batch_size"],
+                "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
+                "target": key, "steps": _blank(steps), "examples": _blank(
+                    r["examples_to_target"][key]),
+                "b_simple": _blank(noise_at.get("b_simple")),
+                "b_noise": _blank(noise_at.get("b_noise")),
+                "final_steps": r["final_steps"], "final_metric": r["final_metric"],
+            }
+
+
+def _blank(value: float | None) -> Any:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else value

@@ -1,0 +1,249 @@
+"""Running a sweep's trials and turning their records into `cbs.sweep.TrialResult`s.
+
+Two back ends, same records:
+
+- "engine": each trial is a `cbs.train.run` in its own run directory (any model, dataset,
+  mesh; checkpoints; resumes), stopped by a callback once the progress metric has crossed
+  every target, or when the budget is spent or the loss explodes.
+- "vmap" (`cbs.multitrial`): the learning rates of one (B, seed) train as one vmapped,
+  scanned program on a device-resident dataset: the same step, one compilation, several
+  trials per dispatch. Used for in-memory datasets when `sweep.vmap_trials` is on.
+
+Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations over the
+step budget) and the crossing step of each target is interpolated linearly between
+evaluations (`cbs.fit.steps_to_target`). The noise scale recorded at a crossing is the ratio of
+window averages of the exact statistics measured at the evaluations around it
+(`cbs.fit.noise_scale_at_crossing`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from cbs import fit, metrics, train
+from cbs.sweep import SweepStore, Trial, TrialResult, target_key
+
+NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
+                    "b_noise", "ema_b_simple")
+
+
+def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
+    """Steps a trial may take: the smaller of max_steps and ceil(max_examples / B)."""
+    budgets = []
+    if sweep.max_steps:
+        budgets.append(int(sweep.max_steps))
+    if sweep.max_examples:
+        budgets.append(-(-int(sweep.max_examples) // batch_size))
+    return max(1, min(budgets))
+
+
+def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int) -> list[int]:
+    """The steps at which a vmapped group evaluates: 0, then `evals_per_trial` points spaced
+    evenly in log(step) up to the budget, so the relative resolution of a crossing is the
+    same early and late (a trial at B = 1024 may cross in 30 steps, one at B = 4 in 3000)."""
+    budget = step_budget(sweep, batch_size)
+    grid = np.geomspace(1, budget, int(sweep.evals_per_trial))
+    return [0] + sorted({int(round(x)) for x in grid} | {budget})
+
+
+def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
+    """Steps between progress evaluations (dense: `evals_per_trial` over the budget)."""
+    return max(1, step_budget(sweep, batch_size) // int(sweep.evals_per_trial))
+
+
+def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
+    """The largest m ≤ micro_batch with B divisible by m·R (so A = B/(m·R) is whole)."""
+    if batch_size % replicas:
+        raise ValueError(f"config.sweep.batch_sizes: {batch_size} is not divisible by the "
+                         f"{replicas} data replicas of the mesh")
+    per_replica = batch_size // replicas
+    return max(d for d in range(1, min(micro_batch, per_replica) + 1) if per_replica % d == 0)
+
+
+def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
+                 ) -> ml_collections.ConfigDict:
+    """The run config of one trial: the base config at (B, η, seed) with the sweep's budget,
+    a dense evaluation grid and exact noise measurements at each evaluation."""
+    sweep = config.sweep
+    c = ml_collections.ConfigDict(config.to_dict())
+    del c["sweep"]
+    c.seed = trial.seed
+    c.optim.learning_rate = trial.learning_rate
+    c.batch.micro_batch = micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas)
+    c.batch.schedule = ml_collections.ConfigDict({"kind": "constant",
+                                                  "batch_size": trial.batch_size})
+    c.batch.lr_coupling.rule = "none"
+    c.train.max_steps = step_budget(sweep, trial.batch_size)
+    c.train.max_examples = 0
+    every = eval_every(sweep, trial.batch_size)
+    c.eval.every = every
+    c.eval.full_train = sweep.target_metric == "full_train/loss"
+    c.train.log_every = min(c.train.log_every, every)
+    c.train.progress_bar = False
+    c.train.tensorboard = False
+    if c.noise.every:
+        c.noise.every = every
+        c.noise.batch_size = 0
+    return c
+
+
+class ProgressMonitor:
+    """stop_fn for `cbs.train.run`: stops once the progress metric has crossed every target,
+    or when it exceeds `divergence_factor` × its first value (recorded as diverged)."""
+
+    def __init__(self, sweep: ml_collections.ConfigDict):
+        self.metric, self.lowest_target = sweep.target_metric, min(sweep.targets)
+        self.factor, self.ema_decay = sweep.divergence_factor, sweep.loss_ema_decay
+        self.first = self.ema = None
+        self.exploded = False
+
+    def value(self, record: dict[str, Any]) -> float | None:
+        if self.metric == "train/loss_ema":
+            if record.get("kind") != "train" or "train/loss" not in record:
+                return None
+            x = record["train/loss"]
+            self.ema = x if self.ema is None else self.ema_decay * self.ema + (
+                1 - self.ema_decay) * x
+            return self.ema
+        return record.get(self.metric)
+
+    def __call__(self, step: int, record: dict[str, Any]) -> bool:
+        v = self.value(record)
+        if v is None:
+            return False
+        if self.first is None:
+            self.first = v
+        if not math.isfinite(v) or (self.factor and v > self.factor * self.first):
+            self.exploded = True
+            return True
+        return v <= self.lowest_target
+
+
+def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay: float
+                       ) -> dict[str, list[float]]:
+    """The progress curve (step, examples, metric) and the noise statistics measured at the
+    evaluation points (or on measured steps) from a run's metrics.jsonl records."""
+    records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
+    curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
+    if metric == "train/loss_ema":
+        ema = None
+        for r in records:
+            if r["kind"] == "train":
+                x = r["train/loss"]
+                ema = x if ema is None else ema_decay * ema + (1 - ema_decay) * x
+                curve["step"].append(r["step"] + 1)
+                curve["examples"].append(r["data/examples_seen"] + r["data/batch_size"])
+                curve[metric].append(ema)
+    else:
+        for r in records:
+            if r["kind"] == "eval" and metric in r:
+                curve["step"].append(r["step"])
+                curve["examples"].append(r["data/examples_seen"])
+                curve[metric].append(r[metric])
+    noise_recs = [r for r in records if r["kind"] == "train" and "noise/trace_sigma" in r
+                  and math.isfinite(r["noise/trace_sigma"])]
+    curve["noise/step"] = [r["step"] for r in noise_recs]
+    for k in NOISE_CURVE_KEYS:
+        curve[f"noise/{k}"] = [r.get(f"noise/{k}", math.nan) for r in noise_recs]
+    return curve
+
+
+def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
+                      curve: dict[str, list[float]], status: str, seconds: float,
+                      ) -> TrialResult:
+    """Steps, examples and measured noise scale at each target from a progress curve."""
+    metric = sweep.target_metric
+    steps_to, examples_to, noise_at = {}, {}, {}
+    for target in sweep.targets:
+        key = target_key(target)
+        s = None if status == "diverged" and not curve[metric] else fit.steps_to_target(
+            curve["step"], curve[metric], target)
+        steps_to[key] = s
+        examples_to[key] = None if s is None else s * trial.batch_size
+        noise_at[key] = {} if s is None else _noise_at(curve, s, sweep.noise_window)
+    final = curve[metric][-1] if curve[metric] else math.nan
+    return TrialResult(
+        trial_id=trial.trial_id, index=trial.index, batch_size=trial.batch_size,
+        learning_rate=trial.learning_rate, seed=trial.seed, status=status,
+        target_metric=metric, steps_to_target=steps_to, examples_to_target=examples_to,
+        noise_at_target=noise_at,
+        final_steps=int(curve["step"][-1]) if curve["step"] else 0,
+        final_metric=float(final), curve=_json_safe(curve), seconds=seconds)
+
+
+def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
+              ) -> dict[str, float]:
+    x = curve.get("noise/step", [])
+    if not x:
+        return {}
+    kw = {"min_points": window, "window": 0.0}
+    out = {"b_simple": fit.noise_scale_at_crossing(
+        x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
+    if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
+        out["b_noise"] = fit.noise_scale_at_crossing(
+            x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"], crossing, **kw)
+    ema = [(abs(s - crossing), v) for s, v in zip(x, curve["noise/ema_b_simple"], strict=True)
+           if math.isfinite(v)]
+    if ema:
+        out["ema_b_simple"] = float(min(ema)[1])
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
+    return {k: [float(v) if v is not None and math.isfinite(v) else None for v in vals]
+            for k, vals in curve.items()}
+
+
+def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
+                     mesh: jax.sharding.Mesh | None = None) -> TrialResult:
+    """Runs (or resumes) one trial with `cbs.train.run` in its trial directory."""
+    sweep = config.sweep
+    replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
+    c = trial_config(config, trial, replicas=replicas)
+    workdir = store.trial_dir(trial)
+    monitor = ProgressMonitor(sweep)
+    start = time.perf_counter()
+    summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    records = metrics.read_records(f"{workdir}/{metrics.METRICS_FILE}")
+    curve = curve_from_records(records, sweep.target_metric, sweep.loss_ema_decay)
+    for r in records:  # a resumed monitor has not seen the records before the restart
+        monitor(r["step"], r)
+    status = _status(summary["status"], monitor, curve, sweep)
+    return result_from_curve(trial, sweep, curve, status, time.perf_counter() - start)
+
+
+def _default_replicas(config: ml_collections.ConfigDict) -> int:
+    n = jax.device_count() // max(1, config.mesh.model)
+    return n if config.mesh.data == -1 else config.mesh.data
+
+
+def _status(run_status: str, monitor: ProgressMonitor, curve, sweep) -> str:
+    if run_status == "diverged" or monitor.exploded:
+        return "diverged"
+    values = [v for v in curve[sweep.target_metric] if v is not None]
+    return "done" if values and min(values) <= min(sweep.targets) else "budget"
+
+
+TrialRunner = Callable[[ml_collections.ConfigDict, Trial, SweepStore], TrialResult]
+
+
+def summarize(results: Sequence[TrialResult]) -> str:
+    """One line per trial: B, η, status and steps to each target."""
+    lines = []
+    for r in results:
+        cells = ", ".join(f"L={k}: {'–' if s is None else f'{s:.0f}'}"
+                          for k, s in r.steps_to_target.items())
+        lines.append(f"B={r.batch_size:<6d} lr={r.learning_rate:.3g}  {r.status:<8s} "
+                     f"steps {cells}  ({r.seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def finite_or_none(x: float) -> float | None:
+    return float(x) if x is not None and np.isfinite(x) else None

@@ -1,0 +1,27 @@
+"""Fit a finished sweep and write its report: python -m experiments.analyze --sweep_dir=DIR.
+
+Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
+analysis.json, figures/*.png and report.md there, and prints B_crit per target beside the
+measured B_simple and B_noise.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from cbs import report
+
+_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
+_BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
+flags.mark_flags_as_required(["sweep_dir"])
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value)
+    print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,55 @@
+"""The default study: batch-size sweep of a 64-128-128-10 MLP on digits with Adam.
+
+    python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
+    python -m experiments.sweep --config=experiments/configs/digits_sweep.py:tiny --sweep_dir=/tmp/t
+
+Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
+rule η(B) = 2e-3·(B/64)^½, one seed, targets on the full training-set loss from 0.5 down to
+0.05. The learning rates of each batch size train as one vmapped program. Expected on 2 CPU
+cores: the sweep, fits and report in a few minutes; B_crit grows as the target loss falls
+(tens of examples at L = 0.5, a few hundred at L = 0.05) and the measured B_simple at each
+target lies within a small factor of the fitted B_crit. `:tiny` runs 3 batch sizes for a
+handful of steps (tests).
+"""
+
+from __future__ import annotations
+
+from cbs.sweep import default_sweep_config
+from experiments.configs import base
+
+
+def get_config(arg: str = ""):
+    c = base.base_config("digits", "mlp")
+    c.model.hidden_sizes = (128, 128)  # 64-128-128-10
+    c.optim.name = "adam"  # Adam, constant learning rate (no warmup, no decay)
+    c.batch.micro_batch = 1024  # m: each trial's whole batch in one micro-batch
+    c.noise.ema_decay = 0.95  # smoothing of the in-step two-batch estimate (per step)
+    c.eval.batch_size = 2048  # the whole training set in one evaluation chunk
+    c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
+
+    s = c.sweep = default_sweep_config()
+    s.batch_sizes = tuple(2 ** k for k in range(2, 11))  # 4 ... 1024 examples
+    s.base_lr = 2e-3  # η at B = 64, centre of the grid
+    s.base_batch_size = 64  # B at which base_lr is the centre
+    s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
+    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    s.max_lr = 0.03  # Adam above this diverges on this model
+    s.seeds = (0,)  # one seed per (B, η)
+    s.targets = (0.5, 0.3, 0.2, 0.1, 0.05)  # full training-set cross-entropy (nats)
+    s.target_metric = "full_train/loss"  # exact loss over all 1437 training examples
+    s.max_examples = 400_000  # ≈ 280 epochs per trial at most
+    s.max_steps = 6_000  # and at most this many updates
+    s.evals_per_trial = 120  # log-spaced progress evaluations up to the budget
+    s.noise_batch_size = 256  # examples per exact noise measurement
+    s.noise_curvature_batch_size = 64  # B_noise from 64 of them (cost grows as n²)
+    s.noise_window = 5  # measurements averaged around each crossing
+    if "tiny" in base.parse_arg(arg):
+        s.batch_sizes = (8, 32, 128)  # three batch sizes
+        s.lr_factors = (1.0, 2.0)  # two learning rates each
+        s.targets = (1.5, 1.0)  # loose targets
+        s.max_steps = 60  # a few dispatches per trial
+        s.max_examples = 0  # steps bound the budget
+        s.evals_per_trial = 6  # six evaluations
+        s.noise_batch_size = 64  # small measurements
+        s.checkpoint_every_evals = 2  # exercise checkpoints
+    return c
