@@ -9,8 +9,8 @@ under `vmap`: one compilation per batch size, one dispatch per evaluation interv
 stream of `cbs.data`. After each interval: the progress metric (the full training-set loss,
 the eval-split loss, or the EMA of the batch loss carried through the loop) and an exact
 noise measurement per trial (`cbs.noise.exact`) on a fresh batch of `sweep.noise_batch_size`
-training examples, with B_noise from the first `sweep.noise_curvature_batch_size` of them
-(exact curvature costs O(n²) per-example HVPs).
+training examples; for B_noise, tr(HΣ) from the first `sweep.noise_curvature_batch_size` of
+them (exact curvature costs O(m²) per-example HVPs) and ḡᵀHḡ from all n (one HVP).
 
 The group runs on one device (small models: the vmap is the parallelism). It checkpoints the
 stacked state and the curves so far every `sweep.checkpoint_every_evals` evaluations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs import checkpoint, data, mesh, noise, train
+from cbs import checkpoint, curvature, data, mesh, noise, train
 from cbs.step import TrainState
 from cbs.sweep import SweepStore, Trial, TrialResult
 from cbs.trials import NOISE_CURVE_KEYS, eval_steps, result_from_curve, trial_config
@@ -97,10 +97,15 @@ class TrialGroup:
                             or None)
         out = {k: getattr(stats, k) for k in ("trace_sigma", "grad_sq_norm", "b_simple")}
         if s.noise_curvature_batch_size:
+            # tr(HΣ) costs O(m²) per-example HVPs, so it comes from the first m examples;
+            # ḡᵀHḡ is one HVP, so it comes from all n, which shrinks the tr(HΣ)/n correction.
             m = min(int(s.noise_curvature_batch_size), n)
             curv = noise.exact(loss_fn, state.params, jax.tree.map(lambda x: x[:m], batch),
                                curvature=True, chunk_size=int(s.noise_chunk_size) or None)
-            out |= {k: getattr(curv, k) for k in ("trace_h_sigma", "g_h_g", "b_noise")}
+            grad, hvp = curvature.hvp_fn(loss_fn, state.params, batch)
+            g_h_g = curvature.tree_dot(grad, hvp(grad)) - curv.trace_h_sigma / n
+            out |= {"trace_h_sigma": curv.trace_h_sigma, "g_h_g": g_h_g,
+                    "b_noise": curv.trace_h_sigma / g_h_g}
         return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
     def _evaluate_fn(self, state: TrainState, loss_ema: jax.Array, index: jax.Array
@@ -184,11 +189,15 @@ class TrialGroup:
         return np.stack([np.asarray(e[key], np.float64) for e in history["evals"]])
 
     def _finished(self, history) -> bool:
-        """Every trial crossed the lowest target, diverged or exploded."""
+        """Every trial crossed the lowest target, diverged or exploded; or, with
+        `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
+        still make comes later than that trial's, so none of them can be the fastest."""
         m = self._metric_matrix(history)
         lowest, factor = min(self.sweep.targets), self.sweep.divergence_factor
         first = m[0] if np.all(np.isfinite(m[0])) else m[min(1, len(m) - 1)]
         reached = np.any(m <= lowest, axis=0)
+        if self.sweep.stop_when_dominated and np.any(reached):
+            return True
         bad = np.any(~np.isfinite(m[1:]), axis=0) | np.any(m > factor * first, axis=0)
         return bool(np.all(reached | bad))
 
@@ -213,6 +222,8 @@ class TrialGroup:
         values = [v for v in curve[metric] if math.isfinite(v)]
         if status != "diverged" and values and min(values) <= min(self.sweep.targets):
             status = "done"
+        elif status == "budget" and len(history["evals"]) < len(self.steps):
+            status = "dominated"  # stopped early: another learning rate reached every target
         return result_from_curve(trial, self.sweep, curve, status, history["seconds"])
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from cbs.fit import PowerLawFit, TradeoffFit
 
@@ -52,8 +53,10 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
     has_x, has_y = np.concatenate(xs).size > 0, np.concatenate(ys).size > 0
     if logx and has_x:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # crowded labels on short decades
     if logy and has_y:
         ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
     drawn = has_x and has_y
     if drawn:
         ax.legend(fontsize=8)

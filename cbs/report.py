@@ -136,9 +136,9 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any]) -> dict[str, str]:
     figs["b_crit_vs_loss"] = plots.b_crit_vs_loss(
         losses, [f.b_crit for _, f in ok], os.path.join(out_dir, "b_crit_vs_loss.png"),
         b_crit_cis=[f.b_crit_ci for _, f in ok], power_law=analysis["_power_law"],
-        measured={"B_simple (measured)": ([t["target"] for t in analysis["targets"]],
+        measured={"B_simple": ([t["target"] for t in analysis["targets"]],
                                           [t["measured_b_simple"] for t in analysis["targets"]]),
-                  "B_noise (measured)": ([t["target"] for t in analysis["targets"]],
+                  "B_noise": ([t["target"] for t in analysis["targets"]],
                                          [t["measured_b_noise"] for t in analysis["targets"]])})
     records = {r["trial_id"]: r for r in SweepStore(sweep_dir).records()}
     shown = sorted({i for t in analysis["targets"] for i in t["best_trial_ids"]})

@@ -65,6 +65,9 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.noise_curvature_batch_size = 64  # of those, examples for tr(HΣ), GᵀHG, B_noise (0 = off)
     s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
+    s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
+    #                               target (the others cannot be fastest; off when averaging
+    #                               several seeds per learning rate)
     return s
 
 
@@ -168,7 +171,9 @@ def shard_trials(trials: Sequence[Trial], shard: str | None) -> list[Trial]:
 class TrialResult:
     """What a finished trial records (one line of trials.jsonl).
 
-    status: "done" (every target reached), "budget" (budget spent first) or "diverged".
+    status: "done" (every target reached), "budget" (budget spent first), "diverged", or
+    "dominated" (stopped once another learning rate at the same (B, seed) reached every
+    target: its later crossings could not be the fastest).
     steps_to_target / examples_to_target: per target (as a string key), S and E = B·S at the
     first crossing of the progress metric, interpolated between evaluations; None if never.
     noise_at_target: per target, the noise statistics measured around the crossing

@@ -4,7 +4,7 @@
     python -m experiments.sweep --config=experiments/configs/digits_sweep.py:tiny --sweep_dir=/tmp/t
 
 Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
-rule η(B) = 2e-3·(B/64)^½, one seed, targets on the full training-set loss from 0.5 down to
+rule η(B) = 4e-3·(B/64)^½, one seed, targets on the full training-set loss from 0.5 down to
 0.05. The learning rates of each batch size train as one vmapped program. Expected on 2 CPU
 cores: the sweep, fits and report in a few minutes; B_crit grows as the target loss falls
 (tens of examples at L = 0.5, a few hundred at L = 0.05) and the measured B_simple at each
@@ -29,19 +29,19 @@ def get_config(arg: str = ""):
 
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(2, 11))  # 4 ... 1024 examples
-    s.base_lr = 2e-3  # η at B = 64, centre of the grid
+    s.base_lr = 4e-3  # η at B = 64, centre of the grid
     s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    s.lr_factors = (0.5, 1.0, 2.0, 4.0)  # factor-2 grid, one step below and two above
     s.max_lr = 0.03  # Adam above this diverges on this model
     s.seeds = (0,)  # one seed per (B, η)
     s.targets = (0.5, 0.3, 0.2, 0.1, 0.05)  # full training-set cross-entropy (nats)
     s.target_metric = "full_train/loss"  # exact loss over all 1437 training examples
     s.max_examples = 400_000  # ≈ 280 epochs per trial at most
     s.max_steps = 6_000  # and at most this many updates
-    s.evals_per_trial = 120  # log-spaced progress evaluations up to the budget
+    s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
     s.noise_batch_size = 256  # examples per exact noise measurement
-    s.noise_curvature_batch_size = 64  # B_noise from 64 of them (cost grows as n²)
+    s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them (cost grows as n²)
     s.noise_window = 5  # measurements averaged around each crossing
     if "tiny" in base.parse_arg(arg):
         s.batch_sizes = (8, 32, 128)  # three batch sizes

@@ -1,0 +1,119 @@
+"""Sweeps end to end on a tiny digits study: records, report, resume, shards, back ends."""
+
+import csv
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from cbs import launch, mesh, multitrial, report, sweep, trials
+from experiments.configs import digits_sweep
+
+
+def _tiny():
+    c = digits_sweep.get_config("tiny")
+    c.sweep.batch_sizes = (8, 32, 128)
+    return c
+
+
+def _table(sweep_dir):
+    with open(os.path.join(sweep_dir, sweep.CSV_FILE)) as f:
+        return sorted(csv.DictReader(f), key=lambda r: (r["trial_id"], r["target"]))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("sweep"))
+    results = launch.run_sweep(_tiny(), d, log=lambda _: None)
+    return d, results
+
+
+def test_sweep_records_every_trial_with_crossings_and_noise(finished):
+    d, results = finished
+    records = sweep.SweepStore(d).records()
+    grid = sweep.make_trials(_tiny().sweep)
+    assert [r["trial_id"] for r in records] == [t.trial_id for t in grid]
+    for r in records:
+        assert r["status"] in ("done", "budget", "dominated")
+        s = r["steps_to_target"]["1.5"]
+        if s is not None:
+            assert 0 < s <= 60
+            assert r["examples_to_target"]["1.5"] == pytest.approx(s * r["batch_size"])
+            assert r["noise_at_target"]["1.5"]["b_simple"] > 0
+    # one learning rate per batch size reached every target; B_noise was measured
+    assert {r["batch_size"] for r in records if r["status"] == "done"} == {8, 32, 128}
+    assert any(r["noise_at_target"]["1"].get("b_noise", 0) > 0 for r in records)
+        curve = r["curve"]
+        assert curve["step"][0] == 0 and curve["full_train/loss"][0] > 2.0  # ≈ ln 10 at init
+        assert np.all(np.diff(curve["step"]) > 0)
+    # larger batches need fewer steps to reach the first target
+    best = {b: min(r["steps_to_target"]["1.5"] or np.inf for r in records
+                   if r["batch_size"] == b) for b in (8, 32, 128)}
+    assert best[8] > best[32] > best[128]
+
+
+def test_report_fits_and_figures(finished):
+    d, _ = finished
+    path = report.write_report(d, bootstrap=50)
+    text = open(path).read()
+    assert "| target L | B_crit" in text and "![pareto]" in text
+    analysis = report.load_analysis(d)
+    first = analysis["targets"][0]
+    assert first["fit"]["status"] == "ok" and first["fit"]["b_crit"] > 0
+    assert first["measured_b_simple"] > 0
+    for name in ("pareto", "collapse", "b_crit_vs_loss", "noise_scale"):
+        assert os.path.getsize(os.path.join(d, "figures", f"{name}.png")) > 1000
+
+
+def test_rerun_skips_finished_trials(finished):
+    d, _ = finished
+    assert launch.run_sweep(_tiny(), d, log=lambda _: None) == []
+
+
+def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monkeypatch):
+    d_ref, _ = finished
+    d = str(tmp_path / "crash")
+    calls = {"n": 0}
+    original = multitrial.TrialGroup._chunk_fn
+
+    def crashing(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the second group, after a checkpoint: a simulated kill
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(multitrial.TrialGroup, "_chunk_fn", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_sweep(_tiny(), d, log=lambda _: None)
+    monkeypatch.setattr(multitrial.TrialGroup, "_chunk_fn", original)
+    assert 0 < len(sweep.SweepStore(d).records()) < len(sweep.make_trials(_tiny().sweep))
+    launch.run_sweep(_tiny(), d, log=lambda _: None)
+    assert _table(d) == _table(d_ref)
+
+
+def test_shards_together_equal_the_whole_sweep(finished, tmp_path):
+    d_ref, _ = finished
+    d = str(tmp_path / "shards")
+    for i in range(2):
+        launch.run_sweep(_tiny(), d, shard=f"{i}/2", log=lambda _: None)
+    sweep.SweepStore(d).export_csv()
+    assert _table(d) == _table(d_ref)
+
+
+def test_vmapped_group_equals_the_engine(tmp_path):
+    c = _tiny()
+    c.sweep.batch_sizes = (16,)
+    c.sweep.lr_factors = (1.0, 2.0)
+    c.sweep.targets = (0.01,)  # never reached: both run the whole budget
+    c.sweep.max_steps = 20
+    c.sweep.evals_per_trial = 4
+    store = sweep.SweepStore(str(tmp_path))
+    grid = sweep.make_trials(c.sweep)
+    group = multitrial.TrialGroup(c, grid, store).run()
+    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+    engine = trials.run_trial_engine(c, grid[1], store, mesh=one)
+    v, e = group[1].curve, engine.curve
+    assert v["step"][-1] == e["step"][-1] == 20
+    np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
+    assert group[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
