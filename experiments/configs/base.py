@@ -36,3 +36,8 @@ def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collection
     c.eval.train_examples = 512  # first 512 training examples for full_train/*
     c.noise.every = 10  # one exact measurement in the middle
     return c
+
+
+def schedule_config(fields: dict) -> ml_collections.ConfigDict:
+    """A `config.batch.schedule` from a plain dict (cbs.schedules.batch_schedule_from_config)."""
+    return ml_collections.ConfigDict(dict(fields))

@@ -1,0 +1,133 @@
+"""Batch-size ramps run beside a sweep and placed on its fitted S–E frontier.
+
+A ramp run is an ordinary `cbs.train.run` whose `config.batch.schedule` changes B as
+examples are seen (`cbs.schedules`: step like Llama 3, linear like DeepSeek-V3, or adaptive
+on the live noise scale), with the micro-batch fixed and the accumulation count changing,
+and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, like a sweep
+trial, once the sweep's progress metric has crossed every target, and it records the steps S
+and the examples E at each crossing (each interpolated between evaluations on its own
+axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
+directory, where `cbs.report` draws them on each target's S–E plane against the frontier
+S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
+every fixed batch size; on it, it matched one.
+
+The runs are declared in the config (`config.ramps`, a list of dicts): `label`, `schedule`
+(a `cbs.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
+"best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
+`lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from cbs import fit, metrics, train
+from cbs.report import RAMPS_FILE
+from cbs.sweep import SweepStore, target_key
+from cbs.trials import ProgressMonitor, curve_from_records
+
+RAMPS_DIR = "ramps"
+
+
+def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
+    """The sweep's learning rate with the fewest steps to its lowest reached target at B."""
+    records = [r for r in SweepStore(sweep_dir).records() if r["batch_size"] == batch_size]
+    if not records:
+        raise ValueError(f"config.ramps: no sweep trial at batch size {batch_size} in "
+                         f"{sweep_dir}; run the sweep first or give a number")
+    keys = sorted(records[0]["steps_to_target"], key=float)
+    for key in keys:  # lowest target first
+        reached = [r for r in records if r["steps_to_target"][key] is not None]
+        if reached:
+            return min(reached, key=lambda r: r["steps_to_target"][key])["learning_rate"]
+    raise ValueError(f"config.ramps: no trial at batch size {batch_size} reached a target")
+
+
+def _learning_rate(spec: Any, sweep_dir: str) -> float:
+    if isinstance(spec, str) and spec.startswith("best@"):
+        return best_learning_rate(sweep_dir, int(spec[5:]))
+    return float(spec)
+
+
+def ramp_config(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
+                ) -> ml_collections.ConfigDict:
+    """The run config of one ramp: the base config with its schedule, η_0 and coupling."""
+    sweep = config.sweep
+    c = ml_collections.ConfigDict(config.to_dict())
+    for key in ("sweep", "ramps"):
+        if key in c:
+            del c[key]
+    c.batch.schedule = ml_collections.ConfigDict(dict(run["schedule"]))
+    c.batch.micro_batch = int(run.get("micro_batch", c.batch.micro_batch))
+    c.optim.learning_rate = _learning_rate(run["learning_rate"], sweep_dir)
+    coupling = dict(run.get("lr_coupling", {"rule": "none"}))
+    c.batch.lr_coupling.rule = coupling.get("rule", "none")
+    c.batch.lr_coupling.base_batch_size = int(coupling.get("base_batch_size", 0))
+    c.batch.lr_coupling.cap = float(coupling.get("cap", 0.0))
+    c.train.max_steps = int(run.get("max_steps", sweep.max_steps))
+    c.train.max_examples = int(run.get("max_examples", sweep.max_examples))
+    c.eval.every = int(run.get("eval_every", 5))
+    c.batch.adapt_every = int(run.get("adapt_every", c.batch.adapt_every))
+    c.eval.full_train = sweep.target_metric == "full_train/loss"
+    c.train.log_every = min(c.train.log_every, c.eval.every)
+    c.train.progress_bar = False
+    c.train.tensorboard = False
+    return c
+
+
+def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections.ConfigDict,
+                status: str, learning_rate: float) -> dict[str, Any]:
+    """Steps and examples to each target (each interpolated on its own axis)."""
+    metric = sweep.target_metric
+    curve = curve_from_records(records, metric, sweep.loss_ema_decay)
+    train_recs = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
+    steps_to, examples_to = {}, {}
+    for target in sweep.targets:
+        key = target_key(target)
+        steps_to[key] = fit.steps_to_target(curve["step"], curve[metric], target)
+        examples_to[key] = fit.steps_to_target(curve["examples"], curve[metric], target)
+    return {
+        "label": label, "status": status, "learning_rate": learning_rate,
+        "target_metric": metric, "steps_to_target": steps_to, "examples_to_target": examples_to,
+        "curve": {"step": curve["step"], "examples": curve["examples"],
+                  metric: [v if math.isfinite(v) else None for v in curve[metric]]},
+        "schedule": {"examples_seen": [r["data/examples_seen"] for r in train_recs],
+                     "batch_size": [r["data/batch_size"] for r in train_recs],
+                     "lr": [r["opt/lr"] for r in train_recs]},
+    }
+
+
+def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print
+              ) -> list[dict[str, Any]]:
+    """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all."""
+    path = os.path.join(sweep_dir, RAMPS_FILE)
+    done = {r["label"] for r in metrics.read_records(path)}
+    labels = [run["label"] for run in config.ramps]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+    for run in config.ramps:
+        run = dict(run)
+        if run["label"] in done:
+            continue
+        c = ramp_config(config, run, sweep_dir)
+        workdir = os.path.join(sweep_dir, RAMPS_DIR, run["label"])
+        monitor = ProgressMonitor(config.sweep)
+        summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False)
+        records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
+        status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
+        rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
+                          for k, s in rec["steps_to_target"].items())
+        log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
+    return metrics.read_records(path)
