@@ -378,45 +378,31 @@ def _one_example_batch(example: PyTree) -> PyTree:
 
 
 def _map_examples(fn: Callable, batch: PyTree, batch_size: int, chunk_size: int | None):
-    """fn(example) -> (summed, per_example); vmapped in chunks of chunk_size examples.
-
-    Returns (Σ_i summed_i, per_example stacked on a leading [B] axis). Memory is
-    O(chunk_size × size of fn's intermediates).
+    """fn(example) for every example, stacked on a leading [B] axis: vmap within chunks of
+    chunk_size examples, lax.scan across chunks (memory O(chunk_size × fn's intermediates)).
     """
-    def run(examples):
-        summed, per_example = jax.vmap(fn)(examples)
-        return jax.tree.map(lambda a: a.sum(0), summed), per_example
-
     if chunk_size is None or chunk_size >= batch_size:
-        return run(batch)
+        return jax.vmap(fn)(batch)
     n, rest = divmod(batch_size, chunk_size)
     head = jax.tree.map(lambda a: a[:n * chunk_size].reshape(n, chunk_size, *a.shape[1:]),
                         batch)
-
-    def body(total, chunk):
-        summed, per_example = run(chunk)
-        return jax.tree.map(jnp.add, total, summed), per_example
-
-    shapes = jax.eval_shape(run, jax.tree.map(lambda a: a[0], head))[0]
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    total, per_example = jax.lax.scan(body, zeros, head)
-    per_example = jax.tree.map(lambda a: a.reshape(n * chunk_size, *a.shape[2:]), per_example)
+    out = jax.lax.scan(lambda carry, chunk: (carry, jax.vmap(fn)(chunk)), None, head)[1]
+    out = jax.tree.map(lambda a: a.reshape(n * chunk_size, *a.shape[2:]), out)
     if rest:
-        summed, tail = run(jax.tree.map(lambda a: a[n * chunk_size:], batch))
-        total = jax.tree.map(jnp.add, total, summed)
-        per_example = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), per_example, tail)
-    return total, per_example
+        tail = jax.vmap(fn)(jax.tree.map(lambda a: a[n * chunk_size:], batch))
+        out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
+    return out
 
 
 def _vmap_info(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int,
                chunk_size: int | None):
-    """The reference: per-example gradients by vmap(grad), chunked."""
+    """The reference: per-example gradients by vmap(grad), chunked; loss and ḡ from one
+    ordinary pass (summing the per-example gradients instead is much slower on CPU)."""
     def one(example):
-        loss, g = jax.value_and_grad(loss_fn)(params, _one_example_batch(example))
-        return (loss, g), jax.tree.map(_sq_norm, g)
+        return jax.tree.map(_sq_norm, jax.grad(loss_fn)(params, _one_example_batch(example)))
 
-    (loss_sum, grad_sum), sq_norms = _map_examples(one, batch, batch_size, chunk_size)
-    return loss_sum / batch_size, jax.tree.map(lambda g: g / batch_size, grad_sum), sq_norms
+    loss, grad = jax.value_and_grad(loss_fn)(params, batch)
+    return loss, grad, _map_examples(one, batch, batch_size, chunk_size)
 
 
 def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequence[int],
@@ -431,9 +417,9 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
                 full[i] = s
             return loss_fn(jax.tree.unflatten(treedef, full), _one_example_batch(example))
 
-        return (), [_sq_norm(g) for g in jax.grad(loss_of)([leaves[i] for i in which])]
+        return [_sq_norm(g) for g in jax.grad(loss_of)([leaves[i] for i in which])]
 
-    return _map_examples(one, batch, batch_size, chunk_size)[1]
+    return _map_examples(one, batch, batch_size, chunk_size)
 
 
 # ----------------------------------------------------------------------------- public
@@ -450,7 +436,8 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       batch: pytree of arrays sharing a leading axis B.
       method: "fast" taps cbs.layers layers (one forward + one backward) and raises
         ValueError naming any leaf it cannot cover; "auto" does the same but computes
-        uncovered leaves by vmap(grad) restricted to them; "vmap" is the chunked reference.
+        uncovered leaves by vmap(grad) restricted to them; "vmap" is the reference: every
+        norm by vmap(grad), chunked, with loss and ḡ from one ordinary pass.
       chunk_size: examples per vmap chunk (None: all at once); bounds vmap memory.
 
     Returns:
