@@ -130,6 +130,7 @@ class TrainStep:
         M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
         whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
       two_batch: compute the two-batch estimate (False: none, for speed comparisons).
+      unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
@@ -147,6 +148,7 @@ class TrainStep:
     micro_batch: int = 1
     small_batch: int = 0
     two_batch: bool = True
+    unroll: int | bool = 0
     batch_fn: Callable[[PyTree], PyTree] | None = None
     lr_coupling: tuple[int, str, float | None] | None = None
     measure: Measurement | None = None
@@ -223,6 +225,15 @@ class TrainStep:
                              f" a multiple of R = {r} whose share b/R divides m")
         return "split", b, a * r * m // b
 
+    def _unroll(self, chunks: int) -> int | bool:
+        """Scan unrolling: `unroll` when set; else full on CPU up to 16 chunks, because
+        XLA:CPU runs convolutions inside a while loop several times slower (a small CNN: 4×
+        here), and rolled elsewhere (one copy of the body, least memory and compile time)."""
+        if self.unroll:
+            return self.unroll
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return True if on_cpu and chunks <= 16 else 1
+
     def _chunks(self, state: TrainState, inputs: PyTree, accum_steps: int, chunks: int):
         """The global batch [B, ...] as [C, B/C, ...]: replica r's contiguous B/R examples cut
         into C runs, chunk k = the k-th run of every replica (no data moves)."""
@@ -278,8 +289,9 @@ class TrainStep:
                                                                             jnp.float32)), params)
         acc = jnp.zeros((), jnp.result_type(float))
         init = (jnp.zeros((), jnp.float32), zeros, model_state, acc)
-        (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(body, init, chunks)
         c = jax.tree.leaves(chunks)[0].shape[0]
+        (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(
+            body, init, chunks, unroll=self._unroll(c))
         return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
     def _noise_metrics(self, state: TrainState, chunks, per_micro: int
