@@ -22,12 +22,18 @@ which outside a tap context just calls the layer's plain function. Inside one it
 `jax.custom_vjp` primitive with one extra input, a zero array `tap` [B, n] whose cotangent
 the backward rule sets to the n per-example squared norms of that call's parameters; so
 `jax.grad` w.r.t. (params, taps) returns ḡ and all norms from ONE backward pass, and under
-`jit` the only extra work is the small per-layer reductions above. A first, shape-only trace
-(`jax.make_jaxpr`, never run) records which params leaf (by identity of the traced leaf) each
-call uses and counts every use of every leaf in the jaxpr. A leaf is covered when exactly one
-call uses it, nothing else does, and that call's input has the batch as its leading axis.
-Other leaves (raw `nnx.Param`s, foreign layers, tied weights, leaves transformed before use,
-layers under `scan`/`remat`) fall back to `vmap(grad)` restricted to them.
+`jit` the only extra work is the per-layer reductions above. Two shape-only traces (never
+run) come first: one lists the layer calls and which params leaf (by identity of the traced
+leaf) each uses, the next taps every call with the taps as jaxpr inputs. A leaf is covered
+when exactly one call uses it, the call's input has the batch as leading axis, and in that
+jaxpr the call's own top-level custom_vjp equation is the only consumer of the leaf and of
+the tap. Other leaves (raw `nnx.Param`s, foreign layers, tied weights, leaves transformed
+before use, layers inside `scan`, `cond`, `remat` or a nested `jit`) fall back to `vmap(grad)`
+restricted to them. Why this design: it needs nothing from the model beyond the layers and
+nothing from `loss_fn` (any pytree of params, NNX or not), the norms come out of the backward
+pass XLA already schedules (no activation or cotangent is kept alive past its layer, as
+capturing intermediates or perturbations would need), and the jaxpr check makes a wrong
+answer from an unforeseen use of a leaf a slow answer instead.
 
 Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
 fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for means over B
@@ -269,13 +275,11 @@ def _active(ctx: _Context):
         _CONTEXT.reset(token)
 
 
-def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -> _Plan:
-    """Traces (never runs) the loss twice to map layer calls to params leaves.
+def _trace_calls(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int):
+    """Traces (never runs) the loss twice: (layer calls, jaxpr with leaves and taps as inputs).
 
     The first trace lists the layer calls; the second taps all of them, with the taps as
-    jaxpr inputs, so that the jaxpr shows for each call whether its tap is consumed by its
-    own custom_vjp at top level (not inside scan, cond, remat or a nested jit) and whether
-    that equation is the only consumer of each of the call's leaves.
+    jaxpr inputs, so the jaxpr shows which equations consume each leaf and each tap.
     """
     leaves, treedef = jax.tree.flatten(params)
 
@@ -287,57 +291,65 @@ def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -
 
     calls = []
     jax.eval_shape(lambda leaves: calls.extend(traced(leaves)[1]) or 0.0, leaves)
-    full = [tuple(leaf is not None for leaf in c.leaves) if c.batch_ok else
-            (False,) * len(c.leaves) for c in calls]
+    full = [tuple(leaf is not None and c.batch_ok for leaf in c.leaves) for c in calls]
     taps = [jax.ShapeDtypeStruct((batch_size, sum(m)), c.dtype)
             for m, c in zip(full, calls, strict=True)]
-    jaxpr = jax.make_jaxpr(lambda leaves, taps: traced(leaves, full, taps)[0])(leaves,
-                                                                                taps).jaxpr
-    consumers: dict[int, list[int]] = {}
+    traced_loss = lambda leaves, taps: traced(leaves, full, taps)[0]
+    return calls, jax.make_jaxpr(traced_loss)(leaves, taps).jaxpr
+
+
+def _why_uncovered(calls: list[_Call], jaxpr, n_leaves: int) -> dict[int, str | None]:
+    """Per leaf: None when the fast path covers it, "" when the loss never reads it, else why
+    it needs vmap."""
+    consumers: dict[int, list[int]] = {}  # id(var) -> top-level equations (-1: the output)
     for e, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             consumers.setdefault(id(v), []).append(e)
     for v in jaxpr.outvars:
         consumers.setdefault(id(v), []).append(-1)
-    leaf_vars, tap_vars = jaxpr.invars[:len(leaves)], jaxpr.invars[len(leaves):]
-    own_eqn = []  # per call: index of its top-level custom_vjp equation, or None
-    for mask, v in zip(full, tap_vars, strict=True):
+    own_eqn = []  # per call: its own custom_vjp equation, when consumed at top level only
+    for v in jaxpr.invars[n_leaves:]:
         found = consumers.get(id(v), [])
         eqn = jaxpr.eqns[found[0]] if len(found) == 1 and found[0] >= 0 else None
-        top = (any(mask) and eqn is not None and eqn.primitive.name == "custom_vjp_call"
-               and eqn.invars[-1] is v)
+        top = eqn is not None and eqn.primitive.name == "custom_vjp_call" and eqn.invars[-1] is v
         own_eqn.append(found[0] if top else None)
-    refs: list[list[int]] = [[] for _ in leaves]
+    refs: list[list[int]] = [[] for _ in range(n_leaves)]
     for c, call in enumerate(calls):
         for leaf in call.leaves:
             if leaf is not None and leaf >= 0:
                 refs[leaf].append(c)
-    unused, uncovered, covered = [], {}, set()
-    for leaf, (v, cs) in enumerate(zip(leaf_vars, refs, strict=True)):
+    why = {}
+    for leaf, (v, cs) in enumerate(zip(jaxpr.invars[:n_leaves], refs, strict=True)):
         found = consumers.get(id(v), [])
-        if not cs:
-            if found:
-                uncovered[leaf] = "not used through a cbs.layers layer (or transformed first)"
-            else:
-                unused.append(leaf)
+        if not cs:  # "" marks a leaf the loss never reads: zero gradient, nothing to do
+            why[leaf] = "not used through a cbs.layers layer (or transformed first)" * bool(found)
         elif len(cs) > 1:
-            uncovered[leaf] = f"shared by {len(cs)} layer calls"
+            why[leaf] = f"shared by {len(cs)} layer calls"
         elif not calls[cs[0]].batch_ok:
-            uncovered[leaf] = "its layer input does not have the batch as leading axis"
+            why[leaf] = "its layer input does not have the batch as leading axis"
         elif own_eqn[cs[0]] is None:
-            uncovered[leaf] = "its layer runs inside a nested transformation (scan, remat, jit)"
+            why[leaf] = "its layer runs inside a nested transformation (scan, cond, remat, jit)"
         elif found != [own_eqn[cs[0]]]:
-            uncovered[leaf] = "also used outside its layer"
+            why[leaf] = "also used outside its layer"
         else:
-            covered.add(leaf)
+            why[leaf] = None
+    return why
+
+
+def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -> _Plan:
+    """Maps layer calls to params leaves and decides which leaves the taps cover."""
+    n_leaves = len(jax.tree.leaves(params))
+    calls, jaxpr = _trace_calls(loss_fn, params, batch, batch_size)
+    why = _why_uncovered(calls, jaxpr, n_leaves)
     active, columns = [], {}
     for c, call in enumerate(calls):
-        mask = tuple(leaf in covered for leaf in call.leaves)
+        mask = tuple(leaf is not None and leaf >= 0 and why[leaf] is None for leaf in call.leaves)
         active.append(mask)
         for col, leaf in enumerate(l for l, m in zip(call.leaves, mask, strict=True) if m):
             columns[leaf] = (c, col)
     return _Plan([c.leaves for c in calls], active, [c.dtype for c in calls], columns,
-                 tuple(unused), uncovered)
+                 tuple(leaf for leaf, w in why.items() if w == ""),
+                 {leaf: w for leaf, w in why.items() if w})
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
