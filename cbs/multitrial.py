@@ -113,7 +113,9 @@ class TrialGroup:
         split = PROGRESS_SPLIT.get(self.sweep.target_metric)
         out = {"ema_b_simple": state.noise_ema.b_simple, "loss_ema": loss_ema}
         if split is not None:
-            fn, arrays = self.trainer.eval_sums_fn(split)
+            e = self.trainer.config.eval
+            fn, arrays = self.trainer.eval_sums_fn(
+                split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
             out["metric"] = sums["loss_sum"] / sums["count"]
         return out | self._measure(state, index)
