@@ -352,9 +352,7 @@ def test_resume_after_crash_is_bit_identical(tmp_path, schedule):
     """Crash at step 8 (checkpoint at 5, mid-ramp), rerun: same params and records."""
     c = tiny_config(**{"noise.every": 3, "batch.adapt_every": 2, "eval.every": 4,
                        "batch.schedule": ml_collections.ConfigDict(schedule)})
-    mesh = one_device_mesh(2)
-    c.mesh.data = 2
-    c.batch.micro_batch = 4
+    mesh = one_device_mesh()
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
     s1 = train.run(c, whole, mesh=mesh)
     with pytest.raises(_Crash):
@@ -483,3 +481,24 @@ def test_batchnorm_cnn_keeps_running_statistics(tmp_path):
     c.noise.every = 2
     with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.every"):
         train.Trainer(c, mesh=one_device_mesh())
+
+
+@pytest.mark.slow
+def test_entry_point_with_overrides_then_rerun(tmp_path):
+    """python -m experiments.main --config=...:tiny --workdir=... --config.x=y, twice."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cmd = [sys.executable, "-m", "experiments.main",
+           "--config=experiments/configs/digits_mlp.py:tiny", f"--workdir={tmp_path}",
+           "--config.train.max_steps=6", "--config.optim.learning_rate=3e-3"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    summary = json.loads(first.stdout[first.stdout.index("{"):])
+    assert summary["status"] == "finished" and summary["step"] == 6
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["optim"]["learning_rate"] == 3e-3
+    again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert json.loads(again.stdout[again.stdout.index("{"):]) == summary
