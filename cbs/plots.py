@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from cbs.fit import PowerLawFit, TradeoffFit
 
@@ -38,6 +38,15 @@ def _no_data(ax, message: str = "no data") -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
 
 
+def _log_labels(axis, values: np.ndarray) -> None:
+    """Plain-number tick labels on a log axis; minor ticks labelled only on a short range
+    (under ~1.5 decades there may be no major tick at all)."""
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    axis.set_major_formatter(plain)
+    span = np.log10(values.max() / values.min()) if values.size else 0.0
+    axis.set_minor_formatter(plain if span < 1.5 else NullFormatter())
+
+
 def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
     """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
     legend when something was drawn, else a "no data" note. Returns whether data was drawn."""
@@ -53,10 +62,10 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
     has_x, has_y = np.concatenate(xs).size > 0, np.concatenate(ys).size > 0
     if logx and has_x:
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # crowded labels on short decades
+        _log_labels(ax.xaxis, np.concatenate(xs))
     if logy and has_y:
         ax.set_yscale("log")
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        _log_labels(ax.yaxis, np.concatenate(ys))
     drawn = has_x and has_y
     if drawn:
         ax.legend(fontsize=8)

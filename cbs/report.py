@@ -133,13 +133,15 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any]) -> dict[str, str]:
             "collapse": plots.tradeoff_collapse(series, os.path.join(out_dir, "collapse.png"))}
     ok = [(t, f) for t, f in zip(analysis["targets"], analysis["_fits"], strict=True) if f.ok]
     losses = [t["target"] for t, _ in ok]
+    all_losses = [t["target"] for t in analysis["targets"]]
+    measured = {label: (all_losses, [t[key] for t in analysis["targets"]])
+                for label, key in (("B_simple", "measured_b_simple"),
+                                   ("B_noise", "measured_b_noise"))
+                if any(math.isfinite(t[key]) for t in analysis["targets"])}
     figs["b_crit_vs_loss"] = plots.b_crit_vs_loss(
         losses, [f.b_crit for _, f in ok], os.path.join(out_dir, "b_crit_vs_loss.png"),
         b_crit_cis=[f.b_crit_ci for _, f in ok], power_law=analysis["_power_law"],
-        measured={"B_simple": ([t["target"] for t in analysis["targets"]],
-                                          [t["measured_b_simple"] for t in analysis["targets"]]),
-                  "B_noise": ([t["target"] for t in analysis["targets"]],
-                                         [t["measured_b_noise"] for t in analysis["targets"]])})
+        measured=measured)
     records = {r["trial_id"]: r for r in SweepStore(sweep_dir).records()}
     shown = sorted({i for t in analysis["targets"] for i in t["best_trial_ids"]})
     runs = [{"label": f"B={records[i]['batch_size']}", "step": records[i]["curve"]["examples"],
