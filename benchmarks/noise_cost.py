@@ -3,7 +3,7 @@
     python -m benchmarks.noise_cost            # median of 5 repeats (~15 min on 2 CPU cores,
                                                # most of it the CNN's exact trace_h_sigma)
     python -m benchmarks.noise_cost --quick    # 2 repeats, for a first look
-    python -m benchmarks.noise_cost --models mlp,cnn --repeats 7
+    python -m benchmarks.noise_cost --models mlp,cnn --repeats 7 --skip-slow
 
 Models (from `cbs.models`, the same as benchmarks/train_step.py): an MLP 784-256-256-10 at
 B = 256, the default CNN on 28×28×1 at B = 128, and the tiny Transformer LM at B = 32,
@@ -153,6 +153,8 @@ def main() -> None:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--quick", action="store_true", help="2 repeats instead of 5")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row")
+    parser.add_argument("--skip-slow", action="store_true",
+                        help="leave out the exact trace_h_sigma row (minutes per call on CPU)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated subset of {','.join(MODELS)}")
     args = parser.parse_args()
@@ -171,6 +173,8 @@ def main() -> None:
         print("| method | time ms | × plain gradient | memory MB |")
         print("|---|---:|---:|---:|")
         fns = rows(loss_fn, batch_size, chunk, hvp_chunk)
+        if args.skip_slow:
+            fns = {k: v for k, v in fns.items() if "trace_h_sigma" not in k}
         for label, seconds, ratio, mb in measure(fns, params, batch, repeats):
             print(f"| {label} | {seconds * 1e3:.2f} | {ratio:.2f} | {mb} |", flush=True)
         print()

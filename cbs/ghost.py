@@ -11,8 +11,8 @@ Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "gh
     |∂ℓ_i/∂b|² = B² |Σ_t g_it|²
 
 whichever of the two T > 1 forms is cheaper. A convolution is the dense rule on the input
-patches (`conv_general_dilated_patches`; the norm does not depend on the patch feature order,
-so the native convolution keeps the forward pass and the ordinary gradients). An embedding row
+patches (strided slices; the native convolution keeps the forward pass and the ordinary
+gradients, and the norm does not depend on the order of the patch features). An embedding row
 gathers `Σ_{t: id_t = v} g_t`, so `|∂ℓ_i/∂E|² = B² Σ_{t,s} [id_t = id_s] g_t·g_s` (or one-hot
 when the vocabulary V is smaller than T). Norm scales and shifts act per channel: their
 [B, O] per-example gradients are small and are formed directly.
@@ -197,13 +197,24 @@ def _dense_rule(spec, x, g, params):
             jnp.sum(jnp.square(g_BxTxO.sum(1)), 1) if bias_active else None)
 
 
+def _patches(x_BxHxWxD: jax.Array, kh: int, kw: int, strides, padding) -> jax.Array:
+    """[B, H', W', kh·kw·D] input windows of a convolution, by strided slices.
+
+    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel, which
+    costs (kh·kw·D)² multiply-adds per output position: more than the layer itself.
+    """
+    sh, sw = strides
+    if isinstance(padding, str):
+        padding = jax.lax.padtype_to_pads(x_BxHxWxD.shape[1:3], (kh, kw), strides, padding)
+    x = jnp.pad(x_BxHxWxD, ((0, 0), *padding, (0, 0)))
+    ho, wo = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    return jnp.concatenate([x[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw]
+                            for i in range(kh) for j in range(kw)], axis=-1)
+
+
 def _conv_rule(spec, x, g, params):
-    strides, padding = spec.options
     kh, kw = params[0].shape[:2]
-    patches = jax.lax.conv_general_dilated_patches(
-        x, (kh, kw), strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        precision=jax.lax.Precision.HIGHEST)
-    return _dense_rule(spec, patches, g, params)
+    return _dense_rule(spec, _patches(x, kh, kw, *spec.options), g, params)
 
 
 def _embed_rule(spec, ids, g, params):

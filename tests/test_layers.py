@@ -28,7 +28,8 @@ def test_linear_matches_nnx_and_formula():
     np.testing.assert_allclose(no_bias(x), x @ no_bias.kernel[...], rtol=1e-6)
 
 
-@pytest.mark.parametrize("strides,padding", [(1, "SAME"), (2, "VALID"), ((2, 1), "SAME")])
+@pytest.mark.parametrize("strides,padding", [(1, "SAME"), (2, "VALID"), ((2, 1), "SAME"),
+                                             (2, ((1, 0), (2, 1)))])
 def test_conv_matches_nnx(strides, padding):
     ours = layers.Conv(3, 4, (3, 2), strides=strides, padding=padding, rngs=nnx.Rngs(0))
     ours.bias[...] = normal((4,), 1)
@@ -78,7 +79,7 @@ class Stack(nnx.Module):
         self.embed = layers.Embed(7, 6, rngs=rngs)
         self.first = layers.Linear(6, 6, rngs=rngs)
         self.ln = layers.LayerNorm(6)
-        self.conv = layers.Conv(6, 6, (2, 2), strides=2, rngs=rngs)
+        self.conv = layers.Conv(6, 6, (2, 2), strides=2, padding=((1, 0), (0, 1)), rngs=rngs)
         self.gn = layers.GroupNorm(6, num_groups=2)
         self.last = layers.Linear(6, 2, use_bias=False, rngs=rngs)
 
@@ -90,6 +91,7 @@ class Stack(nnx.Module):
 
 
 def test_taps_change_neither_forward_nor_gradient():
+    """Loss and ḡ through the taps equal plain autodiff; the norms equal the vmap ones."""
     graphdef, params = nnx.split(Stack(nnx.Rngs(0)), nnx.Param)
     params = jax.tree.map(lambda p: p + 0.1 * normal(p.shape, p.size), params)
 
@@ -100,11 +102,14 @@ def test_taps_change_neither_forward_nor_gradient():
     ids = jax.random.randint(KEY, (3, 16), 0, 7)
     batch = {"ids": ids, "w": normal((3, 2), 5)}
     assert ghost.uncovered_leaves(loss_fn, params, batch) == {}
-    run = lambda p, b: (ghost.per_example_grads_info(loss_fn, p, b, method="fast")[:2],
+    run = lambda p, b: (ghost.per_example_grads_info(loss_fn, p, b, method="fast"),
+                        ghost.per_example_grads_info(loss_fn, p, b, method="vmap")[2],
                         jax.value_and_grad(loss_fn)(p, b))
     compiled = jax.jit(run).trace(params, batch).lower().compile(
         {"xla_backend_optimization_level": 0})  # halves the compile time; values unchanged
-    (loss, grad), (loss_p, grad_p) = compiled(params, batch)
+    (loss, grad, sq), sq_vmap, (loss_p, grad_p) = compiled(params, batch)
+    for a, b in zip(jax.tree.leaves(sq), jax.tree.leaves(sq_vmap), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
     np.testing.assert_allclose(loss, loss_p, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_p), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
