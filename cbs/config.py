@@ -97,6 +97,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # devices on the data axis; -1 = all devices / model
     c.mesh.model = 1  # devices on the model axis (parameter sharding)
+    c.mesh.param_mode = "replicated"  # "replicated" | "fsdp" | "model" (cbs.mesh.param_shardings)
     return c
 
 

@@ -502,3 +502,20 @@ def test_entry_point_with_overrides_then_rerun(tmp_path):
     assert config["optim"]["learning_rate"] == 3e-3
     again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert json.loads(again.stdout[again.stdout.index("{"):]) == summary
+
+
+def test_model_sharded_parameters_equal_replicated():
+    """mesh 4 × 2 with kernels split over "model" equals 8 data replicas, replicated."""
+    def final_params(mesh, mode):
+        c = tiny_config(**{"batch.micro_batch": 4, "mesh.param_mode": mode})
+        tr = train.Trainer(c, mesh=mesh)
+        state = tr.init_state()
+        for t in range(3):
+            state, _ = tr.step(state, tr.inputs(32 * t, 32), tr.accum_steps(32))
+        return state.params
+
+    replicated = final_params(mesh_lib.make_mesh(data=8, model=1), "replicated")
+    sharded = final_params(mesh_lib.make_mesh(data=4, model=2), "model")
+    specs = {str(x.sharding.spec) for x in jax.tree.leaves(sharded)}
+    assert "P(None, 'model')" in specs
+    assert_trees_close(jax.tree.map(np.asarray, replicated), jax.tree.map(np.asarray, sharded))
