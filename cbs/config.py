@@ -232,3 +232,4 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     if not isinstance(data, int) or (data < 1 and data != -1):
         raise ConfigError(f"config.mesh.data: must be -1 or a positive integer, got {data!r}")
     _int(config, "mesh.model")
+    _choice(config, "mesh.param_mode", ("replicated", "fsdp", "model"))

@@ -55,6 +55,7 @@ BAD = [
     ("train.log_every", 0, "config.train.log_every"),
     ("eval.batch_size", 0, "config.eval.batch_size"),
     ("mesh.data", 0, "config.mesh.data"),
+    ("mesh.param_mode", "zero3", "config.mesh.param_mode"),
 ]
 
 
