@@ -129,7 +129,7 @@ class TrialGroup:
         def one(state, ema):
             def body(_, carry):
                 s, e = carry
-                s, m = tr.step._step(s, tr.train_arrays, accum)
+                s, m = tr.step.apply(s, tr.train_arrays, accum)
                 loss = m["train/loss"]
                 return s, jnp.where(jnp.isnan(e), loss, decay * e + (1 - decay) * loss)
 

@@ -24,6 +24,7 @@ import math
 import os
 from typing import Any
 
+import jax
 import ml_collections
 
 from cbs import fit, metrics, train
@@ -102,9 +103,13 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
     }
 
 
-def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print
-              ) -> list[dict[str, Any]]:
-    """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all."""
+def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
+              mesh: jax.sharding.Mesh | None = None) -> list[dict[str, Any]]:
+    """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
+
+    `mesh` defaults to `config.mesh`; a schedule's batch sizes must be multiples of
+    micro_batch × data replicas.
+    """
     path = os.path.join(sweep_dir, RAMPS_FILE)
     done = {r["label"] for r in metrics.read_records(path)}
     labels = [run["label"] for run in config.ramps]
@@ -117,7 +122,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print
         c = ramp_config(config, run, sweep_dir)
         workdir = os.path.join(sweep_dir, RAMPS_DIR, run["label"])
         monitor = ProgressMonitor(config.sweep)
-        summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False)
+        summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
         records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
         status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
         rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
