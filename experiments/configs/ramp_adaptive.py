@@ -12,23 +12,13 @@ loss falls (B_simple grows from ~30 to ~100+ on this task).
 
 from __future__ import annotations
 
-from experiments.configs import base, digits_sweep
+from experiments.configs import base
 
 SCHEDULE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
 
 
 def get_config(arg: str = ""):
-    c = digits_sweep.get_config(arg)
-    del c["sweep"]
-    c.batch.micro_batch = 16  # m fixed; B changes through the accumulation count
-    c.batch.schedule = base.schedule_config(SCHEDULE)  # the adaptive schedule above
+    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=16, learning_rate=4e-3)
     c.batch.adapt_every = 10  # steps between noise-scale readings
-    c.batch.lr_coupling.rule = "sqrt"  # η = η_0·(B/B_0)^½
-    c.batch.lr_coupling.base_batch_size = 16  # B_0, the first batch size
-    c.batch.lr_coupling.cap = 0.03  # largest η allowed
-    c.optim.learning_rate = 4e-3  # η_0 at B_0
-    c.train.max_steps = 2000  # updates
-    c.eval.every = 10  # evaluations every 10 steps
-    c.noise.every = 50  # exact noise statistics every 50 steps
     return c

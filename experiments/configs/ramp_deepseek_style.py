@@ -12,21 +12,11 @@ within about 200 steps.
 
 from __future__ import annotations
 
-from experiments.configs import base, digits_sweep
+from experiments.configs import base
 
 SCHEDULE = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}
 
 
 def get_config(arg: str = ""):
-    c = digits_sweep.get_config(arg)
-    del c["sweep"]
-    c.batch.micro_batch = 16  # m fixed; B changes through the accumulation count
-    c.batch.schedule = base.schedule_config(SCHEDULE)  # the linear ramp above
-    c.batch.lr_coupling.rule = "sqrt"  # η = η_0·(B/B_0)^½
-    c.batch.lr_coupling.base_batch_size = 32  # B_0, the first batch size
-    c.batch.lr_coupling.cap = 0.03  # largest η allowed
-    c.optim.learning_rate = 5e-3  # η_0 at B_0
-    c.train.max_steps = 2000  # updates
-    c.eval.every = 10  # evaluations every 10 steps
-    c.noise.every = 50  # exact noise statistics every 50 steps
+    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
     return c

@@ -14,21 +14,11 @@ points on the S–E plane of `experiments/configs/digits_ramps.py`.
 
 from __future__ import annotations
 
-from experiments.configs import base, digits_sweep
+from experiments.configs import base
 
 SCHEDULE = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}
 
 
 def get_config(arg: str = ""):
-    c = digits_sweep.get_config(arg)
-    del c["sweep"]
-    c.batch.micro_batch = 16  # m fixed; B changes through the accumulation count
-    c.batch.schedule = base.schedule_config(SCHEDULE)  # the step ramp above
-    c.batch.lr_coupling.rule = "sqrt"  # η = η_0·(B/B_0)^½ at every change
-    c.batch.lr_coupling.base_batch_size = 32  # B_0, the first batch size
-    c.batch.lr_coupling.cap = 0.03  # largest η allowed (Adam diverges above)
-    c.optim.learning_rate = 5e-3  # η_0 at B_0 (about the sweep's best at B = 32)
-    c.train.max_steps = 2000  # updates
-    c.eval.every = 10  # evaluation (with the full training-set loss) every 10 steps
-    c.noise.every = 50  # exact noise statistics every 50 steps
+    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
     return c

@@ -4,9 +4,10 @@
         --sweep_dir=runs/shakespeare
 
 A 2-layer, D = 64 Transformer (rotary positions, ~109k parameters) on the embedded
-Shakespeare plays, windows of T = 32 characters; batch sizes 8 to 256 sequences, two
-learning rates per batch size on the square-root rule, AdamW at a constant rate, targets on
-the loss over a fixed subset of 512 evaluation windows (nats per character). B_simple is
+Shakespeare plays, windows of T = 32 characters; batch sizes 8 to 256 sequences, three
+learning rates per batch size (factors 1, 2, 4 on the square-root rule from 3e-3 at B = 64),
+AdamW at a constant rate, targets on the loss over a fixed subset of 512 evaluation windows
+(nats per character). B_simple is
 measured at every evaluation on 128 fresh training windows (B_noise is off: exact curvature
 of a Transformer costs O(n²) HVPs per measurement). Expected (2 CPU cores, ~10 minutes):
 B_crit rises as the target loss falls, roughly as a power of the loss (Kaplan et al. 2020,
@@ -40,8 +41,8 @@ def get_config(arg: str = ""):
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
     s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0)  # two learning rates per batch size
-    s.max_lr = 0.01  # cap
+    s.lr_factors = (1.0, 2.0, 4.0)  # three learning rates per batch size
+    s.max_lr = 0.02  # cap
     s.targets = (3.0, 2.6, 2.4, 2.2)  # eval loss, nats per character (ln 80 = 4.38 at init)
     s.target_metric = "eval/loss"  # fixed subset of 512 evaluation windows
     s.max_examples = 60_000  # per trial, in sequences
