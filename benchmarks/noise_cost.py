@@ -20,9 +20,10 @@ T = 128 (V = 80). Rows, each one jitted function of (params, batch):
 - curvature g_h_g: ḡ and ḡᵀHḡ (one HVP, `cbs.curvature.vhv`);
 - curvature trace_h_sigma: `cbs.noise.exact(curvature=True)`, one HVP per example, chunked.
 
-Time: median over repeats after one warm-up call, each call ended by block_until_ready. The
-ratio is the median of ratios to a plain-gradient call made just before each timed call, so
-load from other processes on a shared machine mostly cancels.
+Time: median over repeats after one warm-up call; a repeat is as many back-to-back calls as
+last about 0.1 s (one for slow rows), ended by block_until_ready. The ratio is the median of
+ratios to a repeat of the plain gradient made just before each repeat, so load from other
+processes on a shared machine mostly cancels.
 Memory: XLA's `compiled.memory_analysis()`, temporaries + arguments (not a measured peak);
 "n/a" where the backend does not report it. Runs unchanged on CPU, GPU or TPU (one device).
 """
@@ -30,6 +31,7 @@ Memory: XLA's `compiled.memory_analysis()`, temporaries + arguments (not a measu
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -118,31 +120,36 @@ def memory_mb(compiled) -> str:
     return f"{total / 2**20:.1f}"
 
 
-def timed(compiled, params, batch) -> float:
+def timed(compiled, params, batch, calls: int = 1) -> float:
+    """Seconds per call of `calls` back-to-back calls, blocking on the last."""
     start = time.perf_counter()
-    jax.block_until_ready(compiled(params, batch))
-    return time.perf_counter() - start
+    for _ in range(calls):
+        out = compiled(params, batch)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls
 
 
-def measure(fns: dict[str, Callable], params, batch, repeats: int):
+def measure(fns: dict[str, Callable], params, batch, repeats: int, min_seconds: float = 0.1):
     """Yields (label, median seconds, median ratio to the plain gradient, memory MB).
 
-    Each timed call of a row is paired with a call of the plain gradient just before it, and
-    the ratio is the median of the paired ratios, so that load from other processes on a
-    shared machine cancels out of the ratio column.
+    A repeat of a row is enough back-to-back calls to last about `min_seconds` (one call for
+    slow rows), and each is paired with a repeat of the plain gradient just before it; the
+    ratio is the median of the paired ratios, so that load from other processes on a shared
+    machine mostly cancels out of the ratio column.
     """
     (plain_label, plain_fn), *others = fns.items()
     plain = jax.jit(plain_fn).trace(params, batch).lower().compile()
-    timed(plain, params, batch)
-    yield plain_label, statistics.median(timed(plain, params, batch) for _ in range(repeats)), \
-        1.0, memory_mb(plain)
+    plain_calls = max(1, math.ceil(min_seconds / timed(plain, params, batch)))
+    plain_time = lambda: timed(plain, params, batch, plain_calls)
+    yield plain_label, statistics.median(plain_time() for _ in range(repeats)), 1.0, \
+        memory_mb(plain)
     for label, fn in others:
         compiled = jax.jit(fn).trace(params, batch).lower().compile()
-        timed(compiled, params, batch)
+        calls = max(1, math.ceil(min_seconds / timed(compiled, params, batch)))
         times, ratios = [], []
         for _ in range(repeats):
-            base = timed(plain, params, batch)
-            times.append(timed(compiled, params, batch))
+            base = plain_time()
+            times.append(timed(compiled, params, batch, calls))
             ratios.append(times[-1] / base)
         yield label, statistics.median(times), statistics.median(ratios), memory_mb(compiled)
 
