@@ -249,7 +249,8 @@ def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                 color=f"C{i % 10}", label=f"{run.get('label', i)}: batch size")
         if run.get("lr") is not None:
             ax_lr = ax_lr or ax.twinx()
-            ax_lr.plot(x, np.asarray(run["lr"], dtype=np.float64), ":", color=f"C{i % 10}")
+            ax_lr.step(x, np.asarray(run["lr"], dtype=np.float64), ":", where="post",
+                        color=f"C{i % 10}")
     ax.set(xlabel=xlabel, ylabel="batch size")
     if ax_lr is not None:
         ax_lr.set_ylabel("learning rate (dotted)")

@@ -65,8 +65,14 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
     }
 
 
-def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Fits every target of the sweep in `sweep_dir`; writes and returns analysis.json."""
+def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool = True
+            ) -> dict[str, Any]:
+    """Fits every target of the sweep in `sweep_dir`.
+
+    Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
+    the fit objects under "fits" (one `cbs.fit.TradeoffFit` per target, in target order) and
+    "power_law_fit" (`cbs.fit.PowerLawFit`), which `make_figures` draws.
+    """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
     records = store.records()
@@ -85,10 +91,9 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0) -> dict[str
                 "target_metric": records[0]["target_metric"],
                 "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict()}
-    metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
-    analysis["_fits"] = [t["fit"] for t in per_target]
-    analysis["_power_law"] = power_law
-    return analysis
+    if write:
+        metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
+    return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
 
 
 def _count(items) -> dict[str, int]:
@@ -124,14 +129,17 @@ def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
     return metrics.read_records(os.path.join(sweep_dir, RAMPS_FILE))
 
 
-def make_figures(sweep_dir: str, analysis: dict[str, Any]) -> dict[str, str]:
-    """Writes the report's PNG figures; returns {name: path}."""
-    out_dir = os.path.join(sweep_dir, FIGURES_DIR)
+def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None
+                 ) -> dict[str, str]:
+    """Writes the report's PNG figures (default: into sweep_dir/figures); returns {name: path}
+    for "pareto", "collapse", "b_crit_vs_loss", "noise" and, with ramps, "ramps_L<target>".
+    `analysis` is what `analyze` returned (it holds the fit objects)."""
+    out_dir = out_dir or os.path.join(sweep_dir, FIGURES_DIR)
     series = [{"target": t["target"], "batch_sizes": t["batch_sizes"], "steps": t["steps"],
-               "fit": f} for t, f in zip(analysis["targets"], analysis["_fits"], strict=True)]
+               "fit": f} for t, f in zip(analysis["targets"], analysis["fits"], strict=True)]
     figs = {"pareto": plots.pareto_frontier(series, os.path.join(out_dir, "pareto.png")),
             "collapse": plots.tradeoff_collapse(series, os.path.join(out_dir, "collapse.png"))}
-    ok = [(t, f) for t, f in zip(analysis["targets"], analysis["_fits"], strict=True) if f.ok]
+    ok = [(t, f) for t, f in zip(analysis["targets"], analysis["fits"], strict=True) if f.ok]
     losses = [t["target"] for t, _ in ok]
     all_losses = [t["target"] for t in analysis["targets"]]
     measured = {label: (all_losses, [t[key] for t in analysis["targets"]])
@@ -140,7 +148,7 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any]) -> dict[str, str]:
                 if any(math.isfinite(t[key]) for t in analysis["targets"])}
     figs["b_crit_vs_loss"] = plots.b_crit_vs_loss(
         losses, [f.b_crit for _, f in ok], os.path.join(out_dir, "b_crit_vs_loss.png"),
-        b_crit_cis=[f.b_crit_ci for _, f in ok], power_law=analysis["_power_law"],
+        b_crit_cis=[f.b_crit_ci for _, f in ok], power_law=analysis["power_law_fit"],
         measured=measured)
     records = {r["trial_id"]: r for r in SweepStore(sweep_dir).records()}
     shown = sorted({i for t in analysis["targets"] for i in t["best_trial_ids"]})
@@ -158,7 +166,7 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any]) -> dict[str, str]:
 
 def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
     figs = {}
-    for t, f in zip(analysis["targets"], analysis["_fits"], strict=True):
+    for t, f in zip(analysis["targets"], analysis["fits"], strict=True):
         key = target_key(t["target"])
         runs = [{"label": r["label"], "steps": r["steps_to_target"][key],
                  "examples": r["examples_to_target"][key]}

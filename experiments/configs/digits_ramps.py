@@ -42,6 +42,9 @@ def get_config(arg: str = ""):
         _ramp("linear (DeepSeek-V3)", ramp_deepseek_style, 32),
         _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 10},
     ]
-    if "tiny" in base.parse_arg(arg):
-        c.ramps = [_fixed(32), _ramp("step (Llama 3)", ramp_llama3_style, 32)]
+    if "tiny" in base.parse_arg(arg):  # thresholds within the tiny budget (~600 examples)
+        step = {"kind": "step", "steps": ((0, 16), (128, 32), (384, 64))}
+        c.ramps = [_fixed(32),
+                   _ramp("step", ramp_llama3_style, 16) | {"schedule": step},
+                   _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 5}]
     return c
