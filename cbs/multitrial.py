@@ -118,7 +118,7 @@ class TrialGroup:
                 split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
             out["metric"] = sums["loss_sum"] / sums["count"]
-        return out | self._measure(state, index)
+        return out | (self._measure(state, index) if self.sweep.noise_batch_size else {})
 
     def _chunk_fn(self, states: TrainState, loss_ema: jax.Array, num_steps: jax.Array
                   ) -> tuple[TrainState, jax.Array]:
@@ -195,7 +195,7 @@ class TrialGroup:
         `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
         still make comes later than that trial's, so none of them can be the fastest."""
         m = self._metric_matrix(history)
-        lowest, factor = min(self.sweep.targets), self.sweep.divergence_factor
+        lowest, factor = min(self.sweep.targets), self.sweep.divergence_factor or np.inf
         first = m[0] if np.all(np.isfinite(m[0])) else m[min(1, len(m) - 1)]
         reached = np.any(m <= lowest, axis=0)
         if self.sweep.stop_when_dominated and np.any(reached):
@@ -209,7 +209,7 @@ class TrialGroup:
         skip = 1 if metric == "train/loss_ema" else 0  # no batch loss before the first step
         first, status, keep = m[skip], "budget", len(m)
         for j in range(skip + 1, len(m)):
-            if not math.isfinite(m[j]) or m[j] > self.sweep.divergence_factor * first:
+            if not math.isfinite(m[j]) or m[j] > (self.sweep.divergence_factor or np.inf) * first:
                 status, keep = "diverged", j
                 break
         steps = self.steps[skip:keep]

@@ -59,9 +59,9 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.max_steps = 5_000  # budget per trial in optimizer steps (S); 0 = no limit
     s.evals_per_trial = 120  # progress evaluations over a trial's step budget (log-spaced)
     s.noise_window = 5  # evaluations averaged around a crossing for the measured noise scale
-    s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged
+    s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged (0 = off)
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
-    s.noise_batch_size = 256  # examples per exact noise measurement at each evaluation
+    s.noise_batch_size = 256  # examples per exact noise measurement at each evaluation (0 = off)
     s.noise_curvature_batch_size = 64  # of those, examples for tr(HΣ), GᵀHG, B_noise (0 = off)
     s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints

@@ -88,8 +88,8 @@ def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: i
     c.train.log_every = min(c.train.log_every, every)
     c.train.progress_bar = False
     c.train.tensorboard = False
-    if c.noise.every:
-        c.noise.every = every
+    if c.noise.every or sweep.noise_batch_size:
+        c.noise.every = every if sweep.noise_batch_size else 0
         c.noise.batch_size = 0
     return c
 
