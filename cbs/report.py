@@ -216,18 +216,30 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000) -> str:
 
 
 def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str:
-    """Steps and examples to each target for each ramp run, beside the sweep's frontier."""
-    targets = [t["target"] for t in analysis["targets"]]
-    head = "| run | " + " | ".join(f"S, E to L={t:g}" for t in targets) + " |"
+    """Steps S and examples E to each target for each ramp run, and E relative to the fixed-
+    batch frontier at the same S: E_frontier(S) = E_min·S/(S − S_min) (< 1: the ramp needed
+    fewer examples than any fixed batch size that takes as many steps)."""
+    targets = analysis["targets"]
+    head = "| run | " + " | ".join(f"S, E (E/E_frontier) to L={t['target']:g}"
+                                   for t in targets) + " |"
     lines = [head, "|---|" + "---|" * len(targets)]
     for r in ramps:
         cells = []
         for t in targets:
-            key = target_key(t)
+            key = target_key(t["target"])
             s, e = r["steps_to_target"].get(key), r["examples_to_target"].get(key)
-            cells.append("not reached" if s is None else f"{s:.0f}, {e:.3g}")
+            cells.append("not reached" if s is None else f"{s:.0f}, {e:.3g}{_vs_frontier(t, s, e)}")
         lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
+    f = target["fit"]
+    if not isinstance(f, dict):
+        f = f.to_dict()
+    if f.get("status") != fit.OK or not steps > f["s_min"]:
+        return ""
+    return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"
 
 
 def _ci(ci) -> str:
