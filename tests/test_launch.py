@@ -126,3 +126,37 @@ def test_vmapped_group_equals_the_engine(tmp_path):
     assert v["step"][-1] == e["step"][-1] == 20
     np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
     assert group[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
+
+
+@pytest.mark.slow
+def test_kill_9_then_same_command_gives_the_uninterrupted_table(finished, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d_ref, _ = finished
+    d = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "experiments.sweep",
+           "--config=experiments/configs/digits_sweep.py:tiny", f"--sweep_dir={d}",
+           "--config.sweep.batch_sizes=8,32,128", "--noanalyze"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    groups = os.path.join(d, "groups")
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once a checkpoint of the second group exists
+        if os.path.isdir(groups) and len(os.listdir(groups)) >= 2 and any(
+                os.listdir(os.path.join(groups, g, "checkpoints"))
+                for g in sorted(os.listdir(groups))[1:]
+                if os.path.isdir(os.path.join(groups, g, "checkpoints"))):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(sweep.SweepStore(d).records())
+    assert done_before < len(sweep.make_trials(_tiny().sweep))
+    subprocess.run(cmd, cwd=root, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    assert _table(d) == _table(d_ref)
