@@ -1,6 +1,6 @@
 """Noise scale of a digits MLP at a few points of training, by every estimator.
 
-    python -m experiments.noise_demo [--steps=0,20,50,100,200] [--batch_size=1436]
+    python -m experiments.noise_demo [--steps=0,20,50,100,200] [--batch_size=1438]
 
 Trains the 64-128-128-10 MLP of `experiments/configs/digits_mlp.py` (Adam, B = 128) and at
 each listed step measures, on a fixed batch of training examples (default: the whole
@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from cbs import curvature, data, models, noise, train
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")
-_BATCH = flags.DEFINE_integer("batch_size", 1436, "Training examples per measurement.")
+_BATCH = flags.DEFINE_integer("batch_size", 1438, "Training examples per measurement.")
 _CURV = flags.DEFINE_integer("curvature_batch_size", 256, "Examples for exact B_noise.")
 
 

@@ -92,7 +92,7 @@ def compile_events():
 
 @pytest.mark.parametrize("key, value, field", [
     ("batch.schedule.batch_size", 36, "config.batch.schedule"),
-    ("batch.schedule.batch_size", 4096, "config.batch.schedule"),  # > 1437 digits examples
+    ("batch.schedule.batch_size", 4096, "config.batch.schedule"),  # > 1438 digits examples
     ("optim.name", "lamb", "config.optim.name"),
     ("model.name", "vit", "config.model.name"),
     ("model.hidden_sizes", (0,), "config.model"),

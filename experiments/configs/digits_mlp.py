@@ -1,4 +1,4 @@
-"""digits (scikit-learn, 1437 train / 360 eval, 8×8 images) with a 64-128-128-10 MLP and Adam.
+"""digits (scikit-learn, 1438 train / 359 eval, 8×8 images) with a 64-128-128-10 MLP and Adam.
 
     python -m experiments.main --config=experiments/configs/digits_mlp.py --workdir=/tmp/digits
     python -m experiments.main --config=experiments/configs/digits_mlp.py:tiny --workdir=/tmp/t
@@ -22,7 +22,7 @@ def get_config(arg: str = ""):
     c.optim.learning_rate = 1e-3  # η_0, at B_0 = 128
     c.batch.micro_batch = 32  # m per replica: B = 128 works for 1, 2 or 4 data replicas
     c.batch.schedule.batch_size = 128  # B, examples per update
-    c.train.max_steps = 2000  # ≈ 178 epochs of the 1437 training examples
+    c.train.max_steps = 2000  # ≈ 178 epochs of the 1438 training examples
     c.train.log_every = 50  # read metrics from the device every 50 steps
     c.train.checkpoint_every = 500  # steps between checkpoints
     c.eval.every = 100  # evaluation (eval split and whole training set) every 100 steps
