@@ -234,10 +234,10 @@ def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str
 
 
 def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
-    f = target["fit"]
-    if not isinstance(f, dict):
+    f = target.get("fit")
+    if f is not None and not isinstance(f, dict):
         f = f.to_dict()
-    if f.get("status") != fit.OK or not steps > f["s_min"]:
+    if not f or f.get("status") != fit.OK or not steps > f["s_min"]:
         return ""
     return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"
 

@@ -78,4 +78,9 @@ def test_ramp_table_lists_each_run():
     table = report.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0, "1": None},
                                 "examples_to_target": {"1.5": 320.0, "1": None}}], analysis)
     assert "| a | 10, 320 | not reached |" in table
+    fitted = {"status": "ok", "s_min": 5.0, "e_min": 100.0}  # frontier at S=10: E = 200
+    analysis = {"targets": [{"target": 1.5, "fit": fitted}]}
+    table = report.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0},
+                                "examples_to_target": {"1.5": 320.0}}], analysis)
+    assert "| a | 10, 320 (1.60) |" in table
     assert sweep.target_key(1.0) == "1"
