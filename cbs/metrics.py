@@ -67,6 +67,17 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
+def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
+    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs."""
+    data = "".join(json.dumps({k: _plain(v) for k, v in r.items()}) + "\n" for r in records)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def truncate_records(path: str, step: int) -> int:
     """Keeps only the records with `step < step` (atomically); returns how many were dropped.
 

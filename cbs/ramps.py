@@ -19,7 +19,6 @@ The runs are declared in the config (`config.ramps`, a list of dicts): `label`, 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -126,12 +125,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
         records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
         status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
         rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(rec) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        metrics.append_records(path, [rec])
         cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                           for k, s in rec["steps_to_target"].items())
         log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")

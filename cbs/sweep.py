@@ -245,13 +245,7 @@ class SweepStore:
 
     def append(self, results: Sequence[TrialResult]) -> None:
         """Appends complete records with a single write (all or none) and makes it durable."""
-        line = "".join(json.dumps(r.to_json()) + "\n" for r in results).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        metrics.append_records(self.path, [r.to_json() for r in results])
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""

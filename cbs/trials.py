@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -231,9 +231,6 @@ def _status(run_status: str, monitor: ProgressMonitor, curve, sweep) -> str:
     return "done" if values and min(values) <= min(sweep.targets) else "budget"
 
 
-TrialRunner = Callable[[ml_collections.ConfigDict, Trial, SweepStore], TrialResult]
-
-
 def summarize(results: Sequence[TrialResult]) -> str:
     """One line per trial: B, η, status and steps to each target."""
     lines = []
@@ -243,7 +240,3 @@ def summarize(results: Sequence[TrialResult]) -> str:
         lines.append(f"B={r.batch_size:<6d} lr={r.learning_rate:.3g}  {r.status:<8s} "
                      f"steps {cells}  ({r.seconds:.1f} s)")
     return "\n".join(lines)
-
-
-def finite_or_none(x: float) -> float | None:
-    return float(x) if x is not None and np.isfinite(x) else None
