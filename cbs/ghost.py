@@ -40,6 +40,9 @@ fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for me
 and, with equal lengths, over B×T). Layers that couple examples (BatchNorm in training mode)
 make per-example gradients ill-defined; neither path detects them.
 
+The per-layer rules above are in `cbs.ghost_rules`; this module holds the taps, the
+discovery of covered leaves and the passes.
+
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, V vocabulary, n parameter leaves of one layer call.
 """
@@ -57,10 +60,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbs.curvature import map_examples, one_example
+from cbs.ghost_rules import CONV, DENSE, EMBED, RULE_FNS, SCALE_SHIFT
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
-DENSE, CONV, EMBED, SCALE_SHIFT = "dense", "conv", "embed", "scale_shift"
 _RULES = (DENSE, CONV, EMBED, SCALE_SHIFT)
 _METHODS = ("auto", "fast", "vmap")
 
@@ -157,7 +162,7 @@ def _tapped_bwd(spec, res, gy):
         dparams = vjp(gy)
         dx = np.zeros(x.shape, jax.dtypes.float0)
     x_acc = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-    norms = _RULE_FNS[spec.rule](spec, x_acc, gy.astype(dtype), params)
+    norms = RULE_FNS[spec.rule](spec, x_acc, gy.astype(dtype), params)
     norms_Bxn = jnp.stack([n for n, a in zip(norms, spec.active, strict=True) if a], axis=1)
     if jax.typeof(norms_Bxn).sharding.spec != spec.tap_spec:  # explicit mesh axes only
         norms_Bxn = jax.sharding.reshard(norms_Bxn, spec.tap_spec)
@@ -165,88 +170,6 @@ def _tapped_bwd(spec, res, gy):
 
 
 _tapped.defvjp(_tapped_fwd, _tapped_bwd)
-
-
-# ----------------------------------------------------------------------------- rules
-
-
-def _use_gram(t: int, d: int, o: int) -> bool:
-    """Gram form costs T²(D+O) per example, the direct form T·D·O."""
-    return t * (d + o) < d * o
-
-
-def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
-    _, t, d = x_BxTxD.shape
-    o = g_BxTxO.shape[-1]
-    if t == 1:
-        return jnp.sum(jnp.square(x_BxTxD), (1, 2)) * jnp.sum(jnp.square(g_BxTxO), (1, 2))
-    if _use_gram(t, d, o):
-        xx_BxTxT = jnp.einsum("btd,bsd->bts", x_BxTxD, x_BxTxD)
-        gg_BxTxT = jnp.einsum("bto,bso->bts", g_BxTxO, g_BxTxO)
-        return jnp.sum(xx_BxTxT * gg_BxTxT, (1, 2))
-    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD, g_BxTxO)
-    return jnp.sum(jnp.square(grad_BxDxO), (1, 2))
-
-
-def _dense_rule(spec, x, g, params):
-    b = x.shape[0]
-    x_BxTxD = x.reshape(b, -1, x.shape[-1])
-    g_BxTxO = g.reshape(b, -1, g.shape[-1])
-    kernel_active, bias_active = (tuple(spec.active) + (False,))[:2]
-    return (_kernel_sq_norm(x_BxTxD, g_BxTxO) if kernel_active else None,
-            jnp.sum(jnp.square(g_BxTxO.sum(1)), 1) if bias_active else None)
-
-
-def _patches(x_BxHxWxD: jax.Array, kh: int, kw: int, strides, padding) -> jax.Array:
-    """[B, H', W', kh·kw·D] input windows of a convolution, by strided slices.
-
-    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel, which
-    costs (kh·kw·D)² multiply-adds per output position: more than the layer itself.
-    """
-    sh, sw = strides
-    if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(x_BxHxWxD.shape[1:3], (kh, kw), strides, padding)
-    x = jnp.pad(x_BxHxWxD, ((0, 0), *padding, (0, 0)))
-    ho, wo = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
-    return jnp.concatenate([x[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw]
-                            for i in range(kh) for j in range(kw)], axis=-1)
-
-
-def _conv_rule(spec, x, g, params):
-    kh, kw = params[0].shape[:2]
-    return _dense_rule(spec, _patches(x, kh, kw, *spec.options), g, params)
-
-
-def _embed_rule(spec, ids, g, params):
-    b, v = ids.shape[0], params[0].shape[0]
-    ids_BxT = ids.reshape(b, -1)
-    g_BxTxO = g.reshape(b, ids_BxT.shape[1], -1)
-    if ids_BxT.shape[1] == 1:
-        return (jnp.sum(jnp.square(g_BxTxO), (1, 2)),)
-    if v < ids_BxT.shape[1]:
-        onehot_BxTxV = jax.nn.one_hot(ids_BxT, v, dtype=g.dtype)
-        grad_BxVxO = jnp.einsum("btv,bto->bvo", onehot_BxTxV, g_BxTxO)
-        return (jnp.sum(jnp.square(grad_BxVxO), (1, 2)),)
-    same_BxTxT = ids_BxT[:, :, None] == ids_BxT[:, None, :]
-    gg_BxTxT = jnp.einsum("bto,bso->bts", g_BxTxO, g_BxTxO)
-    return (jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2)),)
-
-
-def _scale_shift_rule(spec, xhat, g, params):
-    out = []
-    for p, active, with_x in zip(params, spec.active, (True, False), strict=True):
-        if p is None or not active:
-            out.append(None)
-            continue
-        per_ex = xhat * g if with_x else g
-        lead = per_ex.ndim - p.ndim  # sum the axes the parameter broadcasts over
-        grad_BxO = jnp.sum(per_ex, tuple(range(1, lead))) if lead > 1 else per_ex
-        out.append(jnp.sum(jnp.square(grad_BxO), tuple(range(1, grad_BxO.ndim))))
-    return tuple(out)
-
-
-_RULE_FNS = {DENSE: _dense_rule, CONV: _conv_rule, EMBED: _embed_rule,
-             SCALE_SHIFT: _scale_shift_rule}
 
 
 # ----------------------------------------------------------------------------- plan
@@ -396,40 +319,18 @@ def _sq_norm(g: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
 
 
-def _one_example_batch(example: PyTree) -> PyTree:
-    return jax.tree.map(lambda a: a[None], example)
-
-
-def _map_examples(fn: Callable, batch: PyTree, batch_size: int, chunk_size: int | None):
-    """fn(example) for every example, stacked on a leading [B] axis: vmap within chunks of
-    chunk_size examples, lax.scan across chunks (memory O(chunk_size × fn's intermediates)).
-    """
-    if chunk_size is None or chunk_size >= batch_size:
-        return jax.vmap(fn)(batch)
-    n, rest = divmod(batch_size, chunk_size)
-    head = jax.tree.map(lambda a: a[:n * chunk_size].reshape(n, chunk_size, *a.shape[1:]),
-                        batch)
-    out = jax.lax.scan(lambda carry, chunk: (carry, jax.vmap(fn)(chunk)), None, head)[1]
-    out = jax.tree.map(lambda a: a.reshape(n * chunk_size, *a.shape[2:]), out)
-    if rest:
-        tail = jax.vmap(fn)(jax.tree.map(lambda a: a[n * chunk_size:], batch))
-        out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
-    return out
-
-
-def _vmap_info(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int,
-               chunk_size: int | None):
+def _vmap_info(loss_fn: LossFn, params: PyTree, batch: PyTree, chunk_size: int | None):
     """The reference: per-example gradients by vmap(grad), chunked; loss and ḡ from one
     ordinary pass (summing the per-example gradients instead is much slower on CPU)."""
     def one(example):
-        return jax.tree.map(_sq_norm, jax.grad(loss_fn)(params, _one_example_batch(example)))
+        return jax.tree.map(_sq_norm, jax.grad(loss_fn)(params, one_example(example)))
 
     loss, grad = jax.value_and_grad(loss_fn)(params, batch)
-    return loss, grad, _map_examples(one, batch, batch_size, chunk_size)
+    return loss, grad, map_examples(one, batch, chunk_size)
 
 
 def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequence[int],
-                   batch_size: int, chunk_size: int | None) -> list[jax.Array]:
+                   chunk_size: int | None) -> list[jax.Array]:
     """|∂ℓ_i/∂leaf|² by vmap(grad) w.r.t. the leaves `which` only."""
     leaves, treedef = jax.tree.flatten(params)
 
@@ -438,11 +339,11 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
             full = list(leaves)
             for i, s in zip(which, sub, strict=True):
                 full[i] = s
-            return loss_fn(jax.tree.unflatten(treedef, full), _one_example_batch(example))
+            return loss_fn(jax.tree.unflatten(treedef, full), one_example(example))
 
         return [_sq_norm(g) for g in jax.grad(loss_of)([leaves[i] for i in which])]
 
-    return _map_examples(one, batch, batch_size, chunk_size)
+    return map_examples(one, batch, chunk_size)
 
 
 # ----------------------------------------------------------------------------- public
@@ -474,7 +375,7 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     batch_size = _batch_size(batch)
     if method == "vmap":
-        return _vmap_info(loss_fn, params, batch, batch_size, chunk_size)
+        return _vmap_info(loss_fn, params, batch, chunk_size)
     plan = _discover(loss_fn, params, batch, batch_size)
     paths = _leaf_paths(params)
     if method == "fast" and plan.uncovered:
@@ -485,7 +386,7 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     leaves, treedef = jax.tree.flatten(params)
     which = sorted(plan.uncovered)
     if which:
-        fallback = _vmap_sq_norms(loss_fn, params, batch, which, batch_size, chunk_size)
+        fallback = _vmap_sq_norms(loss_fn, params, batch, which, chunk_size)
         norms.update(zip(which, fallback, strict=True))
     out = []
     for i, leaf in enumerate(leaves):

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cbs import ghost, layers
+from cbs import ghost, ghost_rules, layers
 
 # The checks compile fast, vmap and plain programs per model; unoptimised XLA compiles in half
 # the time on CPU, and these tests are about values, not speed.
@@ -169,14 +169,14 @@ def test_cnn_fast_equals_vmap(use_bias, strides, padding, norm):
 def test_transformer_fast_equals_vmap(use_bias, vocab, gram, monkeypatch):
     # vocab 4 < T = 6 takes the one-hot embedding rule, 11 the Gram rule; `gram` forces the
     # Gram or the direct form of every dense kernel with a sequence axis.
-    monkeypatch.setattr(ghost, "_use_gram", lambda t, d, o: gram)
+    monkeypatch.setattr(ghost_rules, "use_gram", lambda t, d, o: gram)
     loss_fn, params = make_loss(Transformer(vocab, 6, use_bias=use_bias, rngs=nnx.Rngs(0)))
     check_fast_equals_vmap(loss_fn, params, lm_batch(3, 6, vocab), 1e-5)
 
 
 @pytest.mark.parametrize("model,gram", [("transformer", True), ("cnn", False)])
 def test_float64_is_tighter(x64, model, gram, monkeypatch):
-    monkeypatch.setattr(ghost, "_use_gram", lambda t, d, o: gram)
+    monkeypatch.setattr(ghost_rules, "use_gram", lambda t, d, o: gram)
     if model == "transformer":
         loss_fn, params = make_loss(Transformer(7, 5, use_bias=True, rngs=nnx.Rngs(0)))
         batch = lm_batch(3, 5, 7)
