@@ -172,16 +172,19 @@ class TrialGroup:
             history = _history_from_json(meta)
             loss_ema = jax.device_put(history["evals"][-1]["loss_ema"], self._rep)
         every_ckpt = max(1, int(self.sweep.checkpoint_every_evals))
-        while len(history["evals"]) < len(self.steps) and not self._finished(history):
-            j = len(history["evals"])
-            states, loss_ema = self._chunk(states, loss_ema,
-                                           jnp.int32(self.steps[j] - self.steps[j - 1]))
-            history["evals"].append(jax.device_get(self._evaluate(states, loss_ema, j)))
-            if j % every_ckpt == 0 or self._finished(history):
-                history["seconds"] += time.perf_counter() - start
-                start = time.perf_counter()
-                ckpt.save(self.steps[j], (states, loss_ema), _history_to_json(history))
-        ckpt.close()
+        try:  # an interrupted group still finishes writing the checkpoint it started
+            while len(history["evals"]) < len(self.steps) and not self._finished(history):
+                j = len(history["evals"])
+                states, loss_ema = self._chunk(states, loss_ema,
+                                               jnp.int32(self.steps[j] - self.steps[j - 1]))
+                history["evals"].append(jax.device_get(self._evaluate(states, loss_ema, j)))
+                if j % every_ckpt == 0 or self._finished(history):
+                    history["seconds"] += time.perf_counter() - start
+                    start = time.perf_counter()
+                    # loss_ema is restored from the history (its last evaluation holds it)
+                    ckpt.save(self.steps[j], states, _history_to_json(history))
+        finally:
+            ckpt.close()
         history["seconds"] += time.perf_counter() - start
         return [self._result(i, t, history) for i, t in enumerate(self.trials)]
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from cbs import launch, mesh, multitrial, report, sweep, trials
+from cbs import checkpoint, launch, mesh, multitrial, report, sweep, trials
 from experiments.configs import digits_sweep
 
 
@@ -90,7 +90,16 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
     groups = os.path.join(d, "groups")
     assert any(os.listdir(os.path.join(groups, g, "checkpoints")) for g in os.listdir(groups))
     assert 0 < len(sweep.SweepStore(d).records()) < len(sweep.make_trials(_tiny().sweep))
+    restores = []
+    original_restore = checkpoint.Checkpointer.restore
+
+    def counting_restore(self, *args, **kwargs):
+        restores.append(args[0])
+        return original_restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", counting_restore)
     launch.run_sweep(_tiny(), d, log=lambda _: None)
+    assert restores  # the interrupted group resumed from its checkpoint
     assert _table(d) == _table(d_ref)
 
 
