@@ -61,8 +61,11 @@ def tree_dot(a: PyTree, b: PyTree) -> jax.Array:
 
 
 def tree_sq_norm(a: PyTree) -> jax.Array:
-    """|a|² summed over all leaves, accumulated in float32 at least."""
-    return tree_dot(a, a)
+    """|a|² summed over all leaves, accumulated in float32 at least (a sum of squares, which
+    XLA fuses into the producer; a dot of a leaf with itself does not)."""
+    dtype = accum_dtype()
+    return sum((jnp.sum(jnp.square(x.astype(dtype))) for x in jax.tree.leaves(a)),
+               jnp.zeros((), dtype))
 
 
 def hvp(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> PyTree:

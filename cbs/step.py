@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cbs import noise, optim
-from cbs.curvature import accum_dtype
+from cbs.curvature import tree_sq_norm
 
 PyTree = Any
 # loss_fn(params, model_state, batch) -> (mean loss, new model_state)
@@ -105,13 +105,6 @@ class Measurement(NamedTuple):
     num_probes: int = 1  # probe vectors ("probe")
     chunk_size: int = 0  # examples per vmap chunk in exact (0: all at once)
     in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
-
-
-def tree_sq_norm(tree: PyTree) -> jax.Array:
-    """Σ over leaves of Σ x², accumulated in float32 (float64 under x64)."""
-    dtype = accum_dtype()
-    return sum((jnp.sum(jnp.square(x.astype(dtype))) for x in jax.tree.leaves(tree)),
-               jnp.zeros((), dtype))
 
 
 def _mean_state(tree: PyTree) -> PyTree:
