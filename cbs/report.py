@@ -14,6 +14,7 @@ Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.fit.fit_power_l
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -87,20 +88,13 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
     power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
                                   bootstrap=bootstrap, seed=seed)
     analysis = {"sweep_dir": sweep_dir, "num_trials": len(records),
-                "statuses": _count(r["status"] for r in records),
+                "statuses": dict(collections.Counter(r["status"] for r in records)),
                 "target_metric": records[0]["target_metric"],
                 "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict()}
     if write:
         metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
-
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
