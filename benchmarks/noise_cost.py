@@ -10,15 +10,15 @@ B = 256, the default CNN on 28×28×1 at B = 128, and the tiny Transformer LM at
 T = 128 (V = 80). Rows, each one jitted function of (params, batch):
 
 - plain gradient: `jax.value_and_grad(loss_fn)`, the unit of the ratio column;
-- exact-vmap: `cbs.noise.exact(method="vmap")`, per-example gradients by vmap(grad), chunked;
-- exact-fast: `cbs.noise.exact(method="fast")`, ghost norms (one forward + one backward);
-- ghost norms: `cbs.ghost.per_example_grads_info(method="fast")` alone (loss, ḡ, per-leaf
+- exact-vmap: `cbs.stats.noise.exact(method="vmap")`, per-example gradients by vmap(grad), chunked;
+- exact-fast: `cbs.stats.noise.exact(method="fast")`, ghost norms (one forward + one backward);
+- ghost norms: `cbs.stats.ghost.per_example_grads_info(method="fast")` alone (loss, ḡ, per-leaf
   per-example norms);
-- probe(1): `cbs.noise.probe(num_probes=1)` (one JVP over the per-example losses);
+- probe(1): `cbs.stats.noise.probe(num_probes=1)` (one JVP over the per-example losses);
 - two-batch: ḡ of two micro-batches of B/2 (accumulated as a train step would) and
-  `cbs.noise.two_batch`;
+  `cbs.stats.noise.two_batch`;
 - curvature g_h_g: ḡ and ḡᵀHḡ (one HVP, `cbs.curvature.vhv`);
-- curvature trace_h_sigma: `cbs.noise.exact(curvature=True)`, one HVP per example, chunked.
+- curvature trace_h_sigma: `cbs.stats.noise.exact(curvature=True)`, one HVP per example, chunked.
 
 Time: median over repeats after one warm-up call; a repeat is as many back-to-back calls as
 last about 0.1 s (one for slow rows), ended by block_until_ready. The ratio is the median of
@@ -40,7 +40,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from cbs import curvature, ghost, models, noise
+from cbs import models
+from cbs.stats import curvature, ghost, noise, trees
 
 # name: (batch size, chunk of exact-vmap, chunk of trace_h_sigma). trace_h_sigma takes one
 # HVP of the whole-batch loss per example, so its vmapped chunk multiplies the working set
@@ -88,9 +89,9 @@ def rows(loss_fn: Callable, batch_size: int, chunk: int, hvp_chunk: int
         half = batch_size // 2
         g1 = jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[:half], batch))
         g2 = jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[half:], batch))
-        sq_small = (curvature.tree_sq_norm(g1) + curvature.tree_sq_norm(g2)) / 2
+        sq_small = (trees.tree_sq_norm(g1) + trees.tree_sq_norm(g2)) / 2
         grad = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-        return grad, noise.two_batch(sq_small, curvature.tree_sq_norm(grad), half, batch_size)
+        return grad, noise.two_batch(sq_small, trees.tree_sq_norm(grad), half, batch_size)
 
     def g_h_g(params, batch):
         grad = jax.grad(loss_fn)(params, batch)

@@ -8,10 +8,10 @@ number of steps (targets out of reach, divergence detection off, so no trial sto
 with 40 evaluations of the full training-set loss each and no noise measurements (the two
 back ends measure noise differently; the rows compare training and evaluation only):
 
-- `vmap K`: `cbs.multitrial.TrialGroup` with all K learning rates in one program;
+- `vmap K`: `cbs.sweeps.groups.TrialGroup` with all K learning rates in one program;
 - `1 × K`: the same group class with one learning rate at a time, K times (isolates the
   vmap: same step, same evaluations, K dispatch streams);
-- `engine × K`: `cbs.trials.run_trial_engine` for each trial (the general path: host loop,
+- `engine × K`: `cbs.sweeps.trials.run_trial_engine` for each trial (the general path: host loop,
   linear evaluation grid, checkpoints, records).
 
 Wall time is what a sweep pays for those trials, compilation included (every group and every
@@ -29,7 +29,11 @@ import time
 
 import jax
 
-from cbs import mesh, multitrial, sweep, trials
+from cbs.engine import mesh
+from cbs.results import store
+from cbs.sweeps import grid as sweep
+from cbs.sweeps import groups as multitrial
+from cbs.sweeps import trials
 from experiments.configs import digits_sweep
 
 
@@ -63,18 +67,18 @@ def bench(batch_size: int, k: int, steps: int, repeats: int) -> list[tuple[str, 
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     def vmapped():
         with tempfile.TemporaryDirectory() as d:
-            multitrial.TrialGroup(c, grid, sweep.SweepStore(d)).run()
+            multitrial.TrialGroup(c, grid, store.SweepStore(d)).run()
 
     def one_by_one():
         with tempfile.TemporaryDirectory() as d:
             cache: dict = {}  # the evaluation compiles once, as in a sweep
             for t in grid:
-                multitrial.TrialGroup(c, [t], sweep.SweepStore(d), cache=cache).run()
+                multitrial.TrialGroup(c, [t], store.SweepStore(d), cache=cache).run()
 
     def engine():
         with tempfile.TemporaryDirectory() as d:
             for t in grid:
-                trials.run_trial_engine(c, t, sweep.SweepStore(d), mesh=one)
+                trials.run_trial_engine(c, t, store.SweepStore(d), mesh=one)
 
     rows = [(f"vmap {k}", _time(vmapped, repeats))]
     if k > 1:

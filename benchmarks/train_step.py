@@ -9,12 +9,12 @@ script runs unchanged on a GPU), with Adam and one fixed device-resident batch:
 
 - `optax`: the reference, a hand-written `jax.jit` step (value_and_grad, optax.adam,
   apply_updates, donated buffers) returning the loss;
-- `cbs`: `cbs.step.TrainStep` with the two-batch estimator off (`two_batch=False`);
+- `cbs`: `cbs.engine.step.TrainStep` with the two-batch estimator off (`two_batch=False`);
 - `cbs+2batch (halves)`: the in-step two-batch estimate and its EMA on, with A = 1 on one
   device, where the only small batches are the two halves of the batch (C = 2 chunks);
 - `cbs A=2` / `cbs A=2+2batch (micro)`: two accumulation steps without / with the estimate
   (the micro-batches are the small batches: the estimator's own cost);
-- `... +exact/k (cond|jit)`: also an exact `cbs.noise.exact` (fast path) measurement on the
+- `... +exact/k (cond|jit)`: also an exact `cbs.stats.noise.exact` (fast path) measurement on the
   whole batch every k steps, under `lax.cond` in the step or as its own jitted call.
 
 Each cell is the median over repeats of the mean time per step over a run of steps
@@ -35,8 +35,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from cbs import mesh as mesh_lib
-from cbs import models, optim, step
+from cbs import models
+from cbs.engine import mesh as mesh_lib
+from cbs.engine import optim, step
 
 
 def _model(name: str):

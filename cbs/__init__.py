@@ -2,8 +2,12 @@
 
 Measure the gradient noise scale of a model (`cbs.noise`, `cbs.curvature`), train on device
 meshes with the measurement inside the step (`cbs.train`), sweep batch sizes and fit the
-critical batch size (`cbs.sweep`, `cbs.fit`), and ramp the batch during training
-(`cbs.schedules`).
+critical batch size (`cbs.sweeps`, `cbs.fit`, `cbs.report`), and ramp the batch during
+training (`cbs.schedules`).
+
+Packages, lowest layer first (docs/design.md has the import rule):
+`cbs.stats`, `cbs.data`, `cbs.results` → `cbs.models`, `cbs.analysis` → `cbs.engine` →
+`cbs.sweeps`. The top-level modules above are stable public paths of modules in them.
 """
 
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from cbs import report
+from cbs.analysis import report
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")

@@ -6,7 +6,7 @@
 The same command resumes from the latest checkpoint in --workdir; a run that already ended
 prints its summary again. Several hosts: start the same command on each with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I. Records are described in
-`cbs.train`; the exit status is 1 when the run diverged.
+`cbs.engine.trainer`; the exit status is 1 when the run diverged.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cbs import train
+from cbs.engine import trainer as train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
                                           lock_config=True)

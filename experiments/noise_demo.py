@@ -20,7 +20,9 @@ import time
 import jax
 from absl import app, flags, logging
 
-from cbs import curvature, data, models, noise, train
+from cbs import data, models
+from cbs.engine import trainer as train
+from cbs.stats import noise, trees
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")
 _BATCH = flags.DEFINE_integer("batch_size", 1438, "Training examples per measurement.")
@@ -73,7 +75,7 @@ def main(argv: list[str]) -> None:
 
 
 def _sq_grad(loss_fn, params, batch):
-    return curvature.tree_sq_norm(jax.grad(loss_fn)(params, batch))
+    return trees.tree_sq_norm(jax.grad(loss_fn)(params, batch))
 
 
 if __name__ == "__main__":

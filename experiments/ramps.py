@@ -1,7 +1,7 @@
 """Batch-size ramps beside a sweep: python -m experiments.ramps --config=... --sweep_dir=DIR.
 
 Finishes the sweep of the config in DIR if needed (finished trials are skipped), runs every
-`config.ramps` entry not yet recorded in DIR/ramps.jsonl (`cbs.ramps`), and rewrites the
+`config.ramps` entry not yet recorded in DIR/ramps.jsonl (`cbs.sweeps.ramps`), and rewrites the
 report with the ramps on each target's S–E frontier.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cbs import launch, ramps, report
+from cbs.analysis import report
+from cbs.sweeps import launch, ramps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with `sweep` and `ramps`.",
                                           lock_config=False)

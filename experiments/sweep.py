@@ -7,7 +7,7 @@
 Re-running the same command skips finished trials and resumes unfinished ones from their
 checkpoints; with --shard=i/n only trial indices ≡ i (mod n) run, so n copies of the command
 (Slurm array, Kubernetes indexed job, ...) cover the sweep. Run `experiments.analyze` once
-they are all done. Files: see `cbs.sweep`.
+they are all done. Files: see `cbs.sweeps.grid`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cbs import launch, report
+from cbs.analysis import report
+from cbs.sweeps import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
                                           "`sweep` section.", lock_config=True)

@@ -1,7 +1,7 @@
 """Float64 reference noise statistics: a per-example Python loop and a dense Hessian.
 
 Deliberately naive (one jax.grad per example, jax.hessian of the flattened mean loss) so it
-shares no code path with cbs.noise. Only for small models (P < 2000).
+shares no code path with cbs.stats.noise. Only for small models (P < 2000).
 """
 
 from __future__ import annotations

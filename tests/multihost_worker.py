@@ -34,7 +34,8 @@ def main() -> None:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                    num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=60)
-    from cbs import loop, train
+    from cbs.engine import loop
+    from cbs.engine import trainer as train
     from tests.test_multihost import worker_config
 
     trainer = train.Trainer(worker_config(args.steps, bool(args.full)), args.workdir)

@@ -1,4 +1,4 @@
-"""Tests of cbs.checkpoint (orbax behind one class) and of the run records in cbs.metrics."""
+"""Tests of cbs.engine.checkpoint (orbax behind one class) and the run records."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from cbs import checkpoint, metrics, noise, step
-from cbs import mesh as mesh_lib
+from cbs.engine import checkpoint, step, writer
+from cbs.engine import mesh as mesh_lib
+from cbs.results import records as metrics
+from cbs.stats import noise
 
 
 def _state(mesh, scale: float = 1.0) -> step.TrainState:
@@ -82,7 +84,7 @@ def test_restore_without_checkpoint_says_so(tmp_path, mesh):
 
 def test_records_append_skip_torn_lines_and_truncate(tmp_path):
     path = str(tmp_path / metrics.METRICS_FILE)
-    w = metrics.MetricsWriter(str(tmp_path), progress=False, tensorboard=False)
+    w = writer.MetricsWriter(str(tmp_path), progress=False, tensorboard=False)
     w.write([{"step": s, "kind": "train", "train/loss": np.float32(1.0 / (s + 1))}
              for s in range(5)])
     w.write([{"step": 5, "kind": "eval", "eval/loss": float("nan")}])
@@ -97,14 +99,14 @@ def test_records_append_skip_torn_lines_and_truncate(tmp_path):
     with open(path) as f:
         assert f.read().endswith("\n")
     # Reopening at a restored step drops what comes after it, then appends.
-    w = metrics.MetricsWriter(str(tmp_path), start_step=2, progress=False, tensorboard=False)
+    w = writer.MetricsWriter(str(tmp_path), start_step=2, progress=False, tensorboard=False)
     w.write([{"step": 2, "kind": "train"}])
     w.close()
     assert [r["step"] for r in metrics.read_records(path)] == [0, 1, 2]
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
-    w = metrics.MetricsWriter(str(tmp_path / "run"), enabled=False)
+    w = writer.MetricsWriter(str(tmp_path / "run"), enabled=False)
     w.write([{"step": 0, "kind": "train"}])
     w.close()
     assert not os.path.exists(tmp_path / "run")

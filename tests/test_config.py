@@ -1,4 +1,4 @@
-"""Tests of cbs.config: every bad field fails, names itself, and fails before compiling."""
+"""Tests of cbs.engine.config: every bad field fails, names itself, and fails before compiling."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import jax
 import ml_collections
 import pytest
 
-from cbs import config as config_lib
-from cbs import mesh as mesh_lib
-from cbs import train
+from cbs.engine import config as config_lib
+from cbs.engine import mesh as mesh_lib
+from cbs.engine import trainer as train
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
 

@@ -1,4 +1,4 @@
-"""cbs.ghost: fast per-example gradient norms equal the vmap(grad) reference."""
+"""cbs.stats.ghost: fast per-example gradient norms equal the vmap(grad) reference."""
 
 import functools
 
@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cbs import ghost, ghost_rules, layers
+from cbs.models import layers
+from cbs.stats import ghost, ghost_rules
 
 # The checks compile fast, vmap and plain programs per model; unoptimised XLA compiles in half
 # the time on CPU, and these tests are about values, not speed.

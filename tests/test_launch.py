@@ -7,7 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from cbs import checkpoint, launch, mesh, multitrial, report, sweep, trials
+from cbs.analysis import report
+from cbs.engine import checkpoint, mesh
+from cbs.results import store
+from cbs.sweeps import grid as sweep
+from cbs.sweeps import groups as multitrial
+from cbs.sweeps import launch, trials
 from experiments.configs import digits_sweep
 
 
@@ -18,7 +23,7 @@ def _tiny():
 
 
 def _table(sweep_dir):
-    with open(os.path.join(sweep_dir, sweep.CSV_FILE)) as f:
+    with open(os.path.join(sweep_dir, store.CSV_FILE)) as f:
         return sorted(csv.DictReader(f), key=lambda r: (r["trial_id"], r["target"]))
 
 
@@ -31,7 +36,7 @@ def finished(tmp_path_factory):
 
 def test_sweep_records_every_trial_with_crossings_and_noise(finished):
     d, results = finished
-    records = sweep.SweepStore(d).records()
+    records = store.SweepStore(d).records()
     grid = sweep.make_trials(_tiny().sweep)
     assert [r["trial_id"] for r in records] == [t.trial_id for t in grid]
     for r in records:
@@ -89,7 +94,7 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
     monkeypatch.setattr(multitrial.TrialGroup, "_evaluate", original)
     groups = os.path.join(d, "groups")
     assert any(os.listdir(os.path.join(groups, g, "checkpoints")) for g in os.listdir(groups))
-    assert 0 < len(sweep.SweepStore(d).records()) < len(sweep.make_trials(_tiny().sweep))
+    assert 0 < len(store.SweepStore(d).records()) < len(sweep.make_trials(_tiny().sweep))
     restores = []
     original_restore = checkpoint.Checkpointer.restore
 
@@ -108,7 +113,7 @@ def test_shards_together_cover_the_sweep_once(finished, tmp_path):
     d = str(tmp_path / "shards")
     for i in range(2):
         launch.run_sweep(_tiny(), d, shard=f"{i}/2", log=lambda _: None)
-    ids = [r["trial_id"] for r in sweep.SweepStore(d).records()]
+    ids = [r["trial_id"] for r in store.SweepStore(d).records()]
     assert sorted(ids) == sorted(t.trial_id for t in sweep.make_trials(_tiny().sweep))
     # Sharding splits the vmapped groups (one learning rate each here), so no trial stops
     # early as dominated; the fastest trial per batch size, which the fit uses, is the same.
@@ -126,11 +131,11 @@ def test_vmapped_group_equals_the_engine(tmp_path):
     c.sweep.targets = (0.01,)  # never reached: both run the whole budget
     c.sweep.max_steps = 20
     c.sweep.evals_per_trial = 4
-    store = sweep.SweepStore(str(tmp_path))
+    st = store.SweepStore(str(tmp_path))
     grid = sweep.make_trials(c.sweep)
-    group = multitrial.TrialGroup(c, grid, store).run()
+    group = multitrial.TrialGroup(c, grid, st).run()
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    engine = trials.run_trial_engine(c, grid[1], store, mesh=one)
+    engine = trials.run_trial_engine(c, grid[1], st, mesh=one)
     v, e = group[1].curve, engine.curve
     assert v["step"][-1] == e["step"][-1] == 20
     np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
@@ -164,7 +169,7 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_table(finished, tmp_pa
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done_before = len(sweep.SweepStore(d).records())
+    done_before = len(store.SweepStore(d).records())
     assert done_before < len(sweep.make_trials(_tiny().sweep))
     subprocess.run(cmd, cwd=root, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)

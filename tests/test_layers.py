@@ -1,4 +1,4 @@
-"""cbs.layers: equal to their nnx counterparts and plain formulas, with or without taps."""
+"""cbs.models.layers: equal to their nnx counterparts and plain formulas, with or without taps."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cbs import ghost, layers
+from cbs.models import layers
+from cbs.stats import ghost
 
 KEY = jax.random.key(0)
 

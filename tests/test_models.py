@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cbs import ghost, models
+from cbs import models
 from cbs.models import (
     SIZES,
     build_model,
@@ -18,6 +18,7 @@ from cbs.models import (
     split_model,
 )
 from cbs.models.transformer import rotary
+from cbs.stats import ghost
 
 
 def _build(name, verbose=False, **fields):
@@ -193,7 +194,7 @@ def test_per_example_losses_in_float64(x64):
 
 
 def test_every_parameter_has_the_fast_per_example_path():
-    """Built from cbs.layers, the models leave nothing to the vmap fallback, except a tied
+    """Built from cbs.models.layers, the models leave nothing to the vmap fallback, except a tied
     output head, whose embedding table is used twice."""
     x, y = jax.random.normal(jax.random.key(11), (4, 6, 6, 2)), jnp.array([0, 1, 2, 0])
     for model in (_build("mlp", input_shape=(6, 6, 2), num_classes=3),

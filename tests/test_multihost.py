@@ -17,9 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from cbs import config as config_lib
-from cbs import loop, metrics, train
-from cbs import mesh as mesh_lib
+from cbs.engine import config as config_lib
+from cbs.engine import loop
+from cbs.engine import mesh as mesh_lib
+from cbs.engine import trainer as train
+from cbs.results import records as metrics
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
 

@@ -1,4 +1,4 @@
-"""Tests for cbs.noise: closed forms, float64 references, sharding, unbiasedness, bad input."""
+"""Tests for cbs.stats.noise: closed forms, float64 references, sharding, bias, bad input."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import pytest
 from _reference import mlp_loss, reference_stats, tiny_mlp
 from jax.sharding import AxisType, NamedSharding
 
-from cbs import noise
+from cbs.stats import noise
 
 FIELDS = ["mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple", "mean_g_h_g", "g_h_g",
           "trace_h_sigma", "b_noise"]
@@ -288,7 +288,7 @@ def test_bad_inputs_raise_clear_errors():
 # --- fast path (ghost norms), when present -------------------------------------------------
 
 def test_auto_method_matches_vmap():
-    pytest.importorskip("cbs.ghost")
+    pytest.importorskip("cbs.stats.ghost")
     loss_fn, params, batch = tiny_mlp(jnp.float32)
     vmap = noise.exact(loss_fn, params, batch, groups="auto", method="vmap")
     auto = noise.exact(loss_fn, params, batch, groups="auto", method="auto")

@@ -1,10 +1,10 @@
-"""Tests for cbs.plots: every figure writes a decodable, non-blank PNG, also on degenerate input."""
+"""Tests for cbs.analysis.plots: each figure is a decodable, non-blank PNG, even degenerate.
 
 import matplotlib.image
 import numpy as np
 import pytest
 
-from cbs import fit, plots
+from cbs.analysis import fit, plots
 
 B = np.array([4.0, 16.0, 64.0, 256.0, 1024.0])
 

@@ -6,8 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from cbs import mesh, metrics, ramps, report, sweep
-from cbs.sweep import SweepStore, Trial, TrialResult
+from cbs.analysis import report
+from cbs.engine import mesh
+from cbs.results import records as metrics
+from cbs.results import store
+from cbs.results.store import SweepStore, TrialResult
+from cbs.sweeps import ramps
+from cbs.sweeps.grid import Trial
 from experiments.configs import digits_ramps
 
 
@@ -83,4 +88,4 @@ def test_ramp_table_lists_each_run():
     table = report.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0},
                                 "examples_to_target": {"1.5": 320.0}}], analysis)
     assert "| a | 10, 320 (1.60) |" in table
-    assert sweep.target_key(1.0) == "1"
+    assert store.target_key(1.0) == "1"

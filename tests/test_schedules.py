@@ -1,4 +1,4 @@
-"""Tests for cbs.schedules: documented batch sizes, adaptive hysteresis, LR coupling, LR shapes."""
+"""Tests for cbs.engine.schedules: documented sizes, adaptive hysteresis, LR coupling and shapes."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cbs import schedules as sch
+from cbs.engine import schedules as sch
 
 MI = 2 ** 20
 

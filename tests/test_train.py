@@ -1,4 +1,5 @@
-"""Tests of the training engine: cbs.step (jitted step), cbs.optim, cbs.train and cbs.loop.
+"""Tests of the training engine: step (jitted step), optim, trainer and loop
+(cbs.engine).
 
 Float32 comparisons of two computations of the same update (different summation order:
 micro-batches, devices) use rtol 2e-5 / atol 1e-6 after 3 steps: a few float32 ulps of
@@ -20,9 +21,13 @@ import optax
 import pytest
 from flax import nnx
 
-from cbs import checkpoint, data, metrics, models, noise, optim, schedules, step, train
-from cbs import config as config_lib
-from cbs import mesh as mesh_lib
+from cbs import data, models
+from cbs.engine import checkpoint, optim, schedules, step, writer
+from cbs.engine import config as config_lib
+from cbs.engine import mesh as mesh_lib
+from cbs.engine import trainer as train
+from cbs.results import records as metrics
+from cbs.stats import noise
 
 RTOL, ATOL = 2e-5, 1e-6
 
@@ -212,7 +217,7 @@ def test_measure_in_step_equals_separate(mlp):
 
 @pytest.mark.parametrize("method", ["vmap", "probe"])
 def test_curvature_measurement_in_the_step(mlp, method):
-    """exact (vmap) equals cbs.noise.exact on the same micro-batch; probe gives the keys."""
+    """exact (vmap) equals cbs.stats.noise.exact on the same micro-batch; probe gives the keys."""
     loss_fn, params, batch = mlp
     ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
                        one_device_mesh(), micro_batch=16,
@@ -305,7 +310,7 @@ def test_records_checkpoints_and_status(tmp_path):
     assert trains[3]["data/examples_seen"] == 96
     ckpt = checkpoint.Checkpointer(str(tmp_path / checkpoint.CHECKPOINT_DIR))
     assert ckpt.all_steps() == [10, 12]
-    assert os.listdir(tmp_path / metrics.TENSORBOARD_DIR)
+    assert os.listdir(tmp_path / writer.TENSORBOARD_DIR)
     status = json.loads((tmp_path / metrics.STATUS_FILE).read_text())
     assert status["status"] == "finished" and status["last_eval"]["step"] == 12
     # The same command again returns the recorded summary without training.
@@ -455,7 +460,7 @@ def test_host_stream_equals_device_gather(tmp_path):
 
 
 def loop_state(trainer) -> step.TrainState:
-    from cbs import loop
+    from cbs.engine import loop
 
     run = loop.Loop(trainer)
     run.run()

@@ -1,4 +1,4 @@
-"""Models (Flax NNX, built from `cbs.layers`) and the loss functions cbs differentiates.
+"""Models (Flax NNX, built from `cbs.models.layers`) and the loss functions cbs differentiates.
 
     model = build_model(config.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
                         rngs=nnx.Rngs(seed))

@@ -4,8 +4,8 @@ Letters: B batch, H, W spatial size, C channels, G ghost-batch size, K = B / G g
 
 Normalisation (`norm`):
 - "none": no normalisation; convolutions carry a bias.
-- "layernorm": `cbs.layers.LayerNorm` over the channels of each position (per example).
-- "groupnorm": `cbs.layers.GroupNorm` over (H, W, C/groups) of each example.
+- "layernorm": `cbs.models.layers.LayerNorm` over the channels of each position (per example).
+- "groupnorm": `cbs.models.layers.GroupNorm` over (H, W, C/groups) of each example.
 - "batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
   mode (G = 0: the whole batch). This couples the examples of a ghost batch, so per-example
   losses and gradients are ill-defined in training mode: the model sets
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs import layers
+from cbs.models import layers
 from cbs.models.mlp import get_activation
 
 NORMS = ("none", "layernorm", "groupnorm", "batchnorm")

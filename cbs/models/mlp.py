@@ -1,4 +1,4 @@
-"""Multilayer perceptron built from `cbs.layers.Linear` (fast per-example gradient norms).
+"""Multilayer perceptron built from `cbs.models.layers.Linear` (fast per-example gradient norms).
 
 Letters: B batch, D flattened input features, H hidden width, O outputs (classes, or 1 for
 regression). A network with hidden sizes (H_1, ..., H_k) has
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
-from cbs import layers
+from cbs.models import layers
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,

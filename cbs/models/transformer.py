@@ -1,4 +1,4 @@
-"""Decoder-only Transformer language model built from `cbs.layers` (pre-LN, causal).
+"""Decoder-only Transformer language model built from `cbs.models.layers` (pre-LN, causal).
 
 Letters: B batch, T positions (context length), D model width, H heads, K = D / H head width,
 F MLP width, V vocabulary, L layers, S key positions.
@@ -8,7 +8,7 @@ F MLP width, V vocabulary, L layers, S key positions.
     logits = LN(h_L) W_out            (W_out = E^T when embeddings are tied)
 
 Attention is softmax(q k^T / sqrt(K) + causal mask) v with q, k, v, o separate
-`cbs.layers.Linear` projections, written as einsums so every parameter sits in a layer whose
+`cbs.models.layers.Linear` projections, written as einsums so every parameter sits in a layer whose
 per-example gradient norm has a fast path. Rotary positions (Su et al. 2021, eq. 34, in the
 "rotate half" layout) rotate q and k and add no parameters. A tied output head uses the
 embedding table twice, so its per-example gradient norms take the slow (vmap) path.
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs import layers
+from cbs.models import layers
 
 POSITIONS = ("learned", "rotary")
 

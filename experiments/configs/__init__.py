@@ -1,1 +1,1 @@
-"""Experiment configs: each file's `get_config(arg)` returns a `cbs.config` ConfigDict."""
+"""Experiment configs: each file's `get_config(arg)` returns a `cbs.engine.config` ConfigDict."""

@@ -1,6 +1,6 @@
 """Helpers shared by the config files (this file is not a config itself).
 
-Every config starts from `cbs.config.default_config()`, whose fields all carry a comment with
+Every config starts from `cbs.engine.config.default_config()`, whose fields all carry a comment with
 their meaning and units; a config file sets only what differs and comments each change.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from cbs import config as config_lib
 from cbs import models
+from cbs.engine import config as config_lib
 
 
 def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
@@ -58,5 +58,5 @@ def digits_ramp(arg: str, schedule: dict, *, base_batch_size: int, learning_rate
 
 
 def schedule_config(fields: dict) -> ml_collections.ConfigDict:
-    """A `config.batch.schedule` from a plain dict (cbs.schedules.batch_schedule_from_config)."""
+    """A `config.batch.schedule` from a plain dict (see batch_schedule_from_config)."""
     return ml_collections.ConfigDict(dict(fields))

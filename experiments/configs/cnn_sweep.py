@@ -19,7 +19,7 @@ values on CIFAR-10.
 
 from __future__ import annotations
 
-from cbs.sweep import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config
 from experiments.configs import base, cnn
 
 TARGETS = {"mnist": (0.5, 0.2, 0.1, 0.05), "fashion_mnist": (0.8, 0.5, 0.4, 0.3),

@@ -4,7 +4,7 @@ adaptive batch sizes, each with its learning rate tuned (fixed B) or coupled (ra
     python -m experiments.ramps --config=experiments/configs/digits_ramps.py --sweep_dir=runs/digits
 
 Runs the digits sweep first if it is not finished (`digits_sweep.py`, same sweep_dir), then
-each ramp below with `cbs.train.run`, stopped once the full training loss has crossed every
+each ramp below with `cbs.engine.trainer.run`, stopped once the full training loss has crossed every
 target; appends them to ramps.jsonl and rewrites the report, whose "Batch-size ramps"
 section lists S and E per target and whose figures/ramps_L*.png place each run on that
 target's fitted S–E frontier. Fixed runs use the sweep's best learning rate at their B; the

@@ -14,7 +14,7 @@ handful of steps (tests).
 
 from __future__ import annotations
 
-from cbs.sweep import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config
 from experiments.configs import base
 
 

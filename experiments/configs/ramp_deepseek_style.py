@@ -3,7 +3,7 @@
     python -m experiments.main --config=experiments/configs/ramp_deepseek_style.py --workdir=/tmp/ds
 
 DeepSeek-V3 ramped its batch from 3,072 to 15,360 sequences (5×) over the first 469B of
-14.8T training tokens (`cbs.schedules.deepseek_v3_schedule`, full scale as a pure function).
+14.8T training tokens (`cbs.engine.schedules.deepseek_v3_schedule`, full scale as a pure function).
 Here: 32 → 160 examples (5×) over the first 4,000 examples, rounded to multiples of the
 micro-batch 16 (so at most 9 accumulation counts, one compilation each), with Adam's η
 coupled by the square-root rule from η_0 at B_0 = 32. Expected: full_train/loss ≈ 0.05

@@ -3,7 +3,7 @@
     python -m experiments.main --config=experiments/configs/ramp_llama3_style.py --workdir=/tmp/l3
 
 Llama 3 405B stepped its batch 4M → 8M tokens after 252M tokens → 16M after 2.87T tokens
-(`cbs.schedules.llama3_schedule`, the full-scale shape as a pure function). Here the same
+(`cbs.engine.schedules.llama3_schedule`, the full-scale shape as a pure function). Here the same
 shape (two doublings) is placed where the digits sweep's fitted B_crit passes the current
 batch: 32 examples, 64 after 1,500 examples, 128 after 4,000; the micro-batch stays 16, so
 only the accumulation count changes (1 compilation per count: 2, 4, 8). Adam's η is coupled

@@ -16,7 +16,7 @@ eq. 5.3), and the measured B_simple rises with it.
 
 from __future__ import annotations
 
-from cbs.sweep import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config
 from experiments.configs import base
 
 

@@ -1,9 +1,9 @@
 """The host loop of a run: dispatch steps, read metrics late, evaluate, checkpoint, resume.
 
-It drives a `cbs.train.Trainer` (set-up, step, evaluation) and owns the run directory's
-records (`cbs.metrics`) and checkpoints (`cbs.checkpoint`). The order of events is a function
-of the step number alone (never of timing), so a resumed run does exactly what an
-uninterrupted one does: see `cbs.train` for the loop and the files.
+It drives a `cbs.engine.trainer.Trainer` (set-up, step, evaluation) and owns the run directory's
+records (`cbs.results.records`) and checkpoints (`cbs.engine.checkpoint`). The order of events
+is a function of the step number alone (never of timing), so a resumed run does exactly what an
+uninterrupted one does: see `cbs.engine.trainer` for the loop and the files.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from cbs import checkpoint, metrics, schedules
+from cbs.engine import checkpoint, schedules, writer
+from cbs.results import records as metrics
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")
@@ -228,13 +229,13 @@ class Loop:
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""
-        from cbs.train import save_config
+        from cbs.engine.trainer import save_config
 
         self.start = time.perf_counter()
         c = self.config
         self._restore_or_init()
         save_config(c, self.workdir)
-        self.writer = metrics.MetricsWriter(
+        self.writer = writer.MetricsWriter(
             self.workdir, start_step=self.t, total_steps=c.train.max_steps or None,
             enabled=self.primary, progress=c.train.progress_bar, tensorboard=c.train.tensorboard)
         self._write_status(self._summary("running"))

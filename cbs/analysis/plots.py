@@ -2,7 +2,7 @@
 dicts and a path, writes one PNG and returns the path. No model and no pyplot state: figures
 are `matplotlib.figure.Figure` objects rendered by the Agg canvas, safe in scripts and threads.
 
-Letters as in `cbs.fit`: B batch size, S steps and E = B·S examples to a target loss,
+Letters as in `cbs.analysis.fit`: B batch size, S steps and E = B·S examples to a target loss,
 S_min, E_min, B_crit = E_min/S_min the fitted trade-off, L the target loss.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from cbs.fit import PowerLawFit, TradeoffFit
+from cbs.analysis.fit import PowerLawFit, TradeoffFit
 
 PathLike = str | os.PathLike
 

@@ -1,13 +1,13 @@
 """Runs a sweep: this shard's unfinished trials, grouped where they can share a program.
 
-    results = cbs.launch.run_sweep(config, sweep_dir, shard="0/4")
+    results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
-Trials are enumerated from `config.sweep` (`cbs.sweep.make_trials`); `shard="i/n"` keeps
+Trials are enumerated from `config.sweep` (`cbs.sweeps.grid.make_trials`); `shard="i/n"` keeps
 indices ≡ i (mod n), so the same command serves as a Slurm array task, a Kubernetes indexed
 job or a plain loop. Finished trials (records in trials.jsonl) are skipped; an unfinished one
 resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory dataset, the
-learning rates of each (B, seed) run as one vmapped group (`cbs.multitrial`) whose records
-are appended together; otherwise each trial is a `cbs.train.run` (`cbs.trials`).
+learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`) whose records
+are appended together; otherwise each trial is a `cbs.engine.trainer.run` (`cbs.sweeps.trials`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any
 import ml_collections
 
 from cbs import data
-from cbs.multitrial import TrialGroup
-from cbs.sweep import SweepStore, Trial, TrialResult, make_trials, shard_trials
-from cbs.trials import run_trial_engine, summarize
+from cbs.results.store import SweepStore, TrialResult
+from cbs.sweeps.grid import Trial, make_trials, shard_trials
+from cbs.sweeps.groups import TrialGroup
+from cbs.sweeps.trials import run_trial_engine, summarize
 
 
 def _in_memory(config: ml_collections.ConfigDict) -> bool:

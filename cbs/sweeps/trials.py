@@ -1,19 +1,19 @@
-"""Running a sweep's trials and turning their records into `cbs.sweep.TrialResult`s.
+"""Running a sweep's trials and turning their records into `cbs.sweeps.grid.TrialResult`s.
 
 Two back ends, same records:
 
-- "engine": each trial is a `cbs.train.run` in its own run directory (any model, dataset,
+- "engine": each trial is a `cbs.engine.trainer.run` in its own run directory (any model, dataset,
   mesh; checkpoints; resumes), stopped by a callback once the progress metric has crossed
   every target, or when the budget is spent or the loss explodes.
-- "vmap" (`cbs.multitrial`): the learning rates of one (B, seed) train as one vmapped,
+- "vmap" (`cbs.sweeps.groups`): the learning rates of one (B, seed) train as one vmapped,
   scanned program on a device-resident dataset: the same step, one compilation, several
   trials per dispatch. Used for in-memory datasets when `sweep.vmap_trials` is on.
 
 Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations over the
 step budget) and the crossing step of each target is interpolated linearly between
-evaluations (`cbs.fit.steps_to_target`). The noise scale recorded at a crossing is the ratio of
-window averages of the exact statistics measured at the evaluations around it
-(`cbs.fit.noise_scale_at_crossing`).
+evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
+the ratio of window averages of the exact statistics measured at the evaluations around it
+(`cbs.analysis.fit.noise_scale_at_crossing`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from cbs import fit, metrics, train
-from cbs.sweep import SweepStore, Trial, TrialResult, target_key
+from cbs.analysis import fit
+from cbs.engine import trainer as train
+from cbs.results import records as metrics
+from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.sweeps.grid import Trial
 
 NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                     "b_noise", "ema_b_simple")
@@ -203,7 +206,7 @@ def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
 
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
-    """Runs (or resumes) one trial with `cbs.train.run` in its trial directory."""
+    """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory."""
     sweep = config.sweep
     replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)

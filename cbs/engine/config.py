@@ -14,7 +14,8 @@ from typing import Any
 
 import ml_collections
 
-from cbs import models, optim
+from cbs import models
+from cbs.engine import optim
 
 NOISE_METHODS = ("auto", "fast", "vmap", "probe")
 
@@ -52,7 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.batch = ml_collections.ConfigDict()
     c.batch.micro_batch = 32  # m: examples per replica per micro-batch (fixed for a run)
-    c.batch.schedule = ml_collections.ConfigDict()  # cbs.schedules.batch_schedule_from_config
+    c.batch.schedule = ml_collections.ConfigDict()  # see schedules.batch_schedule_from_config
     c.batch.schedule.kind = "constant"  # "constant" | "step" | "linear" | "adaptive"
     c.batch.schedule.batch_size = 128  # B for "constant" (examples per update)
     c.batch.adapt_every = 10  # adaptive schedule: steps between noise-scale observations
@@ -67,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
     #   or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2, m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
     c.noise.every = 0  # steps between exact/probe measurements; 0 = never
-    c.noise.method = "auto"  # "auto" | "fast" | "vmap" (cbs.noise.exact) | "probe"
+    c.noise.method = "auto"  # "auto" | "fast" | "vmap" (cbs.stats.noise.exact) | "probe"
     c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
     c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
@@ -97,7 +98,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # devices on the data axis; -1 = all devices / model
     c.mesh.model = 1  # devices on the model axis (parameter sharding)
-    c.mesh.param_mode = "replicated"  # "replicated" | "fsdp" | "model" (cbs.mesh.param_shardings)
+    c.mesh.param_mode = "replicated"  # "replicated" | "fsdp" | "model" (mesh.param_shardings)
     return c
 
 
@@ -135,7 +136,7 @@ def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
 
 def batch_sizes(config: Any, multiple: int) -> tuple[int, ...]:
     """Every batch size the configured schedule can produce (for validation and planning)."""
-    from cbs import schedules
+    from cbs.engine import schedules
 
     try:
         schedule = schedules.batch_schedule_from_config(config.batch.schedule)

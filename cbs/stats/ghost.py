@@ -17,7 +17,7 @@ gathers `Σ_{t: id_t = v} g_t`, so `|∂ℓ_i/∂E|² = B² Σ_{t,s} [id_t = id_
 when the vocabulary V is smaller than T). Norm scales and shifts act per channel: their
 [B, O] per-example gradients are small and are formed directly.
 
-Mechanism: a trace-time tap. Each `cbs.layers` layer routes its parameters through `tap`,
+Mechanism: a trace-time tap. Each `cbs.models.layers` layer routes its parameters through `tap`,
 which outside a tap context just calls the layer's plain function. Inside one it calls a
 `jax.custom_vjp` primitive with one extra input, a zero array `tap` [B, n] whose cotangent
 the backward rule sets to the n per-example squared norms of that call's parameters; so
@@ -40,7 +40,7 @@ fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for me
 and, with equal lengths, over B×T). Layers that couple examples (BatchNorm in training mode)
 make per-example gradients ill-defined; neither path detects them.
 
-The per-layer rules above are in `cbs.ghost_rules`; this module holds the taps, the
+The per-layer rules above are in `cbs.stats.ghost_rules`; this module holds the taps, the
 discovery of covered leaves and the passes.
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbs.curvature import map_examples, one_example
-from cbs.ghost_rules import CONV, DENSE, EMBED, RULE_FNS, SCALE_SHIFT
+from cbs.stats.examples import map_examples, one_example
+from cbs.stats.ghost_rules import CONV, DENSE, EMBED, RULE_FNS, SCALE_SHIFT
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -256,7 +256,8 @@ def _why_uncovered(calls: list[_Call], jaxpr, n_leaves: int) -> dict[int, str | 
     for leaf, (v, cs) in enumerate(zip(jaxpr.invars[:n_leaves], refs, strict=True)):
         found = consumers.get(id(v), [])
         if not cs:  # "" marks a leaf the loss never reads: zero gradient, nothing to do
-            why[leaf] = "not used through a cbs.layers layer (or transformed first)" * bool(found)
+            why[leaf] = ("not used through a cbs.models.layers layer (or transformed first)"
+                         * bool(found))
         elif len(cs) > 1:
             why[leaf] = f"shared by {len(cs)} layer calls"
         elif not calls[cs[0]].batch_ok:
@@ -358,7 +359,7 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the leading batch axis.
       params: pytree of float arrays.
       batch: pytree of arrays sharing a leading axis B.
-      method: "fast" taps cbs.layers layers (one forward + one backward) and raises
+      method: "fast" taps cbs.models.layers layers (one forward + one backward) and raises
         ValueError naming any leaf it cannot cover; "auto" does the same but computes
         uncovered leaves by vmap(grad) restricted to them; "vmap" is the reference: every
         norm by vmap(grad), chunked, with loss and ḡ from one ordinary pass.
@@ -381,7 +382,7 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     if method == "fast" and plan.uncovered:
         lines = "; ".join(f"{paths[leaf]}: {why}" for leaf, why in plan.uncovered.items())
         raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); build "
-                         "them from cbs.layers or use method='auto'")
+                         "them from cbs.models.layers or use method='auto'")
     loss, grad, norms = _fast_pass(loss_fn, params, batch, plan, batch_size)
     leaves, treedef = jax.tree.flatten(params)
     which = sorted(plan.uncovered)

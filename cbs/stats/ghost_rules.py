@@ -1,8 +1,8 @@
 """Per-layer rules of the ghost-norm pass: per-example squared parameter-gradient norms from a
-layer's input and its output cotangent (see `cbs.ghost` for the mechanism and the formulas).
+layer's input and its output cotangent (see `cbs.stats.ghost` for the mechanism and the formulas).
 
 Each rule takes (spec, x, g, params) with x the layer input [B, ...], g the cotangent of its
-output [B, ..., O] (of the MEAN loss: `cbs.ghost` rescales by B²) and returns one [B] array
+output [B, ..., O] (of the MEAN loss: `cbs.stats.ghost` rescales by B²) and returns one [B] array
 per parameter of the call (None for parameters not tapped).
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output

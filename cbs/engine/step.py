@@ -13,13 +13,13 @@ One step on a global batch [B, ...] sharded over `data`:
    free), or, per micro-batch, a `vmap` over the R replicas that gives the per-replica
    gradients before their mean (b = m, no extra communication);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.noise.two_batch`) from the
+4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.stats.noise.two_batch`) from the
    mean of the B/b values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
-   (expectation |G|² + tr(Σ)/B), smoothed by `cbs.noise.NoiseScaleEMA` in the state;
-5. optionally, every `measure_every` steps, `cbs.noise.exact` or `cbs.noise.probe` on the
+   (expectation |G|² + tr(Σ)/B), smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
+5. optionally, every `measure_every` steps, `noise.exact` or `noise.probe` on the
    first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call);
-6. u = direction(ḡ) (optax, `cbs.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
-   (`cbs.schedules`): the learning rate is a function of examples seen E, never of steps.
+6. u = direction(ḡ) (optax, `cbs.engine.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
+   (`cbs.engine.schedules`): the learning rate is a function of examples seen E, never of steps.
 
 The small batches (`plan`): by default the A micro-batches when A ≥ 2 (free); else each
 replica's share when R ≥ 2; else two halves of the batch (C = 2: the one case that changes
@@ -39,8 +39,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cbs import noise, optim
-from cbs.curvature import tree_sq_norm
+from cbs.engine import optim
+from cbs.stats import noise
+from cbs.stats.trees import tree_sq_norm
 
 PyTree = Any
 # loss_fn(params, model_state, batch) -> (mean loss, new model_state)
@@ -56,7 +57,7 @@ class TrainState:
     learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
-    variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.noise.NoiseScaleEMA` of
+    variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.stats.noise.NoiseScaleEMA` of
     the in-step two-batch estimates; measure_ema: the same of the every-k-steps measurements
     (with the curvature pair when measured), which is what an adaptive schedule on b_noise reads.
     """
@@ -98,7 +99,7 @@ def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
 class Measurement(NamedTuple):
     """What to measure every `every` steps, on the first `micro_batches` micro-batches."""
 
-    method: str = "auto"  # "auto" | "fast" | "vmap" (cbs.noise.exact) | "probe"
+    method: str = "auto"  # "auto" | "fast" | "vmap" (cbs.stats.noise.exact) | "probe"
     every: int = 100  # steps between measurements
     micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
     curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
@@ -119,7 +120,7 @@ class TrainStep:
 
     Args:
       loss_fn: stateful loss (see `stateless`).
-      direction: optax transformation without learning rate (`cbs.optim.make_direction`).
+      direction: optax transformation without learning rate (`cbs.engine.optim.make_direction`).
       lr_fn: the schedule's shape s(E) (1 at the peak), jittable, of the examples seen
         including the current batch; η = state.learning_rate · s(E), then coupled to B.
       mesh: the device mesh; the batch is split over its `data` axis.
@@ -134,7 +135,7 @@ class TrainStep:
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
-      lr_coupling: (base_batch_size, rule, cap) for `cbs.schedules.coupled_lr`, or None.
+      lr_coupling: (base_batch_size, rule, cap) for `cbs.engine.schedules.coupled_lr`, or None.
       measure: a `Measurement` (or a tuple of its fields), or None.
       seed: seeds the probe vectors (folded with the step).
     """
@@ -325,7 +326,7 @@ class TrainStep:
         return self._noise_metrics(state, chunks, c // accum_steps)
 
     def _learning_rate(self, state: TrainState, batch_size: int) -> jax.Array:
-        from cbs.schedules import coupled_lr
+        from cbs.engine.schedules import coupled_lr
 
         lr = state.learning_rate * self.lr_fn(state.examples_seen + batch_size)
         if self.lr_coupling is not None:

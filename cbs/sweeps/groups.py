@@ -1,20 +1,20 @@
 """Several sweep trials as one program: the learning rates of one (B, seed), vmapped.
 
 Trials that differ only in the peak learning rate η_0 share everything static: model, batch
-size, data order. `cbs.step.TrainState` holds η_0 as a value, so K such trials are one
-state with a leading axis K, and the engine's own step (`cbs.step.TrainStep`) runs on it
+size, data order. `cbs.engine.step.TrainState` holds η_0 as a value, so K such trials are one
+state with a leading axis K, and the engine's own step (`cbs.engine.step.TrainStep`) runs on it
 under `vmap`: one compilation per batch size, one dispatch per evaluation interval (a
 `fori_loop` whose length is a value, so the log-spaced evaluation grid of
-`cbs.trials.eval_steps` costs no recompilation), the data gathered on the device from the
+`cbs.sweeps.trials.eval_steps` costs no recompilation), the data gathered on the device from the
 stream of `cbs.data`. After each interval: the progress metric (the full training-set loss,
 the eval-split loss, or the EMA of the batch loss carried through the loop) and an exact
-noise measurement per trial (`cbs.noise.exact`) on a fresh batch of `sweep.noise_batch_size`
+noise measurement per trial (`cbs.stats.noise.exact`) on a fresh batch of `sweep.noise_batch_size`
 training examples; for B_noise, tr(HΣ) from the first `sweep.noise_curvature_batch_size` of
 them (exact curvature costs O(m²) per-example HVPs) and ḡᵀHḡ from all n (one HVP).
 
 The group runs on one device (small models: the vmap is the parallelism). It checkpoints the
 stacked state and the curves so far every `sweep.checkpoint_every_evals` evaluations
-(`cbs.checkpoint`); a killed group resumes from there and ends with the same records as an
+(`cbs.engine.checkpoint`); a killed group resumes from there and ends with the same records as an
 uninterrupted one.
 """
 
@@ -31,10 +31,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs import checkpoint, curvature, data, mesh, noise, train
-from cbs.step import TrainState
-from cbs.sweep import SweepStore, Trial, TrialResult
-from cbs.trials import NOISE_CURVE_KEYS, eval_steps, result_from_curve, trial_config
+from cbs import data
+from cbs.engine import checkpoint, mesh
+from cbs.engine import trainer as train
+from cbs.engine.step import TrainState
+from cbs.results.store import SweepStore, TrialResult
+from cbs.stats import curvature, noise, trees
+from cbs.sweeps.grid import Trial
+from cbs.sweeps.trials import NOISE_CURVE_KEYS, eval_steps, result_from_curve, trial_config
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 _MEASURE_SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
@@ -103,7 +107,7 @@ class TrialGroup:
             curv = noise.exact(loss_fn, state.params, jax.tree.map(lambda x: x[:m], batch),
                                curvature=True, chunk_size=int(s.noise_chunk_size) or None)
             grad, hvp = curvature.hvp_fn(loss_fn, state.params, batch)
-            g_h_g = curvature.tree_dot(grad, hvp(grad)) - curv.trace_h_sigma / n
+            g_h_g = trees.tree_dot(grad, hvp(grad)) - curv.trace_h_sigma / n
             out |= {"trace_h_sigma": curv.trace_h_sigma, "g_h_g": g_h_g,
                     "b_noise": curv.trace_h_sigma / g_h_g}
         return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}

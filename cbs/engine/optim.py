@@ -7,14 +7,14 @@ The optimizer is split in two so that batch-size changes never distort the sched
     step:       θ_{t+1} = θ_t − η(E_t)·c(B_t)·u_t
 
 where E_t is the number of examples seen before step t, η(E) the warmup/decay schedule in
-examples (`cbs.schedules.lr_schedule`) and c(B) the batch-size coupling factor
-(`cbs.schedules.coupled_lr`; 1 unless the config couples the learning rate to B). For a
+examples (`cbs.engine.schedules.lr_schedule`) and c(B) the batch-size coupling factor
+(`cbs.engine.schedules.coupled_lr`; 1 unless the config couples the learning rate to B). For a
 constant η this is exactly `optax.sgd / optax.adam / optax.adamw` (optax multiplies by −η in
 its last stage; we do the same outside), which the tests check.
 
 Config fields (`config.optim`): name ∈ {sgd, momentum, adam, adamw}, learning_rate,
 momentum, nesterov, b1, b2, eps, weight_decay, weight_decay_mask, clip_norm, warmup_examples,
-decay, total_examples, final_fraction (see `cbs.config.default_config`).
+decay, total_examples, final_fraction (see `cbs.engine.config.default_config`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from cbs import schedules
+from cbs.engine import schedules
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
@@ -81,7 +81,7 @@ def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Arra
     """s(E) = η(E)/η_0 from `config.optim`: warmup, then constant/cosine/linear decay.
 
     The decay ends at `optim.total_examples`, or at `train.max_examples` when that is 0.
-    Jittable; E counts the examples seen including the current batch (`cbs.schedules`).
+    Jittable; E counts the examples seen including the current batch (`cbs.engine.schedules`).
     The train step multiplies by η_0 = `optim.learning_rate`, which it holds in its state.
     """
     o = config.optim

@@ -2,9 +2,9 @@
 
 These are drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed`, `nnx.LayerNorm` and
 `nnx.GroupNorm` with the same parameter names (`kernel`, `bias`, `embedding`, `scale`).
-Each layer sends its parameters through `cbs.ghost.tap`, which outside a ghost-norm pass
+Each layer sends its parameters through `cbs.stats.ghost.tap`, which outside a ghost-norm pass
 just calls the plain function below (same ops, no overhead) and inside one lets
-`cbs.ghost.per_example_grads_info` read the exact per-example gradient norms of these
+`cbs.stats.ghost.per_example_grads_info` read the exact per-example gradient norms of these
 parameters from the single backward pass. Any other layer still works; its parameters fall
 back to `vmap`.
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs import ghost
+from cbs.stats import ghost
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_embedding_init = nnx.initializers.normal(stddev=0.02)

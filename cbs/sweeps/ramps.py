@@ -1,18 +1,18 @@
 """Batch-size ramps run beside a sweep and placed on its fitted S–E frontier.
 
-A ramp run is an ordinary `cbs.train.run` whose `config.batch.schedule` changes B as
-examples are seen (`cbs.schedules`: step like Llama 3, linear like DeepSeek-V3, or adaptive
+A ramp run is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
+examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or adaptive
 on the live noise scale), with the micro-batch fixed and the accumulation count changing,
 and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, like a sweep
 trial, once the sweep's progress metric has crossed every target, and it records the steps S
 and the examples E at each crossing (each interpolated between evaluations on its own
 axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
-directory, where `cbs.report` draws them on each target's S–E plane against the frontier
+directory, where `cbs.analysis.report` draws them on each target's S–E plane against the frontier
 S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
 every fixed batch size; on it, it matched one.
 
 The runs are declared in the config (`config.ramps`, a list of dicts): `label`, `schedule`
-(a `cbs.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
+(a `cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
 "best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
 `lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`.
 """
@@ -26,10 +26,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs import fit, metrics, train
-from cbs.report import RAMPS_FILE
-from cbs.sweep import SweepStore, target_key
-from cbs.trials import ProgressMonitor, curve_from_records
+from cbs.analysis import fit
+from cbs.analysis.report import RAMPS_FILE
+from cbs.engine import trainer as train
+from cbs.results import records as metrics
+from cbs.results.store import SweepStore, target_key
+from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 RAMPS_DIR = "ramps"
 

@@ -1,0 +1,3 @@
+"""Fits, figures and reports from result files alone (`fit`, `plots`, `report`): no model,
+no training code.
+"""

@@ -1,0 +1,266 @@
+"""Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
+
+Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, and `ramps.jsonl` when
+batch-size ramps were run beside it); needs no model. For each target loss L:
+
+1. each trial's steps S to reach L (None when it never did; diverged trials never do);
+2. per batch size the learning rate with the fewest steps (`cbs.analysis.fit.best_per_batch_size`);
+3. the fit S = S_min + E_min/B with bootstrap intervals (`cbs.analysis.fit.fit_tradeoff`);
+4. the noise scale measured when those best trials passed L: per trial a ratio of window
+   averages (`cbs.analysis.fit.noise_scale_at_crossing`), then the median over batch sizes.
+
+Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.analysis.fit.fit_power_law`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cbs.analysis import fit, plots
+from cbs.results import records as metrics
+from cbs.results.store import SweepStore, target_key
+
+ANALYSIS_FILE = "analysis.json"
+REPORT_FILE = "report.md"
+RAMPS_FILE = "ramps.jsonl"
+FIGURES_DIR = "figures"
+
+
+def _median(values: Sequence[float | None]) -> float:
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    return float(np.median(v)) if v else math.nan
+
+
+def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
+                   bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Best learning rate per batch size, the trade-off fit and the measured noise at L."""
+    key = target_key(target)
+    rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
+             "steps": r["steps_to_target"].get(key), "record": r} for r in records]
+    best = fit.best_per_batch_size(rows)
+    tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap, seed=seed)
+    best_records = []
+    for b, lr in zip(best.batch_sizes, best.learning_rates, strict=True):
+        best_records += [r for r in records
+                         if r["batch_size"] == b and r["learning_rate"] == lr]
+    measured = {name: _median([r["noise_at_target"].get(key, {}).get(name)
+                               for r in best_records]) for name in ("b_simple", "b_noise")}
+    unreached = sorted({(r["batch_size"], r["learning_rate"], r["status"])
+                        for r in (u["record"] for u in best.unreached)})
+    return {
+        "target": float(target), "fit": tradeoff,
+        "batch_sizes": best.batch_sizes.tolist(), "steps": best.steps.tolist(),
+        "examples": best.examples.tolist(), "learning_rates": best.learning_rates.tolist(),
+        "missing_batch_sizes": [float(b) for b in best.missing_batch_sizes],
+        "edge_batch_sizes": [float(b) for b in best.edge_batch_sizes],
+        "unreached": [{"batch_size": b, "learning_rate": lr, "status": s}
+                      for b, lr, s in unreached],
+        "measured_b_simple": measured["b_simple"], "measured_b_noise": measured["b_noise"],
+        "best_trial_ids": [r["trial_id"] for r in best_records],
+    }
+
+
+def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool = True
+            ) -> dict[str, Any]:
+    """Fits every target of the sweep in `sweep_dir`.
+
+    Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
+    the fit objects under "fits" (one `cbs.analysis.fit.TradeoffFit` per target, in target
+    order) and
+    "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws.
+    """
+    store = SweepStore(sweep_dir)
+    definition = store.definition() or {}
+    records = store.records()
+    if not records:
+        raise ValueError(f"{sweep_dir} has no finished trials ({store.path} is empty); run "
+                         "the sweep first: python -m experiments.sweep --config=... "
+                         f"--sweep_dir={sweep_dir}")
+    targets = definition.get("sweep", {}).get("targets") or sorted(
+        {float(k) for r in records for k in r["steps_to_target"]}, reverse=True)
+    per_target = [analyze_target(records, t, bootstrap=bootstrap, seed=seed) for t in targets]
+    ok = [t for t in per_target if t["fit"].ok]
+    power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
+                                  bootstrap=bootstrap, seed=seed)
+    analysis = {"sweep_dir": sweep_dir, "num_trials": len(records),
+                "statuses": dict(collections.Counter(r["status"] for r in records)),
+                "target_metric": records[0]["target_metric"],
+                "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
+                "power_law": power_law.to_dict()}
+    if write:
+        metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
+    return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
+
+
+def summary_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit per target with its interval beside the measured noise scales."""
+    lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L | B_noise at L "
+             "| batch sizes fitted | status |", "|---|---|---|---|---|---|---|---|"]
+    for t in analysis["targets"]:
+        f = t["fit"]
+        if f["status"] == fit.OK:
+            lo, hi = f["b_crit_ci"] if f["b_crit_ci"] else (None, None)
+            ci = f" ({_g(lo)}–{_g(hi)})" if lo is not None else ""
+            row = [_g(f["b_crit"]) + ci, _g(f["s_min"]), _g(f["e_min"])]
+        else:
+            row = ["–", "–", "–"]
+        lines.append(f"| {t['target']:g} | " + " | ".join(row) + f" | {_g(t['measured_b_simple'])}"
+                     f" | {_g(t['measured_b_noise'])} | {len(t['batch_sizes'])} | {f['status']} |")
+    return "\n".join(lines)
+
+
+def _g(x: Any) -> str:
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
+
+
+def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
+    """Batch-ramp runs recorded beside the sweep (see `cbs.sweeps.ramps`), if any."""
+    return metrics.read_records(os.path.join(sweep_dir, RAMPS_FILE))
+
+
+def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None
+                 ) -> dict[str, str]:
+    """Writes the report's PNG figures (default: into sweep_dir/figures); returns {name: path}
+    for "pareto", "collapse", "b_crit_vs_loss", "noise" and, with ramps, "ramps_L<target>".
+    `analysis` is what `analyze` returned (it holds the fit objects)."""
+    out_dir = out_dir or os.path.join(sweep_dir, FIGURES_DIR)
+    series = [{"target": t["target"], "batch_sizes": t["batch_sizes"], "steps": t["steps"],
+               "fit": f} for t, f in zip(analysis["targets"], analysis["fits"], strict=True)]
+    figs = {"pareto": plots.pareto_frontier(series, os.path.join(out_dir, "pareto.png")),
+            "collapse": plots.tradeoff_collapse(series, os.path.join(out_dir, "collapse.png"))}
+    ok = [(t, f) for t, f in zip(analysis["targets"], analysis["fits"], strict=True) if f.ok]
+    losses = [t["target"] for t, _ in ok]
+    all_losses = [t["target"] for t in analysis["targets"]]
+    measured = {label: (all_losses, [t[key] for t in analysis["targets"]])
+                for label, key in (("B_simple", "measured_b_simple"),
+                                   ("B_noise", "measured_b_noise"))
+                if any(math.isfinite(t[key]) for t in analysis["targets"])}
+    figs["b_crit_vs_loss"] = plots.b_crit_vs_loss(
+        losses, [f.b_crit for _, f in ok], os.path.join(out_dir, "b_crit_vs_loss.png"),
+        b_crit_cis=[f.b_crit_ci for _, f in ok], power_law=analysis["power_law_fit"],
+        measured=measured)
+    records = {r["trial_id"]: r for r in SweepStore(sweep_dir).records()}
+    shown = sorted({i for t in analysis["targets"] for i in t["best_trial_ids"]})
+    runs = [{"label": f"B={records[i]['batch_size']}", "step": records[i]["curve"]["examples"],
+             "b_simple": records[i]["curve"].get("noise/b_simple", []),
+             "b_noise": records[i]["curve"].get("noise/b_noise", [])}
+            for i in shown if i in records]
+    figs["noise"] = plots.noise_over_training(runs, os.path.join(out_dir, "noise_scale.png"),
+                                              xlabel="examples seen")
+    ramps = read_ramps(sweep_dir)
+    if ramps and ok:
+        figs.update(_ramp_figures(ramps, analysis, out_dir))
+    return figs
+
+
+def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
+    figs = {}
+    for t, f in zip(analysis["targets"], analysis["fits"], strict=True):
+        key = target_key(t["target"])
+        runs = [{"label": r["label"], "steps": r["steps_to_target"][key],
+                 "examples": r["examples_to_target"][key]}
+                for r in ramps if r["steps_to_target"].get(key) is not None]
+        if f.ok and runs:
+            name = f"ramps_L{key}"
+            figs[name] = plots.se_plane(
+                f, os.path.join(out_dir, f"{name}.png"), runs=runs,
+                points={"batch_sizes": t["batch_sizes"], "steps": t["steps"]},
+                title=f"Batch ramps against the sweep frontier, target L={key}")
+    return figs
+
+
+def write_report(sweep_dir: str, *, bootstrap: int = 1000) -> str:
+    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`."""
+    analysis = analyze(sweep_dir, bootstrap=bootstrap)
+    figs = make_figures(sweep_dir, analysis)
+    lines = [f"# Critical batch size report: `{sweep_dir}`", "",
+             f"{analysis['num_trials']} trials ({_fmt_counts(analysis['statuses'])}); "
+             f"progress metric `{analysis['target_metric']}`.", "",
+             "## B_crit per target", "",
+             "S = S_min + E_min/B fitted to the best learning rate at each batch size "
+             "(McCandlish et al. 2018); B_crit = E_min/S_min with a 95% bootstrap-t interval. "
+             "B_simple and B_noise: the noise scale measured when the best trials passed "
+             "the target (ratio of window averages, median over batch sizes).", "",
+             summary_table(analysis), ""]
+    pl = analysis["power_law"]
+    if pl["status"] == fit.OK:
+        lines += [f"Power law (Kaplan et al. 2020): B_crit(L) = {_g(pl['b_star'])} / "
+                  f"L^(1/{_g(pl['alpha_b'])}), α_B 95% CI {_ci(pl['alpha_b_ci'])}.", ""]
+    else:
+        lines += [f"Power law B_crit(L): {pl['status']} (needs ≥ 3 targets with a fit).", ""]
+    notes = _notes(analysis)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["## Figures", ""] + [f"![{k}]({os.path.relpath(p, sweep_dir)})"
+                                   for k, p in figs.items()] + [""]
+    ramps = read_ramps(sweep_dir)
+    if ramps:
+        lines += ["## Batch-size ramps", "", ramp_table(ramps, analysis), ""]
+    path = os.path.join(sweep_dir, REPORT_FILE)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write("\n".join(lines))
+    os.replace(tmp, path)
+    return path
+
+
+def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str:
+    """Steps S and examples E to each target for each ramp run, and E relative to the fixed-
+    batch frontier at the same S: E_frontier(S) = E_min·S/(S − S_min) (< 1: the ramp needed
+    fewer examples than any fixed batch size that takes as many steps)."""
+    targets = analysis["targets"]
+    head = "| run | " + " | ".join(f"S, E (E/E_frontier) to L={t['target']:g}"
+                                   for t in targets) + " |"
+    lines = [head, "|---|" + "---|" * len(targets)]
+    for r in ramps:
+        cells = []
+        for t in targets:
+            key = target_key(t["target"])
+            s, e = r["steps_to_target"].get(key), r["examples_to_target"].get(key)
+            cells.append("not reached" if s is None else f"{s:.0f}, {e:.3g}{_vs_frontier(t, s, e)}")
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
+    f = target.get("fit")
+    if f is not None and not isinstance(f, dict):
+        f = f.to_dict()
+    if not f or f.get("status") != fit.OK or not steps > f["s_min"]:
+        return ""
+    return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"
+
+
+def _ci(ci) -> str:
+    return "–" if not ci else f"{_g(ci[0])}–{_g(ci[1])}"
+
+
+def _fmt_counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+
+def _notes(analysis: dict[str, Any]) -> list[str]:
+    notes = []
+    for t in analysis["targets"]:
+        if t["missing_batch_sizes"]:
+            notes.append(f"L={t['target']:g}: no learning rate reached the target at B = "
+                         f"{', '.join(f'{b:g}' for b in t['missing_batch_sizes'])} "
+                         "(excluded from the fit).")
+        if t["edge_batch_sizes"]:
+            notes.append(f"L={t['target']:g}: the best learning rate is at the edge of the "
+                         f"grid for B = {', '.join(f'{b:g}' for b in t['edge_batch_sizes'])}.")
+        notes += [f"L={t['target']:g}: {w}" for w in t["fit"].get("warnings", [])]
+    return notes
+
+
+def load_analysis(sweep_dir: str) -> dict[str, Any]:
+    """analysis.json of a sweep directory (written by `analyze`)."""
+    with open(os.path.join(sweep_dir, ANALYSIS_FILE)) as f:
+        return json.load(f)

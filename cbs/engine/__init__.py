@@ -1,0 +1,4 @@
+"""The training engine: config (`config`), device mesh (`mesh`), optimizers (`optim`),
+batch and learning-rate schedules (`schedules`), the jitted step (`step`), the host loop
+(`loop`), run set-up (`trainer`), checkpoints (`checkpoint`) and the record writer (`writer`).
+"""

@@ -1,0 +1,433 @@
+"""Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
+
+Letters: e examples (or tokens) seen so far, B the global (logical) batch size, B_0 the base
+batch size the base learning rate was tuned at, η the learning rate.
+
+Batch-size schedules are host-side Python: B sets the static number of accumulation steps, so
+it is an `int` chosen outside `jit`. Every schedule answers `batch_size_at(e, state=None)`;
+the adaptive one also carries a small functional state (`init`, `update`), and the static ones
+accept the same calls as no-ops, so a training loop needs one code path.
+
+- `Constant(B)`; `Step(((0, B_0), (e_1, B_1), ...))`: B_i once e ≥ e_i;
+  `Linear(start, end, over, multiple)`: B(e) = start + (end − start)·min(e/over, 1), rounded to
+  the nearest multiple of `multiple` (micro_batch × data_replicas).
+- `Adaptive`: follows the live noise scale, B* = clip(k·B_noise (or k·B_simple), min, max), on
+  a ladder of sizes min·factor^n, with hysteresis: it moves only after the target has stayed
+  beyond a band (B·band above or B/band below) for `patience` consecutive updates.
+
+Learning-rate coupling (Goyal et al. 2017 for SGD, linear; Malladi et al. 2022 and the OLMo
+batch-size warmup of "Critical Batch Size Revisited", arXiv:2505.23971, for Adam, square
+root): η(B) = η_0 · (B/B_0)^p with p = 0, 1 or 1/2, capped. The multiplier is a pure function
+of the current B, so it is applied exactly once per change and never compounds.
+Learning-rate schedules are functions of e, not of steps, so a batch change does not stretch
+or squeeze warmup and decay; they are jnp code usable inside `jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_REQUIRED = object()
+
+
+def _as_mapping(config: Any) -> Mapping[str, Any]:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def _field(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
+    if name in config and config[name] is not None:
+        return config[name]
+    if default is _REQUIRED:
+        raise ValueError(f"{where}: missing field {name!r}")
+    return default
+
+
+def _round_to_multiple(x: float, multiple: int) -> int:
+    return int(multiple * math.floor(x / multiple + 0.5))
+
+
+class _Static:
+    """No-op state protocol shared by the schedules that depend on e only."""
+
+    def init(self) -> None:
+        return None
+
+    def update(self, state: None, noise_scale: float, examples_seen: float) -> None:
+        del noise_scale, examples_seen
+        return state
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["kind"] = type(self).__name__.lower()
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant(_Static):
+    """B(e) = batch_size."""
+
+    batch_size: int
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+        return int(self.batch_size)
+
+    @classmethod
+    def from_config(cls, config: Any) -> Constant:
+        c = _as_mapping(config)
+        return cls(int(_field(c, "batch_size", "batch_schedule")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step(_Static):
+    """B(e) = B_i for the last i with e ≥ e_i; `steps` = ((0, B_0), (e_1, B_1), ...)."""
+
+    steps: tuple[tuple[int, int], ...]
+
+    def __post_init__(self):
+        steps = tuple((int(t), int(b)) for t, b in self.steps)
+        object.__setattr__(self, "steps", steps)
+        if not steps or steps[0][0] != 0:
+            raise ValueError("Step.steps must start with (0, batch_size)")
+        thresholds = [t for t, _ in steps]
+        if any(b <= a for a, b in zip(thresholds, thresholds[1:], strict=False)):
+            raise ValueError(f"Step thresholds must increase strictly, got {thresholds}")
+        if any(b < 1 for _, b in steps):
+            raise ValueError("Step batch sizes must be >= 1")
+
+    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+        size = self.steps[0][1]
+        for threshold, b in self.steps:
+            if examples_seen >= threshold:
+                size = b
+        return size
+
+    def scaled(self, *, examples: float = 1.0, batch: float = 1.0, multiple: int = 1) -> Step:
+        """Same shape with thresholds × `examples` and sizes × `batch` (rounded, ≥ multiple)."""
+        return Step(tuple(
+            (round(t * examples), max(multiple, _round_to_multiple(b * batch, multiple)))
+            for t, b in self.steps))
+
+    @classmethod
+    def from_config(cls, config: Any) -> Step:
+        c = _as_mapping(config)
+        return cls(tuple(tuple(s) for s in _field(c, "steps", "batch_schedule")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(_Static):
+    """B(e) = start + (end − start)·min(e/over, 1), rounded to the nearest `multiple`."""
+
+    start: int
+    end: int
+    over: float
+    multiple: int = 1
+
+    def __post_init__(self):
+        if self.multiple < 1 or self.start % self.multiple or self.end % self.multiple:
+            raise ValueError(f"Linear start={self.start} and end={self.end} must be multiples "
+                             f"of multiple={self.multiple} (micro_batch × data_replicas)")
+        if self.over <= 0 or min(self.start, self.end) < 1:
+            raise ValueError("Linear needs over > 0 and start, end >= 1")
+
+    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+        frac = min(max(float(examples_seen), 0.0) / self.over, 1.0)
+        raw = self.start + (self.end - self.start) * frac
+        b = _round_to_multiple(raw, self.multiple)
+        return int(min(max(b, min(self.start, self.end)), max(self.start, self.end)))
+
+    def scaled(self, *, examples: float = 1.0, batch: float = 1.0,
+               multiple: int | None = None) -> Linear:
+        """Same shape with `over` × `examples` and sizes × `batch` (rounded to `multiple`)."""
+        m = self.multiple if multiple is None else multiple
+        size = lambda b: max(m, _round_to_multiple(b * batch, m))
+        return Linear(size(self.start), size(self.end), self.over * examples, m)
+
+    @classmethod
+    def from_config(cls, config: Any) -> Linear:
+        c = _as_mapping(config)
+        w = "batch_schedule"
+        return cls(int(_field(c, "start", w)), int(_field(c, "end", w)),
+                   float(_field(c, "over", w)), int(_field(c, "multiple", w, 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveState:
+    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON).
+
+    streak: consecutive updates with the target beyond the band, signed (+ up, − down).
+    streak_target: the least extreme target of the current streak (what a move may trust).
+    """
+
+    batch_size: int
+    streak: int = 0
+    streak_target: float | None = None
+    num_updates: int = 0
+    num_changes: int = 0
+    last_change_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AdaptiveState:
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n.
+
+    k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1).
+    band: hysteresis ratio; a move up needs target > B·band, a move down target < B/band,
+      each for `patience` consecutive updates. band > √factor makes the dead zones of
+      neighbouring rungs overlap, so a target sitting between two rungs cannot flip-flop;
+      the default factor^(3/4) (1.68 for factor 2) leaves a margin of factor^(1/4) (19 %)
+      on either side of the geometric midpoint between rungs.
+    source: which smoothed noise scale the caller feeds ("b_noise" or "b_simple").
+    multiple: micro_batch × data_replicas; every rung must be a multiple of it.
+    """
+
+    min_batch: int
+    max_batch: int
+    initial: int | None = None
+    factor: int = 2
+    k: float = 1.0
+    band: float | None = None
+    patience: int = 3
+    source: str = "b_simple"
+    multiple: int = 1
+
+    def __post_init__(self):
+        if self.band is None:
+            object.__setattr__(self, "band", float(self.factor) ** 0.75)
+        if self.factor < 2 or self.min_batch < 1 or self.max_batch < self.min_batch:
+            raise ValueError("Adaptive needs factor >= 2 and 1 <= min_batch <= max_batch")
+        if self.min_batch % self.multiple:
+            raise ValueError(f"min_batch={self.min_batch} must be a multiple of {self.multiple}")
+        if self.band ** 2 <= self.factor:
+            raise ValueError(f"band={self.band} must exceed sqrt(factor)={self.factor ** 0.5:.3f}"
+                             " or a target between two rungs can oscillate")
+        if self.patience < 1 or self.k <= 0:
+            raise ValueError("Adaptive needs patience >= 1 and k > 0")
+        if self.source not in ("b_simple", "b_noise"):
+            raise ValueError(f"source must be 'b_simple' or 'b_noise', got {self.source!r}")
+        if self.initial is not None and self.initial not in self.rungs:
+            raise ValueError(f"initial={self.initial} is not on the ladder {self.rungs}")
+
+    @property
+    def rungs(self) -> tuple[int, ...]:
+        """Allowed batch sizes: min_batch·factor^n ≤ max_batch."""
+        out, b = [], self.min_batch
+        while b <= self.max_batch:
+            out.append(b)
+            b *= self.factor
+        return tuple(out)
+
+    def init(self) -> AdaptiveState:
+        return AdaptiveState(batch_size=self.initial or self.min_batch)
+
+    def batch_size_at(self, examples_seen: float, state: AdaptiveState | None = None) -> int:
+        return (state or self.init()).batch_size
+
+    def update(self, state: AdaptiveState, noise_scale: float,
+               examples_seen: float) -> AdaptiveState:
+        """One observation of the smoothed noise scale; returns the next state."""
+        noise_scale = float(noise_scale)
+        counted = dataclasses.replace(state, num_updates=state.num_updates + 1)
+        if not math.isfinite(noise_scale) or noise_scale <= 0:  # EMA not ready: no evidence
+            return dataclasses.replace(counted, streak=0, streak_target=None)
+        rungs, b = self.rungs, state.batch_size
+        target = min(max(self.k * noise_scale, self.min_batch), self.max_batch)
+        direction = 0
+        if target > b * self.band and b < rungs[-1]:
+            direction = 1
+        elif target < b / self.band and b > rungs[0]:
+            direction = -1
+        if direction == 0:
+            return dataclasses.replace(counted, streak=0, streak_target=None)
+        if state.streak * direction > 0:  # the streak continues
+            streak = state.streak + direction
+            pick = min if direction > 0 else max
+            trusted = pick(state.streak_target, target)
+        else:
+            streak, trusted = direction, target
+        if abs(streak) < self.patience:
+            return dataclasses.replace(counted, streak=streak, streak_target=trusted)
+        new_b = min(rungs, key=lambda r: abs(math.log(r / trusted)))
+        if (new_b - b) * direction <= 0:  # never stall at the band edge: at least one rung
+            new_b = min(r for r in rungs if r > b) if direction > 0 else max(
+                r for r in rungs if r < b)
+        return dataclasses.replace(counted, batch_size=new_b, streak=0, streak_target=None,
+                                   num_changes=state.num_changes + 1,
+                                   last_change_at=float(examples_seen))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "kind": "adaptive"}
+
+    @classmethod
+    def from_config(cls, config: Any) -> Adaptive:
+        c = _as_mapping(config)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(c) - set(names) - {"kind"}
+        if unknown:
+            raise ValueError(f"batch_schedule: unknown adaptive fields {sorted(unknown)}")
+        return cls(**{n: c[n] for n in names if n in c and c[n] is not None})
+
+
+BatchSchedule = Constant | Step | Linear | Adaptive
+_KINDS = {"constant": Constant, "step": Step, "linear": Linear, "adaptive": Adaptive}
+
+
+def batch_schedule_from_config(config: Any) -> BatchSchedule:
+    """Builds a schedule from a config with `kind` in constant|step|linear|adaptive.
+
+    Fields: constant: batch_size; step: steps [(threshold, batch_size), ...]; linear: start,
+    end, over, multiple; adaptive: the fields of `Adaptive`. Errors name the missing field.
+    """
+    c = _as_mapping(config)
+    kind = _field(c, "kind", "batch_schedule")
+    if kind not in _KINDS:
+        raise ValueError(f"batch_schedule.kind={kind!r}: expected one of {sorted(_KINDS)}")
+    return _KINDS[kind].from_config(c)
+
+
+def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
+    """Llama 3 405B pre-training batch schedule, in tokens (Llama Team 2024, §3.4.1).
+
+    "an initial batch size of 4M tokens and sequences of length 4,096, and double these values
+    to a batch size of 8M sequences of 8,192 tokens after pre-training 252M tokens. We double
+    the batch size again to 16M after pre-training on 2.87T tokens." Sizes are read as
+    1024 × 4096, 1024 × 8192 and 2048 × 8192 tokens; thresholds as 252·10^6 and 2.87·10^12.
+    `tokens_per_unit` divides both (e.g. 8192 to count 8192-token sequences).
+    """
+    mi = 2 ** 20
+    steps = ((0, 4 * mi), (252_000_000, 8 * mi), (2_870_000_000_000, 16 * mi))
+    u = tokens_per_unit
+    return Step(tuple((t // u, b // u) for t, b in steps))
+
+
+def deepseek_v3_schedule(*, seq_len: int = 4096, unit: str = "sequences",
+                         multiple: int = 1) -> Linear:
+    """DeepSeek-V3 batch ramp (DeepSeek-AI 2024, arXiv:2412.19437, §4.2 hyper-parameters).
+
+    "the batch size is gradually increased from 3072 to 15360 in the training of the first
+    469B tokens, and then keeps 15360": sequences of 4096 tokens. The report does not say how
+    the ramp is discretised; this is linear in tokens, rounded to `multiple` sequences.
+    unit="sequences": e and B count sequences; unit="tokens": both count tokens.
+    """
+    over_tokens = 469_000_000_000
+    if unit == "sequences":
+        return Linear(3072, 15360, over_tokens / seq_len, multiple)
+    if unit == "tokens":
+        return Linear(3072 * seq_len, 15360 * seq_len, over_tokens, multiple * seq_len)
+    raise ValueError(f"unit must be 'sequences' or 'tokens', got {unit!r}")
+
+
+def batch_size_trace(schedule: BatchSchedule, total_examples: float,
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Walks a static schedule step by step: (e at the start of each step, B of that step)."""
+    starts, sizes, e = [], [], 0
+    while e < total_examples:
+        b = schedule.batch_size_at(e)
+        starts.append(e)
+        sizes.append(b)
+        e += b
+    return np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+
+
+# ---------------------------------------------------------------- learning-rate coupling
+
+_EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}
+
+
+def lr_multiplier(batch_size: Any, base_batch_size: int, rule: str = "none") -> Any:
+    """(B / B_0)^p with p = 0 (none), 1 (linear, SGD) or 1/2 (sqrt, Adam)."""
+    if rule not in _EXPONENTS:
+        raise ValueError(f"rule must be one of {sorted(_EXPONENTS)}, got {rule!r}")
+    if base_batch_size <= 0:
+        raise ValueError("base_batch_size must be > 0")
+    return (batch_size / base_batch_size) ** _EXPONENTS[rule]
+
+
+def coupled_lr(base_lr: Any, batch_size: Any, base_batch_size: int, rule: str = "none",
+               cap: float | None = None) -> Any:
+    """η = min(η_0 · (B/B_0)^p, cap). Works on floats and inside `jit` (η_0 may be traced).
+
+    cap: the largest learning rate allowed (absolute, same units as η_0), or None.
+    """
+    lr = base_lr * lr_multiplier(batch_size, base_batch_size, rule)
+    if cap is None:
+        return lr
+    if isinstance(lr, jax.Array):
+        return jnp.minimum(lr, cap)
+    return min(lr, cap)
+
+
+def coupled_lr_history(base_lr: float, batch_sizes: Sequence[int], base_batch_size: int,
+                       rule: str = "none", cap: float | None = None) -> np.ndarray:
+    """Learning rate at each step of a batch-size history, float64 [num_steps].
+
+    Each entry depends only on that step's B, so a change is applied once and held; a history
+    that returns to B_0 returns to η_0.
+    """
+    b = np.asarray(batch_sizes, dtype=np.float64)
+    lr = base_lr * lr_multiplier(b, base_batch_size, rule)
+    return lr if cap is None else np.minimum(lr, cap)
+
+
+# ---------------------------------------------------------------- learning-rate schedules
+
+def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
+                total_examples: float | None = None, decay: str = "constant",
+                final_fraction: float = 0.0) -> Callable[[Any], jax.Array]:
+    """η(e): linear warmup 0 → η_0 over `warmup_examples`, then constant, cosine or linear
+    decay to final_fraction·η_0 at `total_examples`, held after. jnp code, usable in `jit`.
+
+    η(e) = η_0·e/warmup for e < warmup, so pass the examples seen *including* the current batch
+    if the first update should not be zero.
+    """
+    if decay not in ("constant", "cosine", "linear"):
+        raise ValueError(f"decay must be constant|cosine|linear, got {decay!r}")
+    if decay != "constant" and total_examples is None:
+        raise ValueError(f"decay={decay!r} needs total_examples")
+    if warmup_examples < 0 or (total_examples is not None and total_examples < warmup_examples):
+        raise ValueError("need 0 <= warmup_examples <= total_examples")
+    if not 0.0 <= final_fraction <= 1.0:
+        raise ValueError("final_fraction must be in [0, 1]")
+    span = None if total_examples is None else max(total_examples - warmup_examples, 1e-12)
+
+    def fn(examples_seen: Any) -> jax.Array:
+        e = jnp.asarray(examples_seen, dtype=jnp.result_type(float))
+        warm = jnp.clip(e / warmup_examples, 0.0, 1.0) if warmup_examples > 0 else 1.0
+        if decay == "constant":
+            shape = 1.0
+        else:
+            p = jnp.clip((e - warmup_examples) / span, 0.0, 1.0)
+            frac = 0.5 * (1.0 + jnp.cos(jnp.pi * p)) if decay == "cosine" else 1.0 - p
+            shape = final_fraction + (1.0 - final_fraction) * frac
+        return base_lr * warm * shape
+
+    return fn
+
+
+def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
+    """`lr_schedule` from a config with base_lr, warmup_examples, total_examples, decay,
+    final_fraction (the last four optional)."""
+    c = _as_mapping(config)
+    total = c.get("total_examples")
+    return lr_schedule(float(_field(c, "base_lr", "lr_schedule")),
+                       warmup_examples=float(_field(c, "warmup_examples", "", 0.0)),
+                       total_examples=None if total is None else float(total),
+                       decay=str(_field(c, "decay", "", "constant")),
+                       final_fraction=float(_field(c, "final_fraction", "", 0.0)))

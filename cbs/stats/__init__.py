@@ -1,0 +1,4 @@
+"""The statistics layer: gradient noise statistics (`noise`), Hessian-vector products
+(`curvature`), per-example gradient norms (`ghost`, `ghost_rules`) and the pytree and
+per-example helpers they share (`trees`, `examples`). Imports no other cbs package.
+"""

@@ -1,0 +1,95 @@
+"""Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
+
+`check_inputs` validates (loss_fn, params, batch) with one-line errors; `map_examples` maps a
+function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under
+an explicitly sharded mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cbs.stats.trees import leaf_paths
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: int = 2) -> int:
+    """Validates (loss_fn, params, batch) and returns the batch size B (shapes only; jittable)."""
+    param_leaves = jax.tree.leaves(params)
+    if not param_leaves:
+        raise ValueError("params has no array leaves: pass the pytree of trainable parameters.")
+    bad = [p for p, x in zip(leaf_paths(params), param_leaves, strict=True)
+           if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if bad:
+        raise ValueError(f"params must have floating-point (inexact) dtypes; non-float leaves at "
+                         f"{bad}. Pass only the trainable float parameters (for NNX: "
+                         f"nnx.split(model, nnx.Param, ...)) and close over the rest in loss_fn.")
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves: pass a dict of arrays with a leading axis.")
+    shapes = {p: jnp.shape(x) for p, x in zip(leaf_paths(batch), leaves, strict=True)}
+    if any(len(s) == 0 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
+        raise ValueError(f"every batch leaf needs the same leading (example) axis; got shapes "
+                         f"{shapes}. Give all leaves the batch size as their first dimension.")
+    batch_size = next(iter(shapes.values()))[0]
+    if batch_size < min_batch:
+        raise ValueError(f"batch size B={batch_size} is too small: trace_sigma is the unbiased "
+                         f"estimate with 1/(B-1), which needs B >= {min_batch} examples. Pass a "
+                         f"batch of at least {min_batch} examples.")
+    loss = jax.eval_shape(loss_fn, params, batch)
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        shape = getattr(loss, "shape", type(loss).__name__)
+        raise ValueError(f"loss_fn must return a scalar (the MEAN loss over the batch); got "
+                         f"{shape}. Reduce per-example losses with jnp.mean over the batch axis.")
+    return batch_size
+
+
+def run_auto_axes(fn: Callable, *args):
+    """Calls fn(*args), switching explicitly sharded mesh axes to automatic inside it.
+
+    Per-example slicing and chunking reshape the (possibly sharded) batch axis, which
+    explicit sharding refuses; under automatic axes the compiler partitions them. Outputs
+    are replicated. Without explicit axes (no mesh, or an Auto mesh) fn is called as is.
+    """
+    for leaf in jax.tree.leaves(args):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is None or not mesh.axis_names:
+            continue
+        axes = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                     if t == jax.sharding.AxisType.Explicit)
+        if axes:
+            with jax.sharding.use_abstract_mesh(mesh):
+                return jax.sharding.auto_axes(fn, axes=axes, out_sharding=jax.P())(*args)
+    return fn(*args)
+
+
+def one_example(example: PyTree) -> PyTree:
+    """Turns one example (leaves without the batch axis) into a batch of size 1."""
+    return jax.tree.map(lambda x: x[None], example)
+
+
+def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
+    """fn(example) for every example, stacked [B, ...]: vmap in a chunk, lax.scan across n chunks.
+
+    The chunk is shrunk to ceil(B/n) ≤ chunk_size and the batch padded with copies of its
+    last example (outputs dropped), so the body is compiled once. Chunk j holds examples
+    j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
+    """
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
+    if chunk_size is None or chunk_size >= size:
+        return jax.vmap(fn)(batch)
+    n = -(-size // chunk_size)
+    chunk = -(-size // n)
+    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
+    chunks = jax.tree.map(
+        lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
+    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)

@@ -1,0 +1,411 @@
+"""Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
+
+Letters (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"): B batch size,
+ℓ_i the loss of example i, L = (1/B) Σ_i ℓ_i the mean batch loss (what `loss_fn` returns),
+g_i = ∇ℓ_i, ḡ = ∇L = (1/B) Σ_i g_i, G the population gradient, Σ the per-example gradient
+covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
+
+    trace_sigma       = Σ_i |g_i − ḡ|² / (B − 1)                  unbiased for tr Σ
+    mean_grad_sq_norm = |ḡ|²                                      E = |G|² + tr Σ / B
+    grad_sq_norm      = |ḡ|² − trace_sigma / B                    unbiased for |G|²
+    b_simple          = trace_sigma / grad_sq_norm                eq. 2.11
+    trace_h_sigma     = Σ_i (g_i − ḡ)ᵀ H (g_i − ḡ) / (B − 1)
+    mean_g_h_g        = ḡᵀ H ḡ
+    g_h_g             = ḡᵀ H ḡ − trace_h_sigma / B
+    b_noise           = trace_h_sigma / g_h_g                     eq. 2.8
+
+Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson, memory
+O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
+Per-example quantities apply `loss_fn` to one-example batches, so layers that couple the
+examples of a batch (BatchNorm in training mode) make them ill-defined: do not use those.
+Each estimator is compiled with `loss_fn` as a static argument: reuse one function object to
+reuse the compilation (inside an outer jit it is simply inlined).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cbs.stats import examples, trees
+from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
+from cbs.stats.trees import GroupSpec, group_matrix
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple", "mean_g_h_g",
+                 "g_h_g", "trace_h_sigma", "b_noise", "groups"],
+    meta_fields=["batch_size"])
+@dataclasses.dataclass(frozen=True)
+class NoiseStats:
+    """Noise statistics of one batch (scalars); curvature fields are None unless requested."""
+
+    batch_size: int
+    mean_grad_sq_norm: jax.Array
+    grad_sq_norm: jax.Array
+    trace_sigma: jax.Array
+    b_simple: jax.Array
+    mean_g_h_g: jax.Array | None = None
+    g_h_g: jax.Array | None = None
+    trace_h_sigma: jax.Array | None = None
+    b_noise: jax.Array | None = None
+    groups: dict[str, NoiseStats] | None = None
+
+    def to_dict(self, prefix: str = "noise/") -> dict[str, jax.Array]:
+        """Flat metrics: `noise/b_simple`, ..., and `noise/<group>/b_simple` per group."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("batch_size", "groups") and value is not None:
+                out[prefix + f.name] = value
+        for name, stats in (self.groups or {}).items():
+            out.update(stats.to_dict(f"{prefix}{name}/"))
+        return out
+
+
+def _make_stats(batch_size: int, mean_sq, trace_sigma, mean_ghg=None, trace_h_sigma=None,
+                groups=None) -> NoiseStats:
+    grad_sq_norm = mean_sq - trace_sigma / batch_size
+    curv = {}
+    if trace_h_sigma is not None:
+        g_h_g = mean_ghg - trace_h_sigma / batch_size
+        curv = dict(mean_g_h_g=mean_ghg, g_h_g=g_h_g, trace_h_sigma=trace_h_sigma,
+                    b_noise=trace_h_sigma / g_h_g)
+    return NoiseStats(batch_size=batch_size, mean_grad_sq_norm=mean_sq, grad_sq_norm=grad_sq_norm,
+                      trace_sigma=trace_sigma, b_simple=trace_sigma / grad_sq_norm,
+                      groups=groups, **curv)
+
+
+def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None) -> NoiseStats:
+    """Builds NoiseStats from per-leaf sums (`gsq_L`, `centred_L`) and curvature sums."""
+    n1 = batch_size - 1
+    curv = "dhd" in sums
+    group_stats = None
+    if groups is not None:
+        names, matrix_LxK, _ = groups
+        gsq_K = sums["gsq_L"] @ matrix_LxK
+        centred_K = sums["centred_L"] @ matrix_LxK
+        group_stats = {
+            name: _make_stats(batch_size, gsq_K[k], centred_K[k] / n1,
+                              sums["ghg_K"][k] if curv else None,
+                              sums["dhd_K"][k] / n1 if curv else None)
+            for k, name in enumerate(names)}
+    return _make_stats(batch_size, jnp.sum(sums["gsq_L"]), jnp.sum(sums["centred_L"]) / n1,
+                       sums.get("ghg"), sums["dhd"] / n1 if curv else None, group_stats)
+
+
+def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
+    """Centred sums from materialised per-example gradients, chunk by chunk."""
+    dtype = trees.accum_dtype()
+    if curvature:
+        grad, hvp_lin = curvature.hvp_fn(loss_fn, params, batch)
+    else:
+        grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
+    grad_acc = trees.tree_cast(grad, dtype)
+
+    def per_example(example):
+        g = jax.grad(loss_fn)(params, examples.one_example(example))
+        d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
+        out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
+        if curvature:
+            out["dhd"], dhd_K = curvature.block_quadratic_forms(hvp_lin, d, blocks)
+            if dhd_K is not None:
+                out["dhd_K"] = dhd_K
+        return out
+
+    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0),
+                        examples.map_examples(per_example, batch, chunk_size))
+    sums["gsq_L"] = jnp.stack(trees.leaf_dots(grad, grad))
+    if curvature:
+        sums["ghg"], ghg_K = curvature.block_quadratic_forms(hvp_lin, grad, blocks)
+        if ghg_K is not None:
+            sums["ghg_K"] = ghg_K
+    return sums
+
+
+def _ghost_info(loss_fn, params, batch, method, chunk_size):
+    """(ḡ, per-leaf [B] squared norms) from the ghost-norm path; None when it is unavailable."""
+    try:
+        from cbs.stats.ghost import per_example_grads_info
+    except ModuleNotFoundError as e:
+        if method == "fast" or e.name != "cbs.stats.ghost":
+            raise
+        return None
+    _, grad, sq_norms = per_example_grads_info(loss_fn, params, batch, method=method,
+                                               chunk_size=chunk_size)
+    return grad, sq_norms
+
+
+def _fast_sums(batch_size, grad, sq_norms):
+    # Σ_i |g_i − ḡ|² = Σ_i |g_i|² − B|ḡ|² subtracts two nearly equal numbers when the signal
+    # dominates: the relative error of trace_sigma is about ε·(1 + B/b_simple), with ε the
+    # float32 (or float64) epsilon. The vmap route centres first and does not have this loss.
+    dtype = trees.accum_dtype()
+    sq_L = jnp.stack([jnp.sum(x.astype(dtype)) for x in jax.tree.leaves(sq_norms)])
+    gsq_L = jnp.stack(trees.leaf_dots(grad, grad))
+    return {"gsq_L": gsq_L, "centred_L": sq_L - batch_size * gsq_L}
+
+
+def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | None = None,
+          curvature: bool = False, groups: GroupSpec = None, method: str = "auto") -> NoiseStats:
+    """Exact noise statistics of one batch from per-example gradients.
+
+    Args:
+        loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
+        params: pytree of floating-point arrays (P numbers in all).
+        batch: pytree of arrays with a shared leading axis B ≥ 2 (may be sharded on a mesh).
+        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: all at once.
+        curvature: also compute mean_g_h_g, g_h_g, trace_h_sigma and b_noise. trace_h_sigma
+            takes one HVP of the mean batch loss per example, each a pass over the whole batch
+            (cost O(B²), memory O(chunk_size × activations of the batch)).
+        groups: per-parameter-group breakdown (see `cbs.stats.trees.resolve_groups`). A group's
+            trace_h_sigma / mean_g_h_g use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP
+            per group and example): the statistic the group would have if it were the only
+            parameters, so the groups' curvature terms do not sum to the total (cross blocks
+            are left out), whereas the groups' trace_sigma and |ḡ|² do.
+        method: "vmap": per-example gradients by vmap(grad), centred on ḡ before squaring.
+            "fast": per-example squared norms from `cbs.stats.ghost` (no per-example gradients;
+            trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1)). "auto": "fast" where available, else
+            "vmap". With curvature=True the per-example gradients are needed anyway and the
+            centred vmap route is used for every field.
+    Returns:
+        NoiseStats (scalars in float32, float64 under jax_enable_x64).
+    """
+    check_inputs(loss_fn, params, batch)
+    _check_method(method)
+    return _exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
+                  groups=groups, method=method)
+
+
+def _check_method(method: str) -> None:
+    if method not in ("auto", "vmap", "fast"):
+        raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
+
+
+# Compiled once per (loss_fn, settings, shapes): called eagerly, the estimators would otherwise
+# run op by op; inside an outer jit this is inlined.
+def _jit(fn: Callable) -> Callable:
+    names = [n for n in inspect.signature(fn).parameters if n not in ("params", "batch", "key")]
+    jitted = jax.jit(fn, static_argnames=names)
+
+    def call(loss_fn, *args, **kwargs):
+        return jitted(_hashable(loss_fn), *args, **{k: _hashable(v) for k, v in kwargs.items()})
+
+    return call
+
+
+def _hashable(fn):
+    """Static arguments must hash; an unhashable callable is wrapped (compiled per call)."""
+    try:
+        hash(fn)
+        return fn
+    except TypeError:
+        return lambda *args: fn(*args)
+
+
+@_jit
+def _exact(loss_fn, params, batch, *, chunk_size, curvature, groups, method) -> NoiseStats:
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    grouping = group_matrix(params, groups)
+    blocks = grouping[2] if grouping else None
+
+    def compute(params, batch):
+        info = None
+        if method != "vmap" and not curvature:
+            info = _ghost_info(loss_fn, params, batch, method, chunk_size)
+        if info is None:
+            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks)
+        else:
+            sums = _fast_sums(batch_size, *info)
+        return _assemble(batch_size, sums, grouping)
+
+    return run_auto_axes(compute, params, batch)
+
+
+def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
+                         chunk_size: int | None = None) -> jax.Array:
+    """|g_i|² for every example (float32, float64 under x64): array [B].
+
+    method as in `exact`: "fast"/"auto" use the ghost-norm path of `cbs.stats.ghost`.
+    """
+    check_inputs(loss_fn, params, batch, min_batch=1)
+    _check_method(method)
+    return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)
+
+
+@_jit
+def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.Array:
+    def compute(params, batch):
+        info = None if method == "vmap" else _ghost_info(loss_fn, params, batch, method,
+                                                         chunk_size)
+        if info is not None:
+            dtype = trees.accum_dtype()
+            return sum(x.astype(dtype) for x in jax.tree.leaves(info[1]))
+        per_example = lambda ex: trees.tree_sq_norm(
+            jax.grad(loss_fn)(params, examples.one_example(ex)))
+        return examples.map_examples(per_example, batch, chunk_size)
+
+    return run_auto_axes(compute, params, batch)
+
+
+def _probe_vector(key: jax.Array, params: PyTree, distribution: str) -> PyTree:
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    draw = {"rademacher": jax.random.rademacher, "gaussian": jax.random.normal}[distribution]
+    return treedef.unflatten([draw(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)])
+
+
+def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
+          num_probes: int = 1, curvature: bool = False,
+          distribution: str = "rademacher") -> NoiseStats:
+    """Hutchinson estimates of trace_sigma (and trace_h_sigma); memory O(params).
+
+    For a probe z with E[zzᵀ] = I, a_i = zᵀg_i for all i is one forward-mode pass over the
+    per-example losses (no per-example gradient is formed), and with d_i = g_i − ḡ,
+    a_i − ā = zᵀd_i, so E_z[(zᵀd_i)²] = |d_i|² and
+
+        trace_sigma ≈ Σ_i (a_i − ā)² / (B − 1).
+
+    Curvature: with u = Hz (one HVP) and b_i = uᵀg_i (forward-mode along u),
+    E_z[(zᵀd_i)(uᵀd_i)] = d_iᵀ E[zzᵀ] H d_i = d_iᵀ H d_i, so
+
+        trace_h_sigma ≈ Σ_i (a_i − ā)(b_i − b̄) / (B − 1)
+
+    (equivalently (Hz)ᵀ(Σz), Σz being a weighted backward pass). Both are exactly unbiased
+    given the batch and are averaged over `num_probes` probes (processed one after another).
+    |ḡ|² and ḡᵀHḡ are exact (one gradient, one HVP).
+
+    Args:
+        key: PRNG key for the probes. distribution: "rademacher" (lower variance) or "gaussian".
+    Returns:
+        NoiseStats with estimated trace_sigma / trace_h_sigma and the unbiased corrections.
+    """
+    check_inputs(loss_fn, params, batch)
+    if distribution not in ("rademacher", "gaussian"):
+        raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}.")
+    if num_probes < 1:
+        raise ValueError(f"num_probes must be at least 1, got {num_probes}.")
+    return _probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature,
+                  distribution=distribution)
+
+
+@_jit
+def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) -> NoiseStats:
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    dtype = trees.accum_dtype()
+
+    def compute(params, batch, key):
+        if curvature:
+            grad, hvp_lin = curvature.hvp_fn(loss_fn, params, batch)
+            mean_ghg = trees.tree_dot(grad, hvp_lin(grad))
+        else:
+            grad, mean_ghg = jax.grad(loss_fn)(params, batch), None
+        losses_B = lambda p: jax.vmap(lambda ex: loss_fn(p, examples.one_example(ex)))(batch)
+        _, jvp_lin = jax.linearize(losses_B, params)
+        centred = lambda v: (lambda a_B: a_B - jnp.mean(a_B))(jvp_lin(v).astype(dtype))
+
+        def one_probe(k):
+            z = _probe_vector(k, params, distribution)
+            a_B = centred(z)
+            est = {"trace_sigma": jnp.sum(a_B * a_B) / (batch_size - 1)}
+            if curvature:
+                b_B = centred(trees.tree_cast_like(hvp_lin(z), params))
+                est["trace_h_sigma"] = jnp.sum(a_B * b_B) / (batch_size - 1)
+            return est
+
+        ests = jax.lax.map(one_probe, jax.random.split(key, num_probes))
+        ests = jax.tree.map(lambda x: jnp.mean(x, axis=0), ests)
+        return _make_stats(batch_size, trees.tree_sq_norm(grad), ests["trace_sigma"], mean_ghg,
+                           ests.get("trace_h_sigma"))
+
+    return run_auto_axes(compute, params, batch, key)
+
+
+def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
+              ) -> tuple[jax.Array, jax.Array]:
+    """Unbiased (|G|², tr Σ) from |ḡ|² at two batch sizes (McCandlish et al. 2018, App. A).
+
+    E|ḡ_b|² = |G|² + tr Σ / b, solved for the two unknowns:
+        grad_sq_norm = (b_big |ḡ_big|² − b_small |ḡ_small|²) / (b_big − b_small)
+        trace_sigma  = (|ḡ_small|² − |ḡ_big|²) / (1/b_small − 1/b_big)
+    Each is unbiased; their ratio is not (smooth both with `NoiseScaleEMA` first).
+    """
+    concrete = all(isinstance(b, int | float | np.number) for b in (b_small, b_big))
+    if concrete and not 0 < b_small < b_big:
+        raise ValueError(f"two_batch needs 0 < b_small < b_big, got b_small={b_small}, "
+                         f"b_big={b_big}: pass the smaller batch's norm first.")
+    dtype = trees.accum_dtype()
+    s_small, s_big = jnp.asarray(sq_norm_small, dtype), jnp.asarray(sq_norm_big, dtype)
+    b_small, b_big = jnp.asarray(b_small, dtype), jnp.asarray(b_big, dtype)
+    grad_sq_norm = (b_big * s_big - b_small * s_small) / (b_big - b_small)
+    trace_sigma = (s_small - s_big) * b_small * b_big / (b_big - b_small)
+    return grad_sq_norm, trace_sigma
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["count", "avg_grad_sq_norm", "avg_trace_sigma", "count_curvature", "avg_g_h_g",
+                 "avg_trace_h_sigma"],
+    meta_fields=["decay"])
+@dataclasses.dataclass(frozen=True)
+class NoiseScaleEMA:
+    """Bias-corrected EMAs of numerator and denominator; the noise scale is their ratio.
+
+    avg ← decay·avg + (1 − decay)·x, reported as avg / (1 − decay^count) (Adam's correction).
+    The curvature pair has its own count: it is updated only when it is fed.
+    """
+
+    decay: float
+    count: jax.Array
+    avg_grad_sq_norm: jax.Array
+    avg_trace_sigma: jax.Array
+    count_curvature: jax.Array
+    avg_g_h_g: jax.Array
+    avg_trace_h_sigma: jax.Array
+
+    @classmethod
+    def init(cls, decay: float = 0.95) -> NoiseScaleEMA:
+        """Empty EMA (every smoothed value is nan until the first update)."""
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}.")
+        zero, n = jnp.zeros((), trees.accum_dtype()), jnp.zeros((), jnp.int32)
+        return cls(decay, n, zero, zero, n, zero, zero)
+
+    def update(self, grad_sq_norm: jax.Array, trace_sigma: jax.Array, *,
+               trace_h_sigma: jax.Array | None = None,
+               g_h_g: jax.Array | None = None) -> NoiseScaleEMA:
+        """Returns the EMA after one more (unbiased) measurement."""
+        if (trace_h_sigma is None) != (g_h_g is None):
+            raise ValueError("pass trace_h_sigma and g_h_g together (or neither).")
+        mix = lambda avg, x: self.decay * avg + (1.0 - self.decay) * jnp.asarray(x, avg.dtype)
+        new = dict(count=self.count + 1, avg_grad_sq_norm=mix(self.avg_grad_sq_norm, grad_sq_norm),
+                   avg_trace_sigma=mix(self.avg_trace_sigma, trace_sigma))
+        if g_h_g is not None:
+            new.update(count_curvature=self.count_curvature + 1,
+                       avg_g_h_g=mix(self.avg_g_h_g, g_h_g),
+                       avg_trace_h_sigma=mix(self.avg_trace_h_sigma, trace_h_sigma))
+        return dataclasses.replace(self, **new)
+
+    def _corrected(self, avg: jax.Array, count: jax.Array) -> jax.Array:
+        return avg / (1.0 - jnp.asarray(self.decay, avg.dtype) ** count)
+
+    grad_sq_norm = property(lambda self: self._corrected(self.avg_grad_sq_norm, self.count))
+    trace_sigma = property(lambda self: self._corrected(self.avg_trace_sigma, self.count))
+    g_h_g = property(lambda self: self._corrected(self.avg_g_h_g, self.count_curvature))
+    trace_h_sigma = property(
+        lambda self: self._corrected(self.avg_trace_h_sigma, self.count_curvature))
+    b_simple = property(lambda self: self.trace_sigma / self.grad_sq_norm)
+    b_noise = property(lambda self: self.trace_h_sigma / self.g_h_g)
+
+    def to_dict(self, prefix: str = "noise/ema_") -> dict[str, Any]:
+        """Flat metrics `noise/ema_b_simple`, `noise/ema_grad_sq_norm`, ..."""
+        names = ["b_simple", "grad_sq_norm", "trace_sigma", "b_noise", "g_h_g", "trace_h_sigma"]
+        return {prefix + n: getattr(self, n) for n in names}

@@ -1,0 +1,3 @@
+"""Batch-size sweeps: the trial grid (`grid`), running trials (`trials`, `groups`), the
+launcher (`launch`) and batch-size ramps beside a sweep (`ramps`).
+"""
