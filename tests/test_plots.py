@@ -1,4 +1,4 @@
-"""Tests for cbs.analysis.plots: each figure is a decodable, non-blank PNG, even degenerate.
+"""Tests for cbs.analysis.plots: each figure is a decodable, non-blank PNG, even degenerate."""
 
 import matplotlib.image
 import numpy as np
