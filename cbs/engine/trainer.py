@@ -96,7 +96,7 @@ class Trainer:
                 f"config.eval.train_examples: the training split of {self.dataset.name} is "
                 "streamed; evaluate a subset (eval.train_examples=n) or set eval.full_train="
                 "False")
-        largest = max(config_lib.batch_sizes(c, c.batch.micro_batch * self.replicas))
+        largest = max(config_lib.batch_sizes(c))
         if largest > n:
             raise config_lib.ConfigError(
                 f"config.batch.schedule: batch size {largest} exceeds the {n} training "
