@@ -182,7 +182,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
             config.noise.every and config.noise.curvature):
         raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
                           "measurements (noise.every > 0 and noise.curvature=True)")
-    _choice(config, "batch.lr_coupling.rule", ("none", "linear", "sqrt"))
+    _choice(config, "batch.lr_coupling.rule", schedules.LR_RULES)
     _int(config, "batch.lr_coupling.base_batch_size", minimum=0)
     _float(config, "batch.lr_coupling.cap")
 

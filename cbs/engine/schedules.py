@@ -409,6 +409,7 @@ def batch_size_trace(schedule: BatchSchedule, total_examples: float,
 # ---------------------------------------------------------------- learning-rate coupling
 
 _EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}
+LR_RULES = tuple(_EXPONENTS)  # the learning-rate scaling rules, p = 0, 1, 1/2
 
 
 def lr_multiplier(batch_size: Any, base_batch_size: int, rule: str = "none") -> Any:
