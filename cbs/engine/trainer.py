@@ -72,7 +72,7 @@ class Trainer:
         except ValueError as err:
             raise config_lib.ConfigError(f"config.mesh: {err}") from err
         self.replicas = mesh_lib.data_replicas(self.mesh)
-        config_lib.validate(config, data_replicas=self.replicas, model_names=models.MODEL_NAMES,
+        config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
                             dataset_names=None if dataset else data.known_datasets())
         self.dataset = dataset or self._load_dataset()
         self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
