@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import time
@@ -42,6 +43,13 @@ class DivergedError(FloatingPointError):
 class _Diverged(Exception):
     def __init__(self, record: dict[str, Any], reason: str):
         self.record, self.reason = record, reason
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes config.json (process 0)."""
+    if jax.process_index() == 0:
+        metrics.write_json_atomic(os.path.join(workdir, "config.json"),
+                                  json.loads(config.to_json(sort_keys=True)))
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
@@ -248,8 +256,6 @@ class Loop:
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""
-        from cbs.engine.trainer import save_config
-
         self.start = time.perf_counter()
         c = self.config
         self._restore_or_init()
