@@ -84,6 +84,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.record_every = 1  # write a train record for every this-many-th step
     c.train.checkpoint_every = 500  # steps between checkpoints (one is also saved at exit)
     c.train.keep_checkpoints = 2  # most recent checkpoints kept on disk
+    c.train.divergence_factor = 10.0  # diverged when the batch loss stays above this × the
+    #   initial loss (0 = off; a non-finite loss or gradient always counts as diverged)
+    c.train.divergence_patience = 3  # ... for this many consecutive steps (a shorter spike
+    #   that recovers is not a divergence)
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = True  # TensorBoard events in workdir/tensorboard (process 0)
 
@@ -211,8 +215,12 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     _int(config, "train.max_examples", minimum=0)
     if not (config.train.max_steps or config.train.max_examples):
         raise ConfigError("config.train.max_steps: set it or train.max_examples (both are 0)")
-    for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints"):
+    for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints",
+                  "divergence_patience"):
         _int(config, f"train.{field}")
+    factor = _float(config, "train.divergence_factor")
+    if 0 < factor <= 1:
+        raise ConfigError(f"config.train.divergence_factor: must be 0 (off) or > 1, got {factor}")
     _int(config, "eval.every", minimum=0)
     _int(config, "eval.batch_size")
     _int(config, "eval.num_examples", minimum=0)

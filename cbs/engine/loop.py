@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import time
@@ -21,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import checkpoint, schedules, writer
+from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import records as metrics
 
 StopFn = Callable[[int, dict[str, Any]], bool]
@@ -28,7 +30,9 @@ ENDED = ("finished", "stopped", "diverged")
 
 
 class DivergedError(FloatingPointError):
-    """A non-finite training loss (or gradient); the last checkpoint before it is kept."""
+    """The run diverged (`cbs.engine.progress.DivergenceRule`: a non-finite loss or gradient,
+    or a loss that stayed far above its initial value); the last checkpoint before it is
+    kept."""
 
     def __init__(self, message: str, summary: dict[str, Any]):
         super().__init__(message)
@@ -37,8 +41,15 @@ class DivergedError(FloatingPointError):
 
 
 class _Diverged(Exception):
-    def __init__(self, record: dict[str, Any]):
-        self.record = record
+    def __init__(self, record: dict[str, Any], reason: str):
+        self.record, self.reason = record, reason
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes config.json (process 0)."""
+    if jax.process_index() == 0:
+        metrics.write_json_atomic(os.path.join(workdir, "config.json"),
+                                  json.loads(config.to_json(sort_keys=True)))
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
@@ -46,8 +57,10 @@ def config_hash(config: ml_collections.ConfigDict) -> str:
     return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _finite(record: dict[str, Any]) -> bool:
-    return all(math.isfinite(record.get(k, 0.0)) for k in ("train/loss", "opt/grad_norm"))
+def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
+    """The run's divergence rule from `config.train.divergence_{factor,patience}`."""
+    return DivergenceRule(float(config.train.divergence_factor),
+                          int(config.train.divergence_patience))
 
 
 @dataclasses.dataclass
@@ -70,6 +83,8 @@ class Loop:
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
+        self.rule = divergence_rule(self.config)
+        self.divergence = DivergenceState()
         self.noise_batch = self.config.noise.batch_size or (
             self.config.batch.micro_batch * trainer.replicas)
 
@@ -86,6 +101,7 @@ class Loop:
             self.state = tr.init_state()
             self.t, self.e, self.sched_state = 0, 0, self.schedule.init()
             self.last_saved = -1
+            self.divergence = DivergenceState()
             return
         target = tr.abstract_state()
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -101,12 +117,14 @@ class Loop:
         self.sched_state = (schedules.AdaptiveState.from_dict(raw) if raw is not None
                             else self.schedule.init())
         self.last_saved = self.t
+        self.divergence = DivergenceState.from_dict(meta.get("divergence"))
 
     def _meta(self) -> dict[str, Any]:
         s = self.sched_state
         return {"step": self.t, "examples_seen": self.e,
                 "schedule_state": None if s is None else s.to_dict(),
-                "config_hash": config_hash(self.config)}
+                "config_hash": config_hash(self.config),
+                "divergence": self.divergence.to_dict()}
 
     def _save(self) -> None:
         if self.primary:
@@ -117,6 +135,8 @@ class Loop:
     # ------------------------------------------------------------------ records
 
     def _record(self, item: _Pending, values: Any) -> dict[str, Any]:
+        """The record of one step or evaluation: the one place a record is assembled (add
+        fields, e.g. throughput, here)."""
         base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
         if item.kind == "eval":
             return base | self.trainer.eval_record(values)
@@ -146,9 +166,8 @@ class Loop:
             rec = self._record(item, values)
             if item.kind == "train":
                 self.last_train = rec
-                if not _finite(rec):
-                    bad = rec
-                elif item.step % every and "noise/b_simple" not in rec:
+                bad = self._check_divergence(rec)
+                if bad is None and item.step % every and "noise/b_simple" not in rec:
                     continue
             else:
                 self.last_eval = rec
@@ -157,11 +176,19 @@ class Loop:
                 break
         self.writer.write(records)
         if self.stop_fn is not None:
-            for rec in records:
-                if rec is not bad and self.stop_fn(rec["step"], rec):
+            for r in records[:-1] if bad is not None else records:
+                if self.stop_fn(r["step"], r):
                     self.stop_requested = True
         if bad is not None:
-            raise _Diverged(bad)
+            raise _Diverged(records[-1], bad)
+
+    def _check_divergence(self, rec: dict[str, Any]) -> str | None:
+        """Feeds the rule one step's batch loss; the reason when the run has diverged."""
+        self.divergence = self.rule.update(self.divergence, rec["train/loss"])
+        if self.divergence.diverged:
+            return self.divergence.reason
+        grad_norm = rec.get("opt/grad_norm", 0.0)
+        return None if math.isfinite(grad_norm) else f"non-finite gradient norm {grad_norm}"
 
     # ------------------------------------------------------------------ loop
 
@@ -229,8 +256,6 @@ class Loop:
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""
-        from cbs.engine.trainer import save_config
-
         self.start = time.perf_counter()
         c = self.config
         self._restore_or_init()
@@ -244,10 +269,12 @@ class Loop:
         except _Diverged as err:
             self.ckpt.wait()
             bad = err.record
-            message = (f"non-finite training loss at step {bad['step']} (examples seen "
-                       f"{bad['data/examples_seen']}): train/loss={bad.get('train/loss')}, "
-                       f"opt/grad_norm={bad.get('opt/grad_norm')}; the last good checkpoint "
-                       f"is step {self.ckpt.latest_step()} in {self.ckpt.directory}")
+            message = (f"diverged at step {bad['step']} (examples seen "
+                       f"{bad['data/examples_seen']}): {err.reason}; train/loss="
+                       f"{bad.get('train/loss')}, opt/grad_norm={bad.get('opt/grad_norm')}; the "
+                       f"last good checkpoint is step {self.ckpt.latest_step()} in "
+                       f"{self.ckpt.directory} (rule: config.train.divergence_factor, "
+                       "divergence_patience)")
             summary = self._summary("diverged", message) | {"step": bad["step"]}
             self._write_status(summary)
             if raise_on_divergence:

@@ -33,7 +33,6 @@ says it ended, with the same config, is not run again: its summary is returned.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -333,11 +332,3 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
     finally:
         trainer.close()
-
-
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes config.json (process 0)."""
-    if jax.process_index() == 0:
-        metrics.write_json_atomic(os.path.join(workdir, "config.json"),
-                                  json.loads(config.to_json(sort_keys=True)))
-

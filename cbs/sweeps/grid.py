@@ -45,9 +45,13 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.evals_per_trial = 120  # progress evaluations over a trial's step budget (log-spaced)
     s.noise_window = 5  # evaluations averaged around a crossing for the measured noise scale
     s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged (0 = off)
+    s.divergence_patience = 3  # ... when it stays above for this many consecutive evaluations
+    #                            (a shorter spike that recovers is not a divergence)
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
     s.noise_batch_size = 256  # examples per exact noise measurement at each evaluation (0 = off)
-    s.noise_curvature_batch_size = 64  # of those, examples for tr(HΣ), GᵀHG, B_noise (0 = off)
+    s.noise_curvature_batch_size = 64  # of those, examples whose deviations give tr(HΣ) for
+    #                                    B_noise (0 = no curvature measurement)
+    s.noise_hessian_batch_size = 64  # examples, drawn independently, whose Hessian H is used
     s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
@@ -107,6 +111,14 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("evals_per_trial", f"must be >= 2, got {sweep.evals_per_trial}")
     if sweep.noise_window < 1:
         fail("noise_window", f"must be >= 1, got {sweep.noise_window}")
+    if sweep.divergence_factor < 0 or 0 < sweep.divergence_factor <= 1:
+        fail("divergence_factor", f"must be 0 (off) or > 1, got {sweep.divergence_factor}")
+    if sweep.get("divergence_patience", 1) < 1:
+        fail("divergence_patience", f"must be >= 1, got {sweep.divergence_patience}")
+    if sweep.noise_curvature_batch_size == 1:
+        fail("noise_curvature_batch_size", "needs >= 2 examples (or 0 = off)")
+    if sweep.noise_curvature_batch_size and sweep.get("noise_hessian_batch_size", 1) < 1:
+        fail("noise_hessian_batch_size", "must be >= 1 when noise_curvature_batch_size > 0")
 
 
 def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> list[float]:

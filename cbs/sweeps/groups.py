@@ -8,9 +8,11 @@ under `vmap`: one compilation per batch size, one dispatch per evaluation interv
 `cbs.sweeps.trials.eval_steps` costs no recompilation), the data gathered on the device from the
 stream of `cbs.data`. After each interval: the progress metric (the full training-set loss,
 the eval-split loss, or the EMA of the batch loss carried through the loop) and an exact
-noise measurement per trial (`cbs.stats.noise.exact`) on a fresh batch of `sweep.noise_batch_size`
-training examples; for B_noise, tr(HΣ) from the first `sweep.noise_curvature_batch_size` of
-them (exact curvature costs O(m²) per-example HVPs) and ḡᵀHḡ from all n (one HVP).
+noise measurement per trial (`cbs.engine.measure`: B_simple on a fresh batch of
+`sweep.noise_batch_size` training examples; for B_noise, the deviations of its first
+`sweep.noise_curvature_batch_size` examples and the Hessian of an independent draw of
+`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). Divergence and the
+loss EMA are `cbs.engine.progress`'s, as in single runs.
 
 The group runs on one device (small models: the vmap is the parallelism). It checkpoints the
 stacked state and the curves so far every `sweep.checkpoint_every_evals` evaluations
@@ -31,17 +33,21 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs import data
-from cbs.engine import checkpoint, mesh
+from cbs.engine import checkpoint, measure, mesh
 from cbs.engine import trainer as train
+from cbs.engine.progress import DivergenceRule, ema_update
 from cbs.engine.step import TrainState
 from cbs.results.store import SweepStore, TrialResult
-from cbs.stats import curvature, noise, trees
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.trials import NOISE_CURVE_KEYS, eval_steps, result_from_curve, trial_config
+from cbs.sweeps.trials import (
+    NOISE_CURVE_KEYS,
+    divergence_rule,
+    eval_steps,
+    result_from_curve,
+    trial_config,
+)
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
-_MEASURE_SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 
 
 def group_dir(store: SweepStore, trials: Sequence[Trial]) -> str:
@@ -49,6 +55,23 @@ def group_dir(store: SweepStore, trials: Sequence[Trial]) -> str:
     t = trials[0]
     ids = "-".join(str(x.index) for x in trials)
     return os.path.join(store.sweep_dir, "groups", f"b{t.batch_size:06d}_s{t.seed}_t{ids}")
+
+
+def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset, arrays,
+                      index: Any, *, seed: int) -> dict[str, jax.Array]:
+    """The noise measurement a sweep trial records at its `index`-th evaluation (jittable):
+    `cbs.engine.measure.measure_noise` on `sweep.noise_batch_size` examples of a measurement
+    stream (`seed`) and, when `sweep.noise_curvature_batch_size` > 0, B_noise from the
+    deviations of that many of them and the Hessian of an independent draw of
+    `sweep.noise_hessian_batch_size` examples."""
+    curv = int(sweep.noise_curvature_batch_size)
+    grad_batch, hess_batch = measure.measurement_batches(
+        dataset, arrays, index, seed=seed, batch_size=int(sweep.noise_batch_size),
+        hessian_batch_size=int(sweep.noise_hessian_batch_size) if curv else 0)
+    out = measure.measure_noise(loss_fn, params, grad_batch, hess_batch, deviations=curv,
+                                chunk_size=int(sweep.noise_chunk_size) or None)
+    out.pop("mean_grad_sq_norm")
+    return out
 
 
 class TrialGroup:
@@ -70,6 +93,7 @@ class TrialGroup:
                              "config.sweep.vmap_trials=False to run its trials one by one")
         self.batch_size = trials[0].batch_size
         self.steps = eval_steps(self.sweep, self.batch_size)
+        self.rule: DivergenceRule = divergence_rule(self.sweep)
         rep = self._rep
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
                               in_shardings=(rep, rep, None), out_shardings=rep)
@@ -89,28 +113,11 @@ class TrialGroup:
         return self._evaluate_jit(states, loss_ema, jnp.asarray(index, jnp.int32))
 
     def _measure(self, state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
-        """Exact noise statistics of one trial on the `index`-th fresh batch of training
-        examples (a stream of its own, so measurements never reuse a batch)."""
-        tr, s = self.trainer, self.sweep
-        ds = tr.dataset
-        n = min(int(s.noise_batch_size), ds.num_train)
-        batch = data.device_batch(ds, tr.train_arrays, index * n, n,
-                                  seed=self.trial_seed + _MEASURE_SEED_OFFSET)
+        """Noise statistics of one trial at its `index`-th measurement (`sweep_measurement`)."""
+        tr = self.trainer
         loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-        stats = noise.exact(loss_fn, state.params, batch, chunk_size=int(s.noise_chunk_size)
-                            or None)
-        out = {k: getattr(stats, k) for k in ("trace_sigma", "grad_sq_norm", "b_simple")}
-        if s.noise_curvature_batch_size:
-            # tr(HΣ) costs O(m²) per-example HVPs, so it comes from the first m examples;
-            # ḡᵀHḡ is one HVP, so it comes from all n, which shrinks the tr(HΣ)/n correction.
-            m = min(int(s.noise_curvature_batch_size), n)
-            curv = noise.exact(loss_fn, state.params, jax.tree.map(lambda x: x[:m], batch),
-                               curvature=True, chunk_size=int(s.noise_chunk_size) or None)
-            grad, hvp = curvature.hvp_fn(loss_fn, state.params, batch)
-            g_h_g = trees.tree_dot(grad, hvp(grad)) - curv.trace_h_sigma / n
-            out |= {"trace_h_sigma": curv.trace_h_sigma, "g_h_g": g_h_g,
-                    "b_noise": curv.trace_h_sigma / g_h_g}
-        return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+        return sweep_measurement(self.sweep, loss_fn, state.params, tr.dataset,
+                                 tr.train_arrays, index, seed=self.trial_seed)
 
     def _evaluate_fn(self, state: TrainState, loss_ema: jax.Array, index: jax.Array
                      ) -> dict[str, jax.Array]:
@@ -134,8 +141,7 @@ class TrialGroup:
             def body(_, carry):
                 s, e = carry
                 s, m = tr.step.apply(s, tr.train_arrays, accum)
-                loss = m["train/loss"]
-                return s, jnp.where(jnp.isnan(e), loss, decay * e + (1 - decay) * loss)
+                return s, ema_update(e, m["train/loss"], decay)
 
             return jax.lax.fori_loop(0, num_steps, body, (state, ema))
 
@@ -197,28 +203,29 @@ class TrialGroup:
         key = "loss_ema" if self.sweep.target_metric == "train/loss_ema" else "metric"
         return np.stack([np.asarray(e[key], np.float64) for e in history["evals"]])
 
+    @property
+    def _skip(self) -> int:
+        """Evaluations before the first progress value (no batch loss before step 1)."""
+        return 1 if self.sweep.target_metric == "train/loss_ema" else 0
+
     def _finished(self, history) -> bool:
-        """Every trial crossed the lowest target, diverged or exploded; or, with
+        """Every trial crossed the lowest target or diverged (`cbs.engine.progress`); or, with
         `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
         still make comes later than that trial's, so none of them can be the fastest."""
-        m = self._metric_matrix(history)
-        lowest, factor = min(self.sweep.targets), self.sweep.divergence_factor or np.inf
-        first = m[0] if np.all(np.isfinite(m[0])) else m[min(1, len(m) - 1)]
-        reached = np.any(m <= lowest, axis=0)
+        m = self._metric_matrix(history)[self._skip:]
+        reached = np.any(m <= min(self.sweep.targets), axis=0)
         if self.sweep.stop_when_dominated and np.any(reached):
             return True
-        bad = np.any(~np.isfinite(m[1:]), axis=0) | np.any(m > factor * first, axis=0)
+        bad = np.array([self.rule.scan(m[:, i]).diverged for i in range(m.shape[1])])
         return bool(np.all(reached | bad))
 
     def _result(self, i: int, trial: Trial, history) -> TrialResult:
         m = self._metric_matrix(history)[:, i]
-        metric = self.sweep.target_metric
-        skip = 1 if metric == "train/loss_ema" else 0  # no batch loss before the first step
-        first, status, keep = m[skip], "budget", len(m)
-        for j in range(skip + 1, len(m)):
-            if not math.isfinite(m[j]) or m[j] > (self.sweep.divergence_factor or np.inf) * first:
-                status, keep = "diverged", j
-                break
+        metric, skip = self.sweep.target_metric, self._skip
+        status, keep = "budget", len(m)
+        start = self.rule.first_bad(m[skip:])
+        if start is not None:  # the curve ends where the divergence began
+            status, keep = "diverged", skip + max(start, 1)
         steps = self.steps[skip:keep]
         curve: dict[str, list[float]] = {
             "step": list(steps), "examples": [s * self.batch_size for s in steps],

@@ -25,16 +25,24 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from cbs.analysis import fit
+from cbs.engine import measure
 from cbs.engine import trainer as train
+from cbs.engine.progress import DivergenceRule, DivergenceState, ema_update, log_spaced_steps
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.sweeps.grid import Trial
 
 NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                     "b_noise", "ema_b_simple")
+
+
+def divergence_rule(sweep: ml_collections.ConfigDict) -> DivergenceRule:
+    """The rule of `cbs.engine.progress` on a trial's progress metric, from
+    `sweep.divergence_factor` and `sweep.divergence_patience` (evaluations)."""
+    return DivergenceRule(float(sweep.divergence_factor),
+                          int(sweep.get("divergence_patience", 1)))
 
 
 def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -51,9 +59,7 @@ def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int) -> list[int]:
     """The steps at which a vmapped group evaluates: 0, then `evals_per_trial` points spaced
     evenly in log(step) up to the budget, so the relative resolution of a crossing is the
     same early and late (a trial at B = 1024 may cross in 30 steps, one at B = 4 in 3000)."""
-    budget = step_budget(sweep, batch_size)
-    grid = np.geomspace(1, budget, int(sweep.evals_per_trial))
-    return [0] + sorted({int(round(x)) for x in grid} | {budget})
+    return log_spaced_steps(step_budget(sweep, batch_size), int(sweep.evals_per_trial))
 
 
 def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -91,6 +97,7 @@ def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: i
     c.train.log_every = min(c.train.log_every, every)
     c.train.progress_bar = False
     c.train.tensorboard = False
+    c.train.divergence_factor = 0.0  # the sweep's rule decides, on the progress metric
     if c.noise.every or sweep.noise_batch_size:
         c.noise.every = every if sweep.noise_batch_size else 0
         c.noise.batch_size = 0
@@ -99,21 +106,23 @@ def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: i
 
 class ProgressMonitor:
     """stop_fn for `cbs.train.run`: stops once the progress metric has crossed every target,
-    or when it exceeds `divergence_factor` × its first value (recorded as diverged)."""
+    or once the sweep's divergence rule (`divergence_rule`) declares it diverged."""
 
     def __init__(self, sweep: ml_collections.ConfigDict):
         self.metric, self.lowest_target = sweep.target_metric, min(sweep.targets)
-        self.factor, self.ema_decay = sweep.divergence_factor, sweep.loss_ema_decay
-        self.first = self.ema = None
-        self.exploded = False
+        self.ema_decay, self.rule = sweep.loss_ema_decay, divergence_rule(sweep)
+        self.ema = math.nan
+        self.state = DivergenceState()
+
+    @property
+    def exploded(self) -> bool:
+        return self.state.diverged
 
     def value(self, record: dict[str, Any]) -> float | None:
         if self.metric == "train/loss_ema":
             if record.get("kind") != "train" or "train/loss" not in record:
                 return None
-            x = record["train/loss"]
-            self.ema = x if self.ema is None else self.ema_decay * self.ema + (
-                1 - self.ema_decay) * x
+            self.ema = ema_update(self.ema, float(record["train/loss"]), self.ema_decay)
             return self.ema
         return record.get(self.metric)
 
@@ -121,12 +130,8 @@ class ProgressMonitor:
         v = self.value(record)
         if v is None:
             return False
-        if self.first is None:
-            self.first = v
-        if not math.isfinite(v) or (self.factor and v > self.factor * self.first):
-            self.exploded = True
-            return True
-        return v <= self.lowest_target
+        self.state = self.rule.update(self.state, v)
+        return self.state.diverged or v <= self.lowest_target
 
 
 def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay: float
@@ -136,11 +141,10 @@ def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay
     records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
     curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
     if metric == "train/loss_ema":
-        ema = None
+        ema = math.nan
         for r in records:
             if r["kind"] == "train":
-                x = r["train/loss"]
-                ema = x if ema is None else ema_decay * ema + (1 - ema_decay) * x
+                ema = ema_update(ema, float(r["train/loss"]), ema_decay)
                 curve["step"].append(r["step"] + 1)
                 curve["examples"].append(r["data/examples_seen"] + r["data/batch_size"])
                 curve[metric].append(ema)
@@ -187,16 +191,31 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     if not x:
         return {}
     kw = {"min_points": window, "window": 0.0}
-    out = {"b_simple": fit.noise_scale_at_crossing(
+    out: dict[str, Any] = {"b_simple": fit.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
-        out["b_noise"] = fit.noise_scale_at_crossing(
-            x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"], crossing, **kw)
+        num, den = _window_means(x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"],
+                                 crossing, kw)
+        b_noise, why = measure.resolve_b_noise(num, den)
+        if b_noise is None:
+            out["b_noise_unresolved"] = why
+        else:
+            out["b_noise"] = b_noise
     ema = [(abs(s - crossing), v) for s, v in zip(x, curve["noise/ema_b_simple"], strict=True)
            if math.isfinite(v)]
     if ema:
         out["ema_b_simple"] = float(min(ema)[1])
-    return {k: v for k, v in out.items() if math.isfinite(v)}
+    return {k: v for k, v in out.items() if isinstance(v, str) or math.isfinite(v)}
+
+
+def _window_means(x, num, den, crossing: float, kw) -> tuple[float, float]:
+    """Window averages of `num` and `den` around the crossing, over the measurements where
+    both are finite (those `fit.noise_scale_at_crossing` divides)."""
+    ok = [i for i in range(len(x)) if math.isfinite(num[i]) and math.isfinite(den[i])]
+    xs = [x[i] for i in ok]
+    ones = [1.0] * len(ok)
+    mean = lambda v: fit.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
+    return mean(num), mean(den)
 
 
 def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
