@@ -7,8 +7,9 @@ measured B_simple and B_noise.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
+from cbs import cli
 from cbs.analysis import report
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
@@ -24,4 +25,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("sweep_dir",))

@@ -7,9 +7,10 @@ report with the ramps on each target's S–E frontier.
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from cbs import cli
 from cbs.analysis import report
 from cbs.sweeps import launch, ramps
 
@@ -32,4 +33,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("sweep_dir",))

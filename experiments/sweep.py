@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from cbs import cli
 from cbs.analysis import report
 from cbs.sweeps import launch
 
@@ -44,4 +45,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("sweep_dir",))

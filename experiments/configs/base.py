@@ -20,9 +20,18 @@ def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
     return c
 
 
-def parse_arg(arg: str) -> set[str]:
-    """Comma-separated words of the config argument ("tiny", ...)."""
-    return {w.strip() for w in (arg or "").split(",") if w.strip()}
+def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
+    """Comma-separated words of the config argument ("tiny", ...), each one of `known`.
+
+    An unknown word (a typo such as "tinny") raises ValueError listing the known ones,
+    instead of silently running the full-size config.
+    """
+    words = {w.strip() for w in (arg or "").split(",") if w.strip()}
+    unknown = sorted(words - set(known))
+    if unknown:
+        raise ValueError(f"unknown config argument {', '.join(map(repr, unknown))} in "
+                         f"{arg!r}; known: {', '.join(known)} (comma-separated)")
+    return words
 
 
 def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collections.ConfigDict:
