@@ -166,7 +166,7 @@ def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
 
 def truncate_records(path: str, step: int) -> int:
     """Keeps only the readable records with `step < step` (atomically); returns how many
-    lines were dropped (later steps, a torn last line and corrupt lines).
+    records were dropped (a torn last line and corrupt lines go too, uncounted).
 
     After a restore to a state with `step` updates every later record is produced again, so
     dropping them keeps the file free of duplicates.
@@ -175,7 +175,8 @@ def truncate_records(path: str, step: int) -> int:
         return 0
     with open(path, "rb") as f:
         lines = len(f.read().splitlines())
-    kept = [r for r in read_records(path, required=("step",)) if r["step"] < step]
+    records = read_records(path, required=("step",))
+    kept = [r for r in records if r["step"] < step]
     if len(kept) == lines:
         return 0
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -184,4 +185,4 @@ def truncate_records(path: str, step: int) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return lines - len(kept)
+    return len(records) - len(kept)
