@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from cbs import cli
 from cbs.analysis import report
+from cbs.engine import cli
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")

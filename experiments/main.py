@@ -18,7 +18,7 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from cbs import cli
+from cbs.engine import cli
 from cbs.engine import trainer as train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",

@@ -20,7 +20,8 @@ import time
 import jax
 from absl import flags, logging
 
-from cbs import cli, data, models
+from cbs import data, models
+from cbs.engine import cli
 from cbs.engine import trainer as train
 from cbs.stats import noise, trees
 

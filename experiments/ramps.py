@@ -10,8 +10,8 @@ from __future__ import annotations
 from absl import flags, logging
 from ml_collections import config_flags
 
-from cbs import cli
 from cbs.analysis import report
+from cbs.engine import cli
 from cbs.sweeps import launch, ramps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with `sweep` and `ramps`.",

@@ -17,8 +17,8 @@ import time
 from absl import flags, logging
 from ml_collections import config_flags
 
-from cbs import cli
 from cbs.analysis import report
+from cbs.engine import cli
 from cbs.sweeps import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "

@@ -1,6 +1,8 @@
 """Command-line entry points: a user error is one line and a non-zero exit; a bug keeps its
 traceback; a failed command leaves no empty directories behind.
 
+    from cbs.engine import cli
+
     if __name__ == "__main__":
         cli.run(main, outputs=("workdir",))   # instead of absl's app.run(main)
 
@@ -28,8 +30,8 @@ from absl import app, flags
 
 VERBOSE_ENV = "CBS_VERBOSE"
 USER_ERROR_EXIT = 2
-_OUR_CODE = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in (
-    __file__, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "x")))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cbs
+_OUR_CODE = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "experiments") + os.sep)
 
 if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, f"Show tracebacks of user errors too (or {VERBOSE_ENV}=1).")
