@@ -17,12 +17,15 @@ back ends measure noise differently; the rows compare training and evaluation on
 Wall time is what a sweep pays for those trials, compilation included (every group and every
 engine trial builds and compiles its own step, as in a real sweep): the median of repeats,
 each from fresh objects, after one warm-up of the whole variant (imports, dataset, JAX
-start-up). The speed-up column is against `engine × K`.
+start-up). The speed-up column is against `engine × K`. What the runs print (the engine's
+model summary, progress) is swallowed so that the table stays one block.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -48,15 +51,22 @@ def _config(batch_size: int, k: int, steps: int):
     s.evals_per_trial = 40
     s.divergence_factor = 0.0  # off: every trial runs the whole budget
     s.noise_batch_size = 0  # no noise measurements
+    c.train.progress_bar = False  # the table is the output
     return c
 
 
+def _quiet(fn) -> None:
+    """fn() with its prints (model summaries, per-trial lines) kept out of the table."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        fn()
+
+
 def _time(fn, repeats: int) -> float:
-    fn()  # warm-up: imports, dataset loading, JAX start-up
+    _quiet(fn)  # warm-up: imports, dataset loading, JAX start-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        _quiet(fn)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -65,6 +75,7 @@ def bench(batch_size: int, k: int, steps: int, repeats: int) -> list[tuple[str, 
     c = _config(batch_size, k, steps)
     grid = sweep.make_trials(c.sweep)
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+
     def vmapped():
         with tempfile.TemporaryDirectory() as d:
             multitrial.TrialGroup(c, grid, store.SweepStore(d)).run()

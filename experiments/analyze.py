@@ -7,9 +7,10 @@ measured B_simple and B_noise.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from cbs.analysis import report
+from cbs.engine import cli
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
@@ -24,4 +25,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("sweep_dir",))

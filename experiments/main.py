@@ -15,9 +15,10 @@ import json
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from cbs.engine import cli
 from cbs.engine import trainer as train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
@@ -47,4 +48,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("workdir",))

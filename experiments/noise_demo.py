@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 
 from cbs import data, models
+from cbs.engine import cli
 from cbs.engine import trainer as train
 from cbs.stats import noise, trees
 
@@ -79,4 +80,4 @@ def _sq_grad(loss_fn, params, batch):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

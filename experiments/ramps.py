@@ -7,10 +7,11 @@ report with the ramps on each target's S–E frontier.
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs.analysis import report
+from cbs.engine import cli
 from cbs.sweeps import launch, ramps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with `sweep` and `ramps`.",
@@ -32,4 +33,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("sweep_dir",))

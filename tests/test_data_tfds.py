@@ -58,7 +58,17 @@ def test_unprepared_dataset_fails_fast_and_says_how_to_prepare(tmp_path, name):
     assert time.perf_counter() - start < 10.0
     message = str(err.value)
     assert f"tfds build {name} --data_dir={tmp_path}" in message
-    assert "download=True" in message
+    assert "--config.data.options.download=True" in message  # the flag that works
+    assert "\n" not in message  # one line on the command line
+
+
+def test_tfds_configs_take_the_download_option_on_the_command_line():
+    from experiments.configs import cnn
+
+    c = cnn.get_config("tiny")
+    assert c.data.options.download is False and c.data.options.data_dir is None
+    c.data.options.download, c.data.options.data_dir = True, "/data/tfds"
+    assert set(c.data.options.to_dict()) <= set(data.dataset_options(c.data.name))
 
 
 @pytest.mark.parametrize("name,shape", [("mnist", (28, 28, 1)), ("fashion_mnist", (28, 28, 1)),

@@ -96,3 +96,75 @@ def test_degenerate_inputs_still_write_a_png(tmp_path, name):
     else:
         plots.pareto_frontier([{"target": 1, "batch_sizes": [], "steps": [], "fit": None}], path)
     assert path.stat().st_size > 1000
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The Figure objects the plot functions save, in order (drawn, so text has extents)."""
+    saved = []
+    save = plots._save
+
+    def keep(fig, path):
+        saved.append(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return saved
+
+
+def _tick_labels_overlap(fig) -> list[tuple[str, str]]:
+    """Pairs of neighbouring visible tick labels whose boxes intersect, on every axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    clashes = []
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            ticks = [t for t in axis.get_major_ticks() + axis.get_minor_ticks()
+                     if lo <= t.get_loc() <= hi]
+            labels = [t.label1 for t in ticks if t.label1.get_visible() and t.label1.get_text()]
+            boxes = [(lab.get_text(), lab.get_window_extent(renderer)) for lab in labels]
+            boxes = [(t, b) for t, b in boxes if b.width > 0]
+            for i, (ta, a) in enumerate(boxes):
+                clashes += [(ta, tb) for tb, b in boxes[i + 1:] if a.overlaps(b)]
+    return clashes
+
+
+@pytest.mark.parametrize("losses", [(0.5, 0.3, 0.2, 0.1, 0.05), (3.0, 2.6, 2.4, 2.2),
+                                    (0.9, 0.5, 0.2, 0.1)])
+def test_log_tick_labels_never_overlap(tmp_path, figures, losses):
+    losses = np.asarray(losses)
+    b_crits = 30.0 / losses ** 0.8
+    plots.b_crit_vs_loss(losses, b_crits, tmp_path / "bcrit.png",
+                         measured={"B_simple": (losses, b_crits / 3)})
+    b = np.array([8.0, 32.0, 128.0])
+    f = fit.fit_tradeoff(b, 2.3 * (1 + 117 / b), bootstrap=0)
+    plots.se_plane(f, tmp_path / "se.png", points={"batch_sizes": b, "steps": 2.3 * (1 + 117 / b)},
+                   runs=[{"label": "fixed B=32", "steps": 11.5, "examples": 370},
+                         {"label": "adaptive", "steps": 12.0, "examples": 380}])
+    for fig in figures:
+        assert _tick_labels_overlap(fig) == []
+    # every axis still names some values (a short range is labelled by minor ticks)
+    ax = figures[0].axes[0]
+    assert len([t for t in ax.get_xticklabels(minor=True) + ax.get_xticklabels() if t.get_text()
+                and ax.get_xlim()[1] <= float(t.get_text()) <= ax.get_xlim()[0]]) >= 2
+
+
+def test_noise_legend_has_one_entry_per_label_and_key(tmp_path, figures):
+    steps = np.arange(1, 50, 5.0)
+    batch_sizes = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    runs = [{"label": f"B={b}", "step": steps * b, "b_simple": 10 + steps + k,
+             "b_noise": 5 + steps / 2 + k} for b in batch_sizes for k in range(4)]  # 36 runs
+    _check_png(plots.noise_over_training(runs, tmp_path / "noise.png"))
+    legend = figures[0].axes[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == [f"B={b}" for b in batch_sizes] + ["b_simple", "b_noise"]
+    lines = figures[0].axes[0].get_lines()
+    colors = {}
+    for line in lines:  # the 4 runs of one label share its colour
+        colors.setdefault(line.get_color() if isinstance(line.get_color(), str)
+                          else tuple(line.get_color()), 0)
+    assert len(colors) == len(batch_sizes)

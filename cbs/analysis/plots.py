@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from cbs.analysis.fit import PowerLawFit, TradeoffFit
 
@@ -39,15 +41,43 @@ def _no_data(ax, message: str = "no data") -> None:
 
 
 def _log_labels(axis, values: np.ndarray) -> None:
-    """Plain-number tick labels on a log axis; minor ticks labelled only on a short range
-    (under ~1.5 decades there may be no major tick at all)."""
+    """Plain-number tick labels on a log axis. Under ~1.5 decades there may be no major tick
+    at all, so minor ticks are labelled too: only those at 2, 3 and 5 × 10^k (which never
+    crowd each other), and under 0.5 decades evenly spaced ticks (about 8) instead."""
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     axis.set_major_formatter(plain)
-    span = np.log10(values.max() / values.min()) if values.size else 0.0
-    axis.set_minor_formatter(plain if span < 1.5 else NullFormatter())
+    lo, hi = (values.min(), values.max()) if values.size else (1.0, 1.0)
+    span = np.log10(hi / lo)
+    if span >= 1.5:
+        axis.set_minor_formatter(NullFormatter())
+        return
+    if span < 0.5:
+        axis.set_minor_locator(FixedLocator(_even_ticks(lo, hi)))
+        axis.set_minor_formatter(plain)
+        return
+
+    def minor(v: float, _) -> str:
+        if v <= 0:
+            return ""
+        mantissa = v / 10 ** math.floor(math.log10(v) + 1e-9)
+        return f"{v:g}" if any(abs(mantissa - m) < 1e-6 for m in (2, 3, 5)) else ""
+
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
-def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
+def _even_ticks(lo: float, hi: float) -> np.ndarray:
+    """About 8 round, evenly spaced values over [lo, hi] (padded), powers of ten left out
+    (the major ticks label those)."""
+    scale = 10.0 ** math.floor(math.log10(lo))
+    step = next(d * scale for d in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if hi - lo <= 8 * d * scale)
+    ticks = np.arange(math.floor(lo / 1.2 / step), math.ceil(hi * 1.2 / step) + 1) * step
+    ticks = ticks[ticks > 0]
+    decade = np.abs(np.log10(ticks) - np.round(np.log10(ticks))) < 1e-9
+    return ticks[~decade]
+
+
+def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: bool = True
+            ) -> bool:
     """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
     legend when something was drawn, else a "no data" note. Returns whether data was drawn."""
     xs, ys = [np.empty(0)], [np.empty(0)]
@@ -67,9 +97,9 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data") -> bool:
         ax.set_yscale("log")
         _log_labels(ax.yaxis, np.concatenate(ys))
     drawn = has_x and has_y
-    if drawn:
+    if drawn and legend:
         ax.legend(fontsize=8)
-    else:
+    elif not drawn:
         _no_data(ax, message)
     return drawn
 
@@ -184,23 +214,47 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
 def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                         x_key: str = "step", keys: Sequence[str] = ("b_simple", "b_noise"),
                         xlabel: str | None = None) -> str:
-    """Noise scale over training, one colour per run, one line style per key (solid, dashed,
-    dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing or empty
-    keys, arrays not aligned with `x_key`, and non-finite or non-positive values are skipped)."""
+    """Noise scale over training, one colour per run label, one line style per key (solid,
+    dashed, dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing
+    or empty keys, arrays not aligned with `x_key`, and non-finite or non-positive values
+    are skipped). Runs sharing a label share a colour and one legend entry; the legend has
+    one entry per label and one per key, beside the axes when there are many labels."""
     fig, (ax,) = _new()
     styles = ["-", "--", ":", "-."]
+    labels = list(dict.fromkeys(str(run.get("label", i)) for i, run in enumerate(runs)))
+    colors = _label_colors(len(labels))
+    used_labels, used_keys = set(), set()
     for i, run in enumerate(runs):
         x = np.asarray(run.get(x_key, ()), dtype=np.float64)
+        label = str(run.get("label", i))
         for j, key in enumerate(keys):
             y = np.asarray(run[key] if run.get(key) is not None else (), dtype=np.float64)
             if y.size == 0 or y.shape != x.shape:  # not measured, or not aligned with x
                 continue
             keep = np.isfinite(x) & np.isfinite(y) & (y > 0)
-            ax.plot(x[keep], y[keep], styles[j % len(styles)], color=f"C{i % 10}",
-                    label=f"{run.get('label', i)}: {key}")
+            ax.plot(x[keep], y[keep], styles[j % len(styles)], lw=1,
+                    color=colors[labels.index(label)])
+            used_labels.add(label)
+            used_keys.add(key)
     ax.set(xlabel=xlabel or x_key, ylabel="noise scale")
-    _finish(ax, logx=False, logy=True)
+    if _finish(ax, logx=False, logy=True, legend=False):
+        handles = [Line2D([], [], color=colors[k], label=lab)
+                   for k, lab in enumerate(labels) if lab in used_labels]
+        handles += [Line2D([], [], color="k", ls=styles[j % len(styles)], label=key)
+                    for j, key in enumerate(keys) if key in used_keys]
+        outside = len(handles) > 8
+        ax.legend(handles=handles, fontsize=7 if outside else 8,
+                  ncols=1 + len(handles) // 16 if outside else 1,
+                  **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if outside else {}))
     return _save(fig, path)
+
+
+def _label_colors(n: int) -> list[Any]:
+    """n distinct colours: the default cycle up to 10, else an ordered colour map (the
+    labels' order, e.g. increasing batch size, reads as light to dark)."""
+    if n <= 10:
+        return [f"C{k}" for k in range(n)]
+    return [colormaps["viridis"](v) for v in np.linspace(0.0, 0.9, n)]
 
 
 def se_plane(fit: TradeoffFit | None, path: PathLike, *,
@@ -230,8 +284,6 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
         if not (math.isfinite(sx) and math.isfinite(ex)):
             continue
         ax.plot([sx], [ex], "D", color=f"C{i % 10}", ms=8, mec="k", label=run.get("label"))
-        ax.annotate(str(run.get("label", i)), (sx, ex), fontsize=8, xytext=(5, -10),
-                    textcoords="offset points")
     ax.set(xlabel="steps S", ylabel="examples E", title=title)
     _finish(ax, logx=True, logy=True)
     return _save(fig, path)

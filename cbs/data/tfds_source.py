@@ -4,9 +4,11 @@ Letters: N examples, H×W×C images, T sequence length.
 
 Reading prefers `tfds.data_source` (array_record files, random access, no TensorFlow);
 `tfds.load` is used when the prepared copy is TFRecord-only (or `reader="load"`) and
-TensorFlow is importable. Nothing is downloaded unless `download=True`: a dataset that is
-not prepared under `data_dir` fails at once (an offline download otherwise retries for
-minutes) with the command that prepares it.
+TensorFlow is importable. Nothing is downloaded unless `download=True`
+(`--config.data.options.download=True`): a dataset that is not prepared under `data_dir`
+fails at once with the command that prepares it, and a download without a reachable
+network (the HTTPS proxy, when one is set, or storage.googleapis.com) fails within
+NETWORK_TIMEOUT_S with one line instead of retrying for minutes.
 
 - Images: stored uint8 [N, H, W, C] (in memory by default; the device gathers them),
   batches x float32 [B, H, W, C] (or flattened) normalised by `normalize`.
@@ -19,8 +21,13 @@ minutes) with the command that prepares it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pathlib
+import socket
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +39,8 @@ IMAGE_DATASETS = {"mnist": "test", "fashion_mnist": "test", "cifar10": "test",
                   "svhn_cropped": "test"}
 TEXT_DATASETS = {"tiny_shakespeare": "validation", "lm1b": "test"}
 _STATS_EXAMPLES = 10_000
+DOWNLOAD_HOST = "storage.googleapis.com"  # TFDS tries its prepared copies there first
+NETWORK_TIMEOUT_S = 5.0  # the network check gives up after this long
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
@@ -46,17 +55,64 @@ def _builder(name: str, data_dir: str | None, download: bool):
     import tensorflow_datasets as tfds
 
     data_dir = resolve_data_dir(data_dir)
-    builder = tfds.builder(name, data_dir=data_dir)  # reads local metadata only
+    with _quiet_absl():  # an unprepared copy logs warnings before our clearer error
+        builder = tfds.builder(name, data_dir=data_dir)  # reads local metadata only
+        prepared = builder.is_prepared()
+        looked = builder.data_dir
     if download:
+        if not prepared:
+            check_network(name, data_dir, builder.download_and_prepare)
         builder.download_and_prepare(file_format="array_record")
-    elif not builder.is_prepared():
+    elif not prepared:
         raise FileNotFoundError(
             f"TFDS dataset {name!r} is not prepared in data_dir={data_dir} (looked for "
-            f"{builder.data_dir}). Prepare it once on a machine with network access:\n"
-            f"  tfds build {name} --data_dir={data_dir} --file_format=array_record\n"
-            f"or pass download=True (config.data.download=True) to let cbs download it, "
-            f"or set data_dir (or $TFDS_DATA_DIR) to where it is prepared.")
+            f"{looked}); prepare it once on a machine with network access "
+            f"(tfds build {name} --data_dir={data_dir} --file_format=array_record), or add "
+            f"--config.data.options.download=True (download=True in get_dataset) to let cbs "
+            f"download it, or set --config.data.options.data_dir (or $TFDS_DATA_DIR) to where "
+            f"it is prepared")
     return builder
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _download_address() -> tuple[str, int]:
+    """Where a TFDS download connects first: the HTTPS proxy if one is set, else GCS."""
+    proxy = urllib.request.getproxies().get("https")
+    if proxy and not urllib.request.proxy_bypass(DOWNLOAD_HOST):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        return parts.hostname or DOWNLOAD_HOST, parts.port or 80
+    return DOWNLOAD_HOST, 443
+
+
+def check_network(name: str, data_dir: str, download_fn=None) -> None:
+    """Raises ConnectionError (one line) within NETWORK_TIMEOUT_S when a download of `name`
+    cannot reach the network, instead of TFDS retrying for minutes.
+
+    `download_fn`: the download about to run; one that is not TFDS's own (for instance under
+    `tfds.testing.mock_data`) downloads nothing, so nothing is checked.
+    """
+    if download_fn is not None and not getattr(download_fn, "__module__", "").startswith(
+            "tensorflow_datasets.core"):
+        return
+    host, port = _download_address()
+    try:
+        socket.create_connection((host, port), timeout=NETWORK_TIMEOUT_S).close()
+    except OSError as err:
+        why = err.strerror or str(err) or type(err).__name__
+        raise ConnectionError(
+            f"cannot download TFDS dataset {name!r}: {host}:{port} is unreachable ({why}); "
+            f"prepare it on a machine with network access (tfds build {name} "
+            f"--file_format=array_record) and copy it into data_dir={data_dir}") from None
 
 
 def _uses_tfrecord(builder) -> bool:

@@ -11,17 +11,67 @@ Saves are asynchronous (the device-to-host copy happens in `save`, the file writ
 background); `wait` blocks until they are durable and `close` waits too. orbax writes into
 a temporary directory and renames it when complete, so a kill during a save leaves the
 previous checkpoint as the latest one.
+
+Restoring the latest checkpoint survives damage: a checkpoint that cannot be read (a disk
+fault, a file cut short) is skipped with a `SkippedCheckpointWarning` saying which and why,
+moved aside to `checkpoints.skipped/<step>` (so the run can save that step again), and the
+newest intact one before it is restored; at least two checkpoints are kept so there is one
+to fall back to. A checkpoint whose arrays do not match the model (another architecture or
+size in the same workdir) is not damage: it raises `CheckpointMismatchError`, one line.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+SKIPPED_SUFFIX = ".skipped"  # damaged checkpoints go to <directory>.skipped/<step>
+MIN_TO_KEEP = 2  # the newest checkpoint plus one to fall back to
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds arrays of another model (tree or shapes differ)."""
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older one."""
+
+
+def _path_str(path) -> str:
+    names = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(n) for n in names)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """'params/w' -> shape for every array leaf of `tree` (dataclass fields and dict keys
+    alike, so a target and the stored metadata compare)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(p): tuple(getattr(v, "shape", ())) for p, v in leaves}
+
+
+def _difference(stored: dict, wanted: dict) -> str:
+    """A short description of how two {path: shape} maps differ ('' if they match)."""
+    parts = [f"{k}: checkpoint {stored[k]}, model {wanted[k]}"
+             for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
+    only_stored, only_wanted = sorted(set(stored) - set(wanted)), sorted(set(wanted) - set(stored))
+    if only_stored:
+        parts.append(f"only in the checkpoint: {', '.join(only_stored[:3])}"
+                     + (f" (+{len(only_stored) - 3})" if len(only_stored) > 3 else ""))
+    if only_wanted:
+        parts.append(f"only in the model: {', '.join(only_wanted[:3])}"
+                     + (f" (+{len(only_wanted) - 3})" if len(only_wanted) > 3 else ""))
+    return "; ".join(parts[:3])
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or "no message"
+    return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
 class Checkpointer:
@@ -29,16 +79,20 @@ class Checkpointer:
 
     Args:
       directory: where the step directories live (created if missing).
-      max_to_keep: how many recent checkpoints to keep (None keeps all).
+      max_to_keep: how many recent checkpoints to keep (None keeps all; at least
+        MIN_TO_KEEP, so that a damaged newest checkpoint has an older one behind it).
       async_save: write in the background (True) or block in `save` (False).
     """
 
     def __init__(self, directory: str, *, max_to_keep: int | None = 2, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        if max_to_keep is not None:
+            max_to_keep = max(MIN_TO_KEEP, int(max_to_keep))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "meta"))
+                                              item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
@@ -59,16 +113,70 @@ class Checkpointer:
 
         `target` is a pytree of arrays or `jax.ShapeDtypeStruct`s with shardings: restored
         arrays get the same shardings, so the state lands where the train step expects it.
+        When `step` is the latest (or None), a damaged checkpoint is skipped (warning, moved
+        aside) for the newest intact older one: read the step from the returned meta.
+        Raises CheckpointMismatchError when the stored arrays belong to another model.
         """
+        latest = self.latest_step()
         if step is None:
-            step = self.latest_step()
+            step = latest
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        candidates = [s for s in reversed(self.all_steps()) if s <= step] if step == latest \
+            else [step]
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                          meta=ocp.args.JsonRestore()))
-        return restored["state"], dict(restored["meta"])
+        skipped: list[tuple[int, str]] = []
+        mismatch = ""
+        for s in candidates:
+            why = self._mismatch(s, abstract)
+            if why:  # another model's, or metadata too damaged to say
+                mismatch = mismatch or (f"step {s}: {why}" if why[0] != "!" else "")
+                skipped.append((s, why.lstrip("!")))
+                continue
+            try:
+                restored = self._manager.restore(
+                    s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                               meta=ocp.args.JsonRestore()))
+            except Exception as err:  # a file cut short or garbled: damaged
+                skipped.append((s, _reason(err)))
+                continue
+            self._set_aside(skipped, s)  # an older one matched: the newer ones are damage
+            return restored["state"], dict(restored["meta"])
+        if mismatch:
+            raise CheckpointMismatchError(
+                f"{os.path.dirname(self.directory)} holds another model's checkpoint "
+                f"({mismatch}); use a new workdir for this model, or delete "
+                f"{self.directory} to start over")
+        reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        raise ValueError(f"no intact checkpoint in {self.directory} ({reasons}); delete it to "
+                         "start over")
+
+    def _mismatch(self, step: int, abstract: Any) -> str:
+        """'' when checkpoint `step`'s arrays match `abstract`; how they differ; or '!why'
+        when its metadata cannot be read."""
+        try:
+            stored = _shapes(self._manager.item_metadata(step)["state"])
+        except Exception as err:
+            return "!" + _reason(err)
+        if not stored:
+            return "!no arrays in its metadata"
+        return _difference(stored, _shapes(abstract))
+
+    def _set_aside(self, skipped: list[tuple[int, str]], restored: int) -> None:
+        """Moves damaged checkpoints out of the way (so their steps can be saved again)."""
+        if not skipped:
+            return
+        aside = self.directory + SKIPPED_SUFFIX
+        for s, why in skipped:
+            where = os.path.join(aside, str(s))
+            if jax.process_index() == 0:
+                os.makedirs(aside, exist_ok=True)
+                shutil.rmtree(where, ignore_errors=True)
+                shutil.move(os.path.join(self.directory, str(s)), where)
+            warnings.warn(f"skipped the damaged checkpoint at step {s} in {self.directory} "
+                          f"({why}); moved it to {where}; resuming from step {restored}",
+                          SkippedCheckpointWarning, stacklevel=3)
+        self._manager.reload()
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""

@@ -1,4 +1,4 @@
-"""Run records: JSON lines (the record of truth), TensorBoard scalars and a progress bar.
+"""Run records: JSON lines (the record of truth) and atomically replaced JSON files.
 
 Files in a run directory (written by process 0 only):
 
@@ -6,24 +6,38 @@ Files in a run directory (written by process 0 only):
   per flush. Every record has `step` (updates applied to the parameters it describes) and
   `kind` (`"train"` or `"eval"`), plus slash-separated metric keys (`train/loss`, `opt/lr`,
   `noise/ema_b_simple`, `eval/loss`, `full_train/loss`, ...). Non-finite numbers are written
-  as `NaN`/`Infinity` (Python's json). A torn last line (a kill during a write) is ignored
-  by `read_records` and removed by `truncate_records`.
+  as `NaN`/`Infinity` (Python's json).
 - `status.json`: the run's state, replaced atomically (write to a temporary file, rename).
 - `tensorboard/`: tensorboardX event files (no TensorFlow needed). After a resume the
   writer is opened with `purge_step`, so TensorBoard hides events past the restored step.
+
+Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`) goes through
+`read_records` and `append_records`, which survive crashes and damage:
+
+- a torn last line (a kill during a write: no final newline) is not a record; readers skip
+  it and `append_records` cuts it off first (`repair_tail`), so a record is never written
+  onto a partial line;
+- a complete line that is not a JSON object (or lacks a required key) is skipped with a
+  `CorruptRecordWarning` naming the file and line number; whatever it recorded counts as
+  not done (a trial is rerun, a step is recorded again).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
+
+
+class CorruptRecordWarning(UserWarning):
+    """A line of a JSON-lines file could not be read and was skipped."""
 
 
 def plain_value(value: Any) -> Any:
@@ -47,26 +61,101 @@ def write_json_atomic(path: str, obj: Mapping[str, Any]) -> None:
 
 
 def read_json(path: str) -> dict[str, Any] | None:
-    """The JSON object in `path`, or None when the file does not exist."""
+    """The JSON object in `path`, or None when the file does not exist.
+
+    A damaged file raises ValueError naming it (these files are replaced atomically, so
+    only outside damage produces one).
+    """
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); restore or delete it") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; "
+                         "restore or delete it")
+    return obj
 
 
-def read_records(path: str) -> list[dict[str, Any]]:
-    """All complete records of a JSON-lines file (a torn last line is skipped)."""
+def _parse(line: bytes, required: Sequence[str]) -> tuple[dict[str, Any] | None, str]:
+    """(record, "") or (None, why it is not one)."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return None, f"not JSON: {err}"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object"
+    missing = [k for k in required if k not in record]
+    if missing:
+        return None, f"missing {', '.join(missing)}"
+    return record, ""
+
+
+def read_records(path: str, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The complete, readable records of a JSON-lines file, in file order.
+
+    A torn last line (no final newline) is skipped silently; any other line that is not a
+    JSON object holding every key in `required` is skipped with a `CorruptRecordWarning`
+    that names `path` and the line number. A missing file has no records.
+    """
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    return [json.loads(line) for line in lines[:-1] if line.strip()]
+        lines = f.read().split(b"\n")
+    out = []
+    for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: torn or empty
+        if not line.strip():
+            continue
+        record, why = _parse(line, required)
+        if record is None:
+            warnings.warn(f"{path}:{number}: skipped a corrupt record ({why}); what it "
+                          "recorded counts as not done", CorruptRecordWarning, stacklevel=2)
+            continue
+        out.append(record)
+    return out
+
+
+def repair_tail(path: str) -> int:
+    """Cuts a torn last line (bytes after the final newline) off `path`; returns how many.
+
+    Appending after a kill mid-write would otherwise glue the next record onto the
+    fragment and lose both.
+    """
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = pos = f.tell()
+        block = 4096
+        while pos > 0:  # scan backwards for the last newline
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                pos = start + cut + 1
+                break
+            pos = start
+    if pos == size:
+        return 0
+    os.truncate(path, pos)
+    warnings.warn(f"{path}: removed a torn last line ({size - pos} bytes, an interrupted "
+                  "write)", CorruptRecordWarning, stacklevel=2)
+    return size - pos
 
 
 def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
-    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs."""
+    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs.
+
+    A torn last line left by an earlier crash is cut off first (`repair_tail`).
+    """
     data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n" for r in records)
+    if not data:
+        return
+    repair_tail(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, data.encode())
@@ -76,15 +165,20 @@ def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
 
 
 def truncate_records(path: str, step: int) -> int:
-    """Keeps only the records with `step < step` (atomically); returns how many were dropped.
+    """Keeps only the readable records with `step < step` (atomically); returns how many
+    records were dropped (a torn last line and corrupt lines go too, uncounted).
 
     After a restore to a state with `step` updates every later record is produced again, so
     dropping them keeps the file free of duplicates.
     """
     if not os.path.exists(path):
         return 0
-    records = read_records(path)
+    with open(path, "rb") as f:
+        lines = len(f.read().splitlines())
+    records = read_records(path, required=("step",))
     kept = [r for r in records if r["step"] < step]
+    if len(kept) == lines:
+        return 0
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in kept))

@@ -4,9 +4,14 @@ Files in a sweep directory (all appended or replaced atomically; analysis reads 
 
 - `sweep.json`: the sweep definition and base config of the first launch;
 - `trials.jsonl`: one complete record per finished trial (see `TrialResult`); a record is
-  written once, in one `write`, after the trial's last checkpoint; re-running skips it;
+  written once, in one `write`, after the trial's last checkpoint; re-running skips it. A
+  torn last line is cut off before the next append and a corrupt line is skipped with a
+  warning naming its line (`cbs.results.records`): its trial counts as unfinished and reruns;
 - `trials.csv`: the same records flattened to one row per (trial, target);
 - `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl).
+
+Nothing is created until something is written, so a command that fails before its first
+record leaves no directory behind.
 """
 
 from __future__ import annotations
@@ -69,8 +74,13 @@ class SweepStore:
 
     def __init__(self, sweep_dir: str):
         self.sweep_dir = sweep_dir
-        os.makedirs(os.path.join(sweep_dir, "trials"), exist_ok=True)
         self.path = os.path.join(sweep_dir, TRIALS_FILE)
+        if os.path.exists(sweep_dir) and not os.path.isdir(sweep_dir):
+            raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
+                                     "directory (new or an earlier sweep's)")
+
+    def _makedirs(self) -> None:
+        os.makedirs(self.sweep_dir, exist_ok=True)
 
     def trial_dir(self, trial: Any) -> str:
         """The run directory of a trial (anything with a `trial_id`)."""
@@ -81,6 +91,7 @@ class SweepStore:
         path = os.path.join(self.sweep_dir, SWEEP_FILE)
         previous = metrics.read_json(path)
         if previous is None:
+            self._makedirs()
             metrics.write_json_atomic(path, definition)
             return
         if previous.get("sweep") != json.loads(json.dumps(definition.get("sweep"))):
@@ -94,7 +105,7 @@ class SweepStore:
     def records(self) -> list[dict[str, Any]]:
         """Finished trial records, first record per trial id (a repeated append is ignored)."""
         seen, out = set(), []
-        for r in metrics.read_records(self.path):
+        for r in metrics.read_records(self.path, required=("trial_id", "index")):
             if r["trial_id"] not in seen:
                 seen.add(r["trial_id"])
                 out.append(r)
@@ -105,12 +116,14 @@ class SweepStore:
 
     def append(self, results: Sequence[TrialResult]) -> None:
         """Appends complete records with a single write (all or none) and makes it durable."""
+        self._makedirs()
         metrics.append_records(self.path, [r.to_json() for r in results])
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
         path = os.path.join(self.sweep_dir, CSV_FILE)
         rows = list(_csv_rows(self.records()))
+        self._makedirs()
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w", newline="") as f:
             fields = ["trial_id", "batch_size", "learning_rate", "seed", "status", "target",

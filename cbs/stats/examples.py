@@ -1,6 +1,7 @@
 """Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
 
-`check_inputs` validates (loss_fn, params, batch) with one-line errors; `map_examples` maps a
+`check_inputs` validates (loss_fn, params, batch) with one-line errors (and, when the arrays are
+concrete, `check_finite` names a NaN/inf input instead of returning NaN); `map_examples` maps a
 function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under
 an explicitly sharded mesh.
 """
@@ -47,7 +48,37 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
         shape = getattr(loss, "shape", type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar (the MEAN loss over the batch); got "
                          f"{shape}. Reduce per-example losses with jnp.mean over the batch axis.")
+    check_finite(params, batch)
     return batch_size
+
+
+def _concrete_float(x: Any) -> bool:
+    return (not isinstance(x, jax.core.Tracer) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+            and getattr(x, "is_fully_addressable", True))
+
+
+def check_finite(params: PyTree, batch: PyTree) -> None:
+    """Raises ValueError naming the first params or batch leaf holding NaN or inf (and, for
+    the batch, the first such example). Leaves being traced (under jit) are not checked: the
+    statistics would be NaN, which the caller's non-finite checks see."""
+    named = [(f"{what} leaf {p!r}", x, what == "batch")
+             for what, tree in (("params", params), ("batch", batch))
+             for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]
+    named = [(n, x, ex) for n, x, ex in named if _concrete_float(x)]
+    if not named:
+        return
+    finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x, _ in named]))
+    for (name, x, per_example), ok in zip(named, finite, strict=True):
+        if ok:
+            continue
+        kind = "NaN" if bool(jnp.any(jnp.isnan(x))) else "inf"
+        where = ""
+        if per_example:
+            rows = jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+            where = f" (first at example {int(jnp.argmin(rows))})"
+        raise ValueError(f"{name} holds {kind}{where}: the noise statistics would be NaN; "
+                         "pass finite parameters and data (check the run for divergence or "
+                         "the data for missing values)")
 
 
 def run_auto_axes(fn: Callable, *args):

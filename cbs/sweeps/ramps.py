@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 import jax
@@ -34,6 +35,26 @@ from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 RAMPS_DIR = "ramps"
+
+
+def run_dir_name(label: str) -> str:
+    """The directory name of a ramp run: its label in lower case, runs of anything but
+    letters, digits, '.' and '-' as one '_' ("step (Llama 3)" -> "step_llama_3")."""
+    return re.sub(r"[^a-z0-9.\-]+", "_", label.lower()).strip("_") or "ramp"
+
+
+def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
+    """label -> run directory; a directory named by the raw label (older sweeps) is kept."""
+    names = [run_dir_name(label) for label in labels]
+    if len(set(names)) != len(names):
+        raise ValueError(f"config.ramps: labels {labels} give clashing directory names {names};"
+                         " make them differ in more than spaces and punctuation")
+    out = {}
+    for label, name in zip(labels, names, strict=True):
+        legacy = os.path.join(sweep_dir, RAMPS_DIR, label)
+        out[label] = legacy if label != name and os.path.isdir(legacy) else os.path.join(
+            sweep_dir, RAMPS_DIR, name)
+    return out
 
 
 def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
@@ -112,16 +133,17 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     micro_batch × data replicas.
     """
     path = os.path.join(sweep_dir, RAMPS_FILE)
-    done = {r["label"] for r in metrics.read_records(path)}
+    done = {r["label"] for r in metrics.read_records(path, required=("label",))}
     labels = [run["label"] for run in config.ramps]
     if len(set(labels)) != len(labels):
         raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+    run_dirs = _run_dirs(sweep_dir, labels)
     for run in config.ramps:
         run = dict(run)
         if run["label"] in done:
             continue
         c = ramp_config(config, run, sweep_dir)
-        workdir = os.path.join(sweep_dir, RAMPS_DIR, run["label"])
+        workdir = run_dirs[run["label"]]
         monitor = ProgressMonitor(config.sweep)
         summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
         records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
@@ -131,4 +153,4 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
         cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                           for k, s in rec["steps_to_target"].items())
         log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
-    return metrics.read_records(path)
+    return metrics.read_records(path, required=("label",))

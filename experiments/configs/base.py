@@ -7,8 +7,9 @@ their meaning and units; a config file sets only what differs and comments each 
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
-from cbs import models
+from cbs import data, models
 from cbs.engine import config as config_lib
 
 
@@ -16,13 +17,25 @@ def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
     """default_config() with `data.name` and the model's default sub-config set."""
     c = config_lib.default_config()
     c.data.name = dataset  # registry name in cbs.data
+    if "download" in data.dataset_options(dataset):  # TFDS: settable on the command line
+        c.data.options.download = False  # fetch and prepare it if missing (needs network)
+        c.data.options.data_dir = config_dict.placeholder(str)  # None: $TFDS_DATA_DIR or ~
     c.model = models.default_model_config(model)  # architecture defaults (cbs.models)
     return c
 
 
-def parse_arg(arg: str) -> set[str]:
-    """Comma-separated words of the config argument ("tiny", ...)."""
-    return {w.strip() for w in (arg or "").split(",") if w.strip()}
+def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
+    """Comma-separated words of the config argument ("tiny", ...), each one of `known`.
+
+    An unknown word (a typo such as "tinny") raises ValueError listing the known ones,
+    instead of silently running the full-size config.
+    """
+    words = {w.strip() for w in (arg or "").split(",") if w.strip()}
+    unknown = sorted(words - set(known))
+    if unknown:
+        raise ValueError(f"unknown config argument {', '.join(map(repr, unknown))} in "
+                         f"{arg!r}; known: {', '.join(known)} (comma-separated)")
+    return words
 
 
 def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collections.ConfigDict:

@@ -21,7 +21,7 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10")
 
 
 def get_config(arg: str = ""):
-    words = base.parse_arg(arg)
+    words = base.parse_arg(arg, ("tiny", *DATASETS))
     names = [w for w in words if w in DATASETS] or ["mnist"]
     c = base.base_config(names[0], "cnn")
     c.model.channels = (16, 32) if names[0] != "cifar10" else (32, 64)  # conv block widths

@@ -47,7 +47,7 @@ def get_config(arg: str = ""):
     s.evals_per_trial = 80  # log-spaced evaluations
     s.noise_batch_size = 256  # images per exact noise measurement (ghost norms)
     s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them
-    if "tiny" in base.parse_arg(arg):
+    if "tiny" in base.parse_arg(arg, ("tiny", *cnn.DATASETS)):
         s.batch_sizes = (16, 64)  # two batch sizes
         s.max_steps, s.max_examples = 10, 0  # a few steps
         s.evals_per_trial = 4  # four evaluations

@@ -1,0 +1,171 @@
+"""Command-line entry points: a user error is one line and a non-zero exit; a bug keeps its
+traceback; a failed command leaves no empty directories behind.
+
+    from cbs.engine import cli
+
+    if __name__ == "__main__":
+        cli.run(main, outputs=("workdir",))   # instead of absl's app.run(main)
+
+User errors are what a user fixes by changing the command: a bad config field or argument,
+an unknown or unprepared dataset, a bad shard spec, a workdir holding another model's
+checkpoint (all `ValueError`s raised by cbs or experiments code with a message naming what to
+change), and file-system errors (missing, read-only, a file where a directory should be, an
+unreachable network: `OSError`). They print `error: <message>` on stderr and exit with status
+2. Anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1`
+shows the traceback of user errors too.
+
+`outputs` names the flags that hold directories the command writes: any of them that the
+command created and that holds no file when it fails is removed again (with the parents it
+created).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+
+VERBOSE_ENV = "CBS_VERBOSE"
+USER_ERROR_EXIT = 2
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cbs
+_OUR_CODE = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "experiments") + os.sep)
+
+if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, f"Show tracebacks of user errors too (or {VERBOSE_ENV}=1).")
+
+
+def verbose() -> bool:
+    """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
+    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
+
+
+def _raised_in_our_code(err: BaseException) -> bool:
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        _OUR_CODE)
+
+
+def is_user_error(err: BaseException) -> bool:
+    """File-system errors, and ValueErrors that cbs or experiments code raised on purpose."""
+    if isinstance(err, OSError):
+        return True
+    return isinstance(err, ValueError) and _raised_in_our_code(err)
+
+
+def message(err: BaseException) -> str:
+    """The one-line message of a user error."""
+    if isinstance(err, OSError) and err.filename and err.strerror:
+        hint = {PermissionError: "; choose a location you can write to",
+                NotADirectoryError: "; a file is in the way: choose another path",
+                FileExistsError: "; a file is in the way: choose another path",
+                IsADirectoryError: "; a directory is in the way: choose another path",
+                }.get(type(err), "")
+        return f"{err.strerror}: {err.filename}{hint}"
+    text = str(err).strip() or type(err).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory on `path` that does not exist yet (None if it exists)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        return None
+    while not os.path.exists(os.path.dirname(path)):
+        path = os.path.dirname(path)
+    return path
+
+
+def remove_if_empty(root: str) -> None:
+    """Removes `root` and the directories under it if none of them holds a file."""
+    if not os.path.isdir(root):
+        return
+    for _, _, filenames in os.walk(root):
+        if filenames:
+            return
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            return
+
+
+def _outputs(names: Sequence[str]) -> list[str]:
+    values = (flags.FLAGS[n].value for n in names if n in flags.FLAGS)
+    return [v for v in values if isinstance(v, str) and v]
+
+
+def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
+            ) -> Callable[[list[str]], Any]:
+    """`main` with user errors turned into one line and exit status 2 (see the module doc)."""
+
+    def wrapped(argv: list[str]) -> Any:
+        created = [p for p in map(_first_missing, _outputs(outputs)) if p is not None]
+        try:
+            return main(argv)
+        except Exception as err:
+            for path in created:
+                remove_if_empty(path)
+            if verbose() or not is_user_error(err):
+                raise
+            print(f"error: {message(err)}", file=sys.stderr)
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapped
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The first user error in `err`'s chain (a config file's own ValueError inside the flag
+    library's wrappers), else `err`."""
+    seen, chain = set(), err
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if is_user_error(chain):
+            return chain
+        chain = chain.__cause__ or chain.__context__
+    return err
+
+
+def _config_field_error(argv: Sequence[str], err: Exception) -> str:
+    """One line for an override of a config field that does not exist."""
+    text = str(err).replace("\\n", " ")
+    key = text.strip("'\" ").split("'")[0]
+    args = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=")[0]]
+    arg = next((a for a in args if f".{key}" in a.split("=")[0]), " ".join(args))
+    hint = text[text.index("Did you mean"):].rstrip("'\" ") if "Did you mean" in text else (
+        "check the name against the config file")
+    return f"{arg}: no such config field; {hint}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing whose errors (bad flags, a config file's errors, unknown config
+    fields) are one line and exit status 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        cause = _root_cause(err)
+        if verbose() and cause is not err:
+            raise cause from None
+        text = message(cause) if cause is not err else message(err)
+    except (AttributeError, KeyError, TypeError) as err:
+        if verbose():
+            raise
+        text = _config_field_error(argv, err)
+    except Exception as err:
+        if verbose() or not is_user_error(err):
+            raise
+        text = message(err)
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`)."""
+    app.run(guarded(main, outputs), flags_parser=parse_flags)
