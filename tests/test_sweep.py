@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cbs.results.store import SweepStore, TrialResult
+from cbs.results.store import SWEEP_FILE, SweepStore, TrialResult
 from cbs.sweeps import grid as sweep
 from cbs.sweeps.grid import Trial
 
@@ -96,4 +96,4 @@ def test_store_refuses_a_different_definition(tmp_path):
     store.write_definition({"sweep": {"batch_sizes": [8]}})  # same: fine
     with pytest.raises(ValueError, match="different sweep"):
         store.write_definition({"sweep": {"batch_sizes": [16]}})
-    assert json.load(open(os.path.join(tmp_path, store.SWEEP_FILE)))["sweep"]["batch_sizes"] == [8]
+    assert json.load(open(os.path.join(tmp_path, SWEEP_FILE)))["sweep"]["batch_sizes"] == [8]
