@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+import re
 
 import jax
 import ml_collections
@@ -24,9 +26,29 @@ def _set(c, key, value):
     node[last] = value
 
 
-def test_default_config_is_valid():
-    config_lib.validate(config_lib.default_config(), data_replicas=1)
-    config_lib.validate(config_lib.default_config(), data_replicas=4)
+def test_default_config_is_valid_and_every_field_is_documented():
+    c = config_lib.default_config()
+    for replicas in (1, 4):
+        assert config_lib.validate(c, data_replicas=replicas) is None
+    # every leaf field is assigned on a line with a trailing comment giving its meaning
+    source = inspect.getsource(config_lib.default_config)
+    assigned = dict(re.findall(r"^\s*c\.([\w.]+) = .*?(#.*)?$", source, flags=re.M))
+    leaves = {k for k, v in _flatten(c.to_dict()).items()}
+    missing = sorted(k for k in leaves if k not in assigned and not k.startswith("model."))
+    assert missing == [], f"fields without an assignment in default_config: {missing}"
+    undocumented = sorted(k for k in leaves if k in assigned and not assigned[k])
+    assert undocumented == [], f"fields without a trailing comment: {undocumented}"
+    assert len(leaves) > 40
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 BAD = [

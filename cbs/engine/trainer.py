@@ -72,7 +72,7 @@ class Trainer:
         except ValueError as err:
             raise config_lib.ConfigError(f"config.mesh: {err}") from err
         self.replicas = mesh_lib.data_replicas(self.mesh)
-        config_lib.validate(config, data_replicas=self.replicas, model_names=models.MODEL_NAMES,
+        config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
                             dataset_names=None if dataset else data.known_datasets())
         self.dataset = dataset or self._load_dataset()
         self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
@@ -96,7 +96,7 @@ class Trainer:
                 f"config.eval.train_examples: the training split of {self.dataset.name} is "
                 "streamed; evaluate a subset (eval.train_examples=n) or set eval.full_train="
                 "False")
-        largest = max(config_lib.batch_sizes(c, c.batch.micro_batch * self.replicas))
+        largest = max(config_lib.batch_sizes(c))
         if largest > n:
             raise config_lib.ConfigError(
                 f"config.batch.schedule: batch size {largest} exceeds the {n} training "

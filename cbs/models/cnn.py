@@ -22,10 +22,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from cbs.models import layers
 from cbs.models.mlp import get_activation
+from cbs.models.registry import ModelInputs, check_positive, register
 
 NORMS = ("none", "layernorm", "groupnorm", "batchnorm")
 
@@ -126,3 +128,28 @@ class CNN(nnx.Module):
         for layer in self.dense[:-1]:
             h_BxD = self._act(layer(h_BxD))
         return self.dense[-1](h_BxD)
+
+
+def cnn_fields() -> ml_collections.ConfigDict:
+    """The `model` fields of "cnn"."""
+    c = ml_collections.ConfigDict()
+    c.channels = (16, 32)  # output channels of each conv block (conv → norm → act → pool)
+    c.kernel_size = 3  # square conv kernel size (k × 1 for rank-1 inputs)
+    c.pool = "max"  # 2×2 stride-2 pooling after each block: "max" | "avg"
+    c.dense_sizes = (64,)  # hidden widths of the dense head before the output layer
+    c.norm = "none"  # "none" | "layernorm" | "groupnorm" | "batchnorm" (couples examples)
+    c.num_groups = 4  # groups of GroupNorm (must divide every entry of channels)
+    c.ghost_batch_size = 0  # BatchNorm statistics over ghost batches of this many; 0 = batch
+    c.activation = "relu"  # "relu" | "gelu" | "tanh" | "silu"
+    return c
+
+
+@register("cnn", default_config=cnn_fields)
+def build_cnn(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) -> CNN:
+    for field in ("channels", "kernel_size", "dense_sizes", "num_groups"):
+        check_positive(c, field)
+    check_positive(c, "ghost_batch_size", allow_zero=True)
+    out = 1 if inputs.num_classes is None else inputs.num_classes
+    return CNN(inputs.input_shape, out, channels=c.channels, kernel_size=c.kernel_size,
+               pool=c.pool, dense_sizes=c.dense_sizes, norm=c.norm, num_groups=c.num_groups,
+               ghost_batch_size=c.ghost_batch_size, activation=c.activation, rngs=rngs)

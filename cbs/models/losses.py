@@ -7,7 +7,7 @@ Split convention: `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` (`
 (BatchNorm running statistics). `loss_fn(params, batch)` rebuilds the model with `nnx.merge`
 on every call, so it is pure and can be jitted, differentiated and vmapped.
 
-Per-example loss ℓ_i (the mean over a batch is what `loss_fn` returns, DESIGN.md):
+Per-example loss ℓ_i (the mean over a batch is what `loss_fn` returns, docs/design.md):
 - "classification": ℓ_i = logsumexp(z_i) − z_{i, y_i}, logits z [B, C], labels int [B].
 - "lm": ℓ_i = (1/T) Σ_t [logsumexp(z_it) − z_{it, y_it}], logits [B, T, V], labels [B, T]:
   the mean over positions within an example, so the per-example loss is the example's mean

@@ -11,9 +11,11 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import ml_collections
 from flax import nnx
 
 from cbs.models import layers
+from cbs.models.registry import ModelInputs, check_positive, register
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
@@ -54,3 +56,18 @@ class MLP(nnx.Module):
         for layer in self.layers[:-1]:
             h_BxD = self._act(layer(h_BxD))
         return self.layers[-1](h_BxD)
+
+
+def mlp_fields() -> ml_collections.ConfigDict:
+    """The `model` fields of "mlp"."""
+    c = ml_collections.ConfigDict()
+    c.hidden_sizes = (128, 128)  # width of each hidden layer (depth = number of entries)
+    c.activation = "relu"  # "relu" | "gelu" | "tanh" | "silu"
+    return c
+
+
+@register("mlp", default_config=mlp_fields)
+def build_mlp(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) -> MLP:
+    check_positive(c, "hidden_sizes")
+    out = 1 if inputs.num_classes is None else inputs.num_classes
+    return MLP(inputs.input_shape, c.hidden_sizes, out, activation=c.activation, rngs=rngs)

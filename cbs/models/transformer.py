@@ -30,9 +30,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from cbs.models import layers
+from cbs.models.registry import ModelInputs, check_positive, register
 
 POSITIONS = ("learned", "rotary")
 
@@ -159,3 +161,36 @@ class TransformerLM(nnx.Module):
         if self.head is None:
             return jnp.einsum("btd,vd->btv", h_BxTxD, self.embed.embedding[...])
         return self.head(h_BxTxD)
+
+
+def transformer_fields() -> ml_collections.ConfigDict:
+    """The `model` fields of "transformer"."""
+    c = ml_collections.ConfigDict()
+    c.size = "tiny"  # row of cbs.models.SIZES: "tiny" | "small" | "10m" | "100m"
+    c.d_model = 0  # model width D; 0 = from size
+    c.num_layers = 0  # number of blocks L; 0 = from size
+    c.num_heads = 0  # attention heads H (must divide d_model); 0 = from size
+    c.d_ff = 0  # MLP hidden width F; 0 = from size
+    c.max_len = 0  # longest sequence (learned position table); 0 = input length T
+    c.positions = "rotary"  # "rotary" (no parameters) | "learned" (table [max_len, D])
+    c.tie_embeddings = False  # output head = embedding^T (slow per-example path)
+    c.use_bias = False  # biases in the attention and MLP projections
+    return c
+
+
+@register("transformer", default_config=transformer_fields)
+def build_transformer(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs
+                      ) -> TransformerLM:
+    if inputs.vocab_size is None:
+        raise ValueError("model.name='transformer' needs vocab_size (a dataset with a vocabulary)")
+    if c.size not in SIZES:
+        raise ValueError(f"model.size={c.size!r} is not one of {tuple(SIZES)}")
+    for field in ("d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+        check_positive(c, field, allow_zero=True)
+    row = SIZES[c.size]
+    return TransformerLM(inputs.vocab_size, c.max_len or int(inputs.input_shape[-1]),
+                         d_model=c.d_model or row.d_model,
+                         num_layers=c.num_layers or row.num_layers,
+                         num_heads=c.num_heads or row.num_heads, d_ff=c.d_ff or row.d_ff,
+                         positions=c.positions, tie_embeddings=c.tie_embeddings,
+                         use_bias=c.use_bias, rngs=rngs)

@@ -1,7 +1,7 @@
 """Hessian-vector products, and the pytree helpers the noise statistics are built from.
 
 Letters: P number of parameters, B batch size, C chunk of examples, L loss (the MEAN loss over
-the batch, DESIGN.md), H = ∇²L at `params` (the Hessian of the mean batch loss), v a pytree
+the batch, docs/design.md), H = ∇²L at `params` (the Hessian of the mean batch loss), v a pytree
 shaped like `params`.
 
 `hvp` is forward-over-reverse: Hv = d/dε ∇L(θ + εv) at ε = 0, i.e. `jax.jvp` of `jax.grad`

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs.stats import examples, trees
+from cbs.stats.curvature import block_quadratic_forms, hvp_fn
 from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
 from cbs.stats.trees import GroupSpec, group_matrix
 
@@ -106,7 +107,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
     """Centred sums from materialised per-example gradients, chunk by chunk."""
     dtype = trees.accum_dtype()
     if curvature:
-        grad, hvp_lin = curvature.hvp_fn(loss_fn, params, batch)
+        grad, hvp_lin = hvp_fn(loss_fn, params, batch)
     else:
         grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
     grad_acc = trees.tree_cast(grad, dtype)
@@ -116,7 +117,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
         d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
         out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
         if curvature:
-            out["dhd"], dhd_K = curvature.block_quadratic_forms(hvp_lin, d, blocks)
+            out["dhd"], dhd_K = block_quadratic_forms(hvp_lin, d, blocks)
             if dhd_K is not None:
                 out["dhd_K"] = dhd_K
         return out
@@ -125,7 +126,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
                         examples.map_examples(per_example, batch, chunk_size))
     sums["gsq_L"] = jnp.stack(trees.leaf_dots(grad, grad))
     if curvature:
-        sums["ghg"], ghg_K = curvature.block_quadratic_forms(hvp_lin, grad, blocks)
+        sums["ghg"], ghg_K = block_quadratic_forms(hvp_lin, grad, blocks)
         if ghg_K is not None:
             sums["ghg_K"] = ghg_K
     return sums
@@ -304,7 +305,7 @@ def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) 
 
     def compute(params, batch, key):
         if curvature:
-            grad, hvp_lin = curvature.hvp_fn(loss_fn, params, batch)
+            grad, hvp_lin = hvp_fn(loss_fn, params, batch)
             mean_ghg = trees.tree_dot(grad, hvp_lin(grad))
         else:
             grad, mean_ghg = jax.grad(loss_fn)(params, batch), None

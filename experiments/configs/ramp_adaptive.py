@@ -12,13 +12,13 @@ loss falls (B_simple grows from ~30 to ~100+ on this task).
 
 from __future__ import annotations
 
-from experiments.configs import base
+from experiments.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
 
 
 def get_config(arg: str = ""):
-    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=16, learning_rate=4e-3)
+    c = digits_ramp_base.digits_ramp(arg, SCHEDULE, base_batch_size=16, learning_rate=4e-3)
     c.batch.adapt_every = 10  # steps between noise-scale readings
     return c

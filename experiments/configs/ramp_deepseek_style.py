@@ -12,11 +12,11 @@ within about 200 steps.
 
 from __future__ import annotations
 
-from experiments.configs import base
+from experiments.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}
 
 
 def get_config(arg: str = ""):
-    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
+    c = digits_ramp_base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
     return c

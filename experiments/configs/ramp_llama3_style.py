@@ -14,11 +14,11 @@ points on the S–E plane of `experiments/configs/digits_ramps.py`.
 
 from __future__ import annotations
 
-from experiments.configs import base
+from experiments.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}
 
 
 def get_config(arg: str = ""):
-    c = base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
+    c = digits_ramp_base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
     return c

@@ -1,0 +1,125 @@
+"""The import rule of docs/design.md: layers import only lower layers, no cycles.
+
+Every module under cbs/ is parsed (not imported); imports inside functions count too, since
+a deferred import is still a dependency and a deferred cycle still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "cbs"
+ALIASES = {"noise", "curvature", "fit", "schedules", "train", "report"}
+ALLOWED = {  # package -> packages it may import (besides itself)
+    "stats": set(),
+    "data": set(),
+    "results": set(),
+    "models": {"stats"},
+    "analysis": {"results"},
+    "engine": {"stats", "data", "results", "models"},
+    "sweeps": {"stats", "data", "results", "models", "analysis", "engine"},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The cbs modules that `path` imports (a name imported from a package counts as the
+    submodule when there is one, else as the package)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "cbs"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "cbs":
+                continue
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if sub in known else node.module)
+    return out
+
+
+def _package(module: str) -> str | None:
+    """"stats" for cbs.stats.noise; None for cbs itself and the top-level aliases."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(p, set(modules)) for m, p in modules.items()}
+
+
+def test_every_package_is_known_and_every_alias_is_an_alias():
+    modules = _modules()
+    packages = {m.split(".")[1] for m in modules if m.count(".") >= 1}
+    top_level = {m.split(".")[1] for m in modules if m.count(".") == 1
+                 and not (ROOT / m.split(".")[1]).is_dir()}
+    assert top_level == ALIASES, "a new top-level module: put it in a layer package"
+    assert packages - ALIASES == set(ALLOWED)
+    for name in ALIASES:  # an alias is the real module, not a copy of it
+        source = (ROOT / f"{name}.py").read_text()
+        assert "sys.modules[__name__] = _module" in source
+
+
+def test_layers_import_only_lower_layers():
+    bad = []
+    for module, imported in _graph().items():
+        pkg = _package(module)
+        if pkg is None:
+            continue
+        for target in imported:
+            tpkg = _package(target)
+            if target.split(".")[1:2] and target.split(".")[1] in ALIASES and tpkg is None:
+                bad.append(f"{module} imports the public alias {target}")
+            elif tpkg is not None and tpkg != pkg and tpkg not in ALLOWED[pkg]:
+                bad.append(f"{module} ({pkg}) imports {target} ({tpkg})")
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if t not in graph or t == m or _is_parent(t, m):
+                continue
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def _is_parent(package: str, module: str) -> bool:
+    """A module importing its own package's names (its __init__) is not a cycle of modules."""
+    return module.startswith(package + ".")
+
+
+def test_the_checker_finds_a_violation(tmp_path):
+    """The rule can fail: an upward import is caught."""
+    f = tmp_path / "bad.py"
+    f.write_text("from cbs.engine import trainer\nimport cbs.noise\n")
+    found = _imports(f, {"cbs.engine.trainer", "cbs.noise"})
+    assert found == {"cbs.engine.trainer", "cbs.noise"}
+    assert "engine" not in ALLOWED["stats"] and "sweeps" not in ALLOWED["engine"]
