@@ -61,7 +61,7 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
         c.batch.micro_batch = b
         c.batch.schedule = ml_collections.ConfigDict({"kind": "constant", "batch_size": b})
         c.noise.every, c.noise.batch_size = 0, 0
-        config_lib.validate(c, data_replicas=1, model_names=models.MODEL_NAMES,
+        config_lib.validate(c, data_replicas=1, model_names=models.model_names(),
                             dataset_names=data.known_datasets())
     return trials
 
