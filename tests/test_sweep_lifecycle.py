@@ -60,25 +60,29 @@ def test_redefine_extends_the_grid_and_keeps_finished_trials(tmp_path):
 
 
 def test_learning_rates_extend_past_the_edge_resumably(tmp_path):
-    # A grid far below the optimum: the best rate is the largest at every batch size until
-    # the extension rounds (two, one rate each) carry it up.
-    c = _tiny(base_lr=1e-4, lr_factors=(1.0, 2.0), extend_lr_rounds=2, targets=(2.0,),
-              max_steps=40)
+    # One learning rate per batch size is at both edges of its grid: the first round adds
+    # 2η; if 2η is best it is again the largest and the round limit (one step per side)
+    # leaves it at an edge, else η is the smallest and η/2 is added below.
+    c = _tiny(lr_factors=(1.0,), extend_lr_rounds=1, targets=(1.5,))
     d = str(tmp_path)
     results = launch.run_sweep(c, d, log=_quiet)
     base = grid.make_trials(c.sweep)
-    added = [r for r in results if r.index >= len(base)]
-    assert {r.batch_size for r in added} == {8, 32}
-    for b in (8, 32):
-        lrs = sorted(r.learning_rate for r in results if r.batch_size == b)
-        top = max(t.learning_rate for t in base if t.batch_size == b)
-        assert lrs[-2:] == pytest.approx([2 * top, 4 * top])  # factor 2 past the edge, twice
+    assert all(r.index >= len(base) for r in results[len(base):])
+    for t in base:
+        lrs = sorted(r.learning_rate for r in results if r.batch_size == t.batch_size)
+        x = t.learning_rate
+        assert lrs in ([pytest.approx(x), pytest.approx(2 * x)],
+                       [pytest.approx(x / 2), pytest.approx(x), pytest.approx(2 * x)])
     assert launch.run_sweep(c, d, log=_quiet) == []  # resumable: nothing left to do
     analysis = report.analyze(d, bootstrap=0, write=False)
     assert analysis["complete"] and analysis["num_trials"] == len(results)
-    text = open(report.write_report(d, bootstrap=0)).read()
-    assert "interpolated linearly in log loss" in text
-    assert "still at an edge of the grid at B = 8, 32" in text  # the limit was reached
+    text = open(report.write_report(d, bootstrap=0, partial=False)).read()
+    assert "interpolated linearly in log loss" in text and "## Learning-rate grid" in text
+    best = {b: lr for b, lr in zip(analysis["targets"][0]["batch_sizes"],
+                                   analysis["targets"][0]["learning_rates"], strict=True)}
+    tried = {b: [r.learning_rate for r in results if r.batch_size == b] for b in best}
+    at_edge = [b for b in best if best[b] in (min(tried[b]), max(tried[b]))]
+    assert analysis["targets"][0]["edge_batch_sizes"] == pytest.approx(at_edge)
 
 
 def test_partial_sweep_is_refused_or_marked(tmp_path):

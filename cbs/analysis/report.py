@@ -10,6 +10,12 @@ batch-size ramps were run beside it); needs no model. For each target loss L:
    averages (`cbs.analysis.fit.noise_scale_at_crossing`), then the median over batch sizes.
 
 Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.analysis.fit.fit_power_law`).
+
+The grid is checked against sweep.json (`cbs.analysis.edges.grid_status`): trials without a
+record are counted per batch size, fits from an incomplete grid are marked, and
+`write_report` refuses a partial sweep unless asked for a report headed as partial. Per
+target the report lists the batch sizes whose best learning rate is still at an edge of the
+(extended) grid or at its cap, and marks a B_crit outside the batch sizes fitted.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ The sweep is declared in the config next to the base run (`config.sweep`, see
 (`sweep.learning_rates`) or centred on a scaling rule from a base learning rate:
 η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear), 1/2 (sqrt) or 0.
 
+When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
+rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
+rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.edges`).
+
 The sweep directory's files are `cbs.results.store`.
 """
 

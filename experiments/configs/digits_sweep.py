@@ -33,7 +33,8 @@ def get_config(arg: str = ""):
     s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
     s.lr_factors = (0.5, 1.0, 2.0, 4.0)  # factor-2 grid, one step below and two above
-    s.max_lr = 0.03  # Adam above this diverges on this model
+    s.max_lr = 0.1  # cap on any rate; divergence, not the cap, bounds the grid from above
+    s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum, one per round
     s.seeds = (0,)  # one seed per (B, η)
     s.targets = (0.5, 0.3, 0.2, 0.1, 0.05)  # full training-set cross-entropy (nats)
     s.target_metric = "full_train/loss"  # exact loss over all 1438 training examples
@@ -52,4 +53,5 @@ def get_config(arg: str = ""):
         s.evals_per_trial = 6  # six evaluations
         s.noise_batch_size = 64  # small measurements
         s.checkpoint_every_evals = 2  # exercise checkpoints
+        s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)
     return c
