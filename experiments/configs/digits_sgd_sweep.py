@@ -25,7 +25,7 @@ def get_config(arg: str = ""):
     s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
     s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 2.0  # SGD above this diverges on this model
-    s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
+    s.extend_lr_rounds = 5  # up to five factor-2 steps past an edge optimum
     if "tiny" in base.parse_arg(arg):
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.extend_lr_rounds = 0  # no extension (tests)
