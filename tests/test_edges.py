@@ -129,3 +129,22 @@ def test_grid_status_counts_missing_trials_and_ignores_foreign_records():
     assert status["num_missing"] == 3
     old = edges.grid_status({"sweep": sweep.to_dict()}, partial)
     assert not old["known"] and old["complete"]
+
+
+def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
+    from cbs.analysis import report
+
+    fit_ok = {"status": "ok", "b_crit": 3.0, "b_crit_ci": [2.0, 4.0], "s_min": 10.0,
+              "e_min": 30.0, "warnings": []}
+    target = {"target": 0.5, "fit": fit_ok, "measured_b_simple": 5.0,
+              "measured_b_noise": float("nan"), "batch_sizes": [8.0, 16.0, 32.0],
+              "b_crit_extrapolated": True, "incomplete_batch_sizes": [16.0],
+              "edge_batch_sizes": [8.0], "capped_batch_sizes": [32.0]}
+    analysis = {"targets": [target], "power_law": {"status": "insufficient data"},
+                "tokens_per_example": 32}
+    row = report.summary_table(analysis).splitlines()[2]
+    assert "3 (2–4) (extrapolated)" in row and "ok, incomplete grid" in row
+    notes = report._grid_notes(analysis)
+    assert "still at an edge of the grid at B = 8" in notes[0]
+    assert "cap at B = 32" in notes[1]
+    assert "| 0.5 | 3 (extrapolated) | 96 | 64–128 |" in report.kaplan_table(analysis)
