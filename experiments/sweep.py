@@ -4,10 +4,14 @@
     python -m experiments.sweep --config=...:tiny --sweep_dir=/tmp/s --config.sweep.seeds=0,1
     python -m experiments.sweep --config=... --sweep_dir=DIR --shard=3/8 --noanalyze  # array job
 
-Re-running the same command skips finished trials and resumes unfinished ones from their
-checkpoints; with --shard=i/n only trial indices ≡ i (mod n) run, so n copies of the command
-(Slurm array, Kubernetes indexed job, ...) cover the sweep. Run `experiments.analyze` once
-they are all done. Files: see `cbs.sweeps.grid`.
+The config is validated before anything is written. Re-running the same command skips
+finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only
+trial indices ≡ i (mod n) run, so n copies of the command (Slurm array, Kubernetes indexed
+job, ...) cover the sweep; learning rates added past edge optima (`sweep.extend_lr_rounds`)
+may need the shards run a second time. Run `experiments.analyze` once they are all done.
+--redefine changes the grid of an existing directory, keeping the finished trials still in
+it. Two launchers on one directory share its groups of trials. Files: see
+`cbs.results.store`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ _SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the trials: 
 _ANALYZE = flags.DEFINE_bool("analyze", True, "Fit and write the report after the trials "
                              "(needs every trial finished; off for shards).")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
+_REDEFINE = flags.DEFINE_bool("redefine", False, "Accept a changed grid (batch sizes, learning "
+                              "rates, seeds, extension rules) for an existing --sweep_dir; "
+                              "finished trials still in the grid are kept.")
 flags.mark_flags_as_required(["config", "sweep_dir"])
 
 
@@ -36,7 +43,8 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     start = time.perf_counter()
-    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value, shard=_SHARD.value)
+    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value, shard=_SHARD.value,
+                     redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
         path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value)

@@ -163,21 +163,27 @@ def test_power_law_insufficient_and_flat():
 
 # ---------------------------------------------------------------- helpers
 
-def test_steps_to_target_interpolation_exact_on_linear_data():
-    steps = np.arange(0, 1001, 10)
-    loss = 1.0 - 1e-3 * steps
-    assert fit.steps_to_target(steps, loss, 0.5234) == pytest.approx(476.6, abs=1e-9)
-    assert fit.steps_to_target(steps, loss, 0.5234, interpolate=False) == 480.0
-    assert fit.steps_to_target(steps, loss, 0.5) == pytest.approx(500.0, abs=1e-9)
+def test_steps_to_target_interpolation_exact_on_exponential_decay():
+    # Crossings are interpolated in log loss: exact for L(s) = exp(−s/300) between any two
+    # evaluations, however far apart.
+    steps = np.arange(0, 1001, 40)
+    loss = np.exp(-steps / 300.0)
+    for target in (0.5234, 0.2, 0.05):
+        assert fit.steps_to_target(steps, loss, target) == pytest.approx(
+            -300.0 * math.log(target), abs=1e-9)
+    assert fit.steps_to_target(steps, loss, 0.5234, interpolate=False) == 200.0
     assert fit.steps_to_target(steps, loss, 2.0) == 0.0
-    assert fit.steps_to_target(steps, loss, -0.1) is None
+    assert fit.steps_to_target(steps, loss, 0.01) is None  # exp(−1000/300) ≈ 0.036
 
 
-def test_steps_to_target_first_crossing_and_nan():
+def test_steps_to_target_first_crossing_nan_and_nonpositive():
     steps = [0, 10, 20, 30, 40]
     loss = [1.0, 0.4, 0.8, 0.2, float("nan")]
-    assert fit.steps_to_target(steps, loss, 0.5) == pytest.approx(10 * 0.5 / 0.6)
+    assert fit.steps_to_target(steps, loss, 0.5) == pytest.approx(
+        10 * math.log(2.0) / math.log(2.5))
     assert fit.steps_to_target(steps, [1.0, float("nan"), float("nan")], 0.5) is None
+    # A metric that can reach zero or below is interpolated linearly.
+    assert fit.steps_to_target([0, 10], [1.0, -1.0], 0.0) == pytest.approx(5.0)
 
 
 def test_best_per_batch_size():

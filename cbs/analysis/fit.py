@@ -424,9 +424,12 @@ def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: flo
                     interpolate: bool = True) -> float | None:
     """First step at which the loss reaches `target` (≤), or None if it never does.
 
-    With `interpolate`, linear interpolation between the last evaluation above the target and
-    the first at or below it. Non-finite losses count as not reached. `steps` may equally be
-    examples seen.
+    With `interpolate`, the crossing is interpolated linearly in log loss between the last
+    evaluation above the target and the first at or below it (exact when the loss decays
+    exponentially between evaluations, as it roughly does late in training; linear in the
+    loss itself would place every crossing late on a convex curve). Falls back to linear in
+    the loss when a value is not positive. Non-finite losses count as not reached. `steps`
+    may equally be examples seen.
     """
     x = np.asarray(steps, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
@@ -437,6 +440,8 @@ def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: flo
     if i == 0 or not interpolate or not np.isfinite(y[i - 1]):
         return float(x[i])
     x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+    if min(y0, y1, target) > 0:
+        y0, y1, target = np.log(y0), np.log(y1), np.log(target)
     return float(x0 + (y0 - target) * (x1 - x0) / (y0 - y1))
 
 

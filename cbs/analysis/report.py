@@ -10,6 +10,12 @@ batch-size ramps were run beside it); needs no model. For each target loss L:
    averages (`cbs.analysis.fit.noise_scale_at_crossing`), then the median over batch sizes.
 
 Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.analysis.fit.fit_power_law`).
+
+The grid is checked against sweep.json (`cbs.analysis.edges.grid_status`): trials without a
+record are counted per batch size, fits from an incomplete grid are marked, and
+`write_report` refuses a partial sweep unless asked for a report headed as partial. Per
+target the report lists the batch sizes whose best learning rate is still at an edge of the
+(extended) grid or at its cap, and marks a B_crit outside the batch sizes fitted.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import fit, plots
+from cbs.analysis import edges, fit, plots
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, target_key
 
@@ -39,8 +45,13 @@ def _median(values: Sequence[float | None]) -> float:
 
 
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
-                   bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Best learning rate per batch size, the trade-off fit and the measured noise at L."""
+                   bootstrap: int = 1000, seed: int = 0, grid: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """Best learning rate per batch size, the trade-off fit and the measured noise at L.
+
+    grid: `cbs.analysis.edges.grid_status` of the sweep, for the batch sizes with missing
+    trials and those whose best learning rate is at the max_lr/min_lr cap.
+    """
     key = target_key(target)
     rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
              "steps": r["steps_to_target"].get(key), "record": r} for r in records]
@@ -54,12 +65,20 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
                                for r in best_records]) for name in ("b_simple", "b_noise")}
     unreached = sorted({(r["batch_size"], r["learning_rate"], r["status"])
                         for r in (u["record"] for u in best.unreached)})
+    key_edges = {b: e.get(key) for b, e in (grid or {}).get("edges", {}).items()}
+    fitted = [float(b) for b in best.batch_sizes]
+    extrapolated = tradeoff.ok and fitted and not min(fitted) <= tradeoff.b_crit <= max(fitted)
     return {
         "target": float(target), "fit": tradeoff,
+        "incomplete_batch_sizes": [float(b) for b in sorted((grid or {}).get("missing", {}))],
+        "capped_batch_sizes": [float(b) for b in best.edge_batch_sizes
+                               if key_edges.get(int(b)) == edges.CAPPED],
+        "b_crit_extrapolated": bool(extrapolated),
         "batch_sizes": best.batch_sizes.tolist(), "steps": best.steps.tolist(),
         "examples": best.examples.tolist(), "learning_rates": best.learning_rates.tolist(),
         "missing_batch_sizes": [float(b) for b in best.missing_batch_sizes],
-        "edge_batch_sizes": [float(b) for b in best.edge_batch_sizes],
+        "edge_batch_sizes": [float(b) for b in best.edge_batch_sizes
+                             if key_edges.get(int(b)) != edges.CAPPED],
         "unreached": [{"batch_size": b, "learning_rate": lr, "status": s}
                       for b, lr, s in unreached],
         "measured_b_simple": measured["b_simple"], "measured_b_noise": measured["b_noise"],
@@ -78,20 +97,26 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
     """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
-    records = store.records()
+    grid = edges.grid_status(definition, store.records())
+    records = grid["records"]
     if not records:
         raise ValueError(f"{sweep_dir} has no finished trials ({store.path} is empty); run "
                          "the sweep first: python -m experiments.sweep --config=... "
                          f"--sweep_dir={sweep_dir}")
     targets = definition.get("sweep", {}).get("targets") or sorted(
         {float(k) for r in records for k in r["steps_to_target"]}, reverse=True)
-    per_target = [analyze_target(records, t, bootstrap=bootstrap, seed=seed) for t in targets]
+    per_target = [analyze_target(records, t, bootstrap=bootstrap, seed=seed, grid=grid)
+                  for t in targets]
     ok = [t for t in per_target if t["fit"].ok]
     power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
                                   bootstrap=bootstrap, seed=seed)
     analysis = {"sweep_dir": sweep_dir, "num_trials": len(records),
                 "statuses": dict(collections.Counter(r["status"] for r in records)),
                 "target_metric": records[0]["target_metric"],
+                "complete": grid["complete"], "grid_known": grid["known"],
+                "num_expected": grid["num_expected"], "num_missing": grid["num_missing"],
+                "missing_per_batch_size": {str(b): n for b, n in grid["missing"].items()},
+                "tokens_per_example": _tokens_per_example(definition),
                 "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict()}
     if write:
@@ -100,19 +125,53 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit per target with its interval beside the measured noise scales."""
+    """Markdown: B_crit per target with its interval beside the measured noise scales.
+
+    A B_crit outside the batch sizes fitted is marked "(extrapolated)"; a fit from a grid with
+    missing trials has status "ok, incomplete grid".
+    """
     lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L | B_noise at L "
              "| batch sizes fitted | status |", "|---|---|---|---|---|---|---|---|"]
     for t in analysis["targets"]:
         f = t["fit"]
+        status = f["status"]
         if f["status"] == fit.OK:
             lo, hi = f["b_crit_ci"] if f["b_crit_ci"] else (None, None)
             ci = f" ({_g(lo)}–{_g(hi)})" if lo is not None else ""
-            row = [_g(f["b_crit"]) + ci, _g(f["s_min"]), _g(f["e_min"])]
+            mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
+            row = [_g(f["b_crit"]) + ci + mark, _g(f["s_min"]), _g(f["e_min"])]
+            if t.get("incomplete_batch_sizes"):
+                status += ", incomplete grid"
         else:
             row = ["–", "–", "–"]
         lines.append(f"| {t['target']:g} | " + " | ".join(row) + f" | {_g(t['measured_b_simple'])}"
-                     f" | {_g(t['measured_b_noise'])} | {len(t['batch_sizes'])} | {f['status']} |")
+                     f" | {_g(t['measured_b_noise'])} | {len(t['batch_sizes'])} | {status} |")
+    return "\n".join(lines)
+
+
+def kaplan_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit(L) in examples and in tokens (examples × tokens per example), and the
+    power law beside Kaplan et al. 2020 (α_B ≈ 0.21, B* ≈ 2·10⁸ tokens, loss in nats per
+    BPE token of WebText2; here nats per token of this dataset, so B* is not comparable as
+    is, α_B is the shape of the trend)."""
+    tokens = analysis.get("tokens_per_example") or 1
+    lines = ["| target L | B_crit (sequences) | B_crit (tokens) | 95% CI (tokens) |",
+             "|---|---|---|---|"]
+    for t in analysis["targets"]:
+        f = t["fit"]
+        if f["status"] != fit.OK:
+            lines.append(f"| {t['target']:g} | – | – | – |")
+            continue
+        lo, hi = f["b_crit_ci"] or (None, None)
+        ci = f"{_g(lo * tokens)}–{_g(hi * tokens)}" if lo is not None else "–"
+        mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
+        lines.append(f"| {t['target']:g} | {_g(f['b_crit'])}{mark} | "
+                     f"{_g(f['b_crit'] * tokens)} | {ci} |")
+    pl = analysis["power_law"]
+    if pl["status"] == fit.OK:
+        lines += ["", "| | this sweep | Kaplan et al. 2020 |", "|---|---|---|",
+                  f"| α_B | {_g(pl['alpha_b'])} ({_ci(pl['alpha_b_ci'])}) | ≈ 0.21 |",
+                  f"| B* (tokens) | {_g(pl['b_star'] * tokens)} | ≈ 2·10⁸ |"]
     return "\n".join(lines)
 
 
@@ -176,25 +235,44 @@ def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
     return figs
 
 
-def write_report(sweep_dir: str, *, bootstrap: int = 1000) -> str:
-    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`."""
+def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False) -> str:
+    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`.
+
+    Refuses (ValueError) a sweep whose grid has trials without records, naming how many per
+    batch size; with `partial` it writes the report anyway, headed as partial, with every fit
+    from an incomplete grid marked.
+    """
     analysis = analyze(sweep_dir, bootstrap=bootstrap)
+    if not analysis["complete"] and not partial:
+        raise ValueError(f"{sweep_dir} is incomplete: {_missing_text(analysis)}; finish it "
+                         "(rerun the sweep command, every shard) or pass --partial for a "
+                         "report marked partial")
     figs = make_figures(sweep_dir, analysis)
-    lines = [f"# Critical batch size report: `{sweep_dir}`", "",
-             f"{analysis['num_trials']} trials ({_fmt_counts(analysis['statuses'])}); "
-             f"progress metric `{analysis['target_metric']}`.", "",
-             "## B_crit per target", "",
-             "S = S_min + E_min/B fitted to the best learning rate at each batch size "
-             "(McCandlish et al. 2018); B_crit = E_min/S_min with a 95% bootstrap-t interval. "
-             "B_simple and B_noise: the noise scale measured when the best trials passed "
-             "the target (ratio of window averages, median over batch sizes).", "",
-             summary_table(analysis), ""]
+    lines = [f"# Critical batch size report: `{sweep_dir}`", ""]
+    if not analysis["complete"]:
+        lines += [f"**PARTIAL SWEEP, not a final result: {_missing_text(analysis)}.** Fits "
+                  "marked \"incomplete grid\" may change when the missing trials finish.", ""]
+    lines += [f"{analysis['num_trials']} trials ({_fmt_counts(analysis['statuses'])}); "
+              f"progress metric `{analysis['target_metric']}`.", "",
+              "## B_crit per target", "",
+              "S = S_min + E_min/B fitted to the best learning rate at each batch size "
+              "(McCandlish et al. 2018); B_crit = E_min/S_min with a 95% bootstrap-t interval. "
+              "S is the first crossing of the target, interpolated linearly in log loss "
+              "between evaluations. B_simple and B_noise: the noise scale measured when the "
+              "best trials passed the target (ratio of window averages, median over batch "
+              "sizes). \"(extrapolated)\": B_crit lies outside the batch sizes fitted.", "",
+              summary_table(analysis), ""]
     pl = analysis["power_law"]
     if pl["status"] == fit.OK:
         lines += [f"Power law (Kaplan et al. 2020): B_crit(L) = {_g(pl['b_star'])} / "
                   f"L^(1/{_g(pl['alpha_b'])}), α_B 95% CI {_ci(pl['alpha_b_ci'])}.", ""]
     else:
         lines += [f"Power law B_crit(L): {pl['status']} (needs ≥ 3 targets with a fit).", ""]
+    if analysis.get("tokens_per_example"):
+        lines += ["## In tokens, beside Kaplan et al. 2020", "",
+                  f"{analysis['tokens_per_example']} tokens per sequence.", "",
+                  kaplan_table(analysis), ""]
+    lines += ["## Learning-rate grid", "", *(f"- {n}" for n in _grid_notes(analysis)), ""]
     notes = _notes(analysis)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
@@ -209,6 +287,34 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000) -> str:
         fh.write("\n".join(lines))
     os.replace(tmp, path)
     return path
+
+
+def _missing_text(analysis: dict[str, Any]) -> str:
+    per_b = ", ".join(f"B={b}: {n}" for b, n in analysis["missing_per_batch_size"].items())
+    return (f"{analysis['num_missing']} of at least {analysis['num_expected']} trials have no "
+            f"record ({per_b})")
+
+
+def _grid_notes(analysis: dict[str, Any]) -> list[str]:
+    """Per target, the batch sizes whose best learning rate is still at an edge or capped."""
+    out = []
+    for t in analysis["targets"]:
+        edge, capped = t["edge_batch_sizes"], t.get("capped_batch_sizes", [])
+        if not edge and not capped:
+            out.append(f"L={t['target']:g}: the best learning rate is inside the grid at every "
+                       "batch size that reached the target.")
+            continue
+        if edge:
+            out.append(f"L={t['target']:g}: best learning rate still at an edge of the grid at "
+                       f"B = {_bs(edge)} (S there is an upper bound).")
+        if capped:
+            out.append(f"L={t['target']:g}: best learning rate at the max_lr/min_lr cap at "
+                       f"B = {_bs(capped)}.")
+    return out
+
+
+def _bs(values: Sequence[float]) -> str:
+    return ", ".join(f"{b:g}" for b in values)
 
 
 def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str:
@@ -238,6 +344,12 @@ def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
     return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"
 
 
+def _tokens_per_example(definition: dict[str, Any]) -> int | None:
+    """Tokens per example of a sequence dataset (its seq_len option), else None."""
+    options = definition.get("config", {}).get("data", {}).get("options", {})
+    return int(options["seq_len"]) if options.get("seq_len") else None
+
+
 def _ci(ci) -> str:
     return "–" if not ci else f"{_g(ci[0])}–{_g(ci[1])}"
 
@@ -253,9 +365,9 @@ def _notes(analysis: dict[str, Any]) -> list[str]:
             notes.append(f"L={t['target']:g}: no learning rate reached the target at B = "
                          f"{', '.join(f'{b:g}' for b in t['missing_batch_sizes'])} "
                          "(excluded from the fit).")
-        if t["edge_batch_sizes"]:
-            notes.append(f"L={t['target']:g}: the best learning rate is at the edge of the "
-                         f"grid for B = {', '.join(f'{b:g}' for b in t['edge_batch_sizes'])}.")
+        if t.get("incomplete_batch_sizes"):
+            notes.append(f"L={t['target']:g}: fit from an incomplete grid (trials missing at "
+                         f"B = {_bs(t['incomplete_batch_sizes'])}).")
         notes += [f"L={t['target']:g}: {w}" for w in t["fit"].get("warnings", [])]
     return notes
 

@@ -2,13 +2,16 @@
 
 Files in a sweep directory (all appended or replaced atomically; analysis reads only these):
 
-- `sweep.json`: the sweep definition and base config of the first launch;
+- `sweep.json`: the sweep definition, base config and base trial grid ("trials"), written
+  once the config has been validated (a later launch must match it, or pass `redefine`);
 - `trials.jsonl`: one complete record per finished trial (see `TrialResult`); a record is
   written once, in one `write`, after the trial's last checkpoint; re-running skips it. A
   torn last line is cut off before the next append and a corrupt line is skipped with a
   warning naming its line (`cbs.results.records`): its trial counts as unfinished and reruns;
 - `trials.csv`: the same records flattened to one row per (trial, target);
-- `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl).
+- `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl);
+- `locks/`: one lock file per group of trials; a launcher holds it (fcntl) while it runs the
+  group, so concurrent launchers into one directory share the work instead of repeating it.
 
 Nothing is created until something is written, so a command that fails before its first
 record leaves no directory behind.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -29,6 +33,9 @@ from cbs.results import records as metrics
 TRIALS_FILE = "trials.jsonl"
 CSV_FILE = "trials.csv"
 SWEEP_FILE = "sweep.json"
+GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
+               "lr_factors", "max_lr", "min_lr", "seeds", "extend_lr_rounds",
+               "extend_lr_count")
 
 
 @dataclasses.dataclass
@@ -86,18 +93,53 @@ class SweepStore:
         """The run directory of a trial (anything with a `trial_id`)."""
         return os.path.join(self.sweep_dir, "trials", trial.trial_id)
 
-    def write_definition(self, definition: dict[str, Any]) -> None:
-        """Keeps the first launch's definition; a later launch must match it."""
+    def write_definition(self, definition: dict[str, Any], *, redefine: bool = False) -> None:
+        """Keeps the first launch's definition; a later launch must match it.
+
+        With `redefine`, a definition that changes only the grid (`GRID_FIELDS`: batch sizes,
+        learning rates, seeds, extension rules) replaces it; finished trials that are still
+        in the new grid keep their records, the others are ignored by the analysis. Any other
+        change (model, budget, targets, ...) needs a new directory: its records would not mean
+        the same thing.
+        """
         path = os.path.join(self.sweep_dir, SWEEP_FILE)
         previous = metrics.read_json(path)
-        if previous is None:
-            self._makedirs()
-            metrics.write_json_atomic(path, definition)
+        plain = json.loads(json.dumps(definition))
+        if previous is None or previous.get("sweep") == plain.get("sweep"):
+            if previous is None or "trials" not in previous:
+                self._makedirs()
+                metrics.write_json_atomic(path, plain)
             return
-        if previous.get("sweep") != json.loads(json.dumps(definition.get("sweep"))):
+        if not redefine:
             raise ValueError(
-                f"{path} holds a different sweep definition; use a new --sweep_dir, or "
-                "rerun the original command to resume it.")
+                f"{path} holds a different sweep definition; rerun the original command to "
+                "resume it, pass --redefine to change its grid, or use a new --sweep_dir.")
+        changed = sorted(_changed_fields(previous, plain) - set(GRID_FIELDS))
+        if changed:
+            raise ValueError(
+                f"--redefine changes only the grid ({', '.join(GRID_FIELDS)}); this config "
+                f"also changes {', '.join(changed)}: use a new --sweep_dir.")
+        metrics.write_json_atomic(path, plain)
+
+    def claim(self, name: str, *, wait: bool = False) -> int | None:
+        """Takes the lock `locks/<name>.lock` (fcntl, released by `release` or when the
+        process ends, kill -9 included); returns its descriptor, or None when another process
+        holds it and `wait` is False."""
+        lock_dir = os.path.join(self.sweep_dir, "locks")
+        os.makedirs(lock_dir, exist_ok=True)
+        fd = os.open(os.path.join(lock_dir, f"{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        """Releases a lock taken by `claim`."""
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
     def definition(self) -> dict[str, Any] | None:
         return metrics.read_json(os.path.join(self.sweep_dir, SWEEP_FILE))
@@ -133,6 +175,25 @@ class SweepStore:
             writer.writerows(rows)
         os.replace(tmp, path)
         return path
+
+
+def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
+    """Sweep fields (by name) and other config fields (dotted) that differ."""
+    old_sweep, new_sweep = old.get("sweep", {}), new.get("sweep", {})
+    out = {k for k in set(old_sweep) | set(new_sweep) if old_sweep.get(k) != new_sweep.get(k)}
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        items = {}
+        for k, v in d.items():
+            if prefix or k != "sweep":
+                items |= flat(v, f"{prefix}{k}.")
+        return items
+
+    a, b = flat(old.get("config", {})), flat(new.get("config", {}))
+    out |= {f"config.{k.rstrip('.')}" for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    return out
 
 
 def _csv_rows(records: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:

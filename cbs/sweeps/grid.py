@@ -11,6 +11,10 @@ The sweep is declared in the config next to the base run (`config.sweep`, see
 (`sweep.learning_rates`) or centred on a scaling rule from a base learning rate:
 η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear), 1/2 (sqrt) or 0.
 
+When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
+rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
+rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.edges`).
+
 The sweep directory's files are `cbs.results.store`.
 """
 
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import ml_collections
 
+from cbs.analysis import edges
 from cbs.engine import schedules
 
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
@@ -35,7 +41,10 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.base_batch_size = 64  # batch size at which base_lr is right (examples)
     s.lr_rule = "sqrt"  # how the grid centre moves with B: "none", "sqrt" or "linear"
     s.lr_factors = (0.5, 1.0, 2.0)  # multiplicative grid around the centre (factor 2)
-    s.max_lr = 0.0  # cap on any learning rate in the grid (0 = no cap)
+    s.max_lr = 0.0  # cap on any learning rate in the grid and its extensions (0 = no cap)
+    s.min_lr = 0.0  # floor on the learning rates added below the grid (0 = none)
+    s.extend_lr_rounds = 0  # rounds of factor-2 rates added past an edge best rate (0 = off)
+    s.extend_lr_count = 1  # rates added past an edge per round (each a factor 2 further)
     s.seeds = (0,)  # training seeds (init and data order) per (B, lr)
     s.targets = (0.5, 0.2, 0.1)  # target values of the progress metric (loss, nats)
     s.target_metric = "full_train/loss"  # "full_train/loss", "eval/loss" or "train/loss_ema"
@@ -119,6 +128,14 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("noise_curvature_batch_size", "needs >= 2 examples (or 0 = off)")
     if sweep.noise_curvature_batch_size and sweep.get("noise_hessian_batch_size", 1) < 1:
         fail("noise_hessian_batch_size", "must be >= 1 when noise_curvature_batch_size > 0")
+    if sweep.max_lr < 0 or sweep.min_lr < 0:
+        fail("max_lr", "learning-rate cap and floor must be >= 0 (0 = none)")
+    if sweep.max_lr and sweep.min_lr > sweep.max_lr:
+        fail("min_lr", f"is above max_lr ({sweep.min_lr} > {sweep.max_lr})")
+    if sweep.extend_lr_rounds < 0:
+        fail("extend_lr_rounds", f"must be >= 0, got {sweep.extend_lr_rounds}")
+    if sweep.extend_lr_count < 1:
+        fail("extend_lr_count", f"must be >= 1, got {sweep.extend_lr_count}")
 
 
 def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> list[float]:
@@ -143,6 +160,41 @@ def make_trials(sweep: ml_collections.ConfigDict) -> list[Trial]:
             for lr in learning_rates_for(sweep, b):
                 trials.append(Trial(len(trials), b, lr, int(seed)))
     return trials
+
+
+def trial_table(trials: Sequence[Trial]) -> list[dict[str, Any]]:
+    """The trials as JSON-ready dicts (sweep.json's "trials": the base grid)."""
+    return [dataclasses.asdict(t) | {"trial_id": t.trial_id} for t in trials]
+
+
+def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
+                ) -> list[Trial]:
+    """The base grid plus the learning rates added past edges (`cbs.analysis.edges`).
+
+    Added trials follow the base grid's indices; each has a fixed index computed from its
+    (B, seed, side, step beyond the base grid), whatever order rounds happen in, so shards
+    and reruns agree on who runs it. Records of trials outside the grid are ignored.
+    """
+    base = make_trials(sweep)
+    if not sweep.extend_lr_rounds:
+        return base
+    sweep_dict = sweep.to_dict()
+    rules = edges.extension_rules(sweep_dict)
+    steps = int(rules["steps"])
+    state = edges.sweep_grid(trial_table(base), records, sweep_dict)
+    seeds = [int(s) for s in sweep.seeds]
+    out = list(base)
+    for ib, b in enumerate(sorted(state)):
+        at_b = state[b]
+        for lr in at_b["lrs"]:
+            side, k = edges.step_of(lr, at_b["base_lrs"])
+            if side == "base":
+                continue
+            slot = k - 1 if side == edges.HIGH else steps + k - 1
+            for js, seed in enumerate(seeds):
+                index = len(base) + (ib * len(seeds) + js) * 2 * steps + slot
+                out.append(Trial(index, b, lr, seed))
+    return sorted(out, key=lambda t: t.index)
 
 
 def parse_shard(shard: str | None) -> tuple[int, int]:

@@ -2,27 +2,68 @@
 
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
-Trials are enumerated from `config.sweep` (`cbs.sweeps.grid.make_trials`); `shard="i/n"` keeps
-indices ≡ i (mod n), so the same command serves as a Slurm array task, a Kubernetes indexed
-job or a plain loop. Finished trials (records in trials.jsonl) are skipped; an unfinished one
-resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory dataset, the
-learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`) whose records
-are appended together; otherwise each trial is a `cbs.engine.trainer.run` (`cbs.sweeps.trials`).
+The config is validated in full (sweep fields, every batch size against the dataset, the run
+config of every batch size) before anything is written, so a bad config leaves the
+directory as it was. Trials are enumerated from `config.sweep` (`cbs.sweeps.grid.make_trials`)
+plus the learning rates added past edge optima (`cbs.sweeps.grid.grid_trials`, rounds until
+no best rate sits at an extendable edge); `shard="i/n"` keeps indices ≡ i (mod n), so the
+same command serves as a Slurm array task, a Kubernetes indexed job or a plain loop. An added
+trial belongs to the shard its fixed index names; a shard that finishes a round while
+another shard's trials at the same batch size are unfinished stops there, and a rerun of the
+shards continues the rounds. Finished trials (records in trials.jsonl) are skipped; an
+unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory
+dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`)
+whose records are appended together; otherwise each trial is a `cbs.engine.trainer.run`
+(`cbs.sweeps.trials`). Each group is claimed with a lock (`SweepStore.claim`): two launchers
+on one directory run different groups, and one waits for the other's before it goes on.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
-from cbs import data
+from cbs import data, models
+from cbs.engine import config as config_lib
 from cbs.results.store import SweepStore, TrialResult
-from cbs.sweeps.grid import Trial, make_trials, shard_trials
+from cbs.sweeps.grid import Trial, grid_trials, make_trials, parse_shard, shard_trials, trial_table
 from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.trials import run_trial_engine, summarize
+
+
+def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
+    """Validates the whole sweep before anything runs; returns its base trials.
+
+    Raises ValueError naming the field: the sweep section, the dataset, every batch size
+    (and the noise measurement) against the training split, and the run config at each B.
+    """
+    trials = make_trials(config.sweep)
+    if config.data.name not in data.known_datasets():
+        raise ValueError(f"config.data.name: {config.data.name!r} is not one of "
+                         f"{data.known_datasets()}")
+    ds = data.get_dataset(config.data.name, **config.data.options)
+    n = ds.num_train
+    for b in sorted({t.batch_size for t in trials}):
+        if b > n:
+            raise ValueError(f"config.sweep.batch_sizes: {b} is larger than the training split "
+                             f"of {config.data.name} ({n} examples); use batch sizes <= {n}")
+    if config.sweep.noise_batch_size > n:
+        raise ValueError(f"config.sweep.noise_batch_size: {config.sweep.noise_batch_size} is "
+                         f"larger than the training split ({n} examples)")
+    for b in sorted({t.batch_size for t in trials}):
+        c = ml_collections.ConfigDict(config.to_dict())
+        del c["sweep"]
+        c.optim.learning_rate = trials[0].learning_rate
+        c.batch.micro_batch = b
+        c.batch.schedule = ml_collections.ConfigDict({"kind": "constant", "batch_size": b})
+        c.noise.every, c.noise.batch_size = 0, 0
+        config_lib.validate(c, data_replicas=1, model_names=models.model_names(),
+                            dataset_names=data.known_datasets())
+    return trials
 
 
 def _in_memory(config: ml_collections.ConfigDict) -> bool:
@@ -32,33 +73,101 @@ def _in_memory(config: ml_collections.ConfigDict) -> bool:
 
 def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
                    shard: str | None = None) -> list[Trial]:
-    """This shard's trials without a record yet, in grid order."""
-    done = store.finished_ids()
-    return [t for t in shard_trials(make_trials(config.sweep), shard) if t.trial_id not in done]
+    """This shard's trials without a record yet, in grid order (extensions included)."""
+    records = store.records()
+    done = {r["trial_id"] for r in records}
+    return [t for t in shard_trials(grid_trials(config.sweep, records), shard)
+            if t.trial_id not in done]
 
 
 def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str | None = None,
-              log: Callable[[str], Any] = print) -> list[TrialResult]:
-    """Runs this shard's unfinished trials; returns their results (also in trials.jsonl)."""
+              redefine: bool = False, log: Callable[[str], Any] = print) -> list[TrialResult]:
+    """Runs this shard's unfinished trials, round after round of learning rates added past
+    edge optima; returns their results (also in trials.jsonl).
+
+    redefine: accept a sweep definition whose grid differs from the one in sweep_dir
+    (`SweepStore.write_definition`); finished trials still in the grid are kept.
+    """
+    base = check_config(config)
+    parse_shard(shard)
     store = SweepStore(sweep_dir)
-    store.write_definition({"sweep": config.sweep.to_dict(), "config": config.to_dict()})
-    todo = pending_trials(config, store, shard)
-    log(f"sweep {sweep_dir}: {len(todo)} trials to run"
-        + (f" (shard {shard})" if shard else ""))
+    store.write_definition({"sweep": config.sweep.to_dict(), "config": config.to_dict(),
+                            "trials": trial_table(base)}, redefine=redefine)
+    vmap = config.sweep.vmap_trials and _in_memory(config)
     results: list[TrialResult] = []
-    if config.sweep.vmap_trials and todo and _in_memory(config):
-        key = lambda t: (t.batch_size, t.seed)
-        cache: dict = {}
-        for _, group in itertools.groupby(sorted(todo, key=key), key=key):
-            out = TrialGroup(config, list(group), store, cache=cache).run()
+    cache: dict = {}
+    stuck = None
+    for round_ in itertools.count():
+        todo = pending_trials(config, store, shard)
+        ids = [t.trial_id for t in todo]
+        if not todo or ids == stuck:
+            break
+        log(f"sweep {sweep_dir}: {len(todo)} trials to run"
+            + (f" (shard {shard})" if shard else "") + (f", round {round_}" if round_ else ""))
+        ran = _run_claimed(config, store, todo, vmap, cache, log)
+        results += ran
+        waited = _wait_for_others(store)
+        stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
+    waiting = [t for t in _unfinished(config, store) if t not in shard_trials([t], shard)]
+    if waiting:
+        log(f"{len(waiting)} trials of other shards are unfinished; rerun those shards (then "
+            "this one) to finish the learning-rate extension rounds")
+    store.export_csv()
+    return results
+
+
+def _groups(todo: list[Trial], vmap: bool) -> list[list[Trial]]:
+    if not vmap:
+        return [[t] for t in todo]
+    key = lambda t: (t.batch_size, t.seed)
+    return [list(g) for _, g in itertools.groupby(sorted(todo, key=key), key=key)]
+
+
+def _claim_name(group: list[Trial]) -> str:
+    t = group[0]
+    return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in group)
+
+
+def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
+    """Runs each group this process can claim; skips groups another process is running."""
+    results: list[TrialResult] = []
+    for group in _groups(todo, vmap):
+        fd = store.claim(_claim_name(group))
+        if fd is None:
+            log(f"{_claim_name(group)}: running in another process")
+            continue
+        try:
+            done = store.finished_ids()
+            group = [t for t in group if t.trial_id not in done]  # finished meanwhile
+            if not group:
+                continue
+            if vmap:
+                out = TrialGroup(config, group, store, cache=cache).run()
+            else:
+                out = [run_trial_engine(config, group[0], store)]
             store.append(out)
             log(summarize(out))
             results += out
-    else:
-        for trial in todo:
-            out = run_trial_engine(config, trial, store)
-            store.append([out])
-            log(summarize([out]))
-            results.append(out)
-    store.export_csv()
+        finally:
+            store.release(fd)
     return results
+
+
+def _wait_for_others(store: SweepStore) -> bool:
+    """Waits until no other process holds a group of this sweep; True if one did."""
+    lock_dir = os.path.join(store.sweep_dir, "locks")
+    held = False
+    for fname in sorted(os.listdir(lock_dir)) if os.path.isdir(lock_dir) else []:
+        name = fname.removesuffix(".lock")
+        fd = store.claim(name)
+        if fd is None:
+            held = True
+            fd = store.claim(name, wait=True)
+        store.release(fd)
+    return held
+
+
+def _unfinished(config, store) -> list[Trial]:
+    records = store.records()
+    done = {r["trial_id"] for r in records}
+    return [t for t in grid_trials(config.sweep, records) if t.trial_id not in done]
