@@ -30,11 +30,12 @@ from cbs.models.losses import (
     per_example_loss,
     split_model,
 )
+from cbs.models.lm import LM, LM_SIZES
 from cbs.models.mlp import MLP
 from cbs.models.transformer import POSITIONS, SIZES, TransformerLM
 
 __all__ = [
-    "CNN", "MLP", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM",
+    "CNN", "LM", "LM_SIZES", "MLP", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM",
     "build_model", "couples_examples", "cross_entropy", "default_model_config", "make_eval_fn",
     "make_loss_fn", "model_summary", "param_count", "per_example_loss", "register",
     "registry", "split_model",
