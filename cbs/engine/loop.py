@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from cbs.engine import checkpoint, schedules, writer
+from cbs.engine import checkpoint, schedules, throughput, writer
 from cbs.results import records as metrics
 
 StopFn = Callable[[int, dict[str, Any]], bool]
@@ -66,6 +66,7 @@ class Loop:
         self.trainer, self.config, self.stop_fn = trainer, trainer.config, stop_fn
         self.workdir = trainer.workdir
         self.primary = jax.process_index() == 0
+        self.perf = throughput.for_trainer(trainer)  # perf hook (cbs.engine.throughput)
         self.pending: list[_Pending] = []
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
@@ -155,6 +156,7 @@ class Loop:
             records.append(rec)
             if bad is not None:
                 break
+        self.perf.annotate(records)  # perf hook: perf/* and data/tokens_seen when enabled
         self.writer.write(records)
         if self.stop_fn is not None:
             for rec in records:
@@ -186,6 +188,7 @@ class Loop:
         a = tr.accum_steps(b)
         inputs = tr.inputs(self.e, b)
         measured = None
+        self.perf.at_step(self.t)  # perf hook: profiler trace window
         if c.noise.every and not c.noise.in_step and self.t % c.noise.every == 0:
             self.state, measured = tr.step.measure_now(self.state, inputs, a)
         self.state, step_metrics = tr.step(self.state, inputs, a)
@@ -254,6 +257,7 @@ class Loop:
                 raise DivergedError(message, summary) from None
             return summary
         finally:
+            self.perf.close()  # perf hook
             self.ckpt.close()
             self.writer.close()
         summary = self._summary("stopped" if self.stop_requested else "finished")
