@@ -113,8 +113,9 @@ def count_value(count: jax.Array) -> jax.Array:
 
 
 def count_int32(count: jax.Array) -> jax.Array:
-    """The count as an int32 scalar (wraps beyond 2^31; for in-memory data positions)."""
-    return count[..., 0] * COUNT_BASE + count[..., 1]
+    """The count modulo 2^31 as a non-negative int32 (the stream position of in-memory data,
+    whose order therefore repeats after 2^31 examples)."""
+    return (count[..., 0] % 2) * COUNT_BASE + count[..., 1]
 
 
 def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
