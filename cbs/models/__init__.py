@@ -21,6 +21,7 @@ from flax import nnx
 
 from cbs.models import registry
 from cbs.models.cnn import CNN, NORMS
+from cbs.models.lm import LM, LM_SIZES
 from cbs.models.losses import (
     TASKS,
     couples_examples,
@@ -30,7 +31,6 @@ from cbs.models.losses import (
     per_example_loss,
     split_model,
 )
-from cbs.models.lm import LM, LM_SIZES
 from cbs.models.mlp import MLP
 from cbs.models.transformer import POSITIONS, SIZES, TransformerLM
 
