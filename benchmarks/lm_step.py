@@ -174,8 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.sizes = args.sizes or "tiny"
-        args.batch, args.seq_len, args.vocab = 8, 32, 80
-        args.dtype, args.steps, args.repeats, args.every = "float32", 4, 3, 4
+        args.batch = 4 * jax.device_count() // args.model_axis  # m = 2, A = 2 per replica
+        args.seq_len, args.vocab = 32, 80
+        args.dtype = "float32"
+        args.steps, args.repeats, args.every = min(args.steps, 4), min(args.repeats, 3), min(
+            args.every, 4)
     sizes = args.sizes.split(",") if args.sizes else ["124m", "350m", "1b"]
     d = jax.devices()[0]
     peak = throughput.peak_flops()

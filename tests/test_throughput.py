@@ -87,3 +87,15 @@ def test_perf_config_is_validated():
     c.perf.profile_start = -2
     with pytest.raises(config_lib.ConfigError, match="perf.profile_start"):
         config_lib.validate(c, data_replicas=1)
+
+
+def test_lm_step_benchmark_tiny_mode(capsys):
+    """benchmarks/lm_step.py --tiny: the table has every variant, MFU "unknown" on CPU."""
+    from benchmarks import lm_step
+
+    lm_step.main(["--tiny", "--repeats=1", "--steps=2", "--every=2"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny")]
+    assert [r.split("|")[3].strip() for r in rows] == ["plain", "+2batch", "+2batch+exact/2"]
+    assert all(r.split("|")[6].strip() == "unknown" for r in rows)
+    assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)
