@@ -49,7 +49,11 @@ def main() -> None:
     trainer = train.Trainer(config, args.workdir)
     run = loop.Loop(trainer)
     summary = run.run()
-    params = jax.tree.map(np.asarray, run.state.params)
+    from jax.experimental import multihost_utils
+
+    # Sharded parameters (FSDP × TP) span both processes: gather them whole on each.
+    params = jax.tree.map(np.asarray, multihost_utils.process_allgather(run.state.params,
+                                                                         tiled=True))
     if jax.process_index() == 0:
         leaves = {jax.tree_util.keystr(k): v
                   for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
