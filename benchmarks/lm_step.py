@@ -88,9 +88,9 @@ def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
                         measure=measure)
     state = jax.jit(s["init"], out_shardings=s["sharding"])()
     start = time.perf_counter()
-    ts._jit.lower(state, s["data"], accum).compile()
+    compiled = ts._jit.lower(state, s["data"], accum).compile()
     compile_s = time.perf_counter() - start
-    mem = ts._jit.lower(state, s["data"], accum).compile().memory_analysis()
+    mem = compiled.memory_analysis()
     program = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes)
     t = 0
 
@@ -182,9 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes = args.sizes.split(",") if args.sizes else ["124m", "350m", "1b"]
     d = jax.devices()[0]
     peak = throughput.peak_flops()
-    print(f"device: {jax.device_count()} × {d.device_kind} ({d.platform}), peak "
-          f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'} per device; B={args.batch}"
-          f" × T={args.seq_len}, A=2, remat={args.remat}, compute {args.dtype}; median of "
+    peak_s = "unknown" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
+    print(f"device: {jax.device_count()} × {d.device_kind} ({d.platform}), peak {peak_s} per "
+          f"device; B={args.batch} × T={args.seq_len}, A=2, remat={args.remat}, "
+          f"compute {args.dtype}; median of "
           f"{args.repeats} × {args.steps} steps\n")
     print("| size | params | variant | ms/step | tokens/s | MFU | overhead | compile s "
           "| step MiB | peak MiB |")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         base = rows[0]["ms"] if rows else 1.0
         for r in rows:
             mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
-            print(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['variant']} | {r['ms']:.2f} | "
+            print(f"| {r['size']} | {r['params'] / 1e6:.3g}M | {r['variant']} | {r['ms']:.2f} | "
                   f"{r['tokens_s']:,.0f} | {mfu} | {100 * (r['ms'] / base - 1):+.1f} % | "
                   f"{r['compile_s']:.1f} | {_mib(r['program'])} | {_mib(r['peak'])} |",
                   flush=True)
