@@ -22,7 +22,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs.analysis import report
-from cbs.engine import cli
+from cbs.engine import cli, distributed
 from cbs.sweeps import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
@@ -42,6 +42,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
     start = time.perf_counter()
     launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value, shard=_SHARD.value,
                      redefine=_REDEFINE.value)

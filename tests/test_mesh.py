@@ -98,3 +98,22 @@ def test_sharded_loss_and_grads_equal_single_device(name):
         np.testing.assert_allclose(float(loss_8), float(loss_1), rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      jax.tree.map(np.asarray, grads_8), jax.tree.map(np.asarray, grads_1))
+
+
+def test_named_modes_match_rules_and_check_divisibility():
+    m = cmesh.make_mesh(data=4, model=2)
+    tree = {"blocks": {"wq": jax.ShapeDtypeStruct((3, 16, 8), jnp.float32),
+                       "wo": jax.ShapeDtypeStruct((3, 8, 16), jnp.float32),
+                       "mlp_norm": jax.ShapeDtypeStruct((3, 16), jnp.float32)},
+            "embed": jax.ShapeDtypeStruct((10, 16), jnp.float32),
+            "other": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
+    s = cmesh.param_shardings(tree, m, "fsdp_tp")
+    assert s["blocks"]["wq"].spec == P(None, "data", "model")
+    assert s["blocks"]["wo"].spec == P(None, "model", "data")
+    assert s["blocks"]["mlp_norm"].spec == P(None, None)
+    assert s["embed"].spec == P("model", "data")  # V = 10 over 2, D = 16 over 4
+    assert s["other"].spec == P()  # no rule: replicated
+    tp = cmesh.param_shardings(tree, m, "tp")
+    assert tp["blocks"]["wq"].spec == P(None, None, "model")
+    odd = cmesh.param_shardings({"wq": jax.ShapeDtypeStruct((6, 5), jnp.float32)}, m, "fsdp_tp")
+    assert odd["wq"].spec == P(None, None)  # 6 % 4 and 5 % 2: both axes stay whole

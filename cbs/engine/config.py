@@ -103,6 +103,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # devices on the data axis; -1 = all devices / model
     c.mesh.model = 1  # devices on the model axis (parameter sharding)
     c.mesh.param_mode = "replicated"  # "replicated" | "fsdp" | "model" (mesh.param_shardings)
+    #   | "fsdp_tp" | "tp" (by parameter name, mesh.LM_RULES: FSDP over data × TP over model)
+
+    c.perf = ml_collections.ConfigDict()  # cbs.engine.throughput
+    c.perf.records = False  # add perf/* to train records: tokens/s, examples/s, step time, MFU
+    c.perf.peak_flops = 0.0  # peak FLOP/s of one device for MFU; 0 = from the device table
+    c.perf.profile_start = -1  # first step of a jax.profiler trace (workdir/profile); -1 = off
+    c.perf.profile_steps = 5  # steps in the trace window
+    c.perf.compilation_cache_dir = ""  # persistent XLA compilation cache; "" = off
     return c
 
 
@@ -229,4 +237,8 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     if not isinstance(data, int) or (data < 1 and data != -1):
         raise ConfigError(f"config.mesh.data: must be -1 or a positive integer, got {data!r}")
     _int(config, "mesh.model")
-    _choice(config, "mesh.param_mode", ("replicated", "fsdp", "model"))
+    _choice(config, "mesh.param_mode", ("replicated", "fsdp", "model", "fsdp_tp", "tp"))
+    if "perf" in config:
+        _float(config, "perf.peak_flops")
+        _int(config, "perf.profile_start", minimum=-1)
+        _int(config, "perf.profile_steps")

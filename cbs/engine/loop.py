@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from cbs.engine import checkpoint, schedules, writer
+from cbs.engine import checkpoint, schedules, throughput, writer
 from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import records as metrics
 
@@ -79,6 +79,7 @@ class Loop:
         self.trainer, self.config, self.stop_fn = trainer, trainer.config, stop_fn
         self.workdir = trainer.workdir
         self.primary = jax.process_index() == 0
+        self.perf = throughput.for_trainer(trainer)  # perf hook (cbs.engine.throughput)
         self.pending: list[_Pending] = []
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
@@ -174,6 +175,7 @@ class Loop:
             records.append(rec)
             if bad is not None:
                 break
+        self.perf.annotate(records)  # perf hook: perf/* and data/tokens_seen when enabled
         self.writer.write(records)
         if self.stop_fn is not None:
             for r in records[:-1] if bad is not None else records:
@@ -213,6 +215,7 @@ class Loop:
         a = tr.accum_steps(b)
         inputs = tr.inputs(self.e, b)
         measured = None
+        self.perf.at_step(self.t)  # perf hook: profiler trace window
         if c.noise.every and not c.noise.in_step and self.t % c.noise.every == 0:
             self.state, measured = tr.step.measure_now(self.state, inputs, a)
         self.state, step_metrics = tr.step(self.state, inputs, a)
@@ -281,6 +284,7 @@ class Loop:
                 raise DivergedError(message, summary) from None
             return summary
         finally:
+            self.perf.close()  # perf hook
             self.ckpt.close()
             self.writer.close()
         summary = self._summary("stopped" if self.stop_requested else "finished")

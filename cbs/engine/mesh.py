@@ -15,11 +15,20 @@ sharding annotations.
 
 Multi-host: meshes are built over the global `jax.devices()`; nothing assumes the devices are
 local. `global_batch` turns each process's slice of a batch into one global array.
+
+Named rules (`param_mode` "fsdp_tp" or "tp", `LM_RULES`): a parameter's path (e.g.
+`blocks/wq`, or `0/mu/blocks/wq` for its optimizer moment) picks the roles of its trailing
+axes: "fsdp" is sharded over "data" (fully sharded data parallel: each replica holds 1/R of
+the parameter and optimizer state, all-gathered at use), "tp" over "model" (tensor parallel:
+Megatron column/row split, q/k/v/gate/up by output features, o/down by input features).
+Leading axes (the layer axis L of scanned blocks) are never split; an axis whose size the mesh
+axis does not divide stays whole; unmatched leaves are replicated.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +39,18 @@ from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 PARAM_MODES = ("replicated", "fsdp", "model")
+NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only
+ALL_PARAM_MODES = PARAM_MODES + NAMED_MODES
+
+# (regex on the "/"-joined path, roles of the trailing axes); first match wins.
+Rules = tuple[tuple[str, tuple[str | None, ...]], ...]
+LM_RULES: Rules = (
+    (r"(^|/)embed$", ("tp", "fsdp")),  # [V, D]: vocabulary over model
+    (r"(^|/)head$", ("fsdp", "tp")),  # [D, V]
+    (r"(^|/)(wq|wk|wv|w_gate|w_up)$", ("fsdp", "tp")),  # [D, O]: column parallel
+    (r"(^|/)(wo|w_down)$", ("tp", "fsdp")),  # [O, D]: row parallel
+    (r"norm$", (None,)),  # [D]: replicated
+)
 
 
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None
@@ -86,7 +107,7 @@ def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
 
 
 def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
-                    min_size: int = 2**14) -> Any:
+                    min_size: int = 2**14, rules: Rules = LM_RULES) -> Any:
     """A pytree like `params` of NamedShardings.
 
     Modes:
@@ -95,13 +116,53 @@ def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
         largest axis divisible by M; smaller or indivisible leaves stay replicated.
       "model": leaves of rank >= 2 are split over "model" along their last axis when it is
         divisible by M; others stay replicated.
+      "fsdp_tp" / "tp": by name, `rules` (see `named_shardings`), with / without FSDP.
     Leaves may be arrays or jax.ShapeDtypeStruct (e.g. from nnx.eval_shape).
     """
-    if mode not in PARAM_MODES:
-        raise ValueError(f"mesh.param_mode={mode!r} is not one of {PARAM_MODES}")
+    if mode not in ALL_PARAM_MODES:
+        raise ValueError(f"mesh.param_mode={mode!r} is not one of {ALL_PARAM_MODES}")
+    if mode in NAMED_MODES:
+        return named_shardings(params, mesh, rules, fsdp=mode == "fsdp_tp")
     m = mesh.shape[MODEL]
     return jax.tree.map(
         lambda x: NamedSharding(mesh, _leaf_spec(tuple(x.shape), mode, m, min_size)), params)
+
+
+def path_name(path: tuple) -> str:
+    """"blocks/wq" from a pytree key path (nnx Variable `.value` keys dropped)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if name != "value":
+            parts.append(str(name))
+    return "/".join(parts)
+
+
+def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: Rules = LM_RULES, *,
+               fsdp: bool = True) -> P:
+    """PartitionSpec of the leaf called `name` (see the module docstring)."""
+    axis = {"fsdp": DATA if fsdp else None, "tp": MODEL, None: None}
+    for pattern, roles in rules:
+        if re.search(pattern, name):
+            if len(roles) > len(shape):
+                raise ValueError(f"sharding rule {pattern!r} names {len(roles)} axes; "
+                                 f"parameter {name} has shape {shape}")
+            lead = (None,) * (len(shape) - len(roles))
+            spec = []
+            for n, role in zip(shape, lead + tuple(roles), strict=True):
+                a = axis[role]
+                spec.append(a if a is not None and n % mesh.shape[a] == 0 else None)
+            return P(*spec)
+    return P()
+
+
+def named_shardings(params: Any, mesh: Mesh, rules: Rules = LM_RULES, *, fsdp: bool = True
+                    ) -> Any:
+    """NamedShardings by parameter name: `rules` map roles "fsdp" (→ "data" when `fsdp`) and
+    "tp" (→ "model") onto the trailing axes of each matching leaf; others are replicated."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, named_spec(path_name(path), tuple(x.shape), mesh,
+                                                       rules, fsdp=fsdp)), params)
 
 
 def shard(tree: Any, shardings: Any) -> Any:

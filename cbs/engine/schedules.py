@@ -1,7 +1,15 @@
 """Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
 
 Letters: e examples (or tokens) seen so far, B the global (logical) batch size, B_0 the base
-batch size the base learning rate was tuned at, η the learning rate.
+batch size the base learning rate was tuned at, η the learning rate, T tokens per sequence.
+
+Tokens: a language-model example is a sequence of T tokens, so tokens seen = T·e exactly.
+Schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
+`in_sequences(schedule, T)` or `llama3_schedule(tokens_per_unit=T)`; learning-rate schedules
+take warmup/total in examples (tokens / T). Host counters are Python ints (no overflow); the
+device counter is exact in two int32 words (`cbs.engine.step.count_*`) and reaches the
+learning-rate schedule as a float, whose relative rounding (6·10⁻⁸ in float32) only moves
+where on a smooth schedule η is read, never a batch-size switch (those are on the host).
 
 Batch-size schedules are host-side Python: B sets the static number of accumulation steps, so
 it is an `int` chosen outside `jit`. Every schedule answers `batch_size_at(e, state=None)`;
@@ -369,12 +377,35 @@ def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
     to a batch size of 8M sequences of 8,192 tokens after pre-training 252M tokens. We double
     the batch size again to 16M after pre-training on 2.87T tokens." Sizes are read as
     1024 × 4096, 1024 × 8192 and 2048 × 8192 tokens; thresholds as 252·10^6 and 2.87·10^12.
-    `tokens_per_unit` divides both (e.g. 8192 to count 8192-token sequences).
+    `tokens_per_unit` divides both (e.g. 8192 to count 8192-token sequences); thresholds are
+    rounded up, so the batch changes on the first unit count whose tokens reach them.
     """
     mi = 2 ** 20
     steps = ((0, 4 * mi), (252_000_000, 8 * mi), (2_870_000_000_000, 16 * mi))
     u = tokens_per_unit
-    return Step(tuple((t // u, b // u) for t, b in steps))
+    return Step(tuple((-(-t // u), b // u) for t, b in steps))
+
+
+def in_sequences(schedule: BatchSchedule, seq_len: int) -> BatchSchedule:
+    """A static schedule in tokens (thresholds and sizes) as one in sequences of `seq_len`.
+
+    With every example a sequence of T tokens, tokens seen = T · examples seen exactly, so a
+    token schedule is a sequence schedule with sizes B/T (each must divide exactly) and
+    thresholds rounded up: B changes on the first step whose tokens seen reach a threshold.
+    """
+    def size(b: int) -> int:
+        if b % seq_len:
+            raise ValueError(f"batch size {b} tokens is not a multiple of seq_len={seq_len}")
+        return b // seq_len
+
+    if isinstance(schedule, Constant):
+        return Constant(size(schedule.batch_size))
+    if isinstance(schedule, Step):
+        return Step(tuple((-(-t // seq_len), size(b)) for t, b in schedule.steps))
+    if isinstance(schedule, Linear):
+        return Linear(size(schedule.start), size(schedule.end), schedule.over / seq_len,
+                      max(1, schedule.multiple // seq_len))
+    raise ValueError(f"in_sequences: {type(schedule).__name__} is not a static schedule")
 
 
 def deepseek_v3_schedule(*, seq_len: int = 4096, unit: str = "sequences",

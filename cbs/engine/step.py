@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -53,7 +54,8 @@ StatefulLoss = Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, PyTree]]
 class TrainState:
     """Everything on the device that an exact resume needs.
 
-    step: int32 updates applied; examples_seen: int32 examples consumed (E);
+    step: int32 updates applied; examples_seen: examples consumed (E) as an exact two-word
+    int32 count (`count_*` below: exact to 2^61, where a plain int32 overflows at 2.1·10⁹);
     learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
@@ -79,11 +81,48 @@ jax.tree_util.register_dataclass(
     TrainState, data_fields=[f.name for f in dataclasses.fields(TrainState)], meta_fields=[])
 
 
+# An exact example (or token) count on the device without 64-bit integers: int32 words
+# [..., (high, low)] with value high·2^30 + low and 0 <= low < 2^30, so adding a batch of up to
+# 2^30 examples never overflows a word. Host code keeps Python ints (`count_to_int`).
+COUNT_BASE = 2**30
+
+
+def count_from_int(n: int) -> jax.Array:
+    """The two-word count of a non-negative Python int n < 2^61."""
+    if not 0 <= int(n) < 2**61:
+        raise ValueError(f"examples seen {n} is outside [0, 2^61)")
+    return jnp.asarray(divmod(int(n), COUNT_BASE), jnp.int32)
+
+
+def count_to_int(count: Any) -> int:
+    """The Python int a (fetched) two-word count holds."""
+    high, low = (int(v) for v in np.asarray(count).reshape(-1)[-2:])
+    return high * COUNT_BASE + low
+
+
+def count_add(count: jax.Array, n: Any) -> jax.Array:
+    """count + n for 0 <= n < 2^30 (a traced int32 or a Python int), carrying exactly."""
+    low = count[..., 1] + jnp.asarray(n, jnp.int32)
+    return jnp.stack([count[..., 0] + low // COUNT_BASE, low % COUNT_BASE], axis=-1)
+
+
+def count_value(count: jax.Array) -> jax.Array:
+    """The count as a float (float32: relative error 6·10⁻⁸, for learning-rate schedules)."""
+    f = jnp.result_type(float)
+    return count[..., 0].astype(f) * COUNT_BASE + count[..., 1].astype(f)
+
+
+def count_int32(count: jax.Array) -> jax.Array:
+    """The count modulo 2^31 as a non-negative int32 (the stream position of in-memory data,
+    whose order therefore repeats after 2^31 examples)."""
+    return (count[..., 0] % 2) * COUNT_BASE + count[..., 1]
+
+
 def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
                      learning_rate: float = 1.0, model_state: PyTree = None,
                      ema_decay: float = 0.95) -> TrainState:
     """A fresh state at step 0 (jittable: call under `jax.jit` to place it on a mesh)."""
-    return TrainState(step=jnp.zeros((), jnp.int32), examples_seen=jnp.zeros((), jnp.int32),
+    return TrainState(step=jnp.zeros((), jnp.int32), examples_seen=jnp.zeros((2,), jnp.int32),
                       learning_rate=jnp.asarray(learning_rate, jnp.float32),
                       params=params, opt_state=direction.init(params),
                       model_state={} if model_state is None else model_state,
@@ -240,7 +279,7 @@ class TrainStep:
         into C runs, chunk k = the k-th run of every replica (no data moves)."""
         r, a, m = self.replicas, accum_steps, self.micro_batch
         batch = inputs if self.batch_fn is None else self.batch_fn(
-            inputs, state.examples_seen, a * r * m)
+            inputs, count_int32(state.examples_seen), a * r * m)
         spec = NamedSharding(self.mesh, P(None, self.data_axis))
 
         def view(x):
@@ -328,7 +367,8 @@ class TrainStep:
     def _learning_rate(self, state: TrainState, batch_size: int) -> jax.Array:
         from cbs.engine.schedules import coupled_lr
 
-        lr = state.learning_rate * self.lr_fn(state.examples_seen + batch_size)
+        lr = state.learning_rate * self.lr_fn(count_value(count_add(state.examples_seen,
+                                                                    batch_size)))
         if self.lr_coupling is not None:
             base, rule, cap = self.lr_coupling
             lr = coupled_lr(lr, batch_size, base, rule, cap)
@@ -365,7 +405,7 @@ class TrainStep:
                                                  skipped)
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
-        examples_after = state.examples_seen + b_big
+        examples_after = count_add(state.examples_seen, b_big)
         lr = self._learning_rate(state, b_big)
         metrics["opt/lr"] = lr
         params = optim.apply_step(state.params, updates, lr)

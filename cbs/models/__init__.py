@@ -21,6 +21,7 @@ from flax import nnx
 
 from cbs.models import registry
 from cbs.models.cnn import CNN, NORMS
+from cbs.models.lm import LM, LM_SIZES
 from cbs.models.losses import (
     TASKS,
     couples_examples,
@@ -34,7 +35,7 @@ from cbs.models.mlp import MLP
 from cbs.models.transformer import POSITIONS, SIZES, TransformerLM
 
 __all__ = [
-    "CNN", "MLP", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM",
+    "CNN", "LM", "LM_SIZES", "MLP", "NORMS", "POSITIONS", "SIZES", "TASKS", "TransformerLM",
     "build_model", "couples_examples", "cross_entropy", "default_model_config", "make_eval_fn",
     "make_loss_fn", "model_summary", "param_count", "per_example_loss", "register",
     "registry", "split_model",

@@ -1,0 +1,205 @@
+"""Train-step throughput of the scanned LM (`cbs.models.lm`): tokens/s, MFU, compile time and
+memory, with and without the in-step noise estimate and a periodic exact measurement.
+
+    python -m benchmarks.lm_step --tiny          # CPU smoke run (seconds; the default suite
+                                                 # runs it through tests/test_throughput.py)
+    python -m benchmarks.lm_step                 # the sizes that fit the device (GPU/TPU)
+    python -m benchmarks.lm_step --sizes=124m --batch=16 --seq_len=1024 --remat=dots
+
+On all local devices (data parallel, FSDP × TP by name when --model_axis > 1), AdamW, one fixed
+device-resident batch of B sequences of T tokens (vocabulary 50304), A = 2 accumulation
+steps. Variants:
+- `plain`: `cbs.engine.step.TrainStep` with the two-batch estimate off;
+- `+2batch`: the in-step two-batch estimate (from the two micro-batches) and its EMA;
+- `+2batch+exact/k`: also `cbs.stats.noise.exact` on the first micro-batch every k steps in
+  its own jitted call (`measure_now`), amortised over k steps.
+Columns: median ms/step over repeats (after a warm-up run), tokens/s, MFU against the device
+table in `cbs.engine.throughput` ("unknown" on CPU), overhead against `plain` in the same
+run, compile time of the step (lower + compile), and memory: the compiled step's temporaries
+plus arguments (`memory_analysis`), and the device's peak bytes in use where it reports them.
+A size whose parameters and Adam state do not fit the device is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from cbs import models
+from cbs.engine import mesh as mesh_lib
+from cbs.engine import optim, step, throughput
+from cbs.models import lm
+
+VOCAB = 50304
+
+
+def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_axis: int,
+           vocab: int):
+    mc = models.default_model_config("lm")
+    mc.update(size=size, remat=remat, compute_dtype=dtype)
+    model = nnx.eval_shape(lambda: models.build_model(
+        mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
+    graphdef, abstract, rest = models.split_model(model)
+    mesh = mesh_lib.make_mesh(-1, model_axis)
+    direction = optim.make_direction(ml_collections.ConfigDict(
+        {"name": "adamw", "weight_decay": 0.1}))
+    mode = "fsdp_tp" if mesh.size > 1 else "replicated"
+
+    def init():
+        _, params, _ = models.split_model(models.build_model(
+            mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
+        return step.init_train_state(params, direction, learning_rate=1e-4)
+
+    shapes = jax.eval_shape(init)
+    shard = lambda t: mesh_lib.param_shardings(t, mesh, mode)
+    rep = lambda t: jax.tree.map(lambda _: mesh_lib.replicated(mesh), t)
+    sharding = step.TrainState(rep(shapes.step), rep(shapes.examples_seen),
+                               rep(shapes.learning_rate), shard(shapes.params),
+                               shard(shapes.opt_state), rep(shapes.model_state),
+                               rep(shapes.noise_ema), rep(shapes.measure_ema))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (batch, seq_len + 1)).astype(np.int32)
+    data = mesh_lib.shard({"x": tokens[:, :-1], "y": tokens[:, 1:]},
+                          mesh_lib.batch_sharding(mesh))
+    loss_fn = step.stateless(models.make_loss_fn(graphdef, rest, "lm"))
+    flops = lm.lm_flops_per_token(*_dims(mc), vocab, seq_len) * seq_len
+    n_params = sum(x.size for x in jax.tree.leaves(abstract))
+    return dict(init=init, sharding=sharding, mesh=mesh, data=data, loss_fn=loss_fn,
+                direction=direction, flops_per_example=flops, n_params=n_params)
+
+
+def _dims(mc) -> tuple[int, int, int]:
+    s = lm.resolve_size(mc)
+    return s.d_model, s.num_layers, s.d_ff
+
+
+def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
+    replicas = mesh_lib.data_replicas(s["mesh"])
+    measure = step.Measurement("auto", every, 1) if every else None
+    ts = step.TrainStep(s["loss_fn"], s["direction"], lambda e: 1.0, s["mesh"], s["sharding"],
+                        mesh_lib.batch_sharding(s["mesh"]),
+                        micro_batch=batch // (accum * replicas), two_batch=two_batch,
+                        measure=measure)
+    state = jax.jit(s["init"], out_shardings=s["sharding"])()
+    start = time.perf_counter()
+    compiled = ts._jit.lower(state, s["data"], accum).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    program = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes)
+    t = 0
+
+    def run(n):
+        nonlocal state, t
+        for _ in range(n):
+            if every and t % every == 0:
+                state, _ = ts.measure_now(state, s["data"], accum)
+            state, metrics = ts(state, s["data"], accum)
+            t += 1
+        return metrics
+
+    return run, compile_s, program
+
+
+def _time(run, steps: int) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run(steps))
+    return (time.perf_counter() - start) / steps
+
+
+def _peak_bytes() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _fits(n_params: int) -> bool:
+    """Parameters + Adam moments + gradients (4 float32 copies) under 60 % of the memory."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return limit is None or 16 * n_params < 0.6 * limit * jax.local_device_count()
+
+
+def bench(size: str, args) -> list[dict]:
+    s = _setup(size, args.batch, args.seq_len, args.remat, args.dtype, args.model_axis,
+               args.vocab)
+    if not _fits(s["n_params"]):
+        print(f"{size}: {s['n_params'] / 1e6:.0f}M parameters do not fit; skipped")
+        return []
+    variants = {"plain": dict(two_batch=False, every=0), "+2batch": dict(two_batch=True, every=0),
+                f"+2batch+exact/{args.every}": dict(two_batch=True, every=args.every)}
+    runs = {}
+    for name, kw in variants.items():
+        runs[name] = _runner(s, batch=args.batch, accum=2, **kw)
+        jax.block_until_ready(runs[name][0](args.every))  # warm-up (covers one measurement)
+    times = {k: [] for k in runs}
+    for _ in range(args.repeats):  # interleaved, so load on a shared machine hits all
+        for k, (run, _, _) in runs.items():
+            times[k].append(_time(run, args.steps))
+    peak = throughput.peak_flops()
+    devices = s["mesh"].size
+    rows = []
+    for k, (_, compile_s, program) in runs.items():
+        sec = statistics.median(times[k])
+        r = throughput.rates(args.batch, sec, 1, tokens_per_example=args.seq_len,
+                             flops_per_example=s["flops_per_example"], peak=peak,
+                             devices=devices)
+        rows.append(dict(size=size, params=s["n_params"], variant=k, ms=sec * 1e3,
+                         tokens_s=r["perf/tokens_per_s"], mfu=r.get("perf/mfu"),
+                         compile_s=compile_s, program=program, peak=_peak_bytes()))
+    return rows
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke mode (tiny LM)")
+    parser.add_argument("--sizes", default="", help="comma-separated rows of LM_SIZES")
+    parser.add_argument("--batch", type=int, default=16, help="B sequences per step")
+    parser.add_argument("--seq_len", type=int, default=1024, help="T tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--remat", default="dots", choices=lm.REMAT_POLICIES)
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(lm.DTYPES))
+    parser.add_argument("--model_axis", type=int, default=1, help="devices on the model axis")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--every", type=int, default=10, help="steps between exact measurements")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sizes = args.sizes or "tiny"
+        args.batch = 4 * jax.device_count() // args.model_axis  # m = 2, A = 2 per replica
+        args.seq_len, args.vocab = 32, 80
+        args.dtype = "float32"
+        args.steps, args.repeats, args.every = min(args.steps, 4), min(args.repeats, 3), min(
+            args.every, 4)
+    sizes = args.sizes.split(",") if args.sizes else ["124m", "350m", "1b"]
+    d = jax.devices()[0]
+    peak = throughput.peak_flops()
+    peak_s = "unknown" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
+    print(f"device: {jax.device_count()} × {d.device_kind} ({d.platform}), peak {peak_s} per "
+          f"device; B={args.batch} × T={args.seq_len}, A=2, remat={args.remat}, "
+          f"compute {args.dtype}; median of "
+          f"{args.repeats} × {args.steps} steps\n")
+    print("| size | params | variant | ms/step | tokens/s | MFU | overhead | compile s "
+          "| step MiB | peak MiB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for size in sizes:
+        rows = bench(size, args)
+        base = rows[0]["ms"] if rows else 1.0
+        for r in rows:
+            mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
+            print(f"| {r['size']} | {r['params'] / 1e6:.3g}M | {r['variant']} | {r['ms']:.2f} | "
+                  f"{r['tokens_s']:,.0f} | {mfu} | {100 * (r['ms'] / base - 1):+.1f} % | "
+                  f"{r['compile_s']:.1f} | {_mib(r['program'])} | {_mib(r['peak'])} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

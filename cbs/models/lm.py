@@ -1,0 +1,232 @@
+"""Decoder-only language model in the shape pod-scale JAX models take: scanned, remat, bf16.
+
+Letters: B batch, T positions, D model width, H heads, K = D / H head width, F MLP width,
+V vocabulary, L layers.
+
+    h_0 = E[x]
+    h_l = h_{l-1} + Attn(RMSNorm(h_{l-1})),  h_l = h_l + W_down (silu(W_gate u) ⊙ W_up u),
+    u = RMSNorm(h_l)                              (SwiGLU, Shazeer 2020)
+    logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
+
+Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
+biases. The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...]:
+built with `nnx.vmap` (one split RNG per layer), run with `nnx.scan` (one copy of the block in
+the compiled program, so compile time and program size do not grow with L). `remat` wraps the
+scanned body in `nnx.remat` with a `jax.checkpoint` policy (REMAT_POLICIES): "none" keeps all
+activations, "full" recomputes the block in the backward pass, "dots" keeps matmul outputs,
+"dots_no_batch" keeps only matmuls without batch dimensions (weights-stationary).
+
+Precision: parameters (and so the optimizer state and gradients) are float32; matmuls and
+activations run in `compute_dtype` (bfloat16 by default: parameters are cast at their use);
+normalisation statistics, softmax and logits are float32. Noise accumulators are the step's
+(float32), whatever the compute dtype.
+
+Parameter names are what `cbs.engine.mesh.LM_RULES` shards by: `embed`, `head`,
+`blocks/{wq,wk,wv,wo,w_gate,w_up,w_down,attn_norm,mlp_norm}`, `final_norm`.
+
+Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D each):
+    tiny   D=32,   L=2,  H=2,  F=64      ~21K      (CPU tests)
+    small  D=256,  L=4,  H=4,  F=704     ~3.2M
+    124m   D=768,  L=12, H=12, F=2048    ~85M      (+ V·D = 38.6M tied at V=50304: ~124M)
+    350m   D=1024, L=24, H=16, F=2816    ~308M
+    1b     D=2048, L=16, H=16, F=5632    ~822M     (+ V·D tied at V=50304 ~ 0.93B)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from cbs.models.registry import ModelInputs, check_positive, register
+from cbs.models.transformer import rotary
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class LMSize:
+    """One row of the size table."""
+
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+
+
+LM_SIZES: dict[str, LMSize] = {
+    "tiny": LMSize(32, 2, 2, 64),
+    "small": LMSize(256, 4, 4, 704),
+    "124m": LMSize(768, 12, 12, 2048),
+    "350m": LMSize(1024, 24, 16, 2816),
+    "1b": LMSize(2048, 16, 16, 5632),
+}
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy of a REMAT_POLICIES name (None for "none")."""
+    policies = jax.checkpoint_policies
+    table = {"none": None, "full": policies.nothing_saveable, "dots": policies.dots_saveable,
+             "dots_no_batch": policies.dots_with_no_batch_dims_saveable}
+    if name not in table:
+        raise ValueError(f"model.remat={name!r} is not one of {REMAT_POLICIES}")
+    return table[name]
+
+
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) · scale, statistics in float32, result in x's dtype."""
+    x32 = x_BxTxD.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (y * scale_D).astype(x_BxTxD.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-RMSNorm block: causal attention with rotary positions, then a SwiGLU MLP."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, out_std: float,
+                 compute_dtype, rngs: nnx.Rngs):
+        init, out_init = nnx.initializers.normal(0.02), nnx.initializers.normal(out_std)
+        key = rngs.params
+        self.num_heads, self.compute_dtype = num_heads, compute_dtype
+        self.attn_norm = nnx.Param(jnp.ones((d_model,)))
+        self.wq = nnx.Param(init(key(), (d_model, d_model)))
+        self.wk = nnx.Param(init(key(), (d_model, d_model)))
+        self.wv = nnx.Param(init(key(), (d_model, d_model)))
+        self.wo = nnx.Param(out_init(key(), (d_model, d_model)))
+        self.mlp_norm = nnx.Param(jnp.ones((d_model,)))
+        self.w_gate = nnx.Param(init(key(), (d_model, d_ff)))
+        self.w_up = nnx.Param(init(key(), (d_model, d_ff)))
+        self.w_down = nnx.Param(out_init(key(), (d_ff, d_model)))
+
+    def _w(self, param: nnx.Param) -> jax.Array:
+        return param[...].astype(self.compute_dtype)
+
+    def attention(self, x_BxTxD: jax.Array) -> jax.Array:
+        b, t, d = x_BxTxD.shape
+        h = self.num_heads
+        heads = lambda y: y.reshape(b, t, h, d // h)
+        q_BxTxHxK = rotary(heads(x_BxTxD @ self._w(self.wq)))
+        k_BxSxHxK = rotary(heads(x_BxTxD @ self._w(self.wk)))
+        v_BxSxHxK = heads(x_BxTxD @ self._w(self.wv))
+        scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
+                                    preferred_element_type=jnp.float32) / math.sqrt(d // h)
+        causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
+        probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(self.compute_dtype)
+        out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
+        return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        x_BxTxD = x_BxTxD + self.attention(rms_norm(x_BxTxD, self.attn_norm[...]))
+        u_BxTxD = rms_norm(x_BxTxD, self.mlp_norm[...])
+        gate_BxTxF = jax.nn.silu(u_BxTxD @ self._w(self.w_gate))
+        return x_BxTxD + (gate_BxTxF * (u_BxTxD @ self._w(self.w_up))) @ self._w(self.w_down)
+
+
+class LM(nnx.Module):
+    """Token ids int32 [B, T] → next-token logits float32 [B, T, V]; L scanned blocks."""
+
+    couples_examples = False
+
+    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
+                 d_ff: int, remat: str = "none", compute_dtype: str = "bfloat16",
+                 tie_embeddings: bool = True, scan_unroll: int = 1, rngs: nnx.Rngs):
+        if d_model % num_heads or (d_model // num_heads) % 2:
+            raise ValueError(f"model.num_heads={num_heads} must divide d_model={d_model} into "
+                             "heads of even width (rotary positions)")
+        if compute_dtype not in DTYPES:
+            raise ValueError(f"model.compute_dtype={compute_dtype!r} is not one of "
+                             f"{tuple(DTYPES)}")
+        self.policy, self.remat = remat_policy(remat), remat
+        self.compute_dtype, self.scan_unroll = DTYPES[compute_dtype], scan_unroll
+        self.num_layers, self.tie_embeddings = num_layers, tie_embeddings
+        out_std = 0.02 / math.sqrt(2 * num_layers)
+        dtype = self.compute_dtype
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(d_model, num_heads, d_ff, out_std=out_std, compute_dtype=dtype,
+                         rngs=rngs)
+
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
+                                                             (vocab_size, d_model)))
+        self.blocks = make_blocks(rngs)
+        self.final_norm = nnx.Param(jnp.ones((d_model,)))
+        self.head = (None if tie_embeddings else nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (d_model, vocab_size))))
+        self.init_scheme = (f"embeddings and projections N(0, 0.02^2), residual outputs "
+                            f"N(0, {out_std:.4g}^2), RMSNorm scale one")
+        self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, "
+                            f"F={d_ff}, V={vocab_size}, remat={remat}, "
+                            f"compute={compute_dtype}, "
+                            f"{'tied' if tie_embeddings else 'untied'})")
+
+    def __call__(self, ids_BxT: jax.Array) -> jax.Array:
+        h_BxTxD = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.compute_dtype)
+
+        def body(block: Block, h: jax.Array) -> jax.Array:
+            return block(h)
+
+        if self.policy is not None:
+            body = nnx.remat(body, policy=self.policy, prevent_cse=False)
+
+        def step(h: jax.Array, block: Block) -> jax.Array:
+            return body(block, h)
+
+        run = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                       unroll=self.scan_unroll)
+        h_BxTxD = rms_norm(run(h_BxTxD, self.blocks), self.final_norm[...])
+        head_DxV = self.embed[...].T if self.head is None else self.head[...]
+        return jnp.einsum("btd,dv->btv", h_BxTxD, head_DxV.astype(self.compute_dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def lm_fields() -> ml_collections.ConfigDict:
+    """The `model` fields of "lm"."""
+    c = ml_collections.ConfigDict()
+    c.size = "tiny"  # row of cbs.models.lm.LM_SIZES: tiny | small | 124m | 350m | 1b
+    c.d_model = 0  # model width D; 0 = from size
+    c.num_layers = 0  # number of (scanned) blocks L; 0 = from size
+    c.num_heads = 0  # attention heads H (D/H even); 0 = from size
+    c.d_ff = 0  # SwiGLU hidden width F; 0 = from size
+    c.remat = "none"  # rematerialisation of each block: none | full | dots | dots_no_batch
+    c.compute_dtype = "bfloat16"  # matmul/activation dtype; params stay float32
+    c.tie_embeddings = True  # output head = embedding^T
+    c.scan_unroll = 1  # nnx.scan unroll over the layers (1 = rolled, one copy of the block)
+    return c
+
+
+def lm_flops_per_token(d_model: int, num_layers: int, d_ff: int, vocab_size: int,
+                       seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward, no remat recompute):
+    6·N_matmul + 6·L·T·D for attention scores and values (Kaplan et al. 2020, §2.1)."""
+    n_matmul = num_layers * (4 * d_model**2 + 3 * d_model * d_ff) + d_model * vocab_size
+    return 6.0 * n_matmul + 6.0 * num_layers * seq_len * d_model
+
+
+def resolve_size(c: ml_collections.ConfigDict) -> LMSize:
+    """The (d_model, num_layers, num_heads, d_ff) that config `c` asks for."""
+    if c.size not in LM_SIZES:
+        raise ValueError(f"model.size={c.size!r} is not one of {tuple(LM_SIZES)}")
+    for field in ("d_model", "num_layers", "num_heads", "d_ff"):
+        check_positive(c, field, allow_zero=True)
+    row = LM_SIZES[c.size]
+    return LMSize(c.d_model or row.d_model, c.num_layers or row.num_layers,
+                  c.num_heads or row.num_heads, c.d_ff or row.d_ff)
+
+
+@register("lm", default_config=lm_fields)
+def build_lm(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) -> LM:
+    if inputs.vocab_size is None:
+        raise ValueError("model.name='lm' needs vocab_size (a dataset with a vocabulary)")
+    s = resolve_size(c)
+    check_positive(c, "scan_unroll")
+    return LM(inputs.vocab_size, d_model=s.d_model, num_layers=s.num_layers,
+              num_heads=s.num_heads, d_ff=s.d_ff, remat=c.remat, compute_dtype=c.compute_dtype,
+              tie_embeddings=c.tie_embeddings, scan_unroll=c.scan_unroll, rngs=rngs)

@@ -1,0 +1,101 @@
+"""cbs.engine.throughput: rates and MFU by hand, the device table, the record meter, the
+profiler window and the compilation-cache setting."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import pytest
+
+from cbs import models
+from cbs.engine import config as config_lib
+from cbs.engine import throughput
+
+
+class _Device:
+    def __init__(self, platform, kind):
+        self.platform, self.device_kind = platform, kind
+
+
+def test_peak_table_and_unknown_on_cpu():
+    assert throughput.peak_flops() is None  # the test devices are CPUs
+    assert throughput.peak_flops(_Device("gpu", "NVIDIA H100 80GB HBM3")) == 989e12
+    assert throughput.peak_flops(_Device("gpu", "NVIDIA H100 PCIe")) == 756e12
+    assert throughput.peak_flops(_Device("gpu", "NVIDIA A100-SXM4-80GB")) == 312e12
+    assert throughput.peak_flops(_Device("tpu", "TPU v5 lite")) == 197e12
+    assert throughput.peak_flops(_Device("tpu", "TPU v4")) == 275e12
+    assert throughput.peak_flops(_Device("gpu", "Some Future GPU")) is None
+
+
+def test_rates_and_mfu_by_hand():
+    r = throughput.rates(1000, 2.0, 10, tokens_per_example=64, flops_per_example=3e9,
+                         peak=1e12, devices=4)
+    assert r["perf/step_time_s"] == pytest.approx(0.2)
+    assert r["perf/examples_per_s"] == pytest.approx(500.0)
+    assert r["perf/tokens_per_s"] == pytest.approx(32_000.0)
+    assert r["perf/mfu"] == pytest.approx(3e9 * 500 / 4e12)
+    assert "perf/mfu" not in throughput.rates(1000, 2.0, 10, flops_per_example=3e9, peak=None)
+
+
+def test_meter_times_windows_between_reads():
+    meter = throughput.Meter(tokens_per_example=8, flops_per_example=100.0, peak=1e6)
+    first = [{"kind": "train", "step": s, "data/examples_seen": 4 * s, "data/batch_size": 4}
+             for s in range(3)]
+    meter.annotate(first)  # the compilation window is not timed
+    assert "perf/step_time_s" not in first[0] and first[2]["data/tokens_seen"] == 64
+    time.sleep(0.05)
+    second = [{"kind": "train", "step": s, "data/examples_seen": 4 * s, "data/batch_size": 4}
+              for s in range(3, 5)] + [{"kind": "eval", "step": 5}]
+    meter.annotate(second)
+    r = second[-2]
+    assert 0.025 <= r["perf/step_time_s"] < 1.0  # 2 steps in >= 50 ms
+    assert r["perf/examples_per_s"] == pytest.approx(8 / (2 * r["perf/step_time_s"]))
+    assert r["perf/tokens_per_s"] == pytest.approx(8 * r["perf/examples_per_s"])
+    assert r["perf/mfu"] == pytest.approx(100.0 * r["perf/examples_per_s"] / 1e6)
+    assert "perf/step_time_s" not in second[-1]
+
+
+def test_lm_flops_per_example_from_config():
+    c = config_lib.default_config()
+    c.model = models.default_model_config("lm")
+    per = throughput.model_flops_per_example(c, (16,), 80)
+    assert per == pytest.approx(16 * models.lm.lm_flops_per_token(32, 2, 64, 80, 16))
+    c.model = models.default_model_config("mlp")
+    assert throughput.model_flops_per_example(c, (64,), None) is None
+
+
+def test_profile_window_and_compilation_cache(tmp_path):
+    window = throughput.ProfileWindow(1, 2, str(tmp_path / "profile"))
+    f = jax.jit(lambda x: x * 2)
+    for step in range(4):
+        window.at_step(step)
+        f(jax.numpy.ones(3)).block_until_ready()
+    window.close()
+    assert any(files for _, _, files in os.walk(tmp_path / "profile"))
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        throughput.enable_compilation_cache(str(tmp_path / "cache"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def test_perf_config_is_validated():
+    c = config_lib.default_config()
+    c.perf.profile_start = -2
+    with pytest.raises(config_lib.ConfigError, match="perf.profile_start"):
+        config_lib.validate(c, data_replicas=1)
+
+
+def test_lm_step_benchmark_tiny_mode(capsys):
+    """benchmarks/lm_step.py --tiny: the table has every variant, MFU "unknown" on CPU."""
+    from benchmarks import lm_step
+
+    lm_step.main(["--tiny", "--repeats=1", "--steps=2", "--every=2"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny")]
+    assert [r.split("|")[3].strip() for r in rows] == ["plain", "+2batch", "+2batch+exact/2"]
+    assert all(r.split("|")[6].strip() == "unknown" for r in rows)
+    assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)
