@@ -4,7 +4,7 @@
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
-1. A reference run at (B, η_0) is an ordinary engine run (`cbs.engine.trainer.run`) in
+1. A reference run at (B, η_0) is an ordinary engine run (`Trainer.run`, one device) in
    `workdir/reference`, checkpointing every `train.checkpoint_every` steps (all kept).
 2. Branch points are checkpoints of it, chosen by examples seen or by the first crossing of a
    smoothed training loss (`branch.points_examples`, `branch.points_losses`).
@@ -299,7 +299,8 @@ def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
     if status and status.get("status") in ("finished", "stopped") and status.get(
             "config_hash") == train.config_hash(c):
         return
-    t = train.Trainer(c, ref_dir, dataset=dataset)
+    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
+    t = train.Trainer(c, ref_dir, mesh=one, dataset=dataset)
     try:
         t.run()
     finally:
