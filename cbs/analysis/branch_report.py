@@ -187,6 +187,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
                             xytext=(4, 4), textcoords="offset points", color="tab:red")
     ax.set(xscale="log", yscale="log", xlabel="examples seen by the reference run",
            ylabel="batch size (examples)")
+    ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
     ax2 = ax.twinx()
     ax2.plot(ref["E"][ok], _ema(ref["loss"][ok], 0.9), color="gray", lw=1, label="train loss (EMA)")
     if np.isfinite(ref["full_train"]).any():
