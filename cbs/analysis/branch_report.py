@@ -1,0 +1,212 @@
+"""Local critical batch size from branch records, and the figure that sets it beside the
+noise scale and the swept B_crit (reads result files only).
+
+Letters: B the reference batch, k a batch multiplier, L_k the compared loss of branch k at the
+end of its window (mean over seeds, or one seed), ε the tolerance.
+
+Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3): k passes when
+L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`); k* is the
+largest k such that it and every smaller k pass (a failing k ends the ladder, so a lucky
+larger k after a failure does not count). B* = √(k*·B · k⁺·B), k⁺ the next multiplier; when
+k* is the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
+
+Uncertainty: B* of each data-order seed on its own; the interval is their range
+(min, max) over seeds, the point estimate B* from the seed-mean losses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cbs.analysis import report
+from cbs.results import records
+
+BRANCHES_FILE = "branches.jsonl"
+DEFINITION_FILE = "branch.json"
+REFERENCE_METRICS = os.path.join("reference", records.METRICS_FILE)
+
+
+def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
+                        tolerance: str = "absolute") -> int:
+    """k* of one ladder: the largest k with it and every smaller k within ε of the best
+    smaller k. `losses[i]` belongs to `ks[i]` (ascending, starting at 1)."""
+    best, k_star = losses[0], ks[0]
+    for k, loss in zip(ks[1:], losses[1:], strict=True):
+        slack = epsilon * abs(best) if tolerance == "relative" else epsilon
+        if not (math.isfinite(loss) and loss <= best + slack):
+            break
+        k_star, best = k, min(best, loss)
+    return k_star
+
+
+def critical_batch(ks: Sequence[int], k_star: int, batch_size: int) -> tuple[float, bool]:
+    """(B*, censored): √(k*·B·k⁺·B), or (k*·B, True) at the top of the ladder."""
+    i = list(ks).index(k_star)
+    if i + 1 == len(ks):
+        return float(k_star * batch_size), True
+    return float(batch_size * math.sqrt(k_star * ks[i + 1])), False
+
+
+def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str = "absolute",
+              metric: str = "loss_ema") -> dict[str, Any]:
+    """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`).
+
+    Returns point_step, point_examples, ks, losses (seed means), k_star, b_star, censored,
+    b_star_seeds, b_star_lo, b_star_hi (range over seeds)."""
+    ks = sorted({int(r["k"]) for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    bsz = int(rows[0]["reference_batch_size"])
+    table = np.full((len(seeds), len(ks)), np.nan)
+    for r in rows:
+        table[seeds.index(r["seed"]), ks.index(int(r["k"]))] = r[metric]
+    mean = table.mean(axis=0)
+    k_star = critical_multiplier(ks, mean.tolist(), epsilon, tolerance)
+    b_star, censored = critical_batch(ks, k_star, bsz)
+    per_seed = [critical_batch(ks, critical_multiplier(ks, row.tolist(), epsilon, tolerance),
+                               bsz)[0] for row in table]
+    return {"point_step": int(rows[0]["point_step"]),
+            "point_examples": int(rows[0]["point_examples"]), "ks": ks,
+            "losses": mean.tolist(), "k_star": k_star, "b_star": b_star, "censored": censored,
+            "b_star_seeds": per_seed, "b_star_lo": min(per_seed), "b_star_hi": max(per_seed),
+            "num_seeds": len(seeds)}
+
+
+def summarize(workdir: str) -> list[dict[str, Any]]:
+    """`local_cbs` of every complete branch point of the study in `workdir`, by examples."""
+    definition = records.read_json(os.path.join(workdir, DEFINITION_FILE))
+    if definition is None:
+        raise FileNotFoundError(f"{workdir} has no {DEFINITION_FILE}: run python -m "
+                                f"experiments.branch --config=... --workdir={workdir} first")
+    b = definition["branch"]
+    rows = records.read_records(os.path.join(workdir, BRANCHES_FILE))
+    want = len(b["ks"]) * len(b["seeds"])
+    out = []
+    for step in sorted({r["point_step"] for r in rows}):
+        point = [r for r in rows if r["point_step"] == step]
+        if len(point) == want:
+            out.append(local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
+                                 metric=b["metric"]))
+    return out
+
+
+def summary_table(points: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per branch point."""
+    lines = ["| examples seen | k* | B* (range over seeds) | loss at k=1 |", "|---|---|---|---|"]
+    for p in points:
+        star = f"≥{p['b_star']:.0f}" if p["censored"] else f"{p['b_star']:.0f}"
+        lines.append(f"| {p['point_examples']} | {p['k_star']} | {star} "
+                     f"({p['b_star_lo']:.0f}–{p['b_star_hi']:.0f}) | {p['losses'][0]:.4g} |")
+    return "\n".join(lines)
+
+
+def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
+    recs = records.read_records(os.path.join(workdir, REFERENCE_METRICS))
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    col = lambda rs, k: np.asarray([r.get(k, np.nan) for r in rs], np.float64)
+    out = {"E": col(train, "data/examples_seen"), "loss": col(train, "train/loss"),
+           "eval_E": col(evals, "data/examples_seen"),
+           "full_train": col(evals, "full_train/loss")}
+    for k in ("ema_b_simple", "b_simple", "b_noise", "measured_ema_b_simple",
+              "measured_ema_b_noise"):
+        out[k] = col(train, f"noise/{k}")
+    return out
+
+
+def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
+                 ) -> list[dict[str, float]]:
+    """The sweep's B_crit per target, placed at the examples where the reference run's
+    full training-set loss first reaches the target (targets it never reaches are left out)."""
+    analysis = report.analyze(sweep_dir, bootstrap=bootstrap, write=False)
+    ref = _reference_curves(workdir)
+    out = []
+    for t in analysis["targets"]:
+        f = t["fit"]
+        hit = np.nonzero(ref["full_train"] <= t["target"])[0]
+        if f["status"] != "ok" or not len(hit):
+            continue
+        lo, hi = f["b_crit_ci"] or (math.nan, math.nan)
+        out.append({"target": t["target"], "examples": float(ref["eval_E"][hit[0]]),
+                    "b_crit": f["b_crit"], "lo": lo, "hi": hi})
+    return out
+
+
+def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | None = None,
+                   bootstrap: int = 200) -> str:
+    """Writes the figure (default `workdir/local_cbs.png`); returns its path.
+
+    Against examples seen (log x): B* with its seed range at each branch point; the
+    reference run's B_simple (in-step two-batch EMA; exact measurements and their EMA) and
+    B_noise (exact, and EMA); the swept B_crit at the target crossings; the loss on the
+    right axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, ref = summarize(workdir), _reference_curves(workdir)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ok = ref["E"] > 0
+    ax.plot(ref["E"][ok], ref["ema_b_simple"][ok], color="tab:blue", lw=1, alpha=0.7,
+            label="B_simple (two-batch EMA)")
+    for key, color, name in (("b_simple", "tab:blue", "B_simple"),
+                             ("b_noise", "tab:green", "B_noise")):
+        m = ok & np.isfinite(ref[key]) & (ref[key] > 0)
+        if m.any():
+            ax.scatter(ref["E"][m], ref[key][m], s=10, color=color, alpha=0.5,
+                       label=f"{name} (exact)")
+            ema = ref[f"measured_ema_{key}"]
+            ax.plot(ref["E"][m], ema[m], color=color, ls="--", lw=1.5, label=f"{name} (EMA)")
+    if points:
+        x = np.asarray([p["point_examples"] for p in points], np.float64)
+        y = np.asarray([p["b_star"] for p in points])
+        err = np.stack([y - [p["b_star_lo"] for p in points],
+                        np.asarray([p["b_star_hi"] for p in points]) - y])
+        ax.errorbar(x, y, yerr=np.clip(err, 0, None), fmt="o", color="black", ms=7,
+                    capsize=4, label="local CBS B* (branched; range over seeds)")
+        cens = np.asarray([p["censored"] for p in points])
+        if cens.any():
+            ax.scatter(x[cens], y[cens], marker="^", s=90, color="black",
+                       label="B* ≥ (top of the k ladder)")
+    if sweep_dir:
+        sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
+        if sw:
+            xs = np.asarray([s["examples"] for s in sw])
+            ys = np.asarray([s["b_crit"] for s in sw])
+            lo, hi = np.asarray([s["lo"] for s in sw]), np.asarray([s["hi"] for s in sw])
+            ax.errorbar(xs, ys, yerr=np.nan_to_num(np.clip([ys - lo, hi - ys], 0, None)),
+                        fmt="s", color="tab:red", ms=7, capsize=4,
+                        label="swept B_crit at target loss (95% CI)")
+            for s in sw:
+                ax.annotate(f"L={s['target']:g}", (s["examples"], s["b_crit"]), fontsize=7,
+                            xytext=(4, 4), textcoords="offset points", color="tab:red")
+    ax.set(xscale="log", yscale="log", xlabel="examples seen by the reference run",
+           ylabel="batch size (examples)")
+    ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
+    ax2 = ax.twinx()
+    ax2.plot(ref["E"][ok], _ema(ref["loss"][ok], 0.9), color="gray", lw=1, label="train loss (EMA)")
+    if np.isfinite(ref["full_train"]).any():
+        ax2.plot(ref["eval_E"], ref["full_train"], color="gray", ls=":", label="full train loss")
+    ax2.set(yscale="log", ylabel="training loss (nats)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.set_title("Local critical batch size vs noise scale vs swept B_crit")
+    fig.tight_layout()
+    path = path or os.path.join(workdir, "local_cbs.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ema(x: np.ndarray, decay: float) -> np.ndarray:
+    out, e = np.empty(len(x)), math.nan
+    for i, v in enumerate(x):
+        e = v if math.isnan(e) else decay * e + (1 - decay) * v
+        out[i] = e
+    return out

@@ -1,0 +1,349 @@
+"""Local critical batch size by branched training (Merrill, Arora, Groeneveld, Hajishirzi 2025,
+"Critical Batch Size Revisited", arXiv 2505.23971, Sec. 3).
+
+Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
+point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
+
+1. A reference run at (B, η_0) is an ordinary engine run (`Trainer.run`, one device) in
+   `workdir/reference`, checkpointing every `train.checkpoint_every` steps (all kept).
+2. Branch points are checkpoints of it, chosen by examples seen or by the first crossing of a
+   smoothed training loss (`branch.points_examples`, `branch.points_losses`).
+3. From each point and for each k in K: restore the checkpoint, train Δ examples at batch k·B
+   with peak learning rate f(k)·η_0 (f(k) = k "linear" for SGD, √k "sqrt" for Adam), i.e.
+   Δ/(k·B) steps; record the EMA of the batch loss at the end of the window (decay
+   `loss_ema_decay` per B examples, i.e. decay^k per step of branch k, so every branch averages
+   the same number of examples) and, optionally, the exact full training-set loss.
+4. Each (point, k) runs its S data-order seeds (stream seeds of `cbs.data`) as one vmapped
+   program (`jax.vmap` of a `fori_loop` of `TrainStep.apply`, as in `cbs.sweeps.groups`), or,
+   with `branch.vmap=False` or a streamed dataset, one engine step loop per seed.
+
+k*, B* and their uncertainty are computed from the records by `cbs.analysis.branch_report`.
+
+Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.jsonl`
+(one record per (point, k, seed), appended per (point, k), never rewritten except to drop a
+torn last line). A killed run resumes: finished (point, k) units are skipped and an
+unfinished one is run again from its checkpoint, so the records equal an uninterrupted
+run's. `shard="i/n"` runs only units whose index ≡ i (mod n).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cbs import data
+from cbs.engine import checkpoint, mesh, optim
+from cbs.engine import trainer as train
+from cbs.engine.step import TrainState, TrainStep
+from cbs.results import records
+from cbs.sweeps.grid import parse_shard
+
+BRANCHES_FILE = "branches.jsonl"
+DEFINITION_FILE = "branch.json"
+REFERENCE_DIR = "reference"
+LR_RULES = {"linear": 1.0, "sqrt": 0.5}
+METRICS = ("loss_ema", "full_train/loss")
+
+
+def default_branch_config() -> ml_collections.ConfigDict:
+    """`config.branch`: the paper's choices as defaults (Merrill et al. 2025, Sec. 3)."""
+    b = ml_collections.ConfigDict()
+    b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
+    b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
+    b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
+    b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam), "linear" η = k·η_0 (SGD)
+    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 2·max(k)·B (2 steps at max k)
+    b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
+    b.tolerance = "absolute"  # ε in nats ("absolute") or as a fraction of that min ("relative")
+    b.loss_ema_decay = 0.9  # smoothing of the batch loss, per B examples (decay^k per step)
+    b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
+    b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
+    b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
+    return b
+
+
+def validate_branch_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the `branch.*` (or engine) field to change."""
+    b = config.branch
+    ks = [int(k) for k in b.ks]
+    if not ks or ks[0] != 1 or any(y <= x for x, y in zip(ks, ks[1:], strict=False)):
+        raise ValueError(f"branch.ks={tuple(b.ks)}: give increasing multipliers starting at 1")
+    if b.lr_rule not in LR_RULES:
+        raise ValueError(f"branch.lr_rule={b.lr_rule!r}: use one of {sorted(LR_RULES)}")
+    if b.tolerance not in ("absolute", "relative") or not b.epsilon > 0:
+        raise ValueError("branch.tolerance must be 'absolute' or 'relative' and branch.epsilon"
+                         " > 0")
+    if b.metric not in METRICS:
+        raise ValueError(f"branch.metric={b.metric!r}: use one of {METRICS}")
+    if not b.seeds:
+        raise ValueError("branch.seeds: give at least one data-order seed")
+    if not (b.points_examples or b.points_losses):
+        raise ValueError("branch.points_examples or branch.points_losses: give branch points")
+    if config.batch.schedule.kind != "constant" or config.batch.lr_coupling.rule != "none":
+        raise ValueError("batch.schedule.kind must be 'constant' and batch.lr_coupling.rule "
+                         "'none' for the reference run of a branch study")
+    big = window_examples(config)
+    if big % (ks[-1] * reference_batch(config)):
+        raise ValueError(f"branch.window_examples={big} must be a multiple of max(k)·B = "
+                         f"{ks[-1] * reference_batch(config)}")
+
+
+def reference_batch(config: ml_collections.ConfigDict) -> int:
+    """B, the reference run's batch size."""
+    return int(config.batch.schedule.batch_size)
+
+
+def window_examples(config: ml_collections.ConfigDict) -> int:
+    """Δ in examples."""
+    b = config.branch
+    return int(b.window_examples) or 2 * int(max(b.ks)) * reference_batch(config)
+
+
+def lr_factor(k: int, rule: str) -> float:
+    """f(k): k for "linear" (SGD), √k for "sqrt" (Adam)."""
+    return float(k) ** LR_RULES[rule]
+
+
+def smoothed(losses: Sequence[float], decay: float) -> np.ndarray:
+    """EMA of a loss sequence, started at its first value (float64)."""
+    out, ema = np.empty(len(losses)), math.nan
+    for i, x in enumerate(losses):
+        ema = x if math.isnan(ema) else decay * ema + (1 - decay) * x
+        out[i] = ema
+    return out
+
+
+def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
+                 reference: Sequence[dict[str, Any]]) -> list[int]:
+    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*`.
+
+    `reference`: the reference run's train records (step, train/loss)."""
+    b, bsz = config.branch, reference_batch(config)
+    ckpts = sorted(s for s in ckpt_steps if s > 0)
+    out = set()
+    for e in b.points_examples:
+        before = [s for s in ckpts if s * bsz <= e]
+        if before:
+            out.add(before[-1])
+    train_recs = sorted((r for r in reference if r.get("kind") == "train"),
+                        key=lambda r: r["step"])
+    ema = smoothed([r["train/loss"] for r in train_recs], float(b.loss_ema_decay))
+    for target in b.points_losses:
+        hit = [r["step"] + 1 for r, v in zip(train_recs, ema, strict=True) if v <= target]
+        before = [s for s in ckpts if hit and s <= hit[0]]
+        if before:
+            out.add(before[-1])
+    return sorted(out)
+
+
+class BranchRunner:
+    """Runs the branches of one study; `run(units)` appends their records."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
+                 dataset: data.Dataset | None = None):
+        validate_branch_config(config)
+        self.config, self.workdir, self.b = config, workdir, config.branch
+        self.bsz, self.window = reference_batch(config), window_examples(config)
+        self.ks = [int(k) for k in self.b.ks]
+        c = copy.deepcopy(config)
+        c.noise.every = 0  # no per-example measurements inside branches
+        c.batch.schedule.batch_size = self.ks[-1] * self.bsz  # sizes checked up to max k
+        c.eval.enabled = False
+        self.branch_config = c
+        self.dataset = dataset
+        one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+        self.mesh, self.rep = one, mesh.replicated(one)
+        self.trainer = train.Trainer(c, None, mesh=one, dataset=dataset)
+        self.vmap = bool(self.b.vmap) and self.trainer.in_memory
+        self.ckpt = checkpoint.Checkpointer(
+            os.path.join(workdir, REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
+        self._programs: dict[int, Callable] = {}
+        if self.vmap:
+            self.step = self._seeded_step()
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.trainer.close()
+
+    def _seeded_step(self) -> TrainStep:
+        """The engine's step with the data-order seed an input (so seeds can be vmapped)."""
+        tr, c = self.trainer, self.branch_config
+        ds = tr.dataset
+
+        def batch_fn(inputs, examples_seen, batch_size):
+            return data.device_batch(ds, inputs["arrays"], examples_seen, batch_size,
+                                     seed=inputs["seed"])
+
+        return TrainStep(tr.loss_fn, tr.direction, optim.learning_rate_shape(c), self.mesh,
+                         tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
+                         small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
+                         batch_fn=batch_fn, seed=c.seed)
+
+    def restore(self, step: int) -> TrainState:
+        """The reference state after `step` updates, on this runner's device."""
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.rep),
+                              self.trainer.abstract_state())
+        state, _ = self.ckpt.restore(step, target)
+        return state
+
+    def _final_loss_fn(self) -> Callable | None:
+        if self.b.metric != "full_train/loss":
+            return None
+        fn, arrays = self.trainer.eval_sums_fn("train", self.config.eval.train_examples)
+
+        def loss(state):
+            sums = fn(state.params, state.model_state, arrays)
+            return sums["loss_sum"] / sums["count"]
+
+        return loss
+
+    def _program(self, k: int) -> Callable:
+        """jit(vmap over seeds): (states[S], seeds[S]) -> (loss_ema[S], last_loss[S], final[S])."""
+        if k in self._programs:
+            return self._programs[k]
+        n, accum = self.window // (k * self.bsz), self.trainer.accum_steps(k * self.bsz)
+        decay = float(self.b.loss_ema_decay) ** k
+        arrays, final = self.trainer.train_arrays, self._final_loss_fn()
+
+        def one(state, seed):
+            def body(_, carry):
+                s, ema, _ = carry
+                s, m = self.step.apply(s, {"arrays": arrays, "seed": seed}, accum)
+                x = m["train/loss"]
+                return s, jnp.where(jnp.isnan(ema), x, decay * ema + (1 - decay) * x), x
+
+            nan = jnp.full((), jnp.nan, jnp.float32)
+            s, ema, last = jax.lax.fori_loop(0, n, body, (state, nan, nan))
+            return ema, last, final(s) if final else nan
+
+        self._programs[k] = jax.jit(jax.vmap(one))
+        return self._programs[k]
+
+    def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
+        """The S records of branch multiplier k from checkpoint `step`."""
+        state = self.restore(step)
+        lr0 = float(jax.device_get(state.learning_rate))
+        lr = lr_factor(k, self.b.lr_rule) * lr0
+        seeds = [int(s) for s in self.b.seeds]
+        if self.vmap:
+            states = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(seeds), *x.shape)), state)
+            states = states.replace(learning_rate=jnp.full((len(seeds),), lr, jnp.float32))
+            out = jax.device_get(self._program(k)(states, jnp.asarray(seeds, jnp.uint32)))
+        else:
+            out = list(zip(*[self.engine_branch(step, k, s) for s in seeds], strict=True))
+        e0 = int(jax.device_get(state.examples_seen))
+        return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
+                 "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
+                 "learning_rate": lr, "window_examples": self.window,
+                 "steps": self.window // (k * self.bsz), "loss_ema": float(out[0][i]),
+                 "train/loss": float(out[1][i]), "full_train/loss": float(out[2][i])}
+                for i, s in enumerate(seeds)]
+
+    def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:
+        """One branch through the engine's own jitted step and input pipeline (a Trainer
+        whose data seed is `seed`): (loss_ema, last batch loss, final metric or NaN)."""
+        c = copy.deepcopy(self.branch_config)
+        c.seed = seed
+        tr = train.Trainer(c, None, mesh=self.mesh, dataset=self.dataset)
+        try:
+            state = self.restore(step)
+            state = state.replace(learning_rate=jnp.asarray(
+                lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
+            e, bsz = int(state.examples_seen), k * self.bsz
+            losses = []
+            for _ in range(self.window // bsz):
+                state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
+                losses.append(m["train/loss"])
+                e += bsz
+            losses = [float(x) for x in jax.device_get(losses)]
+            ema = smoothed(losses, float(self.b.loss_ema_decay) ** k)[-1]
+            final = math.nan
+            if self.b.metric == "full_train/loss":
+                final = tr.evaluate(state, "train", self.config.eval.train_examples)["loss"]
+            return float(ema), losses[-1], float(final)
+        finally:
+            tr.close()
+
+
+def _drop_torn_line(path: str) -> None:
+    """A kill during an append can leave a partial last line: keep the whole records only."""
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            whole = f.read(1) == b"\n"
+        if not whole:
+            kept = records.read_records(path)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
+
+
+def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
+                  dataset: data.Dataset | None = None) -> None:
+    """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
+    c = copy.deepcopy(config)
+    c.train.keep_checkpoints = 1_000_000  # branch points need old checkpoints
+    ref_dir = os.path.join(workdir, REFERENCE_DIR)
+    os.makedirs(ref_dir, exist_ok=True)
+    status = records.read_json(os.path.join(ref_dir, records.STATUS_FILE))
+    if status and status.get("status") in ("finished", "stopped") and status.get(
+            "config_hash") == train.config_hash(c):
+        return
+    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
+    t = train.Trainer(c, ref_dir, mesh=one, dataset=dataset)
+    try:
+        t.run()
+    finally:
+        t.close()
+
+
+def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequence[int],
+                  shard: str | None = None) -> list[tuple[int, int]]:
+    """This shard's (point step, k) units without records yet, in order."""
+    units = [(s, int(k)) for s in steps for k in config.branch.ks]
+    i, n = parse_shard(shard)
+    mine = [u for j, u in enumerate(units) if j % n == i]
+    done = {(r["point_step"], r["k"]) for r in
+            records.read_records(os.path.join(workdir, BRANCHES_FILE))}
+    return [u for u in mine if u not in done]
+
+
+def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
+                 dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
+                 stop_after: int | None = None) -> list[dict[str, Any]]:
+    """Reference run, then this shard's pending branch units; returns all branch records.
+
+    `stop_after`: run at most this many units (tests: an interrupted study)."""
+    validate_branch_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    run_reference(config, workdir, dataset=dataset)
+    path = os.path.join(workdir, BRANCHES_FILE)
+    records.write_json_atomic(os.path.join(workdir, DEFINITION_FILE), {
+        "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
+        "window_examples": window_examples(config),
+        "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name})
+    _drop_torn_line(path)
+    runner = BranchRunner(config, workdir, dataset=dataset)
+    try:
+        ref = records.read_records(os.path.join(workdir, REFERENCE_DIR, records.METRICS_FILE))
+        steps = branch_steps(config, runner.ckpt.all_steps(), ref)
+        todo = pending_units(config, workdir, steps, shard)
+        log(f"branches {workdir}: {len(steps)} points, {len(todo)} units to run"
+            + (f" (shard {shard})" if shard else ""))
+        for i, (step, k) in enumerate(todo):
+            if stop_after is not None and i >= stop_after:
+                break
+            records.append_records(path, runner.run_unit(step, k))
+    finally:
+        runner.close()
+    return records.read_records(path)
