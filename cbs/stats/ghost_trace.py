@@ -186,11 +186,15 @@ def _nested(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     inner = getattr(inner, "jaxpr", inner)
     outs = _walk(inner, ins, disc, ctx, stack, scans + [id(eqn)])
     if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
-        for t in outs:
-            if t.ptag is not None:
-                disc.reads[id(eqn), t.ptag.leaf] = f"returned by `{name}`"
-        outs = [dataclasses.replace(t, ptag=None) for t in outs]
+        outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
     return outs
+
+
+def _passed(t: _Var, ctx, why: str) -> _Var:
+    """A leaf leaving a scan or custom rule: harmless unless something reads it."""
+    if t.ptag is None:
+        return t
+    return dataclasses.replace(t, ptag=PTag(t.ptag.leaf, ctx, (), False, shared=why))
 
 
 def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
@@ -203,10 +207,7 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     consts = [dataclasses.replace(t, ptag=dataclasses.replace(
         t.ptag, shared="closed over by a scan body, so shared by every step"))
         if t.ptag else t for t in consts]
-    for t in carry:
-        if t.ptag is not None:
-            disc.reads[sid, t.ptag.leaf] = "carried through a scan"
-    carry = [dataclasses.replace(t, ptag=None) for t in carry]
+    carry = [_passed(t, inner_ctx, "carried through a scan") for t in carry]
     xs_in = []
     for t in xs:
         ptag = None
@@ -220,18 +221,16 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
     for _ in range(3):  # fixed point on the carry's example axis
         outs = _walk(body, consts + carry + xs_in, disc, inner_ctx, inner_stack, scans + [sid])
-        new = [t if (t.eaxis == c.eaxis and t.dep == c.dep) else _Var(dep=t.dep or c.dep)
-               for t, c in zip(outs[:n_carry], carry, strict=True)]
-        if all(a.eaxis == b.eaxis and a.dep == b.dep for a, b in zip(new, carry, strict=True)):
+        same = [a.eaxis == b.eaxis and a.dep == b.dep
+                for a, b in zip(outs[:n_carry], carry, strict=True)]
+        if all(same):
             break
-        carry = [_Var(eaxis=a.eaxis if a.eaxis == b.eaxis else None, dep=a.dep or b.dep)
-                 for a, b in zip(new, carry, strict=True)]
-    for t in outs:
-        if t.ptag is not None:
-            disc.reads[sid, t.ptag.leaf] = "returned by a scan body"
-    ys = [_Var(eaxis=None if t.eaxis is None else t.eaxis + 1, dep=t.dep)
+        carry = [c if ok else dataclasses.replace(c, eaxis=None, dep=True)
+                 for c, ok in zip(carry, same, strict=True)]
+    why = "returned by a scan body"
+    ys = [_passed(_Var(t.ptag, None if t.eaxis is None else t.eaxis + 1, t.dep), ctx, why)
           for t in outs[n_carry:]]
-    return [_Var(eaxis=t.eaxis, dep=t.dep) for t in carry] + ys
+    return [_passed(_Var(c.ptag, c.eaxis, c.dep), ctx, why) for c in carry] + ys
 
 
 # ----------------------------------------------------------------------------- example axis
