@@ -26,7 +26,7 @@ def _nnx_loss(model, loss):
 
 
 def _xent(logits, labels):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), -1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], -1))
 
 
@@ -91,9 +91,11 @@ def nnx_model():
 
 
 class LinenNet(linen.Module):
+    dtype: jnp.dtype = jnp.float32  # linen's Embed computes in its dtype (float32 default)
+
     @linen.compact
     def __call__(self, ids, img):
-        h = linen.Embed(9, 4)(ids).mean(1)
+        h = linen.Embed(9, 4, dtype=self.dtype)(ids).mean(1)
         c = linen.Conv(3, (3, 3), strides=(2, 2))(img)
         c = linen.LayerNorm()(jax.nn.relu(c)).reshape(c.shape[0], -1)
         return linen.Dense(3)(jnp.concatenate([h, c], -1))
@@ -103,7 +105,7 @@ def linen_model():
     k = _keys(3)
     ids = jax.random.randint(k[0], (B, 5), 0, 9)
     img = jax.random.normal(k[1], (B, 6, 6, 2))
-    net = LinenNet()
+    net = LinenNet(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
     params = net.init(k[2], ids, img)["params"]
     loss_fn = lambda p, b: _xent(net.apply({"params": p}, b["ids"], b["img"]), b["y"])
     return loss_fn, params, {"ids": ids, "img": img, "y": jnp.arange(B) % 3}
