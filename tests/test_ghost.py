@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import linen, nnx
 
-from cbs.stats import ghost, noise
+from cbs.stats import ghost
 
 B = 6
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_ghost import nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
 
 from cbs.engine import mesh as cbs_mesh
 from cbs.stats import ghost, noise
-from test_ghost import nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
 
 FIELDS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
 MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
