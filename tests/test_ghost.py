@@ -16,6 +16,11 @@ def _keys(n, seed=0):
     return jax.random.split(jax.random.key(seed), n)
 
 
+def _float():
+    """nnx.Embed computes in its dtype (float32 by default), also under x64."""
+    return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+
 def _nnx_loss(model, loss):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -73,7 +78,7 @@ def plain_cnn(dtype=jnp.float32):
 
 class NNXNet(nnx.Module):
     def __init__(self, rngs):
-        self.embed = nnx.Embed(11, 4, rngs=rngs)
+        self.embed = nnx.Embed(11, 4, dtype=_float(), rngs=rngs)
         self.conv = nnx.Conv(4, 5, (3,), rngs=rngs)
         self.norm = nnx.LayerNorm(5, rngs=rngs)
         self.lin = nnx.Linear(5, 3, rngs=rngs)
@@ -132,7 +137,7 @@ class Block(nnx.Module):
 
 class ScannedLM(nnx.Module):
     def __init__(self, vocab, length, d, n_layers, *, tied, rngs):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.embed = nnx.Embed(vocab, d, dtype=_float(), rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (length, d)))
 
         @nnx.split_rngs(splits=n_layers)
