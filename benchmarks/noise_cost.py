@@ -4,6 +4,7 @@
                                                # most of it the CNN's exact trace_h_sigma)
     python -m benchmarks.noise_cost --quick    # 2 repeats, for a first look
     python -m benchmarks.noise_cost --models mlp,cnn --repeats 7 --skip-slow
+    python -m benchmarks.noise_cost --foreign  # plain-JAX, nnx and scanned models (~5 min)
 
 Models (from `cbs.models`, the same as benchmarks/train_step.py): an MLP 784-256-256-10 at
 B = 256, the default CNN on 28×28×1 at B = 128, and the tiny Transformer LM at B = 32,
@@ -19,6 +20,13 @@ T = 128 (V = 80). Rows, each one jitted function of (params, batch):
   `cbs.stats.noise.two_batch`;
 - curvature g_h_g: ḡ and ḡᵀHḡ (one HVP, `cbs.curvature.vhv`);
 - curvature trace_h_sigma: `cbs.stats.noise.exact(curvature=True)`, one HVP per example, chunked.
+
+Models brought by a user (`--foreign`, no cbs layers): a plain-JAX MLP 784-256-256-10 at
+B = 256, an `nnx.Conv`/`nnx.Linear` CNN on 28×28×1 at B = 128, and a 6-layer Transformer LM
+under `nnx.scan` with `nnx.remat` at B = 32, T = 64 (d = 128, V = 256). Rows: plain gradient;
+`noise.value_grad_and_stats` (loss, ḡ and every NoiseStats field from the jaxpr ghost norms);
+the vmap fallback with its automatic chunk size (`exact(method="vmap")`, no chunk given).
+The coverage column is the fraction of parameters on the fast path (`ghost.coverage`).
 
 Time: median over repeats after one warm-up call; a repeat is as many back-to-back calls as
 last about 0.1 s (one for slow rows), ended by block_until_ready. The ratio is the median of
@@ -37,6 +45,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -155,6 +164,132 @@ def measure(fns: dict[str, Callable], params, batch, repeats: int, min_seconds: 
         yield label, statistics.median(times), statistics.median(ratios), memory_mb(compiled)
 
 
+# ----------------------------------------------------------------------------- foreign models
+
+
+def _plain_mlp(rng):
+    sizes = (784, 256, 256, 10)
+    params = [{"w": rng.normal(size=(a, b)).astype(np.float32) / np.sqrt(a),
+               "b": np.zeros(b, np.float32)} for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+    params = jax.device_put(params)
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for i, layer in enumerate(params):
+            h = h @ layer["w"] + layer["b"]
+            h = jax.nn.relu(h) if i < len(params) - 1 else h
+        return _xent(h, batch["y"])
+
+    batch = {"x": rng.normal(size=(256, 784)).astype(np.float32),
+             "y": rng.integers(0, 10, 256).astype(np.int32)}
+    return loss_fn, params, batch, "plain-JAX MLP 784-256-256-10, B=256"
+
+
+class _NNXCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+        self.c2 = nnx.Conv(32, 64, (3, 3), strides=(2, 2), rngs=rngs)
+        self.ln = nnx.LayerNorm(64, rngs=rngs)
+        self.head = nnx.Linear(14 * 14 * 64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.ln(jax.nn.relu(self.c2(jax.nn.relu(self.c1(x)))))
+        return self.head(h.reshape(h.shape[0], -1))
+
+
+class _Block(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.out = nnx.Linear(d, d, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+        self.heads = heads
+
+    def __call__(self, h):
+        b, t, d = h.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(h)).reshape(b, t, 3 * self.heads, -1), 3, 2)
+        s = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        a = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+        h = h + self.out(a)
+        return h + self.fc2(jax.nn.gelu(self.fc1(self.ln2(h))))
+
+
+class _ScannedLM(nnx.Module):
+    def __init__(self, vocab, length, d, heads, layers, rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (length, d)))
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return _Block(d, heads, rngs)
+
+        self.blocks = blocks(rngs)
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.embed(ids) + self.pos[: ids.shape[1]]
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def run(h, block):
+            return block(h)
+
+        return self.head(self.ln(run(h, self.blocks)))
+
+
+def _xent(logits, labels):
+    logp = jax.nn.log_softmax(logits, -1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], -1))
+
+
+def _nnx(model, batch, description):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss_fn = lambda p, b: _xent(nnx.merge(graphdef, p, rest)(b["x"]), b["y"])
+    return loss_fn, params, batch, description
+
+
+def build_foreign(name: str):
+    """(loss_fn, params, batch, description) of a model written without cbs layers."""
+    rng = np.random.default_rng(0)
+    if name == "plain_mlp":
+        return _plain_mlp(rng)
+    if name == "nnx_cnn":
+        batch = {"x": rng.normal(size=(128, 28, 28, 1)).astype(np.float32),
+                 "y": rng.integers(0, 10, 128).astype(np.int32)}
+        return _nnx(_NNXCNN(nnx.Rngs(0)), batch, "nnx.Conv/LayerNorm/Linear CNN, B=128")
+    tokens = rng.integers(0, 256, (32, 65)).astype(np.int32)
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    model = _ScannedLM(256, 64, 128, 4, 6, nnx.Rngs(0))
+    return _nnx(model, batch, "6-layer Transformer LM, nnx.scan + remat, B=32, T=64")
+
+
+FOREIGN = ("plain_mlp", "nnx_cnn", "scanned_lm")
+
+
+def foreign_rows(loss_fn: Callable) -> dict[str, Callable]:
+    """Plain gradient, exact statistics from the jaxpr, and the auto-chunked vmap fallback."""
+    return {
+        "plain gradient": jax.value_and_grad(loss_fn),
+        "value_grad_and_stats": noise.value_grad_and_stats(loss_fn),
+        "exact-vmap (auto chunk)": lambda p, b: noise.exact(loss_fn, p, b, method="vmap"),
+    }
+
+
+def run_foreign(repeats: int) -> None:
+    print("| model | method | time ms | × plain gradient | memory MB | coverage |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in FOREIGN:
+        loss_fn, params, batch, description = build_foreign(name)
+        batch = jax.device_put(batch)
+        cover = ghost.coverage(loss_fn, params, batch)
+        for label, seconds, ratio, mb in measure(foreign_rows(loss_fn), params, batch, repeats):
+            print(f"| {description} | {label} | {seconds * 1e3:.2f} | {ratio:.2f} | {mb} | "
+                  f"{cover:.0%} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -163,6 +298,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row")
     parser.add_argument("--skip-slow", action="store_true",
                         help="leave out the exact trace_h_sigma row (minutes per call on CPU)")
+    parser.add_argument("--foreign", action="store_true",
+                        help="only the models written without cbs layers (plain JAX, nnx)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated subset of {','.join(MODELS)}")
     args = parser.parse_args()
@@ -174,6 +311,8 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), "
           f"median of {repeats} after warm-up; memory = XLA temp + argument bytes\n")
+    if args.foreign:
+        return run_foreign(repeats)
     for name in names:
         loss_fn, params, batch, description = build(name)
         batch_size, chunk, hvp_chunk = MODELS[name]

@@ -92,7 +92,7 @@ class Stack(nnx.Module):
 
 
 def test_taps_change_neither_forward_nor_gradient():
-    """Loss and ḡ through the taps equal plain autodiff; the norms equal the vmap ones."""
+    """Loss and ḡ from the jaxpr ghost pass equal plain autodiff; the norms equal the vmap ones."""
     graphdef, params = nnx.split(Stack(nnx.Rngs(0)), nnx.Param)
     params = jax.tree.map(lambda p: p + 0.1 * normal(p.shape, p.size), params)
 

@@ -347,6 +347,10 @@ class TrainStep:
             key = jax.random.fold_in(jax.random.key(self.seed), state.step)
             stats = noise.probe(loss_fn, state.params, batch, key, num_probes=num_probes,
                                 curvature=curvature)
+        elif not curvature:  # the same one forward + one backward a user's loop calls
+            stats = noise.value_grad_and_stats(loss_fn, method=method,
+                                               chunk_size=chunk_size or None)(
+                state.params, batch)[2]
         else:
             stats = noise.exact(loss_fn, state.params, batch, chunk_size=chunk_size or None,
                                 curvature=curvature, method=method)

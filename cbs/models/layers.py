@@ -1,12 +1,9 @@
-"""Standard layers (Flax NNX) whose per-example gradient norms cbs can compute cheaply.
+"""Standard layers (Flax NNX): drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed`,
+`nnx.LayerNorm` and `nnx.GroupNorm` with the same parameter names (`kernel`, `bias`,
+`embedding`, `scale`).
 
-These are drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed`, `nnx.LayerNorm` and
-`nnx.GroupNorm` with the same parameter names (`kernel`, `bias`, `embedding`, `scale`).
-Each layer sends its parameters through `cbs.stats.ghost.tap`, which outside a ghost-norm pass
-just calls the plain function below (same ops, no overhead) and inside one lets
-`cbs.stats.ghost.per_example_grads_info` read the exact per-example gradient norms of these
-parameters from the single backward pass. Any other layer still works; its parameters fall
-back to `vmap`.
+They are plain layers: `cbs.stats.ghost` finds the per-example gradient norms of any model
+from its jaxpr, these included, so nothing here is special to the noise statistics.
 
 Letters: B batch, T positions (sequence or spatial), D input features, O output features,
 V vocabulary.
@@ -14,14 +11,11 @@ V vocabulary.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from cbs.stats import ghost
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_embedding_init = nnx.initializers.normal(stddev=0.02)
@@ -67,8 +61,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        return ghost.tap(ghost.DENSE, linear, x_BxTxD,
-                         (self.kernel[...], _value(self.bias)))
+        return linear(x_BxTxD, self.kernel[...], _value(self.bias))
 
 
 class Conv(nnx.Module):
@@ -84,9 +77,8 @@ class Conv(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxHxWxD: jax.Array) -> jax.Array:
-        fn = functools.partial(conv2d, strides=self.strides, padding=self.padding)
-        return ghost.tap(ghost.CONV, fn, x_BxHxWxD, (self.kernel[...], _value(self.bias)),
-                         (self.strides, self.padding))
+        return conv2d(x_BxHxWxD, self.kernel[...], _value(self.bias), strides=self.strides,
+                      padding=self.padding)
 
 
 class Embed(nnx.Module):
@@ -97,7 +89,7 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(embedding_init(rngs.params(), (num_embeddings, features)))
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
-        return ghost.tap(ghost.EMBED, embed, ids_BxT, (self.embedding[...],))
+        return embed(ids_BxT, self.embedding[...])
 
 
 class LayerNorm(nnx.Module):
@@ -116,8 +108,7 @@ class LayerNorm(nnx.Module):
         xhat = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
         if self.scale is None and self.bias is None:
             return xhat
-        return ghost.tap(ghost.SCALE_SHIFT, scale_shift, xhat,
-                         (_value(self.scale), _value(self.bias)))
+        return scale_shift(xhat, _value(self.scale), _value(self.bias))
 
 
 class GroupNorm(nnx.Module):
@@ -148,5 +139,4 @@ class GroupNorm(nnx.Module):
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
         if self.scale is None and self.bias is None:
             return xhat
-        return ghost.tap(ghost.SCALE_SHIFT, scale_shift, xhat,
-                         (_value(self.scale), _value(self.bias)))
+        return scale_shift(xhat, _value(self.scale), _value(self.bias))

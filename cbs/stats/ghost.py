@@ -1,188 +1,82 @@
-"""Exact per-example gradient norms in one forward and one backward pass ("ghost norms").
+"""Exact per-example gradient norms in one forward and one backward pass ("ghost norms"),
+for any JAX model: the operations that read each parameter are found in the jaxpr of the
+user's own `loss_fn`.
 
 For a loss `L = (1/B) Σ_i ℓ_i` (the mean loss of the DESIGN contract) the per-example gradient
-of a dense layer's kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the layer input at
-position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass already has.
-Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
+of a dense kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the operation's data
+operand at position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass
+already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022,
+"ghost clipping"):
 
     |∂ℓ_i/∂W|² = B² |x_i|² |g_i|²                            (no position axis, T = 1)
                = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
-    |∂ℓ_i/∂b|² = B² |Σ_t g_it|²
 
-whichever of the two T > 1 forms is cheaper. A convolution is the dense rule on the input
-patches (strided slices; the native convolution keeps the forward pass and the ordinary
-gradients, and the norm does not depend on the order of the patch features). An embedding row
-gathers `Σ_{t: id_t = v} g_t`, so `|∂ℓ_i/∂E|² = B² Σ_{t,s} [id_t = id_s] g_t·g_s` (or one-hot
-when the vocabulary V is smaller than T). Norm scales and shifts act per channel: their
-[B, O] per-example gradients are small and are formed directly.
+whichever is cheaper; a convolution is the dense rule on its input windows, an embedding
+table `Σ_{t,s} [id_t = id_s] g_t·g_s` (`cbs.stats.ghost_rules`).
 
-Mechanism: a trace-time tap. Each `cbs.models.layers` layer routes its parameters through `tap`,
-which outside a tap context just calls the layer's plain function. Inside one it calls a
-`jax.custom_vjp` primitive with one extra input, a zero array `tap` [B, n] whose cotangent
-the backward rule sets to the n per-example squared norms of that call's parameters; so
-`jax.grad` w.r.t. (params, taps) returns ḡ and all norms from ONE backward pass, and under
-`jit` the only extra work is the per-layer reductions above. Two shape-only traces (never
-run) come first: one lists the layer calls and which params leaf (by identity of the traced
-leaf) each uses, the next taps every call with the taps as jaxpr inputs. A leaf is covered
-when exactly one call uses it, the call's input has the batch as leading axis, and in that
-jaxpr the call's own top-level custom_vjp equation is the only consumer of the leaf and of
-the tap. Other leaves (raw `nnx.Param`s, foreign layers, tied weights, leaves transformed
-before use, layers inside `scan`, `cond`, `remat` or a nested `jit`) fall back to `vmap(grad)`
-restricted to them. Why this design: it needs nothing from the model beyond the layers and
-nothing from `loss_fn` (any pytree of params, NNX or not), the norms come out of the backward
-pass XLA already schedules (no activation or cotangent is kept alive past its layer, as
-capturing intermediates or perturbations would need), and the jaxpr check makes a wrong
-answer from an unforeseen use of a leaf a slow answer instead.
+Mechanism. `cbs.stats.ghost_trace` walks one shape-only trace of `loss_fn(params, batch)` and
+finds, for every params leaf, the operations that read it (its *uses*). The jaxpr is then
+evaluated again with, at each use of a covered leaf, a zero *perturbation* added to the
+use's output and its data operand kept as an auxiliary output; `jax.value_and_grad` w.r.t.
+(params, perturbations) returns the loss, ḡ and every use's output cotangent g from ONE
+backward pass. Uses inside `scan` get stacked perturbations and captures (one slice per
+step: the per-step squared norms of a stacked leaf add up, the slices being disjoint);
+`remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
+`custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule is
+taken to be the derivative of their body). A leaf read by exactly one use through
+norm-preserving layout ops gets the ghost rule above; a leaf with several uses (a tied
+input/output embedding) or read through a broadcast or slice gets its exact per-example
+gradient `Σ_uses transpose(use)(x_i, g_i)` pulled back to the leaf's layout, summed over
+its uses (so the cross terms are exact) and squared, in chunks of examples. Leaves read in
+any other way fall back to `vmap(grad)` restricted to them, chunked to a memory budget;
+`uncovered_leaves` says which and why.
 
 Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
 fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for means over B
-and, with equal lengths, over B×T). Layers that couple examples (BatchNorm in training mode)
-make per-example gradients ill-defined; neither path detects them.
-
-The per-layer rules above are in `cbs.stats.ghost_rules`; this module holds the taps, the
-discovery of covered leaves and the passes.
+and, with equal lengths, over B×T). A layer that mixes a batch statistic into every example
+(BatchNorm in training mode) removes the example axis in the trace, so the leaves after it
+fall back to vmap, whose per-example gradients are then those of one-example batches.
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
-features, V vocabulary, n parameter leaves of one layer call.
+features, L scan length, P parameters.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core
 
+from cbs.stats import ghost_trace
 from cbs.stats.examples import map_examples, one_example
-from cbs.stats.ghost_rules import CONV, DENSE, EMBED, RULE_FNS, SCALE_SHIFT
+from cbs.stats.ghost_rules import SQ_NORM_RULES, per_example_grad
+from cbs.stats.trees import leaf_paths
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
-_RULES = (DENSE, CONV, EMBED, SCALE_SHIFT)
 _METHODS = ("auto", "fast", "vmap")
-
-
-# ----------------------------------------------------------------------------- taps
-
-
-@dataclasses.dataclass(eq=False)
-class _Call:
-    """One tapped layer call as seen by the recording trace."""
-
-    rule: str
-    leaves: tuple[int | None, ...]  # params leaf index per layer parameter; -1 unknown
-    batch_ok: bool
-    dtype: jnp.dtype  # dtype of the norms (and of the tap)
-
-
-@dataclasses.dataclass(eq=False)
-class _Context:
-    batch_size: int
-    leaf_index: dict[int, int]
-    active: list[tuple[bool, ...]] | None  # apply mode: per call, which norms to compute
-    taps: Sequence[jax.Array] | None
-    calls: list[_Call] = dataclasses.field(default_factory=list)
-
-
-_CONTEXT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar("cbs_ghost_tap",
-                                                                          default=None)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Spec:
-    rule: str
-    fn: Callable[..., jax.Array]
-    active: tuple[bool, ...]
-    options: tuple
-    tap_spec: Any = None  # the tap's PartitionSpec (explicit sharding types must match)
-
-
-def tap(rule: str, fn: Callable[..., jax.Array], x: jax.Array,
-        params: tuple[jax.Array | None, ...], options: tuple = ()) -> jax.Array:
-    """Returns `fn(x, *params)`, tapping the per-example norms of `params` inside a context.
-
-    rule: one of "dense" (params kernel [D, O], bias [O]), "conv" (kernel [kh, kw, D, O], bias;
-    options (strides, padding)), "embed" (x int ids, params (table [V, O],)), "scale_shift"
-    (params scale, bias broadcast over trailing axes of x). None params are absent.
-    """
-    ctx = _CONTEXT.get()
-    if ctx is None:
-        return fn(x, *params)
-    if rule not in _RULES:
-        raise ValueError(f"unknown tap rule {rule!r}; known: {_RULES}")
-    i = len(ctx.calls)
-    leaves = tuple(None if p is None else ctx.leaf_index.get(id(p), -1) for p in params)
-    min_ndim = 1 if rule == EMBED else 2
-    batch_ok = jnp.ndim(x) >= min_ndim and jnp.shape(x)[0] == ctx.batch_size
-    ctx.calls.append(_Call(rule, leaves, bool(batch_ok), _acc_dtype(params)))
-    if ctx.active is None:  # counting pass
-        return fn(x, *params)
-    if i >= len(ctx.active):
-        raise RuntimeError("loss_fn made more layer calls than when it was first traced")
-    active = ctx.active[i]
-    if not any(active):
-        return fn(x, *params)
-    tap_Bxn = ctx.taps[i]
-    spec = _Spec(rule, fn, active, options, jax.typeof(tap_Bxn).sharding.spec)
-    return _tapped(spec, x, params, tap_Bxn)
-
-
-def _acc_dtype(params) -> jnp.dtype:
-    dtypes = [p.dtype for p in params if p is not None]
-    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tapped(spec: _Spec, x, params, tap_Bxn):
-    del tap_Bxn
-    return spec.fn(x, *params)
-
-
-def _tapped_fwd(spec, x, params, tap_Bxn):
-    del tap_Bxn
-    return spec.fn(x, *params), (x, params)
-
-
-def _tapped_bwd(spec, res, gy):
-    x, params = res
-    dtype = _acc_dtype(params)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        _, vjp = jax.vjp(spec.fn, x, *params)
-        dx, *dparams = vjp(gy)
-    else:
-        _, vjp = jax.vjp(lambda *p: spec.fn(x, *p), *params)
-        dparams = vjp(gy)
-        dx = np.zeros(x.shape, jax.dtypes.float0)
-    x_acc = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-    norms = RULE_FNS[spec.rule](spec, x_acc, gy.astype(dtype), params)
-    norms_Bxn = jnp.stack([n for n, a in zip(norms, spec.active, strict=True) if a], axis=1)
-    if jax.typeof(norms_Bxn).sharding.spec != spec.tap_spec:  # explicit mesh axes only
-        norms_Bxn = jax.sharding.reshard(norms_Bxn, spec.tap_spec)
-    return dx, tuple(dparams), norms_Bxn.astype(dtype)
-
-
-_tapped.defvjp(_tapped_fwd, _tapped_bwd)
+MEMORY_BUDGET_BYTES = 256 * 2**20  # per-example work of a chunk, when chunk_size is None
 
 
 # ----------------------------------------------------------------------------- plan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Plan:
-    call_leaves: list[tuple[int | None, ...]]
-    active: list[tuple[bool, ...]]  # per call: which parameters get a norm column
-    dtypes: list[jnp.dtype]  # per call: tap dtype
-    columns: dict[int, tuple[int, int]]  # covered leaf -> (call, column)
-    unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
+    jaxpr: Any  # ClosedJaxpr of loss_fn(params leaves, batch leaves)
+    batch_size: int
+    uses: dict[int, list[ghost_trace.Use]]  # covered leaf -> its uses
+    active: dict[int, ghost_trace.Use]  # eqn id -> use of a covered leaf
+    inside: dict[int, frozenset[int]]  # nested eqn id -> uids of active uses inside it
     uncovered: dict[int, str]  # leaf -> why it needs vmap
+    unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -194,146 +88,191 @@ def _batch_size(batch: PyTree) -> int:
     return sizes.pop()
 
 
-def _leaf_paths(params: PyTree) -> list[str]:
-    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
-             for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    return [p.removesuffix("/value") for p in paths]
-
-
-@contextlib.contextmanager
-def _active(ctx: _Context):
-    token = _CONTEXT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CONTEXT.reset(token)
-
-
-def _trace_calls(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int):
-    """Traces (never runs) the loss twice: (layer calls, jaxpr with leaves and taps as inputs).
-
-    The first trace lists the layer calls; the second taps all of them, with the taps as
-    jaxpr inputs, so the jaxpr shows which equations consume each leaf and each tap.
-    """
+def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
+    """Traces the loss once (shapes only) and decides which leaves the fast path covers."""
     leaves, treedef = jax.tree.flatten(params)
-
-    def traced(leaves, active=None, taps=None):
-        index = {id(leaf): i for i, leaf in enumerate(leaves)}
-        with _active(_Context(batch_size, index, active, taps)) as ctx:
-            loss = loss_fn(jax.tree.unflatten(treedef, leaves), batch)
-        return loss, ctx.calls
-
-    calls = []
-    jax.eval_shape(lambda leaves: calls.extend(traced(leaves)[1]) or 0.0, leaves)
-    full = [tuple(leaf is not None and c.batch_ok for leaf in c.leaves) for c in calls]
-    taps = [jax.ShapeDtypeStruct((batch_size, sum(m)), c.dtype)
-            for m, c in zip(full, calls, strict=True)]
-    traced_loss = lambda leaves, taps: traced(leaves, full, taps)[0]
-    return calls, jax.make_jaxpr(traced_loss)(leaves, taps).jaxpr
-
-
-def _why_uncovered(calls: list[_Call], jaxpr, n_leaves: int) -> dict[int, str | None]:
-    """Per leaf: None when the fast path covers it, "" when the loss never reads it, else why
-    it needs vmap."""
-    consumers: dict[int, list[int]] = {}  # id(var) -> top-level equations (-1: the output)
-    for e, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            consumers.setdefault(id(v), []).append(e)
-    for v in jaxpr.outvars:
-        consumers.setdefault(id(v), []).append(-1)
-    own_eqn = []  # per call: its own custom_vjp equation, when consumed at top level only
-    for v in jaxpr.invars[n_leaves:]:
-        found = consumers.get(id(v), [])
-        eqn = jaxpr.eqns[found[0]] if len(found) == 1 and found[0] >= 0 else None
-        top = eqn is not None and eqn.primitive.name == "custom_vjp_call" and eqn.invars[-1] is v
-        own_eqn.append(found[0] if top else None)
-    refs: list[list[int]] = [[] for _ in range(n_leaves)]
-    for c, call in enumerate(calls):
-        for leaf in call.leaves:
-            if leaf is not None and leaf >= 0:
-                refs[leaf].append(c)
-    why = {}
-    for leaf, (v, cs) in enumerate(zip(jaxpr.invars[:n_leaves], refs, strict=True)):
-        found = consumers.get(id(v), [])
-        if not cs:  # "" marks a leaf the loss never reads: zero gradient, nothing to do
-            why[leaf] = ("not used through a cbs.models.layers layer (or transformed first)"
-                         * bool(found))
-        elif len(cs) > 1:
-            why[leaf] = f"shared by {len(cs)} layer calls"
-        elif not calls[cs[0]].batch_ok:
-            why[leaf] = "its layer input does not have the batch as leading axis"
-        elif own_eqn[cs[0]] is None:
-            why[leaf] = "its layer runs inside a nested transformation (scan, cond, remat, jit)"
-        elif found != [own_eqn[cs[0]]]:
-            why[leaf] = "also used outside its layer"
+    b_leaves, b_treedef = jax.tree.flatten(batch)
+    flat = lambda ls, bs: loss_fn(treedef.unflatten(ls), b_treedef.unflatten(bs))
+    closed = jax.make_jaxpr(flat)(leaves, b_leaves)
+    batch_size = _batch_size(batch)
+    disc = ghost_trace.discover(closed.jaxpr, len(leaves), batch_size)
+    reads: dict[int, list] = {}
+    for (_, leaf), read in disc.reads.items():
+        reads.setdefault(leaf, []).append(read)
+    uses, uncovered = {}, {}
+    for leaf, rs in reads.items():
+        why = [r for r in rs if isinstance(r, str)]
+        if why:
+            uncovered[leaf] = why[0]
+        elif len({u.ctx for u in rs}) > 1:
+            uncovered[leaf] = "read in several scans, or inside and outside one"
         else:
-            why[leaf] = None
-    return why
-
-
-def _discover(loss_fn: LossFn, params: PyTree, batch: PyTree, batch_size: int) -> _Plan:
-    """Maps layer calls to params leaves and decides which leaves the taps cover."""
-    n_leaves = len(jax.tree.leaves(params))
-    calls, jaxpr = _trace_calls(loss_fn, params, batch, batch_size)
-    why = _why_uncovered(calls, jaxpr, n_leaves)
-    active, columns = [], {}
-    for c, call in enumerate(calls):
-        mask = tuple(leaf is not None and leaf >= 0 and why[leaf] is None for leaf in call.leaves)
-        active.append(mask)
-        for col, leaf in enumerate(l for l, m in zip(call.leaves, mask, strict=True) if m):
-            columns[leaf] = (c, col)
-    return _Plan([c.leaves for c in calls], active, [c.dtype for c in calls], columns,
-                 tuple(leaf for leaf, w in why.items() if w == ""),
-                 {leaf: w for leaf, w in why.items() if w})
+            uses[leaf] = sorted(rs, key=lambda u: u.uid)
+    active = {id(u.eqn): u for us in uses.values() for u in us}
+    uids = {u.uid for u in active.values()}
+    inside = {e: frozenset(s & uids) for e, s in disc.inner_uses.items()}
+    unused = tuple(i for i in range(len(leaves)) if i not in reads)
+    return _Plan(closed, batch_size, uses, active, inside, uncovered, unused)
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
     """Params leaf paths the fast path cannot cover, with the reason (traces, never runs)."""
-    plan = _discover(loss_fn, params, batch, _batch_size(batch))
-    paths = _leaf_paths(params)
-    return {paths[leaf]: why for leaf, why in plan.uncovered.items()}
+    plan = _plan(loss_fn, params, batch)
+    paths = leaf_paths(params)
+    return {paths[leaf]: why for leaf, why in sorted(plan.uncovered.items())}
 
 
-# ----------------------------------------------------------------------------- passes
+def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
+    """Fraction of the parameters (numbers, not leaves) whose norms take the fast path."""
+    plan = _plan(loss_fn, params, batch)
+    sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
+    slow = sum(sizes[leaf] for leaf in plan.uncovered)
+    return 1.0 - slow / max(sum(sizes), 1)
 
 
-def _fast_pass(loss_fn: LossFn, params: PyTree, batch: PyTree, plan: _Plan, batch_size: int):
-    """One forward + one backward: mean loss, ḡ and the tapped norms (scaled to ℓ_i)."""
-    taps = [jnp.zeros((batch_size, sum(mask)), dtype)
-            for mask, dtype in zip(plan.active, plan.dtypes, strict=True)]
+# ----------------------------------------------------------------------------- evaluation
 
-    def loss_with_taps(params, taps):
-        index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
-        with _active(_Context(batch_size, index, plan.active, taps)) as ctx:
-            loss = loss_fn(params, batch)
-        if [c.leaves for c in ctx.calls] != plan.call_leaves:
-            raise RuntimeError("loss_fn made different layer calls than when first traced")
-        return loss
 
-    loss, (grad, tap_grads) = jax.value_and_grad(loss_with_taps, argnums=(0, 1))(params, taps)
-    scale = float(batch_size) ** 2  # cotangents of the MEAN loss carry a 1/B
-    norms = {leaf: tap_grads[c][:, col] * scale for leaf, (c, col) in plan.columns.items()}
-    return loss, grad, norms
+def _bind(eqn, invals):
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
+    """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    caps = {}
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = plan.inside.get(id(eqn))
+        if inner:
+            outs, c = _eval_nested(eqn, invals, {u: pert[u] for u in inner}, plan)
+            caps.update(c)
+        else:
+            outs = _bind(eqn, invals)
+            use = plan.active.get(id(eqn))
+            if use is not None:
+                outs = [outs[0] + pert[use.uid]]
+                caps[use.uid] = invals[1 - use.pos]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars], caps
+
+
+def _eval_nested(eqn, invals, pert, plan):
+    name, p = eqn.primitive.name, eqn.params
+    if name == "scan":
+        n_c, n_carry, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        consts, init, xs = invals[:n_c], invals[n_c:n_c + n_carry], invals[n_c + n_carry:]
+
+        def step(carry, xs_pert):
+            x, pt = xs_pert
+            outs, c = _eval(body.jaxpr, body.consts, [*consts, *carry, *x], pt, plan)
+            return outs[:n_carry], (outs[n_carry:], c)
+
+        carry, (ys, caps) = jax.lax.scan(step, init, (xs, pert), length=p["length"],
+                                         reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys], caps
+    if name in ("remat2", "checkpoint"):
+        fn = lambda args, pt: _eval(p["jaxpr"], [], args, pt, plan)
+        return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(invals, pert)
+    closed = p.get("jaxpr", p.get("call_jaxpr"))
+    return _eval(closed.jaxpr, closed.consts, invals, pert, plan)
+
+
+def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
+    """One forward + one backward: loss, ḡ leaves, captures and cotangents per active use."""
+    pert = {}
+    for use in plan.active.values():
+        aval = use.eqn.outvars[0].aval
+        pert[use.uid] = jnp.zeros(use.stack + aval.shape, aval.dtype)
+
+    def run(leaves, pert):
+        outs, caps = _eval(plan.jaxpr.jaxpr, plan.jaxpr.consts, [*leaves, *batch_leaves],
+                           pert, plan)
+        return outs[0], caps
+
+    (loss, caps), (grads, cotangents) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
+        leaves, pert)
+    return loss, grads, caps, cotangents
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+def _acc(x: jax.Array, dtype) -> jax.Array:
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
+def _stacked(fn: Callable, depth: int) -> Callable:
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _rule_sq_norm(use, x, g, dtype) -> jax.Array | None:
+    """[B] from the ghost rule of a single use, summed over scan steps; None: not readable."""
+    rule = SQ_NORM_RULES.get(use.eqn.primitive.name)
+    if rule is None or not use.keeps_norm:
+        return None
+    if jax.eval_shape(lambda x, g: rule(use, x, g), *(a[(0,) * len(use.stack)]
+                                                      for a in (x, g))) is None:
+        return None
+    out = _stacked(lambda x, g: rule(use, _acc(x, dtype), g.astype(dtype)), len(use.stack))(x, g)
+    return jnp.sum(out, tuple(range(len(use.stack))))
+
+
+def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Array:
+    """[B]: |Σ_uses per-example gradient|², the gradients formed chunk by chunk of examples."""
+    items, per_example_bytes = [], 0
+    for u in uses:
+        k = len(u.stack)
+        x = jnp.moveaxis(caps[u.uid], k + u.e_in, 0)
+        g = jnp.moveaxis(cotangents[u.uid], k + u.e_out, 0)
+        items.append((x, g))
+        origin = (u.chain[0].invars[0] if u.chain else u.eqn.invars[u.pos]).aval
+        per_example_bytes += 4 * np.dtype(dtype).itemsize * (
+            int(np.prod(u.stack)) * int(np.prod(origin.shape)) + x[0].size + g[0].size)
+
+    def one(items_i):
+        total = 0
+        for u, (x_i, g_i) in zip(uses, items_i, strict=True):
+            grad = _stacked(lambda x, g, u=u: per_example_grad(u, x, g, dtype), len(u.stack))
+            total = total + grad(x_i, g_i)
+        return jnp.sum(jnp.square(total))
+
+    batch_size = items[0][0].shape[0]
+    chunk = chunk_size or auto_chunk_size(per_example_bytes, batch_size)
+    return map_examples(one, items, chunk)
+
+
+def auto_chunk_size(per_example_bytes: int, batch_size: int,
+                    budget_bytes: int = MEMORY_BUDGET_BYTES) -> int:
+    """Examples per chunk so that a chunk's per-example work fits `budget_bytes`."""
+    return int(max(1, min(batch_size, budget_bytes // max(int(per_example_bytes), 1))))
+
+
+def vmap_chunk_size(params: PyTree, batch: PyTree) -> int:
+    """Automatic chunk for vmap(grad): per-example gradients and activations in the budget."""
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    act_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // batch_size
+    return auto_chunk_size(3 * param_bytes + 64 * act_bytes, batch_size)
 
 
 def _sq_norm(g: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
 
 
-def _vmap_info(loss_fn: LossFn, params: PyTree, batch: PyTree, chunk_size: int | None):
-    """The reference: per-example gradients by vmap(grad), chunked; loss and ḡ from one
-    ordinary pass (summing the per-example gradients instead is much slower on CPU)."""
-    def one(example):
-        return jax.tree.map(_sq_norm, jax.grad(loss_fn)(params, one_example(example)))
-
-    loss, grad = jax.value_and_grad(loss_fn)(params, batch)
-    return loss, grad, map_examples(one, batch, chunk_size)
-
-
 def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequence[int],
                    chunk_size: int | None) -> list[jax.Array]:
     """|∂ℓ_i/∂leaf|² by vmap(grad) w.r.t. the leaves `which` only."""
     leaves, treedef = jax.tree.flatten(params)
+    sub = [leaves[i] for i in which]
+    chunk = chunk_size or vmap_chunk_size(sub, batch)
 
     def one(example):
         def loss_of(sub):
@@ -342,9 +281,9 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
                 full[i] = s
             return loss_fn(jax.tree.unflatten(treedef, full), one_example(example))
 
-        return [_sq_norm(g) for g in jax.grad(loss_of)([leaves[i] for i in which])]
+        return [_sq_norm(g) for g in jax.grad(loss_of)(sub)]
 
-    return map_examples(one, batch, chunk_size)
+    return map_examples(one, batch, chunk)
 
 
 # ----------------------------------------------------------------------------- public
@@ -357,13 +296,14 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
 
     Args:
       loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the leading batch axis.
-      params: pytree of float arrays.
+      params: pytree of float arrays (any model: nnx, linen, plain jax.numpy).
       batch: pytree of arrays sharing a leading axis B.
-      method: "fast" taps cbs.models.layers layers (one forward + one backward) and raises
-        ValueError naming any leaf it cannot cover; "auto" does the same but computes
-        uncovered leaves by vmap(grad) restricted to them; "vmap" is the reference: every
-        norm by vmap(grad), chunked, with loss and ḡ from one ordinary pass.
-      chunk_size: examples per vmap chunk (None: all at once); bounds vmap memory.
+      method: "fast" reads the jaxpr (one forward + one backward) and raises ValueError
+        naming any leaf it cannot cover; "auto" does the same but computes uncovered leaves
+        by vmap(grad) restricted to them; "vmap" is the reference: every norm by vmap(grad),
+        chunked, with loss and ḡ from one ordinary pass.
+      chunk_size: examples per vmap chunk; None picks it from a memory budget
+        (`MEMORY_BUDGET_BYTES`), never all B examples' gradients at once for a large model.
 
     Returns:
       (loss, grad, sq_norms): scalar mean loss; grad like params; sq_norms like params with
@@ -375,22 +315,33 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     batch_size = _batch_size(batch)
-    if method == "vmap":
-        return _vmap_info(loss_fn, params, batch, chunk_size)
-    plan = _discover(loss_fn, params, batch, batch_size)
-    paths = _leaf_paths(params)
-    if method == "fast" and plan.uncovered:
-        lines = "; ".join(f"{paths[leaf]}: {why}" for leaf, why in plan.uncovered.items())
-        raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); build "
-                         "them from cbs.models.layers or use method='auto'")
-    loss, grad, norms = _fast_pass(loss_fn, params, batch, plan, batch_size)
     leaves, treedef = jax.tree.flatten(params)
-    which = sorted(plan.uncovered)
-    if which:
-        fallback = _vmap_sq_norms(loss_fn, params, batch, which, chunk_size)
-        norms.update(zip(which, fallback, strict=True))
-    out = []
-    for i, leaf in enumerate(leaves):
-        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-        out.append(norms[i].astype(dtype) if i in norms else jnp.zeros((batch_size,), dtype))
-    return loss, grad, jax.tree.unflatten(treedef, out)
+    dtypes = [jnp.promote_types(leaf.dtype, jnp.float32) for leaf in leaves]
+    if method == "vmap":
+        loss, grad = jax.value_and_grad(loss_fn)(params, batch)
+        norms = dict(enumerate(_vmap_sq_norms(loss_fn, params, batch, range(len(leaves)),
+                                              chunk_size)))
+    else:
+        plan = _plan(loss_fn, params, batch)
+        if method == "fast" and plan.uncovered:
+            paths = leaf_paths(params)
+            lines = "; ".join(f"{paths[i]}: {why}" for i, why in sorted(plan.uncovered.items()))
+            raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); "
+                             "use method='auto' to compute them by vmap")
+        loss, grads, caps, cots = _fast_pass(plan, leaves, jax.tree.leaves(batch))
+        grad = treedef.unflatten(grads)
+        norms = {}
+        for leaf, uses in plan.uses.items():
+            u = uses[0]
+            sq = None if len(uses) > 1 else _rule_sq_norm(u, caps[u.uid], cots[u.uid],
+                                                          dtypes[leaf])
+            if sq is None:
+                sq = _materialized_sq_norm(uses, caps, cots, dtypes[leaf], chunk_size)
+            norms[leaf] = sq * float(batch_size) ** 2  # cotangents of the MEAN loss carry 1/B
+        which = sorted(plan.uncovered)
+        if which:
+            norms.update(zip(which, _vmap_sq_norms(loss_fn, params, batch, which, chunk_size),
+                             strict=True))
+    out = [norms[i].astype(d) if i in norms else jnp.zeros((batch_size,), d)
+           for i, d in enumerate(dtypes)]
+    return loss, grad, treedef.unflatten(out)

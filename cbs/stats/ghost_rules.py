@@ -1,9 +1,13 @@
-"""Per-layer rules of the ghost-norm pass: per-example squared parameter-gradient norms from a
-layer's input and its output cotangent (see `cbs.stats.ghost` for the mechanism and the formulas).
+"""Per-operation rules of the ghost-norm pass: per-example squared parameter-gradient norms from
+an operation's data operand x and its output cotangent g (see `cbs.stats.ghost` for the
+mechanism and the formulas).
 
-Each rule takes (spec, x, g, params) with x the layer input [B, ...], g the cotangent of its
-output [B, ..., O] (of the MEAN loss: `cbs.stats.ghost` rescales by B²) and returns one [B] array
-per parameter of the call (None for parameters not tapped).
+Each `*_sq_norm` rule takes a `cbs.stats.ghost_trace.Use` (the jaxpr equation, which operand
+is the parameter, where the example axis is) and x, g for one scan step (g of the MEAN loss:
+`cbs.stats.ghost` rescales by B²), and returns the [B] squared norms, or None when the
+equation's layout is not one it reads (the caller then uses `per_example_grad`).
+`per_example_grad` is exact for any use: the transpose of the operation applied to one
+example's cotangent, in the layout of the leaf (or of its scanned slice).
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, V vocabulary.
@@ -11,10 +15,11 @@ features, V vocabulary.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
-
-DENSE, CONV, EMBED, SCALE_SHIFT = "dense", "conv", "embed", "scale_shift"
+import numpy as np
 
 
 def use_gram(t: int, d: int, o: int) -> bool:
@@ -35,62 +40,143 @@ def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(grad_BxDxO), (1, 2))
 
 
-def _dense_rule(spec, x, g, params):
-    b = x.shape[0]
-    x_BxTxD = x.reshape(b, -1, x.shape[-1])
-    g_BxTxO = g.reshape(b, -1, g.shape[-1])
-    kernel_active, bias_active = (tuple(spec.active) + (False,))[:2]
-    return (_kernel_sq_norm(x_BxTxD, g_BxTxO) if kernel_active else None,
-            jnp.sum(jnp.square(g_BxTxO.sum(1)), 1) if bias_active else None)
 
 
-def _patches(x_BxHxWxD: jax.Array, kh: int, kw: int, strides, padding) -> jax.Array:
-    """[B, H', W', kh·kw·D] input windows of a convolution, by strided slices.
+def _perm_reshape(a: jax.Array, lead: list[int], rest: list[int], b: int) -> jax.Array:
+    """a transposed to (lead..., rest...) and reshaped to [b, -1, prod(rest)]."""
+    a = jnp.transpose(a, lead + rest)
+    return a.reshape(b, -1, int(np.prod([a.shape[len(lead) + i] for i in range(len(rest))])))
+
+
+def dense_sq_norm(use, x, g) -> jax.Array | None:
+    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
+    free) order, which is a permutation of W's entries."""
+    (lc, rc), _ = use.eqn.params["dimension_numbers"]
+    xc, wc = (lc, rc) if use.pos == 1 else (rc, lc)
+    w_rank = len(use.eqn.invars[use.pos].aval.shape)
+    w_free = [a for a in range(w_rank) if a not in wc]
+    x_free = [a for a in range(x.ndim) if a not in xc]
+    offset = 0 if use.pos == 1 else len(w_free)
+    x_out = {a: offset + i for i, a in enumerate(x_free)}
+    w_out = [(len(x_free) if use.pos == 1 else 0) + i for i in range(len(w_free))]
+    b = x.shape[use.e_in]
+    rest_x = [a for a in x_free if a != use.e_in]
+    x_BxTxC = _perm_reshape(x, [use.e_in] + rest_x, list(xc), b)
+    g_BxTxF = _perm_reshape(g, [use.e_out] + [x_out[a] for a in rest_x], w_out, b)
+    return _kernel_sq_norm(x_BxTxC, g_BxTxF)
+
+
+def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
+    """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices.
 
     `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel, which
-    costs (kh·kw·D)² multiply-adds per output position: more than the layer itself.
+    costs (prod(window)·D)² multiply-adds per output position: more than the layer itself.
     """
-    sh, sw = strides
-    if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(x_BxHxWxD.shape[1:3], (kh, kw), strides, padding)
-    x = jnp.pad(x_BxHxWxD, ((0, 0), *padding, (0, 0)))
-    ho, wo = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
-    return jnp.concatenate([x[:, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw]
-                            for i in range(kh) for j in range(kw)], axis=-1)
+    x = jnp.pad(x_BxSxD, ((0, 0), *padding, (0, 0)))
+    outs = [(x.shape[1 + k] - w) // s + 1
+            for k, (w, s) in enumerate(zip(window, strides, strict=True))]
+    pieces = []
+    for offs in itertools.product(*map(range, window)):
+        index = tuple(slice(o, o + (n - 1) * s + 1, s)
+                      for o, n, s in zip(offs, outs, strides, strict=True))
+        pieces.append(x[(slice(None), *index)])
+    return jnp.concatenate(pieces, axis=-1)
 
 
-def _conv_rule(spec, x, g, params):
-    kh, kw = params[0].shape[:2]
-    return _dense_rule(spec, _patches(x, kh, kw, *spec.options), g, params)
+def conv_sq_norm(use, x, g) -> jax.Array | None:
+    """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
+    the input windows."""
+    p = use.eqn.params
+    if (use.pos != 1 or p["feature_group_count"] != 1 or any(d != 1 for d in p["lhs_dilation"])
+            or any(d != 1 for d in p["rhs_dilation"]) or isinstance(p["padding"], str)):
+        return None
+    dn = p["dimension_numbers"]
+    kernel_shape = use.eqn.invars[1].aval.shape
+    window = [kernel_shape[a] for a in dn.rhs_spec[2:]]
+    x_BxSxD = jnp.transpose(x, (dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1]))
+    g_BxSxO = jnp.transpose(g, (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1]))
+    patches = _patches(x_BxSxD, window, p["window_strides"], p["padding"])
+    b = x.shape[0]
+    return _kernel_sq_norm(patches.reshape(b, -1, patches.shape[-1]),
+                           g_BxSxO.reshape(b, -1, g_BxSxO.shape[-1]))
 
 
-def _embed_rule(spec, ids, g, params):
-    b, v = ids.shape[0], params[0].shape[0]
-    ids_BxT = ids.reshape(b, -1)
-    g_BxTxO = g.reshape(b, ids_BxT.shape[1], -1)
+def embed_sq_norm(use, ids, g) -> jax.Array | None:
+    """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
+    when V < T)."""
+    p = use.eqn.params
+    dn = p["dimension_numbers"]
+    v, o = use.eqn.invars[0].aval.shape if len(use.eqn.invars[0].aval.shape) == 2 else (0, 0)
+    if (not v or dn.offset_dims != (g.ndim - 1,) or dn.collapsed_slice_dims != (0,)
+            or dn.start_index_map != (0,) or tuple(p["slice_sizes"]) != (1, o)
+            or ids.shape[-1] != 1):
+        return None
+    b = ids.shape[use.e_in]
+    ids_BxT = jnp.moveaxis(ids[..., 0], use.e_in, 0).reshape(b, -1)
+    g_BxTxO = jnp.moveaxis(g, use.e_out, 0).reshape(b, -1, o)
+    mode = str(p["mode"])
+    if "CLIP" in mode:
+        ids_BxT = jnp.clip(ids_BxT, 0, v - 1)
+    elif "FILL" in mode:  # out-of-range ids read the fill value: no gradient
+        g_BxTxO = jnp.where(((ids_BxT >= 0) & (ids_BxT < v))[..., None], g_BxTxO, 0)
     if ids_BxT.shape[1] == 1:
-        return (jnp.sum(jnp.square(g_BxTxO), (1, 2)),)
+        return jnp.sum(jnp.square(g_BxTxO), (1, 2))
     if v < ids_BxT.shape[1]:
         onehot_BxTxV = jax.nn.one_hot(ids_BxT, v, dtype=g.dtype)
         grad_BxVxO = jnp.einsum("btv,bto->bvo", onehot_BxTxV, g_BxTxO)
-        return (jnp.sum(jnp.square(grad_BxVxO), (1, 2)),)
+        return jnp.sum(jnp.square(grad_BxVxO), (1, 2))
     same_BxTxT = ids_BxT[:, :, None] == ids_BxT[:, None, :]
     gg_BxTxT = jnp.einsum("bto,bso->bts", g_BxTxO, g_BxTxO)
-    return (jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2)),)
+    return jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2))
 
 
-def _scale_shift_rule(spec, xhat, g, params):
-    out = []
-    for p, active, with_x in zip(params, spec.active, (True, False), strict=True):
-        if p is None or not active:
-            out.append(None)
-            continue
-        per_ex = xhat * g if with_x else g
-        lead = per_ex.ndim - p.ndim  # sum the axes the parameter broadcasts over
-        grad_BxO = jnp.sum(per_ex, tuple(range(1, lead))) if lead > 1 else per_ex
-        out.append(jnp.sum(jnp.square(grad_BxO), tuple(range(1, grad_BxO.ndim))))
-    return tuple(out)
+SQ_NORM_RULES = {"dot_general": dense_sq_norm, "conv_general_dilated": conv_sq_norm,
+                 "gather": embed_sq_norm}
 
 
-RULE_FNS = {DENSE: _dense_rule, CONV: _conv_rule, EMBED: _embed_rule,
-             SCALE_SHIFT: _scale_shift_rule}
+def _bind(eqn, args, params=None):
+    params = dict(eqn.params if params is None else params)
+    if "sharding" in params:
+        params["sharding"] = None
+    if "out_sharding" in params:
+        params["out_sharding"] = None
+    return eqn.primitive.bind(*args, **params)
+
+
+def replay_chain(chain, w: jax.Array) -> jax.Array:
+    """The layout ops from a leaf to the operand of its use, in the dtype of `w`."""
+    for eqn in chain:
+        if eqn.primitive.name not in ("convert_element_type", "reduce_precision"):
+            w = _bind(eqn, [w])
+    return w
+
+
+def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
+    """∂(one example's share of the loss)/∂(origin) for one example: x_i, g_i without the
+    example axis; the result has the shape of the leaf (or of its scanned slice)."""
+    origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
+    x1 = jnp.expand_dims(x_i, use.e_in)
+    if jnp.issubdtype(x1.dtype, jnp.inexact):
+        x1 = x1.astype(dtype)
+    g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)
+    params = dict(use.eqn.params)
+    if params.get("preferred_element_type") is not None:
+        params["preferred_element_type"] = dtype
+
+    elementwise = use.eqn.primitive.name not in SQ_NORM_RULES
+    chain, last = use.chain, None
+    if elementwise and chain and chain[-1].primitive.name == "broadcast_in_dim":
+        chain, last = chain[:-1], dict(chain[-1].params)
+        if use.e_in not in last["broadcast_dimensions"]:  # broadcast to one example only
+            last["shape"] = tuple(1 if a == use.e_in else n for a, n in enumerate(last["shape"]))
+
+    def apply(w):
+        w = replay_chain(chain, w)
+        if last is not None:
+            w = _bind(use.chain[-1], [w], last)
+        if elementwise and w.shape[use.e_in] != 1:  # the same for every example: take one
+            w = jax.lax.slice_in_dim(w, 0, 1, axis=use.e_in)
+        return _bind(use.eqn, [x1, w] if use.pos == 1 else [w, x1], params)
+
+    _, vjp = jax.vjp(apply, jnp.zeros(origin.shape, dtype))
+    return vjp(g1)[0]

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbs.stats import examples, trees
+from cbs.stats import examples, ghost, trees
 from cbs.stats.curvature import block_quadratic_forms, hvp_fn
 from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
 from cbs.stats.trees import GroupSpec, group_matrix
@@ -110,6 +110,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
         grad, hvp_lin = hvp_fn(loss_fn, params, batch)
     else:
         grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
+    chunk_size = chunk_size or ghost.vmap_chunk_size(params, batch)
     grad_acc = trees.tree_cast(grad, dtype)
 
     def per_example(example):
@@ -133,16 +134,9 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
 
 
 def _ghost_info(loss_fn, params, batch, method, chunk_size):
-    """(ḡ, per-leaf [B] squared norms) from the ghost-norm path; None when it is unavailable."""
-    try:
-        from cbs.stats.ghost import per_example_grads_info
-    except ModuleNotFoundError as e:
-        if method == "fast" or e.name != "cbs.stats.ghost":
-            raise
-        return None
-    _, grad, sq_norms = per_example_grads_info(loss_fn, params, batch, method=method,
-                                               chunk_size=chunk_size)
-    return grad, sq_norms
+    """(loss, ḡ, per-leaf [B] squared norms) from the ghost-norm path of `cbs.stats.ghost`."""
+    return ghost.per_example_grads_info(loss_fn, params, batch, method=method,
+                                        chunk_size=chunk_size)
 
 
 def _fast_sums(batch_size, grad, sq_norms):
@@ -163,7 +157,8 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
         params: pytree of floating-point arrays (P numbers in all).
         batch: pytree of arrays with a shared leading axis B ≥ 2 (may be sharded on a mesh).
-        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: all at once.
+        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from a memory
+            budget (`cbs.stats.ghost.MEMORY_BUDGET_BYTES`), never B × P by default.
         curvature: also compute mean_g_h_g, g_h_g, trace_h_sigma and b_noise. trace_h_sigma
             takes one HVP of the mean batch loss per example, each a pass over the whole batch
             (cost O(B²), memory O(chunk_size × activations of the batch)).
@@ -173,9 +168,10 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
             parameters, so the groups' curvature terms do not sum to the total (cross blocks
             are left out), whereas the groups' trace_sigma and |ḡ|² do.
         method: "vmap": per-example gradients by vmap(grad), centred on ḡ before squaring.
-            "fast": per-example squared norms from `cbs.stats.ghost` (no per-example gradients;
-            trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1)). "auto": "fast" where available, else
-            "vmap". With curvature=True the per-example gradients are needed anyway and the
+            "fast": per-example squared norms from `cbs.stats.ghost`, read from the jaxpr of
+            loss_fn (no per-example gradients; trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1)); raises
+            naming the leaves it cannot read. "auto": "fast", with vmap for those leaves only.
+            With curvature=True the per-example gradients are needed anyway and the
             centred vmap route is used for every field.
     Returns:
         NoiseStats (scalars in float32, float64 under jax_enable_x64).
@@ -184,6 +180,43 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
     _check_method(method)
     return _exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
                   groups=groups, method=method)
+
+
+def value_grad_and_stats(loss_fn: LossFn, *, method: str = "auto",
+                         chunk_size: int | None = None, groups: GroupSpec = None
+                         ) -> Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, NoiseStats]]:
+    """Drop-in for `jax.value_and_grad(loss_fn)` that also returns exact noise statistics.
+
+    `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
+    forward and ONE backward pass over the batch when `cbs.stats.ghost` reads every parameter
+    from the jaxpr (any nnx, linen or plain-JAX model; leaves it cannot read add a chunked
+    vmap, or raise under method="fast"). Jittable: call it inside your own jitted train step.
+
+        step_fn = noise.value_grad_and_stats(loss_fn)
+        loss, grads, stats = step_fn(params, batch)    # stats.b_simple, stats.to_dict()
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+
+    method: "auto" or "fast" as in `exact` ("vmap" gives the reference: slow).
+    chunk_size, groups: as in `exact`.
+    """
+    _check_method(method)
+
+    def fn(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, NoiseStats]:
+        batch_size = check_inputs(loss_fn, params, batch)
+        grouping = group_matrix(params, groups)
+
+        def compute(params, batch):
+            if method == "vmap":
+                loss, grad = jax.value_and_grad(loss_fn)(params, batch)
+                sums = _vmap_sums(loss_fn, params, batch, chunk_size, False, None)
+            else:
+                loss, grad, sq_norms = _ghost_info(loss_fn, params, batch, method, chunk_size)
+                sums = _fast_sums(batch_size, grad, sq_norms)
+            return loss, grad, _assemble(batch_size, sums, grouping)
+
+        return run_auto_axes(compute, params, batch)
+
+    return fn
 
 
 def _check_method(method: str) -> None:
@@ -225,7 +258,7 @@ def _exact(loss_fn, params, batch, *, chunk_size, curvature, groups, method) -> 
         if info is None:
             sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks)
         else:
-            sums = _fast_sums(batch_size, *info)
+            sums = _fast_sums(batch_size, *info[1:])
         return _assemble(batch_size, sums, grouping)
 
     return run_auto_axes(compute, params, batch)
@@ -249,10 +282,11 @@ def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.
                                                          chunk_size)
         if info is not None:
             dtype = trees.accum_dtype()
-            return sum(x.astype(dtype) for x in jax.tree.leaves(info[1]))
+            return sum(x.astype(dtype) for x in jax.tree.leaves(info[2]))
         per_example = lambda ex: trees.tree_sq_norm(
             jax.grad(loss_fn)(params, examples.one_example(ex)))
-        return examples.map_examples(per_example, batch, chunk_size)
+        chunk = chunk_size or ghost.vmap_chunk_size(params, batch)
+        return examples.map_examples(per_example, batch, chunk)
 
     return run_auto_axes(compute, params, batch)
 

@@ -1,0 +1,355 @@
+"""Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf.
+
+One shape-only trace of `loss_fn(params, batch)` gives a jaxpr with the params leaves and the
+batch leaves as inputs. A forward walk over it gives every variable two tags:
+
+- a *parameter tag* when it is a params leaf seen through layout-only operations (reshape,
+  transpose, convert_element_type, squeeze, sharding changes: they keep the norm; broadcast
+  and static slices: they do not, and are undone by their transpose), or one step's slice of
+  a leaf stacked under `scan`;
+- an *example axis* when one of its axes is the batch's example axis: the batch inputs have
+  it at 0, and each known operation maps it (or drops it, when it reduces or mixes that
+  axis). A value combining an example-axis operand with a batch-dependent operand that has
+  lost the axis (a batch mean: BatchNorm) loses it too, so coupled examples are not read.
+
+An operation reading a tagged parameter is a *use* when it is linear in it and its other
+operand and output carry the example axis: `dot_general` (dense, einsum, attention and tied
+output projections), `conv_general_dilated`, `gather` from the table (embeddings), and
+elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk enters nested
+`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies and `scan` bodies (a leaf scanned over as
+`xs` gives one use per step; closed over by the body it would be shared by every step).
+Any other read of a leaf (a weight-decay term, an op not listed, a carry) makes that leaf
+uncovered, with the reason.
+
+Letters: B batch, L scan length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jax.extend import core
+
+# Norm-preserving layout ops (their per-example transpose keeps |g|²) and linear ones that
+# do not (broadcast sums, slices pad with zeros): the latter force the materialised rule.
+NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
+                          "expand_dims", "copy", "copy_p", "reduce_precision",
+                          "sharding_constraint", "reshard", "mesh_cast", "pvary"})
+LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
+ELEMENTWISE_USES = frozenset({"mul", "add", "sub", "add_any"})
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+                      "custom_jvp_call", "custom_vjp_call"})
+_ELEMENTWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil
+clamp conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
+expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
+ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n sign sin sinh sqrt
+square stop_gradient sub tan tanh xor sharding_constraint reshard mesh_cast pvary
+optimization_barrier""".split())
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                     "reduce_or", "reduce_xor", "argmax", "argmin"})
+_AXIS_OPS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PTag:
+    """A value derived from params leaf `leaf` through `chain` (layout eqns, in order)."""
+
+    leaf: int
+    ctx: tuple[int, ...]  # id() of the enclosing scan eqns that slice the leaf, outermost first
+    chain: tuple[Any, ...]
+    keeps_norm: bool
+    shared: str = ""  # non-empty: every read is uncovered for this reason (scan consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """An operation linear in one params leaf, with the example axis on its other operand."""
+
+    uid: int
+    eqn: Any
+    leaf: int
+    ctx: tuple[int, ...]
+    stack: tuple[int, ...]  # lengths of the enclosing scans (the captures' leading axes)
+    pos: int  # operand index of the parameter
+    chain: tuple[Any, ...]
+    keeps_norm: bool
+    e_in: int  # example axis of the other operand
+    e_out: int  # example axis of the output
+
+
+@dataclasses.dataclass
+class _Var:
+    ptag: PTag | None = None
+    eaxis: int | None = None
+    dep: bool = False  # depends on the batch
+
+
+@dataclasses.dataclass
+class Discovery:
+    """All reads of all leaves: uses (by eqn id) or reasons the read cannot be used."""
+
+    batch_size: int
+    reads: dict[tuple[int, int], Use | str] = dataclasses.field(default_factory=dict)
+    uids: dict[int, int] = dataclasses.field(default_factory=dict)  # use eqn id -> uid
+    inner_uses: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # eqn -> uids
+
+
+def _aval(v):
+    return v.aval
+
+
+def _shape(v) -> tuple[int, ...]:
+    return tuple(getattr(_aval(v), "shape", ()))
+
+
+def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
+    """Walks `jaxpr` (inputs: params leaves, then batch leaves) and records every read."""
+    disc = Discovery(batch_size)
+    tags = [_Var(ptag=PTag(i, (), (), True)) if i < n_params else
+            _Var(eaxis=0 if _shape(v) else None, dep=True)
+            for i, v in enumerate(jaxpr.invars)]
+    _walk(jaxpr, tags, disc, (), (), [])
+    return disc
+
+
+def _walk(jaxpr, in_tags, disc, ctx, stack, scans) -> list[_Var]:
+    env: dict[Any, _Var] = {}
+    read = lambda v: _Var() if isinstance(v, core.Literal) else env.get(v, _Var())
+    for v, t in zip(jaxpr.invars, in_tags, strict=True):
+        env[v] = t
+    for v in jaxpr.constvars:
+        env[v] = _Var()
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _eqn(eqn, ins, disc, ctx, stack, scans)
+        for v, t in zip(eqn.outvars, outs, strict=True):
+            env[v] = t
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _reject(disc, eqn, ins, why):
+    for t in ins:
+        if t.ptag is not None:
+            disc.reads[id(eqn), t.ptag.leaf] = t.ptag.shared or why
+
+
+def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
+    name = eqn.primitive.name
+    dep = any(t.dep for t in ins)
+    n_out = len(eqn.outvars)
+    ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
+    if name in _INLINED or name == "scan":
+        return _nested(eqn, ins, disc, ctx, stack, scans)
+    if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
+        p = ins[0].ptag
+        keeps = p.keeps_norm and name in NORM_KEEPING
+        return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
+    eaxis = _example_axis(eqn, ins, disc.batch_size)
+    if ptagged:
+        _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
+    return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
+
+
+def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
+    name = eqn.primitive.name
+    ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
+    others = [i for i in range(len(ins)) if i not in ptagged]
+    kinds = ("dot_general", "conv_general_dilated", "gather") + tuple(ELEMENTWISE_USES)
+    if name not in kinds:
+        return _reject(disc, eqn, ins, f"read by `{name}`, which the ghost rules do not cover")
+    if len(ptagged) != 1 or len(others) != 1 or (name == "gather" and ptagged != [0]):
+        return _reject(disc, eqn, ins, f"`{name}` reads it with another parameter, not data")
+    p, other = ins[ptagged[0]].ptag, ins[others[0]]
+    if p.shared:
+        return _reject(disc, eqn, ins, p.shared)
+    if other.eaxis is None or not eaxis or eaxis[0] is None:
+        return _reject(disc, eqn, ins, f"`{name}` reads it with an operand that has no "
+                                       "example axis (the batch's leading axis)")
+    if p.ctx != ctx:
+        return _reject(disc, eqn, ins, "read inside a scan it is not scanned over")
+    if name == "dot_general" and eqn.params["dimension_numbers"][1][ptagged[0]]:
+        return _reject(disc, eqn, ins, "`dot_general` with batch dimensions on the parameter")
+    uid = disc.uids.setdefault(id(eqn), len(disc.uids))
+    for s in [-1, *scans]:
+        disc.inner_uses.setdefault(s, set()).add(uid)
+    disc.reads[id(eqn), p.leaf] = Use(uid, eqn, p.leaf, ctx, stack, ptagged[0], p.chain,
+                                      p.keeps_norm, other.eaxis, eaxis[0])
+
+
+def _nested(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return _scan(eqn, ins, disc, ctx, stack, scans)
+    inner = params.get("jaxpr", params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    outs = _walk(inner, ins, disc, ctx, stack, scans + [id(eqn)])
+    if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
+        outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
+    return outs
+
+
+def _passed(t: _Var, ctx, why: str) -> _Var:
+    """A leaf leaving a scan or custom rule: harmless unless something reads it."""
+    if t.ptag is None:
+        return t
+    return dataclasses.replace(t, ptag=PTag(t.ptag.leaf, ctx, (), False, shared=why))
+
+
+def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
+    params = eqn.params
+    body = params["jaxpr"].jaxpr
+    n_c, n_carry = params["num_consts"], params["num_carry"]
+    sid = id(eqn)
+    inner_ctx, inner_stack = ctx + (sid,), stack + (params["length"],)
+    consts, carry, xs = ins[:n_c], ins[n_c:n_c + n_carry], ins[n_c + n_carry:]
+    consts = [dataclasses.replace(t, ptag=dataclasses.replace(
+        t.ptag, shared="closed over by a scan body, so shared by every step"))
+        if t.ptag else t for t in consts]
+    carry = [_passed(t, inner_ctx, "carried through a scan") for t in carry]
+    xs_in = []
+    for t in xs:
+        ptag = None
+        if t.ptag is not None:
+            if t.ptag.ctx != ctx or not t.ptag.keeps_norm or t.ptag.shared:
+                disc.reads[sid, t.ptag.leaf] = (t.ptag.shared or "scanned over after an op "
+                                                "that changes its norm")
+            else:
+                ptag = PTag(t.ptag.leaf, inner_ctx, (), True)
+        e = t.eaxis - 1 if t.eaxis else None
+        xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
+    for _ in range(3):  # fixed point on the carry's example axis
+        outs = _walk(body, consts + carry + xs_in, disc, inner_ctx, inner_stack, scans + [sid])
+        same = [a.eaxis == b.eaxis and a.dep == b.dep
+                for a, b in zip(outs[:n_carry], carry, strict=True)]
+        if all(same):
+            break
+        carry = [c if ok else dataclasses.replace(c, eaxis=None, dep=True)
+                 for c, ok in zip(carry, same, strict=True)]
+    why = "returned by a scan body"
+    ys = [_passed(_Var(t.ptag, None if t.eaxis is None else t.eaxis + 1, t.dep), ctx, why)
+          for t in outs[n_carry:]]
+    return [_passed(_Var(c.ptag, c.eaxis, c.dep), ctx, why) for c in carry] + ys
+
+
+# ----------------------------------------------------------------------------- example axis
+
+
+def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
+    """Per output, where the example axis goes (None: lost), or None when nothing has it."""
+    name = eqn.primitive.name
+    axes = [t.eaxis for t in ins]
+    if name == "broadcast_in_dim":
+        return [_broadcast_axis(eqn, ins[0], batch_size)]
+    if all(a is None for a in axes):
+        return None
+    if any(t.dep and t.eaxis is None for t in ins):
+        return None  # mixes a batch statistic (BatchNorm-like) into every example
+    tagged = {a for a in axes if a is not None}
+    if len(tagged) != 1:
+        return None
+    e = tagged.pop()
+    out_shapes = [_shape(v) for v in eqn.outvars]
+    rank_ok = all(len(s) > e and s[e] == batch_size for s in out_shapes)
+    if name in _ELEMENTWISE:
+        return [e] * len(out_shapes) if rank_ok else None
+    rule = _AXIS_RULES.get(name)
+    if rule is None:
+        return None
+    out = rule(eqn, ins, e)
+    if out is None:
+        return None
+    out = out if isinstance(out, list) else [out] * len(out_shapes)
+    return [a if a is not None and _shape(v)[a:a + 1] == (batch_size,) else None
+            for a, v in zip(out, eqn.outvars, strict=True)]
+
+
+def _broadcast_axis(eqn, operand: _Var, batch_size: int) -> int | None:
+    dims = eqn.params["broadcast_dimensions"]
+    shape = _shape(eqn.outvars[0])
+    if operand.eaxis is not None:
+        return dims[operand.eaxis]
+    if operand.dep or operand.ptag is not None:
+        return None
+    new = [a for a in range(len(shape)) if a not in dims and shape[a] == batch_size]
+    return new[0] if len(new) == 1 else None  # batch-independent values copied per example
+
+
+def _reshape(eqn, ins, e):
+    old, new = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    if eqn.params.get("dimensions") is not None:
+        return None
+    before = int(np.prod(old[:e]))
+    for a in range(len(new)):
+        if int(np.prod(new[:a])) == before and new[a] == old[e]:
+            return a
+    return None
+
+
+def _dot_general(eqn, ins, e):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    nb, shapes = len(lb), [_shape(v) for v in eqn.invars]
+    free = [[a for a in range(len(s)) if a not in c and a not in b]
+            for s, c, b in zip(shapes, (lc, rc), (lb, rb), strict=True)]
+    where = set()
+    for side, (t, c, b) in enumerate(zip(ins, (lc, rc), (lb, rb), strict=True)):
+        if t.eaxis is None:
+            continue
+        if t.eaxis in c:
+            return None
+        where.add(b.index(t.eaxis) if t.eaxis in b else
+                  nb + len(free[0]) * side + free[side].index(t.eaxis))
+    return where.pop() if len(where) == 1 else None
+
+
+def _conv(eqn, ins, e):
+    dn = eqn.params["dimension_numbers"]
+    ok = ins[0].eaxis == dn.lhs_spec[0] and ins[1].eaxis is None
+    return dn.out_spec[0] if ok and eqn.params["batch_group_count"] == 1 else None
+
+
+def _gather(eqn, ins, e):
+    dn = eqn.params["dimension_numbers"]
+    if dn.operand_batching_dims or ins[0].eaxis is not None:
+        return None
+    idx_rank = len(_shape(eqn.invars[1]))
+    if e == idx_rank - 1:
+        return None
+    out_rank = len(_shape(eqn.outvars[0]))
+    return [a for a in range(out_rank) if a not in dn.offset_dims][e]
+
+
+def _drop(axes, e):
+    return None if e in axes else e - sum(a < e for a in axes)
+
+
+def _window(eqn, ins, e):
+    p = eqn.params
+    ok = (p["window_dimensions"][e] == 1 and p["window_strides"][e] == 1
+          and tuple(p["padding"][e]) == (0, 0))
+    return e if ok else None
+
+
+_AXIS_RULES = {
+    "reshape": _reshape,
+    "transpose": lambda eqn, ins, e: list(eqn.params["permutation"]).index(e),
+    "squeeze": lambda eqn, ins, e: _drop(eqn.params["dimensions"], e),
+    "expand_dims": lambda eqn, ins, e: e + sum(d <= e for d in eqn.params["dimensions"]),
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "gather": _gather,
+    "concatenate": lambda eqn, ins, e: None if eqn.params["dimension"] == e else e,
+    "pad": lambda eqn, ins, e: e if tuple(eqn.params["padding_config"][e]) == (0, 0, 0)
+    else None,
+    "slice": lambda eqn, ins, e: e if (eqn.params["start_indices"][e] == 0 and
+                                       eqn.params["limit_indices"][e]
+                                       == _shape(eqn.invars[0])[e]) else None,
+    "rev": lambda eqn, ins, e: None if e in eqn.params["dimensions"] else e,
+    "sort": lambda eqn, ins, e: None if eqn.params["dimension"] == e else e,
+    "split": lambda eqn, ins, e: None if eqn.params["axis"] == e else e,
+    "reduce_window_sum": _window, "reduce_window_max": _window, "reduce_window_min": _window,
+    "reduce_window": _window,
+    **{n: (lambda eqn, ins, e: _drop(eqn.params["axes"], e)) for n in _REDUCE},
+    **{n: (lambda eqn, ins, e: None if eqn.params["axis"] == e else e) for n in _AXIS_OPS},
+}

@@ -1,0 +1,143 @@
+"""Noise statistics on the jaxpr ghost-norm path: every NoiseStats field and the per-example
+norms equal the vmap reference; `value_grad_and_stats`; sharded parameters; bf16; errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_ghost import nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
+
+from cbs.engine import mesh as cbs_mesh
+from cbs.stats import ghost, noise
+
+FIELDS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
+MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
+          "scanned_lm": scanned_lm, "unreadable": unreadable}
+
+
+def _to64(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, tree)
+
+
+def _assert_stats_close(a, b, rtol):
+    for name in FIELDS:
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=rtol, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_field_float64(name, x64):
+    loss_fn, params, batch = MODELS[name]()
+    params, batch = _to64(params), _to64(batch)
+    ref = noise.exact(loss_fn, params, batch, method="vmap", chunk_size=3)
+    fast = noise.exact(loss_fn, params, batch, method="auto")
+    _assert_stats_close(fast, ref, 1e-10)
+    np.testing.assert_allclose(noise.per_example_sq_norms(loss_fn, params, batch),
+                               noise.per_example_sq_norms(loss_fn, params, batch,
+                                                          method="vmap"), rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["plain_mlp", "scanned_lm"])
+def test_every_field_float32(name):
+    # Here b_simple is ~B, so Σ|g_i|² − B|ḡ|² loses about 2ε relatively: 1e-5 holds.
+    loss_fn, params, batch = MODELS[name]()
+    ref = noise.exact(loss_fn, params, batch, method="vmap")
+    fast = noise.exact(loss_fn, params, batch, method="fast")
+    assert float(ref.b_simple) > 1.0
+    _assert_stats_close(fast, ref, 1e-5)
+    np.testing.assert_allclose(noise.per_example_sq_norms(loss_fn, params, batch, method="fast"),
+                               noise.per_example_sq_norms(loss_fn, params, batch,
+                                                          method="vmap"), rtol=1e-5)
+
+
+def test_value_grad_and_stats_is_value_and_grad_plus_stats(x64):
+    loss_fn, params, batch = scanned_lm()
+    params, batch = _to64(params), _to64(batch)
+    fn = jax.jit(noise.value_grad_and_stats(loss_fn, groups="auto"))
+    loss, grads, stats = fn(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+    ref = noise.exact(loss_fn, params, batch, method="vmap", groups="auto")
+    _assert_stats_close(stats, ref, 1e-10)
+    for group in ref.groups:
+        _assert_stats_close(stats.groups[group], ref.groups[group], 1e-10)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "model"])
+def test_sharded_equals_one_device(mode):
+    loss_fn, params, batch = scanned_lm()
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)  # B = 8
+    one = jax.jit(noise.value_grad_and_stats(loss_fn))(params, batch)
+    mesh = cbs_mesh.make_mesh(data=4, model=2)
+    sharded_params = cbs_mesh.shard(params, cbs_mesh.param_shardings(params, mesh, mode,
+                                                                      min_size=1))
+    sharded_batch = jax.device_put(batch, cbs_mesh.batch_sharding(mesh))
+    assert any(not s.is_fully_replicated for s in
+               jax.tree.leaves(jax.tree.map(lambda x: x.sharding, sharded_params)))
+    many = jax.jit(noise.value_grad_and_stats(loss_fn))(sharded_params, sharded_batch)
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(many[1]), jax.tree.leaves(one[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _assert_stats_close(many[2], one[2], 1e-5)
+
+
+def test_explicit_mesh_axes():
+    loss_fn, params, batch = plain_mlp()
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)
+    reference = ghost.per_example_grads_info(loss_fn, params, batch, method="vmap")
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        out = jax.jit(noise.value_grad_and_stats(loss_fn, method="fast"))(params, sharded)
+    np.testing.assert_allclose(out[2].b_simple,
+                               noise.exact(loss_fn, params, batch, method="vmap").b_simple,
+                               rtol=1e-5)
+    fast = jax.jit(functools.partial(ghost.per_example_grads_info, loss_fn, method="fast"))
+    with jax.set_mesh(mesh):
+        norms = fast(params, sharded)[2]
+    for a, b in zip(jax.tree.leaves(norms), jax.tree.leaves(reference[2]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_bf16_params_accumulate_in_float32():
+    loss_fn, params, batch = scanned_lm(dtype=jnp.bfloat16)
+    assert ghost.uncovered_leaves(loss_fn, params, batch) == {}
+    _, _, fast = ghost.per_example_grads_info(loss_fn, params, batch, method="fast")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fast))
+    # The reference: the same bf16 forward pass, per-example gradients in float32.
+    params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    loss32 = lambda p, b: loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b)
+    _, _, ref = ghost.per_example_grads_info(loss32, params32, batch, method="vmap")
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-2)  # bf16 cotangents: 8 mantissa bits
+
+
+def test_auto_chunk_never_holds_all_gradients_of_a_large_model():
+    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((256, 4096), jnp.float32)}
+    chunk = ghost.vmap_chunk_size(params, batch)
+    assert 1 <= chunk < 256
+    assert chunk * 3 * 4096 * 4096 * 4 <= ghost.MEMORY_BUDGET_BYTES
+    small = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    assert ghost.vmap_chunk_size(small, batch) == 256
+
+
+def test_bad_input_on_the_new_path():
+    loss_fn, params, batch = plain_mlp()
+    vgs = noise.value_grad_and_stats(loss_fn)
+    with pytest.raises(ValueError, match="B=1 is too small"):
+        vgs(params, jax.tree.map(lambda x: x[:1], batch))
+    with pytest.raises(ValueError, match="same leading"):
+        vgs(params, {"x": batch["x"], "y": batch["y"][:3]})
+    with pytest.raises(ValueError, match="floating-point"):
+        vgs({**params, "step": jnp.zeros((), jnp.int32)}, batch)
+    per_example = lambda p, b: loss_fn(p, b) * jnp.ones(b["x"].shape[0])
+    with pytest.raises(ValueError, match="must return a scalar"):
+        noise.value_grad_and_stats(per_example)(params, batch)
+    with pytest.raises(ValueError, match="method"):
+        noise.value_grad_and_stats(loss_fn, method="ghost")
