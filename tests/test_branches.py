@@ -1,6 +1,13 @@
-"""Branched local critical batch size: the criterion, resume, and vmapped = engine branches."""
+"""Branched local critical batch size: the criterion and the paper's defaults, resume after a
+kill (simulated, and a real SIGKILL), vmapped = engine branches, and the branched B* against the
+closed form of minibatch SGD on Gaussian linear regression."""
 
+import functools
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import ml_collections
@@ -255,3 +262,36 @@ def test_branched_b_star_matches_the_closed_form_on_linear_regression(tmp_path):
     assert point["b_star"] == 8.0 and (point["b_pass"], point["b_fail"]) == (8.0, 16.0)
     for k, cf, got, de in zip(b.ks[1:], closed[1:], measured[1:], diff_se[1:], strict=True):
         assert abs((got - measured[0]) - (cf - closed[0])) <= 4 * de, k
+
+
+def _branch_command(workdir: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.branch",
+            "--config=experiments/configs/digits_branch.py:tiny", f"--workdir={workdir}",
+            "--noreport"]
+
+
+@pytest.mark.slow
+def test_kill_9_then_same_command_gives_the_uninterrupted_records(tmp_path):
+    """A real SIGKILL once the first (point, k) unit is on disk, then the same command."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = functools.partial(subprocess.run, cwd=root, env=env, check=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref, killed = str(tmp_path / "ref"), str(tmp_path / "killed")
+    run(_branch_command(ref))
+    proc = subprocess.Popen(_branch_command(killed), cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = os.path.join(killed, branches.BRANCHES_FILE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and os.path.getsize(path):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = records.read_records(path)
+    want = records.read_records(os.path.join(ref, branches.BRANCHES_FILE))
+    assert 0 < len(before) < len(want)
+    run(_branch_command(killed))
+    key = lambda r: (r["point_step"], r["k"], r["seed"])
+    assert sorted(records.read_records(path), key=key) == sorted(want, key=key)
