@@ -4,14 +4,20 @@ noise scale and the swept B_crit (reads result files only).
 Letters: B the reference batch, k a batch multiplier, L_k the compared loss of branch k at the
 end of its window (mean over seeds, or one seed), ε the tolerance.
 
-Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3): k passes when
-L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`); k* is the
-largest k such that it and every smaller k pass (a failing k ends the ladder, so a lucky
-larger k after a failure does not count). B* = √(k*·B · k⁺·B), k⁺ the next multiplier; when
-k* is the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
+Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3.1): k passes when
+L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`). k* is the largest
+passing k (`criterion="paper"`), or the largest k such that it and every smaller k pass
+(`criterion="ladder"`: a failing k ends the ladder, so a lucky larger k after a failure does not
+count). The paper reports B* = k*·B (`b_star="k_star"`); `b_star="geometric"` reports
+√(k*·B · k⁺·B), k⁺ the next multiplier, the log-midpoint between the last passing and the first
+failing batch. Either way `b_pass` = k*·B and `b_fail` = k⁺·B bracket the crossing; when k* is
+the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
 
 Uncertainty: B* of each data-order seed on its own; the interval is their range
 (min, max) over seeds, the point estimate B* from the seed-mean losses.
+
+A study whose `branch.json` predates the `criterion` and `b_star` fields used "ladder" and
+"geometric"; `summarize` reads it that way.
 """
 
 from __future__ import annotations
@@ -32,32 +38,43 @@ REFERENCE_METRICS = os.path.join("reference", records.METRICS_FILE)
 
 
 def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
-                        tolerance: str = "absolute") -> int:
-    """k* of one ladder: the largest k with it and every smaller k within ε of the best
-    smaller k. `losses[i]` belongs to `ks[i]` (ascending, starting at 1)."""
+                        tolerance: str = "absolute", criterion: str = "paper") -> int:
+    """k* of one ladder. `losses[i]` belongs to `ks[i]` (ascending, starting at 1).
+
+    "paper": the largest k within ε of the best smaller k; "ladder": the same, stopping at the
+    first k that is not."""
     best, k_star = losses[0], ks[0]
     for k, loss in zip(ks[1:], losses[1:], strict=True):
         slack = epsilon * abs(best) if tolerance == "relative" else epsilon
-        if not (math.isfinite(loss) and loss <= best + slack):
+        if math.isfinite(loss) and loss <= best + slack:
+            k_star = k
+        elif criterion == "ladder":
             break
-        k_star, best = k, min(best, loss)
+        if math.isfinite(loss):
+            best = min(best, loss)
     return k_star
 
 
-def critical_batch(ks: Sequence[int], k_star: int, batch_size: int) -> tuple[float, bool]:
-    """(B*, censored): √(k*·B·k⁺·B), or (k*·B, True) at the top of the ladder."""
+def critical_batch(ks: Sequence[int], k_star: int, batch_size: int,
+                   b_star: str = "k_star") -> tuple[float, bool]:
+    """(B*, censored): k*·B ("k_star") or √(k*·B·k⁺·B) ("geometric"); (k*·B, True) at the top
+    of the ladder."""
     i = list(ks).index(k_star)
     if i + 1 == len(ks):
         return float(k_star * batch_size), True
+    if b_star == "k_star":
+        return float(k_star * batch_size), False
     return float(batch_size * math.sqrt(k_star * ks[i + 1])), False
 
 
 def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str = "absolute",
-              metric: str = "loss_ema") -> dict[str, Any]:
+              metric: str = "loss_ema", criterion: str = "paper", b_star: str = "k_star"
+              ) -> dict[str, Any]:
     """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`).
 
-    Returns point_step, point_examples, ks, losses (seed means), k_star, b_star, censored,
-    b_star_seeds, b_star_lo, b_star_hi (range over seeds)."""
+    Returns point_step, point_examples, ks, losses (seed means), loss_se (their standard
+    errors over seeds), k_star, b_star, b_pass (k*·B), b_fail (k⁺·B, inf at the top), censored,
+    b_star_seeds, b_star_lo, b_star_hi (range over seeds), num_seeds."""
     ks = sorted({int(r["k"]) for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     bsz = int(rows[0]["reference_batch_size"])
@@ -65,15 +82,20 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
     for r in rows:
         table[seeds.index(r["seed"]), ks.index(int(r["k"]))] = r[metric]
     mean = table.mean(axis=0)
-    k_star = critical_multiplier(ks, mean.tolist(), epsilon, tolerance)
-    b_star, censored = critical_batch(ks, k_star, bsz)
-    per_seed = [critical_batch(ks, critical_multiplier(ks, row.tolist(), epsilon, tolerance),
-                               bsz)[0] for row in table]
+    se = table.std(axis=0, ddof=1) / math.sqrt(len(seeds)) if len(seeds) > 1 else mean * np.nan
+    rule = {"tolerance": tolerance, "criterion": criterion}
+    k_star = critical_multiplier(ks, mean.tolist(), epsilon, **rule)
+    value, censored = critical_batch(ks, k_star, bsz, b_star)
+    per_seed = [critical_batch(ks, critical_multiplier(ks, row.tolist(), epsilon, **rule), bsz,
+                               b_star)[0] for row in table]
+    i = ks.index(k_star)
     return {"point_step": int(rows[0]["point_step"]),
             "point_examples": int(rows[0]["point_examples"]), "ks": ks,
-            "losses": mean.tolist(), "k_star": k_star, "b_star": b_star, "censored": censored,
-            "b_star_seeds": per_seed, "b_star_lo": min(per_seed), "b_star_hi": max(per_seed),
-            "num_seeds": len(seeds)}
+            "losses": mean.tolist(), "loss_se": se.tolist(), "k_star": k_star, "b_star": value,
+            "b_pass": float(k_star * bsz),
+            "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
+            "censored": censored, "b_star_seeds": per_seed, "b_star_lo": min(per_seed),
+            "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:
@@ -90,7 +112,8 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
         point = [r for r in rows if r["point_step"] == step]
         if len(point) == want:
             out.append(local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
-                                 metric=b["metric"]))
+                                 metric=b["metric"], criterion=b.get("criterion", "ladder"),
+                                 b_star=b.get("b_star", "geometric")))
     return out
 
 

@@ -10,12 +10,15 @@ point, k a batch multiplier from the ladder K, Δ the window in examples, S the 
    smoothed training loss (`branch.points_examples`, `branch.points_losses`).
 3. From each point and for each k in K: restore the checkpoint, train Δ examples at batch k·B
    with peak learning rate f(k)·η_0 (f(k) = k "linear" for SGD, √k "sqrt" for Adam), i.e.
-   Δ/(k·B) steps; record the EMA of the batch loss at the end of the window (decay
-   `loss_ema_decay` per B examples, i.e. decay^k per step of branch k, so every branch averages
-   the same number of examples) and, optionally, the exact full training-set loss.
+   Δ/(k·B) steps; record the EMA of the batch loss at the end of the window and, optionally, the
+   exact full training-set loss. The EMA decays by `loss_ema_decay` per step of the branch
+   (`loss_ema_per="step"`, the paper's α = 0.5) or per B examples (`"reference_batch"`: decay^k
+   per step of branch k, so every branch averages the same number of examples).
 4. Each (point, k) runs its S data-order seeds (stream seeds of `cbs.data`) as one vmapped
    program (`jax.vmap` of a `fori_loop` of `TrainStep.apply`, as in `cbs.sweeps.groups`), or,
-   with `branch.vmap=False` or a streamed dataset, one engine step loop per seed.
+   with `branch.vmap=False` or a streamed dataset, one engine step loop per seed. The k of one
+   seed read the same stream positions [E, E + Δ), so their losses differ by the batch size
+   and learning rate alone (common random numbers), not by the examples drawn.
 
 k*, B* and their uncertainty are computed from the records by `cbs.analysis.branch_report`.
 
@@ -43,7 +46,7 @@ import numpy as np
 from cbs import data
 from cbs.engine import checkpoint, mesh, optim
 from cbs.engine import trainer as train
-from cbs.engine.step import TrainState, TrainStep
+from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.results import records
 from cbs.sweeps.grid import parse_shard
 
@@ -52,19 +55,39 @@ DEFINITION_FILE = "branch.json"
 REFERENCE_DIR = "reference"
 LR_RULES = {"linear": 1.0, "sqrt": 0.5}
 METRICS = ("loss_ema", "full_train/loss")
+EMA_UNITS = ("step", "reference_batch")
+CRITERIA = ("paper", "ladder")
+B_STAR_RULES = ("k_star", "geometric")
+# Δ of the paper: 2 billion tokens with OLMo's B = 1024 documents × 4096 tokens, i.e. ≈ 477
+# steps at B; in reference steps, rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
+PAPER_WINDOW_STEPS = 512
 
 
 def default_branch_config() -> ml_collections.ConfigDict:
-    """`config.branch`: the paper's choices as defaults (Merrill et al. 2025, Sec. 3)."""
+    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
+
+    The paper's values (read from two independent summaries of Sec. 3.1; see
+    docs/readme_branch.md): Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01
+    nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k
+    whose smoothed loss is within ε of every smaller k, reported as B* = k*·B. The k ladder is
+    ours (the paper lists its grids per checkpoint in its App. A)."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
     b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
-    b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam), "linear" η = k·η_0 (SGD)
-    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 2·max(k)·B (2 steps at max k)
+    b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
+    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B, rounded up to a
+    #   multiple of lcm(ks)·B (the paper's 2B tokens ≈ 477 steps at B, Sec. 3.1)
     b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
-    b.tolerance = "absolute"  # ε in nats ("absolute") or as a fraction of that min ("relative")
-    b.loss_ema_decay = 0.9  # smoothing of the batch loss, per B examples (decay^k per step)
+    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or as a fraction of that min
+    #   ("relative")
+    b.criterion = "paper"  # "paper": k* = largest k within ε of every smaller k; "ladder": the
+    #   same, but the first failing k ends the ladder (a lucky larger k does not count)
+    b.b_star = "k_star"  # reported B*: "k_star" k*·B (paper); "geometric" √(k*·k⁺)·B, the
+    #   log-midpoint between the last passing and the first failing batch
+    b.loss_ema_decay = 0.5  # EMA decay of the batch loss (paper: α = 0.5)
+    b.loss_ema_per = "step"  # the decay applies per step of each branch ("step", paper) or per
+    #   B examples ("reference_batch": decay^k per step of branch k)
     b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
     b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
@@ -84,6 +107,12 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
                          " > 0")
     if b.metric not in METRICS:
         raise ValueError(f"branch.metric={b.metric!r}: use one of {METRICS}")
+    for field, known in (("loss_ema_per", EMA_UNITS), ("criterion", CRITERIA),
+                         ("b_star", B_STAR_RULES)):
+        if b.get(field, known[0]) not in known:
+            raise ValueError(f"branch.{field}={b[field]!r}: use one of {known}")
+    if not 0 <= b.loss_ema_decay < 1:
+        raise ValueError(f"branch.loss_ema_decay={b.loss_ema_decay}: must be in [0, 1)")
     if not b.seeds:
         raise ValueError("branch.seeds: give at least one data-order seed")
     if not (b.points_examples or b.points_losses):
@@ -91,10 +120,10 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
     if config.batch.schedule.kind != "constant" or config.batch.lr_coupling.rule != "none":
         raise ValueError("batch.schedule.kind must be 'constant' and batch.lr_coupling.rule "
                          "'none' for the reference run of a branch study")
-    big = window_examples(config)
-    if big % (ks[-1] * reference_batch(config)):
-        raise ValueError(f"branch.window_examples={big} must be a multiple of max(k)·B = "
-                         f"{ks[-1] * reference_batch(config)}")
+    big, unit = window_examples(config), _ladder_lcm(ks) * reference_batch(config)
+    if big % unit:
+        raise ValueError(f"branch.window_examples={big} must be a multiple of lcm(ks)·B = "
+                         f"{unit} (a whole number of steps for every k)")
 
 
 def reference_batch(config: ml_collections.ConfigDict) -> int:
@@ -102,10 +131,25 @@ def reference_batch(config: ml_collections.ConfigDict) -> int:
     return int(config.batch.schedule.batch_size)
 
 
+def _ladder_lcm(ks: Sequence[int]) -> int:
+    return math.lcm(*[int(k) for k in ks])
+
+
 def window_examples(config: ml_collections.ConfigDict) -> int:
-    """Δ in examples."""
+    """Δ in examples: `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a
+    multiple of lcm(ks)·B."""
+    b, bsz = config.branch, reference_batch(config)
+    if int(b.window_examples):
+        return int(b.window_examples)
+    unit = _ladder_lcm(b.ks)
+    return -(-PAPER_WINDOW_STEPS // unit) * unit * bsz
+
+
+def ema_decay_per_step(config: ml_collections.ConfigDict, k: int) -> float:
+    """The EMA decay per step of branch k (see `branch.loss_ema_per`)."""
     b = config.branch
-    return int(b.window_examples) or 2 * int(max(b.ks)) * reference_batch(config)
+    decay = float(b.loss_ema_decay)
+    return decay ** k if b.get("loss_ema_per", "step") == "reference_batch" else decay
 
 
 def lr_factor(k: int, rule: str) -> float:
@@ -211,7 +255,7 @@ class BranchRunner:
         if k in self._programs:
             return self._programs[k]
         n, accum = self.window // (k * self.bsz), self.trainer.accum_steps(k * self.bsz)
-        decay = float(self.b.loss_ema_decay) ** k
+        decay = ema_decay_per_step(self.config, k)
         arrays, final = self.trainer.train_arrays, self._final_loss_fn()
 
         def one(state, seed):
@@ -240,7 +284,7 @@ class BranchRunner:
             out = jax.device_get(self._program(k)(states, jnp.asarray(seeds, jnp.uint32)))
         else:
             out = list(zip(*[self.engine_branch(step, k, s) for s in seeds], strict=True))
-        e0 = int(jax.device_get(state.examples_seen))
+        e0 = count_to_int(jax.device_get(state.examples_seen))
         return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
                  "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
                  "learning_rate": lr, "window_examples": self.window,
@@ -258,14 +302,14 @@ class BranchRunner:
             state = self.restore(step)
             state = state.replace(learning_rate=jnp.asarray(
                 lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
-            e, bsz = int(state.examples_seen), k * self.bsz
+            e, bsz = count_to_int(jax.device_get(state.examples_seen)), k * self.bsz
             losses = []
             for _ in range(self.window // bsz):
                 state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
                 losses.append(m["train/loss"])
                 e += bsz
             losses = [float(x) for x in jax.device_get(losses)]
-            ema = smoothed(losses, float(self.b.loss_ema_decay) ** k)[-1]
+            ema = smoothed(losses, ema_decay_per_step(self.config, k))[-1]
             final = math.nan
             if self.b.metric == "full_train/loss":
                 final = tr.evaluate(state, "train", self.config.eval.train_examples)["loss"]

@@ -7,7 +7,9 @@
 
 A reference run at B = 16 windows of 32 characters, AdamW at η_0 = 1.5e-3 (the sweep's
 square-root rule at B = 16), 2000 steps; branches at k = 1 ... 16 with η = √k·η_0, each for
-Δ = 8192 windows, three seeds, the paper's criterion (EMA loss, ε = 0.01 nats). The LM case
+Δ = 8192 windows, three seeds, and otherwise the paper's rules (Merrill et al. 2025, Sec. 3.1;
+`default_branch_config`): Δ = 512 reference steps (the paper's 2B tokens are ≈ 477 OLMo steps),
+EMA α = 0.5 per step, ε = 0.01 nats, k* within ε of every smaller k, B* = k*·B. The LM case
 is where the paper found B_simple far below the local CBS. Expected on 2 CPU cores: tens of
 minutes. `:tiny` runs in seconds.
 """
@@ -36,7 +38,7 @@ def get_config(arg: str = ""):
     b.points_examples = (800, 3200, 8000, 16_000, 31_000)  # windows seen at the branches
     b.ks = (1, 2, 4, 8, 16)  # branch batches 16 ... 256
     b.lr_rule = "sqrt"  # AdamW
-    b.window_examples = 8192  # Δ: 512 steps at k = 1, 32 at k = 16
+    b.window_examples = 8192  # Δ: 512 steps at k = 1 (the paper's ≈ 477), 32 at k = 16
     b.epsilon = 0.01  # the paper's ε (nats per character)
     if "tiny" in base.parse_arg(arg):
         c.model.d_model = 32  # narrower
