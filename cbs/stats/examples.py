@@ -67,18 +67,19 @@ def check_finite(params: PyTree, batch: PyTree) -> None:
     named = [(n, x, ex) for n, x, ex in named if _concrete_float(x)]
     if not named:
         return
-    finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x, _ in named]))
-    for (name, x, per_example), ok in zip(named, finite, strict=True):
-        if ok:
-            continue
-        kind = "NaN" if bool(jnp.any(jnp.isnan(x))) else "inf"
-        where = ""
-        if per_example:
-            rows = jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
-            where = f" (first at example {int(jnp.argmin(rows))})"
-        raise ValueError(f"{name} holds {kind}{where}: the noise statistics would be NaN; "
-                         "pass finite parameters and data (check the run for divergence or "
-                         "the data for missing values)")
+    with jax.ensure_compile_time_eval():  # concrete leaves inside an outer trace stay eager
+        finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x, _ in named]))
+        for (name, x, per_example), ok in zip(named, finite, strict=True):
+            if ok:
+                continue
+            kind = "NaN" if bool(jnp.any(jnp.isnan(x))) else "inf"
+            where = ""
+            if per_example:
+                rows = jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+                where = f" (first at example {int(jnp.argmin(rows))})"
+            raise ValueError(f"{name} holds {kind}{where}: the noise statistics would be "
+                             "NaN; pass finite parameters and data (check the run for "
+                             "divergence or the data for missing values)")
 
 
 def run_auto_axes(fn: Callable, *args):

@@ -245,7 +245,7 @@ def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Arra
         return jnp.sum(jnp.square(total))
 
     batch_size = items[0][0].shape[0]
-    chunk = chunk_size or auto_chunk_size(per_example_bytes, batch_size)
+    chunk = chunk_size if chunk_size is not None else auto_chunk_size(per_example_bytes, batch_size)
     return map_examples(one, items, chunk)
 
 
@@ -255,8 +255,14 @@ def auto_chunk_size(per_example_bytes: int, batch_size: int,
     return int(max(1, min(batch_size, budget_bytes // max(int(per_example_bytes), 1))))
 
 
-def vmap_chunk_size(params: PyTree, batch: PyTree) -> int:
-    """Automatic chunk for vmap(grad): per-example gradients and activations in the budget."""
+def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None) -> int:
+    """The vmap(grad) chunk: `chunk_size` when given (checked), else automatic, with the
+    per-example gradients and activations of a chunk inside the memory budget."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of examples, got "
+                             f"{chunk_size} (None picks one from the memory budget).")
+        return chunk_size
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     act_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // batch_size
@@ -272,7 +278,7 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
     """|∂ℓ_i/∂leaf|² by vmap(grad) w.r.t. the leaves `which` only."""
     leaves, treedef = jax.tree.flatten(params)
     sub = [leaves[i] for i in which]
-    chunk = chunk_size or vmap_chunk_size(sub, batch)
+    chunk = vmap_chunk_size(sub, batch, chunk_size)
 
     def one(example):
         def loss_of(sub):

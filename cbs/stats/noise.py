@@ -110,7 +110,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
         grad, hvp_lin = hvp_fn(loss_fn, params, batch)
     else:
         grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
-    chunk_size = chunk_size or ghost.vmap_chunk_size(params, batch)
+    chunk_size = ghost.vmap_chunk_size(params, batch, chunk_size)
     grad_acc = trees.tree_cast(grad, dtype)
 
     def per_example(example):
@@ -285,7 +285,7 @@ def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.
             return sum(x.astype(dtype) for x in jax.tree.leaves(info[2]))
         per_example = lambda ex: trees.tree_sq_norm(
             jax.grad(loss_fn)(params, examples.one_example(ex)))
-        chunk = chunk_size or ghost.vmap_chunk_size(params, batch)
+        chunk = ghost.vmap_chunk_size(params, batch, chunk_size)
         return examples.map_examples(per_example, batch, chunk)
 
     return run_auto_axes(compute, params, batch)
