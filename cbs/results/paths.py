@@ -43,11 +43,14 @@ def epath(path: PathLike) -> Any:
     from etils import epath as epath_lib
 
     text = os.fspath(path)
-    if text.startswith("gs://") and not any(
-            importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+    if text.startswith("gs://") and not _gcs_backend_installed():
         raise ImportError(f"{text}: gs:// paths need gcsfs (or TensorFlow): "
                           'pip install -e ".[gcs]"')
     return epath_lib.Path(text)
+
+
+def _gcs_backend_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in ("gcsfs", "tensorflow"))
 
 
 def exists(path: PathLike) -> bool:
