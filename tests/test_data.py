@@ -1,5 +1,7 @@
 """cbs.data registry and cbs.data.dataset: views give the same batches on host and device."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,14 @@ def test_registry_errors_list_the_known_names_and_options():
         "fashion_mnist", "cifar10", "svhn_cropped", "tiny_shakespeare", "lm1b"}
     with pytest.raises(ValueError, match="already registered"):
         data.register("digits", lambda: None)
+
+
+@pytest.mark.parametrize("name", ["mnist", "tiny_shakespeare"])
+def test_a_tfds_dataset_without_tensorflow_datasets_names_the_extra(monkeypatch, tmp_path,
+                                                                     name):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[tfds\]"'):
+        data.get_dataset(name, data_dir=str(tmp_path))
 
 
 def test_classification_view_numpy_equals_jax():

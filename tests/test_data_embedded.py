@@ -87,5 +87,5 @@ def test_shipped_plays_are_the_38_plays_in_a_fixed_text():
 
 def test_missing_mnist1d_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mnist1d.data", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'cbs\[mnist1d\]'"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[mnist1d\]"'):
         embedded.mnist1d()

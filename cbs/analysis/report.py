@@ -282,10 +282,7 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
     if ramps:
         lines += ["## Batch-size ramps", "", ramp_table(ramps, analysis), ""]
     path = os.path.join(sweep_dir, REPORT_FILE)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write("\n".join(lines))
-    os.replace(tmp, path)
+    metrics.write_atomic(path, "\n".join(lines))
     return path
 
 

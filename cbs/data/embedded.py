@@ -75,7 +75,7 @@ def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as err:
         raise ImportError("the mnist1d dataset needs the mnist1d package: "
-                          "pip install 'cbs[mnist1d]'") from err
+                          'pip install -e ".[mnist1d]"') from err
 
     args = get_dataset_args(as_dict=True)
     unknown = sorted(set(dataset_args) - set(args))

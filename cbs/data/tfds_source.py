@@ -50,9 +50,19 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
     return str(pathlib.Path(data_dir).expanduser())
 
 
+def _tfds():
+    """The tensorflow_datasets module; an ImportError naming the extra when it is missing."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:
+        raise ImportError('TFDS datasets need tensorflow_datasets: pip install -e ".[tfds]"'
+                          ) from err
+    return tfds
+
+
 def _builder(name: str, data_dir: str | None, download: bool):
     """The TFDS builder, prepared (downloading only if asked); fails fast if unprepared."""
-    import tensorflow_datasets as tfds
+    tfds = _tfds()
 
     data_dir = resolve_data_dir(data_dir)
     with _quiet_absl():  # an unprepared copy logs warnings before our clearer error
@@ -134,8 +144,7 @@ def _sources(builder, splits: Sequence[str], reader: str) -> dict:
                 f"reading {builder.name} through tfds.load ({why}) needs TensorFlow: install "
                 "tensorflow, or use reader='data_source' on files prepared with "
                 "--file_format=array_record") from err
-        import tensorflow_datasets as tfds
-
+        tfds = _tfds()
         return {s: tfds.as_numpy(builder.as_dataset(split=s, batch_size=-1)) for s in splits}
     return {s: builder.as_data_source(split=s) for s in splits}
 

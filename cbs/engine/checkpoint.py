@@ -10,7 +10,9 @@ A checkpoint at step s holds two items saved together with `ocp.args.Composite`:
 Saves are asynchronous (the device-to-host copy happens in `save`, the file writes in the
 background); `wait` blocks until they are durable and `close` waits too. orbax writes into
 a temporary directory and renames it when complete, so a kill during a save leaves the
-previous checkpoint as the latest one.
+previous checkpoint as the latest one. The directory may be remote (`gs://bucket/run/...`):
+orbax reaches it through etils.epath and tensorstore, and on gs://, which has no rename, marks
+a complete checkpoint by a commit file (`commit_success.txt`) written last instead.
 
 Restoring the latest checkpoint survives damage: a checkpoint that cannot be read (a disk
 fault, a file cut short) is skipped with a `SkippedCheckpointWarning` saying which and why,
@@ -23,12 +25,14 @@ size in the same workdir) is not damage: it raises `CheckpointMismatchError`, on
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from cbs.results import paths
+from cbs.results.paths import PathLike
 
 CHECKPOINT_DIR = "checkpoints"
 SKIPPED_SUFFIX = ".skipped"  # damaged checkpoints go to <directory>.skipped/<step>
@@ -78,20 +82,23 @@ class Checkpointer:
     """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
 
     Args:
-      directory: where the step directories live (created if missing).
+      directory: where the step directories live (created if missing): a local path or a
+        URI such as gs://bucket/run/checkpoints.
       max_to_keep: how many recent checkpoints to keep (None keeps all; at least
         MIN_TO_KEEP, so that a damaged newest checkpoint has an older one behind it).
       async_save: write in the background (True) or block in `save` (False).
     """
 
-    def __init__(self, directory: str, *, max_to_keep: int | None = 2, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory: PathLike, *, max_to_keep: int | None = 2,
+                 async_save: bool = True):
+        self.directory = (os.fspath(directory) if paths.is_remote(directory)
+                          else os.path.abspath(directory))
         if max_to_keep is not None:
             max_to_keep = max(MIN_TO_KEEP, int(max_to_keep))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
+        self._manager = ocp.CheckpointManager(paths.epath(self.directory), options=options,
                                               item_handlers=handlers)
 
     def latest_step(self) -> int | None:
@@ -168,11 +175,11 @@ class Checkpointer:
             return
         aside = self.directory + SKIPPED_SUFFIX
         for s, why in skipped:
-            where = os.path.join(aside, str(s))
+            where = paths.join(aside, str(s))
             if jax.process_index() == 0:
-                os.makedirs(aside, exist_ok=True)
-                shutil.rmtree(where, ignore_errors=True)
-                shutil.move(os.path.join(self.directory, str(s)), where)
+                paths.makedirs(aside)
+                paths.rmtree(where)
+                paths.move(paths.join(self.directory, str(s)), where)
             warnings.warn(f"skipped the damaged checkpoint at step {s} in {self.directory} "
                           f"({why}); moved it to {where}; resuming from step {restored}",
                           SkippedCheckpointWarning, stacklevel=3)

@@ -16,8 +16,7 @@ import ml_collections
 
 from cbs import models
 from cbs.engine import optim, schedules
-
-NOISE_METHODS = ("auto", "fast", "vmap", "probe")
+from cbs.stats import noise
 
 
 class ConfigError(ValueError):
@@ -68,7 +67,8 @@ def default_config() -> ml_collections.ConfigDict:
     #   or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2, m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
     c.noise.every = 0  # steps between exact/probe measurements; 0 = never
-    c.noise.method = "auto"  # "auto" | "fast" | "vmap" (cbs.stats.noise.exact) | "probe"
+    c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
+    #   "auto" | "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson)
     c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
     c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
@@ -208,7 +208,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     if not config.noise.ema_decay < 1:
         raise ConfigError(f"config.noise.ema_decay: must be < 1, got {config.noise.ema_decay}")
     every = _int(config, "noise.every", minimum=0)
-    _choice(config, "noise.method", NOISE_METHODS)
+    _choice(config, "noise.method", noise.method_names())
     n = _int(config, "noise.batch_size", minimum=0)
     if every and n and (n % multiple or n > min(sizes)):
         raise ConfigError(f"config.noise.batch_size: {n} must be a multiple of micro_batch × "

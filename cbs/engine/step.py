@@ -138,7 +138,7 @@ def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
 class Measurement(NamedTuple):
     """What to measure every `every` steps, on the first `micro_batches` micro-batches."""
 
-    method: str = "auto"  # "auto" | "fast" | "vmap" (cbs.stats.noise.exact) | "probe"
+    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) | "probe"
     every: int = 100  # steps between measurements
     micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
     curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
@@ -198,6 +198,7 @@ class TrainStep:
     def __post_init__(self):
         if self.measure is not None:
             object.__setattr__(self, "measure", Measurement(*self.measure))
+            noise.get_method(self.measure.method)  # an unknown name fails here, not in the jit
         out = (self.state_sharding, NamedSharding(self.mesh, P()))
         jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
                       in_shardings=(self.state_sharding, self.inputs_sharding),
@@ -343,17 +344,13 @@ class TrainStep:
         batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
                              chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
-        if method == "probe":
-            key = jax.random.fold_in(jax.random.key(self.seed), state.step)
-            stats = noise.probe(loss_fn, state.params, batch, key, num_probes=num_probes,
-                                curvature=curvature)
-        elif not curvature:  # the same one forward + one backward a user's loop calls
-            stats = noise.value_grad_and_stats(loss_fn, method=method,
-                                               chunk_size=chunk_size or None)(
-                state.params, batch)[2]
-        else:
-            stats = noise.exact(loss_fn, state.params, batch, chunk_size=chunk_size or None,
-                                curvature=curvature, method=method)
+        key = jax.random.fold_in(jax.random.key(self.seed), state.step)
+        stats = noise.get_method(method)(loss_fn, state.params, batch, key=key,
+                                         curvature=curvature, num_probes=num_probes,
+                                         chunk_size=chunk_size or None)
+        if curvature and stats.trace_h_sigma is None:
+            raise ValueError(f"noise method {method!r} returned no curvature statistics "
+                             "(trace_h_sigma, g_h_g) though curvature was asked for")
         curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if curvature else {}
         ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
         names = ("b_simple", "grad_sq_norm", "trace_sigma") + (

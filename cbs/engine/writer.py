@@ -3,6 +3,12 @@
 The JSON-lines format and its readers are `cbs.results.records`; this module adds the live
 side of a run (process 0 only): appending records as they are read from the device, mirroring
 them to TensorBoard (tensorboardX, no TensorFlow needed) and a tqdm bar.
+
+The run directory may be remote (`gs://...`, `cbs.results.paths`). Locally each `write` is
+one append to `metrics.jsonl`; an object store has no append, so there records are held in
+memory and `sync` (before each checkpoint, and at `close`) adds them to the object in one
+atomic write: a reader sees them at checkpoints, and a resume drops records past its
+checkpoint anyway.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from cbs.results.records import METRICS_FILE, plain_value, truncate_records
+from cbs.results import paths
+from cbs.results.paths import PathLike
+from cbs.results.records import METRICS_FILE, append_records, plain_value, truncate_records
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -31,21 +39,29 @@ class MetricsWriter:
       tensorboard: write TensorBoard events.
     """
 
-    def __init__(self, workdir: str, *, start_step: int = 0, total_steps: int | None = None,
-                 enabled: bool = True, progress: bool = True, tensorboard: bool = True):
+    def __init__(self, workdir: PathLike, *, start_step: int = 0,
+                 total_steps: int | None = None, enabled: bool = True, progress: bool = True,
+                 tensorboard: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(workdir, METRICS_FILE)
-        self._tb = self._bar = None
+        self.path = paths.join(workdir, METRICS_FILE)
+        self._tb = self._bar = self._fd = None
+        self._pending: list[dict[str, Any]] = []  # remote: records not yet in the object
         self._last_time, self._last_examples = time.perf_counter(), None
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
+        paths.makedirs(workdir)
         truncate_records(self.path, start_step)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if not paths.is_remote(self.path):
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as err:
+                raise ImportError("config.train.tensorboard=True needs tensorboardX: "
+                                  'pip install -e ".[tensorboard]" (or set it to False)'
+                                  ) from err
 
-            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR),
+            self._tb = SummaryWriter(paths.join(workdir, TENSORBOARD_DIR),
                                      purge_step=start_step if start_step > 0 else None)
         if progress:
             from tqdm.auto import tqdm
@@ -60,7 +76,10 @@ class MetricsWriter:
         records = [{k: plain_value(v) for k, v in r.items()} for r in records]
         if not records:
             return
-        os.write(self._fd, "".join(json.dumps(r) + "\n" for r in records).encode())
+        if self._fd is None:
+            self._pending += records
+        else:
+            os.write(self._fd, "".join(json.dumps(r) + "\n" for r in records).encode())
         if self._tb is not None:
             for r in records:
                 for k, v in r.items():
@@ -88,7 +107,11 @@ class MetricsWriter:
         """Makes everything written so far durable (called before each checkpoint)."""
         if not self.enabled:
             return
-        os.fsync(self._fd)
+        if self._fd is None:
+            append_records(self.path, self._pending)
+            self._pending = []
+        else:
+            os.fsync(self._fd)
         if self._tb is not None:
             self._tb.flush()
 
@@ -97,7 +120,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.sync()
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:

@@ -7,7 +7,7 @@ Files in a run directory (written by process 0 only):
   `kind` (`"train"` or `"eval"`), plus slash-separated metric keys (`train/loss`, `opt/lr`,
   `noise/ema_b_simple`, `eval/loss`, `full_train/loss`, ...). Non-finite numbers are written
   as `NaN`/`Infinity` (Python's json).
-- `status.json`: the run's state, replaced atomically (write to a temporary file, rename).
+- `status.json`: the run's state, replaced atomically (`write_atomic`).
 - `tensorboard/`: tensorboardX event files (no TensorFlow needed). After a resume the
   writer is opened with `purge_step`, so TensorBoard hides events past the restored step.
 
@@ -20,6 +20,11 @@ Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`
 - a complete line that is not a JSON object (or lacks a required key) is skipped with a
   `CorruptRecordWarning` naming the file and line number; whatever it recorded counts as
   not done (a trial is rerun, a step is recorded again).
+
+Every path may be local or remote (`gs://...`, see `cbs.results.paths`). Locally a
+replacement is a temporary file, fsync and rename, and an append is one `write` on an
+O_APPEND descriptor; on an object store, which has neither rename nor append, both are one
+write of the whole object, which the store makes atomic.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from cbs.results import paths
+from cbs.results.paths import PathLike
 
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
@@ -50,26 +58,38 @@ def plain_value(value: Any) -> Any:
     return value
 
 
-def write_json_atomic(path: str, obj: Mapping[str, Any]) -> None:
-    """Writes `obj` as JSON to `path` through a temporary file and an atomic rename."""
+def write_atomic(path: PathLike, data: str | bytes) -> None:
+    """Replaces the file at `path` by `data` atomically: readers see the old content or the
+    new, never a part. Locally: a temporary file in the same directory, fsync, rename. On an
+    object store: one write of the whole object (atomic there; no rename exists)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if paths.is_remote(path):
+        paths.epath(path).write_bytes(raw)
+        return
+    path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({k: plain_value(v) for k, v in obj.items()}, f, indent=1, sort_keys=True)
+    with open(tmp, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> dict[str, Any] | None:
+def write_json_atomic(path: PathLike, obj: Mapping[str, Any]) -> None:
+    """Writes `obj` as JSON to `path` atomically (`write_atomic`)."""
+    write_atomic(path, json.dumps({k: plain_value(v) for k, v in obj.items()}, indent=1,
+                                  sort_keys=True))
+
+
+def read_json(path: PathLike) -> dict[str, Any] | None:
     """The JSON object in `path`, or None when the file does not exist.
 
     A damaged file raises ValueError naming it (these files are replaced atomically, so
     only outside damage produces one).
     """
-    if not os.path.exists(path):
+    raw = paths.read_bytes(path)
+    if raw is None:
         return None
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -94,17 +114,17 @@ def _parse(line: bytes, required: Sequence[str]) -> tuple[dict[str, Any] | None,
     return record, ""
 
 
-def read_records(path: str, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
+def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The complete, readable records of a JSON-lines file, in file order.
 
     A torn last line (no final newline) is skipped silently; any other line that is not a
     JSON object holding every key in `required` is skipped with a `CorruptRecordWarning`
     that names `path` and the line number. A missing file has no records.
     """
-    if not os.path.exists(path):
+    raw = paths.read_bytes(path)
+    if raw is None:
         return []
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    lines = raw.split(b"\n")
     out = []
     for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: torn or empty
         if not line.strip():
@@ -118,14 +138,43 @@ def read_records(path: str, *, required: Sequence[str] = ()) -> list[dict[str, A
     return out
 
 
-def repair_tail(path: str) -> int:
+def repair_tail(path: PathLike) -> int:
     """Cuts a torn last line (bytes after the final newline) off `path`; returns how many.
 
     Appending after a kill mid-write would otherwise glue the next record onto the
     fragment and lose both.
     """
-    if not os.path.exists(path):
+    if paths.is_remote(path):
+        raw = paths.read_bytes(path) or b""
+        kept = _whole_lines(path, raw)
+        if len(kept) < len(raw):
+            write_atomic(path, kept)
+        return len(raw) - len(kept)
+    size, pos = _local_tail(os.fspath(path))
+    if pos == size:
         return 0
+    os.truncate(path, pos)
+    _warn_torn(path, size - pos)
+    return size - pos
+
+
+def _warn_torn(path: PathLike, size: int) -> None:
+    warnings.warn(f"{path}: removed a torn last line ({size} bytes, an interrupted write)",
+                  CorruptRecordWarning, stacklevel=3)
+
+
+def _whole_lines(path: PathLike, raw: bytes) -> bytes:
+    """`raw` up to its last newline (a warning when a torn line is cut)."""
+    kept = raw[:raw.rfind(b"\n") + 1]
+    if len(kept) < len(raw):
+        _warn_torn(path, len(raw) - len(kept))
+    return kept
+
+
+def _local_tail(path: str) -> tuple[int, int]:
+    """(size, offset just past the last newline) of a local file; (0, 0) when missing."""
+    if not os.path.exists(path):
+        return 0, 0
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = pos = f.tell()
@@ -139,21 +188,21 @@ def repair_tail(path: str) -> int:
                 pos = start + cut + 1
                 break
             pos = start
-    if pos == size:
-        return 0
-    os.truncate(path, pos)
-    warnings.warn(f"{path}: removed a torn last line ({size - pos} bytes, an interrupted "
-                  "write)", CorruptRecordWarning, stacklevel=2)
-    return size - pos
+    return size, pos
 
 
-def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
+def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
     """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs.
 
-    A torn last line left by an earlier crash is cut off first (`repair_tail`).
+    A torn last line left by an earlier crash is cut off first (`repair_tail`). On an object
+    store the file is read and written back whole with the records added (module docstring).
     """
     data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n" for r in records)
     if not data:
+        return
+    if paths.is_remote(path):
+        kept = _whole_lines(path, paths.read_bytes(path) or b"")
+        write_atomic(path, kept + data.encode())
         return
     repair_tail(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -164,25 +213,20 @@ def append_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
         os.close(fd)
 
 
-def truncate_records(path: str, step: int) -> int:
+def truncate_records(path: PathLike, step: int) -> int:
     """Keeps only the readable records with `step < step` (atomically); returns how many
     records were dropped (a torn last line and corrupt lines go too, uncounted).
 
     After a restore to a state with `step` updates every later record is produced again, so
     dropping them keeps the file free of duplicates.
     """
-    if not os.path.exists(path):
+    raw = paths.read_bytes(path)
+    if raw is None:
         return 0
-    with open(path, "rb") as f:
-        lines = len(f.read().splitlines())
+    lines = len(raw.splitlines())
     records = read_records(path, required=("step",))
     kept = [r for r in records if r["step"] < step]
     if len(kept) == lines:
         return 0
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)

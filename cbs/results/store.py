@@ -13,6 +13,11 @@ Files in a sweep directory (all appended or replaced atomically; analysis reads 
 - `locks/`: one lock file per group of trials; a launcher holds it (fcntl) while it runs the
   group, so concurrent launchers into one directory share the work instead of repeating it.
 
+The directory may be remote (`gs://bucket/sweep`, see `cbs.results.paths`). Object stores
+have no locks: the lock files then live in a local directory (`lock_dir`), so launchers on
+one machine still share the work, but launchers on several machines must not write into one
+remote sweep directory at once (give each its own, or use a shared file-system mount).
+
 Nothing is created until something is written, so a command that fails before its first
 record leaves no directory behind.
 """
@@ -22,13 +27,16 @@ from __future__ import annotations
 import csv
 import dataclasses
 import fcntl
+import io
 import json
 import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cbs.results import paths
 from cbs.results import records as metrics
+from cbs.results.paths import PathLike
 
 TRIALS_FILE = "trials.jsonl"
 CSV_FILE = "trials.csv"
@@ -79,19 +87,20 @@ def target_key(target: float) -> str:
 class SweepStore:
     """The sweep directory: finished trial records and their CSV export."""
 
-    def __init__(self, sweep_dir: str):
-        self.sweep_dir = sweep_dir
-        self.path = os.path.join(sweep_dir, TRIALS_FILE)
-        if os.path.exists(sweep_dir) and not os.path.isdir(sweep_dir):
+    def __init__(self, sweep_dir: PathLike):
+        self.sweep_dir = os.fspath(sweep_dir)
+        self.path = paths.join(sweep_dir, TRIALS_FILE)
+        self.lock_dir = paths.local_lock_dir(sweep_dir)
+        if paths.exists(sweep_dir) and not paths.isdir(sweep_dir):
             raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
                                      "directory (new or an earlier sweep's)")
 
     def _makedirs(self) -> None:
-        os.makedirs(self.sweep_dir, exist_ok=True)
+        paths.makedirs(self.sweep_dir)
 
     def trial_dir(self, trial: Any) -> str:
         """The run directory of a trial (anything with a `trial_id`)."""
-        return os.path.join(self.sweep_dir, "trials", trial.trial_id)
+        return paths.join(self.sweep_dir, "trials", trial.trial_id)
 
     def write_definition(self, definition: dict[str, Any], *, redefine: bool = False) -> None:
         """Keeps the first launch's definition; a later launch must match it.
@@ -102,7 +111,7 @@ class SweepStore:
         change (model, budget, targets, ...) needs a new directory: its records would not mean
         the same thing.
         """
-        path = os.path.join(self.sweep_dir, SWEEP_FILE)
+        path = paths.join(self.sweep_dir, SWEEP_FILE)
         previous = metrics.read_json(path)
         plain = json.loads(json.dumps(definition))
         if previous is None or previous.get("sweep") == plain.get("sweep"):
@@ -122,12 +131,12 @@ class SweepStore:
         metrics.write_json_atomic(path, plain)
 
     def claim(self, name: str, *, wait: bool = False) -> int | None:
-        """Takes the lock `locks/<name>.lock` (fcntl, released by `release` or when the
+        """Takes the lock `<lock_dir>/<name>.lock` (fcntl, released by `release` or when the
         process ends, kill -9 included); returns its descriptor, or None when another process
-        holds it and `wait` is False."""
-        lock_dir = os.path.join(self.sweep_dir, "locks")
-        os.makedirs(lock_dir, exist_ok=True)
-        fd = os.open(os.path.join(lock_dir, f"{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        holds it and `wait` is False. `lock_dir` is `locks/` in the sweep directory, or a
+        local directory when that is remote (module docstring)."""
+        os.makedirs(self.lock_dir, exist_ok=True)
+        fd = os.open(os.path.join(self.lock_dir, f"{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -142,7 +151,7 @@ class SweepStore:
         os.close(fd)
 
     def definition(self) -> dict[str, Any] | None:
-        return metrics.read_json(os.path.join(self.sweep_dir, SWEEP_FILE))
+        return metrics.read_json(paths.join(self.sweep_dir, SWEEP_FILE))
 
     def records(self) -> list[dict[str, Any]]:
         """Finished trial records, first record per trial id (a repeated append is ignored)."""
@@ -163,17 +172,16 @@ class SweepStore:
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
-        path = os.path.join(self.sweep_dir, CSV_FILE)
+        path = paths.join(self.sweep_dir, CSV_FILE)
         rows = list(_csv_rows(self.records()))
         self._makedirs()
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", newline="") as f:
-            fields = ["trial_id", "batch_size", "learning_rate", "seed", "status", "target",
-                      "steps", "examples", "b_simple", "b_noise", "final_steps", "final_metric"]
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
+        text = io.StringIO(newline="")
+        fields = ["trial_id", "batch_size", "learning_rate", "seed", "status", "target",
+                  "steps", "examples", "b_simple", "b_noise", "final_steps", "final_metric"]
+        writer = csv.DictWriter(text, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+        metrics.write_atomic(path, text.getvalue())
         return path
 
 

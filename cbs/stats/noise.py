@@ -16,6 +16,8 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
 
 Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson, memory
 O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
+The periodic measurement of a run is chosen by name from a registry of methods
+(`register_method`, `get_method`, `method_names`; config field `noise.method`).
 Per-example quantities apply `loss_fn` to one-example batches, so layers that couple the
 examples of a batch (BatchNorm in training mode) make them ill-defined: do not use those.
 Each estimator is compiled with `loss_fn` as a static argument: reuse one function object to
@@ -444,3 +446,61 @@ class NoiseScaleEMA:
         """Flat metrics `noise/ema_b_simple`, `noise/ema_grad_sq_norm`, ..."""
         names = ["b_simple", "grad_sq_norm", "trace_sigma", "b_noise", "g_h_g", "trace_h_sigma"]
         return {prefix + n: getattr(self, n) for n in names}
+
+
+# A measurement method: fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size)
+# -> NoiseStats of `batch` at `params`, jittable (the train step calls it under its jit).
+MethodFn = Callable[..., NoiseStats]
+_METHODS: dict[str, MethodFn] = {}
+
+
+def register_method(name: str, fn: MethodFn) -> MethodFn:
+    """Registers a noise-measurement method under `name` (a value of `config.noise.method`).
+
+    fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats, where
+    key is a PRNG key (fresh every measurement, for random probes), curvature asks for the
+    curvature fields too (trace_h_sigma, g_h_g, ...), and num_probes / chunk_size are the
+    config's `noise.num_probes` and `noise.chunk_size` (None for 0). A repeated name is an
+    error. Returns fn.
+    """
+    if name in _METHODS:
+        raise ValueError(f"noise method {name!r} is already registered")
+    _METHODS[name] = fn
+    return fn
+
+
+def method_names() -> tuple[str, ...]:
+    """Registered method names, in registration order."""
+    return tuple(_METHODS)
+
+
+def get_method(name: str) -> MethodFn:
+    """The method registered as `name`; ValueError listing the known names otherwise."""
+    if name not in _METHODS:
+        raise ValueError(f"noise.method: unknown method {name!r}; known: {list(_METHODS)}")
+    return _METHODS[name]
+
+
+def _exact_method(route: str) -> MethodFn:
+    """`exact` with per-example norms by `route` ("auto" | "fast" | "vmap")."""
+
+    def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size):
+        del key, num_probes
+        if curvature:
+            return exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=True,
+                         method=route)
+        # the same one forward and one backward pass a user's own train step calls
+        return value_grad_and_stats(loss_fn, method=route, chunk_size=chunk_size)(
+            params, batch)[2]
+
+    return measure
+
+
+def _probe_method(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size):
+    del chunk_size
+    return probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature)
+
+
+for _route in ("auto", "fast", "vmap"):
+    register_method(_route, _exact_method(_route))
+register_method("probe", _probe_method)
