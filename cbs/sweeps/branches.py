@@ -32,7 +32,6 @@ run's. `shard="i/n"` runs only units whose index ≡ i (mod n).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ from cbs import data
 from cbs.engine import checkpoint, mesh, optim
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
-from cbs.results import records
+from cbs.results import paths, records
 from cbs.sweeps.grid import parse_shard
 
 BRANCHES_FILE = "branches.jsonl"
@@ -318,27 +317,13 @@ class BranchRunner:
             tr.close()
 
 
-def _drop_torn_line(path: str) -> None:
-    """A kill during an append can leave a partial last line: keep the whole records only."""
-    if os.path.exists(path) and os.path.getsize(path):
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            whole = f.read(1) == b"\n"
-        if not whole:
-            kept = records.read_records(path)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
-
-
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
                   dataset: data.Dataset | None = None) -> None:
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
     c = copy.deepcopy(config)
     c.train.keep_checkpoints = 1_000_000  # branch points need old checkpoints
     ref_dir = os.path.join(workdir, REFERENCE_DIR)
-    os.makedirs(ref_dir, exist_ok=True)
+    paths.makedirs(ref_dir)
     status = records.read_json(os.path.join(ref_dir, records.STATUS_FILE))
     if status and status.get("status") in ("finished", "stopped") and status.get(
             "config_hash") == train.config_hash(c):
@@ -369,14 +354,14 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
 
     `stop_after`: run at most this many units (tests: an interrupted study)."""
     validate_branch_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     run_reference(config, workdir, dataset=dataset)
     path = os.path.join(workdir, BRANCHES_FILE)
     records.write_json_atomic(os.path.join(workdir, DEFINITION_FILE), {
         "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
         "window_examples": window_examples(config),
         "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name})
-    _drop_torn_line(path)
+    records.repair_tail(path)
     runner = BranchRunner(config, workdir, dataset=dataset)
     try:
         ref = records.read_records(os.path.join(workdir, REFERENCE_DIR, records.METRICS_FILE))

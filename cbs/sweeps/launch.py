@@ -155,7 +155,7 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
 
 def _wait_for_others(store: SweepStore) -> bool:
     """Waits until no other process holds a group of this sweep; True if one did."""
-    lock_dir = os.path.join(store.sweep_dir, "locks")
+    lock_dir = store.lock_dir
     held = False
     for fname in sorted(os.listdir(lock_dir)) if os.path.isdir(lock_dir) else []:
         name = fname.removesuffix(".lock")
