@@ -171,10 +171,11 @@ def test_group_divergence_needs_patience(tmp_path, monkeypatch):
               divergence_patience=2, stop_when_dominated=False)
     group = TrialGroup(c, grid.make_trials(c.sweep), store.SweepStore(str(tmp_path)))
     metric = np.array([[2.0, 2.0], [5.0, 5.0], [1.0, 5.0], [0.5, 6.0], [0.4, 7.0]])
-    history = {"evals": [{"metric": row, "loss_ema": row} for row in metric], "seconds": 0.0}
+    history = {"evals": [{"full_train/loss": row, "train/loss_ema": row} for row in metric],
+               "seconds": 0.0}
     for e in history["evals"]:
-        e |= {k: np.zeros(2) for k in ("ema_b_simple", "trace_sigma", "grad_sq_norm",
-                                       "b_simple")}
+        e |= {f"noise/{k}": np.zeros(2) for k in ("ema_b_simple", "trace_sigma", "grad_sq_norm",
+                                                  "b_simple")}
     recovered, diverged = (group._result(i, t, history) for i, t in enumerate(group.trials))
     assert recovered.status == "budget" and len(recovered.curve["step"]) == 5
     assert diverged.status == "diverged" and diverged.curve["step"] == [0]
