@@ -7,12 +7,13 @@
 training themselves. The jitted step is `cbs.engine.step.TrainStep`; the config is
 `cbs.engine.config.default_config()`.
 
-Loop, at step t with E examples seen (host ints; the state on the device holds the same):
-evaluate if due (the parameters after t updates); save a checkpoint if due (after reading
-every pending metric, so a saved state never follows a non-finite loss); stop if the budget
-is spent or `stop_fn` asked; observe the noise scale for an adaptive batch schedule; B from
-the schedule; dispatch step t; every `log_every` steps read the metrics of all steps but the
-newest (so the device is never idle waiting for the host).
+Loop (`cbs.engine.loop.Loop`, with the trainer as its driver), at step t with E examples
+seen (host ints; the state on the device holds the same): evaluate if due (the parameters
+after t updates); save a checkpoint if due (after reading every pending metric, so a saved
+state never follows a non-finite loss); stop if the budget is spent or `stop_fn` asked; feed
+the schedule the smoothed noise scale it observes (`schedule.observes`, every
+`batch.adapt_every` steps); B from the schedule; dispatch step t; every `log_every` steps read
+the metrics of all steps but the newest (so the device is never idle waiting for the host).
 
 Files in `workdir` (process 0 writes records; every process writes its checkpoint shards):
 - `config.json`: the config of the latest start.
