@@ -130,7 +130,7 @@ class Loop:
     """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`."""
 
     def __init__(self, driver: Driver, stop_fn: StopFn | None = None):
-        self.trainer, self.config, self.stop_fn = driver, driver.config, stop_fn
+        self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
         self.workdir = driver.workdir
         self.primary = jax.process_index() == 0
         self.perf = throughput.for_trainer(driver)  # perf hook (cbs.engine.throughput)
@@ -146,7 +146,7 @@ class Loop:
     # ------------------------------------------------------------------ state
 
     def _restore_or_init(self) -> None:
-        tr, c = self.trainer, self.config
+        tr, c = self.driver, self.config
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(self.workdir, checkpoint.CHECKPOINT_DIR),
             max_to_keep=c.train.keep_checkpoints)
@@ -185,7 +185,7 @@ class Loop:
         fields, e.g. throughput, here)."""
         base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
         if item.kind == "eval":
-            return [base | fields for fields in self.trainer.eval_records(values)]
+            return [base | fields for fields in self.driver.eval_records(values)]
         return [self._train_record(base | item.extra, item.step, values)]
 
     def _train_record(self, base: dict[str, Any], step: int, values: Any) -> dict[str, Any]:
@@ -254,20 +254,20 @@ class Loop:
         name, every = self.schedule.observes, self.config.batch.adapt_every
         if name is None or self.t == 0 or self.t % every:
             return
-        value = self.trainer.noise_scale(self.state, name)
+        value = self.driver.noise_scale(self.state, name)
         self.sched_state = self.schedule.update(self.sched_state, value, self.e)
 
     def _advance(self) -> None:
         b = self.schedule.batch_size_at(self.e, self.sched_state)
         self.perf.at_step(self.t)  # perf hook: profiler trace window
-        self.state, n, values = self.trainer.advance(self.state, self.t, self.e, b)
+        self.state, n, values = self.driver.advance(self.state, self.t, self.e, b)
         if values is not None:  # one step: its record is read later
-            extra = {"data/batch_size": b, "data/accum_steps": self.trainer.accum_steps(b)}
+            extra = {"data/batch_size": b, "data/accum_steps": self.driver.accum_steps(b)}
             self.pending.append(_Pending("train", self.t, self.e, values, extra))
         self.t, self.e = self.t + n, self.e + n * b
 
     def _iterate(self) -> None:
-        c, tr = self.config, self.trainer
+        c, tr = self.config, self.driver
         last_eval = -1
         while True:
             done = self._done()
@@ -295,7 +295,7 @@ class Loop:
         return {"status": status, "step": self.t, "examples_seen": self.e,
                 "checkpoint_step": self.ckpt.latest_step(), "message": message,
                 "config_hash": config_hash(self.config), "last_train": self.last_train,
-                "last_eval": self.last_eval, "compilations": self.trainer.num_compilations(),
+                "last_eval": self.last_eval, "compilations": self.driver.num_compilations(),
                 "elapsed_s": round(time.perf_counter() - self.start, 3)}
 
     def _write_status(self, summary: dict[str, Any]) -> None:

@@ -118,8 +118,8 @@ class TrialGroup:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
-        self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}
-        self._row: list[dict[str, Any]] = []
+        self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
+        self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
     # ------------------------------------------------------------------ device programs
 
@@ -248,6 +248,7 @@ class TrialGroup:
 
     def run(self) -> list[TrialResult]:
         """Trains (or resumes) the group to the end; returns one result per trial."""
+        self.history, self._row = {"evals": [], "seconds": 0.0}, []
         summary = Loop(self, self._observe).run()
         self.history["seconds"] = summary["elapsed_s"]
         return [self._result(i, t, self.history) for i, t in enumerate(self.trials)]
