@@ -18,7 +18,13 @@ from cbs.engine import config as config_lib
 from cbs.engine import loop, schedules
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer as train
-from cbs.engine.progress import DivergenceRule, DivergenceState, ema_update, log_spaced_steps
+from cbs.engine.progress import (
+    DivergenceRule,
+    DivergenceState,
+    ema_curve,
+    ema_update,
+    log_spaced_steps,
+)
 from cbs.results import records
 
 
@@ -56,6 +62,7 @@ def test_ema_update_host_and_device():
     assert ema == pytest.approx(0.75 * (0.75 * 4.0 + 0.25 * 2.0) + 0.25 * 8.0)
     np.testing.assert_array_equal(ema_update(np.array([np.nan, 1.0]), np.array([3.0, 3.0]), 0.5),
                                   [3.0, 2.0])
+    assert ema_curve([4.0, 2.0, 8.0], 0.75) == [4.0, 3.5, ema]
     np.testing.assert_allclose(np.asarray(jax.jit(lambda e, x: ema_update(e, x, 0.5))(
         np.float32(np.nan), np.float32(3.0))), 3.0)
     assert log_spaced_steps(20, 4) == [0, 1, 3, 7, 20]
