@@ -1,5 +1,6 @@
-"""Tests of cbs.sweeps.groups (vmapped trial groups) and cbs.engine.measure (their noise
-measurement): unbiased B_noise by Monte Carlo, the shared divergence rule, records.
+"""Tests of cbs.sweeps.groups (vmapped trial groups, a driver of the engine's loop) and
+cbs.engine.measure (their noise measurement): unbiased B_noise by Monte Carlo, the shared
+divergence rule, records, stopping and resume.
 
 Monte Carlo tolerance: the mean of R independent draws of the sweep's measurement must lie
 within 3 standard errors (std/√R) of `noise.exact(curvature=True)` on the whole training set
@@ -10,6 +11,8 @@ exceeds a few standard errors (the same-batch Hessian estimator does: checked be
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,7 @@ from flax import nnx
 
 from cbs import data, models
 from cbs.engine import measure
-from cbs.results import store
+from cbs.results import records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, sweep_measurement
@@ -171,12 +174,40 @@ def test_group_divergence_needs_patience(tmp_path, monkeypatch):
               divergence_patience=2, stop_when_dominated=False)
     group = TrialGroup(c, grid.make_trials(c.sweep), store.SweepStore(str(tmp_path)))
     metric = np.array([[2.0, 2.0], [5.0, 5.0], [1.0, 5.0], [0.5, 6.0], [0.4, 7.0]])
-    history = {"evals": [{"metric": row, "loss_ema": row} for row in metric], "seconds": 0.0}
+    history = {"evals": [{"full_train/loss": row, "train/loss_ema": row} for row in metric],
+               "seconds": 0.0}
     for e in history["evals"]:
-        e |= {k: np.zeros(2) for k in ("ema_b_simple", "trace_sigma", "grad_sq_norm",
-                                       "b_simple")}
+        e |= {f"noise/{k}": np.zeros(2) for k in ("ema_b_simple", "trace_sigma", "grad_sq_norm",
+                                                  "b_simple")}
     recovered, diverged = (group._result(i, t, history) for i, t in enumerate(group.trials))
     assert recovered.status == "budget" and len(recovered.curve["step"]) == 5
     assert diverged.status == "diverged" and diverged.curve["step"] == [0]
     assert not group._finished({"evals": history["evals"][:2], "seconds": 0})
     assert not group._finished(history)  # the recovered one has not reached the target
+
+
+def test_group_records_resume_and_rebuild_the_same_results(tmp_path):
+    """The group writes one eval record per trial and evaluation through the loop; a second
+    run of the finished group restores its last checkpoint, replays those records and
+    returns the same results."""
+    c = _tiny(targets=(0.01,), max_steps=20, evals_per_trial=4, checkpoint_every_evals=2,
+              target_metric="train/loss_ema")
+    trials = grid.make_trials(c.sweep)
+    st = store.SweepStore(str(tmp_path))
+    first = TrialGroup(c, trials, st)
+    out = first.run()
+    recs = records.read_records(os.path.join(first.workdir, records.METRICS_FILE))
+    assert [(r["step"], r["trial"]) for r in recs] == [(s, t.index) for s in (0, 1, 3, 7, 20)
+                                                       for t in trials]
+    assert math.isnan(recs[0]["train/loss_ema"]) and recs[-1]["train/loss_ema"] > 0
+    assert out[0].curve["train/loss_ema"] == [r["train/loss_ema"] for r in recs[2::2]]
+    again = first.run()  # the same programs: no compilation
+    for a, b in zip(out, again, strict=True):
+        assert dataclasses.replace(a, seconds=0) == dataclasses.replace(b, seconds=0)
+
+
+def test_group_stops_once_every_trial_reached_the_lowest_target(tmp_path):
+    c = _tiny(targets=(50.0,), max_steps=20, evals_per_trial=4)  # reached at step 0
+    out = TrialGroup(c, grid.make_trials(c.sweep), store.SweepStore(str(tmp_path))).run()
+    for r in out:
+        assert r.status == "done" and r.curve["step"] == [0] and r.steps_to_target["50"] == 0

@@ -1,9 +1,12 @@
-"""The host loop of a run: dispatch steps, read metrics late, evaluate, checkpoint, resume.
+"""The one host loop: dispatch steps, read metrics late, evaluate, checkpoint, stop, resume.
 
-It drives a `cbs.engine.trainer.Trainer` (set-up, step, evaluation) and owns the run directory's
-records (`cbs.results.records`) and checkpoints (`cbs.engine.checkpoint`). The order of events
-is a function of the step number alone (never of timing), so a resumed run does exactly what an
-uninterrupted one does: see `cbs.engine.trainer` for the loop and the files.
+`Loop` owns the order of events, the run directory's records (`cbs.results.records`) and
+checkpoints (`cbs.engine.checkpoint`), the budget, `stop_fn` and the divergence rule of
+`cbs.engine.progress`. What it drives is a `Driver`: `cbs.engine.trainer.Trainer` for a single
+run (one step per dispatch), or a vmapped group of runs (`cbs.sweeps.groups.TrialGroup`: many
+steps of K trials per dispatch, evaluated at the end of each). The order of events is a function
+of the step number alone (never of timing), so a resumed run does exactly what an uninterrupted
+one does: see `cbs.engine.trainer` for the loop and the files.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import ml_collections
-import numpy as np
 
 from cbs.engine import checkpoint, schedules, throughput, writer
 from cbs.engine.progress import DivergenceRule, DivergenceState
@@ -63,6 +65,58 @@ def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
                           int(config.train.divergence_patience))
 
 
+class Driver(Protocol):
+    """What `Loop` drives: the state, its dispatches and its evaluations.
+
+    Attributes: `config` (the run config: `train`, `eval`, `noise` and `batch.adapt_every`
+    are read), `workdir`, `schedule` (`cbs.engine.schedules`), `dataset` and `mesh` (for the
+    throughput hooks), `replicas` (data replicas); `read_each_evaluation`: read every
+    evaluation as soon as it is dispatched (a driver whose stopping depends on it), instead
+    of up to `log_every` steps late.
+    """
+
+    config: ml_collections.ConfigDict
+    workdir: str | None
+    schedule: schedules.BatchSchedule
+    replicas: int
+    read_each_evaluation: bool
+
+    def init_state(self) -> Any:
+        """A fresh state on the device."""
+
+    def restore_target(self) -> Any:
+        """The state's abstract arrays (shapes, dtypes, shardings) to restore into."""
+
+    def restored(self, state: Any) -> Any:
+        """The restored state, adjusted for what the config may change on resume."""
+
+    def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
+                ) -> tuple[Any, int, Any]:
+        """Dispatches the steps from `step` on: (state, number of steps, device metrics of a
+        single step or None)."""
+
+    def accum_steps(self, batch_size: int) -> int:
+        """Micro-batches per step at batch size B (recorded as data/accum_steps)."""
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Save a checkpoint at `step` (one is also saved at the end)."""
+
+    def evaluation_due(self, step: int) -> bool:
+        """Evaluate the parameters after `step` updates (also done at the end)."""
+
+    def evaluate_at(self, state: Any, step: int) -> Any:
+        """Dispatches the evaluation at `step`; device values for `eval_records`."""
+
+    def eval_records(self, values: Any) -> list[dict[str, Any]]:
+        """The evaluation's record fields from fetched values (one dict per record)."""
+
+    def noise_scale(self, state: Any, name: str) -> float:
+        """The smoothed noise scale `name` ("b_simple", "b_noise") the state carries."""
+
+    def num_compilations(self) -> int:
+        """Compilations of the step so far."""
+
+
 @dataclasses.dataclass
 class _Pending:
     kind: str  # "train" | "eval"
@@ -73,13 +127,13 @@ class _Pending:
 
 
 class Loop:
-    """One run of `trainer` in `trainer.workdir` (use `Trainer.run`)."""
+    """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`."""
 
-    def __init__(self, trainer, stop_fn: StopFn | None = None):
-        self.trainer, self.config, self.stop_fn = trainer, trainer.config, stop_fn
-        self.workdir = trainer.workdir
+    def __init__(self, driver: Driver, stop_fn: StopFn | None = None):
+        self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
+        self.workdir = driver.workdir
         self.primary = jax.process_index() == 0
-        self.perf = throughput.for_trainer(trainer)  # perf hook (cbs.engine.throughput)
+        self.perf = throughput.for_trainer(driver)  # perf hook (cbs.engine.throughput)
         self.pending: list[_Pending] = []
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
@@ -87,12 +141,12 @@ class Loop:
         self.rule = divergence_rule(self.config)
         self.divergence = DivergenceState()
         self.noise_batch = self.config.noise.batch_size or (
-            self.config.batch.micro_batch * trainer.replicas)
+            self.config.batch.micro_batch * driver.replicas)
 
     # ------------------------------------------------------------------ state
 
     def _restore_or_init(self) -> None:
-        tr, c = self.trainer, self.config
+        tr, c = self.driver, self.config
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(self.workdir, checkpoint.CHECKPOINT_DIR),
             max_to_keep=c.train.keep_checkpoints)
@@ -104,19 +158,10 @@ class Loop:
             self.last_saved = -1
             self.divergence = DivergenceState()
             return
-        target = tr.abstract_state()
-        target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              target, tr.state_sharding)
-        self.state, meta = self.ckpt.restore(latest, target)
-        if float(self.state.learning_rate) != float(np.float32(c.optim.learning_rate)):
-            # The config's η_0 wins over the checkpoint's (a deliberate change on resume).
-            lr = np.asarray(c.optim.learning_rate, np.float32)
-            self.state = self.state.replace(learning_rate=jax.make_array_from_process_local_data(
-                tr.state_sharding.learning_rate, lr, ()))
+        self.state, meta = self.ckpt.restore(latest, tr.restore_target())
+        self.state = tr.restored(self.state)
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
-        raw = meta.get("schedule_state")
-        self.sched_state = (schedules.AdaptiveState.from_dict(raw) if raw is not None
-                            else self.schedule.init())
+        self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
         self.last_saved = self.t
         self.divergence = DivergenceState.from_dict(meta.get("divergence"))
 
@@ -135,16 +180,19 @@ class Loop:
 
     # ------------------------------------------------------------------ records
 
-    def _record(self, item: _Pending, values: Any) -> dict[str, Any]:
-        """The record of one step or evaluation: the one place a record is assembled (add
+    def _records(self, item: _Pending, values: Any) -> list[dict[str, Any]]:
+        """The records of one step or evaluation: the one place a record is assembled (add
         fields, e.g. throughput, here)."""
         base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
         if item.kind == "eval":
-            return base | self.trainer.eval_record(values)
+            return [base | fields for fields in self.driver.eval_records(values)]
+        return [self._train_record(base | item.extra, item.step, values)]
+
+    def _train_record(self, base: dict[str, Any], step: int, values: Any) -> dict[str, Any]:
         step_metrics, measured = values
-        rec = base | item.extra | {k: float(v) for k, v in step_metrics.items()}
+        rec = base | {k: float(v) for k, v in step_metrics.items()}
         every = self.config.noise.every
-        if every and item.step % every == 0:
+        if every and step % every == 0:
             rec |= {k: float(v) for k, v in (measured or {}).items()}
             rec["noise/batch_size"] = self.noise_batch
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
@@ -164,15 +212,16 @@ class Loop:
         records, every = [], self.config.train.record_every
         bad = None
         for item, values in zip(items, fetched, strict=True):
-            rec = self._record(item, values)
+            recs = self._records(item, values)
             if item.kind == "train":
+                rec = recs[0]
                 self.last_train = rec
                 bad = self._check_divergence(rec)
                 if bad is None and item.step % every and "noise/b_simple" not in rec:
                     continue
-            else:
-                self.last_eval = rec
-            records.append(rec)
+            elif recs:
+                self.last_eval = recs[-1]
+            records.extend(recs)
             if bad is not None:
                 break
         self.perf.annotate(records)  # perf hook: perf/* and data/tokens_seen when enabled
@@ -200,49 +249,45 @@ class Loop:
                 or bool(tr.max_examples and self.e >= tr.max_examples))
 
     def _observe_noise(self) -> None:
-        """Feeds an adaptive schedule its smoothed noise scale (fixed steps: exact resume)."""
-        every = self.config.batch.adapt_every
-        if not isinstance(self.schedule, schedules.Adaptive) or self.t == 0 or self.t % every:
+        """Feeds a schedule that observes a noise scale (`schedule.observes`) its smoothed
+        value every `batch.adapt_every` steps (fixed steps: exact resume)."""
+        name, every = self.schedule.observes, self.config.batch.adapt_every
+        if name is None or self.t == 0 or self.t % every:
             return
-        ema = (self.state.measure_ema if self.schedule.source == "b_noise"
-               else self.state.noise_ema)
-        value = float(jax.device_get(getattr(ema, self.schedule.source)))
+        value = self.driver.noise_scale(self.state, name)
         self.sched_state = self.schedule.update(self.sched_state, value, self.e)
 
-    def _train_step(self) -> None:
-        tr, c = self.trainer, self.config
+    def _advance(self) -> None:
         b = self.schedule.batch_size_at(self.e, self.sched_state)
-        a = tr.accum_steps(b)
-        inputs = tr.inputs(self.e, b)
-        measured = None
         self.perf.at_step(self.t)  # perf hook: profiler trace window
-        if c.noise.every and not c.noise.in_step and self.t % c.noise.every == 0:
-            self.state, measured = tr.step.measure_now(self.state, inputs, a)
-        self.state, step_metrics = tr.step(self.state, inputs, a)
-        extra = {"data/batch_size": b, "data/accum_steps": a}
-        self.pending.append(_Pending("train", self.t, self.e, (step_metrics, measured), extra))
-        self.t, self.e = self.t + 1, self.e + b
+        self.state, n, values = self.driver.advance(self.state, self.t, self.e, b)
+        if values is not None:  # one step: its record is read later
+            extra = {"data/batch_size": b, "data/accum_steps": self.driver.accum_steps(b)}
+            self.pending.append(_Pending("train", self.t, self.e, values, extra))
+        self.t, self.e = self.t + n, self.e + n * b
 
     def _iterate(self) -> None:
-        c = self.config
+        c, tr = self.config, self.driver
         last_eval = -1
         while True:
             done = self._done()
-            due = done or (c.eval.every and self.t % c.eval.every == 0)
-            if c.eval.enabled and due and self.t != last_eval:
+            evaluate = c.eval.enabled and (done or tr.evaluation_due(self.t))
+            evaluated = evaluate and self.t != last_eval
+            if evaluated:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
-                                             self.trainer.evaluate_async(self.state), {}))
-            if done or self.t % c.train.checkpoint_every == 0:
+                                             tr.evaluate_at(self.state, self.t), {}))
+            save = done or tr.checkpoint_due(self.t)
+            if save or (evaluated and tr.read_each_evaluation):
                 self._read(keep_newest=False)
-                if self.t != self.last_saved:
+                if save and self.t != self.last_saved:
                     self._save()
                 if self.stop_requested and not done:
                     continue
             if done:
                 return
             self._observe_noise()
-            self._train_step()
+            self._advance()
             if self.t % c.train.log_every == 0:
                 self._read(keep_newest=True)
 
@@ -250,7 +295,7 @@ class Loop:
         return {"status": status, "step": self.t, "examples_seen": self.e,
                 "checkpoint_step": self.ckpt.latest_step(), "message": message,
                 "config_hash": config_hash(self.config), "last_train": self.last_train,
-                "last_eval": self.last_eval, "compilations": self.trainer.step.num_compilations(),
+                "last_eval": self.last_eval, "compilations": self.driver.num_compilations(),
                 "elapsed_s": round(time.perf_counter() - self.start, 3)}
 
     def _write_status(self, summary: dict[str, Any]) -> None:

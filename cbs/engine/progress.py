@@ -32,6 +32,15 @@ def ema_update(ema: Any, value: Any, decay: float) -> Any:
     return xp.where(xp.isnan(ema), value, decay * ema + (1 - decay) * value)
 
 
+def ema_curve(values: Sequence[float], decay: float) -> list[float]:
+    """The loss EMA after each of `values` in turn (`ema_update` from NaN), as floats."""
+    out, ema = [], math.nan
+    for v in values:
+        ema = ema_update(ema, float(v), decay)
+        out.append(ema)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class DivergenceState:
     """What the rule remembers between observations (JSON-serialisable, for checkpoints).

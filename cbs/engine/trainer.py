@@ -7,12 +7,13 @@
 training themselves. The jitted step is `cbs.engine.step.TrainStep`; the config is
 `cbs.engine.config.default_config()`.
 
-Loop, at step t with E examples seen (host ints; the state on the device holds the same):
-evaluate if due (the parameters after t updates); save a checkpoint if due (after reading
-every pending metric, so a saved state never follows a non-finite loss); stop if the budget
-is spent or `stop_fn` asked; observe the noise scale for an adaptive batch schedule; B from
-the schedule; dispatch step t; every `log_every` steps read the metrics of all steps but the
-newest (so the device is never idle waiting for the host).
+Loop (`cbs.engine.loop.Loop`, with the trainer as its driver), at step t with E examples
+seen (host ints; the state on the device holds the same): evaluate if due (the parameters
+after t updates); save a checkpoint if due (after reading every pending metric, so a saved
+state never follows a non-finite loss); stop if the budget is spent or `stop_fn` asked; feed
+the schedule the smoothed noise scale it observes (`schedule.observes`, every
+`batch.adapt_every` steps); B from the schedule; dispatch step t; every `log_every` steps read
+the metrics of all steps but the newest (so the device is never idle waiting for the host).
 
 Files in `workdir` (process 0 writes records; every process writes its checkpoint shards):
 - `config.json`: the config of the latest start.
@@ -189,8 +190,7 @@ class Trainer:
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
 
     def _static_batch_size(self, examples_seen: int) -> int:
-        return self.schedule.batch_size_at(examples_seen, None) if not isinstance(
-            self.schedule, schedules.Adaptive) else self.schedule.min_batch
+        return self.schedule.planning_batch_size(examples_seen)
 
     def close(self) -> None:
         """Stops the host prefetch threads of a streamed dataset (no-op in memory)."""
@@ -290,6 +290,59 @@ class Trainer:
         sums = jax.device_get(self._eval_fn(split, num_examples)(state))
         record = self.eval_record({"x": sums})
         return {k[2:]: v for k, v in record.items()}
+
+    # ------------------------------------------------------------------ the loop's driver
+
+    read_each_evaluation = False  # metrics are read every `train.log_every` steps
+
+    def restore_target(self) -> TrainState:
+        """The state's abstract arrays with their shardings (what a checkpoint restores)."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.abstract_state(), self.state_sharding)
+
+    def restored(self, state: TrainState) -> TrainState:
+        """The config's η_0 wins over the checkpoint's (a deliberate change on resume)."""
+        lr = np.asarray(self.config.optim.learning_rate, np.float32)
+        if float(state.learning_rate) == float(lr):
+            return state
+        return state.replace(learning_rate=jax.make_array_from_process_local_data(
+            self.state_sharding.learning_rate, lr, ()))
+
+    def advance(self, state: TrainState, step: int, examples_seen: int, batch_size: int
+                ) -> tuple[TrainState, int, Any]:
+        """Dispatches step `step` (and, when due and not in the step, the noise measurement
+        before it): (state, 1, (step metrics, measured metrics or None))."""
+        n = self.config.noise
+        a = self.accum_steps(batch_size)
+        inputs = self.inputs(examples_seen, batch_size)
+        measured = None
+        if n.every and not n.in_step and step % n.every == 0:
+            state, measured = self.step.measure_now(state, inputs, a)
+        state, step_metrics = self.step(state, inputs, a)
+        return state, 1, (step_metrics, measured)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return step % self.config.train.checkpoint_every == 0
+
+    def evaluation_due(self, step: int) -> bool:
+        every = self.config.eval.every
+        return bool(every and step % every == 0)
+
+    def evaluate_at(self, state: TrainState, step: int) -> dict[str, Any]:
+        del step
+        return self.evaluate_async(state)
+
+    def eval_records(self, sums: dict[str, Any]) -> list[dict[str, float]]:
+        return [self.eval_record(sums)]
+
+    def noise_scale(self, state: TrainState, name: str) -> float:
+        """The smoothed noise scale `name`: B_simple from the in-step two-batch EMA, B_noise
+        from the EMA of the periodic measurements (the only one with curvature)."""
+        ema = state.measure_ema if name == "b_noise" else state.noise_ema
+        return float(jax.device_get(getattr(ema, name)))
+
+    def num_compilations(self) -> int:
+        return self.step.num_compilations()
 
     # ------------------------------------------------------------------ the run
 

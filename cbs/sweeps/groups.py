@@ -3,20 +3,26 @@
 Trials that differ only in the peak learning rate η_0 share everything static: model, batch
 size, data order. `cbs.engine.step.TrainState` holds η_0 as a value, so K such trials are one
 state with a leading axis K, and the engine's own step (`cbs.engine.step.TrainStep`) runs on it
-under `vmap`: one compilation per batch size, one dispatch per evaluation interval (a
-`fori_loop` whose length is a value, so the log-spaced evaluation grid of
-`cbs.sweeps.trials.eval_steps` costs no recompilation), the data gathered on the device from the
-stream of `cbs.data`. After each interval: the progress metric (the full training-set loss,
-the eval-split loss, or the EMA of the batch loss carried through the loop) and an exact
-noise measurement per trial (`cbs.engine.measure`: B_simple on a fresh batch of
+under `vmap`. `TrialGroup` is a driver of the engine's one loop (`cbs.engine.loop.Loop`): the
+loop owns the order of events, the budget, checkpoints, records, resume and stopping; the group
+supplies a vmapped dispatch of many steps (a `fori_loop` whose length is a value, so the
+log-spaced evaluation grid of `cbs.sweeps.trials.eval_steps` costs no recompilation; the data
+gathered on the device from the stream of `cbs.data`) and a vmapped evaluation at the end of
+each: the progress metric (the full training-set loss, the eval-split loss, or the EMA of the
+batch loss carried through the dispatch, `cbs.engine.progress.ema_update`) and an exact noise
+measurement per trial (`cbs.engine.measure`: B_simple on a fresh batch of
 `sweep.noise_batch_size` training examples; for B_noise, the deviations of its first
 `sweep.noise_curvature_batch_size` examples and the Hessian of an independent draw of
-`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). Divergence and the
-loss EMA are `cbs.engine.progress`'s, as in single runs.
+`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). The group stops once
+every trial has crossed the lowest target or diverged (`cbs.engine.progress.DivergenceRule` on
+the progress metric, as for engine trials).
 
-The group runs on one device (small models: the vmap is the parallelism). It checkpoints the
-stacked state and the curves so far every `sweep.checkpoint_every_evals` evaluations
-(`cbs.engine.checkpoint`); a killed group resumes from there and ends with the same records as an
+The group runs on one device (small models: the vmap is the parallelism). Its run directory
+holds the loop's files: one eval record per trial and evaluation in `metrics.jsonl` (keys:
+step, kind="eval", trial (the trial's index), data/examples_seen, the progress metric,
+train/loss_ema, noise/ema_b_simple and the measured noise/* statistics), status.json and a
+checkpoint of the stacked state and loss EMAs every `sweep.checkpoint_every_evals`
+evaluations; a killed group resumes from there and ends with the same records as an
 uninterrupted one.
 """
 
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +38,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import checkpoint, measure, mesh
+from cbs.engine import measure, mesh
 from cbs.engine import trainer as train
+from cbs.engine.loop import Loop
 from cbs.engine.progress import DivergenceRule, ema_update
 from cbs.engine.step import TrainState
+from cbs.results import records as metrics
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.trials import (
@@ -75,24 +82,31 @@ def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset
 
 
 class TrialGroup:
-    """K trials with the same batch size and seed, trained as one vmapped program."""
+    """K trials with the same batch size and seed, trained as one vmapped program: a driver
+    of `cbs.engine.loop.Loop` (see `cbs.engine.loop.Driver`)."""
+
+    read_each_evaluation = True  # stopping depends on every evaluation
+    replicas = 1
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None):
         if len({(t.batch_size, t.seed) for t in trials}) != 1:
             raise ValueError("a trial group needs one batch size and one seed")
-        self.config, self.sweep, self.trials = config, config.sweep, list(trials)
+        self.sweep, self.trials = config.sweep, list(trials)
         self.store, self.workdir = store, group_dir(store, trials)
         c = trial_config(config, trials[0], replicas=1)
         c.noise.every = 0  # measured here, on separate batches, at each evaluation
-        one_device = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-        self.trainer = train.Trainer(c, None, mesh=one_device)
-        self._rep = mesh.replicated(one_device)
+        self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+        self.trainer = train.Trainer(c, None, mesh=self.mesh)
         if not self.trainer.in_memory:
             raise ValueError(f"{self.trainer.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
+        c.eval.enabled = True  # every stop is an evaluation (progress and noise)
+        self.config, self.dataset, self.schedule = c, self.trainer.dataset, self.trainer.schedule
+        self._rep = mesh.replicated(self.mesh)
         self.batch_size = trials[0].batch_size
         self.steps = eval_steps(self.sweep, self.batch_size)
+        self._index = {s: j for j, s in enumerate(self.steps)}
         self.rule: DivergenceRule = divergence_rule(self.sweep)
         rep = self._rep
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
@@ -104,6 +118,8 @@ class TrialGroup:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
+        self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
+        self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
     # ------------------------------------------------------------------ device programs
 
@@ -121,15 +137,19 @@ class TrialGroup:
 
     def _evaluate_fn(self, state: TrainState, loss_ema: jax.Array, index: jax.Array
                      ) -> dict[str, jax.Array]:
-        split = PROGRESS_SPLIT.get(self.sweep.target_metric)
-        out = {"ema_b_simple": state.noise_ema.b_simple, "loss_ema": loss_ema}
+        """One trial's evaluation record fields (record keys)."""
+        metric = self.sweep.target_metric
+        split = PROGRESS_SPLIT.get(metric)
+        out = {"noise/ema_b_simple": state.noise_ema.b_simple, "train/loss_ema": loss_ema}
         if split is not None:
             e = self.trainer.config.eval
             fn, arrays = self.trainer.eval_sums_fn(
                 split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
-            out["metric"] = sums["loss_sum"] / sums["count"]
-        return out | (self._measure(state, index) if self.sweep.noise_batch_size else {})
+            out[metric] = sums["loss_sum"] / sums["count"]
+        if self.sweep.noise_batch_size:
+            out |= {f"noise/{k}": v for k, v in self._measure(state, index).items()}
+        return out
 
     def _chunk_fn(self, states: TrainState, loss_ema: jax.Array, num_steps: jax.Array
                   ) -> tuple[TrainState, jax.Array]:
@@ -147,60 +167,95 @@ class TrialGroup:
 
         return jax.vmap(one)(states, loss_ema)
 
-    # ------------------------------------------------------------------ host loop
+    # ------------------------------------------------------------------ the loop's driver
 
     @property
     def trial_seed(self) -> int:
         return self.trials[0].seed
 
-    def _init_states(self) -> TrainState:
+    def init_state(self) -> dict[str, Any]:
+        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)}."""
         state = self.trainer.init_state()
         k = len(self.trials)
         states = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)).copy(), state)
         lrs = jnp.asarray([t.learning_rate for t in self.trials], jnp.float32)
-        return jax.device_put(states.replace(learning_rate=lrs), self._rep)
+        return jax.device_put({"trials": states.replace(learning_rate=lrs),
+                               "loss_ema": jnp.full((k,), jnp.nan, jnp.float32)}, self._rep)
 
-    def _abstract_states(self) -> TrainState:
-        shapes = jax.eval_shape(self._init_states)
+    def restore_target(self) -> dict[str, Any]:
+        shapes = jax.eval_shape(self.init_state)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
                             shapes)
 
+    def restored(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state  # each trial's η_0 is its own, in the state
+
+    def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
+                ) -> tuple[dict[str, Any], int, None]:
+        """All K trials from `step` to the next evaluation, in one dispatch."""
+        del examples_seen, batch_size
+        n = self.steps[self._index[step] + 1] - step
+        states, loss_ema = self._chunk(state["trials"], state["loss_ema"], jnp.int32(n))
+        return {"trials": states, "loss_ema": loss_ema}, n, None
+
+    def accum_steps(self, batch_size: int) -> int:
+        return self.trainer.accum_steps(batch_size)
+
+    def checkpoint_due(self, step: int) -> bool:
+        j = self._index[step]
+        return j > 0 and j % max(1, int(self.sweep.checkpoint_every_evals)) == 0
+
+    def evaluation_due(self, step: int) -> bool:
+        return step in self._index
+
+    def evaluate_at(self, state: dict[str, Any], step: int) -> dict[str, jax.Array]:
+        return self._evaluate(state["trials"], state["loss_ema"], self._index[step])
+
+    def eval_records(self, values: dict[str, Any]) -> list[dict[str, Any]]:
+        """One record per trial (its `trial` index and its values)."""
+        return [{"trial": t.index} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
+                for i, t in enumerate(self.trials)]
+
+    def noise_scale(self, state: dict[str, Any], name: str) -> float:
+        raise ValueError("a trial group trains at a constant batch size: it observes no "
+                         f"noise scale ({name})")
+
+    def num_compilations(self) -> int:
+        return self._chunk._cache_size()
+
+    # ------------------------------------------------------------------ stopping, results
+
+    def _observe(self, step: int, record: dict[str, Any]) -> bool:
+        """stop_fn of the loop: collects the evaluations (one record per trial, in trial
+        order) into `history` and stops once the group has `_finished`."""
+        if record.get("kind") != "eval":
+            return False
+        if not self.history["evals"] and not self._row:  # a resumed run: what came before
+            self._replay([r for r in metrics.read_records(
+                os.path.join(self.workdir, metrics.METRICS_FILE)) if r["step"] < step])
+        self._row.append(record)
+        if len(self._row) < len(self.trials):
+            return False
+        self.history["evals"].append(_row_values(self._row))
+        self._row = []
+        return self._finished(self.history)
+
+    def _replay(self, records: Sequence[dict[str, Any]]) -> None:
+        k = len(self.trials)
+        records = [r for r in records if r.get("kind") == "eval"]
+        for j in range(0, len(records), k):
+            self.history["evals"].append(_row_values(records[j:j + k]))
+
     def run(self) -> list[TrialResult]:
         """Trains (or resumes) the group to the end; returns one result per trial."""
-        start = time.perf_counter()
-        ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, checkpoint.CHECKPOINT_DIR),
-                                       max_to_keep=1)
-        history: dict[str, Any] = {"evals": [], "seconds": 0.0}
-        k = len(self.trials)
-        latest = ckpt.latest_step()
-        if latest is None:
-            states = self._init_states()
-            loss_ema = jax.device_put(jnp.full((k,), jnp.nan, jnp.float32), self._rep)
-            history["evals"].append(jax.device_get(self._evaluate(states, loss_ema, 0)))
-        else:
-            states, meta = ckpt.restore(latest, self._abstract_states())
-            history = _history_from_json(meta)
-            loss_ema = jax.device_put(history["evals"][-1]["loss_ema"], self._rep)
-        every_ckpt = max(1, int(self.sweep.checkpoint_every_evals))
-        try:  # an interrupted group still finishes writing the checkpoint it started
-            while len(history["evals"]) < len(self.steps) and not self._finished(history):
-                j = len(history["evals"])
-                states, loss_ema = self._chunk(states, loss_ema,
-                                               jnp.int32(self.steps[j] - self.steps[j - 1]))
-                history["evals"].append(jax.device_get(self._evaluate(states, loss_ema, j)))
-                if j % every_ckpt == 0 or self._finished(history):
-                    history["seconds"] += time.perf_counter() - start
-                    start = time.perf_counter()
-                    # loss_ema is restored from the history (its last evaluation holds it)
-                    ckpt.save(self.steps[j], states, _history_to_json(history))
-        finally:
-            ckpt.close()
-        history["seconds"] += time.perf_counter() - start
-        return [self._result(i, t, history) for i, t in enumerate(self.trials)]
+        self.history, self._row = {"evals": [], "seconds": 0.0}, []
+        summary = Loop(self, self._observe).run()
+        self.history["seconds"] = summary["elapsed_s"]
+        return [self._result(i, t, self.history) for i, t in enumerate(self.trials)]
 
     def _metric_matrix(self, history) -> np.ndarray:
         """[evals, K] progress metric."""
-        key = "loss_ema" if self.sweep.target_metric == "train/loss_ema" else "metric"
+        key = self.sweep.target_metric
         return np.stack([np.asarray(e[key], np.float64) for e in history["evals"]])
 
     @property
@@ -233,8 +288,9 @@ class TrialGroup:
         evals = history["evals"][:keep]
         curve["noise/step"] = list(self.steps[:keep])
         for k in NOISE_CURVE_KEYS:
-            curve[f"noise/{k}"] = [float(np.asarray(e[k])[i]) if k in e else math.nan
-                                   for e in evals]
+            key = f"noise/{k}"
+            curve[key] = [float(np.asarray(e[key])[i]) if key in e else math.nan
+                          for e in evals]
         values = [v for v in curve[metric] if math.isfinite(v)]
         if status != "diverged" and values and min(values) <= min(self.sweep.targets):
             status = "done"
@@ -243,13 +299,9 @@ class TrialGroup:
         return result_from_curve(trial, self.sweep, curve, status, history["seconds"])
 
 
-def _history_to_json(history) -> dict[str, Any]:
-    return {"seconds": history["seconds"],
-            "evals": [{k: np.asarray(v, np.float64).tolist() for k, v in e.items()}
-                      for e in history["evals"]]}
-
-
-def _history_from_json(meta) -> dict[str, Any]:
-    return {"seconds": float(meta["seconds"]),
-            "evals": [{k: np.asarray(v, np.float32) for k, v in e.items()}
-                      for e in meta["evals"]]}
+def _row_values(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """One evaluation of the group, {record key: [K] values}, from its K trial records
+    (null, a non-finite value in JSON, reads as NaN)."""
+    keys = [k for k in records[0] if k not in ("step", "kind", "trial", "data/examples_seen")]
+    return {k: np.asarray([math.nan if r.get(k) is None else r[k] for r in records], np.float64)
+            for k in keys}

@@ -29,7 +29,13 @@ import ml_collections
 from cbs.analysis import fit
 from cbs.engine import measure
 from cbs.engine import trainer as train
-from cbs.engine.progress import DivergenceRule, DivergenceState, ema_update, log_spaced_steps
+from cbs.engine.progress import (
+    DivergenceRule,
+    DivergenceState,
+    ema_curve,
+    ema_update,
+    log_spaced_steps,
+)
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.sweeps.grid import Trial
@@ -141,13 +147,10 @@ def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay
     records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
     curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
     if metric == "train/loss_ema":
-        ema = math.nan
-        for r in records:
-            if r["kind"] == "train":
-                ema = ema_update(ema, float(r["train/loss"]), ema_decay)
-                curve["step"].append(r["step"] + 1)
-                curve["examples"].append(r["data/examples_seen"] + r["data/batch_size"])
-                curve[metric].append(ema)
+        train_recs = [r for r in records if r["kind"] == "train"]
+        curve["step"] = [r["step"] + 1 for r in train_recs]  # the loss after the step
+        curve["examples"] = [r["data/examples_seen"] + r["data/batch_size"] for r in train_recs]
+        curve[metric] = ema_curve([r["train/loss"] for r in train_recs], ema_decay)
     else:
         for r in records:
             if r["kind"] == "eval" and metric in r:

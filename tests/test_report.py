@@ -1,0 +1,84 @@
+"""Tests of cbs.analysis.report on trial records written by hand (no training): the best
+learning rate per batch size, the fit of S = S_min(1 + B_crit/B) on exact data, the mark of a
+B_crit outside the batch sizes fitted, the measured noise scale at a target, and the report
+file of a sweep directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cbs.analysis import report
+from cbs.results import records as metrics
+from cbs.results import store
+
+S_MIN, B_CRIT = 100.0, 64.0
+
+
+def _record(index, b, lr, steps, *, status="done", b_simple=None):
+    """A trial record whose steps to the target L = 0.5 are `steps` (None: never reached)."""
+    noise = {} if steps is None or b_simple is None else {"b_simple": b_simple}
+    end = steps or 1000
+    curve = {"step": [0, end], "examples": [0, end * b], "full_train/loss": [2.0, 0.5],
+             "noise/step": [0, end], "noise/b_simple": [b_simple, b_simple]}
+    return store.TrialResult(
+        trial_id=f"b{b}_lr{lr}", index=index, batch_size=b, learning_rate=lr, seed=0,
+        status=status, target_metric="full_train/loss", steps_to_target={"0.5": steps},
+        examples_to_target={"0.5": None if steps is None else steps * b},
+        noise_at_target={"0.5": noise}, final_steps=int(steps or 1000), final_metric=0.4,
+        curve=curve, seconds=0.0).to_json()
+
+
+def _records(batch_sizes, b_crit=B_CRIT):
+    """Two learning rates per B: the faster one exactly on the hyperbola, the other 1.5× slower;
+    and a diverged third rate at the largest B."""
+    out = []
+    for b in batch_sizes:
+        s = S_MIN * (1 + b_crit / b)
+        out.append(_record(len(out), b, 0.01, 1.5 * s, b_simple=1000.0))
+        out.append(_record(len(out), b, 0.02, s, b_simple=float(b)))
+    out.append(_record(len(out), batch_sizes[-1], 0.04, None, status="diverged"))
+    return out
+
+
+def test_best_rate_per_batch_size_and_the_exact_fit():
+    t = report.analyze_target(_records([8, 16, 32, 64, 128, 256, 512]), 0.5, bootstrap=0)
+    assert t["learning_rates"] == [0.02] * 7
+    assert t["fit"].b_crit == pytest.approx(B_CRIT, rel=1e-6)
+    assert t["fit"].s_min == pytest.approx(S_MIN, rel=1e-6)
+    assert not t["b_crit_extrapolated"]
+    assert t["measured_b_simple"] == 64.0  # median over the best trials' own measurements
+    assert t["unreached"] == [{"batch_size": 512, "learning_rate": 0.04, "status": "diverged"}]
+
+
+def test_b_crit_outside_the_fitted_batch_sizes_is_marked_extrapolated():
+    t = report.analyze_target(_records([256, 512, 1024], b_crit=16.0), 0.5, bootstrap=0)
+    assert t["fit"].b_crit == pytest.approx(16.0, rel=1e-6)
+    assert t["b_crit_extrapolated"]
+    analysis = {"targets": [t | {"fit": t["fit"].to_dict()}],
+                "power_law": {"status": "insufficient data"}}
+    row = report.summary_table(analysis).splitlines()[2]
+    assert row.startswith("| 0.5 | 16 (extrapolated) |") and row.endswith("| 3 | ok |")
+
+
+def test_too_few_batch_sizes_give_no_fit_and_dashes():
+    t = report.analyze_target(_records([8, 16]), 0.5, bootstrap=0)
+    assert not t["fit"].ok and not t["b_crit_extrapolated"]
+    analysis = {"targets": [t | {"fit": t["fit"].to_dict()}],
+                "power_law": {"status": "insufficient data"}}
+    assert "| 0.5 | – | – | – |" in report.summary_table(analysis)
+
+
+def test_report_of_a_sweep_directory(tmp_path):
+    d = str(tmp_path)
+    st = store.SweepStore(d)
+    os.makedirs(d, exist_ok=True)
+    metrics.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
+    path = report.write_report(d, bootstrap=0)
+    text = open(path).read()
+    assert "15 trials (1 diverged, 14 done)" in text
+    assert "| 0.5 | 64 |" in text  # B_crit, no interval without bootstrap, not extrapolated
+    analysis = report.load_analysis(d)
+    assert analysis["targets"][0]["fit"]["b_crit"] == pytest.approx(B_CRIT, rel=1e-6)
+    assert os.path.exists(os.path.join(d, report.ANALYSIS_FILE))
