@@ -50,6 +50,7 @@ from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, schedules
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
 from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
+from cbs.results import paths
 from cbs.results import records as metrics
 
 __all__ = ["DivergedError", "Trainer", "config_hash", "run"]
@@ -373,7 +374,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         with status "diverged").
       mesh: device mesh (default from config.mesh).
     """
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     status = metrics.read_json(os.path.join(workdir, metrics.STATUS_FILE))
     if status and status.get("status") in ENDED and status.get("config_hash") == config_hash(
             config):

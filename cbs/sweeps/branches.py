@@ -40,10 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, optim
+from cbs.engine import checkpoint, mesh, optim, progress
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.results import paths, records
@@ -156,15 +155,6 @@ def lr_factor(k: int, rule: str) -> float:
     return float(k) ** LR_RULES[rule]
 
 
-def smoothed(losses: Sequence[float], decay: float) -> np.ndarray:
-    """EMA of a loss sequence, started at its first value (float64)."""
-    out, ema = np.empty(len(losses)), math.nan
-    for i, x in enumerate(losses):
-        ema = x if math.isnan(ema) else decay * ema + (1 - decay) * x
-        out[i] = ema
-    return out
-
-
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
     """Checkpoint steps to branch from (sorted, unique), from `branch.points_*`.
@@ -179,7 +169,7 @@ def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
             out.add(before[-1])
     train_recs = sorted((r for r in reference if r.get("kind") == "train"),
                         key=lambda r: r["step"])
-    ema = smoothed([r["train/loss"] for r in train_recs], float(b.loss_ema_decay))
+    ema = progress.ema_curve([r["train/loss"] for r in train_recs], float(b.loss_ema_decay))
     for target in b.points_losses:
         hit = [r["step"] + 1 for r, v in zip(train_recs, ema, strict=True) if v <= target]
         before = [s for s in ckpts if hit and s <= hit[0]]
@@ -262,7 +252,7 @@ class BranchRunner:
                 s, ema, _ = carry
                 s, m = self.step.apply(s, {"arrays": arrays, "seed": seed}, accum)
                 x = m["train/loss"]
-                return s, jnp.where(jnp.isnan(ema), x, decay * ema + (1 - decay) * x), x
+                return s, progress.ema_update(ema, x, decay), x
 
             nan = jnp.full((), jnp.nan, jnp.float32)
             s, ema, last = jax.lax.fori_loop(0, n, body, (state, nan, nan))
@@ -308,7 +298,7 @@ class BranchRunner:
                 losses.append(m["train/loss"])
                 e += bsz
             losses = [float(x) for x in jax.device_get(losses)]
-            ema = smoothed(losses, ema_decay_per_step(self.config, k))[-1]
+            ema = progress.ema_curve(losses, ema_decay_per_step(self.config, k))[-1]
             final = math.nan
             if self.b.metric == "full_train/loss":
                 final = tr.evaluate(state, "train", self.config.eval.train_examples)["loss"]
