@@ -37,7 +37,6 @@ from cbs.data.embedded import char_lm
 
 IMAGE_DATASETS = {"mnist": "test", "fashion_mnist": "test", "cifar10": "test",
                   "svhn_cropped": "test"}
-TEXT_DATASETS = {"tiny_shakespeare": "validation", "lm1b": "test"}
 _STATS_EXAMPLES = 10_000
 DOWNLOAD_HOST = "storage.googleapis.com"  # TFDS tries its prepared copies there first
 NETWORK_TIMEOUT_S = 5.0  # the network check gives up after this long

@@ -515,7 +515,11 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
 
 def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
     """`lr_schedule` from a config with base_lr, warmup_examples, total_examples, decay,
-    final_fraction (the last four optional)."""
+    final_fraction (the last four optional).
+
+    Public API for hand-written training loops that keep their learning rate in an
+    `ml_collections` section or a dict; the engine builds its schedule in `cbs.engine.optim`
+    from `config.optim` instead."""
     c = _as_mapping(config)
     total = c.get("total_examples")
     return lr_schedule(float(_field(c, "base_lr", "lr_schedule")),
