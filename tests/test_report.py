@@ -82,3 +82,24 @@ def test_report_of_a_sweep_directory(tmp_path):
     analysis = report.load_analysis(d)
     assert analysis["targets"][0]["fit"]["b_crit"] == pytest.approx(B_CRIT, rel=1e-6)
     assert os.path.exists(os.path.join(d, report.ANALYSIS_FILE))
+
+
+def test_seed_spread_fits_each_seed_and_measures_the_spread_of_steps():
+    """Seed 1's steps are seed 0's × 1.1 at every (B, η): each seed alone fits the same
+    B_crit (a constant factor changes S_min only), and the spread (max − min)/mean is
+    0.1/1.05 at every batch size. One seed gives no seed section."""
+    base = _records([8, 16, 32, 64, 128, 256, 512])
+    other = []
+    for r in base:
+        r1 = dict(r, seed=1, trial_id=r["trial_id"] + "_s1", index=r["index"] + 100)
+        steps = r["steps_to_target"]["0.5"]
+        r1["steps_to_target"] = {"0.5": None if steps is None else steps * 1.1}
+        other.append(r1)
+    rows = report.seed_spread(base + other, [0.5], bootstrap=0)
+    assert len(rows) == 1
+    per_seed = rows[0]["b_crit_per_seed"]
+    assert per_seed["0"] == pytest.approx(B_CRIT, rel=1e-6)
+    assert per_seed["1"] == pytest.approx(B_CRIT, rel=1e-6)
+    assert rows[0]["steps_spread_median"] == pytest.approx(0.1 / 1.05, rel=1e-9)
+    assert rows[0]["steps_spread_max"] == pytest.approx(0.1 / 1.05, rel=1e-9)
+    assert report.seed_spread(base, [0.5]) == []

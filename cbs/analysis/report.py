@@ -118,10 +118,60 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
                 "missing_per_batch_size": {str(b): n for b, n in grid["missing"].items()},
                 "tokens_per_example": _tokens_per_example(definition),
                 "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
-                "power_law": power_law.to_dict()}
+                "power_law": power_law.to_dict(),
+                "seeds": seed_spread(records, targets, bootstrap=min(bootstrap, 200))}
     if write:
         metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
+
+
+def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
+                bootstrap: int = 200) -> list[dict[str, Any]]:
+    """Per target, B_crit fitted on each training seed's trials alone, and how far the seeds'
+    steps S at the (seed-mean) best learning rate of each batch size lie apart: the
+    median and largest of (max − min)/mean over batch sizes. Empty with one seed."""
+    seeds = sorted({int(r.get("seed", 0)) for r in records})
+    if len(seeds) < 2:
+        return []
+    out = []
+    for target in targets:
+        key = target_key(target)
+        per_seed = {}
+        for sd in seeds:
+            one = [r for r in records if int(r.get("seed", 0)) == sd]
+            t = analyze_target(one, target, bootstrap=bootstrap)
+            per_seed[str(sd)] = t["fit"].b_crit if t["fit"].ok else None
+        best = analyze_target(records, target, bootstrap=0)
+        spreads = []
+        for b, lr in zip(best["batch_sizes"], best["learning_rates"], strict=True):
+            s = [r["steps_to_target"].get(key) for r in records
+                 if r["batch_size"] == b and r["learning_rate"] == lr]
+            s = [float(x) for x in s if x is not None and math.isfinite(float(x))]
+            if len(s) > 1:
+                spreads.append((max(s) - min(s)) / float(np.mean(s)))
+        out.append({"target": float(target), "b_crit_per_seed": per_seed,
+                    "steps_spread_median": float(np.median(spreads)) if spreads else None,
+                    "steps_spread_max": float(max(spreads)) if spreads else None})
+    return out
+
+
+def seed_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit of all seeds together beside each seed alone, and the seeds' spread
+    of S at the best learning rates."""
+    rows = analysis.get("seeds") or []
+    seeds = list(rows[0]["b_crit_per_seed"]) if rows else []
+    lines = ["| target L | B_crit (all seeds) | " + " | ".join(
+        f"B_crit (seed {sd})" for sd in seeds) + " | S spread between seeds, median (max) |",
+        "|---|---|" + "---|" * len(seeds) + "---|"]
+    by_target = {t["target"]: t for t in analysis["targets"]}
+    for row in rows:
+        t = by_target[row["target"]]
+        all_seeds = _g(t["fit"]["b_crit"]) if t["fit"]["status"] == fit.OK else "–"
+        per = " | ".join(_g(v) if v is not None else "–" for v in row["b_crit_per_seed"].values())
+        med, mx = row["steps_spread_median"], row["steps_spread_max"]
+        spread = f"{med:.0%} ({mx:.0%})" if med is not None else "–"
+        lines.append(f"| {_g(row['target'])} | {all_seeds} | {per} | {spread} |")
+    return "\n".join(lines)
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
@@ -272,6 +322,11 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
         lines += ["## In tokens, beside Kaplan et al. 2020", "",
                   f"{analysis['tokens_per_example']} tokens per sequence.", "",
                   kaplan_table(analysis), ""]
+    if analysis.get("seeds"):
+        lines += ["## Seeds", "", "The fit above uses the mean steps of the seeds at each "
+                  "(B, η); below, the same fit on each seed's trials alone, and how far the "
+                  "seeds' S lie apart at the best learning rates ((max − min)/mean over "
+                  "batch sizes).", "", seed_table(analysis), ""]
     lines += ["## Learning-rate grid", "", *(f"- {n}" for n in _grid_notes(analysis)), ""]
     notes = _notes(analysis)
     if notes:

@@ -6,24 +6,24 @@
         --sweep_dir=/tmp/kaplan_tiny   # seconds: the whole pipeline, meaningless numbers
 
 The model and data of `shakespeare_sweep` (2 layers, D = 64, windows of T = 32 characters,
-AdamW at a constant rate), set up so that the fit supports a claim:
+AdamW at a constant rate), set up so that the fit supports a claim within about an hour on
+2 CPU cores:
 
-- targets 2.4 to 1.9 nats per character on the evaluation windows, past the initial
-  transient (the loss falls from ln 80 ≈ 4.4 to ≈ 2.5 within the first few hundred steps at
-  any batch size, where S barely depends on B);
-- batch sizes 4 to 2048 sequences (128 to 65,536 tokens): the previous study's B_crit of
-  40–70 sequences at L = 2.4–2.2 is bracketed by 8× below and 30× above, room for B_crit
-  to grow at lower loss;
-- a factor-2 learning-rate grid on the square-root rule, extended by up to three factor-2
+- targets 2.5 to 2.1 nats per character on the evaluation windows, past the initial
+  transient (the earlier study's 3.0 and 2.6 sat inside it, where S barely depends on B);
+- batch sizes 4 to 512 sequences (128 to 16,384 tokens): every fitted B_crit (23 to 80) is
+  bracketed by at least 4× on both sides;
+- a factor-2 learning-rate grid on the square-root rule, extended by up to two factor-2
   steps past any edge optimum (`sweep.extend_lr_rounds`), capped at 0.03;
-- two seeds per (B, η): the fit uses their mean steps, the report's figures their spread;
-- B_simple measured on 512 fresh windows at every evaluation, B_noise on 32 of them.
+- two seeds per (B, η): the fit uses their mean steps, the report's "Seeds" section each
+  seed alone;
+- B_simple measured on 128 fresh windows at every evaluation, B_noise from 16 of them
+  against the Hessian of 16 others (unbiased; the cost grows as their product).
 
 The report (report.md) gives B_crit(L) in sequences and in tokens beside Kaplan's
 α_B ≈ 0.21 and B* ≈ 2·10⁸ tokens (their loss is nats per BPE token of WebText2, ours nats per
-character of Shakespeare: α_B, the shape of the trend, is the comparable number; B* is not).
-Not yet run: the budget (≤ 200,000 sequences per trial, 9 batch sizes × ~4 rates × 2 seeds)
-is several CPU-hours on 2 cores; run it on a machine of its own.
+character: α_B, the shape of the trend, is the comparable number; B* is not). Committed run:
+results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
 """
 
 from __future__ import annotations
