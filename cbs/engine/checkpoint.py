@@ -4,8 +4,11 @@ A checkpoint at step s holds two items saved together with `ocp.args.Composite`:
 
 - `state`: the train state pytree (step, examples seen, params, optimizer state, noise EMA)
   as sharded arrays (`StandardSave`; every process writes its shards);
-- `meta`: a small JSON object with the host-side state needed for an exact resume
-  (examples seen, batch-size schedule state, learning-rate coupling factor, ...).
+- `meta`: a small JSON object with the host-side state needed for an exact resume: the step,
+  examples seen, the batch-size schedule's state, the config hash and the divergence rule's
+  state (`cbs.engine.loop.Loop`). The learning rate is η_0 from the device state times pure
+  functions of examples seen and the batch size (schedule and coupling), so `meta` holds
+  nothing of it.
 
 Saves are asynchronous (the device-to-host copy happens in `save`, the file writes in the
 background); `wait` blocks until they are durable and `close` waits too. orbax writes into
