@@ -196,6 +196,8 @@ def test_two_real_processes_build_one_global_batch(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     procs = [subprocess.Popen([sys.executable, str(script), str(p), str(port),
                                str(tmp_path / f"p{p}.npz")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -82,7 +82,8 @@ def test_sharded_equals_one_device(mode):
     many = jax.jit(noise.value_grad_and_stats(loss_fn))(sharded_params, sharded_batch)
     np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(many[1]), jax.tree.leaves(one[1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # float32 sums in another order: errors scale with the leaf's largest entries
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
     _assert_stats_close(many[2], one[2], 1e-5)
 
 
@@ -124,7 +125,8 @@ def test_auto_chunk_never_holds_all_gradients_of_a_large_model():
     assert 1 <= chunk < 256
     assert chunk * 3 * 4096 * 4096 * 4 <= ghost.MEMORY_BUDGET_BYTES
     small = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-    assert ghost.vmap_chunk_size(small, batch) == 256
+    narrow = {"x": jax.ShapeDtypeStruct((256, 4), jnp.float32)}
+    assert ghost.vmap_chunk_size(small, narrow) == 256  # small model, small examples: one chunk
 
 
 def test_bad_input_on_the_new_path():

@@ -127,7 +127,7 @@ def _assert_metrics_close(got, want, keys=None):
 
 
 @pytest.mark.parametrize("data,model,mode,remat", [
-    (8, 1, "fsdp_tp", "full"),  # FSDP over 8 replicas
+    pytest.param(8, 1, "fsdp_tp", "full", marks=pytest.mark.slow),  # FSDP over 8 replicas
     (4, 2, "fsdp_tp", "dots"),  # FSDP × tensor parallel
     (4, 2, "tp", "none"),  # tensor parallel, parameters replicated over data
 ])

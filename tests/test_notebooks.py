@@ -25,7 +25,7 @@ def _code(nb) -> list[str]:
 
 def test_every_notebook_is_numbered_titled_and_linked_from_readme():
     readme = (NOTEBOOK_DIR.parent / "README.md").read_text()
-    assert [p.stem[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_"]
+    assert [p.stem[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         title = nb.cells[0].source.splitlines()[0]

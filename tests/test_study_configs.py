@@ -1,14 +1,22 @@
 """The study configs: the Kaplan §5 study end to end at its tiny size, the SGD sweep's shape."""
 
+import math
+import os
+
 from cbs.analysis import report
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sgd_sweep, shakespeare_kaplan
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "shakespeare_kaplan")
 
 
 def test_kaplan_study_config_brackets_and_extends():
     c = shakespeare_kaplan.get_config()
     s = c.sweep
-    assert min(s.batch_sizes) <= 70 / 4 and max(s.batch_sizes) >= 4 * 300  # sequences
+    committed = report.load_analysis(RESULTS)  # the run in README
+    b_crits = [t["fit"]["b_crit"] for t in committed["targets"]]
+    assert len(b_crits) == len(s.targets) and all(math.isfinite(b) for b in b_crits)
+    assert min(s.batch_sizes) * 4 <= min(b_crits) and max(s.batch_sizes) >= 4 * max(b_crits)
     assert len(s.seeds) >= 2 and s.extend_lr_rounds >= 1 and min(s.targets) < 2.2
     grid.validate_sweep(s)
 

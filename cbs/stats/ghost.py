@@ -54,7 +54,7 @@ import numpy as np
 from jax.extend import core
 
 from cbs.stats import ghost_trace
-from cbs.stats.examples import map_examples, one_example
+from cbs.stats.examples import map_examples, one_example, run_auto_axes
 from cbs.stats.ghost_rules import SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
 
@@ -235,7 +235,8 @@ def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Arra
         items.append((x, g))
         origin = (u.chain[0].invars[0] if u.chain else u.eqn.invars[u.pos]).aval
         per_example_bytes += 4 * np.dtype(dtype).itemsize * (
-            int(np.prod(u.stack)) * int(np.prod(origin.shape)) + x[0].size + g[0].size)
+            int(np.prod(u.stack)) * int(np.prod(origin.shape)) + x.size // x.shape[0]
+            + g.size // g.shape[0])
 
     def one(items_i):
         total = 0
@@ -320,6 +321,11 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    return run_auto_axes(  # per-example slicing under explicitly sharded batch axes
+        lambda p, b: _grads_info(loss_fn, p, b, method, chunk_size), params, batch)
+
+
+def _grads_info(loss_fn, params, batch, method, chunk_size):
     batch_size = _batch_size(batch)
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.promote_types(leaf.dtype, jnp.float32) for leaf in leaves]
