@@ -65,7 +65,7 @@ def default_branch_config() -> ml_collections.ConfigDict:
     """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
 
     The paper's values (read from two independent summaries of Sec. 3.1; see
-    docs/readme_branch.md): Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01
+    README, "Local critical batch size by branched training"): Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01
     nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k
     whose smoothed loss is within ε of every smaller k, reported as B* = k*·B. The k ladder is
     ours (the paper lists its grids per checkpoint in its App. A)."""
