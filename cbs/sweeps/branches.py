@@ -64,11 +64,11 @@ PAPER_WINDOW_STEPS = 512
 def default_branch_config() -> ml_collections.ConfigDict:
     """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
 
-    The paper's values (read from two independent summaries of Sec. 3.1; see
-    README, "Local critical batch size by branched training"): Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01
-    nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k
-    whose smoothed loss is within ε of every smaller k, reported as B* = k*·B. The k ladder is
-    ours (the paper lists its grids per checkpoint in its App. A)."""
+    The paper's values (read from two independent summaries of Sec. 3.1; see README,
+    "Local critical batch size by branched training"): Δ = 2B tokens (two billion: ≈ 477
+    OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam
+    (k for SGD), k* the largest k whose smoothed loss is within ε of every smaller k, reported
+    as B* = k*·B. The k ladder is ours (the paper lists its grids per checkpoint in its App. A)."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
