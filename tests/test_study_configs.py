@@ -3,6 +3,8 @@
 import math
 import os
 
+import pytest
+
 from cbs.analysis import report
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sgd_sweep, shakespeare_kaplan
@@ -21,6 +23,7 @@ def test_kaplan_study_config_brackets_and_extends():
     grid.validate_sweep(s)
 
 
+@pytest.mark.slow  # about 6 minutes on 2 cores (a Transformer per group compiles its steps)
 def test_kaplan_tiny_runs_end_to_end_with_the_token_table(tmp_path):
     c = shakespeare_kaplan.get_config("tiny")
     d = str(tmp_path)
