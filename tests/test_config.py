@@ -90,6 +90,47 @@ def test_bad_field_is_named(key, value, field):
                             dataset_names=("digits", "mnist1d"))
 
 
+@pytest.mark.parametrize("section, key, value, field", [
+    ("optim", "eps", 0.0, "config.optim.eps"),
+    ("optim", "weight_decay_mask", "odd", "config.optim.weight_decay_mask"),
+    ("optim", "warmup_examples", -1, "config.optim.warmup_examples"),
+    ("mesh", "data", True, "config.mesh.data"),
+    ("mesh", "model", 0, "config.mesh.model"),
+    ("perf", "profile_start", -2, "config.perf.profile_start"),
+    ("data", "name", "imagenet21k", "config.data.name"),
+    ("data", "options", ml_collections.ConfigDict({"colour": True}), "config.data.options"),
+])
+def test_each_component_checks_its_own_section(section, key, value, field):
+    """The section's own validator names the field on its own, and `validate` reaches it."""
+    from cbs import data
+    from cbs.engine import optim, throughput
+    own = {"optim": optim.validate_config, "mesh": mesh_lib.validate_config,
+           "perf": throughput.validate_config, "data": data.validate_config}[section]
+    c = config_lib.default_config()
+    own(c[section])  # the defaults pass
+    c[section][key] = value
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        own(c[section])
+    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+        config_lib.validate(c, data_replicas=1, model_names=("mlp",),
+                            dataset_names=("digits", "mnist1d"))
+
+
+def test_data_options_must_be_a_mapping():
+    from cbs import data
+    with pytest.raises(ValueError, match=r"config\.data\.options: must be a mapping"):
+        data.validate_config({"name": "digits", "options": 3})
+
+
+def test_a_decay_takes_its_end_from_the_run_budget():
+    from cbs.engine import optim
+    c = config_lib.default_config().optim
+    c.decay = "cosine"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.optim\.total_examples"):
+        optim.validate_config(c)
+    optim.validate_config(c, max_examples=1000)
+
+
 def test_batch_must_divide_over_replicas():
     c = config_lib.default_config()  # m = 32, B = 128
     config_lib.validate(c, data_replicas=4)
@@ -119,7 +160,7 @@ def compile_events():
     ("model.name", "vit", "config.model.name"),
     ("model.hidden_sizes", (0,), "config.model"),
     ("data.name", "nope", "config.data.name"),
-    ("data.options", ml_collections.ConfigDict({"colour": True}), "config.data"),
+    ("data.options", ml_collections.ConfigDict({"colour": True}), "config.data.options"),
 ])
 def test_trainer_fails_before_compiling(key, value, field, compile_events):
     c = config_lib.default_config()

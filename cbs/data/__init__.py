@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 from cbs.data import embedded, synthetic, tfds_source
 from cbs.data.batching import (
@@ -83,6 +84,27 @@ def _loader(name: str) -> Callable[..., Dataset]:
     return _REGISTRY[name]
 
 
+
+def validate_config(data_config: Any) -> None:
+    """Checks `config.data` (a registered `name`, `options` the loader accepts) without loading.
+
+    Raises ValueError whose message starts with the field's dotted name.
+    """
+    name = data_config.get("name") if hasattr(data_config, "get") else None
+    if name not in _REGISTRY:
+        raise ValueError(f"config.data.name: unknown dataset {name!r}; known: "
+                         f"{', '.join(known_datasets())}")
+    options = data_config.get("options") or {}
+    if not hasattr(options, "keys"):
+        raise ValueError(f"config.data.options: must be a mapping of keyword options, got "
+                         f"{options!r}")
+    params = inspect.signature(_REGISTRY[name]).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = sorted(set(options.keys()) - set(dataset_options(name)))
+        if unknown:
+            raise ValueError(f"config.data.options: unknown options {unknown} for dataset "
+                             f"{name!r}; known: {', '.join(dataset_options(name)) or 'none'}")
+
 def get_dataset(name: str, **options) -> Dataset:
     """The dataset `name` built with `options` (see `dataset_options(name)`).
 
@@ -102,5 +124,5 @@ __all__ = [
     "Batch", "Dataset", "HostLoader", "Split", "check_batch_size", "dataset_options",
     "device_batch", "eval_batches", "evaluate", "get_dataset", "global_batch", "host_batch",
     "known_datasets", "linreg_noise_stats", "make_batch_fn", "process_rows", "process_slice",
-    "register", "stream_indices",
+    "register", "stream_indices", "validate_config",
 ]

@@ -5,6 +5,13 @@
 data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a ValueError)
 whose message starts with the dotted name of the offending field.
 
+Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
+`cbs.engine.mesh.validate_config` (mesh), `cbs.engine.throughput.validate_config` (perf),
+`cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
+`validate` runs them and keeps the checks that join sections (batch sizes against the mesh's
+data replicas, noise sizes against the batch, budgets). The field checks are in
+`cbs.engine.fields`.
+
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
 
@@ -14,13 +21,12 @@ from typing import Any
 
 import ml_collections
 
-from cbs import models
-from cbs.engine import optim, schedules
+from cbs import data, models
+from cbs.engine import fields, mesh, optim, schedules, throughput
 from cbs.stats import noise
 
 
-class ConfigError(ValueError):
-    """A config field has a bad value; the message starts with the field's dotted name."""
+ConfigError = fields.ConfigError  # re-exported: the error every config check raises
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -114,36 +120,16 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _get(config: Any, path: str) -> Any:
-    node = config
-    for part in path.split("."):
-        if part not in node:
-            raise ConfigError(f"config.{path}: missing")
-        node = node[part]
-    return node
-
-
 def _int(config: Any, path: str, *, minimum: int = 1) -> int:
-    value = _get(config, path)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"config.{path}: must be an integer >= {minimum}, got {value!r}")
-    return value
+    return fields.integer(config, path, "config", minimum=minimum)
 
 
 def _float(config: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -> float:
-    value = _get(config, path)
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
-    if bad or value < minimum or (strict and value == minimum):
-        op = ">" if strict else ">="
-        raise ConfigError(f"config.{path}: must be a number {op} {minimum}, got {value!r}")
-    return float(value)
+    return fields.number(config, path, "config", minimum=minimum, strict=strict)
 
 
 def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
-    value = _get(config, path)
-    if value not in choices:
-        raise ConfigError(f"config.{path}: unknown value {value!r}; known: {list(choices)}")
-    return value
+    return fields.choice(config, path, "config", choices)
 
 
 def batch_sizes(config: Any) -> tuple[int, ...]:
@@ -165,21 +151,15 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     _int(config, "seed", minimum=0)
     if dataset_names is not None:
         _choice(config, "data.name", tuple(dataset_names))
+        if config.data.name in data.known_datasets():
+            try:
+                data.validate_config(config.data)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
     if model_names is not None:
         _choice(config, "model.name", tuple(model_names))
-    _choice(config, "optim.name", optim.OPTIMIZERS)
-    _float(config, "optim.learning_rate", strict=True)
-    for field in ("momentum", "b1", "b2", "weight_decay", "clip_norm", "final_fraction"):
-        _float(config, f"optim.{field}")
-    _float(config, "optim.eps", strict=True)
-    _choice(config, "optim.weight_decay_mask", optim.WEIGHT_DECAY_MASKS)
-    _choice(config, "optim.decay", ("constant", "cosine", "linear"))
-    _int(config, "optim.warmup_examples", minimum=0)
-    _int(config, "optim.total_examples", minimum=0)
-    if config.optim.decay != "constant" and not (config.optim.total_examples
-                                                 or config.train.max_examples):
-        raise ConfigError("config.optim.total_examples: decay="
-                          f"{config.optim.decay!r} needs it (or train.max_examples)")
+    optim.validate_config(fields.get(config, "optim", "config"),
+                          max_examples=_int(config, "train.max_examples", minimum=0))
 
     m = _int(config, "batch.micro_batch")
     multiple = m * data_replicas
@@ -233,12 +213,6 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     _int(config, "eval.batch_size")
     _int(config, "eval.num_examples", minimum=0)
     _int(config, "eval.train_examples", minimum=0)
-    data = _get(config, "mesh.data")
-    if not isinstance(data, int) or (data < 1 and data != -1):
-        raise ConfigError(f"config.mesh.data: must be -1 or a positive integer, got {data!r}")
-    _int(config, "mesh.model")
-    _choice(config, "mesh.param_mode", ("replicated", "fsdp", "model", "fsdp_tp", "tp"))
+    mesh.validate_config(fields.get(config, "mesh", "config"))
     if "perf" in config:
-        _float(config, "perf.peak_flops")
-        _int(config, "perf.profile_start", minimum=-1)
-        _int(config, "perf.profile_steps")
+        throughput.validate_config(config.perf)

@@ -37,10 +37,22 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cbs.engine import fields
+
 DATA, MODEL = "data", "model"
 PARAM_MODES = ("replicated", "fsdp", "model")
 NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only
 ALL_PARAM_MODES = PARAM_MODES + NAMED_MODES
+
+
+def validate_config(mesh_config: Any) -> None:
+    """Checks `config.mesh` (data, model, param_mode); raises `fields.ConfigError`."""
+    data = fields.get(mesh_config, "data", "config.mesh")
+    if isinstance(data, bool) or not isinstance(data, int) or (data < 1 and data != -1):
+        raise fields.ConfigError(f"config.mesh.data: must be -1 or a positive integer, got "
+                                 f"{data!r}")
+    fields.integer(mesh_config, "model", "config.mesh")
+    fields.choice(mesh_config, "param_mode", "config.mesh", ALL_PARAM_MODES)
 
 # (regex on the "/"-joined path, roles of the trailing axes); first match wins.
 Rules = tuple[tuple[str, tuple[str | None, ...]], ...]

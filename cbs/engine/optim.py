@@ -26,10 +26,32 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from cbs.engine import schedules
+from cbs.engine import fields, schedules
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
+DECAYS = ("constant", "cosine", "linear")
+
+
+def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: int = 0) -> None:
+    """Checks `config.optim`; raises `fields.ConfigError` naming the first bad field.
+
+    max_examples: the run's `train.max_examples` (a decay needs an end, from `total_examples`
+    or from it).
+    """
+    c, at = optim_config, "config.optim"
+    fields.choice(c, "name", at, OPTIMIZERS)
+    fields.number(c, "learning_rate", at, strict=True)
+    for name in ("momentum", "b1", "b2", "weight_decay", "clip_norm", "final_fraction"):
+        fields.number(c, name, at)
+    fields.number(c, "eps", at, strict=True)
+    fields.choice(c, "weight_decay_mask", at, WEIGHT_DECAY_MASKS)
+    fields.choice(c, "decay", at, DECAYS)
+    fields.integer(c, "warmup_examples", at, minimum=0)
+    total = fields.integer(c, "total_examples", at, minimum=0)
+    if c.decay != "constant" and not (total or max_examples):
+        raise fields.ConfigError(f"{at}.total_examples: decay={c.decay!r} needs it (or "
+                                 "train.max_examples)")
 
 
 def _decay_mask(kind: str) -> Callable | None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from cbs.engine import fields
+
 # Dense bfloat16 peak FLOP/s of one device, by a substring of `jax.Device.device_kind`
 # (first match in this order). TPU: per chip (v4/v5p: a megacore chip is one device).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -36,6 +38,13 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("A10G", 70e12), ("V100", 125e12),
 )
 
+
+
+def validate_config(perf_config: Any) -> None:
+    """Checks `config.perf` (peak_flops, profile_start, profile_steps)."""
+    fields.number(perf_config, "peak_flops", "config.perf")
+    fields.integer(perf_config, "profile_start", "config.perf", minimum=-1)
+    fields.integer(perf_config, "profile_steps", "config.perf")
 
 def peak_flops(device: jax.Device | None = None) -> float | None:
     """Peak FLOP/s of `device` (default: the first device); None when unknown (CPU)."""

@@ -1,0 +1,53 @@
+"""Config field checks shared by the engine's components.
+
+Each component validates its own config section (`cbs.engine.optim.validate_config`,
+`cbs.engine.mesh.validate_config`, `cbs.engine.throughput.validate_config`,
+`cbs.data.validate_config`, `cbs.sweeps.grid.validate_sweep`, ...); `cbs.engine.config.validate`
+calls them in turn. A failed check raises `ConfigError` (a ValueError) whose message starts with
+the dotted name of the field, e.g. ``config.optim.eps: must be a number > 0, got 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value; the message starts with the field's dotted name."""
+
+
+def get(section: Any, field: str, prefix: str) -> Any:
+    """`section[field]` (dotted `field` descends), or ConfigError naming `prefix.field`."""
+    node = section
+    for part in field.split("."):
+        if part not in node:
+            raise ConfigError(f"{prefix}.{field}: missing")
+        node = node[part]
+    return node
+
+
+def integer(section: Any, field: str, prefix: str, *, minimum: int = 1) -> int:
+    """An int (not a bool) ≥ minimum."""
+    value = get(section, field, prefix)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{prefix}.{field}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def number(section: Any, field: str, prefix: str, *, minimum: float = 0.0,
+           strict: bool = False) -> float:
+    """An int or float (not a bool) ≥ minimum (> minimum when `strict`)."""
+    value = get(section, field, prefix)
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
+    if bad or value < minimum or (strict and value == minimum):
+        op = ">" if strict else ">="
+        raise ConfigError(f"{prefix}.{field}: must be a number {op} {minimum}, got {value!r}")
+    return float(value)
+
+
+def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> str:
+    """One of `choices`."""
+    value = get(section, field, prefix)
+    if value not in choices:
+        raise ConfigError(f"{prefix}.{field}: unknown value {value!r}; known: {list(choices)}")
+    return value
