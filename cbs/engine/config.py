@@ -25,7 +25,6 @@ from cbs import data, models
 from cbs.engine import fields, mesh, optim, schedules, throughput
 from cbs.stats import noise
 
-
 ConfigError = fields.ConfigError  # re-exported: the error every config check raises
 
 
