@@ -13,24 +13,34 @@ already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et 
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
 whichever is cheaper; a convolution is the dense rule on its input windows, an embedding
-table `Σ_{t,s} [id_t = id_s] g_t·g_s` (`cbs.stats.ghost_rules`).
+table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or shift w broadcast over
+positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`
+(`cbs.stats.ghost_rules`).
 
 Mechanism. `cbs.stats.ghost_trace` walks one shape-only trace of `loss_fn(params, batch)` and
 finds, for every params leaf, the operations that read it (its *uses*). The jaxpr is then
-evaluated again with, at each use of a covered leaf, a zero *perturbation* added to the
-use's output and its data operand kept as an auxiliary output; `jax.value_and_grad` w.r.t.
-(params, perturbations) returns the loss, ḡ and every use's output cotangent g from ONE
-backward pass. Uses inside `scan` get stacked perturbations and captures (one slice per
-step: the per-step squared norms of a stacked leaf add up, the slices being disjoint);
+evaluated again and differentiated once with `jax.value_and_grad`, which returns the loss, ḡ
+and the norms from ONE backward pass:
+
+- a leaf read by exactly one use through norm-preserving layout ops, in a layout a ghost rule
+  reads, has its use's output routed through a *tap*: an identity whose custom backward
+  applies the rule to the use's data operand x and the output cotangent g as soon as the
+  backward pass reaches it, and returns the [B] norms as the cotangent of a zero *slot*
+  input. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
+  slices of a stacked leaf are disjoint), so no [L, B, T, D] activation or cotangent is kept
+  beyond what the ordinary backward keeps; under `remat` x is recomputed with the step.
+- any other use (a tied input/output embedding read by several uses, a leaf read through a
+  broadcast or slice) gets a zero *perturbation* added to its output and its data operand
+  kept as an auxiliary output, so the backward pass also returns its cotangent g; the leaf's
+  exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is then pulled back to the
+  leaf's layout, summed over its uses (so the cross terms are exact) and squared, in chunks
+  of examples.
+
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
 `custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule is
-taken to be the derivative of their body). A leaf read by exactly one use through
-norm-preserving layout ops gets the ghost rule above; a leaf with several uses (a tied
-input/output embedding) or read through a broadcast or slice gets its exact per-example
-gradient `Σ_uses transpose(use)(x_i, g_i)` pulled back to the leaf's layout, summed over
-its uses (so the cross terms are exact) and squared, in chunks of examples. Leaves read in
-any other way fall back to `vmap(grad)` restricted to them, chunked to a memory budget;
-`uncovered_leaves` says which and why.
+taken to be the derivative of their body). Leaves read in any other way fall back to
+`vmap(grad)` restricted to them, chunked to a memory budget; `uncovered_leaves` says which
+and why.
 
 Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
 fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for means over B
@@ -77,6 +87,7 @@ class _Plan:
     inside: dict[int, frozenset[int]]  # nested eqn id -> uids of active uses inside it
     uncovered: dict[int, str]  # leaf -> why it needs vmap
     unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
+    tapped: dict[int, Any]  # uid -> accumulation dtype: norm by its rule inside the backward
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -112,7 +123,24 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
     uids = {u.uid for u in active.values()}
     inside = {e: frozenset(s & uids) for e, s in disc.inner_uses.items()}
     unused = tuple(i for i in range(len(leaves)) if i not in reads)
-    return _Plan(closed, batch_size, uses, active, inside, uncovered, unused)
+    tapped = {}
+    for leaf, us in uses.items():
+        dtype = jnp.promote_types(leaves[leaf].dtype, jnp.float32)
+        if len(us) == 1 and _has_rule(us[0], dtype):
+            tapped[us[0].uid] = dtype
+    return _Plan(closed, batch_size, uses, active, inside, uncovered, unused, tapped)
+
+
+def _has_rule(use: ghost_trace.Use, dtype) -> bool:
+    """Whether a ghost rule reads this use's layout (checked on shapes only)."""
+    rule = SQ_NORM_RULES.get(use.eqn.primitive.name)
+    if rule is None or not use.keeps_norm:
+        return False
+    x_aval = use.eqn.invars[1 - use.pos].aval
+    x = jax.ShapeDtypeStruct(x_aval.shape, dtype if jnp.issubdtype(x_aval.dtype, jnp.inexact)
+                             else x_aval.dtype)
+    g = jax.ShapeDtypeStruct(use.eqn.outvars[0].aval.shape, dtype)
+    return jax.eval_shape(lambda x, g: rule(use, x, g), x, g) is not None
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
@@ -155,7 +183,10 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
         else:
             outs = _bind(eqn, invals)
             use = plan.active.get(id(eqn))
-            if use is not None:
+            if use is not None and use.uid in plan.tapped:
+                outs = [_tap(use, plan.tapped[use.uid])(
+                    outs[0], jax.lax.stop_gradient(invals[1 - use.pos]), pert[use.uid])]
+            elif use is not None:
                 outs = [outs[0] + pert[use.uid]]
                 caps[use.uid] = invals[1 - use.pos]
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -183,12 +214,41 @@ def _eval_nested(eqn, invals, pert, plan):
     return _eval(closed.jaxpr, closed.consts, invals, pert, plan)
 
 
+def _tap(use: ghost_trace.Use, dtype) -> Callable:
+    """`tap(y, x, slot) = y`, whose backward also returns the use's [B] per-example squared
+    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`.
+
+    The norms are formed where the backward pass meets the use, one scan step at a time, so
+    neither x nor g is kept beyond what the ordinary backward keeps (under remat, x is
+    recomputed with the rest of the step).
+    """
+    rule = SQ_NORM_RULES[use.eqn.primitive.name]
+
+    @jax.custom_vjp
+    def tap(y, x, slot):
+        del x, slot
+        return y
+
+    def fwd(y, x, slot):
+        del slot
+        return y, x
+
+    def bwd(x, g):
+        return g, None, rule(use, _acc(x, dtype), g.astype(dtype)).astype(dtype)
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
-    """One forward + one backward: loss, ḡ leaves, captures and cotangents per active use."""
+    """One forward + one backward: loss, ḡ leaves, and per active use either its summed norms
+    (tapped uses: the cotangent of their [stack..., B] slot) or its captures and cotangents."""
     pert = {}
     for use in plan.active.values():
         aval = use.eqn.outvars[0].aval
-        pert[use.uid] = jnp.zeros(use.stack + aval.shape, aval.dtype)
+        shape, dtype = ((plan.batch_size,), plan.tapped[use.uid]) if use.uid in plan.tapped \
+            else (aval.shape, aval.dtype)
+        pert[use.uid] = jnp.zeros(use.stack + shape, dtype)
 
     def run(leaves, pert):
         outs, caps = _eval(plan.jaxpr.jaxpr, plan.jaxpr.consts, [*leaves, *batch_leaves],
@@ -211,18 +271,6 @@ def _stacked(fn: Callable, depth: int) -> Callable:
     for _ in range(depth):
         fn = jax.vmap(fn)
     return fn
-
-
-def _rule_sq_norm(use, x, g, dtype) -> jax.Array | None:
-    """[B] from the ghost rule of a single use, summed over scan steps; None: not readable."""
-    rule = SQ_NORM_RULES.get(use.eqn.primitive.name)
-    if rule is None or not use.keeps_norm:
-        return None
-    if jax.eval_shape(lambda x, g: rule(use, x, g), *(a[(0,) * len(use.stack)]
-                                                      for a in (x, g))) is None:
-        return None
-    out = _stacked(lambda x, g: rule(use, _acc(x, dtype), g.astype(dtype)), len(use.stack))(x, g)
-    return jnp.sum(out, tuple(range(len(use.stack))))
 
 
 def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Array:
@@ -345,9 +393,9 @@ def _grads_info(loss_fn, params, batch, method, chunk_size):
         norms = {}
         for leaf, uses in plan.uses.items():
             u = uses[0]
-            sq = None if len(uses) > 1 else _rule_sq_norm(u, caps[u.uid], cots[u.uid],
-                                                          dtypes[leaf])
-            if sq is None:
+            if u.uid in plan.tapped:  # summed over the scan steps of a stacked leaf
+                sq = jnp.sum(cots[u.uid], tuple(range(len(u.stack))))
+            else:
                 sq = _materialized_sq_norm(uses, caps, cots, dtypes[leaf], chunk_size)
             norms[leaf] = sq * float(batch_size) ** 2  # cotangents of the MEAN loss carry 1/B
         which = sorted(plan.uncovered)

@@ -130,8 +130,26 @@ def embed_sq_norm(use, ids, g) -> jax.Array | None:
     return jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2))
 
 
+def elementwise_sq_norm(use, x, g) -> jax.Array | None:
+    """`mul`/`add`/`sub` of a parameter operand w that size-1 axes broadcast over the output
+    (a norm scale, a bias): ∂ℓ_i/∂w sums x·g (mul) or ±g (add, sub) over those axes."""
+    w_shape = use.eqn.invars[use.pos].aval.shape
+    if len(w_shape) != g.ndim or (use.e_out < len(w_shape) and w_shape[use.e_out] != 1):
+        return None
+    if use.eqn.primitive.name == "mul":
+        if x.ndim != g.ndim:
+            return None
+        prod = x * g
+    else:
+        prod = g
+    summed = tuple(a for a in range(g.ndim) if a != use.e_out and w_shape[a] == 1)
+    per_example = jnp.sum(prod, summed, keepdims=True)
+    return jnp.sum(jnp.square(per_example), tuple(a for a in range(g.ndim) if a != use.e_out))
+
+
+ELEMENTWISE = ("mul", "add", "sub", "add_any")
 SQ_NORM_RULES = {"dot_general": dense_sq_norm, "conv_general_dilated": conv_sq_norm,
-                 "gather": embed_sq_norm}
+                 "gather": embed_sq_norm, **{name: elementwise_sq_norm for name in ELEMENTWISE}}
 
 
 def _bind(eqn, args, params=None):
@@ -163,7 +181,7 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
     if params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = dtype
 
-    elementwise = use.eqn.primitive.name not in SQ_NORM_RULES
+    elementwise = use.eqn.primitive.name in ELEMENTWISE
     chain, last = use.chain, None
     if elementwise and chain and chain[-1].primitive.name == "broadcast_in_dim":
         chain, last = chain[:-1], dict(chain[-1].params)
