@@ -83,7 +83,7 @@ def _z(draws, truth) -> float:
     return (v.mean() - float(truth)) / (v.std(ddof=1) / np.sqrt(v.size))
 
 
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_sweep_measurement_is_unbiased(kind):
     ds, loss_fn, params, arrays, full = _problem(kind)
     truth = noise.exact(loss_fn, params, full, curvature=True, chunk_size=64)

@@ -15,6 +15,9 @@ from cbs.sweeps import groups as multitrial
 from cbs.sweeps import launch, trials
 from experiments.configs import digits_sweep
 
+# One worker runs the module, so the finished sweep of the module fixture is made once.
+pytestmark = pytest.mark.xdist_group("launch")
+
 
 def _tiny():
     c = digits_sweep.get_config("tiny")

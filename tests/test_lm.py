@@ -128,8 +128,9 @@ def _assert_metrics_close(got, want, keys=None):
 
 @pytest.mark.parametrize("data,model,mode,remat", [
     pytest.param(8, 1, "fsdp_tp", "full", marks=pytest.mark.slow),  # FSDP over 8 replicas
-    (4, 2, "fsdp_tp", "dots"),  # FSDP × tensor parallel
-    (4, 2, "tp", "none"),  # tensor parallel, parameters replicated over data
+    pytest.param(4, 2, "fsdp_tp", "dots", marks=pytest.mark.xdist_group("lm_fsdp_tp")),
+    # tensor parallel, parameters replicated over data (FSDP × TP above splits the same axes)
+    pytest.param(4, 2, "tp", "none", marks=pytest.mark.slow),
 ])
 def test_sharded_step_equals_one_device(data, model, mode, remat):
     """Everything that is a function of the logical batch (loss, update, exact statistics)
@@ -152,6 +153,7 @@ def test_sharded_step_equals_one_device(data, model, mode, remat):
     assert step_lib.count_to_int(state.examples_seen) == 3 * 32
 
 
+@pytest.mark.xdist_group("lm_fsdp_tp")  # reuses the float32 FSDP × TP run of the test above
 def test_bf16_compute_keeps_float32_parameters_and_optimizer_state():
     mesh = mesh_lib.make_mesh(4, 2)
     _, state, metrics = _run(_config("dots", "fsdp_tp", "bfloat16", data=4), mesh)

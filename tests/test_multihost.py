@@ -143,6 +143,9 @@ def test_two_processes_equal_one(tmp_path):
     _two_processes_equal_one(tmp_path, full=False)
 
 
+# Slow; by default test_two_processes_equal_one (two processes), test_lm's FSDP × TP step and
+# test_distributed's Slurm join cover its parts.
+@pytest.mark.slow
 def test_two_processes_train_the_tiny_lm_like_one(tmp_path):
     """The scanned LM with FSDP × TP across two processes that join from a (simulated) Slurm
     environment, no flags: same parameters and records as one process on 4 devices."""
