@@ -84,6 +84,13 @@ def _loader(name: str) -> Callable[..., Dataset]:
     return _REGISTRY[name]
 
 
+def _unknown_options(name: str, options) -> list[str]:
+    """Options the loader of `name` does not accept (none when it takes **kwargs)."""
+    params = inspect.signature(_loader(name)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return []
+    return sorted(set(options) - set(dataset_options(name)))
+
 
 def validate_config(data_config: Any) -> None:
     """Checks `config.data` (a registered `name`, `options` the loader accepts) without loading.
@@ -98,26 +105,22 @@ def validate_config(data_config: Any) -> None:
     if not hasattr(options, "keys"):
         raise ValueError(f"config.data.options: must be a mapping of keyword options, got "
                          f"{options!r}")
-    params = inspect.signature(_REGISTRY[name]).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        unknown = sorted(set(options.keys()) - set(dataset_options(name)))
-        if unknown:
-            raise ValueError(f"config.data.options: unknown options {unknown} for dataset "
-                             f"{name!r}; known: {', '.join(dataset_options(name)) or 'none'}")
+    unknown = _unknown_options(name, options.keys())
+    if unknown:
+        raise ValueError(f"config.data.options: unknown options {unknown} for dataset "
+                         f"{name!r}; known: {', '.join(dataset_options(name)) or 'none'}")
+
 
 def get_dataset(name: str, **options) -> Dataset:
     """The dataset `name` built with `options` (see `dataset_options(name)`).
 
     Unknown names and options raise ValueError listing the known ones.
     """
-    loader = _loader(name)
-    params = inspect.signature(loader).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        unknown = sorted(set(options) - set(dataset_options(name)))
-        if unknown:
-            raise ValueError(f"unknown options {unknown} for dataset {name!r}; known: "
-                             f"{', '.join(dataset_options(name))}")
-    return loader(**options)
+    unknown = _unknown_options(name, options)
+    if unknown:
+        raise ValueError(f"unknown options {unknown} for dataset {name!r}; known: "
+                         f"{', '.join(dataset_options(name))}")
+    return _loader(name)(**options)
 
 
 __all__ = [
