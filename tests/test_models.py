@@ -319,7 +319,7 @@ def test_registering_a_model_makes_it_buildable_from_config():
         config = default_model_config("_test_linear")
         assert config.name == "_test_linear" and config.width == 3
         model = build_model(config, input_shape=(2, 2), rngs=nnx.Rngs(0), verbose=False)
-        assert model.kernel.value.shape == (4, 3)
+        assert model.kernel[...].shape == (4, 3)
         assert "_test_linear" in models.model_names()
         with pytest.raises(ValueError, match="already registered"):
             models.register("_test_linear", default_config=fields)(build)
