@@ -143,3 +143,7 @@ def test_bad_input_on_the_new_path():
         noise.value_grad_and_stats(per_example)(params, batch)
     with pytest.raises(ValueError, match="method"):
         noise.value_grad_and_stats(loss_fn, method="ghost")
+    summed = lambda p, b: loss_fn(p, b) * b["x"].shape[0]  # a sum over the batch, not a mean
+    for call in (noise.value_grad_and_stats(summed), functools.partial(noise.exact, summed)):
+        with pytest.raises(ValueError, match="SUM over the batch"):
+            call(params, batch)
