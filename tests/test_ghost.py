@@ -1,5 +1,6 @@
 """cbs.stats.ghost: per-example gradient norms read from the jaxpr equal the vmap(grad) reference,
-for models written in plain jax.numpy, nnx, linen, with scan/remat and tied embeddings."""
+for models written in plain jax.numpy, nnx, linen, with scan/remat and tied embeddings, and
+for parameters read inside nested jit, custom_vjp/custom_jvp, lax.scan and jax.checkpoint."""
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,61 @@ def scanned_lm(tied=False, n_layers=4, dtype=None):
     return loss_fn, params, {"ids": ids, "y": jnp.roll(ids, -1, 1)}
 
 
+@jax.custom_vjp
+def _dense_custom_vjp(x, w):
+    return x @ w
+
+
+def _dense_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _dense_bwd(res, g):
+    x, w = res
+    return g @ w.T, jnp.einsum("...d,...o->do", x, g)
+
+
+_dense_custom_vjp.defvjp(_dense_fwd, _dense_bwd)
+
+
+@jax.custom_jvp
+def _scale_custom_jvp(h, s):
+    return h * s
+
+
+_scale_custom_jvp.defjvp(lambda primals, tangents: (
+    _scale_custom_jvp(*primals), tangents[0] * primals[1] + primals[0] * tangents[1]))
+
+
+def wrapped_jax():
+    """Plain JAX whose parameters are read inside a nested jit, a custom_vjp and a custom_jvp
+    function, and a lax.scan over stacked [L, D, D] kernels with a jax.checkpoint body."""
+    k = _keys(5)
+    params = {"w_in": jax.random.normal(k[0], (5, 4)) / 2,
+              "stack": jax.random.normal(k[1], (3, 4, 4)) / 2,
+              "stack_b": 0.1 * jax.random.normal(k[2], (3, 4)),
+              "scale": 1 + 0.1 * jax.random.normal(k[3], (4,)),
+              "w_out": jax.random.normal(k[4], (4, 3)) / 2}
+
+    @jax.jit
+    def embed(w, x):
+        return jnp.tanh(x @ w)
+
+    def loss_fn(p, batch):
+        h = embed(p["w_in"], batch["x"])
+
+        @jax.checkpoint
+        def layer(h, wb):
+            return jnp.tanh(h @ wb[0] + wb[1]), None
+
+        h, _ = jax.lax.scan(layer, h, (p["stack"], p["stack_b"]))
+        h = _scale_custom_jvp(h, p["scale"])
+        return _xent(_dense_custom_vjp(h, p["w_out"]), batch["y"])
+
+    x = jax.random.normal(_keys(1, seed=1)[0], (B, 5))
+    return loss_fn, params, {"x": x, "y": jnp.arange(B) % 3}
+
+
 def unreadable():
     """A plain MLP whose second kernel goes through an op no rule covers (sin)."""
     loss_fn, params, batch = plain_mlp()
@@ -183,7 +239,8 @@ def unreadable():
 
 MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
           "linen": linen_model, "scanned_lm": scanned_lm,
-          "tied_lm": lambda: scanned_lm(tied=True), "unreadable": unreadable}
+          "tied_lm": lambda: scanned_lm(tied=True), "unreadable": unreadable,
+          "wrapped_jax": wrapped_jax}
 EXPECTED_UNCOVERED = {"unreadable": {"layer1/w"}}
 
 
