@@ -2,6 +2,8 @@
 for models written in plain jax.numpy, nnx, linen, with scan/remat and tied embeddings, and
 for parameters read inside nested jit, custom_vjp/custom_jvp, lax.scan and jax.checkpoint."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,12 +246,14 @@ MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
 EXPECTED_UNCOVERED = {"unreadable": {"layer1/w"}}
 
 
+def jitted_info(loss_fn, method, **kw):
+    """ghost.per_example_grads_info compiled once (op-by-op dispatch is slow to test)."""
+    return jax.jit(functools.partial(ghost.per_example_grads_info, loss_fn, method=method, **kw))
+
+
 def _compare(loss_fn, params, batch, rtol):
-    # jitted: one compilation each instead of op-by-op dispatch of the traced jaxpr
-    fast = jax.jit(lambda p, b: ghost.per_example_grads_info(loss_fn, p, b, method="auto"))(
-        params, batch)
-    ref = jax.jit(lambda p, b: ghost.per_example_grads_info(loss_fn, p, b, method="vmap",
-                                                            chunk_size=2))(params, batch)
+    fast = jitted_info(loss_fn, "auto")(params, batch)
+    ref = jitted_info(loss_fn, "vmap", chunk_size=2)(params, batch)
     np.testing.assert_allclose(fast[0], ref[0], rtol=rtol)
     for a, b in zip(jax.tree.leaves(fast[1:]), jax.tree.leaves(ref[1:]), strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(b))))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_ghost import nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
+from test_ghost import jitted_info, nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
 
 from cbs.engine import mesh as cbs_mesh
 from cbs.stats import ghost, noise
@@ -21,11 +21,6 @@ MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
 
 def _to64(tree):
     return jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, tree)
-
-
-def _jitted_info(loss_fn, method):
-    """ghost.per_example_grads_info compiled once (op-by-op dispatch is slow to test)."""
-    return jax.jit(functools.partial(ghost.per_example_grads_info, loss_fn, method=method))
 
 
 def _assert_stats_close(a, b, rtol):
@@ -95,7 +90,7 @@ def test_sharded_equals_one_device(mode):
 def test_explicit_mesh_axes():
     loss_fn, params, batch = plain_mlp()
     batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)
-    reference = _jitted_info(loss_fn, "vmap")(params, batch)
+    reference = jitted_info(loss_fn, "vmap")(params, batch)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -103,7 +98,7 @@ def test_explicit_mesh_axes():
     np.testing.assert_allclose(out[2].b_simple,
                                noise.exact(loss_fn, params, batch, method="vmap").b_simple,
                                rtol=1e-5)
-    fast = _jitted_info(loss_fn, "fast")
+    fast = jitted_info(loss_fn, "fast")
     with jax.set_mesh(mesh):
         norms = fast(params, sharded)[2]
     for a, b in zip(jax.tree.leaves(norms), jax.tree.leaves(reference[2]), strict=True):
@@ -113,12 +108,12 @@ def test_explicit_mesh_axes():
 def test_bf16_params_accumulate_in_float32():
     loss_fn, params, batch = scanned_lm(dtype=jnp.bfloat16)
     assert ghost.uncovered_leaves(loss_fn, params, batch) == {}
-    _, _, fast = _jitted_info(loss_fn, "fast")(params, batch)
+    _, _, fast = jitted_info(loss_fn, "fast")(params, batch)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fast))
     # The reference: the same bf16 forward pass, per-example gradients in float32.
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     loss32 = lambda p, b: loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b)
-    _, _, ref = _jitted_info(loss32, "vmap")(params32, batch)
+    _, _, ref = jitted_info(loss32, "vmap")(params32, batch)
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2)  # bf16 cotangents: 8 mantissa bits
 

@@ -69,15 +69,9 @@ def check_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
     loss_fn (two small forward passes, compiled); traced inputs, and a loss_fn that cannot run
     on one or two examples, are not checked.
     """
-    leaves = jax.tree.leaves((params, batch))
-    if any(isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True)
-           for x in leaves) or jax.tree.leaves(batch)[0].shape[0] < 2:
+    if (not all(_concrete(x) for x in jax.tree.leaves((params, batch)))
+            or jax.tree.leaves(batch)[0].shape[0] < 2 or _mean_checked(loss_fn)):
         return
-    try:
-        if loss_fn in _MEAN_CHECKED:
-            return
-    except TypeError:  # not weakly referenceable: checked every time
-        pass
 
     def losses(params, batch):  # example 0 alone, and twice
         first = jax.tree.map(lambda x: x[:1], batch)
@@ -94,15 +88,27 @@ def check_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
                          f"{twice:.6g}, twice its loss alone ({once:.6g}), where a mean gives "
                          f"the same. Return the MEAN loss over the leading axis (jnp.mean, "
                          f"not jnp.sum).")
+    _mean_checked(loss_fn, add=True)
+
+
+def _mean_checked(loss_fn: LossFn, add: bool = False) -> bool:
+    """Whether loss_fn already passed `check_mean_loss` (add: record that it did). A callable
+    that cannot be weakly referenced is never recorded, so it is checked every time."""
     try:
-        _MEAN_CHECKED.add(loss_fn)
+        if add:
+            _MEAN_CHECKED.add(loss_fn)
+        return loss_fn in _MEAN_CHECKED
     except TypeError:
-        pass
+        return False
+
+
+def _concrete(x: Any) -> bool:
+    """A value held on this process (not a tracer, not a multi-host global array)."""
+    return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
 
 
 def _concrete_float(x: Any) -> bool:
-    return (not isinstance(x, jax.core.Tracer) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-            and getattr(x, "is_fully_addressable", True))
+    return _concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def check_finite(params: PyTree, batch: PyTree) -> None:
