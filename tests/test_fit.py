@@ -191,24 +191,69 @@ def test_best_per_batch_size():
         {"batch_size": 8, "learning_rate": 0.1, "steps": 100},
         {"batch_size": 8, "learning_rate": 0.2, "steps": 80},
         {"batch_size": 8, "learning_rate": 0.4, "steps": None},
-        {"batch_size": 16, "learning_rate": 0.1, "steps": 60},
-        {"batch_size": 16, "learning_rate": 0.2, "steps": 40},  # seed 0
-        {"batch_size": 16, "learning_rate": 0.2, "steps": 50},  # seed 1
-        {"batch_size": 16, "learning_rate": 0.4, "steps": 30},  # seed 0 ...
-        {"batch_size": 16, "learning_rate": 0.4, "steps": None},  # ... seed 1 missed
+        {"batch_size": 16, "learning_rate": 0.1, "steps": 60, "seed": 0},
+        {"batch_size": 16, "learning_rate": 0.2, "steps": 40, "seed": 0},
+        {"batch_size": 16, "learning_rate": 0.2, "steps": 50, "seed": 1},
+        {"batch_size": 16, "learning_rate": 0.4, "steps": 30, "seed": 0},
+        {"batch_size": 16, "learning_rate": 0.4, "steps": None, "seed": 1},
         {"batch_size": 32, "learning_rate": 0.1, "steps": None},
         {"batch_size": 32, "learning_rate": 0.2, "steps": float("nan")},
     ]
     best = fit.best_per_batch_size(recs)
     np.testing.assert_array_equal(best.batch_sizes, [8, 16])
-    np.testing.assert_array_equal(best.steps, [80, 45])
-    np.testing.assert_array_equal(best.examples, [640, 720])
-    np.testing.assert_array_equal(best.learning_rates, [0.2, 0.2])
+    # B = 16: seed 0's best is 30 steps at 0.4, seed 1's 50 at 0.2; S is their mean.
+    np.testing.assert_array_equal(best.steps, [80, 40])
+    np.testing.assert_array_equal(best.examples, [640, 640])
+    np.testing.assert_allclose(best.learning_rates, [0.2, math.sqrt(0.2 * 0.4)], rtol=1e-12)
     np.testing.assert_array_equal(best.num_seeds, [1, 2])
+    assert best.seed_steps == [[80.0], [30.0, 50.0]]
+    assert best.seed_learning_rates == [[0.2], [0.4, 0.2]]
+    assert [[r["steps"] for r in rows] for rows in best.best_rows] == [[80], [30, 50]]
     assert best.missing_batch_sizes == [32.0]
-    assert len(best.unreached) == 4 and best.edge_batch_sizes == []
+    # Both seeds' optima at B = 16 sit at an edge of the rates each seed tried.
+    assert len(best.unreached) == 4 and best.edge_batch_sizes == [16.0]
     edge = fit.best_per_batch_size(recs[:2])
     assert edge.edge_batch_sizes == [8.0]
+    # A batch size where one seed never reached the target is missing, not averaged.
+    one_missed = recs[3:8] + [{"batch_size": 16, "learning_rate": 0.2, "steps": None,
+                               "seed": 2}]
+    assert fit.best_per_batch_size(one_missed).missing_batch_sizes == [16.0]
+
+
+def test_best_per_batch_size_takes_each_seeds_optimum_under_early_stopping():
+    """The failure found in the character-LM Kaplan study at L = 2.1, B = 256: each (B, seed)
+    group stops once one rate has crossed, so seed 0's winner (6e-3, 130.0 steps) has no
+    crossing in seed 1 and seed 1's winner (3e-3, 141.5) none in seed 0. Averaging per
+    (B, η) first kept only 1.5e-3, which both seeds finished (182.7 steps, +35 %)."""
+    recs = [
+        {"batch_size": 256, "learning_rate": 3e-3, "seed": 0, "steps": None},
+        {"batch_size": 256, "learning_rate": 6e-3, "seed": 0, "steps": 129.97},
+        {"batch_size": 256, "learning_rate": 1.2e-2, "seed": 0, "steps": None},
+        {"batch_size": 256, "learning_rate": 3e-3, "seed": 1, "steps": 141.49},
+        {"batch_size": 256, "learning_rate": 6e-3, "seed": 1, "steps": None},
+        {"batch_size": 256, "learning_rate": 1.2e-2, "seed": 1, "steps": None},
+        {"batch_size": 256, "learning_rate": 1.5e-3, "seed": 0, "steps": 180.07},
+        {"batch_size": 256, "learning_rate": 1.5e-3, "seed": 1, "steps": 185.42},
+        {"batch_size": 256, "learning_rate": 7.5e-4, "seed": 0, "steps": 284.55},
+        {"batch_size": 256, "learning_rate": 7.5e-4, "seed": 1, "steps": 276.98},
+    ]
+    best = fit.best_per_batch_size(recs)
+    np.testing.assert_allclose(best.steps, [(129.97 + 141.49) / 2], rtol=1e-12)
+    assert best.seed_learning_rates == [[6e-3, 3e-3]] and best.edge_batch_sizes == []
+    # Through a fit: a sweep on S = 100 + 6400/B (B_crit = 64) whose seeds alternate their
+    # best rate at every B, each losing its rival's crossing to early stopping, while a slow
+    # rate (1.4x the steps) finishes in both. The per-seed optimum recovers B_crit exactly.
+    rows = []
+    for b in (8, 16, 32, 64, 128, 256, 512):
+        s = 100 + 6400 / b
+        for sd, (fast, other) in enumerate(((0.01, 0.02), (0.02, 0.01))):
+            rows += [{"batch_size": b, "learning_rate": fast, "seed": sd, "steps": s},
+                     {"batch_size": b, "learning_rate": other, "seed": sd, "steps": None},
+                     {"batch_size": b, "learning_rate": 0.005, "seed": sd, "steps": 1.4 * s}]
+    best = fit.best_per_batch_size(rows)
+    f = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=0)
+    assert f.b_crit == pytest.approx(64.0, rel=1e-9)
+    np.testing.assert_allclose(best.steps, 100 + 6400 / best.batch_sizes, rtol=1e-12)
 
 
 def test_noise_scale_at_crossing_is_ratio_of_window_means():

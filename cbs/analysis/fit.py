@@ -35,7 +35,7 @@ OK = "ok"
 INSUFFICIENT = "insufficient data"
 
 
-def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+def quantile_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
     values = values[np.isfinite(values)]
     if values.size < 2:
         return (math.nan, math.nan)
@@ -44,9 +44,14 @@ def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
 
 
 def _json_float(x: Any) -> Any:
-    if isinstance(x, tuple):
+    if isinstance(x, tuple | list):
         return [_json_float(v) for v in x]
     return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def json_ready(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A flat dict of floats, tuples and lists with NaN and inf as None (JSON has neither)."""
+    return {k: _json_float(v) for k, v in d.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ class TradeoffFit:
     confidence: float
     residual_std: float = math.nan
     warnings: tuple[str, ...] = ()
+    interval: str = "residual bootstrap-t"  # how the intervals were formed, in words
 
     @property
     def ok(self) -> bool:
@@ -105,6 +111,7 @@ class PowerLawFit:
     status: str
     confidence: float
     residual_std: float = math.nan
+    interval: str = "residual bootstrap-t"  # how the intervals were formed, in words
 
     @property
     def ok(self) -> bool:
@@ -119,7 +126,8 @@ class PowerLawFit:
 
 # ---------------------------------------------------------------- the hyperbola fit
 
-def _model(theta_Rx2: np.ndarray, logb_RxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def model_log_steps(theta_Rx2: np.ndarray, logb_RxN: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """log(S_min + E_min/B) and its Jacobian in (log S_min, log E_min): [R,N], [R,N,2]."""
     a, c = theta_Rx2[:, :1], theta_Rx2[:, 1:]
     m = np.logaddexp(a, c - logb_RxN)
@@ -147,11 +155,11 @@ def _robust_scale(r_RxN: np.ndarray) -> np.ndarray:
 
 def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
     """Cauchy M-estimate from a starting point, re-estimating the scale until it settles."""
-    r = _model(theta_Rx2, logb_RxN)[0] - logs_RxN
+    r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
     for _ in range(10):
         f_scale = _robust_scale(r)
         theta_Rx2 = _solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
-        r = _model(theta_Rx2, logb_RxN)[0] - logs_RxN
+        r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
         if np.all(np.abs(_robust_scale(r) / f_scale - 1.0) < 0.01):
             break
     return theta_Rx2, f_scale
@@ -161,12 +169,12 @@ def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
            f_scale: float | None, iters: int = 300) -> tuple[np.ndarray, np.ndarray]:
     """Levenberg–Marquardt on R independent problems at once (IRLS weights for Cauchy)."""
     theta = theta_Rx2.astype(np.float64).copy()
-    m, _ = _model(theta, logb_RxN)
+    m, _ = model_log_steps(theta, logb_RxN)
     cost = _cost(m - logs_RxN, f_scale)
     lam = np.full(theta.shape[0], 1e-3)
     eye = np.eye(2)
     for _ in range(iters):
-        m, J = _model(theta, logb_RxN)
+        m, J = model_log_steps(theta, logb_RxN)
         r = m - logs_RxN
         JtW = J * _weights(r, f_scale)[..., None]
         A = np.einsum("rni,rnj->rij", JtW, J)
@@ -174,7 +182,7 @@ def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
         damp = lam[:, None, None] * (A * eye + 1e-12 * eye)
         delta = -np.linalg.solve(A + damp, g[..., None])[..., 0]
         trial = theta + delta
-        m_new, _ = _model(trial, logb_RxN)
+        m_new, _ = model_log_steps(trial, logb_RxN)
         new_cost = _cost(m_new - logs_RxN, f_scale)
         accept = np.isfinite(new_cost) & (new_cost <= cost)
         theta[accept], cost[accept] = trial[accept], new_cost[accept]
@@ -269,7 +277,7 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     if method == "robust":
         theta_1x2, f_scale = _fit_robust(logb[None], logs[None], theta[None])
         theta, f_scale = theta_1x2[0], float(f_scale[0, 0])
-    fitted, J = _model(theta[None], logb[None])
+    fitted, J = model_log_steps(theta[None], logb[None])
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
     b_crit = float(np.exp(theta[1] - theta[0]))
@@ -279,7 +287,7 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
                                   bootstrap, seed, resample, confidence)
     return TradeoffFit(s_min, e_min, b_crit, *cis, int(b.size), int(np.unique(b).size),
                        n_dropped, OK, method, confidence, float(np.sqrt(np.mean(resid ** 2))),
-                       _tradeoff_warnings(b, b_crit, cis[2]))
+                       tradeoff_warnings(b, b_crit, cis[2]))
 
 
 def _log_param_se(logb_RxN, logs_RxN, theta_Rx2, f_scale) -> np.ndarray:
@@ -288,7 +296,7 @@ def _log_param_se(logb_RxN, logs_RxN, theta_Rx2, f_scale) -> np.ndarray:
     M-estimator form: Σψ(r)²/(n − 2) / mean(ψ'(r))² · (JᵀJ)⁻¹, which is σ̂²(JᵀJ)⁻¹ for least
     squares (ψ(r) = r) and ψ(r) = r/(1 + (r/f)²) for the Cauchy loss.
     """
-    m, J = _model(theta_Rx2, logb_RxN)
+    m, J = model_log_steps(theta_Rx2, logb_RxN)
     r = m - logs_RxN
     n = r.shape[1]
     if f_scale is None:
@@ -328,12 +336,12 @@ def _bootstrap_tradeoff(logb, logs, theta, fitted, resid, J, f_scale, n, seed, r
     se = _log_param_se(logb[None], logs[None], theta[None], f_scale)[0]
     est_R = np.stack([theta_R[:, 0], theta_R[:, 1], theta_R[:, 1] - theta_R[:, 0]], axis=1)
     se_R = _log_param_se(logb_RxN, logs_RxN, theta_R, f_scale_R)
-    return [tuple(float(np.exp(v)) for v in _studentized(est[k], se[k], est_R[:, k],
+    return [tuple(float(np.exp(v)) for v in studentized(est[k], se[k], est_R[:, k],
                                                           se_R[:, k], confidence))
             for k in range(3)]
 
 
-def _tradeoff_warnings(b: np.ndarray, b_crit: float, b_crit_ci: tuple[float, float]):
+def tradeoff_warnings(b: np.ndarray, b_crit: float, b_crit_ci: tuple[float, float]):
     out = []
     if not b.min() <= b_crit <= b.max():
         out.append(f"b_crit={b_crit:.3g} lies outside the sampled batch sizes "
@@ -380,10 +388,10 @@ def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
         coef_R = np.linalg.lstsq(X, y_NxR, rcond=None)[0].T
         se_R = _ols_se(X, y_NxR - X @ coef_R.T)
         se = _ols_se(X, resid[:, None])[0]
-        intercept_ci, slope_ci = (_studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
+        intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
                                                confidence) for k in (0, 1))
         cis = [tuple(float(v) for v in np.exp(intercept_ci)),
-               _alpha_interval(slope_ci), slope_ci]
+               alpha_interval(slope_ci), slope_ci]
     slope = float(coef[1])
     alpha = -1.0 / slope if slope != 0 else math.inf
     return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],
@@ -397,17 +405,17 @@ def _ols_se(X_NxP: np.ndarray, resid_NxR: np.ndarray) -> np.ndarray:
     return np.sqrt(sigma2_R[:, None] * np.diag(np.linalg.inv(X_NxP.T @ X_NxP))[None, :])
 
 
-def _studentized(est: float, se: float, est_R: np.ndarray, se_R: np.ndarray,
+def studentized(est: float, se: float, est_R: np.ndarray, se_R: np.ndarray,
                  confidence: float) -> tuple[float, float]:
     """Bootstrap-t interval: est − t*_hi·se, est − t*_lo·se with t* = (est* − est)/se*."""
     if not se > 0:
         return (float(est), float(est))
     with np.errstate(divide="ignore", invalid="ignore"):
-        t_lo, t_hi = _interval((est_R - est) / se_R, confidence)
+        t_lo, t_hi = quantile_interval((est_R - est) / se_R, confidence)
     return (float(est - t_hi * se), float(est - t_lo * se))
 
 
-def _alpha_interval(slope_ci: tuple[float, float]) -> tuple[float, float]:
+def alpha_interval(slope_ci: tuple[float, float]) -> tuple[float, float]:
     """Maps a slope interval through α = −1/slope (increasing on each side of zero)."""
     lo, hi = slope_ci
     if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -447,12 +455,15 @@ def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: flo
 
 @dataclasses.dataclass(frozen=True)
 class BestPerBatchSize:
-    """Per batch size, the learning rate that reached the target in the fewest steps.
+    """Per batch size, the steps to the target at the best learning rate, averaged over seeds.
 
-    Arrays are sorted by batch size and aligned. unreached: the records that did not reach
-    the target; missing_batch_sizes: B with no learning rate that reached it (excluded from
-    the fit); edge_batch_sizes: B whose best learning rate is the smallest or largest tried
-    (the grid may be too narrow there).
+    Arrays are sorted by batch size and aligned. steps: the mean over seeds of each seed's
+    fewest steps; learning_rates: the best rate when every seed agrees, else the geometric
+    mean of the seeds' best rates; seed_steps / seed_learning_rates / best_rows: per batch
+    size, one entry per seed (sorted by seed). unreached: the records that did not reach the
+    target; missing_batch_sizes: B where some seed has no learning rate that reached it
+    (excluded from the fit); edge_batch_sizes: B where some seed's best learning rate is the
+    smallest or largest it tried (the grid may be too narrow there).
     """
 
     batch_sizes: np.ndarray
@@ -463,41 +474,67 @@ class BestPerBatchSize:
     unreached: list[dict[str, Any]]
     missing_batch_sizes: list[float]
     edge_batch_sizes: list[float]
+    seed_steps: list[list[float]] = dataclasses.field(default_factory=list)
+    seed_learning_rates: list[list[float]] = dataclasses.field(default_factory=list)
+    best_rows: list[list[Mapping[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
                         batch_key: str = "batch_size", lr_key: str = "learning_rate",
-                        steps_key: str = "steps") -> BestPerBatchSize:
-    """Chooses, for each batch size, the learning rate with the fewest steps to the target.
+                        steps_key: str = "steps", seed_key: str = "seed"
+                        ) -> BestPerBatchSize:
+    """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds.
 
-    records: one dict per trial with `batch_key`, `lr_key` and `steps_key` (None or NaN when
-    the trial never reached the target). Trials that repeat (B, lr) with other seeds are
-    averaged; a (B, lr) where any seed missed the target counts as not reaching it.
+    records: one dict per trial with `batch_key`, `lr_key`, `steps_key` (None or NaN when the
+    trial never reached the target) and `seed_key` (absent: seed 0). The optimum is taken per
+    seed *before* averaging because sweeps stop a (B, seed) group as soon as one learning rate
+    has crossed: the other rates of that seed have no crossing, so a rate that wins in one
+    seed usually has none in the other, and averaging per (B, η) first would drop every
+    winner and keep a slower rate that both seeds happened to finish. A batch size counts as
+    reaching the target only if every seed tried there reached it at some learning rate
+    (averaging the seeds that did would bias S low). Repeats of one (B, η, seed) are averaged,
+    and count as reaching only if all of them did.
     """
-    groups: dict[tuple[float, float], list[Mapping[str, Any]]] = {}
-    for rec in records:
-        groups.setdefault((float(rec[batch_key]), float(rec[lr_key])), []).append(rec)
     reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
     unreached = [dict(r) for r in records if not reached(r)]
-    rows: dict[float, tuple[float, float, int]] = {}
-    lrs_by_b: dict[float, list[float]] = {}
-    for (b, lr), recs in sorted(groups.items()):
-        lrs_by_b.setdefault(b, []).append(lr)
-        if all(reached(r) for r in recs):
-            mean_s = float(np.mean([float(r[steps_key]) for r in recs]))
-            if b not in rows or mean_s < rows[b][0]:
-                rows[b] = (mean_s, lr, len(recs))
-    bs = sorted(rows)
-    edge = [b for b in bs if len(lrs_by_b[b]) > 1 and rows[b][1] in (min(lrs_by_b[b]),
-                                                                     max(lrs_by_b[b]))]
-    steps = np.asarray([rows[b][0] for b in bs], dtype=np.float64)
+    cells: dict[tuple[float, int, float], list[Mapping[str, Any]]] = {}
+    for rec in records:
+        key = (float(rec[batch_key]), int(rec.get(seed_key, 0) or 0), float(rec[lr_key]))
+        cells.setdefault(key, []).append(rec)
+    # per (B, seed): {lr: (mean steps or None, rows)}
+    per_seed: dict[float, dict[int, dict[float, tuple[float | None, list]]]] = {}
+    for (b, sd, lr), recs in sorted(cells.items()):
+        mean_s = (float(np.mean([float(r[steps_key]) for r in recs]))
+                  if all(reached(r) for r in recs) else None)
+        per_seed.setdefault(b, {}).setdefault(sd, {})[lr] = (mean_s, recs)
+    bs, missing, edge, rows = [], [], [], []
+    for b, seeds in sorted(per_seed.items()):
+        best = {}
+        for sd, by_lr in sorted(seeds.items()):
+            finite = [(s, lr) for lr, (s, _) in by_lr.items() if s is not None]
+            if finite:
+                best[sd] = min(finite)
+        if len(best) < len(seeds):
+            missing.append(b)
+            continue
+        bs.append(b)
+        rows.append([(best[sd][0], best[sd][1], seeds[sd][best[sd][1]][1][0])
+                     for sd in sorted(best)])
+        if any(len(seeds[sd]) > 1 and best[sd][1] in (min(seeds[sd]), max(seeds[sd]))
+               for sd in best):
+            edge.append(b)
+    steps = np.asarray([np.mean([s for s, _, _ in r]) for r in rows], dtype=np.float64)
+    seed_lrs = [[lr for _, lr, _ in r] for r in rows]
+    lrs = [lr[0] if len(set(lr)) == 1 else float(np.exp(np.mean(np.log(lr))))
+           for lr in seed_lrs]
+    b_arr = np.asarray(bs, dtype=np.float64)
     return BestPerBatchSize(
-        batch_sizes=np.asarray(bs, dtype=np.float64), steps=steps,
-        examples=np.asarray(bs, dtype=np.float64) * steps,
-        learning_rates=np.asarray([rows[b][1] for b in bs], dtype=np.float64),
-        num_seeds=np.asarray([rows[b][2] for b in bs], dtype=np.int64),
-        unreached=unreached, missing_batch_sizes=sorted(set(lrs_by_b) - set(rows)),
-        edge_batch_sizes=edge)
+        batch_sizes=b_arr, steps=steps, examples=b_arr * steps,
+        learning_rates=np.asarray(lrs, dtype=np.float64),
+        num_seeds=np.asarray([len(r) for r in rows], dtype=np.int64),
+        unreached=unreached, missing_batch_sizes=missing, edge_batch_sizes=edge,
+        seed_steps=[[s for s, _, _ in r] for r in rows], seed_learning_rates=seed_lrs,
+        best_rows=[[row for _, _, row in r] for r in rows])
 
 
 def noise_scale_at_crossing(steps: Sequence[float], trace_sigma: Sequence[float],

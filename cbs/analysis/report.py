@@ -21,6 +21,7 @@ target the report lists the batch sizes whose best learning rate is still at an 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import edges, fit, plots
+from cbs.analysis import edges, fit, joint, plots
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, target_key
 
@@ -45,22 +46,22 @@ def _median(values: Sequence[float | None]) -> float:
 
 
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
-                   bootstrap: int = 1000, seed: int = 0, grid: dict[str, Any] | None = None
-                   ) -> dict[str, Any]:
-    """Best learning rate per batch size, the trade-off fit and the measured noise at L.
+                   bootstrap: int = 1000, seed: int | None = None,
+                   grid: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Best learning rate per batch size (per seed, then the seed mean), the trade-off fit and
+    the measured noise at L. seed: of the bootstrap (None: derived from the selected steps).
 
     grid: `cbs.analysis.edges.grid_status` of the sweep, for the batch sizes with missing
     trials and those whose best learning rate is at the max_lr/min_lr cap.
     """
     key = target_key(target)
     rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
-             "steps": r["steps_to_target"].get(key), "record": r} for r in records]
+             "seed": int(r.get("seed", 0)), "steps": r["steps_to_target"].get(key),
+             "record": r} for r in records]
     best = fit.best_per_batch_size(rows)
-    tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap, seed=seed)
-    best_records = []
-    for b, lr in zip(best.batch_sizes, best.learning_rates, strict=True):
-        best_records += [r for r in records
-                         if r["batch_size"] == b and r["learning_rate"] == lr]
+    tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap,
+                                seed=joint.data_seed([best]) if seed is None else seed)
+    best_records = [row["record"] for rows_b in best.best_rows for row in rows_b]
     measured = {name: _median([r["noise_at_target"].get(key, {}).get(name)
                                for r in best_records]) for name in ("b_simple", "b_noise")}
     unreached = sorted({(r["batch_size"], r["learning_rate"], r["status"])
@@ -83,17 +84,23 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
                       for b, lr, s in unreached],
         "measured_b_simple": measured["b_simple"], "measured_b_noise": measured["b_noise"],
         "best_trial_ids": [r["trial_id"] for r in best_records],
+        "seed_steps": best.seed_steps, "seed_learning_rates": best.seed_learning_rates,
+        "_table": best,
     }
 
 
-def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool = True
-            ) -> dict[str, Any]:
+def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
+            write: bool = True) -> dict[str, Any]:
     """Fits every target of the sweep in `sweep_dir`.
+
+    Intervals: B_crit at every target and the power law's α_B, B* come from one bootstrap
+    over batch sizes, resampled jointly across targets (`cbs.analysis.joint`); S_min and E_min
+    from the residual bootstrap-t of `fit.fit_tradeoff`. seed: of the bootstrap (None:
+    derived from the records, so the intervals depend on the records alone).
 
     Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
     the fit objects under "fits" (one `cbs.analysis.fit.TradeoffFit` per target, in target
-    order) and
-    "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws.
+    order) and "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws.
     """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
@@ -107,9 +114,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
         {float(k) for r in records for k in r["steps_to_target"]}, reverse=True)
     per_target = [analyze_target(records, t, bootstrap=bootstrap, seed=seed, grid=grid)
                   for t in targets]
-    ok = [t for t in per_target if t["fit"].ok]
-    power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
-                                  bootstrap=bootstrap, seed=seed)
+    power_law, misfit = _joint_fits(per_target, bootstrap, seed)
     analysis = {"sweep_dir": sweep_dir, "num_trials": len(records),
                 "statuses": dict(collections.Counter(r["status"] for r in records)),
                 "target_metric": records[0]["target_metric"],
@@ -117,38 +122,60 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int = 0, write: bool
                 "num_expected": grid["num_expected"], "num_missing": grid["num_missing"],
                 "missing_per_batch_size": {str(b): n for b, n in grid["missing"].items()},
                 "tokens_per_example": _tokens_per_example(definition),
-                "targets": [{**t, "fit": t["fit"].to_dict()} for t in per_target],
-                "power_law": power_law.to_dict(),
+                "targets": [{**{k: v for k, v in t.items() if k != "_table"},
+                             "fit": t["fit"].to_dict()} for t in per_target],
+                "power_law": power_law.to_dict() | {"misfit": misfit},
                 "seeds": seed_spread(records, targets, bootstrap=min(bootstrap, 200))}
     if write:
         metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
 
 
+def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | None
+                ) -> tuple[fit.PowerLawFit, dict[str, Any] | None]:
+    """The power law through the targets' B_crit, and every interval of B_crit and of the
+    power law replaced by the joint batch-size bootstrap (`cbs.analysis.joint`); updates
+    each target's "fit" in place. Returns the power law and the misfit check (or None)."""
+    ok = [t for t in per_target if t["fit"].ok]
+    power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
+                                  bootstrap=0)
+    if bootstrap <= 0 or not ok:
+        return power_law, None
+    tables = [t["_table"] for t in per_target]
+    j = joint.joint_bootstrap(tables, [t["target"] for t in per_target],
+                              [t["fit"] for t in per_target], n=bootstrap, seed=seed)
+    for t, ci in zip(per_target, j.b_crit_ci, strict=True):
+        if t["fit"].ok:
+            t["fit"] = dataclasses.replace(
+                t["fit"], b_crit_ci=ci, interval=f"B_crit: {joint.METHOD_B_CRIT}; S_min, "
+                "E_min: residual bootstrap-t",
+                warnings=fit.tradeoff_warnings(np.asarray(t["batch_sizes"]), t["fit"].b_crit,
+                                               ci))
+    if power_law.ok:
+        power_law = dataclasses.replace(
+            power_law, alpha_b_ci=j.alpha_b_ci, b_star_ci=j.b_star_ci, slope_ci=j.slope_ci,
+            interval=joint.METHOD_POWER_LAW)
+    return power_law, j.to_dict()
+
+
 def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
                 bootstrap: int = 200) -> list[dict[str, Any]]:
     """Per target, B_crit fitted on each training seed's trials alone, and how far the seeds'
-    steps S at the (seed-mean) best learning rate of each batch size lie apart: the
-    median and largest of (max − min)/mean over batch sizes. Empty with one seed."""
+    fewest steps S at each batch size lie apart: the median and largest of (max − min)/mean
+    over batch sizes. Empty with one seed."""
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     if len(seeds) < 2:
         return []
     out = []
     for target in targets:
-        key = target_key(target)
         per_seed = {}
         for sd in seeds:
             one = [r for r in records if int(r.get("seed", 0)) == sd]
             t = analyze_target(one, target, bootstrap=bootstrap)
             per_seed[str(sd)] = t["fit"].b_crit if t["fit"].ok else None
         best = analyze_target(records, target, bootstrap=0)
-        spreads = []
-        for b, lr in zip(best["batch_sizes"], best["learning_rates"], strict=True):
-            s = [r["steps_to_target"].get(key) for r in records
-                 if r["batch_size"] == b and r["learning_rate"] == lr]
-            s = [float(x) for x in s if x is not None and math.isfinite(float(x))]
-            if len(s) > 1:
-                spreads.append((max(s) - min(s)) / float(np.mean(s)))
+        spreads = [(max(s) - min(s)) / float(np.mean(s)) for s in best["seed_steps"]
+                   if len(s) > 1]
         out.append({"target": float(target), "b_crit_per_seed": per_seed,
                     "steps_spread_median": float(np.median(spreads)) if spreads else None,
                     "steps_spread_max": float(max(spreads)) if spreads else None})
@@ -306,27 +333,22 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
               f"progress metric `{analysis['target_metric']}`.", "",
               "## B_crit per target", "",
               "S = S_min + E_min/B fitted to the best learning rate at each batch size "
-              "(McCandlish et al. 2018); B_crit = E_min/S_min with a 95% bootstrap-t interval. "
-              "S is the first crossing of the target, interpolated linearly in log loss "
-              "between evaluations. B_simple and B_noise: the noise scale measured when the "
+              "(McCandlish et al. 2018), S being the mean over seeds of each seed's fewest "
+              "steps; B_crit = E_min/S_min. S is the first crossing of the target, "
+              "interpolated linearly in log loss between evaluations. " + _interval_text(
+                  analysis) + " B_simple and B_noise: the noise scale measured when the "
               "best trials passed the target (ratio of window averages, median over batch "
               "sizes). \"(extrapolated)\": B_crit lies outside the batch sizes fitted.", "",
-              summary_table(analysis), ""]
-    pl = analysis["power_law"]
-    if pl["status"] == fit.OK:
-        lines += [f"Power law (Kaplan et al. 2020): B_crit(L) = {_g(pl['b_star'])} / "
-                  f"L^(1/{_g(pl['alpha_b'])}), α_B 95% CI {_ci(pl['alpha_b_ci'])}.", ""]
-    else:
-        lines += [f"Power law B_crit(L): {pl['status']} (needs ≥ 3 targets with a fit).", ""]
+              summary_table(analysis), "", *_power_law_lines(analysis)]
     if analysis.get("tokens_per_example"):
         lines += ["## In tokens, beside Kaplan et al. 2020", "",
                   f"{analysis['tokens_per_example']} tokens per sequence.", "",
                   kaplan_table(analysis), ""]
     if analysis.get("seeds"):
-        lines += ["## Seeds", "", "The fit above uses the mean steps of the seeds at each "
-                  "(B, η); below, the same fit on each seed's trials alone, and how far the "
-                  "seeds' S lie apart at the best learning rates ((max − min)/mean over "
-                  "batch sizes).", "", seed_table(analysis), ""]
+        lines += ["## Seeds", "", "The fit above uses, at each batch size, the mean over "
+                  "seeds of each seed's fewest steps; below, the same fit on each seed's "
+                  "trials alone, and how far the seeds' fewest steps lie apart "
+                  "((max − min)/mean, over batch sizes).", "", seed_table(analysis), ""]
     lines += ["## Learning-rate grid", "", *(f"- {n}" for n in _grid_notes(analysis)), ""]
     notes = _notes(analysis)
     if notes:
@@ -339,6 +361,45 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
     path = os.path.join(sweep_dir, REPORT_FILE)
     metrics.write_atomic(path, "\n".join(lines))
     return path
+
+
+def _interval_text(analysis: dict[str, Any]) -> str:
+    """The sentence naming how the report's intervals were formed."""
+    fits = [t["fit"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
+    if not fits or fits[0].get("b_crit_ci") is None:
+        return "No intervals (no bootstrap)."
+    method = fits[0].get("interval", "residual bootstrap-t")
+    return f"Intervals are 95%: {method}."
+
+
+def _power_law_lines(analysis: dict[str, Any]) -> list[str]:
+    """The power law B_crit(L), its interval and the check that one power law fits."""
+    pl = analysis["power_law"]
+    if pl["status"] != fit.OK:
+        return [f"Power law B_crit(L): {pl['status']} (needs ≥ 3 targets with a fit).", ""]
+    lines = [f"Power law (Kaplan et al. 2020): B_crit(L) = {_g(pl['b_star'])} / "
+             f"L^(1/{_g(pl['alpha_b'])}) (least squares in log B_crit on log L), α_B 95% "
+             f"interval {_ci(pl['alpha_b_ci'])} ({pl.get('interval', 'residual bootstrap-t')})."]
+    m = pl.get("misfit")
+    if m and m.get("misfit_p") is not None:
+        verdict = ("is supported" if m["power_law_supported"] else "is NOT supported")
+        cis = m["local_slope_cis"]
+        targets = [t["target"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
+        local = ", ".join(
+            f"{_g(a)}→{_g(b)}: α {_g(-1 / s)} ({_alpha_ci(ci)})"
+            for a, b, s, ci in zip(targets, targets[1:], m["local_slopes"], cis, strict=False))
+        lines += ["", f"Misfit check: a single power law over L = {_g(max(targets))} → "
+                  f"{_g(min(targets))} {verdict} by the bootstrap covariance of the targets' "
+                  f"log B_crit (generalised least squares, χ² = {m['misfit_q']:.3g} on "
+                  f"{m['misfit_dof']} degrees of freedom, p = {m['misfit_p']:.2g}). Local "
+                  f"α_B between adjacent targets (percentile interval): {local}."]
+    return lines + [""]
+
+
+def _alpha_ci(slope_ci) -> str:
+    if not slope_ci or slope_ci[0] is None:
+        return "–"
+    return _ci(fit.alpha_interval(tuple(slope_ci)))
 
 
 def _missing_text(analysis: dict[str, Any]) -> str:
