@@ -62,8 +62,13 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
     tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap,
                                 seed=joint.data_seed([best]) if seed is None else seed)
     best_records = [row["record"] for rows_b in best.best_rows for row in rows_b]
-    measured = {name: _median([r["noise_at_target"].get(key, {}).get(name)
-                               for r in best_records]) for name in ("b_simple", "b_noise")}
+    measured = {}
+    for name in ("b_simple", "b_noise"):
+        v = [r["noise_at_target"].get(key, {}).get(name) for r in best_records]
+        v = [float(x) for x in v if x is not None and math.isfinite(float(x))]
+        measured |= {f"measured_{name}": _median(v),
+                     f"measured_{name}_min": min(v) if v else math.nan,
+                     f"measured_{name}_max": max(v) if v else math.nan}
     unreached = sorted({(r["batch_size"], r["learning_rate"], r["status"])
                         for r in (u["record"] for u in best.unreached)})
     key_edges = {b: e.get(key) for b, e in (grid or {}).get("edges", {}).items()}
@@ -82,7 +87,7 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
                              if key_edges.get(int(b)) != edges.CAPPED],
         "unreached": [{"batch_size": b, "learning_rate": lr, "status": s}
                       for b, lr, s in unreached],
-        "measured_b_simple": measured["b_simple"], "measured_b_noise": measured["b_noise"],
+        **measured,
         "best_trial_ids": [r["trial_id"] for r in best_records],
         "seed_steps": best.seed_steps, "seed_learning_rates": best.seed_learning_rates,
         "_table": best,

@@ -1,0 +1,74 @@
+"""Tests of cbs.analysis.compare: the cross-study table and figure from small synthetic study
+directories (records written by hand, no training)."""
+
+import json
+import math
+import os
+
+import pytest
+
+from cbs.analysis import compare
+from cbs.results import records, store
+
+S_MIN = 100.0
+
+
+def _study(path, *, b_crit, optimizer, data, noise):
+    """A sweep directory on S = S_MIN(1 + B_crit/B) at two targets whose best trials measured
+    B_simple = noise·B_crit·(B/64)^0.1 and B_noise = B_simple/2 (a spread over batch sizes
+    with median at B = 64 equal to noise·B_crit)."""
+    os.makedirs(path)
+    config = {"data": {"name": data}, "model": {"name": "mlp"}, "optim": {"name": optimizer}}
+    targets = [0.5, 0.2]
+    with open(os.path.join(path, "sweep.json"), "w") as f:
+        json.dump({"config": config, "sweep": {"targets": targets}}, f)
+    out = []
+    for b in (4, 16, 64, 256, 1024):
+        for lr, slow in ((0.01, 1.5), (0.02, 1.0)):
+            steps, noise_at = {}, {}
+            for k, t in enumerate(targets):
+                bc = b_crit * (k + 1)
+                key = store.target_key(t)
+                steps[key] = slow * S_MIN * (1 + bc / b)
+                bs = noise * bc * (b / 64) ** 0.1
+                noise_at[key] = {"b_simple": bs, "b_noise": bs / 2}
+            out.append(store.TrialResult(
+                trial_id=f"b{b}_lr{lr}", index=len(out), batch_size=b, learning_rate=lr,
+                seed=0, status="done", target_metric="full_train/loss",
+                steps_to_target=steps,
+                examples_to_target={k: v * b for k, v in steps.items()},
+                noise_at_target=noise_at, final_steps=1000, final_metric=0.1,
+                curve={"step": [0, 1000], "examples": [0, 1000 * b]}, seconds=0.0).to_json())
+    records.append_records(store.SweepStore(path).path, out)
+    return path
+
+
+def test_cross_study_table_and_figure(tmp_path):
+    a = _study(str(tmp_path / "adam_task"), b_crit=20.0, optimizer="adam", data="digits",
+               noise=0.625)
+    b = _study(str(tmp_path / "sgd_task"), b_crit=200.0, optimizer="sgd", data="mnist1d",
+               noise=4.0)
+    rows = compare.collect([a, b], bootstrap=0)
+    assert [(r["study"], r["target"]) for r in rows] == [
+        ("adam_task", 0.5), ("adam_task", 0.2), ("sgd_task", 0.5), ("sgd_task", 0.2)]
+    first = rows[0]
+    assert first["task"] == "digits/mlp" and first["optimizer"] == "adam"
+    assert first["b_crit"] == pytest.approx(20.0, rel=1e-6)
+    # Median over the 5 batch sizes is the B = 64 value; min and max at B = 4 and 1024.
+    assert first["b_simple"] == pytest.approx(12.5, rel=1e-9)
+    assert first["b_simple_range"] == pytest.approx((12.5 * (4 / 64) ** 0.1,
+                                                      12.5 * (1024 / 64) ** 0.1), rel=1e-9)
+    assert first["ratio_b_simple"] == pytest.approx(1.6, rel=1e-6)
+    assert first["ratio_b_noise"] == pytest.approx(3.2, rel=1e-6)
+    assert rows[3]["ratio_b_simple"] == pytest.approx(0.25, rel=1e-6)
+    s = compare.summary(rows)
+    assert s["b_crit_decades"] == pytest.approx(math.log10(400 / 20), rel=1e-6)
+    assert s["b_simple"]["within_2x"] == 0.5 and s["b_simple"]["within_10x"] == 1.0
+    assert s["b_noise"]["within_2x"] == 0.0
+    path = compare.write_report([a, b], str(tmp_path / "out"), bootstrap=50)
+    text = open(path).read()
+    assert "| adam_task | digits/mlp | adam | 0.5 | 20 (" in text
+    assert "| 1.6 | 3.2 |" in text  # the two ratios of the first point
+    assert os.path.getsize(tmp_path / "out" / compare.FIGURE_FILE) > 10_000
+    with pytest.raises(ValueError, match="no finished trials"):
+        compare.collect([str(tmp_path)], bootstrap=0)
