@@ -274,3 +274,12 @@ def test_noise_scale_at_crossing_is_ratio_of_window_means():
                                          500.0, window=10.0, min_points=2)
     assert sparse == pytest.approx((2.0 + 3.0) / 2.0)
     assert math.isnan(fit.noise_scale_at_crossing(steps, trace_sigma, grad_sq, None))
+
+
+def test_steps_proportional_to_one_over_b_give_an_unbounded_status_not_infinity():
+    """S = 384/B at every B tried (perfect scaling, no floor): least squares drives S_min to 0
+    and B_crit to ∞; the fit says B_crit exceeds the largest batch size instead."""
+    b = np.array([8.0, 32.0, 128.0])
+    f = fit.fit_tradeoff(b, 384.0 / b, bootstrap=50)
+    assert not f.ok and f.status.startswith("unbounded") and "B_crit > 128" in f.status
+    assert math.isnan(f.b_crit)

@@ -281,7 +281,15 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
     b_crit = float(np.exp(theta[1] - theta[0]))
-    cis = [(math.nan, math.nan)] * 3
+    nan2 = (math.nan, math.nan)
+    if not (s_min > 0 and math.isfinite(b_crit) and b_crit < 1e6 * b.max()):
+        # S ∝ 1/B at every batch size tried: the floor S_min is not reached, B_crit is only
+        # known to exceed the largest B (and a least-squares S_min → 0 would call it ∞).
+        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size),
+                           int(np.unique(b).size), n_dropped,
+                           f"unbounded: S falls as 1/B up to the largest batch size, so "
+                           f"B_crit > {b.max():g}", method, confidence)
+    cis = [nan2] * 3
     if bootstrap > 0:
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
