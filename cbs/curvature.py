@@ -1,7 +1,13 @@
-"""`cbs.curvature`: the public import path of `cbs.stats.curvature` (the same module object)."""
+"""`cbs.curvature`: the public API of `cbs.stats.curvature`, re-exported.
 
-import sys
+Hessian-vector products, and the pytree helpers the noise statistics are built from.
+"""
 
-from cbs.stats import curvature as _module
-
-sys.modules[__name__] = _module
+from cbs.stats.curvature import (  # noqa: F401
+    block_quadratic_forms,
+    hvp,
+    hvp_fn,
+    tree_cast_like,
+    tree_dot,
+    vhv,
+)

@@ -1,7 +1,23 @@
-"""`cbs.fit`: the public import path of `cbs.analysis.fit` (the same module object)."""
+"""`cbs.fit`: the public API of `cbs.analysis.fit`, re-exported.
 
-import sys
+Fits of the steps–examples trade-off and of B_crit against loss (numpy/scipy, no model).
+"""
 
-from cbs.analysis import fit as _module
-
-sys.modules[__name__] = _module
+from cbs.analysis.fit import (  # noqa: F401
+    INSUFFICIENT,
+    OK,
+    BestPerBatchSize,
+    PowerLawFit,
+    TradeoffFit,
+    alpha_interval,
+    best_per_batch_size,
+    fit_power_law,
+    fit_tradeoff,
+    json_ready,
+    model_log_steps,
+    noise_scale_at_crossing,
+    quantile_interval,
+    steps_to_target,
+    studentized,
+    tradeoff_warnings,
+)

@@ -1,7 +1,22 @@
-"""`cbs.noise`: the public import path of `cbs.stats.noise` (the same module object)."""
+"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported.
 
-import sys
+Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
+"""
 
-from cbs.stats import noise as _module
-
-sys.modules[__name__] = _module
+from cbs.stats.noise import (  # noqa: F401
+    NoiseScaleEMA,
+    NoiseStats,
+    block_quadratic_forms,
+    check_inputs,
+    exact,
+    get_method,
+    group_matrix,
+    hvp_fn,
+    method_names,
+    per_example_sq_norms,
+    probe,
+    register_method,
+    run_auto_axes,
+    two_batch,
+    value_grad_and_stats,
+)

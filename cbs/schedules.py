@@ -1,7 +1,24 @@
-"""`cbs.schedules`: the public import path of `cbs.engine.schedules` (the same module object)."""
+"""`cbs.schedules`: the public API of `cbs.engine.schedules`, re-exported.
 
-import sys
+Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
+"""
 
-from cbs.engine import schedules as _module
-
-sys.modules[__name__] = _module
+from cbs.engine.schedules import (  # noqa: F401
+    LR_RULES,
+    Adaptive,
+    AdaptiveState,
+    Constant,
+    Linear,
+    Step,
+    batch_schedule_from_config,
+    batch_size_trace,
+    coupled_lr,
+    coupled_lr_history,
+    deepseek_v3_schedule,
+    in_sequences,
+    llama3_schedule,
+    lr_multiplier,
+    lr_schedule,
+    lr_schedule_from_config,
+    register,
+)

@@ -1,7 +1,17 @@
-"""`cbs.train`: the public import path of `cbs.engine.trainer` (the same module object)."""
+"""`cbs.train`: the public API of `cbs.engine.trainer`, re-exported.
 
-import sys
+Training runs from a config: set-up, the loop, evaluation, checkpoints, records, resume.
+"""
 
-from cbs.engine import trainer as _module
-
-sys.modules[__name__] = _module
+from cbs.engine.trainer import (  # noqa: F401
+    ENDED,
+    DivergedError,
+    Loop,
+    Measurement,
+    Trainer,
+    TrainState,
+    TrainStep,
+    config_hash,
+    init_train_state,
+    run,
+)
