@@ -11,8 +11,6 @@ import importlib
 import inspect
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cbs"
 ALIASES = {"noise", "curvature", "fit", "schedules", "train", "report"}
 ALLOWED = {  # package -> packages it may import (besides itself)
