@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from cbs.engine import fields
+from cbs.models import registry
 
 # Dense bfloat16 peak FLOP/s of one device, by a substring of `jax.Device.device_kind`
 # (first match in this order). TPU: per chip (v4/v5p: a megacore chip is one device).
@@ -60,24 +61,10 @@ def peak_flops(device: jax.Device | None = None) -> float | None:
 
 def model_flops_per_example(config: Any, input_shape: tuple[int, ...],
                             vocab_size: int | None) -> float | None:
-    """Training FLOPs of one example for the language models ("lm", "transformer"); None for
-    architectures without a formula here."""
-    from cbs.models import lm, transformer
-
-    m, seq_len = config.model, int(input_shape[-1]) if input_shape else 0
-    if m.name == "lm":
-        s = lm.resolve_size(m)
-    elif m.name == "transformer" and m.size in transformer.SIZES:
-        row = transformer.SIZES[m.size]
-        s = lm.LMSize(m.d_model or row.d_model, m.num_layers or row.num_layers,
-                      m.num_heads or row.num_heads, m.d_ff or row.d_ff)
-        # GELU MLP: 2·D·F where the SwiGLU formula counts 3·D·F.
-        s = dataclasses.replace(s, d_ff=2 * s.d_ff // 3)
-    else:
-        return None
-    per_token = lm.lm_flops_per_token(s.d_model, s.num_layers, s.d_ff, vocab_size or 0,
-                                      seq_len)
-    return per_token * seq_len
+    """Training FLOPs of one example from the model's registry entry
+    (`cbs.models.registry.flops_per_example`); None for architectures without a formula."""
+    return registry.flops_per_example(
+        config.model, registry.ModelInputs(tuple(input_shape), None, vocab_size))
 
 
 def rates(examples: int, seconds: float, steps: int, *, tokens_per_example: int = 1,

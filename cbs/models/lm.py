@@ -43,7 +43,7 @@ import ml_collections
 from flax import nnx
 
 from cbs.models.registry import ModelInputs, check_positive, register
-from cbs.models.transformer import rotary
+from cbs.models.transformer import lm_flops_per_token, rotary
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -202,14 +202,6 @@ def lm_fields() -> ml_collections.ConfigDict:
     return c
 
 
-def lm_flops_per_token(d_model: int, num_layers: int, d_ff: int, vocab_size: int,
-                       seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward, no remat recompute):
-    6·N_matmul + 6·L·T·D for attention scores and values (Kaplan et al. 2020, §2.1)."""
-    n_matmul = num_layers * (4 * d_model**2 + 3 * d_model * d_ff) + d_model * vocab_size
-    return 6.0 * n_matmul + 6.0 * num_layers * seq_len * d_model
-
-
 def resolve_size(c: ml_collections.ConfigDict) -> LMSize:
     """The (d_model, num_layers, num_heads, d_ff) that config `c` asks for."""
     if c.size not in LM_SIZES:
@@ -221,7 +213,15 @@ def resolve_size(c: ml_collections.ConfigDict) -> LMSize:
                   c.num_heads or row.num_heads, c.d_ff or row.d_ff)
 
 
-@register("lm", default_config=lm_fields)
+def lm_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> float:
+    """Training FLOPs of one sequence of T = inputs.input_shape[-1] tokens."""
+    s = resolve_size(c)
+    seq_len = int(inputs.input_shape[-1]) if inputs.input_shape else 0
+    return seq_len * lm_flops_per_token(s.d_model, s.num_layers, s.d_ff,
+                                        inputs.vocab_size or 0, seq_len)
+
+
+@register("lm", default_config=lm_fields, flops=lm_flops)
 def build_lm(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) -> LM:
     if inputs.vocab_size is None:
         raise ValueError("model.name='lm' needs vocab_size (a dataset with a vocabulary)")

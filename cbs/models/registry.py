@@ -30,26 +30,32 @@ class ModelInputs:
 
 
 BuildFn = Callable[[ml_collections.ConfigDict, ModelInputs, nnx.Rngs], nnx.Module]
+FlopsFn = Callable[[ml_collections.ConfigDict, ModelInputs], float]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """A registered architecture; `flops` gives the training FLOPs of one example (None:
+    no formula, so throughput records carry no MFU)."""
+
     name: str
     default_config: Callable[[], ml_collections.ConfigDict]
     build: BuildFn
+    flops: FlopsFn | None = None
 
 
 _MODELS: dict[str, ModelSpec] = {}
 
 
-def register(name: str, *, default_config: Callable[[], ml_collections.ConfigDict]
-             ) -> Callable[[BuildFn], BuildFn]:
-    """Decorator registering `build` under `name` (a repeated name is an error)."""
+def register(name: str, *, default_config: Callable[[], ml_collections.ConfigDict],
+             flops: FlopsFn | None = None) -> Callable[[BuildFn], BuildFn]:
+    """Decorator registering `build` under `name` (a repeated name is an error); `flops`:
+    training FLOPs of one example from (model config, inputs), if the model has a formula."""
 
     def wrap(build: BuildFn) -> BuildFn:
         if name in _MODELS:
             raise ValueError(f"model {name!r} is already registered")
-        _MODELS[name] = ModelSpec(name, default_config, build)
+        _MODELS[name] = ModelSpec(name, default_config, build, flops)
         return build
 
     return wrap
@@ -58,6 +64,13 @@ def register(name: str, *, default_config: Callable[[], ml_collections.ConfigDic
 def names() -> tuple[str, ...]:
     """Registered model names, in registration order."""
     return tuple(_MODELS)
+
+
+def flops_per_example(config: ml_collections.ConfigDict, inputs: ModelInputs) -> float | None:
+    """Training FLOPs of one example of the model `config` describes, or None without a
+    formula for that architecture."""
+    spec = get(config.name)
+    return None if spec.flops is None else spec.flops(config, inputs)
 
 
 def get(name: str) -> ModelSpec:

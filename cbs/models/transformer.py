@@ -178,7 +178,28 @@ def transformer_fields() -> ml_collections.ConfigDict:
     return c
 
 
-@register("transformer", default_config=transformer_fields)
+def lm_flops_per_token(d_model: int, num_layers: int, d_ff: int, vocab_size: int,
+                       seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward, no remat recompute):
+    6·N_matmul + 6·L·T·D for attention scores and values (Kaplan et al. 2020, §2.1)."""
+    n_matmul = num_layers * (4 * d_model**2 + 3 * d_model * d_ff) + d_model * vocab_size
+    return 6.0 * n_matmul + 6.0 * num_layers * seq_len * d_model
+
+
+def transformer_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> float | None:
+    """Training FLOPs of one sequence (the LM formula with a GELU MLP: 2·D·F where SwiGLU
+    counts 3·D·F); None for a size not in the table."""
+    if c.size not in SIZES:
+        return None
+    row = SIZES[c.size]
+    seq_len = int(inputs.input_shape[-1]) if inputs.input_shape else 0
+    per_token = lm_flops_per_token(c.d_model or row.d_model, c.num_layers or row.num_layers,
+                                   2 * (c.d_ff or row.d_ff) // 3, inputs.vocab_size or 0,
+                                   seq_len)
+    return seq_len * per_token
+
+
+@register("transformer", default_config=transformer_fields, flops=transformer_flops)
 def build_transformer(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs
                       ) -> TransformerLM:
     if inputs.vocab_size is None:
