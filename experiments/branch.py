@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs.analysis import branch_report
+from cbs.engine import cli, distributed
 from cbs.sweeps import branches
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
     start = time.perf_counter()
     branches.run_branches(_CONFIG.value, _WORKDIR.value, shard=_SHARD.value)
     print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
@@ -46,4 +48,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, outputs=("workdir",))

@@ -9,10 +9,12 @@ traceback; a failed command leaves no empty directories behind.
 User errors are what a user fixes by changing the command: a bad config field or argument,
 an unknown or unprepared dataset, a bad shard spec, a workdir holding another model's
 checkpoint (all `ValueError`s raised by cbs or experiments code with a message naming what to
-change), and file-system errors (missing, read-only, a file where a directory should be, an
-unreachable network: `OSError`). They print `error: <message>` on stderr and exit with status
-2. Anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1`
-shows the traceback of user errors too.
+change), file-system errors (missing, read-only, a file where a directory should be, an
+unreachable network: `OSError`), and a feature whose optional extra is not installed (the
+`ImportError` that cbs raises naming the install line, e.g. `pip install -e ".[tfds]"`).
+They print `error: <message>` on stderr and exit with status 2. Anything else is a bug and
+keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1` shows the traceback of user
+errors too.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
@@ -53,9 +55,17 @@ def _raised_in_our_code(err: BaseException) -> bool:
         _OUR_CODE)
 
 
+def is_missing_extra(err: BaseException) -> bool:
+    """The ImportError cbs raises for a feature whose extra is missing (it names the
+    `pip install` line); an ImportError of a broken installation stays a bug."""
+    return (isinstance(err, ImportError) and "pip install" in str(err)
+            and _raised_in_our_code(err))
+
+
 def is_user_error(err: BaseException) -> bool:
-    """File-system errors, and ValueErrors that cbs or experiments code raised on purpose."""
-    if isinstance(err, OSError):
+    """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
+    missing optional extra."""
+    if isinstance(err, OSError) or is_missing_extra(err):
         return True
     return isinstance(err, ValueError) and _raised_in_our_code(err)
 

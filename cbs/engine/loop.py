@@ -306,6 +306,8 @@ class Loop:
         """Runs to the end; returns the summary (also written to status.json)."""
         self.start = time.perf_counter()
         c = self.config
+        if c.train.tensorboard and self.primary:
+            writer.summary_writer_class()  # a missing extra stops the run before any file
         self._restore_or_init()
         save_config(c, self.workdir)
         self.writer = writer.MetricsWriter(
