@@ -16,6 +16,10 @@ They print `error: <message>` on stderr and exit with status 2. Anything else is
 keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1` shows the traceback of user
 errors too.
 
+SIGTERM (a preemption) makes the running training save a checkpoint and stop
+(`cbs.engine.preemption`): the command prints `preempted: <where, how to resume>` on stderr
+and exits with status 143; rerunning it resumes.
+
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
 created).
@@ -29,6 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
+
+from cbs.engine import preemption
 
 VERBOSE_ENV = "CBS_VERBOSE"
 USER_ERROR_EXIT = 2
@@ -120,6 +126,9 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         created = [p for p in map(_first_missing, _outputs(outputs)) if p is not None]
         try:
             return main(argv)
+        except preemption.Preempted as err:
+            print(f"preempted: {message(err)}", file=sys.stderr)
+            sys.exit(preemption.EXIT_STATUS)
         except Exception as err:
             for path in created:
                 remove_if_empty(path)
@@ -177,5 +186,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
-    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`)."""
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`) and SIGTERM
+    turned into a checkpoint and exit status 143 (`cbs.engine.preemption`)."""
+    preemption.install()
     app.run(guarded(main, outputs), flags_parser=parse_flags)
