@@ -2,6 +2,11 @@
 
     python benchmarks/data_throughput.py           # full
     python benchmarks/data_throughput.py --quick   # fewer repeats and batch sizes
+    python benchmarks/data_throughput.py --datasets=digits,mnist1d
+
+By default every dataset whose extra is installed is measured (mnist1d needs `[mnist1d]`;
+without it that row is skipped with a note on stderr); a dataset named in --datasets whose
+extra is missing stops with a one-line error (exit status 2).
 
 For digits and mnist1d (MLP 256-256, Adam) and shakespeare_char (T=128; embedding, a
 4-character causal context and an MLP, Adam) at several batch sizes B it times:
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 
 import jax
@@ -28,6 +34,7 @@ import numpy as np
 import optax
 
 import cbs.data as data
+from cbs.engine import cli
 
 _PER_CALL = 16  # batches gathered per jit call in the device measurement
 
@@ -136,19 +143,42 @@ def measure(name, ds, model, batch_size, calls, repeats, seed=0):
             "step": rate(t_step), "step+gather": rate(t_step_gather)}
 
 
-def main() -> None:
+_DATASETS = {  # name -> (get_dataset kwargs, model, quick sizes, full sizes)
+    "digits": ({}, mlp_model, (32, 256, 1024), (32, 128, 512, 1024)),
+    "mnist1d": ({}, mlp_model, (32, 256, 1024), (32, 128, 512, 2048)),
+    "shakespeare_char": ({"seq_len": 128}, char_model, (16, 64, 256), (16, 64, 256, 512)),
+}
+
+
+def _plan(names, quick):
+    """(name, dataset, model, sizes) per dataset; one whose extra is missing is skipped with a
+    note when it was not asked for by name."""
+    plan = []
+    for name in names or _DATASETS:
+        kwargs, model, quick_sizes, sizes = _DATASETS[name]
+        try:
+            ds = data.get_dataset(name, **kwargs)
+        except ImportError as err:
+            if names or not cli.is_missing_extra(err):
+                raise
+            print(f"{name} skipped: {err}", file=sys.stderr)
+            continue
+        plan.append((name, ds, model, quick_sizes if quick else sizes))
+    return plan
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and batch sizes")
-    args = parser.parse_args()
+    parser.add_argument("--datasets", default="", help="comma-separated subset of "
+                        f"{','.join(_DATASETS)} (default: all whose extra is installed)")
+    args = parser.parse_args(argv)
     calls, repeats = (8, 3) if args.quick else (30, 5)
-    plan = [
-        ("digits", data.get_dataset("digits"), mlp_model,
-         (32, 256, 1024) if args.quick else (32, 128, 512, 1024)),
-        ("mnist1d", data.get_dataset("mnist1d"), mlp_model,
-         (32, 256, 1024) if args.quick else (32, 128, 512, 2048)),
-        ("shakespeare_char", data.get_dataset("shakespeare_char", seq_len=128), char_model,
-         (16, 64, 256) if args.quick else (16, 64, 256, 512)),
-    ]
+    names = [n for n in args.datasets.split(",") if n]
+    if set(names) - set(_DATASETS):
+        parser.error(f"--datasets: unknown {sorted(set(names) - set(_DATASETS))}; choose "
+                     f"from {','.join(_DATASETS)}")
+    plan = _plan(names, args.quick)
     print(f"backend: {jax.default_backend()}, devices: {jax.device_count()}, "
           f"quick: {args.quick}\n")
     print("| dataset | model | B | device gather ex/s | host loader ex/s | train step ex/s "
@@ -165,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.guarded(lambda argv: main(argv[1:]))(sys.argv)  # user errors: one line, status 2

@@ -1,32 +1,10 @@
 """Fit a finished sweep and write its report: python -m experiments.analyze --sweep_dir=DIR.
 
-Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
-analysis.json, figures/*.png and report.md there, and prints B_crit per target beside the
-measured B_simple and B_noise. An unfinished sweep (trials missing, e.g. a shard not run) is
-refused with the count per batch size, unless --partial.
+The command lives in `cbs.commands.analyze` (installed as the `cbs-analyze` console script); this
+module keeps `python -m experiments.analyze` working from a checkout.
 """
 
-from __future__ import annotations
-
-from absl import flags
-
-from cbs.analysis import report
-from cbs.engine import cli
-
-_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
-_BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
-_PARTIAL = flags.DEFINE_bool("partial", False, "Write the report of an unfinished sweep, "
-                             "headed as partial (otherwise refused).")
-flags.mark_flags_as_required(["sweep_dir"])
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value,
-                               partial=_PARTIAL.value)
-    print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
-    print(f"report: {path}")
-
+from cbs.commands.analyze import main, run  # noqa: F401 (defines the command's flags)
 
 if __name__ == "__main__":
-    cli.run(main, outputs=("sweep_dir",))
+    run()

@@ -1,57 +1,10 @@
 """Run a batch-size sweep, then (by default) fit it and write the report.
 
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
-    python -m experiments.sweep --config=...:tiny --sweep_dir=/tmp/s --config.sweep.seeds=0,1
-    python -m experiments.sweep --config=... --sweep_dir=DIR --shard=3/8 --noanalyze  # array job
-
-The config is validated before anything is written. Re-running the same command skips
-finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only
-trial indices ≡ i (mod n) run, so n copies of the command (Slurm array, Kubernetes indexed
-job, ...) cover the sweep; learning rates added past edge optima (`sweep.extend_lr_rounds`)
-may need the shards run a second time. Run `experiments.analyze` once they are all done.
---redefine changes the grid of an existing directory, keeping the finished trials still in
-it. Two launchers on one directory share its groups of trials. Files: see
-`cbs.results.store`.
+The command lives in `cbs.commands.sweep` (installed as the `cbs-sweep` console script); this
+module keeps `python -m experiments.sweep` working from a checkout.
 """
 
-from __future__ import annotations
-
-import time
-
-from absl import flags, logging
-from ml_collections import config_flags
-
-from cbs.analysis import report
-from cbs.engine import cli, distributed
-from cbs.sweeps import launch
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
-                                          "`sweep` section.", lock_config=True)
-_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep directory (records, checkpoints).")
-_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the trials: i/n.")
-_ANALYZE = flags.DEFINE_bool("analyze", True, "Fit and write the report after the trials "
-                             "(needs every trial finished; off for shards).")
-_BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
-_REDEFINE = flags.DEFINE_bool("redefine", False, "Accept a changed grid (batch sizes, learning "
-                              "rates, seeds, extension rules) for an existing --sweep_dir; "
-                              "finished trials still in the grid are kept.")
-flags.mark_flags_as_required(["config", "sweep_dir"])
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
-    start = time.perf_counter()
-    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value, shard=_SHARD.value,
-                     redefine=_REDEFINE.value)
-    print(f"trials done in {time.perf_counter() - start:.0f} s")
-    if _ANALYZE.value and not _SHARD.value:
-        path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value)
-        print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
-        print(f"report: {path}  (total {time.perf_counter() - start:.0f} s)")
-
+from cbs.commands.sweep import main, run  # noqa: F401 (defines the command's flags)
 
 if __name__ == "__main__":
-    cli.run(main, outputs=("sweep_dir",))
+    run()

@@ -30,8 +30,25 @@ def test_every_notebook_is_numbered_titled_and_linked_from_readme():
         nb = nbformat.read(path, as_version=4)
         title = nb.cells[0].source.splitlines()[0]
         assert nb.cells[0].cell_type == "markdown" and title.startswith(f"# {path.stem[:2]} ·")
-        badge = f"colab.research.google.com/github/<owner>/cbs/blob/main/notebooks/{path.name}"
-        assert badge in readme, f"README.md has no Open-in-Colab link to {path.name}"
+        assert f"](notebooks/{path.name})" in readme, f"README.md has no link to {path.name}"
+        assert f"`{path.stem}`" in (NOTEBOOK_DIR / "README.md").read_text(), (
+            f"notebooks/README.md does not list {path.name}")
+
+
+def test_no_link_points_at_a_placeholder():
+    for path in [NOTEBOOK_DIR.parent / "README.md", NOTEBOOK_DIR / "README.md", *NOTEBOOKS]:
+        text = path.read_text()
+        for placeholder in ("<owner>", "<user>", "YOUR_", "<your"):
+            assert placeholder not in text, f"{path.name} holds the placeholder {placeholder}"
+
+
+def test_setup_cell_needs_only_repo_url_in_colab_and_installs_a_checkout():
+    """The first cell: REPO_URL is empty (the one variable to set in Colab); in a checkout it
+    installs the checkout in development mode when cbs is not importable."""
+    for path in NOTEBOOKS:
+        first = _code(nbformat.read(path, as_version=4))[0]
+        assert 'REPO_URL = ""  # <-- set in Colab' in first, path.name
+        assert '[*pip, "-e", str(REPO_DIR)]' in first and 'find_spec("cbs") is None' in first
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

@@ -9,10 +9,16 @@ traceback; a failed command leaves no empty directories behind.
 User errors are what a user fixes by changing the command: a bad config field or argument,
 an unknown or unprepared dataset, a bad shard spec, a workdir holding another model's
 checkpoint (all `ValueError`s raised by cbs or experiments code with a message naming what to
-change), and file-system errors (missing, read-only, a file where a directory should be, an
-unreachable network: `OSError`). They print `error: <message>` on stderr and exit with status
-2. Anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1`
-shows the traceback of user errors too.
+change), file-system errors (missing, read-only, a file where a directory should be, an
+unreachable network: `OSError`), and a feature whose optional extra is not installed (the
+`ImportError` that cbs raises naming the install line, e.g. `pip install -e ".[tfds]"`).
+They print `error: <message>` on stderr and exit with status 2. Anything else is a bug and
+keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1` shows the traceback of user
+errors too.
+
+SIGTERM (a preemption) makes the running training save a checkpoint and stop
+(`cbs.engine.preemption`): the command prints `preempted: <where, how to resume>` on stderr
+and exits with status 143; rerunning it resumes.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
@@ -27,6 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
+
+from cbs.engine import preemption
 
 VERBOSE_ENV = "CBS_VERBOSE"
 USER_ERROR_EXIT = 2
@@ -53,9 +61,17 @@ def _raised_in_our_code(err: BaseException) -> bool:
         _OUR_CODE)
 
 
+def is_missing_extra(err: BaseException) -> bool:
+    """The ImportError cbs raises for a feature whose extra is missing (it names the
+    `pip install` line); an ImportError of a broken installation stays a bug."""
+    return (isinstance(err, ImportError) and "pip install" in str(err)
+            and _raised_in_our_code(err))
+
+
 def is_user_error(err: BaseException) -> bool:
-    """File-system errors, and ValueErrors that cbs or experiments code raised on purpose."""
-    if isinstance(err, OSError):
+    """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
+    missing optional extra."""
+    if isinstance(err, OSError) or is_missing_extra(err):
         return True
     return isinstance(err, ValueError) and _raised_in_our_code(err)
 
@@ -110,6 +126,9 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         created = [p for p in map(_first_missing, _outputs(outputs)) if p is not None]
         try:
             return main(argv)
+        except preemption.Preempted as err:
+            print(f"preempted: {message(err)}", file=sys.stderr)
+            sys.exit(preemption.EXIT_STATUS)
         except Exception as err:
             for path in created:
                 remove_if_empty(path)
@@ -167,5 +186,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
-    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`)."""
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`) and SIGTERM
+    turned into a checkpoint and exit status 143 (`cbs.engine.preemption`)."""
+    preemption.install()
     app.run(guarded(main, outputs), flags_parser=parse_flags)

@@ -94,7 +94,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.divergence_patience = 3  # ... for this many consecutive steps (a shorter spike
     #   that recovers is not a divergence)
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
-    c.train.tensorboard = True  # TensorBoard events in workdir/tensorboard (process 0)
+    c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;
+    #   needs the [tensorboard] extra, checked before anything is written)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.enabled = True  # evaluate at all (every eval.every steps and at the end of the run)

@@ -23,12 +23,12 @@ from typing import Any, Protocol
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, schedules, throughput, writer
+from cbs.engine import checkpoint, preemption, schedules, throughput, writer
 from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import records as metrics
 
 StopFn = Callable[[int, dict[str, Any]], bool]
-ENDED = ("finished", "stopped", "diverged")
+ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
 
 
 class DivergedError(FloatingPointError):
@@ -270,6 +270,11 @@ class Loop:
         c, tr = self.config, self.driver
         last_eval = -1
         while True:
+            if preemption.requested():
+                self._read(keep_newest=False)
+                if self.t != self.last_saved:
+                    self._save()
+                raise preemption.Preempted(f"preempted (SIGTERM) at step {self.t}")
             done = self._done()
             evaluate = c.eval.enabled and (done or tr.evaluation_due(self.t))
             evaluated = evaluate and self.t != last_eval
@@ -306,6 +311,8 @@ class Loop:
         """Runs to the end; returns the summary (also written to status.json)."""
         self.start = time.perf_counter()
         c = self.config
+        if c.train.tensorboard and self.primary:
+            writer.summary_writer_class()  # a missing extra stops the run before any file
         self._restore_or_init()
         save_config(c, self.workdir)
         self.writer = writer.MetricsWriter(
@@ -328,6 +335,13 @@ class Loop:
             if raise_on_divergence:
                 raise DivergedError(message, summary) from None
             return summary
+        except preemption.Preempted as err:
+            self.ckpt.wait()
+            message = (f"{err}: checkpoint at step {self.ckpt.latest_step()} in "
+                       f"{self.ckpt.directory}; rerun the same command to resume")
+            summary = self._summary("preempted", message)
+            self._write_status(summary)
+            raise preemption.Preempted(message, summary) from None
         finally:
             self.perf.close()  # perf hook
             self.ckpt.close()

@@ -24,9 +24,11 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
   noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
   data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy.
-- `status.json`: status ("running" | "finished" | "stopped" | "diverged"), step,
+- `status.json`: status ("running" | "preempted" | "finished" | "stopped" | "diverged"), step,
   examples_seen, checkpoint_step, message, config_hash, last train and eval records.
-- `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files.
+- `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files (when on).
+SIGTERM after `cbs.engine.preemption.install()` (the entry points call it) saves a checkpoint at
+the current step and raises `Preempted` with status "preempted".
 A restart with the same command resumes from the latest checkpoint and first drops records
 at or after its step, so the records equal an uninterrupted run's. A run whose status.json
 says it ended, with the same config, is not run again: its summary is returned.

@@ -27,6 +27,16 @@ from cbs.results.records import METRICS_FILE, append_records, plain_value, trunc
 TENSORBOARD_DIR = "tensorboard"
 
 
+def summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as err:
+        raise ImportError("config.train.tensorboard=True needs tensorboardX: "
+                          'pip install -e ".[tensorboard]" (or set it to False)') from err
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Appends records to `metrics.jsonl` and TensorBoard; shows a progress bar.
 
@@ -41,7 +51,7 @@ class MetricsWriter:
 
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
                  total_steps: int | None = None, enabled: bool = True, progress: bool = True,
-                 tensorboard: bool = True):
+                 tensorboard: bool = False):
         self.enabled = enabled
         self.path = paths.join(workdir, METRICS_FILE)
         self._tb = self._bar = self._fd = None
@@ -54,14 +64,7 @@ class MetricsWriter:
         if not paths.is_remote(self.path):
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as err:
-                raise ImportError("config.train.tensorboard=True needs tensorboardX: "
-                                  'pip install -e ".[tensorboard]" (or set it to False)'
-                                  ) from err
-
-            self._tb = SummaryWriter(paths.join(workdir, TENSORBOARD_DIR),
+            self._tb = summary_writer_class()(paths.join(workdir, TENSORBOARD_DIR),
                                      purge_step=start_step if start_step > 0 else None)
         if progress:
             from tqdm.auto import tqdm

@@ -29,6 +29,7 @@ import ml_collections
 
 from cbs import data, models
 from cbs.engine import config as config_lib
+from cbs.engine import preemption
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial, grid_trials, make_trials, parse_shard, shard_trials, trial_table
 from cbs.sweeps.groups import TrialGroup
@@ -132,6 +133,7 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
     """Runs each group this process can claim; skips groups another process is running."""
     results: list[TrialResult] = []
     for group in _groups(todo, vmap):
+        preemption.check(f"before {_claim_name(group)}")  # finished groups are recorded
         fd = store.claim(_claim_name(group))
         if fd is None:
             log(f"{_claim_name(group)}: running in another process")

@@ -1,0 +1,39 @@
+"""Fit a finished sweep and write its report: python -m experiments.analyze --sweep_dir=DIR.
+
+Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
+analysis.json, figures/*.png and report.md there, and prints B_crit per target beside the
+measured B_simple and B_noise. An unfinished sweep (trials missing, e.g. a shard not run) is
+refused with the count per batch size, unless --partial.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from cbs import commands
+from cbs.analysis import report
+from cbs.engine import cli
+
+_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
+_BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
+_PARTIAL = flags.DEFINE_bool("partial", False, "Write the report of an unfinished sweep, "
+                             "headed as partial (otherwise refused).")
+flags.mark_flags_as_required(["sweep_dir"])
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value,
+                               partial=_PARTIAL.value)
+    print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
+    print(f"report: {path}")
+
+
+def run() -> None:
+    """The `cbs-analyze` console script (and `python -m experiments.analyze`)."""
+    commands.make_configs_importable()
+    cli.run(main, outputs=("sweep_dir",))
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,58 @@
+"""Local critical batch size by branched training, then its table and figure.
+
+    python -m experiments.branch --config=experiments/configs/digits_branch.py \
+        --workdir=runs/digits_branch --sweep_dir=runs/digits
+    python -m experiments.branch --config=... --workdir=DIR --shard=2/4 --noreport  # array job
+
+Trains (or resumes) the reference run, then this shard's branch units (see
+`cbs.sweeps.branches`); re-running the same command skips finished units. With --report
+(default, not for shards) prints the table of B* per branch point and writes
+workdir/local_cbs.png (with the swept B_crit of --sweep_dir when given).
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from cbs import commands
+from cbs.analysis import branch_report
+from cbs.engine import cli, distributed
+from cbs.sweeps import branches
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
+                                          "`branch` section.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Study directory (reference run, records).")
+_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep of the same model (optional): its "
+                                 "B_crit per target goes into the figure.")
+_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the branch units: i/n.")
+_REPORT = flags.DEFINE_bool("report", True, "Print the table and write the figure.")
+_FIGURE = flags.DEFINE_string("figure", None, "Figure path (default workdir/local_cbs.png).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
+    start = time.perf_counter()
+    branches.run_branches(_CONFIG.value, _WORKDIR.value, shard=_SHARD.value)
+    print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
+    if _REPORT.value and not _SHARD.value:
+        print(branch_report.summary_table(branch_report.summarize(_WORKDIR.value)))
+        path = branch_report.plot_local_cbs(_WORKDIR.value, sweep_dir=_SWEEP_DIR.value,
+                                            path=_FIGURE.value)
+        print(f"figure: {path}  (total {time.perf_counter() - start:.0f} s)")
+
+
+def run() -> None:
+    """The `cbs-branch` console script (and `python -m experiments.branch`)."""
+    commands.make_configs_importable()
+    cli.run(main, outputs=("workdir",))
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,59 @@
+"""Train one run from a config file: python -m experiments.main --config=... --workdir=DIR.
+
+    python -m experiments.main --config=experiments/configs/digits_mlp.py:tiny \
+        --workdir=/tmp/digits --config.optim.learning_rate=3e-3
+
+The same command resumes from the latest checkpoint in --workdir; a run that already ended
+prints its summary again. Several hosts: start the same command on each; on a TPU pod slice,
+under Slurm (srun) or Open MPI (mpirun) the processes find each other by themselves
+(`cbs.engine.distributed`), elsewhere add --coordinator_address=HOST:PORT --num_processes=N
+--process_id=I (see docs/scaling.md). Records are described in
+`cbs.engine.trainer`; the exit status is 1 when the run diverged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+from absl import flags, logging
+from ml_collections import config_flags
+
+from cbs import commands
+from cbs.engine import cli, distributed
+from cbs.engine import trainer as train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (records, checkpoints).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 for multi-host runs.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    try:
+        summary = train.run(_CONFIG.value, _WORKDIR.value)
+    except train.DivergedError as err:
+        print(f"diverged: {err}", file=sys.stderr)
+        sys.exit(1)
+    if jax.process_index() == 0:
+        keep = ("status", "step", "examples_seen", "last_eval", "elapsed_s")
+        print(json.dumps({k: summary[k] for k in keep}, indent=1))
+
+
+def run() -> None:
+    """The `cbs-train` console script (and `python -m experiments.main`)."""
+    commands.make_configs_importable()
+    cli.run(main, outputs=("workdir",))
+
+
+if __name__ == "__main__":
+    run()
