@@ -1,7 +1,7 @@
 """The command-line programs, installed as console scripts: `cbs-train`, `cbs-sweep`,
-`cbs-analyze`, `cbs-branch`, `cbs-ramps`, `cbs-compare` (`python -m experiments.<name>` runs the same code
-from a checkout). Each module defines its absl flags and a `run()` entry function; the top
-layer, so it may import every package below it."""
+`cbs-analyze`, `cbs-branch`, `cbs-ramps`, `cbs-compare` (`python -m experiments.<name>` runs
+the same code from a checkout). Each module defines its absl flags and a `run()` entry
+function; the top layer, so it may import every package below it."""
 
 from __future__ import annotations
 
