@@ -94,6 +94,6 @@ def test_store_refuses_a_different_definition(tmp_path):
     store = SweepStore(str(tmp_path))
     store.write_definition({"sweep": {"batch_sizes": [8]}})
     store.write_definition({"sweep": {"batch_sizes": [8]}})  # same: fine
-    with pytest.raises(ValueError, match="different sweep"):
+    with pytest.raises(ValueError, match=r"different grid: sweep.batch_sizes \(\[8\] -> \[16\]\)"):
         store.write_definition({"sweep": {"batch_sizes": [16]}})
     assert json.load(open(os.path.join(tmp_path, SWEEP_FILE)))["sweep"]["batch_sizes"] == [8]

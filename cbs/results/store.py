@@ -44,6 +44,12 @@ SWEEP_FILE = "sweep.json"
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
                "lr_factors", "max_lr", "min_lr", "seeds", "extend_lr_rounds",
                "extend_lr_count")
+# Config fields that change no record: output, profiling and checkpoint spacing (a resume is
+# bit-identical whatever the spacing), and the sections of studies that read a sweep.
+OUTPUT_FIELDS = ("train.progress_bar", "train.tensorboard", "perf.peak_flops",
+                 "perf.profile_start", "perf.profile_steps", "perf.compilation_cache_dir")
+IGNORED_FIELDS = OUTPUT_FIELDS + ("train.checkpoint_every", "train.keep_checkpoints",
+                                  "sweep.checkpoint_every_evals", "ramps", "branch")
 
 
 @dataclasses.dataclass
@@ -105,30 +111,50 @@ class SweepStore:
     def write_definition(self, definition: dict[str, Any], *, redefine: bool = False) -> None:
         """Keeps the first launch's definition; a later launch must match it.
 
-        With `redefine`, a definition that changes only the grid (`GRID_FIELDS`: batch sizes,
-        learning rates, seeds, extension rules) replaces it; finished trials that are still
-        in the new grid keep their records, the others are ignored by the analysis. Any other
-        change (model, budget, targets, ...) needs a new directory: its records would not mean
-        the same thing.
+        `definition["config"]` is the whole resolved config that determines the trials (the
+        sweep section included); fields that do not change a record (`IGNORED_FIELDS`:
+        progress bars, TensorBoard, profiling, checkpoint spacing, the ramps and branch
+        sections) are left out of the comparison. A field that only one of the two
+        definitions holds (a sweep.json written before the field existed) is not compared.
+        With `redefine`, a definition that changes only the grid (`GRID_FIELDS`: batch
+        sizes, learning rates, seeds, extension rules) replaces it; finished trials that are
+        still in the new grid keep their records, the others are ignored by the analysis.
+        Any other change (model, optimizer, budget, targets, ...) needs a new directory: its
+        records would not mean the same thing.
         """
         path = paths.join(self.sweep_dir, SWEEP_FILE)
         previous = metrics.read_json(path)
         plain = json.loads(json.dumps(definition))
-        if previous is None or previous.get("sweep") == plain.get("sweep"):
-            if previous is None or "trials" not in previous:
-                self._makedirs()
+        if previous is None:
+            self._makedirs()
+            metrics.write_json_atomic(path, plain)
+            return
+        changed = definition_diff(previous, plain)
+        if not changed:
+            if "trials" not in previous:
                 metrics.write_json_atomic(path, plain)
             return
+        grid = {f"sweep.{f}" for f in GRID_FIELDS}
+        other = [c for c in changed if c.split(" ")[0] not in grid]
+        if other:
+            raise ValueError(f"{path} holds trials of a different config: {describe(other)}; "
+                             "rerun with the original values, or use a new --sweep_dir")
         if not redefine:
-            raise ValueError(
-                f"{path} holds a different sweep definition; rerun the original command to "
-                "resume it, pass --redefine to change its grid, or use a new --sweep_dir.")
-        changed = sorted(_changed_fields(previous, plain) - set(GRID_FIELDS))
-        if changed:
-            raise ValueError(
-                f"--redefine changes only the grid ({', '.join(GRID_FIELDS)}); this config "
-                f"also changes {', '.join(changed)}: use a new --sweep_dir.")
+            raise ValueError(f"{path} holds a different grid: {describe(changed)}; rerun the "
+                             "original command to resume it, pass --redefine to change its "
+                             "grid, or use a new --sweep_dir")
         metrics.write_json_atomic(path, plain)
+
+    def check_definition(self, definition: dict[str, Any], reader: str) -> None:
+        """Refuses a study that reads this sweep (`reader`, e.g. "config.ramps") with a
+        config whose trials would differ from the recorded ones (as `write_definition`,
+        grid fields included); a directory without sweep.json passes."""
+        previous = self.definition()
+        changed = definition_diff(previous, definition) if previous else []
+        if changed:
+            raise ValueError(f"{reader}: {paths.join(self.sweep_dir, SWEEP_FILE)} holds trials "
+                             f"of a different config: {describe(changed)}; use the sweep's "
+                             "config, or a new --sweep_dir")
 
     def claim(self, name: str, *, wait: bool = False) -> int | None:
         """Takes the lock `<lock_dir>/<name>.lock` (fcntl, released by `release` or when the
@@ -185,23 +211,46 @@ class SweepStore:
         return path
 
 
-def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
-    """Sweep fields (by name) and other config fields (dotted) that differ."""
-    old_sweep, new_sweep = old.get("sweep", {}), new.get("sweep", {})
-    out = {k for k in set(old_sweep) | set(new_sweep) if old_sweep.get(k) != new_sweep.get(k)}
-
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(d, dict):
-            return {prefix: d}
-        items = {}
-        for k, v in d.items():
-            if prefix or k != "sweep":
-                items |= flat(v, f"{prefix}{k}.")
-        return items
-
-    a, b = flat(old.get("config", {})), flat(new.get("config", {}))
-    out |= {f"config.{k.rstrip('.')}" for k in set(a) | set(b) if a.get(k) != b.get(k)}
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as {dotted name: leaf value} (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out |= flatten(v, f"{prefix}.{k}" if prefix else str(k))
     return out
+
+
+def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, Any]:
+    """The flat config of a definition; an old one with only a "sweep" section gives that."""
+    config = dict(definition.get("config") or {})
+    if "sweep" in definition and "sweep" not in config:
+        config["sweep"] = definition["sweep"]
+    return {k: v for k, v in flatten(config).items()
+            if not any(k == f or k.startswith(f + ".") for f in ignored)}
+
+
+def definition_diff(old: dict[str, Any], new: dict[str, Any],
+                    ignored: Sequence[str] = IGNORED_FIELDS) -> list[str]:
+    """The dotted config fields whose values differ, as "name (old -> new)", sorted.
+
+    Only fields both definitions hold are compared (a definition written before a field
+    existed matches on the fields it has); the `ignored` fields (and below) never count.
+    """
+    a, b = (_config_of(json.loads(json.dumps(d)), ignored) for d in (old, new))
+    return [f"{k} ({_short(a[k])} -> {_short(b[k])})" for k in sorted(set(a) & set(b))
+            if a[k] != b[k]]
+
+
+def describe(changed: Sequence[str], limit: int = 6) -> str:
+    """At most `limit` differing fields, then how many more (one line)."""
+    more = f" and {len(changed) - limit} more" if len(changed) > limit else ""
+    return ", ".join(changed[:limit]) + more
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _csv_rows(records: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:

@@ -46,6 +46,7 @@ from cbs.engine import checkpoint, mesh, optim, progress
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.results import paths, records
+from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps.grid import parse_shard
 
 BRANCHES_FILE = "branches.jsonl"
@@ -337,6 +338,29 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
     return [u for u in mine if u not in done]
 
 
+def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes branch.json (the whole config, and the numbers the report reads) before anything
+    trains; a workdir whose branch.json holds a different config is refused in one line
+    naming the differing fields (a branch.json of an older version is compared on the fields
+    it holds)."""
+    definition = {
+        "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
+        "window_examples": window_examples(config),
+        "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name,
+        "config": config.to_dict()}
+    path = os.path.join(workdir, DEFINITION_FILE)
+    previous = records.read_json(path)
+    if previous is not None:
+        old = previous.get("config") or {"branch": previous.get("branch", {})}
+        changed = definition_diff({"config": old}, definition, ignored=OUTPUT_FIELDS)
+        if changed:
+            raise ValueError(f"{path} holds a branch study of a different config: "
+                             f"{describe(changed)}; rerun with the original values, or use a "
+                             "new workdir")
+    paths.makedirs(workdir)
+    records.write_json_atomic(path, definition)
+
+
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
@@ -344,13 +368,9 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
 
     `stop_after`: run at most this many units (tests: an interrupted study)."""
     validate_branch_config(config)
-    paths.makedirs(workdir)
+    write_definition(config, workdir)
     run_reference(config, workdir, dataset=dataset)
     path = os.path.join(workdir, BRANCHES_FILE)
-    records.write_json_atomic(os.path.join(workdir, DEFINITION_FILE), {
-        "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
-        "window_examples": window_examples(config),
-        "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name})
     records.repair_tail(path)
     runner = BranchRunner(config, workdir, dataset=dataset)
     try:

@@ -31,7 +31,15 @@ from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import preemption
 from cbs.results.store import SweepStore, TrialResult
-from cbs.sweeps.grid import Trial, grid_trials, make_trials, parse_shard, shard_trials, trial_table
+from cbs.sweeps.grid import (
+    Trial,
+    default_sweep_config,
+    grid_trials,
+    make_trials,
+    parse_shard,
+    shard_trials,
+    trial_table,
+)
 from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.trials import run_trial_engine, summarize
 
@@ -67,6 +75,32 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     return trials
 
 
+def resolved_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as a plain dict with every default filled in (engine, model and sweep
+    defaults under what the config sets), less the sections of studies that read a sweep."""
+    base = config_lib.default_config().to_dict()
+    if config.get("model") and config.model.get("name") in models.model_names():
+        base["model"] = models.default_model_config(config.model.name).to_dict()
+    base["sweep"] = default_sweep_config().to_dict()
+    out = _merge(base, config.to_dict())
+    for key in ("ramps", "branch"):
+        out.pop(key, None)
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def sweep_definition(config: ml_collections.ConfigDict, base: list[Trial]) -> dict[str, Any]:
+    """sweep.json: the resolved config that determines the trials, and the base grid."""
+    resolved = resolved_config(config)
+    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base)}
+
+
 def _in_memory(config: ml_collections.ConfigDict) -> bool:
     ds = data.get_dataset(config.data.name, **config.data.options)
     return ds.in_memory("train")
@@ -92,8 +126,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
     base = check_config(config)
     parse_shard(shard)
     store = SweepStore(sweep_dir)
-    store.write_definition({"sweep": config.sweep.to_dict(), "config": config.to_dict(),
-                            "trials": trial_table(base)}, redefine=redefine)
+    store.write_definition(sweep_definition(config, base), redefine=redefine)
     vmap = config.sweep.vmap_trials and _in_memory(config)
     results: list[TrialResult] = []
     cache: dict = {}

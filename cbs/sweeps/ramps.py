@@ -19,6 +19,7 @@ The runs are declared in the config (`config.ramps`, a list of dicts): `label`, 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -31,7 +32,8 @@ from cbs.analysis import fit
 from cbs.analysis.report import RAMPS_FILE
 from cbs.engine import trainer as train
 from cbs.results import records as metrics
-from cbs.results.store import SweepStore, target_key
+from cbs.results.store import SweepStore, definition_diff, describe, target_key
+from cbs.sweeps import launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 RAMPS_DIR = "ramps"
@@ -75,6 +77,34 @@ def _learning_rate(spec: Any, sweep_dir: str) -> float:
     if isinstance(spec, str) and spec.startswith("best@"):
         return best_learning_rate(sweep_dir, int(spec[5:]))
     return float(spec)
+
+
+def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str) -> None:
+    """Refuses, before anything trains, ramps that cannot run beside this sweep: labels that
+    clash, a "best@B" at a batch size the sweep does not train, or a sweep directory whose
+    trials were trained with a different config (`SweepStore.check_definition`)."""
+    labels = [run["label"] for run in config.ramps]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+    sizes = sorted({int(b) for b in config.sweep.batch_sizes})
+    for i, run in enumerate(config.ramps):
+        spec = run["learning_rate"]
+        if isinstance(spec, str) and spec.startswith("best@") and int(spec[5:]) not in sizes:
+            raise ValueError(f"config.ramps[{i}].learning_rate: {spec!r} names a batch size the"
+                             f" sweep does not train (config.sweep.batch_sizes={sizes})")
+    SweepStore(sweep_dir).check_definition(
+        launch.sweep_definition(config, launch.make_trials(config.sweep)), "config.ramps")
+
+
+def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> None:
+    """A ramp recorded under this label with another spec is refused (older records, without
+    a spec, are accepted)."""
+    old = done[run["label"]].get("spec")
+    new = json.loads(json.dumps(run))
+    if old is not None and old != new:
+        diff = describe(definition_diff({"config": old}, {"config": new}) or ["its fields"])
+        raise ValueError(f"config.ramps: {run['label']!r} is recorded with a different spec "
+                         f"({diff}); give the changed ramp a new label")
 
 
 def ramp_config(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
@@ -132,15 +162,14 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     `mesh` defaults to `config.mesh`; a schedule's batch sizes must be multiples of
     micro_batch × data replicas.
     """
+    check_ramps(config, sweep_dir)
     path = os.path.join(sweep_dir, RAMPS_FILE)
-    done = {r["label"] for r in metrics.read_records(path, required=("label",))}
-    labels = [run["label"] for run in config.ramps]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
-    run_dirs = _run_dirs(sweep_dir, labels)
+    done = {r["label"]: r for r in metrics.read_records(path, required=("label",))}
+    run_dirs = _run_dirs(sweep_dir, [run["label"] for run in config.ramps])
     for run in config.ramps:
         run = dict(run)
         if run["label"] in done:
+            _check_recorded(done, run)
             continue
         c = ramp_config(config, run, sweep_dir)
         workdir = run_dirs[run["label"]]
@@ -149,6 +178,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
         records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
         status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
         rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
+        rec["spec"] = json.loads(json.dumps(run))
         metrics.append_records(path, [rec])
         cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                           for k, s in rec["steps_to_target"].items())

@@ -42,9 +42,13 @@ def get_config(arg: str = ""):
         _ramp("linear (DeepSeek-V3)", ramp_deepseek_style, 32),
         _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 10},
     ]
-    if "tiny" in base.parse_arg(arg):  # thresholds within the tiny budget (~600 examples)
-        step = {"kind": "step", "steps": ((0, 16), (128, 32), (384, 64))}
+    if "tiny" in base.parse_arg(arg):  # thresholds within the tiny budget (~600 examples);
+        #   every ramp starts at B = 8, a batch size of the tiny sweep (8, 32, 128)
+        step = {"kind": "step", "steps": ((0, 8), (128, 16), (384, 32))}
+        adaptive = ramp_adaptive.SCHEDULE | {"min_batch": 8, "initial": 8, "multiple": 8}
+        small = {"micro_batch": 8}
         c.ramps = [_fixed(32),
-                   _ramp("step", ramp_llama3_style, 16) | {"schedule": step},
-                   _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 5}]
+                   _ramp("step", ramp_llama3_style, 8) | {"schedule": step} | small,
+                   _ramp("adaptive", ramp_adaptive, 8) | {"schedule": adaptive,
+                                                          "adapt_every": 5} | small]
     return c
