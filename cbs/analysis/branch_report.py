@@ -160,7 +160,7 @@ def summary_table(points: Sequence[dict[str, Any]]) -> str:
         row = (f"| {p['point_examples']} | {p.get('window_examples', 0)} | {p['k_star']} | "
                f"{format_b_star(p)} | {seeds} | {p['losses'][0]:.3g} |")
         if noise:
-            row += f" {p['b_simple']:.0f} | {p['b_noise']:.0f} |"
+            row += f" {p.get('b_simple', math.nan):.0f} | {p.get('b_noise', math.nan):.0f} |"
         lines.append(row)
     return "\n".join(lines)
 
