@@ -165,6 +165,44 @@ def summary_table(points: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int = 200) -> str:
+    """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
+    reference's crossings of the sweep's targets); returns its text."""
+    d = records.read_json(os.path.join(workdir, DEFINITION_FILE))
+    b, points = d["branch"], summarize(workdir)
+    tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
+           else f"{b['epsilon']:g} nats")
+    window = (f"Δ = {b['window_fraction']:g} × examples seen" if b.get("window_fraction")
+              else f"Δ = {d['window_examples']} examples")
+    lines = [f"# Local critical batch size: {workdir}", "",
+             f"Reference: {d['optimizer']}, B = {d['reference_batch_size']}, "
+             f"η_0 = {d['learning_rate']:g}. Branches: k = {tuple(b['ks'])}, f(k) = "
+             f"{'√k' if b['lr_rule'] == 'sqrt' else 'k'}, {window}, seeds {tuple(b['seeds'])}.",
+             f"Compared loss: `{b['metric']}`"
+             + (f" (EMA decay {b['loss_ema_decay']:g} per {b.get('loss_ema_per', 'step')})"
+                if b["metric"] == "loss_ema" else "")
+             + f"; ε = {tol}; criterion `{b.get('criterion', 'ladder')}`; "
+             f"B* = `{b.get('b_star', 'geometric')}`. "
+             "\"≤ B\": k* = 1, the crossing is below 2B and the ladder cannot resolve it; "
+             "\"≥ B\": k* at the top of the ladder.", "", summary_table(points), ""]
+    est = noise_estimator(workdir)
+    if est:
+        lines += [f"B_simple, B_noise at each point: {est}.", ""]
+    if sweep_dir:
+        sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
+        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval as the sweep's report "
+                  "states it), placed where the reference's full training-set loss first "
+                  "reaches the target:", "", "| target L | reference crosses at (examples) | "
+                  "B_crit | interval |", "|---|---|---|---|"]
+        lines += [f"| {s['target']:g} | {s['examples']:.0f} | {s['b_crit']:.3g} | "
+                  f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
+        lines.append("")
+    text = "\n".join(lines)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
     recs = records.read_records(os.path.join(workdir, REFERENCE_METRICS))
     train = [r for r in recs if r.get("kind") == "train"]

@@ -5,12 +5,13 @@
         --workdir=runs/digits_branch --sweep_dir=runs/digits
     python -m experiments.branch --config=experiments/configs/digits_branch.py:tiny --workdir=/tmp/b
 
-A reference run at B = 4, η_0 = 1e-3 (the sweep's square-root rule 4e-3·(B/64)^½ at B = 4) for
-8000 steps (32k examples, ≈ 22 epochs of the 1438 training examples); branches at k = 1 ... 128
-(B up to 512) with η = √k·η_0 from 9 points between 2048 and 32000 examples seen, three
-data-order seeds each. The window is a quarter of the examples seen at each point, rounded up
-to whole steps of the largest branch (Δ/E between 1/4 and 1/3: 512 examples at E = 2048,
-8192 at E = 32000). B* = k*·B with the paper's criterion. B_simple and B_noise are measured
+A reference run at B = 4, η_0 = 2e-3 (the rate of the sweep's grid, 2× its square-root centre
+4e-3·(B/64)^½, that reaches L = 0.1 and 0.05 in the fewest steps at B = 4) for 4096 steps
+(16k examples, ≈ 11 epochs of the 1438 training examples); branches at k = 1 ... 64 (B up to
+256) with η = √k·η_0 from 9 points between 1024 and 16384 examples seen (the sweep's targets
+L = 0.5 ... 0.05 are crossed in this range), three data-order seeds each. The window is a
+quarter of the examples seen at each point (Δ = E/4: 256 examples at E = 1024, 4096 at
+E = 16384; one step of the largest branch at the first point). B* = k*·B with the paper's criterion. B_simple and B_noise are measured
 exactly on the whole training set at the branch points and 24 more reference checkpoints
 (`branch.noise_checkpoints`; H from all 1438 examples, the deviations of 256 of them).
 Expected on 2 CPU cores: a few minutes; B* rises with training, from the ladder's floor
@@ -41,10 +42,10 @@ def get_config(arg: str = ""):
     c = base.base_config("digits", "mlp")
     c.model.hidden_sizes = (128, 128)  # 64-128-128-10, as digits_sweep.py
     c.optim.name = "adam"  # Adam, constant learning rate
-    c.optim.learning_rate = 1e-3  # η_0 at B = 4 (4e-3·(4/64)^½, the sweep's centre)
+    c.optim.learning_rate = 2e-3  # η_0 at B = 4 (2 × 4e-3·(4/64)^½: the sweep's best there)
     c.batch.schedule.batch_size = 4  # B, the reference batch
     c.batch.micro_batch = 4  # m = B: branch k runs k accumulation steps of B
-    c.train.max_steps = 8000  # 32k examples
+    c.train.max_steps = 4096  # 16k examples
     c.train.log_every = 100  # read metrics every 100 steps
     c.train.checkpoint_every = 64  # branch points are checkpoints (every 256 examples)
     c.train.progress_bar = False  # quiet
@@ -53,10 +54,10 @@ def get_config(arg: str = ""):
     c.noise.every = 0  # no in-run measurement (same-batch H); see branch.noise_checkpoints
 
     b = c.branch = default_branch_config()
-    b.points_examples = (2048, 3072, 4096, 6144, 8192, 12_288, 16_384, 24_576, 32_000)  # E
-    b.ks = (1, 2, 4, 8, 16, 32, 64, 128)  # branch batches 4 ... 512
+    b.points_examples = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12_288, 16_384)  # E
+    b.ks = (1, 2, 4, 8, 16, 32, 64)  # branch batches 4 ... 256
     b.lr_rule = "sqrt"  # Adam (the paper's)
-    b.window_fraction = 0.25  # Δ = E/4, rounded up to a multiple of 128·4 examples
+    b.window_fraction = 0.25  # Δ = E/4 (a multiple of 64·4 examples at every point)
     b.metric = "full_train/loss"  # exact loss over the 1438 training examples
     b.tolerance = "relative"  # ε as a fraction of the loss
     b.epsilon = 0.02  # 2%
