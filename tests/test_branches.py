@@ -1,7 +1,9 @@
 """Branched local critical batch size: the criterion and the paper's defaults, resume after a
-kill (simulated, and a real SIGKILL), vmapped = engine branches, and the branched B* against the
-closed form of minibatch SGD on Gaussian linear regression."""
+kill (simulated, and a real SIGKILL), vmapped = engine branches, Adam's state restored at a
+branch point and its √k learning rate, the whole-training-set noise measurement, and the
+branched B* against the closed form of minibatch SGD on Gaussian linear regression."""
 
+import copy
 import functools
 import os
 import signal
@@ -10,24 +12,30 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 from cbs import data
 from cbs.analysis import branch_report
+from cbs.engine import trainer as train
+from cbs.stats import noise
 from cbs.results import records
 from cbs.sweeps import branches
 from experiments.configs import base, digits_branch
 
 
 def _config(**branch):
-    c = digits_branch.get_config("tiny")
+    c = digits_branch.get_config("tiny")  # Adam, √k rule
+    c.batch.schedule.batch_size = c.batch.micro_batch = 16  # B = 16
+    c.optim.learning_rate = 2e-3  # η_0
     c.train.max_steps = 40  # checkpoints at 20 and 40
     c.noise.every = 0  # the reference's noise measurements are not under test here
     b = c.branch
     b.points_examples, b.ks, b.window_examples, b.seeds = (320,), (1, 2, 4), 128, (1, 2)
     b.metric = "full_train/loss"
+    b.noise_checkpoints = 0  # tested on its own below
     for k, v in branch.items():
         b[k] = v
     return c
@@ -115,6 +123,106 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     assert points[0]["b_star_lo"] <= points[0]["b_star"] <= points[0]["b_star_hi"] or \
         points[0]["num_seeds"] == 2
     assert records.read_json(os.path.join(tmp_path, "full", branches.DEFINITION_FILE))
+
+
+def test_window_proportional_to_examples_seen_and_bounds_in_the_table():
+    c = _config(window_fraction=0.25)
+    branches.validate_branch_config(c)
+    unit = 4 * 16  # lcm(1, 2, 4)·B
+    assert branches.window_examples(c, 320) == 2 * unit  # 80 → two steps at k = 4
+    assert branches.window_examples(c, 100) == unit  # never below one step of the largest k
+    assert branches.window_examples(c, 4096) == 1024  # exactly E/4
+    assert branches.window_examples(c) == 128  # no point: the fixed window
+    with pytest.raises(ValueError, match="branch.window_fraction"):
+        branches.validate_branch_config(_config(window_fraction=2.0))
+    rows = lambda losses: [{"point_step": 1, "point_examples": 80, "k": k, "seed": 1,
+                            "reference_batch_size": 4, "loss_ema": v, "window_examples": 32}
+                           for k, v in zip((1, 2, 4), losses, strict=True)]
+    floor = branch_report.local_cbs(rows([1.0, 1.1, 1.2]), epsilon=0.01)
+    top = branch_report.local_cbs(rows([1.0, 1.0, 1.0]), epsilon=0.01)
+    mid = branch_report.local_cbs(rows([1.0, 1.0, 1.2]), epsilon=0.01)
+    assert (floor["floor"], floor["censored"], branch_report.format_b_star(floor)) == (
+        True, False, "≤ 4")
+    assert (top["floor"], top["censored"], branch_report.format_b_star(top)) == (
+        False, True, "≥ 16")
+    assert branch_report.format_b_star(mid) == "8"
+    table = branch_report.summary_table([floor | {"b_simple": 50.0, "b_noise": 20.0}, mid])
+    assert "| 80 | 32 | 1 | ≤ 4 | 4 | 1 | 50 | 20 |" in table
+
+
+def _adam_count(state) -> int:
+    counts = [int(x) for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state)
+              if "count" in jax.tree_util.keystr(path)]
+    assert counts, "no Adam step count in the optimizer state"
+    return counts[0]
+
+
+def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_path):
+    """From a checkpoint, branch k = 1 on the reference's own data order is the reference's
+    continuation (Adam's moments and step count restored, not reset); branch k = 4 trains at
+    √4·η_0 = 2η_0, the same as the engine's own loop at that rate."""
+    c = _config(ks=(1, 4), window_examples=320)
+    c.branch.seeds = (int(c.seed),)  # the reference's data order
+    workdir = str(tmp_path)
+    recs = {r["k"]: r for r in branches.run_branches(c, workdir)}
+    ref = records.read_records(os.path.join(workdir, branches.REFERENCE_DIR,
+                                            records.METRICS_FILE))
+    at = {r["data/examples_seen"]: r for r in ref if r["kind"] == "eval"}
+    assert recs[1]["point_examples"] == 320 and recs[1]["steps"] == 20
+    np.testing.assert_allclose(recs[1]["full_train/loss"], at[640]["full_train/loss"],
+                               rtol=1e-6)
+    eta0 = c.optim.learning_rate
+    assert recs[1]["learning_rate"] == pytest.approx(eta0)
+    assert recs[4]["learning_rate"] == pytest.approx(2 * eta0)
+    runner = branches.BranchRunner(c, workdir)
+    try:
+        state = runner.restore(20)
+        assert _adam_count(state) == 20
+        moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+        assert moments and all(float(jnp.abs(x).max()) > 0 for x in moments)
+        # the test has teeth: with Adam's state reset the continuation differs
+        fresh = state.replace(opt_state=runner.trainer.init_state().opt_state)
+        states = jax.tree.map(lambda x: x[None], fresh)
+        reset = runner._program(1)(states, jnp.asarray([c.seed], jnp.uint32),
+                                   jnp.asarray(20, jnp.int32))
+        assert abs(float(reset[2][0]) - at[640]["full_train/loss"]) > 1e-4
+        # k = 4 at 2η_0 through the engine's loop, with the rate set here rather than by
+        # branches.lr_factor
+        c4 = copy.deepcopy(runner.branch_config)
+        c4.seed = c.seed
+        tr = train.Trainer(c4, None, mesh=runner.mesh)
+        try:
+            s = state.replace(learning_rate=jnp.asarray(2 * eta0, jnp.float32))
+            for i in range(5):
+                s, _ = tr.step(s, tr.inputs(320 + 64 * i, 64), tr.accum_steps(64))
+            want = tr.evaluate(s, "train", c.eval.train_examples)["loss"]
+        finally:
+            tr.close()
+        np.testing.assert_allclose(recs[4]["full_train/loss"], want, rtol=1e-5)
+    finally:
+        runner.close()
+
+
+def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
+    c = _config(noise_checkpoints=2, noise_deviations=16)
+    c.branch.ks, c.branch.seeds = (1, 2), (1,)
+    branches.run_branches(c, str(tmp_path))
+    recs = records.read_records(os.path.join(tmp_path, branches.NOISE_FILE))
+    assert [r["step"] for r in recs] == [20, 40]  # log-spaced checkpoints ∪ the point
+    assert all(r["estimator"] == branches.NOISE_ESTIMATOR for r in recs)
+    runner = branches.BranchRunner(c, str(tmp_path))
+    try:
+        tr, state = runner.trainer, runner.restore(20)
+        arrays = tr.dataset.take(tr.train_arrays, jnp.arange(tr.dataset.num_train), "train")
+        loss = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+        want = noise.exact(loss, state.params, arrays)
+    finally:
+        runner.close()
+    assert recs[0]["num_examples"] == tr.dataset.num_train and recs[0]["deviations"] == 16
+    np.testing.assert_allclose(recs[0]["noise/b_simple"], float(want.b_simple), rtol=1e-4)
+    assert recs[0]["noise/b_noise"] > 0
+    points = branch_report.summarize(str(tmp_path))
+    assert points[0]["b_simple"] == recs[0]["noise/b_simple"]  # the point is step 20
 
 
 # --- closed form: minibatch SGD on Gaussian linear regression --------------------------------

@@ -13,8 +13,16 @@ count). The paper reports B* = k*·B (`b_star="k_star"`); `b_star="geometric"` r
 failing batch. Either way `b_pass` = k*·B and `b_fail` = k⁺·B bracket the crossing; when k* is
 the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
 
+Bounds: at the bottom of the ladder (k* = 1, `floor`) the measurement only says that the
+crossing lies below 2B, possibly below B itself: B* is reported as "≤ B". At the top
+(`censored`) it is reported as "≥ k_max·B".
+
 Uncertainty: B* of each data-order seed on its own; the interval is their range
 (min, max) over seeds, the point estimate B* from the seed-mean losses.
+
+Noise scale: when the study measured it (`branch.noise_checkpoints`, file
+`reference_noise.jsonl`), B_simple and B_noise at each branch point are read from there; the
+estimator is named in its records.
 
 A study whose `branch.json` predates the `criterion` and `b_star` fields used "ladder" and
 "geometric"; `summarize` reads it that way.
@@ -34,6 +42,7 @@ from cbs.results import records
 
 BRANCHES_FILE = "branches.jsonl"
 DEFINITION_FILE = "branch.json"
+NOISE_FILE = "reference_noise.jsonl"
 REFERENCE_METRICS = os.path.join("reference", records.METRICS_FILE)
 
 
@@ -72,8 +81,9 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
               ) -> dict[str, Any]:
     """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`).
 
-    Returns point_step, point_examples, ks, losses (seed means), loss_se (their standard
-    errors over seeds), k_star, b_star, b_pass (k*·B), b_fail (k⁺·B, inf at the top), censored,
+    Returns point_step, point_examples, window_examples (Δ), ks, losses (seed means), loss_se
+    (their standard errors over seeds), k_star, b_star, b_pass (k*·B), b_fail (k⁺·B, inf at the
+    top), censored (k* at the top: B* ≥ b_star), floor (k* at the bottom: B* ≤ b_star),
     b_star_seeds, b_star_lo, b_star_hi (range over seeds), num_seeds."""
     ks = sorted({int(r["k"]) for r in rows})
     seeds = sorted({r["seed"] for r in rows})
@@ -90,16 +100,18 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
                                b_star)[0] for row in table]
     i = ks.index(k_star)
     return {"point_step": int(rows[0]["point_step"]),
-            "point_examples": int(rows[0]["point_examples"]), "ks": ks,
+            "point_examples": int(rows[0]["point_examples"]),
+            "window_examples": int(rows[0].get("window_examples", 0)), "ks": ks,
             "losses": mean.tolist(), "loss_se": se.tolist(), "k_star": k_star, "b_star": value,
             "b_pass": float(k_star * bsz),
             "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
-            "censored": censored, "b_star_seeds": per_seed, "b_star_lo": min(per_seed),
+            "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed, "b_star_lo": min(per_seed),
             "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:
-    """`local_cbs` of every complete branch point of the study in `workdir`, by examples."""
+    """`local_cbs` of every complete branch point of the study in `workdir`, by examples, with
+    the exact noise scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
     definition = records.read_json(os.path.join(workdir, DEFINITION_FILE))
     if definition is None:
         raise FileNotFoundError(f"{workdir} has no {DEFINITION_FILE}: run python -m "
@@ -107,24 +119,88 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     b = definition["branch"]
     rows = records.read_records(os.path.join(workdir, BRANCHES_FILE))
     want = len(b["ks"]) * len(b["seeds"])
+    noise = {r["step"]: r for r in records.read_records(os.path.join(workdir, NOISE_FILE))}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
         if len(point) == want:
-            out.append(local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
-                                 metric=b["metric"], criterion=b.get("criterion", "ladder"),
-                                 b_star=b.get("b_star", "geometric")))
+            p = local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
+                          metric=b["metric"], criterion=b.get("criterion", "ladder"),
+                          b_star=b.get("b_star", "geometric"))
+            n = noise.get(step, {})
+            p["b_simple"] = n.get("noise/b_simple", math.nan)
+            p["b_noise"] = n.get("noise/b_noise", math.nan)
+            out.append(p)
     return out
 
 
+def format_b_star(p: dict[str, Any]) -> str:
+    """B* as a measurement, or as the bound it is at either end of the ladder."""
+    if p["censored"]:
+        return f"≥ {p['b_star']:.0f}"
+    if p["floor"]:
+        return f"≤ {p['b_star']:.0f}"
+    return f"{p['b_star']:.0f}"
+
+
+def noise_estimator(workdir: str) -> str | None:
+    """The estimator named by the study's noise records (None when it measured none)."""
+    recs = records.read_records(os.path.join(workdir, NOISE_FILE))
+    return recs[0].get("estimator") if recs else None
+
+
 def summary_table(points: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one row per branch point."""
-    lines = ["| examples seen | k* | B* (range over seeds) | loss at k=1 |", "|---|---|---|---|"]
+    """Markdown: one row per branch point (bounds at either end of the ladder as "≤"/"≥")."""
+    noise = any(math.isfinite(p.get("b_simple", math.nan)) for p in points)
+    head = "| examples seen | Δ | k* | B* | B* per seed | loss at k=1 |"
+    lines = [head + (" B_simple | B_noise |" if noise else ""),
+             "|---" * (8 if noise else 6) + "|"]
     for p in points:
-        star = f"≥{p['b_star']:.0f}" if p["censored"] else f"{p['b_star']:.0f}"
-        lines.append(f"| {p['point_examples']} | {p['k_star']} | {star} "
-                     f"({p['b_star_lo']:.0f}–{p['b_star_hi']:.0f}) | {p['losses'][0]:.4g} |")
+        seeds = ", ".join(f"{v:.0f}" for v in p["b_star_seeds"])
+        row = (f"| {p['point_examples']} | {p.get('window_examples', 0)} | {p['k_star']} | "
+               f"{format_b_star(p)} | {seeds} | {p['losses'][0]:.3g} |")
+        if noise:
+            row += f" {p.get('b_simple', math.nan):.0f} | {p.get('b_noise', math.nan):.0f} |"
+        lines.append(row)
     return "\n".join(lines)
+
+
+def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int = 200) -> str:
+    """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
+    reference's crossings of the sweep's targets); returns its text."""
+    d = records.read_json(os.path.join(workdir, DEFINITION_FILE))
+    b, points = d["branch"], summarize(workdir)
+    tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
+           else f"{b['epsilon']:g} nats")
+    window = (f"Δ = {b['window_fraction']:g} × examples seen" if b.get("window_fraction")
+              else f"Δ = {d['window_examples']} examples")
+    lines = [f"# Local critical batch size: {workdir}", "",
+             f"Reference: {d['optimizer']}, B = {d['reference_batch_size']}, "
+             f"η_0 = {d['learning_rate']:g}. Branches: k = {tuple(b['ks'])}, f(k) = "
+             f"{'√k' if b['lr_rule'] == 'sqrt' else 'k'}, {window}, seeds {tuple(b['seeds'])}.",
+             f"Compared loss: `{b['metric']}`"
+             + (f" (EMA decay {b['loss_ema_decay']:g} per {b.get('loss_ema_per', 'step')})"
+                if b["metric"] == "loss_ema" else "")
+             + f"; ε = {tol}; criterion `{b.get('criterion', 'ladder')}`; "
+             f"B* = `{b.get('b_star', 'geometric')}`. "
+             "\"≤ B\": k* = 1, the crossing is below 2B and the ladder cannot resolve it; "
+             "\"≥ B\": k* at the top of the ladder.", "", summary_table(points), ""]
+    est = noise_estimator(workdir)
+    if est:
+        lines += [f"B_simple, B_noise at each point: {est}.", ""]
+    if sweep_dir:
+        sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
+        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval as the sweep's report "
+                  "states it), placed where the reference's full training-set loss first "
+                  "reaches the target:", "", "| target L | reference crosses at (examples) | "
+                  "B_crit | interval |", "|---|---|---|---|"]
+        lines += [f"| {s['target']:g} | {s['examples']:.0f} | {s['b_crit']:.3g} | "
+                  f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
+        lines.append("")
+    text = "\n".join(lines)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(text)
+    return text
 
 
 def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
@@ -163,10 +239,10 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
                    bootstrap: int = 200) -> str:
     """Writes the figure (default `workdir/local_cbs.png`); returns its path.
 
-    Against examples seen (log x): B* with its seed range at each branch point; the
-    reference run's B_simple (in-step two-batch EMA; exact measurements and their EMA) and
-    B_noise (exact, and EMA); the swept B_crit at the target crossings; the loss on the
-    right axis."""
+    Against examples seen (log x): B* with its seed range at each branch point (bounds as
+    triangles); the reference run's B_simple and B_noise (the study's exact whole-training-set
+    measurement when it made one, else the run's in-step estimates); the swept B_crit at the
+    target crossings; the loss on the right axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,27 +251,44 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     points, ref = summarize(workdir), _reference_curves(workdir)
     fig, ax = plt.subplots(figsize=(8, 5))
     ok = ref["E"] > 0
-    ax.plot(ref["E"][ok], ref["ema_b_simple"][ok], color="tab:blue", lw=1, alpha=0.7,
-            label="B_simple (two-batch EMA)")
-    for key, color, name in (("b_simple", "tab:blue", "B_simple"),
-                             ("b_noise", "tab:green", "B_noise")):
-        m = ok & np.isfinite(ref[key]) & (ref[key] > 0)
-        if m.any():
-            ax.scatter(ref["E"][m], ref[key][m], s=10, color=color, alpha=0.5,
-                       label=f"{name} (exact)")
-            ema = ref[f"measured_ema_{key}"]
-            ax.plot(ref["E"][m], ema[m], color=color, ls="--", lw=1.5, label=f"{name} (EMA)")
+    noise = records.read_records(os.path.join(workdir, NOISE_FILE))
+    if noise:  # exact on the whole training set: the study's own measurement
+        e = np.asarray([r["examples_seen"] for r in noise], np.float64)
+        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
+                                 ("b_noise", "tab:green", "B_noise")):
+            y = np.asarray([r.get(f"noise/{key}", np.nan) for r in noise], np.float64)
+            m = np.isfinite(y) & (y > 0) & (e > 0)
+            ax.plot(e[m], y[m], "o-", color=color, ms=3, lw=1.2,
+                    label=f"{name} (exact, all {noise[0]['num_examples']} training examples)")
+    else:
+        ax.plot(ref["E"][ok], ref["ema_b_simple"][ok], color="tab:blue", lw=1, alpha=0.7,
+                label="B_simple (two-batch EMA)")
+        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
+                                 ("b_noise", "tab:green", "B_noise")):
+            m = ok & np.isfinite(ref[key]) & (ref[key] > 0)
+            if m.any():
+                ax.scatter(ref["E"][m], ref[key][m], s=10, color=color, alpha=0.5,
+                           label=f"{name} (in-run, measured batch)")
+                ema = ref[f"measured_ema_{key}"]
+                ax.plot(ref["E"][m], ema[m], color=color, ls="--", lw=1.5,
+                        label=f"{name} (in-run EMA)")
     if points:
         x = np.asarray([p["point_examples"] for p in points], np.float64)
         y = np.asarray([p["b_star"] for p in points])
         err = np.stack([y - [p["b_star_lo"] for p in points],
                         np.asarray([p["b_star_hi"] for p in points]) - y])
-        ax.errorbar(x, y, yerr=np.clip(err, 0, None), fmt="o", color="black", ms=7,
-                    capsize=4, label="local CBS B* (branched; range over seeds)")
+        ax.errorbar(x, y, yerr=np.clip(err, 0, None), fmt="none", color="black", capsize=4)
         cens = np.asarray([p["censored"] for p in points])
+        floor = np.asarray([p["floor"] for p in points]) & ~cens
+        mid = ~cens & ~floor
+        ax.scatter(x[mid], y[mid], marker="o", s=45, color="black",
+                   label="local CBS B* = k*·B (branched; bars: range over seeds)")
+        if floor.any():
+            ax.scatter(x[floor], y[floor], marker="v", s=80, color="black",
+                       label="B* ≤ B (k* = 1, bottom of the k ladder)")
         if cens.any():
-            ax.scatter(x[cens], y[cens], marker="^", s=90, color="black",
-                       label="B* ≥ (top of the k ladder)")
+            ax.scatter(x[cens], y[cens], marker="^", s=80, color="black",
+                       label="B* ≥ k_max·B (top of the k ladder)")
     if sweep_dir:
         sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
         if sw:

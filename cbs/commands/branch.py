@@ -3,11 +3,13 @@
     python -m experiments.branch --config=experiments/configs/digits_branch.py \
         --workdir=runs/digits_branch --sweep_dir=runs/digits
     python -m experiments.branch --config=... --workdir=DIR --shard=2/4 --noreport  # array job
+    python -m experiments.branch --analyze_only --workdir=results/digits_branch \
+        --sweep_dir=runs/digits  # table, report.md and figure from committed records
 
 Trains (or resumes) the reference run, then this shard's branch units (see
 `cbs.sweeps.branches`); re-running the same command skips finished units. With --report
 (default, not for shards) prints the table of B* per branch point and writes
-workdir/local_cbs.png (with the swept B_crit of --sweep_dir when given).
+workdir/report.md and workdir/local_cbs.png (with the swept B_crit of --sweep_dir when given).
 """
 
 from __future__ import annotations
@@ -30,19 +32,24 @@ _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep of the same model (op
 _SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the branch units: i/n.")
 _REPORT = flags.DEFINE_bool("report", True, "Print the table and write the figure.")
 _FIGURE = flags.DEFINE_string("figure", None, "Figure path (default workdir/local_cbs.png).")
-flags.mark_flags_as_required(["config", "workdir"])
+_ANALYZE_ONLY = flags.DEFINE_bool("analyze_only", False, "Only the report and figure, from the "
+                                  "records in --workdir (no config, nothing trained).")
+flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
     start = time.perf_counter()
-    branches.run_branches(_CONFIG.value, _WORKDIR.value, shard=_SHARD.value)
-    print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
-    if _REPORT.value and not _SHARD.value:
-        print(branch_report.summary_table(branch_report.summarize(_WORKDIR.value)))
+    if not _ANALYZE_ONLY.value:
+        if _CONFIG.value is None:
+            raise ValueError("--config is required unless --analyze_only")
+        distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
+        branches.run_branches(_CONFIG.value, _WORKDIR.value, shard=_SHARD.value)
+        print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
+    if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
+        print(branch_report.write_report(_WORKDIR.value, sweep_dir=_SWEEP_DIR.value))
         path = branch_report.plot_local_cbs(_WORKDIR.value, sweep_dir=_SWEEP_DIR.value,
                                             path=_FIGURE.value)
         print(f"figure: {path}  (total {time.perf_counter() - start:.0f} s)")

@@ -40,9 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, optim, progress
+from cbs.engine import checkpoint, measure, mesh, optim, progress
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.results import paths, records
@@ -51,6 +52,10 @@ from cbs.sweeps.grid import parse_shard
 
 BRANCHES_FILE = "branches.jsonl"
 DEFINITION_FILE = "branch.json"
+NOISE_FILE = "reference_noise.jsonl"
+NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
+                   "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
+                   "full-data Hessian")
 REFERENCE_DIR = "reference"
 LR_RULES = {"linear": 1.0, "sqrt": 0.5}
 METRICS = ("loss_ema", "full_train/loss")
@@ -65,11 +70,13 @@ PAPER_WINDOW_STEPS = 512
 def default_branch_config() -> ml_collections.ConfigDict:
     """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
 
-    The paper's values (read from two independent summaries of Sec. 3.1; see README,
-    "Local critical batch size by branched training"): Δ = 2B tokens (two billion: ≈ 477
-    OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam
-    (k for SGD), k* the largest k whose smoothed loss is within ε of every smaller k, reported
-    as B* = k*·B. The k ladder is ours (the paper lists its grids per checkpoint in its App. A)."""
+    The paper's values (its Sec. 3.1 "implementation details" 1–3 as quoted by three
+    independent readings; see README, "Local critical batch size by branched training"):
+    Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the
+    per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k whose smoothed loss is
+    within ε of every smaller k, reported as B* = k*·B. The k ladder is ours (the paper lists
+    its grids per checkpoint in its App. A). `window_fraction` and the reference-noise fields
+    are ours (off by default)."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
@@ -77,6 +84,9 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
     b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B, rounded up to a
     #   multiple of lcm(ks)·B (the paper's 2B tokens ≈ 477 steps at B, Sec. 3.1)
+    b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the branch point,
+    #   rounded up to a multiple of lcm(ks)·B (windows short against the training before
+    #   them at every point); 0 = the fixed Δ above
     b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
     b.tolerance = "absolute"  # ε in nats ("absolute", paper) or as a fraction of that min
     #   ("relative")
@@ -90,6 +100,11 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
     b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
+    b.noise_checkpoints = 0  # > 0: B_simple and B_noise measured exactly on the whole training
+    #   set at every branch point and this many log-spaced reference checkpoints (in-memory
+    #   data; `NOISE_ESTIMATOR`); 0 = off
+    b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
+    b.noise_seed = 0  # draw of those m examples
     return b
 
 
@@ -112,6 +127,8 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"branch.{field}={b[field]!r}: use one of {known}")
     if not 0 <= b.loss_ema_decay < 1:
         raise ValueError(f"branch.loss_ema_decay={b.loss_ema_decay}: must be in [0, 1)")
+    if not 0 <= float(b.get("window_fraction", 0.0)) <= 1:
+        raise ValueError(f"branch.window_fraction={b.window_fraction}: must be in [0, 1]")
     if not b.seeds:
         raise ValueError("branch.seeds: give at least one data-order seed")
     if not (b.points_examples or b.points_losses):
@@ -134,10 +151,15 @@ def _ladder_lcm(ks: Sequence[int]) -> int:
     return math.lcm(*[int(k) for k in ks])
 
 
-def window_examples(config: ml_collections.ConfigDict) -> int:
-    """Δ in examples: `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a
-    multiple of lcm(ks)·B."""
+def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None = None) -> int:
+    """Δ in examples: with `branch.window_fraction` > 0 and the branch point's examples seen,
+    that fraction of them rounded up to a multiple of lcm(ks)·B; else
+    `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a multiple of lcm(ks)·B."""
     b, bsz = config.branch, reference_batch(config)
+    frac = float(b.get("window_fraction", 0.0))
+    if frac and examples_seen is not None:
+        unit = _ladder_lcm(b.ks) * bsz
+        return max(unit, -(-math.ceil(frac * examples_seen) // unit) * unit)
     if int(b.window_examples):
         return int(b.window_examples)
     unit = _ladder_lcm(b.ks)
@@ -186,7 +208,7 @@ class BranchRunner:
                  dataset: data.Dataset | None = None):
         validate_branch_config(config)
         self.config, self.workdir, self.b = config, workdir, config.branch
-        self.bsz, self.window = reference_batch(config), window_examples(config)
+        self.bsz = reference_batch(config)
         self.ks = [int(k) for k in self.b.ks]
         c = copy.deepcopy(config)
         c.noise.every = 0  # no per-example measurements inside branches
@@ -201,6 +223,7 @@ class BranchRunner:
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(workdir, REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
+        self._noise_fn: Callable | None = None
         if self.vmap:
             self.step = self._seeded_step()
 
@@ -240,15 +263,20 @@ class BranchRunner:
 
         return loss
 
+    def window(self, examples_seen: int) -> int:
+        """Δ of the branches from a point that has seen `examples_seen` examples."""
+        return window_examples(self.config, examples_seen)
+
     def _program(self, k: int) -> Callable:
-        """jit(vmap over seeds): (states[S], seeds[S]) -> (loss_ema[S], last_loss[S], final[S])."""
+        """jit(vmap over seeds) of branch k: (states[S], seeds[S], n) -> (loss_ema[S],
+        last_loss[S], final[S]) after n steps (n traced: one compilation per k)."""
         if k in self._programs:
             return self._programs[k]
-        n, accum = self.window // (k * self.bsz), self.trainer.accum_steps(k * self.bsz)
+        accum = self.trainer.accum_steps(k * self.bsz)
         decay = ema_decay_per_step(self.config, k)
         arrays, final = self.trainer.train_arrays, self._final_loss_fn()
 
-        def one(state, seed):
+        def one(state, seed, n):
             def body(_, carry):
                 s, ema, _ = carry
                 s, m = self.step.apply(s, {"arrays": arrays, "seed": seed}, accum)
@@ -259,7 +287,7 @@ class BranchRunner:
             s, ema, last = jax.lax.fori_loop(0, n, body, (state, nan, nan))
             return ema, last, final(s) if final else nan
 
-        self._programs[k] = jax.jit(jax.vmap(one))
+        self._programs[k] = jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
         return self._programs[k]
 
     def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
@@ -268,17 +296,19 @@ class BranchRunner:
         lr0 = float(jax.device_get(state.learning_rate))
         lr = lr_factor(k, self.b.lr_rule) * lr0
         seeds = [int(s) for s in self.b.seeds]
+        e0 = count_to_int(jax.device_get(state.examples_seen))
+        window = self.window(e0)
         if self.vmap:
             states = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(seeds), *x.shape)), state)
             states = states.replace(learning_rate=jnp.full((len(seeds),), lr, jnp.float32))
-            out = jax.device_get(self._program(k)(states, jnp.asarray(seeds, jnp.uint32)))
+            n = jnp.asarray(window // (k * self.bsz), jnp.int32)
+            out = jax.device_get(self._program(k)(states, jnp.asarray(seeds, jnp.uint32), n))
         else:
             out = list(zip(*[self.engine_branch(step, k, s) for s in seeds], strict=True))
-        e0 = count_to_int(jax.device_get(state.examples_seen))
         return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
                  "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
-                 "learning_rate": lr, "window_examples": self.window,
-                 "steps": self.window // (k * self.bsz), "loss_ema": float(out[0][i]),
+                 "learning_rate": lr, "window_examples": window,
+                 "steps": window // (k * self.bsz), "loss_ema": float(out[0][i]),
                  "train/loss": float(out[1][i]), "full_train/loss": float(out[2][i])}
                 for i, s in enumerate(seeds)]
 
@@ -294,7 +324,7 @@ class BranchRunner:
                 lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
             e, bsz = count_to_int(jax.device_get(state.examples_seen)), k * self.bsz
             losses = []
-            for _ in range(self.window // bsz):
+            for _ in range(self.window(e) // bsz):
                 state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
                 losses.append(m["train/loss"])
                 e += bsz
@@ -306,6 +336,46 @@ class BranchRunner:
             return float(ema), losses[-1], float(final)
         finally:
             tr.close()
+
+
+    def measure_noise(self, step: int) -> dict[str, Any]:
+        """B_simple and B_noise of the reference after `step` updates, exactly on the whole
+        training set (`NOISE_ESTIMATOR`): one record."""
+        if not self.trainer.in_memory:
+            raise ValueError("branch.noise_checkpoints needs an in-memory training set")
+        tr, m = self.trainer, int(self.b.noise_deviations)
+        if self._noise_fn is None:
+            num = tr.dataset.num_train
+            perm = jax.random.permutation(jax.random.key(int(self.b.noise_seed)), num)
+            batch = tr.dataset.take(tr.train_arrays, perm.astype(jnp.int32), "train")
+
+            def fn(params, model_state):
+                loss = lambda p, bt: tr.loss_fn(p, model_state, bt)[0]
+                return measure.measure_noise(loss, params, batch, batch, deviations=m,
+                                             chunk_size=64)
+
+            self._noise_fn = jax.jit(fn)
+        state = self.restore(step)
+        out = jax.device_get(self._noise_fn(state.params, state.model_state))
+        return {"step": step,
+                "examples_seen": count_to_int(jax.device_get(state.examples_seen)),
+                "num_examples": int(self.trainer.dataset.num_train),
+                "deviations": min(m, int(self.trainer.dataset.num_train)),
+                **{f"noise/{k}": float(v) for k, v in out.items()},
+                "estimator": NOISE_ESTIMATOR}
+
+
+def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
+                points: Sequence[int]) -> list[int]:
+    """Reference checkpoints to measure the noise at: every branch point and
+    `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
+    n = int(config.branch.get("noise_checkpoints", 0))
+    ckpts = sorted(s for s in ckpt_steps if s > 0)
+    if not n or not ckpts:
+        return []
+    grid = np.geomspace(ckpts[0], ckpts[-1], n)
+    chosen = {min(ckpts, key=lambda s: abs(math.log(s / g))) for g in grid}
+    return sorted(chosen | set(points))
 
 
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
@@ -383,6 +453,19 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             if stop_after is not None and i >= stop_after:
                 break
             records.append_records(path, runner.run_unit(step, k))
+        if shard is None or parse_shard(shard)[0] == 0:
+            _measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()
     return records.read_records(path)
+
+
+def _measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
+                             runner: BranchRunner, points: Sequence[int]) -> None:
+    """Appends the exact noise measurements (`NOISE_FILE`) the study does not have yet."""
+    path = os.path.join(workdir, NOISE_FILE)
+    records.repair_tail(path)
+    done = {r["step"] for r in records.read_records(path)}
+    for step in noise_steps(config, runner.ckpt.all_steps(), points):
+        if step not in done:
+            records.append_records(path, [runner.measure_noise(step)])

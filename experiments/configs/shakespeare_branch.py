@@ -35,7 +35,7 @@ def get_config(arg: str = ""):
     c.noise.batch_size = 16  # on the step's 16 windows (at most the batch)
 
     b = c.branch = default_branch_config()
-    b.points_examples = (800, 3200, 8000, 16_000, 31_000)  # windows seen at the branches
+    b.points_examples = (800, 8000, 31_000)  # windows seen at the branches (three: 30 min)
     b.ks = (1, 2, 4, 8, 16)  # branch batches 16 ... 256
     b.lr_rule = "sqrt"  # AdamW
     b.window_examples = 8192  # Δ: 512 steps at k = 1 (the paper's ≈ 477), 32 at k = 16
