@@ -1,8 +1,10 @@
-"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported.
+"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported, and the
+loop monitor of `cbs.stats.monitor`.
 
 Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
 """
 
+from cbs.stats.monitor import NoiseMonitor  # noqa: F401
 from cbs.stats.noise import (  # noqa: F401
     NoiseScaleEMA,
     NoiseStats,

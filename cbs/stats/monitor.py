@@ -1,0 +1,83 @@
+"""A noise-scale monitor for any training loop (hand-written optax, flax nnx, plain JAX).
+
+    step_fn = jax.jit(noise.value_grad_and_stats(loss_fn))
+    monitor = noise.NoiseMonitor(decay=0.95, every=100, log=print)
+    for step, batch in enumerate(batches):
+        loss, grads, stats = step_fn(params, batch)
+        monitor.update(stats)                    # logs every 100 calls; no host sync otherwise
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics
+carry them) into bias-corrected EMAs, numerator and denominator apart (their ratio is not
+unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.noise.NoiseScaleEMA` in one
+compiled update that stays on the device. Every `every` calls the smoothed values are read
+back once and appended to `history` and passed to `log`. `b_simple` / `b_noise` read the
+current values (a host sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from cbs.stats.noise import NoiseScaleEMA, NoiseStats
+
+
+@jax.jit
+def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma) -> NoiseScaleEMA:
+    return ema.update(grad_sq_norm, trace_sigma)
+
+
+@jax.jit
+def _fold_curvature(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma, g_h_g
+                    ) -> NoiseScaleEMA:
+    return ema.update(grad_sq_norm, trace_sigma, trace_h_sigma=trace_h_sigma, g_h_g=g_h_g)
+
+
+class NoiseMonitor:
+    """Smoothed B_simple (and B_noise) of a running training loop; see the module docstring.
+
+    Args:
+      decay: EMA decay per update (0.95 averages about the last 20 batches).
+      every: read back and log every this many updates (0: never log, read on demand).
+      log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats.
+    """
+
+    def __init__(self, *, decay: float = 0.95, every: int = 100,
+                 log: Callable[[int, dict[str, float]], Any] | None = None):
+        if every < 0:
+            raise ValueError(f"every must be >= 0, got {every}")
+        self.ema = NoiseScaleEMA.init(decay)
+        self.every, self.log, self.step = every, log, 0
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def update(self, stats: NoiseStats) -> None:
+        """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`)."""
+        if stats.g_h_g is not None and stats.trace_h_sigma is not None:
+            self.ema = _fold_curvature(self.ema, stats.grad_sq_norm, stats.trace_sigma,
+                                       stats.trace_h_sigma, stats.g_h_g)
+        else:
+            self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma)
+        self.step += 1
+        if self.every and self.step % self.every == 0:
+            values = self.values()
+            self.history.append((self.step, values))
+            if self.log is not None:
+                self.log(self.step, values)
+
+    def values(self) -> dict[str, float]:
+        """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN before the
+        first update, and the curvature ones until they are fed)."""
+        return {k: float(np.asarray(v)) for k, v in self.ema.to_dict().items()}
+
+    @property
+    def b_simple(self) -> float:
+        return float(np.asarray(self.ema.b_simple))
+
+    @property
+    def b_noise(self) -> float:
+        return float(np.asarray(self.ema.b_noise))
