@@ -1,18 +1,22 @@
-"""README's results tables are the committed reports' tables, line for line.
+"""README's and the guides' results tables are the committed reports' tables, line for line.
 
-A table quoted in README.md is preceded by `<!-- from PATH -->` naming the committed file it
-comes from (a report.md under results/). Every line of the table (or, when the marker stands
-before a fenced block such as the main job's transcript, every table line in that block) must
-be a line of that file, so a re-analysis that changes a number fails here until README is
-updated. Every table of fitted B_crit in README must carry such a marker.
+A table quoted in README.md or a page under docs/ is preceded by `<!-- from PATH -->` naming
+the committed file it comes from (a report.md under results/). Every line of the table (or,
+when the marker stands before a fenced block such as the main job's transcript, every table
+line in that block) must be a line of that file, so a re-analysis that changes a number fails
+here until the page is updated. Every table of fitted B_crit in those pages must carry such a
+marker.
 """
 
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARK = re.compile(r"<!-- from (\S+) -->")
 RESULT_HEADERS = ("| target L | B_crit", "| examples seen |")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _quoted_tables(lines):
@@ -38,22 +42,28 @@ def _quoted_tables(lines):
     return out
 
 
-def test_readme_tables_match_the_committed_reports():
-    lines = (ROOT / "README.md").read_text().splitlines()
-    quoted = _quoted_tables(lines)
-    assert len(quoted) >= 4
-    for i, path, table in quoted:
-        assert table, f"README line {i + 1}: marker for {path} is not followed by a table"
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_tables_match_the_committed_reports(page):
+    lines = page.read_text().splitlines()
+    for i, path, table in _quoted_tables(lines):
+        assert table, f"{page.name} line {i + 1}: marker for {path} is not followed by a table"
         source = set((ROOT / path).read_text().splitlines())
         stale = [row for row in table if row not in source]
-        assert not stale, (f"README line {i + 1}: {len(stale)} rows differ from {path} "
+        assert not stale, (f"{page.name} line {i + 1}: {len(stale)} rows differ from {path} "
                            f"(rerun its analysis and copy the table), first: {stale[0]}")
 
 
-def test_every_results_table_in_readme_names_its_source():
-    lines = (ROOT / "README.md").read_text().splitlines()
+def test_the_pages_quote_the_studies():
+    quoted = {path for page in PAGES for _, path, _ in _quoted_tables(page.read_text()
+                                                                      .splitlines())}
+    assert {"results/shakespeare_kaplan/report.md", "results/digits_sgd/report.md"} <= quoted
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_results_table_names_its_source(page):
+    lines = page.read_text().splitlines()
     covered = {row for _, _, table in _quoted_tables(lines) for row in table}
     for i, line in enumerate(lines):
         if line.startswith(RESULT_HEADERS):
             assert line in covered and lines[i + 2] in covered, (
-                f"README line {i + 1}: a results table without a <!-- from PATH --> marker")
+                f"{page.name} line {i + 1}: a results table without a <!-- from PATH --> marker")
