@@ -105,7 +105,8 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
             "losses": mean.tolist(), "loss_se": se.tolist(), "k_star": k_star, "b_star": value,
             "b_pass": float(k_star * bsz),
             "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
-            "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed, "b_star_lo": min(per_seed),
+            "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed,
+            "b_star_lo": min(per_seed),
             "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
