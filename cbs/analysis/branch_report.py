@@ -191,10 +191,11 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
         lines += [f"B_simple, B_noise at each point: {est}.", ""]
     if sweep_dir:
         sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
-        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval as the sweep's report "
-                  "states it), placed where the reference's full training-set loss first "
-                  "reaches the target:", "", "| target L | reference crosses at (examples) | "
-                  "B_crit | interval |", "|---|---|---|---|"]
+        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval: 95% bootstrap over "
+                  f"{bootstrap} resamples), placed where the reference's full training-set "
+                  "loss first reaches the target:", "",
+                  "| target L | reference crosses at (examples) | B_crit | interval |",
+                  "|---|---|---|---|"]
         lines += [f"| {s['target']:g} | {s['examples']:.0f} | {s['b_crit']:.3g} | "
                   f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
         lines.append("")
@@ -250,7 +251,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     import matplotlib.pyplot as plt
 
     points, ref = summarize(workdir), _reference_curves(workdir)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 6.5))
     ok = ref["E"] > 0
     noise = records.read_records(os.path.join(workdir, NOISE_FILE))
     if noise:  # exact on the whole training set: the study's own measurement
@@ -304,7 +305,11 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
                             xytext=(4, 4), textcoords="offset points", color="tab:red")
     ax.set(xscale="log", yscale="log", xlabel="examples seen by the reference run",
            ylabel="batch size (examples)")
-    ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
+    if noise:  # the study's span, not the reference's first steps
+        ax.set_xlim(left=0.7 * min(r["examples_seen"] for r in noise if r["examples_seen"]))
+        ax.set_ylim(2, 5e3)
+    else:
+        ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
     ax2 = ax.twinx()
     ax2.plot(ref["E"][ok], _ema(ref["loss"][ok], 0.9), color="gray", lw=1, label="train loss (EMA)")
     if np.isfinite(ref["full_train"]).any():
@@ -312,7 +317,8 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     ax2.set(yscale="log", ylabel="training loss (nats)")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2)
     ax.set_title("Local critical batch size vs noise scale vs swept B_crit")
     fig.tight_layout()
     path = path or os.path.join(workdir, "local_cbs.png")
