@@ -20,9 +20,9 @@ import pytest
 from cbs import data
 from cbs.analysis import branch_report
 from cbs.engine import trainer as train
-from cbs.stats import noise
 from cbs.results import records
-from cbs.sweeps import branches
+from cbs.stats import noise
+from cbs.sweeps import branch_noise, branches
 from experiments.configs import base, digits_branch
 
 
@@ -207,9 +207,9 @@ def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
     c = _config(noise_checkpoints=2, noise_deviations=16)
     c.branch.ks, c.branch.seeds = (1, 2), (1,)
     branches.run_branches(c, str(tmp_path))
-    recs = records.read_records(os.path.join(tmp_path, branches.NOISE_FILE))
+    recs = records.read_records(os.path.join(tmp_path, branch_noise.NOISE_FILE))
     assert [r["step"] for r in recs] == [20, 40]  # log-spaced checkpoints ∪ the point
-    assert all(r["estimator"] == branches.NOISE_ESTIMATOR for r in recs)
+    assert all(r["estimator"] == branch_noise.NOISE_ESTIMATOR for r in recs)
     runner = branches.BranchRunner(c, str(tmp_path))
     try:
         tr, state = runner.trainer, runner.restore(20)

@@ -105,7 +105,8 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
             "losses": mean.tolist(), "loss_se": se.tolist(), "k_star": k_star, "b_star": value,
             "b_pass": float(k_star * bsz),
             "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
-            "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed, "b_star_lo": min(per_seed),
+            "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed,
+            "b_star_lo": min(per_seed),
             "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
@@ -190,10 +191,11 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
         lines += [f"B_simple, B_noise at each point: {est}.", ""]
     if sweep_dir:
         sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
-        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval as the sweep's report "
-                  "states it), placed where the reference's full training-set loss first "
-                  "reaches the target:", "", "| target L | reference crosses at (examples) | "
-                  "B_crit | interval |", "|---|---|---|---|"]
+        lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval: 95% bootstrap over "
+                  f"{bootstrap} resamples), placed where the reference's full training-set "
+                  "loss (without one: its eval loss) first reaches the target:", "",
+                  "| target L | reference crosses at (examples) | B_crit | interval |",
+                  "|---|---|---|---|"]
         lines += [f"| {s['target']:g} | {s['examples']:.0f} | {s['b_crit']:.3g} | "
                   f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
         lines.append("")
@@ -210,7 +212,7 @@ def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
     col = lambda rs, k: np.asarray([r.get(k, np.nan) for r in rs], np.float64)
     out = {"E": col(train, "data/examples_seen"), "loss": col(train, "train/loss"),
            "eval_E": col(evals, "data/examples_seen"),
-           "full_train": col(evals, "full_train/loss")}
+           "full_train": col(evals, "full_train/loss"), "eval_loss": col(evals, "eval/loss")}
     for k in ("ema_b_simple", "b_simple", "b_noise", "measured_ema_b_simple",
               "measured_ema_b_noise"):
         out[k] = col(train, f"noise/{k}")
@@ -220,13 +222,15 @@ def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
 def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
                  ) -> list[dict[str, float]]:
     """The sweep's B_crit per target, placed at the examples where the reference run's
-    full training-set loss first reaches the target (targets it never reaches are left out)."""
+    full training-set loss (or, when it has none, its `eval/loss`) first reaches the target
+    (targets it never reaches are left out)."""
     analysis = report.analyze(sweep_dir, bootstrap=bootstrap, write=False)
     ref = _reference_curves(workdir)
+    curve = ref["full_train"] if np.isfinite(ref["full_train"]).any() else ref["eval_loss"]
     out = []
     for t in analysis["targets"]:
         f = t["fit"]
-        hit = np.nonzero(ref["full_train"] <= t["target"])[0]
+        hit = np.nonzero(curve <= t["target"])[0]
         if f["status"] != "ok" or not len(hit):
             continue
         lo, hi = f["b_crit_ci"] or (math.nan, math.nan)
@@ -249,7 +253,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     import matplotlib.pyplot as plt
 
     points, ref = summarize(workdir), _reference_curves(workdir)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 6.5))
     ok = ref["E"] > 0
     noise = records.read_records(os.path.join(workdir, NOISE_FILE))
     if noise:  # exact on the whole training set: the study's own measurement
@@ -303,15 +307,22 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
                             xytext=(4, 4), textcoords="offset points", color="tab:red")
     ax.set(xscale="log", yscale="log", xlabel="examples seen by the reference run",
            ylabel="batch size (examples)")
-    ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
+    if noise:  # the study's span, not the reference's first steps
+        ax.set_xlim(left=0.7 * min(r["examples_seen"] for r in noise if r["examples_seen"]))
+        ax.set_ylim(2, 5e3)
+    else:
+        ax.set_ylim(3, 3e4)  # the per-step two-batch estimate spikes where |G|² ≈ 0
     ax2 = ax.twinx()
     ax2.plot(ref["E"][ok], _ema(ref["loss"][ok], 0.9), color="gray", lw=1, label="train loss (EMA)")
     if np.isfinite(ref["full_train"]).any():
         ax2.plot(ref["eval_E"], ref["full_train"], color="gray", ls=":", label="full train loss")
-    ax2.set(yscale="log", ylabel="training loss (nats)")
+    elif np.isfinite(ref["eval_loss"]).any():
+        ax2.plot(ref["eval_E"], ref["eval_loss"], color="gray", ls=":", label="eval loss")
+    ax2.set(yscale="log", ylabel="loss (nats)")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2)
     ax.set_title("Local critical batch size vs noise scale vs swept B_crit")
     fig.tight_layout()
     path = path or os.path.join(workdir, "local_cbs.png")

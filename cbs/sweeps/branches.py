@@ -24,9 +24,10 @@ k*, B* and their uncertainty are computed from the records by `cbs.analysis.bran
 
 Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.jsonl`
 (one record per (point, k, seed), appended per (point, k), never rewritten except to drop a
-torn last line). A killed run resumes: finished (point, k) units are skipped and an
-unfinished one is run again from its checkpoint, so the records equal an uninterrupted
-run's. `shard="i/n"` runs only units whose index ≡ i (mod n).
+torn last line), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`, when measured). A killed
+run resumes: finished (point, k) units are skipped and an unfinished one is run again from its
+checkpoint, so the records equal an uninterrupted run's. `shard="i/n"` runs only units whose
+index ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -40,22 +41,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, measure, mesh, optim, progress
+from cbs.engine import checkpoint, mesh, optim, progress
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.results import paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
+from cbs.sweeps import branch_noise
 from cbs.sweeps.grid import parse_shard
 
 BRANCHES_FILE = "branches.jsonl"
 DEFINITION_FILE = "branch.json"
-NOISE_FILE = "reference_noise.jsonl"
-NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
-                   "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
-                   "full-data Hessian")
 REFERENCE_DIR = "reference"
 LR_RULES = {"linear": 1.0, "sqrt": 0.5}
 METRICS = ("loss_ema", "full_train/loss")
@@ -102,7 +99,7 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
     b.noise_checkpoints = 0  # > 0: B_simple and B_noise measured exactly on the whole training
     #   set at every branch point and this many log-spaced reference checkpoints (in-memory
-    #   data; `NOISE_ESTIMATOR`); 0 = off
+    #   data; `branch_noise.NOISE_ESTIMATOR`); 0 = off
     b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
     b.noise_seed = 0  # draw of those m examples
     return b
@@ -223,7 +220,6 @@ class BranchRunner:
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(workdir, REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
-        self._noise_fn: Callable | None = None
         if self.vmap:
             self.step = self._seeded_step()
 
@@ -338,46 +334,6 @@ class BranchRunner:
             tr.close()
 
 
-    def measure_noise(self, step: int) -> dict[str, Any]:
-        """B_simple and B_noise of the reference after `step` updates, exactly on the whole
-        training set (`NOISE_ESTIMATOR`): one record."""
-        if not self.trainer.in_memory:
-            raise ValueError("branch.noise_checkpoints needs an in-memory training set")
-        tr, m = self.trainer, int(self.b.noise_deviations)
-        if self._noise_fn is None:
-            num = tr.dataset.num_train
-            perm = jax.random.permutation(jax.random.key(int(self.b.noise_seed)), num)
-            batch = tr.dataset.take(tr.train_arrays, perm.astype(jnp.int32), "train")
-
-            def fn(params, model_state):
-                loss = lambda p, bt: tr.loss_fn(p, model_state, bt)[0]
-                return measure.measure_noise(loss, params, batch, batch, deviations=m,
-                                             chunk_size=64)
-
-            self._noise_fn = jax.jit(fn)
-        state = self.restore(step)
-        out = jax.device_get(self._noise_fn(state.params, state.model_state))
-        return {"step": step,
-                "examples_seen": count_to_int(jax.device_get(state.examples_seen)),
-                "num_examples": int(self.trainer.dataset.num_train),
-                "deviations": min(m, int(self.trainer.dataset.num_train)),
-                **{f"noise/{k}": float(v) for k, v in out.items()},
-                "estimator": NOISE_ESTIMATOR}
-
-
-def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
-                points: Sequence[int]) -> list[int]:
-    """Reference checkpoints to measure the noise at: every branch point and
-    `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
-    n = int(config.branch.get("noise_checkpoints", 0))
-    ckpts = sorted(s for s in ckpt_steps if s > 0)
-    if not n or not ckpts:
-        return []
-    grid = np.geomspace(ckpts[0], ckpts[-1], n)
-    chosen = {min(ckpts, key=lambda s: abs(math.log(s / g))) for g in grid}
-    return sorted(chosen | set(points))
-
-
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
                   dataset: data.Dataset | None = None) -> None:
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
@@ -454,18 +410,7 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
                 break
             records.append_records(path, runner.run_unit(step, k))
         if shard is None or parse_shard(shard)[0] == 0:
-            _measure_reference_noise(config, workdir, runner, steps)
+            branch_noise.measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()
     return records.read_records(path)
-
-
-def _measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
-                             runner: BranchRunner, points: Sequence[int]) -> None:
-    """Appends the exact noise measurements (`NOISE_FILE`) the study does not have yet."""
-    path = os.path.join(workdir, NOISE_FILE)
-    records.repair_tail(path)
-    done = {r["step"] for r in records.read_records(path)}
-    for step in noise_steps(config, runner.ckpt.all_steps(), points):
-        if step not in done:
-            records.append_records(path, [runner.measure_noise(step)])

@@ -5,17 +5,18 @@
         --workdir=runs/digits_branch --sweep_dir=runs/digits
     python -m experiments.branch --config=experiments/configs/digits_branch.py:tiny --workdir=/tmp/b
 
-A reference run at B = 4, η_0 = 2e-3 (the rate of the sweep's grid, 2× its square-root centre
-4e-3·(B/64)^½, that reaches L = 0.1 and 0.05 in the fewest steps at B = 4) for 4096 steps
-(16k examples, ≈ 11 epochs of the 1438 training examples); branches at k = 1 ... 64 (B up to
-256) with η = √k·η_0 from 9 points between 1024 and 16384 examples seen (the sweep's targets
-L = 0.5 ... 0.05 are crossed in this range), three data-order seeds each. The window is a
-quarter of the examples seen at each point (Δ = E/4: 256 examples at E = 1024, 4096 at
-E = 16384; one step of the largest branch at the first point). B* = k*·B with the paper's criterion. B_simple and B_noise are measured
-exactly on the whole training set at the branch points and 24 more reference checkpoints
-(`branch.noise_checkpoints`; H from all 1438 examples, the deviations of 256 of them).
-Expected on 2 CPU cores: a few minutes; B* rises with training, from the ladder's floor
-early (B* ≤ 4) to tens of examples.
+A reference run at B = 4, η_0 = 2e-3 (2× the sweep's square-root centre 4e-3·(B/64)^½; with
+4e-3 one of the two fastest rates of its grid at B = 4: 1125 and 1122 steps to L = 0.05, where
+the centre 1e-3 is 2-4× slower) for 4096 steps (16k examples, ≈ 11 epochs of the 1438 training
+examples); branches at k = 1 ... 64 (B up to 256) with η = √k·η_0 from 9 points between 1024
+and 16384 examples seen (the sweep's targets L = 0.5 ... 0.05 are crossed in this range), three
+data-order seeds each. The window is a quarter of the examples seen at each point (Δ = E/4: 256
+examples at E = 1024, 4096 at E = 16384; one step of the largest branch at the first point). B*
+= k*·B with the paper's criterion. B_simple and B_noise are measured exactly on the whole
+training set at the branch points and 24 more reference checkpoints
+(`branch.noise_checkpoints`; H from all 1438 examples, the deviations of 256 of them). Expected
+on 2 CPU cores: a few minutes; B* rises with training, from the ladder's floor early (B* ≤ 4)
+to tens of examples.
 
 Where this study departs from the paper's rules (`default_branch_config`, Merrill et al. 2025,
 Sec. 3.1), and why:
@@ -42,7 +43,7 @@ def get_config(arg: str = ""):
     c = base.base_config("digits", "mlp")
     c.model.hidden_sizes = (128, 128)  # 64-128-128-10, as digits_sweep.py
     c.optim.name = "adam"  # Adam, constant learning rate
-    c.optim.learning_rate = 2e-3  # η_0 at B = 4 (2 × 4e-3·(4/64)^½: the sweep's best there)
+    c.optim.learning_rate = 2e-3  # η_0 at B = 4 (2 × 4e-3·(4/64)^½: among the sweep's best)
     c.batch.schedule.batch_size = 4  # B, the reference batch
     c.batch.micro_batch = 4  # m = B: branch k runs k accumulation steps of B
     c.train.max_steps = 4096  # 16k examples

@@ -1,0 +1,88 @@
+"""The noise scale of a branch study's reference run, measured exactly on the whole training
+set at its checkpoints (`branch.noise_checkpoints`; in-memory data only).
+
+Letters: N training examples, m of them (a fixed random draw) whose deviations give tr(HΣ),
+H the Hessian of the mean loss over all N. With `cbs.engine.measure.measure_noise`:
+G, tr(Σ) and B_simple from all N per-example gradients (exact); tr(HΣ) =
+Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased for the population value since H is the
+full-data Hessian, not the Hessian of the examples weighed (the same-batch estimator that
+inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG. Cost per
+checkpoint: N per-example gradients and m + 1 HVPs over N examples.
+
+Records (`reference_noise.jsonl`, one per checkpoint, appended): step, examples_seen,
+num_examples, deviations, noise/* (as `measure_noise`), estimator (`NOISE_ESTIMATOR`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cbs.engine import measure
+from cbs.engine.step import count_to_int
+from cbs.results import records
+
+NOISE_FILE = "reference_noise.jsonl"
+NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
+                   "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
+                   "full-data Hessian")
+_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitted measurement
+
+
+def measure_at(runner: Any, step: int) -> dict[str, Any]:
+    """B_simple and B_noise of the reference after `step` updates, exactly on the whole
+    training set (`NOISE_ESTIMATOR`): one record."""
+    if not runner.trainer.in_memory:
+        raise ValueError("branch.noise_checkpoints needs an in-memory training set")
+    tr, m = runner.trainer, int(runner.b.noise_deviations)
+    if runner not in _FNS:
+        num = tr.dataset.num_train
+        perm = jax.random.permutation(jax.random.key(int(runner.b.noise_seed)), num)
+        batch = tr.dataset.take(tr.train_arrays, perm.astype(jnp.int32), "train")
+
+        def fn(params, model_state):
+            loss = lambda p, bt: tr.loss_fn(p, model_state, bt)[0]
+            return measure.measure_noise(loss, params, batch, batch, deviations=m,
+                                         chunk_size=64)
+
+        _FNS[runner] = jax.jit(fn)
+    state = runner.restore(step)
+    out = jax.device_get(_FNS[runner](state.params, state.model_state))
+    return {"step": step,
+            "examples_seen": count_to_int(jax.device_get(state.examples_seen)),
+            "num_examples": int(runner.trainer.dataset.num_train),
+            "deviations": min(m, int(runner.trainer.dataset.num_train)),
+            **{f"noise/{k}": float(v) for k, v in out.items()},
+            "estimator": NOISE_ESTIMATOR}
+
+
+def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
+                points: Sequence[int]) -> list[int]:
+    """Reference checkpoints to measure the noise at: every branch point and
+    `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
+    n = int(config.branch.get("noise_checkpoints", 0))
+    ckpts = sorted(s for s in ckpt_steps if s > 0)
+    if not n or not ckpts:
+        return []
+    grid = np.geomspace(ckpts[0], ckpts[-1], n)
+    chosen = {min(ckpts, key=lambda s: abs(math.log(s / g))) for g in grid}
+    return sorted(chosen | set(points))
+
+
+def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
+                             runner: Any, points: Sequence[int]) -> None:
+    """Appends the exact noise measurements (`NOISE_FILE`) the study does not have yet."""
+    path = os.path.join(workdir, NOISE_FILE)
+    records.repair_tail(path)
+    done = {r["step"] for r in records.read_records(path)}
+    for step in noise_steps(config, runner.ckpt.all_steps(), points):
+        if step not in done:
+            records.append_records(path, [measure_at(runner, step)])
