@@ -1,4 +1,5 @@
-"""The run's record writer: JSON lines (the record of truth), TensorBoard scalars, a progress bar.
+"""The run's record writer: JSON lines (the record of truth), TensorBoard scalars, a progress bar;
+and `CountBar`, the progress bar of a study's finished trials (sweeps, ramps, branches).
 
 The JSON-lines format and its readers are `cbs.results.records`; this module adds the live
 side of a run (process 0 only): appending records as they are read from the device, mirroring
@@ -16,8 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cbs.results import paths
@@ -130,3 +133,49 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.close()
         self.enabled = False
+
+
+class CountBar:
+    """A progress bar of finished units of a study (sweep trials, ramps, branch units): done /
+    total, rate and ETA, on stderr; lines given to `log` appear above it.
+
+    Args:
+      total: units to run.
+      unit: what one unit is called ("trial", "ramp", "unit").
+      enabled: False turns the bar off (config.train.progress_bar; processes other than 0).
+      log: where lines go (print: stdout, written around the bar).
+      file: the bar's stream; no bar unless it is a terminal.
+    """
+
+    def __init__(self, total: int, *, unit: str = "trial", enabled: bool = True,
+                 log: Callable[[str], Any] = print, file: Any = None):
+        file = sys.stderr if file is None else file
+        self._log, self._bar = log, None
+        if enabled and total > 0 and file.isatty():
+            from tqdm.auto import tqdm
+
+            width = shutil.get_terminal_size().columns  # 80 where a terminal reports 0
+            self._bar = tqdm(total=total, unit=unit, file=file, ncols=min(width, 120),
+                             smoothing=0.1, mininterval=1.0)
+
+    def log(self, line: str) -> None:
+        """Prints a line (above the bar when there is one)."""
+        if self._bar is not None and self._log is print:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            self._log(line)
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> CountBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, optim, progress
+from cbs.engine import checkpoint, mesh, optim, preemption, progress
 from cbs.engine import trainer as train
 from cbs.engine.step import TrainState, TrainStep, count_to_int
+from cbs.engine.writer import CountBar
 from cbs.results import paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise
@@ -405,11 +406,16 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
         todo = pending_units(config, workdir, steps, shard)
         log(f"branches {workdir}: {len(steps)} points, {len(todo)} units to run"
             + (f" (shard {shard})" if shard else ""))
-        for i, (step, k) in enumerate(todo):
-            if stop_after is not None and i >= stop_after:
-                break
-            records.append_records(path, runner.run_unit(step, k))
+        enabled = bool(config.train.progress_bar) and jax.process_index() == 0
+        with CountBar(len(todo), unit="unit", enabled=enabled, log=log) as bar:
+            for i, (step, k) in enumerate(todo):
+                if stop_after is not None and i >= stop_after:
+                    break
+                preemption.check(f"before branch unit (step {step}, k={k})")
+                records.append_records(path, runner.run_unit(step, k))
+                bar.update()
         if shard is None or parse_shard(shard)[0] == 0:
+            preemption.check("before the reference-run noise measurement")
             branch_noise.measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()

@@ -25,11 +25,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
 
 from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import preemption
+from cbs.engine.writer import CountBar
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import (
     Trial,
@@ -163,28 +165,32 @@ def _claim_name(group: list[Trial]) -> str:
 
 
 def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
-    """Runs each group this process can claim; skips groups another process is running."""
+    """Runs each group this process can claim; skips groups another process is running.
+    A bar (`CountBar`) shows the trials done, their rate and the time left."""
     results: list[TrialResult] = []
-    for group in _groups(todo, vmap):
-        preemption.check(f"before {_claim_name(group)}")  # finished groups are recorded
-        fd = store.claim(_claim_name(group))
-        if fd is None:
-            log(f"{_claim_name(group)}: running in another process")
-            continue
-        try:
-            done = store.finished_ids()
-            group = [t for t in group if t.trial_id not in done]  # finished meanwhile
-            if not group:
+    enabled = bool(config.train.progress_bar) and jax.process_index() == 0
+    with CountBar(len(todo), unit="trial", enabled=enabled, log=log) as bar:
+        for group in _groups(todo, vmap):
+            preemption.check(f"before {_claim_name(group)}")  # finished groups are recorded
+            fd = store.claim(_claim_name(group))
+            if fd is None:
+                bar.log(f"{_claim_name(group)}: running in another process")
                 continue
-            if vmap:
-                out = TrialGroup(config, group, store, cache=cache).run()
-            else:
-                out = [run_trial_engine(config, group[0], store)]
-            store.append(out)
-            log(summarize(out))
-            results += out
-        finally:
-            store.release(fd)
+            try:
+                done = store.finished_ids()
+                group = [t for t in group if t.trial_id not in done]  # finished meanwhile
+                if not group:
+                    continue
+                if vmap:
+                    out = TrialGroup(config, group, store, cache=cache).run()
+                else:
+                    out = [run_trial_engine(config, group[0], store)]
+                store.append(out)
+                bar.log(summarize(out))
+                bar.update(len(out))
+                results += out
+            finally:
+                store.release(fd)
     return results
 
 

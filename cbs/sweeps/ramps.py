@@ -30,7 +30,9 @@ import ml_collections
 
 from cbs.analysis import fit
 from cbs.analysis.report import RAMPS_FILE
+from cbs.engine import preemption
 from cbs.engine import trainer as train
+from cbs.engine.writer import CountBar
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
 from cbs.sweeps import launch
@@ -165,22 +167,35 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     check_ramps(config, sweep_dir)
     path = os.path.join(sweep_dir, RAMPS_FILE)
     done = {r["label"]: r for r in metrics.read_records(path, required=("label",))}
-    run_dirs = _run_dirs(sweep_dir, [run["label"] for run in config.ramps])
-    for run in config.ramps:
-        run = dict(run)
+    labels = [run["label"] for run in config.ramps]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+    run_dirs = _run_dirs(sweep_dir, labels)
+    todo = []
+    for run in map(dict, config.ramps):
         if run["label"] in done:
-            _check_recorded(done, run)
-            continue
-        c = ramp_config(config, run, sweep_dir)
-        workdir = run_dirs[run["label"]]
-        monitor = ProgressMonitor(config.sweep)
-        summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
-        records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
-        status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
-        rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
-        rec["spec"] = json.loads(json.dumps(run))
-        metrics.append_records(path, [rec])
-        cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
-                          for k, s in rec["steps_to_target"].items())
-        log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
+            _check_recorded(done, run)  # the recorded spec must be the configured one
+        else:
+            todo.append(run)
+    enabled = bool(config.train.progress_bar) and jax.process_index() == 0
+    with CountBar(len(todo), unit="ramp", enabled=enabled, log=log) as bar:
+        for run in todo:
+            preemption.check(f"before ramp {run['label']}")
+            _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
+            bar.update()
     return metrics.read_records(path, required=("label",))
+
+
+def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
+    """Trains one ramp (or resumes it), appends its record to ramps.jsonl, logs its line."""
+    c = ramp_config(config, run, sweep_dir)
+    monitor = ProgressMonitor(config.sweep)
+    summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
+    status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
+    rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
+    rec["spec"] = json.loads(json.dumps(run))
+    metrics.append_records(path, [rec])
+    cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
+                      for k, s in rec["steps_to_target"].items())
+    log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
