@@ -8,6 +8,7 @@ from cbs.stats.monitor import NoiseMonitor  # noqa: F401
 from cbs.stats.noise import (  # noqa: F401
     NoiseScaleEMA,
     NoiseStats,
+    allow_randomness,
     block_quadratic_forms,
     check_inputs,
     exact,

@@ -4,6 +4,9 @@ records intact and complete after a rerun, one line on stderr, the exit status, 
 takes, and no directory left behind.
 
 The network is never used: a download goes through an HTTPS proxy on a closed 127.0.0.1 port.
+Faults that would otherwise give silently wrong answers (a reused sweep directory, models the
+noise API cannot measure, late config errors, partial reruns, a full disk) are in
+test_faults_silent.py.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ size in the same workdir) is not damage: it raises `CheckpointMismatchError`, on
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import warnings
 from typing import Any
@@ -34,7 +36,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from cbs.results import paths
+from cbs.results import paths, records
 from cbs.results.paths import PathLike
 
 CHECKPOINT_DIR = "checkpoints"
@@ -113,10 +115,25 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved."""
-        return self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          meta=ocp.args.JsonSave(meta)), force=True)
+        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved.
+
+        Raises OSError naming the checkpoint directory and the errno when the disk is full
+        (or another OS error stops a write; also from `wait` and `close` for an async save):
+        the checkpoints already complete stay as they were."""
+        with self._os_errors():
+            return self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                              meta=ocp.args.JsonSave(meta)), force=True)
+
+    @contextlib.contextmanager
+    def _os_errors(self):
+        try:
+            yield
+        except Exception as err:
+            found = os_error(err)
+            if found is None:
+                raise
+            raise records.write_error(found, self.directory) from None
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restores checkpoint `step` (latest when None) into the structure of `target`.
@@ -190,9 +207,32 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        with self._os_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            with self._os_errors():
+                self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+
+_NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded")
+
+
+def os_error(err: BaseException) -> OSError | None:
+    """The OS error behind an orbax/tensorstore failure: an OSError in its chain, or one
+    made from a message that says the disk is full; None for anything else (a bug)."""
+    seen, chain = set(), err
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno:
+            return chain
+        chain = chain.__cause__ or chain.__context__
+    text = str(err)
+    if any(s in text for s in _NO_SPACE):
+        code = errno.EDQUOT if "quota" in text else errno.ENOSPC
+        return OSError(code, os.strerror(code))
+    return None

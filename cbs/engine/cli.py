@@ -27,6 +27,7 @@ created).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -84,7 +85,8 @@ def message(err: BaseException) -> str:
                 FileExistsError: "; a file is in the way: choose another path",
                 IsADirectoryError: "; a directory is in the way: choose another path",
                 }.get(type(err), "")
-        return f"{err.strerror}: {err.filename}{hint}"
+        code = errno.errorcode.get(err.errno, "") if err.errno else ""
+        return f"{err.strerror}{f' ({code})' if code else ''}: {err.filename}{hint}"
     text = str(err).strip() or type(err).__name__
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 

@@ -47,9 +47,9 @@ import numpy as np
 from flax import nnx
 
 from cbs import data, models
+from cbs.engine import checkpoint, optim, schedules
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import optim, schedules
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
 from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
 from cbs.results import paths
@@ -376,6 +376,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         with status "diverged").
       mesh: device mesh (default from config.mesh).
     """
+    created = not paths.exists(workdir)
     paths.makedirs(workdir)
     status = metrics.read_json(os.path.join(workdir, metrics.STATUS_FILE))
     if status and status.get("status") in ENDED and status.get("config_hash") == config_hash(
@@ -383,8 +384,41 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         if status["status"] == "diverged" and raise_on_divergence:
             raise DivergedError(status.get("message", "diverged"), status)
         return status
-    trainer = Trainer(config, workdir, mesh=mesh)
+    fresh = not _has_checkpoint(workdir)
     try:
-        return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
-    finally:
-        trainer.close()
+        trainer = Trainer(config, workdir, mesh=mesh)
+        try:
+            return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
+        finally:
+            trainer.close()
+    except DivergedError:
+        raise
+    except BaseException:
+        if fresh and not _has_checkpoint(workdir):  # nothing to resume: leave no half-made run
+            _remove_run_files(workdir, created)
+        raise
+
+
+_RUN_FILES = ("config.json", metrics.STATUS_FILE, metrics.METRICS_FILE)
+_RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    ckpts = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+    return paths.isdir(ckpts) and any(paths.epath(ckpts).iterdir())
+
+
+def _remove_run_files(workdir: str, created: bool) -> None:
+    """Removes what a run that failed before its first checkpoint wrote (process 0), so the
+    corrected command starts clean; the workdir itself too if this run created it."""
+    if jax.process_index() != 0:
+        return
+    for name in _RUN_FILES:
+        path = paths.epath(os.path.join(workdir, name))
+        if path.exists():
+            path.unlink()
+    for name in _RUN_DIRS:
+        if paths.isdir(os.path.join(workdir, name)):
+            paths.rmtree(os.path.join(workdir, name))
+    if created and paths.isdir(workdir) and not any(paths.epath(workdir).iterdir()):
+        paths.epath(workdir).rmdir()

@@ -74,6 +74,22 @@ def build_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequenc
     return model
 
 
+def abstract_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequence[int],
+                   num_classes: int | None = None, vocab_size: int | None = None,
+                   seed: int = 0) -> nnx.Module:
+    """The model with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`: nothing allocated or
+    computed), for validating a config before anything is written. Raises ValueError
+    starting with "config.model" when the architecture cannot be built."""
+    try:
+        return nnx.eval_shape(lambda: build_model(
+            model_config, input_shape=input_shape, num_classes=num_classes,
+            vocab_size=vocab_size, rngs=nnx.Rngs(seed), verbose=False))
+    except (ValueError, TypeError, ZeroDivisionError) as err:
+        text = " ".join(str(err).split())
+        raise ValueError(text if text.startswith("config.model") else f"config.model: {text}"
+                         ) from err
+
+
 def param_count(model: nnx.Module) -> int:
     """Number of scalars in the model's `nnx.Param`s (BatchNorm statistics excluded)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

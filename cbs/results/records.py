@@ -29,6 +29,7 @@ write of the whole object, which the store makes atomic.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -68,11 +69,16 @@ def write_atomic(path: PathLike, data: str | bytes) -> None:
         return
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:  # disk full, quota, I/O error: the old file stays as it was
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise write_error(err, path) from None
 
 
 def write_json_atomic(path: PathLike, obj: Mapping[str, Any]) -> None:
@@ -205,12 +211,29 @@ def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None
         write_atomic(path, kept + data.encode())
         return
     repair_tail(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    raw = data.encode()
     try:
-        os.write(fd, data.encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise write_error(err, path) from None
+    size = os.fstat(fd).st_size
+    try:
+        written = os.write(fd, raw)
+        if written != len(raw):  # a short write: the device filled up part-way
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         os.fsync(fd)
+    except OSError as err:  # cut back to the records that were whole: nothing torn
+        os.ftruncate(fd, size)
+        raise write_error(err, path) from None
     finally:
         os.close(fd)
+
+
+def write_error(err: OSError, path: PathLike) -> OSError:
+    """`err` (disk full, quota, read-only, I/O) as an OSError of the same errno naming the
+    file being written, for a one-line message (`cbs.engine.cli.message`)."""
+    code = err.errno or errno.EIO
+    return type(err)(code, err.strerror or os.strerror(code), os.fspath(path))
 
 
 def truncate_records(path: PathLike, step: int) -> int:

@@ -2,8 +2,10 @@
 
 Files in a sweep directory (all appended or replaced atomically; analysis reads only these):
 
-- `sweep.json`: the sweep definition, base config and base trial grid ("trials"), written
-  once the config has been validated (a later launch must match it, or pass `redefine`);
+- `sweep.json`: the whole resolved config that determines the trials ("config", defaults
+  filled in; its "sweep" section also at the top) and the base trial grid ("trials"),
+  written once the config has been validated; a later launch must match it field by field
+  (`write_definition`), or pass `redefine` to change the grid only;
 - `trials.jsonl`: one complete record per finished trial (see `TrialResult`); a record is
   written once, in one `write`, after the trial's last checkpoint; re-running skips it. A
   torn last line is cut off before the next append and a corrupt line is skipped with a

@@ -1,21 +1,23 @@
 """Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
 
-`check_inputs` validates (loss_fn, params, batch) with one-line errors (and, when the arrays are
-concrete, `check_finite` names a NaN/inf input instead of returning NaN and `check_mean_loss` a
-loss summed over the batch instead of averaged); `map_examples` maps a
+`check_inputs` validates (loss_fn, params, batch) with one-line errors (when the arrays are
+concrete, `check_finite` names a NaN/inf input instead of returning NaN; once per loss_fn,
+jitted or not, `cbs.stats.loss_checks` refuses a loss it cannot measure: random, coupling the
+examples of a batch, or summed over it); `map_examples` maps a
 function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under
 an explicitly sharded mesh.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from cbs.stats import loss_checks
+from cbs.stats.loss_checks import concrete
 from cbs.stats.trees import leaf_paths
 
 PyTree = Any
@@ -45,70 +47,22 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
         raise ValueError(f"batch size B={batch_size} is too small: trace_sigma is the unbiased "
                          f"estimate with 1/(B-1), which needs B >= {min_batch} examples. Pass a "
                          f"batch of at least {min_batch} examples.")
-    loss = jax.eval_shape(loss_fn, params, batch)
+    try:
+        loss = jax.eval_shape(loss_fn, params, batch)
+    except Exception as err:  # noqa: BLE001 - nnx BatchNorm in training mode fails here
+        loss_checks.raise_if_batch_stats(err)
+        raise
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         shape = getattr(loss, "shape", type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar (the MEAN loss over the batch); got "
                          f"{shape}. Reduce per-example losses with jnp.mean over the batch axis.")
     check_finite(params, batch)
-    check_mean_loss(loss_fn, params, batch)
+    loss_checks.check_loss_fn(loss_fn, params, batch)
     return batch_size
 
 
-_MEAN_CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions already seen to average
-
-
-def check_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
-    """Raises ValueError when loss_fn SUMS over the batch instead of averaging.
-
-    Every statistic assumes loss_fn(params, batch) = (1/B) Σ_i loss_fn(params, example i); a
-    sum scales ḡ by B and the per-example gradients of the ghost path by B², silently. With
-    concrete inputs (not under jit) the loss of example 0 is compared with the loss of a batch
-    holding it twice: equal for a mean, doubled for a sum. A sum is flagged when the ratio is
-    10x closer to 2 than to 1, so dropout or bf16 noise does not trip it. Checked once per
-    loss_fn (two small forward passes, compiled); traced inputs, and a loss_fn that cannot run
-    on one or two examples, are not checked.
-    """
-    if (not all(_concrete(x) for x in jax.tree.leaves((params, batch)))
-            or jax.tree.leaves(batch)[0].shape[0] < 2 or _mean_checked(loss_fn)):
-        return
-
-    def losses(params, batch):  # example 0 alone, and twice
-        first = jax.tree.map(lambda x: x[:1], batch)
-        return loss_fn(params, first), loss_fn(params, jax.tree.map(
-            lambda x: jnp.concatenate([x, x]), first))
-
-    try:
-        with jax.ensure_compile_time_eval():
-            once, twice = map(float, jax.device_get(jax.jit(losses)(params, batch)))
-    except Exception:  # noqa: BLE001 - a loss that needs a larger batch (sharding, reshapes)
-        return  # is left to the computation itself, which reports its own error
-    if abs(twice - 2 * once) < 0.1 * abs(twice - once):
-        raise ValueError(f"loss_fn looks like a SUM over the batch: example 0 twice gives "
-                         f"{twice:.6g}, twice its loss alone ({once:.6g}), where a mean gives "
-                         f"the same. Return the MEAN loss over the leading axis (jnp.mean, "
-                         f"not jnp.sum).")
-    _mean_checked(loss_fn, add=True)
-
-
-def _mean_checked(loss_fn: LossFn, add: bool = False) -> bool:
-    """Whether loss_fn already passed `check_mean_loss` (add: record that it did). A callable
-    that cannot be weakly referenced is never recorded, so it is checked every time."""
-    try:
-        if add:
-            _MEAN_CHECKED.add(loss_fn)
-        return loss_fn in _MEAN_CHECKED
-    except TypeError:
-        return False
-
-
-def _concrete(x: Any) -> bool:
-    """A value held on this process (not a tracer, not a multi-host global array)."""
-    return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
-
-
 def _concrete_float(x: Any) -> bool:
-    return _concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    return concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def check_finite(params: PyTree, batch: PyTree) -> None:

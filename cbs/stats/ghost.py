@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from cbs.stats import ghost_trace
+from cbs.stats import ghost_trace, loss_checks
 from cbs.stats.examples import map_examples, one_example, run_auto_axes
 from cbs.stats.ghost_rules import SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
@@ -369,6 +369,7 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    loss_checks.check_loss_fn(loss_fn, params, batch)  # random, coupled or summed: refused
     return run_auto_axes(  # per-example slicing under explicitly sharded batch axes
         lambda p, b: _grads_info(loss_fn, p, b, method, chunk_size), params, batch)
 

@@ -18,8 +18,11 @@ Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson,
 O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
 The periodic measurement of a run is chosen by name from a registry of methods
 (`register_method`, `get_method`, `method_names`; config field `noise.method`).
-Per-example quantities apply `loss_fn` to one-example batches, so layers that couple the
-examples of a batch (BatchNorm in training mode) make them ill-defined: do not use those.
+Per-example quantities apply `loss_fn` to one-example batches, so a loss that couples the
+examples of a batch (BatchNorm in training mode) or draws randomness it does not take as an
+argument (dropout with a fixed key) has none: every estimator refuses it in one line
+(`cbs.stats.loss_checks`, once per loss_fn, under jit too; `allow_randomness` declares
+randomness that is the same for an example in every batch).
 Each estimator is compiled with `loss_fn` as a static argument: reuse one function object to
 reuse the compilation (inside an outer jit it is simply inlined).
 """
@@ -39,6 +42,7 @@ import numpy as np
 from cbs.stats import examples, ghost, trees
 from cbs.stats.curvature import block_quadratic_forms, hvp_fn
 from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
+from cbs.stats.loss_checks import allow_randomness  # noqa: F401 - public: noise.allow_randomness
 from cbs.stats.trees import GroupSpec, group_matrix
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from cbs.engine import measure, mesh
 from cbs.engine import trainer as train
-from cbs.engine.loop import Loop
+from cbs.engine.loop import Loop, config_hash
 from cbs.engine.progress import DivergenceRule, ema_update
 from cbs.engine.step import TrainState
 from cbs.results import records as metrics
@@ -247,9 +247,17 @@ class TrialGroup:
             self.history["evals"].append(_row_values(records[j:j + k]))
 
     def run(self) -> list[TrialResult]:
-        """Trains (or resumes) the group to the end; returns one result per trial."""
+        """Trains (or resumes) the group to the end; returns one result per trial. A group
+        whose run directory already ended with this config is replayed from its records."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
-        summary = Loop(self, self._observe).run()
+        status = metrics.read_json(os.path.join(self.workdir, metrics.STATUS_FILE))
+        if status and status.get("status") in ("finished", "stopped") and status.get(
+                "config_hash") == config_hash(self.config):
+            self._replay(metrics.read_records(os.path.join(self.workdir,
+                                                           metrics.METRICS_FILE)))
+            summary = status
+        else:
+            summary = Loop(self, self._observe).run()
         self.history["seconds"] = summary["elapsed_s"]
         return [self._result(i, t, self.history) for i, t in enumerate(self.trials)]
 

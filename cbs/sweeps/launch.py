@@ -50,7 +50,8 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     """Validates the whole sweep before anything runs; returns its base trials.
 
     Raises ValueError naming the field: the sweep section, the dataset, every batch size
-    (and the noise measurement) against the training split, and the run config at each B.
+    (and the noise measurement) against the training split, the model (built abstractly:
+    parameter shapes only) and the run config at each B.
     """
     trials = make_trials(config.sweep)
     if config.data.name not in data.known_datasets():
@@ -62,6 +63,9 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
         if b > n:
             raise ValueError(f"config.sweep.batch_sizes: {b} is larger than the training split "
                              f"of {config.data.name} ({n} examples); use batch sizes <= {n}")
+    models.abstract_model(config.model, input_shape=ds.input_shape,
+                          num_classes=ds.num_classes if ds.task != "regression" else None,
+                          vocab_size=ds.vocab_size, seed=config.seed)
     if config.sweep.noise_batch_size > n:
         raise ValueError(f"config.sweep.noise_batch_size: {config.sweep.noise_batch_size} is "
                          f"larger than the training split ({n} examples)")
@@ -140,7 +144,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
             break
         log(f"sweep {sweep_dir}: {len(todo)} trials to run"
             + (f" (shard {shard})" if shard else "") + (f", round {round_}" if round_ else ""))
-        ran = _run_claimed(config, store, todo, vmap, cache, log)
+        ran = _run_claimed(config, store, todo, vmap, cache, log, shard)
         results += ran
         waited = _wait_for_others(store)
         stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
@@ -159,30 +163,47 @@ def _groups(todo: list[Trial], vmap: bool) -> list[list[Trial]]:
     return [list(g) for _, g in itertools.groupby(sorted(todo, key=key), key=key)]
 
 
+def group_slots(config: ml_collections.ConfigDict, group: list[Trial], shard: str | None
+                ) -> list[Trial]:
+    """The trials a vmapped group runs: for trials of the base grid, every base trial of
+    this shard at their (B, seed), in index order (the group an uninterrupted sweep ran), so a
+    rerun of some of them has the same size, slots and stopping rule and gives bit-identical
+    records (the finished ones are recomputed, or replayed from the group's records, and
+    dropped); trials added past edges run as the group of those pending."""
+    t = group[0]
+    base = [b for b in shard_trials(make_trials(config.sweep), shard)
+            if (b.batch_size, b.seed) == (t.batch_size, t.seed)]
+    ids = {b.trial_id for b in base}
+    return base if all(g.trial_id in ids for g in group) else group
+
+
 def _claim_name(group: list[Trial]) -> str:
     t = group[0]
     return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in group)
 
 
-def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
+def _run_claimed(config, store, todo, vmap, cache, log, shard=None) -> list[TrialResult]:
     """Runs each group this process can claim; skips groups another process is running.
     A bar (`CountBar`) shows the trials done, their rate and the time left."""
     results: list[TrialResult] = []
     enabled = bool(config.train.progress_bar) and jax.process_index() == 0
     with CountBar(len(todo), unit="trial", enabled=enabled, log=log) as bar:
         for group in _groups(todo, vmap):
-            preemption.check(f"before {_claim_name(group)}")  # finished groups are recorded
-            fd = store.claim(_claim_name(group))
+            slots = group_slots(config, group, shard) if vmap else group
+            preemption.check(f"before {_claim_name(slots)}")  # finished groups are recorded
+            fd = store.claim(_claim_name(slots))
             if fd is None:
-                bar.log(f"{_claim_name(group)}: running in another process")
+                bar.log(f"{_claim_name(slots)}: running in another process")
                 continue
             try:
                 done = store.finished_ids()
                 group = [t for t in group if t.trial_id not in done]  # finished meanwhile
                 if not group:
                     continue
-                if vmap:
-                    out = TrialGroup(config, group, store, cache=cache).run()
+                if vmap:  # the group's original slots: a rerun of some is bit-identical
+                    wanted = {t.trial_id for t in group}
+                    out = [r for r in TrialGroup(config, slots, store, cache=cache).run()
+                           if r.trial_id in wanted]
                 else:
                     out = [run_trial_engine(config, group[0], store)]
                 store.append(out)

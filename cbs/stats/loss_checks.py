@@ -1,0 +1,197 @@
+"""What a `loss_fn` must be for its noise statistics to mean anything, checked once per loss_fn.
+
+Every estimator assumes L(batch) = (1/B) Σ_i ℓ_i with ℓ_i depending on example i alone, the
+same ℓ_i whichever batch holds it (the ghost, vmap, probe and curvature routes each apply
+loss_fn to different batches: the whole batch, one-example batches, copies). Refused, each in
+one line naming the cause and the fix:
+
+- randomness loss_fn does not take as an argument (dropout with a fixed key, an nnx.Rngs
+  stream): found in the jaxpr (`RANDOM_PRIMITIVES`); each route would draw different masks.
+  A caller whose draws are the same for an example in every batch that holds it (a key folded
+  with an example id carried in the batch) says so with `allow_randomness(loss_fn)`;
+- examples coupled through a batch statistic (BatchNorm in training mode, linen or nnx):
+  a loss_fn that updates nnx BatchNorm statistics fails to trace (named here), and a loss of
+  examples 0 and 1 together that is not the mean of their losses alone is refused;
+- a loss SUMMED over the batch: example 0 twice gives twice its loss alone (a mean gives the
+  same), which would scale ḡ by B and the ghost norms by B².
+
+The value checks need numbers: with concrete inputs they use example 0 and 1 of the batch;
+under jit (traced inputs) they run once at trace time on stand-in inputs of the same shapes
+and dtypes (normal floats, scaled kernels, 0/1 integers), so a jitted train step pays nothing
+per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
+losses, is not value-checked (the computation reports its own errors).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "random_fold_in",
+                               "random_split", "threefry2x32", "rng_bit_generator",
+                               "rng_uniform"})
+# |L([x_0, x_1]) − (ℓ_0 + ℓ_1)/2| above this fraction of |ℓ_0| + |ℓ_1| counts as coupled: above
+# the rounding of a mean of two bf16 losses (2⁻⁸), below what a batch statistic of 1 vs 2
+# examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
+COUPLING_TOLERANCE = 0.01
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions that passed every check
+_ALLOWED_FLAG = "_cbs_allow_randomness"
+
+
+def allow_randomness(loss_fn: LossFn) -> LossFn:
+    """Declares that loss_fn's random draws are the same for an example in every batch that
+    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)` with the id in
+    the batch), so every route measures the same per-example loss. Returns a wrapper the
+    randomness check lets through (the coupling check is then skipped: random draws differ
+    from one call to the next by design). Reuse the returned function: it is the static
+    argument the estimators compile for."""
+
+    def wrapped(params: PyTree, batch: PyTree) -> jax.Array:
+        return loss_fn(params, batch)
+
+    setattr(wrapped, _ALLOWED_FLAG, True)
+    wrapped.__wrapped__ = loss_fn
+    return wrapped
+
+
+def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
+    """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
+    docstring); each loss_fn object is checked once."""
+    if _checked(loss_fn):
+        return
+    allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                            (params, batch))
+    try:
+        jaxpr = jax.make_jaxpr(loss_fn)(*abstract)
+    except Exception as err:  # noqa: BLE001 - a mutated BatchNorm statistic is named; any
+        raise_if_batch_stats(err)  # other failure (tracers closed over from an outer
+        return  # transformation) is left to the computation itself
+    found = sorted(random_primitives(jaxpr.jaxpr))
+    if found and not allowed:
+        raise ValueError(f"loss_fn draws random numbers it does not take as an argument "
+                         f"({', '.join(found)} in its jaxpr, e.g. dropout with a fixed key): "
+                         "the per-example and whole-batch routes would draw different masks; "
+                         "run the model deterministically (dropout off) for the measurement, "
+                         "or wrap loss_fn in noise.allow_randomness if each example's draws are"
+                         " the same in every batch that holds it")
+    losses = _sample_losses(loss_fn, params, batch)
+    if losses is not None:
+        _check_values(*losses, coupling=not allowed)
+    _checked(loss_fn, add=True)
+
+
+def raise_if_batch_stats(err: Exception) -> None:
+    """Turns flax's error for a BatchNorm statistic mutated under a trace into one line."""
+    text = str(err)
+    if "BatchStat" in text or "batch_stats" in text:
+        raise ValueError("loss_fn updates BatchNorm statistics (BatchNorm in training mode): a "
+                         "batch statistic couples the examples, so per-example gradients are "
+                         "undefined; measure with the model in evaluation mode (nnx: "
+                         "model.eval(); linen: use_running_average=True, no mutable)") from err
+
+
+def random_primitives(jaxpr: Any) -> set[str]:
+    """Names of the random-number primitives in a jaxpr and the jaxprs nested in it."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in RANDOM_PRIMITIVES:
+            found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= random_primitives(inner)
+    return found
+
+
+def _check_values(once: float, other: float | None, pair: float | None, twice: float, *,
+                  coupling: bool) -> None:
+    """once = ℓ_0, other = ℓ_1, pair = L([x_0, x_1]), twice = L([x_0, x_0])."""
+    if abs(twice - 2 * once) < 0.1 * abs(twice - once):
+        raise ValueError(f"loss_fn looks like a SUM over the batch: example 0 twice gives "
+                         f"{twice:.6g}, twice its loss alone ({once:.6g}), where a mean gives "
+                         f"the same. Return the MEAN loss over the leading axis (jnp.mean, "
+                         f"not jnp.sum).")
+    if not coupling or other is None or pair is None:
+        return
+    mean = (once + other) / 2
+    if abs(pair - mean) > COUPLING_TOLERANCE * (abs(once) + abs(other)) + 1e-6:
+        raise ValueError(f"loss_fn couples the examples of a batch: examples 0 and 1 together "
+                         f"give {pair:.6g}, not the mean {mean:.6g} of their losses alone, so "
+                         "per-example gradients are undefined (a batch statistic, e.g. "
+                         "BatchNorm in training mode: linen mutable=['batch_stats'], nnx "
+                         "model.train()); measure in evaluation mode (use_running_average=True"
+                         " / model.eval())")
+
+
+def _sample_losses(loss_fn: LossFn, params: PyTree, batch: PyTree
+                   ) -> tuple[float, float | None, float | None, float] | None:
+    """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) on the inputs, or on stand-ins of their
+    shapes when any is traced; None when loss_fn cannot run on them or a loss is not finite."""
+    if not all(concrete(x) for x in jax.tree.leaves((params, batch))):
+        params = stand_in(params, kernels=True)
+        batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (min(2, x.shape[0]), *x.shape[1:]), x.dtype), batch), kernels=False)
+    size = jax.tree.leaves(batch)[0].shape[0]
+
+    def losses(params, batch):
+        take = lambda idx: jax.tree.map(lambda x: x[jnp.asarray(idx)], batch)
+        out = [loss_fn(params, take([0])), loss_fn(params, take([0, 0]))]
+        if size >= 2:
+            out += [loss_fn(params, take([1])), loss_fn(params, take([0, 1]))]
+        return out
+
+    try:
+        with jax.ensure_compile_time_eval():
+            compiled = jax.jit(losses).lower(params, batch).compile()  # runs now, not staged
+            values = [float(v) for v in jax.device_get(compiled(params, batch))]
+    except Exception as err:  # noqa: BLE001 - a loss that needs a larger batch (sharding,
+        raise_if_batch_stats(err)  # reshapes) is left to the computation itself
+        return None
+    if not all(math.isfinite(v) for v in values):
+        return None
+    once, twice, *rest = values
+    other, pair = rest if rest else (None, None)
+    return once, other, pair, twice
+
+
+def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
+    """Concrete arrays of the tree's shapes and dtypes: floats standard normal (with
+    `kernels`, parameters: matrices scaled by 1/√fan_in, vectors by 0.1), integers and
+    booleans 0 or 1 (valid labels and token ids)."""
+    rng = np.random.default_rng(seed)
+
+    def one(x):
+        shape, dtype = jnp.shape(x), jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            fan_in = (math.prod(shape[:-1]) if len(shape) >= 2 else 100) if kernels else 1
+            return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(dtype)
+        return rng.integers(0, 2, shape).astype(dtype)  # numpy: stays concrete under a trace
+
+    return jax.tree.map(one, tree)
+
+
+def _checked(loss_fn: LossFn, add: bool = False) -> bool:
+    """Whether loss_fn already passed (add: record that it did). A callable that cannot be
+    weakly referenced is never recorded, so it is checked every time."""
+    try:
+        if add:
+            _CHECKED.add(loss_fn)
+        return loss_fn in _CHECKED
+    except TypeError:
+        return False
+
+
+def concrete(x: Any) -> bool:
+    """A value held on this process (not a tracer, not a multi-host global array)."""
+    return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
