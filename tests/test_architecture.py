@@ -80,10 +80,10 @@ def test_every_package_is_known_and_every_alias_is_a_plain_facade():
 
 
 def _facade_source(source: str) -> str:
-    """The module a façade file re-exports (its one `from cbs.X.Y import (...)`)."""
-    tree = ast.parse(source)
-    (node,) = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
-    return node.module
+    """The module a façade file re-exports: its `from cbs.X.Y import (...)` with the most names
+    (a façade may add a name or two from a sibling module)."""
+    nodes = [n for n in ast.parse(source).body if isinstance(n, ast.ImportFrom)]
+    return max(nodes, key=lambda n: len(n.names)).module
 
 
 def _public_names(module) -> list[str]:
