@@ -402,9 +402,12 @@ def _power_law_lines(analysis: dict[str, Any]) -> list[str]:
 
 
 def _alpha_ci(slope_ci) -> str:
-    if not slope_ci or slope_ci[0] is None:
+    """α's interval from a slope interval; an unbounded end (slope interval reaching 0) is ∞."""
+    if not slope_ci or slope_ci[0] is None or slope_ci[1] is None:
         return "–"
-    return _ci(fit.alpha_interval(tuple(slope_ci)))
+    lo, hi = fit.alpha_interval(tuple(slope_ci))
+    end = lambda v: "∞" if v == math.inf else _g(v)
+    return f"{end(lo)}–{end(hi)}"
 
 
 def _missing_text(analysis: dict[str, Any]) -> str:
