@@ -43,9 +43,13 @@ def get_config(arg: str = ""):
     s.max_examples = 400_000  # ≈ 280 epochs per trial at most
     s.max_steps = 6_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_batch_size = 256  # examples per exact noise measurement
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them (cost grows as n²)
+    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all 1438 training examples
+    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
+    s.noise_hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
+    s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
+    s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
     if "tiny" in base.parse_arg(arg):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
@@ -53,7 +57,8 @@ def get_config(arg: str = ""):
         s.max_steps = 60  # a few dispatches per trial
         s.max_examples = 0  # steps bound the budget
         s.evals_per_trial = 6  # six evaluations
-        s.noise_batch_size = 64  # small measurements
+        s.noise_reference_batch_size = 32  # a batch size of the tiny grid
+        s.noise_reference_evals = 12  # a short reference run
         s.checkpoint_every_evals = 2  # exercise checkpoints
         s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)
     return c
