@@ -37,8 +37,8 @@ Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} 
 per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
 trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
 
-In-step (`split_curvature`: single runs and adaptive ramps, which see only their training
-batch): the deviations of the first half of the measured batch, the Hessian of the second half.
+In-step measurements (single runs, the adaptive ramp on b_noise) see only their training
+batch: `cbs.engine.step` takes the deviations from its first half and H from its second.
 """
 
 from __future__ import annotations
@@ -171,27 +171,6 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     trace_h_sigma = jnp.mean(forms) * num / (num - 1)
     return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": g_h_g, "g_h_g": g_h_g,
             "b_noise": trace_h_sigma / g_h_g}
-
-
-def split_curvature(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
-                    chunk_size: int | None = None) -> dict[str, jax.Array]:
-    """Curvature terms of a measured training batch with H taken from other examples.
-
-    The first ⌊n/2⌋ examples (𝓐) give the gradient ḡ_𝓐 and the deviations, the other ⌈n/2⌉
-    (𝓒) the Hessian: `measure_noise(loss_fn, params, 𝓐, 𝓒)`'s curvature keys. For 𝓐 and 𝓒
-    independent draws (sampling with replacement, or N ≫ n) every term is unbiased; drawn
-    without replacement from N examples, each example's own Hessian enters its term with
-    weight −1/(N − n/2) instead of the same-batch estimator's +1/n.
-    Returns float32 {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"}.
-    """
-    n = jax.tree.leaves(batch)[0].shape[0]
-    if n < 4:
-        raise ValueError(f"split_curvature needs >= 4 examples (two halves of >= 2), got {n}")
-    half = n // 2
-    first = jax.tree.map(lambda x: x[:half], batch)
-    second = jax.tree.map(lambda x: x[half:], batch)
-    out = _curvature(loss_fn, params, first, second, 0, chunk_size)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
 def uses_full_data(noise_examples: str, num_train: int) -> bool:

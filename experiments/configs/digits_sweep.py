@@ -57,6 +57,7 @@ def get_config(arg: str = ""):
         s.max_steps = 60  # a few dispatches per trial
         s.max_examples = 0  # steps bound the budget
         s.evals_per_trial = 6  # six evaluations
+        s.noise_protocol = "per_trial"  # no reference run (tests run it on their own)
         s.noise_reference_batch_size = 32  # a batch size of the tiny grid
         s.noise_reference_evals = 12  # a short reference run
         s.checkpoint_every_evals = 2  # exercise checkpoints
