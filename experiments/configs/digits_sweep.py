@@ -12,9 +12,9 @@ is measured at every evaluation on the whole training set (exact G, tr(Σ), Gᵀ
 measured densely with the full-data Hessian (`cbs.sweeps.reference`). Measured
 (results/digits): 48 trials (36 + 12 added in extension rounds), no best rate at an edge,
 B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22x across batch
-sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 min on 2 shared CPU cores (the full-data
-measurement at every evaluation is most of it). `:tiny` runs 3 batch sizes for a handful of
-steps (tests) without the reference run.
+sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 min on 2
+shared CPU cores (the full-data measurement at every evaluation is most of it). `:tiny` runs
+3 batch sizes for a handful of steps (tests) without the reference run.
 """
 
 from __future__ import annotations
