@@ -199,3 +199,53 @@ def test_report_shows_spread_protocol_and_reference(tmp_path):
     assert ref["b_simple"] == pytest.approx((10 + 12 + 14 + 16 + 20) / 5)  # window 5
     assert "| 64 (8–512) | – | 14.4 / 14.4 |" in text
     assert "Noise scale per trial:" in text and "Reference run: one run." in text
+
+
+def test_reference_config_measures_densely_on_all_examples():
+    from experiments.configs import digits_sweep
+
+    c = digits_sweep.get_config()
+    c.sweep.noise_examples, c.sweep.noise_hessian_batch_size = "sampled", 64
+    s = reference.reference_config(c).sweep
+    assert (s.noise_examples, s.noise_hessian_batch_size) == ("all", 0)
+    assert s.evals_per_trial == c.sweep.noise_reference_evals
+    assert s.noise_curvature_batch_size == c.sweep.noise_reference_deviations
+    c.sweep.noise_reference_deviations = 0  # 0: the sweep's own number of deviations
+    assert reference.reference_config(c).sweep.noise_curvature_batch_size == 32
+    grid.validate_sweep(c.sweep)
+    c.sweep.noise_reference_batch_size = 48
+    with pytest.raises(ValueError, match="noise_reference_batch_size: 48 is not one of"):
+        grid.validate_sweep(c.sweep)
+
+
+@pytest.mark.slow
+def test_reference_run_after_a_sweep(tmp_path):
+    """A tiny sweep with the reference protocol: the best trial at B_ref is rerun on the same
+    trajectory (its progress equals the sweep's at common steps), measured at every evaluation
+    until `noise_window` evaluations past the lowest target, and the report quotes it."""
+    from cbs.sweeps import launch
+    from experiments.configs import digits_sweep
+
+    c = digits_sweep.get_config("tiny")
+    c.sweep.update(dict(batch_sizes=(32,), targets=(1.5,), max_steps=30, evals_per_trial=6,
+                        noise_protocol="reference", noise_reference_batch_size=32,
+                        noise_reference_evals=10, noise_window=2,
+                        noise_reference_deviations=8))
+    d = str(tmp_path / "s")
+    launch.run_sweep(c, d, log=lambda *_: None)
+    run = metrics.read_records(os.path.join(d, noise_at_target.REFERENCE_FILE))[-1]
+    sweep_rec = next(r for r in store.SweepStore(d).records()
+                     if r["learning_rate"] == run["learning_rate"])
+    curve, mine = run["curve"], sweep_rec["curve"]
+    common = set(curve["step"]) & set(mine["step"])
+    assert common
+    for s in common:
+        assert curve["full_train/loss"][curve["step"].index(s)] == pytest.approx(
+            mine["full_train/loss"][mine["step"].index(s)], rel=1e-5)
+    crossing = noise_at_target.reference_values(run, [1.5], 2)[0]
+    assert crossing["crossing_step"] is not None
+    assert len([s for s in curve["noise/step"] if s >= crossing["crossing_step"]]) >= 2
+    assert all(v is not None for v in curve["noise/trace_h_sigma"])
+    assert "8 random deviations" in run["protocol"]
+    report.write_report(d, bootstrap=0, partial=True)
+    assert report.load_analysis(d)["reference_noise"]["batch_size"] == 32

@@ -70,6 +70,9 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     #                                 (its best rate), measured on all examples at every eval
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
+    s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
+    #                                   noise_curvature_batch_size); late in training one
+    #                                   example's form can dominate: more is steadier
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging

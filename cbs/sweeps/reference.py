@@ -5,7 +5,7 @@ with the fewest steps to the lowest target any trial at B_ref reached, first see
 again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`, the same step and data
 order, so the same trajectory) with `sweep.noise_reference_evals` log-spaced evaluations, each
 an exact measurement on the whole training set (`cbs.engine.measure.measure_full_data`:
-tr(HΣ) from `sweep.noise_curvature_batch_size` random deviations and the full-data Hessian).
+tr(HΣ) from `sweep.noise_reference_deviations` random deviations and the full-data Hessian).
 It runs until `sweep.noise_window` evaluations past the lowest target's crossing. The record
 (the run's curve and settings) is appended to `reference_noise.jsonl` in the sweep directory;
 `cbs.analysis.noise_at_target` turns it into the noise scale at each target.
@@ -52,6 +52,7 @@ def reference_config(config: ml_collections.ConfigDict) -> ml_collections.Config
     s.evals_per_trial = int(config.sweep.noise_reference_evals)
     s.noise_examples = "all"
     s.noise_hessian_batch_size = 0  # the full-data Hessian
+    s.noise_curvature_batch_size = _deviations(config.sweep)
     s.checkpoint_every_evals = s.evals_per_trial  # one run of minutes: no mid-run checkpoints
     return c
 
@@ -73,9 +74,14 @@ class ReferenceRun(TrialGroup):
         return self.rule.scan(m).diverged
 
 
+def _deviations(sweep: ml_collections.ConfigDict) -> int:
+    """m of the reference run: noise_reference_deviations, else noise_curvature_batch_size."""
+    return int(sweep.get("noise_reference_deviations", 0) or sweep.noise_curvature_batch_size)
+
+
 def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int) -> str:
     s = config.sweep
-    m = int(s.noise_curvature_batch_size)
+    m = _deviations(s)
     return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
             f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, each exact "
             f"on the full training set (N={num_train}; tr(HΣ) from {m} random deviations and "

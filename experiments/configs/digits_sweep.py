@@ -53,6 +53,8 @@ def get_config(arg: str = ""):
     s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
     s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
+    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 random deviations (32 are too
+    #                                     few late in training: relative std ≈ 1.4 per eval)
     if "tiny" in base.parse_arg(arg):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
