@@ -218,7 +218,6 @@ def test_reference_config_measures_densely_on_all_examples():
         grid.validate_sweep(c.sweep)
 
 
-@pytest.mark.slow
 def test_reference_run_after_a_sweep(tmp_path):
     """A tiny sweep with the reference protocol: the best trial at B_ref is rerun on the same
     trajectory (its progress equals the sweep's at common steps), measured at every evaluation
