@@ -323,3 +323,36 @@ def test_unhashable_loss_callable_works():
     np.testing.assert_allclose(noise.exact(Loss(), params, batch, method="vmap").trace_sigma,
                                noise.exact(loss_fn, params, batch, method="vmap").trace_sigma,
                                rtol=1e-6)
+
+
+def test_independent_hessian_batch_in_exact_and_probe(x64):
+    """With hessian_batch, H is the Hessian of those examples: exact equals the float64
+    definition (per-example deviations of `batch`, dense H of `hessian_batch`), and probe's
+    mean over probes equals exact within 4 standard errors."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(14, 3)), rng.integers(0, 3, size=14)
+    w = jnp.asarray(rng.normal(size=(3, 3)) * 0.4)
+
+    def loss_fn(p, b):
+        logits = b["x"] @ p
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, b["y"][:, None], -1)[:, 0])
+
+    batch = {"x": jnp.asarray(x[:8]), "y": jnp.asarray(y[:8])}
+    hess = {"x": jnp.asarray(x[8:]), "y": jnp.asarray(y[8:])}
+    got = noise.exact(loss_fn, w, batch, curvature=True, hessian_batch=hess, chunk_size=3)
+    g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, {"x": x[i:i + 1], "y": y[i:i + 1]})).ravel()
+                    for i in range(8)])
+    h = np.asarray(jax.hessian(loss_fn)(w, hess)).reshape(9, 9)
+    g, d = g_i.mean(0), g_i - g_i.mean(0)
+    trace_h_sigma = np.einsum("ip,pq,iq->", d, h, d) / 7
+    np.testing.assert_allclose(float(got.trace_h_sigma), trace_h_sigma, rtol=1e-10)
+    np.testing.assert_allclose(float(got.mean_g_h_g), g @ h @ g, rtol=1e-10)
+    np.testing.assert_allclose(float(got.g_h_g), g @ h @ g - trace_h_sigma / 8, rtol=1e-10)
+    same = noise.exact(loss_fn, w, batch, curvature=True)
+    assert abs(float(same.trace_h_sigma) / trace_h_sigma - 1) > 1e-3  # H really changed
+    draws = jax.vmap(lambda k: noise.probe(loss_fn, w, batch, k, curvature=True,
+                                           hessian_batch=hess).trace_h_sigma)(
+        jax.random.split(jax.random.key(0), 2000))
+    draws = np.asarray(draws)
+    assert abs(draws.mean() - trace_h_sigma) < 4 * draws.std(ddof=1) / np.sqrt(draws.size)

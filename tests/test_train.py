@@ -217,7 +217,9 @@ def test_measure_in_step_equals_separate(mlp):
 
 @pytest.mark.parametrize("method", ["vmap", "probe"])
 def test_curvature_measurement_in_the_step(mlp, method):
-    """exact (vmap) equals cbs.stats.noise.exact on the same micro-batch; probe gives the keys."""
+    """exact (vmap): b_simple equals cbs.stats.noise.exact on the measured micro-batch, the
+    curvature terms exact on its first half with the Hessian of its second half (H independent
+    of the deviations); probe gives the keys."""
     loss_fn, params, batch = mlp
     ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
                        one_device_mesh(), micro_batch=16,
@@ -228,9 +230,14 @@ def test_curvature_measurement_in_the_step(mlp, method):
     for k in ("b_noise", "g_h_g", "trace_h_sigma", "measured_ema_b_noise", "b_simple"):
         assert f"noise/{k}" in measured, k
     if method == "vmap":
-        want = noise.exact(loss_fn, params, jax.tree.map(lambda x: x[:16], batch),
-                           curvature=True, method="vmap")
-        for k in ("b_noise", "trace_h_sigma", "g_h_g", "b_simple"):
+        half = lambda lo, hi: jax.tree.map(lambda x: x[lo:hi], batch)
+        want = noise.exact(loss_fn, params, half(0, 8), curvature=True, method="vmap",
+                           hessian_batch=half(8, 16))
+        same = noise.exact(loss_fn, params, half(0, 8), curvature=True, method="vmap")
+        assert abs(float(same.trace_h_sigma) / float(want.trace_h_sigma) - 1) > 1e-3
+        whole = noise.exact(loss_fn, params, half(0, 16), method="vmap")
+        np.testing.assert_allclose(measured["noise/b_simple"], whole.b_simple, rtol=1e-4)
+        for k in ("b_noise", "trace_h_sigma", "g_h_g"):
             np.testing.assert_allclose(measured[f"noise/{k}"], getattr(want, k), rtol=1e-4)
         assert measured["noise/measured_ema_b_noise"] == pytest.approx(
             float(want.b_noise), rel=1e-4)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import edges, fit, joint, plots
+from cbs.analysis import edges, fit, joint, noise_at_target, plots
 from cbs.results import records as metrics
 from cbs.results.store import SweepStore, target_key
 
@@ -38,11 +38,6 @@ ANALYSIS_FILE = "analysis.json"
 REPORT_FILE = "report.md"
 RAMPS_FILE = "ramps.jsonl"
 FIGURES_DIR = "figures"
-
-
-def _median(values: Sequence[float | None]) -> float:
-    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
-    return float(np.median(v)) if v else math.nan
 
 
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
@@ -62,13 +57,7 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
     tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap,
                                 seed=joint.data_seed([best]) if seed is None else seed)
     best_records = [row["record"] for rows_b in best.best_rows for row in rows_b]
-    measured = {}
-    for name in ("b_simple", "b_noise"):
-        v = [r["noise_at_target"].get(key, {}).get(name) for r in best_records]
-        v = [float(x) for x in v if x is not None and math.isfinite(float(x))]
-        measured |= {f"measured_{name}": _median(v),
-                     f"measured_{name}_min": min(v) if v else math.nan,
-                     f"measured_{name}_max": max(v) if v else math.nan}
+    measured = noise_at_target.spread(best_records, key)
     unreached = sorted({(r["batch_size"], r["learning_rate"], r["status"])
                         for r in (u["record"] for u in best.unreached)})
     key_edges = {b: e.get(key) for b, e in (grid or {}).get("edges", {}).items()}
@@ -130,7 +119,10 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
                 "targets": [{**{k: v for k, v in t.items() if k != "_table"},
                              "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict() | {"misfit": misfit},
-                "seeds": seed_spread(records, targets, bootstrap=min(bootstrap, 200))}
+                "seeds": seed_spread(records, targets, bootstrap=min(bootstrap, 200)),
+                "noise_protocol": noise_at_target.protocol(definition),
+                "reference_noise": noise_at_target.reference(
+                    sweep_dir, targets, int(definition.get("sweep", {}).get("noise_window", 5)))}
     if write:
         metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
@@ -212,8 +204,10 @@ def summary_table(analysis: dict[str, Any]) -> str:
     A B_crit outside the batch sizes fitted is marked "(extrapolated)"; a fit from a grid with
     missing trials has status "ok, incomplete grid".
     """
-    lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L | B_noise at L "
-             "| batch sizes fitted | status |", "|---|---|---|---|---|---|---|---|"]
+    ref = analysis.get("reference_noise")
+    lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L, median (min–max) "
+             "| B_noise at L, median (min–max) | B_simple / B_noise, reference run "
+             "| batch sizes fitted | status |", "|---|---|---|---|---|---|---|---|---|"]
     for t in analysis["targets"]:
         f = t["fit"]
         status = f["status"]
@@ -226,8 +220,11 @@ def summary_table(analysis: dict[str, Any]) -> str:
                 status += ", incomplete grid"
         else:
             row = ["–", "–", "–"]
-        lines.append(f"| {t['target']:g} | " + " | ".join(row) + f" | {_g(t['measured_b_simple'])}"
-                     f" | {_g(t['measured_b_noise'])} | {len(t['batch_sizes'])} | {status} |")
+        noise = [noise_at_target.spread_cell(t, "b_simple"),
+                 noise_at_target.spread_cell(t, "b_noise"),
+                 noise_at_target.reference_cell(ref, t["target"])]
+        lines.append(f"| {t['target']:g} | " + " | ".join(row + noise)
+                     + f" | {len(t['batch_sizes'])} | {status} |")
     return "\n".join(lines)
 
 
@@ -344,7 +341,8 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
                   analysis) + " B_simple and B_noise: the noise scale measured when the "
               "best trials passed the target (ratio of window averages, median over batch "
               "sizes). \"(extrapolated)\": B_crit lies outside the batch sizes fitted.", "",
-              summary_table(analysis), "", *_power_law_lines(analysis)]
+              summary_table(analysis), "", *noise_at_target.protocol_lines(analysis), "",
+              *_power_law_lines(analysis)]
     if analysis.get("tokens_per_example"):
         lines += ["## In tokens, beside Kaplan et al. 2020", "",
                   f"{analysis['tokens_per_example']} tokens per sequence.", "",

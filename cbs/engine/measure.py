@@ -17,6 +17,28 @@ Here 𝓒 is drawn independently of 𝓑, so E[Ĥ | 𝓑] = H and every term is 
 𝓑 a uniform draw without replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and
 E[g_h_g] = GᵀHG − E[trace_h_sigma]/N, which is what `noise.exact(curvature=True)` gives on
 all N examples. Cost: m per-example gradients and m + 1 HVPs on h examples.
+Residual biases of this sampled estimator: E[g_h_g] = GᵀHG − E[trace_h_sigma]/N and
+E[grad_sq_norm] = |G|² − E[trace_sigma]/N under without-replacement draws (relative size
+1/(N·B_noise), 1/(N·B_simple)), and a reported B at a crossing is a ratio of window means
+(each unbiased, their ratio biased by O(variance/mean²) of the window mean).
+
+Full training set (`measure_full_data`, for small N): G, |G|², tr(Σ) and GᵀHG exactly over
+all N (H = ∇²L over all N), and tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐
+of m examples drawn without replacement:
+
+    trace_sigma   = Σ_{i≤N} |g_i − G|² / (N − 1)
+    grad_sq_norm  = mean_grad_sq_norm = |G|²
+    g_h_g         = mean_g_h_g = GᵀHG
+    trace_h_sigma = N/(N − 1) · (1/m) Σ_{i∈𝓐} d_iᵀ H d_i
+    b_simple = trace_sigma / grad_sq_norm,   b_noise = trace_h_sigma / g_h_g
+
+Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)
+(H and G are fixed: no example's own Hessian is over-weighted). Cost: one pass over N for the
+per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
+trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
+
+In-step measurements (single runs, the adaptive ramp on b_noise) see only their training
+batch: `cbs.engine.step` takes the deviations from its first half and H from its second.
 """
 
 from __future__ import annotations
@@ -35,6 +57,8 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 CURVATURE_KEYS = ("trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise")
+NOISE_EXAMPLES = ("sampled", "all", "auto")  # values of sweep.noise_examples
+FULL_DATA_MAX = 10_000  # "auto": the whole training set when N <= this many examples
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -82,6 +106,80 @@ def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):
     g_h_g = mean_g_h_g - trace_h_sigma / n
     return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": mean_g_h_g, "g_h_g": g_h_g,
             "b_noise": trace_h_sigma / g_h_g}
+
+
+def measure_full_data(loss_fn: LossFn, params: PyTree, train_batch: PyTree,
+                      key: jax.Array | None = None, *, deviations: int = 0,
+                      hessian_examples: int = 0, chunk_size: int | None = None
+                      ) -> dict[str, jax.Array]:
+    """Noise statistics of the whole training set at `params` (module docstring).
+
+    Args:
+      loss_fn: loss_fn(params, batch) -> mean loss.
+      train_batch: all N training examples (the population: G, Σ and H are theirs).
+      key: PRNG key drawing the subset 𝓐 of `deviations` examples (needed when > 0).
+      deviations: m, examples whose deviations give trace_h_sigma (0 = no curvature,
+        m ≥ N: every example, no sampling).
+      hessian_examples: 0 (or ≥ N): trace_h_sigma's H over all N; h > 0: H of h examples
+        drawn uniformly without replacement, independently of 𝓐 (E[Ĥ] = H, so still
+        unbiased, at h/N of the HVP cost). GᵀHG always uses all N.
+      chunk_size: examples per vmap chunk (memory).
+    Returns:
+      float32 scalars {"trace_sigma", "grad_sq_norm", "mean_grad_sq_norm", "b_simple"} and,
+      when deviations > 0, {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"}.
+    """
+    num = jax.tree.leaves(train_batch)[0].shape[0]
+    stats = noise.exact(loss_fn, params, train_batch, chunk_size=chunk_size)
+    grad_sq_norm = stats.mean_grad_sq_norm  # |G|², exact: G is the population gradient
+    out = {"trace_sigma": stats.trace_sigma, "grad_sq_norm": grad_sq_norm,
+           "mean_grad_sq_norm": grad_sq_norm, "b_simple": stats.trace_sigma / grad_sq_norm}
+    if deviations:
+        out |= _full_curvature(loss_fn, params, train_batch, key, min(deviations, num),
+                               hessian_examples, chunk_size)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _draw(batch, key, size, num):
+    """`size` examples of `batch` drawn uniformly without replacement (all when size ≥ num)."""
+    if size >= num:
+        return batch
+    if key is None:
+        raise ValueError("measure_full_data: a key is needed to draw a subset of examples")
+    idx = jax.random.choice(key, num, (size,), replace=False)
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+
+
+def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
+    num = jax.tree.leaves(train_batch)[0].shape[0]
+    if m < 1:
+        raise ValueError(f"the curvature measurement needs >= 1 deviation example, got {m}")
+    dtype = trees.accum_dtype()
+    grad, hvp = curvature.hvp_fn(loss_fn, params, train_batch)
+    g_h_g = trees.tree_dot(grad, hvp(grad))
+    key_a, key_c = (None, None) if key is None else jax.random.split(key)
+    subset = _draw(train_batch, key_a, m, num)
+    if h and h < num:
+        _, hvp = curvature.hvp_fn(loss_fn, params, _draw(train_batch, key_c, h, num))
+    grad_acc = trees.tree_cast(grad, dtype)
+
+    def form(example):
+        g = jax.grad(loss_fn)(params, jax.tree.map(lambda x: x[None], example))
+        d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
+        return trees.tree_dot(d, hvp(d))
+
+    forms = jax.lax.map(form, subset, batch_size=min(chunk_size or m, m))
+    trace_h_sigma = jnp.mean(forms) * num / (num - 1)
+    return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": g_h_g, "g_h_g": g_h_g,
+            "b_noise": trace_h_sigma / g_h_g}
+
+
+def uses_full_data(noise_examples: str, num_train: int) -> bool:
+    """Whether a sweep measures on the whole training set (`sweep.noise_examples`: "all";
+    "auto" when num_train <= FULL_DATA_MAX; "sampled": never)."""
+    if noise_examples not in NOISE_EXAMPLES:
+        raise ValueError(f"sweep.noise_examples must be one of {NOISE_EXAMPLES}, got "
+                         f"{noise_examples!r}")
+    return noise_examples == "all" or (noise_examples == "auto" and num_train <= FULL_DATA_MAX)
 
 
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,

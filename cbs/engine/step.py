@@ -147,6 +147,28 @@ class Measurement(NamedTuple):
     in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
 
 
+def _measure(fn: noise.MethodFn, loss_fn, params, batch, *, curvature: bool, **kw
+             ) -> noise.NoiseStats:
+    """One measurement by the method `fn`. With curvature and a method that takes
+    `hessian_batch`, the curvature terms are unbiased: deviations and ḡ from the first half
+    of the batch, H from the second (E[Ĥ] = H given the first half when the halves are
+    independent draws; without replacement from N examples each example's own Hessian enters
+    its term with weight −1/(N − n/2) instead of the same-batch estimator's +1/(n/2)), while
+    trace_sigma, grad_sq_norm and b_simple use the whole batch."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if not (curvature and noise.takes_hessian_batch(fn)):
+        return fn(loss_fn, params, batch, curvature=curvature, **kw)
+    if n < 4:
+        raise ValueError(f"a curvature measurement needs >= 4 measured examples (two halves "
+                         f"of >= 2), got {n}: raise config.noise.batch_size")
+    whole = fn(loss_fn, params, batch, curvature=False, **kw)
+    half = n // 2
+    split = fn(loss_fn, params, jax.tree.map(lambda x: x[:half], batch), curvature=True,
+               hessian_batch=jax.tree.map(lambda x: x[half:], batch), **kw)
+    return dataclasses.replace(whole, **{k: getattr(split, k) for k in (
+        "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")})
+
+
 def _mean_state(tree: PyTree) -> PyTree:
     """Mean over the leading (group) axis of float leaves; other leaves take group 0."""
     return jax.tree.map(lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -345,9 +367,9 @@ class TrainStep:
                              chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
         key = jax.random.fold_in(jax.random.key(self.seed), state.step)
-        stats = noise.get_method(method)(loss_fn, state.params, batch, key=key,
-                                         curvature=curvature, num_probes=num_probes,
-                                         chunk_size=chunk_size or None)
+        stats = _measure(noise.get_method(method), loss_fn, state.params, batch, key=key,
+                         curvature=curvature, num_probes=num_probes,
+                         chunk_size=chunk_size or None)
         if curvature and stats.trace_h_sigma is None:
             raise ValueError(f"noise method {method!r} returned no curvature statistics "
                              "(trace_h_sigma, g_h_g) though curvature was asked for")

@@ -109,11 +109,12 @@ def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None)
                        sums.get("ghg"), sums["dhd"] / n1 if curv else None, group_stats)
 
 
-def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
-    """Centred sums from materialised per-example gradients, chunk by chunk."""
+def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch=None):
+    """Centred sums from materialised per-example gradients, chunk by chunk (H from
+    `hessian_batch` when given, else from `batch`)."""
     dtype = trees.accum_dtype()
     if curvature:
-        grad, hvp_lin = hvp_fn(loss_fn, params, batch)
+        grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
     else:
         grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
     chunk_size = ghost.vmap_chunk_size(params, batch, chunk_size)
@@ -139,6 +140,13 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks):
     return sums
 
 
+def _grad_and_hvp(loss_fn, params, batch, hessian_batch):
+    """(ḡ of `batch`, v ↦ Hv) with H of `hessian_batch` (None: of `batch` itself)."""
+    if hessian_batch is None:
+        return hvp_fn(loss_fn, params, batch)
+    return jax.grad(loss_fn)(params, batch), hvp_fn(loss_fn, params, hessian_batch)[1]
+
+
 def _ghost_info(loss_fn, params, batch, method, chunk_size):
     """(loss, ḡ, per-leaf [B] squared norms) from the ghost-norm path of `cbs.stats.ghost`."""
     return ghost.per_example_grads_info(loss_fn, params, batch, method=method,
@@ -156,7 +164,8 @@ def _fast_sums(batch_size, grad, sq_norms):
 
 
 def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | None = None,
-          curvature: bool = False, groups: GroupSpec = None, method: str = "auto") -> NoiseStats:
+          curvature: bool = False, groups: GroupSpec = None, method: str = "auto",
+          hessian_batch: PyTree | None = None) -> NoiseStats:
     """Exact noise statistics of one batch from per-example gradients.
 
     Args:
@@ -179,13 +188,17 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
             naming the leaves it cannot read. "auto": "fast", with vmap for those leaves only.
             With curvature=True the per-example gradients are needed anyway and the
             centred vmap route is used for every field.
+        hessian_batch: examples drawn independently of `batch` whose mean-loss Hessian is H
+            (curvature only). None: H of `batch` itself, whose trace_h_sigma then holds each
+            example's own Hessian with weight 1/B (biased high for small B); independent
+            examples make trace_h_sigma and g_h_g unbiased.
     Returns:
         NoiseStats (scalars in float32, float64 under jax_enable_x64).
     """
     check_inputs(loss_fn, params, batch)
     _check_method(method)
-    return _exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
-                  groups=groups, method=method)
+    return _exact(loss_fn, params, batch, hessian_batch, chunk_size=chunk_size,
+                  curvature=curvature, groups=groups, method=method)
 
 
 def value_grad_and_stats(loss_fn: LossFn, *, method: str = "auto",
@@ -233,7 +246,8 @@ def _check_method(method: str) -> None:
 # Compiled once per (loss_fn, settings, shapes): called eagerly, the estimators would otherwise
 # run op by op; inside an outer jit this is inlined.
 def _jit(fn: Callable) -> Callable:
-    names = [n for n in inspect.signature(fn).parameters if n not in ("params", "batch", "key")]
+    names = [n for n in inspect.signature(fn).parameters
+             if n not in ("params", "batch", "key", "hessian_batch")]
     jitted = jax.jit(fn, static_argnames=names)
 
     def call(loss_fn, *args, **kwargs):
@@ -252,22 +266,24 @@ def _hashable(fn):
 
 
 @_jit
-def _exact(loss_fn, params, batch, *, chunk_size, curvature, groups, method) -> NoiseStats:
+def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, groups, method
+           ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     grouping = group_matrix(params, groups)
     blocks = grouping[2] if grouping else None
 
-    def compute(params, batch):
+    def compute(params, batch, hessian_batch):
         info = None
         if method != "vmap" and not curvature:
             info = _ghost_info(loss_fn, params, batch, method, chunk_size)
         if info is None:
-            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks)
+            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks,
+                              hessian_batch)
         else:
             sums = _fast_sums(batch_size, *info[1:])
         return _assemble(batch_size, sums, grouping)
 
-    return run_auto_axes(compute, params, batch)
+    return run_auto_axes(compute, params, batch, hessian_batch)
 
 
 def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
@@ -306,7 +322,7 @@ def _probe_vector(key: jax.Array, params: PyTree, distribution: str) -> PyTree:
 
 def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
           num_probes: int = 1, curvature: bool = False,
-          distribution: str = "rademacher") -> NoiseStats:
+          distribution: str = "rademacher", hessian_batch: PyTree | None = None) -> NoiseStats:
     """Hutchinson estimates of trace_sigma (and trace_h_sigma); memory O(params).
 
     For a probe z with E[zzᵀ] = I, a_i = zᵀg_i for all i is one forward-mode pass over the
@@ -326,6 +342,7 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
 
     Args:
         key: PRNG key for the probes. distribution: "rademacher" (lower variance) or "gaussian".
+        hessian_batch: independent examples whose Hessian is H (as in `exact`).
     Returns:
         NoiseStats with estimated trace_sigma / trace_h_sigma and the unbiased corrections.
     """
@@ -334,18 +351,19 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
         raise ValueError(f"distribution must be 'rademacher' or 'gaussian', got {distribution!r}.")
     if num_probes < 1:
         raise ValueError(f"num_probes must be at least 1, got {num_probes}.")
-    return _probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature,
-                  distribution=distribution)
+    return _probe(loss_fn, params, batch, key, hessian_batch, num_probes=num_probes,
+                  curvature=curvature, distribution=distribution)
 
 
 @_jit
-def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) -> NoiseStats:
+def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature, distribution
+           ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
     dtype = trees.accum_dtype()
 
-    def compute(params, batch, key):
+    def compute(params, batch, key, hessian_batch):
         if curvature:
-            grad, hvp_lin = hvp_fn(loss_fn, params, batch)
+            grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
             mean_ghg = trees.tree_dot(grad, hvp_lin(grad))
         else:
             grad, mean_ghg = jax.grad(loss_fn)(params, batch), None
@@ -367,7 +385,7 @@ def _probe(loss_fn, params, batch, key, *, num_probes, curvature, distribution) 
         return _make_stats(batch_size, trees.tree_sq_norm(grad), ests["trace_sigma"], mean_ghg,
                            ests.get("trace_h_sigma"))
 
-    return run_auto_axes(compute, params, batch, key)
+    return run_auto_axes(compute, params, batch, key, hessian_batch)
 
 
 def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
@@ -464,13 +482,21 @@ def register_method(name: str, fn: MethodFn) -> MethodFn:
     fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats, where
     key is a PRNG key (fresh every measurement, for random probes), curvature asks for the
     curvature fields too (trace_h_sigma, g_h_g, ...), and num_probes / chunk_size are the
-    config's `noise.num_probes` and `noise.chunk_size` (None for 0). A repeated name is an
-    error. Returns fn.
+    config's `noise.num_probes` and `noise.chunk_size` (None for 0). A method whose signature
+    has a `hessian_batch` keyword is called with curvature on half of the measured examples
+    and given the other half there, to take H from examples independent of the deviations
+    (`takes_hessian_batch`; the built-ins do); others get curvature on the whole batch. A
+    repeated name is an error. Returns fn.
     """
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
     _METHODS[name] = fn
     return fn
+
+
+def takes_hessian_batch(fn: MethodFn) -> bool:
+    """Whether the method `fn` accepts a `hessian_batch` keyword (see `register_method`)."""
+    return "hessian_batch" in inspect.signature(fn).parameters
 
 
 def method_names() -> tuple[str, ...]:
@@ -488,11 +514,12 @@ def get_method(name: str) -> MethodFn:
 def _exact_method(route: str) -> MethodFn:
     """`exact` with per-example norms by `route` ("auto" | "fast" | "vmap")."""
 
-    def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size):
+    def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size,
+                hessian_batch=None):
         del key, num_probes
         if curvature:
             return exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=True,
-                         method=route)
+                         method=route, hessian_batch=hessian_batch)
         # the same one forward and one backward pass a user's own train step calls
         return value_grad_and_stats(loss_fn, method=route, chunk_size=chunk_size)(
             params, batch)[2]
@@ -500,9 +527,11 @@ def _exact_method(route: str) -> MethodFn:
     return measure
 
 
-def _probe_method(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size):
+def _probe_method(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size,
+                  hessian_batch=None):
     del chunk_size
-    return probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature)
+    return probe(loss_fn, params, batch, key, num_probes=num_probes, curvature=curvature,
+                 hessian_batch=hessian_batch)
 
 
 for _route in ("auto", "fast", "vmap"):

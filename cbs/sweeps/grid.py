@@ -62,6 +62,17 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     #                                    B_noise (0 = no curvature measurement)
     s.noise_hessian_batch_size = 64  # examples, drawn independently, whose Hessian H is used
     s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
+    s.noise_examples = "sampled"  # "sampled": the batches above; "all": the whole training set
+    #                               (exact G, tr(Σ), GᵀHG; tr(HΣ) from noise_curvature_batch_size
+    #                               random deviations); "auto": "all" when N <= 10,000
+    s.noise_protocol = "per_trial"  # "per_trial": noise at each best trial's crossings only;
+    #                                 "reference": also one rerun at noise_reference_batch_size
+    #                                 (its best rate), measured on all examples at every eval
+    s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
+    s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
+    s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
+    #                                   noise_curvature_batch_size); late in training one
+    #                                   example's form can dominate: more is steadier
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging
@@ -128,6 +139,15 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("noise_curvature_batch_size", "needs >= 2 examples (or 0 = off)")
     if sweep.noise_curvature_batch_size and sweep.get("noise_hessian_batch_size", 1) < 1:
         fail("noise_hessian_batch_size", "must be >= 1 when noise_curvature_batch_size > 0")
+    if sweep.get("noise_examples", "sampled") not in ("sampled", "all", "auto"):
+        fail("noise_examples", f"must be 'sampled', 'all' or 'auto', got {sweep.noise_examples!r}")
+    if sweep.get("noise_protocol", "per_trial") not in ("per_trial", "reference"):
+        fail("noise_protocol", f"must be 'per_trial' or 'reference', got "
+             f"{sweep.noise_protocol!r}")
+    if sweep.get("noise_protocol", "per_trial") == "reference" and (
+            sweep.noise_reference_batch_size not in tuple(sweep.batch_sizes)):
+        fail("noise_reference_batch_size", f"{sweep.noise_reference_batch_size} is not one of "
+             f"the swept batch sizes {tuple(sweep.batch_sizes)}")
     if sweep.max_lr < 0 or sweep.min_lr < 0:
         fail("max_lr", "learning-rate cap and floor must be >= 0 (0 = none)")
     if sweep.max_lr and sweep.min_lr > sweep.max_lr:

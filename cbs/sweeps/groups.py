@@ -70,13 +70,25 @@ def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset
     `cbs.engine.measure.measure_noise` on `sweep.noise_batch_size` examples of a measurement
     stream (`seed`) and, when `sweep.noise_curvature_batch_size` > 0, B_noise from the
     deviations of that many of them and the Hessian of an independent draw of
-    `sweep.noise_hessian_batch_size` examples."""
+    `sweep.noise_hessian_batch_size` examples. With `sweep.noise_examples` "all" (or "auto"
+    and at most `measure.FULL_DATA_MAX` training examples): `measure.measure_full_data` on the
+    whole training set, tr(HΣ) from `sweep.noise_curvature_batch_size` random deviations and
+    the Hessian of `sweep.noise_hessian_batch_size` independent examples (0: all)."""
     curv = int(sweep.noise_curvature_batch_size)
+    chunk = int(sweep.noise_chunk_size) or None
+    if measure.uses_full_data(sweep.get("noise_examples", "sampled"), dataset.num_train):
+        everything = dataset.take(arrays, jnp.arange(dataset.num_train, dtype=jnp.int32))
+        key = jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
+        out = measure.measure_full_data(
+            loss_fn, params, everything, key, deviations=curv, chunk_size=chunk,
+            hessian_examples=int(sweep.get("noise_hessian_batch_size", 0)))
+        out.pop("mean_grad_sq_norm")
+        return out
     grad_batch, hess_batch = measure.measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=int(sweep.noise_batch_size),
         hessian_batch_size=int(sweep.noise_hessian_batch_size) if curv else 0)
     out = measure.measure_noise(loss_fn, params, grad_batch, hess_batch, deviations=curv,
-                                chunk_size=int(sweep.noise_chunk_size) or None)
+                                chunk_size=chunk)
     out.pop("mean_grad_sq_norm")
     return out
 

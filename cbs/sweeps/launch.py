@@ -14,8 +14,10 @@ shards continues the rounds. Finished trials (records in trials.jsonl) are skipp
 unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory
 dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`)
 whose records are appended together; otherwise each trial is a `cbs.engine.trainer.run`
-(`cbs.sweeps.trials`). Each group is claimed with a lock (`SweepStore.claim`): two launchers
-on one directory run different groups, and one waits for the other's before it goes on.
+(`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"` an unsharded launch that
+finds every trial finished then runs the reference trajectory (`cbs.sweeps.reference`). Each
+group is claimed with a lock (`SweepStore.claim`): two launchers on one directory run
+different groups, and one waits for the other's before it goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ from cbs.sweeps.grid import (
     trial_table,
 )
 from cbs.sweeps.groups import TrialGroup
+from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
+
+
+def num_train(config: ml_collections.ConfigDict) -> int:
+    """Training examples of the config's dataset (N)."""
+    return data.get_dataset(config.data.name, **config.data.options).num_train
 
 
 def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
@@ -104,7 +112,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def sweep_definition(config: ml_collections.ConfigDict, base: list[Trial]) -> dict[str, Any]:
     """sweep.json: the resolved config that determines the trials, and the base grid."""
     resolved = resolved_config(config)
-    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base)}
+    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base),
+            "num_train": num_train(config)}
 
 
 def _in_memory(config: ml_collections.ConfigDict) -> bool:
@@ -152,6 +161,8 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
     if waiting:
         log(f"{len(waiting)} trials of other shards are unfinished; rerun those shards (then "
             "this one) to finish the learning-rate extension rounds")
+    elif config.sweep.get("noise_protocol", "per_trial") == "reference" and shard is None:
+        run_reference(config, store, log=log)
     store.export_csv()
     return results
 

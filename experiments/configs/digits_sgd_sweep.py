@@ -5,11 +5,14 @@
 
 The model, data, batch sizes, targets and budget of `digits_sweep` (64-128-128-10 MLP, full
 training-set loss), trained with plain SGD at a constant rate: a factor-2 grid centred on
-the linear rule η(B) = 0.1·(B/64), capped at 2, extended past edge optima. Plain SGD is
-a known case where the link between B_crit and the noise scale breaks: B_crit stops growing
-at low loss while the measured B_simple keeps growing and overestimates B_crit several-fold.
-The report shows what this sweep finds (results/digits_sgd/report.md). `:tiny` is the
-shrunk grid of `digits_sweep:tiny` (tests).
+the linear rule η(B) = 0.1·(B/64), capped at 2, extended past edge optima; the noise
+protocols of `digits_sweep` (full training set at every evaluation, one reference run at
+B = 64). Measured (results/digits_sgd/report.md): B_crit stops growing at low loss (45 at
+L = 0.1, 50 at L = 0.05); the median B_simple over batch sizes is 1.0-1.5 B_crit and the median
+B_noise 0.48-0.74 B_crit, but at L = 0.05 B_simple spans 31-620 and B_noise 5.8-345 across
+batch sizes, because at the best rates the full training loss oscillates from one
+evaluation to the next and |G|² and tr(HΣ) swing with it. About 30 min on 2 shared CPU cores.
+`:tiny` is the shrunk grid of `digits_sweep:tiny` (tests).
 """
 
 from __future__ import annotations

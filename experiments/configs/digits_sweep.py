@@ -6,12 +6,15 @@
 Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
 rule η(B) = 4e-3·(B/64)^½, extended by up to three factor-2 rounds wherever the best rate
 for a target sits at an edge, one seed, targets on the full training-set loss from 0.5 down
-to 0.05. The learning rates of each batch size train as one vmapped program. Measured: 48
-trials (36 + 12 added in 2 rounds), no best rate at an edge, 285 s of CPU time. Expected on 2 CPU
-cores: the sweep, fits and report in a few minutes; B_crit grows as the target loss falls
-(tens of examples at L = 0.5, a few hundred at L = 0.05) and the measured B_simple at each
-target lies within a small factor of the fitted B_crit. `:tiny` runs 3 batch sizes for a
-handful of steps (tests).
+to 0.05. The learning rates of each batch size train as one vmapped program. The noise scale
+is measured at every evaluation on the whole training set (exact G, tr(Σ), GᵀHG; tr(HΣ) from
+32 random deviations), and after the sweep one reference run at B = 64 (its best rate) is
+measured densely with the full-data Hessian (`cbs.sweeps.reference`). Measured
+(results/digits): 48 trials (36 + 12 added in extension rounds), no best rate at an edge,
+B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22x across batch
+sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 min on 2
+shared CPU cores (the full-data measurement at every evaluation is most of it). `:tiny` runs
+3 batch sizes for a handful of steps (tests) without the reference run.
 """
 
 from __future__ import annotations
@@ -43,9 +46,15 @@ def get_config(arg: str = ""):
     s.max_examples = 400_000  # ≈ 280 epochs per trial at most
     s.max_steps = 6_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_batch_size = 256  # examples per exact noise measurement
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them (cost grows as n²)
+    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all 1438 training examples
+    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
+    s.noise_hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
+    s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
+    s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
+    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 random deviations (32 are too
+    #                                     few late in training: relative std ≈ 1.4 per eval)
     if "tiny" in base.parse_arg(arg):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
@@ -53,7 +62,9 @@ def get_config(arg: str = ""):
         s.max_steps = 60  # a few dispatches per trial
         s.max_examples = 0  # steps bound the budget
         s.evals_per_trial = 6  # six evaluations
-        s.noise_batch_size = 64  # small measurements
+        s.noise_protocol = "per_trial"  # no reference run (tests run it on their own)
+        s.noise_reference_batch_size = 32  # a batch size of the tiny grid
+        s.noise_reference_evals = 12  # a short reference run
         s.checkpoint_every_evals = 2  # exercise checkpoints
         s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)
     return c

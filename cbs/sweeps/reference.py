@@ -1,0 +1,115 @@
+"""The reference-trajectory noise protocol (McCandlish et al. 2018): one run, measured densely.
+
+After a sweep, the best trial at B_ref (`sweep.noise_reference_batch_size`: the learning rate
+with the fewest steps to the lowest target any trial at B_ref reached, first seed) is run
+again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`, the same step and data
+order, so the same trajectory) with `sweep.noise_reference_evals` log-spaced evaluations, each
+an exact measurement on the whole training set (`cbs.engine.measure.measure_full_data`:
+tr(HΣ) from `sweep.noise_reference_deviations` random deviations and the full-data Hessian).
+It runs until `sweep.noise_window` evaluations past the lowest target's crossing. The record
+(the run's curve and settings) is appended to `reference_noise.jsonl` in the sweep directory;
+`cbs.analysis.noise_at_target` turns it into the noise scale at each target.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from cbs.analysis import noise_at_target
+from cbs.results import records as metrics
+from cbs.results.store import SweepStore, target_key
+from cbs.sweeps.grid import Trial
+from cbs.sweeps.groups import TrialGroup
+
+REFERENCE_DIR = "reference"
+
+
+def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
+                    ) -> Trial | None:
+    """The best trial at B_ref for the lowest target reached there (ties: fewer steps to the
+    targets above), None when no trial at B_ref reached a target."""
+    b_ref, seed = int(sweep.noise_reference_batch_size), int(sweep.seeds[0])
+    rows = [r for r in records if r["batch_size"] == b_ref and int(r.get("seed", 0)) == seed]
+    for target in sorted(sweep.targets):
+        key = target_key(target)
+        reached = [r for r in rows if r["steps_to_target"].get(key) is not None]
+        if reached:
+            best = min(reached, key=lambda r: (r["steps_to_target"][key], r["learning_rate"]))
+            return Trial(index=best["index"], batch_size=b_ref,
+                         learning_rate=best["learning_rate"], seed=seed)
+    return None
+
+
+def reference_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The sweep config of the reference run: dense evaluations, full-data measurement."""
+    c = ml_collections.ConfigDict(config.to_dict())
+    s = c.sweep
+    s.evals_per_trial = int(config.sweep.noise_reference_evals)
+    s.noise_examples = "all"
+    s.noise_hessian_batch_size = 0  # the full-data Hessian
+    s.noise_curvature_batch_size = _deviations(config.sweep)
+    s.checkpoint_every_evals = s.evals_per_trial  # one run of minutes: no mid-run checkpoints
+    return c
+
+
+class ReferenceRun(TrialGroup):
+    """A group of one trial that stops `sweep.noise_window` evaluations after its crossing
+    of the lowest target (or when it diverges or its budget ends)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
+        super().__init__(reference_config(config), [trial], store)
+        self.workdir = os.path.join(store.sweep_dir, REFERENCE_DIR,
+                                    f"b{trial.batch_size:06d}_s{trial.seed}")
+
+    def _finished(self, history) -> bool:
+        m = self._metric_matrix(history)[self._skip:, 0]
+        below = np.nonzero(m <= min(self.sweep.targets))[0]
+        if below.size and m.size - below[0] > int(self.sweep.noise_window):
+            return True
+        return self.rule.scan(m).diverged
+
+
+def _deviations(sweep: ml_collections.ConfigDict) -> int:
+    """m of the reference run: noise_reference_deviations, else noise_curvature_batch_size."""
+    return int(sweep.get("noise_reference_deviations", 0) or sweep.noise_curvature_batch_size)
+
+
+def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int) -> str:
+    s = config.sweep
+    m = _deviations(s)
+    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
+            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, each exact "
+            f"on the full training set (N={num_train}; tr(HΣ) from {m} random deviations and "
+            f"the full-data Hessian); ratio of means over the first {int(s.noise_window)} "
+            "evaluations at or after each target's crossing")
+
+
+def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
+                  log=print) -> dict[str, Any] | None:
+    """Runs the reference trajectory once (skipped when reference_noise.jsonl exists);
+    returns its record, or None when no trial at B_ref reached a target."""
+    path = os.path.join(store.sweep_dir, noise_at_target.REFERENCE_FILE)
+    done = metrics.read_records(path)
+    if done:
+        return done[-1]
+    trial = reference_trial(config.sweep, store.records())
+    if trial is None:
+        log(f"reference noise: no trial at B={config.sweep.noise_reference_batch_size} "
+            "reached a target; no reference run")
+        return None
+    run = ReferenceRun(config, trial, store)
+    result = run.run()[0]
+    record = {"batch_size": trial.batch_size, "learning_rate": trial.learning_rate,
+              "seed": trial.seed, "target_metric": result.target_metric,
+              "status": result.status, "seconds": result.seconds,
+              "protocol": protocol_text(config, trial, run.dataset.num_train),
+              "curve": result.curve}
+    metrics.append_records(path, [record])
+    log(f"reference noise: B={trial.batch_size}, lr={trial.learning_rate:.3g}, "
+        f"{len(result.curve['step'])} evaluations, {result.seconds:.0f} s")
+    return record

@@ -1,0 +1,250 @@
+"""The noise scale at a target: the full-training-set measurement (cbs.engine.measure) against
+float64 definitions and by Monte Carlo, the per-batch-size spread and the reference-trajectory
+protocol (cbs.analysis.noise_at_target, cbs.sweeps.reference), and their place in the report.
+
+Monte Carlo tolerance: the mean of R draws of the subset tr(HΣ) lies within 4 standard errors
+(std/√R) of the all-examples value; a same-batch Hessian (biased by each example's own
+Hessian) is checked to fail that test, so it can fail.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbs.analysis import noise_at_target, report
+from cbs.engine import measure
+from cbs.results import records as metrics
+from cbs.results import store
+from cbs.sweeps import grid, reference
+
+N, DIM, CLASSES = 24, 3, 3
+
+
+def _softmax_problem():
+    """A linear-softmax model on N random examples (float64 under x64)."""
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.normal(size=(N, DIM))),
+             "y": jnp.asarray(rng.integers(0, CLASSES, size=N))}
+    w = jnp.asarray(rng.normal(size=(DIM, CLASSES)) * 0.5)
+
+    def loss_fn(p, b):
+        logits = b["x"] @ p
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, b["y"][:, None], -1)[:, 0])
+
+    return loss_fn, w, batch
+
+
+def _reference64(loss_fn, w, batch):
+    """Per-example gradients [N, P], G, dense full-data Hessian [P, P] and the per-example
+    forms d_iᵀHd_i, from their definitions in float64."""
+    one = lambda i: {k: v[i:i + 1] for k, v in batch.items()}
+    g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, one(i))).ravel() for i in range(N)])
+    p = g_i.shape[1]
+    h = np.asarray(jax.hessian(loss_fn)(w, batch)).reshape(p, p)
+    g = g_i.mean(0)
+    d = g_i - g
+    return g_i, g, h, np.einsum("ip,pq,iq->i", d, h, d)
+
+
+def test_full_data_measurement_equals_its_float64_definition(x64):
+    loss_fn, w, batch = _softmax_problem()
+    g_i, g, h, forms = _reference64(loss_fn, w, batch)
+    got = measure.measure_full_data(loss_fn, w, batch, deviations=N, chunk_size=5)
+    trace_sigma = np.sum((g_i - g) ** 2) / (N - 1)
+    want = {"trace_sigma": trace_sigma, "grad_sq_norm": g @ g, "mean_grad_sq_norm": g @ g,
+            "b_simple": trace_sigma / (g @ g), "trace_h_sigma": forms.sum() / (N - 1),
+            "g_h_g": g @ h @ g, "mean_g_h_g": g @ h @ g}
+    want["b_noise"] = want["trace_h_sigma"] / want["g_h_g"]
+    for k, v in want.items():
+        np.testing.assert_allclose(float(got[k]), v, rtol=2e-5, err_msg=k)
+    # a subset of m examples: N/(N−1) times the mean of its forms, exactly
+    key = jax.random.key(5)
+    sub = measure.measure_full_data(loss_fn, w, batch, key, deviations=6)
+    idx = np.asarray(jax.random.choice(jax.random.split(key)[0], N, (6,), replace=False))
+    np.testing.assert_allclose(float(sub["trace_h_sigma"]), forms[idx].mean() * N / (N - 1),
+                               rtol=2e-5)
+    assert float(sub["g_h_g"]) == pytest.approx(want["g_h_g"], rel=2e-5)
+    with pytest.raises(ValueError, match="a key is needed"):
+        measure.measure_full_data(loss_fn, w, batch, deviations=6)
+
+
+@pytest.mark.parametrize("hessian_examples", [0, 8])
+def test_subset_trace_h_sigma_is_unbiased(x64, hessian_examples):
+    """E over subsets (and independent Hessian draws) = Σ_i d_iᵀHd_i/(N − 1)."""
+    loss_fn, w, batch = _softmax_problem()
+    _, _, _, forms = _reference64(loss_fn, w, batch)
+    truth = forms.sum() / (N - 1)
+    draw = jax.jit(jax.vmap(lambda k: measure.measure_full_data(
+        loss_fn, w, batch, k, deviations=4, hessian_examples=hessian_examples)["trace_h_sigma"]))
+    values = np.asarray(draw(jax.random.split(jax.random.key(1), 4000)), np.float64)
+    assert values.std() > 0.05 * abs(truth)  # the draws do vary: the test can fail
+    z = (values.mean() - truth) / (values.std(ddof=1) / np.sqrt(values.size))
+    assert abs(z) < 4, f"{z:.2f} standard errors from the full-data value"
+
+    def same_batch(k):  # H of the deviation examples themselves: biased
+        idx = jax.random.choice(k, N, (4,), replace=False)
+        sub = jax.tree.map(lambda x: x[idx], batch)
+        _, hvp = measure.curvature.hvp_fn(loss_fn, w, sub)
+        full_g = jax.grad(loss_fn)(w, batch)
+        one = lambda i: jax.tree.map(lambda x: x[i:i + 1], sub)
+        d = [jax.grad(loss_fn)(w, one(i)) - full_g for i in range(4)]
+        return sum(jnp.vdot(v, hvp(v)) for v in d) / 4 * N / (N - 1)
+
+    old = np.asarray(jax.jit(jax.vmap(same_batch))(jax.random.split(jax.random.key(1), 4000)))
+    assert (old.mean() - truth) / (old.std(ddof=1) / np.sqrt(old.size)) > 4
+
+
+def test_uses_full_data():
+    assert measure.uses_full_data("all", 10**6) and not measure.uses_full_data("sampled", 10)
+    assert measure.uses_full_data("auto", measure.FULL_DATA_MAX)
+    assert not measure.uses_full_data("auto", measure.FULL_DATA_MAX + 1)
+    with pytest.raises(ValueError, match="noise_examples"):
+        measure.uses_full_data("most", 10)
+
+
+# ---------------------------------------------------------------------- analysis
+
+
+def _best(b, b_simple, b_noise=None):
+    noise = {"b_simple": b_simple} | ({} if b_noise is None else {"b_noise": b_noise})
+    return {"batch_size": b, "noise_at_target": {"0.1": noise}}
+
+
+def test_spread_is_min_median_max_over_batch_sizes():
+    rows = [_best(8, 10.0, 5.0), _best(16, 30.0), _best(32, 20.0, 50.0), _best(64, 90.0, 8.0)]
+    s = noise_at_target.spread(rows, "0.1")
+    assert (s["measured_b_simple_min"], s["measured_b_simple"], s["measured_b_simple_max"]) == (
+        10.0, 25.0, 90.0)
+    assert (s["measured_b_noise_min"], s["measured_b_noise"], s["measured_b_noise_max"]) == (
+        5.0, 8.0, 50.0)
+    assert math.isnan(s["measured_by_batch_size"]["16"]["b_noise"])
+    empty = noise_at_target.spread([], "0.1")
+    assert math.isnan(empty["measured_b_noise"]) and math.isnan(empty["measured_b_noise_max"])
+    assert noise_at_target.spread_cell(s, "b_simple") == "25 (10–90)"
+
+
+def test_protocol_names_examples_window_and_aggregation():
+    s = grid.default_sweep_config()
+    s.noise_examples, s.noise_curvature_batch_size, s.noise_hessian_batch_size = "all", 32, 0
+    text = noise_at_target.protocol({"sweep": s.to_dict(), "num_train": 1438})
+    assert text.startswith("full training set (N=1438); tr(HΣ) from 32 random deviations and "
+                           "the full-data Hessian; ratio of means over the 5 evaluations")
+    s.noise_examples = "sampled"
+    assert noise_at_target.protocol({"sweep": s.to_dict()}).startswith("sampled: 256 examples")
+
+
+def _reference_run():
+    """A reference record: loss 1/(1 + step/10), crossing L = 0.5 at step 10 exactly;
+    tr(Σ) = step, |G|² = 1 and tr(HΣ) = 2·step, GᵀHG = 2 at every evaluation."""
+    steps = [0, 4, 8, 10, 12, 14, 16, 20, 25]
+    return {"batch_size": 64, "learning_rate": 0.01, "seed": 0, "protocol": "one run",
+            "target_metric": "full_train/loss",
+            "curve": {"step": steps, "full_train/loss": [1 / (1 + s / 10) for s in steps],
+                      "noise/step": steps, "noise/trace_sigma": [float(s) for s in steps],
+                      "noise/grad_sq_norm": [1.0] * len(steps),
+                      "noise/trace_h_sigma": [2.0 * s for s in steps],
+                      "noise/g_h_g": [2.0] * len(steps)}}
+
+
+def test_reference_values_after_and_around_the_crossing():
+    rows = noise_at_target.reference_values(_reference_run(), [0.5, 0.01], window=3)
+    first, never = rows
+    assert first["crossing_step"] == pytest.approx(10.0, rel=1e-9)
+    assert first["b_simple"] == pytest.approx((10 + 12 + 14) / 3)  # first 3 at/after step 10
+    assert first["b_noise"] == pytest.approx((10 + 12 + 14) / 3)  # (2·mean)/(2)
+    assert first["b_simple_steps"] == [10.0, 12.0, 14.0]
+    assert first["b_simple_centred"] == pytest.approx((8 + 10 + 12) / 3)  # 3 nearest
+    assert never["crossing_step"] is None and math.isnan(never["b_noise"])
+
+
+def test_reference_trial_is_the_best_rate_at_b_ref_for_the_lowest_target_reached():
+    s = grid.default_sweep_config()
+    s.batch_sizes, s.targets, s.noise_reference_batch_size = (32, 64), (0.5, 0.1), 64
+    rec = lambda i, b, lr, steps: {"index": i, "batch_size": b, "learning_rate": lr, "seed": 0,
+                                   "steps_to_target": steps}
+    records = [rec(0, 64, 0.01, {"0.5": 50, "0.1": None}),
+               rec(1, 64, 0.02, {"0.5": 40, "0.1": 300}),
+               rec(2, 64, 0.04, {"0.5": 30, "0.1": 400}),
+               rec(3, 32, 0.01, {"0.5": 20, "0.1": 100})]
+    t = reference.reference_trial(s, records)
+    assert (t.batch_size, t.learning_rate, t.index) == (64, 0.02, 1)
+    records = [dict(r, steps_to_target={"0.5": None, "0.1": None}) for r in records]
+    assert reference.reference_trial(s, records) is None
+
+
+def test_report_shows_spread_protocol_and_reference(tmp_path):
+    from tests.test_report import _records
+
+    d = str(tmp_path)
+    os.makedirs(d, exist_ok=True)
+    st = store.SweepStore(d)
+    metrics.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
+    run = _reference_run()
+    run["target_metric"] = "full_train/loss"
+    metrics.append_records(os.path.join(d, noise_at_target.REFERENCE_FILE), [run])
+    text = open(report.write_report(d, bootstrap=0)).read()
+    analysis = report.load_analysis(d)
+    t = analysis["targets"][0]
+    assert (t["measured_b_simple_min"], t["measured_b_simple"], t["measured_b_simple_max"]) == (
+        8.0, 64.0, 512.0)
+    assert "ratio of means" in analysis["noise_protocol"]
+    ref = analysis["reference_noise"]["targets"][0]
+    assert ref["b_simple"] == pytest.approx((10 + 12 + 14 + 16 + 20) / 5)  # window 5
+    assert "| 64 (8–512) | – | 14.4 / 14.4 |" in text
+    assert "Noise scale per trial:" in text and "Reference run: one run." in text
+
+
+def test_reference_config_measures_densely_on_all_examples():
+    from experiments.configs import digits_sweep
+
+    c = digits_sweep.get_config()
+    c.sweep.noise_examples, c.sweep.noise_hessian_batch_size = "sampled", 64
+    s = reference.reference_config(c).sweep
+    assert (s.noise_examples, s.noise_hessian_batch_size) == ("all", 0)
+    assert s.evals_per_trial == c.sweep.noise_reference_evals
+    assert s.noise_curvature_batch_size == c.sweep.noise_reference_deviations
+    c.sweep.noise_reference_deviations = 0  # 0: the sweep's own number of deviations
+    assert reference.reference_config(c).sweep.noise_curvature_batch_size == 32
+    grid.validate_sweep(c.sweep)
+    c.sweep.noise_reference_batch_size = 48
+    with pytest.raises(ValueError, match="noise_reference_batch_size: 48 is not one of"):
+        grid.validate_sweep(c.sweep)
+
+
+def test_reference_run_after_a_sweep(tmp_path):
+    """A tiny sweep with the reference protocol: the best trial at B_ref is rerun on the same
+    trajectory (its progress equals the sweep's at common steps), measured at every evaluation
+    until `noise_window` evaluations past the lowest target, and the report quotes it."""
+    from cbs.sweeps import launch
+    from experiments.configs import digits_sweep
+
+    c = digits_sweep.get_config("tiny")
+    c.sweep.update(dict(batch_sizes=(32,), targets=(1.5,), max_steps=30, evals_per_trial=6,
+                        noise_protocol="reference", noise_reference_batch_size=32,
+                        noise_reference_evals=10, noise_window=2,
+                        noise_reference_deviations=8))
+    d = str(tmp_path / "s")
+    launch.run_sweep(c, d, log=lambda *_: None)
+    run = metrics.read_records(os.path.join(d, noise_at_target.REFERENCE_FILE))[-1]
+    sweep_rec = next(r for r in store.SweepStore(d).records()
+                     if r["learning_rate"] == run["learning_rate"])
+    curve, mine = run["curve"], sweep_rec["curve"]
+    common = set(curve["step"]) & set(mine["step"])
+    assert common
+    for s in common:
+        assert curve["full_train/loss"][curve["step"].index(s)] == pytest.approx(
+            mine["full_train/loss"][mine["step"].index(s)], rel=1e-5)
+    crossing = noise_at_target.reference_values(run, [1.5], 2)[0]
+    assert crossing["crossing_step"] is not None
+    assert len([s for s in curve["noise/step"] if s >= crossing["crossing_step"]]) >= 2
+    assert all(v is not None for v in curve["noise/trace_h_sigma"])
+    assert "8 random deviations" in run["protocol"]
+    report.write_report(d, bootstrap=0, partial=True)
+    assert report.load_analysis(d)["reference_noise"]["batch_size"] == 32
