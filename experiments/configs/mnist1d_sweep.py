@@ -10,8 +10,10 @@ Needs the `[mnist1d]` extra (the data set is generated offline: 4,000 training s
 40 samples, 10 classes). Batch sizes 8 to 2048 (factor 2); Adam on a factor-2 grid centred on
 the square-root rule η(B) = 2e-3·(B/128)^½, or with `:sgd` plain SGD on the linear rule
 η(B) = 0.1·(B/128); grids extended past edge optima; targets on the full training-set loss
-from 1.5 down to 0.1 (the MLP memorises the training set, so it gets there). `:tiny`
-shrinks it for tests.
+from 1.5 down to 0.1 (the MLP memorises the training set, so it gets there). The noise scale
+at each target is exact on all 4000 training examples (tr(HΣ) from 32 examples' deviations
+and the Hessian of 128 independent ones), per best trial and along one reference run at
+B = 128 (full-data Hessian, 256 deviations). `:tiny` shrinks it for tests.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ def get_config(arg: str = ""):
     s.max_examples = 1_600_000  # 400 epochs per trial at most
     s.max_steps = 16_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_batch_size = 256  # examples per exact noise measurement
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them
+    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
+    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
+    s.noise_hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
+    s.noise_reference_batch_size = 128  # B_ref of the reference trajectory
+    s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
+    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 random deviations
     if "sgd" in words:
         c.optim.name = "sgd"  # plain SGD: u = g, no momentum
         s.base_lr = 0.1  # η at B = 128
@@ -61,6 +68,6 @@ def get_config(arg: str = ""):
         s.max_steps = 60  # a few dispatches per trial
         s.max_examples = 0  # steps bound the budget
         s.evals_per_trial = 6  # six evaluations
-        s.noise_batch_size = 64  # small measurements
+        s.noise_protocol = "per_trial"  # no reference run
         s.extend_lr_rounds = 0  # no extension rounds (tests)
     return c
