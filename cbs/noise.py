@@ -20,6 +20,7 @@ from cbs.stats.noise import (  # noqa: F401
     probe,
     register_method,
     run_auto_axes,
+    takes_hessian_batch,
     two_batch,
     value_grad_and_stats,
 )

@@ -104,7 +104,11 @@ def test_data_throughput_skips_a_dataset_whose_extra_is_missing(monkeypatch, cap
         from benchmarks import data_throughput
     finally:
         sys.path.remove(str(ROOT))
-    monkeypatch.setitem(sys.modules, "mnist1d", None)  # its import fails, as in a plain install
+    # Its import fails, as in a plain install: the package and any submodule an earlier test
+    # of this process imported (`from mnist1d.data import ...` would otherwise find it).
+    for name in [n for n in sys.modules if n == "mnist1d" or n.startswith("mnist1d.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "mnist1d", None)
     plan = data_throughput._plan([], quick=True)
     assert [p[0] for p in plan] == ["digits", "shakespeare_char"]
     assert "mnist1d skipped" in capsys.readouterr().err
