@@ -85,15 +85,17 @@ def test_redefine_changes_only_the_grid_and_rewrites_sweep_json_to_what_trains(t
     assert sorted({t["batch_size"] for t in stored["trials"]}) == [8, 32, 128, 256]
 
 
-@pytest.mark.parametrize("name,module", [("digits_sgd", "digits_sgd_sweep"),
+@pytest.mark.parametrize("name,module", [("digits", "digits_sweep"),
+                                         ("digits_sgd", "digits_sgd_sweep"),
                                          ("shakespeare_kaplan", "shakespeare_kaplan"),
                                          ("shakespeare_char", "shakespeare_sweep")])
 def test_committed_studies_written_by_older_code_resume_with_nothing_to_run(tmp_path, name,
                                                                              module):
     d = tmp_path / name
     d.mkdir()
-    for f in ("sweep.json", "trials.jsonl"):
-        shutil.copy(ROOT / "results" / name / f, d / f)
+    for f in ("sweep.json", "trials.jsonl", "reference_noise.jsonl"):  # the reference run too
+        if (ROOT / "results" / name / f).exists():
+            shutil.copy(ROOT / "results" / name / f, d / f)
     before = (d / "sweep.json").read_text()
     config = importlib.import_module(f"experiments.configs.{module}").get_config("")
     assert launch.run_sweep(config, str(d), log=_quiet) == []
