@@ -11,6 +11,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -272,6 +274,21 @@ def test_a_model_that_cannot_be_built_fails_the_sweep_before_anything_is_written
         launch.run_sweep(c, str(tmp_path / "sweep"), log=_quiet)
     _one_line(err)
     assert not (tmp_path / "sweep").exists()
+
+
+def test_the_sweep_command_with_an_unbuildable_model_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", cli.VERBOSE_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep",
+         f"--config={ROOT / 'experiments' / 'configs' / 'digits_sweep.py'}:tiny",
+         f"--sweep_dir={out}", "--config.model.hidden_sizes=(0,)"],
+        cwd=ROOT, env=env | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == cli.USER_ERROR_EXIT and len(lines) == 1, lines
+    assert lines[0].startswith("error: config.model: model.hidden_sizes=(0,) must be positive")
+    assert not out.exists()
 
 
 def test_a_single_run_that_fails_before_its_first_checkpoint_leaves_no_workdir(tmp_path,
