@@ -111,7 +111,7 @@ def test_added_trials_have_the_same_indices_whatever_the_order():
     assert sorted({t.learning_rate for t in trials if t.batch_size == 32}) == pytest.approx(
         [1, 2, 4, 8, 16])
     assert all(t.index >= 12 for t in trials if t.learning_rate not in (1.0, 2.0, 4.0))
-    shards = [grid.shard_trials(trials, f"{i}/3") for i in range(3)]
+    shards = [grid.shard_trials(trials, f"{i}/3", sweep.batch_sizes) for i in range(3)]
     assert sorted(t.trial_id for s in shards for t in s) == sorted(t.trial_id for t in trials)
 
 

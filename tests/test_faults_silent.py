@@ -350,6 +350,17 @@ def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path
         assert [again[r["trial_id"]] for r in expected] == expected, case
 
 
+def test_a_sharded_sweep_gives_the_records_of_an_unsharded_one(tmp_path):
+    c = digits_sweep.get_config("tiny")
+    c.sweep.batch_sizes, c.sweep.seeds = (8, 16), (0, 1)  # a shard must run groups whole
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    launch.run_sweep(c, str(whole), log=_quiet)
+    for i in (1, 0):  # in either order
+        launch.run_sweep(c, str(sharded), shard=f"{i}/2", log=_quiet)
+    by_id = lambda d: {r["trial_id"]: r for r in _without_seconds(d)}
+    assert by_id(sharded) == by_id(whole)  # the analysis reads only these: the same report
+
+
 # ------------------------------------------------------------- 6. disk full while writing
 
 def _enospc(*_args, **_kwargs):

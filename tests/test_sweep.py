@@ -37,11 +37,13 @@ def test_absolute_grid_and_cap():
 
 def test_shards_partition_the_grid():
     trials = sweep.make_trials(_sweep(batch_sizes=(8, 16, 32, 64), seeds=(0, 1)))
-    shards = [sweep.shard_trials(trials, f"{i}/3") for i in range(3)]
+    shards = [sweep.shard_trials(trials, f"{i}/3", (64, 8, 32, 16)) for i in range(3)]
     ids = [t.trial_id for shard in shards for t in shard]
     assert sorted(ids) == sorted(t.trial_id for t in trials)
     assert len(set(ids)) == len(ids)
-    assert all(t.index % 3 == 1 for t in shards[1])
+    # whole batch sizes by rank: 8 and 64 (ranks 0 and 3) in shard 0, 16 in 1, 32 in 2
+    assert [sorted({t.batch_size for t in s}) for s in shards] == [[8, 64], [16], [32]]
+    assert len(shards[1]) == len([t for t in trials if t.batch_size == 16])
     for bad in ("3/3", "x", "1/0", "-1/2"):
         with pytest.raises(ValueError, match="shard"):
             sweep.parse_shard(bad)

@@ -6,9 +6,10 @@
 
 The config is validated before anything is written. Re-running the same command skips
 finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only
-trial indices ≡ i (mod n) run, so n copies of the command (Slurm array, Kubernetes indexed
-job, ...) cover the sweep; learning rates added past edge optima (`sweep.extend_lr_rounds`)
-may need the shards run a second time. Run `experiments.analyze` once they are all done.
+the batch sizes whose rank is ≡ i (mod n) run (every seed and rate at them), so n copies of
+the command (Slurm array, Kubernetes indexed job, ...) cover the sweep with the records of an
+unsharded run, learning rates added past edge optima included. Run `experiments.analyze`
+once they are all done.
 --redefine changes the grid of an existing directory, keeping the finished trials still in
 it. Two launchers on one directory share its groups of trials. Files: see
 `cbs.results.store`.

@@ -230,7 +230,12 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
     return i, n
 
 
-def shard_trials(trials: Sequence[Trial], shard: str | None) -> list[Trial]:
-    """The trials whose index ≡ i (mod n): the same command works as an array job."""
+def shard_trials(trials: Sequence[Trial], shard: str | None,
+                 batch_sizes: Sequence[int]) -> list[Trial]:
+    """The trials of this shard: shard i of n owns the batch sizes whose rank in
+    `batch_sizes` (sorted) is ≡ i (mod n), with every seed and learning rate at them. A
+    shard therefore runs each vmapped group whole (the records equal an unsharded sweep's,
+    bit for bit) and decides its learning-rate extensions from its own records."""
     i, n = parse_shard(shard)
-    return [t for t in trials if t.index % n == i]
+    rank = {int(b): k for k, b in enumerate(sorted(int(b) for b in batch_sizes))}
+    return [t for t in trials if rank[int(t.batch_size)] % n == i]

@@ -6,11 +6,11 @@ The config is validated in full (sweep fields, every batch size against the data
 config of every batch size) before anything is written, so a bad config leaves the
 directory as it was. Trials are enumerated from `config.sweep` (`cbs.sweeps.grid.make_trials`)
 plus the learning rates added past edge optima (`cbs.sweeps.grid.grid_trials`, rounds until
-no best rate sits at an extendable edge); `shard="i/n"` keeps indices ≡ i (mod n), so the
-same command serves as a Slurm array task, a Kubernetes indexed job or a plain loop. An added
-trial belongs to the shard its fixed index names; a shard that finishes a round while
-another shard's trials at the same batch size are unfinished stops there, and a rerun of the
-shards continues the rounds. Finished trials (records in trials.jsonl) are skipped; an
+no best rate sits at an extendable edge); `shard="i/n"` keeps the batch sizes whose rank is
+≡ i (mod n), every seed and rate at them, so the same command serves as a Slurm array task,
+a Kubernetes indexed job or a plain loop, each group runs whole (sharded records equal an
+unsharded sweep's bit for bit) and a shard extends its own rates without waiting for
+another. Finished trials (records in trials.jsonl) are skipped; an
 unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory
 dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`)
 whose records are appended together; otherwise each trial is a `cbs.engine.trainer.run`
@@ -126,7 +126,8 @@ def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
     """This shard's trials without a record yet, in grid order (extensions included)."""
     records = store.records()
     done = {r["trial_id"] for r in records}
-    return [t for t in shard_trials(grid_trials(config.sweep, records), shard)
+    trials = grid_trials(config.sweep, records)
+    return [t for t in shard_trials(trials, shard, config.sweep.batch_sizes)
             if t.trial_id not in done]
 
 
@@ -153,14 +154,15 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
             break
         log(f"sweep {sweep_dir}: {len(todo)} trials to run"
             + (f" (shard {shard})" if shard else "") + (f", round {round_}" if round_ else ""))
-        ran = _run_claimed(config, store, todo, vmap, cache, log, shard)
+        ran = _run_claimed(config, store, todo, vmap, cache, log)
         results += ran
         waited = _wait_for_others(store)
         stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
-    waiting = [t for t in _unfinished(config, store) if t not in shard_trials([t], shard)]
+    waiting = [t for t in _unfinished(config, store)
+               if t not in shard_trials([t], shard, config.sweep.batch_sizes)]
     if waiting:
-        log(f"{len(waiting)} trials of other shards are unfinished; rerun those shards (then "
-            "this one) to finish the learning-rate extension rounds")
+        log(f"{len(waiting)} trials of other shards are unfinished; run those shards before "
+            "the analysis")
     elif config.sweep.get("noise_protocol", "per_trial") == "reference" and shard is None:
         run_reference(config, store, log=log)
     store.export_csv()
@@ -174,15 +176,14 @@ def _groups(todo: list[Trial], vmap: bool) -> list[list[Trial]]:
     return [list(g) for _, g in itertools.groupby(sorted(todo, key=key), key=key)]
 
 
-def group_slots(config: ml_collections.ConfigDict, group: list[Trial], shard: str | None
-                ) -> list[Trial]:
-    """The trials a vmapped group runs: for trials of the base grid, every base trial of
-    this shard at their (B, seed), in index order (the group an uninterrupted sweep ran), so a
+def group_slots(config: ml_collections.ConfigDict, group: list[Trial]) -> list[Trial]:
+    """The trials a vmapped group runs: for trials of the base grid, every base trial at
+    their (B, seed), in index order (the group an uninterrupted sweep ran), so a
     rerun of some of them has the same size, slots and stopping rule and gives bit-identical
     records (the finished ones are recomputed, or replayed from the group's records, and
     dropped); trials added past edges run as the group of those pending."""
     t = group[0]
-    base = [b for b in shard_trials(make_trials(config.sweep), shard)
+    base = [b for b in make_trials(config.sweep)
             if (b.batch_size, b.seed) == (t.batch_size, t.seed)]
     ids = {b.trial_id for b in base}
     return base if all(g.trial_id in ids for g in group) else group
@@ -193,14 +194,14 @@ def _claim_name(group: list[Trial]) -> str:
     return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in group)
 
 
-def _run_claimed(config, store, todo, vmap, cache, log, shard=None) -> list[TrialResult]:
+def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
     """Runs each group this process can claim; skips groups another process is running.
     A bar (`CountBar`) shows the trials done, their rate and the time left."""
     results: list[TrialResult] = []
     enabled = bool(config.train.progress_bar) and jax.process_index() == 0
     with CountBar(len(todo), unit="trial", enabled=enabled, log=log) as bar:
         for group in _groups(todo, vmap):
-            slots = group_slots(config, group, shard) if vmap else group
+            slots = group_slots(config, group) if vmap else group
             preemption.check(f"before {_claim_name(slots)}")  # finished groups are recorded
             fd = store.claim(_claim_name(slots))
             if fd is None:

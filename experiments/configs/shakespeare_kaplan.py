@@ -24,16 +24,29 @@ The report (report.md) gives B_crit(L) in sequences and in tokens beside Kaplan'
 α_B ≈ 0.21 and B* ≈ 2·10⁸ tokens (their loss is nats per BPE token of WebText2, ours nats per
 character: α_B, the shape of the trend, is the comparable number; B* is not). Committed run:
 results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
+
+Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
+d_ff = 4·d_model and 4 heads), e.g.
+
+    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:d32 \
+        --sweep_dir=results/shakespeare_kaplan_d32
 """
 
 from __future__ import annotations
 
 from experiments.configs import base, shakespeare_sweep
 
+# Model widths of the across-sizes study (Kaplan et al. 2020, Fig. 10): the same data,
+# tokenisation, grid and protocol at D = 32 and D = 128 beside the default D = 64.
+WIDTHS = {"d32": 32, "d128": 128}
+
 
 def get_config(arg: str = ""):
-    words = base.parse_arg(arg)
+    words = base.parse_arg(arg, known=("tiny", *WIDTHS))
     c = shakespeare_sweep.get_config("tiny" if "tiny" in words else "")
+    for word, width in WIDTHS.items():
+        if word in words:
+            c.model.d_model, c.model.d_ff = width, 4 * width  # heads of D/4, d_ff = 4D
     s = c.sweep
     s.batch_sizes = tuple(2 ** k for k in range(2, 10))  # 4 ... 512 sequences of 32 chars
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
