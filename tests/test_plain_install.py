@@ -116,7 +116,7 @@ def test_data_throughput_skips_a_dataset_whose_extra_is_missing(monkeypatch, cap
 
 @pytest.mark.slow
 def test_main_job_lm_and_branch_commands_run(tmp_path):
-    """The sweep + analyze, LM and branch commands of README, tiny, end to end."""
+    """The sweep + analyze, LM, branch and ramp-payoff commands of README, tiny, end to end."""
     sweep = tmp_path / "digits"
     for target, args in [
         ("experiments.sweep", (_config("digits_sweep.py:tiny"), f"--sweep_dir={sweep}")),
@@ -126,7 +126,10 @@ def test_main_job_lm_and_branch_commands_run(tmp_path):
                               "--config.batch.schedule.batch_size=16")),
         ("experiments.branch", (_config("digits_branch.py:tiny"),
                                 f"--workdir={tmp_path / 'branch'}", f"--sweep_dir={sweep}")),
+        ("experiments.ramps", (_config("digits_payoff.py:tiny"), f"--sweep_dir={sweep}",
+                               f"--out_dir={tmp_path / 'payoff'}")),
     ]:
         code, out, errors = _plain(target, *args, timeout=600)
         assert code == 0, f"{target}: " + "\n".join(errors[-20:])
     assert (sweep / "report.md").exists() and (tmp_path / "branch" / "local_cbs.png").exists()
+    assert (tmp_path / "payoff" / "payoff.md").exists()

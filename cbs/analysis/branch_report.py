@@ -135,6 +135,26 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     return out
 
 
+def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
+    """A step batch schedule (`cbs.engine.schedules.Step` config) that follows the study's
+    local critical batch: B(e) = the largest B* measured at any point up to e examples (a
+    ramp never shrinks), rounded down to a multiple of `multiple` (at least `multiple`);
+    before the first point it uses that point's B*. Bounds at the ladder's ends ("≤ B",
+    "≥ B") count as their value."""
+    points = summarize(workdir)
+    if not points:
+        raise ValueError(f"{workdir}: no complete branch point to build a schedule from; "
+                         "finish the branch study first (python -m experiments.branch)")
+    steps: list[tuple[int, int]] = []
+    best = 0
+    for p in points:
+        b = max(multiple, int(p["b_star"]) // multiple * multiple)
+        if b > best:
+            steps.append((0 if not steps else int(p["point_examples"]), b))
+            best = b
+    return {"kind": "step", "steps": tuple(steps)}
+
+
 def format_b_star(p: dict[str, Any]) -> str:
     """B* as a measurement, or as the bound it is at either end of the ladder."""
     if p["censored"]:

@@ -116,7 +116,7 @@ def joint_bootstrap(tables: Sequence[fit.BestPerBatchSize], losses: Sequence[flo
             cis.append((math.nan, math.nan))
             continue
         logb, logs, w = _replicate_points(table, universe, n_seeds, draw_b, draw_s)
-        theta = _solve_weighted(logb, logs, w, np.log([point.s_min, point.e_min]))
+        theta = solve_weighted(logb, logs, w, np.log([point.s_min, point.e_min]))
         ok = _distinct(logb, w) >= 3
         est_r = theta[:, 1] - theta[:, 0]
         se_r = _weighted_se(logb, logs, w, theta)
@@ -157,8 +157,11 @@ def _distinct(logb_RxN: np.ndarray, w_RxN: np.ndarray) -> np.ndarray:
     return new.sum(axis=1)
 
 
-def _solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
-    """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once."""
+def solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
+    """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once
+    (arrays [R, N]; weight 0 drops a point), each started from theta0 = log(S_min, E_min);
+    returns [R, 2] log(S_min, E_min). The bootstrap refits of this module and of
+    `cbs.analysis.payoff`."""
     R = logb.shape[0]
     theta = np.broadcast_to(np.asarray(theta0, np.float64), (R, 2)).copy()
     cost_of = lambda th: np.sum(w * (fit.model_log_steps(th, logb)[0] - logs) ** 2, axis=1)

@@ -14,7 +14,9 @@ every fixed batch size; on it, it matched one.
 The runs are declared in the config (`config.ramps`, a list of dicts): `label`, `schedule`
 (a `cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
 "best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
-`lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`.
+`lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`, `seed` (the run's
+seed; default `config.seed`) and `name` (the run a seed belongs to, for
+`cbs.analysis.payoff`).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def ramp_config(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_di
     c.batch.schedule = ml_collections.ConfigDict(dict(run["schedule"]))
     c.batch.micro_batch = int(run.get("micro_batch", c.batch.micro_batch))
     c.optim.learning_rate = _learning_rate(run["learning_rate"], sweep_dir)
+    c.seed = int(run.get("seed", c.seed))  # seeded studies repeat a run over seeds
     coupling = dict(run.get("lr_coupling", {"rule": "none"}))
     c.batch.lr_coupling.rule = coupling.get("rule", "none")
     c.batch.lr_coupling.base_batch_size = int(coupling.get("base_batch_size", 0))
@@ -158,19 +161,23 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
 
 
 def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
-              mesh: jax.sharding.Mesh | None = None) -> list[dict[str, Any]]:
+              mesh: jax.sharding.Mesh | None = None, out_dir: str | None = None
+              ) -> list[dict[str, Any]]:
     """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
 
     `mesh` defaults to `config.mesh`; a schedule's batch sizes must be multiples of
-    micro_batch × data replicas.
+    micro_batch × data replicas. `out_dir` (default: sweep_dir) holds ramps.jsonl and the
+    runs, so a study of ramps can sit beside a finished sweep without touching it.
     """
     check_ramps(config, sweep_dir)
-    path = os.path.join(sweep_dir, RAMPS_FILE)
+    out_dir = out_dir or sweep_dir
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, RAMPS_FILE)
     done = {r["label"]: r for r in metrics.read_records(path, required=("label",))}
     labels = [run["label"] for run in config.ramps]
     if len(set(labels)) != len(labels):
         raise ValueError(f"config.ramps: labels must be unique, got {labels}")
-    run_dirs = _run_dirs(sweep_dir, labels)
+    run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):
         if run["label"] in done:

@@ -6,6 +6,8 @@ their meaning and units; a config file sets only what differs and comments each 
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -36,6 +38,18 @@ def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
         raise ValueError(f"unknown config argument {', '.join(map(repr, unknown))} in "
                          f"{arg!r}; known: {', '.join(known)} (comma-separated)")
     return words
+
+
+def repo_root() -> str:
+    """The repository's root (where `results/` holds the committed studies)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def seeded(runs: list[dict], seeds: tuple[int, ...]) -> list[dict]:
+    """Each ramp spec repeated over `seeds`: label "NAME · seed S", with `name` and `seed`
+    (`cbs.sweeps.ramps`; grouped again by `cbs.analysis.payoff`)."""
+    return [run | {"label": f"{run['label']} · seed {s}", "name": run["label"], "seed": int(s)}
+            for run in runs for s in seeds]
 
 
 def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collections.ConfigDict:

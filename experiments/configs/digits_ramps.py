@@ -22,7 +22,7 @@ from experiments.configs import (
 )
 
 
-def _fixed(batch_size: int) -> dict:
+def fixed(batch_size: int) -> dict:
     return {"label": f"fixed B={batch_size}", "micro_batch": batch_size,
             "schedule": {"kind": "constant", "batch_size": batch_size},
             "learning_rate": f"best@{batch_size}"}
@@ -37,7 +37,7 @@ def _ramp(label: str, module, first: int) -> dict:
 def get_config(arg: str = ""):
     c = digits_sweep.get_config(arg)
     c.ramps = [  # each: label, schedule, learning_rate ("best@B" or η_0), lr_coupling
-        _fixed(16), _fixed(256),
+        fixed(16), fixed(256),
         _ramp("step (Llama 3)", ramp_llama3_style, 32),
         _ramp("linear (DeepSeek-V3)", ramp_deepseek_style, 32),
         _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 10},
@@ -47,7 +47,7 @@ def get_config(arg: str = ""):
         step = {"kind": "step", "steps": ((0, 8), (128, 16), (384, 32))}
         adaptive = ramp_adaptive.SCHEDULE | {"min_batch": 8, "initial": 8, "multiple": 8}
         small = {"micro_batch": 8}
-        c.ramps = [_fixed(32),
+        c.ramps = [fixed(32),
                    _ramp("step", ramp_llama3_style, 8) | {"schedule": step} | small,
                    _ramp("adaptive", ramp_adaptive, 8) | {"schedule": adaptive,
                                                           "adapt_every": 5} | small]
