@@ -51,7 +51,9 @@ class JointIntervals:
     b_crit_ci: per target (in the order given). alpha_b_ci, b_star_ci, slope_ci: the power
     law's. local_slopes / local_slope_cis: d log B_crit / d log L between adjacent targets.
     misfit_q, misfit_dof, misfit_p: the GLS χ² test of one power law (module docstring).
-    n_replicates: replicates with a B_crit at every target.
+    n_replicates: replicates with a B_crit at every target. log_b_crit_cov: the replicates'
+    covariance of log B_crit over the targets with a fit (`cov_targets`, their indices), for
+    analyses that pool studies (`cbs.analysis.sizes`).
     """
 
     b_crit_ci: list[tuple[float, float]]
@@ -66,6 +68,8 @@ class JointIntervals:
     n_replicates: int
     seed: int
     confidence: float
+    log_b_crit_cov: list[list[float]] = dataclasses.field(default_factory=list)
+    cov_targets: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def power_law_supported(self) -> bool | None:
@@ -206,7 +210,8 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
     full = np.all(np.isfinite(Y), axis=1)
     Y = Y[full]
     res = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2, local_slopes=[],
-               local_slope_cis=[], misfit_q=math.nan, misfit_dof=0, misfit_p=math.nan)
+               local_slope_cis=[], misfit_q=math.nan, misfit_dof=0, misfit_p=math.nan,
+               log_b_crit_cov=[], cov_targets=[])
     if len(ok_t) >= 3 and Y.shape[0] >= 10:
         X = np.stack([np.ones_like(x), x], axis=1)
         coef_R = np.linalg.lstsq(X, Y.T, rcond=None)[0]  # [2, R]
@@ -224,6 +229,9 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
                              for i in range(local.size)],
             misfit_q=q, misfit_dof=dof,
             misfit_p=float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else math.nan)
+    if len(ok_t) >= 1 and Y.shape[0] >= 10:
+        res.update(log_b_crit_cov=np.atleast_2d(np.cov(Y, rowvar=False)).tolist(),
+                   cov_targets=list(ok_t))
     return JointIntervals(b_crit_ci=cis, n_replicates=int(Y.shape[0]), seed=int(seed),
                           confidence=confidence, **res)
 
