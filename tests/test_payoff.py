@@ -113,7 +113,7 @@ def test_report_has_every_run_and_the_verdicts(tmp_path):
     study = _study(np.random.default_rng(4), 0.6)
     path = payoff.write_report(str(tmp_path), study, [1.0], sweep_dir="SWEEP", bootstrap=100)
     text = open(path).read()
-    assert "**ramp** (step saving at equal examples): L=1: +" in text
+    assert "**ramp** (examples vs the frontier at equal steps): L=1: -" in text
     assert "beats the frontier" in text and text.count("| fixed B=") == len(SIZES)
     assert (tmp_path / payoff.FIGURE_FILE).exists() and (tmp_path / payoff.ANALYSIS_FILE).exists()
 

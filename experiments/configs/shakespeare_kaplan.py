@@ -26,7 +26,7 @@ character: α_B, the shape of the trend, is the comparable number; B* is not). C
 results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
 
 Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
-d_ff = 4·d_model and 4 heads), e.g.
+d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in the hour), e.g.
 
     python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:d32 \
         --sweep_dir=results/shakespeare_kaplan_d32
@@ -46,7 +46,7 @@ def get_config(arg: str = ""):
     c = shakespeare_sweep.get_config("tiny" if "tiny" in words else "")
     for word, width in WIDTHS.items():
         if word in words:
-            c.model.d_model, c.model.d_ff = width, 4 * width  # heads of D/4, d_ff = 4D
+            c.model.d_model, c.model.d_ff = width, 4 * width  # 4 heads, d_ff = 4D
     s = c.sweep
     s.batch_sizes = tuple(2 ** k for k in range(2, 10))  # 4 ... 512 sequences of 32 chars
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
@@ -62,6 +62,8 @@ def get_config(arg: str = ""):
     s.noise_batch_size = 128  # windows per B_simple measurement (a large batch)
     s.noise_curvature_batch_size = 16  # of those, windows whose deviations give tr(HΣ)
     s.noise_hessian_batch_size = 16  # independent windows whose Hessian gives tr(HΣ), GᵀHG
+    if "d128" in words:  # B = 8 ... 512: B = 4 costs the most steps, and the fitted B_crit
+        s.batch_sizes = s.batch_sizes[1:]  # of D = 32 and 64 (≥ 20) stay 2.5× above B = 8
     if "tiny" in words:
         s.batch_sizes = (8, 16, 32)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two rates each
