@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cbs.results import paths
+from cbs.results.files import METRICS_FILE
 from cbs.results.paths import PathLike
-from cbs.results.records import METRICS_FILE, append_records, plain_value, truncate_records
+from cbs.results.records import append_records, plain_value, truncate_records
 
 TENSORBOARD_DIR = "tensorboard"
 
