@@ -167,7 +167,7 @@ def summary_table(points: Sequence[dict[str, Any]]) -> str:
 def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int = 200) -> str:
     """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
     reference's crossings of the sweep's targets); returns its text."""
-    d = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
+    d: Any = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     b, points = d["branch"], summarize(workdir)
     tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
            else f"{b['epsilon']:g} nats")

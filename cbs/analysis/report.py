@@ -237,7 +237,8 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
         if f["status"] != fit.OK:
             lines.append(f"| {t['target']:g} | – | – | – |")
             continue
-        lo, hi = f["b_crit_ci"] or (None, None)
+        ci_pair: Any = f["b_crit_ci"] or (None, None)
+        lo, hi = ci_pair
         ci = f"{_g(lo * tokens)}–{_g(hi * tokens)}" if lo is not None else "–"
         mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
         lines.append(f"| {t['target']:g} | {_g(f['b_crit'])}{mark} | "

@@ -25,11 +25,11 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value)
-    ramps.run_ramps(_CONFIG.value, _SWEEP_DIR.value)
-    path = report.write_report(_SWEEP_DIR.value)
-    analysis = report.load_analysis(_SWEEP_DIR.value)
-    print(report.ramp_table(report.read_ramps(_SWEEP_DIR.value), analysis))
+    launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR))
+    ramps.run_ramps(_CONFIG.value, cli.required(_SWEEP_DIR))
+    path = report.write_report(cli.required(_SWEEP_DIR))
+    analysis = report.load_analysis(cli.required(_SWEEP_DIR))
+    print(report.ramp_table(report.read_ramps(cli.required(_SWEEP_DIR)), analysis))
     print(f"report: {path}")
 
 

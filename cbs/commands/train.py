@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
-        summary = trainer.run(_CONFIG.value, _WORKDIR.value)
+        summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
     except trainer.DivergedError as err:
         print(f"diverged: {err}", file=sys.stderr)
         sys.exit(1)

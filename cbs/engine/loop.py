@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import ml_collections
@@ -102,10 +102,13 @@ class Driver(Protocol):
     """
 
     config: ml_collections.ConfigDict
-    workdir: str | None
     schedule: schedules.BatchSchedule
     replicas: int
     read_each_evaluation: bool
+
+    @property
+    def workdir(self) -> str | None:
+        """The run directory (a `Loop` needs one)."""
 
     def init_state(self) -> Any:
         """A fresh state on the device."""
@@ -155,9 +158,11 @@ class _Pending:
 class Loop:
     """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`."""
 
+    sched_state: Any  # the schedule's state (`init`, `update`, `state_from_dict`)
+
     def __init__(self, driver: Driver, stop_fn: StopFn | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
-        self.workdir = driver.workdir
+        self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
         self.primary = jax.process_index() == 0
         self.perf = throughput.for_trainer(driver)  # perf hook (cbs.engine.throughput)
         self.pending: list[_Pending] = []

@@ -19,7 +19,7 @@ warmup and decay; they are jnp code usable inside `jit`. The train step's η is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -113,13 +113,15 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
         raise ValueError("final_fraction must be in [0, 1]")
     span = None if total_examples is None else max(total_examples - warmup_examples, 1e-12)
 
-    def fn(examples_seen: Any) -> jax.Array:
+    def fn(examples_seen: Any) -> Any:  # an array (a float when η is constant throughout)
         e = jnp.asarray(examples_seen, dtype=jnp.result_type(float))
-        warm = jnp.clip(e / warmup_examples, 0.0, 1.0) if warmup_examples > 0 else 1.0
+        warm: jax.Array | float = (jnp.clip(e / warmup_examples, 0.0, 1.0)
+                                   if warmup_examples > 0 else 1.0)
+        shape: jax.Array | float
         if decay == "constant":
             shape = 1.0
         else:
-            p = jnp.clip((e - warmup_examples) / span, 0.0, 1.0)
+            p = jnp.clip((e - warmup_examples) / cast(float, span), 0.0, 1.0)  # a decay has an end
             frac = 0.5 * (1.0 + jnp.cos(jnp.pi * p)) if decay == "cosine" else 1.0 - p
             shape = final_fraction + (1.0 - final_fraction) * frac
         return base_lr * warm * shape

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,11 +54,12 @@ class _Static:
     """
 
     observes: str | None = None
+    batch_size_at: Callable[..., int]  # B(e, state), defined by each schedule
 
     def init(self) -> None:
         return None
 
-    def update(self, state: None, noise_scale: float, examples_seen: float) -> None:
+    def update(self, state: Any, noise_scale: float, examples_seen: float) -> None:
         del noise_scale, examples_seen
         return state
 
@@ -70,7 +71,7 @@ class _Static:
         return self.batch_size_at(examples_seen, None)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(cast(Any, self))  # every schedule is a dataclass
         out["kind"] = type(self).__name__.lower()
         return out
 
@@ -85,7 +86,7 @@ class Constant(_Static):
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         return int(self.batch_size)
 
     def batch_sizes(self) -> tuple[int, ...]:
@@ -114,7 +115,7 @@ class Step(_Static):
         if any(b < 1 for _, b in steps):
             raise ValueError("Step batch sizes must be >= 1")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         size = self.steps[0][1]
         for threshold, b in self.steps:
             if examples_seen >= threshold:
@@ -152,7 +153,7 @@ class Linear(_Static):
         if self.over <= 0 or min(self.start, self.end) < 1:
             raise ValueError("Linear needs over > 0 and start, end >= 1")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         frac = min(max(float(examples_seen), 0.0) / self.over, 1.0)
         raw = self.start + (self.end - self.start) * frac
         b = _round_to_multiple(raw, self.multiple)
@@ -231,7 +232,7 @@ class Adaptive:
             raise ValueError("Adaptive needs factor >= 2 and 1 <= min_batch <= max_batch")
         if self.min_batch % self.multiple:
             raise ValueError(f"min_batch={self.min_batch} must be a multiple of {self.multiple}")
-        if self.band ** 2 <= self.factor:
+        if cast(float, self.band) ** 2 <= self.factor:
             raise ValueError(f"band={self.band} must exceed sqrt(factor)={self.factor ** 0.5:.3f}"
                              " or a target between two rungs can oscillate")
         if self.patience < 1 or self.k <= 0:
@@ -279,19 +280,20 @@ class Adaptive:
         counted = dataclasses.replace(state, num_updates=state.num_updates + 1)
         if not math.isfinite(noise_scale) or noise_scale <= 0:  # EMA not ready: no evidence
             return dataclasses.replace(counted, streak=0, streak_target=None)
+        band = cast(float, self.band)  # set in __post_init__
         rungs, b = self.rungs, state.batch_size
         target = min(max(self.k * noise_scale, self.min_batch), self.max_batch)
         direction = 0
-        if target > b * self.band and b < rungs[-1]:
+        if target > b * band and b < rungs[-1]:
             direction = 1
-        elif target < b / self.band and b > rungs[0]:
+        elif target < b / band and b > rungs[0]:
             direction = -1
         if direction == 0:
             return dataclasses.replace(counted, streak=0, streak_target=None)
         if state.streak * direction > 0:  # the streak continues
             streak = state.streak + direction
             pick = min if direction > 0 else max
-            trusted = pick(state.streak_target, target)
+            trusted = pick(cast(float, state.streak_target), target)  # set in the streak
         else:
             streak, trusted = direction, target
         if abs(streak) < self.patience:
@@ -318,7 +320,7 @@ class Adaptive:
 
 
 BatchSchedule = Constant | Step | Linear | Adaptive
-_SCHEDULES: dict[str, type] = {}
+_SCHEDULES: dict[str, Any] = {}
 
 
 def register(kind: str, cls: type) -> type:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -139,8 +139,10 @@ class Trainer:
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
         rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
         self.state_sharding = TrainState(
-            step=mesh_lib.replicated(self.mesh), examples_seen=mesh_lib.replicated(self.mesh),
-            learning_rate=mesh_lib.replicated(self.mesh),
+            # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
+            step=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            examples_seen=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            learning_rate=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
             params=shard(shapes.params), opt_state=shard(shapes.opt_state),
             model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
             measure_ema=rep(shapes.measure_ema))
@@ -157,6 +159,7 @@ class Trainer:
         c, ds = self.config, self.dataset
         self.in_memory = ds.in_memory("train")
         rep = mesh_lib.replicated(self.mesh)
+        batch_fn: Callable[..., Any] | None
         if self.in_memory:
             self.train_arrays = ds.device_arrays("train", rep)
             batch_sh = mesh_lib.batch_sharding(self.mesh)
@@ -183,7 +186,9 @@ class Trainer:
                               self.mesh, self.state_sharding, inputs_sharding,
                               micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
                               two_batch=n.two_batch,
-                              batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
+                              # TrainStep.batch_fn is annotated with one argument of the three
+                              batch_fn=batch_fn,  # type: ignore[arg-type]
+                              lr_coupling=coupling, measure=measure,
                               seed=c.seed)
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
@@ -230,7 +235,7 @@ class Trainer:
         chunk = -(-min(c.eval.batch_size, n) // self.replicas) * self.replicas
         rep, batch_sh = mesh_lib.replicated(self.mesh), mesh_lib.batch_sharding(self.mesh)
         if s.in_memory:
-            arrays, view = ds.device_arrays(split, rep), s.view
+            arrays, view = ds.device_arrays(split, rep), cast(Callable, s.view)  # in memory
         else:  # a streamed split: its first n examples, read once and kept on the device
             host = s.read(np.arange(n))
             arrays = {k: jax.make_array_from_process_local_data(rep, v, v.shape)

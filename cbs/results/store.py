@@ -76,7 +76,7 @@ class TrialResult:
     noise_at_target: dict[str, dict[str, float]]
     final_steps: int
     final_metric: float
-    curve: dict[str, list[float]]
+    curve: dict[str, list[float | None]]
     seconds: float
 
     def to_json(self) -> dict[str, Any]:

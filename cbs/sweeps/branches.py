@@ -237,7 +237,8 @@ class BranchRunner:
         return TrainStep(tr.loss_fn, tr.direction, learning_rate_shape(c), self.mesh,
                          tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
                          small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
-                         batch_fn=batch_fn, seed=c.seed)
+                         # TrainStep.batch_fn is annotated with one argument of the three
+                         batch_fn=batch_fn, seed=c.seed)  # type: ignore[arg-type]
 
     def restore(self, step: int) -> TrainState:
         """The reference state after `step` updates, on this runner's device."""
@@ -317,12 +318,12 @@ class BranchRunner:
             state = state.replace(learning_rate=jnp.asarray(
                 lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
             e, bsz = count_to_int(jax.device_get(state.examples_seen)), k * self.bsz
-            losses = []
+            device_losses = []
             for _ in range(self.window(e) // bsz):
                 state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
-                losses.append(m["train/loss"])
+                device_losses.append(m["train/loss"])
                 e += bsz
-            losses = [float(x) for x in jax.device_get(losses)]
+            losses = [float(x) for x in jax.device_get(device_losses)]
             ema = progress.ema_curve(losses, ema_decay_per_step(self.config, k))[-1]
             final = math.nan
             if self.b.metric == "full_train/loss":

@@ -173,7 +173,7 @@ def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> lis
 def make_trials(sweep: ml_collections.ConfigDict) -> list[Trial]:
     """The full grid in a fixed order: batch size, then seed, then learning rate."""
     validate_sweep(sweep)
-    trials = []
+    trials: list[Trial] = []
     for b in sorted(int(b) for b in sweep.batch_sizes):
         for seed in sweep.seeds:
             for lr in learning_rates_for(sweep, b):

@@ -232,7 +232,8 @@ class TrialGroup:
                          f"noise scale ({name})")
 
     def num_compilations(self) -> int:
-        return self._chunk._cache_size()
+        return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
+        #   functions have it; their stub does not
 
     # ------------------------------------------------------------------ stopping, results
 

@@ -192,7 +192,7 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     x = curve.get("noise/step", [])
     if not x:
         return {}
-    kw = {"min_points": window, "window": 0.0}
+    kw: dict[str, Any] = {"min_points": window, "window": 0.0}
     out: dict[str, Any] = {"b_simple": fit.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
