@@ -1,10 +1,22 @@
-"""`cbs.schedules`: the public API of `cbs.engine.schedules`, re-exported.
+"""`cbs.schedules`: the public API of `cbs.engine.schedules` and `cbs.engine.lr`, re-exported.
 
 Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
 """
 
-from cbs.engine.schedules import (  # noqa: F401
+from cbs.engine.lr import (  # noqa: F401
+    DECAYS,
+    EXPONENTS,
     LR_RULES,
+    coupled_lr,
+    coupled_lr_history,
+    coupling_from_config,
+    learning_rate_shape,
+    lr_multiplier,
+    lr_schedule,
+    lr_schedule_from_config,
+    validate_coupling_config,
+)
+from cbs.engine.schedules import (  # noqa: F401
     Adaptive,
     AdaptiveState,
     Constant,
@@ -12,13 +24,10 @@ from cbs.engine.schedules import (  # noqa: F401
     Step,
     batch_schedule_from_config,
     batch_size_trace,
-    coupled_lr,
-    coupled_lr_history,
+    checked_schedule,
     deepseek_v3_schedule,
     in_sequences,
     llama3_schedule,
-    lr_multiplier,
-    lr_schedule,
-    lr_schedule_from_config,
     register,
+    validate_batch_config,
 )

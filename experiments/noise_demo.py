@@ -21,8 +21,7 @@ import jax
 from absl import flags, logging
 
 from cbs import data, models
-from cbs.engine import cli
-from cbs.engine import trainer as train
+from cbs.engine import cli, trainer
 from cbs.stats import noise, trees
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")
@@ -38,10 +37,10 @@ def main(argv: list[str]) -> None:
     c = digits_mlp.get_config("")
     c.noise.every = 0
     c.train.progress_bar = False
-    trainer = train.Trainer(c, None)
-    state = trainer.init_state()
-    batch = data.device_batch(trainer.dataset, trainer.train_arrays, 0, _BATCH.value, seed=99)
-    loss_fn = models.make_loss_fn(trainer.graphdef, state.model_state, trainer.dataset.task)
+    runner = trainer.Trainer(c, None)
+    state = runner.init_state()
+    batch = data.device_batch(runner.dataset, runner.train_arrays, 0, _BATCH.value, seed=99)
+    loss_fn = models.make_loss_fn(runner.graphdef, state.model_state, runner.dataset.task)
     stats_fn = jax.jit(lambda p: {
         "fast": noise.exact(loss_fn, p, batch, method="fast"),
         "vmap": noise.exact(loss_fn, p, batch, method="vmap", chunk_size=128),
@@ -54,7 +53,7 @@ def main(argv: list[str]) -> None:
     two_batch = jax.jit(lambda p: noise.two_batch(
         0.5 * sum(_sq_grad(loss_fn, p, h) for h in halves), _sq_grad(loss_fn, p, batch),
         half, 2 * half))
-    accum = trainer.accum_steps(c.batch.schedule.batch_size)
+    accum = runner.accum_steps(c.batch.schedule.batch_size)
     print(f"digits MLP, Adam B={c.batch.schedule.batch_size}; measured on {_BATCH.value} "
           "training examples\n")
     print("| step | train loss | B_simple fast | B_simple vmap | B_simple probe(8) | "
@@ -63,12 +62,12 @@ def main(argv: list[str]) -> None:
     step = 0
     for target in sorted(int(s) for s in _STEPS.value):
         while step < target:
-            state, _ = trainer.step(state, trainer.inputs(0, 0), accum)
+            state, _ = runner.step(state, runner.inputs(0, 0), accum)
             step += 1
         start = time.perf_counter()
         out = jax.device_get(stats_fn(state.params))
         g2, tr = jax.device_get(two_batch(state.params))
-        loss = trainer.evaluate(state)["loss"]
+        loss = runner.evaluate(state)["loss"]
         f, v, p, h = out["fast"], out["vmap"], out["probe"], out["curv"]
         print(f"| {step} | {loss:.3f} | {f.b_simple:.1f} | {v.b_simple:.1f} | "
               f"{p.b_simple:.1f} | {tr / g2:.1f} | {h.b_noise:.1f} | {p.b_noise:.1f} | "

@@ -40,14 +40,13 @@ def main() -> None:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                    num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=60)
-    from cbs.engine import loop
-    from cbs.engine import trainer as train
+    from cbs.engine import loop, trainer
     from tests.test_multihost import lm_worker_config, worker_config
 
     config = (lm_worker_config(args.steps) if args.lm else
               worker_config(args.steps, bool(args.full)))
-    trainer = train.Trainer(config, args.workdir)
-    run = loop.Loop(trainer)
+    tr = trainer.Trainer(config, args.workdir)
+    run = loop.Loop(tr)
     summary = run.run()
     from jax.experimental import multihost_utils
 

@@ -19,8 +19,8 @@ import pytest
 
 from cbs import data
 from cbs.analysis import branch_report
-from cbs.engine import trainer as train
-from cbs.results import records
+from cbs.engine import trainer
+from cbs.results import files, records
 from cbs.stats import noise
 from cbs.sweeps import branch_noise, branches
 from experiments.configs import base, digits_branch
@@ -97,7 +97,7 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     assert len(full) == 3 * 2 and {r["k"] for r in full} == {1, 2, 4}
     part_dir = str(tmp_path / "part")
     branches.run_branches(c, part_dir, stop_after=1)
-    path = os.path.join(part_dir, branches.BRANCHES_FILE)
+    path = os.path.join(part_dir, files.BRANCHES_FILE)
     with open(path, "a") as f:  # a kill in the middle of an append
         f.write('{"point_step": 20, "k"')
     resumed = branches.run_branches(c, part_dir)
@@ -122,7 +122,7 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     assert len(points) == 1 and points[0]["point_examples"] == 320
     assert points[0]["b_star_lo"] <= points[0]["b_star"] <= points[0]["b_star_hi"] or \
         points[0]["num_seeds"] == 2
-    assert records.read_json(os.path.join(tmp_path, "full", branches.DEFINITION_FILE))
+    assert records.read_json(os.path.join(tmp_path, "full", files.DEFINITION_FILE))
 
 
 def test_window_proportional_to_examples_seen_and_bounds_in_the_table():
@@ -165,8 +165,8 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
     c.branch.seeds = (int(c.seed),)  # the reference's data order
     workdir = str(tmp_path)
     recs = {r["k"]: r for r in branches.run_branches(c, workdir)}
-    ref = records.read_records(os.path.join(workdir, branches.REFERENCE_DIR,
-                                            records.METRICS_FILE))
+    ref = records.read_records(os.path.join(workdir, files.REFERENCE_DIR,
+                                            files.METRICS_FILE))
     at = {r["data/examples_seen"]: r for r in ref if r["kind"] == "eval"}
     assert recs[1]["point_examples"] == 320 and recs[1]["steps"] == 20
     np.testing.assert_allclose(recs[1]["full_train/loss"], at[640]["full_train/loss"],
@@ -190,7 +190,7 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
         # branches.lr_factor
         c4 = copy.deepcopy(runner.branch_config)
         c4.seed = c.seed
-        tr = train.Trainer(c4, None, mesh=runner.mesh)
+        tr = trainer.Trainer(c4, None, mesh=runner.mesh)
         try:
             s = state.replace(learning_rate=jnp.asarray(2 * eta0, jnp.float32))
             for i in range(5):
@@ -207,7 +207,7 @@ def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
     c = _config(noise_checkpoints=2, noise_deviations=16)
     c.branch.ks, c.branch.seeds = (1, 2), (1,)
     branches.run_branches(c, str(tmp_path))
-    recs = records.read_records(os.path.join(tmp_path, branch_noise.NOISE_FILE))
+    recs = records.read_records(os.path.join(tmp_path, files.REFERENCE_NOISE_FILE))
     assert [r["step"] for r in recs] == [20, 40]  # log-spaced checkpoints ∪ the point
     assert all(r["estimator"] == branch_noise.NOISE_ESTIMATOR for r in recs)
     runner = branches.BranchRunner(c, str(tmp_path))
@@ -361,7 +361,7 @@ def test_branched_b_star_matches_the_closed_form_on_linear_regression(tmp_path):
     m = np.outer(delta, delta)
     b_noise = np.trace(h @ _example_covariance(h, m, sigma)) / (delta @ h @ h @ h @ delta)
     measured, se = np.asarray(point["losses"]), np.asarray(point["loss_se"])
-    rows = records.read_records(os.path.join(workdir, branches.BRANCHES_FILE))
+    rows = records.read_records(os.path.join(workdir, files.BRANCHES_FILE))
     table = {(r["seed"], r["k"]): r["full_train/loss"] for r in rows}
     diff_se = [np.std([table[s, k] - table[s, 1] for s in b.seeds], ddof=1) / np.sqrt(len(b.seeds))
                for k in b.ks]
@@ -392,7 +392,7 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_records(tmp_path):
     run(_branch_command(ref))
     proc = subprocess.Popen(_branch_command(killed), cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    path = os.path.join(killed, branches.BRANCHES_FILE)
+    path = os.path.join(killed, files.BRANCHES_FILE)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if os.path.exists(path) and os.path.getsize(path):
@@ -401,7 +401,7 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_records(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = records.read_records(path)
-    want = records.read_records(os.path.join(ref, branches.BRANCHES_FILE))
+    want = records.read_records(os.path.join(ref, files.BRANCHES_FILE))
     assert 0 < len(before) < len(want)
     run(_branch_command(killed))
     key = lambda r: (r["point_step"], r["k"], r["seed"])

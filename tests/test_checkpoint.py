@@ -13,7 +13,7 @@ import pytest
 
 from cbs.engine import checkpoint, step, writer
 from cbs.engine import mesh as mesh_lib
-from cbs.results import records as metrics
+from cbs.results import files, records
 from cbs.stats import noise
 
 
@@ -83,7 +83,7 @@ def test_restore_without_checkpoint_says_so(tmp_path, mesh):
 
 
 def test_records_append_skip_torn_lines_and_truncate(tmp_path):
-    path = str(tmp_path / metrics.METRICS_FILE)
+    path = str(tmp_path / files.METRICS_FILE)
     w = writer.MetricsWriter(str(tmp_path), progress=False, tensorboard=False)
     w.write([{"step": s, "kind": "train", "train/loss": np.float32(1.0 / (s + 1))}
              for s in range(5)])
@@ -91,18 +91,18 @@ def test_records_append_skip_torn_lines_and_truncate(tmp_path):
     w.close()
     with open(path, "a") as f:
         f.write('{"step": 6, "kind": "tr')  # a kill in the middle of a write
-    recs = metrics.read_records(path)
+    recs = records.read_records(path)
     assert [r["step"] for r in recs] == [0, 1, 2, 3, 4, 5]
     assert recs[1]["train/loss"] == pytest.approx(0.5) and np.isnan(recs[5]["eval/loss"])
-    assert metrics.truncate_records(path, 3) == 3
-    assert [r["step"] for r in metrics.read_records(path)] == [0, 1, 2]
+    assert records.truncate_records(path, 3) == 3
+    assert [r["step"] for r in records.read_records(path)] == [0, 1, 2]
     with open(path) as f:
         assert f.read().endswith("\n")
     # Reopening at a restored step drops what comes after it, then appends.
     w = writer.MetricsWriter(str(tmp_path), start_step=2, progress=False, tensorboard=False)
     w.write([{"step": 2, "kind": "train"}])
     w.close()
-    assert [r["step"] for r in metrics.read_records(path)] == [0, 1, 2]
+    assert [r["step"] for r in records.read_records(path)] == [0, 1, 2]
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
@@ -113,9 +113,9 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def test_status_is_replaced_atomically(tmp_path):
-    path = str(tmp_path / metrics.STATUS_FILE)
-    metrics.write_json_atomic(path, {"status": "running", "step": np.int32(3)})
-    metrics.write_json_atomic(path, {"status": "finished", "step": 9})
+    path = str(tmp_path / files.STATUS_FILE)
+    records.write_json_atomic(path, {"status": "running", "step": np.int32(3)})
+    records.write_json_atomic(path, {"status": "finished", "step": 9})
     assert json.load(open(path)) == {"status": "finished", "step": 9}
-    assert os.listdir(tmp_path) == [metrics.STATUS_FILE]
-    assert metrics.read_json(str(tmp_path / "missing.json")) is None
+    assert os.listdir(tmp_path) == [files.STATUS_FILE]
+    assert records.read_json(str(tmp_path / "missing.json")) is None

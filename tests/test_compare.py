@@ -8,7 +8,7 @@ import os
 import pytest
 
 from cbs.analysis import compare
-from cbs.results import records, store
+from cbs.results import files, records, store
 
 S_MIN = 100.0
 
@@ -69,6 +69,6 @@ def test_cross_study_table_and_figure(tmp_path):
     text = open(path).read()
     assert "| adam_task | digits/mlp | adam | 0.5 | 20 (" in text
     assert "| 1.6 | 3.2 |" in text  # the two ratios of the first point
-    assert os.path.getsize(tmp_path / "out" / compare.FIGURE_FILE) > 10_000
+    assert os.path.getsize(tmp_path / "out" / files.FIGURE_FILE) > 10_000
     with pytest.raises(ValueError, match="no finished trials"):
         compare.collect([str(tmp_path)], bootstrap=0)

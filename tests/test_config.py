@@ -13,7 +13,7 @@ import pytest
 
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
+from cbs.engine import trainer
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
 
@@ -168,7 +168,7 @@ def test_trainer_fails_before_compiling(key, value, field, compile_events):
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     before = len(compile_events)
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
-        train.Trainer(c, mesh=mesh)
+        trainer.Trainer(c, mesh=mesh)
     assert len(compile_events) == before
 
 

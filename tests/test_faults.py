@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbs.engine import checkpoint, cli
+from cbs.engine import checkpoint, cli, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
-from cbs.results import records
+from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.stats import noise
 from cbs.sweeps import launch, ramps
@@ -86,7 +85,7 @@ def _one_device():
 def run_dir(tmp_path_factory) -> pathlib.Path:
     """A finished 20-step tiny digits run (checkpoints at steps 10 and 20)."""
     workdir = tmp_path_factory.mktemp("run") / "run"
-    train.run(_tiny_run_config(20), str(workdir), mesh=_one_device())
+    trainer.run(_tiny_run_config(20), str(workdir), mesh=_one_device())
     return workdir
 
 
@@ -130,7 +129,7 @@ def test_corrupt_middle_line_is_named_and_its_trial_reruns(tmp_path):
 def test_metrics_writer_repairs_a_torn_metrics_file(tmp_path):
     from cbs.engine import writer
 
-    path = tmp_path / records.METRICS_FILE
+    path = tmp_path / files.METRICS_FILE
     records.append_records(str(path), [{"step": s, "kind": "train"} for s in range(3)])
     with open(path, "ab") as f:
         f.write(b'{"step": 3, "ki')
@@ -212,10 +211,10 @@ def test_damaged_latest_checkpoint_falls_back_and_the_run_completes(tmp_path, ru
     _damage(ckpt_dir / "20")
     with pytest.warns(checkpoint.SkippedCheckpointWarning,
                       match=r"step 20 .*DATA_LOSS.*resuming from step 10"):
-        summary = train.run(_tiny_run_config(30), str(workdir), mesh=_one_device())
+        summary = trainer.run(_tiny_run_config(30), str(workdir), mesh=_one_device())
     assert summary["step"] == 30
     assert (workdir / (checkpoint.CHECKPOINT_DIR + checkpoint.SKIPPED_SUFFIX) / "20").is_dir()
-    steps = [r["step"] for r in records.read_records(str(workdir / records.METRICS_FILE))
+    steps = [r["step"] for r in records.read_records(str(workdir / files.METRICS_FILE))
              if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == 29  # no duplicate, none missing
     assert set(range(0, 30, 5)) <= set(steps)

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cbs.engine import checkpoint, cli, loop
+from cbs.engine import checkpoint, cli, loop, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
 from cbs.results import records
 from cbs.results.store import SweepStore, definition_diff
 from cbs.stats import ghost, noise
@@ -303,11 +302,11 @@ def test_a_single_run_that_fails_before_its_first_checkpoint_leaves_no_workdir(t
 
     monkeypatch.setattr(loop.Loop, "_iterate", crash)
     with pytest.raises(RuntimeError, match="injected"):
-        train.run(c, str(workdir), mesh=_one_device())
+        trainer.run(c, str(workdir), mesh=_one_device())
     assert not workdir.exists()
     monkeypatch.undo()
     c.train.max_steps = 10
-    assert train.run(c, str(workdir), mesh=_one_device())["status"] == "finished"
+    assert trainer.run(c, str(workdir), mesh=_one_device())["status"] == "finished"
 
 
 def _one_device():

@@ -23,7 +23,7 @@ from flax import nnx
 
 from cbs import data, models
 from cbs.engine import measure
-from cbs.results import records, store
+from cbs.results import files, records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, sweep_measurement
@@ -196,7 +196,7 @@ def test_group_records_resume_and_rebuild_the_same_results(tmp_path):
     st = store.SweepStore(str(tmp_path))
     first = TrialGroup(c, trials, st)
     out = first.run()
-    recs = records.read_records(os.path.join(first.workdir, records.METRICS_FILE))
+    recs = records.read_records(os.path.join(first.workdir, files.METRICS_FILE))
     assert [(r["step"], r["trial"]) for r in recs] == [(s, t.index) for s in (0, 1, 3, 7, 20)
                                                        for t in trials]
     assert math.isnan(recs[0]["train/loss_ema"]) and recs[-1]["train/loss_ema"] > 0

@@ -9,10 +9,8 @@ import pytest
 
 from cbs.analysis import report
 from cbs.engine import checkpoint, mesh
-from cbs.results import store
-from cbs.sweeps import grid as sweep
-from cbs.sweeps import groups as multitrial
-from cbs.sweeps import launch, trials
+from cbs.results import files, store
+from cbs.sweeps import grid, groups, launch, trials
 from experiments.configs import digits_sweep
 
 # One worker runs the module, so the finished sweep of the module fixture is made once.
@@ -26,7 +24,7 @@ def _tiny():
 
 
 def _table(sweep_dir):
-    with open(os.path.join(sweep_dir, store.CSV_FILE)) as f:
+    with open(os.path.join(sweep_dir, files.CSV_FILE)) as f:
         return sorted(csv.DictReader(f), key=lambda r: (r["trial_id"], r["target"]))
 
 
@@ -40,8 +38,8 @@ def finished(tmp_path_factory):
 def test_sweep_records_every_trial_with_crossings_and_noise(finished):
     d, results = finished
     records = store.SweepStore(d).records()
-    grid = sweep.make_trials(_tiny().sweep)
-    assert [r["trial_id"] for r in records] == [t.trial_id for t in grid]
+    trial_list = grid.make_trials(_tiny().sweep)
+    assert [r["trial_id"] for r in records] == [t.trial_id for t in trial_list]
     for r in records:
         assert r["status"] in ("done", "budget", "dominated")
         s = r["steps_to_target"]["1.5"]
@@ -83,7 +81,7 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
     d_ref, _ = finished
     d = str(tmp_path / "crash")
     calls = {"n": 0}
-    original = multitrial.TrialGroup._evaluate
+    original = groups.TrialGroup._evaluate
 
     def crashing(self, *args):
         calls["n"] += 1
@@ -91,13 +89,13 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(multitrial.TrialGroup, "_evaluate", crashing)
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", crashing)
     with pytest.raises(KeyboardInterrupt):
         launch.run_sweep(_tiny(), d, log=lambda _: None)
-    monkeypatch.setattr(multitrial.TrialGroup, "_evaluate", original)
-    groups = os.path.join(d, "groups")
-    assert any(os.listdir(os.path.join(groups, g, "checkpoints")) for g in os.listdir(groups))
-    assert 0 < len(store.SweepStore(d).records()) < len(sweep.make_trials(_tiny().sweep))
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", original)
+    gdir = os.path.join(d, "groups")
+    assert any(os.listdir(os.path.join(gdir, g, "checkpoints")) for g in os.listdir(gdir))
+    assert 0 < len(store.SweepStore(d).records()) < len(grid.make_trials(_tiny().sweep))
     restores = []
     original_restore = checkpoint.Checkpointer.restore
 
@@ -117,7 +115,7 @@ def test_shards_together_cover_the_sweep_once(finished, tmp_path):
     for i in range(2):
         launch.run_sweep(_tiny(), d, shard=f"{i}/2", log=lambda _: None)
     ids = [r["trial_id"] for r in store.SweepStore(d).records()]
-    assert sorted(ids) == sorted(t.trial_id for t in sweep.make_trials(_tiny().sweep))
+    assert sorted(ids) == sorted(t.trial_id for t in grid.make_trials(_tiny().sweep))
     # Sharding splits the vmapped groups (one learning rate each here), so no trial stops
     # early as dominated; the fastest trial per batch size, which the fit uses, is the same.
     ref, got = report.analyze(d_ref, bootstrap=0), report.analyze(d, bootstrap=0)
@@ -135,10 +133,10 @@ def test_vmapped_group_equals_the_engine(tmp_path):
     c.sweep.max_steps = 20
     c.sweep.evals_per_trial = 4
     st = store.SweepStore(str(tmp_path))
-    grid = sweep.make_trials(c.sweep)
-    group = multitrial.TrialGroup(c, grid, st).run()
+    trial_list = grid.make_trials(c.sweep)
+    group = groups.TrialGroup(c, trial_list, st).run()
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    engine = trials.run_trial_engine(c, grid[1], st, mesh=one)
+    engine = trials.run_trial_engine(c, trial_list[1], st, mesh=one)
     v, e = group[1].curve, engine.curve
     assert v["step"][-1] == e["step"][-1] == 20
     np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
@@ -173,7 +171,7 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_table(finished, tmp_pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(store.SweepStore(d).records())
-    assert done_before < len(sweep.make_trials(_tiny().sweep))
+    assert done_before < len(grid.make_trials(_tiny().sweep))
     subprocess.run(cmd, cwd=root, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     assert _table(d) == _table(d_ref)

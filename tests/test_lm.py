@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from cbs import models
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import step as step_lib
-from cbs.engine import trainer as train
+from cbs.engine import trainer
 from cbs.models import lm
 from experiments.configs import lm_shakespeare
 
@@ -100,7 +100,7 @@ def _run(config, mesh, steps=3):
     key = (config.to_json(), tuple(mesh.shape.items()), steps)
     if key in _RUNS:
         return _RUNS[key]
-    tr = train.Trainer(config, None, mesh=mesh)
+    tr = trainer.Trainer(config, None, mesh=mesh)
     state, out, e = tr.init_state(), [], 0
     b = config.batch.schedule.batch_size
     for _ in range(steps):
@@ -174,7 +174,7 @@ def test_counter_and_learning_rate_at_three_trillion_tokens():
     c.optim.decay, c.optim.final_fraction = "cosine", 0.1
     c.optim.total_examples = 10**12 // T * 15  # 1.5·10¹³ tokens
     c.noise.every = 0
-    tr = train.Trainer(c, None, mesh=mesh_lib.make_mesh(1, 1, devices=jax.devices()[:1]))
+    tr = trainer.Trainer(c, None, mesh=mesh_lib.make_mesh(1, 1, devices=jax.devices()[:1]))
     e0 = 3 * 10**12 // T
     state = tr.init_state().replace(examples_seen=step_lib.count_from_int(e0))
     b = c.batch.schedule.batch_size

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from cbs.engine import config as config_lib
-from cbs.engine import loop, schedules
+from cbs.engine import loop, schedules, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -25,7 +24,7 @@ from cbs.engine.progress import (
     ema_update,
     log_spaced_steps,
 )
-from cbs.results import records
+from cbs.results import files, records
 
 
 def test_spike_that_recovers_is_not_a_divergence():
@@ -79,8 +78,8 @@ def test_adam_at_huge_learning_rate_diverges_with_the_step_named(tmp_path):
     c.train.progress_bar = False
     c.train.tensorboard = False
     one = mesh_lib.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    with pytest.raises(train.DivergedError, match=r"diverged at step \d+") as err:
-        train.run(c, str(tmp_path), mesh=one)
+    with pytest.raises(trainer.DivergedError, match=r"diverged at step \d+") as err:
+        trainer.run(c, str(tmp_path), mesh=one)
     assert 0 < err.value.step < 30
 
 
@@ -190,7 +189,7 @@ def _loop_config(**train):
 
 
 def _records(workdir):
-    return records.read_records(os.path.join(workdir, records.METRICS_FILE))
+    return records.read_records(os.path.join(workdir, files.METRICS_FILE))
 
 
 def test_loop_runs_to_the_step_budget_with_evaluations_on_schedule(tmp_path):
@@ -228,7 +227,7 @@ def test_divergence_after_patience_is_raised_with_its_step(tmp_path):
     with pytest.raises(loop.DivergedError, match="diverged at step 5") as err:
         loop.Loop(_Scripted(_loop_config(max_steps=20), d, losses)).run()
     assert err.value.step == 5
-    status = records.read_json(os.path.join(d, records.STATUS_FILE))
+    status = records.read_json(os.path.join(d, files.STATUS_FILE))
     assert status["status"] == "diverged"
     assert max(r["step"] for r in _records(d)) == 5  # the bad step is recorded, nothing after
 

@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from cbs.engine import config as config_lib
-from cbs.engine import loop
+from cbs.engine import loop, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
-from cbs.results import records as metrics
+from cbs.results import files, records
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
 
@@ -119,16 +118,16 @@ def _two_processes_equal_one(tmp_path, full: bool, lm: bool = False):
 
     config = lm_worker_config() if lm else worker_config(full=full)
     mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.model, devices=jax.devices()[:4])
-    trainer = train.Trainer(config, str(tmp_path / "single"), mesh=mesh)
-    run = loop.Loop(trainer)
+    tr = trainer.Trainer(config, str(tmp_path / "single"), mesh=mesh)
+    run = loop.Loop(tr)
     run.run()
     single = {jax.tree_util.keystr(k): np.asarray(v)
               for k, v in jax.tree_util.tree_flatten_with_path(run.state.params)[0]}
     assert single.keys() == multi.keys()
     for k in single:
         np.testing.assert_allclose(multi[k], single[k], rtol=2e-5, atol=1e-6, err_msg=k)
-    r_multi = metrics.read_records(str(tmp_path / "multi" / metrics.METRICS_FILE))
-    r_single = metrics.read_records(str(tmp_path / "single" / metrics.METRICS_FILE))
+    r_multi = records.read_records(str(tmp_path / "multi" / files.METRICS_FILE))
+    r_single = records.read_records(str(tmp_path / "single" / files.METRICS_FILE))
     assert [r["step"] for r in r_multi] == [r["step"] for r in r_single]
     for a, b in zip(r_multi, r_single, strict=True):
         assert a.keys() == b.keys()
@@ -169,17 +168,17 @@ def test_kill_minus_nine_then_rerun_is_bit_identical(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
-    records = broken / metrics.METRICS_FILE
-    while time.time() < deadline and (not records.exists() or len(
-            metrics.read_records(str(records))) < 20):
+    records_path = broken / files.METRICS_FILE
+    while time.time() < deadline and (not records_path.exists() or len(
+            records.read_records(str(records_path))) < 20):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert metrics.read_json(str(broken / metrics.STATUS_FILE))["status"] == "running"
+    assert records.read_json(str(broken / files.STATUS_FILE))["status"] == "running"
     _launch(broken, tmp_path / "broken.npz", num_processes=1, devices=1, steps=60)
     _launch(whole, tmp_path / "whole.npz", num_processes=1, devices=1, steps=60)
-    r_whole = metrics.read_records(str(whole / metrics.METRICS_FILE))
-    assert metrics.read_records(str(records)) == r_whole
+    r_whole = records.read_records(str(whole / files.METRICS_FILE))
+    assert records.read_records(str(records_path)) == r_whole
     a, b = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "broken.npz")
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k])

@@ -19,8 +19,7 @@ import pytest
 
 from cbs.analysis import noise_at_target, report
 from cbs.engine import measure
-from cbs.results import records as metrics
-from cbs.results import store
+from cbs.results import files, records, store
 from cbs.sweeps import grid, reference
 
 N, DIM, CLASSES = 24, 3, 3
@@ -185,10 +184,10 @@ def test_report_shows_spread_protocol_and_reference(tmp_path):
     d = str(tmp_path)
     os.makedirs(d, exist_ok=True)
     st = store.SweepStore(d)
-    metrics.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
+    records.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
     run = _reference_run()
     run["target_metric"] = "full_train/loss"
-    metrics.append_records(os.path.join(d, noise_at_target.REFERENCE_FILE), [run])
+    records.append_records(os.path.join(d, files.REFERENCE_NOISE_FILE), [run])
     text = open(report.write_report(d, bootstrap=0)).read()
     analysis = report.load_analysis(d)
     t = analysis["targets"][0]
@@ -232,7 +231,7 @@ def test_reference_run_after_a_sweep(tmp_path):
                         noise_reference_deviations=8))
     d = str(tmp_path / "s")
     launch.run_sweep(c, d, log=lambda *_: None)
-    run = metrics.read_records(os.path.join(d, noise_at_target.REFERENCE_FILE))[-1]
+    run = records.read_records(os.path.join(d, files.REFERENCE_NOISE_FILE))[-1]
     sweep_rec = next(r for r in store.SweepStore(d).records()
                      if r["learning_rate"] == run["learning_rate"])
     curve, mine = run["curve"], sweep_rec["curve"]

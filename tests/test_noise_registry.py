@@ -10,8 +10,8 @@ import pytest
 
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
-from cbs.results import records
+from cbs.engine import trainer
+from cbs.results import files, records
 from cbs.stats import noise
 
 
@@ -35,7 +35,7 @@ def _config(method: str, **noise_fields):
 
 
 def _run(config, workdir):
-    return train.run(config, str(workdir), mesh=mesh_lib.make_mesh(devices=jax.devices()[:1]))
+    return trainer.run(config, str(workdir), mesh=mesh_lib.make_mesh(devices=jax.devices()[:1]))
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_a_registered_method_is_measured_by_a_run_from_its_config(tmp_path, fixe
     config_lib.validate(config, data_replicas=1)  # a registered name is a valid value
     summary = _run(config, tmp_path)
     assert summary["status"] == "finished"
-    measured = [r for r in records.read_records(tmp_path / records.METRICS_FILE)
+    measured = [r for r in records.read_records(tmp_path / files.METRICS_FILE)
                 if "noise/b_simple" in r]
     assert [r["step"] for r in measured] == [0, 2]
     for r in measured:

@@ -16,7 +16,7 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from cbs.engine import checkpoint, writer
-from cbs.results import paths, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, TrialResult
 
 
@@ -54,7 +54,7 @@ def test_records_round_trip_on_every_kind_of_path(tmp_path, kind, request):
             "gs": "gs://bucket/run"}[kind]
     if kind == "gs":
         request.getfixturevalue("gcs")
-    path = paths.join(base, records.METRICS_FILE)
+    path = paths.join(base, files.METRICS_FILE)
     assert paths.is_remote(path) == (kind == "gs")
     paths.makedirs(base)
     assert records.read_records(path) == [] and records.read_json(

@@ -11,7 +11,7 @@ from scipy import stats
 
 from cbs.analysis import branch_report, payoff
 from cbs.engine import mesh
-from cbs.results import records
+from cbs.results import files, records
 from cbs.sweeps import ramps
 from experiments.configs import base
 from tests.test_ramps import _config, _fake_sweep
@@ -115,7 +115,8 @@ def test_report_has_every_run_and_the_verdicts(tmp_path):
     text = open(path).read()
     assert "**ramp** (examples vs the frontier at equal steps): L=1: -" in text
     assert "beats the frontier" in text and text.count("| fixed B=") == len(SIZES)
-    assert (tmp_path / payoff.FIGURE_FILE).exists() and (tmp_path / payoff.ANALYSIS_FILE).exists()
+    assert (tmp_path / files.PAYOFF_FIGURE_FILE).exists()
+    assert (tmp_path / files.PAYOFF_FILE).exists()
 
 
 def test_local_cbs_schedule_is_the_running_maximum_of_the_committed_study():
@@ -141,4 +142,4 @@ def test_seeded_ramps_go_to_out_dir_and_leave_the_sweep_alone(tmp_path):
     assert {payoff.run_name(r) for r in got} == {"fixed"}
     curves = [r["curve"]["full_train/loss"] for r in got]
     assert curves[0] != curves[1]  # the seeds train differently
-    assert len(records.read_records(os.path.join(out, "ramps.jsonl"))) == 2
+    assert len(records.read_records(os.path.join(out, files.RAMPS_FILE))) == 2

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cbs.engine import preemption
-from cbs.results import records
+from cbs.results import files, records
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"
@@ -89,7 +89,7 @@ def test_sigterm_during_training_checkpoints_and_the_rerun_resumes_exactly(tmp_p
     assert json.loads((cut / "status.json").read_text())["status"] == "finished"
     first = _run("experiments.main", *args, f"--workdir={full}")
     assert first.returncode == 0, first.stderr[-3000:]
-    read = lambda d: _strip(records.read_records(str(d / records.METRICS_FILE)))
+    read = lambda d: _strip(records.read_records(str(d / files.METRICS_FILE)))
     assert read(cut) == read(full)
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from cbs.analysis import report
 from cbs.engine import mesh
-from cbs.results import records as metrics
-from cbs.results import store
+from cbs.results import records, store
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps import ramps
 from cbs.sweeps.grid import Trial
@@ -68,7 +67,7 @@ def test_ramp_runs_record_steps_and_examples_on_their_own_axes(tmp_path):
     before = os.path.getmtime(os.path.join(d, report.RAMPS_FILE))
     assert len(ramps.run_ramps(c, d, log=lambda _: None, mesh=one)) == 2
     assert os.path.getmtime(os.path.join(d, report.RAMPS_FILE)) == before
-    assert len(metrics.read_records(os.path.join(d, report.RAMPS_FILE))) == 2
+    assert len(records.read_records(os.path.join(d, report.RAMPS_FILE))) == 2
 
 
 def test_duplicate_labels_are_rejected(tmp_path):

@@ -10,8 +10,7 @@ import os
 import pytest
 
 from cbs.analysis import report
-from cbs.results import records as metrics
-from cbs.results import store
+from cbs.results import records, store
 
 S_MIN, B_CRIT = 100.0, 64.0
 
@@ -74,7 +73,7 @@ def test_report_of_a_sweep_directory(tmp_path):
     d = str(tmp_path)
     st = store.SweepStore(d)
     os.makedirs(d, exist_ok=True)
-    metrics.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
+    records.append_records(st.path, _records([8, 16, 32, 64, 128, 256, 512]))
     path = report.write_report(d, bootstrap=0)
     text = open(path).read()
     assert "15 trials (1 diverged, 14 done)" in text

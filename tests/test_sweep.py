@@ -5,13 +5,14 @@ import os
 
 import pytest
 
-from cbs.results.store import SWEEP_FILE, SweepStore, TrialResult
-from cbs.sweeps import grid as sweep
+from cbs.results import files
+from cbs.results.store import SweepStore, TrialResult
+from cbs.sweeps import grid
 from cbs.sweeps.grid import Trial
 
 
 def _sweep(**changes):
-    s = sweep.default_sweep_config()
+    s = grid.default_sweep_config()
     s.update(changes)
     return s
 
@@ -19,25 +20,25 @@ def _sweep(**changes):
 def test_grid_centres_learning_rates_on_the_rule():
     s = _sweep(batch_sizes=(16, 64, 256), base_lr=1e-3, base_batch_size=64, lr_rule="sqrt",
                lr_factors=(0.5, 1.0, 2.0), seeds=(0, 1))
-    trials = sweep.make_trials(s)
+    trials = grid.make_trials(s)
     assert len(trials) == 3 * 2 * 3
     assert [t.index for t in trials] == list(range(18))
     lrs_256 = sorted({t.learning_rate for t in trials if t.batch_size == 256})
     assert lrs_256 == pytest.approx([1e-3, 2e-3, 4e-3])  # centre 1e-3·(256/64)^½ = 2e-3
     lrs_16 = sorted({t.learning_rate for t in trials if t.batch_size == 16})
     assert lrs_16 == pytest.approx([2.5e-4, 5e-4, 1e-3])
-    linear = sweep.learning_rates_for(_sweep(lr_rule="linear", lr_factors=(1.0,)), 128)
+    linear = grid.learning_rates_for(_sweep(lr_rule="linear", lr_factors=(1.0,)), 128)
     assert linear == pytest.approx([2e-3])
 
 
 def test_absolute_grid_and_cap():
     s = _sweep(batch_sizes=(8,), learning_rates=(0.1, 0.01), max_lr=0.05)
-    assert sweep.learning_rates_for(s, 8) == pytest.approx([0.01, 0.05])
+    assert grid.learning_rates_for(s, 8) == pytest.approx([0.01, 0.05])
 
 
 def test_shards_partition_the_grid():
-    trials = sweep.make_trials(_sweep(batch_sizes=(8, 16, 32, 64), seeds=(0, 1)))
-    shards = [sweep.shard_trials(trials, f"{i}/3", (64, 8, 32, 16)) for i in range(3)]
+    trials = grid.make_trials(_sweep(batch_sizes=(8, 16, 32, 64), seeds=(0, 1)))
+    shards = [grid.shard_trials(trials, f"{i}/3", (64, 8, 32, 16)) for i in range(3)]
     ids = [t.trial_id for shard in shards for t in shard]
     assert sorted(ids) == sorted(t.trial_id for t in trials)
     assert len(set(ids)) == len(ids)
@@ -46,7 +47,7 @@ def test_shards_partition_the_grid():
     assert len(shards[1]) == len([t for t in trials if t.batch_size == 16])
     for bad in ("3/3", "x", "1/0", "-1/2"):
         with pytest.raises(ValueError, match="shard"):
-            sweep.parse_shard(bad)
+            grid.parse_shard(bad)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -60,13 +61,13 @@ def test_shards_partition_the_grid():
 ])
 def test_invalid_sweeps_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=f"config.sweep.{field}.*") as err:
-        sweep.make_trials(_sweep(**{field: value}))
+        grid.make_trials(_sweep(**{field: value}))
     assert match in str(err.value)
 
 
 def test_no_budget_is_rejected():
     with pytest.raises(ValueError, match="budget"):
-        sweep.validate_sweep(_sweep(max_steps=0, max_examples=0))
+        grid.validate_sweep(_sweep(max_steps=0, max_examples=0))
 
 
 def _result(trial: Trial, steps) -> TrialResult:
@@ -98,4 +99,4 @@ def test_store_refuses_a_different_definition(tmp_path):
     store.write_definition({"sweep": {"batch_sizes": [8]}})  # same: fine
     with pytest.raises(ValueError, match=r"different grid: sweep.batch_sizes \(\[8\] -> \[16\]\)"):
         store.write_definition({"sweep": {"batch_sizes": [16]}})
-    assert json.load(open(os.path.join(tmp_path, SWEEP_FILE)))["sweep"]["batch_sizes"] == [8]
+    assert json.load(open(os.path.join(tmp_path, files.SWEEP_FILE)))["sweep"]["batch_sizes"] == [8]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cbs.analysis import report
-from cbs.results import store
+from cbs.results import files
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sweep
 
@@ -113,7 +113,7 @@ def test_two_launchers_on_one_directory_share_the_work(tmp_path):
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    with open(os.path.join(d, store.TRIALS_FILE)) as f:
+    with open(os.path.join(d, files.TRIALS_FILE)) as f:
         ids = [json.loads(line)["trial_id"] for line in f]
     c = digits_sweep.get_config("tiny")
     c.sweep.batch_sizes = (8, 16, 32, 64)

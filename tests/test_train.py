@@ -22,11 +22,11 @@ import pytest
 from flax import nnx
 
 from cbs import data, models
-from cbs.engine import checkpoint, optim, schedules, step, writer
+from cbs.engine import checkpoint, optim, step, trainer, writer
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import trainer as train
-from cbs.results import records as metrics
+from cbs.engine.lr import coupled_lr
+from cbs.results import files, records
 from cbs.stats import noise
 
 RTOL, ATOL = 2e-5, 1e-6
@@ -250,7 +250,7 @@ def test_two_batch_estimate_agrees_with_exact_on_average():
     two-batch formulas then give exactly exact(train set).trace_sigma (the 1/(N−1) estimate)
     and exact(train set).grad_sq_norm in expectation. Tolerance: 4 standard errors."""
     c = tiny_config(**{"batch.schedule.batch_size": 64, "noise.small_batch": 8})
-    tr = train.Trainer(c, mesh=one_device_mesh())
+    tr = trainer.Trainer(c, mesh=one_device_mesh())
     state = tr.init_state()
     state = state.replace(learning_rate=jax.device_put(jnp.float32(0.0),
                                                        state.learning_rate.sharding))
@@ -276,7 +276,7 @@ def test_no_recompilation_and_one_compile_per_accumulation_count(tmp_path):
     c = tiny_config(**{"batch.schedule": ml_collections.ConfigDict(
         {"kind": "step", "steps": ((0, 16), (96, 32), (224, 16))})})
     c.train.max_steps = 14
-    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh())
+    tr = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh())
     state = tr.init_state()
     events = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -298,9 +298,9 @@ def test_no_recompilation_and_one_compile_per_accumulation_count(tmp_path):
 def test_records_checkpoints_and_status(tmp_path):
     c = tiny_config(**{"noise.every": 4, "train.tensorboard": True,
                        "batch.lr_coupling.rule": "sqrt", "optim.warmup_examples": 128})
-    summary = train.run(c, str(tmp_path), mesh=one_device_mesh())
+    summary = trainer.run(c, str(tmp_path), mesh=one_device_mesh())
     assert summary["status"] == "finished" and summary["step"] == 12
-    recs = metrics.read_records(str(tmp_path / metrics.METRICS_FILE))
+    recs = records.read_records(str(tmp_path / files.METRICS_FILE))
     trains = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in trains] == list(range(12))
@@ -318,16 +318,16 @@ def test_records_checkpoints_and_status(tmp_path):
     ckpt = checkpoint.Checkpointer(str(tmp_path / checkpoint.CHECKPOINT_DIR))
     assert ckpt.all_steps() == [10, 12]
     assert os.listdir(tmp_path / writer.TENSORBOARD_DIR)
-    status = json.loads((tmp_path / metrics.STATUS_FILE).read_text())
+    status = json.loads((tmp_path / files.STATUS_FILE).read_text())
     assert status["status"] == "finished" and status["last_eval"]["step"] == 12
     # The same command again returns the recorded summary without training.
-    assert train.run(c, str(tmp_path), mesh=one_device_mesh())["elapsed_s"] == summary[
+    assert trainer.run(c, str(tmp_path), mesh=one_device_mesh())["elapsed_s"] == summary[
         "elapsed_s"]
 
 
 def test_full_training_set_evaluation_is_exact(mlp):
     c = tiny_config(**{"eval.batch_size": 100})
-    tr = train.Trainer(c, mesh=one_device_mesh())
+    tr = trainer.Trainer(c, mesh=one_device_mesh())
     state = tr.init_state()
     got = tr.evaluate(state, "train")
     full = tr.dataset.split("train").read(np.arange(tr.dataset.num_train))
@@ -366,19 +366,19 @@ def test_resume_after_crash_is_bit_identical(tmp_path, schedule):
                        "batch.schedule": ml_collections.ConfigDict(schedule)})
     mesh = one_device_mesh()
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    s1 = train.run(c, whole, mesh=mesh)
+    s1 = trainer.run(c, whole, mesh=mesh)
     with pytest.raises(_Crash):
-        train.run(c, broken, stop_fn=_crash_at(8), mesh=mesh)
-    status = metrics.read_json(os.path.join(broken, metrics.STATUS_FILE))
+        trainer.run(c, broken, stop_fn=_crash_at(8), mesh=mesh)
+    status = records.read_json(os.path.join(broken, files.STATUS_FILE))
     assert status["status"] == "running"
-    s2 = train.run(c, broken, mesh=mesh)
+    s2 = trainer.run(c, broken, mesh=mesh)
     assert s2["step"] == s1["step"] == 12
-    r1 = metrics.read_records(os.path.join(whole, metrics.METRICS_FILE))
-    r2 = metrics.read_records(os.path.join(broken, metrics.METRICS_FILE))
+    r1 = records.read_records(os.path.join(whole, files.METRICS_FILE))
+    r2 = records.read_records(os.path.join(broken, files.METRICS_FILE))
     assert r1 == r2
     sizes = {r["data/batch_size"] for r in r1 if r["kind"] == "train"}
     assert len(sizes) >= 2, sizes  # the run did change batch size
-    target = train.Trainer(c, mesh=mesh).init_state()
+    target = trainer.Trainer(c, mesh=mesh).init_state()
     (a, meta_a), (b, meta_b) = _final_state(whole, target), _final_state(broken, target)
     assert meta_a == meta_b
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -397,21 +397,21 @@ def _poisoned_digits(bad_step: int, batch_size: int) -> data.Dataset:
 
 def test_nan_stops_with_step_named_and_checkpoint_intact(tmp_path):
     c = tiny_config()
-    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
+    tr = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
                        dataset=_poisoned_digits(7, 32))
-    with pytest.raises(train.DivergedError, match="step 7") as err:
+    with pytest.raises(trainer.DivergedError, match="step 7") as err:
         tr.run()
     assert err.value.step == 7
-    status = metrics.read_json(str(tmp_path / metrics.STATUS_FILE))
+    status = records.read_json(str(tmp_path / files.STATUS_FILE))
     assert status["status"] == "diverged" and status["step"] == 7
     assert status["checkpoint_step"] == 5
     ckpt = checkpoint.Checkpointer(str(tmp_path / checkpoint.CHECKPOINT_DIR))
     state, meta = ckpt.restore(None, jax.tree.map(np.asarray, tr.init_state()))
     assert meta["step"] == 5 and int(state.step) == 5
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
-    recs = metrics.read_records(str(tmp_path / metrics.METRICS_FILE))
+    recs = records.read_records(str(tmp_path / files.METRICS_FILE))
     assert recs[-1]["step"] == 7 and not np.isfinite(recs[-1]["train/loss"])
-    summary = train.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
+    summary = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
                             dataset=_poisoned_digits(7, 32)).run(raise_on_divergence=False)
     assert summary["status"] == "diverged"
 
@@ -424,11 +424,11 @@ def test_stop_fn_ends_the_run_as_stopped(tmp_path):
         seen.append(step_)
         return record["kind"] == "eval" and record["full_train/loss"] < 2.0
 
-    summary = train.run(c, str(tmp_path), stop_fn=stop_fn, mesh=one_device_mesh())
+    summary = trainer.run(c, str(tmp_path), stop_fn=stop_fn, mesh=one_device_mesh())
     assert summary["status"] == "stopped" and summary["step"] < 40
     assert summary["last_eval"]["full_train/loss"] < 2.0
     assert seen == sorted(seen)
-    again = train.run(c, str(tmp_path), stop_fn=lambda *a: False, mesh=one_device_mesh())
+    again = trainer.run(c, str(tmp_path), stop_fn=lambda *a: False, mesh=one_device_mesh())
     assert again == summary
 
 
@@ -443,7 +443,7 @@ def test_train_state_learning_rate_is_runtime(mlp):
     st_b, h_b = run_steps(ts, st2, batch, accum=1, n=1)
     assert ts.num_compilations() == 1
     assert h_a[0]["opt/lr"] == pytest.approx(0.05) and h_b[0]["opt/lr"] == pytest.approx(0.5)
-    assert schedules.coupled_lr(0.05, 64, 32, "sqrt") == pytest.approx(0.05 * 2 ** 0.5)
+    assert coupled_lr(0.05, 64, 32, "sqrt") == pytest.approx(0.05 * 2 ** 0.5)
 
 
 def _streamed(ds: data.Dataset) -> data.Dataset:
@@ -458,8 +458,8 @@ def test_host_stream_equals_device_gather(tmp_path):
                        "batch.micro_batch": 4})
     mesh = one_device_mesh(2)
     ds = data.get_dataset("digits")
-    device_run = loop_state(train.Trainer(c, str(tmp_path / "a"), mesh=mesh, dataset=ds))
-    host_trainer = train.Trainer(c, str(tmp_path / "b"), mesh=mesh, dataset=_streamed(ds))
+    device_run = loop_state(trainer.Trainer(c, str(tmp_path / "a"), mesh=mesh, dataset=ds))
+    host_trainer = trainer.Trainer(c, str(tmp_path / "b"), mesh=mesh, dataset=_streamed(ds))
     assert not host_trainer.in_memory
     host_run = loop_state(host_trainer)
     host_trainer.close()
@@ -481,7 +481,7 @@ def test_batchnorm_cnn_keeps_running_statistics(tmp_path):
     c.data.options = ml_collections.ConfigDict({"flatten": False})
     c.model = models.default_model_config("cnn")
     c.model.channels, c.model.dense_sizes, c.model.norm = (4,), (8,), "batchnorm"
-    tr = train.Trainer(c, str(tmp_path), mesh=one_device_mesh())
+    tr = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh())
     assert tr.stateful
     state = tr.init_state()
     before = jax.tree.map(np.asarray, state.model_state)
@@ -492,7 +492,7 @@ def test_batchnorm_cnn_keeps_running_statistics(tmp_path):
     assert changed and all(changed)
     c.noise.every = 2
     with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.every"):
-        train.Trainer(c, mesh=one_device_mesh())
+        trainer.Trainer(c, mesh=one_device_mesh())
 
 
 @pytest.mark.slow
@@ -520,7 +520,7 @@ def test_model_sharded_parameters_equal_replicated():
     """mesh 4 × 2 with kernels split over "model" equals 8 data replicas, replicated."""
     def final_params(mesh, mode):
         c = tiny_config(**{"batch.micro_batch": 4, "mesh.param_mode": mode})
-        tr = train.Trainer(c, mesh=mesh)
+        tr = trainer.Trainer(c, mesh=mesh)
         state = tr.init_state()
         for t in range(3):
             state, _ = tr.step(state, tr.inputs(32 * t, 32), tr.accum_steps(32))

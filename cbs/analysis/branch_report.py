@@ -38,12 +38,9 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import report
-from cbs.results import records
+from cbs.results import files, records
 
-BRANCHES_FILE = "branches.jsonl"
-DEFINITION_FILE = "branch.json"
-NOISE_FILE = "reference_noise.jsonl"
-REFERENCE_METRICS = os.path.join("reference", records.METRICS_FILE)
+REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)
 
 
 def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
@@ -113,14 +110,15 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
 def summarize(workdir: str) -> list[dict[str, Any]]:
     """`local_cbs` of every complete branch point of the study in `workdir`, by examples, with
     the exact noise scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
-    definition = records.read_json(os.path.join(workdir, DEFINITION_FILE))
+    definition = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if definition is None:
-        raise FileNotFoundError(f"{workdir} has no {DEFINITION_FILE}: run python -m "
+        raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run python -m "
                                 f"experiments.branch --config=... --workdir={workdir} first")
     b = definition["branch"]
-    rows = records.read_records(os.path.join(workdir, BRANCHES_FILE))
+    rows = records.read_records(os.path.join(workdir, files.BRANCHES_FILE))
     want = len(b["ks"]) * len(b["seeds"])
-    noise = {r["step"]: r for r in records.read_records(os.path.join(workdir, NOISE_FILE))}
+    noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
+    noise = {r["step"]: r for r in records.read_records(noise_path)}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
@@ -166,7 +164,7 @@ def format_b_star(p: dict[str, Any]) -> str:
 
 def noise_estimator(workdir: str) -> str | None:
     """The estimator named by the study's noise records (None when it measured none)."""
-    recs = records.read_records(os.path.join(workdir, NOISE_FILE))
+    recs = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
     return recs[0].get("estimator") if recs else None
 
 
@@ -189,7 +187,7 @@ def summary_table(points: Sequence[dict[str, Any]]) -> str:
 def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int = 200) -> str:
     """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
     reference's crossings of the sweep's targets); returns its text."""
-    d = records.read_json(os.path.join(workdir, DEFINITION_FILE))
+    d: Any = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     b, points = d["branch"], summarize(workdir)
     tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
            else f"{b['epsilon']:g} nats")
@@ -220,7 +218,7 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
                   f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
         lines.append("")
     text = "\n".join(lines)
-    with open(os.path.join(workdir, "report.md"), "w") as f:
+    with open(os.path.join(workdir, files.REPORT_FILE), "w") as f:
         f.write(text)
     return text
 
@@ -275,7 +273,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     points, ref = summarize(workdir), _reference_curves(workdir)
     fig, ax = plt.subplots(figsize=(8, 6.5))
     ok = ref["E"] > 0
-    noise = records.read_records(os.path.join(workdir, NOISE_FILE))
+    noise = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
         for key, color, name in (("b_simple", "tab:blue", "B_simple"),

@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import fit, report
-from cbs.results import records
+from cbs.results import files, records
 from cbs.results.store import SweepStore
 
-REPORT_FILE = "report.md"
-FIGURE_FILE = "b_crit_vs_noise.png"
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 
 
@@ -166,7 +164,7 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
     rows = collect(sweep_dirs, bootstrap=bootstrap)
     if not rows:
         raise ValueError(f"none of {list(sweep_dirs)} has a target with a B_crit fit")
-    figure(rows, os.path.join(out_dir, FIGURE_FILE))
+    figure(rows, os.path.join(out_dir, files.FIGURE_FILE))
     s = summary(rows)
     lines = ["# B_crit against the measured noise scale across studies", "",
              f"{s['points']} points from {len({r['study'] for r in rows})} studies; B_crit "
@@ -183,8 +181,8 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
                 f"{v['ratio_range'][0]:.3g}–{v['ratio_range'][1]:.3g}; within a factor 2 of "
                 f"B_crit in {v['within_2x']:.0%} of {v['points']} points, within a factor 10 in "
                 f"{v['within_10x']:.0%}.")
-    lines += ["", table(rows), "", f"![B_crit against the noise scale]({FIGURE_FILE})", ""]
-    path = os.path.join(out_dir, REPORT_FILE)
+    lines += ["", table(rows), "", f"![B_crit against the noise scale]({files.FIGURE_FILE})", ""]
+    path = os.path.join(out_dir, files.REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     records.write_json_atomic(os.path.join(out_dir, "compare.json"),
                               {"rows": [fit.json_ready(r) for r in rows], "summary": s})

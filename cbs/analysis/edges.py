@@ -123,9 +123,9 @@ def grid_at_batch_size(base_lrs: Sequence[float], seeds: Sequence[int],
         return None
 
     while True:
-        mine = [find(lr, int(s)) for lr in lrs for s in seeds]
-        complete = all(r is not None for r in mine)
-        mine = [r for r in mine if r is not None]
+        found = [find(lr, int(s)) for lr in lrs for s in seeds]
+        complete = all(r is not None for r in found)
+        mine = [r for r in found if r is not None]
         edges = edge_directions(mine, targets, lrs, rules) if complete and mine else {}
         new = []
         for direction in (HIGH, LOW):

@@ -144,14 +144,14 @@ def model_log_steps(theta_Rx2: np.ndarray, logb_RxN: np.ndarray
     return m, np.stack([w, 1.0 - w], axis=-1)
 
 
-def _cost(r_RxN: np.ndarray, f_scale: float | None) -> np.ndarray:
+def _cost(r_RxN: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
     """½Σr² (least squares) or ½f²Σlog(1 + (r/f)²) (Cauchy, for method="robust")."""
     if f_scale is None:
         return 0.5 * np.sum(r_RxN ** 2, axis=1)
     return 0.5 * np.sum(f_scale ** 2 * np.log1p((r_RxN / f_scale) ** 2), axis=1)
 
 
-def _weights(r: np.ndarray, f_scale: float | None) -> np.ndarray:
+def _weights(r: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
     """IRLS weights ρ'(z) of the loss, z = (r/f)²."""
     return np.ones_like(r) if f_scale is None else 1.0 / (1.0 + (r / f_scale) ** 2)
 
@@ -175,7 +175,8 @@ def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
 
 
 def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
-           f_scale: float | None, iters: int = 300) -> tuple[np.ndarray, np.ndarray]:
+           f_scale: np.ndarray | float | None, iters: int = 300,
+           ) -> tuple[np.ndarray, np.ndarray]:
     """Levenberg–Marquardt on R independent problems at once (IRLS weights for Cauchy)."""
     theta = theta_Rx2.astype(np.float64).copy()
     m, _ = model_log_steps(theta, logb_RxN)
@@ -227,17 +228,19 @@ def _leverage(J_Nx2: np.ndarray) -> np.ndarray:
     return np.einsum("ni,ij,nj->n", J_Nx2, np.linalg.pinv(A), J_Nx2)
 
 
-def _clean(x: Sequence[Any], y: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, int]:
+def _clean(xs: Sequence[Any] | np.ndarray, ys: Sequence[Any] | np.ndarray,
+           ) -> tuple[np.ndarray, np.ndarray, int]:
     to_float = lambda v: math.nan if v is None else float(v)
-    x = np.asarray([to_float(v) for v in x], dtype=np.float64)
-    y = np.asarray([to_float(v) for v in y], dtype=np.float64)
+    x = np.asarray([to_float(v) for v in xs], dtype=np.float64)
+    y = np.asarray([to_float(v) for v in ys], dtype=np.float64)
     if x.shape != y.shape:
         raise ValueError(f"need one value per point, got {x.shape} and {y.shape}")
     keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
     return x[keep], y[keep], int(np.count_nonzero(~keep))
 
 
-def fit_tradeoff(batch_sizes: Sequence[float], steps: Sequence[float | None], *,
+def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
+                 steps: Sequence[float | None] | np.ndarray, *,
                  bootstrap: int = 1000, seed: int = 0, method: str = "lsq",
                  confidence: float = 0.95, resample: str = "residual") -> TradeoffFit:
     """Fits S(B) = S_min + E_min/B to a table of (B, S); never raises on bad data.
@@ -302,7 +305,8 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     if bootstrap > 0:
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
-    return TradeoffFit(s_min, e_min, b_crit, *cis, int(b.size), int(np.unique(b).size),
+    return TradeoffFit(s_min, e_min, b_crit, cis[0], cis[1], cis[2], int(b.size),
+                       int(np.unique(b).size),
                        n_dropped, OK, method, confidence, float(np.sqrt(np.mean(resid ** 2))),
                        tradeoff_warnings(b, b_crit, cis[2]))
 
@@ -407,8 +411,8 @@ def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
         se = _ols_se(X, resid[:, None])[0]
         intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
                                                confidence) for k in (0, 1))
-        cis = [tuple(float(v) for v in np.exp(intercept_ci)),
-               alpha_interval(slope_ci), slope_ci]
+        b_star_lo, b_star_hi = (float(v) for v in np.exp(intercept_ci))
+        cis = [(b_star_lo, b_star_hi), alpha_interval(slope_ci), slope_ci]
     slope = float(coef[1])
     alpha = -1.0 / slope if slope != 0 else math.inf
     return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],

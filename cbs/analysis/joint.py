@@ -209,9 +209,10 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
     Y = log_bc[:, ok_t]
     full = np.all(np.isfinite(Y), axis=1)
     Y = Y[full]
-    res = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2, local_slopes=[],
-               local_slope_cis=[], misfit_q=math.nan, misfit_dof=0, misfit_p=math.nan,
-               log_b_crit_cov=[], cov_targets=[])
+    res: dict[str, Any] = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2,
+                               local_slopes=[], local_slope_cis=[], misfit_q=math.nan,
+                               misfit_dof=0, misfit_p=math.nan, log_b_crit_cov=[],
+                               cov_targets=[])
     if len(ok_t) >= 3 and Y.shape[0] >= 10:
         X = np.stack([np.ones_like(x), x], axis=1)
         coef_R = np.linalg.lstsq(X, Y.T, rcond=None)[0]  # [2, R]

@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import fit
-from cbs.results import records as metrics
+from cbs.results import files, records
 
-REFERENCE_FILE = "reference_noise.jsonl"
 NAMES = ("b_simple", "b_noise")
 PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma", "g_h_g")}
 
@@ -117,7 +116,7 @@ def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
     """The reference-trajectory protocol of the sweep in `sweep_dir`, or None without one:
     {"protocol": words, "batch_size", "learning_rate", "seed", "targets": reference_values}."""
-    runs = metrics.read_records(os.path.join(sweep_dir, REFERENCE_FILE))
+    runs = records.read_records(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE))
     if not runs:
         return None
     run = runs[-1]

@@ -33,12 +33,9 @@ import numpy as np
 from scipy import stats
 
 from cbs.analysis import fit, joint
-from cbs.results import records
+from cbs.results import files, records
 from cbs.results.store import target_key
 
-REPORT_FILE = "payoff.md"
-ANALYSIS_FILE = "payoff.json"
-FIGURE_FILE = "payoff.png"
 BOOTSTRAP = 1000  # replicates of the saving's interval
 CONFIDENCE = 0.95
 T_INTERVAL = "Student-t over seeds in log S, log E"
@@ -71,7 +68,7 @@ def geometric_mean(values: Any) -> float:
     return float(np.exp(np.mean(np.log(np.asarray(values, dtype=np.float64)))))
 
 
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+def t_interval(values: Any, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Student-t interval of the geometric mean of positive `values`, formed in log space
     (NaNs with fewer than two)."""
     x = np.log(np.asarray(values, dtype=np.float64))
@@ -332,7 +329,7 @@ def write_report(out_dir: str, ramps: Sequence[dict[str, Any]], targets: Sequenc
     """payoff.md, payoff.json and payoff.png in out_dir; returns the report's path."""
     result = analyse(ramps, targets, bootstrap=bootstrap)
     runs = group_runs(ramps)
-    figure(result, ramps, os.path.join(out_dir, FIGURE_FILE))
+    figure(result, ramps, os.path.join(out_dir, files.PAYOFF_FIGURE_FILE))
     seeds = sorted({s for v in result["seeds"].values() for s in v if s is not None})
     lines = [f"# Batch ramps against fixed batch sizes: {out_dir}", "",
              f"{len(ramps)} runs: {len(runs)} schedules × seeds {seeds}, learning rates from "
@@ -358,8 +355,8 @@ def write_report(out_dir: str, ramps: Sequence[dict[str, Any]], targets: Sequenc
                  f"{f['rms_log_residual']:.2f} in log S" if math.isfinite(f["s_min"])
                  else "no frontier (fewer than 3 fixed batch sizes reached it with every seed)")
         lines += [f"## L = {t['target']:g}", "", front, "", table(t), ""]
-    lines += [f"![Runs on the S–E plane]({FIGURE_FILE})", ""]
-    path = os.path.join(out_dir, REPORT_FILE)
+    lines += [f"![Runs on the S–E plane]({files.PAYOFF_FIGURE_FILE})", ""]
+    path = os.path.join(out_dir, files.PAYOFF_REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
-    records.write_json_atomic(os.path.join(out_dir, ANALYSIS_FILE), fit.json_ready(result))
+    records.write_json_atomic(os.path.join(out_dir, files.PAYOFF_FILE), fit.json_ready(result))
     return path

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -52,7 +53,7 @@ def _log_labels(axis, values: np.ndarray) -> None:
         axis.set_minor_formatter(NullFormatter())
         return
     if span < 0.5:
-        axis.set_minor_locator(FixedLocator(_even_ticks(lo, hi)))
+        axis.set_minor_locator(FixedLocator(list(_even_ticks(lo, hi))))
         axis.set_minor_formatter(plain)
         return
 
@@ -104,7 +105,10 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: boo
     return drawn
 
 
-def _ok(fit: TradeoffFit | PowerLawFit | None) -> bool:
+_Fit = TypeVar("_Fit", TradeoffFit, PowerLawFit)
+
+
+def _ok(fit: _Fit | None) -> TypeGuard[_Fit]:
     return fit is not None and fit.ok
 
 
@@ -114,7 +118,7 @@ def _frontier(fit: TradeoffFit, b_lo: float, b_hi: float) -> tuple[np.ndarray, n
     return fit.steps(b), fit.examples(b)
 
 
-def _b_range(fit: TradeoffFit, batch_sizes: Sequence[float] = ()) -> tuple[float, float]:
+def _b_range(fit: TradeoffFit, batch_sizes: npt.ArrayLike = ()) -> tuple[float, float]:
     b = np.asarray(batch_sizes, dtype=np.float64)
     lo = min([fit.b_crit / 30] + ([b.min() / 2] if b.size else []))
     hi = max([fit.b_crit * 30] + ([b.max() * 2] if b.size else []))
@@ -194,13 +198,13 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
                     label="fitted B_crit")
     else:
         ax.plot(loss, bc, "o", color="C0", label="fitted B_crit")
-    all_l = [loss[np.isfinite(loss)]]
-    for i, (name, (m_loss, m_val)) in enumerate((measured or {}).items()):
-        m_loss = np.asarray(m_loss, dtype=np.float64)
+    finite_l = [loss[np.isfinite(loss)]]
+    for i, (name, (m_losses, m_val)) in enumerate((measured or {}).items()):
+        m_loss = np.asarray(m_losses, dtype=np.float64)
         ax.plot(m_loss, np.asarray(m_val, dtype=np.float64), "s--", color=f"C{i + 1}",
                 mfc="none", label=f"measured {name}")
-        all_l.append(m_loss[np.isfinite(m_loss)])
-    all_l = np.concatenate(all_l)
+        finite_l.append(m_loss[np.isfinite(m_loss)])
+    all_l = np.concatenate(finite_l)
     if _ok(power_law) and all_l.size:
         grid = np.geomspace(all_l.min() * 0.9, all_l.max() * 1.1, 100)
         ax.plot(grid, power_law.b_crit(grid), "k-", lw=1,

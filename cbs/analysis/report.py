@@ -31,13 +31,9 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import edges, fit, joint, noise_at_target, plots
-from cbs.results import records as metrics
+from cbs.results import records
+from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
-
-ANALYSIS_FILE = "analysis.json"
-REPORT_FILE = "report.md"
-RAMPS_FILE = "ramps.jsonl"
-FIGURES_DIR = "figures"
 
 
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
@@ -99,19 +95,19 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
     grid = edges.grid_status(definition, store.records())
-    records = grid["records"]
-    if not records:
+    recs = grid["records"]
+    if not recs:
         raise ValueError(f"{sweep_dir} has no finished trials ({store.path} is empty); run "
                          "the sweep first: python -m experiments.sweep --config=... "
                          f"--sweep_dir={sweep_dir}")
     targets = definition.get("sweep", {}).get("targets") or sorted(
-        {float(k) for r in records for k in r["steps_to_target"]}, reverse=True)
-    per_target = [analyze_target(records, t, bootstrap=bootstrap, seed=seed, grid=grid)
+        {float(k) for r in recs for k in r["steps_to_target"]}, reverse=True)
+    per_target = [analyze_target(recs, t, bootstrap=bootstrap, seed=seed, grid=grid)
                   for t in targets]
     power_law, misfit = _joint_fits(per_target, bootstrap, seed)
-    analysis = {"sweep_dir": sweep_dir, "num_trials": len(records),
-                "statuses": dict(collections.Counter(r["status"] for r in records)),
-                "target_metric": records[0]["target_metric"],
+    analysis = {"sweep_dir": sweep_dir, "num_trials": len(recs),
+                "statuses": dict(collections.Counter(r["status"] for r in recs)),
+                "target_metric": recs[0]["target_metric"],
                 "complete": grid["complete"], "grid_known": grid["known"],
                 "num_expected": grid["num_expected"], "num_missing": grid["num_missing"],
                 "missing_per_batch_size": {str(b): n for b, n in grid["missing"].items()},
@@ -119,12 +115,12 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
                 "targets": [{**{k: v for k, v in t.items() if k != "_table"},
                              "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict() | {"misfit": misfit},
-                "seeds": seed_spread(records, targets, bootstrap=min(bootstrap, 200)),
+                "seeds": seed_spread(recs, targets, bootstrap=min(bootstrap, 200)),
                 "noise_protocol": noise_at_target.protocol(definition),
                 "reference_noise": noise_at_target.reference(
                     sweep_dir, targets, int(definition.get("sweep", {}).get("noise_window", 5)))}
     if write:
-        metrics.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
+        records.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
 
 
@@ -241,7 +237,8 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
         if f["status"] != fit.OK:
             lines.append(f"| {t['target']:g} | – | – | – |")
             continue
-        lo, hi = f["b_crit_ci"] or (None, None)
+        ci_pair: Any = f["b_crit_ci"] or (None, None)
+        lo, hi = ci_pair
         ci = f"{_g(lo * tokens)}–{_g(hi * tokens)}" if lo is not None else "–"
         mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
         lines.append(f"| {t['target']:g} | {_g(f['b_crit'])}{mark} | "
@@ -260,7 +257,7 @@ def _g(x: Any) -> str:
 
 def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
     """Batch-ramp runs recorded beside the sweep (see `cbs.sweeps.ramps`), if any."""
-    return metrics.read_records(os.path.join(sweep_dir, RAMPS_FILE))
+    return records.read_records(os.path.join(sweep_dir, RAMPS_FILE))
 
 
 def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None
@@ -362,7 +359,7 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
     if ramps:
         lines += ["## Batch-size ramps", "", ramp_table(ramps, analysis), ""]
     path = os.path.join(sweep_dir, REPORT_FILE)
-    metrics.write_atomic(path, "\n".join(lines))
+    records.write_atomic(path, "\n".join(lines))
     return path
 
 

@@ -124,8 +124,10 @@ def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
         best_rows=[[row for _, _, row in r] for r in rows])
 
 
-def noise_scale_at_crossing(steps: Sequence[float], trace_sigma: Sequence[float],
-                            grad_sq_norm: Sequence[float], crossing_step: float | None, *,
+def noise_scale_at_crossing(steps: Sequence[float] | np.ndarray,
+                            trace_sigma: Sequence[float] | np.ndarray,
+                            grad_sq_norm: Sequence[float] | np.ndarray,
+                            crossing_step: float | None, *,
                             window: float | None = None, rel_window: float = 0.2,
                             min_points: int = 3) -> float:
     """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|².

@@ -30,12 +30,8 @@ import numpy as np
 import scipy.stats
 
 from cbs.analysis import fit, report
-from cbs.results import records
+from cbs.results import files, records
 from cbs.results.store import SweepStore
-
-REPORT_FILE = "report.md"
-FIGURE_FILE = "b_crit_vs_loss_by_size.png"
-ANALYSIS_FILE = "sizes.json"
 
 
 def study_size(sweep_dir: str) -> dict[str, Any]:
@@ -236,7 +232,7 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
     """report.md, sizes.json and the figure in out_dir; returns the report's path."""
     studies = collect(sweep_dirs, bootstrap=bootstrap)
     result = analyse(studies)
-    figure(studies, result, os.path.join(out_dir, FIGURE_FILE))
+    figure(studies, result, os.path.join(out_dir, files.SIZES_FIGURE_FILE))
     names = ", ".join(f"{s['label']}: `{s['sweep_dir']}`" for s in studies)
     lines = ["# B_crit against the loss across model sizes", "",
              f"{len(studies)} studies ({names}), "
@@ -245,10 +241,10 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
              "in log B_crit with each study's bootstrap covariance across its targets "
              "(studies independent); the power law's interval is normal from the GLS "
              "covariance.", "", *summary(result), "", table(studies), "",
-             f"![B_crit against the loss by size]({FIGURE_FILE})", ""]
-    path = os.path.join(out_dir, REPORT_FILE)
+             f"![B_crit against the loss by size]({files.SIZES_FIGURE_FILE})", ""]
+    path = os.path.join(out_dir, files.REPORT_FILE)
     os.makedirs(out_dir, exist_ok=True)
     records.write_atomic(path, "\n".join(lines))
-    records.write_json_atomic(os.path.join(out_dir, ANALYSIS_FILE),
+    records.write_json_atomic(os.path.join(out_dir, files.SIZES_FILE),
                               fit.json_ready({"studies": studies, "result": result}))
     return path

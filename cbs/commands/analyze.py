@@ -23,9 +23,9 @@ flags.mark_flags_as_required(["sweep_dir"])
 
 def main(argv: list[str]) -> None:
     del argv
-    path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value,
+    path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value,
                                partial=_PARTIAL.value)
-    print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
+    print(report.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
     print(f"report: {path}")
 
 

@@ -46,11 +46,11 @@ def main(argv: list[str]) -> None:
         if _CONFIG.value is None:
             raise ValueError("--config is required unless --analyze_only")
         distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
-        branches.run_branches(_CONFIG.value, _WORKDIR.value, shard=_SHARD.value)
+        branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=_SHARD.value)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
-        print(branch_report.write_report(_WORKDIR.value, sweep_dir=_SWEEP_DIR.value))
-        path = branch_report.plot_local_cbs(_WORKDIR.value, sweep_dir=_SWEEP_DIR.value,
+        print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))
+        path = branch_report.plot_local_cbs(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value,
                                             path=_FIGURE.value)
         print(f"figure: {path}  (total {time.perf_counter() - start:.0f} s)")
 

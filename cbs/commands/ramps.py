@@ -35,17 +35,18 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value)
-    if _OUT_DIR.value and _OUT_DIR.value != _SWEEP_DIR.value:
-        runs = ramps.run_ramps(_CONFIG.value, _SWEEP_DIR.value, out_dir=_OUT_DIR.value)
-        path = payoff.write_report(_OUT_DIR.value, runs, _CONFIG.value.sweep.targets,
-                                   sweep_dir=_SWEEP_DIR.value)
+    sweep_dir, out_dir = cli.required(_SWEEP_DIR), _OUT_DIR.value
+    launch.run_sweep(_CONFIG.value, sweep_dir)
+    if out_dir and out_dir != sweep_dir:
+        runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir)
+        path = payoff.write_report(out_dir, runs, _CONFIG.value.sweep.targets,
+                                   sweep_dir=sweep_dir)
         print(pathlib.Path(path).read_text())
         return
-    ramps.run_ramps(_CONFIG.value, _SWEEP_DIR.value)
-    path = report.write_report(_SWEEP_DIR.value)
-    analysis = report.load_analysis(_SWEEP_DIR.value)
-    print(report.ramp_table(report.read_ramps(_SWEEP_DIR.value), analysis))
+    ramps.run_ramps(_CONFIG.value, sweep_dir)
+    path = report.write_report(sweep_dir)
+    analysis = report.load_analysis(sweep_dir)
+    print(report.ramp_table(report.read_ramps(sweep_dir), analysis))
     print(f"report: {path}")
 
 

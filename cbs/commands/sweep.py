@@ -46,12 +46,12 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
     start = time.perf_counter()
-    launch.run_sweep(_CONFIG.value, _SWEEP_DIR.value, shard=_SHARD.value,
+    launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR), shard=_SHARD.value,
                      redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
-        path = report.write_report(_SWEEP_DIR.value, bootstrap=_BOOTSTRAP.value)
-        print(report.summary_table(report.load_analysis(_SWEEP_DIR.value)))
+        path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value)
+        print(report.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
         print(f"report: {path}  (total {time.perf_counter() - start:.0f} s)")
 
 

@@ -21,8 +21,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed
-from cbs.engine import trainer as train
+from cbs.engine import cli, distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
                                           lock_config=True)
@@ -40,8 +39,8 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
-        summary = train.run(_CONFIG.value, _WORKDIR.value)
-    except train.DivergedError as err:
+        summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
+    except trainer.DivergedError as err:
         print(f"diverged: {err}", file=sys.stderr)
         sys.exit(1)
     if jax.process_index() == 0:

@@ -82,9 +82,10 @@ def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...])
     if global_shape[0] % _data_shards(sharding, global_shape):
         raise ValueError(f"batch_size={global_shape[0]} is not divisible by the "
                          f"{_data_shards(sharding, global_shape)} shards of the batch axis")
-    rows = set()
+    rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(global_shape).values():
-        rows.update(range(global_shape[0])[index[0]])
+        rows.update(range(global_shape[0])[index[0]])  # type: ignore[index]  # jax types the
+        #   indices as optional; a device of the sharding always has one
     return np.array(sorted(rows), np.int64)
 
 

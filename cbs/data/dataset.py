@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +110,8 @@ class Split:
         """Host batch (numpy) of the examples `idx_B`."""
         idx_B = np.asarray(idx_B, np.int64)
         if self.arrays is not None:
-            return self.view(self.arrays, idx_B)
-        return self.reader(idx_B)
+            return cast(Callable, self.view)(self.arrays, idx_B)  # set with the arrays
+        return cast(Callable, self.reader)(idx_B)  # set when there are no arrays
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -29,6 +29,7 @@ import socket
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -148,7 +149,7 @@ def _sources(builder, splits: Sequence[str], reader: str) -> dict:
     return {s: builder.as_data_source(split=s) for s in splits}
 
 
-def read_records(source, indices: Sequence[int]) -> list:
+def read_records(source, indices: Sequence[int] | np.ndarray) -> list:
     """Records of a data source at `indices` (batched read when the source offers one)."""
     indices = [int(i) for i in indices]
     try:
@@ -157,7 +158,7 @@ def read_records(source, indices: Sequence[int]) -> list:
         return [source[i] for i in indices]
 
 
-def _column(source, key: str, indices: Sequence[int]) -> np.ndarray:
+def _column(source, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(source, dict):
         return np.asarray(source[key])[np.asarray(indices, np.int64)]
     return np.stack([np.asarray(r[key]) for r in read_records(source, indices)])
@@ -186,7 +187,7 @@ def tfds_images(name: str, *, data_dir: str | None = None, download: bool = Fals
     eval_split = IMAGE_DATASETS[name]
     sources = _sources(builder, ("train", eval_split), reader)
     num_classes = builder.info.features["label"].num_classes
-    stored = {}
+    stored: dict[str, dict[str, np.ndarray]] = {}
     for split, source in sources.items():
         if in_memory or isinstance(source, dict):
             every = range(_num(source))
@@ -194,6 +195,8 @@ def tfds_images(name: str, *, data_dir: str | None = None, download: bool = Fals
                              "y": _column(source, "label", every).astype(np.int32)}
     if normalize not in ("unit", "standard", None):
         raise ValueError(f"normalize must be 'unit', 'standard' or None, got {normalize!r}")
+    mean: tuple[float, ...] | float
+    std: tuple[float, ...] | float
     scale, mean, std = (1.0, 0.0, 1.0) if normalize is None else (1 / 255, 0.0, 1.0)
     if normalize == "standard":
         first = (stored["train"]["x"][:_STATS_EXAMPLES] if "train" in stored else
@@ -250,7 +253,7 @@ def _byte_window_reader(source, seq_len: int):
 
     def read(idx_B: np.ndarray) -> dict[str, np.ndarray]:
         idx_B = np.asarray(idx_B, np.int64)
-        chunks = [[] for _ in idx_B]
+        chunks: list[list[Any]] = [[] for _ in idx_B]
         lengths = np.zeros(len(idx_B), np.int64)
         todo, offset = np.arange(len(idx_B)), 0
         while todo.size:  # every sentence adds >= 1 byte, so this ends

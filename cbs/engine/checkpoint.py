@@ -225,7 +225,8 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 def os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure: an OSError in its chain, or one
     made from a message that says the disk is full; None for anything else (a bug)."""
-    seen, chain = set(), err
+    seen: set[int] = set()
+    chain: BaseException | None = err
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
         if isinstance(chain, OSError) and chain.errno:

@@ -46,6 +46,14 @@ if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, f"Show tracebacks of user errors too (or {VERBOSE_ENV}=1).")
 
 
+
+def required(flag: flags.FlagHolder[str | None]) -> str:
+    """The value of a string flag marked required (absl refuses to start `main` without it)."""
+    value = flag.value
+    if value is None:  # unreachable once absl has checked the flag; states the type
+        raise app.UsageError(f"--{flag.name} is required")
+    return value
+
 def verbose() -> bool:
     """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
     if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
@@ -145,7 +153,8 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
 def _root_cause(err: BaseException) -> BaseException:
     """The first user error in `err`'s chain (a config file's own ValueError inside the flag
     library's wrappers), else `err`."""
-    seen, chain = set(), err
+    seen: set[int] = set()
+    chain: BaseException | None = err
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
         if is_user_error(chain):

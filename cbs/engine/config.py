@@ -6,11 +6,14 @@ data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a V
 whose message starts with the dotted name of the offending field.
 
 Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
+`cbs.engine.schedules.validate_batch_config` (batch), `cbs.engine.lr.validate_coupling_config`
+(batch.lr_coupling), `cbs.engine.measure.validate_config` (noise),
+`cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
 `cbs.engine.mesh.validate_config` (mesh), `cbs.engine.throughput.validate_config` (perf),
 `cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
 `validate` runs them and keeps the checks that join sections (batch sizes against the mesh's
-data replicas, noise sizes against the batch, budgets). The field checks are in
-`cbs.engine.fields`.
+data replicas, noise sizes against the batch and the schedule, budgets). The field checks are
+in `cbs.engine.fields`.
 
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
@@ -22,8 +25,7 @@ from typing import Any
 import ml_collections
 
 from cbs import data, models
-from cbs.engine import fields, mesh, optim, schedules, throughput
-from cbs.stats import noise
+from cbs.engine import fields, loop, lr, measure, mesh, optim, schedules, throughput
 
 ConfigError = fields.ConfigError  # re-exported: the error every config check raises
 
@@ -124,21 +126,17 @@ def _int(config: Any, path: str, *, minimum: int = 1) -> int:
     return fields.integer(config, path, "config", minimum=minimum)
 
 
-def _float(config: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -> float:
-    return fields.number(config, path, "config", minimum=minimum, strict=strict)
-
-
 def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
     return fields.choice(config, path, "config", choices)
 
 
+def _section(config: Any, name: str) -> Any:
+    return fields.get(config, name, "config")
+
+
 def batch_sizes(config: Any) -> tuple[int, ...]:
     """Every batch size the configured schedule can produce (for validation and planning)."""
-    try:
-        schedule = schedules.batch_schedule_from_config(config.batch.schedule)
-    except (ValueError, TypeError, KeyError) as err:
-        raise ConfigError(f"config.batch.schedule: {err}") from err
-    return schedule.batch_sizes()
+    return schedules.checked_schedule(config.batch.schedule).batch_sizes()
 
 
 def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
@@ -158,61 +156,40 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
                 raise ConfigError(str(err)) from err
     if model_names is not None:
         _choice(config, "model.name", tuple(model_names))
-    optim.validate_config(fields.get(config, "optim", "config"),
+    optim.validate_config(_section(config, "optim"),
                           max_examples=_int(config, "train.max_examples", minimum=0))
+    schedule = schedules.validate_batch_config(_section(config, "batch"))
+    lr.validate_coupling_config(_section(config, "batch.lr_coupling"))
+    measure.validate_config(_section(config, "noise"))
+    loop.validate_train_config(_section(config, "train"))
+    loop.validate_eval_config(_section(config, "eval"))
+    mesh.validate_config(_section(config, "mesh"))
+    if "perf" in config:
+        throughput.validate_config(config.perf)
+    _check_sizes(config, data_replicas, schedule)
 
-    m = _int(config, "batch.micro_batch")
-    multiple = m * data_replicas
-    sizes = batch_sizes(config)
+
+def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule) -> None:
+    """The checks that join sections: batch sizes against micro_batch × data replicas, the
+    noise measurements against the batch and the schedule's needs."""
+    m, r = config.batch.micro_batch, replicas
+    multiple, sizes = m * r, schedule.batch_sizes()
     for b in sizes:
         if b < 1 or b % multiple:
             raise ConfigError(f"config.batch.schedule: batch size {b} is not a positive multiple"
-                              f" of micro_batch × data replicas = {m} × {data_replicas}")
-    _int(config, "batch.adapt_every")
-    sched = config.batch.schedule
-    if sched.get("kind") == "adaptive" and sched.get("source", "b_simple") == "b_noise" and not (
-            config.noise.every and config.noise.curvature):
+                              f" of micro_batch × data replicas = {m} × {r}")
+    n = config.noise
+    if schedule.observes == "b_noise" and not (n.every and n.curvature):
         raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
                           "measurements (noise.every > 0 and noise.curvature=True)")
-    _choice(config, "batch.lr_coupling.rule", schedules.LR_RULES)
-    _int(config, "batch.lr_coupling.base_batch_size", minimum=0)
-    _float(config, "batch.lr_coupling.cap")
-
-    b = _int(config, "noise.small_batch", minimum=0)
-    r = data_replicas
+    b = n.small_batch  # the sizes `cbs.engine.step.TrainStep.plan` accepts
     if b and b != multiple and not (b == m and r >= 2) and (b % r or m % (b // r)):
         raise ConfigError(f"config.noise.small_batch: {b} must be micro_batch × data replicas ="
                           f" {multiple}, micro_batch = {m} (replicas ≥ 2), or a multiple of the"
                           f" {r} replicas whose share divides micro_batch")
-    _float(config, "noise.ema_decay")
-    if not config.noise.ema_decay < 1:
-        raise ConfigError(f"config.noise.ema_decay: must be < 1, got {config.noise.ema_decay}")
-    every = _int(config, "noise.every", minimum=0)
-    _choice(config, "noise.method", noise.method_names())
-    n = _int(config, "noise.batch_size", minimum=0)
-    if every and n and (n % multiple or n > min(sizes)):
-        raise ConfigError(f"config.noise.batch_size: {n} must be a multiple of micro_batch × "
-                          f"data replicas = {multiple} and at most the smallest batch "
-                          f"{min(sizes)}")
-    if every and (n or multiple) < 2:
+    if n.every and n.batch_size and (n.batch_size % multiple or n.batch_size > min(sizes)):
+        raise ConfigError(f"config.noise.batch_size: {n.batch_size} must be a multiple of "
+                          f"micro_batch × data replicas = {multiple} and at most the smallest "
+                          f"batch {min(sizes)}")
+    if n.every and (n.batch_size or multiple) < 2:
         raise ConfigError("config.noise.batch_size: a measurement needs at least 2 examples")
-    _int(config, "noise.num_probes")
-    _int(config, "noise.chunk_size", minimum=0)
-
-    _int(config, "train.max_steps", minimum=0)
-    _int(config, "train.max_examples", minimum=0)
-    if not (config.train.max_steps or config.train.max_examples):
-        raise ConfigError("config.train.max_steps: set it or train.max_examples (both are 0)")
-    for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints",
-                  "divergence_patience"):
-        _int(config, f"train.{field}")
-    factor = _float(config, "train.divergence_factor")
-    if 0 < factor <= 1:
-        raise ConfigError(f"config.train.divergence_factor: must be 0 (off) or > 1, got {factor}")
-    _int(config, "eval.every", minimum=0)
-    _int(config, "eval.batch_size")
-    _int(config, "eval.num_examples", minimum=0)
-    _int(config, "eval.train_examples", minimum=0)
-    mesh.validate_config(fields.get(config, "mesh", "config"))
-    if "perf" in config:
-        throughput.validate_config(config.perf)

@@ -21,6 +21,7 @@ orbax, whose file layer (etils.epath) also takes `gs://` paths: point --workdir 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 
@@ -59,8 +60,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         return "single"
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                  process_id=process_id) if explicit else {}
+    kwargs: dict[str, Any] = dict(coordinator_address=coordinator_address,
+                                  num_processes=num_processes,
+                                  process_id=process_id) if explicit else {}
     jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     return how
 

@@ -9,6 +9,7 @@ the dotted name of the field, e.g. ``config.optim.eps: must be a number > 0, got
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -51,3 +52,21 @@ def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> s
     if value not in choices:
         raise ConfigError(f"{prefix}.{field}: unknown value {value!r}; known: {list(choices)}")
     return value
+
+
+REQUIRED = object()  # `lookup`'s default: the field must be present
+
+
+def as_mapping(config: Any) -> Mapping[str, Any]:
+    """A ConfigDict or a mapping as a plain mapping."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = REQUIRED) -> Any:
+    """`config[name]` unless missing or None, then `default`; ValueError naming `where` and the
+    field when there is no default (the plain-mapping form of the schedule builders)."""
+    if name in config and config[name] is not None:
+        return config[name]
+    if default is REQUIRED:
+        raise ValueError(f"{where}: missing field {name!r}")
+    return default

@@ -18,14 +18,14 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, preemption, schedules, throughput, writer
+from cbs.engine import checkpoint, fields, preemption, schedules, throughput, writer
 from cbs.engine.progress import DivergenceRule, DivergenceState
-from cbs.results import records as metrics
+from cbs.results import files, records
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
@@ -50,13 +50,39 @@ class _Diverged(Exception):
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Writes config.json (process 0)."""
     if jax.process_index() == 0:
-        metrics.write_json_atomic(os.path.join(workdir, "config.json"),
+        records.write_json_atomic(os.path.join(workdir, files.CONFIG_FILE),
                                   json.loads(config.to_json(sort_keys=True)))
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
     """A short hash of the config's JSON (equal configs, equal hashes)."""
     return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate_train_config(train_config: Any) -> None:
+    """Checks `config.train` (budget, read/record/checkpoint cadence, divergence rule); raises
+    `fields.ConfigError` naming the first bad field."""
+    at, t = "config.train", train_config
+    fields.integer(t, "max_steps", at, minimum=0)
+    fields.integer(t, "max_examples", at, minimum=0)
+    if not (t.max_steps or t.max_examples):
+        raise fields.ConfigError(f"{at}.max_steps: set it or train.max_examples (both are 0)")
+    for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints",
+                  "divergence_patience"):
+        fields.integer(t, field, at)
+    factor = fields.number(t, "divergence_factor", at)
+    if 0 < factor <= 1:
+        raise fields.ConfigError(f"{at}.divergence_factor: must be 0 (off) or > 1, got {factor}")
+
+
+def validate_eval_config(eval_config: Any) -> None:
+    """Checks `config.eval` (cadence and sizes of the evaluations); raises `fields.ConfigError`
+    naming the first bad field."""
+    at = "config.eval"
+    fields.integer(eval_config, "every", at, minimum=0)
+    fields.integer(eval_config, "batch_size", at)
+    fields.integer(eval_config, "num_examples", at, minimum=0)
+    fields.integer(eval_config, "train_examples", at, minimum=0)
 
 
 def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
@@ -76,10 +102,13 @@ class Driver(Protocol):
     """
 
     config: ml_collections.ConfigDict
-    workdir: str | None
     schedule: schedules.BatchSchedule
     replicas: int
     read_each_evaluation: bool
+
+    @property
+    def workdir(self) -> str | None:
+        """The run directory (a `Loop` needs one)."""
 
     def init_state(self) -> Any:
         """A fresh state on the device."""
@@ -129,9 +158,11 @@ class _Pending:
 class Loop:
     """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`."""
 
+    sched_state: Any  # the schedule's state (`init`, `update`, `state_from_dict`)
+
     def __init__(self, driver: Driver, stop_fn: StopFn | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
-        self.workdir = driver.workdir
+        self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
         self.primary = jax.process_index() == 0
         self.perf = throughput.for_trainer(driver)  # perf hook (cbs.engine.throughput)
         self.pending: list[_Pending] = []
@@ -305,7 +336,7 @@ class Loop:
 
     def _write_status(self, summary: dict[str, Any]) -> None:
         if self.primary:
-            metrics.write_json_atomic(os.path.join(self.workdir, metrics.STATUS_FILE), summary)
+            records.write_json_atomic(os.path.join(self.workdir, files.STATUS_FILE), summary)
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from cbs import data
+from cbs.engine import fields
 from cbs.stats import curvature, noise, trees
 
 PyTree = Any
@@ -59,6 +60,23 @@ SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 CURVATURE_KEYS = ("trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise")
 NOISE_EXAMPLES = ("sampled", "all", "auto")  # values of sweep.noise_examples
 FULL_DATA_MAX = 10_000  # "auto": the whole training set when N <= this many examples
+
+
+def validate_config(noise_config: Any) -> None:
+    """Checks `config.noise`, the settings of a run's noise measurements: the in-step two-batch
+    estimate (small_batch, ema_decay) and the periodic measurement (every, method, batch_size,
+    num_probes, chunk_size) of `cbs.engine.step`. Raises `fields.ConfigError` naming the first
+    bad field; sizes against the batch and the mesh are `cbs.engine.config.validate`'s."""
+    at = "config.noise"
+    fields.integer(noise_config, "small_batch", at, minimum=0)
+    decay = fields.number(noise_config, "ema_decay", at)
+    if not decay < 1:
+        raise fields.ConfigError(f"{at}.ema_decay: must be < 1, got {noise_config.ema_decay}")
+    fields.integer(noise_config, "every", at, minimum=0)
+    fields.choice(noise_config, "method", at, noise.method_names())
+    fields.integer(noise_config, "batch_size", at, minimum=0)
+    fields.integer(noise_config, "num_probes", at)
+    fields.integer(noise_config, "chunk_size", at, minimum=0)
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,

@@ -7,8 +7,8 @@ The optimizer is split in two so that batch-size changes never distort the sched
     step:       θ_{t+1} = θ_t − η(E_t)·c(B_t)·u_t
 
 where E_t is the number of examples seen before step t, η(E) the warmup/decay schedule in
-examples (`cbs.engine.schedules.lr_schedule`) and c(B) the batch-size coupling factor
-(`cbs.engine.schedules.coupled_lr`; 1 unless the config couples the learning rate to B). For a
+examples (`cbs.engine.lr.learning_rate_shape`) and c(B) the batch-size coupling factor
+(`cbs.engine.lr.coupled_lr`; 1 unless the config couples the learning rate to B). For a
 constant η this is exactly `optax.sgd / optax.adam / optax.adamw` (optax multiplies by −η in
 its last stage; we do the same outside), which the tests check.
 
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from cbs.engine import fields, schedules
+from cbs.engine import fields
+from cbs.engine.lr import DECAYS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
-DECAYS = ("constant", "cosine", "linear")
 
 
 def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: int = 0) -> None:
@@ -96,20 +96,3 @@ def apply_step(params, updates, lr: jax.Array):
     return jax.tree.map(
         lambda p, u: (p - lr.astype(u.dtype) * u).astype(p.dtype) if p is not None else None,
         params, updates, is_leaf=lambda x: x is None)
-
-
-
-def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
-    """s(E) = η(E)/η_0 from `config.optim`: warmup, then constant/cosine/linear decay.
-
-    The decay ends at `optim.total_examples`, or at `train.max_examples` when that is 0.
-    Jittable; E counts the examples seen including the current batch (`cbs.engine.schedules`).
-    The train step multiplies by η_0 = `optim.learning_rate`, which it holds in its state.
-    """
-    o = config.optim
-    total = o.get("total_examples", 0) or config.train.get("max_examples", 0) or None
-    return schedules.lr_schedule(1.0,
-                                 warmup_examples=float(o.get("warmup_examples", 0)),
-                                 total_examples=None if total is None else float(total),
-                                 decay=o.get("decay", "constant"),
-                                 final_fraction=float(o.get("final_fraction", 0.0)))

@@ -114,7 +114,7 @@ class DivergenceRule:
             new = dataclasses.replace(new, diverged_at=i, reason=reason)
         return new
 
-    def scan(self, values: Sequence[float], state: DivergenceState | None = None
+    def scan(self, values: Sequence[float] | np.ndarray, state: DivergenceState | None = None
              ) -> DivergenceState:
         """The state after observing `values` in order (stops at a divergence)."""
         state = DivergenceState() if state is None else state
@@ -124,7 +124,7 @@ class DivergenceRule:
                 break
         return state
 
-    def first_bad(self, values: Sequence[float]) -> int | None:
+    def first_bad(self, values: Sequence[float] | np.ndarray) -> int | None:
         """Index where the divergence began (the streak's first observation, or the
         non-finite one), or None: the observations before it are the usable curve."""
         state = self.scan(values)

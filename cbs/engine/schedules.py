@@ -1,7 +1,7 @@
-"""Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
+"""Batch-size schedules in examples seen.
 
-Letters: e examples (or tokens) seen so far, B the global (logical) batch size, B_0 the base
-batch size the base learning rate was tuned at, η the learning rate, T tokens per sequence.
+Letters: e examples (or tokens) seen so far, B the global (logical) batch size, T tokens per
+sequence.
 
 Tokens: a language-model example is a sequence of T tokens, so tokens seen = T·e exactly.
 Schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
@@ -23,38 +23,20 @@ accept the same calls as no-ops, so a training loop needs one code path.
   a ladder of sizes min·factor^n, with hysteresis: it moves only after the target has stayed
   beyond a band (B·band above or B/band below) for `patience` consecutive updates.
 
-Learning-rate coupling (Goyal et al. 2017 for SGD, linear; Malladi et al. 2022 and the OLMo
-batch-size warmup of "Critical Batch Size Revisited", arXiv:2505.23971, for Adam, square
-root): η(B) = η_0 · (B/B_0)^p with p = 0, 1 or 1/2, capped. The multiplier is a pure function
-of the current B, so it is applied exactly once per change and never compounds.
-Learning-rate schedules are functions of e, not of steps, so a batch change does not stretch
-or squeeze warmup and decay; they are jnp code usable inside `jit`.
+The learning rate that goes with B (coupling, caps, warmup and decay in examples seen) is
+`cbs.engine.lr`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-_REQUIRED = object()
-
-
-def _as_mapping(config: Any) -> Mapping[str, Any]:
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
-def _field(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
-    if name in config and config[name] is not None:
-        return config[name]
-    if default is _REQUIRED:
-        raise ValueError(f"{where}: missing field {name!r}")
-    return default
+from cbs.engine import fields
 
 
 def _round_to_multiple(x: float, multiple: int) -> int:
@@ -72,11 +54,12 @@ class _Static:
     """
 
     observes: str | None = None
+    batch_size_at: Callable[..., int]  # B(e, state), defined by each schedule
 
     def init(self) -> None:
         return None
 
-    def update(self, state: None, noise_scale: float, examples_seen: float) -> None:
+    def update(self, state: Any, noise_scale: float, examples_seen: float) -> None:
         del noise_scale, examples_seen
         return state
 
@@ -88,7 +71,7 @@ class _Static:
         return self.batch_size_at(examples_seen, None)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(cast(Any, self))  # every schedule is a dataclass
         out["kind"] = type(self).__name__.lower()
         return out
 
@@ -103,7 +86,7 @@ class Constant(_Static):
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         return int(self.batch_size)
 
     def batch_sizes(self) -> tuple[int, ...]:
@@ -111,8 +94,8 @@ class Constant(_Static):
 
     @classmethod
     def from_config(cls, config: Any) -> Constant:
-        c = _as_mapping(config)
-        return cls(int(_field(c, "batch_size", "batch_schedule")))
+        c = fields.as_mapping(config)
+        return cls(int(fields.lookup(c, "batch_size", "batch_schedule")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +115,7 @@ class Step(_Static):
         if any(b < 1 for _, b in steps):
             raise ValueError("Step batch sizes must be >= 1")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         size = self.steps[0][1]
         for threshold, b in self.steps:
             if examples_seen >= threshold:
@@ -150,8 +133,8 @@ class Step(_Static):
 
     @classmethod
     def from_config(cls, config: Any) -> Step:
-        c = _as_mapping(config)
-        return cls(tuple(tuple(s) for s in _field(c, "steps", "batch_schedule")))
+        c = fields.as_mapping(config)
+        return cls(tuple(tuple(s) for s in fields.lookup(c, "steps", "batch_schedule")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +153,7 @@ class Linear(_Static):
         if self.over <= 0 or min(self.start, self.end) < 1:
             raise ValueError("Linear needs over > 0 and start, end >= 1")
 
-    def batch_size_at(self, examples_seen: float, state: None = None) -> int:
+    def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
         frac = min(max(float(examples_seen), 0.0) / self.over, 1.0)
         raw = self.start + (self.end - self.start) * frac
         b = _round_to_multiple(raw, self.multiple)
@@ -189,10 +172,10 @@ class Linear(_Static):
 
     @classmethod
     def from_config(cls, config: Any) -> Linear:
-        c = _as_mapping(config)
+        c = fields.as_mapping(config)
         w = "batch_schedule"
-        return cls(int(_field(c, "start", w)), int(_field(c, "end", w)),
-                   float(_field(c, "over", w)), int(_field(c, "multiple", w, 1)))
+        return cls(int(fields.lookup(c, "start", w)), int(fields.lookup(c, "end", w)),
+                   float(fields.lookup(c, "over", w)), int(fields.lookup(c, "multiple", w, 1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +232,7 @@ class Adaptive:
             raise ValueError("Adaptive needs factor >= 2 and 1 <= min_batch <= max_batch")
         if self.min_batch % self.multiple:
             raise ValueError(f"min_batch={self.min_batch} must be a multiple of {self.multiple}")
-        if self.band ** 2 <= self.factor:
+        if cast(float, self.band) ** 2 <= self.factor:
             raise ValueError(f"band={self.band} must exceed sqrt(factor)={self.factor ** 0.5:.3f}"
                              " or a target between two rungs can oscillate")
         if self.patience < 1 or self.k <= 0:
@@ -297,19 +280,20 @@ class Adaptive:
         counted = dataclasses.replace(state, num_updates=state.num_updates + 1)
         if not math.isfinite(noise_scale) or noise_scale <= 0:  # EMA not ready: no evidence
             return dataclasses.replace(counted, streak=0, streak_target=None)
+        band = cast(float, self.band)  # set in __post_init__
         rungs, b = self.rungs, state.batch_size
         target = min(max(self.k * noise_scale, self.min_batch), self.max_batch)
         direction = 0
-        if target > b * self.band and b < rungs[-1]:
+        if target > b * band and b < rungs[-1]:
             direction = 1
-        elif target < b / self.band and b > rungs[0]:
+        elif target < b / band and b > rungs[0]:
             direction = -1
         if direction == 0:
             return dataclasses.replace(counted, streak=0, streak_target=None)
         if state.streak * direction > 0:  # the streak continues
             streak = state.streak + direction
             pick = min if direction > 0 else max
-            trusted = pick(state.streak_target, target)
+            trusted = pick(cast(float, state.streak_target), target)  # set in the streak
         else:
             streak, trusted = direction, target
         if abs(streak) < self.patience:
@@ -327,7 +311,7 @@ class Adaptive:
 
     @classmethod
     def from_config(cls, config: Any) -> Adaptive:
-        c = _as_mapping(config)
+        c = fields.as_mapping(config)
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = set(c) - set(names) - {"kind"}
         if unknown:
@@ -336,7 +320,7 @@ class Adaptive:
 
 
 BatchSchedule = Constant | Step | Linear | Adaptive
-_SCHEDULES: dict[str, type] = {}
+_SCHEDULES: dict[str, Any] = {}
 
 
 def register(kind: str, cls: type) -> type:
@@ -363,12 +347,31 @@ def batch_schedule_from_config(config: Any) -> BatchSchedule:
     Fields: constant: batch_size; step: steps [(threshold, batch_size), ...]; linear: start,
     end, over, multiple; adaptive: the fields of `Adaptive`. Errors name the missing field.
     """
-    c = _as_mapping(config)
-    kind = _field(c, "kind", "batch_schedule")
+    c = fields.as_mapping(config)
+    kind = fields.lookup(c, "kind", "batch_schedule")
     if kind not in _SCHEDULES:
         raise ValueError(f"batch_schedule.kind={kind!r}: expected one of {sorted(_SCHEDULES)}")
     return _SCHEDULES[kind].from_config(c)
 
+
+
+def checked_schedule(schedule_config: Any) -> BatchSchedule:
+    """`batch_schedule_from_config`, its error as a `fields.ConfigError` naming
+    `config.batch.schedule`."""
+    try:
+        return batch_schedule_from_config(schedule_config)
+    except (ValueError, TypeError, KeyError) as err:
+        raise fields.ConfigError(f"config.batch.schedule: {err}") from err
+
+
+def validate_batch_config(batch_config: Any) -> BatchSchedule:
+    """Checks `config.batch` (micro_batch, schedule, adapt_every; `lr_coupling` is checked by
+    `cbs.engine.lr.validate_coupling_config`); returns the schedule. Raises `fields.ConfigError`."""
+    at = "config.batch"
+    fields.integer(batch_config, "micro_batch", at)
+    schedule = checked_schedule(fields.get(batch_config, "schedule", at))
+    fields.integer(batch_config, "adapt_every", at)
+    return schedule
 
 def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
     """Llama 3 405B pre-training batch schedule, in tokens (Llama Team 2024, §3.4.1).
@@ -435,95 +438,3 @@ def batch_size_trace(schedule: BatchSchedule, total_examples: float,
         sizes.append(b)
         e += b
     return np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-
-
-# ---------------------------------------------------------------- learning-rate coupling
-
-_EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}
-LR_RULES = tuple(_EXPONENTS)  # the learning-rate scaling rules, p = 0, 1, 1/2
-
-
-def lr_multiplier(batch_size: Any, base_batch_size: int, rule: str = "none") -> Any:
-    """(B / B_0)^p with p = 0 (none), 1 (linear, SGD) or 1/2 (sqrt, Adam)."""
-    if rule not in _EXPONENTS:
-        raise ValueError(f"rule must be one of {sorted(_EXPONENTS)}, got {rule!r}")
-    if base_batch_size <= 0:
-        raise ValueError("base_batch_size must be > 0")
-    return (batch_size / base_batch_size) ** _EXPONENTS[rule]
-
-
-def coupled_lr(base_lr: Any, batch_size: Any, base_batch_size: int, rule: str = "none",
-               cap: float | None = None) -> Any:
-    """η = min(η_0 · (B/B_0)^p, cap). Works on floats and inside `jit` (η_0 may be traced).
-
-    cap: the largest learning rate allowed (absolute, same units as η_0), or None.
-    """
-    lr = base_lr * lr_multiplier(batch_size, base_batch_size, rule)
-    if cap is None:
-        return lr
-    if isinstance(lr, jax.Array):
-        return jnp.minimum(lr, cap)
-    return min(lr, cap)
-
-
-def coupled_lr_history(base_lr: float, batch_sizes: Sequence[int], base_batch_size: int,
-                       rule: str = "none", cap: float | None = None) -> np.ndarray:
-    """Learning rate at each step of a batch-size history, float64 [num_steps].
-
-    Each entry depends only on that step's B, so a change is applied once and held; a history
-    that returns to B_0 returns to η_0.
-    """
-    b = np.asarray(batch_sizes, dtype=np.float64)
-    lr = base_lr * lr_multiplier(b, base_batch_size, rule)
-    return lr if cap is None else np.minimum(lr, cap)
-
-
-# ---------------------------------------------------------------- learning-rate schedules
-
-def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
-                total_examples: float | None = None, decay: str = "constant",
-                final_fraction: float = 0.0) -> Callable[[Any], jax.Array]:
-    """η(e): linear warmup 0 → η_0 over `warmup_examples`, then constant, cosine or linear
-    decay to final_fraction·η_0 at `total_examples`, held after. jnp code, usable in `jit`.
-
-    η(e) = η_0·e/warmup for e < warmup, so pass the examples seen *including* the current batch
-    if the first update should not be zero.
-    """
-    if decay not in ("constant", "cosine", "linear"):
-        raise ValueError(f"decay must be constant|cosine|linear, got {decay!r}")
-    if decay != "constant" and total_examples is None:
-        raise ValueError(f"decay={decay!r} needs total_examples")
-    if warmup_examples < 0 or (total_examples is not None and total_examples < warmup_examples):
-        raise ValueError("need 0 <= warmup_examples <= total_examples")
-    if not 0.0 <= final_fraction <= 1.0:
-        raise ValueError("final_fraction must be in [0, 1]")
-    span = None if total_examples is None else max(total_examples - warmup_examples, 1e-12)
-
-    def fn(examples_seen: Any) -> jax.Array:
-        e = jnp.asarray(examples_seen, dtype=jnp.result_type(float))
-        warm = jnp.clip(e / warmup_examples, 0.0, 1.0) if warmup_examples > 0 else 1.0
-        if decay == "constant":
-            shape = 1.0
-        else:
-            p = jnp.clip((e - warmup_examples) / span, 0.0, 1.0)
-            frac = 0.5 * (1.0 + jnp.cos(jnp.pi * p)) if decay == "cosine" else 1.0 - p
-            shape = final_fraction + (1.0 - final_fraction) * frac
-        return base_lr * warm * shape
-
-    return fn
-
-
-def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
-    """`lr_schedule` from a config with base_lr, warmup_examples, total_examples, decay,
-    final_fraction (the last four optional).
-
-    Public API for hand-written training loops that keep their learning rate in an
-    `ml_collections` section or a dict; the engine builds its schedule in `cbs.engine.optim`
-    from `config.optim` instead."""
-    c = _as_mapping(config)
-    total = c.get("total_examples")
-    return lr_schedule(float(_field(c, "base_lr", "lr_schedule")),
-                       warmup_examples=float(_field(c, "warmup_examples", "", 0.0)),
-                       total_examples=None if total is None else float(total),
-                       decay=str(_field(c, "decay", "", "constant")),
-                       final_fraction=float(_field(c, "final_fraction", "", 0.0)))

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cbs.engine import optim
+from cbs.engine.lr import coupled_lr
 from cbs.stats import noise
 from cbs.stats.trees import tree_sq_norm
 
@@ -196,7 +197,7 @@ class TrainStep:
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
-      lr_coupling: (base_batch_size, rule, cap) for `cbs.engine.schedules.coupled_lr`, or None.
+      lr_coupling: (base_batch_size, rule, cap) for `cbs.engine.lr.coupled_lr`, or None.
       measure: a `Measurement` (or a tuple of its fields), or None.
       seed: seeds the probe vectors (folded with the step).
     """
@@ -388,8 +389,6 @@ class TrainStep:
         return self._noise_metrics(state, chunks, c // accum_steps)
 
     def _learning_rate(self, state: TrainState, batch_size: int) -> jax.Array:
-        from cbs.engine.schedules import coupled_lr
-
         lr = state.learning_rate * self.lr_fn(count_value(count_add(state.examples_seen,
                                                                     batch_size)))
         if self.lr_coupling is not None:

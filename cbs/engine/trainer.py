@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +47,12 @@ import numpy as np
 from flax import nnx
 
 from cbs import data, models
-from cbs.engine import checkpoint, optim, schedules
+from cbs.engine import checkpoint, lr, optim, schedules
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
 from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
-from cbs.results import paths
-from cbs.results import records as metrics
+from cbs.results import files, paths, records
 
 __all__ = ["DivergedError", "Trainer", "config_hash", "run"]
 
@@ -140,8 +139,10 @@ class Trainer:
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
         rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
         self.state_sharding = TrainState(
-            step=mesh_lib.replicated(self.mesh), examples_seen=mesh_lib.replicated(self.mesh),
-            learning_rate=mesh_lib.replicated(self.mesh),
+            # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
+            step=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            examples_seen=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            learning_rate=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
             params=shard(shapes.params), opt_state=shard(shapes.opt_state),
             model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
             measure_ema=rep(shapes.measure_ema))
@@ -158,6 +159,7 @@ class Trainer:
         c, ds = self.config, self.dataset
         self.in_memory = ds.in_memory("train")
         rep = mesh_lib.replicated(self.mesh)
+        batch_fn: Callable[..., Any] | None
         if self.in_memory:
             self.train_arrays = ds.device_arrays("train", rep)
             batch_sh = mesh_lib.batch_sharding(self.mesh)
@@ -178,16 +180,15 @@ class Trainer:
             n_micro = max(1, n.batch_size // (c.batch.micro_batch * self.replicas))
             measure = Measurement(n.method, n.every, n_micro, n.curvature, n.num_probes,
                                   n.chunk_size, n.in_step)
-        lc = c.batch.lr_coupling
-        coupling = None
-        if lc.rule != "none":
-            base = lc.base_batch_size or self.schedule.batch_size_at(0, self.schedule.init())
-            coupling = (base, lc.rule, lc.cap or None)
-        self.step = TrainStep(self.loss_fn, self.direction, optim.learning_rate_shape(c),
+        coupling = lr.coupling_from_config(
+            c.batch.lr_coupling, self.schedule.batch_size_at(0, self.schedule.init()))
+        self.step = TrainStep(self.loss_fn, self.direction, lr.learning_rate_shape(c),
                               self.mesh, self.state_sharding, inputs_sharding,
                               micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
                               two_batch=n.two_batch,
-                              batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
+                              # TrainStep.batch_fn is annotated with one argument of the three
+                              batch_fn=batch_fn,  # type: ignore[arg-type]
+                              lr_coupling=coupling, measure=measure,
                               seed=c.seed)
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
@@ -234,7 +235,7 @@ class Trainer:
         chunk = -(-min(c.eval.batch_size, n) // self.replicas) * self.replicas
         rep, batch_sh = mesh_lib.replicated(self.mesh), mesh_lib.batch_sharding(self.mesh)
         if s.in_memory:
-            arrays, view = ds.device_arrays(split, rep), s.view
+            arrays, view = ds.device_arrays(split, rep), cast(Callable, s.view)  # in memory
         else:  # a streamed split: its first n examples, read once and kept on the device
             host = s.read(np.arange(n))
             arrays = {k: jax.make_array_from_process_local_data(rep, v, v.shape)
@@ -305,11 +306,11 @@ class Trainer:
 
     def restored(self, state: TrainState) -> TrainState:
         """The config's η_0 wins over the checkpoint's (a deliberate change on resume)."""
-        lr = np.asarray(self.config.optim.learning_rate, np.float32)
-        if float(state.learning_rate) == float(lr):
+        base_lr = np.asarray(self.config.optim.learning_rate, np.float32)
+        if float(state.learning_rate) == float(base_lr):
             return state
         return state.replace(learning_rate=jax.make_array_from_process_local_data(
-            self.state_sharding.learning_rate, lr, ()))
+            self.state_sharding.learning_rate, base_lr, ()))
 
     def advance(self, state: TrainState, step: int, examples_seen: int, batch_size: int
                 ) -> tuple[TrainState, int, Any]:
@@ -378,7 +379,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
-    status = metrics.read_json(os.path.join(workdir, metrics.STATUS_FILE))
+    status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
     if status and status.get("status") in ENDED and status.get("config_hash") == config_hash(
             config):
         if status["status"] == "diverged" and raise_on_divergence:
@@ -399,7 +400,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         raise
 
 
-_RUN_FILES = ("config.json", metrics.STATUS_FILE, metrics.METRICS_FILE)
+_RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE)
 _RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
 
 

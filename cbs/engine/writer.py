@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cbs.results import paths
+from cbs.results.files import METRICS_FILE
 from cbs.results.paths import PathLike
-from cbs.results.records import METRICS_FILE, append_records, plain_value, truncate_records
+from cbs.results.records import append_records, plain_value, truncate_records
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -79,19 +80,19 @@ class MetricsWriter:
         """Appends whole records in one write; mirrors numeric values to TensorBoard."""
         if not self.enabled:
             return
-        records = [{k: plain_value(v) for k, v in r.items()} for r in records]
-        if not records:
+        plain = [{k: plain_value(v) for k, v in r.items()} for r in records]
+        if not plain:
             return
         if self._fd is None:
-            self._pending += records
+            self._pending += plain
         else:
-            os.write(self._fd, "".join(json.dumps(r) + "\n" for r in records).encode())
+            os.write(self._fd, "".join(json.dumps(r) + "\n" for r in plain).encode())
         if self._tb is not None:
-            for r in records:
+            for r in plain:
                 for k, v in r.items():
                     if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
                         self._tb.add_scalar(k, v, r["step"])
-        self._update_bar(records)
+        self._update_bar(plain)
 
     def _update_bar(self, records: list[dict[str, Any]]) -> None:
         if self._bar is None:

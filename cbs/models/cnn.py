@@ -19,6 +19,7 @@ of rank 2 ([H, W]) get one channel.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,8 @@ class GhostBatchNorm(nnx.Module):
         mean_Kx1x1x1xC = jnp.mean(x_KxGxHxWxC, axis=inner, keepdims=True)
         var_Kx1x1x1xC = jnp.var(x_KxGxHxWxC, axis=inner, keepdims=True)
         y = (x_KxGxHxWxC - mean_Kx1x1x1xC) * jax.lax.rsqrt(var_Kx1x1x1xC + self.bn.epsilon)
-        y = y * self.bn.scale[...] + self.bn.bias[...]
+        scale, bias = cast(nnx.Param, self.bn.scale), cast(nnx.Param, self.bn.bias)  # both on
+        y = y * scale[...] + bias[...]
         m, outer = self.bn.momentum, tuple(range(x_KxGxHxWxC.ndim - 1))
         self.bn.mean[...] = m * self.bn.mean[...] + (1 - m) * jnp.mean(mean_Kx1x1x1xC, outer)
         self.bn.var[...] = m * self.bn.var[...] + (1 - m) * jnp.mean(var_Kx1x1x1xC, outer)

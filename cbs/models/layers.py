@@ -12,6 +12,7 @@ V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def linear(x_BxTxD: jax.Array, kernel_DxO: jax.Array, bias_O: jax.Array | None) 
 
 
 def conv2d(x_BxHxWxD: jax.Array, kernel: jax.Array, bias_O: jax.Array | None, *,
-           strides: tuple[int, int], padding) -> jax.Array:
+           strides: tuple[int, ...], padding) -> jax.Array:
     """NHWC convolution with an HWIO kernel, plus bias."""
     y = jax.lax.conv_general_dilated(x_BxHxWxD, kernel, strides, padding,
                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
@@ -122,7 +123,8 @@ class GroupNorm(nnx.Module):
         del rngs
         if (num_groups is None) == (group_size is None):
             raise ValueError("give exactly one of num_groups and group_size")
-        num_groups = num_groups if num_groups is not None else num_features // group_size
+        if num_groups is None:
+            num_groups = num_features // cast(int, group_size)  # exactly one is given
         if num_groups < 1 or num_features % num_groups:
             raise ValueError(f"num_features={num_features} is not divisible into "
                              f"{num_groups} groups")

@@ -30,7 +30,7 @@ class ModelInputs:
 
 
 BuildFn = Callable[[ml_collections.ConfigDict, ModelInputs, nnx.Rngs], nnx.Module]
-FlopsFn = Callable[[ml_collections.ConfigDict, ModelInputs], float]
+FlopsFn = Callable[[ml_collections.ConfigDict, ModelInputs], float | None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,9 +41,6 @@ import numpy as np
 from cbs.results import paths
 from cbs.results.paths import PathLike
 
-METRICS_FILE = "metrics.jsonl"
-STATUS_FILE = "status.json"
-
 
 class CorruptRecordWarning(UserWarning):
     """A line of a JSON-lines file could not be read and was skipped."""

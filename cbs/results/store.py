@@ -36,13 +36,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cbs.results import paths
-from cbs.results import records as metrics
+from cbs.results import files, paths, records
 from cbs.results.paths import PathLike
 
-TRIALS_FILE = "trials.jsonl"
-CSV_FILE = "trials.csv"
-SWEEP_FILE = "sweep.json"
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
                "lr_factors", "max_lr", "min_lr", "seeds", "extend_lr_rounds",
                "extend_lr_count")
@@ -80,7 +76,7 @@ class TrialResult:
     noise_at_target: dict[str, dict[str, float]]
     final_steps: int
     final_metric: float
-    curve: dict[str, list[float]]
+    curve: dict[str, list[float | None]]
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
@@ -97,7 +93,7 @@ class SweepStore:
 
     def __init__(self, sweep_dir: PathLike):
         self.sweep_dir = os.fspath(sweep_dir)
-        self.path = paths.join(sweep_dir, TRIALS_FILE)
+        self.path = paths.join(sweep_dir, files.TRIALS_FILE)
         self.lock_dir = paths.local_lock_dir(sweep_dir)
         if paths.exists(sweep_dir) and not paths.isdir(sweep_dir):
             raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
@@ -124,17 +120,17 @@ class SweepStore:
         Any other change (model, optimizer, budget, targets, ...) needs a new directory: its
         records would not mean the same thing.
         """
-        path = paths.join(self.sweep_dir, SWEEP_FILE)
-        previous = metrics.read_json(path)
+        path = paths.join(self.sweep_dir, files.SWEEP_FILE)
+        previous = records.read_json(path)
         plain = json.loads(json.dumps(definition))
         if previous is None:
             self._makedirs()
-            metrics.write_json_atomic(path, plain)
+            records.write_json_atomic(path, plain)
             return
         changed = definition_diff(previous, plain)
         if not changed:
             if "trials" not in previous:
-                metrics.write_json_atomic(path, plain)
+                records.write_json_atomic(path, plain)
             return
         grid = {f"sweep.{f}" for f in GRID_FIELDS}
         other = [c for c in changed if c.split(" ")[0] not in grid]
@@ -145,7 +141,7 @@ class SweepStore:
             raise ValueError(f"{path} holds a different grid: {describe(changed)}; rerun the "
                              "original command to resume it, pass --redefine to change its "
                              "grid, or use a new --sweep_dir")
-        metrics.write_json_atomic(path, plain)
+        records.write_json_atomic(path, plain)
 
     def check_definition(self, definition: dict[str, Any], reader: str) -> None:
         """Refuses a study that reads this sweep (`reader`, e.g. "config.ramps") with a
@@ -154,8 +150,8 @@ class SweepStore:
         previous = self.definition()
         changed = definition_diff(previous, definition) if previous else []
         if changed:
-            raise ValueError(f"{reader}: {paths.join(self.sweep_dir, SWEEP_FILE)} holds trials "
-                             f"of a different config: {describe(changed)}; use the sweep's "
+            raise ValueError(f"{reader}: {paths.join(self.sweep_dir, files.SWEEP_FILE)} holds "
+                             f"trials of a different config: {describe(changed)}; use the sweep's "
                              "config, or a new --sweep_dir")
 
     def claim(self, name: str, *, wait: bool = False) -> int | None:
@@ -179,12 +175,12 @@ class SweepStore:
         os.close(fd)
 
     def definition(self) -> dict[str, Any] | None:
-        return metrics.read_json(paths.join(self.sweep_dir, SWEEP_FILE))
+        return records.read_json(paths.join(self.sweep_dir, files.SWEEP_FILE))
 
     def records(self) -> list[dict[str, Any]]:
         """Finished trial records, first record per trial id (a repeated append is ignored)."""
         seen, out = set(), []
-        for r in metrics.read_records(self.path, required=("trial_id", "index")):
+        for r in records.read_records(self.path, required=("trial_id", "index")):
             if r["trial_id"] not in seen:
                 seen.add(r["trial_id"])
                 out.append(r)
@@ -196,11 +192,11 @@ class SweepStore:
     def append(self, results: Sequence[TrialResult]) -> None:
         """Appends complete records with a single write (all or none) and makes it durable."""
         self._makedirs()
-        metrics.append_records(self.path, [r.to_json() for r in results])
+        records.append_records(self.path, [r.to_json() for r in results])
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
-        path = paths.join(self.sweep_dir, CSV_FILE)
+        path = paths.join(self.sweep_dir, files.CSV_FILE)
         rows = list(_csv_rows(self.records()))
         self._makedirs()
         text = io.StringIO(newline="")
@@ -209,7 +205,7 @@ class SweepStore:
         writer = csv.DictWriter(text, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-        metrics.write_atomic(path, text.getvalue())
+        records.write_atomic(path, text.getvalue())
         return path
 
 

@@ -68,7 +68,7 @@ def block_quadratic_forms(hvp_lin: Callable, v: PyTree, blocks: list[list[bool]]
     leaves, treedef = jax.tree.flatten(v)
 
     def form(mask_L):
-        vk = treedef.unflatten([jnp.where(m, x, jnp.zeros_like(x))
+        vk = jax.tree.unflatten(treedef, [jnp.where(m, x, jnp.zeros_like(x))
                                 for m, x in zip(mask_L, leaves, strict=True)])
         return tree_dot(vk, hvp_lin(vk))
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -96,14 +96,15 @@ def _batch_size(batch: PyTree) -> int:
         raise ValueError("batch has no arrays")
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"batch leaves must share a leading batch axis; got sizes {sizes}")
-    return sizes.pop()
+    return cast(int, sizes.pop())  # None was refused above
 
 
 def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
     """Traces the loss once (shapes only) and decides which leaves the fast path covers."""
     leaves, treedef = jax.tree.flatten(params)
     b_leaves, b_treedef = jax.tree.flatten(batch)
-    flat = lambda ls, bs: loss_fn(treedef.unflatten(ls), b_treedef.unflatten(bs))
+    flat = lambda ls, bs: loss_fn(jax.tree.unflatten(treedef, ls),
+                                  jax.tree.unflatten(b_treedef, bs))
     closed = jax.make_jaxpr(flat)(leaves, b_leaves)
     batch_size = _batch_size(batch)
     disc = ghost_trace.discover(closed.jaxpr, len(leaves), batch_size)
@@ -169,7 +170,7 @@ def _bind(eqn, invals):
 
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
-    env = {}
+    env: dict[Any, Any] = {}
     read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -234,7 +235,8 @@ def _tap(use: ghost_trace.Use, dtype) -> Callable:
         return y, x
 
     def bwd(x, g):
-        return g, None, rule(use, _acc(x, dtype), g.astype(dtype)).astype(dtype)
+        sq = cast(jax.Array, rule(use, _acc(x, dtype), g.astype(dtype)))  # admitted by the plan
+        return g, None, sq.astype(dtype)
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -390,7 +392,7 @@ def _grads_info(loss_fn, params, batch, method, chunk_size):
             raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); "
                              "use method='auto' to compute them by vmap")
         loss, grads, caps, cots = _fast_pass(plan, leaves, jax.tree.leaves(batch))
-        grad = treedef.unflatten(grads)
+        grad = jax.tree.unflatten(treedef, grads)
         norms = {}
         for leaf, uses in plan.uses.items():
             u = uses[0]
@@ -405,4 +407,4 @@ def _grads_info(loss_fn, params, batch, method, chunk_size):
                              strict=True))
     out = [norms[i].astype(d) if i in norms else jnp.zeros((batch_size,), d)
            for i, d in enumerate(dtypes)]
-    return loss, grad, treedef.unflatten(out)
+    return loss, grad, jax.tree.unflatten(treedef, out)

@@ -59,7 +59,7 @@ def allow_randomness(loss_fn: LossFn) -> LossFn:
         return loss_fn(params, batch)
 
     setattr(wrapped, _ALLOWED_FLAG, True)
-    wrapped.__wrapped__ = loss_fn
+    vars(wrapped)["__wrapped__"] = loss_fn
     return wrapped
 
 

@@ -317,7 +317,8 @@ def _probe_vector(key: jax.Array, params: PyTree, distribution: str) -> PyTree:
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
     draw = {"rademacher": jax.random.rademacher, "gaussian": jax.random.normal}[distribution]
-    return treedef.unflatten([draw(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)])
+    return jax.tree.unflatten(treedef, [draw(k, x.shape, x.dtype)
+                                        for k, x in zip(keys, leaves, strict=True)])
 
 
 def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,

@@ -19,7 +19,9 @@ PyTree = Any
 
 def accum_dtype() -> jnp.dtype:
     """Dtype statistics are accumulated in: float64 when `jax_enable_x64` is on, else float32."""
-    return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # jax's stub of Config lacks
+    #   the flags it sets at run time
+    return jnp.dtype(jnp.float64 if x64 else jnp.float32)
 
 
 def tree_cast(tree: PyTree, dtype) -> PyTree:

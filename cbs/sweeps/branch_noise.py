@@ -28,9 +28,8 @@ import numpy as np
 
 from cbs.engine import measure
 from cbs.engine.step import count_to_int
-from cbs.results import records
+from cbs.results import files, records
 
-NOISE_FILE = "reference_noise.jsonl"
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
                    "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
                    "full-data Hessian")
@@ -79,8 +78,9 @@ def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 
 def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
                              runner: Any, points: Sequence[int]) -> None:
-    """Appends the exact noise measurements (`NOISE_FILE`) the study does not have yet."""
-    path = os.path.join(workdir, NOISE_FILE)
+    """Appends the exact noise measurements (`files.REFERENCE_NOISE_FILE`) the study does not
+    have yet."""
+    path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     records.repair_tail(path)
     done = {r["step"] for r in records.read_records(path)}
     for step in noise_steps(config, runner.ckpt.all_steps(), points):

@@ -43,19 +43,16 @@ import jax.numpy as jnp
 import ml_collections
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, optim, preemption, progress
-from cbs.engine import trainer as train
+from cbs.engine import checkpoint, mesh, preemption, progress, trainer
+from cbs.engine.lr import EXPONENTS, learning_rate_shape, lr_multiplier
 from cbs.engine.step import TrainState, TrainStep, count_to_int
 from cbs.engine.writer import CountBar
-from cbs.results import paths, records
+from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise
 from cbs.sweeps.grid import parse_shard
 
-BRANCHES_FILE = "branches.jsonl"
-DEFINITION_FILE = "branch.json"
-REFERENCE_DIR = "reference"
-LR_RULES = {"linear": 1.0, "sqrt": 0.5}
+LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)  # f(k) = k^p must grow with k
 METRICS = ("loss_ema", "full_train/loss")
 EMA_UNITS = ("step", "reference_batch")
 CRITERIA = ("paper", "ladder")
@@ -173,7 +170,7 @@ def ema_decay_per_step(config: ml_collections.ConfigDict, k: int) -> float:
 
 def lr_factor(k: int, rule: str) -> float:
     """f(k): k for "linear" (SGD), √k for "sqrt" (Adam)."""
-    return float(k) ** LR_RULES[rule]
+    return float(lr_multiplier(k, 1, rule))
 
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
@@ -216,10 +213,10 @@ class BranchRunner:
         self.dataset = dataset
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.mesh, self.rep = one, mesh.replicated(one)
-        self.trainer = train.Trainer(c, None, mesh=one, dataset=dataset)
+        self.trainer = trainer.Trainer(c, None, mesh=one, dataset=dataset)
         self.vmap = bool(self.b.vmap) and self.trainer.in_memory
         self.ckpt = checkpoint.Checkpointer(
-            os.path.join(workdir, REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
+            os.path.join(workdir, files.REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
         if self.vmap:
             self.step = self._seeded_step()
@@ -237,10 +234,11 @@ class BranchRunner:
             return data.device_batch(ds, inputs["arrays"], examples_seen, batch_size,
                                      seed=inputs["seed"])
 
-        return TrainStep(tr.loss_fn, tr.direction, optim.learning_rate_shape(c), self.mesh,
+        return TrainStep(tr.loss_fn, tr.direction, learning_rate_shape(c), self.mesh,
                          tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
                          small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
-                         batch_fn=batch_fn, seed=c.seed)
+                         # TrainStep.batch_fn is annotated with one argument of the three
+                         batch_fn=batch_fn, seed=c.seed)  # type: ignore[arg-type]
 
     def restore(self, step: int) -> TrainState:
         """The reference state after `step` updates, on this runner's device."""
@@ -314,18 +312,18 @@ class BranchRunner:
         whose data seed is `seed`): (loss_ema, last batch loss, final metric or NaN)."""
         c = copy.deepcopy(self.branch_config)
         c.seed = seed
-        tr = train.Trainer(c, None, mesh=self.mesh, dataset=self.dataset)
+        tr = trainer.Trainer(c, None, mesh=self.mesh, dataset=self.dataset)
         try:
             state = self.restore(step)
             state = state.replace(learning_rate=jnp.asarray(
                 lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
             e, bsz = count_to_int(jax.device_get(state.examples_seen)), k * self.bsz
-            losses = []
+            device_losses = []
             for _ in range(self.window(e) // bsz):
                 state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
-                losses.append(m["train/loss"])
+                device_losses.append(m["train/loss"])
                 e += bsz
-            losses = [float(x) for x in jax.device_get(losses)]
+            losses = [float(x) for x in jax.device_get(device_losses)]
             ema = progress.ema_curve(losses, ema_decay_per_step(self.config, k))[-1]
             final = math.nan
             if self.b.metric == "full_train/loss":
@@ -340,14 +338,14 @@ def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
     c = copy.deepcopy(config)
     c.train.keep_checkpoints = 1_000_000  # branch points need old checkpoints
-    ref_dir = os.path.join(workdir, REFERENCE_DIR)
+    ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
-    status = records.read_json(os.path.join(ref_dir, records.STATUS_FILE))
+    status = records.read_json(os.path.join(ref_dir, files.STATUS_FILE))
     if status and status.get("status") in ("finished", "stopped") and status.get(
-            "config_hash") == train.config_hash(c):
+            "config_hash") == trainer.config_hash(c):
         return
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
-    t = train.Trainer(c, ref_dir, mesh=one, dataset=dataset)
+    t = trainer.Trainer(c, ref_dir, mesh=one, dataset=dataset)
     try:
         t.run()
     finally:
@@ -361,7 +359,7 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
     i, n = parse_shard(shard)
     mine = [u for j, u in enumerate(units) if j % n == i]
     done = {(r["point_step"], r["k"]) for r in
-            records.read_records(os.path.join(workdir, BRANCHES_FILE))}
+            records.read_records(os.path.join(workdir, files.BRANCHES_FILE))}
     return [u for u in mine if u not in done]
 
 
@@ -375,7 +373,7 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
         "window_examples": window_examples(config),
         "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name,
         "config": config.to_dict()}
-    path = os.path.join(workdir, DEFINITION_FILE)
+    path = os.path.join(workdir, files.DEFINITION_FILE)
     previous = records.read_json(path)
     if previous is not None:
         old = previous.get("config") or {"branch": previous.get("branch", {})}
@@ -397,11 +395,11 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
     validate_branch_config(config)
     write_definition(config, workdir)
     run_reference(config, workdir, dataset=dataset)
-    path = os.path.join(workdir, BRANCHES_FILE)
+    path = os.path.join(workdir, files.BRANCHES_FILE)
     records.repair_tail(path)
     runner = BranchRunner(config, workdir, dataset=dataset)
     try:
-        ref = records.read_records(os.path.join(workdir, REFERENCE_DIR, records.METRICS_FILE))
+        ref = records.read_records(os.path.join(workdir, files.REFERENCE_DIR, files.METRICS_FILE))
         steps = branch_steps(config, runner.ckpt.all_steps(), ref)
         todo = pending_units(config, workdir, steps, shard)
         log(f"branches {workdir}: {len(steps)} points, {len(todo)} units to run"

@@ -27,7 +27,7 @@ from typing import Any
 import ml_collections
 
 from cbs.analysis import edges
-from cbs.engine import schedules
+from cbs.engine.lr import LR_RULES, lr_multiplier
 
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
 
@@ -113,8 +113,8 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
             fail("base_lr", f"must be positive, got {sweep.base_lr}")
         if not sweep.base_batch_size > 0:
             fail("base_batch_size", f"must be positive, got {sweep.base_batch_size}")
-        if sweep.lr_rule not in schedules.LR_RULES:
-            fail("lr_rule", f"must be one of {list(schedules.LR_RULES)}, got {sweep.lr_rule!r}")
+        if sweep.lr_rule not in LR_RULES:
+            fail("lr_rule", f"must be one of {list(LR_RULES)}, got {sweep.lr_rule!r}")
         if not sweep.lr_factors or any(not f > 0 for f in sweep.lr_factors):
             fail("lr_factors", f"must be positive, got {tuple(sweep.lr_factors)}")
     if not sweep.seeds:
@@ -163,8 +163,7 @@ def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> lis
     if sweep.learning_rates:
         lrs = [float(lr) for lr in sweep.learning_rates]
     else:
-        centre = sweep.base_lr * schedules.lr_multiplier(batch_size, sweep.base_batch_size,
-                                                         sweep.lr_rule)
+        centre = sweep.base_lr * lr_multiplier(batch_size, sweep.base_batch_size, sweep.lr_rule)
         lrs = [centre * f for f in sweep.lr_factors]
     if sweep.max_lr:
         lrs = sorted({min(lr, sweep.max_lr) for lr in lrs})
@@ -174,7 +173,7 @@ def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> lis
 def make_trials(sweep: ml_collections.ConfigDict) -> list[Trial]:
     """The full grid in a fixed order: batch size, then seed, then learning rate."""
     validate_sweep(sweep)
-    trials = []
+    trials: list[Trial] = []
     for b in sorted(int(b) for b in sweep.batch_sizes):
         for seed in sweep.seeds:
             for lr in learning_rates_for(sweep, b):

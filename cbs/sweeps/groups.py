@@ -38,12 +38,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import measure, mesh
-from cbs.engine import trainer as train
+from cbs.engine import measure, mesh, trainer
 from cbs.engine.loop import Loop, config_hash
 from cbs.engine.progress import DivergenceRule, ema_update
 from cbs.engine.step import TrainState
-from cbs.results import records as metrics
+from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.trials import (
@@ -109,7 +108,7 @@ class TrialGroup:
         c = trial_config(config, trials[0], replicas=1)
         c.noise.every = 0  # measured here, on separate batches, at each evaluation
         self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-        self.trainer = train.Trainer(c, None, mesh=self.mesh)
+        self.trainer = trainer.Trainer(c, None, mesh=self.mesh)
         if not self.trainer.in_memory:
             raise ValueError(f"{self.trainer.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
@@ -233,7 +232,8 @@ class TrialGroup:
                          f"noise scale ({name})")
 
     def num_compilations(self) -> int:
-        return self._chunk._cache_size()
+        return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
+        #   functions have it; their stub does not
 
     # ------------------------------------------------------------------ stopping, results
 
@@ -243,8 +243,8 @@ class TrialGroup:
         if record.get("kind") != "eval":
             return False
         if not self.history["evals"] and not self._row:  # a resumed run: what came before
-            self._replay([r for r in metrics.read_records(
-                os.path.join(self.workdir, metrics.METRICS_FILE)) if r["step"] < step])
+            self._replay([r for r in records.read_records(
+                os.path.join(self.workdir, files.METRICS_FILE)) if r["step"] < step])
         self._row.append(record)
         if len(self._row) < len(self.trials):
             return False
@@ -262,11 +262,11 @@ class TrialGroup:
         """Trains (or resumes) the group to the end; returns one result per trial. A group
         whose run directory already ended with this config is replayed from its records."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
-        status = metrics.read_json(os.path.join(self.workdir, metrics.STATUS_FILE))
+        status = records.read_json(os.path.join(self.workdir, files.STATUS_FILE))
         if status and status.get("status") in ("finished", "stopped") and status.get(
                 "config_hash") == config_hash(self.config):
-            self._replay(metrics.read_records(os.path.join(self.workdir,
-                                                           metrics.METRICS_FILE)))
+            self._replay(records.read_records(os.path.join(self.workdir,
+                                                           files.METRICS_FILE)))
             summary = status
         else:
             summary = Loop(self, self._observe).run()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import ml_collections
@@ -237,7 +237,7 @@ def _wait_for_others(store: SweepStore) -> bool:
         if fd is None:
             held = True
             fd = store.claim(name, wait=True)
-        store.release(fd)
+        store.release(cast(int, fd))  # a waiting claim returns its lock
     return held
 
 

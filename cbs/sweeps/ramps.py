@@ -31,11 +31,9 @@ import jax
 import ml_collections
 
 from cbs.analysis import fit
-from cbs.analysis.report import RAMPS_FILE
-from cbs.engine import preemption
-from cbs.engine import trainer as train
+from cbs.engine import preemption, trainer
 from cbs.engine.writer import CountBar
-from cbs.results import records as metrics
+from cbs.results import files, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
 from cbs.sweeps import launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
@@ -172,8 +170,8 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     check_ramps(config, sweep_dir)
     out_dir = out_dir or sweep_dir
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, RAMPS_FILE)
-    done = {r["label"]: r for r in metrics.read_records(path, required=("label",))}
+    path = os.path.join(out_dir, files.RAMPS_FILE)
+    done = {r["label"]: r for r in records.read_records(path, required=("label",))}
     labels = [run["label"] for run in config.ramps]
     if len(set(labels)) != len(labels):
         raise ValueError(f"config.ramps: labels must be unique, got {labels}")
@@ -190,19 +188,19 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
             preemption.check(f"before ramp {run['label']}")
             _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
             bar.update()
-    return metrics.read_records(path, required=("label",))
+    return records.read_records(path, required=("label",))
 
 
 def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
     """Trains one ramp (or resumes it), appends its record to ramps.jsonl, logs its line."""
     c = ramp_config(config, run, sweep_dir)
     monitor = ProgressMonitor(config.sweep)
-    summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
-    records = metrics.read_records(os.path.join(workdir, metrics.METRICS_FILE))
+    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    recs = records.read_records(os.path.join(workdir, files.METRICS_FILE))
     status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
-    rec = ramp_record(run["label"], records, config.sweep, status, c.optim.learning_rate)
+    rec = ramp_record(run["label"], recs, config.sweep, status, c.optim.learning_rate)
     rec["spec"] = json.loads(json.dumps(run))
-    metrics.append_records(path, [rec])
+    records.append_records(path, [rec])
     cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                       for k, s in rec["steps_to_target"].items())
     log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")

@@ -20,13 +20,10 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from cbs.analysis import noise_at_target
-from cbs.results import records as metrics
+from cbs.results import files, records
 from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
-
-REFERENCE_DIR = "reference"
 
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
@@ -63,7 +60,7 @@ class ReferenceRun(TrialGroup):
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
         super().__init__(reference_config(config), [trial], store)
-        self.workdir = os.path.join(store.sweep_dir, REFERENCE_DIR,
+        self.workdir = os.path.join(store.sweep_dir, files.REFERENCE_DIR,
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
 
     def _finished(self, history) -> bool:
@@ -93,8 +90,8 @@ def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
                   log=print) -> dict[str, Any] | None:
     """Runs the reference trajectory once (skipped when reference_noise.jsonl exists);
     returns its record, or None when no trial at B_ref reached a target."""
-    path = os.path.join(store.sweep_dir, noise_at_target.REFERENCE_FILE)
-    done = metrics.read_records(path)
+    path = os.path.join(store.sweep_dir, files.REFERENCE_NOISE_FILE)
+    done = records.read_records(path)
     if done:
         return done[-1]
     trial = reference_trial(config.sweep, store.records())
@@ -109,7 +106,7 @@ def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
               "status": result.status, "seconds": result.seconds,
               "protocol": protocol_text(config, trial, run.dataset.num_train),
               "curve": result.curve}
-    metrics.append_records(path, [record])
+    records.append_records(path, [record])
     log(f"reference noise: B={trial.batch_size}, lr={trial.learning_rate:.3g}, "
         f"{len(result.curve['step'])} evaluations, {result.seconds:.0f} s")
     return record

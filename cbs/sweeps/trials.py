@@ -27,8 +27,7 @@ import jax
 import ml_collections
 
 from cbs.analysis import fit
-from cbs.engine import measure
-from cbs.engine import trainer as train
+from cbs.engine import measure, trainer
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -36,7 +35,7 @@ from cbs.engine.progress import (
     ema_update,
     log_spaced_steps,
 )
-from cbs.results import records as metrics
+from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.sweeps.grid import Trial
 
@@ -193,7 +192,7 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     x = curve.get("noise/step", [])
     if not x:
         return {}
-    kw = {"min_points": window, "window": 0.0}
+    kw: dict[str, Any] = {"min_points": window, "window": 0.0}
     out: dict[str, Any] = {"b_simple": fit.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
@@ -235,10 +234,10 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     workdir = store.trial_dir(trial)
     monitor = ProgressMonitor(sweep)
     start = time.perf_counter()
-    summary = train.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
-    records = metrics.read_records(f"{workdir}/{metrics.METRICS_FILE}")
-    curve = curve_from_records(records, sweep.target_metric, sweep.loss_ema_decay)
-    for r in records:  # a resumed monitor has not seen the records before the restart
+    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    recs = records.read_records(f"{workdir}/{files.METRICS_FILE}")
+    curve = curve_from_records(recs, sweep.target_metric, sweep.loss_ema_decay)
+    for r in recs:  # a resumed monitor has not seen the records before the restart
         monitor(r["step"], r)
     status = _status(summary["status"], monitor, curve, sweep)
     return result_from_curve(trial, sweep, curve, status, time.perf_counter() - start)
