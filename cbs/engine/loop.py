@@ -194,7 +194,7 @@ class Loop:
         every = self.config.noise.every
         if every and step % every == 0:
             rec |= {k: float(v) for k, v in (measured or {}).items()}
-            rec["noise/batch_size"] = self.noise_batch
+            rec.setdefault("noise/batch_size", self.noise_batch)  # the step's B when exact
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
             rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
                    and k not in _MEASURED_KEYS}
@@ -353,4 +353,4 @@ class Loop:
 
 _MEASURED_KEYS = frozenset(
     f"noise/{k}" for k in ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple",
-                           "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise"))
+                           "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise", "batch_size"))

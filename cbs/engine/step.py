@@ -31,16 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cbs.engine import optim
+from cbs.engine import live_noise, optim
+from cbs.engine.counts import count_add, count_int32, count_value
+from cbs.engine.measure import Measurement, measure_batch
 from cbs.stats import noise
 from cbs.stats.trees import tree_sq_norm
 
@@ -55,7 +56,7 @@ class TrainState:
     """Everything on the device that an exact resume needs.
 
     step: int32 updates applied; examples_seen: examples consumed (E) as an exact two-word
-    int32 count (`count_*` below: exact to 2^61, where a plain int32 overflows at 2.1·10⁹);
+    int32 count (`cbs.engine.counts`: exact to 2^61, where a plain int32 overflows at 2.1·10⁹);
     learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
@@ -81,43 +82,6 @@ jax.tree_util.register_dataclass(
     TrainState, data_fields=[f.name for f in dataclasses.fields(TrainState)], meta_fields=[])
 
 
-# An exact example (or token) count on the device without 64-bit integers: int32 words
-# [..., (high, low)] with value high·2^30 + low and 0 <= low < 2^30, so adding a batch of up to
-# 2^30 examples never overflows a word. Host code keeps Python ints (`count_to_int`).
-COUNT_BASE = 2**30
-
-
-def count_from_int(n: int) -> jax.Array:
-    """The two-word count of a non-negative Python int n < 2^61."""
-    if not 0 <= int(n) < 2**61:
-        raise ValueError(f"examples seen {n} is outside [0, 2^61)")
-    return jnp.asarray(divmod(int(n), COUNT_BASE), jnp.int32)
-
-
-def count_to_int(count: Any) -> int:
-    """The Python int a (fetched) two-word count holds."""
-    high, low = (int(v) for v in np.asarray(count).reshape(-1)[-2:])
-    return high * COUNT_BASE + low
-
-
-def count_add(count: jax.Array, n: Any) -> jax.Array:
-    """count + n for 0 <= n < 2^30 (a traced int32 or a Python int), carrying exactly."""
-    low = count[..., 1] + jnp.asarray(n, jnp.int32)
-    return jnp.stack([count[..., 0] + low // COUNT_BASE, low % COUNT_BASE], axis=-1)
-
-
-def count_value(count: jax.Array) -> jax.Array:
-    """The count as a float (float32: relative error 6·10⁻⁸, for learning-rate schedules)."""
-    f = jnp.result_type(float)
-    return count[..., 0].astype(f) * COUNT_BASE + count[..., 1].astype(f)
-
-
-def count_int32(count: jax.Array) -> jax.Array:
-    """The count modulo 2^31 as a non-negative int32 (the stream position of in-memory data,
-    whose order therefore repeats after 2^31 examples)."""
-    return (count[..., 0] % 2) * COUNT_BASE + count[..., 1]
-
-
 def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
                      learning_rate: float = 1.0, model_state: PyTree = None,
                      ema_decay: float = 0.95) -> TrainState:
@@ -133,40 +97,6 @@ def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
 def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
     """Wraps loss_fn(params, batch) into the (params, model_state, batch) form."""
     return lambda params, model_state, batch: (loss_fn(params, batch), model_state)
-
-
-class Measurement(NamedTuple):
-    """What to measure every `every` steps, on the first `micro_batches` micro-batches."""
-
-    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) | "probe"
-    every: int = 100  # steps between measurements
-    micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
-    curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
-    num_probes: int = 1  # probe vectors ("probe")
-    chunk_size: int = 0  # examples per vmap chunk in exact (0: all at once)
-    in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
-
-
-def _measure(fn: noise.MethodFn, loss_fn, params, batch, *, curvature: bool, **kw
-             ) -> noise.NoiseStats:
-    """One measurement by the method `fn`. With curvature and a method that takes
-    `hessian_batch`, the curvature terms are unbiased: deviations and ḡ from the first half
-    of the batch, H from the second (E[Ĥ] = H given the first half when the halves are
-    independent draws; without replacement from N examples each example's own Hessian enters
-    its term with weight −1/(N − n/2) instead of the same-batch estimator's +1/(n/2)), while
-    trace_sigma, grad_sq_norm and b_simple use the whole batch."""
-    n = jax.tree.leaves(batch)[0].shape[0]
-    if not (curvature and noise.takes_hessian_batch(fn)):
-        return fn(loss_fn, params, batch, curvature=curvature, **kw)
-    if n < 4:
-        raise ValueError(f"a curvature measurement needs >= 4 measured examples (two halves "
-                         f"of >= 2), got {n}: raise config.noise.batch_size")
-    whole = fn(loss_fn, params, batch, curvature=False, **kw)
-    half = n // 2
-    split = fn(loss_fn, params, jax.tree.map(lambda x: x[:half], batch), curvature=True,
-               hessian_batch=jax.tree.map(lambda x: x[half:], batch), **kw)
-    return dataclasses.replace(whole, **{k: getattr(split, k) for k in (
-        "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")})
 
 
 def _mean_state(tree: PyTree) -> PyTree:
@@ -191,7 +121,10 @@ class TrainStep:
       small_batch: b, examples per small batch of the two-batch estimator (see `plan`):
         M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
         whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
-      two_batch: compute the two-batch estimate (False: none, for speed comparisons).
+      live: the live estimate of tr(Σ) and |G|² every step (`cbs.engine.live_noise`):
+        "auto" (exact from the backward pass's per-example gradient norms where
+        `cbs.stats.ghost` reads the model, else two-batch) | "exact" | "two_batch" | "none".
+      two_batch: False turns every live estimate off (as live="none"; for speed comparisons).
       unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
@@ -209,6 +142,7 @@ class TrainStep:
     inputs_sharding: PyTree = None
     micro_batch: int = 1
     small_batch: int = 0
+    live: str = "auto"
     two_batch: bool = True
     unroll: int | bool = 0
     batch_fn: Callable[[PyTree], PyTree] | None = None
@@ -221,6 +155,8 @@ class TrainStep:
         if self.measure is not None:
             object.__setattr__(self, "measure", Measurement(*self.measure))
             noise.get_method(self.measure.method)  # an unknown name fails here, not in the jit
+        live_noise.resolve(self.live, None)  # an unknown name fails here
+        object.__setattr__(self, "_logged", set())
         out = (self.state_sharding, NamedSharding(self.mesh, P()))
         jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
                       in_shardings=(self.state_sharding, self.inputs_sharding),
@@ -244,6 +180,19 @@ class TrainStep:
 
     def measures_in_step(self) -> bool:
         return self.measure is not None and bool(self.measure.in_step)
+
+    def live_kind(self, state: TrainState, inputs: PyTree, accum_steps: int) -> str:
+        """The live estimator the step runs: "exact", "two_batch" or "none" (traces only)."""
+        out = []
+        jax.eval_shape(lambda s, i: out.append(self._live(s, i, accum_steps)[0]), state, inputs)
+        return out[0]
+
+    def measured_in_step(self, state: TrainState, inputs: PyTree, accum_steps: int) -> bool:
+        """Whether the step itself returns the every-k-steps measurement (in_step, or an exact
+        B_simple measurement that the exact live statistics of the step's batch give for free),
+        so that `measure_now` need not run."""
+        return self.measures_in_step() or (
+            self._served(self.live_kind(state, inputs, accum_steps)))
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -279,7 +228,7 @@ class TrainStep:
         """
         r, m, a = self.replicas, self.micro_batch, accum_steps
         b = self.small_batch or (r * m if a >= 2 else m if r >= 2 else m // 2 * (1 - m % 2))
-        if not self.two_batch or b < 1 or b >= a * r * m:
+        if not self.two_batch or self.live == "none" or b < 1 or b >= a * r * m:
             return "none", a * r * m, a
         if b == m and r >= 2:
             return "replica", b, a
@@ -315,7 +264,12 @@ class TrainStep:
         return jax.tree.map(view, batch)
 
     def _chunk_grad(self, params, model_state, chunk, kind: str):
-        """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|²."""
+        """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|² (kind
+        "exact": Σ_i |g_i|² over the chunk's examples, the model state unchanged)."""
+        if kind == "exact":
+            loss, grads, sq = live_noise.value_grad_sq_sum(self.loss_fn, params, model_state,
+                                                           chunk)
+            return loss, grads, model_state, sq
         value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
         f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)),
                                      t)
@@ -367,7 +321,7 @@ class TrainStep:
                              chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
         key = jax.random.fold_in(jax.random.key(self.seed), state.step)
-        stats = _measure(noise.get_method(method), loss_fn, state.params, batch, key=key,
+        stats = measure_batch(noise.get_method(method), loss_fn, state.params, batch, key=key,
                          curvature=curvature, num_probes=num_probes,
                          chunk_size=chunk_size or None)
         if curvature and stats.trace_h_sigma is None:
@@ -397,30 +351,81 @@ class TrainStep:
             lr = coupled_lr(lr, batch_size, base, rule, cap)
         return jnp.asarray(lr, jnp.float32)
 
+    def _live(self, state: TrainState, inputs: PyTree, accum_steps: int
+              ) -> tuple[str, str | None]:
+        """(estimator, why not exact) for this step's shapes; logged once per estimator."""
+        if not self.two_batch or self.live == "none" or self.batch_size(accum_steps) < 2:
+            return "none", None
+        reason = None
+        if self.live != "two_batch":
+            chunks = self._chunks(state, inputs, accum_steps, accum_steps)
+            chunk = jax.tree.map(lambda x: x[0], chunks)
+            reason = live_noise.ghost_unavailable(self.loss_fn, state.params, state.model_state,
+                                                  chunk)
+        kind = live_noise.resolve(self.live, reason)
+        if kind == "two_batch" and self.plan(accum_steps)[0] == "none":
+            kind = "none"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            live_noise.log_choice(kind, reason)
+        return kind, reason
+
+    def _served(self, live_kind: str) -> bool:
+        """An exact B_simple measurement is the exact live statistics of the step's batch."""
+        m = self.measure
+        return (m is not None and live_kind == "exact" and not m.curvature
+                and m.method in live_noise.EXACT_MEASURE_METHODS)
+
+    def _live_measurement(self, state: TrainState, stats: dict[str, jax.Array], b_big: int):
+        """(measure_ema, noise/* metrics) of the every-k-steps measurement taken from the
+        exact live statistics: the values on due steps, NaN (and the EMA unchanged) between."""
+        due = state.step % self.measure.every == 0
+        new = state.measure_ema.update(stats["grad_sq_norm"], stats["trace_sigma"])
+        ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, state.measure_ema)
+        out = {f"noise/{k}": v for k, v in stats.items()}
+        out |= {f"noise/measured_ema_{n}": getattr(new, n)
+                for n in ("b_simple", "grad_sq_norm", "trace_sigma")}
+        out["noise/batch_size"] = b_big
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}
+
     def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         b_big = self.batch_size(accum_steps)
-        kind, b_small, c = self.plan(accum_steps)
+        live, _ = self._live(state, inputs, accum_steps)
+        if live == "exact":
+            kind, c = "exact", accum_steps
+        else:
+            kind, b_small, c = self.plan(accum_steps)
         chunks = self._chunks(state, inputs, accum_steps, c)
         loss, grads, model_state, small_sq = self._accumulate(
             state.params, state.model_state, chunks, kind)
-        groups = c * (self.replicas if kind == "replica" else 1)
-        small_sq = small_sq / groups
         big_sq = tree_sq_norm(grads)
         ema = state.noise_ema
-        if kind != "none":
-            grad_sq_norm, trace_sigma = noise.two_batch(small_sq, big_sq, b_small, b_big)
-            ema = ema.update(grad_sq_norm, trace_sigma)
+        if kind == "exact":
+            grad_sq_norm, trace_sigma = live_noise.exact_stats(small_sq, big_sq, b_big)
+        elif kind != "none":
+            groups = c * (self.replicas if kind == "replica" else 1)
+            grad_sq_norm, trace_sigma = noise.two_batch(small_sq / groups, big_sq, b_small,
+                                                        b_big)
         else:
             grad_sq_norm = trace_sigma = jnp.full((), jnp.nan, jnp.float32)
+        if kind != "none":
+            ema = ema.update(grad_sq_norm, trace_sigma)
         f32 = lambda x: jnp.asarray(x, jnp.float32)
         metrics = {"train/loss": f32(loss), "opt/grad_norm": f32(jnp.sqrt(big_sq)),
-                   "noise/two_batch_grad_sq_norm": f32(grad_sq_norm),
-                   "noise/two_batch_trace_sigma": f32(trace_sigma),
+                   "noise/live_grad_sq_norm": f32(grad_sq_norm),
+                   "noise/live_trace_sigma": f32(trace_sigma),
+                   "noise/live_exact": f32(kind == "exact"),
                    "noise/ema_grad_sq_norm": f32(ema.grad_sq_norm),
                    "noise/ema_trace_sigma": f32(ema.trace_sigma),
                    "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
-        if self.measures_in_step():
+        if self._served(live):
+            stats = dict(mean_grad_sq_norm=big_sq, grad_sq_norm=grad_sq_norm,
+                         trace_sigma=trace_sigma, b_simple=trace_sigma / grad_sq_norm)
+            measure_ema, measured = self._live_measurement(state, stats, b_big)
+            metrics |= measured
+        elif self.measures_in_step():
             measure = lambda: self._noise_metrics(state, chunks, c // accum_steps)
             skipped = lambda: (state.measure_ema, jax.tree.map(
                 lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))

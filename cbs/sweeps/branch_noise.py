@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import measure
-from cbs.engine.step import count_to_int
+from cbs.engine.counts import count_to_int
 from cbs.results import records
 
 NOISE_FILE = "reference_noise.jsonl"

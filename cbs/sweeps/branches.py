@@ -45,7 +45,8 @@ import ml_collections
 from cbs import data
 from cbs.engine import checkpoint, mesh, optim, preemption, progress
 from cbs.engine import trainer as train
-from cbs.engine.step import TrainState, TrainStep, count_to_int
+from cbs.engine.counts import count_to_int
+from cbs.engine.step import TrainState, TrainStep
 from cbs.engine.writer import CountBar
 from cbs.results import paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
@@ -240,6 +241,7 @@ class BranchRunner:
         return TrainStep(tr.loss_fn, tr.direction, optim.learning_rate_shape(c), self.mesh,
                          tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
                          small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
+                         live=c.noise.get("live", "auto"),
                          batch_fn=batch_fn, seed=c.seed)
 
     def restore(self, step: int) -> TrainState:
