@@ -157,6 +157,7 @@ class TrainStep:
             noise.get_method(self.measure.method)  # an unknown name fails here, not in the jit
         live_noise.resolve(self.live, None)  # an unknown name fails here
         object.__setattr__(self, "_logged", set())
+        object.__setattr__(self, "_kinds", {})
         out = (self.state_sharding, NamedSharding(self.mesh, P()))
         jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
                       in_shardings=(self.state_sharding, self.inputs_sharding),
@@ -182,10 +183,15 @@ class TrainStep:
         return self.measure is not None and bool(self.measure.in_step)
 
     def live_kind(self, state: TrainState, inputs: PyTree, accum_steps: int) -> str:
-        """The live estimator the step runs: "exact", "two_batch" or "none" (traces only)."""
-        out = []
-        jax.eval_shape(lambda s, i: out.append(self._live(s, i, accum_steps)[0]), state, inputs)
-        return out[0]
+        """The live estimator the step runs: "exact", "two_batch" or "none" (traces once per
+        accumulation count and input shapes)."""
+        key = (accum_steps, *((x.shape, x.dtype) for x in jax.tree.leaves(inputs)))
+        if key not in self._kinds:
+            out = []
+            jax.eval_shape(lambda s, i: out.append(self._live(s, i, accum_steps)[0]), state,
+                           inputs)
+            self._kinds[key] = out[0]
+        return self._kinds[key]
 
     def measured_in_step(self, state: TrainState, inputs: PyTree, accum_steps: int) -> bool:
         """Whether the step itself returns the every-k-steps measurement (in_step, or an exact
