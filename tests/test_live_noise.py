@@ -179,6 +179,26 @@ def test_exact_measurement_is_read_from_the_live_statistics(mlp):
     assert not ts3.measured_in_step(state3, inputs, 4)
 
 
+def test_in_step_curvature_takes_b_simple_from_the_live_statistics(mlp):
+    """Curvature in the step: b_simple is the whole batch's (the live statistics), the
+    curvature terms come from the first micro-batch (deviations from its first half, H from
+    its second), as `noise.exact` gives them."""
+    loss_fn, params, batch = mlp
+    ts, state = make_step(loss_fn, params, micro_batch=8,
+                          measure=step.Measurement("vmap", every=1, curvature=True,
+                                                   in_step=True))
+    _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh)), 4)
+    m = jax.device_get(m)
+    np.testing.assert_allclose(m["noise/b_simple"], reference64(loss_fn, params,
+                                                                batch)["b_simple"],
+                               rtol=RTOL_GRAD)
+    half = lambda lo, hi: jax.tree.map(lambda x: x[lo:hi], batch)
+    want = noise.exact(loss_fn, params, half(0, 4), curvature=True, method="vmap",
+                       hessian_batch=half(4, 8))
+    for k in ("trace_h_sigma", "g_h_g", "b_noise"):
+        np.testing.assert_allclose(m[f"noise/{k}"], getattr(want, k), rtol=1e-4, err_msg=k)
+
+
 def test_live_none_and_unknown_name(mlp):
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=32, live="none")

@@ -314,6 +314,9 @@ def test_records_checkpoints_and_status(tmp_path):
                 "noise/ema_b_simple", "noise/live_trace_sigma", "noise/live_exact"):
         assert key in trains[5], key
     assert all(("noise/b_simple" in r) == (r["step"] % 4 == 0) for r in trains)
+    # the measurement is the exact live statistics of the step's whole batch of 32
+    assert trains[4]["noise/batch_size"] == 32 and trains[4]["noise/live_exact"] == 1.0
+    assert trains[4]["noise/trace_sigma"] == pytest.approx(trains[4]["noise/live_trace_sigma"])
     assert {"eval/loss", "eval/accuracy", "full_train/loss", "full_train/accuracy"} <= set(
         evals[-1])
     lrs = [r["opt/lr"] for r in trains[:5]]  # warmup: η_0·min(1, (E + B)/128), B_0 = B

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cbs.stats import ghost, loss_checks, trees
+from cbs.stats import ghost, loss_checks, noise, trees
 
 PyTree = Any
 LIVE_METHODS = ("auto", "exact", "two_batch", "none")
@@ -113,3 +113,17 @@ def exact_stats(sq_sum: jax.Array, mean_grad_sq_norm: jax.Array, batch_size: int
     s, gsq = jnp.asarray(sq_sum, dtype), jnp.asarray(mean_grad_sq_norm, dtype)
     trace_sigma = (s - batch_size * gsq) / (batch_size - 1)
     return gsq - trace_sigma / batch_size, trace_sigma
+
+
+def measurement(measure_ema: noise.NoiseScaleEMA, due: jax.Array, stats: noise.NoiseStats
+                ) -> tuple[noise.NoiseScaleEMA, dict[str, jax.Array]]:
+    """(measure_ema, noise/* metrics) of an every-k-steps B_simple measurement read from the
+    exact live statistics `stats` of the step's batch: the values (and `noise/batch_size`)
+    when `due`, NaN and the EMA unchanged otherwise."""
+    new = measure_ema.update(stats.grad_sq_norm, stats.trace_sigma)
+    ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, measure_ema)
+    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(new, n)
+                                     for n in ("b_simple", "grad_sq_norm", "trace_sigma")}
+    out["noise/batch_size"] = stats.batch_size
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}

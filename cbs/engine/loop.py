@@ -194,7 +194,9 @@ class Loop:
         every = self.config.noise.every
         if every and step % every == 0:
             rec |= {k: float(v) for k, v in (measured or {}).items()}
-            rec.setdefault("noise/batch_size", self.noise_batch)  # the step's B when exact
+            # the measured examples: the step's whole batch when read from its exact live
+            # statistics, else noise.batch_size
+            rec["noise/batch_size"] = int(rec.get("noise/batch_size", self.noise_batch))
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
             rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
                    and k not in _MEASURED_KEYS}

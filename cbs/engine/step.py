@@ -317,10 +317,11 @@ class TrainStep:
             body, init, chunks, unroll=self._unroll(c))
         return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
-    def _noise_metrics(self, state: TrainState, chunks, per_micro: int
+    def _noise_metrics(self, state: TrainState, chunks, per_micro: int, whole=None
                        ) -> tuple[PyTree, dict[str, jax.Array]]:
         """(updated measure_ema, noise/* metrics) of one measurement on the first micro-batches
-        (the first n·C/A chunks hold the examples of the first n micro-batches)."""
+        (the first n·C/A chunks hold the examples of the first n micro-batches); `whole`: the
+        B_simple statistics when the step already has them (`measure_batch`)."""
         method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
         n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
         batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
@@ -328,8 +329,8 @@ class TrainStep:
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
         key = jax.random.fold_in(jax.random.key(self.seed), state.step)
         stats = measure_batch(noise.get_method(method), loss_fn, state.params, batch, key=key,
-                         curvature=curvature, num_probes=num_probes,
-                         chunk_size=chunk_size or None)
+                              curvature=curvature, num_probes=num_probes,
+                              chunk_size=chunk_size or None, whole=whole)
         if curvature and stats.trace_h_sigma is None:
             raise ValueError(f"noise method {method!r} returned no curvature statistics "
                              "(trace_h_sigma, g_h_g) though curvature was asked for")
@@ -382,19 +383,6 @@ class TrainStep:
         return (m is not None and live_kind == "exact" and not m.curvature
                 and m.method in live_noise.EXACT_MEASURE_METHODS)
 
-    def _live_measurement(self, state: TrainState, stats: dict[str, jax.Array], b_big: int):
-        """(measure_ema, noise/* metrics) of the every-k-steps measurement taken from the
-        exact live statistics: the values on due steps, NaN (and the EMA unchanged) between."""
-        due = state.step % self.measure.every == 0
-        new = state.measure_ema.update(stats["grad_sq_norm"], stats["trace_sigma"])
-        ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, state.measure_ema)
-        out = {f"noise/{k}": v for k, v in stats.items()}
-        out |= {f"noise/measured_ema_{n}": getattr(new, n)
-                for n in ("b_simple", "grad_sq_norm", "trace_sigma")}
-        out["noise/batch_size"] = b_big
-        nan = jnp.full((), jnp.nan, jnp.float32)
-        return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}
-
     def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         b_big = self.batch_size(accum_steps)
         live, _ = self._live(state, inputs, accum_steps)
@@ -426,13 +414,15 @@ class TrainStep:
                    "noise/ema_trace_sigma": f32(ema.trace_sigma),
                    "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
+        exact = noise.NoiseStats(b_big, big_sq, grad_sq_norm, trace_sigma,
+                                 trace_sigma / grad_sq_norm) if live == "exact" else None
         if self._served(live):
-            stats = dict(mean_grad_sq_norm=big_sq, grad_sq_norm=grad_sq_norm,
-                         trace_sigma=trace_sigma, b_simple=trace_sigma / grad_sq_norm)
-            measure_ema, measured = self._live_measurement(state, stats, b_big)
+            measure_ema, measured = live_noise.measurement(
+                state.measure_ema, state.step % self.measure.every == 0, exact)
             metrics |= measured
         elif self.measures_in_step():
-            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps)
+            whole = exact if self.measure.method in live_noise.EXACT_MEASURE_METHODS else None
+            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps, whole)
             skipped = lambda: (state.measure_ema, jax.tree.map(
                 lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
             measure_ema, measured = jax.lax.cond(state.step % self.measure.every == 0, measure,
