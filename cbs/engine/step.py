@@ -8,22 +8,24 @@ One step on a global batch [B, ...] sharded over `data`:
 
 1. view it as C chunks [C, B/C] without moving data: each replica's B/R contiguous examples
    cut into C runs, chunk k = the k-th run of every replica (C = A: the micro-batches);
-2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and its
-   squared norm |g_small|², which the step needs anyway for ḡ (so the estimate is nearly
-   free), or, per micro-batch, a `vmap` over the R replicas that gives the per-replica
-   gradients before their mean (b = m, no extra communication);
+2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and, with
+   the exact live estimate (default where `cbs.stats.ghost` reads the model), the sum of its
+   examples' squared gradient norms Σ|g_i|² from the same backward pass; else its squared
+   norm |g_small|² (or, per micro-batch, a `vmap` over the R replicas: b = m);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.stats.noise.two_batch`) from the
-   mean of the B/b values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
-   (expectation |G|² + tr(Σ)/B), smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
+4. the live estimate (`cbs.engine.live_noise`): exact tr(Σ) and |G|² of the whole batch from
+   Σ_i |g_i|² and |ḡ|²; or the two-batch estimator (McCandlish et al. 2018, App. A;
+   `cbs.stats.noise.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
+   smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
 5. optionally, every `measure_every` steps, `noise.exact` or `noise.probe` on the
-   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call);
+   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call); an
+   exact B_simple measurement with an exact live estimate is that estimate (no extra pass);
 6. u = direction(ḡ) (optax, `cbs.engine.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
    (`cbs.engine.schedules`): the learning rate is a function of examples seen E, never of steps.
 
-The small batches (`plan`): by default the A micro-batches when A ≥ 2 (free); else each
-replica's share when R ≥ 2; else two halves of the batch (C = 2: the one case that changes
-the computation, by running the batch as two chunks). Splitting the logical batch
+The two-batch estimate's small batches (`plan`): by default the A micro-batches when A ≥ 2
+(free); else each replica's share when R ≥ 2; else two halves of the batch (C = 2: the one
+case that changes the computation, by running the batch as two chunks). Splitting the logical batch
 differently changes only the order of float32 sums, never the update.
 """
 
@@ -61,7 +63,7 @@ class TrainState:
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
     variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.stats.noise.NoiseScaleEMA` of
-    the in-step two-batch estimates; measure_ema: the same of the every-k-steps measurements
+    the in-step live estimates; measure_ema: the same of the every-k-steps measurements
     (with the curvature pair when measured), which is what an adaptive schedule on b_noise reads.
     """
 
