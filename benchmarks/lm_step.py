@@ -9,10 +9,11 @@ memory, with and without the in-step noise estimate and a periodic exact measure
 On all local devices (data parallel, FSDP × TP by name when --model_axis > 1), AdamW, one fixed
 device-resident batch of B sequences of T tokens (vocabulary 50304), A = 2 accumulation
 steps. Variants:
-- `plain`: `cbs.engine.step.TrainStep` with the two-batch estimate off;
-- `+2batch`: the in-step two-batch estimate (from the two micro-batches) and its EMA;
-- `+2batch+exact/k`: also `cbs.stats.noise.exact` on the first micro-batch every k steps in
-  its own jitted call (`measure_now`), amortised over k steps.
+- `plain`: `cbs.engine.step.TrainStep` with the live estimate off;
+- `+live`: the default live estimate (exact, from the backward pass's per-example gradient
+  norms, where `cbs.stats.ghost` reads the model; else two-batch) and its EMA;
+- `+live+exact/k`: also an exact B_simple measurement every k steps (which the exact live
+  statistics give; else `measure_now`, its own jitted call), amortised over k steps.
 Columns: median ms/step over repeats (after a warm-up run), tokens/s, MFU against the device
 table in `cbs.engine.throughput` ("unknown" on CPU), overhead against `plain` in the same
 run, compile time of the step (lower + compile), and memory: the compiled step's temporaries
@@ -97,7 +98,7 @@ def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
     def run(n):
         nonlocal state, t
         for _ in range(n):
-            if every and t % every == 0:
+            if every and t % every == 0 and not ts.measured_in_step(state, s["data"], accum):
                 state, _ = ts.measure_now(state, s["data"], accum)
             state, metrics = ts(state, s["data"], accum)
             t += 1
@@ -130,8 +131,8 @@ def bench(size: str, args) -> list[dict]:
     if not _fits(s["n_params"]):
         print(f"{size}: {s['n_params'] / 1e6:.0f}M parameters do not fit; skipped")
         return []
-    variants = {"plain": dict(two_batch=False, every=0), "+2batch": dict(two_batch=True, every=0),
-                f"+2batch+exact/{args.every}": dict(two_batch=True, every=args.every)}
+    variants = {"plain": dict(two_batch=False, every=0), "+live": dict(two_batch=True, every=0),
+                f"+live+exact/{args.every}": dict(two_batch=True, every=args.every)}
     runs = {}
     for name, kw in variants.items():
         runs[name] = _runner(s, batch=args.batch, accum=2, **kw)

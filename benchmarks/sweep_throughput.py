@@ -34,9 +34,7 @@ import jax
 
 from cbs.engine import mesh
 from cbs.results import store
-from cbs.sweeps import grid as sweep
-from cbs.sweeps import groups as multitrial
-from cbs.sweeps import trials
+from cbs.sweeps import grid, groups, trials
 from experiments.configs import digits_sweep
 
 
@@ -73,22 +71,22 @@ def _time(fn, repeats: int) -> float:
 
 def bench(batch_size: int, k: int, steps: int, repeats: int) -> list[tuple[str, float]]:
     c = _config(batch_size, k, steps)
-    grid = sweep.make_trials(c.sweep)
+    trial_list = grid.make_trials(c.sweep)
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
 
     def vmapped():
         with tempfile.TemporaryDirectory() as d:
-            multitrial.TrialGroup(c, grid, store.SweepStore(d)).run()
+            groups.TrialGroup(c, trial_list, store.SweepStore(d)).run()
 
     def one_by_one():
         with tempfile.TemporaryDirectory() as d:
             cache: dict = {}  # the evaluation compiles once, as in a sweep
-            for t in grid:
-                multitrial.TrialGroup(c, [t], store.SweepStore(d), cache=cache).run()
+            for t in trial_list:
+                groups.TrialGroup(c, [t], store.SweepStore(d), cache=cache).run()
 
     def engine():
         with tempfile.TemporaryDirectory() as d:
-            for t in grid:
+            for t in trial_list:
                 trials.run_trial_engine(c, t, store.SweepStore(d), mesh=one)
 
     rows = [(f"vmap {k}", _time(vmapped, repeats))]

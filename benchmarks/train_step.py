@@ -1,26 +1,34 @@
 """Speed of the cbs train step against a minimal jax.jit + optax loop, and its noise costs.
 
     python -m benchmarks.train_step            # full: more steps and repeats
-    python -m benchmarks.train_step --quick    # about a minute or two on 2 CPU cores
+    python -m benchmarks.train_step --quick    # a few minutes on 2 CPU cores
 
-For an MLP 784-256-256-10 (B = 256), a small CNN on 28×28×1 (B = 128) and the tiny
-Transformer LM (B = 32, T = 128), on one device of the default backend (CPU here; the same
-script runs unchanged on a GPU), with Adam and one fixed device-resident batch:
+For an MLP 784-256-256-10 (B = 256), a small CNN on 28×28×1 (B = 128), the tiny Transformer
+(B = 32, T = 128) and the tiny scanned LM of `cbs.models.lm` (B = 32, T = 128, its default
+bfloat16 compute), on one device of the default backend (CPU here; the same script runs
+unchanged on a GPU), with Adam and one fixed device-resident batch:
 
 - `optax`: the reference, a hand-written `jax.jit` step (value_and_grad, optax.adam,
   apply_updates, donated buffers) returning the loss;
-- `cbs`: `cbs.engine.step.TrainStep` with the two-batch estimator off (`two_batch=False`);
-- `cbs+2batch (halves)`: the in-step two-batch estimate and its EMA on, with A = 1 on one
-  device, where the only small batches are the two halves of the batch (C = 2 chunks);
-- `cbs A=2` / `cbs A=2+2batch (micro)`: two accumulation steps without / with the estimate
-  (the micro-batches are the small batches: the estimator's own cost);
-- `... +exact/k (cond|jit)`: also an exact `cbs.stats.noise.exact` (fast path) measurement on the
-  whole batch every k steps, under `lax.cond` in the step or as its own jitted call.
+- `cbs (no estimate)`: `cbs.engine.step.TrainStep` with the live estimate off (`live="none"`);
+- `cbs + live`: the default live estimate (`live="auto"`: exact tr(Σ) and |G|² from the
+  per-example gradient norms of the step's own backward pass where `cbs.stats.ghost` reads the
+  model, else two-batch; the `live` column says which ran) and its EMA;
+- `cbs + two-batch (halves)`: the two-batch estimate instead, with A = 1 on one device, where
+  the only small batches are the two halves of the batch (C = 2 chunks);
+- `... + exact/k`: also an exact B_simple measurement of the whole batch every k steps: with an
+  exact live estimate it is that estimate (no extra pass); with the two-batch estimate it is
+  `cbs.stats.noise.exact` (fast path) in its own jitted call (`measure_now`), amortised;
+- `cbs A=2 ...`: two accumulation steps (the live estimate sums the per-example norms over
+  the micro-batches).
 
-Each cell is the median over repeats of the mean time per step over a run of steps
-(dispatch of step t+1 does not wait for step t; the clock stops after blocking on the last).
-Targets: cbs ≥ 0.95× the optax loop's steps/s; the two-batch estimator ≤ 3 % overhead
-(last column: against `cbs`, or against `cbs A=2` for the A = 2 rows).
+Each time is the mean per step over a run of `steps` steps (dispatch of step t+1 does not wait
+for step t; the clock stops after blocking on the last); the variants are interleaved in each
+repeat after a warm-up. A ratio is taken within each repeat against the baseline named in the
+`vs` column (for `optax`: its time over the cbs step's, a speed ratio; otherwise the
+variant's time over the baseline's, a cost ratio) and reported as median [min, max] over the
+repeats. Targets: cbs without estimates ≥ 0.97× the optax loop's speed; the live estimate
+≤ 1.05× the step without it; the periodic exact measurement ≤ 1.03× amortised.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from cbs.engine import optim, step
 
 
 def _model(name: str):
-    """(loss_fn, params, batch) for one of the three benchmark models."""
+    """(loss_fn, params, batch) for one of the benchmark models."""
     rng = np.random.default_rng(0)
     if name == "mlp":
         mc = models.default_model_config("mlp")
@@ -54,6 +62,12 @@ def _model(name: str):
         shape, b, task, kw = (28, 28, 1), 128, "classification", {"num_classes": 10}
         batch = {"x": rng.normal(size=(b, 28, 28, 1)).astype(np.float32),
                  "y": rng.integers(0, 10, b).astype(np.int32)}
+    elif name == "lm":
+        mc = models.default_model_config("lm")
+        mc.size = "tiny"
+        shape, b, task, kw = (128,), 32, "lm", {"vocab_size": 80}
+        tokens = rng.integers(0, 80, (b, 129)).astype(np.int32)
+        batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
     else:
         mc = models.default_model_config("transformer")
         mc.size = "tiny"
@@ -90,7 +104,7 @@ def _optax_runner(loss_fn, params, batch, lr: float):
     return run
 
 
-def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, two_batch: bool = True,
+def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, live: str = "auto",
                 measure=None):
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     direction = optim.make_direction(ml_collections.ConfigDict({"name": "adam"}))
@@ -100,8 +114,8 @@ def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, two_batch:
     b = jax.tree.leaves(batch)[0].shape[0]
     ts = step.TrainStep(step.stateless(loss_fn), direction, lambda e: 1.0, mesh,
                         jax.tree.map(lambda x: x.sharding, state), mesh_lib.batch_sharding(mesh),
-                        micro_batch=b // accum, two_batch=two_batch, measure=measure)
-    separate = measure is not None and not measure.in_step
+                        micro_batch=b // accum, live=live, measure=measure)
+    separate = measure is not None and not ts.measured_in_step(state, batch, accum)
     t = 0
 
     def run(n):
@@ -113,7 +127,7 @@ def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, two_batch:
             t += 1
         return metrics
 
-    return run
+    return run, ts.live_kind(state, batch, accum)
 
 
 def _time(run, steps: int) -> float:
@@ -123,48 +137,71 @@ def _time(run, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def bench(name: str, steps: int, repeats: int, every: int) -> list[tuple[str, float]]:
+# (variant, baseline it is compared with, target of the ratio)
+VARIANTS = (
+    ("cbs (no estimate)", "optax", "≥ 0.97× speed"),
+    ("cbs + live", "cbs (no estimate)", "≤ 1.05×"),
+    ("cbs + two-batch (halves)", "cbs (no estimate)", ""),
+    ("cbs + live + exact/10", "cbs + live", "≤ 1.03×"),
+    ("cbs + two-batch + exact/10 (jit)", "cbs + two-batch (halves)", ""),
+    ("cbs A=2 (no estimate)", "optax", ""),
+    ("cbs A=2 + live", "cbs A=2 (no estimate)", "≤ 1.05×"),
+)
+
+
+def bench(name: str, steps: int, repeats: int, every: int) -> tuple[dict, dict]:
+    """Per variant: seconds per step of each repeat, and the live estimator it ran."""
     loss_fn, params, batch = _model(name)
     batch = jax.device_put(batch)
-    measure = step.Measurement("fast", every, micro_batches=2)  # the whole batch
+    measure = step.Measurement("fast", every, micro_batches=2)  # the whole batch (A = 1: 1)
+    runner = lambda **kw: _cbs_runner(loss_fn, params, batch, 1e-3, **kw)
     variants = {
-        "optax": _optax_runner(loss_fn, params, batch, 1e-3),
-        "cbs": _cbs_runner(loss_fn, params, batch, 1e-3, two_batch=False),
-        "cbs+2batch (halves)": _cbs_runner(loss_fn, params, batch, 1e-3),
-        "cbs A=2": _cbs_runner(loss_fn, params, batch, 1e-3, accum=2, two_batch=False),
-        "cbs A=2+2batch (micro)": _cbs_runner(loss_fn, params, batch, 1e-3, accum=2),
-        f"cbs A=2+2batch+exact/{every} (cond)": _cbs_runner(
-            loss_fn, params, batch, 1e-3, accum=2, measure=measure._replace(in_step=True)),
-        f"cbs A=2+2batch+exact/{every} (jit)": _cbs_runner(
-            loss_fn, params, batch, 1e-3, accum=2, measure=measure),
+        "optax": (_optax_runner(loss_fn, params, batch, 1e-3), "-"),
+        "cbs (no estimate)": runner(live="none"),
+        "cbs + live": runner(),
+        "cbs + two-batch (halves)": runner(live="two_batch"),
+        f"cbs + live + exact/{every}": runner(measure=measure),
+        f"cbs + two-batch + exact/{every} (jit)": runner(live="two_batch", measure=measure),
+        "cbs A=2 (no estimate)": runner(accum=2, live="none"),
+        "cbs A=2 + live": runner(accum=2),
     }
-    for run in variants.values():  # compile and warm up
-        jax.block_until_ready(run(steps))
+    for run, _ in variants.values():  # compile and warm up (covers a measurement)
+        jax.block_until_ready(run(max(steps, every)))
     # Interleave the variants over the repeats so that load on a shared machine hits all.
     out = {k: [] for k in variants}
     for _ in range(repeats):
-        for k, run in variants.items():
+        for k, (run, _) in variants.items():
             out[k].append(_time(run, steps))
-    return [(k, statistics.median(v)) for k, v in out.items()]
+    return out, {k: kind for k, (_, kind) in variants.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--models", default="mlp,cnn,transformer,lm")
+    parser.add_argument("--repeats", type=int, default=0, help="0: 7 (quick) or 11")
     args = parser.parse_args()
-    steps, repeats, every = (20, 5, 10) if args.quick else (100, 9, 10)
+    steps, repeats, every = (20, 7, 10) if args.quick else (100, 11, 10)
+    repeats = args.repeats or repeats
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-          f"{steps} steps × {repeats} repeats per cell, median\n")
-    print("| model | variant | ms/step | steps/s | vs optax | vs its baseline |")
-    print("|---|---|---:|---:|---:|---:|")
+          f"{steps} steps × {repeats} repeats per cell\n")
+    print("| model | variant | live | ms/step (median) | vs | ratio median [min, max] | "
+          "target |")
+    print("|---|---|---|---:|---|---|---|")
     for name in args.models.split(","):
-        rows = bench(name, steps, repeats, every)
-        times = dict(rows)
-        for variant, sec in rows:
-            base = times["cbs A=2"] if variant.startswith("cbs A=2") else times["cbs"]
-            print(f"| {name} | {variant} | {sec * 1e3:.3f} | {1 / sec:.1f} | "
-                  f"{times['optax'] / sec:.3f}× | {(sec / base - 1) * 100:+.1f} % |", flush=True)
+        times, kinds = bench(name, steps, repeats, every)
+        for variant, base, target in VARIANTS:
+            variant, base = (v.replace("/10", f"/{every}") for v in (variant, base))
+            if base == "optax":  # speed relative to the hand-written loop: optax / cbs
+                r = [o / c for o, c in zip(times[base], times[variant], strict=True)]
+            else:  # cost relative to the same step without the extra work
+                r = [c / o for o, c in zip(times[base], times[variant], strict=True)]
+            ms = statistics.median(times[variant]) * 1e3
+            print(f"| {name} | {variant} | {kinds[variant]} | {ms:.2f} | {base} | "
+                  f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | {target} |",
+                  flush=True)
+        print(f"| {name} | optax | - | {statistics.median(times['optax']) * 1e3:.2f} | | | |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ BAD = [
     ("data.name", "imagenet21k", "config.data.name"),
     ("noise.small_batch", 3, "config.noise.small_batch"),
     ("noise.method", "magic", "config.noise.method"),
+    ("noise.live", "magic", "config.noise.live"),
     ("noise.ema_decay", 1.0, "config.noise.ema_decay"),
     ("noise.every", -1, "config.noise.every"),
     ("train.max_steps", -1, "config.train.max_steps"),

@@ -228,6 +228,28 @@ def wrapped_jax():
     return loss_fn, params, {"x": x, "y": jnp.arange(B) % 3}
 
 
+def mixed_cnn(dtype=jnp.float32):
+    """Two convolutions whose per-example norms take different forms ("mixed" ghost norms,
+    Bu et al. 2022): 6×6×3 → 3×3 SAME → 6×6×8 (T = 36 positions, D = 27 window features,
+    O = 8: the direct form T·D·O is cheaper than the Gram form T²(D + O)), then 3×3 stride 3
+    → 2×2×16 (T = 4, D = 72, O = 16: the Gram form is cheaper)."""
+    k = _keys(4)
+    params = {"c1": jax.random.normal(k[0], (3, 3, 3, 8), dtype) / 5,
+              "c2": jax.random.normal(k[1], (3, 3, 8, 16), dtype) / 8,
+              "head": jax.random.normal(k[2], (4 * 16, 3), dtype) / 8}
+
+    def loss_fn(p, batch):
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jnp.tanh(jax.lax.conv_general_dilated(batch["x"], p["c1"], (1, 1), "SAME",
+                                                  dimension_numbers=dn))
+        h = jnp.tanh(jax.lax.conv_general_dilated(h, p["c2"], (3, 3), "VALID",
+                                                  dimension_numbers=dn))
+        return _xent(h.reshape(h.shape[0], -1) @ p["head"], batch["y"])
+
+    x = jax.random.normal(k[3], (B, 6, 6, 3), dtype)
+    return loss_fn, params, {"x": x, "y": jnp.arange(B) % 3}
+
+
 def unreadable():
     """A plain MLP whose second kernel goes through an op no rule covers (sin)."""
     loss_fn, params, batch = plain_mlp()
@@ -239,7 +261,8 @@ def unreadable():
     return odd_loss, params, batch
 
 
-MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
+MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "mixed_cnn": mixed_cnn,
+          "nnx": nnx_model,
           "linen": linen_model, "scanned_lm": scanned_lm,
           "tied_lm": lambda: scanned_lm(tied=True), "unreadable": unreadable,
           "wrapped_jax": wrapped_jax}
@@ -289,3 +312,11 @@ def test_fast_equals_vmap_float64(name, x64):
 def test_fast_equals_vmap_float32(name):
     loss_fn, params, batch = MODELS[name]()
     _compare(loss_fn, params, batch, 1e-5)
+
+
+def test_mixed_cnn_takes_both_forms():
+    """The per-layer choice of `mixed_cnn`: direct for the first convolution, Gram for the
+    second (its norms equal the vmap reference in test_fast_equals_vmap_*)."""
+    from cbs.stats.ghost_rules import use_gram
+
+    assert not use_gram(36, 27, 8) and use_gram(4, 72, 16)

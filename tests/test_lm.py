@@ -15,9 +15,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cbs import models
+from cbs.engine import counts, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.engine import step as step_lib
-from cbs.engine import trainer
 from cbs.models import lm
 from experiments.configs import lm_shakespeare
 
@@ -134,8 +133,8 @@ def _assert_metrics_close(got, want, keys=None):
 ])
 def test_sharded_step_equals_one_device(data, model, mode, remat):
     """Everything that is a function of the logical batch (loss, update, exact statistics)
-    equals one device; the two-batch estimate, whose small batches are per-replica chunks,
-    equals the same data axis with unsharded parameters."""
+    equals one device; the live estimate (two-batch where it runs, whose small batches are
+    per-replica chunks) equals the same data axis with unsharded parameters."""
     one = mesh_lib.make_mesh(1, 1, devices=jax.devices()[:1])
     mesh = mesh_lib.make_mesh(data, model)
     _, state_1, metrics_1 = _run(_config("none", "replicated"), one)
@@ -143,14 +142,14 @@ def test_sharded_step_equals_one_device(data, model, mode, remat):
     _, _, metrics_rep = _run(_config("none", "replicated", data=data), mesh)
     assert compilations == 1  # three steps, one program
     assert sharded  # the check sees parameters that are really split
-    logical = [k for k in metrics_1[0] if not k.startswith(("noise/two_batch", "noise/ema_"))]
+    logical = [k for k in metrics_1[0] if not k.startswith(("noise/live_", "noise/ema_"))]
     assert "noise/b_simple" in logical and "noise/measured_ema_b_simple" in logical
     assert np.isfinite(metrics_1[0]["noise/b_simple"])
     _assert_metrics_close(metrics, metrics_1, logical)
     _assert_metrics_close(metrics, metrics_rep)
     _assert_close(state.params, state_1.params, 2e-5, 2e-6)
     _assert_close(state.opt_state, state_1.opt_state, 2e-4, 1e-8)
-    assert step_lib.count_to_int(state.examples_seen) == 3 * 32
+    assert counts.count_to_int(state.examples_seen) == 3 * 32
 
 
 @pytest.mark.xdist_group("lm_fsdp_tp")  # reuses the float32 FSDP × TP run of the test above
@@ -176,10 +175,10 @@ def test_counter_and_learning_rate_at_three_trillion_tokens():
     c.noise.every = 0
     tr = trainer.Trainer(c, None, mesh=mesh_lib.make_mesh(1, 1, devices=jax.devices()[:1]))
     e0 = 3 * 10**12 // T
-    state = tr.init_state().replace(examples_seen=step_lib.count_from_int(e0))
+    state = tr.init_state().replace(examples_seen=counts.count_from_int(e0))
     b = c.batch.schedule.batch_size
     state, metrics = tr.step(state, tr.inputs(0, b), tr.accum_steps(b))
-    assert step_lib.count_to_int(state.examples_seen) == e0 + b
+    assert counts.count_to_int(state.examples_seen) == e0 + b
     w, total = float(2**31), float(c.optim.total_examples)
     p = (e0 + b - w) / (total - w)
     expected = c.optim.learning_rate * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * p)))
@@ -188,19 +187,19 @@ def test_counter_and_learning_rate_at_three_trillion_tokens():
 
 def test_count_words_are_exact_and_carry():
     n = 3 * 10**12
-    count = step_lib.count_from_int(n)
-    assert count.dtype == jnp.int32 and step_lib.count_to_int(count) == n
-    add = jax.jit(step_lib.count_add)
-    c = step_lib.count_from_int(step_lib.COUNT_BASE - 1)
+    count = counts.count_from_int(n)
+    assert count.dtype == jnp.int32 and counts.count_to_int(count) == n
+    add = jax.jit(counts.count_add)
+    c = counts.count_from_int(counts.COUNT_BASE - 1)
     for _ in range(3):  # carries across the low word
         c = add(c, 2**29 + 3)
-    assert step_lib.count_to_int(c) == step_lib.COUNT_BASE - 1 + 3 * (2**29 + 3)
-    big = step_lib.count_from_int(2**61 - 2**31)
-    assert step_lib.count_to_int(add(big, 2**29)) == 2**61 - 2**31 + 2**29
-    assert float(step_lib.count_value(count)) == pytest.approx(n, rel=1e-7)
-    assert 0 <= int(step_lib.count_int32(count)) < 2**31
+    assert counts.count_to_int(c) == counts.COUNT_BASE - 1 + 3 * (2**29 + 3)
+    big = counts.count_from_int(2**61 - 2**31)
+    assert counts.count_to_int(add(big, 2**29)) == 2**61 - 2**31 + 2**29
+    assert float(counts.count_value(count)) == pytest.approx(n, rel=1e-7)
+    assert 0 <= int(counts.count_int32(count)) < 2**31
     with pytest.raises(ValueError, match="examples seen"):
-        step_lib.count_from_int(-1)
+        counts.count_from_int(-1)
 
 
 def test_flops_formula_matches_parameter_count():

@@ -143,3 +143,18 @@ def test_seeded_ramps_go_to_out_dir_and_leave_the_sweep_alone(tmp_path):
     curves = [r["curve"]["full_train/loss"] for r in got]
     assert curves[0] != curves[1]  # the seeds train differently
     assert len(records.read_records(os.path.join(out, files.RAMPS_FILE))) == 2
+
+
+def test_a_ramp_below_the_fitted_frontier_is_compared_with_the_best_fixed_batch():
+    ramp = {"steps": 10.0, "step_saving_ci": (0.1, 0.3), "example_cost_ci": (-0.3, -0.1),
+            "reached": 3, "num_seeds": 3}
+    assert payoff.verdict(ramp) == "beats the frontier"
+    far = {"run": "fixed B=64", "example_cost": -0.2}
+    near = {"run": "fixed B=32", "example_cost": -0.05}
+    assert payoff.verdict(ramp, far) == ("beats the fitted frontier, not the best fixed batch "
+                                         "(fixed B=64: -20 %)")
+    assert payoff.verdict(ramp, near) == "beats the frontier and every fixed batch"
+    t = {"rows": [{"run": "a", "batch_size": 8, "example_cost": 0.1},
+                  {"run": "b", "batch_size": 16, "example_cost": -0.2},
+                  {"run": "r", "batch_size": None, "example_cost": -0.5}]}
+    assert payoff.best_fixed(t)["run"] == "b"

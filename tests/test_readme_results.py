@@ -15,7 +15,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARK = re.compile(r"<!-- from (\S+) -->")
-RESULT_HEADERS = ("| target L | B_crit", "| examples seen |")
+RESULT_HEADERS = ("| target L | B_crit", "| examples seen |", "| size | B_crit",
+                  "| run | seeds reached |")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 

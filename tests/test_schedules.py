@@ -257,7 +257,7 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
     """At 3·10¹² tokens (past int32 by 1400×): Llama 3's batch is 16M tokens = 2048 sequences
     of 8192, in tokens and in sequences; the exact device counter holds the position and the
     cosine learning rate read there equals the float64 closed form."""
-    from cbs.engine import step
+    from cbs.engine import counts
 
     tokens, t = 3 * 10**12, 8192
     assert sch.llama3_schedule().batch_size_at(tokens) == 16 * MI
@@ -271,11 +271,11 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
     with pytest.raises(ValueError, match="seq_len"):
         sch.in_sequences(sch.Constant(1000), 4096)
 
-    count = step.count_from_int(tokens)  # a token counter (T = 1): needs more than int32
-    assert step.count_to_int(step.count_add(count, 16 * MI)) == tokens + 16 * MI
+    count = counts.count_from_int(tokens)  # a token counter (T = 1): needs more than int32
+    assert counts.count_to_int(counts.count_add(count, 16 * MI)) == tokens + 16 * MI
     warmup, total = 8e9, 1.56e13  # Llama 3 405B: 8000 steps × ~1M, 15.6T tokens
     lr = lr_schedule(8e-5, warmup_examples=warmup, total_examples=total, decay="cosine",
                      final_fraction=0.01)
     p = (tokens - warmup) / (total - warmup)
     expected = 8e-5 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * p)))
-    assert float(lr(step.count_value(count))) == pytest.approx(expected, rel=1e-5)
+    assert float(lr(counts.count_value(count))) == pytest.approx(expected, rel=1e-5)

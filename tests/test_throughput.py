@@ -112,6 +112,6 @@ def test_lm_step_benchmark_tiny_mode(capsys, no_compilation_cache):
     lm_step.main(["--tiny", "--repeats=1", "--steps=2", "--every=2"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny")]
-    assert [r.split("|")[3].strip() for r in rows] == ["plain", "+2batch", "+2batch+exact/2"]
+    assert [r.split("|")[3].strip() for r in rows] == ["plain", "+live", "+live+exact/2"]
     assert all(r.split("|")[6].strip() == "unknown" for r in rows)
     assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)

@@ -175,13 +175,15 @@ def test_eight_devices_equal_one(mlp):
     """R=8 (m=4, and m=1 with A=4) equals R=1; the two-batch estimate too (b = 4 | m)."""
     loss_fn, params, batch = mlp
     oc = ml_collections.ConfigDict({"name": "adam"})
-    ts1, st1 = make_step(loss_fn, params, oc, one_device_mesh(), micro_batch=32, small_batch=4)
-    ts8, st8 = make_step(loss_fn, params, oc, one_device_mesh(8), micro_batch=4, small_batch=4)
+    ts1, st1 = make_step(loss_fn, params, oc, one_device_mesh(), micro_batch=32, small_batch=4,
+                         live="two_batch")
+    ts8, st8 = make_step(loss_fn, params, oc, one_device_mesh(8), micro_batch=4, small_batch=4,
+                         live="two_batch")
     st1, h1 = run_steps(ts1, st1, batch, accum=1)
     st8, h8 = run_steps(ts8, st8, batch, accum=1)
     assert_trees_close(st1.params, st8.params)
     for a, b in zip(h1, h8, strict=True):
-        for k in ("train/loss", "noise/two_batch_trace_sigma", "noise/ema_b_simple"):
+        for k in ("train/loss", "noise/live_trace_sigma", "noise/ema_b_simple"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4)
     ts8a, st8a = make_step(loss_fn, params, oc, one_device_mesh(8), micro_batch=1)
     st8a, _ = run_steps(ts8a, st8a, batch, accum=4)
@@ -192,10 +194,12 @@ def test_measure_in_step_equals_separate(mlp):
     loss_fn, params, batch = mlp
     oc = ml_collections.ConfigDict({"name": "sgd"})
     measure = step.Measurement("auto", every=2)
-    mesh = one_device_mesh()
+    mesh = one_device_mesh()  # with the two-batch live estimate: an exact one would give the
+    # measurement itself (tests/test_live_noise.py)
     ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=16,
-                           measure=measure._replace(in_step=True))
-    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure)
+                           measure=measure._replace(in_step=True), live="two_batch")
+    ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure,
+                           live="two_batch")
     st_a, hist_a = run_steps(ts_a, st_a, batch, accum=2)
     b = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     hist_b = []
@@ -249,7 +253,8 @@ def test_two_batch_estimate_agrees_with_exact_on_average():
     the N examples, so E|ḡ_b|² = |G|² + σ²(N − b)/(b(N − 1)) with σ² = Σ|g_i − G|²/N; the
     two-batch formulas then give exactly exact(train set).trace_sigma (the 1/(N−1) estimate)
     and exact(train set).grad_sq_norm in expectation. Tolerance: 4 standard errors."""
-    c = tiny_config(**{"batch.schedule.batch_size": 64, "noise.small_batch": 8})
+    c = tiny_config(**{"batch.schedule.batch_size": 64, "noise.small_batch": 8,
+                       "noise.live": "two_batch"})
     tr = trainer.Trainer(c, mesh=one_device_mesh())
     state = tr.init_state()
     state = state.replace(learning_rate=jax.device_put(jnp.float32(0.0),
@@ -263,7 +268,7 @@ def test_two_batch_estimate_agrees_with_exact_on_average():
     full = tr.dataset.split("train").read(np.arange(tr.dataset.num_train))
     exact = noise.exact(loss_fn, state.params, full, chunk_size=256)
     for key, want in (("trace_sigma", exact.trace_sigma), ("grad_sq_norm", exact.grad_sq_norm)):
-        x = np.array([h[f"noise/two_batch_{key}"] for h in hist], np.float64)
+        x = np.array([h[f"noise/live_{key}"] for h in hist], np.float64)
         se = x.std(ddof=1) / np.sqrt(num_steps)
         assert abs(x.mean() - float(want)) < 4 * se, (key, x.mean(), float(want), se)
         assert se < 0.25 * abs(float(want)), (key, se)  # the check has power
@@ -306,9 +311,12 @@ def test_records_checkpoints_and_status(tmp_path):
     assert [r["step"] for r in trains] == list(range(12))
     assert [r["step"] for r in evals] == [0, 6, 12]
     for key in ("train/loss", "opt/lr", "opt/grad_norm", "data/batch_size", "data/examples_seen",
-                "noise/ema_b_simple", "noise/two_batch_trace_sigma"):
+                "noise/ema_b_simple", "noise/live_trace_sigma", "noise/live_exact"):
         assert key in trains[5], key
     assert all(("noise/b_simple" in r) == (r["step"] % 4 == 0) for r in trains)
+    # the measurement is the exact live statistics of the step's whole batch of 32
+    assert trains[4]["noise/batch_size"] == 32 and trains[4]["noise/live_exact"] == 1.0
+    assert trains[4]["noise/trace_sigma"] == pytest.approx(trains[4]["noise/live_trace_sigma"])
     assert {"eval/loss", "eval/accuracy", "full_train/loss", "full_train/accuracy"} <= set(
         evals[-1])
     lrs = [r["opt/lr"] for r in trains[:5]]  # warmup: η_0·min(1, (E + B)/128), B_0 = B

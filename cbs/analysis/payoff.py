@@ -178,18 +178,31 @@ def _bootstrap(out, values, usable, sizes, n_rep, confidence, rng) -> None:
         row["example_cost_ci"] = tuple(float(x) for x in np.percentile(cost, q))
 
 
-def verdict(row: dict[str, Any]) -> str:
-    """Whether a ramp beat the fixed-batch frontier at this target, in words."""
+def verdict(row: dict[str, Any], best: dict[str, Any] | None = None) -> str:
+    """Whether a ramp beat the fixed-batch frontier at this target, in words; with `best`
+    (the fixed batch furthest below the fitted frontier), whether it also beat that one."""
     ci = row.get("step_saving_ci")
     if "steps" not in row:
         return f"{row['reached']}/{row['num_seeds']} seeds reached"
     if ci is None:
         return "no interval"
     if ci[0] > 0:
-        return "beats the frontier"
+        cost_hi = row.get("example_cost_ci", (math.nan, math.nan))[1]
+        if best is None:
+            return "beats the frontier"
+        if cost_hi < best["example_cost"]:
+            return "beats the frontier and every fixed batch"
+        return (f"beats the fitted frontier, not the best fixed batch ({best['run']}: "
+                f"{_pct(best['example_cost'])})")
     if ci[1] < 0:
         return "behind the frontier"
     return "on the frontier (interval contains 0)"
+
+
+def best_fixed(target: dict[str, Any]) -> dict[str, Any] | None:
+    """The fixed batch size furthest below the fitted frontier (examples at equal steps)."""
+    fixed = [r for r in target["rows"] if r["batch_size"] is not None and "example_cost" in r]
+    return min(fixed, key=lambda r: r["example_cost"]) if fixed else None
 
 
 def analyse(ramps: Sequence[dict[str, Any]], targets: Sequence[float], *,
@@ -222,6 +235,7 @@ def _cell_ci(value: float, ci: tuple[float, float] | None, fmt) -> str:
 
 def table(target: dict[str, Any]) -> str:
     """Markdown: one row per run at one target."""
+    best = best_fixed(target)
     lines = ["| run | seeds reached | S (CI) | E (CI) | step saving at equal E (CI) | "
              "examples vs frontier at equal S (CI) | verdict |", "|---" * 7 + "|"]
     for row in target["rows"]:
@@ -234,12 +248,13 @@ def table(target: dict[str, Any]) -> str:
         if row["batch_size"] is None and "step_saving" in row:
             cells += [_cell_ci(row["step_saving"], row.get("step_saving_ci"), _pct),
                       _cell_ci(row["example_cost"], row.get("example_cost_ci"), _pct),
-                      verdict(row)]
+                      verdict(row, best)]
         elif row["batch_size"] is not None and "step_saving" in row:
             cells += [_pct(row["step_saving"]), _pct(row["example_cost"]),
                       "fixed batch (frontier residual)"]
         else:
-            cells += ["–", "–", verdict(row) if row["batch_size"] is None else "fixed batch"]
+            cells += ["–", "–",
+                      verdict(row, best) if row["batch_size"] is None else "fixed batch"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -257,7 +272,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             if "example_cost" in row:
                 parts.append(f"L={t['target']:g}: "
                              + _cell_ci(row["example_cost"], row.get("example_cost_ci"), _pct)
-                             + f", {verdict(row)}")
+                             + f", {verdict(row, best_fixed(t))}")
             else:
                 parts.append(f"L={t['target']:g}: {verdict(row)}")
         out.append(f"- **{name}** (examples vs the frontier at equal steps): "

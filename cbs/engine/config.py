@@ -25,7 +25,17 @@ from typing import Any
 import ml_collections
 
 from cbs import data, models
-from cbs.engine import fields, loop, lr, measure, mesh, optim, schedules, throughput
+from cbs.engine import (
+    fields,
+    live_noise,
+    loop,
+    lr,
+    measure,
+    mesh,
+    optim,
+    schedules,
+    throughput,
+)
 
 ConfigError = fields.ConfigError  # re-exported: the error every config check raises
 
@@ -69,14 +79,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.batch.lr_coupling.cap = 0.0  # largest learning rate allowed; 0 = no cap
 
     c.noise = ml_collections.ConfigDict()
-    c.noise.two_batch = True  # in-step two-batch estimate (+ EMA) from the step's gradients
-    c.noise.small_batch = 0  # its small batch b: R·m (micro-batches), m (per replica, R ≥ 2),
-    #   or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2, m if R ≥ 2, else m/2
+    c.noise.live = "auto"  # live estimate of tr(Σ), |G|² (+ EMA) every step: "auto" (exact,
+    #   from the backward pass's per-example gradient norms, where cbs.stats.ghost reads the
+    #   model; else two-batch) | "exact" | "two_batch" | "none" (cbs.engine.live_noise)
+    c.noise.two_batch = True  # False: no live estimate at all (as live="none")
+    c.noise.small_batch = 0  # the two-batch estimate's small batch b: R·m (micro-batches), m
+    #   (per replica, R ≥ 2), or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2,
+    #   m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
     c.noise.every = 0  # steps between exact/probe measurements; 0 = never
     c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
     #   "auto" | "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson)
     c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
+    #   (an exact B_simple measurement with an exact live estimate uses the whole batch B)
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
     c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
     c.noise.chunk_size = 0  # examples per vmap chunk in exact; 0 = all at once
@@ -182,8 +197,8 @@ def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule) 
     if schedule.observes == "b_noise" and not (n.every and n.curvature):
         raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
                           "measurements (noise.every > 0 and noise.curvature=True)")
-    b = n.small_batch  # the sizes `cbs.engine.step.TrainStep.plan` accepts
-    if b and b != multiple and not (b == m and r >= 2) and (b % r or m % (b // r)):
+    b = n.small_batch
+    if b and not live_noise.small_batch_ok(b, r, m):
         raise ConfigError(f"config.noise.small_batch: {b} must be micro_batch × data replicas ="
                           f" {multiple}, micro_batch = {m} (replicas ≥ 2), or a multiple of the"
                           f" {r} replicas whose share divides micro_batch")

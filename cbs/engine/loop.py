@@ -26,6 +26,7 @@ import ml_collections
 from cbs.engine import checkpoint, fields, preemption, schedules, throughput, writer
 from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import files, records
+from cbs.stats import noise
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
@@ -225,7 +226,9 @@ class Loop:
         every = self.config.noise.every
         if every and step % every == 0:
             rec |= {k: float(v) for k, v in (measured or {}).items()}
-            rec["noise/batch_size"] = self.noise_batch
+            # the measured examples: the step's whole batch when read from its exact live
+            # statistics, else noise.batch_size
+            rec["noise/batch_size"] = int(rec.get("noise/batch_size", self.noise_batch))
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
             rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
                    and k not in _MEASURED_KEYS}
@@ -382,6 +385,4 @@ class Loop:
         return summary
 
 
-_MEASURED_KEYS = frozenset(
-    f"noise/{k}" for k in ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple",
-                           "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise"))
+_MEASURED_KEYS = frozenset(f"noise/{k}" for k in (*noise.STAT_KEYS, "batch_size"))

@@ -43,15 +43,16 @@ batch: `cbs.engine.step` takes the deviations from its first half and H from its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cbs import data
-from cbs.engine import fields
+from cbs.engine import fields, live_noise
 from cbs.stats import curvature, noise, trees
 
 PyTree = Any
@@ -77,6 +78,50 @@ def validate_config(noise_config: Any) -> None:
     fields.integer(noise_config, "batch_size", at, minimum=0)
     fields.integer(noise_config, "num_probes", at)
     fields.integer(noise_config, "chunk_size", at, minimum=0)
+    if "live" in noise_config:
+        fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
+
+
+class Measurement(NamedTuple):
+    """What to measure every `every` steps, on the first `micro_batches` micro-batches.
+
+    An exact B_simple measurement (method "auto" | "fast" | "vmap", no curvature) in a step
+    whose live estimate is exact is that estimate on the step's whole batch: no extra pass,
+    `micro_batches` and `in_step` unused (`cbs.engine.step.TrainStep.measured_in_step`).
+    With curvature in the step (`in_step`), its B_simple fields are those live statistics
+    too, and only the curvature pass runs on the first micro-batches.
+    """
+
+    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) | "probe"
+    every: int = 100  # steps between measurements
+    micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
+    curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
+    num_probes: int = 1  # probe vectors ("probe")
+    chunk_size: int = 0  # examples per vmap chunk in exact (0: all at once)
+    in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
+
+
+def measure_batch(fn: noise.MethodFn, loss_fn, params, batch, *, curvature: bool,
+                  whole: noise.NoiseStats | None = None, **kw) -> noise.NoiseStats:
+    """A train step's every-k-steps measurement by the method `fn`. With curvature and a
+    method that takes `hessian_batch`, the curvature terms are unbiased: deviations and ḡ
+    from the first half of the batch, H from the second (E[Ĥ] = H given the first half when
+    the halves are independent draws; without replacement from N examples each example's own
+    Hessian enters its term with weight −1/(N − n/2) instead of the same-batch estimator's
+    +1/(n/2)), while trace_sigma, grad_sq_norm and b_simple use the whole batch, or are
+    `whole` when given (the exact live statistics of the train step's batch: no extra pass)."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if not (curvature and noise.takes_hessian_batch(fn)):
+        return fn(loss_fn, params, batch, curvature=curvature, **kw)
+    if n < 4:
+        raise ValueError(f"a curvature measurement needs >= 4 measured examples (two halves "
+                         f"of >= 2), got {n}: raise config.noise.batch_size")
+    if whole is None:
+        whole = fn(loss_fn, params, batch, curvature=False, **kw)
+    half = n // 2
+    split = fn(loss_fn, params, jax.tree.map(lambda x: x[:half], batch), curvature=True,
+               hessian_batch=jax.tree.map(lambda x: x[half:], batch), **kw)
+    return dataclasses.replace(whole, **{k: getattr(split, k) for k in noise.CURVATURE_KEYS})
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,

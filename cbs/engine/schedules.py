@@ -7,7 +7,7 @@ Tokens: a language-model example is a sequence of T tokens, so tokens seen = T·
 Schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
 `in_sequences(schedule, T)` or `llama3_schedule(tokens_per_unit=T)`; learning-rate schedules
 take warmup/total in examples (tokens / T). Host counters are Python ints (no overflow); the
-device counter is exact in two int32 words (`cbs.engine.step.count_*`) and reaches the
+device counter is exact in two int32 words (`cbs.engine.counts`) and reaches the
 learning-rate schedule as a float, whose relative rounding (6·10⁻⁸ in float32) only moves
 where on a smooth schedule η is read, never a batch-size switch (those are on the host).
 

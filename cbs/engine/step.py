@@ -8,22 +8,24 @@ One step on a global batch [B, ...] sharded over `data`:
 
 1. view it as C chunks [C, B/C] without moving data: each replica's B/R contiguous examples
    cut into C runs, chunk k = the k-th run of every replica (C = A: the micro-batches);
-2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and its
-   squared norm |g_small|², which the step needs anyway for ḡ (so the estimate is nearly
-   free), or, per micro-batch, a `vmap` over the R replicas that gives the per-replica
-   gradients before their mean (b = m, no extra communication);
+2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and, with
+   the exact live estimate (default where `cbs.stats.ghost` reads the model), the sum of its
+   examples' squared gradient norms Σ|g_i|² from the same backward pass; else its squared
+   norm |g_small|² (or, per micro-batch, a `vmap` over the R replicas: b = m);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the two-batch estimator (McCandlish et al. 2018, App. A; `cbs.stats.noise.two_batch`) from the
-   mean of the B/b values |g_small|² (each of expectation |G|² + tr(Σ)/b) and |ḡ|²
-   (expectation |G|² + tr(Σ)/B), smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
+4. the live estimate (`cbs.engine.live_noise`): exact tr(Σ) and |G|² of the whole batch from
+   Σ_i |g_i|² and |ḡ|²; or the two-batch estimator (McCandlish et al. 2018, App. A;
+   `cbs.stats.noise.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
+   smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
 5. optionally, every `measure_every` steps, `noise.exact` or `noise.probe` on the
-   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call);
+   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call); an
+   exact B_simple measurement with an exact live estimate is that estimate (no extra pass);
 6. u = direction(ḡ) (optax, `cbs.engine.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
    (`cbs.engine.schedules`): the learning rate is a function of examples seen E, never of steps.
 
-The small batches (`plan`): by default the A micro-batches when A ≥ 2 (free); else each
-replica's share when R ≥ 2; else two halves of the batch (C = 2: the one case that changes
-the computation, by running the batch as two chunks). Splitting the logical batch
+The two-batch estimate's small batches (`plan`): by default the A micro-batches when A ≥ 2
+(free); else each replica's share when R ≥ 2; else two halves of the batch (C = 2: the one
+case that changes the computation, by running the batch as two chunks). Splitting the logical batch
 differently changes only the order of float32 sums, never the update.
 """
 
@@ -31,17 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cbs.engine import optim
+from cbs.engine import live_noise, optim
+from cbs.engine.counts import count_add, count_int32, count_value
 from cbs.engine.lr import coupled_lr
+from cbs.engine.measure import Measurement, measure_batch
 from cbs.stats import noise
 from cbs.stats.trees import tree_sq_norm
 
@@ -56,12 +59,12 @@ class TrainState:
     """Everything on the device that an exact resume needs.
 
     step: int32 updates applied; examples_seen: examples consumed (E) as an exact two-word
-    int32 count (`count_*` below: exact to 2^61, where a plain int32 overflows at 2.1·10⁹);
+    int32 count (`cbs.engine.counts`: exact to 2^61, where a plain int32 overflows at 2.1·10⁹);
     learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
     variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.stats.noise.NoiseScaleEMA` of
-    the in-step two-batch estimates; measure_ema: the same of the every-k-steps measurements
+    the in-step live estimates; measure_ema: the same of the every-k-steps measurements
     (with the curvature pair when measured), which is what an adaptive schedule on b_noise reads.
     """
 
@@ -82,43 +85,6 @@ jax.tree_util.register_dataclass(
     TrainState, data_fields=[f.name for f in dataclasses.fields(TrainState)], meta_fields=[])
 
 
-# An exact example (or token) count on the device without 64-bit integers: int32 words
-# [..., (high, low)] with value high·2^30 + low and 0 <= low < 2^30, so adding a batch of up to
-# 2^30 examples never overflows a word. Host code keeps Python ints (`count_to_int`).
-COUNT_BASE = 2**30
-
-
-def count_from_int(n: int) -> jax.Array:
-    """The two-word count of a non-negative Python int n < 2^61."""
-    if not 0 <= int(n) < 2**61:
-        raise ValueError(f"examples seen {n} is outside [0, 2^61)")
-    return jnp.asarray(divmod(int(n), COUNT_BASE), jnp.int32)
-
-
-def count_to_int(count: Any) -> int:
-    """The Python int a (fetched) two-word count holds."""
-    high, low = (int(v) for v in np.asarray(count).reshape(-1)[-2:])
-    return high * COUNT_BASE + low
-
-
-def count_add(count: jax.Array, n: Any) -> jax.Array:
-    """count + n for 0 <= n < 2^30 (a traced int32 or a Python int), carrying exactly."""
-    low = count[..., 1] + jnp.asarray(n, jnp.int32)
-    return jnp.stack([count[..., 0] + low // COUNT_BASE, low % COUNT_BASE], axis=-1)
-
-
-def count_value(count: jax.Array) -> jax.Array:
-    """The count as a float (float32: relative error 6·10⁻⁸, for learning-rate schedules)."""
-    f = jnp.result_type(float)
-    return count[..., 0].astype(f) * COUNT_BASE + count[..., 1].astype(f)
-
-
-def count_int32(count: jax.Array) -> jax.Array:
-    """The count modulo 2^31 as a non-negative int32 (the stream position of in-memory data,
-    whose order therefore repeats after 2^31 examples)."""
-    return (count[..., 0] % 2) * COUNT_BASE + count[..., 1]
-
-
 def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
                      learning_rate: float = 1.0, model_state: PyTree = None,
                      ema_decay: float = 0.95) -> TrainState:
@@ -134,40 +100,6 @@ def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
 def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
     """Wraps loss_fn(params, batch) into the (params, model_state, batch) form."""
     return lambda params, model_state, batch: (loss_fn(params, batch), model_state)
-
-
-class Measurement(NamedTuple):
-    """What to measure every `every` steps, on the first `micro_batches` micro-batches."""
-
-    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) | "probe"
-    every: int = 100  # steps between measurements
-    micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
-    curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise
-    num_probes: int = 1  # probe vectors ("probe")
-    chunk_size: int = 0  # examples per vmap chunk in exact (0: all at once)
-    in_step: bool = False  # under lax.cond in the step (True) or by `measure_now` (False)
-
-
-def _measure(fn: noise.MethodFn, loss_fn, params, batch, *, curvature: bool, **kw
-             ) -> noise.NoiseStats:
-    """One measurement by the method `fn`. With curvature and a method that takes
-    `hessian_batch`, the curvature terms are unbiased: deviations and ḡ from the first half
-    of the batch, H from the second (E[Ĥ] = H given the first half when the halves are
-    independent draws; without replacement from N examples each example's own Hessian enters
-    its term with weight −1/(N − n/2) instead of the same-batch estimator's +1/(n/2)), while
-    trace_sigma, grad_sq_norm and b_simple use the whole batch."""
-    n = jax.tree.leaves(batch)[0].shape[0]
-    if not (curvature and noise.takes_hessian_batch(fn)):
-        return fn(loss_fn, params, batch, curvature=curvature, **kw)
-    if n < 4:
-        raise ValueError(f"a curvature measurement needs >= 4 measured examples (two halves "
-                         f"of >= 2), got {n}: raise config.noise.batch_size")
-    whole = fn(loss_fn, params, batch, curvature=False, **kw)
-    half = n // 2
-    split = fn(loss_fn, params, jax.tree.map(lambda x: x[:half], batch), curvature=True,
-               hessian_batch=jax.tree.map(lambda x: x[half:], batch), **kw)
-    return dataclasses.replace(whole, **{k: getattr(split, k) for k in (
-        "mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")})
 
 
 def _mean_state(tree: PyTree) -> PyTree:
@@ -192,7 +124,10 @@ class TrainStep:
       small_batch: b, examples per small batch of the two-batch estimator (see `plan`):
         M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
         whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
-      two_batch: compute the two-batch estimate (False: none, for speed comparisons).
+      live: the live estimate of tr(Σ) and |G|² every step (`cbs.engine.live_noise`):
+        "auto" (exact from the backward pass's per-example gradient norms where
+        `cbs.stats.ghost` reads the model, else two-batch) | "exact" | "two_batch" | "none".
+      two_batch: False turns every live estimate off (as live="none"; for speed comparisons).
       unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
       batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
@@ -210,18 +145,26 @@ class TrainStep:
     inputs_sharding: PyTree = None
     micro_batch: int = 1
     small_batch: int = 0
+    live: str = "auto"
     two_batch: bool = True
     unroll: int | bool = 0
-    batch_fn: Callable[[PyTree], PyTree] | None = None
+    batch_fn: Callable[[PyTree, jax.Array, int], PyTree] | None = None
     lr_coupling: tuple[int, str, float | None] | None = None
     measure: Measurement | None = None
     seed: int = 0
     data_axis: str = "data"
+    _logged: set[str] = dataclasses.field(init=False, repr=False, compare=False)
+    _kinds: dict[tuple, str] = dataclasses.field(init=False, repr=False, compare=False)
+    _jit: Any = dataclasses.field(init=False, repr=False, compare=False)
+    _measure_jit: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.measure is not None:
             object.__setattr__(self, "measure", Measurement(*self.measure))
             noise.get_method(self.measure.method)  # an unknown name fails here, not in the jit
+        live_noise.resolve(self.live, None)  # an unknown name fails here
+        object.__setattr__(self, "_logged", set())
+        object.__setattr__(self, "_kinds", {})
         out = (self.state_sharding, NamedSharding(self.mesh, P()))
         jit = jax.jit(self._step, static_argnums=(2,), donate_argnums=(0,),
                       in_shardings=(self.state_sharding, self.inputs_sharding),
@@ -245,6 +188,24 @@ class TrainStep:
 
     def measures_in_step(self) -> bool:
         return self.measure is not None and bool(self.measure.in_step)
+
+    def live_kind(self, state: TrainState, inputs: PyTree, accum_steps: int) -> str:
+        """The live estimator the step runs: "exact", "two_batch" or "none" (traces once per
+        accumulation count and input shapes)."""
+        key = (accum_steps, *((x.shape, x.dtype) for x in jax.tree.leaves(inputs)))
+        if key not in self._kinds:
+            out = []
+            jax.eval_shape(lambda s, i: out.append(self._live(s, i, accum_steps)[0]), state,
+                           inputs)
+            self._kinds[key] = out[0]
+        return self._kinds[key]
+
+    def measured_in_step(self, state: TrainState, inputs: PyTree, accum_steps: int) -> bool:
+        """Whether the step itself returns the every-k-steps measurement (in_step, or an exact
+        B_simple measurement that the exact live statistics of the step's batch give for free),
+        so that `measure_now` need not run."""
+        return self.measures_in_step() or (
+            self._served(self.live_kind(state, inputs, accum_steps)))
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -280,11 +241,11 @@ class TrainStep:
         """
         r, m, a = self.replicas, self.micro_batch, accum_steps
         b = self.small_batch or (r * m if a >= 2 else m if r >= 2 else m // 2 * (1 - m % 2))
-        if not self.two_batch or b < 1 or b >= a * r * m:
+        if not self.two_batch or self.live == "none" or b < 1 or b >= a * r * m:
             return "none", a * r * m, a
         if b == m and r >= 2:
             return "replica", b, a
-        if b % r or m % (b // r):
+        if not live_noise.small_batch_ok(b, r, m):
             raise ValueError(f"small_batch={b} must be M = R·m = {r * m}, m = {m} (R ≥ 2), or"
                              f" a multiple of R = {r} whose share b/R divides m")
         return "split", b, a * r * m // b
@@ -316,7 +277,12 @@ class TrainStep:
         return jax.tree.map(view, batch)
 
     def _chunk_grad(self, params, model_state, chunk, kind: str):
-        """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|²."""
+        """Mean loss, mean gradient (float32), new model state, Σ_groups |g_group|² (kind
+        "exact": Σ_i |g_i|² over the chunk's examples, the model state unchanged)."""
+        if kind == "exact":
+            loss, grads, sq = live_noise.value_grad_sq_sum(self.loss_fn, params, model_state,
+                                                           chunk)
+            return loss, grads, model_state, sq
         value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
         f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)),
                                      t)
@@ -358,19 +324,21 @@ class TrainStep:
             body, init, chunks, unroll=self._unroll(c))
         return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
-    def _noise_metrics(self, state: TrainState, chunks, per_micro: int
+    def _noise_metrics(self, state: TrainState, chunks, per_micro: int, whole=None
                        ) -> tuple[PyTree, dict[str, jax.Array]]:
         """(updated measure_ema, noise/* metrics) of one measurement on the first micro-batches
-        (the first n·C/A chunks hold the examples of the first n micro-batches)."""
+        (the first n·C/A chunks hold the examples of the first n micro-batches); `whole`: the
+        B_simple statistics when the step already has them (`measure_batch`)."""
+        assert self.measure is not None  # called only when measuring
         method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
         n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
         batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
                              chunks)
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
         key = jax.random.fold_in(jax.random.key(self.seed), state.step)
-        stats = _measure(noise.get_method(method), loss_fn, state.params, batch, key=key,
-                         curvature=curvature, num_probes=num_probes,
-                         chunk_size=chunk_size or None)
+        stats = measure_batch(noise.get_method(method), loss_fn, state.params, batch, key=key,
+                              curvature=curvature, num_probes=num_probes,
+                              chunk_size=chunk_size or None, whole=whole)
         if curvature and stats.trace_h_sigma is None:
             raise ValueError(f"noise method {method!r} returned no curvature statistics "
                              "(trace_h_sigma, g_h_g) though curvature was asked for")
@@ -396,34 +364,75 @@ class TrainStep:
             lr = coupled_lr(lr, batch_size, base, rule, cap)
         return jnp.asarray(lr, jnp.float32)
 
+    def _live(self, state: TrainState, inputs: PyTree, accum_steps: int
+              ) -> tuple[str, str | None]:
+        """(estimator, why not exact) for this step's shapes; logged once per estimator."""
+        if not self.two_batch or self.live == "none" or self.batch_size(accum_steps) < 2:
+            return "none", None
+        reason = None
+        if self.live != "two_batch":
+            chunks = self._chunks(state, inputs, accum_steps, accum_steps)
+            chunk = jax.tree.map(lambda x: x[0], chunks)
+            reason = live_noise.ghost_unavailable(self.loss_fn, state.params, state.model_state,
+                                                  chunk)
+        kind = live_noise.resolve(self.live, reason)
+        if kind == "two_batch" and self.plan(accum_steps)[0] == "none":
+            kind = "none"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            live_noise.log_choice(kind, reason)
+        return kind, reason
+
+    def _served(self, live_kind: str) -> bool:
+        """An exact B_simple measurement is the exact live statistics of the step's batch."""
+        m = self.measure
+        return (m is not None and live_kind == "exact" and not m.curvature
+                and m.method in live_noise.EXACT_MEASURE_METHODS)
+
     def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         b_big = self.batch_size(accum_steps)
-        kind, b_small, c = self.plan(accum_steps)
+        live, _ = self._live(state, inputs, accum_steps)
+        if live == "exact":
+            kind, c = "exact", accum_steps
+        else:
+            kind, b_small, c = self.plan(accum_steps)
         chunks = self._chunks(state, inputs, accum_steps, c)
         loss, grads, model_state, small_sq = self._accumulate(
             state.params, state.model_state, chunks, kind)
-        groups = c * (self.replicas if kind == "replica" else 1)
-        small_sq = small_sq / groups
         big_sq = tree_sq_norm(grads)
         ema = state.noise_ema
-        if kind != "none":
-            grad_sq_norm, trace_sigma = noise.two_batch(small_sq, big_sq, b_small, b_big)
-            ema = ema.update(grad_sq_norm, trace_sigma)
+        if kind == "exact":
+            grad_sq_norm, trace_sigma = live_noise.exact_stats(small_sq, big_sq, b_big)
+        elif kind != "none":
+            groups = c * (self.replicas if kind == "replica" else 1)
+            grad_sq_norm, trace_sigma = noise.two_batch(small_sq / groups, big_sq, b_small,
+                                                        b_big)
         else:
             grad_sq_norm = trace_sigma = jnp.full((), jnp.nan, jnp.float32)
+        if kind != "none":
+            ema = ema.update(grad_sq_norm, trace_sigma)
         f32 = lambda x: jnp.asarray(x, jnp.float32)
         metrics = {"train/loss": f32(loss), "opt/grad_norm": f32(jnp.sqrt(big_sq)),
-                   "noise/two_batch_grad_sq_norm": f32(grad_sq_norm),
-                   "noise/two_batch_trace_sigma": f32(trace_sigma),
+                   "noise/live_grad_sq_norm": f32(grad_sq_norm),
+                   "noise/live_trace_sigma": f32(trace_sigma),
+                   "noise/live_exact": f32(kind == "exact"),
                    "noise/ema_grad_sq_norm": f32(ema.grad_sq_norm),
                    "noise/ema_trace_sigma": f32(ema.trace_sigma),
                    "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
-        if self.measures_in_step():
-            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps)
+        exact = noise.NoiseStats(b_big, big_sq, grad_sq_norm, trace_sigma,
+                                 trace_sigma / grad_sq_norm) if live == "exact" else None
+        m = self.measure
+        if m is not None and self._served(live) and exact is not None:
+            measure_ema, measured = live_noise.measurement(
+                state.measure_ema, state.step % m.every == 0, exact)
+            metrics |= measured
+        elif m is not None and self.measures_in_step():
+            whole = exact if m.method in live_noise.EXACT_MEASURE_METHODS else None
+            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps, whole)
             skipped = lambda: (state.measure_ema, jax.tree.map(
                 lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
-            measure_ema, measured = jax.lax.cond(state.step % self.measure.every == 0, measure,
+            measure_ema, measured = jax.lax.cond(state.step % m.every == 0, measure,
                                                  skipped)
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)

@@ -19,7 +19,8 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
 - `config.json`: the config of the latest start.
 - `metrics.jsonl`: records (see `cbs.results.records`). Train records: step, kind="train",
   data/examples_seen (before the step), data/batch_size, data/accum_steps, train/loss,
-  opt/lr, opt/grad_norm, noise/two_batch_{grad_sq_norm,trace_sigma},
+  opt/lr, opt/grad_norm, noise/live_{grad_sq_norm,trace_sigma} (the live estimate) and
+  noise/live_exact (1: exact from per-example norms, 0: two-batch; `cbs.engine.live_noise`),
   noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
   noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
@@ -185,10 +186,8 @@ class Trainer:
         self.step = TrainStep(self.loss_fn, self.direction, lr.learning_rate_shape(c),
                               self.mesh, self.state_sharding, inputs_sharding,
                               micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
-                              two_batch=n.two_batch,
-                              # TrainStep.batch_fn is annotated with one argument of the three
-                              batch_fn=batch_fn,  # type: ignore[arg-type]
-                              lr_coupling=coupling, measure=measure,
+                              live=n.get("live", "auto"), two_batch=n.two_batch,
+                              batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
                               seed=c.seed)
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
@@ -320,7 +319,7 @@ class Trainer:
         a = self.accum_steps(batch_size)
         inputs = self.inputs(examples_seen, batch_size)
         measured = None
-        if n.every and not n.in_step and step % n.every == 0:
+        if n.every and step % n.every == 0 and not self.step.measured_in_step(state, inputs, a):
             state, measured = self.step.measure_now(state, inputs, a)
         state, step_metrics = self.step(state, inputs, a)
         return state, 1, (step_metrics, measured)

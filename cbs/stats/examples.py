@@ -5,11 +5,12 @@ concrete, `check_finite` names a NaN/inf input instead of returning NaN; once pe
 jitted or not, `cbs.stats.loss_checks` refuses a loss it cannot measure: random, coupling the
 examples of a batch, or summed over it); `map_examples` maps a
 function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under
-an explicitly sharded mesh.
+an explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -133,3 +134,26 @@ def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
         lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
     _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)
+
+
+def jit_per_settings(fn: Callable) -> Callable:
+    """`fn(loss_fn, params, batch, ..., **settings)` compiled once per (loss_fn, settings,
+    shapes): called eagerly, an estimator would otherwise run op by op; inside an outer jit
+    this is inlined. Every argument but params, batch, key and hessian_batch is static."""
+    names = [n for n in inspect.signature(fn).parameters
+             if n not in ("params", "batch", "key", "hessian_batch")]
+    jitted = jax.jit(fn, static_argnames=names)
+
+    def call(loss_fn, *args, **kwargs):
+        return jitted(_hashable(loss_fn), *args, **{k: _hashable(v) for k, v in kwargs.items()})
+
+    return call
+
+
+def _hashable(fn):
+    """Static arguments must hash; an unhashable callable is wrapped (compiled per call)."""
+    try:
+        hash(fn)
+        return fn
+    except TypeError:
+        return lambda *args: fn(*args)

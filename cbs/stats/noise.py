@@ -33,17 +33,22 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from cbs.stats import examples, ghost, trees
 from cbs.stats.curvature import block_quadratic_forms, hvp_fn
-from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
+from cbs.stats.examples import LossFn, PyTree, check_inputs, jit_per_settings, run_auto_axes
 from cbs.stats.loss_checks import allow_randomness  # noqa: F401 - public: noise.allow_randomness
+from cbs.stats.smoothing import NoiseScaleEMA, two_batch  # noqa: F401 - public: noise.*
 from cbs.stats.trees import GroupSpec, group_matrix
+
+# The statistics of a measurement, recorded as `noise/<key>` (with `noise/batch_size`): the
+# one list every consumer (the loop's records, the sweep measurement, the step) reads.
+SIMPLE_KEYS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
+CURVATURE_KEYS = ("mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")
+STAT_KEYS = SIMPLE_KEYS + CURVATURE_KEYS
 
 
 @functools.partial(
@@ -243,29 +248,7 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
 
 
-# Compiled once per (loss_fn, settings, shapes): called eagerly, the estimators would otherwise
-# run op by op; inside an outer jit this is inlined.
-def _jit(fn: Callable) -> Callable:
-    names = [n for n in inspect.signature(fn).parameters
-             if n not in ("params", "batch", "key", "hessian_batch")]
-    jitted = jax.jit(fn, static_argnames=names)
-
-    def call(loss_fn, *args, **kwargs):
-        return jitted(_hashable(loss_fn), *args, **{k: _hashable(v) for k, v in kwargs.items()})
-
-    return call
-
-
-def _hashable(fn):
-    """Static arguments must hash; an unhashable callable is wrapped (compiled per call)."""
-    try:
-        hash(fn)
-        return fn
-    except TypeError:
-        return lambda *args: fn(*args)
-
-
-@_jit
+@jit_per_settings
 def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, groups, method
            ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
@@ -297,7 +280,7 @@ def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, meth
     return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)
 
 
-@_jit
+@jit_per_settings
 def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.Array:
     def compute(params, batch):
         info = None if method == "vmap" else _ghost_info(loss_fn, params, batch, method,
@@ -356,7 +339,7 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
                   curvature=curvature, distribution=distribution)
 
 
-@_jit
+@jit_per_settings
 def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature, distribution
            ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
@@ -387,88 +370,6 @@ def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature,
                            ests.get("trace_h_sigma"))
 
     return run_auto_axes(compute, params, batch, key, hessian_batch)
-
-
-def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
-              ) -> tuple[jax.Array, jax.Array]:
-    """Unbiased (|G|², tr Σ) from |ḡ|² at two batch sizes (McCandlish et al. 2018, App. A).
-
-    E|ḡ_b|² = |G|² + tr Σ / b, solved for the two unknowns:
-        grad_sq_norm = (b_big |ḡ_big|² − b_small |ḡ_small|²) / (b_big − b_small)
-        trace_sigma  = (|ḡ_small|² − |ḡ_big|²) / (1/b_small − 1/b_big)
-    Each is unbiased; their ratio is not (smooth both with `NoiseScaleEMA` first).
-    """
-    concrete = all(isinstance(b, int | float | np.number) for b in (b_small, b_big))
-    if concrete and not 0 < b_small < b_big:
-        raise ValueError(f"two_batch needs 0 < b_small < b_big, got b_small={b_small}, "
-                         f"b_big={b_big}: pass the smaller batch's norm first.")
-    dtype = trees.accum_dtype()
-    s_small, s_big = jnp.asarray(sq_norm_small, dtype), jnp.asarray(sq_norm_big, dtype)
-    b_small, b_big = jnp.asarray(b_small, dtype), jnp.asarray(b_big, dtype)
-    grad_sq_norm = (b_big * s_big - b_small * s_small) / (b_big - b_small)
-    trace_sigma = (s_small - s_big) * b_small * b_big / (b_big - b_small)
-    return grad_sq_norm, trace_sigma
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["count", "avg_grad_sq_norm", "avg_trace_sigma", "count_curvature", "avg_g_h_g",
-                 "avg_trace_h_sigma"],
-    meta_fields=["decay"])
-@dataclasses.dataclass(frozen=True)
-class NoiseScaleEMA:
-    """Bias-corrected EMAs of numerator and denominator; the noise scale is their ratio.
-
-    avg ← decay·avg + (1 − decay)·x, reported as avg / (1 − decay^count) (Adam's correction).
-    The curvature pair has its own count: it is updated only when it is fed.
-    """
-
-    decay: float
-    count: jax.Array
-    avg_grad_sq_norm: jax.Array
-    avg_trace_sigma: jax.Array
-    count_curvature: jax.Array
-    avg_g_h_g: jax.Array
-    avg_trace_h_sigma: jax.Array
-
-    @classmethod
-    def init(cls, decay: float = 0.95) -> NoiseScaleEMA:
-        """Empty EMA (every smoothed value is nan until the first update)."""
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}.")
-        zero, n = jnp.zeros((), trees.accum_dtype()), jnp.zeros((), jnp.int32)
-        return cls(decay, n, zero, zero, n, zero, zero)
-
-    def update(self, grad_sq_norm: jax.Array, trace_sigma: jax.Array, *,
-               trace_h_sigma: jax.Array | None = None,
-               g_h_g: jax.Array | None = None) -> NoiseScaleEMA:
-        """Returns the EMA after one more (unbiased) measurement."""
-        if (trace_h_sigma is None) != (g_h_g is None):
-            raise ValueError("pass trace_h_sigma and g_h_g together (or neither).")
-        mix = lambda avg, x: self.decay * avg + (1.0 - self.decay) * jnp.asarray(x, avg.dtype)
-        new = dict(count=self.count + 1, avg_grad_sq_norm=mix(self.avg_grad_sq_norm, grad_sq_norm),
-                   avg_trace_sigma=mix(self.avg_trace_sigma, trace_sigma))
-        if g_h_g is not None:
-            new.update(count_curvature=self.count_curvature + 1,
-                       avg_g_h_g=mix(self.avg_g_h_g, g_h_g),
-                       avg_trace_h_sigma=mix(self.avg_trace_h_sigma, trace_h_sigma))
-        return dataclasses.replace(self, **new)
-
-    def _corrected(self, avg: jax.Array, count: jax.Array) -> jax.Array:
-        return avg / (1.0 - jnp.asarray(self.decay, avg.dtype) ** count)
-
-    grad_sq_norm = property(lambda self: self._corrected(self.avg_grad_sq_norm, self.count))
-    trace_sigma = property(lambda self: self._corrected(self.avg_trace_sigma, self.count))
-    g_h_g = property(lambda self: self._corrected(self.avg_g_h_g, self.count_curvature))
-    trace_h_sigma = property(
-        lambda self: self._corrected(self.avg_trace_h_sigma, self.count_curvature))
-    b_simple = property(lambda self: self.trace_sigma / self.grad_sq_norm)
-    b_noise = property(lambda self: self.trace_h_sigma / self.g_h_g)
-
-    def to_dict(self, prefix: str = "noise/ema_") -> dict[str, Any]:
-        """Flat metrics `noise/ema_b_simple`, `noise/ema_grad_sq_norm`, ..."""
-        names = ["b_simple", "grad_sq_norm", "trace_sigma", "b_noise", "g_h_g", "trace_h_sigma"]
-        return {prefix + n: getattr(self, n) for n in names}
 
 
 # A measurement method: fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size)

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import measure
-from cbs.engine.step import count_to_int
+from cbs.engine.counts import count_to_int
 from cbs.results import files, records
 
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "

@@ -44,8 +44,9 @@ import ml_collections
 
 from cbs import data
 from cbs.engine import checkpoint, mesh, preemption, progress, trainer
+from cbs.engine.counts import count_to_int
 from cbs.engine.lr import EXPONENTS, learning_rate_shape, lr_multiplier
-from cbs.engine.step import TrainState, TrainStep, count_to_int
+from cbs.engine.step import TrainState, TrainStep
 from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
@@ -237,8 +238,8 @@ class BranchRunner:
         return TrainStep(tr.loss_fn, tr.direction, learning_rate_shape(c), self.mesh,
                          tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
                          small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
-                         # TrainStep.batch_fn is annotated with one argument of the three
-                         batch_fn=batch_fn, seed=c.seed)  # type: ignore[arg-type]
+                         live=c.noise.get("live", "auto"),
+                         batch_fn=batch_fn, seed=c.seed)
 
     def restore(self, step: int) -> TrainState:
         """The reference state after `step` updates, on this runner's device."""

@@ -28,7 +28,7 @@ def get_config(arg: str = ""):
     c.model.hidden_sizes = (128, 128)  # 64-128-128-10
     c.optim.name = "adam"  # Adam, constant learning rate (no warmup, no decay)
     c.batch.micro_batch = 1024  # m: each trial's whole batch in one micro-batch
-    c.noise.ema_decay = 0.95  # smoothing of the in-step two-batch estimate (per step)
+    c.noise.ema_decay = 0.95  # smoothing of the in-step live estimate (per step)
     c.eval.batch_size = 2048  # the whole training set in one evaluation chunk
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
 
