@@ -6,6 +6,9 @@ Gradient-noise statistics: the simple and curvature-aware noise scales of a mode
 
 from cbs.stats.monitor import NoiseMonitor  # noqa: F401
 from cbs.stats.noise import (  # noqa: F401
+    CURVATURE_KEYS,
+    SIMPLE_KEYS,
+    STAT_KEYS,
     NoiseScaleEMA,
     NoiseStats,
     allow_randomness,

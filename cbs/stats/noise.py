@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from cbs.stats import examples, ghost, trees
 from cbs.stats.curvature import block_quadratic_forms, hvp_fn
-from cbs.stats.examples import LossFn, PyTree, check_inputs, jit_per_settings, run_auto_axes
+from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
 from cbs.stats.loss_checks import allow_randomness  # noqa: F401 - public: noise.allow_randomness
 from cbs.stats.smoothing import NoiseScaleEMA, two_batch  # noqa: F401 - public: noise.*
 from cbs.stats.trees import GroupSpec, group_matrix
@@ -248,7 +248,7 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
 
 
-@jit_per_settings
+@examples.jit_per_settings
 def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, groups, method
            ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
@@ -280,7 +280,7 @@ def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, meth
     return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)
 
 
-@jit_per_settings
+@examples.jit_per_settings
 def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.Array:
     def compute(params, batch):
         info = None if method == "vmap" else _ghost_info(loss_fn, params, batch, method,
@@ -339,7 +339,7 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
                   curvature=curvature, distribution=distribution)
 
 
-@jit_per_settings
+@examples.jit_per_settings
 def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature, distribution
            ) -> NoiseStats:
     batch_size = jax.tree.leaves(batch)[0].shape[0]
