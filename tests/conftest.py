@@ -19,7 +19,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 
 def pytest_unconfigure(config):
@@ -36,3 +38,18 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """(loss_fn, params, batch of 32 digits): an MLP 64-16-10 (test files with a model of
+    their own define their own `mlp`)."""
+    from cbs import data, models
+
+    mc = models.default_model_config("mlp")
+    mc.hidden_sizes = (16,)
+    model = models.build_model(mc, input_shape=(64,), num_classes=10, rngs=nnx.Rngs(0),
+                               verbose=False)
+    graphdef, params, rest = models.split_model(model)
+    batch = data.get_dataset("digits").split("train").read(np.arange(32))
+    return models.make_loss_fn(graphdef, rest, "classification"), params, batch

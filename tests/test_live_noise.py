@@ -22,24 +22,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cbs import data, models
+from cbs import models
 from cbs.engine import live_noise, optim, step
 from cbs.engine import mesh as mesh_lib
 from cbs.stats import noise
 
 RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    """(loss_fn, params, batch of 32 digits): MLP 64-16-10."""
-    mc = models.default_model_config("mlp")
-    mc.hidden_sizes = (16,)
-    model = models.build_model(mc, input_shape=(64,), num_classes=10, rngs=nnx.Rngs(0),
-                               verbose=False)
-    graphdef, params, rest = models.split_model(model)
-    batch = data.get_dataset("digits").split("train").read(np.arange(32))
-    return models.make_loss_fn(graphdef, rest, "classification"), params, batch
 
 
 def make_step(loss_fn, params, *, devices=1, micro_batch, stateful=False, lr=0.0, **kwargs):

@@ -19,7 +19,6 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from cbs import data, models
 from cbs.engine import checkpoint, optim, step, trainer, writer
@@ -71,19 +70,6 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 def one_device_mesh(n: int = 1) -> jax.sharding.Mesh:
     return mesh_lib.make_mesh(devices=jax.devices()[:n])
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    """(loss_fn, params, batch of 32 digits)."""
-    mc = models.default_model_config("mlp")
-    mc.hidden_sizes = (16,)
-    model = models.build_model(mc, input_shape=(64,), num_classes=10, rngs=nnx.Rngs(0),
-                               verbose=False)
-    graphdef, params, rest = models.split_model(model)
-    ds = data.get_dataset("digits")
-    batch = ds.split("train").read(np.arange(32))
-    return models.make_loss_fn(graphdef, rest, "classification"), params, batch
 
 
 def make_step(loss_fn, params, optim_config, mesh, *, micro_batch, lr=0.05, **kwargs):
