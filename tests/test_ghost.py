@@ -250,6 +250,21 @@ def mixed_cnn(dtype=jnp.float32):
     return loss_fn, params, {"x": x, "y": jnp.arange(B) % 3}
 
 
+def scalar_params(dtype=jnp.float32):
+    """Linear regression with rank-0 parameters: a scalar bias added and a scalar gain
+    multiplied elementwise (lax binary ops take a rank-0 operand without broadcast_in_dim)."""
+    k = _keys(3)
+    params = {"w": jax.random.normal(k[0], (5,), dtype), "b": jnp.asarray(0.3, dtype),
+              "gain": jnp.asarray(1.2, dtype)}
+
+    def loss_fn(p, batch):
+        pred = (batch["x"] @ p["w"]) * p["gain"] + p["b"]
+        return jnp.mean(0.5 * (pred - batch["y"]) ** 2)
+
+    x = jax.random.normal(k[1], (B, 5), dtype)
+    return loss_fn, params, {"x": x, "y": jax.random.normal(k[2], (B,), dtype)}
+
+
 def unreadable():
     """A plain MLP whose second kernel goes through an op no rule covers (sin)."""
     loss_fn, params, batch = plain_mlp()
@@ -265,7 +280,7 @@ MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "mixed_cnn": mixed_cnn
           "nnx": nnx_model,
           "linen": linen_model, "scanned_lm": scanned_lm,
           "tied_lm": lambda: scanned_lm(tied=True), "unreadable": unreadable,
-          "wrapped_jax": wrapped_jax}
+          "wrapped_jax": wrapped_jax, "scalar_params": scalar_params}
 EXPECTED_UNCOVERED = {"unreadable": {"layer1/w"}}
 
 

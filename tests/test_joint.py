@@ -92,3 +92,21 @@ def test_intervals_depend_on_the_records_alone():
     assert a.seed == b.seed == joint.data_seed(tables)
     assert a.b_crit_ci == b.b_crit_ci and a.alpha_b_ci == b.alpha_b_ci
     assert all(math.isfinite(v) for ci in a.b_crit_ci for v in ci)
+
+
+def test_an_unbounded_interval_side_is_inf_not_an_error(monkeypatch):
+    # A bootstrap-t bound past float range (few batch sizes, a near-degenerate replicate)
+    # used to raise OverflowError from math.exp and lose the whole report.
+    rng = np.random.default_rng(1)
+    tables, points = _sweep(rng, _b_crit(LOSSES[:2]))
+    monkeypatch.setattr(fit, "studentized", lambda est, *a: (est - 1.0, 1e4))
+    j = joint.joint_bootstrap(tables, LOSSES[:2], points, n=50)
+    for (lo, hi), p in zip(j.b_crit_ci, points, strict=True):
+        assert lo == pytest.approx(p.b_crit / math.e) and hi == math.inf
+
+
+def test_report_prints_an_unbounded_side_as_infinity():
+    from cbs.analysis import report
+
+    assert report._ci((71.5, math.inf)) == "71.5–∞"
+    assert report._ci((1.0, math.nan)) == "1–\u2013"

@@ -129,7 +129,8 @@ def joint_bootstrap(tables: Sequence[fit.BestPerBatchSize], losses: Sequence[flo
         one = np.ones((1, b0.size))
         se0 = _weighted_se(b0[None], s0[None], one, np.log([[point.s_min, point.e_min]]))[0]
         lo, hi = fit.studentized(math.log(point.b_crit), se0, est_r[ok], se_r[ok], confidence)
-        cis.append((math.exp(lo), math.exp(hi)))
+        with np.errstate(over="ignore"):  # an unbounded side is inf, not an OverflowError
+            cis.append((float(np.exp(lo)), float(np.exp(hi))))
     return _power_law_part(cis, log_bc, losses, points, seed, confidence)
 
 

@@ -252,6 +252,8 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
 
 
 def _g(x: Any) -> str:
+    if x is not None and float(x) == math.inf:
+        return "∞"  # an interval's unbounded side
     return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
 
 

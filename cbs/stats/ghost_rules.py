@@ -192,7 +192,8 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
         w = replay_chain(chain, w)
         if last is not None:
             w = _bind(use.chain[-1], [w], last)
-        if elementwise and w.shape[use.e_in] != 1:  # the same for every example: take one
+        if elementwise and w.ndim and w.shape[use.e_in] != 1:  # the same for every example:
+            #                                                     take one (a scalar stays)
             w = jax.lax.slice_in_dim(w, 0, 1, axis=use.e_in)
         return _bind(use.eqn, [x1, w] if use.pos == 1 else [w, x1], params)
 
