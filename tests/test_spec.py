@@ -153,6 +153,7 @@ def _variants(config):
     for every, size in ((0, 0), (5, 0), (0, 16)):
         c = copy.deepcopy(config)
         c.noise.every, c.sweep.noise_batch_size = every, size
+        c.noise.batch_size = 8  # a base measurement size the trial must replace (or keep)
         yield c
 
 # ---------------------------------------------------------------- the run configs
@@ -187,6 +188,7 @@ def test_ramp_configs_equal_the_pre_refactor_ones(monkeypatch):
 
 def test_the_launch_check_validates_the_pre_refactor_configs(monkeypatch):
     config = _sweep_config("digits_sweep")
+    config.noise.every, config.noise.batch_size = 5, 8  # both switched off by the check
     seen = []
     monkeypatch.setattr(launch.config_lib, "validate", lambda c, **kw: seen.append(c))
     base_trials = launch.check_config(config)
@@ -199,6 +201,7 @@ def test_the_launch_check_validates_the_pre_refactor_configs(monkeypatch):
 def test_a_trial_group_builds_its_trainer_from_the_pre_refactor_config(monkeypatch):
     config = _sweep_config("digits_sweep")
     config.sweep.noise_batch_size = 16  # the trial's own noise.every is then on
+    config.eval.enabled = False  # the group turns evaluations on
     seen = _capture_trainer(monkeypatch, groups)
     t = grid.make_trials(config.sweep)[1]
     with pytest.raises(_Built):
