@@ -132,7 +132,7 @@ def test_grid_status_counts_missing_trials_and_ignores_foreign_records():
 
 
 def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
-    from cbs.analysis import report
+    from cbs.analysis import report, report_tables
 
     fit_ok = {"status": "ok", "b_crit": 3.0, "b_crit_ci": [2.0, 4.0], "s_min": 10.0,
               "e_min": 30.0, "warnings": []}
@@ -144,7 +144,7 @@ def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
                 "tokens_per_example": 32}
     row = report.summary_table(analysis).splitlines()[2]
     assert "3 (2–4) (extrapolated)" in row and "ok, incomplete grid" in row
-    notes = report._grid_notes(analysis)
+    notes = report_tables.grid_notes(analysis)
     assert "still at an edge of the grid at B = 8" in notes[0]
     assert "cap at B = 32" in notes[1]
     assert "| 0.5 | 3 (extrapolated) | 96 | 64–128 |" in report.kaplan_table(analysis)

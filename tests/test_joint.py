@@ -106,7 +106,7 @@ def test_an_unbounded_interval_side_is_inf_not_an_error(monkeypatch):
 
 
 def test_report_prints_an_unbounded_side_as_infinity():
-    from cbs.analysis import report
+    from cbs.analysis import report_tables
 
-    assert report._ci((71.5, math.inf)) == "71.5–∞"
-    assert report._ci((1.0, math.nan)) == "1–\u2013"
+    assert report_tables._ci((71.5, math.inf)) == "71.5–∞"
+    assert report_tables._ci((1.0, math.nan)) == "1–\u2013"

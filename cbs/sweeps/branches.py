@@ -32,7 +32,6 @@ index ≡ i (mod n).
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, preemption, progress, trainer
+from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
 from cbs.engine.counts import count_to_int
 from cbs.engine.lr import EXPONENTS, learning_rate_shape, lr_multiplier
 from cbs.engine.step import TrainState, TrainStep
@@ -206,10 +205,11 @@ class BranchRunner:
         self.config, self.workdir, self.b = config, workdir, config.branch
         self.bsz = reference_batch(config)
         self.ks = [int(k) for k in self.b.ks]
-        c = copy.deepcopy(config)
-        c.noise.every = 0  # no per-example measurements inside branches
-        c.batch.schedule.batch_size = self.ks[-1] * self.bsz  # sizes checked up to max k
-        c.eval.enabled = False
+        c = spec.run_config(config, spec.RunOverrides(
+            noise_every=0,  # no per-example measurements inside branches
+            schedule=dict(config.batch.schedule.to_dict(),
+                          batch_size=self.ks[-1] * self.bsz),  # sizes checked up to max k
+            eval_enabled=False), drop=())
         self.branch_config = c
         self.dataset = dataset
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
@@ -311,8 +311,7 @@ class BranchRunner:
     def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:
         """One branch through the engine's own jitted step and input pipeline (a Trainer
         whose data seed is `seed`): (loss_ema, last batch loss, final metric or NaN)."""
-        c = copy.deepcopy(self.branch_config)
-        c.seed = seed
+        c = spec.run_config(self.branch_config, spec.RunOverrides(seed=seed), drop=())
         tr = trainer.Trainer(c, None, mesh=self.mesh, dataset=self.dataset)
         try:
             state = self.restore(step)
@@ -337,8 +336,8 @@ class BranchRunner:
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
                   dataset: data.Dataset | None = None) -> None:
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
-    c = copy.deepcopy(config)
-    c.train.keep_checkpoints = 1_000_000  # branch points need old checkpoints
+    c = spec.run_config(config, spec.RunOverrides(  # branch points need old checkpoints
+        keep_checkpoints=1_000_000), drop=())
     ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
     status = records.read_json(os.path.join(ref_dir, files.STATUS_FILE))

@@ -28,6 +28,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import measure, mesh, trainer
+from cbs.engine import measure, mesh, spec, trainer
 from cbs.engine.loop import Loop, config_hash
 from cbs.engine.progress import DivergenceRule, ema_update
 from cbs.engine.step import TrainState
@@ -50,7 +51,7 @@ from cbs.sweeps.trials import (
     divergence_rule,
     eval_steps,
     result_from_curve,
-    trial_config,
+    trial_overrides,
 )
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
@@ -105,17 +106,19 @@ class TrialGroup:
             raise ValueError("a trial group needs one batch size and one seed")
         self.sweep, self.trials = config.sweep, list(trials)
         self.store, self.workdir = store, group_dir(store, trials)
-        c = trial_config(config, trials[0], replicas=1)
-        c.noise.every = 0  # measured here, on separate batches, at each evaluation
+        overrides = dataclasses.replace(
+            trial_overrides(config, trials[0], replicas=1),
+            noise_every=0,  # measured here, on separate batches, at each evaluation
+            eval_enabled=True)  # every stop is an evaluation (progress and noise)
+        c = spec.run_config(config, overrides)
         self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.trainer = trainer.Trainer(c, None, mesh=self.mesh)
         if not self.trainer.in_memory:
             raise ValueError(f"{self.trainer.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
-        c.eval.enabled = True  # every stop is an evaluation (progress and noise)
         self.config, self.dataset, self.schedule = c, self.trainer.dataset, self.trainer.schedule
         self._rep = mesh.replicated(self.mesh)
-        self.batch_size = trials[0].batch_size
+        (self.batch_size,) = self.schedule.batch_sizes()  # B: the run config's constant schedule
         self.steps = eval_steps(self.sweep, self.batch_size)
         self._index = {s: j for j, s in enumerate(self.steps)}
         self.rule: DivergenceRule = divergence_rule(self.sweep)

@@ -32,7 +32,7 @@ import ml_collections
 
 from cbs import data, models
 from cbs.engine import config as config_lib
-from cbs.engine import preemption
+from cbs.engine import preemption, spec
 from cbs.engine.writer import CountBar
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import (
@@ -78,12 +78,9 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
         raise ValueError(f"config.sweep.noise_batch_size: {config.sweep.noise_batch_size} is "
                          f"larger than the training split ({n} examples)")
     for b in sorted({t.batch_size for t in trials}):
-        c = ml_collections.ConfigDict(config.to_dict())
-        del c["sweep"]
-        c.optim.learning_rate = trials[0].learning_rate
-        c.batch.micro_batch = b
-        c.batch.schedule = ml_collections.ConfigDict({"kind": "constant", "batch_size": b})
-        c.noise.every, c.noise.batch_size = 0, 0
+        c = spec.run_config(config, spec.RunOverrides(
+            batch_size=b, micro_batch=b, learning_rate=trials[0].learning_rate,
+            noise_every=0, noise_batch_size=0))
         config_lib.validate(c, data_replicas=1, model_names=models.model_names(),
                             dataset_names=data.known_datasets())
     return trials

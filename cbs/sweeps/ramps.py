@@ -31,7 +31,7 @@ import jax
 import ml_collections
 
 from cbs.analysis import fit
-from cbs.engine import preemption, trainer
+from cbs.engine import preemption, spec, trainer
 from cbs.engine.writer import CountBar
 from cbs.results import files, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
@@ -109,31 +109,34 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
                          f"({diff}); give the changed ramp a new label")
 
 
+def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
+                   ) -> spec.RunOverrides:
+    """How one ramp's run differs from the base config: its schedule, η_0 and coupling, the
+    sweep's budget and an evaluation every `eval_every` (default 5) steps."""
+    sweep = config.sweep
+    coupling = dict(run.get("lr_coupling", {"rule": "none"}))
+    every = int(run.get("eval_every", 5))
+    return spec.RunOverrides(
+        schedule=dict(run["schedule"]),
+        micro_batch=int(run.get("micro_batch", config.batch.micro_batch)),
+        learning_rate=_learning_rate(run["learning_rate"], sweep_dir),
+        seed=int(run.get("seed", config.seed)),  # seeded studies repeat a run over seeds
+        lr_coupling=spec.Coupling(rule=coupling.get("rule", "none"),
+                                  base_batch_size=int(coupling.get("base_batch_size", 0)),
+                                  cap=float(coupling.get("cap", 0.0))),
+        max_steps=int(run.get("max_steps", sweep.max_steps)),
+        max_examples=int(run.get("max_examples", sweep.max_examples)),
+        eval_every=every,
+        adapt_every=int(run.get("adapt_every", config.batch.adapt_every)),
+        full_train_eval=sweep.target_metric == "full_train/loss",
+        log_every=min(config.train.log_every, every), quiet=True)
+
+
 def ramp_config(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
                 ) -> ml_collections.ConfigDict:
-    """The run config of one ramp: the base config with its schedule, η_0 and coupling."""
-    sweep = config.sweep
-    c = ml_collections.ConfigDict(config.to_dict())
-    for key in ("sweep", "ramps"):
-        if key in c:
-            del c[key]
-    c.batch.schedule = ml_collections.ConfigDict(dict(run["schedule"]))
-    c.batch.micro_batch = int(run.get("micro_batch", c.batch.micro_batch))
-    c.optim.learning_rate = _learning_rate(run["learning_rate"], sweep_dir)
-    c.seed = int(run.get("seed", c.seed))  # seeded studies repeat a run over seeds
-    coupling = dict(run.get("lr_coupling", {"rule": "none"}))
-    c.batch.lr_coupling.rule = coupling.get("rule", "none")
-    c.batch.lr_coupling.base_batch_size = int(coupling.get("base_batch_size", 0))
-    c.batch.lr_coupling.cap = float(coupling.get("cap", 0.0))
-    c.train.max_steps = int(run.get("max_steps", sweep.max_steps))
-    c.train.max_examples = int(run.get("max_examples", sweep.max_examples))
-    c.eval.every = int(run.get("eval_every", 5))
-    c.batch.adapt_every = int(run.get("adapt_every", c.batch.adapt_every))
-    c.eval.full_train = sweep.target_metric == "full_train/loss"
-    c.train.log_every = min(c.train.log_every, c.eval.every)
-    c.train.progress_bar = False
-    c.train.tensorboard = False
-    return c
+    """The run config of one ramp (`ramp_overrides` on the base, less its sweep and ramps)."""
+    return spec.run_config(config, ramp_overrides(config, run, sweep_dir),
+                           drop=("sweep", "ramps"))
 
 
 def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections.ConfigDict,

@@ -27,7 +27,7 @@ import jax
 import ml_collections
 
 from cbs.analysis import fit
-from cbs.engine import measure, trainer
+from cbs.engine import measure, spec, trainer
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -81,32 +81,30 @@ def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
     return max(d for d in range(1, min(micro_batch, per_replica) + 1) if per_replica % d == 0)
 
 
+def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
+                    ) -> spec.RunOverrides:
+    """How one trial's run differs from the base config: (B, η, seed), the sweep's budget, a
+    dense evaluation grid and exact noise measurements at each evaluation."""
+    sweep = config.sweep
+    every = eval_every(sweep, trial.batch_size)
+    measured = bool(config.noise.every or sweep.noise_batch_size)
+    return spec.RunOverrides(
+        batch_size=trial.batch_size,
+        micro_batch=micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas),
+        learning_rate=trial.learning_rate, seed=trial.seed,
+        lr_coupling=spec.Coupling(rule="none"),
+        max_steps=step_budget(sweep, trial.batch_size), max_examples=0,
+        eval_every=every, full_train_eval=sweep.target_metric == "full_train/loss",
+        log_every=min(config.train.log_every, every), quiet=True,
+        divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
+        noise_every=(every if sweep.noise_batch_size else 0) if measured else None,
+        noise_batch_size=0 if measured else None)
+
+
 def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
                  ) -> ml_collections.ConfigDict:
-    """The run config of one trial: the base config at (B, η, seed) with the sweep's budget,
-    a dense evaluation grid and exact noise measurements at each evaluation."""
-    sweep = config.sweep
-    c = ml_collections.ConfigDict(config.to_dict())
-    del c["sweep"]
-    c.seed = trial.seed
-    c.optim.learning_rate = trial.learning_rate
-    c.batch.micro_batch = micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas)
-    c.batch.schedule = ml_collections.ConfigDict({"kind": "constant",
-                                                  "batch_size": trial.batch_size})
-    c.batch.lr_coupling.rule = "none"
-    c.train.max_steps = step_budget(sweep, trial.batch_size)
-    c.train.max_examples = 0
-    every = eval_every(sweep, trial.batch_size)
-    c.eval.every = every
-    c.eval.full_train = sweep.target_metric == "full_train/loss"
-    c.train.log_every = min(c.train.log_every, every)
-    c.train.progress_bar = False
-    c.train.tensorboard = False
-    c.train.divergence_factor = 0.0  # the sweep's rule decides, on the progress metric
-    if c.noise.every or sweep.noise_batch_size:
-        c.noise.every = every if sweep.noise_batch_size else 0
-        c.noise.batch_size = 0
-    return c
+    """The run config of one trial (`trial_overrides` on the base config, less its sweep)."""
+    return spec.run_config(config, trial_overrides(config, trial, replicas=replicas))
 
 
 class ProgressMonitor:

@@ -1,0 +1,222 @@
+"""The text of a sweep report: its markdown tables and the sentences around them.
+
+Each function reads the `analysis` dict of `cbs.analysis.report.analyze` (or analysis.json)
+and returns markdown: B_crit per target beside the measured noise scales (`summary_table`),
+in tokens beside Kaplan et al. 2020 (`kaplan_table`), per seed (`seed_table`), batch-size
+ramps against the fixed-batch frontier (`ramp_table`), and the report's notes on intervals,
+the power law, missing trials and the learning-rate grid. `cbs.analysis.report` assembles
+them into report.md and re-exports the tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from cbs.analysis import fit, noise_at_target
+from cbs.results.store import target_key
+
+
+def summary_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit per target with its interval beside the measured noise scales.
+
+    A B_crit outside the batch sizes fitted is marked "(extrapolated)"; a fit from a grid with
+    missing trials has status "ok, incomplete grid".
+    """
+    ref = analysis.get("reference_noise")
+    lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L, median (min–max) "
+             "| B_noise at L, median (min–max) | B_simple / B_noise, reference run "
+             "| batch sizes fitted | status |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in analysis["targets"]:
+        f = t["fit"]
+        status = f["status"]
+        if f["status"] == fit.OK:
+            lo, hi = f["b_crit_ci"] if f["b_crit_ci"] else (None, None)
+            ci = f" ({_g(lo)}–{_g(hi)})" if lo is not None else ""
+            mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
+            row = [_g(f["b_crit"]) + ci + mark, _g(f["s_min"]), _g(f["e_min"])]
+            if t.get("incomplete_batch_sizes"):
+                status += ", incomplete grid"
+        else:
+            row = ["–", "–", "–"]
+        noise = [noise_at_target.spread_cell(t, "b_simple"),
+                 noise_at_target.spread_cell(t, "b_noise"),
+                 noise_at_target.reference_cell(ref, t["target"])]
+        lines.append(f"| {t['target']:g} | " + " | ".join(row + noise)
+                     + f" | {len(t['batch_sizes'])} | {status} |")
+    return "\n".join(lines)
+
+
+def kaplan_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit(L) in examples and in tokens (examples × tokens per example), and the
+    power law beside Kaplan et al. 2020 (α_B ≈ 0.21, B* ≈ 2·10⁸ tokens, loss in nats per
+    BPE token of WebText2; here nats per token of this dataset, so B* is not comparable as
+    is, α_B is the shape of the trend)."""
+    tokens = analysis.get("tokens_per_example") or 1
+    lines = ["| target L | B_crit (sequences) | B_crit (tokens) | 95% CI (tokens) |",
+             "|---|---|---|---|"]
+    for t in analysis["targets"]:
+        f = t["fit"]
+        if f["status"] != fit.OK:
+            lines.append(f"| {t['target']:g} | – | – | – |")
+            continue
+        ci_pair: Any = f["b_crit_ci"] or (None, None)
+        lo, hi = ci_pair
+        ci = f"{_g(lo * tokens)}–{_g(hi * tokens)}" if lo is not None else "–"
+        mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
+        lines.append(f"| {t['target']:g} | {_g(f['b_crit'])}{mark} | "
+                     f"{_g(f['b_crit'] * tokens)} | {ci} |")
+    pl = analysis["power_law"]
+    if pl["status"] == fit.OK:
+        lines += ["", "| | this sweep | Kaplan et al. 2020 |", "|---|---|---|",
+                  f"| α_B | {_g(pl['alpha_b'])} ({_ci(pl['alpha_b_ci'])}) | ≈ 0.21 |",
+                  f"| B* (tokens) | {_g(pl['b_star'] * tokens)} | ≈ 2·10⁸ |"]
+    return "\n".join(lines)
+
+
+def seed_table(analysis: dict[str, Any]) -> str:
+    """Markdown: B_crit of all seeds together beside each seed alone, and the seeds' spread
+    of S at the best learning rates."""
+    rows = analysis.get("seeds") or []
+    seeds = list(rows[0]["b_crit_per_seed"]) if rows else []
+    lines = ["| target L | B_crit (all seeds) | " + " | ".join(
+        f"B_crit (seed {sd})" for sd in seeds) + " | S spread between seeds, median (max) |",
+        "|---|---|" + "---|" * len(seeds) + "---|"]
+    by_target = {t["target"]: t for t in analysis["targets"]}
+    for row in rows:
+        t = by_target[row["target"]]
+        all_seeds = _g(t["fit"]["b_crit"]) if t["fit"]["status"] == fit.OK else "–"
+        per = " | ".join(_g(v) if v is not None else "–" for v in row["b_crit_per_seed"].values())
+        med, mx = row["steps_spread_median"], row["steps_spread_max"]
+        spread = f"{med:.0%} ({mx:.0%})" if med is not None else "–"
+        lines.append(f"| {_g(row['target'])} | {all_seeds} | {per} | {spread} |")
+    return "\n".join(lines)
+
+
+def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str:
+    """Steps S and examples E to each target for each ramp run, and E relative to the fixed-
+    batch frontier at the same S: E_frontier(S) = E_min·S/(S − S_min) (< 1: the ramp needed
+    fewer examples than any fixed batch size that takes as many steps)."""
+    targets = analysis["targets"]
+    head = "| run | " + " | ".join(f"S, E (E/E_frontier) to L={t['target']:g}"
+                                   for t in targets) + " |"
+    lines = [head, "|---|" + "---|" * len(targets)]
+    for r in ramps:
+        cells = []
+        for t in targets:
+            key = target_key(t["target"])
+            s, e = r["steps_to_target"].get(key), r["examples_to_target"].get(key)
+            cells.append("not reached" if s is None else f"{s:.0f}, {e:.3g}{_vs_frontier(t, s, e)}")
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def interval_text(analysis: dict[str, Any]) -> str:
+    """The sentence naming how the report's intervals were formed."""
+    fits = [t["fit"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
+    if not fits or fits[0].get("b_crit_ci") is None:
+        return "No intervals (no bootstrap)."
+    method = fits[0].get("interval", "residual bootstrap-t")
+    return f"Intervals are 95%: {method}."
+
+
+def power_law_lines(analysis: dict[str, Any]) -> list[str]:
+    """The power law B_crit(L), its interval and the check that one power law fits."""
+    pl = analysis["power_law"]
+    if pl["status"] != fit.OK:
+        return [f"Power law B_crit(L): {pl['status']} (needs ≥ 3 targets with a fit).", ""]
+    lines = [f"Power law (Kaplan et al. 2020): B_crit(L) = {_g(pl['b_star'])} / "
+             f"L^(1/{_g(pl['alpha_b'])}) (least squares in log B_crit on log L), α_B 95% "
+             f"interval {_ci(pl['alpha_b_ci'])} ({pl.get('interval', 'residual bootstrap-t')})."]
+    m = pl.get("misfit")
+    if m and m.get("misfit_p") is not None:
+        verdict = ("is supported" if m["power_law_supported"] else "is NOT supported")
+        cis = m["local_slope_cis"]
+        targets = [t["target"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
+        local = ", ".join(
+            f"{_g(a)}→{_g(b)}: α {_g(-1 / s)} ({_alpha_ci(ci)})"
+            for a, b, s, ci in zip(targets, targets[1:], m["local_slopes"], cis, strict=False))
+        lines += ["", f"Misfit check: a single power law over L = {_g(max(targets))} → "
+                  f"{_g(min(targets))} {verdict} by the bootstrap covariance of the targets' "
+                  f"log B_crit (generalised least squares, χ² = {m['misfit_q']:.3g} on "
+                  f"{m['misfit_dof']} degrees of freedom, p = {m['misfit_p']:.2g}). Local "
+                  f"α_B between adjacent targets (percentile interval): {local}."]
+    return lines + [""]
+
+
+def missing_text(analysis: dict[str, Any]) -> str:
+    """How many trials of the grid have no record, per batch size."""
+    per_b = ", ".join(f"B={b}: {n}" for b, n in analysis["missing_per_batch_size"].items())
+    return (f"{analysis['num_missing']} of at least {analysis['num_expected']} trials have no "
+            f"record ({per_b})")
+
+
+def grid_notes(analysis: dict[str, Any]) -> list[str]:
+    """Per target, the batch sizes whose best learning rate is still at an edge or capped."""
+    out = []
+    for t in analysis["targets"]:
+        edge, capped = t["edge_batch_sizes"], t.get("capped_batch_sizes", [])
+        if not edge and not capped:
+            out.append(f"L={t['target']:g}: the best learning rate is inside the grid at every "
+                       "batch size that reached the target.")
+            continue
+        if edge:
+            out.append(f"L={t['target']:g}: best learning rate still at an edge of the grid at "
+                       f"B = {_bs(edge)} (S there is an upper bound).")
+        if capped:
+            out.append(f"L={t['target']:g}: best learning rate at the max_lr/min_lr cap at "
+                       f"B = {_bs(capped)}.")
+    return out
+
+
+def notes(analysis: dict[str, Any]) -> list[str]:
+    """Per target: batch sizes that never reached it, an incomplete grid, fit warnings."""
+    notes = []
+    for t in analysis["targets"]:
+        if t["missing_batch_sizes"]:
+            notes.append(f"L={t['target']:g}: no learning rate reached the target at B = "
+                         f"{', '.join(f'{b:g}' for b in t['missing_batch_sizes'])} "
+                         "(excluded from the fit).")
+        if t.get("incomplete_batch_sizes"):
+            notes.append(f"L={t['target']:g}: fit from an incomplete grid (trials missing at "
+                         f"B = {_bs(t['incomplete_batch_sizes'])}).")
+        notes += [f"L={t['target']:g}: {w}" for w in t["fit"].get("warnings", [])]
+    return notes
+
+
+def counts_text(counts: dict[str, int]) -> str:
+    """"3 budget, 12 done" from {"done": 12, "budget": 3}."""
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+
+def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
+    f = target.get("fit")
+    if f is not None and not isinstance(f, dict):
+        f = f.to_dict()
+    if not f or f.get("status") != fit.OK or not steps > f["s_min"]:
+        return ""
+    return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"
+
+
+def _alpha_ci(slope_ci) -> str:
+    """α's interval from a slope interval; an unbounded end (slope interval reaching 0) is ∞."""
+    if not slope_ci or slope_ci[0] is None or slope_ci[1] is None:
+        return "–"
+    lo, hi = fit.alpha_interval(tuple(slope_ci))
+    end = lambda v: "∞" if v == math.inf else _g(v)
+    return f"{end(lo)}–{end(hi)}"
+
+
+def _ci(ci) -> str:
+    return "–" if not ci else f"{_g(ci[0])}–{_g(ci[1])}"
+
+
+def _bs(values: Sequence[float]) -> str:
+    return ", ".join(f"{b:g}" for b in values)
+
+
+def _g(x: Any) -> str:
+    if x is not None and float(x) == math.inf:
+        return "∞"  # an interval's unbounded side
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"

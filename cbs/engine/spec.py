@@ -1,0 +1,181 @@
+"""A run of the engine as a base config plus typed overrides.
+
+Everything that trains many runs from one config (sweep trials, vmapped trial groups, batch
+ramps, branches) says how one run differs from the base with a `RunOverrides` (batch size or
+schedule, learning rate, seed, budget, evaluation points, ...) and gets its run config from
+`run_config`, the one place that copies a config and writes those fields:
+
+    c = run_config(config, RunOverrides(batch_size=64, learning_rate=1e-3, seed=2))
+    trainer.Trainer(c, workdir)
+
+A field left at None keeps the base config's value. The base is never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+from cbs.engine.fields import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """How the learning rate follows the batch size (`config.batch.lr_coupling`)."""
+
+    rule: str  # "none" | "linear" | "sqrt" (see cbs.engine.lr)
+    base_batch_size: int | None = None  # B_0, examples; 0 = the initial batch size
+    cap: float | None = None  # largest learning rate allowed; 0 = no cap
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOverrides:
+    """How one run differs from its base config; None (or False for `quiet`) keeps the base.
+
+    Each field names the config field it writes (`FIELDS`). Values are checked when the
+    overrides are built: a bad one raises `cbs.engine.fields.ConfigError` (a ValueError)
+    naming the config field and the override.
+    """
+
+    batch_size: int | None = None  # B, examples per update, held constant: batch.schedule
+    #   becomes {"kind": "constant", "batch_size": B}
+    schedule: Mapping[str, Any] | None = None  # a whole batch.schedule (ramps; see
+    #   cbs.engine.schedules.batch_schedule_from_config); not with batch_size
+    micro_batch: int | None = None  # batch.micro_batch: examples per replica per micro-batch
+    learning_rate: float | None = None  # optim.learning_rate: peak η_0
+    lr_coupling: Coupling | None = None  # batch.lr_coupling: rule, B_0 and cap
+    adapt_every: int | None = None  # batch.adapt_every: steps between observations of an
+    #   adaptive schedule
+    seed: int | None = None  # seed: model initialisation and data order
+    max_steps: int | None = None  # train.max_steps: step budget; 0 = none
+    max_examples: int | None = None  # train.max_examples: example budget; 0 = none
+    log_every: int | None = None  # train.log_every: steps between reads of the metrics
+    divergence_factor: float | None = None  # train.divergence_factor: × the early loss that
+    #   counts as diverged; 0 = the engine never declares divergence
+    keep_checkpoints: int | None = None  # train.keep_checkpoints: checkpoints kept on disk
+    quiet: bool = False  # True: train.progress_bar and train.tensorboard off
+    eval_enabled: bool | None = None  # eval.enabled: evaluate at all
+    eval_every: int | None = None  # eval.every: steps between evaluations; 0 = at the end
+    full_train_eval: bool | None = None  # eval.full_train: also the whole training-set loss
+    noise_every: int | None = None  # noise.every: steps between measurements; 0 = never
+    noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
+
+    def __post_init__(self):
+        for name in ("batch_size", "micro_batch", "adapt_every", "log_every",
+                     "keep_checkpoints"):
+            _integer(name, getattr(self, name), minimum=1)
+        for name in ("seed", "max_steps", "max_examples", "eval_every", "noise_every",
+                     "noise_batch_size"):
+            _integer(name, getattr(self, name), minimum=0)
+        _number("learning_rate", self.learning_rate, strict=True)
+        _number("divergence_factor", self.divergence_factor)
+        for name in ("quiet", "eval_enabled", "full_train_eval"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise _error(name, f"must be True or False, got {value!r}")
+        if self.batch_size is not None and self.schedule is not None:
+            raise _error("schedule", "give batch_size or schedule, not both")
+        if self.schedule is not None and (not isinstance(self.schedule, Mapping)
+                                          or "kind" not in self.schedule):
+            raise _error("schedule", f"must be a mapping with a 'kind', got {self.schedule!r}")
+        if self.lr_coupling is not None:
+            if not isinstance(self.lr_coupling.rule, str):
+                raise _error("lr_coupling.rule",
+                             f"must be a string, got {self.lr_coupling.rule!r}")
+            _integer("lr_coupling.base_batch_size", self.lr_coupling.base_batch_size, minimum=0)
+            _number("lr_coupling.cap", self.lr_coupling.cap)
+
+
+# The config field each override writes (error messages name both).
+FIELDS = {
+    "batch_size": "batch.schedule.batch_size", "schedule": "batch.schedule",
+    "micro_batch": "batch.micro_batch", "learning_rate": "optim.learning_rate",
+    "lr_coupling.rule": "batch.lr_coupling.rule",
+    "lr_coupling.base_batch_size": "batch.lr_coupling.base_batch_size",
+    "lr_coupling.cap": "batch.lr_coupling.cap", "adapt_every": "batch.adapt_every",
+    "seed": "seed", "max_steps": "train.max_steps", "max_examples": "train.max_examples",
+    "log_every": "train.log_every", "divergence_factor": "train.divergence_factor",
+    "keep_checkpoints": "train.keep_checkpoints", "quiet": "train.progress_bar",
+    "eval_enabled": "eval.enabled", "eval_every": "eval.every",
+    "full_train_eval": "eval.full_train", "noise_every": "noise.every",
+    "noise_batch_size": "noise.batch_size",
+}
+
+
+def _error(name: str, problem: str) -> ConfigError:
+    """`config.<field>: <problem> (override RunOverrides.<name>)`."""
+    return ConfigError(f"config.{FIELDS[name]}: {problem} (override RunOverrides.{name})")
+
+
+def _integer(name: str, value: Any, *, minimum: int) -> None:
+    """None, or an int (not a bool) ≥ minimum."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _error(name, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def _number(name: str, value: Any, *, strict: bool = False) -> None:
+    """None, or a finite number ≥ 0 (> 0 when `strict`)."""
+    if value is None:
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value > 0 if strict else value >= 0))
+    if not ok:
+        raise _error(name, f"must be a finite number {'> 0' if strict else '>= 0'}, "
+                           f"got {value!r}")
+
+
+def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
+               drop: Sequence[str] = ("sweep",)) -> ml_collections.ConfigDict:
+    """The run config of `overrides` on `base`: a new ConfigDict (`base` is not changed).
+
+    Args:
+      base: a `cbs.engine.config.default_config()`-shaped config, possibly with the sections
+        of the studies that drive it (sweep, ramps, branch).
+      overrides: the fields to write; None keeps the base's value.
+      drop: top-level sections left out of the run config where present (a sweep trial
+        does not carry the sweep that made it).
+    Returns:
+      the copy with the overrides written.
+    """
+    c = ml_collections.ConfigDict(base.to_dict())
+    for key in drop:
+        if key in c:
+            del c[key]
+    o = overrides
+    _set(c.batch, "micro_batch", o.micro_batch)
+    if o.batch_size is not None:
+        c.batch.schedule = ml_collections.ConfigDict({"kind": "constant",
+                                                      "batch_size": o.batch_size})
+    if o.schedule is not None:
+        c.batch.schedule = ml_collections.ConfigDict(dict(o.schedule))
+    if o.lr_coupling is not None:
+        c.batch.lr_coupling.rule = o.lr_coupling.rule
+        _set(c.batch.lr_coupling, "base_batch_size", o.lr_coupling.base_batch_size)
+        _set(c.batch.lr_coupling, "cap", o.lr_coupling.cap)
+    _set(c.batch, "adapt_every", o.adapt_every)
+    _set(c.optim, "learning_rate", o.learning_rate)
+    _set(c, "seed", o.seed)
+    for field in ("max_steps", "max_examples", "log_every", "divergence_factor",
+                  "keep_checkpoints"):
+        _set(c.train, field, getattr(o, field))
+    if o.quiet:
+        c.train.progress_bar = False
+        c.train.tensorboard = False
+    _set(c.eval, "enabled", o.eval_enabled)
+    _set(c.eval, "every", o.eval_every)
+    _set(c.eval, "full_train", o.full_train_eval)
+    _set(c.noise, "every", o.noise_every)
+    _set(c.noise, "batch_size", o.noise_batch_size)
+    return c
+
+
+def _set(section: ml_collections.ConfigDict, field: str, value: Any) -> None:
+    """section.field = value, unless value is None (keep the base's)."""
+    if value is not None:
+        section[field] = value
