@@ -90,7 +90,7 @@ def seed_table(analysis: dict[str, Any]) -> str:
         per = " | ".join(_g(v) if v is not None else "–" for v in row["b_crit_per_seed"].values())
         med, mx = row["steps_spread_median"], row["steps_spread_max"]
         spread = f"{med:.0%} ({mx:.0%})" if med is not None else "–"
-        lines.append(f"| {_g(row['target'])} | {all_seeds} | {per} | {spread} |")
+        lines.append(f"| {row['target']:g} | {all_seeds} | {per} | {spread} |")
     return "\n".join(lines)
 
 
@@ -135,10 +135,10 @@ def power_law_lines(analysis: dict[str, Any]) -> list[str]:
         cis = m["local_slope_cis"]
         targets = [t["target"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
         local = ", ".join(
-            f"{_g(a)}→{_g(b)}: α {_g(-1 / s)} ({_alpha_ci(ci)})"
+            f"{a:g}→{b:g}: α {_g(-1 / s)} ({_alpha_ci(ci)})"
             for a, b, s, ci in zip(targets, targets[1:], m["local_slopes"], cis, strict=False))
-        lines += ["", f"Misfit check: a single power law over L = {_g(max(targets))} → "
-                  f"{_g(min(targets))} {verdict} by the bootstrap covariance of the targets' "
+        lines += ["", f"Misfit check: a single power law over L = {max(targets):g} → "
+                  f"{min(targets):g} {verdict} by the bootstrap covariance of the targets' "
                   f"log B_crit (generalised least squares, χ² = {m['misfit_q']:.3g} on "
                   f"{m['misfit_dof']} degrees of freedom, p = {m['misfit_p']:.2g}). Local "
                   f"α_B between adjacent targets (percentile interval): {local}."]
