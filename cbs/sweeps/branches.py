@@ -15,10 +15,11 @@ point, k a batch multiplier from the ladder K, Δ the window in examples, S the 
    (`loss_ema_per="step"`, the paper's α = 0.5) or per B examples (`"reference_batch"`: decay^k
    per step of branch k, so every branch averages the same number of examples).
 4. Each (point, k) runs its S data-order seeds (stream seeds of `cbs.data`) as one vmapped
-   program (`jax.vmap` of a `fori_loop` of `TrainStep.apply`, as in `cbs.sweeps.groups`), or,
-   with `branch.vmap=False` or a streamed dataset, one engine step loop per seed. The k of one
-   seed read the same stream positions [E, E + Δ), so their losses differ by the batch size
-   and learning rate alone (common random numbers), not by the examples drawn.
+   program (`cbs.engine.vmapped.vmapped_steps`, the `jax.vmap` of a `fori_loop` of
+   `TrainStep.apply` that `cbs.sweeps.groups` also runs), or, with `branch.vmap=False` or a
+   streamed dataset, one engine step loop per seed. The k of one seed read the same stream
+   positions [E, E + Δ), so their losses differ by the batch size and learning rate alone
+   (common random numbers), not by the examples drawn.
 
 k*, B* and their uncertainty are computed from the records by `cbs.analysis.branch_report`.
 
@@ -46,6 +47,7 @@ from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
 from cbs.engine.counts import count_to_int
 from cbs.engine.lr import EXPONENTS, learning_rate_shape, lr_multiplier
 from cbs.engine.step import TrainState, TrainStep
+from cbs.engine.vmapped import vmapped_steps
 from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
@@ -268,22 +270,17 @@ class BranchRunner:
         last_loss[S], final[S]) after n steps (n traced: one compilation per k)."""
         if k in self._programs:
             return self._programs[k]
-        accum = self.trainer.accum_steps(k * self.bsz)
-        decay = ema_decay_per_step(self.config, k)
+        steps = vmapped_steps(self.step.apply, self.trainer.accum_steps(k * self.bsz),
+                              ema_decay_per_step(self.config, k),
+                              inputs_axes={"arrays": None, "seed": 0})  # a stream per seed
         arrays, final = self.trainer.train_arrays, self._final_loss_fn()
 
-        def one(state, seed, n):
-            def body(_, carry):
-                s, ema, _ = carry
-                s, m = self.step.apply(s, {"arrays": arrays, "seed": seed}, accum)
-                x = m["train/loss"]
-                return s, progress.ema_update(ema, x, decay), x
+        def program(states, seeds, n):
+            nan = jnp.full(seeds.shape, jnp.nan, jnp.float32)  # no loss seen yet
+            states, ema, last = steps(states, {"arrays": arrays, "seed": seeds}, nan, n)
+            return ema, last, jax.vmap(final)(states) if final else nan
 
-            nan = jnp.full((), jnp.nan, jnp.float32)
-            s, ema, last = jax.lax.fori_loop(0, n, body, (state, nan, nan))
-            return ema, last, final(s) if final else nan
-
-        self._programs[k] = jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
+        self._programs[k] = jax.jit(program)
         return self._programs[k]
 
     def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:

@@ -5,17 +5,17 @@ size, data order. `cbs.engine.step.TrainState` holds η_0 as a value, so K such 
 state with a leading axis K, and the engine's own step (`cbs.engine.step.TrainStep`) runs on it
 under `vmap`. `TrialGroup` is a driver of the engine's one loop (`cbs.engine.loop.Loop`): the
 loop owns the order of events, the budget, checkpoints, records, resume and stopping; the group
-supplies a vmapped dispatch of many steps (a `fori_loop` whose length is a value, so the
-log-spaced evaluation grid of `cbs.sweeps.trials.eval_steps` costs no recompilation; the data
-gathered on the device from the stream of `cbs.data`) and a vmapped evaluation at the end of
-each: the progress metric (the full training-set loss, the eval-split loss, or the EMA of the
-batch loss carried through the dispatch, `cbs.engine.progress.ema_update`) and an exact noise
-measurement per trial (`cbs.engine.measure`: B_simple on a fresh batch of
-`sweep.noise_batch_size` training examples; for B_noise, the deviations of its first
-`sweep.noise_curvature_batch_size` examples and the Hessian of an independent draw of
-`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). The group stops once
-every trial has crossed the lowest target or diverged (`cbs.engine.progress.DivergenceRule` on
-the progress metric, as for engine trials).
+supplies a vmapped dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, the program
+branches also run: a `fori_loop` whose length is a value, so the log-spaced evaluation grid of
+`cbs.sweeps.trials.eval_steps` costs no recompilation; the data gathered on the device from the
+stream of `cbs.data`) and a vmapped evaluation at the end of each: the progress metric (the full
+training-set loss, the eval-split loss, or the EMA of the batch loss carried through the
+dispatch, `cbs.engine.progress.ema_update`) and an exact noise measurement per trial
+(`cbs.engine.measure`: B_simple on a fresh batch of `sweep.noise_batch_size` training examples;
+for B_noise, the deviations of its first `sweep.noise_curvature_batch_size` examples and the
+Hessian of an independent draw of `sweep.noise_hessian_batch_size` examples, so the estimate is
+unbiased). The group stops once every trial has crossed the lowest target or diverged
+(`cbs.engine.progress.DivergenceRule` on the progress metric, as for engine trials).
 
 The group runs on one device (small models: the vmap is the parallelism). Its run directory
 holds the loop's files: one eval record per trial and evaluation in `metrics.jsonl` (keys:
@@ -41,8 +41,9 @@ import numpy as np
 
 from cbs.engine import measure, mesh, spec, trainer
 from cbs.engine.loop import Loop, config_hash
-from cbs.engine.progress import DivergenceRule, ema_update
+from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
+from cbs.engine.vmapped import vmapped_steps
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
@@ -168,18 +169,11 @@ class TrialGroup:
     def _chunk_fn(self, states: TrainState, loss_ema: jax.Array, num_steps: jax.Array
                   ) -> tuple[TrainState, jax.Array]:
         """`num_steps` steps of all K trials, carrying the EMA of each trial's batch loss."""
-        tr, decay = self.trainer, self.sweep.loss_ema_decay
-        accum = tr.accum_steps(self.batch_size)
-
-        def one(state, ema):
-            def body(_, carry):
-                s, e = carry
-                s, m = tr.step.apply(s, tr.train_arrays, accum)
-                return s, ema_update(e, m["train/loss"], decay)
-
-            return jax.lax.fori_loop(0, num_steps, body, (state, ema))
-
-        return jax.vmap(one)(states, loss_ema)
+        tr = self.trainer
+        steps = vmapped_steps(tr.step.apply, tr.accum_steps(self.batch_size),
+                              self.sweep.loss_ema_decay)  # the trials share the data
+        states, loss_ema, _ = steps(states, tr.train_arrays, loss_ema, num_steps)
+        return states, loss_ema
 
     # ------------------------------------------------------------------ the loop's driver
 
