@@ -26,7 +26,7 @@ from cbs.engine import mesh as mesh_lib
 from cbs.results import records
 from cbs.results.store import SweepStore, definition_diff
 from cbs.stats import ghost, noise
-from cbs.sweeps import branches, launch, ramps
+from cbs.sweeps import branches, grid, launch, ramps
 from experiments.configs import digits_branch, digits_mlp, digits_ramps, digits_sweep
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -351,7 +351,13 @@ def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path
 
 def test_a_sharded_sweep_gives_the_records_of_an_unsharded_one(tmp_path):
     c = digits_sweep.get_config("tiny")
-    c.sweep.batch_sizes, c.sweep.seeds = (8, 16), (0, 1)  # a shard must run groups whole
+    c.sweep.batch_sizes, c.sweep.seeds = (8, 16), (0,)  # one group of two rates per B
+    trials = grid.make_trials(c.sweep)
+    owned = [grid.shard_trials(trials, f"{i}/2", c.sweep.batch_sizes) for i in (0, 1)]
+    for mine in owned:  # every (B, seed) group lies whole in one shard
+        groups = {(t.batch_size, t.seed) for t in mine}
+        assert mine == [t for t in trials if (t.batch_size, t.seed) in groups]
+    assert sorted(t.index for m in owned for t in m) == [t.index for t in trials]
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     launch.run_sweep(c, str(whole), log=_quiet)
     for i in (1, 0):  # in either order
