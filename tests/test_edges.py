@@ -148,3 +148,18 @@ def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
     assert "still at an edge of the grid at B = 8" in notes[0]
     assert "cap at B = 32" in notes[1]
     assert "| 0.5 | 3 (extrapolated) | 96 | 64–128 |" in report.kaplan_table(analysis)
+
+
+def test_one_seed_at_an_edge_extends_the_grid_as_the_analysis_selects():
+    # Seed 0's optimum lies below the grid, seed 1's inside it: per seed (the analysis'
+    # selection) B sits at the low edge, although the mean over seeds per rate is fastest
+    # inside the grid (the rule used to look only at that mean and never extended).
+    lrs = [1.0, 2.0, 4.0]
+    best = {0: 0.25, 1: 2.0}
+    records = [_record(8, lr, s, best[s]) for lr in lrs for s in (0, 1)]
+    for r in records:  # seed 1 is much slower overall, so it dominates the per-rate mean
+        if r["seed"] == 1:
+            r["steps_to_target"] = {k: 20 * v for k, v in r["steps_to_target"].items()}
+    state = edges.grid_at_batch_size(lrs, (0, 1), records, (0.5,), RULES)
+    assert state["lrs"] == [0.5, 1.0, 2.0, 4.0]  # one more rate below, for both seeds
+    assert edges.edge_directions(records, (0.5,), lrs, RULES) == {"0.5": edges.LOW}

@@ -47,24 +47,31 @@ def edge_directions(records: Sequence[Mapping[str, Any]], targets: Iterable[floa
                     lrs: Sequence[float], rules: Mapping[str, float]) -> dict[str, str]:
     """Per target key, where the best rate at one batch size sits: "high" (largest tried, may
     go up), "low" (smallest tried, may go down) or "capped" (at max_lr/min_lr); absent when
-    it is inside the grid or no rate reached the target."""
+    it is inside the grid or no rate reached the target.
+
+    The best rate is each seed's own (fewest steps in that seed), as the analysis selects it
+    (`fit.best_per_batch_size`): one seed at an edge puts the batch size at that edge. When
+    seeds sit at opposite edges, "high" is reported first; the next round sees "low"."""
     out = {}
     top, bottom = max(lrs), min(lrs)
     for target in targets:
         key = target_key(target)
         rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
-                 "steps": r["steps_to_target"].get(key)} for r in records]
+                 "seed": int(r.get("seed", 0) or 0), "steps": r["steps_to_target"].get(key)}
+                for r in records]
         best = fit.best_per_batch_size(rows)
         if best.batch_sizes.size == 0:
             continue
-        lr = float(best.learning_rates[0])
-        up_capped = bool(rules["max_lr"]) and lr >= rules["max_lr"] * (1 - _REL)
-        down_capped = bool(rules["min_lr"]) and lr <= rules["min_lr"] * (1 + _REL)
-        if _same(lr, top) and not up_capped:
+        seed_lrs = [float(x) for x in best.seed_learning_rates[0]]
+        at_top = any(_same(lr, top) for lr in seed_lrs)
+        at_bottom = any(_same(lr, bottom) for lr in seed_lrs)
+        up_capped = bool(rules["max_lr"]) and top >= rules["max_lr"] * (1 - _REL)
+        down_capped = bool(rules["min_lr"]) and bottom <= rules["min_lr"] * (1 + _REL)
+        if at_top and not up_capped:
             out[key] = HIGH
-        elif _same(lr, bottom) and not down_capped:
+        elif at_bottom and not down_capped:
             out[key] = LOW
-        elif (_same(lr, top) and up_capped) or (_same(lr, bottom) and down_capped):
+        elif at_top or at_bottom:
             out[key] = CAPPED
     return out
 
