@@ -13,7 +13,7 @@ AdamW at a constant rate), set up so that the fit supports a claim within about 
   transient (the earlier study's 3.0 and 2.6 sat inside it, where S barely depends on B);
 - batch sizes 4 to 512 sequences (128 to 16,384 tokens): every fitted B_crit (23 to 80) is
   bracketed by at least 4× on both sides;
-- a factor-2 learning-rate grid on the square-root rule, extended by up to two factor-2
+- a factor-2 learning-rate grid on the square-root rule, extended by up to four factor-2
   steps past any edge optimum (`sweep.extend_lr_rounds`), capped at 0.03;
 - two seeds per (B, η): the fit uses their mean steps, the report's "Seeds" section each
   seed alone;
@@ -52,7 +52,7 @@ def get_config(arg: str = ""):
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
     s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the square-root rule
     s.max_lr = 0.03  # cap on any rate (AdamW with clipping)
-    s.extend_lr_rounds = 2  # factor-2 steps past an edge optimum, one per round
+    s.extend_lr_rounds = 4  # factor-2 steps past an edge optimum, one per round
     s.seeds = (0, 1)  # two seeds per (B, η): the fit uses their mean steps
     s.stop_when_dominated = True  # a group stops once its best rate reached every target
     s.targets = (2.5, 2.4, 2.3, 2.2, 2.1)  # eval loss, nats per character, past the transient
