@@ -6,6 +6,7 @@ Training runs from a config: set-up, the loop, evaluation, checkpoints, records,
 from cbs.engine.trainer import (  # noqa: F401
     ENDED,
     DivergedError,
+    EvalFn,
     Loop,
     Measurement,
     Trainer,

@@ -20,6 +20,7 @@ import pytest
 from cbs.analysis import noise_at_target, report
 from cbs.engine import measure
 from cbs.results import files, records, store
+from cbs.stats import curvature
 from cbs.sweeps import grid, reference
 
 N, DIM, CLASSES = 24, 3, 3
@@ -90,7 +91,7 @@ def test_subset_trace_h_sigma_is_unbiased(x64, hessian_examples):
     def same_batch(k):  # H of the deviation examples themselves: biased
         idx = jax.random.choice(k, N, (4,), replace=False)
         sub = jax.tree.map(lambda x: x[idx], batch)
-        _, hvp = measure.curvature.hvp_fn(loss_fn, w, sub)
+        _, hvp = curvature.hvp_fn(loss_fn, w, sub)
         full_g = jax.grad(loss_fn)(w, batch)
         one = lambda i: jax.tree.map(lambda x: x[i:i + 1], sub)
         d = [jax.grad(loss_fn)(w, one(i)) - full_g for i in range(4)]

@@ -46,7 +46,8 @@ def test_trial_config_sets_the_point_of_the_grid_and_hands_divergence_to_the_swe
     assert rc.batch.schedule.to_dict() == {"kind": "constant", "batch_size": 32}
     assert rc.batch.lr_coupling.rule == "none"
     assert rc.train.max_steps == trials.step_budget(c.sweep, 32) and rc.train.max_examples == 0
-    assert rc.eval.every == trials.eval_every(c.sweep, 32) == rc.noise.every
+    assert rc.eval.every == trials.eval_every(c.sweep, 32)
+    assert rc.eval.enabled and rc.noise.every == 0  # measured at the evaluations instead
     assert rc.train.divergence_factor == 0.0
 
 
@@ -87,6 +88,16 @@ def test_curve_from_records_of_the_batch_loss_ema_and_of_an_eval_metric():
     assert math.isnan(ema["noise/b_noise"][0])  # not measured: NaN, not absent
     ev = trials.curve_from_records(recs, "eval/loss", 0.5)
     assert ev["step"] == [0, 2] and ev["examples"] == [0, 8] and ev["eval/loss"] == [2.5, 0.7]
+
+
+def test_curve_from_records_reads_the_noise_measured_at_the_evaluations():
+    noise = {"noise/trace_sigma": 2.0, "noise/grad_sq_norm": 0.5, "noise/ema_b_simple": 3.0}
+    recs = [_train(0, 3.0, **{"noise/ema_b_simple": 9.0}),
+            {"step": 0, "kind": "eval", "data/examples_seen": 0, "eval/loss": 2.5} | noise,
+            {"step": 2, "kind": "eval", "data/examples_seen": 8, "eval/loss": 0.7} | noise]
+    ev = trials.curve_from_records(recs, "eval/loss", 0.5)
+    assert ev["noise/step"] == [0, 2] and ev["noise/trace_sigma"] == [2.0, 2.0]
+    assert ev["noise/ema_b_simple"] == [3.0, 3.0]  # the evaluation's, not a train record's
 
 
 def _curve(losses, steps=(0, 10, 20, 40)):

@@ -2,6 +2,7 @@
 
     summary = cbs.train.run(config, workdir)              # train, or resume, to the end
     summary = cbs.train.run(config, workdir, stop_fn=fn)  # fn(step, record) -> True stops
+    summary = cbs.train.run(config, workdir, on_eval=fn)  # fn(trainer, state, step) -> fields
 
 `Trainer(config)` exposes the pieces (state, step, `evaluate`) for programs that drive
 training themselves. The jitted step is `cbs.engine.step.TrainStep`; the config is
@@ -24,7 +25,8 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
   noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
-  data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy.
+  data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
+  the fields of `on_eval` when given (a sweep's noise measurement, `cbs.sweeps.measurement`).
 - `status.json`: status ("running" | "preempted" | "finished" | "stopped" | "diverged"), step,
   examples_seen, checkpoint_step, message, config_hash, last train and eval records.
 - `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files (when on).
@@ -55,7 +57,12 @@ from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
 from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
 from cbs.results import files, paths, records
 
-__all__ = ["DivergedError", "Trainer", "config_hash", "run"]
+__all__ = ["DivergedError", "EvalFn", "Trainer", "config_hash", "run"]
+
+# on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
+# at the evaluation after `step` updates (dispatched with the evaluation, read with it).
+EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
+_ON_EVAL = "on_eval"  # the key of the hook's values among an evaluation's device values
 
 class Trainer:
     """Everything a run needs, built from `config` (validated before any compilation).
@@ -65,11 +72,13 @@ class Trainer:
       workdir: run directory (records, checkpoints); None for in-memory use only.
       mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
+      on_eval: `EvalFn` whose fields join every eval record (None: none).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None, *,
-                 mesh: jax.sharding.Mesh | None = None, dataset: data.Dataset | None = None):
-        self.config, self.workdir = config, workdir
+                 mesh: jax.sharding.Mesh | None = None, dataset: data.Dataset | None = None,
+                 on_eval: EvalFn | None = None):
+        self.config, self.workdir, self.on_eval = config, workdir, on_eval
         try:
             self.mesh = mesh or mesh_lib.make_mesh(config.mesh.data, config.mesh.model)
         except ValueError as err:
@@ -332,11 +341,15 @@ class Trainer:
         return bool(every and step % every == 0)
 
     def evaluate_at(self, state: TrainState, step: int) -> dict[str, Any]:
-        del step
-        return self.evaluate_async(state)
+        out = self.evaluate_async(state)
+        if self.on_eval is not None:
+            out[_ON_EVAL] = self.on_eval(self, state, step)
+        return out
 
     def eval_records(self, sums: dict[str, Any]) -> list[dict[str, float]]:
-        return [self.eval_record(sums)]
+        sums = dict(sums)
+        extra = {k: float(v) for k, v in sums.pop(_ON_EVAL, {}).items()}
+        return [self.eval_record(sums) | extra]
 
     def noise_scale(self, state: TrainState, name: str) -> float:
         """The smoothed noise scale `name`: B_simple from the in-step two-batch EMA, B_noise
@@ -362,8 +375,8 @@ class Trainer:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | None = None,
-        raise_on_divergence: bool = True, mesh: jax.sharding.Mesh | None = None
-        ) -> dict[str, Any]:
+        raise_on_divergence: bool = True, mesh: jax.sharding.Mesh | None = None,
+        on_eval: EvalFn | None = None) -> dict[str, Any]:
     """Trains (or resumes, or returns the summary of an ended run) in `workdir`.
 
     Args:
@@ -375,6 +388,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
       raise_on_divergence: raise DivergedError on a non-finite loss (else return the summary
         with status "diverged").
       mesh: device mesh (default from config.mesh).
+      on_eval: on_eval(trainer, state, step) -> {record key: device scalar}, fields added to
+        every eval record (`EvalFn`); not part of the config, so not of its hash.
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
@@ -386,7 +401,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         return status
     fresh = not _has_checkpoint(workdir)
     try:
-        trainer = Trainer(config, workdir, mesh=mesh)
+        trainer = Trainer(config, workdir, mesh=mesh, on_eval=on_eval)
         try:
             return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
         finally:

@@ -1,4 +1,5 @@
-"""The statistics layer: gradient noise statistics (`noise`), Hessian-vector products
+"""The statistics layer: gradient noise statistics (`noise`), the sampled and
+whole-training-set measurements of a sweep (`sampled`), Hessian-vector products
 (`curvature`), per-example gradient norms (`ghost`, `ghost_rules`) and the pytree and
 per-example helpers they share (`trees`, `examples`). Imports no other cbs package.
 """

@@ -11,11 +11,12 @@ branches also run: a `fori_loop` whose length is a value, so the log-spaced eval
 stream of `cbs.data`) and a vmapped evaluation at the end of each: the progress metric (the full
 training-set loss, the eval-split loss, or the EMA of the batch loss carried through the
 dispatch, `cbs.engine.progress.ema_update`) and an exact noise measurement per trial
-(`cbs.engine.measure`: B_simple on a fresh batch of `sweep.noise_batch_size` training examples;
-for B_noise, the deviations of its first `sweep.noise_curvature_batch_size` examples and the
-Hessian of an independent draw of `sweep.noise_hessian_batch_size` examples, so the estimate is
-unbiased). The group stops once every trial has crossed the lowest target or diverged
-(`cbs.engine.progress.DivergenceRule` on the progress metric, as for engine trials).
+(`cbs.sweeps.measurement`, the one engine trials record too: B_simple on a fresh batch of
+`sweep.noise_batch_size` training examples; for B_noise, the deviations of its first
+`sweep.noise_curvature_batch_size` examples and the Hessian of an independent draw of
+`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). The group stops once
+every trial has crossed the lowest target or diverged (`cbs.engine.progress.DivergenceRule`
+on the progress metric, as for engine trials).
 
 The group runs on one device (small models: the vmap is the parallelism). Its run directory
 holds the loop's files: one eval record per trial and evaluation in `metrics.jsonl` (keys:
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import measure, mesh, spec, trainer
+from cbs.engine import mesh, spec, trainer
 from cbs.engine.loop import Loop, config_hash
 from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
@@ -47,6 +48,10 @@ from cbs.engine.vmapped import vmapped_steps
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
+from cbs.sweeps.measurement import (  # noqa: F401 - sweep_measurement: public here too
+    state_measurement,
+    sweep_measurement,
+)
 from cbs.sweeps.trials import (
     NOISE_CURVE_KEYS,
     divergence_rule,
@@ -63,35 +68,6 @@ def group_dir(store: SweepStore, trials: Sequence[Trial]) -> str:
     t = trials[0]
     ids = "-".join(str(x.index) for x in trials)
     return os.path.join(store.sweep_dir, "groups", f"b{t.batch_size:06d}_s{t.seed}_t{ids}")
-
-
-def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset, arrays,
-                      index: Any, *, seed: int) -> dict[str, jax.Array]:
-    """The noise measurement a sweep trial records at its `index`-th evaluation (jittable):
-    `cbs.engine.measure.measure_noise` on `sweep.noise_batch_size` examples of a measurement
-    stream (`seed`) and, when `sweep.noise_curvature_batch_size` > 0, B_noise from the
-    deviations of that many of them and the Hessian of an independent draw of
-    `sweep.noise_hessian_batch_size` examples. With `sweep.noise_examples` "all" (or "auto"
-    and at most `measure.FULL_DATA_MAX` training examples): `measure.measure_full_data` on the
-    whole training set, tr(HΣ) from `sweep.noise_curvature_batch_size` random deviations and
-    the Hessian of `sweep.noise_hessian_batch_size` independent examples (0: all)."""
-    curv = int(sweep.noise_curvature_batch_size)
-    chunk = int(sweep.noise_chunk_size) or None
-    if measure.uses_full_data(sweep.get("noise_examples", "sampled"), dataset.num_train):
-        everything = dataset.take(arrays, jnp.arange(dataset.num_train, dtype=jnp.int32))
-        key = jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
-        out = measure.measure_full_data(
-            loss_fn, params, everything, key, deviations=curv, chunk_size=chunk,
-            hessian_examples=int(sweep.get("noise_hessian_batch_size", 0)))
-        out.pop("mean_grad_sq_norm")
-        return out
-    grad_batch, hess_batch = measure.measurement_batches(
-        dataset, arrays, index, seed=seed, batch_size=int(sweep.noise_batch_size),
-        hessian_batch_size=int(sweep.noise_hessian_batch_size) if curv else 0)
-    out = measure.measure_noise(loss_fn, params, grad_batch, hess_batch, deviations=curv,
-                                chunk_size=chunk)
-    out.pop("mean_grad_sq_norm")
-    return out
 
 
 class TrialGroup:
@@ -133,6 +109,7 @@ class TrialGroup:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
+        self._measure = state_measurement(self.sweep, self.trainer, seed=self.trial_seed)
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -142,13 +119,6 @@ class TrialGroup:
                   ) -> dict[str, jax.Array]:
         """Progress metric and noise measurement of every trial (the `index`-th evaluation)."""
         return self._evaluate_jit(states, loss_ema, jnp.asarray(index, jnp.int32))
-
-    def _measure(self, state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
-        """Noise statistics of one trial at its `index`-th measurement (`sweep_measurement`)."""
-        tr = self.trainer
-        loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-        return sweep_measurement(self.sweep, loss_fn, state.params, tr.dataset,
-                                 tr.train_arrays, index, seed=self.trial_seed)
 
     def _evaluate_fn(self, state: TrainState, loss_ema: jax.Array, index: jax.Array
                      ) -> dict[str, jax.Array]:

@@ -13,7 +13,8 @@ Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluat
 step budget) and the crossing step of each target is interpolated linearly between
 evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
 the ratio of window averages of the exact statistics measured at the evaluations around it
-(`cbs.analysis.fit.noise_scale_at_crossing`).
+(`cbs.analysis.fit.noise_scale_at_crossing`). Both back ends measure at their evaluations
+through one function, `cbs.sweeps.measurement`, on draws fixed by (seed, evaluation index).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cbs.engine.progress import (
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.sweeps.grid import Trial
+from cbs.sweeps.measurement import EngineMeasurement
 
 NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                     "b_noise", "ema_b_simple")
@@ -83,8 +85,9 @@ def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
 
 def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
                     ) -> spec.RunOverrides:
-    """How one trial's run differs from the base config: (B, η, seed), the sweep's budget, a
-    dense evaluation grid and exact noise measurements at each evaluation."""
+    """How one trial's run differs from the base config: (B, η, seed), the sweep's budget and
+    a dense evaluation grid. The in-step periodic measurement is off: a sweep measures the
+    noise at each evaluation (`cbs.sweeps.measurement`, for both back ends)."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
     measured = bool(config.noise.every or sweep.noise_batch_size)
@@ -97,8 +100,8 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
         eval_every=every, full_train_eval=sweep.target_metric == "full_train/loss",
         log_every=min(config.train.log_every, every), quiet=True,
         divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
-        noise_every=(every if sweep.noise_batch_size else 0) if measured else None,
-        noise_batch_size=0 if measured else None)
+        eval_enabled=True if sweep.noise_batch_size else None,  # the noise is measured there
+        noise_every=0 if measured else None, noise_batch_size=0 if measured else None)
 
 
 def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
@@ -140,7 +143,8 @@ class ProgressMonitor:
 def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay: float
                        ) -> dict[str, list[float]]:
     """The progress curve (step, examples, metric) and the noise statistics measured at the
-    evaluation points (or on measured steps) from a run's metrics.jsonl records."""
+    evaluation points (or, in runs recorded before the sweep measured at its evaluations, on
+    measured steps) from a run's metrics.jsonl records."""
     records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
     curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
     if metric == "train/loss_ema":
@@ -154,8 +158,10 @@ def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay
                 curve["step"].append(r["step"])
                 curve["examples"].append(r["data/examples_seen"])
                 curve[metric].append(r[metric])
-    noise_recs = [r for r in records if r["kind"] == "train" and "noise/trace_sigma" in r
-                  and math.isfinite(r["noise/trace_sigma"])]
+    noise_recs = [r for r in records if r["kind"] == "eval" and "noise/trace_sigma" in r]
+    if not noise_recs:
+        noise_recs = [r for r in records if r["kind"] == "train" and "noise/trace_sigma" in r
+                      and math.isfinite(r["noise/trace_sigma"])]
     curve["noise/step"] = [r["step"] for r in noise_recs]
     for k in NOISE_CURVE_KEYS:
         curve[f"noise/{k}"] = [r.get(f"noise/{k}", math.nan) for r in noise_recs]
@@ -225,14 +231,20 @@ def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
 
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
-    """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory."""
+    """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory; the
+    noise is measured at each evaluation (`cbs.sweeps.measurement.EngineMeasurement`)."""
     sweep = config.sweep
     replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)
     workdir = store.trial_dir(trial)
     monitor = ProgressMonitor(sweep)
+    on_eval = None
+    if sweep.noise_batch_size:
+        on_eval = EngineMeasurement(sweep, seed=trial.seed,
+                                    eval_every=eval_every(sweep, trial.batch_size))
     start = time.perf_counter()
-    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh,
+                          on_eval=on_eval)
     recs = records.read_records(f"{workdir}/{files.METRICS_FILE}")
     curve = curve_from_records(recs, sweep.target_metric, sweep.loss_ema_decay)
     for r in recs:  # a resumed monitor has not seen the records before the restart

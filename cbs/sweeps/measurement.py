@@ -1,0 +1,150 @@
+"""The noise measurement of a sweep trial at its evaluations: one function for both back ends.
+
+A trial's `j`-th evaluation measures on batches that depend only on (seed, j)
+(`cbs.engine.measure.measurement_batches`: 𝓑 of `sweep.noise_batch_size` examples from a
+stream independent of training's, 𝓒 an independent Hessian draw of
+`sweep.noise_hessian_batch_size`), or on the whole training set (`sweep.noise_examples`), with
+the estimators of `cbs.stats.sampled`. A vmapped group (`cbs.sweeps.groups.TrialGroup`) calls
+`state_measurement` inside its vmapped evaluation; an engine trial
+(`cbs.sweeps.trials.run_trial_engine`) records `EngineMeasurement` at each of its evaluations
+through the trainer's `on_eval` hook, with the in-step `noise.every` off. The same (seed, j)
+gives the same draws, so the two back ends record the same `noise/*` values at an evaluation
+with the same index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cbs import data
+from cbs.engine import measure, mesh, trainer
+from cbs.engine.step import TrainState
+
+StateMeasurement = Callable[[TrainState, jax.Array], dict[str, jax.Array]]
+
+
+def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset, arrays,
+                      index: Any, *, seed: int) -> dict[str, jax.Array]:
+    """The noise measurement a sweep trial records at its `index`-th evaluation (jittable):
+    `cbs.engine.measure.measure_noise` on `sweep.noise_batch_size` examples of a measurement
+    stream (`seed`) and, when `sweep.noise_curvature_batch_size` > 0, B_noise from the
+    deviations of that many of them and the Hessian of an independent draw of
+    `sweep.noise_hessian_batch_size` examples. With `sweep.noise_examples` "all" (or "auto"
+    and at most `measure.FULL_DATA_MAX` training examples): `measure.measure_full_data` on the
+    whole training set, tr(HΣ) from `sweep.noise_curvature_batch_size` random deviations and
+    the Hessian of `sweep.noise_hessian_batch_size` independent examples (0: all).
+    `arrays`: the training split's stored arrays (device or, for `host_batches`, numpy)."""
+    if measure.uses_full_data(sweep.get("noise_examples", "sampled"), dataset.num_train):
+        everything = dataset.take(arrays, jnp.arange(dataset.num_train, dtype=jnp.int32))
+        return _measure(sweep, loss_fn, params, everything, None, _full_data_key(seed, index))
+    grad_batch, hess_batch = measure.measurement_batches(
+        dataset, arrays, index, seed=seed, batch_size=int(sweep.noise_batch_size),
+        hessian_batch_size=_hessian_batch_size(sweep))
+    return _measure(sweep, loss_fn, params, grad_batch, hess_batch, None)
+
+
+def _hessian_batch_size(sweep: ml_collections.ConfigDict) -> int:
+    return int(sweep.noise_hessian_batch_size) if sweep.noise_curvature_batch_size else 0
+
+
+def _full_data_key(seed: int, index: Any) -> jax.Array:
+    """The key of the full-data measurement's random deviations (and Hessian subset)."""
+    return jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
+
+
+def _measure(sweep, loss_fn, params, grad_batch, hess_batch, key) -> dict[str, jax.Array]:
+    """The statistics of drawn batches: full data when `key` is given, else sampled (𝓑, 𝓒).
+    mean_grad_sq_norm is left out (a sweep records the unbiased grad_sq_norm)."""
+    curv = int(sweep.noise_curvature_batch_size)
+    chunk = int(sweep.noise_chunk_size) or None
+    if key is not None:
+        out = measure.measure_full_data(
+            loss_fn, params, grad_batch, key, deviations=curv, chunk_size=chunk,
+            hessian_examples=int(sweep.get("noise_hessian_batch_size", 0)))
+    else:
+        out = measure.measure_noise(loss_fn, params, grad_batch, hess_batch, deviations=curv,
+                                    chunk_size=chunk)
+    out.pop("mean_grad_sq_norm")
+    return out
+
+
+def state_measurement(sweep: ml_collections.ConfigDict, tr: trainer.Trainer, *, seed: int
+                      ) -> StateMeasurement:
+    """fn(state, index) -> the statistics of `sweep_measurement` (keys without the `noise/`
+    prefix) at the trial's parameters, on the trainer's device-resident training arrays
+    (jittable and vmappable over states)."""
+
+    def fn(state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
+        loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+        return sweep_measurement(sweep, loss_fn, state.params, tr.dataset, tr.train_arrays,
+                                 index, seed=seed)
+
+    return fn
+
+
+def host_batches(sweep: ml_collections.ConfigDict, dataset: data.Dataset, index: int, *,
+                 seed: int) -> tuple[Any, Any]:
+    """(𝓑, 𝓒) of the `index`-th measurement read on the host from a streamed training split:
+    the examples `measure.measurement_batches` gathers on the device (all N with full data,
+    then 𝓒 is None)."""
+    train = dataset.split("train")
+    num = dataset.num_train
+    if measure.uses_full_data(sweep.get("noise_examples", "sampled"), num):
+        return train.read(np.arange(num)), None
+    n = min(int(sweep.noise_batch_size), num)
+    grad_batch = data.host_batch(dataset, index * n, n, seed=seed + measure.SEED_OFFSET)
+    h = min(_hessian_batch_size(sweep), num)
+    if not h:
+        return grad_batch, None
+    key = jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
+    idx_h = np.asarray(jax.random.choice(key, num, (h,), replace=False)).astype(np.int32)
+    return grad_batch, train.read(idx_h)
+
+
+class EngineMeasurement:
+    """The `on_eval` hook (`cbs.engine.trainer.run`) of an engine trial: at the evaluation
+    after `step` updates, {"noise/ema_b_simple", "noise/<key>" of `sweep_measurement`} at
+    index ⌈step / eval_every⌉ (the evaluation's index on the trial's grid of every
+    `eval_every` steps; a final evaluation between grid points gets the next index)."""
+
+    def __init__(self, sweep: ml_collections.ConfigDict, *, seed: int, eval_every: int):
+        self.sweep, self.seed, self.eval_every = sweep, seed, int(eval_every)
+        self._fn: Callable[..., dict[str, jax.Array]] | None = None
+
+    def __call__(self, tr: trainer.Trainer, state: TrainState, step: int
+                 ) -> dict[str, jax.Array]:
+        index = -(-int(step) // self.eval_every)
+        if self._fn is None:
+            self._fn = self._build(tr)
+        if tr.in_memory:
+            return self._fn(state, tr.train_arrays, jnp.int32(index))
+        grad_batch, hess_batch = host_batches(self.sweep, tr.dataset, index, seed=self.seed)
+        return self._fn(state, grad_batch, hess_batch, jnp.int32(index))
+
+    def _build(self, tr: trainer.Trainer) -> Callable[..., dict[str, jax.Array]]:
+        sweep, seed, rep = self.sweep, self.seed, mesh.replicated(tr.mesh)
+        full = measure.uses_full_data(sweep.get("noise_examples", "sampled"),
+                                      tr.dataset.num_train)
+
+        def record(state, stats):
+            return {"noise/ema_b_simple": state.noise_ema.b_simple} | {
+                f"noise/{k}": v for k, v in stats.items()}
+
+        def from_arrays(state, arrays, index):  # in memory: the group's own gather
+            loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+            return record(state, sweep_measurement(sweep, loss_fn, state.params, tr.dataset,
+                                                   arrays, index, seed=seed))
+
+        def from_batches(state, grad_batch, hess_batch, index):  # streamed: read on the host
+            loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+            key = _full_data_key(seed, index) if full else None
+            return record(state, _measure(sweep, loss_fn, state.params, grad_batch,
+                                          hess_batch, key))
+
+        return jax.jit(from_arrays if tr.in_memory else from_batches, out_shardings=rep)
