@@ -23,7 +23,8 @@ AdamW at a constant rate), set up so that the fit supports a claim within about 
 The report (report.md) gives B_crit(L) in sequences and in tokens beside Kaplan's
 α_B ≈ 0.21 and B* ≈ 2·10⁸ tokens (their loss is nats per BPE token of WebText2, ours nats per
 character: α_B, the shape of the trend, is the comparable number; B* is not). Committed run:
-results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
+results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores; 66 in the
+grid of the per-seed extension rule).
 
 Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
 d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in the hour), e.g.
