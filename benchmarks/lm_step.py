@@ -41,13 +41,13 @@ VOCAB = 50304
 
 
 def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_axis: int,
-           vocab: int):
+           vocab: int, num_devices: int = 0):
     mc = models.default_model_config("lm")
     mc.update(size=size, remat=remat, compute_dtype=dtype)
     model = nnx.eval_shape(lambda: models.build_model(
         mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
     graphdef, abstract, rest = models.split_model(model)
-    mesh = mesh_lib.make_mesh(-1, model_axis)
+    mesh = mesh_lib.make_mesh(-1, model_axis, devices=jax.devices()[:num_devices or None])
     direction = optim.make_direction(ml_collections.ConfigDict(
         {"name": "adamw", "weight_decay": 0.1}))
     mode = "fsdp_tp" if mesh.size > 1 else "replicated"
@@ -127,7 +127,7 @@ def _fits(n_params: int) -> bool:
 
 def bench(size: str, args) -> list[dict]:
     s = _setup(size, args.batch, args.seq_len, args.remat, args.dtype, args.model_axis,
-               args.vocab)
+               args.vocab, args.devices)
     if not _fits(s["n_params"]):
         print(f"{size}: {s['n_params'] / 1e6:.0f}M parameters do not fit; skipped")
         return []
@@ -169,13 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--remat", default="dots", choices=lm.REMAT_POLICIES)
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(lm.DTYPES))
     parser.add_argument("--model_axis", type=int, default=1, help="devices on the model axis")
+    parser.add_argument("--devices", type=int, default=0,
+                        help="use the first N devices (0 = all)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps between exact measurements")
     args = parser.parse_args(argv)
     if args.tiny:
         args.sizes = args.sizes or "tiny"
-        args.batch = 4 * jax.device_count() // args.model_axis  # m = 2, A = 2 per replica
+        args.batch = 4 * (args.devices or jax.device_count()) // args.model_axis  # m = 2, A = 2
         args.seq_len, args.vocab = 32, 80
         args.dtype = "float32"
         args.steps, args.repeats, args.every = min(args.steps, 4), min(args.repeats, 3), min(
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     d = jax.devices()[0]
     peak = throughput.peak_flops()
     peak_s = "unknown" if peak is None else f"{peak / 1e12:.0f} TFLOP/s"
-    print(f"device: {jax.device_count()} × {d.device_kind} ({d.platform}), peak {peak_s} per "
+    used = args.devices or jax.device_count()
+    print(f"device: {used} × {d.device_kind} ({d.platform}), peak {peak_s} per "
           f"device; B={args.batch} × T={args.seq_len}, A=2, remat={args.remat}, "
           f"compute {args.dtype}; median of "
           f"{args.repeats} × {args.steps} steps\n")

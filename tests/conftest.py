@@ -23,6 +23,18 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
+# The modules with the longest tests run first: with two xdist workers taking tests in
+# collection order, a long test collected last keeps one worker busy while the other idles.
+_LONGEST_FIRST = ("test_notebooks.py", "test_lm.py", "test_branches.py", "test_multihost.py",
+                  "test_throughput.py", "test_types.py", "test_preemption.py",
+                  "test_sweep_lifecycle.py", "test_ghost.py", "test_ghost_stats.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: others keep
+    #                                                                   their order
+
 
 def pytest_unconfigure(config):
     if _OWN_CACHE:
