@@ -41,7 +41,7 @@ def _no_data(ax, message: str = "no data") -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
 
 
-def _log_labels(axis, values: np.ndarray) -> None:
+def log_labels(axis, values: np.ndarray) -> None:
     """Plain-number tick labels on a log axis. Under ~1.5 decades there may be no major tick
     at all, so minor ticks are labelled too: only those at 2, 3 and 5 × 10^k (which never
     crowd each other), and under 0.5 decades evenly spaced ticks (about 8) instead."""
@@ -93,10 +93,10 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: boo
     has_x, has_y = np.concatenate(xs).size > 0, np.concatenate(ys).size > 0
     if logx and has_x:
         ax.set_xscale("log")
-        _log_labels(ax.xaxis, np.concatenate(xs))
+        log_labels(ax.xaxis, np.concatenate(xs))
     if logy and has_y:
         ax.set_yscale("log")
-        _log_labels(ax.yaxis, np.concatenate(ys))
+        log_labels(ax.yaxis, np.concatenate(ys))
     drawn = has_x and has_y
     if drawn and legend:
         ax.legend(fontsize=8)

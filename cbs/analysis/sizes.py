@@ -215,8 +215,12 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
                             max(max(s["targets"]) for s in studies), 50)
         ax.plot(loss, j["b_star"] * loss ** (-1 / j["alpha_b"]), "k--", lw=1,
                 label=f"joint fit, α_B = {j['alpha_b']:.2g}")
+    from cbs.analysis import plots
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plots.log_labels(ax.xaxis, np.concatenate([np.asarray(s["targets"], float) for s in studies]))
+    plots.log_labels(ax.yaxis, np.concatenate([np.asarray(s["b_crit"], float) for s in studies]))
     ax.invert_xaxis()
     ax.set_xlabel("target loss L (lower: later in training)")
     ax.set_ylabel("B_crit (examples)")
