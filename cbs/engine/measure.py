@@ -32,7 +32,6 @@ from cbs.stats.sampled import (  # noqa: F401 - public: measure.*
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
-CURVATURE_KEYS = ("trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise")
 NOISE_EXAMPLES = ("sampled", "all", "auto")  # values of sweep.noise_examples
 FULL_DATA_MAX = 10_000  # "auto": the whole training set when N <= this many examples
 
@@ -107,6 +106,12 @@ def uses_full_data(noise_examples: str, num_train: int) -> bool:
     return noise_examples == "all" or (noise_examples == "auto" and num_train <= FULL_DATA_MAX)
 
 
+def measurement_key(seed: int, index: Any) -> jax.Array:
+    """The key of the `index`-th measurement's random draws (its Hessian batch 𝓒, or the
+    deviations of a whole-training-set measurement) for training seed `seed`."""
+    return jax.random.fold_in(jax.random.key(seed + SEED_OFFSET), index)
+
+
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
                         seed: int, batch_size: int, hessian_batch_size: int = 0
                         ) -> tuple[PyTree, PyTree | None]:
@@ -123,6 +128,5 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
     if not hessian_batch_size:
         return grad_batch, None
     h = min(int(hessian_batch_size), num)
-    key = jax.random.fold_in(jax.random.key(seed + SEED_OFFSET), index)
-    idx_h = jax.random.choice(key, num, (h,), replace=False)
+    idx_h = jax.random.choice(measurement_key(seed, index), num, (h,), replace=False)
     return grad_batch, dataset.take(arrays, idx_h.astype(jnp.int32), "train")

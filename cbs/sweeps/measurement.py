@@ -42,7 +42,8 @@ def sweep_measurement(sweep: ml_collections.ConfigDict, loss_fn, params, dataset
     `arrays`: the training split's stored arrays (device or, for `host_batches`, numpy)."""
     if measure.uses_full_data(sweep.get("noise_examples", "sampled"), dataset.num_train):
         everything = dataset.take(arrays, jnp.arange(dataset.num_train, dtype=jnp.int32))
-        return _measure(sweep, loss_fn, params, everything, None, _full_data_key(seed, index))
+        return _measure(sweep, loss_fn, params, everything, None,
+                        measure.measurement_key(seed, index))
     grad_batch, hess_batch = measure.measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=int(sweep.noise_batch_size),
         hessian_batch_size=_hessian_batch_size(sweep))
@@ -53,9 +54,9 @@ def _hessian_batch_size(sweep: ml_collections.ConfigDict) -> int:
     return int(sweep.noise_hessian_batch_size) if sweep.noise_curvature_batch_size else 0
 
 
-def _full_data_key(seed: int, index: Any) -> jax.Array:
-    """The key of the full-data measurement's random deviations (and Hessian subset)."""
-    return jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
+def _loss_at(tr: trainer.Trainer, state: TrainState) -> Callable:
+    """loss_fn(params, batch) -> mean loss, with the state's model state (BatchNorm etc.)."""
+    return lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
 
 
 def _measure(sweep, loss_fn, params, grad_batch, hess_batch, key) -> dict[str, jax.Array]:
@@ -81,9 +82,8 @@ def state_measurement(sweep: ml_collections.ConfigDict, tr: trainer.Trainer, *, 
     (jittable and vmappable over states)."""
 
     def fn(state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
-        loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-        return sweep_measurement(sweep, loss_fn, state.params, tr.dataset, tr.train_arrays,
-                                 index, seed=seed)
+        return sweep_measurement(sweep, _loss_at(tr, state), state.params, tr.dataset,
+                                 tr.train_arrays, index, seed=seed)
 
     return fn
 
@@ -102,8 +102,8 @@ def host_batches(sweep: ml_collections.ConfigDict, dataset: data.Dataset, index:
     h = min(_hessian_batch_size(sweep), num)
     if not h:
         return grad_batch, None
-    key = jax.random.fold_in(jax.random.key(seed + measure.SEED_OFFSET), index)
-    idx_h = np.asarray(jax.random.choice(key, num, (h,), replace=False)).astype(np.int32)
+    idx_h = np.asarray(jax.random.choice(measure.measurement_key(seed, index), num, (h,),
+                                         replace=False)).astype(np.int32)
     return grad_batch, train.read(idx_h)
 
 
@@ -137,14 +137,12 @@ class EngineMeasurement:
                 f"noise/{k}": v for k, v in stats.items()}
 
         def from_arrays(state, arrays, index):  # in memory: the group's own gather
-            loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-            return record(state, sweep_measurement(sweep, loss_fn, state.params, tr.dataset,
-                                                   arrays, index, seed=seed))
+            return record(state, sweep_measurement(sweep, _loss_at(tr, state), state.params,
+                                                   tr.dataset, arrays, index, seed=seed))
 
         def from_batches(state, grad_batch, hess_batch, index):  # streamed: read on the host
-            loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-            key = _full_data_key(seed, index) if full else None
-            return record(state, _measure(sweep, loss_fn, state.params, grad_batch,
-                                          hess_batch, key))
+            key = measure.measurement_key(seed, index) if full else None
+            return record(state, _measure(sweep, _loss_at(tr, state), state.params,
+                                          grad_batch, hess_batch, key))
 
         return jax.jit(from_arrays if tr.in_memory else from_batches, out_shardings=rep)
