@@ -1,6 +1,7 @@
 """`cbs.train`: the public API of `cbs.engine.trainer`, re-exported.
 
-Training runs from a config: set-up, the loop, evaluation, checkpoints, records, resume.
+Training runs from a config: set-up (`RunParts`), the loop, evaluation, checkpoints, records,
+resume.
 """
 
 from cbs.engine.trainer import (  # noqa: F401
@@ -9,6 +10,7 @@ from cbs.engine.trainer import (  # noqa: F401
     EvalFn,
     Loop,
     Measurement,
+    RunParts,
     Trainer,
     TrainState,
     TrainStep,

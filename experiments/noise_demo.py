@@ -21,7 +21,8 @@ import jax
 from absl import flags, logging
 
 from cbs import data, models
-from cbs.engine import cli, trainer
+from cbs.engine import cli
+from cbs.engine.parts import RunParts
 from cbs.stats import noise, trees
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> None:
     c = digits_mlp.get_config("")
     c.noise.every = 0
     c.train.progress_bar = False
-    runner = trainer.Trainer(c, None)
+    runner = RunParts(c)
     state = runner.init_state()
     batch = data.device_batch(runner.dataset, runner.train_arrays, 0, _BATCH.value, seed=99)
     loss_fn = models.make_loss_fn(runner.graphdef, state.model_state, runner.dataset.task)

@@ -22,7 +22,7 @@ from cbs.analysis import branch_report
 from cbs.engine import trainer
 from cbs.results import files, records
 from cbs.stats import noise
-from cbs.sweeps import branch_noise, branches
+from cbs.sweeps import branch_noise, branch_unit, branches
 from experiments.configs import base, digits_branch
 
 
@@ -95,8 +95,17 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     c = _config()
     full = branches.run_branches(c, str(tmp_path / "full"))
     assert len(full) == 3 * 2 and {r["k"] for r in full} == {1, 2, 4}
+    assert not os.path.exists(tmp_path / "full" / files.UNITS_DIR)  # removed once
+    #                                                              their records are appended
     part_dir = str(tmp_path / "part")
     branches.run_branches(c, part_dir, stop_after=1)
+    runner = branches.BranchRunner(c, part_dir)
+    try:  # the next unit's loop ends, then a kill before its records are appended
+        (step, k), *_ = branches.pending_units(c, part_dir, [20])
+        runner.run_unit(step, k)
+    finally:
+        runner.close()
+    assert os.path.isdir(branch_unit.unit_dir(part_dir, step, k))
     path = os.path.join(part_dir, files.BRANCHES_FILE)
     with open(path, "a") as f:  # a kill in the middle of an append
         f.write('{"point_step": 20, "k"')
@@ -181,11 +190,11 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
         moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
         assert moments and all(float(jnp.abs(x).max()) > 0 for x in moments)
         # the test has teeth: with Adam's state reset the continuation differs
-        fresh = state.replace(opt_state=runner.trainer.init_state().opt_state)
+        fresh = state.replace(opt_state=runner.parts.init_state().opt_state)
         states = jax.tree.map(lambda x: x[None], fresh)
-        reset = runner._program(1)(states, jnp.asarray([c.seed], jnp.uint32),
-                                   jnp.asarray(20, jnp.int32))
-        assert abs(float(reset[2][0]) - at[640]["full_train/loss"]) > 1e-4
+        reset, _, _ = runner._program(1)(states, jnp.asarray([c.seed], jnp.uint32),
+                                         jnp.full((1,), jnp.nan), jnp.asarray(20, jnp.int32))
+        assert abs(float(runner._final(reset)[0]) - at[640]["full_train/loss"]) > 1e-4
         # k = 4 at 2η_0 through the engine's loop, with the rate set here rather than by
         # branches.lr_factor
         c4 = copy.deepcopy(runner.branch_config)
@@ -212,7 +221,7 @@ def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
     assert all(r["estimator"] == branch_noise.NOISE_ESTIMATOR for r in recs)
     runner = branches.BranchRunner(c, str(tmp_path))
     try:
-        tr, state = runner.trainer, runner.restore(20)
+        tr, state = runner.parts, runner.restore(20)
         arrays = tr.dataset.take(tr.train_arrays, jnp.arange(tr.dataset.num_train), "train")
         loss = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
         want = noise.exact(loss, state.params, arrays)

@@ -132,8 +132,10 @@ class _Scripted:
     dataset = types.SimpleNamespace(input_shape=(1,), vocab_size=None)
     mesh = types.SimpleNamespace(size=1)
 
-    def __init__(self, config, workdir, losses=(), *, schedule=None, stride=1):
+    def __init__(self, config, workdir, losses=(), *, schedule=None, stride=1,
+                 start_position=(0, 0)):
         self.config, self.workdir, self.losses, self.stride = config, workdir, losses, stride
+        self.start_position = start_position
         self.schedule = schedule or schedules.Constant(4)
         self.evaluated: list[int] = []
         self.read_each_evaluation = stride > 1
@@ -202,6 +204,18 @@ def test_loop_runs_to_the_step_budget_with_evaluations_on_schedule(tmp_path):
     assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 3, 6, 7]
     assert [r["data/examples_seen"] for r in recs if r["kind"] == "train"] == list(range(0, 28, 4))
     assert summary["checkpoint_step"] == 7
+
+
+def test_a_state_that_starts_later_runs_from_its_position_to_the_same_budget(tmp_path):
+    """A driver whose fresh state is at step 5 with 20 examples seen (a branch from its
+    point): the loop's counters start there and `train.max_steps` counts from step 0."""
+    d = str(tmp_path)
+    summary = loop.Loop(_Scripted(_loop_config(max_steps=7), d, start_position=(5, 20))).run()
+    assert (summary["step"], summary["examples_seen"]) == (7, 28)
+    recs = _records(d)
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [5, 6]
+    assert [r["data/examples_seen"] for r in recs if r["kind"] == "train"] == [20, 24]
+    assert [r["step"] for r in recs if r["kind"] == "eval"] == [6, 7]
 
 
 def test_loop_stops_on_the_example_budget(tmp_path):

@@ -11,10 +11,11 @@ import importlib
 import types
 
 import ml_collections
+import numpy as np
 import pytest
 
 from cbs.engine import spec, trainer
-from cbs.sweeps import branches, grid, groups, launch, ramps, trials
+from cbs.sweeps import branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial
 from experiments.configs import digits_branch, digits_ramps
 
@@ -113,12 +114,6 @@ def old_branch_config(config, max_k, bsz):
     return c
 
 
-def old_engine_branch_config(branch_config, seed):
-    c = copy.deepcopy(branch_config)
-    c.seed = seed
-    return c
-
-
 def old_reference_config(config):
     c = copy.deepcopy(config)
     c.train.keep_checkpoints = 1_000_000
@@ -131,15 +126,16 @@ class _Built(Exception):
     """Raised by a stand-in Trainer once it has seen its config."""
 
 
-def _capture_trainer(monkeypatch, module) -> list[ml_collections.ConfigDict]:
-    """Replaces `module.trainer.Trainer` by one that records its config and stops."""
+def _capture(monkeypatch, owner, name: str) -> list[ml_collections.ConfigDict]:
+    """Replaces `owner.<name>` (a Trainer or RunParts) by one that records its config and
+    stops."""
     seen: list[ml_collections.ConfigDict] = []
 
     def fake(config, *args, **kwargs):
         seen.append(copy.deepcopy(config))
         raise _Built
 
-    monkeypatch.setattr(module.trainer, "Trainer", fake)
+    monkeypatch.setattr(owner, name, fake)
     return seen
 
 
@@ -214,7 +210,7 @@ def test_a_trial_group_builds_its_trainer_from_the_pre_refactor_config(monkeypat
     config = _sweep_config("digits_sweep")
     config.sweep.noise_batch_size = 16  # the trial's own noise.every is then on
     config.eval.enabled = False  # the group turns evaluations on
-    seen = _capture_trainer(monkeypatch, groups)
+    seen = _capture(monkeypatch, groups, "RunParts")
     t = grid.make_trials(config.sweep)[1]
     with pytest.raises(_Built):
         groups.TrialGroup(config, [t], store=types.SimpleNamespace(sweep_dir="unused"))
@@ -224,20 +220,42 @@ def test_a_trial_group_builds_its_trainer_from_the_pre_refactor_config(monkeypat
 def test_branch_configs_equal_the_pre_refactor_ones(monkeypatch, tmp_path):
     config = digits_branch.get_config("tiny")
     base = copy.deepcopy(config.to_dict())
-    seen = _capture_trainer(monkeypatch, branches)
+    seen = _capture(monkeypatch, branches, "RunParts")
     with pytest.raises(_Built):
         branches.BranchRunner(config, str(tmp_path))
     ks = [int(k) for k in config.branch.ks]
     old = old_branch_config(config, ks[-1], branches.reference_batch(config))
     _same(seen[0], old)
-    fake_runner = types.SimpleNamespace(branch_config=old, mesh=None, dataset=None)
-    with pytest.raises(_Built):
-        branches.BranchRunner.engine_branch(fake_runner, 0, 2, seed=9)
-    _same(seen[1], old_engine_branch_config(old, 9))
+    seen = _capture(monkeypatch, branches.trainer, "Trainer")
     with pytest.raises(_Built):
         branches.run_reference(config, str(tmp_path))
-    _same(seen[2], old_reference_config(config))
+    _same(seen[0], old_reference_config(config))
     assert config.to_dict() == base
+
+
+def test_a_branch_is_its_study_config_with_the_branch_fields_overridden():
+    """A branch's run config (`branch_unit.branch_overrides`): the branch config of the
+    study with the batch size, rate, seed, budget, records, checkpoints, divergence rule and
+    final evaluation of the branch written, and nothing else."""
+    config = digits_branch.get_config("tiny")
+    study = old_branch_config(config, 4, branches.reference_batch(config))
+    start = types.SimpleNamespace(step=np.int32(20), examples_seen=np.int32(320))
+    o = branch_unit.branch_overrides(start, batch_size=64, learning_rate=3e-3, num_steps=5,
+                                     full_train=True, seed=9)
+    c = spec.run_config(study, o, drop=())
+    want = copy.deepcopy(study)
+    want.batch.schedule = ml_collections.ConfigDict({"kind": "constant", "batch_size": 64})
+    want.optim.learning_rate, want.seed = 3e-3, 9
+    t = want.train
+    t.max_steps, t.max_examples, t.record_every, t.log_every = 25, 0, 1, 5
+    t.checkpoint_every, t.divergence_factor = 25, 0.0  # no checkpoint before the end
+    t.progress_bar = t.tensorboard = False
+    want.eval.enabled, want.eval.every, want.eval.full_train = True, 0, True
+    _same(c, want)
+    c = spec.run_config(study, branch_unit.branch_overrides(
+        start, batch_size=64, learning_rate=3e-3, num_steps=5, full_train=False,
+        evaluate=False), drop=())
+    assert (c.seed, c.eval.enabled, c.eval.full_train) == (study.seed, False, False)
 
 # ---------------------------------------------------------------- run_config itself
 

@@ -379,6 +379,30 @@ def test_resume_after_crash_is_bit_identical(tmp_path, schedule):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_run_started_from_a_state_continues_where_that_state_is(tmp_path):
+    """`Trainer(start=state)` (how a branch starts from its point): the loop starts at the
+    state's step and examples seen, and the records from there on equal the uninterrupted
+    run's; the config's η_0 replaces the state's, as on resume."""
+    c = tiny_config(**{"noise.every": 3, "eval.every": 4, "train.keep_checkpoints": 5})
+    mesh = one_device_mesh()
+    whole = str(tmp_path / "whole")
+    trainer.run(c, whole, mesh=mesh)
+    target = trainer.Trainer(c, mesh=mesh).init_state()
+    ckpt = checkpoint.Checkpointer(os.path.join(whole, checkpoint.CHECKPOINT_DIR))
+    state, _ = ckpt.restore(5, jax.tree.map(np.asarray, target))
+    ckpt.close()
+    tr = trainer.Trainer(c, str(tmp_path / "started"), mesh=mesh,
+                         start=state.replace(learning_rate=np.float32(9.0)))
+    assert tr.start_position == (5, 5 * 32)
+    summary = tr.run()
+    assert summary["step"] == 12
+    got = records.read_records(str(tmp_path / "started" / files.METRICS_FILE))
+    want = [r for r in records.read_records(os.path.join(whole, files.METRICS_FILE))
+            if r["step"] >= 5]
+    assert got[0]["step"] == 5 and got[0]["data/examples_seen"] == 160
+    assert got == want
+
+
 def _poisoned_digits(bad_step: int, batch_size: int) -> data.Dataset:
     ds = data.get_dataset("digits")
     idx = data.stream_indices(bad_step * batch_size, batch_size, ds.num_train, 0)

@@ -3,8 +3,10 @@
 `Loop` owns the order of events, the run directory's records (`cbs.results.records`) and
 checkpoints (`cbs.engine.checkpoint`), the budget, `stop_fn` and the divergence rule of
 `cbs.engine.progress`. What it drives is a `Driver`: `cbs.engine.trainer.Trainer` for a single
-run (one step per dispatch), or a vmapped group of runs (`cbs.sweeps.groups.TrialGroup`: many
-steps of K trials per dispatch, evaluated at the end of each). The order of events is a function
+run (one step per dispatch; a branch of a local-CBS study is one started from its point's
+state), or a vmapped group of runs (`cbs.sweeps.groups.TrialGroup`: many steps of K trials per
+dispatch, evaluated at the end of each; `cbs.sweeps.branch_unit.VmappedBranch`: the S seeds of
+one branch, its whole window in one dispatch). The order of events is a function
 of the step number alone (never of timing), so a resumed run does exactly what an uninterrupted
 one does: see `cbs.engine.trainer` for the loop and the files.
 """
@@ -99,13 +101,16 @@ class Driver(Protocol):
     are read), `workdir`, `schedule` (`cbs.engine.schedules`), `dataset` and `mesh` (for the
     throughput hooks), `replicas` (data replicas); `read_each_evaluation`: read every
     evaluation as soon as it is dispatched (a driver whose stopping depends on it), instead
-    of up to `log_every` steps late.
+    of up to `log_every` steps late; `start_position`: (step, examples seen) of the state
+    `init_state` gives ((0, 0) for a fresh run; a branch starts where its point is, so its
+    budget `train.max_steps` counts from the reference run's step 0).
     """
 
     config: ml_collections.ConfigDict
     schedule: schedules.BatchSchedule
     replicas: int
     read_each_evaluation: bool
+    start_position: tuple[int, int]
 
     @property
     def workdir(self) -> str | None:
@@ -186,7 +191,7 @@ class Loop:
         latest = self.ckpt.latest_step()
         if latest is None:
             self.state = tr.init_state()
-            self.t, self.e, self.sched_state = 0, 0, self.schedule.init()
+            (self.t, self.e), self.sched_state = tr.start_position, self.schedule.init()
             self.last_saved = -1
             self.divergence = DivergenceState()
             return

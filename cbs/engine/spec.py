@@ -54,6 +54,8 @@ class RunOverrides:
     max_steps: int | None = None  # train.max_steps: step budget; 0 = none
     max_examples: int | None = None  # train.max_examples: example budget; 0 = none
     log_every: int | None = None  # train.log_every: steps between reads of the metrics
+    record_every: int | None = None  # train.record_every: steps between train records
+    checkpoint_every: int | None = None  # train.checkpoint_every: steps between checkpoints
     divergence_factor: float | None = None  # train.divergence_factor: × the early loss that
     #   counts as diverged; 0 = the engine never declares divergence
     keep_checkpoints: int | None = None  # train.keep_checkpoints: checkpoints kept on disk
@@ -65,8 +67,8 @@ class RunOverrides:
     noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
 
     def __post_init__(self):
-        for name in ("batch_size", "micro_batch", "adapt_every", "log_every",
-                     "keep_checkpoints"):
+        for name in ("batch_size", "micro_batch", "adapt_every", "log_every", "record_every",
+                     "checkpoint_every", "keep_checkpoints"):
             _integer(name, getattr(self, name), minimum=1)
         for name in ("seed", "max_steps", "max_examples", "eval_every", "noise_every",
                      "noise_batch_size"):
@@ -98,7 +100,8 @@ FIELDS = {
     "lr_coupling.base_batch_size": "batch.lr_coupling.base_batch_size",
     "lr_coupling.cap": "batch.lr_coupling.cap", "adapt_every": "batch.adapt_every",
     "seed": "seed", "max_steps": "train.max_steps", "max_examples": "train.max_examples",
-    "log_every": "train.log_every", "divergence_factor": "train.divergence_factor",
+    "log_every": "train.log_every", "record_every": "train.record_every",
+    "checkpoint_every": "train.checkpoint_every", "divergence_factor": "train.divergence_factor",
     "keep_checkpoints": "train.keep_checkpoints", "quiet": "train.progress_bar",
     "eval_enabled": "eval.enabled", "eval_every": "eval.every",
     "full_train_eval": "eval.full_train", "noise_every": "noise.every",
@@ -161,8 +164,8 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
     _set(c.batch, "adapt_every", o.adapt_every)
     _set(c.optim, "learning_rate", o.learning_rate)
     _set(c, "seed", o.seed)
-    for field in ("max_steps", "max_examples", "log_every", "divergence_factor",
-                  "keep_checkpoints"):
+    for field in ("max_steps", "max_examples", "log_every", "record_every", "checkpoint_every",
+                  "divergence_factor", "keep_checkpoints"):
         _set(c.train, field, getattr(o, field))
     if o.quiet:
         c.train.progress_bar = False

@@ -41,20 +41,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
-from cbs import data, models
-from cbs.engine import checkpoint, lr, optim, schedules
-from cbs.engine import config as config_lib
-from cbs.engine import mesh as mesh_lib
+from cbs import data
+from cbs.engine import checkpoint, counts
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
-from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
+from cbs.engine.parts import RunParts
+from cbs.engine.step import (  # noqa: F401 - Measurement, TrainStep, init_train_state: cbs.train's
+    Measurement,
+    TrainState,
+    TrainStep,
+    init_train_state,
+)
 from cbs.results import files, paths, records
 
 __all__ = ["DivergedError", "EvalFn", "Trainer", "config_hash", "run"]
@@ -64,8 +66,9 @@ __all__ = ["DivergedError", "EvalFn", "Trainer", "config_hash", "run"]
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
 _ON_EVAL = "on_eval"  # the key of the hook's values among an evaluation's device values
 
-class Trainer:
-    """Everything a run needs, built from `config` (validated before any compilation).
+class Trainer(RunParts):
+    """A run: its parts (`cbs.engine.parts.RunParts`, built from `config` and validated
+    before any compilation) and its run directory; the driver of `cbs.engine.loop.Loop`.
 
     Args:
       config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
@@ -73,239 +76,30 @@ class Trainer:
       mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
       on_eval: `EvalFn` whose fields join every eval record (None: none).
+      start: a state to start from instead of a fresh one (a branch from a checkpoint of its
+        reference run): the run starts at its step and examples seen, with the config's
+        η_0 (as on resume); its budget `train.max_steps` / `max_examples` counts from 0.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None, *,
                  mesh: jax.sharding.Mesh | None = None, dataset: data.Dataset | None = None,
-                 on_eval: EvalFn | None = None):
-        self.config, self.workdir, self.on_eval = config, workdir, on_eval
-        try:
-            self.mesh = mesh or mesh_lib.make_mesh(config.mesh.data, config.mesh.model)
-        except ValueError as err:
-            raise config_lib.ConfigError(f"config.mesh: {err}") from err
-        self.replicas = mesh_lib.data_replicas(self.mesh)
-        config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
-                            dataset_names=None if dataset else data.known_datasets())
-        self.dataset = dataset or self._load_dataset()
-        self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
-        self._check_sizes()
-        self._build_model()
-        self._build_step()
-
-    # ------------------------------------------------------------------ set-up
-
-    def _load_dataset(self) -> data.Dataset:
-        try:
-            return data.get_dataset(self.config.data.name, **self.config.data.options)
-        except (ValueError, TypeError) as err:
-            raise config_lib.ConfigError(f"config.data: {err}") from err
-
-    def _check_sizes(self) -> None:
-        c, n = self.config, self.dataset.num_train
-        if (c.eval.enabled and c.eval.full_train and not c.eval.train_examples
-                and not self.dataset.in_memory("train")):
-            raise config_lib.ConfigError(
-                f"config.eval.train_examples: the training split of {self.dataset.name} is "
-                "streamed; evaluate a subset (eval.train_examples=n) or set eval.full_train="
-                "False")
-        largest = max(config_lib.batch_sizes(c))
-        if largest > n:
-            raise config_lib.ConfigError(
-                f"config.batch.schedule: batch size {largest} exceeds the {n} training "
-                f"examples of {self.dataset.name}")
-
-    def _build_model(self) -> None:
-        c, ds = self.config, self.dataset
-
-        def make_model():
-            return models.build_model(c.model, input_shape=ds.input_shape,
-                                      num_classes=ds.num_classes if ds.task != "regression"
-                                      else None, vocab_size=ds.vocab_size,
-                                      rngs=nnx.Rngs(c.seed), verbose=False)
-
-        try:
-            abstract = nnx.eval_shape(make_model)
-        except ValueError as err:
-            raise config_lib.ConfigError(f"config.model: {err}") from err
-        if jax.process_index() == 0:
-            print(models.model_summary(abstract))
-        self.graphdef, params, rest = models.split_model(abstract)
-        self.stateful = models.couples_examples(rest)
-        if self.stateful and c.noise.every:
-            raise config_lib.ConfigError(
-                "config.noise.every: per-example statistics are ill-defined for a model with "
-                "BatchNorm in training mode (set noise.every=0 or model.norm != 'batchnorm')")
-        self.direction = optim.make_direction(c.optim)
-
-        def make_state() -> TrainState:
-            _, p, r = models.split_model(make_model())
-            return init_train_state(p, self.direction, model_state=r,
-                                    learning_rate=c.optim.learning_rate,
-                                    ema_decay=c.noise.ema_decay)
-
-        self._make_state = make_state
-        shapes = self.abstract_state()
-        mode = c.mesh.get("param_mode", "replicated")
-        shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
-        rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
-        self.state_sharding = TrainState(
-            # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
-            step=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            examples_seen=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            learning_rate=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            params=shard(shapes.params), opt_state=shard(shapes.opt_state),
-            model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
-            measure_ema=rep(shapes.measure_ema))
-
-    def loss_fn(self, params, model_state, batch):
-        """Stateful training loss: (mean loss, new model state)."""
-        if self.stateful:
-            return models.make_loss_fn(self.graphdef, model_state, self.dataset.task,
-                                       return_state=True)(params, batch)
-        fn = models.make_loss_fn(self.graphdef, model_state, self.dataset.task)
-        return fn(params, batch), model_state
-
-    def _build_step(self) -> None:
-        c, ds = self.config, self.dataset
-        self.in_memory = ds.in_memory("train")
-        rep = mesh_lib.replicated(self.mesh)
-        batch_fn: Callable[..., Any] | None
-        if self.in_memory:
-            self.train_arrays = ds.device_arrays("train", rep)
-            batch_sh = mesh_lib.batch_sharding(self.mesh)
-
-            def batch_fn(arrays, examples_seen, batch_size):
-                batch = data.device_batch(ds, arrays, examples_seen, batch_size, seed=c.seed)
-                return jax.lax.with_sharding_constraint(batch, batch_sh)
-
-            inputs_sharding = rep
-        else:
-            self.loader = data.HostLoader(ds, seed=c.seed,
-                                          sharding=mesh_lib.batch_sharding(self.mesh),
-                                          batch_size_fn=self._static_batch_size)
-            batch_fn, inputs_sharding = None, mesh_lib.batch_sharding(self.mesh)
-        n = c.noise
-        measure = None
-        if n.every:
-            n_micro = max(1, n.batch_size // (c.batch.micro_batch * self.replicas))
-            measure = Measurement(n.method, n.every, n_micro, n.curvature, n.num_probes,
-                                  n.chunk_size, n.in_step)
-        coupling = lr.coupling_from_config(
-            c.batch.lr_coupling, self.schedule.batch_size_at(0, self.schedule.init()))
-        self.step = TrainStep(self.loss_fn, self.direction, lr.learning_rate_shape(c),
-                              self.mesh, self.state_sharding, inputs_sharding,
-                              micro_batch=c.batch.micro_batch, small_batch=n.small_batch,
-                              live=n.get("live", "auto"), two_batch=n.two_batch,
-                              batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
-                              seed=c.seed)
-        self._evals: dict[tuple[str, int], Callable] = {}
-        self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
-
-    def _static_batch_size(self, examples_seen: int) -> int:
-        return self.schedule.planning_batch_size(examples_seen)
-
-    def close(self) -> None:
-        """Stops the host prefetch threads of a streamed dataset (no-op in memory)."""
-        if not self.in_memory:
-            self.loader.close()
-
-    def abstract_state(self) -> TrainState:
-        """The state's shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing computed."""
-        return jax.eval_shape(self._make_state)
-
-    def init_state(self) -> TrainState:
-        """A fresh state on the mesh (parameters from `config.seed`)."""
-        return jax.jit(self._make_state, out_shardings=self.state_sharding)()
-
-    def inputs(self, examples_seen: int, batch_size: int) -> Any:
-        """The step's second argument at stream position E for batch size B."""
-        if self.in_memory:
-            return self.train_arrays
-        return self.loader(examples_seen, batch_size)
-
-    def accum_steps(self, batch_size: int) -> int:
-        """A = B / (R·m)."""
-        return batch_size // (self.config.batch.micro_batch * self.replicas)
-
-    # ------------------------------------------------------------------ evaluation
-
-    def eval_sums_fn(self, split: str, num_examples: int = 0) -> tuple[Callable, Any]:
-        """(fn, arrays): fn(params, model_state, arrays) -> {"loss_sum", "count"[,
-        "correct_sum"]} over the first `num_examples` (0 = all) of `split`, in fixed chunks of
-        `eval.batch_size` on the device (a `lax.scan`, padded and masked). Pure and jittable
-        (also under vmap); `arrays` are the split's device-resident arrays."""
-        key = (split, num_examples)
-        if key in self._eval_parts:
-            return self._eval_parts[key]
-        ds, c = self.dataset, self.config
-        s = ds.split(split)
-        n = min(num_examples or s.num_examples, s.num_examples)
-        chunk = -(-min(c.eval.batch_size, n) // self.replicas) * self.replicas
-        rep, batch_sh = mesh_lib.replicated(self.mesh), mesh_lib.batch_sharding(self.mesh)
-        if s.in_memory:
-            arrays, view = ds.device_arrays(split, rep), cast(Callable, s.view)  # in memory
-        else:  # a streamed split: its first n examples, read once and kept on the device
-            host = s.read(np.arange(n))
-            arrays = {k: jax.make_array_from_process_local_data(rep, v, v.shape)
-                      for k, v in host.items()}
-            view = lambda a, idx: {k: v[idx] for k, v in a.items()}
-
-        def sums_fn(params, model_state, arrays):
-            eval_fn = models.make_eval_fn(self.graphdef, model_state, ds.task)
-
-            def chunk_sums(start):
-                idx = start + jnp.arange(chunk, dtype=jnp.int32)
-                real = idx < n
-                idx = jax.lax.with_sharding_constraint(jnp.minimum(idx, n - 1), batch_sh)
-                return eval_fn(params, view(arrays, idx) | {"mask": real.astype(jnp.float32)})
-
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                 jax.eval_shape(chunk_sums, jnp.int32(0)))
-            body = lambda sums, start: (jax.tree.map(jnp.add, sums, chunk_sums(start)), None)
-            return jax.lax.scan(body, zeros, jnp.arange(0, n, chunk, dtype=jnp.int32))[0]
-
-        self._eval_parts[key] = sums_fn, arrays
-        return sums_fn, arrays
-
-    def _eval_fn(self, split: str, num_examples: int) -> Callable:
-        """state -> device sums, jitted once per (split, num_examples)."""
-        key = (split, num_examples)
-        if key not in self._evals:
-            sums_fn, arrays = self.eval_sums_fn(split, num_examples)
-            jitted = jax.jit(sums_fn, out_shardings=mesh_lib.replicated(self.mesh))
-            self._evals[key] = lambda state: jitted(state.params, state.model_state, arrays)
-        return self._evals[key]
-
-    def evaluate_async(self, state: TrainState) -> dict[str, Any]:
-        """Dispatches the configured evaluations; returns device sums (see `eval_record`)."""
-        e = self.config.eval
-        out = {"eval": self._eval_fn("eval", e.num_examples)(state)}
-        if e.full_train:
-            out["full_train"] = self._eval_fn("train", e.train_examples)(state)
-        return out
-
-    @staticmethod
-    def eval_record(sums: dict[str, Any]) -> dict[str, float]:
-        """{"eval/loss", "eval/accuracy", "full_train/loss", ...} from fetched sums."""
-        out = {}
-        for prefix, s in sums.items():
-            count = float(s["count"])
-            out[f"{prefix}/loss"] = float(s["loss_sum"]) / count
-            if "correct_sum" in s:
-                out[f"{prefix}/accuracy"] = float(s["correct_sum"]) / count
-        return out
-
-    def evaluate(self, state: TrainState, split: str = "train", num_examples: int = 0
-                 ) -> dict[str, float]:
-        """Exact mean loss (and accuracy) over the first `num_examples` (0 = all) of a split,
-        in fixed chunks on the device: `evaluate(state)` is the full training-set loss."""
-        sums = jax.device_get(self._eval_fn(split, num_examples)(state))
-        record = self.eval_record({"x": sums})
-        return {k[2:]: v for k, v in record.items()}
+                 on_eval: EvalFn | None = None, start: TrainState | None = None):
+        super().__init__(config, mesh=mesh, dataset=dataset)
+        self.workdir, self.on_eval, self.start = workdir, on_eval, start
+        self.start_position = (0, 0)
+        if start is not None:
+            step, seen = jax.device_get((start.step, start.examples_seen))
+            self.start_position = (int(step), counts.count_to_int(seen))
 
     # ------------------------------------------------------------------ the loop's driver
 
     read_each_evaluation = False  # metrics are read every `train.log_every` steps
+
+    def init_state(self) -> TrainState:
+        """A fresh state on the mesh (parameters from `config.seed`), or the `start` state."""
+        if self.start is None:
+            return super().init_state()
+        return self.restored(jax.device_put(self.start, self.state_sharding))
 
     def restore_target(self) -> TrainState:
         """The state's abstract arrays with their shardings (what a checkpoint restores)."""

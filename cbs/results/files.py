@@ -8,8 +8,8 @@ Writers and readers take the names from here, so the two cannot disagree.
   CSV_FILE, SWEEP_FILE, RAMPS_FILE, ANALYSIS_FILE, REPORT_FILE, FIGURES_DIR, and the reference
   trajectory in REFERENCE_DIR with its exact noise measurements in REFERENCE_NOISE_FILE;
 - a branch study's directory (`cbs.sweeps.branches`, `cbs.analysis.branch_report`):
-  DEFINITION_FILE, BRANCHES_FILE, the reference run in REFERENCE_DIR, REFERENCE_NOISE_FILE and
-  REPORT_FILE;
+  DEFINITION_FILE, BRANCHES_FILE, the reference run in REFERENCE_DIR, REFERENCE_NOISE_FILE,
+  REPORT_FILE, and UNITS_DIR (the run directories of the units running);
 - a comparison across studies (`cbs.analysis.compare`): REPORT_FILE and FIGURE_FILE; across
   model sizes (`cbs.analysis.sizes`): REPORT_FILE, SIZES_FILE and SIZES_FIGURE_FILE;
 - a ramp payoff study (`cbs.sweeps.ramps` with out_dir, `cbs.analysis.payoff`): RAMPS_FILE,
@@ -33,6 +33,7 @@ REFERENCE_NOISE_FILE = "reference_noise.jsonl"
 
 DEFINITION_FILE = "branch.json"
 BRANCHES_FILE = "branches.jsonl"
+UNITS_DIR = "units"
 
 FIGURE_FILE = "b_crit_vs_noise.png"
 SIZES_FILE = "sizes.json"

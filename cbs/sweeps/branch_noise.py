@@ -39,9 +39,9 @@ _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitte
 def measure_at(runner: Any, step: int) -> dict[str, Any]:
     """B_simple and B_noise of the reference after `step` updates, exactly on the whole
     training set (`NOISE_ESTIMATOR`): one record."""
-    if not runner.trainer.in_memory:
+    if not runner.parts.in_memory:
         raise ValueError("branch.noise_checkpoints needs an in-memory training set")
-    tr, m = runner.trainer, int(runner.b.noise_deviations)
+    tr, m = runner.parts, int(runner.b.noise_deviations)
     if runner not in _FNS:
         num = tr.dataset.num_train
         perm = jax.random.permutation(jax.random.key(int(runner.b.noise_seed)), num)
@@ -57,8 +57,8 @@ def measure_at(runner: Any, step: int) -> dict[str, Any]:
     out = jax.device_get(_FNS[runner](state.params, state.model_state))
     return {"step": step,
             "examples_seen": count_to_int(jax.device_get(state.examples_seen)),
-            "num_examples": int(runner.trainer.dataset.num_train),
-            "deviations": min(m, int(runner.trainer.dataset.num_train)),
+            "num_examples": int(runner.parts.dataset.num_train),
+            "deviations": min(m, int(runner.parts.dataset.num_train)),
             **{f"noise/{k}": float(v) for k, v in out.items()},
             "estimator": NOISE_ESTIMATOR}
 

@@ -14,10 +14,12 @@ point, k a batch multiplier from the ladder K, Δ the window in examples, S the 
    exact full training-set loss. The EMA decays by `loss_ema_decay` per step of the branch
    (`loss_ema_per="step"`, the paper's α = 0.5) or per B examples (`"reference_batch"`: decay^k
    per step of branch k, so every branch averages the same number of examples).
-4. Each (point, k) runs its S data-order seeds (stream seeds of `cbs.data`) as one vmapped
-   program (`cbs.engine.vmapped.vmapped_steps`, the `jax.vmap` of a `fori_loop` of
-   `TrainStep.apply` that `cbs.sweeps.groups` also runs), or, with `branch.vmap=False` or a
-   streamed dataset, one engine step loop per seed. The k of one seed read the same stream
+4. Each (point, k) is a unit: a run of the engine's one loop (`cbs.sweeps.branch_unit`) that
+   starts at the point's step and examples seen. Its S data-order seeds (stream seeds of
+   `cbs.data`) run as one vmapped program (`VmappedBranch`: `cbs.engine.vmapped.vmapped_steps`,
+   the `jax.vmap` of a `fori_loop` of `TrainStep.apply` that `cbs.sweeps.groups` also runs), or,
+   with `branch.vmap=False` or a streamed dataset, one `Trainer` per seed started from the
+   point's state (`branch_unit.engine_branch`). The k of one seed read the same stream
    positions [E, E + Δ), so their losses differ by the batch size and learning rate alone
    (common random numbers), not by the examples drawn.
 
@@ -25,9 +27,11 @@ k*, B* and their uncertainty are computed from the records by `cbs.analysis.bran
 
 Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.jsonl`
 (one record per (point, k, seed), appended per (point, k), never rewritten except to drop a
-torn last line), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`, when measured). A killed
-run resumes: finished (point, k) units are skipped and an unfinished one is run again from its
-checkpoint, so the records equal an uninterrupted run's. `shard="i/n"` runs only units whose
+torn last line), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`, when measured), and
+`units/` while a unit runs (its loop's run directory, removed once its records are appended).
+A killed run resumes: finished (point, k) units are skipped and an unfinished one is run
+again from its point (or from the checkpoint its loop saved at the end of its window), so the
+records equal an uninterrupted run's. `shard="i/n"` runs only units whose
 index ≡ i (mod n).
 """
 
@@ -39,19 +43,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from cbs import data
 from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
 from cbs.engine.counts import count_to_int
-from cbs.engine.lr import EXPONENTS, learning_rate_shape, lr_multiplier
+from cbs.engine.lr import EXPONENTS, lr_multiplier
+from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep
 from cbs.engine.vmapped import vmapped_steps
 from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
-from cbs.sweeps import branch_noise
+from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.grid import parse_shard
 
 LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)  # f(k) = k^p must grow with k
@@ -199,7 +203,7 @@ def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 
 
 class BranchRunner:
-    """Runs the branches of one study; `run(units)` appends their records."""
+    """Runs the branches of one study; `run_unit(step, k)` returns a unit's records."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                  dataset: data.Dataset | None = None):
@@ -216,118 +220,118 @@ class BranchRunner:
         self.dataset = dataset
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.mesh, self.rep = one, mesh.replicated(one)
-        self.trainer = trainer.Trainer(c, None, mesh=one, dataset=dataset)
-        self.vmap = bool(self.b.vmap) and self.trainer.in_memory
+        self.parts = RunParts(c, mesh=one, dataset=dataset)
+        self.vmap = bool(self.b.vmap) and self.parts.in_memory
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(workdir, files.REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
+        self._final = self._final_loss_fn()
         if self.vmap:
             self.step = self._seeded_step()
 
     def close(self) -> None:
         self.ckpt.close()
-        self.trainer.close()
+        self.parts.close()
 
     def _seeded_step(self) -> TrainStep:
         """The engine's step with the data-order seed an input (so seeds can be vmapped)."""
-        tr, c = self.trainer, self.branch_config
-        ds = tr.dataset
+        ds = self.parts.dataset
 
         def batch_fn(inputs, examples_seen, batch_size):
             return data.device_batch(ds, inputs["arrays"], examples_seen, batch_size,
                                      seed=inputs["seed"])
 
-        return TrainStep(tr.loss_fn, tr.direction, learning_rate_shape(c), self.mesh,
-                         tr.state_sharding, self.rep, micro_batch=c.batch.micro_batch,
-                         small_batch=c.noise.small_batch, two_batch=c.noise.two_batch,
-                         live=c.noise.get("live", "auto"),
-                         batch_fn=batch_fn, seed=c.seed)
+        return self.parts.make_step(batch_fn, self.rep)
 
     def restore(self, step: int) -> TrainState:
         """The reference state after `step` updates, on this runner's device."""
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.rep),
-                              self.trainer.abstract_state())
+                              self.parts.abstract_state())
         state, _ = self.ckpt.restore(step, target)
         return state
 
     def _final_loss_fn(self) -> Callable | None:
+        """jit of states[S] -> the full training-set loss of each, or None (not measured)."""
         if self.b.metric != "full_train/loss":
             return None
-        fn, arrays = self.trainer.eval_sums_fn("train", self.config.eval.train_examples)
+        fn, arrays = self.parts.eval_sums_fn("train", self.config.eval.train_examples)
 
         def loss(state):
             sums = fn(state.params, state.model_state, arrays)
             return sums["loss_sum"] / sums["count"]
 
-        return loss
+        return jax.jit(jax.vmap(loss))
 
     def window(self, examples_seen: int) -> int:
         """Δ of the branches from a point that has seen `examples_seen` examples."""
         return window_examples(self.config, examples_seen)
 
     def _program(self, k: int) -> Callable:
-        """jit(vmap over seeds) of branch k: (states[S], seeds[S], n) -> (loss_ema[S],
-        last_loss[S], final[S]) after n steps (n traced: one compilation per k)."""
+        """jit(vmap over seeds) of branch k: (states[S], seeds[S], loss_ema[S], n) ->
+        (states, loss_ema, last_loss) after n steps (n traced: one compilation per k)."""
         if k in self._programs:
             return self._programs[k]
-        steps = vmapped_steps(self.step.apply, self.trainer.accum_steps(k * self.bsz),
+        steps = vmapped_steps(self.step.apply, self.parts.accum_steps(k * self.bsz),
                               ema_decay_per_step(self.config, k),
                               inputs_axes={"arrays": None, "seed": 0})  # a stream per seed
-        arrays, final = self.trainer.train_arrays, self._final_loss_fn()
+        arrays = self.parts.train_arrays
 
-        def program(states, seeds, n):
-            nan = jnp.full(seeds.shape, jnp.nan, jnp.float32)  # no loss seen yet
-            states, ema, last = steps(states, {"arrays": arrays, "seed": seeds}, nan, n)
-            return ema, last, jax.vmap(final)(states) if final else nan
+        def program(states, seeds, ema, n):
+            return steps(states, {"arrays": arrays, "seed": seeds}, ema, n)
 
         self._programs[k] = jax.jit(program)
         return self._programs[k]
 
-    def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
-        """The S records of branch multiplier k from checkpoint `step`."""
-        state = self.restore(step)
-        lr0 = float(jax.device_get(state.learning_rate))
-        lr = lr_factor(k, self.b.lr_rule) * lr0
-        seeds = [int(s) for s in self.b.seeds]
+    def _overrides(self, state: TrainState, k: int, seed: int | None = None,
+                   evaluate: bool = True) -> spec.RunOverrides:
         e0 = count_to_int(jax.device_get(state.examples_seen))
-        window = self.window(e0)
+        lr0 = float(jax.device_get(state.learning_rate))
+        return branch_unit.branch_overrides(
+            state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
+            num_steps=self.window(e0) // (k * self.bsz), seed=seed, evaluate=evaluate,
+            full_train=self.b.metric == "full_train/loss")
+
+    def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
+        """The S records of branch multiplier k from checkpoint `step` (each branch a run of
+        the engine's loop, `cbs.sweeps.branch_unit`)."""
+        state = self.restore(step)
+        seeds = [int(s) for s in self.b.seeds]
+        o = self._overrides(state, k)
+        e0 = count_to_int(jax.device_get(state.examples_seen))
         if self.vmap:
-            states = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(seeds), *x.shape)), state)
-            states = states.replace(learning_rate=jnp.full((len(seeds),), lr, jnp.float32))
-            n = jnp.asarray(window // (k * self.bsz), jnp.int32)
-            out = jax.device_get(self._program(k)(states, jnp.asarray(seeds, jnp.uint32), n))
+            c = spec.run_config(self.branch_config, o, drop=())
+            out = branch_unit.VmappedBranch(
+                c, branch_unit.unit_dir(self.workdir, step, k), self.parts, state, seeds,
+                self._program(k), self._final).run()
         else:
-            out = list(zip(*[self.engine_branch(step, k, s) for s in seeds], strict=True))
+            out = [dict(zip(("loss_ema", "train/loss", "full_train/loss"),
+                            self.engine_branch(step, k, s), strict=True)) for s in seeds]
         return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
                  "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
-                 "learning_rate": lr, "window_examples": window,
-                 "steps": window // (k * self.bsz), "loss_ema": float(out[0][i]),
-                 "train/loss": float(out[1][i]), "full_train/loss": float(out[2][i])}
+                 "learning_rate": o.learning_rate, "window_examples": self.window(e0),
+                 "steps": self.window(e0) // (k * self.bsz)} | out[i]
                 for i, s in enumerate(seeds)]
 
     def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:
-        """One branch through the engine's own jitted step and input pipeline (a Trainer
-        whose data seed is `seed`): (loss_ema, last batch loss, final metric or NaN)."""
-        c = spec.run_config(self.branch_config, spec.RunOverrides(seed=seed), drop=())
-        tr = trainer.Trainer(c, None, mesh=self.mesh, dataset=self.dataset)
-        try:
-            state = self.restore(step)
-            state = state.replace(learning_rate=jnp.asarray(
-                lr_factor(k, self.b.lr_rule) * float(state.learning_rate), jnp.float32))
-            e, bsz = count_to_int(jax.device_get(state.examples_seen)), k * self.bsz
-            device_losses = []
-            for _ in range(self.window(e) // bsz):
-                state, m = tr.step(state, tr.inputs(e, bsz), tr.accum_steps(bsz))
-                device_losses.append(m["train/loss"])
-                e += bsz
-            losses = [float(x) for x in jax.device_get(device_losses)]
-            ema = progress.ema_curve(losses, ema_decay_per_step(self.config, k))[-1]
-            final = math.nan
-            if self.b.metric == "full_train/loss":
-                final = tr.evaluate(state, "train", self.config.eval.train_examples)["loss"]
-            return float(ema), losses[-1], float(final)
-        finally:
-            tr.close()
+        """One branch through the engine's own Trainer, jitted step, input pipeline and loop
+        (data-order seed `seed`): (loss_ema, last batch loss, final metric or NaN)."""
+        state = self.restore(step)
+        o = self._overrides(state, k, seed, evaluate=self.b.metric == "full_train/loss")
+        return branch_unit.engine_branch(
+            spec.run_config(self.branch_config, o, drop=()),
+            branch_unit.unit_dir(self.workdir, step, k, seed), state,
+            ema_decay=ema_decay_per_step(self.config, k), device_mesh=self.mesh,
+            dataset=self.dataset)
+
+    def remove_unit(self, step: int, k: int) -> None:
+        """Removes the run directories of a unit whose records are appended."""
+        for seed in (None, *[int(s) for s in self.b.seeds]):
+            d = branch_unit.unit_dir(self.workdir, step, k, seed)
+            if paths.isdir(d):
+                paths.rmtree(d)
+        units = os.path.join(self.workdir, files.UNITS_DIR)
+        if paths.isdir(units) and not any(paths.epath(units).iterdir()):
+            paths.epath(units).rmdir()
 
 
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
@@ -408,6 +412,7 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
                     break
                 preemption.check(f"before branch unit (step {step}, k={k})")
                 records.append_records(path, runner.run_unit(step, k))
+                runner.remove_unit(step, k)
                 bar.update()
         if shard is None or parse_shard(shard)[0] == 0:
             preemption.check("before the reference-run noise measurement")

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import mesh, spec, trainer
+from cbs.engine import mesh, spec
 from cbs.engine.loop import Loop, config_hash
+from cbs.engine.parts import RunParts
 from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
 from cbs.engine.vmapped import vmapped_steps
@@ -76,6 +77,7 @@ class TrialGroup:
 
     read_each_evaluation = True  # stopping depends on every evaluation
     replicas = 1
+    start_position = (0, 0)  # every trial starts fresh
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None):
@@ -89,11 +91,11 @@ class TrialGroup:
             eval_enabled=True)  # every stop is an evaluation (progress and noise)
         c = spec.run_config(config, overrides)
         self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-        self.trainer = trainer.Trainer(c, None, mesh=self.mesh)
-        if not self.trainer.in_memory:
-            raise ValueError(f"{self.trainer.dataset.name} is streamed: set "
+        self.parts = RunParts(c, mesh=self.mesh)
+        if not self.parts.in_memory:
+            raise ValueError(f"{self.parts.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
-        self.config, self.dataset, self.schedule = c, self.trainer.dataset, self.trainer.schedule
+        self.config, self.dataset, self.schedule = c, self.parts.dataset, self.parts.schedule
         self._rep = mesh.replicated(self.mesh)
         (self.batch_size,) = self.schedule.batch_sizes()  # B: the run config's constant schedule
         self.steps = eval_steps(self.sweep, self.batch_size)
@@ -109,7 +111,7 @@ class TrialGroup:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
-        self._measure = state_measurement(self.sweep, self.trainer, seed=self.trial_seed)
+        self._measure = state_measurement(self.sweep, self.parts, seed=self.trial_seed)
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -127,8 +129,8 @@ class TrialGroup:
         split = PROGRESS_SPLIT.get(metric)
         out = {"noise/ema_b_simple": state.noise_ema.b_simple, "train/loss_ema": loss_ema}
         if split is not None:
-            e = self.trainer.config.eval
-            fn, arrays = self.trainer.eval_sums_fn(
+            e = self.parts.config.eval
+            fn, arrays = self.parts.eval_sums_fn(
                 split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
             out[metric] = sums["loss_sum"] / sums["count"]
@@ -139,7 +141,7 @@ class TrialGroup:
     def _chunk_fn(self, states: TrainState, loss_ema: jax.Array, num_steps: jax.Array
                   ) -> tuple[TrainState, jax.Array]:
         """`num_steps` steps of all K trials, carrying the EMA of each trial's batch loss."""
-        tr = self.trainer
+        tr = self.parts
         steps = vmapped_steps(tr.step.apply, tr.accum_steps(self.batch_size),
                               self.sweep.loss_ema_decay)  # the trials share the data
         states, loss_ema, _ = steps(states, tr.train_arrays, loss_ema, num_steps)
@@ -153,7 +155,7 @@ class TrialGroup:
 
     def init_state(self) -> dict[str, Any]:
         """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)}."""
-        state = self.trainer.init_state()
+        state = self.parts.init_state()
         k = len(self.trials)
         states = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)).copy(), state)
         lrs = jnp.asarray([t.learning_rate for t in self.trials], jnp.float32)
@@ -177,7 +179,7 @@ class TrialGroup:
         return {"trials": states, "loss_ema": loss_ema}, n, None
 
     def accum_steps(self, batch_size: int) -> int:
-        return self.trainer.accum_steps(batch_size)
+        return self.parts.accum_steps(batch_size)
 
     def checkpoint_due(self, step: int) -> bool:
         j = self._index[step]

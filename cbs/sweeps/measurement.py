@@ -23,7 +23,8 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import measure, mesh, trainer
+from cbs.engine import measure, mesh
+from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
 
 StateMeasurement = Callable[[TrainState, jax.Array], dict[str, jax.Array]]
@@ -54,7 +55,7 @@ def _hessian_batch_size(sweep: ml_collections.ConfigDict) -> int:
     return int(sweep.noise_hessian_batch_size) if sweep.noise_curvature_batch_size else 0
 
 
-def _loss_at(tr: trainer.Trainer, state: TrainState) -> Callable:
+def _loss_at(tr: RunParts, state: TrainState) -> Callable:
     """loss_fn(params, batch) -> mean loss, with the state's model state (BatchNorm etc.)."""
     return lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
 
@@ -75,10 +76,10 @@ def _measure(sweep, loss_fn, params, grad_batch, hess_batch, key) -> dict[str, j
     return out
 
 
-def state_measurement(sweep: ml_collections.ConfigDict, tr: trainer.Trainer, *, seed: int
+def state_measurement(sweep: ml_collections.ConfigDict, tr: RunParts, *, seed: int
                       ) -> StateMeasurement:
     """fn(state, index) -> the statistics of `sweep_measurement` (keys without the `noise/`
-    prefix) at the trial's parameters, on the trainer's device-resident training arrays
+    prefix) at the trial's parameters, on the parts' device-resident training arrays
     (jittable and vmappable over states)."""
 
     def fn(state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
@@ -117,7 +118,7 @@ class EngineMeasurement:
         self.sweep, self.seed, self.eval_every = sweep, seed, int(eval_every)
         self._fn: Callable[..., dict[str, jax.Array]] | None = None
 
-    def __call__(self, tr: trainer.Trainer, state: TrainState, step: int
+    def __call__(self, tr: RunParts, state: TrainState, step: int
                  ) -> dict[str, jax.Array]:
         index = -(-int(step) // self.eval_every)
         if self._fn is None:
@@ -127,7 +128,7 @@ class EngineMeasurement:
         grad_batch, hess_batch = host_batches(self.sweep, tr.dataset, index, seed=self.seed)
         return self._fn(state, grad_batch, hess_batch, jnp.int32(index))
 
-    def _build(self, tr: trainer.Trainer) -> Callable[..., dict[str, jax.Array]]:
+    def _build(self, tr: RunParts) -> Callable[..., dict[str, jax.Array]]:
         sweep, seed, rep = self.sweep, self.seed, mesh.replicated(tr.mesh)
         full = measure.uses_full_data(sweep.get("noise_examples", "sampled"),
                                       tr.dataset.num_train)

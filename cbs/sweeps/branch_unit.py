@@ -1,0 +1,186 @@
+"""One unit of a branch study, a branch point and a multiplier k with its S data-order seeds,
+as a run of the engine's one loop (`cbs.engine.loop.Loop`).
+
+A branch is a run that starts where its point is: from a checkpoint of the reference run, at
+that checkpoint's step t_0 and examples seen E, and trains Δ/(k·B) steps at batch k·B with peak
+learning rate f(k)·η_0. Its run config is the study's config with `spec.RunOverrides` (batch
+size, learning rate, seed, `train.max_steps` = t_0 + Δ/(k·B), an evaluation at the end only,
+no periodic checkpoints, divergence only on a non-finite loss); the loop takes the state and
+its start position from the driver. Two drivers:
+
+- `VmappedBranch`: the S seeds as one state with a leading axis S, advanced through the whole
+  window in one dispatch of the vmapped step loop (`cbs.engine.vmapped.vmapped_steps`, the
+  program trial groups run) and evaluated at its end: one record per seed (loss EMA, last
+  batch loss, the final metric or NaN).
+- `engine_branch`: one seed through `cbs.engine.trainer.Trainer` (`start=` the point's state),
+  the engine's own jitted step and input pipeline (streamed data too); its EMA is read from
+  the run's per-step `train/loss` records. A branch that reaches a non-finite loss stops
+  there and records non-finite values, as a vmapped one does.
+
+Each unit runs in a directory of its own under `workdir/units/`; `cbs.sweeps.branches` appends
+its records to `branches.jsonl` and then removes the directory. A unit killed after its last
+step resumes from the checkpoint the loop saved at its end; one killed before starts again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cbs.engine import mesh, progress, schedules, spec, trainer
+from cbs.engine.counts import count_to_int
+from cbs.engine.loop import Loop
+from cbs.engine.parts import RunParts
+from cbs.engine.step import TrainState
+from cbs.results import files, records
+
+
+def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
+    """The run directory of a unit (or of one seed's engine branch)."""
+    name = f"p{step:09d}_k{k}" + ("" if seed is None else f"_s{seed}")
+    return os.path.join(workdir, files.UNITS_DIR, name)
+
+
+def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float,
+                     num_steps: int, full_train: bool, seed: int | None = None,
+                     evaluate: bool = True) -> spec.RunOverrides:
+    """The run overrides of a branch from `start`: `num_steps` steps at `batch_size` and peak
+    rate `learning_rate` (a float32 value, as the state holds it), with data-order `seed`
+    (None: the config's), evaluated at the end when `evaluate` (the full training-set loss
+    too when `full_train`)."""
+    end = int(jax.device_get(start.step)) + num_steps
+    return spec.RunOverrides(
+        batch_size=batch_size, learning_rate=learning_rate, seed=seed, max_steps=end,
+        max_examples=0, record_every=1, log_every=max(1, num_steps),
+        checkpoint_every=max(1, end),  # none before the end (the loop saves one there)
+        divergence_factor=0.0,  # only a non-finite loss stops a branch
+        quiet=True, eval_enabled=evaluate, eval_every=0, full_train_eval=full_train)
+
+
+class VmappedBranch:
+    """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state.
+
+    Args:
+      config: the branch's run config (`branch_overrides`).
+      workdir: its run directory (`unit_dir`).
+      parts: the study's run parts (model, data, evaluation) on one device.
+      start: the point's state; every seed starts from it, at the config's η_0.
+      seeds: the S data-order seeds.
+      program: jit of (states[S], seeds[S], loss_ema[S], n) -> (states, loss_ema, last_loss)
+        after n steps (`vmapped_steps` with the seed an input).
+      final_loss: jit of states[S] -> the final metric [S], or None (NaN recorded).
+    """
+
+    read_each_evaluation = False
+    replicas = 1
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, parts: RunParts,
+                 start: TrainState, seeds: Sequence[int], program: Callable,
+                 final_loss: Callable | None):
+        self.config, self.workdir, self.parts = config, workdir, parts
+        self.dataset, self.mesh = parts.dataset, parts.mesh
+        self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
+        self.seeds = [int(s) for s in seeds]
+        self.program, self.final_loss = program, final_loss
+        self._rep = mesh.replicated(parts.mesh)
+        self._start = start
+        step, seen = jax.device_get((start.step, start.examples_seen))
+        self.start_position = (int(step), count_to_int(seen))
+
+    def init_state(self) -> dict[str, Any]:
+        s = len(self.seeds)
+        lr = jnp.full((s,), float(self.config.optim.learning_rate), jnp.float32)
+        states = jax.tree.map(lambda x: jnp.broadcast_to(x, (s, *x.shape)), self._start)
+        nan = jnp.full((s,), jnp.nan, jnp.float32)  # no loss seen yet
+        return jax.device_put({"trials": states.replace(learning_rate=lr), "loss_ema": nan,
+                               "last_loss": nan}, self._rep)
+
+    def restore_target(self) -> dict[str, Any]:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
+                            jax.eval_shape(self.init_state))
+
+    def restored(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
+                ) -> tuple[dict[str, Any], int, None]:
+        """Every step left, in one dispatch."""
+        del examples_seen, batch_size
+        n = int(self.config.train.max_steps) - step
+        states, ema, last = self.program(state["trials"], jnp.asarray(self.seeds, jnp.uint32),
+                                         state["loss_ema"], jnp.asarray(n, jnp.int32))
+        return {"trials": states, "loss_ema": ema, "last_loss": last}, n, None
+
+    def accum_steps(self, batch_size: int) -> int:
+        return self.parts.accum_steps(batch_size)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return False  # the loop saves one at the end
+
+    def evaluation_due(self, step: int) -> bool:
+        return False  # the loop evaluates at the end
+
+    def evaluate_at(self, state: dict[str, Any], step: int) -> dict[str, jax.Array]:
+        nan = jnp.full((len(self.seeds),), jnp.nan, jnp.float32)
+        final = self.final_loss(state["trials"]) if self.final_loss else nan
+        return {"loss_ema": state["loss_ema"], "train/loss": state["last_loss"],
+                "full_train/loss": final}
+
+    def eval_records(self, values: dict[str, Any]) -> list[dict[str, Any]]:
+        """One record per seed."""
+        return [{"seed": s} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
+                for i, s in enumerate(self.seeds)]
+
+    def noise_scale(self, state: dict[str, Any], name: str) -> float:
+        raise ValueError(f"a branch trains at a constant batch size: it observes no {name}")
+
+    def num_compilations(self) -> int:
+        return self.program._cache_size()  # type: ignore[attr-defined]  # jax's jitted
+        #   functions have it; their stub does not
+
+    def run(self) -> list[dict[str, float]]:
+        """Trains (or resumes) the branch to the end of its window; one record per seed:
+        loss_ema, train/loss (the last batch loss), full_train/loss (NaN when not measured)."""
+        Loop(self).run()
+        end = int(self.config.train.max_steps)
+        evals = [r for r in records.read_records(os.path.join(self.workdir,
+                                                              files.METRICS_FILE))
+                 if r.get("kind") == "eval" and r["step"] == end]
+        by_seed = {r["seed"]: r for r in evals}
+        return [{k: _number(by_seed[s][k]) for k in ("loss_ema", "train/loss",
+                                                     "full_train/loss")}
+                for s in self.seeds]
+
+
+def engine_branch(config: ml_collections.ConfigDict, workdir: str, start: TrainState, *,
+                  ema_decay: float, device_mesh: jax.sharding.Mesh, dataset: Any = None
+                  ) -> tuple[float, float, float]:
+    """One seed's branch through the engine's own `Trainer` and loop (`config`: its run
+    config from `branch_overrides` with the seed): (loss EMA at the end of the window, last
+    batch loss, the final full training-set loss or NaN when not evaluated)."""
+    tr = trainer.Trainer(config, workdir, mesh=device_mesh, dataset=dataset, start=start)
+    try:
+        tr.run(raise_on_divergence=False)
+    finally:
+        tr.close()
+    t0 = tr.start_position[0]
+    recs = [r for r in records.read_records(os.path.join(workdir, files.METRICS_FILE))
+            if r["step"] >= t0]
+    losses = [_number(r["train/loss"]) for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    final = math.nan
+    if evals and config.eval.full_train:
+        final = _number(evals[-1].get("full_train/loss"))
+    return float(progress.ema_curve(losses, ema_decay)[-1]), losses[-1], final
+
+
+def _number(value: Any) -> float:
+    """A record's value as a float (null, a non-finite value in JSON, reads as NaN)."""
+    return math.nan if value is None else float(value)
