@@ -27,6 +27,7 @@ from cbs.results import files, records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, sweep_measurement
+from cbs.sweeps.measurement import SweepNoise
 from experiments.configs import digits_sweep
 
 DRAWS = 300
@@ -88,7 +89,7 @@ def test_sweep_measurement_is_unbiased(kind):
     ds, loss_fn, params, arrays, full = _problem(kind)
     truth = noise.exact(loss_fn, params, full, curvature=True, chunk_size=64)
     assert float(truth.g_h_g) > 0 and float(truth.trace_h_sigma) > 0
-    s = _sweep()
+    s = SweepNoise.from_sweep(_sweep())
     draws = jax.device_get(jax.jit(lambda p, a: jax.lax.map(
         lambda i: sweep_measurement(s, loss_fn, p, ds, a, i, seed=3), jnp.arange(DRAWS)))(
         params, arrays))

@@ -14,13 +14,15 @@ from cbs.sweeps import grid, measurement, trials
 from experiments.configs import digits_sweep
 
 
-def _sweep(noise_examples: str):
+def _sweep(noise_examples: str) -> measurement.SweepNoise:
     s = grid.default_sweep_config()
     s.noise_batch_size = 48
     s.noise_curvature_batch_size = 8
     s.noise_hessian_batch_size = 24
     s.noise_examples = noise_examples
-    return s
+    noise = measurement.SweepNoise.from_sweep(s)
+    assert noise == measurement.SweepNoise(48, 8, 24, noise_examples, s.noise_chunk_size)
+    return noise
 
 
 def test_host_batches_are_the_device_draws():
@@ -53,7 +55,8 @@ def test_engine_measurement_of_a_streamed_split_equals_the_in_memory_one(noise_e
     tr = trainer.Trainer(trials.trial_config(c, trial), mesh=one)
     state = tr.init_state()
     every = trials.eval_every(c.sweep, trial.batch_size)
-    hook = lambda: measurement.EngineMeasurement(c.sweep, seed=trial.seed, eval_every=every)
+    hook = lambda: measurement.EngineMeasurement(measurement.SweepNoise.from_sweep(c.sweep),
+                                                 seed=trial.seed, eval_every=every)
     want = jax.device_get(hook()(tr, state, 3 * every))
     tr.in_memory = False  # the host path a streamed training split takes
     got = jax.device_get(hook()(tr, state, 3 * every))

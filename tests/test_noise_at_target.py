@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from cbs.analysis import noise_at_target, report
 from cbs.engine import measure
 from cbs.results import files, records, store
 from cbs.stats import curvature
-from cbs.sweeps import grid, reference
+from cbs.sweeps import grid, reference, trials
 
 N, DIM, CLASSES = 24, 3, 3
 
@@ -201,17 +202,28 @@ def test_report_shows_spread_protocol_and_reference(tmp_path):
     assert "Noise scale per trial:" in text and "Reference run: one run." in text
 
 
-def test_reference_config_measures_densely_on_all_examples():
+def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
+    """The reference run is a trial group with typed overrides (its measurement, evaluation
+    count and checkpoint interval); the sweep config is read, never edited."""
     from experiments.configs import digits_sweep
 
     c = digits_sweep.get_config()
     c.sweep.noise_examples, c.sweep.noise_hessian_batch_size = "sampled", 64
-    s = reference.reference_config(c).sweep
-    assert (s.noise_examples, s.noise_hessian_batch_size) == ("all", 0)
-    assert s.evals_per_trial == c.sweep.noise_reference_evals
-    assert s.noise_curvature_batch_size == c.sweep.noise_reference_deviations
+    base = c.to_dict()
+    n = reference.reference_noise(c.sweep)
+    assert (n.examples, n.hessian_batch_size) == ("all", 0)
+    assert n.batch_size == c.sweep.noise_batch_size
+    assert n.curvature_batch_size == c.sweep.noise_reference_deviations > 0
+    trial = grid.Trial(0, int(c.sweep.noise_reference_batch_size), 1e-3, 0)
+    run = reference.ReferenceRun(c, trial, types.SimpleNamespace(sweep_dir=str(tmp_path)))
+    evals = int(c.sweep.noise_reference_evals)
+    assert evals != c.sweep.evals_per_trial
+    assert run.steps == trials.eval_steps(c.sweep, trial.batch_size, evals)
+    assert len(run.steps) > c.sweep.evals_per_trial + 1
+    assert run.noise == n and run.checkpoint_every_evals == evals
+    assert c.to_dict() == base
     c.sweep.noise_reference_deviations = 0  # 0: the sweep's own number of deviations
-    assert reference.reference_config(c).sweep.noise_curvature_batch_size == 32
+    assert reference.reference_noise(c.sweep).curvature_batch_size == 32
     grid.validate_sweep(c.sweep)
     c.sweep.noise_reference_batch_size = 48
     with pytest.raises(ValueError, match="noise_reference_batch_size: 48 is not one of"):

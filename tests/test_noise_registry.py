@@ -12,7 +12,7 @@ from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
 from cbs.results import files, records
-from cbs.stats import noise
+from cbs.stats import noise, sampled
 
 
 def _config(method: str, **noise_fields):
@@ -91,3 +91,44 @@ def test_a_method_without_curvature_fails_when_curvature_is_asked(tmp_path, fixe
     config = _config("_test_fixed", curvature=True)
     with pytest.raises(ValueError, match="'_test_fixed' returned no curvature statistics"):
         _run(config, tmp_path)
+
+
+def test_the_sweep_measurement_is_the_registered_sampled_method(mlp):
+    """"sampled" (`cbs.stats.sampled.sampled_method`, what sweeps record at their
+    evaluations) is a method of the registry: the same numbers as `measure_noise` on
+    (𝓑, 𝓒), exact B_simple without curvature, and no curvature without an independent 𝓒."""
+    loss_fn, params, batch = mlp
+    grad_batch = jax.tree.map(lambda x: x[:24], batch)
+    hess_batch = jax.tree.map(lambda x: x[24:], batch)
+    method = noise.get_method(sampled.SAMPLED_METHOD)
+    assert noise.takes_hessian_batch(method)
+    got = method(loss_fn, params, grad_batch, key=None, curvature=True, num_probes=None,
+                 chunk_size=None, hessian_batch=hess_batch, deviations=8)
+    want = sampled.measure_noise(loss_fn, params, grad_batch, hess_batch, deviations=8)
+    assert set(got.to_dict(prefix="")) == set(want)
+    for k, v in want.items():
+        assert float(getattr(got, k)) == float(v), k
+    plain = method(loss_fn, params, grad_batch, key=None, curvature=False, num_probes=None,
+                   chunk_size=None)
+    assert plain.b_noise is None
+    assert float(plain.b_simple) == pytest.approx(
+        float(noise.exact(loss_fn, params, grad_batch).b_simple), rel=1e-6)
+    with pytest.raises(ValueError, match="needs a hessian_batch"):
+        method(loss_fn, params, grad_batch, key=None, curvature=True, num_probes=None,
+               chunk_size=None)
+
+
+def test_a_run_measures_with_the_sampled_method_from_its_config(tmp_path):
+    """`noise.method = "sampled"` with curvature: the train step measures B_simple and
+    B_noise every 2 steps with the sweep's estimator (Hessian from the other half of the
+    measured examples)."""
+    config = _config(sampled.SAMPLED_METHOD, curvature=True, batch_size=32)
+    config_lib.validate(config, data_replicas=1)
+    assert _run(config, tmp_path)["status"] == "finished"
+    measured = [r for r in records.read_records(tmp_path / files.METRICS_FILE)
+                if "noise/b_simple" in r]
+    assert [r["step"] for r in measured] == [0, 2]
+    for r in measured:
+        assert r["noise/b_simple"] > 0 and r["noise/trace_h_sigma"] > 0
+        assert r["noise/b_noise"] == pytest.approx(r["noise/trace_h_sigma"] / r["noise/g_h_g"],
+                                                   rel=1e-5)

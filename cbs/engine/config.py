@@ -89,7 +89,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
     c.noise.every = 0  # steps between exact/probe measurements; 0 = never
     c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
-    #   "auto" | "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson)
+    #   "auto" | "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson) |
+    #   "sampled" (a sweep's estimator, cbs.stats.sampled: H from independent examples)
     c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
     #   (an exact B_simple measurement with an exact live estimate uses the whole batch B)
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise

@@ -65,7 +65,8 @@ class Measurement(NamedTuple):
     too, and only the curvature pass runs on the first micro-batches.
     """
 
-    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) | "probe"
+    method: str = "auto"  # a cbs.stats.noise method: "auto" | "fast" | "vmap" (exact) |
+    #                       "probe" | "sampled"
     every: int = 100  # steps between measurements
     micro_batches: int = 1  # how many micro-batches (of M = R·m examples) are measured
     curvature: bool = False  # also tr(HΣ), GᵀHG, b_noise

@@ -3,3 +3,5 @@ whole-training-set measurements of a sweep (`sampled`), Hessian-vector products
 (`curvature`), per-example gradient norms (`ghost`, `ghost_rules`) and the pytree and
 per-example helpers they share (`trees`, `examples`). Imports no other cbs package.
 """
+
+from cbs.stats import sampled as _sampled  # noqa: F401 - registers the noise method "sampled"

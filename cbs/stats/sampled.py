@@ -54,6 +54,7 @@ from cbs.stats import curvature, noise, trees
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
+SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -78,6 +79,34 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
     if hess_batch is not None:
         out |= _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size)
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
+                   key: jax.Array | None = None, curvature: bool = False,
+                   num_probes: int | None = None, chunk_size: int | None = None,
+                   hessian_batch: PyTree | None = None, deviations: int = 0
+                   ) -> noise.NoiseStats:
+    """The noise method "sampled" of the registry (`cbs.stats.noise.register_method`): the
+    measurement a sweep records at its evaluations (`cbs.sweeps.measurement`), and a single
+    run's with `config.noise.method = "sampled"`. `measure_noise` on `batch` (𝓑); with
+    `curvature`, tr(HΣ) from the deviations of its first `deviations` examples (0: all) and the
+    Hessian of `hessian_batch` (𝓒, drawn independently of 𝓑: the train step's periodic
+    measurement passes the other half of its examples). `key` and `num_probes` are unused
+    (no random probes)."""
+    del key, num_probes
+    if curvature and hessian_batch is None:
+        raise ValueError("the sampled noise method needs a hessian_batch for curvature")
+    n = jax.tree.leaves(batch)[0].shape[0]
+    out = measure_noise(loss_fn, params, batch, hessian_batch if curvature else None,
+                        deviations=deviations, chunk_size=chunk_size)
+    return noise.NoiseStats(batch_size=n, mean_grad_sq_norm=out["mean_grad_sq_norm"],
+                            grad_sq_norm=out["grad_sq_norm"], trace_sigma=out["trace_sigma"],
+                            b_simple=out["b_simple"], mean_g_h_g=out.get("mean_g_h_g"),
+                            g_h_g=out.get("g_h_g"), trace_h_sigma=out.get("trace_h_sigma"),
+                            b_noise=out.get("b_noise"))
+
+
+noise.register_method(SAMPLED_METHOD, sampled_method)
 
 
 def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):

@@ -50,6 +50,7 @@ from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.measurement import (  # noqa: F401 - sweep_measurement: public here too
+    SweepNoise,
     state_measurement,
     sweep_measurement,
 )
@@ -73,17 +74,34 @@ def group_dir(store: SweepStore, trials: Sequence[Trial]) -> str:
 
 class TrialGroup:
     """K trials with the same batch size and seed, trained as one vmapped program: a driver
-    of `cbs.engine.loop.Loop` (see `cbs.engine.loop.Driver`)."""
+    of `cbs.engine.loop.Loop` (see `cbs.engine.loop.Driver`).
+
+    Args:
+      config: the sweep's config (`sweep` section and the base run).
+      trials: the K trials (one batch size, one seed).
+      store: the sweep's store (the group's run directory is under it).
+      cache: compiled evaluations shared by the groups of one sweep.
+      noise: the noise measurement at each evaluation (default: `config.sweep`'s).
+      evals: evaluations on the log grid (default `sweep.evals_per_trial`).
+      checkpoint_every_evals: evaluations between checkpoints (default
+        `sweep.checkpoint_every_evals`).
+    """
 
     read_each_evaluation = True  # stopping depends on every evaluation
     replicas = 1
     start_position = (0, 0)  # every trial starts fresh
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
-                 store: SweepStore, *, cache: dict | None = None):
+                 store: SweepStore, *, cache: dict | None = None,
+                 noise: SweepNoise | None = None, evals: int | None = None,
+                 checkpoint_every_evals: int | None = None):
         if len({(t.batch_size, t.seed) for t in trials}) != 1:
             raise ValueError("a trial group needs one batch size and one seed")
         self.sweep, self.trials = config.sweep, list(trials)
+        self.noise = noise or SweepNoise.from_sweep(config.sweep)
+        self.checkpoint_every_evals = max(1, int(
+            config.sweep.checkpoint_every_evals if checkpoint_every_evals is None
+            else checkpoint_every_evals))
         self.store, self.workdir = store, group_dir(store, trials)
         overrides = dataclasses.replace(
             trial_overrides(config, trials[0], replicas=1),
@@ -98,7 +116,7 @@ class TrialGroup:
         self.config, self.dataset, self.schedule = c, self.parts.dataset, self.parts.schedule
         self._rep = mesh.replicated(self.mesh)
         (self.batch_size,) = self.schedule.batch_sizes()  # B: the run config's constant schedule
-        self.steps = eval_steps(self.sweep, self.batch_size)
+        self.steps = eval_steps(self.sweep, self.batch_size, evals)
         self._index = {s: j for j, s in enumerate(self.steps)}
         self.rule: DivergenceRule = divergence_rule(self.sweep)
         rep = self._rep
@@ -111,7 +129,7 @@ class TrialGroup:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
-        self._measure = state_measurement(self.sweep, self.parts, seed=self.trial_seed)
+        self._measure = state_measurement(self.noise, self.parts, seed=self.trial_seed)
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -134,7 +152,7 @@ class TrialGroup:
                 split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
             out[metric] = sums["loss_sum"] / sums["count"]
-        if self.sweep.noise_batch_size:
+        if self.noise.batch_size:
             out |= {f"noise/{k}": v for k, v in self._measure(state, index).items()}
         return out
 
@@ -183,7 +201,7 @@ class TrialGroup:
 
     def checkpoint_due(self, step: int) -> bool:
         j = self._index[step]
-        return j > 0 and j % max(1, int(self.sweep.checkpoint_every_evals)) == 0
+        return j > 0 and j % self.checkpoint_every_evals == 0
 
     def evaluation_due(self, step: int) -> bool:
         return step in self._index

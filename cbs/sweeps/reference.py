@@ -13,6 +13,7 @@ It runs until `sweep.noise_window` evaluations past the lowest target's crossing
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from cbs.results import files, records
 from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
+from cbs.sweeps.measurement import SweepNoise
 
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
@@ -42,24 +44,24 @@ def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str
     return None
 
 
-def reference_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The sweep config of the reference run: dense evaluations, full-data measurement."""
-    c = ml_collections.ConfigDict(config.to_dict())
-    s = c.sweep
-    s.evals_per_trial = int(config.sweep.noise_reference_evals)
-    s.noise_examples = "all"
-    s.noise_hessian_batch_size = 0  # the full-data Hessian
-    s.noise_curvature_batch_size = _deviations(config.sweep)
-    s.checkpoint_every_evals = s.evals_per_trial  # one run of minutes: no mid-run checkpoints
-    return c
+def reference_noise(sweep: ml_collections.ConfigDict) -> SweepNoise:
+    """The reference run's measurement: exact on the whole training set, tr(HΣ) from
+    `_deviations` random deviations and the full-data Hessian."""
+    return dataclasses.replace(SweepNoise.from_sweep(sweep), examples="all",
+                               curvature_batch_size=_deviations(sweep),
+                               hessian_batch_size=0)  # the full-data Hessian
 
 
 class ReferenceRun(TrialGroup):
-    """A group of one trial that stops `sweep.noise_window` evaluations after its crossing
-    of the lowest target (or when it diverges or its budget ends)."""
+    """A group of one trial, `sweep.noise_reference_evals` log-spaced evaluations each measured
+    by `reference_noise`, no mid-run checkpoints (one run of minutes), that stops
+    `sweep.noise_window` evaluations after its crossing of the lowest target (or when it
+    diverges or its budget ends)."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
-        super().__init__(reference_config(config), [trial], store)
+        evals = int(config.sweep.noise_reference_evals)
+        super().__init__(config, [trial], store, noise=reference_noise(config.sweep),
+                         evals=evals, checkpoint_every_evals=evals)
         self.workdir = os.path.join(store.sweep_dir, files.REFERENCE_DIR,
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
 

@@ -39,7 +39,7 @@ from cbs.engine.progress import (
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.measurement import EngineMeasurement
+from cbs.sweeps.measurement import EngineMeasurement, SweepNoise
 
 NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                     "b_noise", "ema_b_simple")
@@ -62,11 +62,14 @@ def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
     return max(1, min(budgets))
 
 
-def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int) -> list[int]:
-    """The steps at which a vmapped group evaluates: 0, then `evals_per_trial` points spaced
-    evenly in log(step) up to the budget, so the relative resolution of a crossing is the
-    same early and late (a trial at B = 1024 may cross in 30 steps, one at B = 4 in 3000)."""
-    return log_spaced_steps(step_budget(sweep, batch_size), int(sweep.evals_per_trial))
+def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int, evals: int | None = None
+               ) -> list[int]:
+    """The steps at which a vmapped group evaluates: 0, then `evals` (default
+    `sweep.evals_per_trial`) points spaced evenly in log(step) up to the budget, so the
+    relative resolution of a crossing is the same early and late (a trial at B = 1024 may
+    cross in 30 steps, one at B = 4 in 3000)."""
+    return log_spaced_steps(step_budget(sweep, batch_size),
+                            int(sweep.evals_per_trial if evals is None else evals))
 
 
 def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -240,7 +243,7 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     monitor = ProgressMonitor(sweep)
     on_eval = None
     if sweep.noise_batch_size:
-        on_eval = EngineMeasurement(sweep, seed=trial.seed,
+        on_eval = EngineMeasurement(SweepNoise.from_sweep(sweep), seed=trial.seed,
                                     eval_every=eval_every(sweep, trial.batch_size))
     start = time.perf_counter()
     summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh,
