@@ -50,10 +50,12 @@ def old_trial_config(config, trial, *, replicas=1):
     return c
 
 
-def _measured_at_evaluations(c, config):
-    """The one intended change since the reference: an engine trial no longer measures the
+def _measured_at_evaluations(c, config, trial):
+    """The intended changes since the reference: an engine trial no longer measures the
     noise in its step (noise.every) but at its evaluations, as a vmapped group does
-    (`cbs.sweeps.measurement`), so those evaluations are on."""
+    (`cbs.sweeps.measurement`), so those evaluations are on; and it evaluates on the group's
+    log-spaced grid (eval.steps)."""
+    c.eval.steps = tuple(trials.eval_steps(config.sweep, trial.batch_size))
     if config.noise.every or config.sweep.noise_batch_size:
         c.noise.every = 0
     if config.sweep.noise_batch_size:
@@ -103,6 +105,7 @@ def old_group_config(config, trial):
     c = old_trial_config(config, trial, replicas=1)
     c.noise.every = 0
     c.eval.enabled = True  # set after the Trainer was built, on the same object
+    c.eval.steps = tuple(trials.eval_steps(config.sweep, trial.batch_size))
     return c
 
 
@@ -176,7 +179,7 @@ def test_trial_configs_equal_the_pre_refactor_ones(name):
                     continue
                 _same(trials.trial_config(config, trial, replicas=replicas),
                       _measured_at_evaluations(
-                          old_trial_config(config, trial, replicas=replicas), config))
+                          old_trial_config(config, trial, replicas=replicas), config, trial))
         assert config.to_dict() == base
 
 
@@ -298,6 +301,8 @@ def test_a_ramp_schedule_is_copied_whole():
     ("learning_rate", float("nan"), r"config\.optim\.learning_rate"),
     ("max_steps", -1, r"config\.train\.max_steps: must be an integer >= 0"),
     ("eval_every", True, r"config\.eval\.every"),
+    ("eval_steps", (3, 1), r"config\.eval\.steps: must be a tuple of increasing integers"),
+    ("eval_steps", [1, 2], r"config\.eval\.steps"),
     ("noise_batch_size", -2, r"config\.noise\.batch_size"),
     ("eval_enabled", 1, r"config\.eval\.enabled: must be True or False"),
     ("divergence_factor", -1.0, r"config\.train\.divergence_factor"),

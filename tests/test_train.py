@@ -403,6 +403,17 @@ def test_a_run_started_from_a_state_continues_where_that_state_is(tmp_path):
     assert got == want
 
 
+def test_evaluations_at_given_steps_replace_the_interval(tmp_path):
+    """`eval.steps` (a sweep trial's log-spaced grid): evaluations after exactly those steps
+    and at the end, whatever `eval.every` says; a grid that is not increasing is refused."""
+    c = tiny_config(**{"eval.steps": (0, 1, 4, 9), "eval.every": 6})
+    trainer.run(c, str(tmp_path), mesh=one_device_mesh())
+    recs = records.read_records(str(tmp_path / files.METRICS_FILE))
+    assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 1, 4, 9, 12]
+    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.steps: must be increasing"):
+        trainer.Trainer(tiny_config(**{"eval.steps": (4, 4)}), mesh=one_device_mesh())
+
+
 def _poisoned_digits(bad_step: int, batch_size: int) -> data.Dataset:
     ds = data.get_dataset("digits")
     idx = data.stream_indices(bad_step * batch_size, batch_size, ds.num_train, 0)

@@ -83,6 +83,12 @@ def validate_eval_config(eval_config: Any) -> None:
     naming the first bad field."""
     at = "config.eval"
     fields.integer(eval_config, "every", at, minimum=0)
+    steps = eval_config.get("steps", ())
+    if not isinstance(steps, (tuple, list)) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps) or list(
+            steps) != sorted(set(steps)):
+        raise fields.ConfigError(f"{at}.steps: must be increasing integers >= 0, got "
+                                 f"{steps!r}")
     fields.integer(eval_config, "batch_size", at)
     fields.integer(eval_config, "num_examples", at, minimum=0)
     fields.integer(eval_config, "train_examples", at, minimum=0)

@@ -62,6 +62,8 @@ class RunOverrides:
     quiet: bool = False  # True: train.progress_bar and train.tensorboard off
     eval_enabled: bool | None = None  # eval.enabled: evaluate at all
     eval_every: int | None = None  # eval.every: steps between evaluations; 0 = at the end
+    eval_steps: tuple[int, ...] | None = None  # eval.steps: steps after which to evaluate
+    #   (increasing), instead of eval.every
     full_train_eval: bool | None = None  # eval.full_train: also the whole training-set loss
     noise_every: int | None = None  # noise.every: steps between measurements; 0 = never
     noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
@@ -79,6 +81,13 @@ class RunOverrides:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise _error(name, f"must be True or False, got {value!r}")
+        if self.eval_steps is not None and (
+                not isinstance(self.eval_steps, tuple) or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 0
+                    for x in self.eval_steps)
+                or list(self.eval_steps) != sorted(set(self.eval_steps))):
+            raise _error("eval_steps", f"must be a tuple of increasing integers >= 0, got "
+                                       f"{self.eval_steps!r}")
         if self.batch_size is not None and self.schedule is not None:
             raise _error("schedule", "give batch_size or schedule, not both")
         if self.schedule is not None and (not isinstance(self.schedule, Mapping)
@@ -103,7 +112,7 @@ FIELDS = {
     "log_every": "train.log_every", "record_every": "train.record_every",
     "checkpoint_every": "train.checkpoint_every", "divergence_factor": "train.divergence_factor",
     "keep_checkpoints": "train.keep_checkpoints", "quiet": "train.progress_bar",
-    "eval_enabled": "eval.enabled", "eval_every": "eval.every",
+    "eval_enabled": "eval.enabled", "eval_every": "eval.every", "eval_steps": "eval.steps",
     "full_train_eval": "eval.full_train", "noise_every": "noise.every",
     "noise_batch_size": "noise.batch_size",
 }
@@ -172,6 +181,7 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
         c.train.tensorboard = False
     _set(c.eval, "enabled", o.eval_enabled)
     _set(c.eval, "every", o.eval_every)
+    _set(c.eval, "steps", o.eval_steps)
     _set(c.eval, "full_train", o.full_train_eval)
     _set(c.noise, "every", o.noise_every)
     _set(c.noise, "batch_size", o.noise_batch_size)

@@ -131,6 +131,9 @@ class Trainer(RunParts):
         return step % self.config.train.checkpoint_every == 0
 
     def evaluation_due(self, step: int) -> bool:
+        steps = self.config.eval.get("steps", ())
+        if steps:
+            return step in steps
         every = self.config.eval.every
         return bool(every and step % every == 0)
 

@@ -16,8 +16,9 @@ evaluation with the same index.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -145,17 +146,17 @@ def host_batches(noise: SweepNoise, dataset: data.Dataset, index: int, *,
 
 class EngineMeasurement:
     """The `on_eval` hook (`cbs.engine.trainer.run`) of an engine trial: at the evaluation
-    after `step` updates, {"noise/ema_b_simple", "noise/<key>" of `sweep_measurement`} at
-    index ⌈step / eval_every⌉ (the evaluation's index on the trial's grid of every
-    `eval_every` steps; a final evaluation between grid points gets the next index)."""
+    after `step` updates, {"noise/ema_b_simple", "noise/<key>" of `sweep_measurement`} at the
+    evaluation's index on the trial's grid `steps` (`cbs.sweeps.trials.eval_steps`, the grid
+    of a vmapped group; a final evaluation between grid points gets the next index)."""
 
-    def __init__(self, noise: SweepNoise, *, seed: int, eval_every: int):
-        self.noise, self.seed, self.eval_every = noise, seed, int(eval_every)
+    def __init__(self, noise: SweepNoise, *, seed: int, steps: Sequence[int]):
+        self.noise, self.seed, self.steps = noise, seed, [int(s) for s in steps]
         self._fn: Callable[..., dict[str, jax.Array]] | None = None
 
     def __call__(self, tr: RunParts, state: TrainState, step: int
                  ) -> dict[str, jax.Array]:
-        index = -(-int(step) // self.eval_every)
+        index = bisect.bisect_left(self.steps, int(step))
         if self._fn is None:
             self._fn = self._build(tr)
         if tr.in_memory:

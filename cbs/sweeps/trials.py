@@ -9,8 +9,9 @@ Two back ends, same records:
   scanned program on a device-resident dataset: the same step, one compilation, several
   trials per dispatch. Used for in-memory datasets when `sweep.vmap_trials` is on.
 
-Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations over the
-step budget) and the crossing step of each target is interpolated linearly between
+Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations spaced
+evenly in log(step) over the step budget, `eval_steps`, the same grid in both back ends) and
+the crossing step of each target is interpolated linearly between
 evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
 the ratio of window averages of the exact statistics measured at the evaluations around it
 (`cbs.analysis.fit.noise_scale_at_crossing`). Both back ends measure at their evaluations
@@ -89,8 +90,10 @@ def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
 def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
                     ) -> spec.RunOverrides:
     """How one trial's run differs from the base config: (B, η, seed), the sweep's budget and
-    a dense evaluation grid. The in-step periodic measurement is off: a sweep measures the
-    noise at each evaluation (`cbs.sweeps.measurement`, for both back ends)."""
+    its log-spaced evaluation grid (`eval_steps`, the grid a vmapped group evaluates on, so
+    both back ends evaluate and measure at the same steps). The in-step periodic
+    measurement is off: a sweep measures the noise at each evaluation
+    (`cbs.sweeps.measurement`, for both back ends)."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
     measured = bool(config.noise.every or sweep.noise_batch_size)
@@ -100,7 +103,8 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
         learning_rate=trial.learning_rate, seed=trial.seed,
         lr_coupling=spec.Coupling(rule="none"),
         max_steps=step_budget(sweep, trial.batch_size), max_examples=0,
-        eval_every=every, full_train_eval=sweep.target_metric == "full_train/loss",
+        eval_every=every, eval_steps=tuple(eval_steps(sweep, trial.batch_size)),
+        full_train_eval=sweep.target_metric == "full_train/loss",
         log_every=min(config.train.log_every, every), quiet=True,
         divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
         eval_enabled=True if sweep.noise_batch_size else None,  # the noise is measured there
@@ -244,7 +248,7 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     on_eval = None
     if sweep.noise_batch_size:
         on_eval = EngineMeasurement(SweepNoise.from_sweep(sweep), seed=trial.seed,
-                                    eval_every=eval_every(sweep, trial.batch_size))
+                                    steps=eval_steps(sweep, trial.batch_size))
     start = time.perf_counter()
     summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh,
                           on_eval=on_eval)
