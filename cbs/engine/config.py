@@ -118,8 +118,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.enabled = True  # evaluate at all (every eval.every steps and at the end of the run)
     c.eval.every = 0  # steps between evaluations; 0 = only at the end
-    c.eval.steps = ()  # steps after which to evaluate (increasing), instead of eval.every
-    #                    when given (a sweep trial's log-spaced grid); and at the end
+    # c.eval.steps (optional, absent by default so that existing runs keep their config
+    #   hash): steps after which to evaluate (increasing), instead of eval.every; a sweep
+    #   trial's log-spaced grid (`RunOverrides.eval_steps`); and at the end
     c.eval.batch_size = 1024  # examples per evaluation chunk (rounded up to a multiple of R)
     c.eval.num_examples = 0  # evaluation-split examples used (the first n); 0 = all
     c.eval.full_train = True  # also evaluate the loss on the whole training set (in memory)
