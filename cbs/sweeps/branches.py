@@ -225,9 +225,9 @@ class BranchRunner:
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(workdir, files.REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
-        self._final = self._final_loss_fn()
+        self._final: Callable | None = None
         if self.vmap:
-            self.step = self._seeded_step()
+            self.step, self._final = self._seeded_step(), self._final_loss_fn()
 
     def close(self) -> None:
         self.ckpt.close()
