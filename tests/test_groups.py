@@ -1,6 +1,7 @@
 """Tests of cbs.sweeps.groups (vmapped trial groups, a driver of the engine's loop) and
 cbs.engine.measure (their noise measurement): unbiased B_noise by Monte Carlo, the shared
-divergence rule, records, stopping and resume.
+divergence rule, records, a group trial equal to the same trial on the engine, stopping and
+resume.
 
 Monte Carlo tolerance: the mean of R independent draws of the sweep's measurement must lie
 within 3 standard errors (std/√R) of `noise.exact(curvature=True)` on the whole training set
@@ -23,10 +24,12 @@ from flax import nnx
 
 from cbs import data, models
 from cbs.engine import measure
+from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, sweep_measurement
+from cbs.sweeps.trials import run_trial_engine
 from experiments.configs import digits_sweep
 
 DRAWS = 300
@@ -154,16 +157,34 @@ def _tiny(**sweep):
     return c
 
 
-def test_group_records_measurements_at_every_evaluation(tmp_path):
-    c = _tiny(targets=(0.01,), max_steps=20, evals_per_trial=4)
+def test_group_records_measurements_at_every_evaluation_and_equals_the_engine(tmp_path):
+    c = _tiny(targets=(0.01,), max_steps=20, evals_per_trial=4)  # never reached: full budget
     trials = grid.make_trials(c.sweep)
-    out = TrialGroup(c, trials, store.SweepStore(str(tmp_path))).run()
+    st = store.SweepStore(str(tmp_path))
+    out = TrialGroup(c, trials, st).run()
     assert [r.learning_rate for r in out] == [t.learning_rate for t in trials]
     for r in out:
         assert r.status == "budget" and r.final_steps == 20
         assert r.curve["step"] == r.curve["noise/step"] == [0, 1, 3, 7, 20]
         assert all(v is not None and v > 0 for v in r.curve["noise/trace_sigma"])
         assert all(v is not None for v in r.curve["noise/g_h_g"])
+
+    # The second trial again, alone on the engine back end.
+    one = mesh_lib.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+    engine = run_trial_engine(c, trials[1], st, mesh=one)
+    v, e = out[1].curve, engine.curve
+    assert v["step"][-1] == e["step"][-1] == 20
+    np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
+    assert out[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
+    # One noise measurement (cbs.sweeps.measurement): its draws depend on (seed, evaluation
+    # index). The group evaluates on a log grid (0, 1, 3, 7, 20), the engine every 5 steps:
+    # steps 0 and 20 are evaluations 0 and 4 of both, so they measure on the same examples.
+    common = sorted(set(v["noise/step"]) & set(e["noise/step"]))
+    assert common == [0, 20]
+    for key in ("noise/trace_sigma", "noise/grad_sq_norm", "noise/trace_h_sigma"):
+        got = [e[key][e["noise/step"].index(s)] for s in common]
+        want = [v[key][v["noise/step"].index(s)] for s in common]
+        np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=key)
 
 
 def test_group_divergence_needs_patience(tmp_path, monkeypatch):

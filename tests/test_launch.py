@@ -3,14 +3,13 @@
 import csv
 import os
 
-import jax
 import numpy as np
 import pytest
 
 from cbs.analysis import report
-from cbs.engine import checkpoint, mesh
+from cbs.engine import checkpoint
 from cbs.results import files, store
-from cbs.sweeps import grid, groups, launch, trials
+from cbs.sweeps import grid, groups, launch
 from experiments.configs import digits_sweep
 
 # One worker runs the module, so the finished sweep of the module fixture is made once.
@@ -123,33 +122,6 @@ def test_shards_together_cover_the_sweep_once(finished, tmp_path):
         assert a["batch_sizes"] == b["batch_sizes"]
         assert a["learning_rates"] == b["learning_rates"]
         np.testing.assert_allclose(a["steps"], b["steps"], rtol=1e-3)
-
-
-def test_vmapped_group_equals_the_engine(tmp_path):
-    c = _tiny()
-    c.sweep.batch_sizes = (16,)
-    c.sweep.lr_factors = (1.0, 2.0)
-    c.sweep.targets = (0.01,)  # never reached: both run the whole budget
-    c.sweep.max_steps = 20
-    c.sweep.evals_per_trial = 4
-    st = store.SweepStore(str(tmp_path))
-    trial_list = grid.make_trials(c.sweep)
-    group = groups.TrialGroup(c, trial_list, st).run()
-    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    engine = trials.run_trial_engine(c, trial_list[1], st, mesh=one)
-    v, e = group[1].curve, engine.curve
-    assert v["step"][-1] == e["step"][-1] == 20
-    np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
-    assert group[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
-    # One noise measurement (cbs.sweeps.measurement): its draws depend on (seed, evaluation
-    # index). The group evaluates on a log grid (0, 1, 3, 7, 20), the engine every 5 steps:
-    # steps 0 and 20 are evaluations 0 and 4 of both, so they measure on the same examples.
-    common = sorted(set(v["noise/step"]) & set(e["noise/step"]))
-    assert common == [0, 20]
-    for key in ("noise/trace_sigma", "noise/grad_sq_norm", "noise/trace_h_sigma"):
-        got = [e[key][e["noise/step"].index(s)] for s in common]
-        want = [v[key][v["noise/step"].index(s)] for s in common]
-        np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=key)
 
 
 @pytest.mark.slow
