@@ -12,6 +12,7 @@ exceeds a few standard errors (the same-batch Hessian estimator does: checked be
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -123,11 +124,12 @@ def test_measure_noise_equals_its_definition_in_float64(x64):
 
     grad_b = {"x": jnp.asarray(x[:8]), "y": jnp.asarray(y[:8])}
     hess_b = {"x": jnp.asarray(x[8:]), "y": jnp.asarray(y[8:])}
-    got = measure.measure_noise(loss_fn, jnp.asarray(w), grad_b, hess_b, deviations=5,
-                                chunk_size=2)
+    # compiled, as inside the sweep's evaluation (op by op it takes several times longer)
+    got = jax.jit(functools.partial(measure.measure_noise, loss_fn, deviations=5,
+                                    chunk_size=2))(jnp.asarray(w), grad_b, hess_b)
     g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, {"x": x[i:i + 1], "y": y[i:i + 1]})).ravel()
                     for i in range(8)])
-    h = np.asarray(jax.hessian(loss_fn)(jnp.asarray(w), hess_b)).reshape(9, 9)
+    h = np.asarray(jax.jit(jax.hessian(loss_fn))(jnp.asarray(w), hess_b)).reshape(9, 9)
     d = g_i[:5] - g_i[:5].mean(0)
     trace_h_sigma = np.einsum("ip,pq,iq->", d, h, d) / 4
     g = g_i.mean(0)
