@@ -329,16 +329,28 @@ def _without_seconds(store_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in SweepStore(store_dir).records()]
 
 
-def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path):
+def _two_groups():
     c = digits_sweep.get_config("tiny")
-    c.sweep.batch_sizes = (8,)  # one group of two learning rates
-    first = tmp_path / "first"
-    launch.run_sweep(c, str(first), log=_quiet)
-    expected = _without_seconds(first)
-    lost = expected[1]["trial_id"]  # the second slot of the group
+    c.sweep.batch_sizes, c.sweep.seeds = (8, 16), (0,)  # one group of two rates per B
+    return c
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The finished unsharded sweep of `_two_groups` (both tests below read it)."""
+    d = tmp_path_factory.mktemp("whole")
+    launch.run_sweep(_two_groups(), str(d), log=_quiet)
+    return d
+
+
+@pytest.mark.xdist_group("faults_silent_whole")  # one worker makes the module's `whole`
+def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path, whole):
+    c = _two_groups()
+    expected = _without_seconds(whole)
+    lost = [r for r in expected if r["batch_size"] == 8][1]["trial_id"]  # second slot, B = 8
     for case in ("replayed", "retrained"):
         d = tmp_path / case
-        shutil.copytree(first, d)
+        shutil.copytree(whole, d)
         lines = (d / "trials.jsonl").read_text().splitlines(keepends=True)
         (d / "trials.jsonl").write_text("".join(x for x in lines if lost not in x))
         if case == "retrained":  # no run directory to replay: the group trains again
@@ -349,17 +361,16 @@ def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path
         assert [again[r["trial_id"]] for r in expected] == expected, case
 
 
-def test_a_sharded_sweep_gives_the_records_of_an_unsharded_one(tmp_path):
-    c = digits_sweep.get_config("tiny")
-    c.sweep.batch_sizes, c.sweep.seeds = (8, 16), (0,)  # one group of two rates per B
+@pytest.mark.xdist_group("faults_silent_whole")
+def test_a_sharded_sweep_gives_the_records_of_an_unsharded_one(tmp_path, whole):
+    c = _two_groups()
     trials = grid.make_trials(c.sweep)
     owned = [grid.shard_trials(trials, f"{i}/2", c.sweep.batch_sizes) for i in (0, 1)]
     for mine in owned:  # every (B, seed) group lies whole in one shard
         groups = {(t.batch_size, t.seed) for t in mine}
         assert mine == [t for t in trials if (t.batch_size, t.seed) in groups]
     assert sorted(t.index for m in owned for t in m) == [t.index for t in trials]
-    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
-    launch.run_sweep(c, str(whole), log=_quiet)
+    sharded = tmp_path / "sharded"
     for i in (1, 0):  # in either order
         launch.run_sweep(c, str(sharded), shard=f"{i}/2", log=_quiet)
     by_id = lambda d: {r["trial_id"]: r for r in _without_seconds(d)}

@@ -1,6 +1,7 @@
 """Tests of cbs.sweeps.groups (vmapped trial groups, a driver of the engine's loop) and
 cbs.engine.measure (their noise measurement): unbiased B_noise by Monte Carlo, the shared
-divergence rule, records, stopping and resume.
+divergence rule, records, a group trial equal to the same trial on the engine, stopping and
+resume.
 
 Monte Carlo tolerance: the mean of R independent draws of the sweep's measurement must lie
 within 3 standard errors (std/√R) of `noise.exact(curvature=True)` on the whole training set
@@ -11,6 +12,7 @@ exceeds a few standard errors (the same-batch Hessian estimator does: checked be
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -23,11 +25,13 @@ from flax import nnx
 
 from cbs import data, models
 from cbs.engine import measure
+from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, sweep_measurement
 from cbs.sweeps.measurement import SweepNoise
+from cbs.sweeps.trials import run_trial_engine
 from experiments.configs import digits_sweep
 
 DRAWS = 300
@@ -121,11 +125,12 @@ def test_measure_noise_equals_its_definition_in_float64(x64):
 
     grad_b = {"x": jnp.asarray(x[:8]), "y": jnp.asarray(y[:8])}
     hess_b = {"x": jnp.asarray(x[8:]), "y": jnp.asarray(y[8:])}
-    got = measure.measure_noise(loss_fn, jnp.asarray(w), grad_b, hess_b, deviations=5,
-                                chunk_size=2)
+    # compiled, as inside the sweep's evaluation (op by op it takes several times longer)
+    got = jax.jit(functools.partial(measure.measure_noise, loss_fn, deviations=5,
+                                    chunk_size=2))(jnp.asarray(w), grad_b, hess_b)
     g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, {"x": x[i:i + 1], "y": y[i:i + 1]})).ravel()
                     for i in range(8)])
-    h = np.asarray(jax.hessian(loss_fn)(jnp.asarray(w), hess_b)).reshape(9, 9)
+    h = np.asarray(jax.jit(jax.hessian(loss_fn))(jnp.asarray(w), hess_b)).reshape(9, 9)
     d = g_i[:5] - g_i[:5].mean(0)
     trace_h_sigma = np.einsum("ip,pq,iq->", d, h, d) / 4
     g = g_i.mean(0)
@@ -155,16 +160,32 @@ def _tiny(**sweep):
     return c
 
 
-def test_group_records_measurements_at_every_evaluation(tmp_path):
-    c = _tiny(targets=(0.01,), max_steps=20, evals_per_trial=4)
+def test_group_records_measurements_at_every_evaluation_and_equals_the_engine(tmp_path):
+    c = _tiny(targets=(0.01,), max_steps=20, evals_per_trial=4)  # never reached: full budget
     trials = grid.make_trials(c.sweep)
-    out = TrialGroup(c, trials, store.SweepStore(str(tmp_path))).run()
+    st = store.SweepStore(str(tmp_path))
+    out = TrialGroup(c, trials, st).run()
     assert [r.learning_rate for r in out] == [t.learning_rate for t in trials]
     for r in out:
         assert r.status == "budget" and r.final_steps == 20
         assert r.curve["step"] == r.curve["noise/step"] == [0, 1, 3, 7, 20]
         assert all(v is not None and v > 0 for v in r.curve["noise/trace_sigma"])
         assert all(v is not None for v in r.curve["noise/g_h_g"])
+
+    # The second trial again, alone on the engine back end.
+    one = mesh_lib.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+    engine = run_trial_engine(c, trials[1], st, mesh=one)
+    v, e = out[1].curve, engine.curve
+    assert v["step"][-1] == e["step"][-1] == 20
+    np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
+    assert out[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
+    # One evaluation grid (the log-spaced `trials.eval_steps`) and one noise measurement
+    # (cbs.sweeps.measurement, draws from (seed, evaluation index)): the two back ends
+    # evaluate at the same steps, on the same examples, and record the same values.
+    assert v["step"] == e["step"] == v["noise/step"] == e["noise/step"] == [0, 1, 3, 7, 20]
+    for key in ("full_train/loss", "noise/trace_sigma", "noise/grad_sq_norm",
+                "noise/trace_h_sigma", "noise/g_h_g"):
+        np.testing.assert_allclose(e[key], v[key], rtol=2e-5, err_msg=key)
 
 
 def test_group_divergence_needs_patience(tmp_path, monkeypatch):

@@ -3,14 +3,13 @@
 import csv
 import os
 
-import jax
 import numpy as np
 import pytest
 
 from cbs.analysis import report
-from cbs.engine import checkpoint, mesh
+from cbs.engine import checkpoint
 from cbs.results import files, store
-from cbs.sweeps import grid, groups, launch, trials
+from cbs.sweeps import grid, groups, launch
 from experiments.configs import digits_sweep
 
 # One worker runs the module, so the finished sweep of the module fixture is made once.
@@ -80,6 +79,8 @@ def test_rerun_skips_finished_trials(finished):
 def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monkeypatch):
     d_ref, _ = finished
     d = str(tmp_path / "crash")
+    c = _tiny()
+    c.sweep.batch_sizes = (8, 32)  # the first two groups of the finished sweep
     calls = {"n": 0}
     original = groups.TrialGroup._evaluate
 
@@ -91,11 +92,11 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
 
     monkeypatch.setattr(groups.TrialGroup, "_evaluate", crashing)
     with pytest.raises(KeyboardInterrupt):
-        launch.run_sweep(_tiny(), d, log=lambda _: None)
+        launch.run_sweep(c, d, log=lambda _: None)
     monkeypatch.setattr(groups.TrialGroup, "_evaluate", original)
     gdir = os.path.join(d, "groups")
     assert any(os.listdir(os.path.join(gdir, g, "checkpoints")) for g in os.listdir(gdir))
-    assert 0 < len(store.SweepStore(d).records()) < len(grid.make_trials(_tiny().sweep))
+    assert 0 < len(store.SweepStore(d).records()) < len(grid.make_trials(c.sweep))
     restores = []
     original_restore = checkpoint.Checkpointer.restore
 
@@ -104,9 +105,10 @@ def test_crash_then_rerun_gives_the_uninterrupted_table(finished, tmp_path, monk
         return original_restore(self, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.Checkpointer, "restore", counting_restore)
-    launch.run_sweep(_tiny(), d, log=lambda _: None)
+    launch.run_sweep(c, d, log=lambda _: None)
     assert restores  # the interrupted group resumed from its checkpoint
-    assert _table(d) == _table(d_ref)
+    # a group's trials do not depend on the other groups of the grid
+    assert _table(d) == [r for r in _table(d_ref) if int(r["batch_size"]) in (8, 32)]
 
 
 def test_shards_together_cover_the_sweep_once(finished, tmp_path):
@@ -123,31 +125,6 @@ def test_shards_together_cover_the_sweep_once(finished, tmp_path):
         assert a["batch_sizes"] == b["batch_sizes"]
         assert a["learning_rates"] == b["learning_rates"]
         np.testing.assert_allclose(a["steps"], b["steps"], rtol=1e-3)
-
-
-def test_vmapped_group_equals_the_engine(tmp_path):
-    c = _tiny()
-    c.sweep.batch_sizes = (16,)
-    c.sweep.lr_factors = (1.0, 2.0)
-    c.sweep.targets = (0.01,)  # never reached: both run the whole budget
-    c.sweep.max_steps = 20
-    c.sweep.evals_per_trial = 4
-    st = store.SweepStore(str(tmp_path))
-    trial_list = grid.make_trials(c.sweep)
-    group = groups.TrialGroup(c, trial_list, st).run()
-    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    engine = trials.run_trial_engine(c, trial_list[1], st, mesh=one)
-    v, e = group[1].curve, engine.curve
-    assert v["step"][-1] == e["step"][-1] == 20
-    np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
-    assert group[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
-    # One evaluation grid (the log-spaced `trials.eval_steps`) and one noise measurement
-    # (cbs.sweeps.measurement, draws from (seed, evaluation index)): the two back ends
-    # evaluate at the same steps, on the same examples, and record the same values.
-    assert v["step"] == e["step"] == v["noise/step"] == e["noise/step"] == [0, 1, 3, 7, 20]
-    for key in ("full_train/loss", "noise/trace_sigma", "noise/grad_sq_norm",
-                "noise/trace_h_sigma", "noise/g_h_g"):
-        np.testing.assert_allclose(e[key], v[key], rtol=2e-5, err_msg=key)
 
 
 @pytest.mark.slow
