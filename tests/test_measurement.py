@@ -54,12 +54,12 @@ def test_engine_measurement_of_a_streamed_split_equals_the_in_memory_one(noise_e
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     tr = trainer.Trainer(trials.trial_config(c, trial), mesh=one)
     state = tr.init_state()
-    every = trials.eval_every(c.sweep, trial.batch_size)
+    steps = trials.eval_steps(c.sweep, trial.batch_size)
     hook = lambda: measurement.EngineMeasurement(measurement.SweepNoise.from_sweep(c.sweep),
-                                                 seed=trial.seed, eval_every=every)
-    want = jax.device_get(hook()(tr, state, 3 * every))
+                                                 seed=trial.seed, steps=steps)
+    want = jax.device_get(hook()(tr, state, steps[3]))
     tr.in_memory = False  # the host path a streamed training split takes
-    got = jax.device_get(hook()(tr, state, 3 * every))
+    got = jax.device_get(hook()(tr, state, steps[3]))
     assert set(got) == set(want) and "noise/trace_h_sigma" in got
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, err_msg=k)
