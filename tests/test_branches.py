@@ -4,6 +4,7 @@ branch point and its √k learning rate, the whole-training-set noise measuremen
 branched B* against the closed form of minibatch SGD on Gaussian linear regression."""
 
 import copy
+import dataclasses
 import functools
 import os
 import signal
@@ -132,6 +133,28 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     assert points[0]["b_star_lo"] <= points[0]["b_star"] <= points[0]["b_star_hi"] or \
         points[0]["num_seeds"] == 2
     assert records.read_json(os.path.join(tmp_path, "full", files.DEFINITION_FILE))
+
+
+def test_a_streamed_dataset_branches_through_the_engine_to_the_same_records(tmp_path):
+    """A training split read from the host (no device arrays) runs each branch as a Trainer
+    started from the point's state, whose loader reads from the point's examples seen: the
+    records equal the in-memory vmapped study's."""
+    c = _config(ks=(1, 2), seeds=(1,))
+    c.eval.train_examples = 512  # a streamed split is evaluated on a subset
+    ds = data.get_dataset("digits")
+    split = ds.split("train")
+    streamed = dataclasses.replace(ds, splits={**ds.splits, "train": dataclasses.replace(
+        split, arrays=None, reader=split.read)})
+    assert not streamed.in_memory("train")
+    want = branches.run_branches(c, str(tmp_path / "memory"), dataset=ds)
+    got = branches.run_branches(c, str(tmp_path / "streamed"), dataset=streamed)
+    key = lambda r: (r["point_step"], r["k"], r["seed"])
+    assert len(got) == len(want) == 2
+    for a, b in zip(sorted(got, key=key), sorted(want, key=key), strict=True):
+        assert a.keys() == b.keys() and key(a) == key(b)
+        for k in ("loss_ema", "train/loss", "full_train/loss"):
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, err_msg=k)
+    assert not os.path.exists(tmp_path / "streamed" / files.UNITS_DIR)
 
 
 def test_window_proportional_to_examples_seen_and_bounds_in_the_table():
