@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cbs.engine import spec, trainer
+from cbs.engine import counts, spec, trainer
 from cbs.sweeps import branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial
 from experiments.configs import digits_branch, digits_ramps
@@ -242,7 +242,7 @@ def test_a_branch_is_its_study_config_with_the_branch_fields_overridden():
     final evaluation of the branch written, and nothing else."""
     config = digits_branch.get_config("tiny")
     study = old_branch_config(config, 4, branches.reference_batch(config))
-    start = types.SimpleNamespace(step=np.int32(20), examples_seen=np.int32(320))
+    start = types.SimpleNamespace(step=np.int32(20), examples_seen=counts.count_from_int(320))
     o = branch_unit.branch_overrides(start, batch_size=64, learning_rate=3e-3, num_steps=5,
                                      full_train=True, seed=9)
     c = spec.run_config(study, o, drop=())

@@ -29,6 +29,12 @@ def count_to_int(count: Any) -> int:
     return high * COUNT_BASE + low
 
 
+def position(state: Any) -> tuple[int, int]:
+    """(step, examples seen) of a train state (`cbs.engine.step.TrainState`) as Python ints."""
+    step, seen = jax.device_get((state.step, state.examples_seen))
+    return int(step), count_to_int(seen)
+
+
 def count_add(count: jax.Array, n: Any) -> jax.Array:
     """count + n for 0 <= n < 2^30 (a traced int32 or a Python int), carrying exactly."""
     low = count[..., 1] + jnp.asarray(n, jnp.int32)

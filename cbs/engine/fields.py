@@ -54,6 +54,13 @@ def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> s
     return value
 
 
+def increasing_steps(value: Any) -> bool:
+    """Whether `value` is a tuple or list of strictly increasing ints (not bools) >= 0."""
+    return isinstance(value, (tuple, list)) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value) and list(
+        value) == sorted(set(value))
+
+
 REQUIRED = object()  # `lookup`'s default: the field must be present
 
 

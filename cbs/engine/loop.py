@@ -84,9 +84,7 @@ def validate_eval_config(eval_config: Any) -> None:
     at = "config.eval"
     fields.integer(eval_config, "every", at, minimum=0)
     steps = eval_config.get("steps", ())
-    if not isinstance(steps, (tuple, list)) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps) or list(
-            steps) != sorted(set(steps)):
+    if not fields.increasing_steps(steps):
         raise fields.ConfigError(f"{at}.steps: must be increasing integers >= 0, got "
                                  f"{steps!r}")
     fields.integer(eval_config, "batch_size", at)

@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from cbs.engine.fields import ConfigError
+from cbs.engine.fields import ConfigError, increasing_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +81,8 @@ class RunOverrides:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise _error(name, f"must be True or False, got {value!r}")
-        if self.eval_steps is not None and (
-                not isinstance(self.eval_steps, tuple) or any(
-                    isinstance(x, bool) or not isinstance(x, int) or x < 0
-                    for x in self.eval_steps)
-                or list(self.eval_steps) != sorted(set(self.eval_steps))):
+        if self.eval_steps is not None and not (isinstance(self.eval_steps, tuple)
+                                                and increasing_steps(self.eval_steps)):
             raise _error("eval_steps", f"must be a tuple of increasing integers >= 0, got "
                                        f"{self.eval_steps!r}")
         if self.batch_size is not None and self.schedule is not None:

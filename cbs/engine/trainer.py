@@ -86,10 +86,7 @@ class Trainer(RunParts):
                  on_eval: EvalFn | None = None, start: TrainState | None = None):
         super().__init__(config, mesh=mesh, dataset=dataset)
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
-        self.start_position = (0, 0)
-        if start is not None:
-            step, seen = jax.device_get((start.step, start.examples_seen))
-            self.start_position = (int(step), counts.count_to_int(seen))
+        self.start_position = (0, 0) if start is None else counts.position(start)
 
     # ------------------------------------------------------------------ the loop's driver
 

@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import mesh, progress, schedules, spec, trainer
-from cbs.engine.counts import count_to_int
+from cbs.engine.counts import position
 from cbs.engine.loop import Loop
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
@@ -55,7 +55,7 @@ def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float
     rate `learning_rate` (a float32 value, as the state holds it), with data-order `seed`
     (None: the config's), evaluated at the end when `evaluate` (the full training-set loss
     too when `full_train`)."""
-    end = int(jax.device_get(start.step)) + num_steps
+    end = position(start)[0] + num_steps
     return spec.RunOverrides(
         batch_size=batch_size, learning_rate=learning_rate, seed=seed, max_steps=end,
         max_examples=0, record_every=1, log_every=max(1, num_steps),
@@ -91,8 +91,7 @@ class VmappedBranch:
         self.program, self.final_loss = program, final_loss
         self._rep = mesh.replicated(parts.mesh)
         self._start = start
-        step, seen = jax.device_get((start.step, start.examples_seen))
-        self.start_position = (int(step), count_to_int(seen))
+        self.start_position = position(start)
 
     def init_state(self) -> dict[str, Any]:
         s = len(self.seeds)

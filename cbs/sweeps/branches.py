@@ -47,7 +47,7 @@ import ml_collections
 
 from cbs import data
 from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
-from cbs.engine.counts import count_to_int
+from cbs.engine.counts import position
 from cbs.engine.lr import EXPONENTS, lr_multiplier
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep
@@ -284,7 +284,7 @@ class BranchRunner:
 
     def _overrides(self, state: TrainState, k: int, seed: int | None = None,
                    evaluate: bool = True) -> spec.RunOverrides:
-        e0 = count_to_int(jax.device_get(state.examples_seen))
+        e0 = position(state)[1]
         lr0 = float(jax.device_get(state.learning_rate))
         return branch_unit.branch_overrides(
             state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
@@ -297,7 +297,7 @@ class BranchRunner:
         state = self.restore(step)
         seeds = [int(s) for s in self.b.seeds]
         o = self._overrides(state, k)
-        e0 = count_to_int(jax.device_get(state.examples_seen))
+        e0 = position(state)[1]
         if self.vmap:
             c = spec.run_config(self.branch_config, o, drop=())
             out = branch_unit.VmappedBranch(
