@@ -87,6 +87,7 @@ class Trainer(RunParts):
         super().__init__(config, mesh=mesh, dataset=dataset)
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
         self.start_position = (0, 0) if start is None else counts.position(start)
+        self._eval_steps = frozenset(config.eval.get("steps", ()))  # checked every step
 
     # ------------------------------------------------------------------ the loop's driver
 
@@ -128,9 +129,8 @@ class Trainer(RunParts):
         return step % self.config.train.checkpoint_every == 0
 
     def evaluation_due(self, step: int) -> bool:
-        steps = self.config.eval.get("steps", ())
-        if steps:
-            return step in steps
+        if self._eval_steps:
+            return step in self._eval_steps
         every = self.config.eval.every
         return bool(every and step % every == 0)
 
