@@ -65,7 +65,7 @@ from jax.extend import core
 
 from cbs.stats import ghost_trace, loss_checks
 from cbs.stats.examples import map_examples, one_example, run_auto_axes
-from cbs.stats.ghost_rules import SQ_NORM_RULES, per_example_grad
+from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
 
 PyTree = Any
@@ -88,6 +88,8 @@ class _Plan:
     uncovered: dict[int, str]  # leaf -> why it needs vmap
     unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
     tapped: dict[int, Any]  # uid -> accumulation dtype: norm by its rule inside the backward
+    fused: frozenset[int]  # tapped uids whose weight gradient is the sum of their per-example
+    #                        gradients (formed for the norms: no separate weight gradient)
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -124,23 +126,33 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
     uids = {u.uid for u in active.values()}
     inside = {e: frozenset(s & uids) for e, s in disc.inner_uses.items()}
     unused = tuple(i for i in range(len(leaves)) if i not in reads)
-    tapped = {}
+    tapped, fused = {}, set()
     for leaf, us in uses.items():
         dtype = jnp.promote_types(leaves[leaf].dtype, jnp.float32)
         if len(us) == 1 and _has_rule(us[0], dtype):
             tapped[us[0].uid] = dtype
-    return _Plan(closed, batch_size, uses, active, inside, uncovered, unused, tapped)
+            if _has_rule(us[0], dtype, fused=True):
+                fused.add(us[0].uid)
+    return _Plan(closed, batch_size, uses, active, inside, uncovered, unused, tapped,
+                 frozenset(fused))
 
 
-def _has_rule(use: ghost_trace.Use, dtype) -> bool:
-    """Whether a ghost rule reads this use's layout (checked on shapes only)."""
-    rule = SQ_NORM_RULES.get(use.eqn.primitive.name)
+def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
+    """Whether a ghost rule reads this use's layout (checked on shapes only); `fused`: a rule
+    that also gives the parameter's gradient (`ghost_rules.FUSED_RULES`), on the operands in
+    their own dtypes."""
+    rule = (FUSED_RULES if fused else SQ_NORM_RULES).get(use.eqn.primitive.name)
     if rule is None or not use.keeps_norm:
         return False
-    x_aval = use.eqn.invars[1 - use.pos].aval
+    x_aval, g_aval = use.eqn.invars[1 - use.pos].aval, use.eqn.outvars[0].aval
+    if fused:
+        if not jnp.issubdtype(x_aval.dtype, jnp.inexact):
+            return False
+        x, g = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x_aval, g_aval))
+        return jax.eval_shape(lambda x, g: rule(use, x, g, dtype), x, g) is not None
     x = jax.ShapeDtypeStruct(x_aval.shape, dtype if jnp.issubdtype(x_aval.dtype, jnp.inexact)
                              else x_aval.dtype)
-    g = jax.ShapeDtypeStruct(use.eqn.outvars[0].aval.shape, dtype)
+    g = jax.ShapeDtypeStruct(g_aval.shape, dtype)
     return jax.eval_shape(lambda x, g: rule(use, x, g), x, g) is not None
 
 
@@ -184,7 +196,9 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
         else:
             outs = _bind(eqn, invals)
             use = plan.active.get(id(eqn))
-            if use is not None and use.uid in plan.tapped:
+            if use is not None and use.uid in plan.fused:
+                outs = [_fused(use, plan.tapped[use.uid])(*invals, pert[use.uid])]
+            elif use is not None and use.uid in plan.tapped:
                 outs = [_tap(use, plan.tapped[use.uid])(
                     outs[0], jax.lax.stop_gradient(invals[1 - use.pos]), pert[use.uid])]
             elif use is not None:
@@ -240,6 +254,36 @@ def _tap(use: ghost_trace.Use, dtype) -> Callable:
 
     tap.defvjp(fwd, bwd)
     return tap
+
+
+def _fused(use: ghost_trace.Use, dtype) -> Callable:
+    """`fused(lhs, rhs, slot) = use(lhs, rhs)` (a `dot_general` or convolution), whose
+    backward forms the B per-example gradients of the parameter operand once, for both its
+    [B] squared norms (the cotangent of `slot`) and its gradient (their sum), instead of the
+    ordinary weight gradient plus a ghost rule (`ghost_rules.fuse_direct` says when: the
+    direct form, B·T·D·O multiply-adds, costs what the weight gradient costs). The data
+    operand's cotangent is the ordinary one."""
+    rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
+
+    @jax.custom_vjp
+    def fused(lhs, rhs, slot):
+        del slot
+        return _bind(eqn, [lhs, rhs])[0]
+
+    def fwd(lhs, rhs, slot):
+        del slot
+        return _bind(eqn, [lhs, rhs])[0], (lhs, rhs)
+
+    def bwd(operands, g):
+        w, x = operands[use.pos], operands[1 - use.pos]
+        with_x = lambda x: _bind(eqn, [x, w] if use.pos == 1 else [w, x])[0]
+        dx = jax.vjp(with_x, x)[1](g)[0]
+        dw, sq = cast(tuple, rule(use, x, g, dtype))  # admitted by the plan
+        cts = [dw.astype(w.dtype), dx] if use.pos == 0 else [dx, dw.astype(w.dtype)]
+        return (*cts, sq.astype(dtype))
+
+    fused.defvjp(fwd, bwd)
+    return fused
 
 
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):

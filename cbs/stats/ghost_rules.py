@@ -27,6 +27,33 @@ def use_gram(t: int, d: int, o: int) -> bool:
     return t * (d + o) < d * o
 
 
+FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example gradients
+
+
+def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
+    """Whether a layer's weight gradient is taken as the sum of its B per-example gradients
+    [B, D, O] (formed for their norms; no separate weight-gradient pass).
+
+    Fused, the norms cost the squares of the [B, D, O] tensor (memory traffic: counted as 4
+    multiply-adds per entry) on top of the layer's own weight gradient; unfused, the Gram
+    form costs T²(D + O) per example more. One position (T = 1) has the cheaper outer rule.
+    """
+    return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= FUSED_BYTES
+
+
+def _direct(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
+            ) -> tuple[jax.Array, jax.Array] | None:
+    """(Σ_i G_i [D, O], [B] |G_i|²) of the per-example gradients G_i = Σ_t x_it g_itᵀ,
+    accumulated in `dtype` from the operands' own precision; None unless `fuse_direct`."""
+    b, t, d = x_BxTxD.shape
+    if not fuse_direct(b, t, d, g_BxTxO.shape[-1]):
+        return None
+    common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
+    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD.astype(common), g_BxTxO.astype(common),
+                            preferred_element_type=dtype)
+    return jnp.sum(grad_BxDxO, 0), jnp.sum(jnp.square(grad_BxDxO), (1, 2))
+
+
 def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
     _, t, d = x_BxTxD.shape
     o = g_BxTxO.shape[-1]
@@ -48,9 +75,10 @@ def _perm_reshape(a: jax.Array, lead: list[int], rest: list[int], b: int) -> jax
     return a.reshape(b, -1, int(np.prod([a.shape[len(lead) + i] for i in range(len(rest))])))
 
 
-def dense_sq_norm(use, x, g) -> jax.Array | None:
-    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
-    free) order, which is a permutation of W's entries."""
+def _dense_operands(use, x, g):
+    """(x [B, T, C], g [B, T, F], W's contracting axes, W's free axes) of a `dot_general`
+    with the parameter W on one side: C the contracting axes in the order of W's, F W's free
+    axes in order, so that Σ_t x_t g_tᵀ is W's gradient with its axes permuted."""
     (lc, rc), _ = use.eqn.params["dimension_numbers"]
     xc, wc = (lc, rc) if use.pos == 1 else (rc, lc)
     w_rank = len(use.eqn.invars[use.pos].aval.shape)
@@ -63,7 +91,27 @@ def dense_sq_norm(use, x, g) -> jax.Array | None:
     rest_x = [a for a in x_free if a != use.e_in]
     x_BxTxC = _perm_reshape(x, [use.e_in] + rest_x, list(xc), b)
     g_BxTxF = _perm_reshape(g, [use.e_out] + [x_out[a] for a in rest_x], w_out, b)
+    return x_BxTxC, g_BxTxF, list(wc), w_free
+
+
+def dense_sq_norm(use, x, g) -> jax.Array | None:
+    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
+    free) order, which is a permutation of W's entries."""
+    x_BxTxC, g_BxTxF, _, _ = _dense_operands(use, x, g)
     return _kernel_sq_norm(x_BxTxC, g_BxTxF)
+
+
+def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
+    """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
+    gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
+    x_BxTxC, g_BxTxF, wc, w_free = _dense_operands(use, x, g)
+    out = _direct(x_BxTxC, g_BxTxF, dtype)
+    if out is None:
+        return None
+    total_CxF, sq = out
+    w_shape = use.eqn.invars[use.pos].aval.shape
+    total = total_CxF.reshape([w_shape[a] for a in wc] + [w_shape[a] for a in w_free])
+    return jnp.transpose(total, np.argsort(wc + w_free)), sq
 
 
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
@@ -83,12 +131,13 @@ def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
     return jnp.concatenate(pieces, axis=-1)
 
 
-def conv_sq_norm(use, x, g) -> jax.Array | None:
-    """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
-    the input windows."""
+def _conv_operands(use, x, g):
+    """(input windows [B, T, prod(window)·D], g [B, T, O]) of a `conv_general_dilated` the
+    rules read (kernel on the right, no dilation or groups, explicit padding), else None."""
     p = use.eqn.params
-    if (use.pos != 1 or p["feature_group_count"] != 1 or any(d != 1 for d in p["lhs_dilation"])
-            or any(d != 1 for d in p["rhs_dilation"]) or isinstance(p["padding"], str)):
+    if (use.pos != 1 or p["feature_group_count"] != 1 or p["batch_group_count"] != 1
+            or any(d != 1 for d in p["lhs_dilation"]) or any(d != 1 for d in p["rhs_dilation"])
+            or isinstance(p["padding"], str)):
         return None
     dn = p["dimension_numbers"]
     kernel_shape = use.eqn.invars[1].aval.shape
@@ -97,8 +146,36 @@ def conv_sq_norm(use, x, g) -> jax.Array | None:
     g_BxSxO = jnp.transpose(g, (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1]))
     patches = _patches(x_BxSxD, window, p["window_strides"], p["padding"])
     b = x.shape[0]
-    return _kernel_sq_norm(patches.reshape(b, -1, patches.shape[-1]),
-                           g_BxSxO.reshape(b, -1, g_BxSxO.shape[-1]))
+    return (patches.reshape(b, -1, patches.shape[-1]),
+            g_BxSxO.reshape(b, -1, g_BxSxO.shape[-1]))
+
+
+def conv_sq_norm(use, x, g) -> jax.Array | None:
+    """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
+    the input windows."""
+    operands = _conv_operands(use, x, g)
+    return None if operands is None else _kernel_sq_norm(*operands)
+
+
+def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
+    """`conv_general_dilated`: (the kernel's gradient in its layout, [B] squared norms) from
+    the per-example gradients on the input windows, when `fuse_direct` admits the shapes."""
+    operands = _conv_operands(use, x, g)
+    out = None if operands is None else _direct(*operands, dtype)
+    if out is None:
+        return None
+    total, sq = out
+    dn = use.eqn.params["dimension_numbers"]
+    kernel_shape = use.eqn.invars[1].aval.shape
+    spatial = [kernel_shape[a] for a in dn.rhs_spec[2:]]
+    # The windows' features run over (window offsets..., input channel): the kernel's axes.
+    total = total.reshape(*spatial, -1, total.shape[-1])
+    n = len(spatial)
+    src = [0] * len(kernel_shape)
+    src[dn.rhs_spec[0]], src[dn.rhs_spec[1]] = n + 1, n
+    for k, a in enumerate(dn.rhs_spec[2:]):
+        src[a] = k
+    return jnp.transpose(total, src), sq
 
 
 def embed_sq_norm(use, ids, g) -> jax.Array | None:
@@ -150,6 +227,8 @@ def elementwise_sq_norm(use, x, g) -> jax.Array | None:
 ELEMENTWISE = ("mul", "add", "sub", "add_any")
 SQ_NORM_RULES = {"dot_general": dense_sq_norm, "conv_general_dilated": conv_sq_norm,
                  "gather": embed_sq_norm, **{name: elementwise_sq_norm for name in ELEMENTWISE}}
+# Rules that also give the parameter's gradient (weight gradient = Σ per-example gradients).
+FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused}
 
 
 def _bind(eqn, args, params=None):

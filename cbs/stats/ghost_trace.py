@@ -144,12 +144,19 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         return _nested(eqn, ins, disc, ctx, stack, scans)
     if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
         p = ins[0].ptag
-        keeps = p.keeps_norm and name in NORM_KEEPING
+        keeps = p.keeps_norm and (name in NORM_KEEPING or _only_adds_unit_axes(eqn))
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
     eaxis = _example_axis(eqn, ins, disc.batch_size)
     if ptagged:
         _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
     return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
+
+
+def _only_adds_unit_axes(eqn) -> bool:
+    """A `broadcast_in_dim` that only inserts size-1 axes (a bias [O] seen as [1, 1, O]): a
+    reshape, which keeps the norm."""
+    return (eqn.primitive.name == "broadcast_in_dim"
+            and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape))
 
 
 def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):

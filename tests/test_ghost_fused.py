@@ -1,0 +1,102 @@
+"""cbs.stats.ghost, fused layers: where a layer's per-example gradients are formed for their
+norms (the direct form), its weight gradient is their sum. Gradient and norms must equal the
+ordinary gradient and the vmap reference in every layout a `dot_general` or a convolution
+can take: the parameter on either side, several contracting axes, NCHW/OIHW kernels, strides
+and asymmetric padding, inside `lax.scan`, and in bfloat16 with float32 accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cbs.stats import ghost
+from cbs.stats.ghost_rules import fuse_direct
+
+B = 4
+
+
+def _layouts_model(dtype):
+    """Every layer has T ≥ 9 positions and small D·O, so every kernel takes the fused path."""
+    k = jax.random.split(jax.random.key(1), 8)
+    n = lambda i, shape, s=0.3: (s * jax.random.normal(k[i], shape)).astype(dtype)
+    params = {"conv_nchw": n(0, (3, 2, 3, 3)),  # OIHW
+              "conv_nhwc": n(1, (2, 3, 3, 4)),  # HWIO
+              "left": n(2, (5, 4)),  # [O, D]: the parameter is dot_general's lhs
+              "two_axes": n(3, (5, 2, 6)),  # contracts two axes of the data
+              "scanned": n(4, (2, 6, 6)),  # read one slice per scan step
+              "head": n(5, (6, 3))}
+
+    def loss_fn(p, batch):
+        x = batch["x"]  # [B, 2, 8, 8] NCHW
+        h = jax.lax.conv_general_dilated(x, p["conv_nchw"], (2, 1), ((1, 0), (0, 1)),
+                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        h = jnp.tanh(jnp.transpose(h, (0, 2, 3, 1)))  # [B, 4, 8, 3] NHWC
+        h = jax.lax.conv_general_dilated(h, p["conv_nhwc"], (1, 2), ((0, 1), (1, 1)),
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jnp.tanh(h.reshape(h.shape[0], -1, 4))  # [B, T, 4]
+        h = jnp.tanh(jnp.einsum("od,btd->bto", p["left"], h))  # [B, T, 5]
+        h2 = h[..., None] * jnp.asarray([1.0, -0.5], dtype)  # [B, T, 5, 2]
+        h = jnp.tanh(jnp.einsum("btkc,kco->bto", h2, p["two_axes"]))  # [B, T, 6]
+
+        def body(h, w):
+            return jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(body, h, p["scanned"])
+        logits = jnp.mean(h, axis=1) @ p["head"]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], -1))
+
+    x = jax.random.normal(k[6], (B, 2, 8, 8)).astype(dtype)
+    return loss_fn, params, {"x": x, "y": jnp.arange(B) % 3}
+
+
+def _fused_leaves(loss_fn, params, batch):
+    plan = ghost._plan(loss_fn, params, batch)
+    paths = list(params)  # a flat dict: leaf i is the i-th key in sorted order
+    return {sorted(paths)[leaf] for leaf, us in plan.uses.items() if us[0].uid in plan.fused}
+
+
+def _info(loss_fn, method):
+    return jax.jit(lambda p, b: ghost.per_example_grads_info(loss_fn, p, b, method=method))
+
+
+def test_every_layout_is_fused_and_equals_the_reference_in_float64(x64):
+    loss_fn, params, batch = _layouts_model(jnp.float64)
+    assert _fused_leaves(loss_fn, params, batch) == {"conv_nchw", "conv_nhwc", "left",
+                                                     "two_axes", "scanned"}
+    loss, grad, sq = _info(loss_fn, "fast")(params, batch)
+    ref_loss, ref_grad, ref_sq = _info(loss_fn, "vmap")(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    for name in params:
+        np.testing.assert_allclose(grad[name], ref_grad[name], rtol=1e-10,
+                                   atol=1e-12 * float(jnp.max(jnp.abs(ref_grad[name]))))
+        np.testing.assert_allclose(sq[name], ref_sq[name], rtol=1e-10)
+        assert float(jnp.min(sq[name])) > 0  # every norm is read, not a zero
+
+
+def test_bfloat16_layers_accumulate_in_float32():
+    """bfloat16 operands, float32 accumulation: within bfloat16 rounding of the float32
+    model's gradient and norms (relative 2⁻⁸ per operand, a few percent after the layers)."""
+    loss_fn, params, batch = _layouts_model(jnp.bfloat16)
+    assert _fused_leaves(loss_fn, params, batch)
+    _, grad, sq = _info(loss_fn, "fast")(params, batch)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
+                       (params, batch))
+    _, ref_grad, ref_sq = _info(loss_fn, "vmap")(*f32)
+    for name in params:
+        assert grad[name].dtype == jnp.bfloat16 and sq[name].dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(ref_grad[name])))
+        np.testing.assert_allclose(np.asarray(grad[name], np.float32), ref_grad[name],
+                                   atol=0.05 * scale)
+        np.testing.assert_allclose(sq[name], ref_sq[name], rtol=0.1)
+
+
+@pytest.mark.parametrize("b,t,d,o,fused", [
+    (32, 1, 64, 64, False),  # one position: the outer rule
+    (32, 128, 32, 32, True),  # a sequence layer
+    (128, 784, 9, 16, True),  # a first convolution
+    (64, 4, 4096, 4096, False),  # few positions, large D·O: Gram form
+    (4096, 64, 1024, 1024, False),  # [B, D, O] past the memory bound
+])
+def test_fuse_direct_by_shape(b, t, d, o, fused):
+    assert fuse_direct(b, t, d, o) is fused
