@@ -141,7 +141,8 @@ def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
     """Whether a ghost rule reads this use's layout (checked on shapes only); `fused`: a rule
     that also gives the parameter's gradient (`ghost_rules.FUSED_RULES`), on the operands in
     their own dtypes."""
-    rule = (FUSED_RULES if fused else SQ_NORM_RULES).get(use.eqn.primitive.name)
+    rules: dict[str, Callable[..., Any]] = FUSED_RULES if fused else SQ_NORM_RULES
+    rule = rules.get(use.eqn.primitive.name)
     if rule is None or not use.keeps_norm:
         return False
     x_aval, g_aval = use.eqn.invars[1 - use.pos].aval, use.eqn.outvars[0].aval

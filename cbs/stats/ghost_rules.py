@@ -111,7 +111,7 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     total_CxF, sq = out
     w_shape = use.eqn.invars[use.pos].aval.shape
     total = total_CxF.reshape([w_shape[a] for a in wc] + [w_shape[a] for a in w_free])
-    return jnp.transpose(total, np.argsort(wc + w_free)), sq
+    return jnp.transpose(total, [int(a) for a in np.argsort(wc + w_free)]), sq
 
 
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
@@ -161,7 +161,7 @@ def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`conv_general_dilated`: (the kernel's gradient in its layout, [B] squared norms) from
     the per-example gradients on the input windows, when `fuse_direct` admits the shapes."""
     operands = _conv_operands(use, x, g)
-    out = None if operands is None else _direct(*operands, dtype)
+    out = None if operands is None else _direct(operands[0], operands[1], dtype)
     if out is None:
         return None
     total, sq = out
