@@ -12,7 +12,11 @@ already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et 
                = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
-whichever is cheaper; a convolution is the dense rule on its input windows, an embedding
+whichever is cheaper; where the direct form is taken, its per-example gradients also give
+the layer's weight gradient (their sum over i), so the ordinary weight-gradient pass is not
+run a second time ("fused" layers, `ghost_rules.fuse_direct`): the norms of a sequence or
+convolution layer then cost the squares of a [B, D, O] tensor, not another B·T·D·O pass. A
+convolution is the dense rule on its input windows, an embedding
 table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or shift w broadcast over
 positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`
 (`cbs.stats.ghost_rules`).
@@ -26,15 +30,18 @@ and the norms from ONE backward pass:
   reads, has its use's output routed through a *tap*: an identity whose custom backward
   applies the rule to the use's data operand x and the output cotangent g as soon as the
   backward pass reaches it, and returns the [B] norms as the cotangent of a zero *slot*
-  input. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
+  input. A fused use (a `dot_general` or convolution in the direct form) is evaluated under
+  a custom backward instead: the data operand's cotangent is the ordinary one, the
+  parameter operand's is the sum of the per-example gradients whose squares are the
+  norms. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
   slices of a stacked leaf are disjoint), so no [L, B, T, D] activation or cotangent is kept
   beyond what the ordinary backward keeps; under `remat` x is recomputed with the step.
 - any other use (a tied input/output embedding read by several uses, a leaf read through a
-  broadcast or slice) gets a zero *perturbation* added to its output and its data operand
-  kept as an auxiliary output, so the backward pass also returns its cotangent g; the leaf's
-  exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is then pulled back to the
-  leaf's layout, summed over its uses (so the cross terms are exact) and squared, in chunks
-  of examples.
+  broadcast that repeats it, or a slice) gets a zero *perturbation* added to its output and
+  its data operand kept as an auxiliary output, so the backward pass also returns its
+  cotangent g; the leaf's exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is
+  then pulled back to the leaf's layout, summed over its uses (so the cross terms are exact)
+  and squared, in chunks of examples.
 
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
 `custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule is
