@@ -100,3 +100,24 @@ def test_bfloat16_layers_accumulate_in_float32():
 ])
 def test_fuse_direct_by_shape(b, t, d, o, fused):
     assert fuse_direct(b, t, d, o) is fused
+
+
+def test_a_bias_broadcast_through_unit_axes_is_tapped_not_materialised():
+    """A bias [O] read as [1, 1, O] (a reshape: the norm is kept) takes its ghost rule in the
+    backward pass, not the per-example gradients of the materialised path; one read through
+    a broadcast that repeats it ([3] -> [5, 3]) still needs them."""
+    params = {"b": jnp.ones((3,)), "r": jnp.ones((3,))}
+
+    def loss_fn(p, batch):
+        h = batch["x"] + p["b"][None, None, :]  # [B, T, 3]
+        h = h * jnp.broadcast_to(p["r"], (5, 3))[None]  # repeated over the 5 positions
+        return jnp.mean(jnp.square(h))
+
+    batch = {"x": jax.random.normal(jax.random.key(0), (B, 5, 3))}
+    plan = ghost._plan(loss_fn, params, batch)
+    tapped = {leaf for leaf, us in plan.uses.items() if us[0].uid in plan.tapped}
+    assert tapped == {0}  # "b"; "r" is repeated before its use
+    fast = _info(loss_fn, "fast")(params, batch)
+    ref = _info(loss_fn, "vmap")(params, batch)
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
