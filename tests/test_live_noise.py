@@ -194,3 +194,21 @@ def test_live_none_and_unknown_name(mlp):
     assert np.isnan(m["noise/live_trace_sigma"]) and float(m["noise/live_exact"]) == 0.0
     with pytest.raises(ValueError, match="live must be one of"):
         make_step(loss_fn, params, micro_batch=32, live="ghostly")
+
+
+def test_jitted_step_packs_the_metrics_of_apply(mlp):
+    """The jitted step returns `apply`'s metrics as one vector read by name: the same names
+    with the same values (both run on the same state and batch)."""
+    loss_fn, params, batch = mlp
+    ts, state = make_step(loss_fn, params, micro_batch=32)
+    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    _, want = jax.jit(ts.apply, static_argnums=2)(state, inputs, 1)
+    _, got = ts(state, inputs, 1)
+    assert isinstance(got, step.StepMetrics) and got.array.shape == (len(want),)
+    got = jax.device_get(got)  # a pytree: fetched as one array, names kept
+    assert sorted(got) == sorted(want) and len(want) > 5
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
+    assert (got | {"x": 1.0})["x"] == 1.0
+    with pytest.raises(ValueError, match="must be scalars"):
+        step.StepMetrics.pack({"a": jnp.zeros(()), "b": jnp.zeros(2)})
