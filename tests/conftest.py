@@ -5,7 +5,14 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's backend optimisation level 0 (LLVM code generation without its optimisation passes)
+# about halves the compile time of the small programs the tests compile by the hundred, which
+# then run for milliseconds; the arithmetic is the same (no fast-math either way), only the
+# generated code is slower. Tests that start a process with its own XLA_FLAGS pass it on
+# (SUBPROCESS_XLA_FLAGS).
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS",
+                      f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests build a fresh Trainer (new jitted closures) for programs that an earlier test,

@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices} "
+                               + os.environ.get("XLA_FLAGS", ""))  # the tests' compile level
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

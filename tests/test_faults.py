@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import checkpoint, cli, trainer
 from cbs.engine import mesh as mesh_lib
@@ -60,8 +61,9 @@ def _offline_env(monkeypatch=None) -> dict[str, str]:
 def _cli(module: str, *args: str, env: dict | None = None, timeout: float = 180):
     """Runs `python -m experiments.<module> args` from the repository root on one CPU device;
     returns (exit status, non-empty stderr lines, seconds)."""
-    full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CBS_VERBOSE")}
-    full.update({"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"} | (env or {}))
+    full = {k: v for k, v in os.environ.items() if k != "CBS_VERBOSE"}
+    full.update({"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+                 "XLA_FLAGS": SUBPROCESS_XLA_FLAGS} | (env or {}))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
                           env=full, capture_output=True, text=True, timeout=timeout)

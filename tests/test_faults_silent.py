@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 from flax import nnx
 
 from cbs.engine import checkpoint, cli, loop, trainer
@@ -277,7 +278,8 @@ def test_a_model_that_cannot_be_built_fails_the_sweep_before_anything_is_written
 
 def test_the_sweep_command_with_an_unbuildable_model_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "sweep"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", cli.VERBOSE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k != cli.VERBOSE_ENV}
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sweep",
          f"--config={ROOT / 'experiments' / 'configs' / 'digits_sweep.py'}:tiny",

@@ -284,14 +284,37 @@ MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "mixed_cnn": mixed_cnn
 EXPECTED_UNCOVERED = {"unreadable": {"layer1/w"}}
 
 
+@functools.cache
+def built(name, x64):
+    """MODELS[name]() built once per process and precision (x64: built under float64, with
+    float64 inputs), so the tests of one model share its loss_fn object and with it the
+    loss check that runs once per loss_fn."""
+    assert bool(jax.config.jax_enable_x64) == x64  # nnx/linen embeddings take the setting
+    loss_fn, params, batch = MODELS[name]()
+    if x64:
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+        batch = jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x,
+                             batch)
+    return loss_fn, params, batch
+
+
+def compiled(fn, *args):
+    """fn jitted and compiled for `args` at XLA backend optimisation level 0: about half the
+    compile time of these small programs, which then run for milliseconds (the level picks
+    LLVM's code-generation passes, not the arithmetic; the tolerances are unchanged)."""
+    return jax.jit(fn).trace(*args).lower().compile({"xla_backend_optimization_level": 0})
+
+
 def jitted_info(loss_fn, method, **kw):
     """ghost.per_example_grads_info compiled once (op-by-op dispatch is slow to test)."""
     return jax.jit(functools.partial(ghost.per_example_grads_info, loss_fn, method=method, **kw))
 
 
 def _compare(loss_fn, params, batch, rtol):
-    fast = jitted_info(loss_fn, "auto")(params, batch)
-    ref = jitted_info(loss_fn, "vmap", chunk_size=2)(params, batch)
+    both = lambda p, b: (ghost.per_example_grads_info(loss_fn, p, b, method="auto"),
+                         ghost.per_example_grads_info(loss_fn, p, b, method="vmap",
+                                                      chunk_size=2))
+    fast, ref = compiled(both, params, batch)(params, batch)
     np.testing.assert_allclose(fast[0], ref[0], rtol=rtol)
     for a, b in zip(jax.tree.leaves(fast[1:]), jax.tree.leaves(ref[1:]), strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(b))))
@@ -303,7 +326,7 @@ def _compare(loss_fn, params, batch, rtol):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_coverage_report(name):
-    loss_fn, params, batch = MODELS[name]()
+    loss_fn, params, batch = built(name, x64=False)
     uncovered = ghost.uncovered_leaves(loss_fn, params, batch)
     assert set(uncovered) == EXPECTED_UNCOVERED.get(name, set()), uncovered
     frac = ghost.coverage(loss_fn, params, batch)
@@ -316,17 +339,12 @@ def test_coverage_report(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fast_equals_vmap_float64(name, x64):
-    loss_fn, params, batch = MODELS[name]()
-    params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
-    batch = jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x,
-                         batch)
-    _compare(loss_fn, params, batch, 1e-10)
+    _compare(*built(name, x64=True), 1e-10)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fast_equals_vmap_float32(name):
-    loss_fn, params, batch = MODELS[name]()
-    _compare(loss_fn, params, batch, 1e-5)
+    _compare(*built(name, x64=False), 1e-5)
 
 
 def test_mixed_cnn_takes_both_forms():

@@ -9,18 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_ghost import jitted_info, nnx_model, plain_cnn, plain_mlp, scanned_lm, unreadable
+from test_ghost import built, compiled, jitted_info, plain_mlp
 
 from cbs.engine import mesh as cbs_mesh
 from cbs.stats import ghost, noise
 
 FIELDS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
-MODELS = {"plain_mlp": plain_mlp, "plain_cnn": plain_cnn, "nnx": nnx_model,
-          "scanned_lm": scanned_lm, "unreadable": unreadable}
-
-
-def _to64(tree):
-    return jax.tree.map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, tree)
+MODELS = ("nnx", "plain_cnn", "plain_mlp", "scanned_lm", "unreadable")  # test_ghost.MODELS
 
 
 def _assert_stats_close(a, b, rtol):
@@ -28,58 +23,69 @@ def _assert_stats_close(a, b, rtol):
         np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=rtol, err_msg=name)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+def _fields_and_norms(loss_fn, params, batch, method, chunk_size=None):
+    """(exact by `method`, exact by vmap, per-example norms by `method`, by vmap), from one
+    compiled program (each estimator's own jit is inlined into it)."""
+    def run(p, b):
+        return (noise.exact(loss_fn, p, b, method=method),
+                noise.exact(loss_fn, p, b, method="vmap", chunk_size=chunk_size),
+                noise.per_example_sq_norms(loss_fn, p, b, method=method),
+                noise.per_example_sq_norms(loss_fn, p, b, method="vmap"))
+
+    return compiled(run, params, batch)(params, batch)
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_every_field_float64(name, x64):
-    loss_fn, params, batch = MODELS[name]()
-    params, batch = _to64(params), _to64(batch)
-    ref = noise.exact(loss_fn, params, batch, method="vmap", chunk_size=3)
-    fast = noise.exact(loss_fn, params, batch, method="auto")
+    fast, ref, norms, ref_norms = _fields_and_norms(*built(name, x64=True), "auto", 3)
     _assert_stats_close(fast, ref, 1e-10)
-    np.testing.assert_allclose(noise.per_example_sq_norms(loss_fn, params, batch),
-                               noise.per_example_sq_norms(loss_fn, params, batch,
-                                                          method="vmap"), rtol=1e-10)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["plain_mlp", "scanned_lm"])
 def test_every_field_float32(name):
     # Here b_simple is ~B, so Σ|g_i|² − B|ḡ|² loses about 2ε relatively: 1e-5 holds.
-    loss_fn, params, batch = MODELS[name]()
-    ref = noise.exact(loss_fn, params, batch, method="vmap")
-    fast = noise.exact(loss_fn, params, batch, method="fast")
+    fast, ref, norms, ref_norms = _fields_and_norms(*built(name, x64=False), "fast")
     assert float(ref.b_simple) > 1.0
     _assert_stats_close(fast, ref, 1e-5)
-    np.testing.assert_allclose(noise.per_example_sq_norms(loss_fn, params, batch, method="fast"),
-                               noise.per_example_sq_norms(loss_fn, params, batch,
-                                                          method="vmap"), rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
 
 
 def test_value_grad_and_stats_is_value_and_grad_plus_stats(x64):
-    loss_fn, params, batch = scanned_lm()
-    params, batch = _to64(params), _to64(batch)
-    fn = jax.jit(noise.value_grad_and_stats(loss_fn, groups="auto"))
-    loss, grads, stats = fn(params, batch)
-    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+    loss_fn, params, batch = built("scanned_lm", x64=True)
+    run = lambda p, b: (noise.value_grad_and_stats(loss_fn, groups="auto")(p, b),
+                        jax.value_and_grad(loss_fn)(p, b),
+                        noise.exact(loss_fn, p, b, method="vmap", groups="auto"))
+    (loss, grads, stats), (ref_loss, ref_grads), ref = compiled(run, params, batch)(params,
+                                                                                   batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
-    ref = noise.exact(loss_fn, params, batch, method="vmap", groups="auto")
     _assert_stats_close(stats, ref, 1e-10)
     for group in ref.groups:
         _assert_stats_close(stats.groups[group], ref.groups[group], 1e-10)
 
 
+@functools.cache
+def _one_device():
+    """scanned_lm at B = 8 and its value_grad_and_stats on one device (both modes' reference)."""
+    loss_fn, params, batch = built("scanned_lm", x64=False)
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)  # B = 8
+    return loss_fn, params, batch, compiled(noise.value_grad_and_stats(loss_fn), params,
+                                            batch)(params, batch)
+
+
 @pytest.mark.parametrize("mode", ["fsdp", "model"])
 def test_sharded_equals_one_device(mode):
-    loss_fn, params, batch = scanned_lm()
-    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)  # B = 8
-    one = jax.jit(noise.value_grad_and_stats(loss_fn))(params, batch)
+    loss_fn, params, batch, one = _one_device()
     mesh = cbs_mesh.make_mesh(data=4, model=2)
     sharded_params = cbs_mesh.shard(params, cbs_mesh.param_shardings(params, mesh, mode,
                                                                       min_size=1))
     sharded_batch = jax.device_put(batch, cbs_mesh.batch_sharding(mesh))
     assert any(not s.is_fully_replicated for s in
                jax.tree.leaves(jax.tree.map(lambda x: x.sharding, sharded_params)))
-    many = jax.jit(noise.value_grad_and_stats(loss_fn))(sharded_params, sharded_batch)
+    many = compiled(noise.value_grad_and_stats(loss_fn), sharded_params, sharded_batch)(
+        sharded_params, sharded_batch)
     np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(many[1]), jax.tree.leaves(one[1]), strict=True):
         # float32 sums in another order: errors scale with the leaf's largest entries
@@ -106,14 +112,17 @@ def test_explicit_mesh_axes():
 
 
 def test_bf16_params_accumulate_in_float32():
-    loss_fn, params, batch = scanned_lm(dtype=jnp.bfloat16)
+    loss_fn, params, batch = built("scanned_lm", x64=False)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)  # scanned_lm(dtype=bf16)
     assert ghost.uncovered_leaves(loss_fn, params, batch) == {}
-    _, _, fast = jitted_info(loss_fn, "fast")(params, batch)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fast))
     # The reference: the same bf16 forward pass, per-example gradients in float32.
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     loss32 = lambda p, b: loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b)
-    _, _, ref = jitted_info(loss32, "vmap")(params32, batch)
+    run = lambda p, p32, b: (
+        ghost.per_example_grads_info(loss_fn, p, b, method="fast")[2],
+        ghost.per_example_grads_info(loss32, p32, b, method="vmap")[2])
+    fast, ref = compiled(run, params, params32, batch)(params, params32, batch)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fast))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2)  # bf16 cotangents: 8 mantissa bits
 

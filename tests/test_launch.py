@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.analysis import report
 from cbs.engine import checkpoint
@@ -139,7 +140,7 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_table(finished, tmp_pa
     cmd = [sys.executable, "-m", "experiments.sweep",
            "--config=experiments/configs/digits_sweep.py:tiny", f"--sweep_dir={d}",
            "--config.sweep.batch_sizes=8,32,128", "--noanalyze"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

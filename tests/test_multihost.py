@@ -16,6 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import config as config_lib
 from cbs.engine import loop, trainer
@@ -74,7 +75,7 @@ def _launch(workdir, out, num_processes: int, devices: int, steps: int = 6,
     """Starts the workers; with `lm` they train the tiny LM and find each other from a
     simulated Slurm step (coordinator port 61440 + job id mod 4096) instead of flags."""
     port = _free_port() if not lm else _free_port_in(61440, 65535)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     slurm = lambda i: {"SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1",
                        "SLURM_NTASKS": str(num_processes), "SLURM_PROCID": str(i),
                        "SLURM_LOCALID": str(i)} if lm else {}
@@ -165,7 +166,7 @@ def test_kill_minus_nine_then_rerun_is_bit_identical(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     cmd = [sys.executable, WORKER, "--num_processes=1", "--devices=1", "--steps=60", "--full=1",
            f"--workdir={broken}", f"--out={tmp_path / 'broken.npz'}"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     records_path = broken / files.METRICS_FILE

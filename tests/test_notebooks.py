@@ -11,6 +11,7 @@ import re
 
 import nbformat
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 from nbclient import NotebookClient
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
@@ -82,7 +83,8 @@ def test_setup_cell_and_public_api_only(path):
 def test_runs_in_tiny_mode(path, monkeypatch, tmp_path):
     monkeypatch.setenv("CBS_NOTEBOOK_TINY", "1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the fake 8-device set-up of conftest
+    # one CPU device (not the 8 fake ones of conftest), compiled at the same level
+    monkeypatch.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     files_before = sorted(NOTEBOOK_DIR.rglob("*"))
     nb = nbformat.read(path, as_version=4)

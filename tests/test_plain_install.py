@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXTRAS = ("tensorboardX", "mnist1d", "tensorflow_datasets", "tensorflow", "gcsfs")
@@ -37,7 +38,7 @@ def _plain(target: str, *args: str, timeout: float = 300):
     """Runs `python -m target args` (or `python target.py args`) from the repository root
     with the extras blocked; returns (exit status, stdout, non-empty stderr lines)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {SUBPROCESS_XLA_FLAGS}")
     env.pop("CBS_VERBOSE", None)
     proc = subprocess.run([sys.executable, "-c", _SHIM, target, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

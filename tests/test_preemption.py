@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import preemption
 from cbs.results import files, records
@@ -24,7 +25,7 @@ _TIMING = ("elapsed", "seconds", "perf/", "time")
 
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                XLA_FLAGS="--xla_force_host_platform_device_count=1")
+                XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {SUBPROCESS_XLA_FLAGS}")
 
 
 def _start(module: str, *args: str) -> subprocess.Popen:

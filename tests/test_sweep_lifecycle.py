@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.analysis import report
 from cbs.results import files
@@ -112,7 +113,7 @@ def test_two_launchers_on_one_directory_share_the_work(tmp_path):
            "--config=experiments/configs/digits_sweep.py:tiny", f"--sweep_dir={d}",
            "--config.sweep.batch_sizes=8,32", "--config.sweep.lr_factors=(1.0,)",
            "--config.sweep.max_steps=10", "--config.sweep.evals_per_trial=3", "--noanalyze"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]

@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import data, models
 from cbs.engine import checkpoint, optim, step, trainer, writer
@@ -534,7 +535,7 @@ def test_entry_point_with_overrides_then_rerun(tmp_path):
     cmd = [sys.executable, "-m", "experiments.main",
            "--config=experiments/configs/digits_mlp.py:tiny", f"--workdir={tmp_path}",
            "--config.train.max_steps=6", "--config.optim.learning_rate=3e-3"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     summary = json.loads(first.stdout[first.stdout.index("{"):])
