@@ -121,3 +121,45 @@ def test_a_bias_broadcast_through_unit_axes_is_tapped_not_materialised():
     ref = _info(loss_fn, "vmap")(params, batch)
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, 3, 7, 10])
+def test_map_and_sum_leaves_padding_out_of_the_sum(chunk):
+    """7 examples in chunks of 1, 2, 3 (padded with 2 copies of the last), 7 or all: the
+    stacked outputs and the sum equal a plain loop."""
+    from cbs.stats.examples import map_and_sum
+
+    xs = jnp.arange(7.0)[:, None] * jnp.ones((7, 3)) + jnp.arange(3.0)
+    fn = lambda x: (jnp.sum(x), jnp.outer(x, x))
+    outs, total = map_and_sum(fn, xs, chunk)
+    np.testing.assert_allclose(outs, xs.sum(1))
+    np.testing.assert_allclose(total, sum(np.outer(x, x) for x in np.asarray(xs)), rtol=1e-6)
+
+
+def test_tied_embedding_gradient_is_the_sum_of_its_per_example_gradients(x64):
+    """A table read twice (a gather and the output projection) takes the materialised path:
+    its gradient, now the sum of the per-example gradients formed for its norms (the uses
+    hold it constant in the ordinary backward), equals the ordinary gradient, also when the
+    examples are taken in padded chunks."""
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"embed": jax.random.normal(k[0], (11, 4), jnp.float64),
+              "mix": jax.random.normal(k[1], (4, 4), jnp.float64) / 2}
+
+    def loss_fn(p, batch):
+        h = jnp.tanh(p["embed"][batch["ids"]] @ p["mix"])  # [B, T, 4]
+        logits = h @ p["embed"].T
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
+
+    batch = {"ids": jax.random.randint(k[2], (7, 5), 0, 11), "y": jnp.arange(35).reshape(7, 5) % 11}
+    plan = ghost._plan(loss_fn, params, batch)
+    assert len(plan.uses[0]) == 2 and plan.uses[0][0].uid not in plan.tapped
+    ref_loss, ref_grad = jax.value_and_grad(loss_fn)(params, batch)
+    ref_sq = _info(loss_fn, "vmap")(params, batch)[2]
+    for chunk in (None, 3):
+        loss, grad, sq = jax.jit(lambda p, b, c=chunk: ghost.per_example_grads_info(
+            loss_fn, p, b, method="fast", chunk_size=c))(params, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+        for name in params:
+            np.testing.assert_allclose(grad[name], ref_grad[name], rtol=1e-10, atol=1e-14)
+            np.testing.assert_allclose(sq[name], ref_sq[name], rtol=1e-10)

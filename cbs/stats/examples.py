@@ -136,6 +136,40 @@ def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)
 
 
+def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[PyTree, PyTree]:
+    """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`;
+    the sum is accumulated chunk by chunk (padding examples left out), never stacked [B, ...]
+    beyond one chunk, and taken as a product with ones (XLA:CPU reduces a large tensor over
+    its leading axis several times slower)."""
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
+    n = 1 if chunk_size is None or chunk_size >= size else -(-size // chunk_size)
+    chunk = -(-size // n)
+    valid = jnp.arange(n * chunk) < size
+
+    def summed(a, weights):
+        return jnp.tensordot(weights.astype(a.dtype), a, 1, precision=jax.lax.Precision.HIGHEST)
+
+    if n == 1:
+        outs, adds = jax.vmap(fn)(batch)
+        return outs, jax.tree.map(lambda a: summed(a, valid), adds)
+    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
+    split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
+    chunks = jax.tree.map(lambda x: split(pad(x)), batch)
+    one = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], batch))[1]
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), one)
+
+    def body(acc, xs):
+        examples, weights = xs
+        outs, adds = jax.vmap(fn)(examples)
+        return jax.tree.map(lambda s, a: s + summed(a, weights), acc, adds), outs
+
+    total, ys = jax.lax.scan(body, init, (chunks, split(valid)))
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size],
+                        ys), total
+
+
 def jit_per_settings(fn: Callable) -> Callable:
     """`fn(loss_fn, params, batch, ..., **settings)` compiled once per (loss_fn, settings,
     shapes): called eagerly, an estimator would otherwise run op by op; inside an outer jit

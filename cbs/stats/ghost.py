@@ -71,7 +71,7 @@ import numpy as np
 from jax.extend import core
 
 from cbs.stats import ghost_trace, loss_checks
-from cbs.stats.examples import map_examples, one_example, run_auto_axes
+from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_axes
 from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
 
@@ -202,16 +202,21 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
             outs, c = _eval_nested(eqn, invals, {u: pert[u] for u in inner}, plan)
             caps.update(c)
         else:
-            outs = _bind(eqn, invals)
             use = plan.active.get(id(eqn))
             if use is not None and use.uid in plan.fused:
                 outs = [_fused(use, plan.tapped[use.uid])(*invals, pert[use.uid])]
             elif use is not None and use.uid in plan.tapped:
                 outs = [_tap(use, plan.tapped[use.uid])(
-                    outs[0], jax.lax.stop_gradient(invals[1 - use.pos]), pert[use.uid])]
-            elif use is not None:
-                outs = [outs[0] + pert[use.uid]]
+                    _bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
+                    pert[use.uid])]
+            elif use is not None:  # materialised: the leaf's gradient is the sum of the
+                #                    per-example gradients formed for its norms
+                held = list(invals)
+                held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
+                outs = [_bind(eqn, held)[0] + pert[use.uid]]
                 caps[use.uid] = invals[1 - use.pos]
+            else:
+                outs = _bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars], caps
 
@@ -327,8 +332,9 @@ def _stacked(fn: Callable, depth: int) -> Callable:
     return fn
 
 
-def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Array:
-    """[B]: |Σ_uses per-example gradient|², the gradients formed chunk by chunk of examples."""
+def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
+    """([B] |Σ_uses per-example gradient|², the leaf's gradient: the sum of those per-example
+    gradients over the examples), the gradients formed chunk by chunk of examples."""
     items, per_example_bytes = [], 0
     for u in uses:
         k = len(u.stack)
@@ -345,11 +351,11 @@ def _materialized_sq_norm(uses, caps, cotangents, dtype, chunk_size) -> jax.Arra
         for u, (x_i, g_i) in zip(uses, items_i, strict=True):
             grad = _stacked(lambda x, g, u=u: per_example_grad(u, x, g, dtype), len(u.stack))
             total = total + grad(x_i, g_i)
-        return jnp.sum(jnp.square(total))
+        return jnp.sum(jnp.square(total)), total
 
     batch_size = items[0][0].shape[0]
     chunk = chunk_size if chunk_size is not None else auto_chunk_size(per_example_bytes, batch_size)
-    return map_examples(one, items, chunk)
+    return map_and_sum(one, items, chunk)
 
 
 def auto_chunk_size(per_example_bytes: int, batch_size: int,
@@ -444,15 +450,16 @@ def _grads_info(loss_fn, params, batch, method, chunk_size):
             raise ValueError(f"method='fast' cannot cover these params leaves ({lines}); "
                              "use method='auto' to compute them by vmap")
         loss, grads, caps, cots = _fast_pass(plan, leaves, jax.tree.leaves(batch))
-        grad = jax.tree.unflatten(treedef, grads)
         norms = {}
         for leaf, uses in plan.uses.items():
             u = uses[0]
             if u.uid in plan.tapped:  # summed over the scan steps of a stacked leaf
                 sq = jnp.sum(cots[u.uid], tuple(range(len(u.stack))))
-            else:
-                sq = _materialized_sq_norm(uses, caps, cots, dtypes[leaf], chunk_size)
+            else:  # its uses held the leaf constant: its gradient is their per-example sum
+                sq, total = _materialized(uses, caps, cots, dtypes[leaf], chunk_size)
+                grads[leaf] = total.astype(leaves[leaf].dtype)
             norms[leaf] = sq * float(batch_size) ** 2  # cotangents of the MEAN loss carry 1/B
+        grad = jax.tree.unflatten(treedef, grads)
         which = sorted(plan.uncovered)
         if which:
             norms.update(zip(which, _vmap_sq_norms(loss_fn, params, batch, which, chunk_size),
