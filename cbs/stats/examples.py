@@ -115,6 +115,14 @@ def one_example(example: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x[None], example)
 
 
+def sum_over_examples(a: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Σ_i w_i a[i] over the leading (example) axis, as a product with the weights (ones by
+    default): XLA:CPU reduces a large tensor over its leading axis several times slower than
+    the product that formed it (56 ms against 6 ms for [32, 128, 512])."""
+    w = jnp.ones(a.shape[:1], a.dtype) if weights is None else weights.astype(a.dtype)
+    return jnp.tensordot(w, a, 1, precision=jax.lax.Precision.HIGHEST)
+
+
 def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
     """fn(example) for every example, stacked [B, ...]: vmap in a chunk, lax.scan across n chunks.
 
@@ -122,38 +130,21 @@ def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
     last example (outputs dropped), so the body is compiled once. Chunk j holds examples
     j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
     """
-    size = jax.tree.leaves(batch)[0].shape[0]
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
-    if chunk_size is None or chunk_size >= size:
-        return jax.vmap(fn)(batch)
-    n = -(-size // chunk_size)
-    chunk = -(-size // n)
-    pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
-    chunks = jax.tree.map(
-        lambda x: pad(x).reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1), batch)
-    _, ys = jax.lax.scan(lambda c, xs: (c, jax.vmap(fn)(xs)), None, chunks)
-    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size], ys)
+    return map_and_sum(lambda x: (fn(x), ()), batch, chunk_size)[0]
 
 
 def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[PyTree, PyTree]:
     """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`;
-    the sum is accumulated chunk by chunk (padding examples left out), never stacked [B, ...]
-    beyond one chunk, and taken as a product with ones (XLA:CPU reduces a large tensor over
-    its leading axis several times slower)."""
+    the sum is accumulated chunk by chunk (padding examples left out, `sum_over_examples`),
+    never stacked [B, ...] beyond one chunk."""
     size = jax.tree.leaves(batch)[0].shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
-    n = 1 if chunk_size is None or chunk_size >= size else -(-size // chunk_size)
-    chunk = -(-size // n)
-    valid = jnp.arange(n * chunk) < size
-
-    def summed(a, weights):
-        return jnp.tensordot(weights.astype(a.dtype), a, 1, precision=jax.lax.Precision.HIGHEST)
-
-    if n == 1:
+    if chunk_size is None or chunk_size >= size:
         outs, adds = jax.vmap(fn)(batch)
-        return outs, jax.tree.map(lambda a: summed(a, valid), adds)
+        return outs, jax.tree.map(sum_over_examples, adds)
+    n = -(-size // chunk_size)
+    chunk = -(-size // n)
     pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
     split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
     chunks = jax.tree.map(lambda x: split(pad(x)), batch)
@@ -163,8 +154,9 @@ def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[Py
     def body(acc, xs):
         examples, weights = xs
         outs, adds = jax.vmap(fn)(examples)
-        return jax.tree.map(lambda s, a: s + summed(a, weights), acc, adds), outs
+        return jax.tree.map(lambda s, a: s + sum_over_examples(a, weights), acc, adds), outs
 
+    valid = jnp.arange(n * chunk) < size
     total, ys = jax.lax.scan(body, init, (chunks, split(valid)))
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n * chunk, *y.shape[2:])[:size],
                         ys), total
