@@ -51,8 +51,13 @@ def _direct(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
     if not fuse_direct(b, t, d, g_BxTxO.shape[-1]):
         return None
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
-    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD.astype(common), g_BxTxO.astype(common),
-                            preferred_element_type=dtype)
+    x_BxTxD, g_BxTxO = x_BxTxD.astype(common), g_BxTxO.astype(common)
+    # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
+    # [B, O, D] ran 20-40 % faster than into [B, D, O], and the reverse when O > D.
+    if d > g_BxTxO.shape[-1]:
+        grad_BxOxD = jnp.einsum("btd,bto->bod", x_BxTxD, g_BxTxO, preferred_element_type=dtype)
+        return sum_over_examples(grad_BxOxD).T, jnp.sum(jnp.square(grad_BxOxD), (1, 2))
+    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD, g_BxTxO, preferred_element_type=dtype)
     return sum_over_examples(grad_BxDxO), jnp.sum(jnp.square(grad_BxDxO), (1, 2))
 
 
