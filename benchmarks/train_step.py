@@ -10,6 +10,9 @@ unchanged on a GPU), with Adam and one fixed device-resident batch:
 
 - `optax`: the reference, a hand-written `jax.jit` step (value_and_grad, optax.adam,
   apply_updates, donated buffers) returning the loss;
+- `optax + grad norm`: the same step also returning `optax.global_norm` of the gradient, the
+  one per-step statistic of the cbs step that reads the whole gradient again (it is logged
+  and guards against non-finite gradients);
 - `cbs (no estimate)`: `cbs.engine.step.TrainStep` with the live estimate off (`live="none"`);
 - `cbs + live`: the default live estimate (`live="auto"`: exact tr(Σ) and |G|² from the
   per-example gradient norms of the step's own backward pass where `cbs.stats.ghost` reads the
@@ -22,18 +25,22 @@ unchanged on a GPU), with Adam and one fixed device-resident batch:
 - `cbs A=2 ...`: two accumulation steps (the live estimate sums the per-example norms over
   the micro-batches).
 
-Each time is the mean per step over a run of `steps` steps (dispatch of step t+1 does not wait
-for step t; the clock stops after blocking on the last); the variants are interleaved in each
-repeat after a warm-up. A ratio is taken within each repeat against the baseline named in the
-`vs` column (for `optax`: its time over the cbs step's, a speed ratio; otherwise the
-variant's time over the baseline's, a cost ratio) and reported as median [min, max] over the
-repeats. Targets: cbs without estimates ≥ 0.97× the optax loop's speed; the live estimate
-≤ 1.05× the step without it; the periodic exact measurement ≤ 1.03× amortised.
+Each time is the mean per step over a run of n steps (dispatch of step t+1 does not wait for
+step t; the clock stops after blocking on the last), n the larger of 10 (50 in the full run)
+and enough steps for the optax loop to take 0.3 s (1 s), rounded up to a multiple of 10 (the
+measurement period). After a warm-up, each repeat times every pair of a variant and the
+baseline named in the `vs` column as four adjacent runs, baseline, variant, variant, baseline,
+so that a load drifting over them cancels; the pair's ratio in that repeat is (v₁ + v₂) /
+(b₁ + b₂) (against the optax loops inverted, a speed ratio; otherwise a cost ratio), reported
+as median [min, max] over the repeats. Targets: cbs without estimates ≥ 0.97× the optax
+loop's speed; the live estimate ≤ 1.05× the step without it; the periodic exact measurement
+≤ 1.03× amortised.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -79,7 +86,7 @@ def _model(name: str):
     return models.make_loss_fn(graphdef, rest, task), params, batch
 
 
-def _optax_runner(loss_fn, params, batch, lr: float):
+def _optax_runner(loss_fn, params, batch, lr: float, *, grad_norm: bool = False):
     tx = optax.adam(lr)
 
     @jax.jit
@@ -90,7 +97,8 @@ def _optax_runner(loss_fn, params, batch, lr: float):
         p, s = carry
         loss, g = jax.value_and_grad(loss_fn)(p, batch)
         u, s = tx.update(g, s, p)
-        return (optax.apply_updates(p, u), s), loss
+        return (optax.apply_updates(p, u), s), ((loss, optax.global_norm(g)) if grad_norm
+                                                 else loss)
 
     jitted = jax.jit(train_step, donate_argnums=0)
     carry = init(params)
@@ -140,6 +148,7 @@ def _time(run, steps: int) -> float:
 # (variant, baseline it is compared with, target of the ratio)
 VARIANTS = (
     ("cbs (no estimate)", "optax", "≥ 0.97× speed"),
+    ("cbs (no estimate)", "optax + grad norm", ""),
     ("cbs + live", "cbs (no estimate)", "≤ 1.05×"),
     ("cbs + two-batch (halves)", "cbs (no estimate)", ""),
     ("cbs + live + exact/10", "cbs + live", "≤ 1.03×"),
@@ -149,14 +158,29 @@ VARIANTS = (
 )
 
 
-def bench(name: str, steps: int, repeats: int, every: int) -> tuple[dict, dict]:
-    """Per variant: seconds per step of each repeat, and the live estimator it ran."""
+def _steps_per_run(run, steps: int, every: int, min_seconds: float) -> int:
+    """Steps in one timed run: at least `steps`, enough for `min_seconds` (a 3 ms step timed
+    over 20 steps is mostly the machine's scheduling noise), a multiple of `every` (each run of
+    an every-k-steps measurement then holds the same number of measurements)."""
+    per_step = _time(run, steps)
+    n = max(steps, math.ceil(min_seconds / per_step))
+    return -(-n // every) * every
+
+
+def bench(name: str, steps: int, repeats: int, every: int, min_seconds: float
+          ) -> tuple[dict, dict, dict, int]:
+    """(seconds per step of every run of each variant, the ratio of each `VARIANTS` pair per
+    repeat, the live estimator of each variant, steps per run).
+
+    A pair's ratio in one repeat comes from four adjacent runs, baseline, variant, variant,
+    baseline (ABBA): a load that drifts linearly over them cancels in (v₁ + v₂)/(b₁ + b₂)."""
     loss_fn, params, batch = _model(name)
     batch = jax.device_put(batch)
     measure = step.Measurement("fast", every, micro_batches=2)  # the whole batch (A = 1: 1)
     runner = lambda **kw: _cbs_runner(loss_fn, params, batch, 1e-3, **kw)
     variants = {
         "optax": (_optax_runner(loss_fn, params, batch, 1e-3), "-"),
+        "optax + grad norm": (_optax_runner(loss_fn, params, batch, 1e-3, grad_norm=True), "-"),
         "cbs (no estimate)": runner(live="none"),
         "cbs + live": runner(),
         "cbs + two-batch (halves)": runner(live="two_batch"),
@@ -167,12 +191,25 @@ def bench(name: str, steps: int, repeats: int, every: int) -> tuple[dict, dict]:
     }
     for run, _ in variants.values():  # compile and warm up (covers a measurement)
         jax.block_until_ready(run(max(steps, every)))
-    # Interleave the variants over the repeats so that load on a shared machine hits all.
-    out = {k: [] for k in variants}
+    n = _steps_per_run(variants["optax"][0], steps, every, min_seconds)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    ratios: dict[tuple[str, str], list[float]] = {}
     for _ in range(repeats):
-        for k, (run, _) in variants.items():
-            out[k].append(_time(run, steps))
-    return out, {k: kind for k, (_, kind) in variants.items()}
+        for variant, base, _ in _pairs(every):
+            t = {}
+            for k, label in ((base, "b1"), (variant, "v1"), (variant, "v2"), (base, "b2")):
+                t[label] = _time(variants[k][0], n)
+                times[k].append(t[label])
+            cost = (t["v1"] + t["v2"]) / (t["b1"] + t["b2"])
+            # against the hand-written loop a speed ratio (optax / cbs), else a cost ratio
+            ratios.setdefault((variant, base), []).append(
+                1 / cost if base.startswith("optax") else cost)
+    return times, ratios, {k: kind for k, (_, kind) in variants.items()}, n
+
+
+def _pairs(every: int):
+    return [(v.replace("/10", f"/{every}"), b.replace("/10", f"/{every}"), target)
+            for v, b, target in VARIANTS]
 
 
 def main() -> None:
@@ -180,28 +217,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--models", default="mlp,cnn,transformer,lm")
     parser.add_argument("--repeats", type=int, default=0, help="0: 7 (quick) or 11")
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="shortest timed run (0: 0.3 s quick, 1 s full)")
     args = parser.parse_args()
-    steps, repeats, every = (20, 7, 10) if args.quick else (100, 11, 10)
-    repeats = args.repeats or repeats
+    steps, repeats, every, min_s = (10, 7, 10, 0.3) if args.quick else (50, 11, 10, 1.0)
+    repeats, min_s = args.repeats or repeats, args.min_seconds or min_s
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-          f"{steps} steps × {repeats} repeats per cell\n")
-    print("| model | variant | live | ms/step (median) | vs | ratio median [min, max] | "
-          "target |")
-    print("|---|---|---|---:|---|---|---|")
+          f"{repeats} repeats of ABBA runs of ≥ {min_s} s (steps per run below)\n")
+    print("| model | variant | live | steps/run | ms/step (median) | vs | "
+          "ratio median [min, max] | target |")
+    print("|---|---|---|---:|---:|---|---|---|")
     for name in args.models.split(","):
-        times, kinds = bench(name, steps, repeats, every)
-        for variant, base, target in VARIANTS:
-            variant, base = (v.replace("/10", f"/{every}") for v in (variant, base))
-            if base == "optax":  # speed relative to the hand-written loop: optax / cbs
-                r = [o / c for o, c in zip(times[base], times[variant], strict=True)]
-            else:  # cost relative to the same step without the extra work
-                r = [c / o for o, c in zip(times[base], times[variant], strict=True)]
+        times, ratios, kinds, n = bench(name, steps, repeats, every, min_s)
+        for variant, base, target in _pairs(every):
+            r = ratios[(variant, base)]
             ms = statistics.median(times[variant]) * 1e3
-            print(f"| {name} | {variant} | {kinds[variant]} | {ms:.2f} | {base} | "
+            print(f"| {name} | {variant} | {kinds[variant]} | {n} | {ms:.2f} | {base} | "
                   f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | {target} |",
                   flush=True)
-        print(f"| {name} | optax | - | {statistics.median(times['optax']) * 1e3:.2f} | | | |",
-              flush=True)
+        for base in ("optax", "optax + grad norm"):
+            print(f"| {name} | {base} | - | {n} | {statistics.median(times[base]) * 1e3:.2f} "
+                  "| | | |", flush=True)
 
 
 if __name__ == "__main__":
