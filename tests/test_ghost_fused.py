@@ -102,7 +102,7 @@ def test_fuse_direct_by_shape(b, t, d, o, fused):
     assert fuse_direct(b, t, d, o) is fused
 
 
-def test_a_bias_broadcast_through_unit_axes_is_tapped_not_materialised():
+def test_a_bias_broadcast_through_unit_axes_takes_its_rule_not_the_materialised_path():
     """A bias [O] read as [1, 1, O] (a reshape: the norm is kept) takes its ghost rule in the
     backward pass, not the per-example gradients of the materialised path; one read through
     a broadcast that repeats it ([3] -> [5, 3]) still needs them."""
@@ -121,6 +121,40 @@ def test_a_bias_broadcast_through_unit_axes_is_tapped_not_materialised():
     ref = _info(loss_fn, "vmap")(params, batch)
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_biases_and_scales_are_fused_with_the_sign_of_a_subtraction(x64):
+    """Biases and norm scales broadcast through unit axes (`add`, `mul`, `sub` with the
+    parameter on either side, one inside `lax.scan`) take their gradient as the sum of the
+    per-example gradients formed for their norms: equal to the ordinary gradient and the vmap
+    reference at 1e-10 in float64, and a subtracted parameter keeps its sign."""
+    k = jax.random.split(jax.random.key(2), 6)
+    params = {"bias": jax.random.normal(k[0], (3,)), "scale": 1 + jax.random.normal(k[1], (3,)),
+              "shift": jax.random.normal(k[2], (3,)), "minus": jax.random.normal(k[3], (3,)),
+              "stacked": jax.random.normal(k[4], (2, 3))}
+
+    def loss_fn(p, batch):
+        h = batch["x"] + p["bias"][None, None, :]  # [B, T, 3]
+        h = jnp.tanh(h) * p["scale"][None, None, :]
+        h = p["shift"][None, None, :] - jnp.tanh(h)  # parameter on the lhs of a sub
+        h = jnp.tanh(h) - p["minus"][None, None, :]  # ... and on the rhs
+
+        def body(h, b):
+            return jnp.tanh(h + b[None, None, :]), None
+
+        h, _ = jax.lax.scan(body, h, p["stacked"])
+        return jnp.mean(jnp.square(h - 0.3))
+
+    batch = {"x": jax.random.normal(k[5], (B, 5, 3), jnp.float64)}
+    assert _fused_leaves(loss_fn, params, batch) == set(params)
+    loss, grad, sq = _info(loss_fn, "fast")(params, batch)
+    ref_loss, ref_grad, ref_sq = _info(loss_fn, "vmap")(params, batch)
+    plain = jax.grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    for name in params:
+        np.testing.assert_allclose(grad[name], plain[name], rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(grad[name], ref_grad[name], rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(sq[name], ref_sq[name], rtol=1e-10)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 2, 3, 7, 10])

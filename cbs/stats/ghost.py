@@ -72,7 +72,7 @@ from jax.extend import core
 
 from cbs.stats import ghost_trace, loss_checks
 from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_axes
-from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
+from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, in_dtype, per_example_grad
 from cbs.stats.trees import leaf_paths
 
 PyTree = Any
@@ -262,7 +262,7 @@ def _tap(use: ghost_trace.Use, dtype) -> Callable:
         return y, x
 
     def bwd(x, g):
-        sq = cast(jax.Array, rule(use, _acc(x, dtype), g.astype(dtype)))  # admitted by the plan
+        sq = cast(jax.Array, rule(use, in_dtype(x, dtype), g.astype(dtype)))  # admitted by the plan
         return g, None, sq.astype(dtype)
 
     tap.defvjp(fwd, bwd)
@@ -320,10 +320,6 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
 
 
 # ----------------------------------------------------------------------------- norms
-
-
-def _acc(x: jax.Array, dtype) -> jax.Array:
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
 def _stacked(fn: Callable, depth: int) -> Callable:

@@ -214,9 +214,11 @@ def embed_sq_norm(use, ids, g) -> jax.Array | None:
     return jnp.sum(jnp.where(same_BxTxT, gg_BxTxT, 0), (1, 2))
 
 
-def elementwise_sq_norm(use, x, g) -> jax.Array | None:
+def _elementwise_per_example(use, x, g) -> jax.Array | None:
     """`mul`/`add`/`sub` of a parameter operand w that size-1 axes broadcast over the output
-    (a norm scale, a bias): ∂ℓ_i/∂w sums x·g (mul) or ±g (add, sub) over those axes."""
+    (a norm scale, a bias): the per-example gradients ∂ℓ_i/∂w, x·g (mul) or g (add, sub; the
+    sign of a subtracted w left out) summed over those axes, in w's shape with B on the
+    example axis; None for other layouts."""
     w_shape = use.eqn.invars[use.pos].aval.shape
     if len(w_shape) != g.ndim or (use.e_out < len(w_shape) and w_shape[use.e_out] != 1):
         return None
@@ -227,15 +229,44 @@ def elementwise_sq_norm(use, x, g) -> jax.Array | None:
     else:
         prod = g
     summed = tuple(a for a in range(g.ndim) if a != use.e_out and w_shape[a] == 1)
-    per_example = jnp.sum(prod, summed, keepdims=True)
+    return jnp.sum(prod, summed, keepdims=True)
+
+
+def elementwise_sq_norm(use, x, g) -> jax.Array | None:
+    """Elementwise use of a broadcast parameter: Σ of the squared per-example gradients."""
+    per_example = _elementwise_per_example(use, x, g)
+    if per_example is None:
+        return None
     return jnp.sum(jnp.square(per_example), tuple(a for a in range(g.ndim) if a != use.e_out))
+
+
+def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
+    """Elementwise use of a broadcast parameter: (w's gradient, the sum of its per-example
+    gradients, [B] squared norms): one reduction of the [B, ...] cotangent, where the tapped
+    rule and the ordinary gradient take one each."""
+    if use.e_out >= g.ndim:
+        return None
+    per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
+    if per_example is None:
+        return None
+    sq = jnp.sum(jnp.square(per_example), tuple(a for a in range(g.ndim) if a != use.e_out))
+    total = jnp.sum(per_example, use.e_out, keepdims=True)
+    if use.eqn.primitive.name == "sub" and use.pos == 1:
+        total = -total
+    return total, sq
+
+
+def in_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x in the accumulation dtype when it is floating point (integer ids stay as they are)."""
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
 ELEMENTWISE = ("mul", "add", "sub", "add_any")
 SQ_NORM_RULES = {"dot_general": dense_sq_norm, "conv_general_dilated": conv_sq_norm,
                  "gather": embed_sq_norm, **{name: elementwise_sq_norm for name in ELEMENTWISE}}
 # Rules that also give the parameter's gradient (weight gradient = Σ per-example gradients).
-FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused}
+FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused,
+               **{name: elementwise_fused for name in ("mul", "add", "sub")}}
 
 
 def _bind(eqn, args, params=None):
