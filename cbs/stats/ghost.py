@@ -18,7 +18,8 @@ run a second time ("fused" layers, `ghost_rules.fuse_direct`): the norms of a se
 convolution layer then cost the squares of a [B, D, O] tensor, not another B·T·D·O pass. A
 convolution is the dense rule on its input windows, an embedding
 table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or shift w broadcast over
-positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`
+positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, whose per-example
+sums Σ_t x_it ⊙ g_it also give w's gradient (fused too: one reduction of the cotangent)
 (`cbs.stats.ghost_rules`).
 
 Mechanism. `cbs.stats.ghost_trace` walks one shape-only trace of `loss_fn(params, batch)` and
@@ -30,10 +31,10 @@ and the norms from ONE backward pass:
   reads, has its use's output routed through a *tap*: an identity whose custom backward
   applies the rule to the use's data operand x and the output cotangent g as soon as the
   backward pass reaches it, and returns the [B] norms as the cotangent of a zero *slot*
-  input. A fused use (a `dot_general` or convolution in the direct form) is evaluated under
-  a custom backward instead: the data operand's cotangent is the ordinary one, the
-  parameter operand's is the sum of the per-example gradients whose squares are the
-  norms. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
+  input. A fused use (a `dot_general` or convolution in the direct form, an elementwise
+  scale or shift) is evaluated under a custom backward instead: the data operand's
+  cotangent is the ordinary one, the parameter operand's is the sum of the per-example
+  gradients whose squares are the norms. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
   slices of a stacked leaf are disjoint), so no [L, B, T, D] activation or cotangent is kept
   beyond what the ordinary backward keeps; under `remat` x is recomputed with the step.
 - any other use (a tied input/output embedding read by several uses, a leaf read through a
