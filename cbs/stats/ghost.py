@@ -34,9 +34,10 @@ and the norms from ONE backward pass:
   input. A fused use (a `dot_general` or convolution in the direct form, an elementwise
   scale or shift) is evaluated under a custom backward instead: the data operand's
   cotangent is the ordinary one, the parameter operand's is the sum of the per-example
-  gradients whose squares are the norms. Inside `scan` the slots are stacked (one [B] row per step, summed afterwards: the
-  slices of a stacked leaf are disjoint), so no [L, B, T, D] activation or cotangent is kept
-  beyond what the ordinary backward keeps; under `remat` x is recomputed with the step.
+  gradients whose squares are the norms. Inside `scan` the slots are stacked (one [B] row
+  per step, summed afterwards: the slices of a stacked leaf are disjoint), so no
+  [L, B, T, D] activation or cotangent is kept beyond what the ordinary backward keeps;
+  under `remat` x is recomputed with the step.
 - any other use (a tied input/output embedding read by several uses, a leaf read through a
   broadcast that repeats it, or a slice) gets a zero *perturbation* added to its output and
   its data operand kept as an auxiliary output, so the backward pass also returns its
