@@ -241,9 +241,9 @@ def elementwise_sq_norm(use, x, g) -> jax.Array | None:
 
 
 def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """Elementwise use of a broadcast parameter: (w's gradient, the sum of its per-example
-    gradients, [B] squared norms): one reduction of the [B, ...] cotangent, where the tapped
-    rule and the ordinary gradient take one each."""
+    """Elementwise use of a broadcast parameter: (w's gradient as the sum of its per-example
+    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent where
+    the tapped rule and the ordinary gradient take one each."""
     if use.e_out >= g.ndim:
         return None
     per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
