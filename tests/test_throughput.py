@@ -117,3 +117,21 @@ def test_lm_step_benchmark_tiny_mode(capsys, no_compilation_cache):
     assert [r.split("|")[3].strip() for r in rows] == ["plain", "+live", "+live+exact/2"]
     assert all(r.split("|")[6].strip() == "unknown" for r in rows)
     assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)
+
+
+def test_train_step_benchmark_pairs_every_variant_with_its_baseline(no_compilation_cache):
+    """benchmarks/train_step.py: one ABBA repeat on the MLP gives a positive ratio for every
+    (variant, baseline) pair, the exact live estimate where the ghost rules read the model,
+    and runs whose length is a multiple of the measurement period."""
+    from benchmarks import train_step
+
+    times, ratios, kinds, n = train_step.bench("mlp", steps=3, repeats=1, every=2,
+                                                min_seconds=0.0)
+    pairs = [(v, b) for v, b, _ in train_step._pairs(2)]
+    assert list(ratios) == pairs
+    assert all(len(r) == 1 and r[0] > 0 for r in ratios.values())
+    assert n == 4  # 3 steps rounded up to the period
+    assert kinds["cbs + live"] == "exact" and kinds["cbs + two-batch (halves)"] == "two_batch"
+    # each pair's four runs are recorded: two per pair a variant is in, on either side
+    assert len(times["cbs + live"]) == 2 * 2  # variant vs no estimate, baseline of exact/2
+    assert len(times["cbs (no estimate)"]) == 2 * 4  # vs both optax loops; live, two-batch
