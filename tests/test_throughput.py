@@ -4,6 +4,8 @@ profiler window and the compilation-cache setting."""
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
 import time
 
 import jax
@@ -13,6 +15,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from cbs import models
 from cbs.engine import config as config_lib
 from cbs.engine import throughput
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class _Device:
@@ -135,3 +139,20 @@ def test_train_step_benchmark_pairs_every_variant_with_its_baseline(no_compilati
     # each pair's four runs are recorded: two per pair a variant is in, on either side
     assert len(times["cbs + live"]) == 2 * 2  # variant vs no estimate, baseline of exact/2
     assert len(times["cbs (no estimate)"]) == 2 * 4  # vs both optax loops; live, two-batch
+
+
+@pytest.mark.slow
+def test_accelerator_script_writes_its_three_tables_in_cpu_smoke_mode(tmp_path):
+    """benchmarks/accelerator.sh with the smoke arguments its header names (40 s on 2 CPU
+    cores): the device line and both tables."""
+    env = dict(os.environ, LM_ARGS="--tiny --repeats=1 --steps=2 --every=2 --devices=1",
+               NOISE_ARGS="--models=mlp --skip-slow --repeats=1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on a machine with one accelerator
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "accelerator.sh"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cpu" in (tmp_path / "device.txt").read_text()
+    lm = (tmp_path / "lm_step.md").read_text()
+    assert [line.split("|")[3].strip() for line in lm.splitlines()
+            if line.startswith("| tiny")] == ["plain", "+live", "+live+exact/2"]
+    assert "| exact-fast |" in (tmp_path / "noise_cost_foreign.md").read_text()
