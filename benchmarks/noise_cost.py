@@ -4,7 +4,7 @@
                                                # most of it the CNN's exact trace_h_sigma)
     python -m benchmarks.noise_cost --quick    # 2 repeats, for a first look
     python -m benchmarks.noise_cost --models mlp,cnn --repeats 7 --skip-slow
-    python -m benchmarks.noise_cost --foreign  # plain-JAX, nnx and scanned models (~5 min)
+    python -m benchmarks.noise_cost --foreign  # plain-JAX, nnx, equinox, haiku models (~6 min)
 
 Models (from `cbs.models`, the same as benchmarks/train_step.py): an MLP 784-256-256-10 at
 B = 256, the default CNN on 28×28×1 at B = 128, and the tiny Transformer LM at B = 32,
@@ -22,8 +22,11 @@ T = 128 (V = 80). Rows, each one jitted function of (params, batch):
 - curvature trace_h_sigma: `cbs.stats.noise.exact(curvature=True)`, one HVP per example, chunked.
 
 Models brought by a user (`--foreign`, no cbs layers): a plain-JAX MLP 784-256-256-10 at
-B = 256, an `nnx.Conv`/`nnx.Linear` CNN on 28×28×1 at B = 128, and a 6-layer Transformer LM
-under `nnx.scan` with `nnx.remat` at B = 32, T = 64 (d = 128, V = 256). Rows: plain gradient;
+B = 256; the same CNN on 28×28×1 at B = 128 (conv 32, conv 64 stride 2, LayerNorm over the
+channels, linear head) written in `nnx`, in equinox (a per-example NCHW model vmapped in the
+loss) and in haiku (the last two with `pip install -e ".[foreign]"`; a row says so when one
+is missing); and a 6-layer Transformer LM under `nnx.scan` with `nnx.remat` at B = 32,
+T = 64 (d = 128, V = 256). Rows: plain gradient;
 `noise.value_grad_and_stats` (loss, ḡ and every NoiseStats field from the jaxpr ghost norms);
 the vmap fallback with its automatic chunk size (`exact(method="vmap")`, no chunk given).
 The coverage column is the fraction of parameters on the fast path (`ghost.coverage`).
@@ -251,14 +254,56 @@ def _nnx(model, batch, description):
     return loss_fn, params, batch, description
 
 
+def _equinox_cnn(batch):
+    """The nnx CNN's layers in equinox: a per-example NCHW model, vmapped in the loss."""
+    import equinox as eqx
+
+    k = jax.random.split(jax.random.key(0), 3)
+    layers = (eqx.nn.Conv2d(1, 32, 3, padding=1, key=k[0]),
+              eqx.nn.Conv2d(32, 64, 3, stride=2, padding=1, key=k[1]),
+              eqx.nn.LayerNorm(64), eqx.nn.Linear(14 * 14 * 64, 10, key=k[2]))
+    params, static = eqx.partition(layers, eqx.is_inexact_array)
+
+    def forward(p, x_CxHxW):
+        c1, c2, ln, head = eqx.combine(p, static)
+        h = jax.nn.relu(c2(jax.nn.relu(c1(x_CxHxW))))  # [64, 14, 14]
+        h = jax.vmap(jax.vmap(ln, 1, 1), 2, 2)(h)  # over the channels of each position
+        return head(h.reshape(-1))
+
+    def loss_fn(p, b):
+        logits = jax.vmap(forward, (None, 0))(p, jnp.transpose(b["x"], (0, 3, 1, 2)))
+        return _xent(logits, b["y"])
+
+    return loss_fn, params, batch, "equinox Conv2d/LayerNorm/Linear CNN, B=128"
+
+
+def _haiku_cnn(batch):
+    import haiku as hk
+
+    def forward(x):
+        h = jax.nn.relu(hk.Conv2D(32, 3)(x))
+        h = hk.LayerNorm(-1, True, True)(jax.nn.relu(hk.Conv2D(64, 3, stride=2)(h)))
+        return hk.Linear(10)(h.reshape(h.shape[0], -1))
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    params = model.init(jax.random.key(0), batch["x"][:2])
+    loss_fn = lambda p, b: _xent(model.apply(p, b["x"]), b["y"])
+    return loss_fn, params, batch, "haiku Conv2D/LayerNorm/Linear CNN, B=128"
+
+
 def build_foreign(name: str):
-    """(loss_fn, params, batch, description) of a model written without cbs layers."""
+    """(loss_fn, params, batch, description) of a model written without cbs layers; the
+    equinox and haiku ones need `pip install -e ".[foreign]"` (ImportError otherwise)."""
     rng = np.random.default_rng(0)
     if name == "plain_mlp":
         return _plain_mlp(rng)
-    if name == "nnx_cnn":
+    if name in ("nnx_cnn", "equinox_cnn", "haiku_cnn"):
         batch = {"x": rng.normal(size=(128, 28, 28, 1)).astype(np.float32),
                  "y": rng.integers(0, 10, 128).astype(np.int32)}
+        if name == "equinox_cnn":
+            return _equinox_cnn(batch)
+        if name == "haiku_cnn":
+            return _haiku_cnn(batch)
         return _nnx(_NNXCNN(nnx.Rngs(0)), batch, "nnx.Conv/LayerNorm/Linear CNN, B=128")
     tokens = rng.integers(0, 256, (32, 65)).astype(np.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
@@ -266,7 +311,7 @@ def build_foreign(name: str):
     return _nnx(model, batch, "6-layer Transformer LM, nnx.scan + remat, B=32, T=64")
 
 
-FOREIGN = ("plain_mlp", "nnx_cnn", "scanned_lm")
+FOREIGN = ("plain_mlp", "nnx_cnn", "equinox_cnn", "haiku_cnn", "scanned_lm")
 
 
 def foreign_rows(loss_fn: Callable) -> dict[str, Callable]:
@@ -282,7 +327,12 @@ def run_foreign(repeats: int) -> None:
     print("| model | method | time ms | × plain gradient | memory MB | coverage |")
     print("|---|---|---:|---:|---:|---:|")
     for name in FOREIGN:
-        loss_fn, params, batch, description = build_foreign(name)
+        try:
+            loss_fn, params, batch, description = build_foreign(name)
+        except ImportError as err:
+            print(f"| {name} | not measured: {err.name} is not installed "
+                  '(pip install -e ".[foreign]") | | | | |', flush=True)
+            continue
         batch = jax.device_put(batch)
         cover = ghost.coverage(loss_fn, params, batch)
         for label, seconds, ratio, mb in measure(foreign_rows(loss_fn), params, batch, repeats):
