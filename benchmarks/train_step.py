@@ -10,7 +10,7 @@ unchanged on a GPU), with Adam and one fixed device-resident batch:
 
 - `optax`: the reference, a hand-written `jax.jit` step (value_and_grad, optax.adam,
   apply_updates, donated buffers) returning the loss;
-- `optax + grad norm`: the same step also returning `optax.global_norm` of the gradient, the
+- `optax + grad norm`: the same step also returning `optax.tree.norm` of the gradient, the
   one per-step statistic of the cbs step that reads the whole gradient again (it is logged
   and guards against non-finite gradients);
 - `cbs (no estimate)`: `cbs.engine.step.TrainStep` with the live estimate off (`live="none"`);
@@ -97,7 +97,7 @@ def _optax_runner(loss_fn, params, batch, lr: float, *, grad_norm: bool = False)
         p, s = carry
         loss, g = jax.value_and_grad(loss_fn)(p, batch)
         u, s = tx.update(g, s, p)
-        return (optax.apply_updates(p, u), s), ((loss, optax.global_norm(g)) if grad_norm
+        return (optax.apply_updates(p, u), s), ((loss, optax.tree.norm(g)) if grad_norm
                                                  else loss)
 
     jitted = jax.jit(train_step, donate_argnums=0)
