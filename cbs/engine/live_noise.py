@@ -108,10 +108,10 @@ def value_grad_sq_sum(loss_fn: Callable, params: PyTree, model_state: PyTree, ba
     plain = lambda p, b: loss_fn(p, model_state, b)[0]
     loss, grads, sq_norms = ghost.per_example_grads_info(plain, params, batch, method="fast")
     dtype = trees.accum_dtype()
-    norms = [x.astype(dtype) for x in jax.tree.leaves(sq_norms)]
-    if len({x.shape for x in norms}) == 1:  # the [B] norms added first: one reduction, not
-        norms = [sum(norms[1:], norms[0])]  # one per leaf (each a kernel of its own on CPU)
-    sq_sum = sum(jnp.sum(x) for x in norms)
+    # The leaves' [B] norms added first, then one reduction (on CPU each reduction is a
+    # kernel of its own).
+    sq_sum = jnp.sum(sum((x.astype(dtype) for x in jax.tree.leaves(sq_norms)),
+                         jnp.zeros((), dtype)))
     grads = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
     return loss, grads, jnp.asarray(sq_sum, dtype)
 

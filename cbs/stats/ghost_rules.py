@@ -51,14 +51,13 @@ def _direct(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
     if not fuse_direct(b, t, d, g_BxTxO.shape[-1]):
         return None
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
-    x_BxTxD, g_BxTxO = x_BxTxD.astype(common), g_BxTxO.astype(common)
     # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
     # [B, O, D] ran 20-40 % faster than into [B, D, O], and the reverse when O > D.
-    if d > g_BxTxO.shape[-1]:
-        grad_BxOxD = jnp.einsum("btd,bto->bod", x_BxTxD, g_BxTxO, preferred_element_type=dtype)
-        return sum_over_examples(grad_BxOxD).T, jnp.sum(jnp.square(grad_BxOxD), (1, 2))
-    grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD, g_BxTxO, preferred_element_type=dtype)
-    return sum_over_examples(grad_BxDxO), jnp.sum(jnp.square(grad_BxDxO), (1, 2))
+    o_major = d > g_BxTxO.shape[-1]
+    grad_i = jnp.einsum("btd,bto->bod" if o_major else "btd,bto->bdo", x_BxTxD.astype(common),
+                        g_BxTxO.astype(common), preferred_element_type=dtype)
+    total = sum_over_examples(grad_i)
+    return (total.T if o_major else total), _sq_norms(grad_i, 0)
 
 
 def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
@@ -232,12 +231,16 @@ def _elementwise_per_example(use, x, g) -> jax.Array | None:
     return jnp.sum(prod, summed, keepdims=True)
 
 
+def _sq_norms(per_example: jax.Array, example_axis: int) -> jax.Array:
+    """[B]: each example's squared norm, over every axis but `example_axis`."""
+    return jnp.sum(jnp.square(per_example),
+                   tuple(a for a in range(per_example.ndim) if a != example_axis))
+
+
 def elementwise_sq_norm(use, x, g) -> jax.Array | None:
     """Elementwise use of a broadcast parameter: Σ of the squared per-example gradients."""
     per_example = _elementwise_per_example(use, x, g)
-    if per_example is None:
-        return None
-    return jnp.sum(jnp.square(per_example), tuple(a for a in range(g.ndim) if a != use.e_out))
+    return None if per_example is None else _sq_norms(per_example, use.e_out)
 
 
 def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
@@ -249,7 +252,7 @@ def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
     if per_example is None:
         return None
-    sq = jnp.sum(jnp.square(per_example), tuple(a for a in range(g.ndim) if a != use.e_out))
+    sq = _sq_norms(per_example, use.e_out)
     total = jnp.sum(per_example, use.e_out, keepdims=True)
     if use.eqn.primitive.name == "sub" and use.pos == 1:
         total = -total
