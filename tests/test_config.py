@@ -76,6 +76,7 @@ BAD = [
     ("train.max_steps", -1, "config.train.max_steps"),
     ("train.checkpoint_every", 0, "config.train.checkpoint_every"),
     ("train.log_every", 0, "config.train.log_every"),
+    ("train.grad_norm", "no", "config.train.grad_norm"),
     ("eval.batch_size", 0, "config.eval.batch_size"),
     ("mesh.data", 0, "config.mesh.data"),
     ("mesh.param_mode", "zero3", "config.mesh.param_mode"),

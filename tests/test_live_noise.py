@@ -78,6 +78,27 @@ def test_exact_live_equals_float64_reference(mlp, devices, micro_batch, accum):
     np.testing.assert_allclose(m["opt/grad_norm"] ** 2, want["mean_grad_sq_norm"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("live", ["none", "auto"])
+def test_grad_norm_off_skips_only_the_logged_norm(mlp, live):
+    """grad_norm=False: with no live estimate `opt/grad_norm` is absent and the update is the
+    same to the bit; a live estimate needs |ḡ|², so the norm is recorded anyway."""
+    loss_fn, params, batch = mlp
+    outs = []
+    for grad_norm in (True, False):
+        ts, state = make_step(loss_fn, params, micro_batch=16, lr=0.1, live=live,
+                              grad_norm=grad_norm)
+        inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+        new, m = ts(state, inputs, 2)
+        outs.append((jax.device_get(new.params), jax.device_get(m)))
+    (p_on, m_on), (p_off, m_off) = outs
+    jax.tree.map(np.testing.assert_array_equal, p_on, p_off)
+    assert m_on["train/loss"] == m_off["train/loss"]
+    assert "opt/grad_norm" in m_on
+    assert ("opt/grad_norm" in m_off) == (live != "none")
+    if live != "none":
+        assert m_on["opt/grad_norm"] == m_off["opt/grad_norm"]
+
+
 def test_exact_stats_closed_form():
     """Two examples g_1 = (1, 0), g_2 = (3, 0): ḡ = (2, 0), tr Σ = Σ|g_i − ḡ|²/(B − 1) = 2,
     |G|² estimate = |ḡ|² − tr Σ/B = 4 − 1 = 3, from S = Σ|g_i|² = 10."""

@@ -446,6 +446,21 @@ def test_nan_stops_with_step_named_and_checkpoint_intact(tmp_path):
     assert summary["status"] == "diverged"
 
 
+def test_without_grad_norm_records_lack_it_and_a_nan_still_stops_the_run(tmp_path):
+    """train.grad_norm=False with no live estimate: no `opt/grad_norm` in the records, and
+    the divergence guard still stops at the poisoned step through its loss."""
+    c = tiny_config(**{"train.grad_norm": False, "noise.live": "none"})
+    summary = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
+                              dataset=_poisoned_digits(7, 32)).run(raise_on_divergence=False)
+    assert summary["status"] == "diverged" and summary["step"] == 7
+    assert "non-finite loss" in summary["message"]
+    trains = [r for r in records.read_records(str(tmp_path / files.METRICS_FILE))
+              if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == list(range(8))
+    assert not any("opt/grad_norm" in r for r in trains)
+    assert all(np.isfinite(r["train/loss"]) for r in trains[:7])
+
+
 def test_stop_fn_ends_the_run_as_stopped(tmp_path):
     c = tiny_config(**{"train.max_steps": 40, "eval.every": 2, "optim.learning_rate": 1e-2})
     seen = []

@@ -73,6 +73,9 @@ def validate_train_config(train_config: Any) -> None:
     for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints",
                   "divergence_patience"):
         fields.integer(t, field, at)
+    if not isinstance(t.get("grad_norm", True), bool):
+        raise fields.ConfigError(f"{at}.grad_norm: must be True or False, got "
+                                 f"{t.grad_norm!r}")
     factor = fields.number(t, "divergence_factor", at)
     if 0 < factor <= 1:
         raise fields.ConfigError(f"{at}.divergence_factor: must be 0 (off) or > 1, got {factor}")

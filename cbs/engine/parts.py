@@ -172,6 +172,7 @@ class RunParts:
                          self.mesh, self.state_sharding, inputs_sharding,
                          micro_batch=c.batch.micro_batch, small_batch=c.noise.small_batch,
                          live=c.noise.get("live", "auto"), two_batch=c.noise.two_batch,
+                         grad_norm=c.train.get("grad_norm", True),
                          batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
                          seed=c.seed)
 
