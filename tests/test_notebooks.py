@@ -45,11 +45,15 @@ def test_no_link_points_at_a_placeholder():
 
 def test_setup_cell_needs_only_repo_url_in_colab_and_installs_a_checkout():
     """The first cell: REPO_URL is empty (the one variable to set in Colab); in a checkout it
-    installs the checkout in development mode when cbs is not importable."""
+    imports cbs from the checkout's own folder, and installs the checkout in development mode
+    (for its dependencies) only when that import fails."""
     for path in NOTEBOOKS:
         first = _code(nbformat.read(path, as_version=4))[0]
         assert 'REPO_URL = ""  # <-- set in Colab' in first, path.name
-        assert '[*pip, "-e", str(REPO_DIR)]' in first and 'find_spec("cbs") is None' in first
+        on_path = first.index("sys.path.insert(0, str(REPO_DIR))")
+        fallback = first.index("except ImportError:")
+        assert on_path < first.index("    import cbs") < fallback
+        assert first.index('[*pip, "-e", str(REPO_DIR)]', fallback) > fallback
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

@@ -114,7 +114,7 @@ def default_config() -> ml_collections.ConfigDict:
     # c.train.grad_norm (optional, absent by default so that existing runs keep their config
     #   hash; True when absent): record |ḡ| as opt/grad_norm every step and stop on a
     #   non-finite one. False saves that read of the gradient when noise.live is "none"
-    #   (7–10 % of a small MLP's step on CPU); a non-finite gradient then shows in the next
+    #   (5–9 % of a small MLP's step on CPU); a non-finite gradient then shows in the next
     #   step's loss. A live estimate needs |ḡ|², so it is recorded anyway.
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;

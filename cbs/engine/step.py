@@ -169,7 +169,7 @@ class TrainStep:
       two_batch: False turns every live estimate off (as live="none"; for speed comparisons).
       grad_norm: record |ḡ| as `opt/grad_norm` every step (the loop stops a run on a
         non-finite one). False skips the extra read of the gradient it costs when no live
-        estimate needs |ḡ|² (live="none": 7–10 % of a 3 ms MLP step on XLA:CPU, see
+        estimate needs |ḡ|² (live="none": 5–9 % of a 3 ms MLP step on XLA:CPU, see
         `benchmarks/train_step`); `opt/grad_norm` is then absent and a non-finite gradient
         shows as a non-finite loss one step later. With a live estimate it is recorded anyway.
       unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
