@@ -20,7 +20,8 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
 - `config.json`: the config of the latest start.
 - `metrics.jsonl`: records (see `cbs.results.records`). Train records: step, kind="train",
   data/examples_seen (before the step), data/batch_size, data/accum_steps, train/loss,
-  opt/lr, opt/grad_norm, noise/live_{grad_sq_norm,trace_sigma} (the live estimate) and
+  opt/lr, opt/grad_norm (absent with train.grad_norm=False and no live estimate),
+  noise/live_{grad_sq_norm,trace_sigma} (the live estimate) and
   noise/live_exact (1: exact from per-example norms, 0: two-batch; `cbs.engine.live_noise`),
   noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
