@@ -141,6 +141,17 @@ def test_train_step_benchmark_pairs_every_variant_with_its_baseline(no_compilati
     assert len(times["cbs (no estimate)"]) == 2 * 4  # vs both optax loops; live, two-batch
 
 
+def test_train_step_verdict_says_where_the_repeats_straddle_the_target():
+    from benchmarks.train_step import verdict
+
+    assert verdict("≤ 1.05×", [0.98, 1.01, 1.04]) == "met"
+    assert verdict("≤ 1.05×", [1.06, 1.2]) == "not met"
+    assert verdict("≤ 1.05×", [1.0, 1.04, 1.08]) == "median met; repeats straddle it (noise)"
+    assert verdict("≥ 0.97× speed", [0.9, 0.95, 0.98]) == (
+        "median not met; repeats straddle it (noise)")
+    assert verdict("≥ 0.97× speed", [0.97, 1.1]) == "met" and verdict("", [1.0]) == ""
+
+
 @pytest.mark.slow
 def test_accelerator_script_writes_its_three_tables_in_cpu_smoke_mode(tmp_path):
     """benchmarks/accelerator.sh with the smoke arguments its header names (40 s on 2 CPU
