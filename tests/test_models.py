@@ -66,6 +66,28 @@ def test_cnn_forward_shapes(norm, input_shape):
     assert model.couples_examples == (norm == "batchnorm")
 
 
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("shape", [(15, 9, 3), (17,)])  # odd sizes: the last row is dropped
+def test_cnn_pool_matches_flax_reduce_window_pools_and_their_gradients(pool, shape):
+    image_shape = shape + (1,) * (3 - len(shape))
+    x_BxHxWxC = jax.random.normal(jax.random.key(1), (3, *image_shape))
+    model = _build("cnn", input_shape=shape, num_classes=2, pool=pool, channels=(2,))
+    window = tuple(2 if n > 1 else 1 for n in x_BxHxWxC.shape[1:3])
+    flax_pool = nnx.max_pool if pool == "max" else nnx.avg_pool
+
+    def ours(v):
+        return jnp.sum(jnp.sin(model._pool(v)))
+
+    def reference(v):
+        return jnp.sum(jnp.sin(flax_pool(v, window, strides=window, padding="VALID")))
+
+    np.testing.assert_allclose(model._pool(x_BxHxWxC),
+                               flax_pool(x_BxHxWxC, window, strides=window, padding="VALID"),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jax.grad(ours)(x_BxHxWxC), jax.grad(reference)(x_BxHxWxC),
+                               rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("positions", ["rotary", "learned"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_transformer_param_count_by_hand(positions, tie):
