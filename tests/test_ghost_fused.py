@@ -74,6 +74,64 @@ def test_every_layout_is_fused_and_equals_the_reference_in_float64(x64):
         assert float(jnp.min(sq[name])) > 0  # every norm is read, not a zero
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_convolutions_in_chunks_of_examples_equal_the_reference_in_float64(
+        x64, monkeypatch, fused):
+    """The convolutions' per-example work in 2 interleaved chunks of 2 examples (as on
+    XLA:CPU, `ghost_rules.example_chunk`), fused (gradient and norms) or norms only (the
+    tapped rule, with `fuse_direct` refused): the same as the vmap reference."""
+    from cbs.stats import ghost_rules
+
+    chunks = []
+    monkeypatch.setattr(ghost_rules, "example_chunk", lambda b, _: chunks.append(b) or 2)
+    if not fused:
+        monkeypatch.setattr(ghost_rules, "fuse_direct", lambda *_: False)
+    loss_fn, params, batch = _layouts_model(jnp.float64)
+    assert ("conv_nhwc" in _fused_leaves(loss_fn, params, batch)) == fused
+    _, grad, sq = _info(loss_fn, "fast")(params, batch)
+    assert chunks and set(chunks) == {B}  # asked with the whole batch (plan and pass)
+    _, ref_grad, ref_sq = _info(loss_fn, "vmap")(params, batch)
+    for name in ("conv_nchw", "conv_nhwc"):
+        np.testing.assert_allclose(grad[name], ref_grad[name], rtol=1e-10,
+                                   atol=1e-12 * float(jnp.max(jnp.abs(ref_grad[name]))))
+        np.testing.assert_allclose(sq[name], ref_sq[name], rtol=1e-10)
+        assert len(set(np.asarray(sq[name]).tolist())) == B  # each example its own norm
+
+
+def test_example_chunk_divides_the_batch_on_cpu_only(monkeypatch):
+    from cbs.stats import ghost_rules
+
+    mib = 2**20
+    monkeypatch.setattr(ghost_rules, "CPU_CHUNK_BYTES", 2 * mib)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    per_example = 4 * 196 * (144 + 32)  # the default CNN's second convolution: 138 kB
+    assert ghost_rules.example_chunk(128, per_example) == 8  # 15 fit: the largest divisor
+    assert ghost_rules.example_chunk(8, per_example) == 8  # all fit: one chunk
+    assert ghost_rules.example_chunk(127, per_example) == 127  # prime: no divisor 3..15
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    assert ghost_rules.example_chunk(128, per_example) == 8  # a multiple of the devices
+    monkeypatch.setattr(jax, "device_count", lambda: 16)
+    assert ghost_rules.example_chunk(128, per_example) == 128  # none: one chunk
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert ghost_rules.example_chunk(128, per_example) == 128
+
+
+def test_scan_chunks_interleaves_and_sums():
+    from cbs.stats.examples import scan_chunks
+
+    xs = jnp.arange(12.0).reshape(6, 2)
+    seen = []
+    fn = lambda x: (seen.append(x.shape) or jnp.sum(x, 0), jnp.sum(x, 1))
+    total, per = scan_chunks(fn, (xs,), 2)
+    np.testing.assert_allclose(total, xs.sum(0))
+    np.testing.assert_allclose(per, xs.sum(1))
+    assert seen[-1] == (2, 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        scan_chunks(fn, (xs,), 4)
+
+
 def test_bfloat16_layers_accumulate_in_float32():
     """bfloat16 operands, float32 accumulation: within bfloat16 rounding of the float32
     model's gradient and norms (relative 2⁻⁸ per operand, a few percent after the layers)."""

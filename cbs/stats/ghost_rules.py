@@ -16,12 +16,13 @@ features, V vocabulary.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbs.stats.examples import sum_over_examples
+from cbs.stats.examples import scan_chunks, sum_over_examples
 
 
 def use_gram(t: int, d: int, o: int) -> bool:
@@ -50,6 +51,13 @@ def _direct(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
     b, t, d = x_BxTxD.shape
     if not fuse_direct(b, t, d, g_BxTxO.shape[-1]):
         return None
+    return _direct_products(x_BxTxD, g_BxTxO, dtype)
+
+
+def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
+                     ) -> tuple[jax.Array, jax.Array]:
+    """`_direct` without the check."""
+    d = x_BxTxD.shape[-1]
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
     # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
     # [B, O, D] ran 20-40 % faster than into [B, D, O], and the reverse when O > D.
@@ -123,8 +131,8 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
     """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices.
 
-    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel, which
-    costs (prod(window)·D)² multiply-adds per output position: more than the layer itself.
+    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel: 1.6×
+    the cost of these slices in a CNN's ghost pass on XLA:CPU.
     """
     x = jnp.pad(x_BxSxD, ((0, 0), *padding, (0, 0)))
     outs = [(x.shape[1 + k] - w) // s + 1
@@ -137,9 +145,32 @@ def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
     return jnp.concatenate(pieces, axis=-1)
 
 
-def _conv_operands(use, x, g):
-    """(input windows [B, T, prod(window)·D], g [B, T, O]) of a `conv_general_dilated` the
-    rules read (kernel on the right, no dilation or groups, explicit padding), else None."""
+CPU_CHUNK_BYTES = 2 * 2**20  # on XLA:CPU, most bytes of a chunk's input windows and cotangent
+
+
+def example_chunk(b: int, bytes_per_example: int) -> int:
+    """Examples per chunk of a convolution's per-example work (a divisor of b; b: one chunk).
+
+    On XLA:CPU the windows and products of all B examples at once run several times slower
+    than the same work in chunks that stay in cache, one after another (the default CNN's
+    second convolution: 20 ms against 2 ms per step at B = 128). Chunks hold at most
+    `CPU_CHUNK_BYTES` and a multiple of the device count (chunk j holds examples j, j + n,
+    ..., so a batch sharded over devices stays spread over them); other backends, and a b
+    with no such divisor of at least a quarter of the largest chunk, take one chunk.
+    """
+    most = CPU_CHUNK_BYTES // max(bytes_per_example, 1)
+    if jax.default_backend() != "cpu" or most >= b:
+        return b
+    devices = jax.device_count()
+    for c in range(min(most, b), max(most // 4, 1) - 1, -1):
+        if b % c == 0 and c % devices == 0:
+            return c
+    return b
+
+
+def _conv_inputs(use, x, g):
+    """(x [B, S..., D], g [B, S'..., O], window) of a `conv_general_dilated` the rules read
+    (kernel on the right, no dilation or groups, explicit padding), else None."""
     p = use.eqn.params
     if (use.pos != 1 or p["feature_group_count"] != 1 or p["batch_group_count"] != 1
             or any(d != 1 for d in p["lhs_dilation"]) or any(d != 1 for d in p["rhs_dilation"])
@@ -150,30 +181,48 @@ def _conv_operands(use, x, g):
     window = [kernel_shape[a] for a in dn.rhs_spec[2:]]
     x_BxSxD = jnp.transpose(x, (dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1]))
     g_BxSxO = jnp.transpose(g, (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1]))
-    patches = _patches(x_BxSxD, window, p["window_strides"], p["padding"])
-    b = x.shape[0]
-    return (patches.reshape(b, -1, patches.shape[-1]),
-            g_BxSxO.reshape(b, -1, g_BxSxO.shape[-1]))
+    return x_BxSxD, g_BxSxO, window
+
+
+def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
+    """fn(input windows [n, T, prod(window)·D], g [n, T, O]) -> (total, [n] per example),
+    over chunks of n examples (`example_chunk`): (Σ totals, [B] per example)."""
+    p = use.eqn.params
+    b, t = x_BxSxD.shape[0], int(np.prod(g_BxSxO.shape[1:-1]))
+    d, o = int(np.prod(window)) * x_BxSxD.shape[-1], g_BxSxO.shape[-1]
+
+    def one(x_nxSxD, g_nxSxO):
+        patches = _patches(x_nxSxD, window, p["window_strides"], p["padding"])
+        n = x_nxSxD.shape[0]
+        return fn(patches.reshape(n, t, d), g_nxSxO.reshape(n, t, o))
+
+    chunk = example_chunk(b, 4 * t * (d + o))
+    return scan_chunks(one, (x_BxSxD, g_BxSxO), chunk)
 
 
 def conv_sq_norm(use, x, g) -> jax.Array | None:
     """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
-    the input windows."""
-    operands = _conv_operands(use, x, g)
-    return None if operands is None else _kernel_sq_norm(*operands)
+    the input windows, in chunks of examples."""
+    inputs = _conv_inputs(use, x, g)
+    if inputs is None:
+        return None
+    return _windowed(use, lambda xw, gw: ((), _kernel_sq_norm(xw, gw)), *inputs)[1]
 
 
 def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`conv_general_dilated`: (the kernel's gradient in its layout, [B] squared norms) from
-    the per-example gradients on the input windows, when `fuse_direct` admits the shapes."""
-    operands = _conv_operands(use, x, g)
-    out = None if operands is None else _direct(operands[0], operands[1], dtype)
-    if out is None:
+    the per-example gradients on the input windows, in chunks of examples, when
+    `fuse_direct` admits the shapes of the whole batch."""
+    inputs = _conv_inputs(use, x, g)
+    if inputs is None:
         return None
-    total, sq = out
+    x_BxSxD, g_BxSxO, spatial = inputs
+    b, t = x_BxSxD.shape[0], int(np.prod(g_BxSxO.shape[1:-1]))
+    if not fuse_direct(b, t, int(np.prod(spatial)) * x_BxSxD.shape[-1], g_BxSxO.shape[-1]):
+        return None
+    total, sq = _windowed(use, lambda xw, gw: _direct_products(xw, gw, dtype), *inputs)
     dn = use.eqn.params["dimension_numbers"]
     kernel_shape = use.eqn.invars[1].aval.shape
-    spatial = [kernel_shape[a] for a in dn.rhs_spec[2:]]
     # The windows' features run over (window offsets..., input channel): the kernel's axes.
     total = total.reshape(*spatial, -1, total.shape[-1])
     n = len(spatial)
