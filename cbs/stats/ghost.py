@@ -16,7 +16,8 @@ whichever is cheaper; where the direct form is taken, its per-example gradients 
 the layer's weight gradient (their sum over i), so the ordinary weight-gradient pass is not
 run a second time ("fused" layers, `ghost_rules.fuse_direct`): the norms of a sequence or
 convolution layer then cost the squares of a [B, D, O] tensor, not another B·T·D·O pass. A
-convolution is the dense rule on its input windows, an embedding
+convolution is the dense rule on its input windows (formed and multiplied in cache-sized
+chunks of examples on XLA:CPU, `ghost_rules.example_chunk`), an embedding
 table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or shift w broadcast over
 positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, whose per-example
 sums Σ_t x_it ⊙ g_it also give w's gradient (fused too: one reduction of the cotangent)
