@@ -74,14 +74,17 @@ def test_every_layout_is_fused_and_equals_the_reference_in_float64(x64):
         assert float(jnp.min(sq[name])) > 0  # every norm is read, not a zero
 
 
+@pytest.mark.parametrize("devices", [1, 2])  # contiguous or interleaved chunks
 @pytest.mark.parametrize("fused", [True, False])
 def test_convolutions_in_chunks_of_examples_equal_the_reference_in_float64(
-        x64, monkeypatch, fused):
-    """The convolutions' per-example work in 2 interleaved chunks of 2 examples (as on
-    XLA:CPU, `ghost_rules.example_chunk`), fused (gradient and norms) or norms only (the
-    tapped rule, with `fuse_direct` refused): the same as the vmap reference."""
+        x64, monkeypatch, fused, devices):
+    """The convolutions' per-example work in 2 chunks of 2 examples (as on XLA:CPU,
+    `ghost_rules.example_chunk`; interleaved where there are several devices), fused
+    (gradient and norms) or norms only (the tapped rule, with `fuse_direct` refused): the
+    same as the vmap reference."""
     from cbs.stats import ghost_rules
 
+    monkeypatch.setattr(jax, "device_count", lambda: devices)
     chunks = []
     monkeypatch.setattr(ghost_rules, "example_chunk", lambda b, _: chunks.append(b) or 2)
     if not fused:
@@ -123,11 +126,16 @@ def test_scan_chunks_interleaves_and_sums():
 
     xs = jnp.arange(12.0).reshape(6, 2)
     seen = []
-    fn = lambda x: (seen.append(x.shape) or jnp.sum(x, 0), jnp.sum(x, 1))
-    total, per = scan_chunks(fn, (xs,), 2)
-    np.testing.assert_allclose(total, xs.sum(0))
-    np.testing.assert_allclose(per, xs.sum(1))
-    assert seen[-1] == (2, 2)
+    fn = lambda x: (seen.append(x) or jnp.sum(x, 0), jnp.sum(x, 1))
+    for interleave in (True, False):
+        total, per = scan_chunks(fn, (xs,), 2, interleave=interleave)
+        np.testing.assert_allclose(total, xs.sum(0))
+        np.testing.assert_allclose(per, xs.sum(1))
+        assert seen[-1].shape == (2, 2)
+    np.testing.assert_allclose(jax.jit(lambda x: scan_chunks(
+        lambda c: (c[0], c[:, 0]), (x,), 2, interleave=False)[0])(xs), xs[0] + xs[2] + xs[4])
+    np.testing.assert_allclose(jax.jit(lambda x: scan_chunks(
+        lambda c: (c[0], c[:, 0]), (x,), 2)[0])(xs), xs[0] + xs[1] + xs[2])
     with pytest.raises(ValueError, match="does not divide"):
         scan_chunks(fn, (xs,), 4)
 

@@ -123,18 +123,24 @@ def sum_over_examples(a: jax.Array, weights: jax.Array | None = None) -> jax.Arr
     return jnp.tensordot(w, a, 1, precision=jax.lax.Precision.HIGHEST)
 
 
-def scan_chunks(fn: Callable, arrays: tuple, chunk: int) -> tuple[PyTree, jax.Array]:
+def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = True
+                ) -> tuple[PyTree, jax.Array]:
     """(Σ over chunks of fn(*chunk)[0], fn(*chunk)[1] reassembled [B, ...]) for `arrays`
     sharing a leading axis B, in chunks of `chunk` examples (a divisor of B) run one after
-    another (`lax.scan`); chunk j holds examples j, j + n, j + 2n, ... (n = B / chunk) as in
-    `map_examples`. chunk = B: fn on the whole batch, no loop."""
+    another (`lax.scan`). `interleave`: chunk j holds examples j, j + n, j + 2n, ...
+    (n = B / chunk) as in `map_examples`, so a batch sharded over devices stays spread over
+    them, at the cost of a transposed copy of the arrays; else chunk j holds examples
+    j·chunk, ..., (j + 1)·chunk − 1 (no copy). chunk = B: fn on the whole batch, no loop."""
     size = arrays[0].shape[0]
     if chunk >= size:
         return fn(*arrays)
     if size % chunk:
         raise ValueError(f"chunk {chunk} does not divide the batch size {size}")
     n = size // chunk
-    split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
+    if interleave:
+        split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
+    else:
+        split = lambda x: x.reshape(n, chunk, *x.shape[1:])
     first = jax.eval_shape(fn, *(x[:chunk] for x in arrays))[0]
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), first)
 
@@ -143,7 +149,9 @@ def scan_chunks(fn: Callable, arrays: tuple, chunk: int) -> tuple[PyTree, jax.Ar
         return jax.tree.map(jnp.add, acc, total), per_example
 
     total, ys = jax.lax.scan(body, init, tuple(split(x) for x in arrays))
-    return total, ys.swapaxes(0, 1).reshape(size, *ys.shape[2:])
+    if interleave:
+        ys = ys.swapaxes(0, 1)
+    return total, ys.reshape(size, *ys.shape[2:])
 
 
 def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
