@@ -131,8 +131,9 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
     """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices.
 
-    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel: 1.6×
-    the cost of these slices in a CNN's ghost pass on XLA:CPU.
+    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel: with
+    it the default CNN's ghost pass took 3.3× a plain gradient on XLA:CPU, 2.1× with these
+    slices (both on all 128 examples at once).
     """
     x = jnp.pad(x_BxSxD, ((0, 0), *padding, (0, 0)))
     outs = [(x.shape[1 + k] - w) // s + 1
