@@ -123,6 +123,12 @@ def sum_over_examples(a: jax.Array, weights: jax.Array | None = None) -> jax.Arr
     return jnp.tensordot(w, a, 1, precision=jax.lax.Precision.HIGHEST)
 
 
+def _interleaved(x: jax.Array, chunk: int, n: int) -> jax.Array:
+    """[n, chunk, ...] of x [n·chunk, ...], chunk j holding examples j, j + n, j + 2n, ...:
+    a batch sharded over devices stays spread over them in every chunk."""
+    return x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
+
+
 def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = True
                 ) -> tuple[PyTree, jax.Array]:
     """(Σ over chunks of fn(*chunk)[0], fn(*chunk)[1] reassembled [B, ...]) for `arrays`
@@ -137,10 +143,8 @@ def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = T
     if size % chunk:
         raise ValueError(f"chunk {chunk} does not divide the batch size {size}")
     n = size // chunk
-    if interleave:
-        split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
-    else:
-        split = lambda x: x.reshape(n, chunk, *x.shape[1:])
+    split = (lambda x: _interleaved(x, chunk, n)) if interleave else (
+        lambda x: x.reshape(n, chunk, *x.shape[1:]))
     first = jax.eval_shape(fn, *(x[:chunk] for x in arrays))[0]
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), first)
 
@@ -177,7 +181,7 @@ def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[Py
     n = -(-size // chunk_size)
     chunk = -(-size // n)
     pad = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], n * chunk - size, axis=0)])
-    split = lambda x: x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
+    split = lambda x: _interleaved(x, chunk, n)
     chunks = jax.tree.map(lambda x: split(pad(x)), batch)
     one = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], batch))[1]
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), one)

@@ -187,12 +187,17 @@ def _conv_inputs(use, x, g):
     return x_BxSxD, g_BxSxO, window
 
 
+def _window_shape(x_BxSxD, g_BxSxO, window) -> tuple[int, int, int, int]:
+    """(B, T output positions, D = prod(window)·input channels, O) of a convolution."""
+    return (x_BxSxD.shape[0], int(np.prod(g_BxSxO.shape[1:-1])),
+            int(np.prod(window)) * x_BxSxD.shape[-1], g_BxSxO.shape[-1])
+
+
 def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
     """fn(input windows [n, T, prod(window)·D], g [n, T, O]) -> (total, [n] per example),
     over chunks of n examples (`example_chunk`): (Σ totals, [B] per example)."""
     p = use.eqn.params
-    b, t = x_BxSxD.shape[0], int(np.prod(g_BxSxO.shape[1:-1]))
-    d, o = int(np.prod(window)) * x_BxSxD.shape[-1], g_BxSxO.shape[-1]
+    b, t, d, o = _window_shape(x_BxSxD, g_BxSxO, window)
 
     def one(x_nxSxD, g_nxSxO):
         patches = _patches(x_nxSxD, window, p["window_strides"], p["padding"])
@@ -219,9 +224,8 @@ def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     inputs = _conv_inputs(use, x, g)
     if inputs is None:
         return None
-    x_BxSxD, g_BxSxO, spatial = inputs
-    b, t = x_BxSxD.shape[0], int(np.prod(g_BxSxO.shape[1:-1]))
-    if not fuse_direct(b, t, int(np.prod(spatial)) * x_BxSxD.shape[-1], g_BxSxO.shape[-1]):
+    spatial = inputs[2]
+    if not fuse_direct(*_window_shape(*inputs)):
         return None
     total, sq = _windowed(use, lambda xw, gw: _direct_products(xw, gw, dtype), *inputs)
     dn = use.eqn.params["dimension_numbers"]
