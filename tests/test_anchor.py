@@ -1,7 +1,9 @@
 """The closed-form anchor (`cbs.analysis.anchor`) against simulated SGD and its own theory."""
 
 import dataclasses
+import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -113,3 +115,19 @@ def test_without_replacement_shrinks_the_batch_variance():
     p = anchor.LinregProblem(PROBLEM.eigenvalues, PROBLEM.sigma, PROBLEM.m0, num_train=101)
     np.testing.assert_allclose(p.rho(np.array([1.0, 51.0, 101.0])), [1.0, 0.5, 0.0])
     np.testing.assert_allclose(PROBLEM.rho(np.array([1.0, 1e6])), [1.0, 1.0])
+
+
+def test_the_anchor_command_writes_its_report(tmp_path):
+    """`python -m experiments.anchor` as the guide shows it (fewer updates: the shallow
+    targets only), and the committed report is what the committed table quotes."""
+    from experiments import anchor as command
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "anchor"
+    assert command.main([f"--sweep_dir={root / 'results/linreg_sgd'}", f"--out={out}",
+                         "--steps=400"]) == 0
+    rows = json.loads((out / "anchor.json").read_text())["rows"]
+    committed = json.loads((root / "results/linreg_anchor/anchor.json").read_text())["rows"]
+    assert rows[0]["sweep_b_crit"] == committed[0]["sweep_b_crit"]
+    assert rows[0]["grid_b_crit"] == pytest.approx(committed[0]["grid_b_crit"], rel=1e-9)
+    assert (out / "report.md").read_text().count("\n| 0.1") == 6
