@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import fit, report
+from cbs.analysis import calibration, fit, report
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
@@ -186,4 +186,6 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
     records.write_atomic(path, "\n".join(lines))
     records.write_json_atomic(os.path.join(out_dir, "compare.json"),
                               {"rows": [fit.json_ready(r) for r in rows], "summary": s})
+    records.write_json_atomic(os.path.join(out_dir, calibration.CALIBRATION_FILE),
+                              calibration.build([fit.json_ready(r) for r in rows]))
     return path
