@@ -28,10 +28,14 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from cbs.analysis import calibration
 from cbs.results import files, records
+from cbs.results.store import SweepStore, target_key
 
-__all__ = ["FEW_EXAMPLES", "Advice", "advise", "figure", "summary", "table", "trajectory"]
+__all__ = ["FEW_EXAMPLES", "Advice", "advise", "figure", "from_sweep", "summary", "table",
+           "trajectory"]
 
 FEW_EXAMPLES = 512  # a noise scale measured on fewer examples is flagged as noisy
 
@@ -135,6 +139,37 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
                           batch_size=float(r.get("data/batch_size", 0) or _batch(config)),
                           exchange=exchange, source=source, examples=n, calib=calib,
                           step=step, loss=None if loss is None else float(loss)))
+    return out
+
+
+def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
+               exchange: float | None = None, calib: Mapping[str, Any] | None = None
+               ) -> list[Advice]:
+    """The advice at each target of a sweep directory from the noise scale its trials
+    recorded at their crossings (the calibration's own protocol: a ratio of window means of
+    the exact measurement nearest the crossing; the median over trials when there are
+    several). Made for a one-run "sweep" (a config's `predict` argument): the prediction
+    of B_crit before the task's sweep is run. `step` is the trial's crossing step."""
+    store = SweepStore(sweep_dir)
+    definition = store.definition() or {}
+    config = definition.get("config", {})
+    optimizer = str(config.get("optim", {}).get("name", "?"))
+    out = []
+    for target in definition.get("sweep", {}).get("targets", []):
+        key = target_key(float(target))
+        crossed = [r for r in store.records()
+                   if (r.get("noise_at_target", {}).get(key) or {}).get(scale) is not None]
+        if not crossed:
+            continue
+        values = [float(r["noise_at_target"][key][scale]) for r in crossed]
+        batch = [float(r["batch_size"]) for r in crossed]
+        steps = [float(r["steps_to_target"][key]) for r in crossed]
+        i = int(np.argsort(values)[len(values) // 2])
+        out.append(advise(values[i], optimizer=optimizer, scale=scale, level=level,
+                          batch_size=batch[i], exchange=exchange,
+                          source=f"{scale} at the crossing ({len(values)} trial(s))",
+                          examples=int(definition.get("num_train") or 0), calib=calib,
+                          step=int(round(steps[i])), loss=float(target)))
     return out
 
 

@@ -4,7 +4,10 @@ Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise 
 prints the calibrated advice at its last measured step (`cbs.analysis.advice`): the predicted
 B_crit with its prediction interval, what the run's batch costs in steps and examples against
 their minima, and with --exchange=λ the batch that minimises λ·steps + examples. Writes the
-advice at every measured step to advice.md and advice.png in the run directory (or --out).
+advice at every measured step to advice.md, advice.json and advice.png in the run directory
+(or --out). With --sweep_dir instead: the advice at each target of a sweep from the noise its
+trials recorded at their crossings (prediction.md, .json, .png), e.g. the one run of a
+config's `predict` argument, before that task's sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from cbs.results import records
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (python -m experiments.main "
                                "--workdir=...).")
+_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "
+                                 "the advice at each of its targets from the noise scale its "
+                                 "trials recorded there (a one-run `predict` sweep: the "
+                                 "prediction before the task's sweep).")
 _SCALE = flags.DEFINE_enum("scale", "b_simple", ["b_simple", "b_noise"],
                            "The measured noise scale to predict from (b_noise needs "
                            "noise.curvature=True in the run).")
@@ -28,28 +35,33 @@ _EXCHANGE = flags.DEFINE_float("exchange", None, "λ: examples you would spend t
 _LEVEL = flags.DEFINE_float("level", 0.8, "Level of the prediction interval.")
 _OUT = flags.DEFINE_string("out", None, "Directory for advice.md and advice.png (default: the "
                            "run directory).")
-flags.mark_flags_as_required(["workdir"])
+flags.mark_flags_as_mutual_exclusive(["workdir", "sweep_dir"], required=True)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    run_dir = cli.required(_WORKDIR)
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
-    advices = advice.trajectory(run_dir, scale=_SCALE.value, level=_LEVEL.value,
-                                exchange=_EXCHANGE.value)
+    kw = {"scale": _SCALE.value, "level": _LEVEL.value, "exchange": _EXCHANGE.value}
+    if _SWEEP_DIR.value:
+        where, name = _SWEEP_DIR.value, "prediction"
+        advices = advice.from_sweep(where, **kw)
+    else:
+        where, name = _WORKDIR.value, "advice"
+        advices = advice.trajectory(where, **kw)
     if not advices:
-        raise ValueError(f"{run_dir} has no measured {_SCALE.value} yet: run with a noise "
+        raise ValueError(f"{where} has no measured {_SCALE.value} yet: run with a noise "
                          "estimate (config.noise.live or noise.every > 0"
                          + (", noise.curvature=True" if _SCALE.value == "b_noise" else "")
                          + ") and evaluations")
-    out = _OUT.value or run_dir
+    out = _OUT.value or where
+    os.makedirs(out, exist_ok=True)
     text = advice.table(advices)
-    records.write_atomic(os.path.join(out, "advice.md"), "# Batch-size advice along "
-                         f"`{run_dir}`\n\n{advice.summary(advices[-1])}\n\n{text}\n")
-    records.write_json_atomic(os.path.join(out, "advice.json"), {"advice": json.loads(
+    records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
+                         f"`{where}`\n\n{advice.summary(advices[-1])}\n\n{text}\n")
+    records.write_json_atomic(os.path.join(out, f"{name}.json"), {"advice": json.loads(
         json.dumps([a.to_dict() for a in advices], default=float))})
-    advice.figure(advices, os.path.join(out, "advice.png"))
+    advice.figure(advices, os.path.join(out, f"{name}.png"))
     print(advice.summary(advices[-1]))
     print()
     print(text)
@@ -57,7 +69,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """The `cbs-advise` console script (and `python -m experiments.advise`)."""
-    cli.run(main, outputs=("out", "workdir"))
+    cli.run(main, outputs=("out", "workdir", "sweep_dir"))
 
 
 if __name__ == "__main__":
