@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs.stats import coupling, loss_checks
-from cbs.stats.examples import PyTree, check_inputs, one_example, run_auto_axes
+from cbs.stats import coupling, examples, loss_checks
+from cbs.stats.examples import PyTree, check_inputs, run_auto_axes
 from cbs.stats.noise import (
     NoiseStats,
     _assemble,
@@ -97,7 +97,7 @@ def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: j
 
     def loss(params: PyTree, batch_and_keys: tuple[PyTree, jax.Array]) -> jax.Array:
         batch, data = batch_and_keys
-        one = lambda ex, k: loss_fn(params, one_example(ex), wrap(k))
+        one = lambda ex, k: loss_fn(params, examples.one_example(ex), wrap(k))
         return jnp.mean(jax.vmap(one)(batch, data))
 
     return loss_checks.allow_randomness(loss)
@@ -209,7 +209,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
 
 def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
     wrap = _wrapper(key)
-    return lambda p, bk: jax.vmap(lambda ex, k: call(p, one_example(ex), wrap(k))[1])(*bk)
+    one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
+    return lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)
 
 
 def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
@@ -307,7 +308,7 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
             wraps = [_wrapper(k) for k in jax.tree.leaves(keys)]
             unwrap = lambda d: jax.tree.unflatten(jax.tree.structure(d), [
                 w(x) for w, x in zip(wraps, jax.tree.leaves(d), strict=True)])
-            one = lambda p, ex, d: run(p, one_example(ex), unwrap(d))[0]
+            one = lambda p, ex, d: run(p, examples.one_example(ex), unwrap(d))[0]
             _refuse_coupling(lambda p, b, k: value(run(p, b, k)[0]), params, batch, keys)
             loss = loss_checks.allow_randomness(
                 lambda p, bd: jnp.mean(jax.vmap(lambda ex, d: value(one(p, ex, d)))(*bd)))

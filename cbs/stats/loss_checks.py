@@ -99,8 +99,15 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
 
 
 def raise_if_batch_stats(err: Exception) -> None:
-    """Turns flax's error for a BatchNorm statistic mutated under a trace into one line."""
+    """Turns flax's error for a BatchNorm statistic or an nnx.Rngs stream mutated under a
+    trace into one line."""
     text = str(err)
+    if "RngCount" in text or "RngKey" in text:
+        raise ValueError("loss_fn draws from an nnx.Rngs stream of a model it closes over "
+                         "(nnx.Dropout): each route would draw different masks; measure with "
+                         "noise.nnx_value_grad_and_stats(loss_fn)(model, batch), which gives "
+                         "each example its own stream key, or run the model deterministically "
+                         "(model.eval())") from err
     if "BatchStat" in text or "batch_stats" in text:
         raise ValueError("loss_fn updates BatchNorm statistics (BatchNorm in training mode): a "
                          "batch statistic couples the examples, so per-example gradients are "
