@@ -80,7 +80,7 @@ def test_the_figure_leaves_the_plotting_backend_alone(tmp_path):
 
     a = _study(str(tmp_path / "adam_task"), b_crit=20.0, optimizer="adam", data="digits",
                noise=0.625)
-    rows = compare.collect([a], bootstrap=0)
+    rows = compare.collect([a], bootstrap=20)
     before = matplotlib.get_backend()
     matplotlib.use("svg", force=True)  # a backend the old matplotlib.use("Agg") would replace
     try:

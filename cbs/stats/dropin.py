@@ -255,7 +255,7 @@ def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: Py
     sums = [_vmap_sums(loss, params, halves[h], chunk_size, True, blocks, halves[1 - h])
             for h in (0, 1)]
 
-    def fields(dhd: str, ghg: str, k: int | None = None) -> dict[str, jax.Array]:
+    def fields(dhd: str, ghg: str, k: int | None = None) -> dict[str, Any]:
         pick = (lambda s, n: s[n]) if k is None else (lambda s, n: s[n][k])
         ths = [pick(s, dhd) / (n - 1) for s, n in zip(sums, sizes, strict=True)]
         mghg = [pick(s, ghg) for s in sums]
@@ -294,7 +294,7 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
     value = (lambda out: out[0]) if has_aux else (lambda out: out)
 
     def fn(model: nnx.Module, batch: PyTree) -> tuple[Any, nnx.State, NoiseStats]:
-        graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)
+        graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)  # type: ignore[misc]
         fresh = lambda state: jax.tree.map(lambda x: x, state)  # Variables of this trace
 
         def run(p, b, k):
