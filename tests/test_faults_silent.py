@@ -26,7 +26,7 @@ from cbs.engine import checkpoint, cli, loop, trainer
 from cbs.engine import mesh as mesh_lib
 from cbs.results import records
 from cbs.results.store import SweepStore, definition_diff
-from cbs.stats import ghost, noise
+from cbs.stats import dropin, ghost, noise
 from cbs.sweeps import branches, grid, launch, ramps
 from experiments.configs import digits_branch, digits_mlp, digits_ramps, digits_sweep
 
@@ -179,7 +179,7 @@ def _estimators(loss_fn, params, batch):
     yield lambda: noise.exact(loss_fn, params, batch, method="vmap")
     yield lambda: noise.exact(loss_fn, params, batch, curvature=True)
     yield lambda: noise.probe(loss_fn, params, batch, jax.random.key(0))
-    yield lambda: jax.jit(noise.value_grad_and_stats(loss_fn))(params, batch)
+    yield lambda: jax.jit(dropin.value_grad_and_stats(loss_fn))(params, batch)
     yield lambda: ghost.per_example_grads_info(loss_fn, params, batch)
 
 
@@ -252,13 +252,13 @@ def test_a_summed_loss_is_refused_under_jit_at_trace_time_only():
         return jnp.sum(((batch["x"] @ params["w"]).sum(-1) - batch["y"]) ** 2)
 
     with pytest.raises(ValueError, match=r"looks like a SUM over the batch") as err:
-        jax.jit(noise.value_grad_and_stats(sum_loss))(params, batch)
+        jax.jit(dropin.value_grad_and_stats(sum_loss))(params, batch)
     _one_line(err)
 
     def mean_loss(params, batch):
         return jnp.mean(((batch["x"] @ params["w"]).sum(-1) - batch["y"]) ** 2)
 
-    step = noise.value_grad_and_stats(mean_loss)
+    step = dropin.value_grad_and_stats(mean_loss)
     first = str(jax.make_jaxpr(step)(params, batch))  # traced with the check (it ran here) ...
     assert str(jax.make_jaxpr(step)(params, batch)) == first  # ... and with it cached: the
     #   check stages nothing into the step, so a jitted step pays nothing for it

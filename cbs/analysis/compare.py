@@ -113,16 +113,15 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
     """Log-log B_crit against B_simple (left) and B_noise (right): y = x, the factor-10 band,
     B_crit's interval and the noise scale's spread over batch sizes as error bars, colour per
     task and marker per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
+    from matplotlib.lines import Line2D
 
     tasks = sorted({r["task"] for r in rows})
     opts = sorted({r["optimizer"] for r in rows})
     markers = dict(zip(opts, "osD^v<>", strict=False))
     colours = {t: f"C{i % 10}" for i, t in enumerate(tasks)}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
+    fig = Figure(figsize=(11, 4.8))
+    axes = fig.subplots(1, 2, sharey=True)
     values = [v for r in rows for v in (r["b_simple"], r["b_noise"], r["b_crit"])
               if math.isfinite(v) and v > 0]
     lo, hi = min(values) / 3, max(values) * 3
@@ -147,15 +146,14 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
         ax.set_xlabel(f"measured {label} at the target (examples)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("fitted B_crit (examples)")
-    handles = [plt.Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
-    handles += [plt.Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
+    handles = [Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
+    handles += [Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
     axes[1].legend(handles=handles, fontsize=8, loc="upper left")
     fig.suptitle("Critical batch against the measured noise scale, one point per study and "
                  "target")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
