@@ -35,7 +35,7 @@ import numpy as np
 import scipy.stats
 
 __all__ = ["CALIBRATION_FILE", "FAMILIES", "VERSION", "build", "family", "leave_one_study_out",
-           "model", "predict", "shipped", "tradeoff"]
+           "markdown", "model", "predict", "shipped", "tradeoff"]
 
 CALIBRATION_FILE = "calibration.json"
 VERSION = 1  # the format of the file; a change of model or fields is a new version
@@ -149,6 +149,27 @@ def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8) -> dict[str,
             "points": [{k: r[k] for k in ("study", "task", "optimizer", "target", "b_crit",
                                           "b_crit_ci", "b_simple", "b_noise", "protocol")
                         if k in r} for r in rows]}
+
+
+def markdown(calib: Mapping[str, Any]) -> str:
+    """The calibration in words and a table: per noise scale and optimizer family, the ratio
+    B_crit/B_s, the spread, the interval's width and the leave-one-study-out coverage."""
+    lines = [f"Calibration v{calib['version']} ({len(calib['studies'])} studies; "
+             f"{calib['level']:.0%} prediction intervals for a new study; `{CALIBRATION_FILE}`):",
+             "", "| noise scale | family | studies | B_crit / noise scale | interval factor (×/÷) "
+             "| leave-one-study-out coverage |", "|---|---|---|---|---|---|"]
+    for scale, m in calib["models"].items():
+        t = float(scipy.stats.t.ppf(0.5 + calib["level"] / 2, m["dof"]))
+        for f, v in m["families"].items():
+            sd = math.sqrt(m["tau2"] + m["sigma2"] + v["var_mu"])
+            lines.append(f"| {scale} | {f} | {v['studies']} | {math.exp(v['mu']):.3g} | "
+                         f"{math.exp(t * sd):.3g} | {m['loso']['coverage']:.0%} of "
+                         f"{m['loso']['points']} points |")
+    per = ["", "Leave-one-study-out, points inside the interval fitted without their study: "
+           + "; ".join(f"{scale}: " + ", ".join(
+               f"{s} {v['covered']}/{v['points']}" for s, v in m["loso"]["per_study"].items())
+               for scale, m in calib["models"].items()) + "."]
+    return "\n".join(lines + per)
 
 
 def shipped() -> dict[str, Any]:

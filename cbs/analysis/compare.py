@@ -179,11 +179,12 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
                 f"{v['ratio_range'][0]:.3g}–{v['ratio_range'][1]:.3g}; within a factor 2 of "
                 f"B_crit in {v['within_2x']:.0%} of {v['points']} points, within a factor 10 in "
                 f"{v['within_10x']:.0%}.")
-    lines += ["", table(rows), "", f"![B_crit against the noise scale]({files.FIGURE_FILE})", ""]
+    calib = calibration.build([fit.json_ready(r) for r in rows])
+    lines += ["", table(rows), "", f"![B_crit against the noise scale]({files.FIGURE_FILE})", "",
+              "## Predicting B_crit from one measurement", "", calibration.markdown(calib), ""]
     path = os.path.join(out_dir, files.REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     records.write_json_atomic(os.path.join(out_dir, "compare.json"),
                               {"rows": [fit.json_ready(r) for r in rows], "summary": s})
-    records.write_json_atomic(os.path.join(out_dir, calibration.CALIBRATION_FILE),
-                              calibration.build([fit.json_ready(r) for r in rows]))
+    records.write_json_atomic(os.path.join(out_dir, calibration.CALIBRATION_FILE), calib)
     return path
