@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cbs.analysis import noise_at_target, report
-from cbs.engine import measure
+from cbs.engine import noise_spec
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
 from cbs.stats import curvature, sampled
@@ -108,8 +108,8 @@ def test_examples_auto_is_the_full_data_up_to_its_limit():
     auto = NoiseSpec(examples="auto")
     assert NoiseSpec(examples="all").examples_for(10**6) == "all"
     assert NoiseSpec(examples="stream").examples_for(10) == "stream"
-    assert auto.examples_for(measure.FULL_DATA_MAX) == "all"
-    assert auto.examples_for(measure.FULL_DATA_MAX + 1) == "stream"
+    assert auto.examples_for(noise_spec.FULL_DATA_MAX) == "all"
+    assert auto.examples_for(noise_spec.FULL_DATA_MAX + 1) == "stream"
     with pytest.raises(ValueError, match="noise.examples"):
         NoiseSpec(examples="most")
 

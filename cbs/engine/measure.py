@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +37,11 @@ from cbs.engine import live_noise, mesh
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.stats import noise
 
-if TYPE_CHECKING:  # types only: the step and the parts import this module
-    from cbs.engine.parts import RunParts
-    from cbs.engine.step import TrainState
-
 PyTree = Any
+RunParts = Any  # a cbs.engine.parts.RunParts (not imported: the parts import this module)
+TrainState = Any  # a cbs.engine.step.TrainState (likewise)
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
-FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this many
 # What an evaluation records: the unbiased |G|² only (not the raw |ḡ|² of the batch).
 EVAL_KEYS = tuple(k for k in noise.STAT_KEYS if k != "mean_grad_sq_norm")
 

@@ -13,7 +13,7 @@ Which examples (`examples`) and when:
 - "stream": at each evaluation (a sweep's trials, or a single run), n examples of a training
   stream independent of training's and h independent examples for H (n = 0: off);
 - "all": at each evaluation, the whole training set (N examples);
-- "auto": "all" when N ≤ `cbs.engine.measure.FULL_DATA_MAX`, else "stream".
+- "auto": "all" when N ≤ `FULL_DATA_MAX`, else "stream".
 
 `every` > 0 measures the step's own examples every k steps whatever `examples` says (a sweep's
 trials turn it off: they measure at their evaluations).
@@ -33,6 +33,7 @@ from cbs.engine import fields, live_noise
 from cbs.stats import noise
 
 EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples
+FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this many
 # The method "auto" stands for, by the examples measured.
 AUTO_METHOD = {"step": "auto", "stream": "sampled", "all": "full_data"}
 FULL_DATA_METHOD = "full_data"  # the whole-training-set estimator (cbs.stats.sampled)
@@ -121,7 +122,6 @@ class NoiseSpec:
 
     def examples_for(self, num_train: int) -> str:
         """The examples measured with N = `num_train` training examples ("auto" resolved)."""
-        from cbs.engine.measure import FULL_DATA_MAX
         if self.examples == "auto":
             return "all" if num_train <= FULL_DATA_MAX else "stream"
         return self.examples

@@ -49,9 +49,8 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, counts
+from cbs.engine import checkpoint, counts, measure
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
-from cbs.engine.measure import EvalMeasurement
 from cbs.engine.noise_spec import NoiseSpec  # noqa: F401 - cbs.train's
 from cbs.engine.parts import RunParts
 from cbs.engine.step import (  # noqa: F401 - TrainStep, init_train_state: cbs.train's
@@ -90,8 +89,8 @@ class Trainer(RunParts):
                  on_eval: EvalFn | None = None, start: TrainState | None = None):
         super().__init__(config, mesh=mesh, dataset=dataset)
         if on_eval is None and self.noise_spec.measures_at_evals:
-            on_eval = EvalMeasurement(self.noise_spec, seed=int(config.seed),
-                                      steps=config.eval.get("steps", ()))
+            on_eval = measure.EvalMeasurement(self.noise_spec, seed=int(config.seed),
+                                              steps=config.eval.get("steps", ()))
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
         self.start_position = (0, 0) if start is None else counts.position(start)
         self._eval_steps = frozenset(config.eval.get("steps", ()))  # checked every step

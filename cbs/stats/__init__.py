@@ -4,4 +4,4 @@ whole-training-set measurements of a sweep (`sampled`), Hessian-vector products
 per-example helpers they share (`trees`, `examples`). Imports no other cbs package.
 """
 
-from cbs.stats import sampled as _sampled  # noqa: F401 - registers the noise method "sampled"
+from cbs.stats import sampled as _sampled  # noqa: F401 - registers "sampled", "full_data"
