@@ -115,6 +115,7 @@ def old_check_configs(config, base_trials):
 def old_group_config(config, trial):
     c = old_trial_config(config, trial, replicas=1)
     c.noise.every = 0
+    c.noise.batch_size = config.noise.batch_size  # kept since the move: the evaluations' n
     c.eval.enabled = True  # set after the Trainer was built, on the same object
     c.eval.steps = tuple(trials.eval_steps(config.sweep, trial.batch_size))
     return c
