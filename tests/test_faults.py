@@ -146,7 +146,7 @@ def test_sweep_rerun_after_torn_and_corrupt_lines_restores_every_record(tmp_path
     c = digits_sweep.get_config("tiny")
     s = c.sweep
     s.batch_sizes, s.lr_factors = (8,), (1.0, 2.0)  # one vmapped group of two trials
-    s.max_steps, s.evals_per_trial, s.noise_curvature_batch_size = 12, 3, 0
+    s.max_steps, s.evals_per_trial, c.noise.curvature = 12, 3, False
     sweep_dir = str(tmp_path / "sweep")
     launch.run_sweep(c, sweep_dir, log=lambda _: None)
     store = SweepStore(sweep_dir)

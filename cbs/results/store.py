@@ -219,11 +219,38 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Measurement settings that moved from config.sweep to config.noise (old -> new name).
+MOVED_NOISE_FIELDS = {"noise_batch_size": "batch_size",
+                      "noise_hessian_batch_size": "hessian_batch_size",
+                      "noise_chunk_size": "chunk_size", "noise_examples": "examples",
+                      "noise_curvature_batch_size": "deviations"}
+
+
+def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A config written before the measurement settings moved from `sweep.noise_*` to
+    `noise.*`, in the current layout (a copy; a current config is returned as it is):
+    examples "sampled" reads "stream", and noise_curvature_batch_size m reads
+    deviations = m with curvature = m > 0."""
+    sweep = config.get("sweep") or {}
+    if not any(k in sweep for k in MOVED_NOISE_FIELDS):
+        return config
+    sweep, noise = dict(sweep), dict(config.get("noise") or {})
+    for old, new in MOVED_NOISE_FIELDS.items():
+        if old in sweep:
+            noise[new] = sweep.pop(old)
+    if noise.get("examples") == "sampled":
+        noise["examples"] = "stream"
+    if "deviations" in noise:
+        noise["curvature"] = noise["deviations"] > 0
+    return config | {"sweep": sweep, "noise": noise}
+
+
 def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, Any]:
     """The flat config of a definition; an old one with only a "sweep" section gives that."""
     config = dict(definition.get("config") or {})
     if "sweep" in definition and "sweep" not in config:
         config["sweep"] = definition["sweep"]
+    config = upgrade_noise_fields(config)
     return {k: v for k, v in flatten(config).items()
             if not any(k == f or k.startswith(f + ".") for f in ignored)}
 

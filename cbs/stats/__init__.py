@@ -5,4 +5,4 @@ the loss checks (`loss_checks`, `coupling`) and the pytree and per-example helpe
 share (`trees`, `examples`). Imports no other cbs package.
 """
 
-from cbs.stats import sampled as _sampled  # noqa: F401 - registers the noise method "sampled"
+from cbs.stats import sampled as _sampled  # noqa: F401 - registers "sampled", "full_data"

@@ -18,8 +18,8 @@ Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson,
 O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
 The periodic measurement of a run is chosen by name from a registry of methods
 (`register_method`, `get_method`, `method_names`; config field `noise.method`): the exact
-"auto" | "fast" | "vmap" and "probe" here, and "sampled", the estimator a sweep records at its
-evaluations (`cbs.stats.sampled`, registered when `cbs.stats` is imported).
+"auto" | "fast" | "vmap" and "probe" here, and "sampled" and "full_data" (`cbs.stats.sampled`,
+registered when `cbs.stats` is imported); `cbs.engine.measure.measure` calls them all.
 Per-example quantities apply `loss_fn` to one-example batches, so a loss that couples the
 examples of a batch (BatchNorm in training mode) or draws randomness it does not take as an
 argument (dropout with a fixed key) has none: every estimator refuses it in one line

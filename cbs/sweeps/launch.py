@@ -74,13 +74,14 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     models.abstract_model(config.model, input_shape=ds.input_shape,
                           num_classes=ds.num_classes if ds.task != "regression" else None,
                           vocab_size=ds.vocab_size, seed=config.seed)
-    if config.sweep.noise_batch_size > n:
-        raise ValueError(f"config.sweep.noise_batch_size: {config.sweep.noise_batch_size} is "
-                         f"larger than the training split ({n} examples)")
+    noise = config.noise
+    if noise.get("examples", "step") == "stream" and noise.batch_size > n:
+        raise ValueError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
+                         f"training split ({n} examples)")
     for b in sorted({t.batch_size for t in trials}):
         c = spec.run_config(config, spec.RunOverrides(
             batch_size=b, micro_batch=b, learning_rate=trials[0].learning_rate,
-            noise_every=0, noise_batch_size=0))
+            noise_every=0))
         config_lib.validate(c, data_replicas=1, model_names=models.model_names(),
                             dataset_names=data.known_datasets())
     return trials

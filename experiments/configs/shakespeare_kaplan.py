@@ -69,9 +69,11 @@ def get_config(arg: str = ""):
     s.max_examples = 100_000  # sequences per trial
     s.max_steps = 6_000  # updates per trial
     s.evals_per_trial = 40  # log-spaced evaluations (a factor 1.25 in steps apart at 6,000)
-    s.noise_batch_size = 128  # windows per B_simple measurement (a large batch)
-    s.noise_curvature_batch_size = 16  # of those, windows whose deviations give tr(HΣ)
-    s.noise_hessian_batch_size = 16  # independent windows whose Hessian gives tr(HΣ), GᵀHG
+    n = c.noise  # measured at each evaluation, on a fresh stream (shakespeare_sweep's)
+    n.batch_size = 128  # windows per B_simple measurement (a large batch)
+    n.curvature = True  # B_noise too
+    n.deviations = 16  # of those, windows whose deviations give tr(HΣ)
+    n.hessian_batch_size = 16  # independent windows whose Hessian gives tr(HΣ), GᵀHG
     if "d128" in words:  # B = 8 ... 512: B = 4 costs the most steps, and the fitted B_crit
         s.batch_sizes = s.batch_sizes[1:]  # of D = 32 and 64 (≥ 20) stay 2.5× above B = 8
     if "tiny" in words:
@@ -81,8 +83,8 @@ def get_config(arg: str = ""):
         s.targets = (4.2, 4.0, 3.8)  # loose targets
         s.max_steps, s.max_examples = 12, 0  # a few steps
         s.evals_per_trial = 4  # four evaluations
-        s.noise_batch_size = 16  # small measurements
-        s.noise_curvature_batch_size = 0  # no curvature (its compilation dominates)
+        n.batch_size = 16  # small measurements
+        n.curvature = False  # no curvature (its compilation dominates)
     if "predict" in words:  # ONE run for the advice (cbs-advise --sweep_dir), before a sweep
         s.batch_sizes = (32,)  # one batch size
         s.lr_factors = (1.0,)  # one rate: the grid's centre

@@ -17,7 +17,7 @@ to 2048, a factor-2 rate grid extended past edge optima) is run to test it.
 
 from __future__ import annotations
 
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 from experiments.configs import base
 
 
@@ -48,9 +48,10 @@ def get_config(arg: str = ""):
     s.max_examples = 2_000_000  # ≈ 240 epochs per trial at most
     s.max_steps = 8_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_examples = "all"  # exact G, tr(Σ) on all training examples
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
-    s.noise_hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ) on all training examples
+    n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
+    n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
     s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "per_trial"  # noise at each best trial's crossings
     if "predict" in words:
