@@ -21,15 +21,24 @@ Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`
   `CorruptRecordWarning` naming the file and line number; whatever it recorded counts as
   not done (a trial is rerun, a step is recorded again).
 
+Records that several processes may write (a sweep's trials from several shards, a branch
+study's units) are never appended to one shared file: each write is a write-once part,
+`<name>.d/<part>.jsonl` beside `<name>.jsonl` (`write_part`), and readers merge the file
+and its parts (`read_merged`), so no writer can lose another's records on any file system,
+object stores included. The file itself holds the records of older versions and an export of
+the parts (`export_parts`).
+
 Every path may be local or remote (`gs://...`, see `cbs.results.paths`). Locally a
 replacement is a temporary file, fsync and rename, and an append is one `write` on an
 O_APPEND descriptor; on an object store, which has neither rename nor append, both are one
-write of the whole object, which the store makes atomic.
+write of the whole object, which the store makes atomic (so only files that one process
+writes, such as a run's `metrics.jsonl`, are appended to there).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import warnings
@@ -65,7 +74,7 @@ def write_atomic(path: PathLike, data: str | bytes) -> None:
         paths.epath(path).write_bytes(raw)
         return
     path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"  # unique across hosts too
     try:
         with open(tmp, "wb") as f:
             f.write(raw)
@@ -125,8 +134,11 @@ def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[s
     that names `path` and the line number. A missing file has no records.
     """
     raw = paths.read_bytes(path)
-    if raw is None:
-        return []
+    return [] if raw is None else _records_in(raw, path, required)
+
+
+def _records_in(raw: bytes, path: PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
+    """The records in the bytes `raw` of `path` (as `read_records`)."""
     lines = raw.split(b"\n")
     out = []
     for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: torn or empty
@@ -135,10 +147,89 @@ def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[s
         record, why = _parse(line, required)
         if record is None:
             warnings.warn(f"{path}:{number}: skipped a corrupt record ({why}); what it "
-                          "recorded counts as not done", CorruptRecordWarning, stacklevel=2)
+                          "recorded counts as not done", CorruptRecordWarning, stacklevel=3)
             continue
         out.append(record)
     return out
+
+
+def parts_dir(path: PathLike) -> str:
+    """The directory of the write-once parts of records file `path` (`trials.jsonl` ->
+    `trials.d`)."""
+    return os.fspath(path).removesuffix(".jsonl") + ".d"
+
+
+def part_name(keys: Sequence[str]) -> str:
+    """A part's file name for the records of `keys` (trial ids, unit names): the first key
+    and a digest of all, so the same records always go to the same part (a repeated write
+    replaces it with the same records) and different ones never share a part."""
+    digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:10]
+    return f"{keys[0]}-{digest}.jsonl"
+
+
+def write_part(path: PathLike, name: str, records: Iterable[Mapping[str, Any]]) -> str:
+    """Writes `records` as the write-once part `name` of records file `path` in one atomic
+    write (all or none; `write_atomic`) and returns the part's path. No other writer touches
+    it, so concurrent writers on any file system, object stores included, lose nothing."""
+    data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n"
+                   for r in records)
+    target = paths.join(parts_dir(path), name)
+    paths.makedirs(parts_dir(path))
+    write_atomic(target, data)
+    return target
+
+
+def part_paths(path: PathLike) -> list[str]:
+    """The parts of records file `path`, in name order (temporary files left out)."""
+    folder = parts_dir(path)
+    return [paths.join(folder, n) for n in paths.listdir(folder) if n.endswith(".jsonl")]
+
+
+def read_merged(path: PathLike, keys: Sequence[str], *,
+                required: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The records of file `path` (older versions' records, or an export), then those of each
+    of its parts in name order, the first record per value of `keys` only (a record in the
+    export and in its part, or written twice, counts once). Each file is read as by
+    `read_records`, with `keys` and `required` required: a corrupt line is skipped with a
+    warning naming its file and line."""
+    need = (*keys, *required)
+    found = paths.read_many(part_paths(path))
+    merged = _records_in(paths.read_bytes(path) or b"", path, need)
+    for part in sorted(found):
+        merged += _records_in(found[part], part, need)
+    seen: set[str] = set()
+    out = []
+    for r in merged:
+        if (k := _key(r, keys)) not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def _key(record: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return json.dumps([record[k] for k in keys])
+
+
+def export_parts(path: PathLike, keys: Sequence[str]) -> int:
+    """Adds to file `path` the part records whose `keys` it does not hold yet (in part order,
+    one atomic replacement that keeps its earlier lines byte for byte); returns how many. The
+    file is an export: readers use `read_merged`, so an export that misses a part written
+    meanwhile loses nothing."""
+    raw = paths.read_bytes(path) or b""
+    kept = raw[:raw.rfind(b"\n") + 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CorruptRecordWarning)  # reported when read
+        seen = {_key(r, keys) for r in _records_in(kept, path, keys)}
+        found = paths.read_many(part_paths(path))
+        new = [r for part in sorted(found) for r in _records_in(found[part], part, keys)]
+    lines = []
+    for r in new:
+        if (k := _key(r, keys)) not in seen:
+            seen.add(k)
+            lines.append(json.dumps(r) + "\n")
+    if lines:
+        write_atomic(path, kept + "".join(lines).encode())
+    return len(lines)
 
 
 def repair_tail(path: PathLike) -> int:
