@@ -82,7 +82,8 @@ def release(held: Claim) -> None:
 
 
 def names(lock_dir: PathLike) -> list[str]:
-    """The names claimed in `lock_dir` at some time (held or not), sorted."""
+    """The names that may be held in `lock_dir`, sorted: every lock file's (held or not), and
+    every lease object's (a released lease is deleted)."""
     out = set()
     for f in paths.listdir(lock_dir):
         if f.endswith(".lock"):
