@@ -141,9 +141,10 @@ def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:
             out[os.fspath(p)] = raw
     if remote:
         fs, _ = _fresh_fs(remote[0])
-        scheme = remote[0].split("://", 1)[0] + "://"
-        got = fs.cat([p.split("://", 1)[1] for p in remote], on_error="omit")
-        out |= {scheme + k.removeprefix(scheme): v for k, v in got.items()}
+        got = fs.cat(remote, on_error="omit")  # fetched concurrently
+        plain = lambda p: p.split("://", 1)[-1].strip("/")  # keys may lack the scheme
+        by_key = {plain(k): v for k, v in got.items()}
+        out |= {p: by_key[plain(p)] for p in remote if plain(p) in by_key}
     return out
 
 
