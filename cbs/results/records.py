@@ -42,6 +42,8 @@ import errno
 import hashlib
 import json
 import os
+import socket
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -167,11 +169,13 @@ def parts_dir(path: PathLike) -> str:
 
 
 def part_name(keys: Sequence[str]) -> str:
-    """A part's file name for the records of `keys` (trial ids, unit names): the first key
-    and a digest of all, so the same records always go to the same part (a repeated write
-    replaces it with the same records) and different ones never share a part."""
-    digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:10]
-    return f"{keys[0]}-{digest}.jsonl"
+    """A new part's file name for the records of `keys` (trial ids, unit names): the time
+    (ns since the epoch, so name order is write order and the first record of a trial written
+    twice wins), the first key, and a digest of all keys and the writer (host, process), so
+    no two writes share a part."""
+    writer = f"{socket.gethostname()}:{os.getpid()}:{time.monotonic_ns()}"
+    digest = hashlib.sha1("\n".join([*keys, writer]).encode()).hexdigest()[:10]
+    return f"{time.time_ns():020d}-{keys[0]}-{digest}.jsonl"
 
 
 def write_part(path: PathLike, name: str, records: Iterable[Mapping[str, Any]]) -> str:
@@ -197,6 +201,7 @@ def write_part(path: PathLike, name: str, records: Iterable[Mapping[str, Any]]) 
 
 
 LEGACY_PART = "0-before-parts.jsonl"  # the records a file held when its first part came
+#                                      (its name sorts before any `part_name`)
 
 
 def part_paths(path: PathLike) -> list[str]:
