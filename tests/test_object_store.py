@@ -2,10 +2,12 @@
 on 127.0.0.1, reached by gcsfs (records, status, leases) and by orbax's tensorstore (array
 checkpoints), with concurrent writer processes.
 
-What this proves, and what docs/scaling.md states: concurrent writers into one gs://
-sweep lose no record; claims are leases that one process gets; a sharded sweep written by
-concurrent processes analyses as the same sweep run locally; a run killed with SIGKILL on
-gs:// resumes from its gs:// checkpoint to the uninterrupted records.
+What this proves, and what docs/scaling.md states: concurrent writers into one gs:// sweep
+(or one local directory) lose no record, and each claim goes to one of them; a lease expires
+once its holder stops renewing it; a sharded sweep on gs:// (groups checkpointed there)
+analyses as the same sweep run locally, its shards in one process (default) or as
+concurrent processes (slow); a run killed with SIGKILL on gs:// resumes from its gs://
+checkpoint to the uninterrupted records.
 """
 
 from __future__ import annotations
@@ -73,8 +75,11 @@ for j in range(m):
 """
 
 
-def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(gcs):
-    sweep = f"{gcs}/writers"
+@pytest.mark.parametrize("where", ["gs", "local"])
+def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(where, request,
+                                                                               tmp_path):
+    sweep = (f"{request.getfixturevalue('gcs')}/writers" if where == "gs"
+             else str(tmp_path / "writers"))
     n, m = 4, 40
     start = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, sweep, str(w), str(m)],
@@ -87,7 +92,7 @@ def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(gc
     assert [r["index"] for r in got] == list(range(n * m))
     claimed = [line for out, _ in outs for line in out.split()]
     assert sorted(claimed) == [f"g{j:03d}" for j in range(m)]  # each group exactly once
-    print(f"{len(got)} of {n * m} records kept, {time.perf_counter() - start:.1f} s")
+    print(f"{where}: {len(got)} of {n * m} records kept, {time.perf_counter() - start:.1f} s")
 
 
 def test_a_lease_expires_when_its_holder_stops_renewing(gcs, monkeypatch):
