@@ -4,10 +4,10 @@ checkpoints), with concurrent writer processes.
 
 What this proves, and what docs/scaling.md states: concurrent writers into one gs:// sweep
 (or one local directory) lose no record, and each claim goes to one of them; a lease expires
-once its holder stops renewing it; a sharded sweep on gs:// (groups checkpointed there)
-analyses as the same sweep run locally, its shards in one process (default) or as
-concurrent processes (slow); a run killed with SIGKILL on gs:// resumes from its gs://
-checkpoint to the uninterrupted records.
+once its holder stops renewing it; a sharded sweep on gs:// analyses as the same sweep run
+locally, its shards in one process, one of them killed mid-group and resumed from its gs://
+checkpoint (default), or as concurrent processes (slow); a run killed with SIGKILL on gs://
+resumes from its gs:// checkpoint to the uninterrupted records (slow).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.analysis import report
+from cbs.engine import checkpoint
 from cbs.results import files, leases, paths, records
 from cbs.results.store import SweepStore
-from cbs.sweeps import launch
+from cbs.sweeps import groups, launch
 from experiments.configs import digits_sweep
 
 pytestmark = pytest.mark.xdist_group("object_store")  # one emulator, one worker
@@ -172,23 +173,43 @@ def _config():
     return c
 
 
-def test_shards_into_a_gs_sweep_with_checkpoints_analyse_as_the_local_sweep(gcs, tmp_path):
-    """The same in one process (fast): the shards one after the other, each group
-    checkpointed on gs:// and its records a part there."""
+class _Killed(BaseException):
+    """A kill in the middle of a group (no handler of the loop catches it)."""
+
+
+def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
+        gcs, tmp_path, monkeypatch):
+    """The same in one process (fast): the shards one after the other, one of them killed
+    once its group has a checkpoint on gs:// and run again, which restores it from there."""
     c = _config()
     sweep, local = f"{gcs}/inprocess", str(tmp_path / "local")
-    for i in (1, 0):
-        launch.run_sweep(c, sweep, shard=f"{i}/2", log=lambda _: None)
+    launch.run_sweep(c, sweep, shard="1/2", log=lambda _: None)
+    evaluate = groups.TrialGroup._evaluate
+
+    def killed_after_a_checkpoint(self, *args):
+        if any(n.isdigit() for n in paths.listdir(f"{self.workdir}/checkpoints")):
+            raise _Killed
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", killed_after_a_checkpoint)
+    with pytest.raises(_Killed):
+        launch.run_sweep(c, sweep, shard="0/2", log=lambda _: None)
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", evaluate)
+    assert len(_plain(sweep)) == 1  # shard 1's trial; shard 0's was killed
+    restores = []
+    restore = checkpoint.Checkpointer.restore
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", lambda self, *a, **k: (
+        restores.append(a[0]), restore(self, *a, **k))[1])
+    launch.run_sweep(c, sweep, shard="0/2", log=lambda _: None)
+    assert restores and restores[0] > 0  # resumed from its gs:// checkpoint
     launch.run_sweep(c, local, log=lambda _: None)
     assert len(_plain(local)) == 2 and _plain(sweep) == _plain(local)
-    groups = paths.listdir(f"{sweep}/groups")
-    assert len(groups) == 2 and all(
-        any(n.isdigit() for n in paths.listdir(f"{sweep}/groups/{g}/checkpoints"))
-        for g in groups)
     assert _analysis(sweep) == _analysis(local)
     assert launch.run_sweep(c, sweep, log=lambda _: None) == []  # all finished: read back
 
 
+@pytest.mark.slow  # three processes; the test above is the fast form
+@pytest.mark.slow  # three processes; the killed and resumed shard above is the fast form
 def test_a_run_killed_on_gs_resumes_from_its_gs_checkpoint(gcs, tmp_path):
     workdir = f"{gcs}/killed"
     args = [sys.executable, "-m", "experiments.main",
