@@ -101,14 +101,17 @@ def _result(i: int) -> TrialResult:
                        seconds=1.0)
 
 
-def test_torn_tail_is_cut_before_the_next_append(tmp_path):
+def test_an_older_trials_file_with_a_torn_tail_is_read_and_copied_before_the_first_part(
+        tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
-    store.append([_result(0), _result(1)])
+    os.makedirs(store.sweep_dir)
+    records.append_records(store.path, [_result(0).to_json(), _result(1).to_json()])
     with open(store.path, "ab") as f:
         f.write(b'{"trial_id": "t2", "index": 2, "batch_')  # killed mid-write
     assert [r["trial_id"] for r in store.records()] == ["t0", "t1"]
-    with pytest.warns(records.CorruptRecordWarning, match="torn last line"):
-        store.append([_result(2)])  # never written onto the fragment
+    store.append([_result(2)])  # a part; the file's whole lines are copied first
+    assert [r["trial_id"] for r in store.records()] == ["t0", "t1", "t2"]
+    store.export()
     lines = pathlib.Path(store.path).read_text().splitlines()
     assert [json.loads(line)["trial_id"] for line in lines] == ["t0", "t1", "t2"]
 
@@ -116,13 +119,14 @@ def test_torn_tail_is_cut_before_the_next_append(tmp_path):
 def test_corrupt_middle_line_is_named_and_its_trial_reruns(tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
     store.append([_result(i) for i in range(3)])
-    lines = pathlib.Path(store.path).read_bytes().split(b"\n")
+    [part] = records.part_paths(store.path)
+    lines = pathlib.Path(part).read_bytes().split(b"\n")
     lines[1] = b"\x00\x00garbage" + lines[1][20:]  # line 2 damaged in place
-    pathlib.Path(store.path).write_bytes(b"\n".join(lines))
-    with pytest.warns(records.CorruptRecordWarning, match=r"trials\.jsonl:2: skipped"):
+    pathlib.Path(part).write_bytes(b"\n".join(lines))
+    with pytest.warns(records.CorruptRecordWarning, match=r"trials\.d/\d+-t0-\w+\.jsonl:2: skip"):
         assert store.finished_ids() == {"t0", "t2"}  # t1 counts as unfinished
     # valid JSON without the fields a trial record needs is corrupt too
-    with open(store.path, "ab") as f:
+    with open(part, "ab") as f:
         f.write(b'{"something": "else"}\n')
     with pytest.warns(records.CorruptRecordWarning, match=r":4: .*missing trial_id"):
         assert [r["trial_id"] for r in store.records()] == ["t0", "t2"]
@@ -152,16 +156,17 @@ def test_sweep_rerun_after_torn_and_corrupt_lines_restores_every_record(tmp_path
     store = SweepStore(sweep_dir)
     before = {r["trial_id"]: r for r in store.records()}
     assert len(before) == 2
-    data = pathlib.Path(store.path).read_bytes()
-    first, second = data.split(b"\n")[:2]
-    pathlib.Path(store.path).write_bytes(b"{oops" + first[5:] + b"\n" + second[: len(second) // 2])
+    [part] = records.part_paths(store.path)  # the group's records
+    first, second = pathlib.Path(part).read_bytes().split(b"\n")[:2]
+    pathlib.Path(part).write_bytes(b"{oops" + first[5:] + b"\n" + second[: len(second) // 2])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert launch.pending_trials(c, store) != []  # both count as unfinished
         launch.run_sweep(c, sweep_dir, log=lambda _: None)  # resumes from the group checkpoint
-    assert any("trials.jsonl:1: skipped" in str(w.message) for w in caught)
-    lines = pathlib.Path(store.path).read_text().splitlines()
-    parsed = [json.loads(line) for line in lines[1:]]  # line 1 stays as it was: skipped
+    assert any(".jsonl:1: skipped" in str(w.message) for w in caught)
+    damaged, new = records.part_paths(store.path)  # the damaged part stays for inspection
+    assert damaged == part
+    parsed = [json.loads(line) for line in pathlib.Path(new).read_text().splitlines()]
     assert sorted(r["trial_id"] for r in parsed) == sorted(before)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", records.CorruptRecordWarning)
@@ -326,7 +331,8 @@ def test_sweep_store_creates_nothing_until_it_writes(tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
     assert store.records() == [] and not (tmp_path / "sweep").exists()
     store.append([_result(0)])
-    assert (tmp_path / "sweep" / "trials.jsonl").exists()
+    [part] = (tmp_path / "sweep" / "trials.d").iterdir()
+    assert part.name.endswith(".jsonl") and "-t0-" in part.name
 
 
 # ----------------------------------------------------------------------------- 8. small ones

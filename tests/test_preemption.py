@@ -17,6 +17,7 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import preemption
 from cbs.results import files, records
+from cbs.results.store import SweepStore
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"
@@ -99,13 +100,12 @@ def test_sigterm_during_a_sweep_keeps_its_records_and_the_rerun_finishes_it(tmp_
     args = [f"--config={CONFIGS / 'digits_sweep.py'}:tiny", "--noanalyze"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     proc = _start("experiments.sweep", *args, f"--sweep_dir={cut}")
-    code, errors = _terminate_when(proc, lambda: _lines(cut / "trials.jsonl") >= 1)
+    finished = lambda: len(SweepStore(str(cut)).records())
+    code, errors = _terminate_when(proc, lambda: finished() >= 1)
     assert code == preemption.EXIT_STATUS, errors[-20:]
     assert errors[-1].startswith("preempted: "), errors
-    kept = _lines(cut / "trials.jsonl")
-    assert kept >= 1
+    assert finished() >= 1
     assert _run("experiments.sweep", *args, f"--sweep_dir={cut}").returncode == 0
     assert _run("experiments.sweep", *args, f"--sweep_dir={full}").returncode == 0
-    read = lambda d: sorted(_strip(records.read_records(str(d / "trials.jsonl"))),
-                            key=lambda r: r["trial_id"])
+    read = lambda d: _strip(SweepStore(str(d)).records())
     assert read(cut) == read(full)

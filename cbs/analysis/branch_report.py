@@ -115,7 +115,8 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run python -m "
                                 f"experiments.branch --config=... --workdir={workdir} first")
     b = definition["branch"]
-    rows = records.read_records(os.path.join(workdir, files.BRANCHES_FILE))
+    rows = records.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
+                               ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
     noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     noise = {r["step"]: r for r in records.read_records(noise_path)}
