@@ -18,7 +18,9 @@ errors too.
 
 SIGTERM (a preemption) makes the running training save a checkpoint and stop
 (`cbs.engine.preemption`): the command prints `preempted: <where, how to resume>` on stderr
-and exits with status 143; rerunning it resumes.
+and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same with
+`interrupted: ...` and status 130 (a second Ctrl-C stops at once); before training starts it
+prints one line and exits 130.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
@@ -137,8 +139,14 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         try:
             return main(argv)
         except preemption.Preempted as err:
-            print(f"preempted: {message(err)}", file=sys.stderr)
-            sys.exit(preemption.EXIT_STATUS)
+            print(f"{err.status}: {message(err)}", file=sys.stderr)
+            sys.exit(err.exit_status)
+        except KeyboardInterrupt:  # Ctrl-C outside training (cbs.engine.preemption)
+            for path in created:
+                remove_if_empty(path)
+            print("interrupted (SIGINT): stopped outside training; what was written is kept, "
+                  "rerun the same command to go on", file=sys.stderr)
+            sys.exit(preemption.INTERRUPT_EXIT_STATUS)
         except Exception as err:
             for path in created:
                 remove_if_empty(path)
@@ -198,6 +206,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
     """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`) and SIGTERM
-    turned into a checkpoint and exit status 143 (`cbs.engine.preemption`)."""
+    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`)."""
     preemption.install()
     app.run(guarded(main, outputs), flags_parser=parse_flags)
