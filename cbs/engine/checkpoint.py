@@ -83,6 +83,16 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager, but it never asks JAX's preemption sync point itself: each such call
+    moves the protocol's call counter, and `cbs.engine.preemption` counts its own calls (the
+    loop decides the step to save at and saves with force=True)."""
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 class Checkpointer:
     """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
 
@@ -103,8 +113,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(paths.epath(self.directory), options=options,
-                                              item_handlers=handlers)
+        self._manager = _Manager(paths.epath(self.directory), options=options,
+                                 item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
