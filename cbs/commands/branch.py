@@ -46,8 +46,7 @@ def main(argv: list[str]) -> None:
     if not _ANALYZE_ONLY.value:
         if _CONFIG.value is None:
             raise ValueError("--config is required unless --analyze_only")
-        distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins up
-        shard = distributed.resolve_shard(_SHARD.value, flags.FLAGS.distributed)
+        shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
         with preemption.active():
             branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=shard)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")

@@ -46,8 +46,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins up
-    shard = distributed.resolve_shard(_SHARD.value, flags.FLAGS.distributed)
+    shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
     start = time.perf_counter()
     with preemption.active():
         launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR), shard=shard,

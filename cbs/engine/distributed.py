@@ -90,12 +90,15 @@ def resolve_shard(shard: str | None, mode: str = "off",
     return found
 
 
-def from_flags(shard: str | None = None) -> str:
+def from_flags(shard: str | None = None) -> str | None:
     """`initialize` from the --distributed, --coordinator_address, --num_processes and
-    --process_id flags; `shard` is the command's --shard (with "auto", `auto` means off)."""
+    --process_id flags; returns the command's --shard `shard` resolved (`resolve_shard`;
+    with "auto", --distributed=auto means off)."""
     f = flags.FLAGS
     mode = "off" if shard == "auto" and f.distributed == "auto" else f.distributed
-    return initialize(f.coordinator_address, f.num_processes, f.process_id, mode=mode)
+    shard = resolve_shard(shard, mode)
+    initialize(f.coordinator_address, f.num_processes, f.process_id, mode=mode)
+    return shard
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
