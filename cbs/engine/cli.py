@@ -22,6 +22,9 @@ and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same w
 `interrupted: ...` and status 130 (a second Ctrl-C stops at once); before training starts it
 prints one line and exits 130.
 
+orbax's log lines (for instance the tracebacks its background threads log when a checkpoint
+write fails) stay off the terminal unless --verbose: the failure itself is one line.
+
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
 created).
@@ -30,12 +33,14 @@ created).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from cbs.engine import preemption
 
@@ -153,9 +158,14 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
             if verbose() or not is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)
+            sys.unraisablehook = _ignore  # orbax's unfinished writes, collected at exit
             sys.exit(USER_ERROR_EXIT)
 
     return wrapped
+
+
+def _ignore(unraisable: Any) -> None:
+    del unraisable
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -204,8 +214,35 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(USER_ERROR_EXIT)
 
 
+_QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
+
+
+def _not_from_quiet_library(record: logging.LogRecord) -> bool:
+    """A log filter: orbax's own lines (its background threads log every failed write with
+    a traceback, which the one-line error already reports) and asyncio's (orbax's failed
+    writes, "exception was never retrieved") reach stderr only with --verbose."""
+    return verbose() or not (record.name.startswith("asyncio")
+                             or any(part in record.pathname for part in _QUIET))
+
+
+def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`sys.unraisablehook` without the tracebacks that tensorstore's write callbacks report
+    when a failed save closed orbax's event loop (the failure itself is one line)."""
+
+    def quiet(unraisable: Any) -> None:
+        err = unraisable.exc_value
+        if verbose() or not (isinstance(err, RuntimeError)
+                             and str(err) == "Event loop is closed"):
+            hook(unraisable)
+
+    return quiet
+
+
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
-    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`) and SIGTERM
-    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`)."""
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
+    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`),
+    and orbax's log lines kept off the terminal unless --verbose."""
     preemption.install()
+    absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
+    sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     app.run(guarded(main, outputs), flags_parser=parse_flags)
