@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from cbs import commands
 from cbs.analysis import report
 from cbs.engine import cli, distributed, preemption
-from cbs.sweeps import launch
+from cbs.sweeps import grid, launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
                                           "`sweep` section.", lock_config=True)
@@ -47,6 +47,7 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
+    grid.parse_shard(shard)  # a bad --shard stops before anything is written
     start = time.perf_counter()
     with preemption.active():
         launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR), shard=shard,

@@ -193,25 +193,59 @@ def _config_field_error(argv: Sequence[str], err: Exception) -> str:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing whose errors (bad flags, a config file's errors, unknown config
-    fields) are one line and exit status 2."""
+    """absl flag parsing whose errors (bad flags, a config file that does not parse or fails,
+    unknown config fields) are one line and exit status 2."""
     try:
         return flags.FLAGS(argv)
-    except flags.Error as err:
+    except Exception as err:
+        text = None if verbose() else config_file_error(argv, err)
+        if text is None:
+            text = _flag_error(argv, err)
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def _flag_error(argv: list[str], err: Exception) -> str:
+    """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
+    if isinstance(err, flags.Error):
         cause = _root_cause(err)
         if verbose() and cause is not err:
             raise cause from None
-        text = message(cause) if cause is not err else message(err)
-    except (AttributeError, KeyError, TypeError) as err:
+        return message(cause) if cause is not err else message(err)
+    if isinstance(err, (AttributeError, KeyError, TypeError)):
         if verbose():
-            raise
-        text = _config_field_error(argv, err)
-    except Exception as err:
-        if verbose() or not is_user_error(err):
-            raise
-        text = message(err)
-    print(f"error: {text}", file=sys.stderr)
-    sys.exit(USER_ERROR_EXIT)
+            raise err
+        return _config_field_error(argv, err)
+    if verbose() or not is_user_error(err):
+        raise err
+    return message(err)
+
+
+def _config_files(argv: Sequence[str]) -> list[str]:
+    return [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
+            if a.startswith("--config=")]
+
+
+def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
+    """`FILE:LINE: error` when `err` (or an error in its chain) is a syntax error in a Python
+    file, or a bug raised by a line of the --config file itself; else None."""
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    configs = _config_files(argv)
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, SyntaxError) and chain.filename:
+            return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
+                    f"{chain.msg}")
+        tb, where = chain.__traceback__, None
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
+                where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+            tb = tb.tb_next
+        if where is not None and not is_user_error(chain):  # a user error says what to do
+            return f"{where[0]}:{where[1]}: {type(chain).__name__}: {message(chain)}"
+        chain = chain.__cause__ or chain.__context__
+    return None
 
 
 _QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
