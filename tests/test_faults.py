@@ -254,7 +254,8 @@ def _readonly_dir(tmp_path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("case", ["config_word", "config_field", "dataset", "file_as_dir",
-                                  "read_only", "shard", "config_syntax", "config_raises"])
+                                  "read_only", "shard", "config_syntax", "config_raises",
+                                  "sweep_targets"])
 def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path, case):
     digits, out = f"--config={CONFIGS / 'digits_mlp.py'}:tiny", tmp_path / "new" / "run"
     a_file = tmp_path / "a_file"
@@ -263,6 +264,9 @@ def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path,
     syntax.write_text("def get_config(arg=''):\n    c = dict(a=1\n    return c\n")
     raises.write_text("def get_config(arg=''):\n    return {}['model']\n")
     module, args, expect = {
+        "sweep_targets": ("sweep", [f"--config={CONFIGS / 'digits_sweep.py'}:tiny",
+                                    f"--sweep_dir={out}", "--config.sweep.targets=abc"],
+                          "config.sweep.targets: must be numbers (losses), got ('abc',)"),
         "config_syntax": ("main", [f"--config={syntax}", f"--workdir={out}"],
                           f"error: {syntax}:2: SyntaxError: '(' was never closed"),
         "config_raises": ("main", [f"--config={raises}:tiny", f"--workdir={out}"],
@@ -375,3 +379,14 @@ def test_ramp_directories_have_no_spaces(tmp_path):
     assert dirs["adaptive"] == str(tmp_path / ramps.RAMPS_DIR / "adaptive")
     with pytest.raises(ValueError, match="clashing directory names"):
         ramps._run_dirs(str(tmp_path), ["a b", "a_b"])
+
+
+@pytest.mark.parametrize("targets", [(-1.0,), (0.5, 0.0), (float("inf"),), (True,),
+                                     ("0.5",), (0.5, float("nan"))])
+def test_sweep_targets_must_be_reachable_losses(targets):
+    from cbs.sweeps import grid
+
+    c = digits_sweep.get_config("tiny")
+    c.sweep.targets = targets
+    with pytest.raises(ValueError, match=r"^config\.sweep\.targets: must be "):
+        grid.validate_sweep(c.sweep)
