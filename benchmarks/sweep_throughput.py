@@ -49,6 +49,7 @@ def _config(batch_size: int, k: int, steps: int):
     s.evals_per_trial = 40
     s.divergence_factor = 0.0  # off: every trial runs the whole budget
     c.noise.examples = "step"  # no noise measurements at the evaluations
+    s.noise_protocol = "per_trial"  # so no reference trajectory at a B outside this grid
     c.train.progress_bar = False  # the table is the output
     return c
 

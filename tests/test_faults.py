@@ -259,12 +259,23 @@ def _readonly_dir(tmp_path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("case", ["config_word", "config_field", "dataset", "file_as_dir",
-                                  "read_only", "shard"])
+                                  "read_only", "shard", "config_syntax", "config_raises",
+                                  "sweep_targets"])
 def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path, case):
     digits, out = f"--config={CONFIGS / 'digits_mlp.py'}:tiny", tmp_path / "new" / "run"
     a_file = tmp_path / "a_file"
     a_file.write_text("not a directory")
+    syntax, raises = tmp_path / "syntax.py", tmp_path / "raises.py"
+    syntax.write_text("def get_config(arg=''):\n    c = dict(a=1\n    return c\n")
+    raises.write_text("def get_config(arg=''):\n    return {}['model']\n")
     module, args, expect = {
+        "sweep_targets": ("sweep", [f"--config={CONFIGS / 'digits_sweep.py'}:tiny",
+                                    f"--sweep_dir={out}", "--config.sweep.targets=abc"],
+                          "config.sweep.targets: must be numbers (losses), got ('abc',)"),
+        "config_syntax": ("main", [f"--config={syntax}", f"--workdir={out}"],
+                          f"error: {syntax}:2: SyntaxError: '(' was never closed"),
+        "config_raises": ("main", [f"--config={raises}:tiny", f"--workdir={out}"],
+                          f"error: {raises}:2: KeyError: 'model'"),
         "config_word": ("main", [f"--config={CONFIGS / 'digits_mlp.py'}:tinny",
                                  f"--workdir={out}"], "unknown config argument 'tinny'"),
         "config_field": ("main", [digits, f"--workdir={out}", "--config.optim.learning_rte=1"],
@@ -283,8 +294,7 @@ def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path,
     rc, lines, _ = _cli(module, *args)
     assert rc == cli.USER_ERROR_EXIT, lines
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
-    if case != "shard":  # (the sweep definition is written before the shard is parsed)
-        assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists()
 
 
 def test_verbose_keeps_the_traceback(tmp_path):
@@ -375,3 +385,14 @@ def test_ramp_directories_have_no_spaces(tmp_path):
     assert dirs["adaptive"] == str(tmp_path / ramps.RAMPS_DIR / "adaptive")
     with pytest.raises(ValueError, match="clashing directory names"):
         ramps._run_dirs(str(tmp_path), ["a b", "a_b"])
+
+
+@pytest.mark.parametrize("targets", [(-1.0,), (0.5, 0.0), (float("inf"),), (True,),
+                                     ("0.5",), (0.5, float("nan"))])
+def test_sweep_targets_must_be_reachable_losses(targets):
+    from cbs.sweeps import grid
+
+    c = digits_sweep.get_config("tiny")
+    c.sweep.targets = targets
+    with pytest.raises(ValueError, match=r"^config\.sweep\.targets: must be "):
+        grid.validate_sweep(c.sweep)

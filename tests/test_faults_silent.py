@@ -37,6 +37,12 @@ def _quiet(_):
     pass
 
 
+def _subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != cli.VERBOSE_ENV}
+    return env | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "PYTHONPATH": str(ROOT),
+                  "JAX_PLATFORMS": "cpu"}
+
+
 def _one_line(err: pytest.ExceptionInfo) -> str:
     text = str(err.value)
     assert "\n" not in text
@@ -278,14 +284,11 @@ def test_a_model_that_cannot_be_built_fails_the_sweep_before_anything_is_written
 
 def test_the_sweep_command_with_an_unbuildable_model_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "sweep"
-    env = {k: v for k, v in os.environ.items() if k != cli.VERBOSE_ENV}
-    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sweep",
          f"--config={ROOT / 'experiments' / 'configs' / 'digits_sweep.py'}:tiny",
          f"--sweep_dir={out}", "--config.model.hidden_sizes=(0,)"],
-        cwd=ROOT, env=env | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
-        capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == cli.USER_ERROR_EXIT and len(lines) == 1, lines
     assert lines[0].startswith("error: config.model: model.hidden_sizes=(0,) must be positive")
@@ -430,7 +433,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_os_error_naming_the_directory(tm
     ckpt._manager.save = tensorstore_full
     with pytest.raises(OSError) as err:
         ckpt.save(2, state, {"step": 2})
-    assert err.value.errno == errno.ENOSPC and err.value.filename == ckpt.directory
+    assert err.value.errno == errno.ENOSPC and err.value.filename == "/x/ocdbt.process_0/d/1234"
     assert "\n" not in cli.message(err.value)
     ckpt._manager.save = lambda *a, **k: (_ for _ in ()).throw(KeyError("a bug"))
     with pytest.raises(KeyError):  # anything else keeps its own error
@@ -438,3 +441,34 @@ def test_a_full_disk_during_a_checkpoint_is_one_os_error_naming_the_directory(tm
     ckpt.close()
     restored, meta = checkpoint.Checkpointer(tmp_path / "checkpoints").restore(None, state)
     assert meta["step"] == 1 and np.array_equal(restored["w"], state["w"])
+
+
+def _file_size_limit(limit: int):
+    """For a child process: files larger than `limit` bytes cannot be written (EFBIG, the
+    signal ignored), as a full disk refuses them, without needing one."""
+    import resource
+    import signal
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_without_orbax_tracebacks(tmp_path):
+    """A real write failure inside orbax's background threads (each logs a traceback, and
+    tensorstore's callbacks report more when its event loop is gone): the terminal gets only
+    the one-line error naming the path and the errno (status 2). On a full tmpfs the same
+    command printed 358 lines before (`No space left on device (ENOSPC): ...`)."""
+    workdir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.main",
+         f"--config={ROOT / 'experiments' / 'configs' / 'digits_mlp.py'}:tiny",
+         f"--workdir={workdir}"],
+        cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=_file_size_limit(60_000))
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(lines) <= 3, lines[:20]
+    assert lines[-1].startswith(f"error: File too large (EFBIG): {workdir}"), lines

@@ -137,8 +137,9 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
             y_err = [[r["b_crit"] - r["b_crit_ci"][0]], [r["b_crit_ci"][1] - r["b_crit"]]]
             lo_x, hi_x = r[f"{name}_range"]
             x_err = [[r[name] - lo_x], [hi_x - r[name]]] if math.isfinite(lo_x) else None
-            ax.errorbar(r[name], r["b_crit"], yerr=np.nan_to_num(y_err),
-                        xerr=None if x_err is None else np.nan_to_num(x_err),
+            # a collapsed interval can sit a rounding error inside its point: draw it as 0
+            ax.errorbar(r[name], r["b_crit"], yerr=np.clip(np.nan_to_num(y_err), 0, None),
+                        xerr=None if x_err is None else np.clip(np.nan_to_num(x_err), 0, None),
                         fmt=markers[r["optimizer"]], color=colours[r["task"]], ms=6,
                         capsize=2, lw=0.8)
         ax.set_xscale("log")

@@ -23,6 +23,8 @@ The sweep directory's files are `cbs.results.store`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +103,10 @@ class Trial:
         return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
 
 
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the field of an invalid sweep definition."""
     def fail(field: str, why: str) -> None:
@@ -128,6 +134,11 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("seeds", "needs at least one seed")
     if not sweep.targets:
         fail("targets", "needs at least one target loss")
+    if isinstance(sweep.targets, str) or not all(_real(t) for t in sweep.targets):
+        fail("targets", f"must be numbers (losses), got {sweep.targets!r}")
+    if any(not 0 < t < math.inf for t in sweep.targets):
+        fail("targets", f"must be finite and > 0 ({sweep.target_metric} is a loss, never below "
+             f"0), got {tuple(sweep.targets)}")
     if sweep.target_metric not in TARGET_METRICS:
         fail("target_metric", f"must be one of {TARGET_METRICS}, got {sweep.target_metric!r}")
     if sweep.max_examples < 0 or sweep.max_steps < 0:
