@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from experiments.configs import base, digits_payoff, digits_ramps, ramp_adaptive, shakespeare_sweep
+from cbs.configs import base, digits_payoff, digits_ramps, ramp_adaptive, shakespeare_sweep
 
 SEEDS = (0, 1, 2)
 FIXED = (8, 16, 32, 64, 128)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from experiments.configs import base, digits_sweep
+from cbs.configs import base, digits_sweep
 
 
 def digits_ramp(arg: str, schedule: dict, *, base_batch_size: int, learning_rate: float

@@ -13,7 +13,7 @@ ramps start from the best one at their first B and follow the square-root rule.
 
 from __future__ import annotations
 
-from experiments.configs import (
+from cbs.configs import (
     base,
     digits_sweep,
     ramp_adaptive,

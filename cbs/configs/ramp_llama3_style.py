@@ -14,7 +14,7 @@ points on the S–E plane of `experiments/configs/digits_ramps.py`.
 
 from __future__ import annotations
 
-from experiments.configs import digits_ramp_base
+from cbs.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}
 

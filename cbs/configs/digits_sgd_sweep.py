@@ -17,7 +17,7 @@ evaluation to the next and |G|² and tr(HΣ) swing with it. About 30 min on 2 sh
 
 from __future__ import annotations
 
-from experiments.configs import base, digits_sweep
+from cbs.configs import base, digits_sweep
 
 
 def get_config(arg: str = ""):

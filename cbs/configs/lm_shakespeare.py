@@ -19,7 +19,7 @@ falls from ln 80 ≈ 4.38 nats per character.
 
 from __future__ import annotations
 
-from experiments.configs import base
+from cbs.configs import base
 
 
 def get_config(arg: str = ""):

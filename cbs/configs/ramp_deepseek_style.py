@@ -12,7 +12,7 @@ within about 200 steps.
 
 from __future__ import annotations
 
-from experiments.configs import digits_ramp_base
+from cbs.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}
 

@@ -19,8 +19,8 @@ shared CPU cores (the full-data measurement at every evaluation is most of it). 
 
 from __future__ import annotations
 
+from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config
-from experiments.configs import base
 
 
 def get_config(arg: str = ""):

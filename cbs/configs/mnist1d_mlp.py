@@ -12,7 +12,7 @@ best eval/accuracy is about 0.64. noise/ema_b_simple grows from about 230 to abo
 
 from __future__ import annotations
 
-from experiments.configs import base
+from cbs.configs import base
 
 
 def get_config(arg: str = ""):

@@ -35,8 +35,8 @@ The criterion ("paper"), B* = k*·B and f(k) = √k are the paper's.
 
 from __future__ import annotations
 
+from cbs.configs import base
 from cbs.sweeps.branches import default_branch_config
-from experiments.configs import base
 
 
 def get_config(arg: str = ""):

@@ -19,8 +19,8 @@ seconds.
 
 from __future__ import annotations
 
+from cbs.configs import base, shakespeare_sweep
 from cbs.sweeps.branches import default_branch_config
-from experiments.configs import base, shakespeare_sweep
 
 
 def get_config(arg: str = ""):

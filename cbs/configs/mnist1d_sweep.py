@@ -19,8 +19,8 @@ with the full-data Hessian, as the digits studies have, took about 30 s per eval
 
 from __future__ import annotations
 
+from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config
-from experiments.configs import base
 
 
 def get_config(arg: str = ""):

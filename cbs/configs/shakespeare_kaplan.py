@@ -35,7 +35,7 @@ d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in th
 
 from __future__ import annotations
 
-from experiments.configs import base, shakespeare_sweep
+from cbs.configs import base, shakespeare_sweep
 
 # Model widths of the across-sizes study (Kaplan et al. 2020, Fig. 10): the same data,
 # tokenisation, grid and protocol at D = 32 and D = 128 beside the default D = 64.

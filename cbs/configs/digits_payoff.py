@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from cbs.analysis import branch_report
-from experiments.configs import base, digits_ramps
+from cbs.configs import base, digits_ramps
 
 SEEDS = (0, 1, 2)
 FIXED = (16, 32, 64, 128, 256)

@@ -12,7 +12,7 @@ noisy and can be negative once |G|² is small). `:tiny` runs 20 steps in a few s
 
 from __future__ import annotations
 
-from experiments.configs import base
+from cbs.configs import base
 
 
 def get_config(arg: str = ""):

@@ -15,7 +15,7 @@ and ~65-70 % on CIFAR-10.
 
 from __future__ import annotations
 
-from experiments.configs import base
+from cbs.configs import base
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 

@@ -23,8 +23,8 @@ two seeds; the noise scale is exact on all training examples at each best trial'
 
 from __future__ import annotations
 
+from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config
-from experiments.configs import base
 
 
 def get_config(arg: str = ""):

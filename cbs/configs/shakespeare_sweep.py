@@ -16,8 +16,8 @@ eq. 5.3), and the measured B_simple rises with it.
 
 from __future__ import annotations
 
+from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config
-from experiments.configs import base
 
 
 def get_config(arg: str = ""):

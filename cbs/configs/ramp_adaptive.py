@@ -13,7 +13,7 @@ loss falls (B_simple grows from ~30 to ~100+ on this task).
 
 from __future__ import annotations
 
-from experiments.configs import digits_ramp_base
+from cbs.configs import digits_ramp_base
 
 SCHEDULE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}

@@ -18,7 +18,7 @@ scale grows as the loss falls (Kaplan et al. 2020).
 
 from __future__ import annotations
 
-from experiments.configs import base
+from cbs.configs import base
 
 
 def get_config(arg: str = ""):

@@ -1,0 +1,1 @@
+"""The experiment presets that ship with the package."""
