@@ -7,7 +7,8 @@ training (`cbs.schedules`).
 
 Packages, lowest layer first (docs/design.md has the import rule):
 `cbs.stats`, `cbs.data`, `cbs.results` → `cbs.models`, `cbs.analysis` → `cbs.engine` →
-`cbs.sweeps`. The top-level modules above are stable public paths of modules in them.
+`cbs.sweeps` → `cbs.configs` (the presets) → `cbs.commands`. The top-level modules above are
+stable public paths of modules in them.
 """
 
 __version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""The packaged preset `cbs.configs.shakespeare_sweep` by its repository path
+(`--config=shakespeare_sweep` names the same preset without a checkout)."""
+
+from cbs.configs.shakespeare_sweep import *  # noqa: F403 (the module's names, for imports from here)
+from cbs.configs.shakespeare_sweep import get_config  # noqa: F401 (what --config=<this file> loads)
