@@ -24,6 +24,8 @@ import os
 import tempfile
 from typing import Any
 
+from cbs import install_command
+
 PathLike = str | os.PathLike
 
 
@@ -45,7 +47,7 @@ def epath(path: PathLike) -> Any:
     text = os.fspath(path)
     if text.startswith("gs://") and not _gcs_backend_installed():
         raise ImportError(f"{text}: gs:// paths need gcsfs (or TensorFlow): "
-                          'pip install -e ".[gcs]"')
+                          f"{install_command('gcs')}")
     return epath_lib.Path(text)
 
 
