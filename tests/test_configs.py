@@ -75,3 +75,18 @@ def test_every_repository_path_re_exports_the_packaged_module():
     from experiments.configs import base
 
     assert base.base_config is importlib.import_module("cbs.configs.base").base_config
+
+
+@pytest.mark.parametrize("value", ["digits_sweep:tiny", "cbs:digits_sweep:tiny",
+                                   "experiments/configs/digits_sweep.py:tiny"])
+def test_the_flag_library_loads_a_resolved_value(value, monkeypatch):
+    """What the commands' `--config` flag parses: the same tiny config by name and by path."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    monkeypatch.chdir(ROOT)
+    holder = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=holder)
+    holder(["prog", f"--config={configs.resolve(value)}"])
+    expected = importlib.import_module("cbs.configs.digits_sweep").get_config("tiny")
+    assert holder.config.to_dict() == expected.to_dict()
