@@ -19,6 +19,7 @@ import sys
 import tomllib
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 from packaging.version import Version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -67,6 +68,7 @@ def test_lowest_declared_versions_run_a_tiny_run(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one device, as a user's run
     _run([python, "-m", "pip", "install", "-q", "--only-binary=:all:", *floor_pins()],
          env=env, timeout=1800)
     src = tmp_path / "src"  # a copy, so the checkout gets no build/ or egg-info directories

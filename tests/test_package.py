@@ -20,6 +20,7 @@ import tomllib
 import zipfile
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = {"cbs-train": "cbs.commands.train:run", "cbs-sweep": "cbs.commands.sweep:run",
@@ -147,6 +148,7 @@ def _wheel_venv(wheel: zipfile.ZipFile, where: pathlib.Path) -> tuple[pathlib.Pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one device, as a user's run
     return python, env
 
 
