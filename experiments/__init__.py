@@ -1,1 +1,2 @@
-"""Entry points (`python -m experiments.main`) and configs (`experiments/configs/`) for cbs."""
+"""Entry points (`python -m experiments.main`) and configs by repository path
+(`experiments/configs/`, re-exporting the presets of `cbs.configs`) for cbs."""

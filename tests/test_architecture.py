@@ -21,7 +21,8 @@ ALLOWED = {  # package -> packages it may import (besides itself)
     "analysis": {"results"},
     "engine": {"stats", "data", "results", "models"},
     "sweeps": {"stats", "data", "results", "models", "analysis", "engine"},
-    "commands": {"stats", "data", "results", "models", "analysis", "engine", "sweeps"},
+    "configs": {"stats", "data", "results", "models", "analysis", "engine", "sweeps"},
+    "commands": {"stats", "data", "results", "models", "analysis", "engine", "sweeps", "configs"},
 }
 
 

@@ -15,7 +15,7 @@ from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
 
-CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "cbs", "configs")  # the presets
 
 
 def _set(c, key, value):

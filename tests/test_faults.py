@@ -361,7 +361,7 @@ def test_noise_exact_names_a_nan_input():
                     {"x": np.ones((8, 3), np.float32), "y": y})
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.py")
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "cbs" / "configs").glob("*.py")
                                         if p.stem not in ("__init__", "base")
                                         and "def get_config" in p.read_text()))
 def test_every_config_rejects_an_unknown_argument_word(name):

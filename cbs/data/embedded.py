@@ -22,6 +22,7 @@ import random
 
 import numpy as np
 
+from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split, WindowView, num_windows
 
 
@@ -75,7 +76,7 @@ def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as err:
         raise ImportError("the mnist1d dataset needs the mnist1d package: "
-                          'pip install -e ".[mnist1d]"') from err
+                          f"{install_command('mnist1d')}") from err
 
     args = get_dataset_args(as_dict=True)
     unknown = sorted(set(dataset_args) - set(args))

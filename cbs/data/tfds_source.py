@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split
 from cbs.data.embedded import char_lm
 
@@ -55,8 +56,8 @@ def _tfds():
     try:
         import tensorflow_datasets as tfds
     except ImportError as err:
-        raise ImportError('TFDS datasets need tensorflow_datasets: pip install -e ".[tfds]"'
-                          ) from err
+        raise ImportError("TFDS datasets need tensorflow_datasets: "
+                          f"{install_command('tfds')}") from err
     return tfds
 
 

@@ -1,7 +1,7 @@
 """The training config: defaults with every field documented, and validation at start-up.
 
-`default_config()` is the full schema (units in the trailing comments); experiment configs in
-`experiments/configs/` start from it and change what they need. `validate(config,
+`default_config()` is the full schema (units in the trailing comments); the presets in
+`cbs.configs` start from it and change what they need. `validate(config,
 data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a ValueError)
 whose message starts with the dotted name of the offending field.
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from cbs import install_command
 from cbs.results import paths
 from cbs.results.files import METRICS_FILE
 from cbs.results.paths import PathLike
@@ -37,7 +38,7 @@ def summary_writer_class() -> type:
         from tensorboardX import SummaryWriter
     except ImportError as err:
         raise ImportError("config.train.tensorboard=True needs tensorboardX: "
-                          'pip install -e ".[tensorboard]" (or set it to False)') from err
+                          f"{install_command('tensorboard')} (or set it to False)") from err
     return SummaryWriter
 
 

@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from cbs import install_command
+
 PathLike = str | os.PathLike
 
 
@@ -51,7 +53,7 @@ def epath(path: PathLike) -> Any:
     text = os.fspath(path)
     if text.startswith("gs://") and not _gcs_backend_installed():
         raise ImportError(f"{text}: gs:// paths need gcsfs (or TensorFlow): "
-                          'pip install -e ".[gcs]"')
+                          f"{install_command('gcs')}")
     return epath_lib.Path(text)
 
 

@@ -1,25 +1,5 @@
-"""An adaptive batch ramp on digits: B follows the live gradient noise scale.
+"""The packaged preset `cbs.configs.ramp_adaptive` by its repository path
+(`--config=ramp_adaptive` names the same preset without a checkout)."""
 
-    python -m experiments.main --config=experiments/configs/ramp_adaptive.py --workdir=/tmp/ad
-
-Every 10 steps the loop reads the in-step live estimate of B_simple (exact, from the step's
-per-example gradient norms; EMA of numerator and denominator,
-`cbs.stats.noise.NoiseScaleEMA`) and the schedule (`cbs.engine.schedules.Adaptive`)
-moves B on the ladder 16, 32, ..., 1024 towards k·B_simple, with hysteresis (the target must
-stay beyond a band of factor^¾ for 3 consecutive readings). Adam's η follows the
-square-root rule from η_0 at B_0 = 16. Expected: B climbs from 16 to a few hundred as the
-loss falls (B_simple grows from ~30 to ~100+ on this task).
-"""
-
-from __future__ import annotations
-
-from experiments.configs import digits_ramp_base
-
-SCHEDULE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
-            "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
-
-
-def get_config(arg: str = ""):
-    c = digits_ramp_base.digits_ramp(arg, SCHEDULE, base_batch_size=16, learning_rate=4e-3)
-    c.batch.adapt_every = 10  # steps between noise-scale readings
-    return c
+from cbs.configs.ramp_adaptive import *  # noqa: F403 (the module's names, for imports from here)
+from cbs.configs.ramp_adaptive import get_config  # noqa: F401 (what --config=<this file> loads)

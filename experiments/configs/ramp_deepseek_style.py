@@ -1,22 +1,5 @@
-"""A DeepSeek-V3 style batch ramp, scaled down to digits: B grows linearly, then holds.
+"""The packaged preset `cbs.configs.ramp_deepseek_style` by its repository path
+(`--config=ramp_deepseek_style` names the same preset without a checkout)."""
 
-    python -m experiments.main --config=experiments/configs/ramp_deepseek_style.py --workdir=/tmp/ds
-
-DeepSeek-V3 ramped its batch from 3,072 to 15,360 sequences (5×) over the first 469B of
-14.8T training tokens (`cbs.engine.schedules.deepseek_v3_schedule`, full scale as a pure function).
-Here: 32 → 160 examples (5×) over the first 4,000 examples, rounded to multiples of the
-micro-batch 16 (so at most 9 accumulation counts, one compilation each), with Adam's η
-coupled by the square-root rule from η_0 at B_0 = 32. Expected: full_train/loss ≈ 0.05
-within about 200 steps.
-"""
-
-from __future__ import annotations
-
-from experiments.configs import digits_ramp_base
-
-SCHEDULE = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}
-
-
-def get_config(arg: str = ""):
-    c = digits_ramp_base.digits_ramp(arg, SCHEDULE, base_batch_size=32, learning_rate=5e-3)
-    return c
+from cbs.configs.ramp_deepseek_style import *  # noqa: F403 (the module's names, for imports from here)
+from cbs.configs.ramp_deepseek_style import get_config  # noqa: F401 (what --config=<this file> loads)

@@ -1,0 +1,56 @@
+"""The experiment presets that ship with the package, selectable by name on every command:
+
+    cbs-sweep --config=digits_sweep:tiny --sweep_dir=/tmp/t      # or --config=cbs:digits_sweep:tiny
+
+Each preset is a module of this package whose `get_config(arg)` returns a
+`cbs.engine.config` ConfigDict (`names()` lists them; the text after the name's `:` is `arg`).
+`base` and `digits_ramp_base` hold helpers the presets share and are no presets themselves. A
+checkout also reaches each preset by its repository path,
+`--config=experiments/configs/<name>.py[:arg]` (a thin file re-exporting the module here).
+
+`resolve` turns a `--config` value into the path[:arg] that the flag library loads; this
+package's `__init__` imports no preset, so resolving a name costs nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+__all__ = ["PREFIX", "names", "path", "resolve"]
+
+PREFIX = "cbs:"  # `--config=cbs:<name>[:arg]` names a packaged preset explicitly
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _defines_get_config(file: pathlib.Path) -> bool:
+    tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+    return any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body)
+
+
+def names() -> list[str]:
+    """The packaged presets' names, sorted (modules here with a top-level `get_config`)."""
+    return sorted(f.stem for f in _HERE.glob("*.py")
+                  if not f.stem.startswith("_") and _defines_get_config(f))
+
+
+def path(name: str) -> str:
+    """The file of the packaged preset `name`; ValueError naming the presets if there is none."""
+    file = _HERE / f"{name}.py"
+    if not name.isidentifier() or name not in names():
+        raise ValueError(f"--config={name}: no such config file or packaged preset; presets: "
+                         f"{', '.join(names())} (or give a config file's path)")
+    return str(file)
+
+
+def resolve(value: str) -> str:
+    """A `--config` value as the flag library's `path[:arg]`: `cbs:<name>[:arg]` and a bare
+    `<name>[:arg]` that is no existing file become the packaged preset's path; a path (it
+    holds a `/` or ends in `.py`, or the file exists) is returned unchanged."""
+    explicit = value.startswith(PREFIX)
+    rest = value[len(PREFIX):] if explicit else value
+    name, sep, arg = rest.partition(":")
+    if not explicit and ("/" in name or "\\" in name or name.endswith(".py")
+                         or pathlib.Path(name).is_file()):
+        return value
+    return path(name) + sep + arg

@@ -1,0 +1,35 @@
+"""Where the theory does not hold: the digits sweep with plain SGD (no momentum).
+
+    python -m experiments.sweep --config=experiments/configs/digits_sgd_sweep.py \
+        --sweep_dir=results/digits_sgd
+
+The model, data, batch sizes, targets and budget of `digits_sweep` (64-128-128-10 MLP, full
+training-set loss), trained with plain SGD at a constant rate: a factor-2 grid centred on
+the linear rule η(B) = 0.1·(B/64), capped at 2, extended past edge optima; the noise
+protocols of `digits_sweep` (full training set at every evaluation, one reference run at
+B = 64). Measured (results/digits_sgd/report.md): B_crit stops growing at low loss (45 at
+L = 0.1, 50 at L = 0.05); the median B_simple over batch sizes is 1.0-1.5 B_crit and the median
+B_noise 0.48-0.74 B_crit, but at L = 0.05 B_simple spans 31-620 and B_noise 5.8-345 across
+batch sizes, because at the best rates the full training loss oscillates from one
+evaluation to the next and |G|² and tr(HΣ) swing with it. About 30 min on 2 shared CPU cores.
+`:tiny` is the shrunk grid of `digits_sweep:tiny` (tests).
+"""
+
+from __future__ import annotations
+
+from cbs.configs import base, digits_sweep
+
+
+def get_config(arg: str = ""):
+    c = digits_sweep.get_config(arg)
+    c.optim.name = "sgd"  # plain SGD: u = g, no momentum, constant learning rate
+    s = c.sweep
+    s.base_lr = 0.1  # η at B = 64, centre of the grid
+    s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
+    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    s.max_lr = 2.0  # SGD above this diverges on this model
+    s.extend_lr_rounds = 5  # up to five factor-2 steps past an edge optimum
+    if "tiny" in base.parse_arg(arg):
+        s.lr_factors = (1.0, 2.0)  # two learning rates each
+        s.extend_lr_rounds = 0  # no extension (tests)
+    return c

@@ -1,0 +1,79 @@
+"""Batch-size sweep of plain SGD on Gaussian linear regression: the anchor of the cross-task
+comparison, where the noise scales are known in closed form (`cbs.data.linreg_noise_stats`).
+
+    python -m experiments.sweep --config=experiments/configs/linreg_sweep.py \
+        --sweep_dir=results/linreg_sgd
+
+The data: x ~ N(0, C) in D = 64 dimensions with eigenvalues of C equal to 1/(1 + k),
+k = 0..63 (condition number 64), y = x·w* + σε with σ = 0.5, 32,768 training examples; the
+model is linear (an MLP without hidden layers: 64 weights and a bias), the loss ½(x·w − y)²,
+the optimiser SGD without momentum on the linear rule η(B) ∝ B up to a cap.
+
+Near the optimum |G|² → 0 while tr(Σ) → σ²·tr C, so B_simple grows like 1/(L − L*): the
+targets (training-set losses 0.01 down to 0.0004 above its minimum, 0.1254) put B_crit in
+the thousands, the top of the cross-task figure. On a quadratic loss with SGD the theory of
+McCandlish et al. (2018, App. A) holds to second order, so this study checks the method:
+B_crit should sit near the measured B_noise. The measured statistics equal a float64
+reference and the closed form of `linreg_noise_stats` (tests/test_linreg_anchor.py).
+
+Batch sizes 8 to 8192 (factor 2), a factor-2 learning-rate grid extended past edge optima,
+two seeds; the noise scale is exact on all training examples at each best trial's crossing.
+`:tiny` shrinks it for tests.
+"""
+
+from __future__ import annotations
+
+from cbs.configs import base
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
+
+
+def get_config(arg: str = ""):
+    words = base.parse_arg(arg, known=("tiny",))
+    c = base.base_config("linreg", "mlp")
+    c.data.options.dim = 64  # D features
+    c.data.options.num_train = 32_768  # training examples
+    c.data.options.num_eval = 2_048  # evaluation examples
+    c.data.options.noise_std = 0.5  # σ, label noise (L* = σ²/2 = 0.125)
+    c.data.options.cov_decay = 1.0  # eigenvalues of C: (1 + k)^-1, condition number 64
+    c.model.hidden_sizes = ()  # linear model: 64 weights and a bias
+    c.optim.name = "sgd"  # plain SGD: u = g, no momentum
+    c.optim.weight_decay = 0.0  # no regularisation
+    c.batch.micro_batch = 8192  # m: each trial's whole batch in one micro-batch
+    c.eval.batch_size = 8192  # examples per evaluation chunk
+    c.train.checkpoint_every = 2000  # steps between checkpoints (engine back end)
+
+    s = c.sweep = default_sweep_config()
+    s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 examples
+    s.base_lr = 0.2  # η at B = 64, centre of the grid
+    s.base_batch_size = 64  # B at which base_lr is the centre
+    s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
+    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    s.max_lr = 1.6  # cap below the stability limit 2/λ_max(H) = 1.99 of the training set:
+    #                 a run with the cap at 1.95 needed more steps than η = 1.6 at every
+    #                 B ≥ 1024 and the deepest target (e.g. 70 vs 55 at B = 8192), so the
+    #                 capped rate of large batches is at or above their optimum
+    s.extend_lr_rounds = 4  # up to four factor-2 steps past an edge optimum
+    s.seeds = (0, 1)  # two seeds per (B, η): the fit uses their mean steps
+    s.stop_when_dominated = True  # a group stops once its best rate reached every target
+    s.targets = (0.135, 0.13, 0.1275, 0.1265, 0.126, 0.1258)  # full training-set loss; its
+    #                                                             minimum is 0.12540 (least squares)
+    s.target_metric = "full_train/loss"  # exact loss over all training examples
+    s.max_examples = 0  # steps bound the budget
+    s.max_steps = 50_000  # updates per trial
+    s.evals_per_trial = 120  # log-spaced progress evaluations up to the budget
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ), GᵀHG on all training examples
+    n.deviations = 64  # tr(HΣ) from the deviations of 64 random examples
+    n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
+    s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "per_trial"  # noise at each best trial's crossings
+    if "tiny" in words:
+        c.data.options.num_train = 1024  # a small training set
+        s.batch_sizes = (8, 32, 128)  # three batch sizes
+        s.lr_factors = (1.0, 2.0)  # two learning rates each
+        s.seeds = (0,)  # one seed
+        s.targets = (0.17, 0.16)  # loose targets
+        s.max_steps = 60  # a few dispatches per trial
+        s.evals_per_trial = 6  # six evaluations
+        s.extend_lr_rounds = 0  # no extension rounds (tests)
+    return c

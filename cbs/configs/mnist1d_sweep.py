@@ -1,0 +1,72 @@
+"""Batch-size sweep of a 40-256-256-10 MLP on MNIST-1D with Adam (a second task for the
+cross-study comparison, `python -m experiments.compare`).
+
+    python -m experiments.sweep --config=experiments/configs/mnist1d_sweep.py \
+        --sweep_dir=results/mnist1d_adam
+    python -m experiments.sweep --config=experiments/configs/mnist1d_sweep.py:sgd \
+        --sweep_dir=results/mnist1d_sgd
+
+Needs the `[mnist1d]` extra (the data set is generated offline: 4,000 training signals of
+40 samples, 10 classes). Batch sizes 8 to 2048 (factor 2); Adam on a factor-2 grid centred on
+the square-root rule η(B) = 2e-3·(B/128)^½, or with `:sgd` plain SGD on the linear rule
+η(B) = 0.1·(B/128); grids extended past edge optima; targets on the full training-set loss
+from 1.5 down to 0.1 (the MLP memorises the training set, so it gets there). The noise scale
+at each target is exact on all 4000 training examples (tr(HΣ) from 32 examples' deviations
+and the Hessian of 128 independent ones) at each best trial's crossing. (A reference run
+with the full-data Hessian, as the digits studies have, took about 30 s per evaluation on
+4000 examples here, so it is off.) `:tiny` shrinks it for tests.
+"""
+
+from __future__ import annotations
+
+from cbs.configs import base
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
+
+
+def get_config(arg: str = ""):
+    words = base.parse_arg(arg, known=("tiny", "sgd"))
+    c = base.base_config("mnist1d", "mlp")
+    c.model.hidden_sizes = (256, 256)  # 40-256-256-10
+    c.optim.name = "adam"  # Adam, constant learning rate (no warmup, no decay)
+    c.optim.weight_decay = 0.0  # no regularisation
+    c.batch.micro_batch = 2048  # m: each trial's whole batch in one micro-batch
+    c.eval.batch_size = 4000  # the whole training set in one evaluation chunk
+    c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
+
+    s = c.sweep = default_sweep_config()
+    s.batch_sizes = tuple(2 ** k for k in range(3, 12))  # 8 ... 2048 examples
+    s.base_lr = 2e-3  # η at B = 128, centre of the grid
+    s.base_batch_size = 128  # B at which base_lr is the centre
+    s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/128)^½ (Adam)
+    s.lr_factors = (0.5, 1.0, 2.0, 4.0)  # factor-2 grid, one step below and two above
+    s.max_lr = 0.05  # cap on any rate
+    s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
+    s.seeds = (0,)  # one seed per (B, η)
+    s.targets = (1.5, 1.0, 0.5, 0.2, 0.1)  # full training-set cross-entropy (nats)
+    s.target_metric = "full_train/loss"  # exact loss over all 4000 training examples
+    s.max_examples = 1_600_000  # 400 epochs per trial at most
+    s.max_steps = 16_000  # and at most this many updates
+    s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
+    n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
+    n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
+    s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "per_trial"  # no reference run: with the full-data Hessian over 4000
+    #                                 examples it took ≈ 30 s per evaluation here
+    if "sgd" in words:
+        c.optim.name = "sgd"  # plain SGD: u = g, no momentum
+        s.base_lr = 0.1  # η at B = 128
+        s.lr_rule = "linear"  # centre η(B) = base_lr·(B/128) (SGD)
+        s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+        s.max_lr = 2.0  # SGD above this diverges on this model
+        s.extend_lr_rounds = 5  # up to five factor-2 steps past an edge optimum
+    if "tiny" in words:
+        s.batch_sizes = (8, 32, 128)  # three batch sizes
+        s.lr_factors = (1.0, 2.0)  # two learning rates each
+        s.targets = (2.2, 2.0)  # loose targets
+        s.max_steps = 60  # a few dispatches per trial
+        s.max_examples = 0  # steps bound the budget
+        s.evals_per_trial = 6  # six evaluations
+        s.extend_lr_rounds = 0  # no extension rounds (tests)
+    return c
