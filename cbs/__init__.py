@@ -11,3 +11,8 @@ Packages, lowest layer first (docs/design.md has the import rule):
 """
 
 __version__ = "0.1.0"
+
+__all__ = [  # the layer packages and the public modules
+    "analysis", "commands", "curvature", "data", "engine", "fit", "models", "noise", "report",
+    "results", "schedules", "stats", "sweeps", "train",
+]

@@ -29,8 +29,8 @@ from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records, store
 from cbs.stats import noise
 from cbs.sweeps import grid
-from cbs.sweeps.groups import TrialGroup, sweep_measurement
-from cbs.sweeps.measurement import SweepNoise
+from cbs.sweeps.groups import TrialGroup
+from cbs.sweeps.measurement import SweepNoise, sweep_measurement
 from cbs.sweeps.trials import run_trial_engine
 from experiments.configs import digits_sweep
 

@@ -78,7 +78,7 @@ def test_adam_at_huge_learning_rate_diverges_with_the_step_named(tmp_path):
     c.train.progress_bar = False
     c.train.tensorboard = False
     one = mesh_lib.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    with pytest.raises(trainer.DivergedError, match=r"diverged at step \d+") as err:
+    with pytest.raises(loop.DivergedError, match=r"diverged at step \d+") as err:
         trainer.run(c, str(tmp_path), mesh=one)
     assert 0 < err.value.step < 30
 

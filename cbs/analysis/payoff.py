@@ -36,6 +36,13 @@ from cbs.analysis import fit, joint
 from cbs.results import files, records
 from cbs.results.store import target_key
 
+__all__ = [
+    "BOOTSTRAP", "BOOTSTRAP_INTERVAL", "CONFIDENCE", "T_INTERVAL", "analyse", "analyse_target",
+    "best_fixed", "figure", "fixed_batch_size", "frontier_examples", "frontier_steps",
+    "geometric_mean", "group_runs", "run_name", "summary_lines", "t_interval", "table", "verdict",
+    "write_report",
+]
+
 BOOTSTRAP = 1000  # replicates of the saving's interval
 CONFIDENCE = 0.95
 T_INTERVAL = "Student-t over seeds in log S, log E"

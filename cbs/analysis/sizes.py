@@ -33,6 +33,8 @@ from cbs.analysis import fit, report
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
+__all__ = ["analyse", "collect", "figure", "study_size", "summary", "table", "write_report"]
+
 
 def study_size(sweep_dir: str) -> dict[str, Any]:
     """The model of a sweep directory: its name, width, depth and parameter count when the

@@ -21,7 +21,9 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, trainer
+from cbs.engine import cli, distributed, loop, trainer
+
+__all__ = ["main", "run"]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
                                           lock_config=True)
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> None:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
         summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
-    except trainer.DivergedError as err:
+    except loop.DivergedError as err:
         print(f"diverged: {err}", file=sys.stderr)
         sys.exit(1)
     if jax.process_index() == 0:

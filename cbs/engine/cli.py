@@ -37,6 +37,11 @@ from absl import app, flags
 
 from cbs.engine import preemption
 
+__all__ = [
+    "USER_ERROR_EXIT", "VERBOSE_ENV", "guarded", "is_missing_extra", "is_user_error", "message",
+    "parse_flags", "remove_if_empty", "required", "run", "verbose",
+]
+
 VERBOSE_ENV = "CBS_VERBOSE"
 USER_ERROR_EXIT = 2
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cbs

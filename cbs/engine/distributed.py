@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+__all__ = ["ENVIRONMENTS", "detect", "initialize", "shutdown"]
+
 ENVIRONMENTS = ("tpu", "slurm", "ompi")
 
 

@@ -30,6 +30,8 @@ from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import files, records
 from cbs.stats import noise
 
+__all__ = ["ENDED", "DivergedError", "Driver", "Loop", "StopFn", "config_hash"]
+
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
 

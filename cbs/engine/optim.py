@@ -29,6 +29,8 @@ import optax
 from cbs.engine import fields
 from cbs.engine.lr import DECAYS
 
+__all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "apply_step", "make_direction", "validate_config"]
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
 

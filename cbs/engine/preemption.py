@@ -27,6 +27,8 @@ import signal
 import threading
 from typing import Any
 
+__all__ = ["EXIT_STATUS", "Preempted", "check", "clear", "install", "request", "requested"]
+
 EXIT_STATUS = 128 + signal.SIGTERM  # 143
 _requested = threading.Event()
 

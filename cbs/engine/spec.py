@@ -22,6 +22,8 @@ import ml_collections
 
 from cbs.engine.fields import ConfigError, increasing_steps
 
+__all__ = ["FIELDS", "Coupling", "RunOverrides", "run_config"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:

@@ -52,15 +52,10 @@ from cbs import data
 from cbs.engine import checkpoint, counts
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
 from cbs.engine.parts import RunParts
-from cbs.engine.step import (  # noqa: F401 - Measurement, TrainStep, init_train_state: cbs.train's
-    Measurement,
-    TrainState,
-    TrainStep,
-    init_train_state,
-)
+from cbs.engine.step import TrainState
 from cbs.results import files, paths, records
 
-__all__ = ["DivergedError", "EvalFn", "Trainer", "config_hash", "run"]
+__all__ = ["EvalFn", "Trainer", "run"]
 
 # on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).

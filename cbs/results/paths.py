@@ -24,6 +24,11 @@ import os
 import tempfile
 from typing import Any
 
+__all__ = [
+    "PathLike", "epath", "exists", "is_remote", "isdir", "join", "local_lock_dir", "makedirs",
+    "move", "read_bytes", "rmtree",
+]
+
 PathLike = str | os.PathLike
 
 

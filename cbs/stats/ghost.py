@@ -78,6 +78,11 @@ from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_
 from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, in_dtype, per_example_grad
 from cbs.stats.trees import leaf_paths
 
+__all__ = [
+    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "auto_chunk_size", "coverage",
+    "per_example_grads_info", "uncovered_leaves", "vmap_chunk_size",
+]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 

@@ -24,6 +24,13 @@ import numpy as np
 
 from cbs.stats.examples import scan_chunks, sum_over_examples
 
+__all__ = [
+    "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
+    "conv_sq_norm", "dense_fused", "dense_sq_norm", "elementwise_fused", "elementwise_sq_norm",
+    "embed_sq_norm", "example_chunk", "fuse_direct", "in_dtype", "per_example_grad", "replay_chain",
+    "use_gram",
+]
+
 
 def use_gram(t: int, d: int, o: int) -> bool:
     """Gram form costs T²(D+O) per example, the direct form T·D·O."""

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["allow_randomness", "check_loss_fn"]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from cbs.stats import trees
 
+__all__ = ["NoiseScaleEMA", "two_batch"]
+
 
 def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
               ) -> tuple[jax.Array, jax.Array]:

@@ -41,6 +41,8 @@ from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
 from cbs.results import files, records
 
+__all__ = ["VmappedBranch", "branch_overrides", "engine_branch", "unit_dir"]
+
 
 def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
     """The run directory of a unit (or of one seed's engine branch)."""

@@ -46,7 +46,7 @@ import jax
 import ml_collections
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
+from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
 from cbs.engine.counts import position
 from cbs.engine.lr import EXPONENTS, lr_multiplier
 from cbs.engine.parts import RunParts
@@ -57,6 +57,13 @@ from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.grid import parse_shard
+
+__all__ = [
+    "B_STAR_RULES", "CRITERIA", "EMA_UNITS", "LR_RULES", "METRICS", "PAPER_WINDOW_STEPS",
+    "BranchRunner", "branch_steps", "default_branch_config", "ema_decay_per_step", "lr_factor",
+    "pending_units", "reference_batch", "run_branches", "run_reference", "validate_branch_config",
+    "window_examples", "write_definition",
+]
 
 LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)  # f(k) = k^p must grow with k
 METRICS = ("loss_ema", "full_train/loss")
@@ -343,7 +350,7 @@ def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
     paths.makedirs(ref_dir)
     status = records.read_json(os.path.join(ref_dir, files.STATUS_FILE))
     if status and status.get("status") in ("finished", "stopped") and status.get(
-            "config_hash") == trainer.config_hash(c):
+            "config_hash") == loop.config_hash(c):
         return
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
     t = trainer.Trainer(c, ref_dir, mesh=one, dataset=dataset)

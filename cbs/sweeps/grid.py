@@ -29,6 +29,11 @@ import ml_collections
 from cbs.analysis import edges
 from cbs.engine.lr import LR_RULES, lr_multiplier
 
+__all__ = [
+    "TARGET_METRICS", "Trial", "default_sweep_config", "grid_trials", "learning_rates_for",
+    "make_trials", "parse_shard", "shard_trials", "trial_table", "validate_sweep",
+]
+
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
 
 

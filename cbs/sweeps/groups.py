@@ -49,11 +49,7 @@ from cbs.engine.vmapped import vmapped_steps
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.measurement import (  # noqa: F401 - sweep_measurement: public here too
-    SweepNoise,
-    state_measurement,
-    sweep_measurement,
-)
+from cbs.sweeps.measurement import SweepNoise, state_measurement
 from cbs.sweeps.trials import (
     NOISE_CURVE_KEYS,
     divergence_rule,
@@ -61,6 +57,8 @@ from cbs.sweeps.trials import (
     result_from_curve,
     trial_overrides,
 )
+
+__all__ = ["PROGRESS_SPLIT", "TrialGroup", "group_dir"]
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 

@@ -48,6 +48,11 @@ from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
 
+__all__ = [
+    "check_config", "group_slots", "num_train", "pending_trials", "resolved_config", "run_sweep",
+    "sweep_definition",
+]
+
 
 def num_train(config: ml_collections.ConfigDict) -> int:
     """Training examples of the config's dataset (N)."""

@@ -30,13 +30,18 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs.analysis import fit
+from cbs.analysis import selection
 from cbs.engine import preemption, spec, trainer
 from cbs.engine.writer import CountBar
 from cbs.results import files, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
-from cbs.sweeps import launch
+from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
+
+__all__ = [
+    "RAMPS_DIR", "best_learning_rate", "check_ramps", "ramp_config", "ramp_overrides",
+    "ramp_record", "run_dir_name", "run_ramps",
+]
 
 RAMPS_DIR = "ramps"
 
@@ -95,7 +100,7 @@ def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str) -> None:
             raise ValueError(f"config.ramps[{i}].learning_rate: {spec!r} names a batch size the"
                              f" sweep does not train (config.sweep.batch_sizes={sizes})")
     SweepStore(sweep_dir).check_definition(
-        launch.sweep_definition(config, launch.make_trials(config.sweep)), "config.ramps")
+        launch.sweep_definition(config, grid.make_trials(config.sweep)), "config.ramps")
 
 
 def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> None:
@@ -148,8 +153,8 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
     steps_to, examples_to = {}, {}
     for target in sweep.targets:
         key = target_key(target)
-        steps_to[key] = fit.steps_to_target(curve["step"], curve[metric], target)
-        examples_to[key] = fit.steps_to_target(curve["examples"], curve[metric], target)
+        steps_to[key] = selection.steps_to_target(curve["step"], curve[metric], target)
+        examples_to[key] = selection.steps_to_target(curve["examples"], curve[metric], target)
     return {
         "label": label, "status": status, "learning_rate": learning_rate,
         "target_metric": metric, "steps_to_target": steps_to, "examples_to_target": examples_to,

@@ -27,6 +27,8 @@ from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.measurement import SweepNoise
 
+__all__ = ["ReferenceRun", "protocol_text", "reference_noise", "reference_trial", "run_reference"]
+
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
                     ) -> Trial | None:

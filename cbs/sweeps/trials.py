@@ -12,9 +12,9 @@ Two back ends, same records:
 Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations spaced
 evenly in log(step) over the step budget, `eval_steps`, the same grid in both back ends) and
 the crossing step of each target is interpolated linearly between
-evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
+evaluations (`cbs.analysis.selection.steps_to_target`). The noise scale recorded at a crossing is
 the ratio of window averages of the exact statistics measured at the evaluations around it
-(`cbs.analysis.fit.noise_scale_at_crossing`). Both back ends measure at their evaluations
+(`cbs.analysis.selection.noise_scale_at_crossing`). Both back ends measure at their evaluations
 through one function, `cbs.sweeps.measurement`, on draws fixed by (seed, evaluation index).
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs.analysis import fit
-from cbs.engine import measure, spec, trainer
+from cbs.analysis import selection
+from cbs.engine import spec, trainer
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -39,8 +39,15 @@ from cbs.engine.progress import (
 )
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.stats import sampled
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.measurement import EngineMeasurement, SweepNoise
+
+__all__ = [
+    "NOISE_CURVE_KEYS", "ProgressMonitor", "curve_from_records", "divergence_rule", "eval_every",
+    "eval_steps", "micro_batch_for", "result_from_curve", "run_trial_engine", "step_budget",
+    "summarize", "trial_config", "trial_overrides",
+]
 
 NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                     "b_noise", "ema_b_simple")
@@ -183,7 +190,7 @@ def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
     steps_to, examples_to, noise_at = {}, {}, {}
     for target in sweep.targets:
         key = target_key(target)
-        s = None if status == "diverged" and not curve[metric] else fit.steps_to_target(
+        s = None if status == "diverged" and not curve[metric] else selection.steps_to_target(
             curve["step"], curve[metric], target)
         steps_to[key] = s
         examples_to[key] = None if s is None else s * trial.batch_size
@@ -204,12 +211,12 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     if not x:
         return {}
     kw: dict[str, Any] = {"min_points": window, "window": 0.0}
-    out: dict[str, Any] = {"b_simple": fit.noise_scale_at_crossing(
+    out: dict[str, Any] = {"b_simple": selection.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
         num, den = _window_means(x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"],
                                  crossing, kw)
-        b_noise, why = measure.resolve_b_noise(num, den)
+        b_noise, why = sampled.resolve_b_noise(num, den)
         if b_noise is None:
             out["b_noise_unresolved"] = why
         else:
@@ -223,11 +230,11 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
 
 def _window_means(x, num, den, crossing: float, kw) -> tuple[float, float]:
     """Window averages of `num` and `den` around the crossing, over the measurements where
-    both are finite (those `fit.noise_scale_at_crossing` divides)."""
+    both are finite (those `selection.noise_scale_at_crossing` divides)."""
     ok = [i for i in range(len(x)) if math.isfinite(num[i]) and math.isfinite(den[i])]
     xs = [x[i] for i in ok]
     ones = [1.0] * len(ok)
-    mean = lambda v: fit.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
+    mean = lambda v: selection.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
     return mean(num), mean(den)
 
 
