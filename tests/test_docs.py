@@ -1,6 +1,10 @@
 """The documentation site builds with no warning (Sphinx + MyST, API pages from docstrings)."""
 
+import ast
+import importlib
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,3 +21,64 @@ def test_docs_build_without_warnings(tmp_path):
     for name in ("value_grad_and_stats", "best_per_batch_size", "joint_bootstrap",
                  "fit_tradeoff", "llama3_schedule"):
         assert name in api, f"the API page lacks {name}"
+
+
+# `--config.a.b=value` on a command line, and `config.a.b = value` in prose or code.
+_SETS_FIELD = re.compile(r"(?<![\w.])(--)?config((?:\.[a-z_][a-z0-9_]*)+)\s?=")
+_OPTIONAL = re.compile(r"^\s*# c\.([a-z_.]+) \(optional", re.M)
+
+
+def _guide_settings() -> list[tuple[str, str]]:
+    """(where, dotted field) for every config field the guides, README, notebooks and the
+    config files' docstrings set."""
+    paths = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md",
+             *sorted((ROOT / "notebooks").glob("*.ipynb")),
+             *sorted((ROOT / "experiments" / "configs").glob("*.py"))]
+    out = []
+    for path in paths:
+        text = path.read_text()
+        if path.suffix == ".py":
+            text = ast.get_docstring(ast.parse(text)) or ""
+        for m in _SETS_FIELD.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            out.append((f"{path.relative_to(ROOT)}:{line}", m.group(2)[1:]))
+    return out
+
+
+def _known_configs() -> list:
+    """The default config and every shipped config file's `get_config()`."""
+    from cbs.engine import config as config_lib
+    out = [config_lib.default_config()]
+    for path in sorted((ROOT / "experiments" / "configs").glob("*.py")):
+        module = importlib.import_module(f"experiments.configs.{path.stem}")
+        if hasattr(module, "get_config"):
+            out.append(module.get_config())
+    return out
+
+
+def _has_field(config, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        if not hasattr(node, "keys") or part not in node.keys():
+            return False
+        node = node[part]
+    return True
+
+
+def test_every_config_field_a_guide_sets_exists():
+    """A `--config.x.y=` override (or `config.x.y = ...`) shown in the documentation names a
+    field of the default config or of a shipped config file; a documented optional field
+    (absent by default, `# c.x.y (optional ...)` in `default_config`) may be set in a config
+    file only, never as a `--config` flag on the default config."""
+    from cbs.engine import config as config_lib
+    optional = set(_OPTIONAL.findall(inspect.getsource(config_lib.default_config)))
+    configs = _known_configs()
+    settings = _guide_settings()
+    assert len(settings) > 20, "the scan finds the documented overrides"
+    missing = [f"{where}: config.{field}" for where, field in settings
+               if field not in optional and not any(_has_field(c, field) for c in configs)]
+    assert missing == [], "fields that no config has:\n" + "\n".join(missing)
+    flags = [where for where, field in settings if field in optional and
+             f"--config.{field}=" in (ROOT / where.split(":")[0]).read_text()]
+    assert flags == [], f"an optional field as a flag: {flags}"
+    assert not _has_field(configs[0], "train.no_such_field")
