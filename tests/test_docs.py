@@ -21,6 +21,65 @@ def test_docs_build_without_warnings(tmp_path):
     for name in ("value_grad_and_stats", "best_per_batch_size", "joint_bootstrap",
                  "fit_tradeoff", "llama3_schedule"):
         assert name in api, f"the API page lacks {name}"
+    _api_page_is_complete(api)
+    _docstrings_render_with_cross_references(api)
+
+
+def _library_modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted((ROOT / "cbs").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _documented_modules() -> set[str]:
+    text = (ROOT / "docs" / "api.md").read_text()
+    return set(re.findall(r"^\.\. automodule:: (\S+)$", text, re.M))
+
+
+def test_the_api_page_documents_every_library_module():
+    """Every module of the library (the façades aside, documented through the modules they
+    re-export, and the command-line programs, documented by `--help`) has its section."""
+    façades = {"cbs.noise", "cbs.curvature", "cbs.fit", "cbs.report", "cbs.schedules",
+               "cbs.train"}
+    wanted = {m for m in _library_modules() if m != "cbs" and m not in façades
+              and not m.startswith("cbs.commands")}
+    assert sorted(wanted - _documented_modules()) == []
+
+
+def _api_page_is_complete(api: str) -> None:
+    """Every name in the `__all__` of every documented module has an entry: under its module
+    (`id="cbs.stats.noise.exact"`), or for a package's gathered names under its submodule."""
+    missing, modules = [], _library_modules()
+    for module in sorted(_documented_modules()):
+        mod = importlib.import_module(module)
+        is_package = hasattr(mod, "__path__")
+        for name in getattr(mod, "__all__", ()):
+            if f"{module}.{name}" in modules:
+                found = f'id="module-{module}.{name}"' in api
+            elif is_package:
+                found = re.search(rf'id="{re.escape(module)}(\.\w+)?\.{name}"', api)
+            else:
+                found = f'id="{module}.{name}"' in api
+            if not found:
+                missing.append(f"{module}.{name}")
+    assert missing == [], f"the API page lacks {missing}"
+    for name in ("cbs.stats.smoothing.NoiseScaleEMA", "cbs.stats.smoothing.two_batch",
+                 "cbs.stats.loss_checks.allow_randomness", "cbs.stats.ghost.coverage"):
+        assert f'id="{name}"' in api
+
+
+def _docstrings_render_with_cross_references(api: str) -> None:
+    """Docstrings are text with links, not literal blocks: a backquoted `cbs.x.y` links to
+    where it is defined, through a façade too (`cbs.train.run` -> cbs.engine.trainer.run)."""
+    links = re.findall(r'<a class="reference internal" href="#(cbs\.[\w.]+)"', api)
+    assert len(links) > 200, len(links)
+    assert "cbs.engine.loop.Loop" in links and "cbs.engine.trainer.run" in links
+    assert 'class="line-block"' in api
+    first = "Training runs from a config: set-up, the loop, evaluation, checkpoints"
+    at = api.index(first)
+    assert api.rfind("<pre>", 0, at) < api.rfind('<div class="line">', 0, at), "a literal block"
 
 
 # `--config.a.b=value` on a command line, and `config.a.b = value` in prose or code.
