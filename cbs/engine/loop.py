@@ -30,7 +30,7 @@ from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import files, records
 from cbs.stats import noise
 
-__all__ = ["ENDED", "DivergedError", "Driver", "Loop", "StopFn", "config_hash"]
+__all__ = ["ENDED", "DivergedError", "Driver", "Loop", "StopFn", "config_hash", "ended_run"]
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
@@ -62,6 +62,21 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 def config_hash(config: ml_collections.ConfigDict) -> str:
     """A short hash of the config's JSON (equal configs, equal hashes)."""
     return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
+              raise_on_divergence: bool = True) -> dict[str, Any] | None:
+    """The one "has this run ended?" check: the summary in `workdir`'s status.json when the
+    run ended (`ENDED`) with this config, else None (start, or resume from its checkpoint).
+    A run that ended "diverged" raises its `DivergedError` again (rerunning it would diverge
+    at the same step) unless `raise_on_divergence` is False."""
+    status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
+    if not (status and status.get("status") in ENDED
+            and status.get("config_hash") == config_hash(config)):
+        return None
+    if status["status"] == "diverged" and raise_on_divergence:
+        raise DivergedError(status.get("message", "diverged"), status)
+    return status
 
 
 def validate_train_config(train_config: Any) -> None:

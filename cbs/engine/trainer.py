@@ -50,10 +50,10 @@ import numpy as np
 
 from cbs import data
 from cbs.engine import checkpoint, counts
-from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
+from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
-from cbs.results import files, paths, records
+from cbs.results import files, paths
 
 __all__ = ["EvalFn", "Trainer", "run"]
 
@@ -183,11 +183,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
-    status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
-    if status and status.get("status") in ENDED and status.get("config_hash") == config_hash(
-            config):
-        if status["status"] == "diverged" and raise_on_divergence:
-            raise DivergedError(status.get("message", "diverged"), status)
+    status = ended_run(workdir, config, raise_on_divergence=raise_on_divergence)
+    if status is not None:
         return status
     fresh = not _has_checkpoint(workdir)
     try:

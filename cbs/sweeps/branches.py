@@ -348,9 +348,7 @@ def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
         keep_checkpoints=1_000_000), drop=())
     ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
-    status = records.read_json(os.path.join(ref_dir, files.STATUS_FILE))
-    if status and status.get("status") in ("finished", "stopped") and status.get(
-            "config_hash") == loop.config_hash(c):
+    if loop.ended_run(ref_dir, c) is not None:  # a diverged reference run raises again
         return
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
     t = trainer.Trainer(c, ref_dir, mesh=one, dataset=dataset)

@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import mesh, spec
-from cbs.engine.loop import Loop, config_hash
+from cbs.engine.loop import Loop, ended_run
 from cbs.engine.parts import RunParts
 from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
@@ -247,9 +247,8 @@ class TrialGroup:
         """Trains (or resumes) the group to the end; returns one result per trial. A group
         whose run directory already ended with this config is replayed from its records."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
-        status = records.read_json(os.path.join(self.workdir, files.STATUS_FILE))
-        if status and status.get("status") in ("finished", "stopped") and status.get(
-                "config_hash") == config_hash(self.config):
+        status = ended_run(self.workdir, self.config)
+        if status is not None:
             self._replay(records.read_records(os.path.join(self.workdir,
                                                            files.METRICS_FILE)))
             summary = status
