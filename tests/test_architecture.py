@@ -288,3 +288,20 @@ def test_the_checker_finds_a_violation(tmp_path):
     found = _imports(f, {"cbs.engine.trainer", "cbs.noise"})
     assert found == {"cbs.engine.trainer", "cbs.noise"}
     assert "engine" not in ALLOWED["stats"] and "sweeps" not in ALLOWED["engine"]
+
+
+def test_config_errors_in_the_engine_and_above_are_config_errors():
+    """One validation style: where `ConfigError` can be imported (the engine and above), a
+    config field's error is a `ConfigError` whose message starts with the dotted field
+    (`config.sweep.batch_sizes: ...`), never a bare ValueError."""
+    bad = []
+    for module, path in _modules().items():
+        if _package(module) not in {"engine", "sweeps", "commands"} or module in PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "ValueError" and node.exc.args
+                    and ast.unparse(node.exc.args[0]).lstrip("f").startswith(("'config.",
+                                                                              '"config.'))):
+                bad.append(f"{module}:{node.lineno}")
+    assert bad == [], f"config errors raised as ValueError: {bad}"

@@ -27,6 +27,7 @@ from typing import Any
 import ml_collections
 
 from cbs.analysis import edges
+from cbs.engine.fields import ConfigError
 from cbs.engine.lr import LR_RULES, lr_multiplier
 
 __all__ = [
@@ -100,9 +101,9 @@ class Trial:
 
 
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the field of an invalid sweep definition."""
+    """Raises `ConfigError` naming the field of an invalid sweep definition."""
     def fail(field: str, why: str) -> None:
-        raise ValueError(f"config.sweep.{field}: {why}")
+        raise ConfigError(f"config.sweep.{field}: {why}")
 
     if not sweep.batch_sizes:
         fail("batch_sizes", "needs at least one batch size")

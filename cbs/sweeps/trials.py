@@ -30,6 +30,7 @@ import ml_collections
 
 from cbs.analysis import selection
 from cbs.engine import spec, trainer
+from cbs.engine.fields import ConfigError
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -88,7 +89,7 @@ def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
 def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
     """The largest m ≤ micro_batch with B divisible by m·R (so A = B/(m·R) is whole)."""
     if batch_size % replicas:
-        raise ValueError(f"config.sweep.batch_sizes: {batch_size} is not divisible by the "
+        raise ConfigError(f"config.sweep.batch_sizes: {batch_size} is not divisible by the "
                          f"{replicas} data replicas of the mesh")
     per_replica = batch_size // replicas
     return max(d for d in range(1, min(micro_batch, per_replica) + 1) if per_replica % d == 0)
