@@ -141,3 +141,15 @@ def test_every_config_field_a_guide_sets_exists():
              f"--config.{field}=" in (ROOT / where.split(":")[0]).read_text()]
     assert flags == [], f"an optional field as a flag: {flags}"
     assert not _has_field(configs[0], "train.no_such_field")
+
+
+def test_one_spelling_of_analyze():
+    """"analyze" as the command `cbs-analyze` spells it, in code, docs and notebooks alike."""
+    other = re.compile(r"\banaly" + r"s(e|es|ed|ing|e_\w+)\b")  # not "analyses", the noun
+    paths = [p for pattern in ("cbs/**/*.py", "experiments/**/*.py", "tests/*.py",
+                               "benchmarks/**/*.py", "docs/**/*.md", "notebooks/*.ipynb")
+             for p in ROOT.glob(pattern)] + [ROOT / "README.md"]
+    found = [f"{p.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+             for p in paths for text in [p.read_text()] for m in other.finditer(text)
+             if m.group(1) != "es"]
+    assert found == []
