@@ -6,13 +6,13 @@ Training runs from a config: set-up (`RunParts`), the loop, evaluation, checkpoi
 resume.
 """
 
-from cbs.engine.loop import ENDED, DivergedError, Driver, Loop, StopFn, config_hash, ended_run
+from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash, ended_run
 from cbs.engine.measure import Measurement
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep, init_train_state
 from cbs.engine.trainer import EvalFn, Trainer, run
 
 __all__ = [
-    "ENDED", "DivergedError", "Driver", "EvalFn", "Loop", "Measurement", "RunParts", "StopFn",
-    "TrainState", "TrainStep", "Trainer", "config_hash", "ended_run", "init_train_state", "run",
+    "ENDED", "DivergedError", "EvalFn", "Loop", "Measurement", "RunParts", "StopFn", "TrainState",
+    "TrainStep", "Trainer", "config_hash", "ended_run", "init_train_state", "run",
 ]

@@ -3,7 +3,7 @@
 - the core: `config` (defaults and start-up validation), `fields` (the field checks and
   `ConfigError`), `spec` (a run as a base config plus typed overrides), `parts` (`RunParts`,
   built once from a config), `step` (the pure jitted train step), `vmapped` (many states as
-  one vmapped program), `loop` (the one host loop and its `Driver` contract), `trainer`
+  one vmapped program), `loop` (the one host loop), `driver` (what it drives), `trainer`
   (a run in a run directory), `progress` (loss EMA, divergence rule, evaluation points);
 - the maths it trains with: `lr` (learning-rate coupling and schedules), `schedules`
   (batch-size schedules), `optim` (optimizers), `counts` (exact example counts on device);
@@ -15,7 +15,7 @@
 """
 
 __all__ = [
-    "checkpoint", "cli", "config", "counts", "distributed", "fields", "live_noise", "loop",
-    "lr", "measure", "mesh", "optim", "parts", "preemption", "progress", "schedules", "spec",
-    "step", "throughput", "trainer", "vmapped", "writer",
+    "checkpoint", "cli", "config", "counts", "distributed", "driver", "fields", "live_noise",
+    "loop", "lr", "measure", "mesh", "optim", "parts", "preemption", "progress", "schedules",
+    "spec", "step", "throughput", "trainer", "vmapped", "writer",
 ]  # its modules

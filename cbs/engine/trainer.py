@@ -83,7 +83,6 @@ class Trainer(RunParts):
         super().__init__(config, mesh=mesh, dataset=dataset)
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
         self.start_position = (0, 0) if start is None else counts.position(start)
-        self._eval_steps = frozenset(config.eval.get("steps", ()))  # checked every step
 
     # ------------------------------------------------------------------ the loop's driver
 
@@ -120,15 +119,6 @@ class Trainer(RunParts):
             state, measured = self.step.measure_now(state, inputs, a)
         state, step_metrics = self.step(state, inputs, a)
         return state, 1, (step_metrics, measured)
-
-    def checkpoint_due(self, step: int) -> bool:
-        return step % self.config.train.checkpoint_every == 0
-
-    def evaluation_due(self, step: int) -> bool:
-        if self._eval_steps:
-            return step in self._eval_steps
-        every = self.config.eval.every
-        return bool(every and step % every == 0)
 
     def evaluate_at(self, state: TrainState, step: int) -> dict[str, Any]:
         out = self.evaluate_async(state)

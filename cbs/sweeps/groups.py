@@ -183,9 +183,6 @@ class TrialGroup:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
                             shapes)
 
-    def restored(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state  # each trial's η_0 is its own, in the state
-
     def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
                 ) -> tuple[dict[str, Any], int, None]:
         """All K trials from `step` to the next evaluation, in one dispatch."""
@@ -211,10 +208,6 @@ class TrialGroup:
         """One record per trial (its `trial` index and its values)."""
         return [{"trial": t.index} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
                 for i, t in enumerate(self.trials)]
-
-    def noise_scale(self, state: dict[str, Any], name: str) -> float:
-        raise ValueError("a trial group trains at a constant batch size: it observes no "
-                         f"noise scale ({name})")
 
     def num_compilations(self) -> int:
         return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
