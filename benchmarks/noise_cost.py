@@ -17,7 +17,7 @@ T = 128 (V = 80). Rows, each one jitted function of (params, batch):
   per-example norms);
 - probe(1): `cbs.stats.noise.probe(num_probes=1)` (one JVP over the per-example losses);
 - two-batch: ḡ of two micro-batches of B/2 (accumulated as a train step would) and
-  `cbs.stats.noise.two_batch`;
+  `cbs.stats.smoothing.two_batch`;
 - curvature g_h_g: ḡ and ḡᵀHḡ (one HVP, `cbs.curvature.vhv`);
 - curvature trace_h_sigma: `cbs.stats.noise.exact(curvature=True)`, one HVP per example, chunked.
 
@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from cbs import models
-from cbs.stats import curvature, dropin, ghost, noise, trees
+from cbs.stats import curvature, dropin, ghost, noise, smoothing, trees
 
 # name: (batch size, chunk of exact-vmap, chunk of trace_h_sigma). trace_h_sigma takes one
 # HVP of the whole-batch loss per example, so its vmapped chunk multiplies the working set
@@ -103,7 +103,7 @@ def rows(loss_fn: Callable, batch_size: int, chunk: int, hvp_chunk: int
         g2 = jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[half:], batch))
         sq_small = (trees.tree_sq_norm(g1) + trees.tree_sq_norm(g2)) / 2
         grad = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-        return grad, noise.two_batch(sq_small, trees.tree_sq_norm(grad), half, batch_size)
+        return grad, smoothing.two_batch(sq_small, trees.tree_sq_norm(grad), half, batch_size)
 
     def g_h_g(params, batch):
         grad = jax.grad(loss_fn)(params, batch)

@@ -13,6 +13,11 @@ stable public paths of modules in them.
 
 __version__ = "0.1.0"
 
+__all__ = [  # the layer packages, the public modules and the install hint
+    "analysis", "commands", "configs", "curvature", "data", "engine", "fit", "install_command",
+    "models", "noise", "report", "results", "schedules", "stats", "sweeps", "train",
+]
+
 
 def install_command(extra: str) -> str:
     """The command that installs the optional extra `extra` (e.g. "tfds") for this copy of cbs:

@@ -1,13 +1,8 @@
-"""`cbs.curvature`: the public API of `cbs.stats.curvature`, re-exported.
+"""`cbs.curvature`: the public API of `cbs.stats.curvature`, re-exported (`__all__` is its).
 
-Hessian-vector products, and the pytree helpers the noise statistics are built from.
+Hessian-vector products and the quadratic forms the curvature-aware noise scale is built from.
 """
 
-from cbs.stats.curvature import (  # noqa: F401
-    block_quadratic_forms,
-    hvp,
-    hvp_fn,
-    tree_cast_like,
-    tree_dot,
-    vhv,
-)
+from cbs.stats.curvature import block_quadratic_forms, hvp, hvp_fn, vhv
+
+__all__ = ["block_quadratic_forms", "hvp", "hvp_fn", "vhv"]

@@ -1,23 +1,33 @@
-"""`cbs.fit`: the public API of `cbs.analysis.fit`, re-exported.
+"""`cbs.fit`: the public API of `cbs.analysis.fit` (the fits) and `cbs.analysis.selection`
+(from trial records to fit points), re-exported: `__all__` is the union of theirs.
 
 Fits of the steps–examples trade-off and of B_crit against loss (numpy/scipy, no model).
 """
 
-from cbs.analysis.fit import (  # noqa: F401
+from cbs.analysis.fit import (
     INSUFFICIENT,
     OK,
-    BestPerBatchSize,
     PowerLawFit,
     TradeoffFit,
     alpha_interval,
-    best_per_batch_size,
     fit_power_law,
     fit_tradeoff,
     json_ready,
     model_log_steps,
-    noise_scale_at_crossing,
     quantile_interval,
-    steps_to_target,
     studentized,
     tradeoff_warnings,
 )
+from cbs.analysis.selection import (
+    BestPerBatchSize,
+    best_per_batch_size,
+    noise_scale_at_crossing,
+    steps_to_target,
+)
+
+__all__ = [
+    "INSUFFICIENT", "OK", "BestPerBatchSize", "PowerLawFit", "TradeoffFit", "alpha_interval",
+    "best_per_batch_size", "fit_power_law", "fit_tradeoff", "json_ready", "model_log_steps",
+    "noise_scale_at_crossing", "quantile_interval", "steps_to_target", "studentized",
+    "tradeoff_warnings",
+]

@@ -1,35 +1,40 @@
-"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported, the drop-in for a
-training loop of `cbs.stats.dropin`, and the loop monitor of `cbs.stats.monitor`.
+"""`cbs.noise`: the public API of `cbs.stats.noise` (the estimators and their registry),
+`cbs.stats.dropin` (the drop-in for a training loop), `cbs.stats.smoothing` (the two-batch
+estimator and its EMA), `cbs.stats.loss_checks` (the refusal of losses without per-example
+gradients) and `cbs.stats.monitor` (the loop monitor), re-exported: `__all__` is the union of
+theirs.
 
 Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
 """
 
-from cbs.stats.dropin import (  # noqa: F401
+from cbs.stats.dropin import (
     example_keys,
     keyed_loss,
     nnx_value_grad_and_stats,
     value_grad_and_stats,
     with_keys,
 )
-from cbs.stats.monitor import NoiseMonitor  # noqa: F401
-from cbs.stats.noise import (  # noqa: F401
+from cbs.stats.loss_checks import allow_randomness, check_loss_fn
+from cbs.stats.monitor import NoiseMonitor
+from cbs.stats.noise import (
     CURVATURE_KEYS,
     SIMPLE_KEYS,
     STAT_KEYS,
-    NoiseScaleEMA,
+    MethodFn,
     NoiseStats,
-    allow_randomness,
-    block_quadratic_forms,
-    check_inputs,
     exact,
     get_method,
-    group_matrix,
-    hvp_fn,
     method_names,
     per_example_sq_norms,
     probe,
     register_method,
-    run_auto_axes,
     takes_hessian_batch,
-    two_batch,
 )
+from cbs.stats.smoothing import NoiseScaleEMA, two_batch
+
+__all__ = [
+    "CURVATURE_KEYS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseMonitor", "NoiseScaleEMA",
+    "NoiseStats", "allow_randomness", "check_loss_fn", "exact", "example_keys", "get_method",
+    "keyed_loss", "method_names", "nnx_value_grad_and_stats", "per_example_sq_norms", "probe",
+    "register_method", "takes_hessian_batch", "two_batch", "value_grad_and_stats", "with_keys",
+]

@@ -1,24 +1,23 @@
-"""`cbs.report`: the public API of `cbs.analysis.report`, re-exported.
+"""`cbs.report`: the public API of `cbs.analysis.report` (the analysis of a sweep directory)
+and `cbs.analysis.report_tables` (its Markdown tables), re-exported: `__all__` is the union
+of theirs.
 
 Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
+The names of the files it writes are in `cbs.results.files`.
 """
 
-from cbs.analysis.report import (  # noqa: F401
-    ANALYSIS_FILE,
-    FIGURES_DIR,
-    RAMPS_FILE,
-    REPORT_FILE,
-    SweepStore,
+from cbs.analysis.report import (
     analyze,
     analyze_target,
-    kaplan_table,
     load_analysis,
     make_figures,
-    ramp_table,
     read_ramps,
     seed_spread,
-    seed_table,
-    summary_table,
-    target_key,
     write_report,
 )
+from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
+
+__all__ = [
+    "analyze", "analyze_target", "kaplan_table", "load_analysis", "make_figures", "ramp_table",
+    "read_ramps", "seed_spread", "seed_table", "summary_table", "write_report",
+]

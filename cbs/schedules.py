@@ -1,9 +1,11 @@
-"""`cbs.schedules`: the public API of `cbs.engine.schedules` and `cbs.engine.lr`, re-exported.
+"""`cbs.schedules`: the public API of `cbs.engine.schedules` (batch-size schedules) and
+`cbs.engine.lr` (learning-rate coupling and schedules), re-exported: `__all__` is the union
+of theirs.
 
 Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
 """
 
-from cbs.engine.lr import (  # noqa: F401
+from cbs.engine.lr import (
     DECAYS,
     EXPONENTS,
     LR_RULES,
@@ -16,9 +18,10 @@ from cbs.engine.lr import (  # noqa: F401
     lr_schedule_from_config,
     validate_coupling_config,
 )
-from cbs.engine.schedules import (  # noqa: F401
+from cbs.engine.schedules import (
     Adaptive,
     AdaptiveState,
+    BatchSchedule,
     Constant,
     Linear,
     Step,
@@ -31,3 +34,11 @@ from cbs.engine.schedules import (  # noqa: F401
     register,
     validate_batch_config,
 )
+
+__all__ = [
+    "DECAYS", "EXPONENTS", "LR_RULES", "Adaptive", "AdaptiveState", "BatchSchedule", "Constant",
+    "Linear", "Step", "batch_schedule_from_config", "batch_size_trace", "checked_schedule",
+    "coupled_lr", "coupled_lr_history", "coupling_from_config", "deepseek_v3_schedule",
+    "in_sequences", "learning_rate_shape", "llama3_schedule", "lr_multiplier", "lr_schedule",
+    "lr_schedule_from_config", "register", "validate_batch_config", "validate_coupling_config",
+]

@@ -1,20 +1,30 @@
-"""`cbs.train`: the public API of `cbs.engine.trainer`, re-exported.
+"""`cbs.train`: the public API of `cbs.engine.trainer` (a run from a config),
+`cbs.engine.loop` (the one training loop), `cbs.engine.parts` (the parts of a run), the state
+and step of `cbs.engine.step` and the noise measurement's spec (`cbs.engine.noise_spec`),
+re-exported: `__all__` is the union of theirs.
 
 Training runs from a config: set-up (`RunParts`), the loop, evaluation, checkpoints, records,
 resume.
 """
 
-from cbs.engine.trainer import (  # noqa: F401
-    ENDED,
-    DivergedError,
-    EvalFn,
-    Loop,
+from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash, ended_run
+from cbs.engine.noise_spec import (
+    AUTO_METHOD,
+    EXAMPLES,
+    FULL_DATA_MAX,
+    FULL_DATA_METHOD,
+    MOVED_SWEEP_KEYS,
     NoiseSpec,
-    RunParts,
-    Trainer,
-    TrainState,
-    TrainStep,
-    config_hash,
-    init_train_state,
-    run,
+    check_moved_keys,
+    validate_config,
 )
+from cbs.engine.parts import RunParts
+from cbs.engine.step import StatefulLoss, TrainState, TrainStep, init_train_state, stateless
+from cbs.engine.trainer import EvalFn, Trainer, run
+
+__all__ = [
+    "AUTO_METHOD", "ENDED", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "MOVED_SWEEP_KEYS",
+    "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts", "StatefulLoss", "StopFn",
+    "TrainState", "TrainStep", "Trainer", "check_moved_keys", "config_hash", "ended_run",
+    "init_train_state", "run", "stateless", "validate_config",
+]

@@ -23,7 +23,7 @@ from absl import flags, logging
 from cbs import data, models
 from cbs.engine import cli
 from cbs.engine.parts import RunParts
-from cbs.stats import noise, trees
+from cbs.stats import noise, smoothing, trees
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")
 _BATCH = flags.DEFINE_integer("batch_size", 1438, "Training examples per measurement.")
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
                              curvature=True)})
     half = _BATCH.value // 2
     halves = [jax.tree.map(lambda x, i=i: x[i * half:(i + 1) * half], batch) for i in (0, 1)]
-    two_batch = jax.jit(lambda p: noise.two_batch(
+    two_batch = jax.jit(lambda p: smoothing.two_batch(
         0.5 * sum(_sq_grad(loss_fn, p, h) for h in halves), _sq_grad(loss_fn, p, batch),
         half, 2 * half))
     accum = runner.accum_steps(c.batch.schedule.batch_size)

@@ -1,4 +1,6 @@
-"""The import rule of docs/design.md: layers import only lower layers, no cycles.
+"""The import rule of docs/design.md: layers import only lower layers, no cycles; and the
+one public surface: `__all__` in every module, façades that re-export it, no re-exports
+between library modules, package docstrings that list their modules.
 
 Every module under cbs/ is parsed (not imported); imports inside functions count too, since
 a deferred import is still a dependency and a deferred cycle still a cycle.
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cbs"
@@ -24,6 +25,7 @@ ALLOWED = {  # package -> packages it may import (besides itself)
     "configs": {"stats", "data", "results", "models", "analysis", "engine", "sweeps"},
     "commands": {"stats", "data", "results", "models", "analysis", "engine", "sweeps", "configs"},
 }
+PENDING: set[str] = set()  # modules exempt from the `__all__` and re-export checks: none
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -63,44 +65,163 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_every_package_is_known_and_every_alias_is_a_plain_facade():
+    """A façade imports whole public APIs: its `__all__` is the union of the `__all__` of the
+    modules it imports from, every name the very object defined there."""
     modules = _modules()
     packages = {m.split(".")[1] for m in modules if m.count(".") >= 1}
     top_level = {m.split(".")[1] for m in modules if m.count(".") == 1
                  and not (ROOT / m.split(".")[1]).is_dir()}
     assert top_level == ALIASES, "a new top-level module: put it in a layer package"
     assert packages - ALIASES == set(ALLOWED)
-    for name in ALIASES:  # a façade re-exports the real module's whole public API
-        source = (ROOT / f"{name}.py").read_text()
-        assert "sys.modules" not in source
+    for name in ALIASES:
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        assert "sys.modules" not in ast.unparse(tree)
         facade = importlib.import_module(f"cbs.{name}")
-        for module in _facade_sources(source):
+        sources = {n.module: [a.name for a in n.names] for n in tree.body
+                   if isinstance(n, ast.ImportFrom)}
+        expected = set()
+        for module, imported in sources.items():
             real = importlib.import_module(module)
-            missing = sorted(set(_public_names(real)) - set(vars(facade)))
-            assert not missing, f"cbs.{name} lacks {missing}: add them to cbs/{name}.py"
-            for n in _public_names(real):
+            public = set(_declared_all(modules[module]) or imported)  # PENDING: as imported
+            assert set(imported) == public, f"cbs.{name} must import exactly {module}.__all__"
+            expected |= public
+            for n in public:
                 assert getattr(facade, n) is getattr(real, n)
+        assert sorted(facade.__all__) == sorted(expected), f"cbs/{name}.py: __all__"
 
 
-def _facade_sources(source: str) -> list[str]:
-    """The modules a façade file re-exports whole: its `from cbs.X.Y import (...)` with the most
-    names and any other with more than two (a façade may add a name or two from a sibling
-    module without taking on that module's whole API)."""
-    nodes = [n for n in ast.parse(source).body if isinstance(n, ast.ImportFrom)]
-    top = max(nodes, key=lambda n: len(n.names))
-    return [n.module for n in nodes if n is top or len(n.names) > 2]
+def _declared_all(path: pathlib.Path) -> list[str] | None:
+    """The literal `__all__` of a module file, or None when it has none."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return None
 
 
-def _public_names(module) -> list[str]:
-    """Names a user may import from a module: its functions, classes and constants, and
-    those it takes from other cbs modules (not third-party names such as np or Any)."""
-    out = []
-    for n, v in vars(module).items():
-        if n.startswith("_") or inspect.ismodule(v):
-            continue
-        owner = getattr(v, "__module__", None)
-        if (owner or "").startswith("cbs") or (owner is None and n.isupper()):
-            out.append(n)
+def _defined(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level by def, class or assignment (not by import)."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
     return out
+
+
+def _own(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Per module, the names another module may take from it: those it defines, its
+    submodules, and for a package the `__all__` it gathers from its own submodules."""
+    out = {}
+    for m, path in modules.items():
+        names = _defined(ast.parse(path.read_text()))
+        names |= {s.rsplit(".", 1)[1] for s in modules if "." in s and s.rsplit(".", 1)[0] == m}
+        if path.name == "__init__.py":
+            names |= set(_declared_all(path) or [])
+        out[m] = names
+    return out
+
+
+def _is_facade(module: str) -> bool:
+    return module.count(".") == 1 and module.split(".")[1] in ALIASES
+
+
+def test_every_module_declares_all_and_all_names_its_own_definitions():
+    """`__all__` is the one definition of public: every module has one (a literal list), and
+    a module lists only names it defines (a package may gather its own submodules' names)."""
+    modules = _modules()
+    missing, foreign = [], []
+    for m, path in modules.items():
+        declared = _declared_all(path)
+        if m in PENDING or _is_facade(m):
+            continue
+        if declared is None:
+            missing.append(m)
+            continue
+        own = _defined(ast.parse(path.read_text()))
+        if path.name == "__init__.py":  # a package gathers its submodules' public names
+            subs = {k: v for k, v in modules.items() if "." in k and k.rsplit(".", 1)[0] == m}
+            own |= {k.rsplit(".", 1)[1] for k in subs}
+            own |= {n for v in subs.values() for n in _declared_all(v) or _defined(
+                ast.parse(v.read_text()))}
+        foreign += [f"{m}.__all__ names {n}, defined elsewhere" for n in declared if n not in own]
+    assert missing == [], f"modules without __all__: {missing}"
+    assert foreign == [], "\n".join(foreign)
+
+
+def _module_aliases(tree: ast.Module, modules: set[str]) -> dict[str, str]:
+    """Local names bound to cbs modules by `from cbs.x import y` or `import cbs.x as y`."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in modules:
+                    out[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            out |= {a.asname: a.name for a in node.names if a.asname and a.name in modules}
+    return out
+
+
+def _rebound(tree: ast.Module) -> set[str]:
+    """Names bound other than by import (arguments, assignments, loop targets): a module alias
+    shadowed by a local is not followed."""
+    out = {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+           for a in n.args + n.kwonlyargs + n.posonlyargs}
+    return out | {n.id for n in ast.walk(tree)
+                  if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _borrowed(path: pathlib.Path, modules: set[str], own: dict[str, set[str]]) -> list[str]:
+    """Places where `path` takes a name from a cbs module that does not define it."""
+    tree = ast.parse(path.read_text(), str(path))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in own and node.level == 0:
+            bad += [f"{path.name}:{node.lineno} imports {a.name} from {node.module}"
+                    for a in node.names if a.name not in own[node.module]]
+    aliases = _module_aliases(tree, modules)
+    for name in _rebound(tree):
+        aliases.pop(name, None)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and node.attr not in own[aliases[node.value.id]]):
+            bad.append(f"{path.name}:{node.lineno} reads {node.attr} through "
+                       f"{aliases[node.value.id]}")
+    return bad
+
+
+def test_library_modules_import_names_from_where_they_are_defined():
+    """No re-exports between library modules: a name comes from the module that defines it
+    (or a package's gathered `__all__`), never through another module that imported it."""
+    modules = _modules()
+    own = _own(modules)
+    bad = []
+    for m, path in modules.items():
+        if m not in PENDING and not _is_facade(m):
+            bad += _borrowed(path, set(modules), own)
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_re_export_check_can_fail(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("from cbs.engine import trainer\nfrom cbs.engine.trainer import config_hash\n"
+                 "x = trainer.config_hash\n")
+    modules = _modules()
+    bad = _borrowed(f, set(modules), _own(modules))
+    assert len(bad) == 2, bad
+
+
+def test_every_package_docstring_lists_its_modules():
+    """A package's docstring names each of its modules (as `name` in backquotes)."""
+    bad = []
+    for init in sorted(ROOT.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for module in sorted(init.parent.glob("*.py")):
+            if module.name != "__init__.py" and f"`{module.stem}`" not in doc:
+                bad.append(f"cbs.{init.parent.name} does not list `{module.stem}`")
+    assert bad == [], "\n".join(bad)
 
 
 def test_layers_import_only_lower_layers():
@@ -165,3 +286,20 @@ def test_the_checker_finds_a_violation(tmp_path):
     found = _imports(f, {"cbs.engine.trainer", "cbs.noise"})
     assert found == {"cbs.engine.trainer", "cbs.noise"}
     assert "engine" not in ALLOWED["stats"] and "sweeps" not in ALLOWED["engine"]
+
+
+def test_config_errors_in_the_engine_and_above_are_config_errors():
+    """One validation style: where `ConfigError` can be imported (the engine and above), a
+    config field's error is a `ConfigError` whose message starts with the dotted field
+    (`config.sweep.batch_sizes: ...`), never a bare ValueError."""
+    bad = []
+    for module, path in _modules().items():
+        if _package(module) not in {"engine", "sweeps", "commands"} or module in PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "ValueError" and node.exc.args
+                    and ast.unparse(node.exc.args[0]).lstrip("f").startswith(("'config.",
+                                                                              '"config.'))):
+                bad.append(f"{module}:{node.lineno}")
+    assert bad == [], f"config errors raised as ValueError: {bad}"

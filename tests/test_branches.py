@@ -20,7 +20,8 @@ import pytest
 
 from cbs import data
 from cbs.analysis import branch_report
-from cbs.engine import trainer
+from cbs.engine import lr, trainer
+from cbs.engine.fields import ConfigError
 from cbs.results import files, records
 from cbs.stats import noise
 from cbs.sweeps import branch_noise, branch_unit, branches
@@ -81,15 +82,18 @@ def test_paper_defaults_and_bad_config_names_the_field():
     assert branches.ema_decay_per_step(c, 4) == 0.5
     c.branch.loss_ema_per, c.branch.loss_ema_decay = "reference_batch", 0.9
     assert branches.ema_decay_per_step(c, 4) == pytest.approx(0.9**4)
-    with pytest.raises(ValueError, match="branch.ks"):
+    with pytest.raises(ConfigError, match=r"^config\.branch\.ks: "):
         branches.validate_branch_config(_config(ks=(2, 4)))
-    with pytest.raises(ValueError, match="branch.window_examples"):
+    with pytest.raises(ConfigError, match=r"^config\.branch\.window_examples: "):
         branches.validate_branch_config(_config(window_examples=100))
-    with pytest.raises(ValueError, match="branch.window_examples"):  # 48 examples: 1.5 steps at k=2
+    with pytest.raises(ConfigError, match=r"^config\.branch\.window_examples: "):  # 1.5 k=2 steps
         branches.validate_branch_config(_config(ks=(1, 2, 3), window_examples=48))
-    for field in ("criterion", "b_star", "loss_ema_per"):
-        with pytest.raises(ValueError, match=f"branch.{field}"):
+    for field in ("criterion", "b_star", "loss_ema_per", "lr_rule"):
+        with pytest.raises(ConfigError, match=rf"^config\.branch\.{field}: .*got 'nope'"):
             branches.validate_branch_config(_config(**{field: "nope"}))
+    with pytest.raises(ConfigError, match=r"^config\.branch\.lr_rule: "):  # f(k) must grow
+        branches.validate_branch_config(_config(lr_rule="none"))
+    assert set(branches.BRANCH_LR_RULES) == set(lr.LR_RULES) - {"none"}
 
 
 def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from cbs.engine import checkpoint, step, writer
 from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records
-from cbs.stats import noise
+from cbs.stats import smoothing
 
 
 def _state(mesh, scale: float = 1.0) -> step.TrainState:
@@ -46,7 +46,7 @@ def test_round_trip_keeps_values_structure_and_shardings(tmp_path, mesh):
     ckpt.close()
     assert restored_meta == meta
     assert isinstance(restored, step.TrainState)
-    assert isinstance(restored.noise_ema, noise.NoiseScaleEMA)
+    assert isinstance(restored.noise_ema, smoothing.NoiseScaleEMA)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)

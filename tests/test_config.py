@@ -14,6 +14,7 @@ import pytest
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
+from cbs.engine.fields import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "cbs", "configs")  # the presets
 
@@ -87,7 +88,7 @@ BAD = [
 def test_bad_field_is_named(key, value, field):
     c = config_lib.default_config()
     _set(c, key, value)
-    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         config_lib.validate(c, data_replicas=1, model_names=("mlp", "cnn", "transformer"),
                             dataset_names=("digits", "mnist1d"))
 
@@ -113,7 +114,7 @@ def test_each_component_checks_its_own_section(section, key, value, field):
     c[section][key] = value
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         own(c[section])
-    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         config_lib.validate(c, data_replicas=1, model_names=("mlp",),
                             dataset_names=("digits", "mnist1d"))
 
@@ -128,7 +129,7 @@ def test_a_decay_takes_its_end_from_the_run_budget():
     from cbs.engine import optim
     c = config_lib.default_config().optim
     c.decay = "cosine"
-    with pytest.raises(config_lib.ConfigError, match=r"config\.optim\.total_examples"):
+    with pytest.raises(ConfigError, match=r"config\.optim\.total_examples"):
         optim.validate_config(c)
     optim.validate_config(c, max_examples=1000)
 
@@ -136,14 +137,14 @@ def test_a_decay_takes_its_end_from_the_run_budget():
 def test_batch_must_divide_over_replicas():
     c = config_lib.default_config()  # m = 32, B = 128
     config_lib.validate(c, data_replicas=4)
-    with pytest.raises(config_lib.ConfigError, match=r"config\.batch\.schedule.*32 × 8"):
+    with pytest.raises(ConfigError, match=r"config\.batch\.schedule.*32 × 8"):
         config_lib.validate(c, data_replicas=8)
 
 
 def test_noise_batch_must_fit_the_smallest_batch():
     c = config_lib.default_config()
     c.noise.every, c.noise.batch_size = 10, 256
-    with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.batch_size"):
+    with pytest.raises(ConfigError, match=r"config\.noise\.batch_size"):
         config_lib.validate(c, data_replicas=1)
 
 
@@ -169,7 +170,7 @@ def test_trainer_fails_before_compiling(key, value, field, compile_events):
     _set(c, key, value)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     before = len(compile_events)
-    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         trainer.Trainer(c, mesh=mesh)
     assert len(compile_events) == before
 

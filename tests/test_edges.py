@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from cbs.analysis import edges
+from cbs.analysis import edges, report_tables
 from cbs.sweeps import grid
 
 RULES = {"count": 1, "steps": 4, "max_lr": 0.0, "min_lr": 0.0}
@@ -132,7 +132,6 @@ def test_grid_status_counts_missing_trials_and_ignores_foreign_records():
 
 
 def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
-    from cbs.analysis import report, report_tables
 
     fit_ok = {"status": "ok", "b_crit": 3.0, "b_crit_ci": [2.0, 4.0], "s_min": 10.0,
               "e_min": 30.0, "warnings": []}
@@ -142,12 +141,12 @@ def test_report_marks_extrapolated_b_crit_incomplete_grids_and_caps():
               "edge_batch_sizes": [8.0], "capped_batch_sizes": [32.0]}
     analysis = {"targets": [target], "power_law": {"status": "insufficient data"},
                 "tokens_per_example": 32}
-    row = report.summary_table(analysis).splitlines()[2]
+    row = report_tables.summary_table(analysis).splitlines()[2]
     assert "3 (2–4) (extrapolated)" in row and "ok, incomplete grid" in row
     notes = report_tables.grid_notes(analysis)
     assert "still at an edge of the grid at B = 8" in notes[0]
     assert "cap at B = 32" in notes[1]
-    assert "| 0.5 | 3 (extrapolated) | 96 | 64–128 |" in report.kaplan_table(analysis)
+    assert "| 0.5 | 3 (extrapolated) | 96 | 64–128 |" in report_tables.kaplan_table(analysis)
 
 
 def test_one_seed_at_an_edge_extends_the_grid_as_the_analysis_selects():

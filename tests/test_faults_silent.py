@@ -26,7 +26,7 @@ from cbs.engine import checkpoint, cli, loop, trainer
 from cbs.engine import mesh as mesh_lib
 from cbs.results import records
 from cbs.results.store import SweepStore, definition_diff
-from cbs.stats import dropin, ghost, noise
+from cbs.stats import dropin, ghost, loss_checks, noise
 from cbs.sweeps import branches, grid, launch, ramps
 from experiments.configs import digits_branch, digits_mlp, digits_ramps, digits_sweep
 
@@ -237,7 +237,7 @@ def test_dropout_with_a_fixed_key_is_refused_unless_declared_per_example():
         return jnp.mean((jnp.where(keep, h, 0.0).sum(-1) - batch["y"]) ** 2)
 
     _refused_everywhere(loss_fn, params, batch, r"draws random numbers .*\(random_bits in its "
-                                                r"jaxpr.*noise.allow_randomness")
+                                                r"jaxpr.*loss_checks.allow_randomness")
 
     def per_example(params, batch):  # each example's mask from its own id: the same anywhere
         h = batch["x"] @ params["w"]
@@ -246,7 +246,7 @@ def test_dropout_with_a_fixed_key_is_refused_unless_declared_per_example():
         return jnp.mean((jnp.where(keep, h, 0.0).sum(-1) - batch["y"]) ** 2)
 
     batch["id"] = np.arange(16, dtype=np.int32)
-    declared = noise.allow_randomness(per_example)
+    declared = loss_checks.allow_randomness(per_example)
     auto, vmap = (noise.exact(declared, params, batch, method=m) for m in ("auto", "vmap"))
     np.testing.assert_allclose(auto.trace_sigma, vmap.trace_sigma, rtol=1e-5)
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cbs.analysis import fit
+from cbs.analysis import fit, selection
 
 S_MIN, E_MIN = 200.0, 12800.0  # B_crit = 64
 BATCH_SIZES = 2.0 ** np.arange(2, 12)  # 4 .. 2048, B_crit in the middle
@@ -172,21 +172,21 @@ def test_steps_to_target_interpolation_exact_on_exponential_decay():
     steps = np.arange(0, 1001, 40)
     loss = np.exp(-steps / 300.0)
     for target in (0.5234, 0.2, 0.05):
-        assert fit.steps_to_target(steps, loss, target) == pytest.approx(
+        assert selection.steps_to_target(steps, loss, target) == pytest.approx(
             -300.0 * math.log(target), abs=1e-9)
-    assert fit.steps_to_target(steps, loss, 0.5234, interpolate=False) == 200.0
-    assert fit.steps_to_target(steps, loss, 2.0) == 0.0
-    assert fit.steps_to_target(steps, loss, 0.01) is None  # exp(−1000/300) ≈ 0.036
+    assert selection.steps_to_target(steps, loss, 0.5234, interpolate=False) == 200.0
+    assert selection.steps_to_target(steps, loss, 2.0) == 0.0
+    assert selection.steps_to_target(steps, loss, 0.01) is None  # exp(−1000/300) ≈ 0.036
 
 
 def test_steps_to_target_first_crossing_nan_and_nonpositive():
     steps = [0, 10, 20, 30, 40]
     loss = [1.0, 0.4, 0.8, 0.2, float("nan")]
-    assert fit.steps_to_target(steps, loss, 0.5) == pytest.approx(
+    assert selection.steps_to_target(steps, loss, 0.5) == pytest.approx(
         10 * math.log(2.0) / math.log(2.5))
-    assert fit.steps_to_target(steps, [1.0, float("nan"), float("nan")], 0.5) is None
+    assert selection.steps_to_target(steps, [1.0, float("nan"), float("nan")], 0.5) is None
     # A metric that can reach zero or below is interpolated linearly.
-    assert fit.steps_to_target([0, 10], [1.0, -1.0], 0.0) == pytest.approx(5.0)
+    assert selection.steps_to_target([0, 10], [1.0, -1.0], 0.0) == pytest.approx(5.0)
 
 
 def test_best_per_batch_size():
@@ -202,7 +202,7 @@ def test_best_per_batch_size():
         {"batch_size": 32, "learning_rate": 0.1, "steps": None},
         {"batch_size": 32, "learning_rate": 0.2, "steps": float("nan")},
     ]
-    best = fit.best_per_batch_size(recs)
+    best = selection.best_per_batch_size(recs)
     np.testing.assert_array_equal(best.batch_sizes, [8, 16])
     # B = 16: seed 0's best is 30 steps at 0.4, seed 1's 50 at 0.2; S is their mean.
     np.testing.assert_array_equal(best.steps, [80, 40])
@@ -215,12 +215,12 @@ def test_best_per_batch_size():
     assert best.missing_batch_sizes == [32.0]
     # Both seeds' optima at B = 16 sit at an edge of the rates each seed tried.
     assert len(best.unreached) == 4 and best.edge_batch_sizes == [16.0]
-    edge = fit.best_per_batch_size(recs[:2])
+    edge = selection.best_per_batch_size(recs[:2])
     assert edge.edge_batch_sizes == [8.0]
     # A batch size where one seed never reached the target is missing, not averaged.
     one_missed = recs[3:8] + [{"batch_size": 16, "learning_rate": 0.2, "steps": None,
                                "seed": 2}]
-    assert fit.best_per_batch_size(one_missed).missing_batch_sizes == [16.0]
+    assert selection.best_per_batch_size(one_missed).missing_batch_sizes == [16.0]
 
 
 def test_best_per_batch_size_takes_each_seeds_optimum_under_early_stopping():
@@ -240,7 +240,7 @@ def test_best_per_batch_size_takes_each_seeds_optimum_under_early_stopping():
         {"batch_size": 256, "learning_rate": 7.5e-4, "seed": 0, "steps": 284.55},
         {"batch_size": 256, "learning_rate": 7.5e-4, "seed": 1, "steps": 276.98},
     ]
-    best = fit.best_per_batch_size(recs)
+    best = selection.best_per_batch_size(recs)
     np.testing.assert_allclose(best.steps, [(129.97 + 141.49) / 2], rtol=1e-12)
     assert best.seed_learning_rates == [[6e-3, 3e-3]] and best.edge_batch_sizes == []
     # Through a fit: a sweep on S = 100 + 6400/B (B_crit = 64) whose seeds alternate their
@@ -253,7 +253,7 @@ def test_best_per_batch_size_takes_each_seeds_optimum_under_early_stopping():
             rows += [{"batch_size": b, "learning_rate": fast, "seed": sd, "steps": s},
                      {"batch_size": b, "learning_rate": other, "seed": sd, "steps": None},
                      {"batch_size": b, "learning_rate": 0.005, "seed": sd, "steps": 1.4 * s}]
-    best = fit.best_per_batch_size(rows)
+    best = selection.best_per_batch_size(rows)
     f = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=0)
     assert f.b_crit == pytest.approx(64.0, rel=1e-9)
     np.testing.assert_allclose(best.steps, 100 + 6400 / best.batch_sizes, rtol=1e-12)
@@ -266,17 +266,17 @@ def test_noise_scale_at_crossing_is_ratio_of_window_means():
     grad_sq = np.where(np.arange(steps.size) % 2 == 0, 0.2, 0.8)
     snapshots = trace_sigma / grad_sq
     assert snapshots.max() / snapshots.min() == pytest.approx(4.0)
-    b = fit.noise_scale_at_crossing(steps, trace_sigma, grad_sq, 500.0, window=100.0)
+    b = selection.noise_scale_at_crossing(steps, trace_sigma, grad_sq, 500.0, window=100.0)
     # 21 points in [450, 550]: 11 of 0.2, 10 of 0.8.
     assert b == pytest.approx(50.0 / ((11 * 0.2 + 10 * 0.8) / 21), rel=1e-12)
     assert abs(b / 100.0 - 1) < 0.03
     # Relative default window, nearest points when the window is empty, NaN without a crossing.
-    assert fit.noise_scale_at_crossing(steps, trace_sigma, grad_sq, 500.0) == pytest.approx(
+    assert selection.noise_scale_at_crossing(steps, trace_sigma, grad_sq, 500.0) == pytest.approx(
         50.0 / np.mean(grad_sq[(steps >= 450) & (steps <= 550)]))
-    sparse = fit.noise_scale_at_crossing([0, 400, 800], [1.0, 2.0, 3.0], [1.0, 1.0, 1.0],
+    sparse = selection.noise_scale_at_crossing([0, 400, 800], [1.0, 2.0, 3.0], [1.0, 1.0, 1.0],
                                          500.0, window=10.0, min_points=2)
     assert sparse == pytest.approx((2.0 + 3.0) / 2.0)
-    assert math.isnan(fit.noise_scale_at_crossing(steps, trace_sigma, grad_sq, None))
+    assert math.isnan(selection.noise_scale_at_crossing(steps, trace_sigma, grad_sq, None))
 
 
 def test_steps_proportional_to_one_over_b_give_an_unbounded_status_not_infinity():

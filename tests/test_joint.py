@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from cbs.analysis import fit, joint
+from cbs.analysis import fit, joint, selection
 
 BATCH_SIZES = np.array([4, 8, 16, 32, 64, 128, 256, 512.0])
 LOSSES = np.array([2.5, 2.4, 2.3, 2.2, 2.1])
@@ -28,7 +28,7 @@ def _sweep(rng, b_crit, shared=0.08, own=0.04, seeds=2):
             common + own * rng.standard_normal((BATCH_SIZES.size, seeds)))
         rows = [{"batch_size": b, "learning_rate": 1e-3, "seed": sd, "steps": float(s[i, sd])}
                 for i, b in enumerate(BATCH_SIZES) for sd in range(seeds)]
-        table = fit.best_per_batch_size(rows)
+        table = selection.best_per_batch_size(rows)
         tables.append(table)
         points.append(fit.fit_tradeoff(table.batch_sizes, table.steps, bootstrap=0))
     return tables, points
@@ -87,7 +87,7 @@ def test_intervals_depend_on_the_records_alone():
         rows = [{"batch_size": b, "learning_rate": 1e-3, "seed": sd, "steps": s}
                 for b, ss in zip(t.batch_sizes, t.seed_steps, strict=True)
                 for sd, s in enumerate(ss)]
-        shuffled.append(fit.best_per_batch_size(rows[::-1]))
+        shuffled.append(selection.best_per_batch_size(rows[::-1]))
     b = joint.joint_bootstrap(shuffled, LOSSES, points, n=200)
     assert a.seed == b.seed == joint.data_seed(tables)
     assert a.b_crit_ci == b.b_crit_ci and a.alpha_b_ci == b.alpha_b_ci

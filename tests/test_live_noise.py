@@ -26,7 +26,7 @@ from cbs import models
 from cbs.engine import live_noise, optim, step, step_metrics
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.stats import noise
+from cbs.stats import noise, smoothing
 
 RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4
 
@@ -135,7 +135,7 @@ def test_unreadable_model_falls_back_to_two_batch(caplog):
              for k in range(4)]
     small = np.mean([sum(float(jnp.sum(g ** 2)) for g in jax.tree.leaves(gr)) for gr in grads])
     big = sum(float(jnp.sum(g ** 2)) for g in jax.tree.leaves(jax.grad(loss_fn)(params, batch)))
-    want_g, want_t = noise.two_batch(small, big, 4, 16)
+    want_g, want_t = smoothing.two_batch(small, big, 4, 16)
     np.testing.assert_allclose(m["noise/live_trace_sigma"], want_t, rtol=1e-4)
     np.testing.assert_allclose(m["noise/live_grad_sq_norm"], want_g, rtol=1e-4)
     with pytest.raises(ValueError, match="live='exact'.*tanh"):

@@ -78,7 +78,7 @@ def test_adam_at_huge_learning_rate_diverges_with_the_step_named(tmp_path):
     c.train.progress_bar = False
     c.train.tensorboard = False
     one = mesh_lib.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    with pytest.raises(trainer.DivergedError, match=r"diverged at step \d+") as err:
+    with pytest.raises(loop.DivergedError, match=r"diverged at step \d+") as err:
         trainer.run(c, str(tmp_path), mesh=one)
     assert 0 < err.value.step < 30
 
@@ -278,3 +278,21 @@ def test_an_unregistered_observing_schedule_is_fed_and_resumed_through_its_proto
     assert second.sched_state == _CountState(16, (102.0, 104.0, 106.0))
     sizes = [r["data/batch_size"] for r in _records(d) if r["kind"] == "train"]
     assert sizes == [2, 2, 4, 4, 8, 8, 16, 16]
+
+
+@pytest.mark.parametrize("status", ["running", "preempted", "finished", "stopped", "diverged"])
+def test_ended_run_is_the_one_check_of_a_finished_run(tmp_path, status):
+    """Trainer.run, a sweep group and a branch study's reference run all ask `ended_run`:
+    an ended run with the same config returns its summary (a diverged one raises again
+    unless asked not to); a run that can resume, or another config, returns None."""
+    c = config_lib.default_config()
+    summary = {"status": status, "config_hash": loop.config_hash(c), "message": "why"}
+    records.write_json_atomic(os.path.join(tmp_path, files.STATUS_FILE), summary)
+    if status == "diverged":
+        with pytest.raises(loop.DivergedError, match="why"):
+            loop.ended_run(str(tmp_path), c)
+    ended = status in loop.ENDED
+    assert (loop.ended_run(str(tmp_path), c, raise_on_divergence=False) == summary) == ended
+    c.seed += 1
+    assert loop.ended_run(str(tmp_path), c) is None
+    assert loop.ended_run(str(tmp_path / "nothing"), c) is None

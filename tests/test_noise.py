@@ -9,7 +9,7 @@ import pytest
 from _reference import mlp_loss, reference_stats, tiny_mlp
 from jax.sharding import AxisType, NamedSharding
 
-from cbs.stats import noise
+from cbs.stats import noise, smoothing
 
 FIELDS = ["mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple", "mean_g_h_g", "g_h_g",
           "trace_h_sigma", "b_noise"]
@@ -221,18 +221,18 @@ def test_two_batch_is_unbiased(x64):
     g_TxBxD = grad + noise_TxBxD @ mix.T
     sq_small = np.sum(g_TxBxD[:, :b_small].mean(1) ** 2, -1)
     sq_big = np.sum(g_TxBxD.mean(1) ** 2, -1)
-    est_g, est_t = noise.two_batch(sq_small, sq_big, b_small, b_big)
+    est_g, est_t = smoothing.two_batch(sq_small, sq_big, b_small, b_big)
     for est, target in ((np.asarray(est_g), grad @ grad), (np.asarray(est_t), trace_sigma)):
         se = est.std(ddof=1) / np.sqrt(trials)
         assert abs(est.mean() - target) < 4 * se, (est.mean(), target, se)
         assert se < 0.05 * target
     # Noise-free inputs E|ḡ_b|² = |G|² + trΣ/b are inverted exactly.
-    g2, t2 = noise.two_batch(2.0 + 6.0 / 8, 2.0 + 6.0 / 64, 8, 64)
+    g2, t2 = smoothing.two_batch(2.0 + 6.0 / 8, 2.0 + 6.0 / 64, 8, 64)
     np.testing.assert_allclose([g2, t2], [2.0, 6.0], rtol=1e-12)
 
 
 def test_noise_scale_ema_matches_hand_computation():
-    ema = noise.NoiseScaleEMA.init(decay=0.5)
+    ema = smoothing.NoiseScaleEMA.init(decay=0.5)
     assert np.isnan(ema.b_simple) and np.isnan(ema.b_noise)
     update = jax.jit(lambda e, *a, **k: e.update(*a, **k))
     ema = update(ema, 1.0, 10.0)
@@ -280,7 +280,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="groups"):
         noise.exact(loss_fn, params, batch, groups="layers")
     with pytest.raises(ValueError, match="b_small < b_big"):
-        noise.two_batch(1.0, 2.0, 64, 8)
+        smoothing.two_batch(1.0, 2.0, 64, 8)
     with pytest.raises(ValueError, match="chunk_size"):
         noise.exact(loss_fn, params, batch, chunk_size=0, method="vmap")
 

@@ -11,6 +11,7 @@ import pytest
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
+from cbs.engine.fields import ConfigError
 from cbs.results import files, records
 from cbs.stats import noise, sampled
 
@@ -66,7 +67,7 @@ def test_builtin_methods_are_registered_and_unknown_names_are_listed():
         noise.get_method("magic")
     with pytest.raises(ValueError, match="already registered"):
         noise.register_method("probe", lambda *a, **k: None)
-    with pytest.raises(config_lib.ConfigError, match=r"config.noise.method: .*'vmap', 'probe'"):
+    with pytest.raises(ConfigError, match=r"config.noise.method: .*'vmap', 'probe'"):
         config_lib.validate(_config("magic"), data_replicas=1)
 
 

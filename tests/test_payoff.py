@@ -68,8 +68,8 @@ def test_t_interval_is_the_log_space_student_interval():
 
 
 def test_a_ramp_on_the_frontier_is_judged_on_it_and_a_faster_one_beats_it():
-    on = payoff.analyse(_study(None, 1.0), [1.0], bootstrap=400)["targets"][0]
-    fast = payoff.analyse(_study(np.random.default_rng(0), 0.6), [1.0],
+    on = payoff.analyze(_study(None, 1.0), [1.0], bootstrap=400)["targets"][0]
+    fast = payoff.analyze(_study(np.random.default_rng(0), 0.6), [1.0],
                           bootstrap=400)["targets"][0]
     f = on["frontier"]
     assert (f["s_min"], f["e_min"]) == pytest.approx((S_MIN, S_MIN * B_CRIT), rel=1e-6)
@@ -91,7 +91,7 @@ def test_saving_interval_covers_the_truth_at_the_nominal_rate():
     hits = 0
     for i in range(60):
         rng = np.random.default_rng(100 + i)
-        t = payoff.analyse(_study(rng, 0.7), [1.0], bootstrap=200)["targets"][0]
+        t = payoff.analyze(_study(rng, 0.7), [1.0], bootstrap=200)["targets"][0]
         lo, hi = next(r for r in t["rows"] if r["run"] == "ramp")["step_saving_ci"]
         hits += lo <= 0.3 <= hi
     assert hits >= 45
@@ -99,12 +99,12 @@ def test_saving_interval_covers_the_truth_at_the_nominal_rate():
 
 def test_analysis_depends_only_on_the_records_and_counts_missing_seeds():
     study = _study(np.random.default_rng(3), 0.8)
-    a = payoff.analyse(study, [1.0], bootstrap=200)
-    b = payoff.analyse(list(reversed(study)), [1.0], bootstrap=200)
+    a = payoff.analyze(study, [1.0], bootstrap=200)
+    b = payoff.analyze(list(reversed(study)), [1.0], bootstrap=200)
     rows = lambda r: sorted(r["targets"][0]["rows"], key=lambda x: x["run"])
     assert rows(a) == rows(b)
     study[-1]["steps_to_target"]["1"] = None  # one seed of the ramp never reached L
-    row = next(r for r in payoff.analyse(study, [1.0], bootstrap=50)["targets"][0]["rows"]
+    row = next(r for r in payoff.analyze(study, [1.0], bootstrap=50)["targets"][0]["rows"]
                if r["run"] == "ramp")
     assert row["reached"] == 2 and "steps" not in row and payoff.verdict(row) == "2/3 seeds reached"
 

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from cbs.analysis import report
+from cbs.analysis import report_tables
 from cbs.engine import mesh
-from cbs.results import records, store
+from cbs.results import files, records, store
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps import ramps
 from cbs.sweeps.grid import Trial
@@ -64,10 +64,10 @@ def test_ramp_runs_record_steps_and_examples_on_their_own_axes(tmp_path):
     curve_e = np.asarray(stepped["curve"]["examples"])
     assert np.all(np.diff(curve_e) > 0)
     # a rerun finds both labels recorded and trains nothing
-    before = os.path.getmtime(os.path.join(d, report.RAMPS_FILE))
+    before = os.path.getmtime(os.path.join(d, files.RAMPS_FILE))
     assert len(ramps.run_ramps(c, d, log=lambda _: None, mesh=one)) == 2
-    assert os.path.getmtime(os.path.join(d, report.RAMPS_FILE)) == before
-    assert len(records.read_records(os.path.join(d, report.RAMPS_FILE))) == 2
+    assert os.path.getmtime(os.path.join(d, files.RAMPS_FILE)) == before
+    assert len(records.read_records(os.path.join(d, files.RAMPS_FILE))) == 2
 
 
 def test_duplicate_labels_are_rejected(tmp_path):
@@ -79,12 +79,12 @@ def test_duplicate_labels_are_rejected(tmp_path):
 
 def test_ramp_table_lists_each_run():
     analysis = {"targets": [{"target": 1.5}, {"target": 1.0}]}
-    table = report.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0, "1": None},
+    table = report_tables.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0, "1": None},
                                 "examples_to_target": {"1.5": 320.0, "1": None}}], analysis)
     assert "| a | 10, 320 | not reached |" in table
     fitted = {"status": "ok", "s_min": 5.0, "e_min": 100.0}  # frontier at S=10: E = 200
     analysis = {"targets": [{"target": 1.5, "fit": fitted}]}
-    table = report.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0},
+    table = report_tables.ramp_table([{"label": "a", "steps_to_target": {"1.5": 10.0},
                                 "examples_to_target": {"1.5": 320.0}}], analysis)
     assert "| a | 10, 320 (1.60) |" in table
     assert store.target_key(1.0) == "1"

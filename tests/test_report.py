@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from cbs.analysis import report
-from cbs.results import records, store
+from cbs.analysis import report, report_tables
+from cbs.results import files, records, store
 
 S_MIN, B_CRIT = 100.0, 64.0
 
@@ -57,7 +57,7 @@ def test_b_crit_outside_the_fitted_batch_sizes_is_marked_extrapolated():
     assert t["b_crit_extrapolated"]
     analysis = {"targets": [t | {"fit": t["fit"].to_dict()}],
                 "power_law": {"status": "insufficient data"}}
-    row = report.summary_table(analysis).splitlines()[2]
+    row = report_tables.summary_table(analysis).splitlines()[2]
     assert row.startswith("| 0.5 | 16 (extrapolated) |") and row.endswith("| 3 | ok |")
 
 
@@ -66,7 +66,7 @@ def test_too_few_batch_sizes_give_no_fit_and_dashes():
     assert not t["fit"].ok and not t["b_crit_extrapolated"]
     analysis = {"targets": [t | {"fit": t["fit"].to_dict()}],
                 "power_law": {"status": "insufficient data"}}
-    assert "| 0.5 | – | – | – |" in report.summary_table(analysis)
+    assert "| 0.5 | – | – | – |" in report_tables.summary_table(analysis)
 
 
 def test_report_of_a_sweep_directory(tmp_path):
@@ -80,7 +80,7 @@ def test_report_of_a_sweep_directory(tmp_path):
     assert "| 0.5 | 64 |" in text  # B_crit, no interval without bootstrap, not extrapolated
     analysis = report.load_analysis(d)
     assert analysis["targets"][0]["fit"]["b_crit"] == pytest.approx(B_CRIT, rel=1e-6)
-    assert os.path.exists(os.path.join(d, report.ANALYSIS_FILE))
+    assert os.path.exists(os.path.join(d, files.ANALYSIS_FILE))
 
 
 def test_seed_spread_fits_each_seed_and_measures_the_spread_of_steps():

@@ -10,6 +10,7 @@ import pytest
 
 from cbs.engine import config as config_lib
 from cbs.engine import schedules as sch
+from cbs.engine.fields import ConfigError
 from cbs.engine.lr import lr_schedule
 
 MI = 2 ** 20
@@ -245,7 +246,7 @@ def test_a_registered_schedule_is_built_from_config_and_validated():
         assert config_lib.batch_sizes(c) == (16, 32, 64)
         config_lib.validate(c, data_replicas=1)
         c.batch.micro_batch = 32  # 16 is no multiple of 32: the validation names the field
-        with pytest.raises(config_lib.ConfigError, match="config.batch.schedule"):
+        with pytest.raises(ConfigError, match="config.batch.schedule"):
             config_lib.validate(c, data_replicas=1)
         with pytest.raises(ValueError, match="already registered"):
             sch.register("_doubling", Doubling)

@@ -28,7 +28,7 @@ def _study(label, factor, rng, sd=0.05, targets=TARGETS, rho=0.5):
 
 def test_exact_studies_give_the_power_law_and_no_size_effect():
     studies = [_study("a", 1.0, None), _study("b", 1.0, None, targets=TARGETS[1:4])]
-    r = sizes.analyse(studies)
+    r = sizes.analyze(studies)
     assert r["common_targets"] == TARGETS[1:4]
     assert r["joint"]["alpha_b"] == pytest.approx(ALPHA, rel=1e-9)
     assert r["joint"]["b_star"] == pytest.approx(B_STAR, rel=1e-9)
@@ -39,7 +39,7 @@ def test_exact_studies_give_the_power_law_and_no_size_effect():
 def test_gls_with_equal_independent_errors_is_ordinary_least_squares():
     rng = np.random.default_rng(1)
     studies = [_study(k, 1.0, rng, rho=0.0) for k in "abc"]
-    r = sizes.analyse(studies)
+    r = sizes.analyze(studies)
     x = np.log(TARGETS * 3)
     y = np.log(np.concatenate([s["b_crit"] for s in studies]))
     slope, intercept = np.polyfit(x, y, 1)
@@ -51,9 +51,9 @@ def test_the_loss_alone_test_holds_its_size_and_detects_a_factor_two():
     same = different = 0
     for i in range(200):
         rng = np.random.default_rng(100 + i)
-        r = sizes.analyse([_study("a", 1.0, rng), _study("b", 1.0, rng)])
+        r = sizes.analyze([_study("a", 1.0, rng), _study("b", 1.0, rng)])
         same += r["loss_alone"]["p"] < 0.05
-        r = sizes.analyse([_study("a", 1.0, rng), _study("b", 2.0, rng)])
+        r = sizes.analyze([_study("a", 1.0, rng), _study("b", 2.0, rng)])
         different += r["loss_alone"]["p"] < 0.05
         if i == 0:
             ratio = r["per_size_b_star"]["b_star"][1] / r["per_size_b_star"]["b_star"][0]
@@ -65,7 +65,7 @@ def test_the_loss_alone_test_holds_its_size_and_detects_a_factor_two():
 def test_report_lines_name_the_verdicts():
     rng = np.random.default_rng(5)
     studies = [_study("D = 32", 1.0, rng), _study("D = 64", 3.0, rng)]
-    lines = sizes.summary(sizes.analyse(studies))
+    lines = sizes.summary(sizes.analyze(studies))
     assert lines[0].startswith("- B_crit depends on L alone") and "rejected, χ²" in lines[0]
     assert "not rejected" not in lines[0]
     assert any(line.startswith("- Joint power law over all sizes: α_B = ") for line in lines)

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cbs.engine import counts, spec, trainer
+from cbs.engine import counts, loop, spec
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.sweeps import branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial
@@ -156,7 +156,7 @@ def _capture(monkeypatch, owner, name: str) -> list[ml_collections.ConfigDict]:
 
 def _same(new: ml_collections.ConfigDict, old: ml_collections.ConfigDict) -> None:
     assert new.to_dict() == old.to_dict()
-    assert trainer.config_hash(new) == trainer.config_hash(old)  # resumes see the same run
+    assert loop.config_hash(new) == loop.config_hash(old)  # resumes see the same run
 
 
 def _sweep_config(name: str) -> ml_collections.ConfigDict:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cbs.analysis import report
+from cbs.analysis import report, report_tables
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sgd_sweep, shakespeare_kaplan
 
@@ -34,7 +34,7 @@ def test_kaplan_tiny_runs_end_to_end_with_the_token_table(tmp_path):
     assert "32 tokens per sequence." in text
     analysis = report.load_analysis(d)
     assert analysis["tokens_per_example"] == 32 and analysis["complete"]
-    table = report.kaplan_table(analysis).splitlines()
+    table = report_tables.kaplan_table(analysis).splitlines()
     for t in analysis["targets"]:
         row = next(line for line in table if line.startswith(f"| {t['target']:g} |"))
         cells = [x.strip() for x in row.split("|")[1:-1]]

@@ -15,6 +15,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from cbs import models
 from cbs.engine import config as config_lib
 from cbs.engine import throughput
+from cbs.engine.fields import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -90,7 +91,7 @@ def test_profile_window_and_compilation_cache(tmp_path):
 def test_perf_config_is_validated():
     c = config_lib.default_config()
     c.perf.profile_start = -2
-    with pytest.raises(config_lib.ConfigError, match="perf.profile_start"):
+    with pytest.raises(ConfigError, match="perf.profile_start"):
         config_lib.validate(c, data_replicas=1)
 
 

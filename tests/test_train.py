@@ -22,9 +22,10 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import data, models
-from cbs.engine import checkpoint, optim, step, trainer, writer
+from cbs.engine import checkpoint, loop, optim, step, trainer, writer
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
+from cbs.engine.fields import ConfigError
 from cbs.engine.lr import coupled_lr
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
@@ -412,7 +413,7 @@ def test_evaluations_at_given_steps_replace_the_interval(tmp_path):
     trainer.run(c, str(tmp_path), mesh=one_device_mesh())
     recs = records.read_records(str(tmp_path / files.METRICS_FILE))
     assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 1, 4, 9, 12]
-    with pytest.raises(config_lib.ConfigError, match=r"config\.eval\.steps: must be increasing"):
+    with pytest.raises(ConfigError, match=r"config\.eval\.steps: must be increasing"):
         trainer.Trainer(tiny_config(**{"eval.steps": (4, 4)}), mesh=one_device_mesh())
 
 
@@ -430,7 +431,7 @@ def test_nan_stops_with_step_named_and_checkpoint_intact(tmp_path):
     c = tiny_config()
     tr = trainer.Trainer(c, str(tmp_path), mesh=one_device_mesh(),
                        dataset=_poisoned_digits(7, 32))
-    with pytest.raises(trainer.DivergedError, match="step 7") as err:
+    with pytest.raises(loop.DivergedError, match="step 7") as err:
         tr.run()
     assert err.value.step == 7
     status = records.read_json(str(tmp_path / files.STATUS_FILE))
@@ -537,7 +538,7 @@ def test_batchnorm_cnn_keeps_running_statistics(tmp_path):
         jax.tree.leaves(before), jax.tree.leaves(state.model_state), strict=True)]
     assert changed and all(changed)
     c.noise.every = 2
-    with pytest.raises(config_lib.ConfigError, match=r"config\.noise\.every"):
+    with pytest.raises(ConfigError, match=r"config\.noise\.every"):
         trainer.Trainer(c, mesh=one_device_mesh())
 
 

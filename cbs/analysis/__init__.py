@@ -1,3 +1,17 @@
-"""Fits, figures and reports from result files alone (`fit`, `plots`, `report`): no model,
-no training code.
+"""Fits, figures and reports from result files alone: no model, no training code. Modules:
+`fit` (trade-off and power-law fits), `selection` (from trial records to fit points), `joint`
+(intervals across targets), `edges` (learning-rate grids that bracket the optimum),
+`noise_at_target` (the noise scale at a target loss), `report` (a sweep's analysis) and
+`report_tables` (its tables), `plots` (figures), `payoff` (batch ramps against fixed batch
+sizes), `branch_report` (local critical batch size from branches), `compare` (across
+studies) and `sizes` (across model sizes), `misfit` (the calibrated test of one power law),
+`anchor` (the linear-regression anchor in closed form), `calibration` (B_crit predicted from a
+noise scale, calibrated on committed studies) and `advice` (the batch-size answer built on
+it).
 """
+
+__all__ = [
+    "advice", "anchor", "branch_report", "calibration", "compare", "edges", "fit", "joint",
+    "misfit", "noise_at_target", "payoff", "plots", "report", "report_tables", "selection",
+    "sizes",
+]  # its modules

@@ -40,6 +40,12 @@ import numpy as np
 from cbs.analysis import report
 from cbs.results import files, records
 
+__all__ = [
+    "REFERENCE_METRICS", "critical_batch", "critical_multiplier", "format_b_star", "local_cbs",
+    "local_cbs_schedule", "noise_estimator", "plot_local_cbs", "summarize", "summary_table",
+    "swept_b_crit", "write_report",
+]
+
 REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)
 
 

@@ -22,6 +22,8 @@ from cbs.analysis import calibration, fit, report
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
+__all__ = ["DEFAULT_PROTOCOL", "collect", "figure", "summary", "table", "write_report"]
+
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 
 

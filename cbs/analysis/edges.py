@@ -1,7 +1,7 @@
 """Learning-rate grids that bracket the optimum: edges, caps and factor-2 extensions.
 
 At a batch size B the best learning rate for a target loss L is the one with the fewest steps
-S to reach it (`cbs.analysis.fit.best_per_batch_size`). When it is the largest or the smallest
+S to reach it (`cbs.analysis.selection.best_per_batch_size`). When it is the largest or the smallest
 rate tried, S(B) is only an upper bound on the optimum and B_crit is biased. The rule here
 decides, from the trial records alone, which further rates a sweep must try:
 
@@ -24,8 +24,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cbs.analysis import fit
+from cbs.analysis import selection
 from cbs.results.store import target_key
+
+__all__ = [
+    "CAPPED", "HIGH", "LOW", "edge_directions", "extension_rules", "grid_at_batch_size",
+    "grid_status", "next_learning_rates", "step_of", "sweep_grid",
+]
 
 HIGH, LOW, CAPPED = "high", "low", "capped"
 _REL = 1e-9  # learning rates equal to this relative precision are the same rate
@@ -50,7 +55,7 @@ def edge_directions(records: Sequence[Mapping[str, Any]], targets: Iterable[floa
     it is inside the grid or no rate reached the target.
 
     The best rate is each seed's own (fewest steps in that seed), as the analysis selects it
-    (`fit.best_per_batch_size`): one seed at an edge puts the batch size at that edge. When
+    (`selection.best_per_batch_size`): one seed at an edge puts the batch size at that edge. When
     seeds sit at opposite edges, "high" is reported first; the next round sees "low"."""
     out = {}
     top, bottom = max(lrs), min(lrs)
@@ -59,7 +64,7 @@ def edge_directions(records: Sequence[Mapping[str, Any]], targets: Iterable[floa
         rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
                  "seed": int(r.get("seed", 0) or 0), "steps": r["steps_to_target"].get(key)}
                 for r in records]
-        best = fit.best_per_batch_size(rows)
+        best = selection.best_per_batch_size(rows)
         if best.batch_sizes.size == 0:
             continue
         seed_lrs = [float(x) for x in best.seed_learning_rates[0]]

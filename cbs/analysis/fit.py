@@ -31,14 +31,11 @@ from typing import Any
 import numpy as np
 import scipy.optimize
 
-# The helpers on raw records (steps to a target, the best rate per batch size, the noise at a
-# crossing) live in `cbs.analysis.selection` and are part of this module's API.
-from cbs.analysis.selection import (  # noqa: F401
-    BestPerBatchSize,
-    best_per_batch_size,
-    noise_scale_at_crossing,
-    steps_to_target,
-)
+__all__ = [
+    "INSUFFICIENT", "OK", "PowerLawFit", "TradeoffFit", "alpha_interval", "fit_power_law",
+    "fit_tradeoff", "json_ready", "model_log_steps", "quantile_interval", "studentized",
+    "tradeoff_warnings",
+]
 
 OK = "ok"
 INSUFFICIENT = "insufficient data"

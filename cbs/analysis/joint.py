@@ -36,7 +36,12 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
-from cbs.analysis import fit
+from cbs.analysis import fit, selection
+
+__all__ = [
+    "METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "joint_bootstrap",
+    "solve_weighted",
+]
 
 METHOD_B_CRIT = ("bootstrap-t over batch sizes (resampled jointly across targets, seeds "
                  "resampled within each batch size)")
@@ -85,7 +90,7 @@ class JointIntervals:
         return fit.json_ready(d)
 
 
-def data_seed(tables: Sequence[fit.BestPerBatchSize]) -> int:
+def data_seed(tables: Sequence[selection.BestPerBatchSize]) -> int:
     """A generator seed that is a function of the selected steps alone."""
     h = hashlib.sha256()
     for t in tables:
@@ -95,12 +100,12 @@ def data_seed(tables: Sequence[fit.BestPerBatchSize]) -> int:
     return int.from_bytes(h.digest()[:4], "little")
 
 
-def joint_bootstrap(tables: Sequence[fit.BestPerBatchSize], losses: Sequence[float],
+def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequence[float],
                     points: Sequence[fit.TradeoffFit], *, n: int = 1000,
                     seed: int | None = None, confidence: float = 0.95) -> JointIntervals:
     """Joint batch-size bootstrap of every target's B_crit and of the power law.
 
-    tables: `fit.best_per_batch_size` per target (with seed_steps); losses: the targets;
+    tables: `selection.best_per_batch_size` per target (with seed_steps); losses: the targets;
     points: the point fits `fit.fit_tradeoff` gave for those tables (their estimates centre
     the studentized intervals and start each refit).
     """

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import fit, joint
+from cbs.analysis.selection import BestPerBatchSize
 
 __all__ = ["METHOD", "CalibratedMisfit", "calibrated_misfit", "gls_q"]
 
@@ -85,7 +86,7 @@ def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
     return np.einsum("ri,rij,rj->r", r, Ci, r)
 
 
-def calibrated_misfit(tables: Sequence[fit.BestPerBatchSize], losses: Sequence[float],
+def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
                       points: Sequence[fit.TradeoffFit], *, n: int = 2000,
                       seed: int = 0) -> CalibratedMisfit:
     """The calibrated misfit test (module docstring) of the targets whose point fit is ok.

@@ -26,9 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import fit
+from cbs.analysis import selection
 from cbs.results import files, records
 from cbs.results.store import upgrade_noise_fields
+
+__all__ = [
+    "NAMES", "PAIRS", "protocol", "protocol_lines", "reference", "reference_cell",
+    "reference_values", "spread", "spread_cell",
+]
 
 NAMES = ("b_simple", "b_noise")
 PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma", "g_h_g")}
@@ -90,14 +95,15 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
     for target in targets:
         row: dict[str, Any] = {"target": float(target)}
         progress = [math.nan if v is None else v for v in curve[metric]]
-        crossing = fit.steps_to_target(curve["step"], progress, target)
+        crossing = selection.steps_to_target(curve["step"], progress, target)
         row["crossing_step"] = crossing
         for name, (num_key, den_key) in PAIRS.items():
             num = np.asarray([math.nan if v is None else v for v in curve[f"noise/{num_key}"]])
             den = np.asarray([math.nan if v is None else v for v in curve[f"noise/{den_key}"]])
             row[name], row[f"{name}_steps"] = _after(x, num, den, crossing, window)
-            row[f"{name}_centred"] = math.nan if crossing is None else fit.noise_scale_at_crossing(
-                x, num, den, crossing, window=0.0, min_points=window)
+            row[f"{name}_centred"] = (
+                math.nan if crossing is None else selection.noise_scale_at_crossing(
+                    x, num, den, crossing, window=0.0, min_points=window))
         out.append(row)
     return out
 

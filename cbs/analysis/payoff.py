@@ -36,6 +36,13 @@ from cbs.analysis import fit, joint
 from cbs.results import files, records
 from cbs.results.store import target_key
 
+__all__ = [
+    "BOOTSTRAP", "BOOTSTRAP_INTERVAL", "CONFIDENCE", "T_INTERVAL", "analyze", "analyze_target",
+    "best_fixed", "figure", "fixed_batch_size", "frontier_examples", "frontier_steps",
+    "geometric_mean", "group_runs", "run_name", "summary_lines", "t_interval", "table", "verdict",
+    "write_report",
+]
+
 BOOTSTRAP = 1000  # replicates of the saving's interval
 CONFIDENCE = 0.95
 T_INTERVAL = "Student-t over seeds in log S, log E"
@@ -117,7 +124,7 @@ def _rng(runs: dict[str, list[dict[str, Any]]], key: str) -> np.random.Generator
     return np.random.default_rng(int(hashlib.sha256(data.encode()).hexdigest()[:16], 16))
 
 
-def analyse_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
+def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                    bootstrap: int = BOOTSTRAP, confidence: float = CONFIDENCE
                    ) -> dict[str, Any]:
     """One target: every run's S, E over seeds, the frontier, each ramp's saving."""
@@ -205,15 +212,15 @@ def best_fixed(target: dict[str, Any]) -> dict[str, Any] | None:
     return min(fixed, key=lambda r: r["example_cost"]) if fixed else None
 
 
-def analyse(ramps: Sequence[dict[str, Any]], targets: Sequence[float], *,
+def analyze(ramps: Sequence[dict[str, Any]], targets: Sequence[float], *,
             bootstrap: int = BOOTSTRAP, confidence: float = CONFIDENCE) -> dict[str, Any]:
-    """Every target's analysis (`analyse_target`) and the methods, JSON-ready."""
+    """Every target's analysis (`analyze_target`) and the methods, JSON-ready."""
     runs = group_runs(ramps)
     return {"confidence": confidence, "runs": list(runs),
             "seeds": {n: [(r.get("spec") or {}).get("seed") for r in v] for n, v in runs.items()},
             "intervals": {"steps, examples": T_INTERVAL, "saving, cost": BOOTSTRAP_INTERVAL},
             "bootstrap": bootstrap,
-            "targets": [analyse_target(runs, t, bootstrap=bootstrap, confidence=confidence)
+            "targets": [analyze_target(runs, t, bootstrap=bootstrap, confidence=confidence)
                         for t in targets]}
 
 
@@ -342,7 +349,7 @@ def _schedule_text(spec: dict[str, Any]) -> str:
 def write_report(out_dir: str, ramps: Sequence[dict[str, Any]], targets: Sequence[float], *,
                  sweep_dir: str, bootstrap: int = BOOTSTRAP) -> str:
     """payoff.md, payoff.json and payoff.png in out_dir; returns the report's path."""
-    result = analyse(ramps, targets, bootstrap=bootstrap)
+    result = analyze(ramps, targets, bootstrap=bootstrap)
     runs = group_runs(ramps)
     figure(result, ramps, os.path.join(out_dir, files.PAYOFF_FIGURE_FILE))
     seeds = sorted({s for v in result["seeds"].values() for s in v if s is not None})

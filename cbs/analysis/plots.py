@@ -22,6 +22,11 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from cbs.analysis.fit import PowerLawFit, TradeoffFit
 
+__all__ = [
+    "PathLike", "b_crit_vs_loss", "batch_size_schedule", "log_labels", "noise_over_training",
+    "pareto_frontier", "se_plane", "tradeoff_collapse",
+]
+
 PathLike = str | os.PathLike
 
 

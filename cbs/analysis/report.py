@@ -4,10 +4,11 @@ Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, and `ramps.js
 batch-size ramps were run beside it); needs no model. For each target loss L:
 
 1. each trial's steps S to reach L (None when it never did; diverged trials never do);
-2. per batch size the learning rate with the fewest steps (`cbs.analysis.fit.best_per_batch_size`);
+2. per batch size the learning rate with the fewest steps
+   (`cbs.analysis.selection.best_per_batch_size`);
 3. the fit S = S_min + E_min/B with bootstrap intervals (`cbs.analysis.fit.fit_tradeoff`);
 4. the noise scale measured when those best trials passed L: per trial a ratio of window
-   averages (`cbs.analysis.fit.noise_scale_at_crossing`), then the median over batch sizes.
+   averages (`cbs.analysis.selection.noise_scale_at_crossing`), then the median over batch sizes.
 
 Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.analysis.fit.fit_power_law`).
 
@@ -31,12 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import edges, fit, joint, misfit, noise_at_target, plots
+from cbs.analysis import edges, fit, joint, misfit, noise_at_target, plots, selection
 from cbs.analysis import report_tables as tables
 from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
 from cbs.results import records
 from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
+
+__all__ = [
+    "analyze", "analyze_target", "load_analysis", "make_figures", "read_ramps", "seed_spread",
+    "write_report",
+]
 
 
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
@@ -52,7 +58,7 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
     rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
              "seed": int(r.get("seed", 0)), "steps": r["steps_to_target"].get(key),
              "record": r} for r in records]
-    best = fit.best_per_batch_size(rows)
+    best = selection.best_per_batch_size(rows)
     tradeoff = fit.fit_tradeoff(best.batch_sizes, best.steps, bootstrap=bootstrap,
                                 seed=joint.data_seed([best]) if seed is None else seed)
     best_records = [row["record"] for rows_b in best.best_rows for row in rows_b]

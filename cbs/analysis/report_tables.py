@@ -17,6 +17,8 @@ from typing import Any
 from cbs.analysis import fit, noise_at_target
 from cbs.results.store import target_key
 
+__all__ = ["kaplan_table", "ramp_table", "seed_table", "summary_table"]
+
 
 def summary_table(analysis: dict[str, Any]) -> str:
     """Markdown: B_crit per target with its interval beside the measured noise scales.

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["BestPerBatchSize", "best_per_batch_size", "noise_scale_at_crossing", "steps_to_target"]
+
 
 def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: float, *,
                     interpolate: bool = True) -> float | None:

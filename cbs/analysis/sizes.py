@@ -33,6 +33,8 @@ from cbs.analysis import fit, report
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
+__all__ = ["analyze", "collect", "figure", "study_size", "summary", "table", "write_report"]
+
 
 def study_size(sweep_dir: str) -> dict[str, Any]:
     """The model of a sweep directory: its name, width, depth and parameter count when the
@@ -99,7 +101,7 @@ def _p(q: float, dof: int) -> float:
     return float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else math.nan
 
 
-def analyse(studies: Sequence[dict[str, Any]], confidence: float = 0.95) -> dict[str, Any]:
+def analyze(studies: Sequence[dict[str, Any]], confidence: float = 0.95) -> dict[str, Any]:
     """The three GLS fits of the module docstring, JSON-ready."""
     common = sorted(set.intersection(*(set(s["targets"]) for s in studies)), reverse=True)
     out: dict[str, Any] = {"common_targets": common, "sizes": [s["label"] for s in studies]}
@@ -235,7 +237,7 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000) -> str:
     """report.md, sizes.json and the figure in out_dir; returns the report's path."""
     studies = collect(sweep_dirs, bootstrap=bootstrap)
-    result = analyse(studies)
+    result = analyze(studies)
     figure(studies, result, os.path.join(out_dir, files.SIZES_FIGURE_FILE))
     names = ", ".join(f"{s['label']}: `{s['sweep_dir']}`" for s in studies)
     lines = ["# B_crit against the loss across model sizes", "",

@@ -1,7 +1,8 @@
-"""The command-line programs, installed as console scripts: `cbs-train`, `cbs-sweep`,
-`cbs-analyze`, `cbs-branch`, `cbs-ramps`, `cbs-compare` (`python -m experiments.<name>` runs
-the same code from a checkout). Each module defines its absl flags and a `run()` entry
-function; the top layer, so it may import every package below it."""
+"""The command-line programs, installed as console scripts, one module each: `train`
+(cbs-train), `sweep` (cbs-sweep), `analyze` (cbs-analyze), `branch` (cbs-branch), `ramps`
+(cbs-ramps), `compare` (cbs-compare) and `advise` (cbs-advise); `python -m
+experiments.<name>` runs the same code from a checkout. Each module defines its absl flags and
+a `run()` entry function; the top layer, so it may import every package below it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import sys
 
 from cbs import configs
 from cbs.engine import cli
+
+__all__ = [
+    "advise", "analyze", "branch", "compare", "make_configs_importable", "ramps", "sweep", "train",
+]
 
 
 def make_configs_importable(argv: list[str] | None = None) -> None:

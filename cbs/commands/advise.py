@@ -21,6 +21,10 @@ from cbs.analysis import advice
 from cbs.engine import cli
 from cbs.results import records
 
+__all__ = [
+    "main", "run",
+]
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (python -m experiments.main "
                                "--workdir=...).")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "

@@ -11,8 +11,10 @@ from __future__ import annotations
 from absl import flags
 
 from cbs import commands
-from cbs.analysis import report
+from cbs.analysis import report, report_tables
 from cbs.engine import cli
+
+__all__ = ["main", "run"]
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
@@ -25,7 +27,7 @@ def main(argv: list[str]) -> None:
     del argv
     path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value,
                                partial=_PARTIAL.value)
-    print(report.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
+    print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
     print(f"report: {path}")
 
 

@@ -24,6 +24,8 @@ from cbs.analysis import branch_report
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import branches
 
+__all__ = ["main", "run"]
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
                                           "`branch` section.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Study directory (reference run, records).")

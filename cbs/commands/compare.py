@@ -26,6 +26,8 @@ from cbs import commands
 from cbs.analysis import compare, sizes
 from cbs.engine import cli
 
+__all__ = ["main", "run"]
+
 _OUT = flags.DEFINE_string("out", "results/compare", "Directory for report.md and the figure.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
 _SIZES = flags.DEFINE_boolean("sizes", False, "The studies are model sizes on one dataset: "

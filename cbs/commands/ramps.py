@@ -19,9 +19,11 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.analysis import payoff, report
+from cbs.analysis import payoff, report, report_tables
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import launch, ramps
+
+__all__ = ["main", "run"]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with `sweep` and `ramps`.",
                                           lock_config=False)
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> None:
         return
     path = report.write_report(sweep_dir)
     analysis = report.load_analysis(sweep_dir)
-    print(report.ramp_table(report.read_ramps(sweep_dir), analysis))
+    print(report_tables.ramp_table(report.read_ramps(sweep_dir), analysis))
     print(f"report: {path}")
 
 

@@ -24,9 +24,11 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.analysis import report
+from cbs.analysis import report, report_tables
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import grid, launch
+
+__all__ = ["main", "run"]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
                                           "`sweep` section.", lock_config=True)
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> None:
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
         path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value)
-        print(report.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
+        print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
         print(f"report: {path}  (total {time.perf_counter() - start:.0f} s)")
 
 

@@ -22,7 +22,9 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, preemption, trainer
+from cbs.engine import cli, distributed, loop, preemption, trainer
+
+__all__ = ["main", "run"]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
                                           lock_config=True)
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> None:
     try:
         with preemption.active():
             summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
-    except trainer.DivergedError as err:
+    except loop.DivergedError as err:
         print(f"diverged: {err}", file=sys.stderr)
         sys.exit(1)
     if jax.process_index() == 0:

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from cbs.configs import base
 
+__all__ = [
+    "DATASETS", "get_config",
+]
+
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 
 

@@ -38,6 +38,10 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.branches import default_branch_config
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     c = base.base_config("digits", "mlp")

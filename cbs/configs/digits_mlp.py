@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from cbs.configs import base
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     c = base.base_config("digits", "mlp")

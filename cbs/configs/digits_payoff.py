@@ -24,6 +24,10 @@ import os
 from cbs.analysis import branch_report
 from cbs.configs import base, digits_ramps
 
+__all__ = [
+    "BRANCH_DIR", "FIXED", "SEEDS", "get_config", "local_cbs_ramp",
+]
+
 SEEDS = (0, 1, 2)
 FIXED = (16, 32, 64, 128, 256)
 BRANCH_DIR = "results/digits_branch"  # the local-CBS study this config reads

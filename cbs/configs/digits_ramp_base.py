@@ -10,6 +10,10 @@ import ml_collections
 
 from cbs.configs import base, digits_sweep
 
+__all__ = [
+    "digits_ramp",
+]
+
 
 def digits_ramp(arg: str, schedule: dict, *, base_batch_size: int, learning_rate: float
                 ) -> ml_collections.ConfigDict:

@@ -21,6 +21,10 @@ from cbs.configs import (
     ramp_llama3_style,
 )
 
+__all__ = [
+    "fixed", "get_config",
+]
+
 
 def fixed(batch_size: int) -> dict:
     return {"label": f"fixed B={batch_size}", "micro_batch": batch_size,

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from cbs.configs import base, digits_sweep
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     c = digits_sweep.get_config(arg)

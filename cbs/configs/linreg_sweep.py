@@ -26,6 +26,10 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     words = base.parse_arg(arg, known=("tiny",))

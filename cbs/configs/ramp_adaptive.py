@@ -4,7 +4,7 @@
 
 Every 10 steps the loop reads the in-step live estimate of B_simple (exact, from the step's
 per-example gradient norms; EMA of numerator and denominator,
-`cbs.stats.noise.NoiseScaleEMA`) and the schedule (`cbs.engine.schedules.Adaptive`)
+`cbs.stats.smoothing.NoiseScaleEMA`) and the schedule (`cbs.engine.schedules.Adaptive`)
 moves B on the ladder 16, 32, ..., 1024 towards k·B_simple, with hysteresis (the target must
 stay beyond a band of factor^¾ for 3 consecutive readings). Adam's η follows the
 square-root rule from η_0 at B_0 = 16. Expected: B climbs from 16 to a few hundred as the
@@ -14,6 +14,10 @@ loss falls (B_simple grows from ~30 to ~100+ on this task).
 from __future__ import annotations
 
 from cbs.configs import digits_ramp_base
+
+__all__ = [
+    "SCHEDULE", "get_config",
+]
 
 SCHEDULE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}

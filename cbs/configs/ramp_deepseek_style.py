@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from cbs.configs import digits_ramp_base
 
+__all__ = [
+    "SCHEDULE", "get_config",
+]
+
 SCHEDULE = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}
 
 

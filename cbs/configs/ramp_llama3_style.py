@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from cbs.configs import digits_ramp_base
 
+__all__ = [
+    "SCHEDULE", "get_config",
+]
+
 SCHEDULE = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}
 
 

@@ -22,6 +22,10 @@ from __future__ import annotations
 from cbs.configs import base, shakespeare_sweep
 from cbs.sweeps.branches import default_branch_config
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     c = shakespeare_sweep.get_config("")

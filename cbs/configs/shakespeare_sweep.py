@@ -19,6 +19,10 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
+__all__ = [
+    "get_config",
+]
+
 
 def get_config(arg: str = ""):
     c = base.base_config("shakespeare_char", "transformer")

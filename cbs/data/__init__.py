@@ -21,6 +21,10 @@ same example sequence.
 Registered names: digits, mnist1d, shakespeare_char (embedded, offline); linreg,
 teacher_student (synthetic, known answers); mnist, fashion_mnist, cifar10, svhn_cropped,
 tiny_shakespeare, lm1b (TensorFlow Datasets, prepared locally).
+
+Modules: `dataset` (the `Dataset` type and its views), `stream` (the seeded example stream),
+`batching` (device and host batches, evaluation), and the sources `embedded` (shipped with
+the package), `synthetic` (known answers) and `tfds_source` (TensorFlow Datasets).
 """
 
 from __future__ import annotations

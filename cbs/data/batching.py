@@ -30,6 +30,11 @@ import numpy as np
 from cbs.data.dataset import Batch, Dataset
 from cbs.data.stream import check_batch_size, positions_to_indices_np, stream_indices_jax
 
+__all__ = [
+    "HostLoader", "device_batch", "eval_batches", "evaluate", "global_batch", "host_batch",
+    "make_batch_fn", "process_rows", "process_slice",
+]
+
 
 def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, batch_size: int,
                  *, seed, split: str = "train", shuffle: bool = True) -> Batch:

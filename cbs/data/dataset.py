@@ -21,6 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "TASKS", "Batch", "ClassificationView", "Dataset", "RegressionView", "Split", "WindowView",
+    "num_windows",
+]
+
 Batch = dict[str, Any]
 TASKS = ("classification", "lm", "regression")
 

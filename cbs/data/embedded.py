@@ -25,6 +25,11 @@ import numpy as np
 from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split, WindowView, num_windows
 
+__all__ = [
+    "PLAYS_FILE", "char_lm", "digits", "mnist1d", "shakespeare_char", "shakespeare_plays",
+    "shakespeare_text",
+]
+
 
 def _eval_count(num_examples: int, eval_fraction: float) -> int:
     if not 0.0 < eval_fraction < 1.0:

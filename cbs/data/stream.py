@@ -32,6 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "MAX_EXAMPLES", "check_batch_size", "epoch_keys", "num_rounds", "permute_np",
+    "positions_to_indices_np", "stream_indices", "stream_indices_jax", "stream_indices_np",
+]
+
 MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
 _TABLE_MAX = 2**22  # host: cache whole epoch permutations up to this N
 # lowbias32 multipliers (C. Wellons, "Prospecting for hash functions", 2018).

@@ -20,6 +20,8 @@ import numpy as np
 
 from cbs.data.dataset import ClassificationView, Dataset, RegressionView, Split
 
+__all__ = ["linreg", "linreg_noise_stats", "teacher_student"]
+
 
 def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndarray | float]:
     """Population noise statistics of Gaussian linear regression at weights `w` (float64).

@@ -37,6 +37,11 @@ from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split
 from cbs.data.embedded import char_lm
 
+__all__ = [
+    "DOWNLOAD_HOST", "IMAGE_DATASETS", "NETWORK_TIMEOUT_S", "check_network", "lm1b", "read_records",
+    "resolve_data_dir", "tfds_images", "tiny_shakespeare",
+]
+
 IMAGE_DATASETS = {"mnist": "test", "fashion_mnist": "test", "cifar10": "test",
                   "svhn_cropped": "test"}
 _STATS_EXAMPLES = 10_000

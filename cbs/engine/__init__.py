@@ -1,4 +1,23 @@
-"""The training engine: config (`config`), device mesh (`mesh`), optimizers (`optim`),
-batch and learning-rate schedules (`schedules`), the jitted step (`step`), the host loop
-(`loop`), run set-up (`trainer`), checkpoints (`checkpoint`) and the record writer (`writer`).
+"""The training engine: one run from a config, and the one loop that drives it. Modules:
+
+- the core: `config` (defaults and start-up validation), `fields` (the field checks and
+  `ConfigError`), `spec` (a run as a base config plus typed overrides), `parts` (`RunParts`,
+  built once from a config), `step` (the pure jitted train step) and `step_metrics` (its
+  packed metrics), `vmapped` (many states as
+  one vmapped program), `loop` (the one host loop), `driver` (what it drives), `trainer`
+  (a run in a run directory), `progress` (loss EMA, divergence rule, evaluation points);
+- the maths it trains with: `lr` (learning-rate coupling and schedules), `schedules`
+  (batch-size schedules), `optim` (optimizers), `counts` (exact example counts on device);
+- the noise it measures: `live_noise` (the step's live estimate), `noise_spec` (the one
+  spec of a measurement, from `config.noise`), `measure` (the one call every path measures
+  through);
+- runtime plumbing: `mesh` (device mesh and shardings), `checkpoint` (orbax), `writer`
+  (records, TensorBoard, progress bar), `throughput` (tokens/s, MFU), `preemption`
+  (SIGTERM and Ctrl-C), `distributed` (multi-host start-up), `cli` (entry-point plumbing).
 """
+
+__all__ = [
+    "checkpoint", "cli", "config", "counts", "distributed", "driver", "fields", "live_noise",
+    "loop", "lr", "measure", "mesh", "noise_spec", "optim", "parts", "preemption", "progress",
+    "schedules", "spec", "step", "step_metrics", "throughput", "trainer", "vmapped", "writer",
+]  # its modules

@@ -40,6 +40,11 @@ import orbax.checkpoint as ocp
 from cbs.results import paths, records
 from cbs.results.paths import PathLike
 
+__all__ = [
+    "CHECKPOINT_DIR", "MIN_TO_KEEP", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
+    "SkippedCheckpointWarning", "os_error",
+]
+
 CHECKPOINT_DIR = "checkpoints"
 SKIPPED_SUFFIX = ".skipped"  # damaged checkpoints go to <directory>.skipped/<step>
 MIN_TO_KEEP = 2  # the newest checkpoint plus one to fall back to

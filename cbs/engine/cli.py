@@ -36,6 +36,7 @@ import errno
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +44,12 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from cbs.engine import preemption
+
+__all__ = [
+    "HELP_FLAGS", "USER_ERROR_EXIT", "VERBOSE_ENV", "command_help", "exit_on_help", "flag_help",
+    "guarded", "is_missing_extra", "is_user_error", "message", "parse_flags", "remove_if_empty",
+    "required", "run", "verbose",
+]
 
 VERBOSE_ENV = "CBS_VERBOSE"
 USER_ERROR_EXIT = 2
@@ -276,7 +283,48 @@ def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> Non
     """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
     or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`),
     and orbax's log lines kept off the terminal unless --verbose."""
+    exit_on_help(main, sys.argv)
     preemption.install()
     absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
     sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     app.run(guarded(main, outputs), flags_parser=parse_flags)
+
+
+HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
+
+
+def command_help(module_name: str, program: str) -> str:
+    """The help of a command: its module's docstring (what it does, how to call it, what to
+    expect), then the flags that module defines, then the flags every command takes
+    (`--verbose`, `--helpfull` for absl's and the libraries' own)."""
+    module = sys.modules[module_name]
+    own = flags.FLAGS.get_key_flags_for_module(module)
+    lines = [f"usage: {program} [flags]", "", (module.__doc__ or "").strip(), "", "flags:"]
+    for flag in sorted(own, key=lambda f: f.name):
+        lines.append(flag_help(flag))
+        if flag.name == "config":
+            lines.append("  --config.FIELD=VALUE: overrides one field of the config (dotted, e.g."
+                         " --config.train.max_steps=100).")
+    lines += ["", "every command:", flag_help(flags.FLAGS["verbose"]),
+              "  --helpfull: all flags, including those of absl and the libraries cbs uses."]
+    return "\n".join(lines)
+
+
+def flag_help(flag: flags.Flag) -> str:
+    """One flag as `--name: help (default: value)`, wrapped under its name."""
+    name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+    default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+    text = " ".join(f"{name}: {flag.help}{default}".split())
+    return "\n".join(textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="      "))
+
+
+def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
+    """`--help` (or -h, --helpshort): prints `command_help` of the module defining `main` and
+    exits with status 0, before any flag is parsed or anything is started."""
+    if not any(a in HELP_FLAGS for a in argv[1:]):
+        return
+    program = os.path.basename(argv[0]) if argv else "cbs"
+    if program.endswith(".py") or program == "__main__":
+        program = f"python -m {main.__module__}"
+    print(command_help(main.__module__, program))
+    sys.exit(0)

@@ -36,8 +36,10 @@ from cbs.engine import (
     schedules,
     throughput,
 )
+from cbs.engine.fields import ConfigError
 
-ConfigError = fields.ConfigError  # re-exported: the error every config check raises
+__all__ = ["batch_sizes", "default_config", "validate"]
+
 
 
 def default_config() -> ml_collections.ConfigDict:

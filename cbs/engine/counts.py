@@ -13,6 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "COUNT_BASE", "count_add", "count_from_int", "count_int32", "count_to_int", "count_value",
+    "position",
+]
+
 COUNT_BASE = 2**30
 
 

@@ -33,6 +33,8 @@ from typing import Any
 import jax
 from absl import flags
 
+__all__ = ["ENVIRONMENTS", "detect", "initialize", "shutdown"]
+
 ENVIRONMENTS = ("tpu", "slurm", "ompi")
 MODES = ("auto", "on", "off")
 

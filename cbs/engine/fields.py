@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+__all__ = [
+    "REQUIRED", "ConfigError", "as_mapping", "choice", "get", "increasing_steps", "integer",
+    "lookup", "number",
+]
+
 
 class ConfigError(ValueError):
     """A config field has a bad value; the message starts with the field's dotted name."""

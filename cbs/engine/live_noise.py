@@ -16,7 +16,7 @@ the whole logical batch, the same as `cbs.stats.noise.exact` on it:
 ε·(1 + B/b_simple) in float32, as in `cbs.stats.noise`.) The [B] norms of a batch sharded
 over the data replicas are summed by the compiler across the replicas: S is global.
 
-Two-batch ("two_batch", `cbs.stats.noise.two_batch`): from the squared norms of the chunks'
+Two-batch ("two_batch", `cbs.stats.smoothing.two_batch`): from the squared norms of the chunks'
 (or replicas') mean gradients and |ḡ|², when ghost norms are not available: a leaf the ghost
 rules cannot read, a model state the loss updates (BatchNorm), a loss refused by
 `cbs.stats.loss_checks` (random, coupled or summed).
@@ -32,6 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from cbs.stats import ghost, loss_checks, noise, trees
+from cbs.stats.smoothing import NoiseScaleEMA
+
+__all__ = [
+    "EXACT_MEASURE_METHODS", "LIVE_METHODS", "PyTree", "exact_stats", "ghost_unavailable",
+    "log_choice", "measurement", "resolve", "small_batch_ok", "value_grad_sq_sum",
+]
 
 PyTree = Any
 LIVE_METHODS = ("auto", "exact", "two_batch", "none")
@@ -126,8 +132,8 @@ def exact_stats(sq_sum: jax.Array, mean_grad_sq_norm: jax.Array, batch_size: int
     return gsq - trace_sigma / batch_size, trace_sigma
 
 
-def measurement(measure_ema: noise.NoiseScaleEMA, due: jax.Array, stats: noise.NoiseStats
-                ) -> tuple[noise.NoiseScaleEMA, dict[str, jax.Array]]:
+def measurement(measure_ema: NoiseScaleEMA, due: jax.Array, stats: noise.NoiseStats
+                ) -> tuple[NoiseScaleEMA, dict[str, jax.Array]]:
     """(measure_ema, noise/* metrics) of an every-k-steps B_simple measurement read from the
     exact live statistics `stats` of the step's batch: the values (and `noise/batch_size`)
     when `due`, NaN and the EMA unchanged otherwise."""

@@ -20,15 +20,25 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, fields, preemption, schedules, throughput, writer
+from cbs.engine import checkpoint, fields, preemption, throughput, writer
+from cbs.engine.driver import (
+    AdjustsRestored,
+    Driver,
+    ObservesNoise,
+    OwnPoints,
+    checkpoint_due,
+    evaluation_due,
+)
 from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.results import files, records
 from cbs.stats import noise
+
+__all__ = ["ENDED", "DivergedError", "Loop", "StopFn", "config_hash", "ended_run"]
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running", "preempted", "interrupted" resume
@@ -60,6 +70,21 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 def config_hash(config: ml_collections.ConfigDict) -> str:
     """A short hash of the config's JSON (equal configs, equal hashes)."""
     return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
+              raise_on_divergence: bool = True) -> dict[str, Any] | None:
+    """The one "has this run ended?" check: the summary in `workdir`'s status.json when the
+    run ended (`ENDED`) with this config, else None (start, or resume from its checkpoint).
+    A run that ended "diverged" raises its `DivergedError` again (rerunning it would diverge
+    at the same step) unless `raise_on_divergence` is False."""
+    status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
+    if not (status and status.get("status") in ENDED
+            and status.get("config_hash") == config_hash(config)):
+        return None
+    if status["status"] == "diverged" and raise_on_divergence:
+        raise DivergedError(status.get("message", "diverged"), status)
+    return status
 
 
 def validate_train_config(train_config: Any) -> None:
@@ -99,64 +124,6 @@ def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
     """The run's divergence rule from `config.train.divergence_{factor,patience}`."""
     return DivergenceRule(float(config.train.divergence_factor),
                           int(config.train.divergence_patience))
-
-
-class Driver(Protocol):
-    """What `Loop` drives: the state, its dispatches and its evaluations.
-
-    Attributes: `config` (the run config: `train`, `eval`, `noise` and `batch.adapt_every`
-    are read), `workdir`, `schedule` (`cbs.engine.schedules`), `dataset` and `mesh` (for the
-    throughput hooks), `replicas` (data replicas); `read_each_evaluation`: read every
-    evaluation as soon as it is dispatched (a driver whose stopping depends on it), instead
-    of up to `log_every` steps late; `start_position`: (step, examples seen) of the state
-    `init_state` gives ((0, 0) for a fresh run; a branch starts where its point is, so its
-    budget `train.max_steps` counts from the reference run's step 0).
-    """
-
-    config: ml_collections.ConfigDict
-    schedule: schedules.BatchSchedule
-    replicas: int
-    read_each_evaluation: bool
-    start_position: tuple[int, int]
-
-    @property
-    def workdir(self) -> str | None:
-        """The run directory (a `Loop` needs one)."""
-
-    def init_state(self) -> Any:
-        """A fresh state on the device."""
-
-    def restore_target(self) -> Any:
-        """The state's abstract arrays (shapes, dtypes, shardings) to restore into."""
-
-    def restored(self, state: Any) -> Any:
-        """The restored state, adjusted for what the config may change on resume."""
-
-    def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
-                ) -> tuple[Any, int, Any]:
-        """Dispatches the steps from `step` on: (state, number of steps, device metrics of a
-        single step or None)."""
-
-    def accum_steps(self, batch_size: int) -> int:
-        """Micro-batches per step at batch size B (recorded as data/accum_steps)."""
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Save a checkpoint at `step` (one is also saved at the end)."""
-
-    def evaluation_due(self, step: int) -> bool:
-        """Evaluate the parameters after `step` updates (also done at the end)."""
-
-    def evaluate_at(self, state: Any, step: int) -> Any:
-        """Dispatches the evaluation at `step`; device values for `eval_records`."""
-
-    def eval_records(self, values: Any) -> list[dict[str, Any]]:
-        """The evaluation's record fields from fetched values (one dict per record)."""
-
-    def noise_scale(self, state: Any, name: str) -> float:
-        """The smoothed noise scale `name` ("b_simple", "b_noise") the state carries."""
-
-    def num_compilations(self) -> int:
-        """Compilations of the step so far."""
 
 
 @dataclasses.dataclass
@@ -203,7 +170,8 @@ class Loop:
             self.divergence = DivergenceState()
             return
         self.state, meta = self.ckpt.restore(latest, tr.restore_target())
-        self.state = tr.restored(self.state)
+        if isinstance(tr, AdjustsRestored):
+            self.state = tr.restored(self.state)
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
         self.last_saved = self.t
@@ -300,6 +268,9 @@ class Loop:
         name, every = self.schedule.observes, self.config.batch.adapt_every
         if name is None or self.t == 0 or self.t % every:
             return
+        if not isinstance(self.driver, ObservesNoise):
+            raise ValueError(f"{type(self.driver).__name__} trains at a constant batch size: it "
+                             f"observes no noise scale ({name})")
         value = self.driver.noise_scale(self.state, name)
         self.sched_state = self.schedule.update(self.sched_state, value, self.e)
 
@@ -312,6 +283,16 @@ class Loop:
             self.pending.append(_Pending("train", self.t, self.e, values, extra))
         self.t, self.e = self.t + n, self.e + n * b
 
+    def _evaluation_due(self, step: int) -> bool:
+        if isinstance(self.driver, OwnPoints):
+            return self.driver.evaluation_due(step)
+        return evaluation_due(self.config, step)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        if isinstance(self.driver, OwnPoints):
+            return self.driver.checkpoint_due(step)
+        return checkpoint_due(self.config, step)
+
     def _iterate(self) -> None:
         c, tr = self.config, self.driver
         last_eval = -1
@@ -322,13 +303,13 @@ class Loop:
                     self._save()
                 raise preemption.Preempted(f"{preemption.reason()} at step {self.t}")
             done = self._done()
-            evaluate = c.eval.enabled and (done or tr.evaluation_due(self.t))
+            evaluate = c.eval.enabled and (done or self._evaluation_due(self.t))
             evaluated = evaluate and self.t != last_eval
             if evaluated:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
                                              tr.evaluate_at(self.state, self.t), {}))
-            save = done or tr.checkpoint_due(self.t)
+            save = done or self._checkpoint_due(self.t)
             if save or (evaluated and tr.read_each_evaluation):
                 self._read(keep_newest=False)
                 if save and self.t != self.last_saved:

@@ -28,6 +28,12 @@ import numpy as np
 
 from cbs.engine import fields
 
+__all__ = [
+    "DECAYS", "EXPONENTS", "LR_RULES", "coupled_lr", "coupled_lr_history", "coupling_from_config",
+    "learning_rate_shape", "lr_multiplier", "lr_schedule", "lr_schedule_from_config",
+    "validate_coupling_config",
+]
+
 EXPONENTS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # p of each coupling rule
 LR_RULES = tuple(EXPONENTS)  # the learning-rate scaling rules, p = 0, 1, 1/2
 DECAYS = ("constant", "cosine", "linear")  # the decays after warmup

@@ -35,7 +35,13 @@ import numpy as np
 from cbs import data
 from cbs.engine import live_noise, mesh
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.stats import noise
+from cbs.stats import noise, smoothing
+
+__all__ = [
+    "EVAL_KEYS", "EvalMeasurement", "SEED_OFFSET", "all_examples", "at_evaluation", "draw",
+    "evaluation_record", "host_draw", "in_step_measurement", "measure", "measurement_batches",
+    "measurement_key", "serves", "state_measurement", "step_measurement",
+]
 
 PyTree = Any
 RunParts = Any  # a cbs.engine.parts.RunParts (not imported: the parts import this module)
@@ -94,7 +100,7 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
 def step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks: PyTree,
                      per_micro: int, micro_examples: int, *, seed: int,
                      whole: noise.NoiseStats | None = None
-                     ) -> tuple[noise.NoiseScaleEMA, dict[str, jax.Array]]:
+                     ) -> tuple[smoothing.NoiseScaleEMA, dict[str, jax.Array]]:
     """(updated measure_ema, noise/* metrics) of the train step's measurement: `measure` on
     its first max(1, n/M) micro-batches of M = `micro_examples` examples (the first
     n·C/A of its `chunks` [C, B/C, ...], `per_micro` = C/A chunks each), the method's random
@@ -124,9 +130,9 @@ def serves(spec: NoiseSpec | None, live_kind: str) -> bool:
 
 
 def in_step_measurement(spec: NoiseSpec | None, step: jax.Array,
-                        measure_ema: noise.NoiseScaleEMA, exact: noise.NoiseStats | None,
+                        measure_ema: smoothing.NoiseScaleEMA, exact: noise.NoiseStats | None,
                         measure_fn: Callable[[noise.NoiseStats | None], Any], *, served: bool,
-                        in_step: bool) -> tuple[noise.NoiseScaleEMA, dict[str, jax.Array]]:
+                        in_step: bool) -> tuple[smoothing.NoiseScaleEMA, dict[str, jax.Array]]:
     """(measure_ema, noise/* metrics) of the step's measurement inside the step: when due
     (step % every == 0), the exact live statistics `exact` of the step's batch when they
     serve it (`serves`), else `measure_fn(whole)` under `lax.cond` (`in_step`); NaN metrics

@@ -39,6 +39,12 @@ from jax.sharding import PartitionSpec as P
 
 from cbs.engine import fields
 
+__all__ = [
+    "ALL_PARAM_MODES", "DATA", "LM_RULES", "MODEL", "NAMED_MODES", "PARAM_MODES", "Rules",
+    "batch_sharding", "data_replicas", "global_batch", "make_mesh", "named_shardings", "named_spec",
+    "param_shardings", "path_name", "replicated", "shard", "validate_config",
+]
+
 DATA, MODEL = "data", "model"
 PARAM_MODES = ("replicated", "fsdp", "model")
 NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only

@@ -32,6 +32,11 @@ from typing import Any
 from cbs.engine import fields, live_noise
 from cbs.stats import noise
 
+__all__ = [
+    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "MOVED_SWEEP_KEYS",
+    "NoiseSpec", "check_moved_keys", "validate_config",
+]
+
 EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples
 FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this many
 # The method "auto" stands for, by the examples measured.

@@ -29,6 +29,8 @@ import optax
 from cbs.engine import fields
 from cbs.engine.lr import DECAYS
 
+__all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "apply_step", "make_direction", "validate_config"]
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
 
@@ -71,7 +73,8 @@ def make_direction(optim: ml_collections.ConfigDict) -> optax.GradientTransforma
     """
     name = optim.name
     if name not in OPTIMIZERS:
-        raise ValueError(f"config.optim.name: unknown optimizer {name!r}; known: {OPTIMIZERS}")
+        raise fields.ConfigError(f"config.optim.name: unknown optimizer {name!r}; known: "
+                                 f"{OPTIMIZERS}")
     wd = float(optim.get("weight_decay", 0.0))
     mask = _decay_mask(optim.get("weight_decay_mask", "matrices"))
     stages = []

@@ -27,6 +27,7 @@ from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import lr, optim, schedules
 from cbs.engine import mesh as mesh_lib
+from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.step import TrainState, TrainStep, init_train_state
 
@@ -50,7 +51,7 @@ class RunParts:
         try:
             self.mesh = mesh or mesh_lib.make_mesh(config.mesh.data, config.mesh.model)
         except ValueError as err:
-            raise config_lib.ConfigError(f"config.mesh: {err}") from err
+            raise ConfigError(f"config.mesh: {err}") from err
         self.replicas = mesh_lib.data_replicas(self.mesh)
         config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
                             dataset_names=None if dataset else data.known_datasets())
@@ -64,19 +65,19 @@ class RunParts:
         try:
             return data.get_dataset(self.config.data.name, **self.config.data.options)
         except (ValueError, TypeError) as err:
-            raise config_lib.ConfigError(f"config.data: {err}") from err
+            raise ConfigError(f"config.data: {err}") from err
 
     def _check_sizes(self) -> None:
         c, n = self.config, self.dataset.num_train
         if (c.eval.enabled and c.eval.full_train and not c.eval.train_examples
                 and not self.dataset.in_memory("train")):
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"config.eval.train_examples: the training split of {self.dataset.name} is "
                 "streamed; evaluate a subset (eval.train_examples=n) or set eval.full_train="
                 "False")
         largest = max(config_lib.batch_sizes(c))
         if largest > n:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"config.batch.schedule: batch size {largest} exceeds the {n} training "
                 f"examples of {self.dataset.name}")
 
@@ -92,13 +93,13 @@ class RunParts:
         try:
             abstract = nnx.eval_shape(make_model)
         except ValueError as err:
-            raise config_lib.ConfigError(f"config.model: {err}") from err
+            raise ConfigError(f"config.model: {err}") from err
         if jax.process_index() == 0:
             print(models.model_summary(abstract))
         self.graphdef, params, rest = models.split_model(abstract)
         self.stateful = models.couples_examples(rest)
         if self.stateful and c.noise.every:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 "config.noise.every: per-example statistics are ill-defined for a model with "
                 "BatchNorm in training mode (set noise.every=0 or model.norm != 'batchnorm')")
         self.direction = optim.make_direction(c.optim)

@@ -46,6 +46,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = ["EXIT_STATUS", "Preempted", "check", "clear", "install", "request", "requested"]
+
 EXIT_STATUS = 128 + signal.SIGTERM  # 143
 INTERRUPT_EXIT_STATUS = 128 + signal.SIGINT  # 130
 _requested = threading.Event()

@@ -21,6 +21,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["DivergenceRule", "DivergenceState", "ema_curve", "ema_update", "log_spaced_steps"]
+
 
 def ema_update(ema: Any, value: Any, decay: float) -> Any:
     """One step of the loss EMA: `value` when `ema` is NaN (nothing seen yet), else

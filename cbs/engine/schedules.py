@@ -38,6 +38,12 @@ import numpy as np
 
 from cbs.engine import fields
 
+__all__ = [
+    "Adaptive", "AdaptiveState", "BatchSchedule", "Constant", "Linear", "Step",
+    "batch_schedule_from_config", "batch_size_trace", "checked_schedule", "deepseek_v3_schedule",
+    "in_sequences", "llama3_schedule", "register", "validate_batch_config",
+]
+
 
 def _round_to_multiple(x: float, multiple: int) -> int:
     return int(multiple * math.floor(x / multiple + 0.5))

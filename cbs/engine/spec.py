@@ -23,6 +23,8 @@ import ml_collections
 from cbs.engine.fields import ConfigError, increasing_steps
 from cbs.engine.noise_spec import EXAMPLES
 
+__all__ = ["FIELDS", "Coupling", "RunOverrides", "run_config"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:

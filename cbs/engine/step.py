@@ -15,8 +15,8 @@ One step on a global batch [B, ...] sharded over `data`:
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
 4. the live estimate (`cbs.engine.live_noise`): exact tr(Σ) and |G|² of the whole batch from
    Σ_i |g_i|² and |ḡ|²; or the two-batch estimator (McCandlish et al. 2018, App. A;
-   `cbs.stats.noise.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
-   smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
+   `cbs.stats.smoothing.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
+   smoothed by `cbs.stats.smoothing.NoiseScaleEMA` in the state;
 5. optionally, every `noise.every` steps, the measurement of `cbs.engine.measure` (the
    method the `NoiseSpec` names) on the first micro-batch(es), under `lax.cond` (or in
    `measure_now`, a separate jitted call); an exact B_simple measurement with an exact live
@@ -48,8 +48,12 @@ from cbs.engine.lr import coupled_lr
 from cbs.engine.measure import in_step_measurement, serves, step_measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.step_metrics import StepMetrics
-from cbs.stats import noise
+from cbs.stats import noise, smoothing
 from cbs.stats.trees import tree_sq_norm
+
+__all__ = [
+    "StatefulLoss", "TrainState", "TrainStep", "init_train_state", "stateless",
+]
 
 PyTree = Any
 # loss_fn(params, model_state, batch) -> (mean loss, new model_state)
@@ -66,9 +70,10 @@ class TrainState:
     learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
     compiled step, so trials that differ only in η_0 share one compilation or one vmap);
     params, opt_state: model parameters and optax state; model_state: non-parameter model
-    variables (BatchNorm statistics; empty otherwise); noise_ema: `cbs.stats.noise.NoiseScaleEMA` of
-    the in-step live estimates; measure_ema: the same of the every-k-steps measurements
-    (with the curvature pair when measured), which is what an adaptive schedule on b_noise reads.
+    variables (BatchNorm statistics; empty otherwise); noise_ema:
+    `cbs.stats.smoothing.NoiseScaleEMA` of the in-step live estimates; measure_ema: the same
+    of the every-k-steps measurements (with the curvature pair when measured), which is what
+    an adaptive schedule on b_noise reads.
     """
 
     step: jax.Array
@@ -96,8 +101,8 @@ def init_train_state(params: PyTree, direction: optax.GradientTransformation, *,
                       learning_rate=jnp.asarray(learning_rate, jnp.float32),
                       params=params, opt_state=direction.init(params),
                       model_state={} if model_state is None else model_state,
-                      noise_ema=noise.NoiseScaleEMA.init(decay=ema_decay),
-                      measure_ema=noise.NoiseScaleEMA.init(decay=ema_decay))
+                      noise_ema=smoothing.NoiseScaleEMA.init(decay=ema_decay),
+                      measure_ema=smoothing.NoiseScaleEMA.init(decay=ema_decay))
 
 
 def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
@@ -397,7 +402,7 @@ class TrainStep:
             grad_sq_norm, trace_sigma = live_noise.exact_stats(small_sq, big_sq, b_big)
         else:
             groups = c * (self.replicas if kind == "replica" else 1)
-            grad_sq_norm, trace_sigma = noise.two_batch(small_sq / groups, big_sq, b_small,
+            grad_sq_norm, trace_sigma = smoothing.two_batch(small_sq / groups, big_sq, b_small,
                                                         b_big)
         if kind != "none":
             ema = ema.update(grad_sq_norm, trace_sigma)

@@ -8,6 +8,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "StepMetrics",
+]
+
 
 @jax.tree_util.register_pytree_node_class
 class StepMetrics(Mapping):

@@ -28,6 +28,11 @@ import jax
 from cbs.engine import fields
 from cbs.models import registry
 
+__all__ = [
+    "PEAK_FLOPS", "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_trainer",
+    "from_config", "model_flops_per_example", "peak_flops", "rates", "validate_config",
+]
+
 # Dense bfloat16 peak FLOP/s of one device, by a substring of `jax.Device.device_kind`
 # (first match in this order). TPU: per chip (v4/v5p: a megacore chip is one device).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (

@@ -50,17 +50,12 @@ import numpy as np
 
 from cbs import data
 from cbs.engine import checkpoint, counts, measure
-from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
-from cbs.engine.noise_spec import NoiseSpec  # noqa: F401 - cbs.train's
+from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
 from cbs.engine.parts import RunParts
-from cbs.engine.step import (  # noqa: F401 - TrainStep, init_train_state: cbs.train's
-    TrainState,
-    TrainStep,
-    init_train_state,
-)
-from cbs.results import files, paths, records
+from cbs.engine.step import TrainState
+from cbs.results import files, paths
 
-__all__ = ["DivergedError", "EvalFn", "Trainer", "config_hash", "run"]
+__all__ = ["EvalFn", "Trainer", "run"]
 
 # on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
@@ -93,7 +88,6 @@ class Trainer(RunParts):
                                               steps=config.eval.get("steps", ()))
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
         self.start_position = (0, 0) if start is None else counts.position(start)
-        self._eval_steps = frozenset(config.eval.get("steps", ()))  # checked every step
 
     # ------------------------------------------------------------------ the loop's driver
 
@@ -130,15 +124,6 @@ class Trainer(RunParts):
             state, measured = self.step.measure_now(state, inputs, a)
         state, step_metrics = self.step(state, inputs, a)
         return state, 1, (step_metrics, measured)
-
-    def checkpoint_due(self, step: int) -> bool:
-        return step % self.config.train.checkpoint_every == 0
-
-    def evaluation_due(self, step: int) -> bool:
-        if self._eval_steps:
-            return step in self._eval_steps
-        every = self.config.eval.every
-        return bool(every and step % every == 0)
 
     def evaluate_at(self, state: TrainState, step: int) -> dict[str, Any]:
         out = self.evaluate_async(state)
@@ -193,11 +178,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
-    status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
-    if status and status.get("status") in ENDED and status.get("config_hash") == config_hash(
-            config):
-        if status["status"] == "diverged" and raise_on_divergence:
-            raise DivergedError(status.get("message", "diverged"), status)
+    status = ended_run(workdir, config, raise_on_divergence=raise_on_divergence)
+    if status is not None:
         return status
     fresh = not _has_checkpoint(workdir)
     try:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 
 from cbs.engine.progress import ema_update
 
+__all__ = ["Apply", "run_steps", "vmapped_steps"]
+
 # apply(state, inputs, accum_steps) -> (state, metrics): `cbs.engine.step.TrainStep.apply`
 Apply = Callable[[Any, Any, int], tuple[Any, dict[str, jax.Array]]]
 

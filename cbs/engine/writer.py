@@ -29,6 +29,8 @@ from cbs.results.files import METRICS_FILE
 from cbs.results.paths import PathLike
 from cbs.results.records import append_records, plain_value, truncate_records
 
+__all__ = ["TENSORBOARD_DIR", "CountBar", "MetricsWriter", "summary_writer_class"]
+
 TENSORBOARD_DIR = "tensorboard"
 
 

@@ -9,6 +9,9 @@
 architecture is one module with a `@register(name, default_config=...)` build function
 (`cbs.models.registry`), imported below. Models whose `couples_examples` attribute is True
 (CNN with BatchNorm) have no per-example loss in training mode; see `cbs.models.losses`.
+
+Modules: `registry` (names to build functions), `layers` (the shared layers), the
+architectures `mlp`, `cnn`, `transformer` and `lm`, and `losses` (losses and evaluation).
 """
 
 from __future__ import annotations

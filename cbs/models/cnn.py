@@ -30,6 +30,8 @@ from cbs.models import layers
 from cbs.models.mlp import get_activation
 from cbs.models.registry import ModelInputs, check_positive, register
 
+__all__ = ["CNN", "NORMS", "GhostBatchNorm", "build_cnn", "cnn_fields"]
+
 NORMS = ("none", "layernorm", "groupnorm", "batchnorm")
 
 

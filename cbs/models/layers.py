@@ -18,6 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+__all__ = [
+    "Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "conv2d", "default_embedding_init",
+    "default_kernel_init", "embed", "linear", "scale_shift",
+]
+
 default_kernel_init = nnx.initializers.lecun_normal()
 default_embedding_init = nnx.initializers.normal(stddev=0.02)
 

@@ -45,6 +45,11 @@ from flax import nnx
 from cbs.models.registry import ModelInputs, check_positive, register
 from cbs.models.transformer import lm_flops_per_token, rotary
 
+__all__ = [
+    "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "LMSize", "build_lm", "lm_fields",
+    "lm_flops", "remat_policy", "resolve_size", "rms_norm",
+]
+
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -27,6 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+__all__ = [
+    "TASKS", "Batch", "couples_examples", "cross_entropy", "make_eval_fn", "make_loss_fn",
+    "per_example_correct", "per_example_loss", "split_model",
+]
+
 Batch = dict[str, jax.Array]
 TASKS = ("classification", "lm", "regression")
 

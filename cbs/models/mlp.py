@@ -17,6 +17,8 @@ from flax import nnx
 from cbs.models import layers
 from cbs.models.registry import ModelInputs, check_positive, register
 
+__all__ = ["ACTIVATIONS", "MLP", "build_mlp", "get_activation", "mlp_fields"]
+
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
     "gelu": jax.nn.gelu,

@@ -18,6 +18,11 @@ from collections.abc import Callable, Sequence
 import ml_collections
 from flax import nnx
 
+__all__ = [
+    "BuildFn", "FlopsFn", "ModelInputs", "ModelSpec", "check_positive", "flops_per_example", "get",
+    "names", "register",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelInputs:

@@ -36,6 +36,11 @@ from flax import nnx
 from cbs.models import layers
 from cbs.models.registry import ModelInputs, check_positive, register
 
+__all__ = [
+    "POSITIONS", "SIZES", "Block", "CausalSelfAttention", "TransformerLM", "TransformerSize",
+    "build_transformer", "lm_flops_per_token", "rotary", "transformer_fields", "transformer_flops",
+]
+
 POSITIONS = ("learned", "rotary")
 
 

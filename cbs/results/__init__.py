@@ -3,3 +3,5 @@
 (`leases`), the sweep directory (`store`) and the names of the files runs, sweeps and studies
 write (`files`). Imports no other cbs package.
 """
+
+__all__ = ["files", "leases", "paths", "records", "store"]  # its modules

@@ -32,6 +32,11 @@ from typing import Any
 
 from cbs import install_command
 
+__all__ = [
+    "PathLike", "create_new", "epath", "exists", "is_remote", "isdir", "join", "listdir",
+    "makedirs", "move", "read_bytes", "read_many", "remove", "rmtree",
+]
+
 PathLike = str | os.PathLike
 
 

@@ -53,6 +53,11 @@ import numpy as np
 from cbs.results import paths
 from cbs.results.paths import PathLike
 
+__all__ = [
+    "CorruptRecordWarning", "append_records", "plain_value", "read_json", "read_records",
+    "repair_tail", "truncate_records", "write_atomic", "write_error", "write_json_atomic",
+]
+
 
 class CorruptRecordWarning(UserWarning):
     """A line of a JSON-lines file could not be read and was skipped."""

@@ -44,6 +44,11 @@ from typing import Any
 from cbs.results import files, leases, paths, records
 from cbs.results.paths import PathLike
 
+__all__ = [
+    "GRID_FIELDS", "IGNORED_FIELDS", "OUTPUT_FIELDS", "SweepStore", "TrialResult",
+    "definition_diff", "describe", "flatten", "target_key",
+]
+
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
                "lr_factors", "max_lr", "min_lr", "seeds", "extend_lr_rounds",
                "extend_lr_count")
@@ -65,7 +70,7 @@ class TrialResult:
     steps_to_target / examples_to_target: per target (as a string key), S and E = B·S at the
     first crossing of the progress metric, interpolated between evaluations; None if never.
     noise_at_target: per target, the noise statistics measured around the crossing
-    (ratios of window averages, see `cbs.analysis.fit.noise_scale_at_crossing`).
+    (ratios of window averages, see `cbs.analysis.selection.noise_scale_at_crossing`).
     curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
     """
 

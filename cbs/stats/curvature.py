@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 from cbs.stats.trees import tree_cast_like, tree_dot
 
+__all__ = ["block_quadratic_forms", "hvp", "hvp_fn", "vhv"]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 

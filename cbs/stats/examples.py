@@ -21,6 +21,11 @@ from cbs.stats import loss_checks
 from cbs.stats.loss_checks import concrete
 from cbs.stats.trees import leaf_paths
 
+__all__ = [
+    "LossFn", "PyTree", "check_finite", "check_inputs", "jit_per_settings", "map_and_sum",
+    "map_examples", "one_example", "run_auto_axes", "scan_chunks", "sum_over_examples",
+]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 

@@ -73,10 +73,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from cbs.stats import ghost_trace, loss_checks
+from cbs.stats import ghost_rules, ghost_trace, loss_checks
 from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_axes
-from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, in_dtype, per_example_grad
+from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
+
+__all__ = [
+    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "auto_chunk_size", "coverage",
+    "per_example_grads_info", "uncovered_leaves", "vmap_chunk_size",
+]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -185,12 +190,6 @@ def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _bind(eqn, invals):
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return out if eqn.primitive.multiple_results else [out]
-
-
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
     env: dict[Any, Any] = {}
@@ -207,19 +206,19 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
         else:
             use = plan.active.get(id(eqn))
             if use is not None and use.uid in plan.fused:
-                outs = [_fused(use, plan.tapped[use.uid])(*invals, pert[use.uid])]
+                outs = [ghost_rules.fused(use, plan.tapped[use.uid])(*invals, pert[use.uid])]
             elif use is not None and use.uid in plan.tapped:
-                outs = [_tap(use, plan.tapped[use.uid])(
-                    _bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
+                outs = [ghost_rules.tap(use, plan.tapped[use.uid])(
+                    ghost_rules.bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
                     pert[use.uid])]
             elif use is not None:  # materialised: the leaf's gradient is the sum of the
                 #                    per-example gradients formed for its norms
                 held = list(invals)
                 held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
-                outs = [_bind(eqn, held)[0] + pert[use.uid]]
+                outs = [ghost_rules.bind(eqn, held)[0] + pert[use.uid]]
                 caps[use.uid] = invals[1 - use.pos]
             else:
-                outs = _bind(eqn, invals)
+                outs = ghost_rules.bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars], caps
 
@@ -243,63 +242,6 @@ def _eval_nested(eqn, invals, pert, plan):
         return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(invals, pert)
     closed = p.get("jaxpr", p.get("call_jaxpr"))
     return _eval(closed.jaxpr, closed.consts, invals, pert, plan)
-
-
-def _tap(use: ghost_trace.Use, dtype) -> Callable:
-    """`tap(y, x, slot) = y`, whose backward also returns the use's [B] per-example squared
-    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`.
-
-    The norms are formed where the backward pass meets the use, one scan step at a time, so
-    neither x nor g is kept beyond what the ordinary backward keeps (under remat, x is
-    recomputed with the rest of the step).
-    """
-    rule = SQ_NORM_RULES[use.eqn.primitive.name]
-
-    @jax.custom_vjp
-    def tap(y, x, slot):
-        del x, slot
-        return y
-
-    def fwd(y, x, slot):
-        del slot
-        return y, x
-
-    def bwd(x, g):
-        sq = cast(jax.Array, rule(use, in_dtype(x, dtype), g.astype(dtype)))  # admitted by the plan
-        return g, None, sq.astype(dtype)
-
-    tap.defvjp(fwd, bwd)
-    return tap
-
-
-def _fused(use: ghost_trace.Use, dtype) -> Callable:
-    """`fused(lhs, rhs, slot) = use(lhs, rhs)` (a `dot_general` or convolution), whose
-    backward forms the B per-example gradients of the parameter operand once, for both its
-    [B] squared norms (the cotangent of `slot`) and its gradient (their sum), instead of the
-    ordinary weight gradient plus a ghost rule (`ghost_rules.fuse_direct` says when: the
-    direct form, B·T·D·O multiply-adds, costs what the weight gradient costs). The data
-    operand's cotangent is the ordinary one."""
-    rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
-
-    @jax.custom_vjp
-    def fused(lhs, rhs, slot):
-        del slot
-        return _bind(eqn, [lhs, rhs])[0]
-
-    def fwd(lhs, rhs, slot):
-        del slot
-        return _bind(eqn, [lhs, rhs])[0], (lhs, rhs)
-
-    def bwd(operands, g):
-        w, x = operands[use.pos], operands[1 - use.pos]
-        with_x = lambda x: _bind(eqn, [x, w] if use.pos == 1 else [w, x])[0]
-        dx = jax.vjp(with_x, x)[1](g)[0]
-        dw, sq = cast(tuple, rule(use, x, g, dtype))  # admitted by the plan
-        cts = [dw.astype(w.dtype), dx] if use.pos == 0 else [dx, dw.astype(w.dtype)]
-        return (*cts, sq.astype(dtype))
-
-    fused.defvjp(fwd, bwd)
-    return fused
 
 
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cbs.stats.examples import scan_chunks, sum_over_examples
+
+__all__ = [
+    "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
+    "conv_sq_norm", "dense_fused", "dense_sq_norm", "elementwise_fused", "elementwise_sq_norm",
+    "embed_sq_norm", "example_chunk", "fuse_direct", "in_dtype", "per_example_grad", "replay_chain",
+    "bind", "fused", "tap", "use_gram",
+]
 
 
 def use_gram(t: int, d: int, o: int) -> bool:
@@ -375,3 +383,67 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
 
     _, vjp = jax.vjp(apply, jnp.zeros(origin.shape, dtype))
     return vjp(g1)[0]
+
+
+def bind(eqn: Any, invals: list) -> list:
+    """Evaluates one jaxpr equation on `invals` (a list of its outputs)."""
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def tap(use: Any, dtype: Any) -> Callable:
+    """`tap(y, x, slot) = y`, whose backward also returns the use's [B] per-example squared
+    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`.
+
+    The norms are formed where the backward pass meets the use, one scan step at a time, so
+    neither x nor g is kept beyond what the ordinary backward keeps (under remat, x is
+    recomputed with the rest of the step).
+    """
+    rule = SQ_NORM_RULES[use.eqn.primitive.name]
+
+    @jax.custom_vjp
+    def tap(y, x, slot):
+        del x, slot
+        return y
+
+    def fwd(y, x, slot):
+        del slot
+        return y, x
+
+    def bwd(x, g):
+        sq = cast(jax.Array, rule(use, in_dtype(x, dtype), g.astype(dtype)))  # admitted by the plan
+        return g, None, sq.astype(dtype)
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def fused(use: Any, dtype: Any) -> Callable:
+    """`fused(lhs, rhs, slot) = use(lhs, rhs)` (a `dot_general` or convolution), whose
+    backward forms the B per-example gradients of the parameter operand once, for both its
+    [B] squared norms (the cotangent of `slot`) and its gradient (their sum), instead of the
+    ordinary weight gradient plus a ghost rule (`ghost_rules.fuse_direct` says when: the
+    direct form, B·T·D·O multiply-adds, costs what the weight gradient costs). The data
+    operand's cotangent is the ordinary one."""
+    rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
+
+    @jax.custom_vjp
+    def fused(lhs, rhs, slot):
+        del slot
+        return bind(eqn, [lhs, rhs])[0]
+
+    def fwd(lhs, rhs, slot):
+        del slot
+        return bind(eqn, [lhs, rhs])[0], (lhs, rhs)
+
+    def bwd(operands, g):
+        w, x = operands[use.pos], operands[1 - use.pos]
+        with_x = lambda x: bind(eqn, [x, w] if use.pos == 1 else [w, x])[0]
+        dx = jax.vjp(with_x, x)[1](g)[0]
+        dw, sq = cast(tuple, rule(use, x, g, dtype))  # admitted by the plan
+        cts = [dw.astype(w.dtype), dx] if use.pos == 0 else [dx, dw.astype(w.dtype)]
+        return (*cts, sq.astype(dtype))
+
+    fused.defvjp(fwd, bwd)
+    return fused

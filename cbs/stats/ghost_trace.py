@@ -32,6 +32,10 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
+__all__ = [
+    "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "discover",
+]
+
 # Norm-preserving layout ops (their per-example transpose keeps |g|²) and linear ones that
 # do not (broadcast sums, slices pad with zeros): the latter force the materialised rule.
 NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",

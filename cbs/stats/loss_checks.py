@@ -37,6 +37,8 @@ import numpy as np
 
 from cbs.stats.coupling import coupling_site
 
+__all__ = ["allow_randomness", "check_loss_fn"]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 

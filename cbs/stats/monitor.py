@@ -10,7 +10,7 @@
 
 Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics
 carry them) into bias-corrected EMAs, numerator and denominator apart (their ratio is not
-unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.noise.NoiseScaleEMA` in one
+unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.smoothing.NoiseScaleEMA` in one
 compiled update that stays on the device. Every `every` calls the smoothed values are read
 back once and appended to `history` and passed to `log`. `b_simple` / `b_noise` read the
 current values (a host sync).
@@ -24,7 +24,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from cbs.stats.noise import NoiseScaleEMA, NoiseStats
+from cbs.stats.noise import NoiseStats
+from cbs.stats.smoothing import NoiseScaleEMA
+
+__all__ = ["NoiseMonitor"]
 
 
 @jax.jit

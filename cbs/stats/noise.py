@@ -42,9 +42,12 @@ import jax.numpy as jnp
 from cbs.stats import examples, ghost, trees
 from cbs.stats.curvature import block_quadratic_forms, hvp_fn
 from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
-from cbs.stats.loss_checks import allow_randomness  # noqa: F401 - public: noise.allow_randomness
-from cbs.stats.smoothing import NoiseScaleEMA, two_batch  # noqa: F401 - public: noise.*
 from cbs.stats.trees import GroupSpec, group_matrix
+
+__all__ = [
+    "CURVATURE_KEYS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseStats", "exact", "get_method",
+    "method_names", "per_example_sq_norms", "probe", "register_method", "takes_hessian_batch",
+]
 
 # The statistics of a measurement, recorded as `noise/<key>` (with `noise/batch_size`): the
 # one list every consumer (the loop's records, the sweep measurement, the step) reads.

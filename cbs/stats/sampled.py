@@ -52,6 +52,11 @@ import jax.numpy as jnp
 
 from cbs.stats import curvature, noise, trees
 
+__all__ = [
+    "FULL_DATA_METHOD", "SAMPLED_METHOD", "full_data_method", "measure_full_data",
+    "measure_noise", "resolve_b_noise", "sampled_method",
+]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`

@@ -1,7 +1,7 @@
 """Estimates from scalars: the two-batch solve for |G|² and tr(Σ), and the bias-corrected
 EMA of a noise scale's numerator and denominator (McCandlish et al. 2018, App. A).
 
-Both are re-exported by `cbs.stats.noise` (`noise.two_batch`, `noise.NoiseScaleEMA`).
+Both are public through the `cbs.noise` façade.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs.stats import trees
+
+__all__ = ["NoiseScaleEMA", "two_batch"]
 
 
 def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big

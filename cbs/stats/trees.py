@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "GroupSpec", "PyTree", "accum_dtype", "group_matrix", "leaf_dots", "leaf_paths",
+    "resolve_groups", "tree_cast", "tree_cast_like", "tree_dot", "tree_sq_norm", "tree_sub",
+]
+
 PyTree = Any
 
 

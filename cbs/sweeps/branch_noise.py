@@ -35,6 +35,11 @@ from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
 from cbs.stats import noise
 
+__all__ = [
+    "NOISE_ESTIMATOR", "measure_at", "measure_reference_noise", "measurement_spec",
+    "noise_steps",
+]
+
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
                    "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
                    "full-data Hessian")

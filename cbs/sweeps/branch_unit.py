@@ -41,6 +41,8 @@ from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
 from cbs.results import files, records
 
+__all__ = ["VmappedBranch", "branch_overrides", "engine_branch", "unit_dir"]
+
 
 def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
     """The run directory of a unit (or of one seed's engine branch)."""
@@ -105,9 +107,6 @@ class VmappedBranch:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
                             jax.eval_shape(self.init_state))
 
-    def restored(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
     def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
                 ) -> tuple[dict[str, Any], int, None]:
         """Every step left, in one dispatch."""
@@ -120,12 +119,6 @@ class VmappedBranch:
     def accum_steps(self, batch_size: int) -> int:
         return self.parts.accum_steps(batch_size)
 
-    def checkpoint_due(self, step: int) -> bool:
-        return False  # the loop saves one at the end
-
-    def evaluation_due(self, step: int) -> bool:
-        return False  # the loop evaluates at the end
-
     def evaluate_at(self, state: dict[str, Any], step: int) -> dict[str, jax.Array]:
         nan = jnp.full((len(self.seeds),), jnp.nan, jnp.float32)
         final = self.final_loss(state["trials"]) if self.final_loss else nan
@@ -136,9 +129,6 @@ class VmappedBranch:
         """One record per seed."""
         return [{"seed": s} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
                 for i, s in enumerate(self.seeds)]
-
-    def noise_scale(self, state: dict[str, Any], name: str) -> float:
-        raise ValueError(f"a branch trains at a constant batch size: it observes no {name}")
 
     def num_compilations(self) -> int:
         return self.program._cache_size()  # type: ignore[attr-defined]  # jax's jitted

@@ -43,14 +43,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import ml_collections
 
 from cbs import data
-from cbs.engine import checkpoint, mesh, preemption, progress, spec, trainer
+from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
 from cbs.engine.counts import position
+from cbs.engine.fields import ConfigError
 from cbs.engine.lr import EXPONENTS, lr_multiplier
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep
@@ -61,9 +62,19 @@ from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.grid import parse_shard
 
+__all__ = [
+    "BRANCH_LR_RULES", "B_STAR_RULES", "CRITERIA", "EMA_UNITS", "METRICS", "PAPER_WINDOW_STEPS",
+    "UNIT_KEYS",
+    "BranchRunner", "branch_steps", "default_branch_config", "ema_decay_per_step", "lr_factor",
+    "pending_units", "reference_batch", "run_branches", "run_reference", "validate_branch_config",
+    "window_examples", "write_definition",
+]
+
 UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
-LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)  # f(k) = k^p must grow with k
+# The rules a branch study may scale its learning rate by, f(k) = k^p: those of
+# `cbs.engine.lr.LR_RULES` whose f grows with k (p > 0, so not "none").
+BRANCH_LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)
 METRICS = ("loss_ema", "full_train/loss")
 EMA_UNITS = ("step", "reference_batch")
 CRITERIA = ("paper", "ladder")
@@ -115,37 +126,45 @@ def default_branch_config() -> ml_collections.ConfigDict:
 
 
 def validate_branch_config(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the `branch.*` (or engine) field to change."""
+    """Raises `ConfigError` naming the `config.branch.*` (or engine) field to change."""
     b = config.branch
+
+    def fail(field: str, problem: str) -> NoReturn:
+        raise ConfigError(f"config.{field}: {problem}")
+
     ks = [int(k) for k in b.ks]
     if not ks or ks[0] != 1 or any(y <= x for x, y in zip(ks, ks[1:], strict=False)):
-        raise ValueError(f"branch.ks={tuple(b.ks)}: give increasing multipliers starting at 1")
-    if b.lr_rule not in LR_RULES:
-        raise ValueError(f"branch.lr_rule={b.lr_rule!r}: use one of {sorted(LR_RULES)}")
-    if b.tolerance not in ("absolute", "relative") or not b.epsilon > 0:
-        raise ValueError("branch.tolerance must be 'absolute' or 'relative' and branch.epsilon"
-                         " > 0")
+        fail("branch.ks", f"give increasing multipliers starting at 1, got {tuple(b.ks)}")
+    if b.lr_rule not in BRANCH_LR_RULES:
+        fail("branch.lr_rule", f"use one of {sorted(BRANCH_LR_RULES)}, got {b.lr_rule!r}")
+    if b.tolerance not in ("absolute", "relative"):
+        fail("branch.tolerance", f"must be 'absolute' or 'relative', got {b.tolerance!r}")
+    if not b.epsilon > 0:
+        fail("branch.epsilon", f"must be > 0, got {b.epsilon}")
     if b.metric not in METRICS:
-        raise ValueError(f"branch.metric={b.metric!r}: use one of {METRICS}")
+        fail("branch.metric", f"use one of {METRICS}, got {b.metric!r}")
     for field, known in (("loss_ema_per", EMA_UNITS), ("criterion", CRITERIA),
                          ("b_star", B_STAR_RULES)):
         if b.get(field, known[0]) not in known:
-            raise ValueError(f"branch.{field}={b[field]!r}: use one of {known}")
+            fail(f"branch.{field}", f"use one of {known}, got {b[field]!r}")
     if not 0 <= b.loss_ema_decay < 1:
-        raise ValueError(f"branch.loss_ema_decay={b.loss_ema_decay}: must be in [0, 1)")
+        fail("branch.loss_ema_decay", f"must be in [0, 1), got {b.loss_ema_decay}")
     if not 0 <= float(b.get("window_fraction", 0.0)) <= 1:
-        raise ValueError(f"branch.window_fraction={b.window_fraction}: must be in [0, 1]")
+        fail("branch.window_fraction", f"must be in [0, 1], got {b.window_fraction}")
     if not b.seeds:
-        raise ValueError("branch.seeds: give at least one data-order seed")
+        fail("branch.seeds", "give at least one data-order seed")
     if not (b.points_examples or b.points_losses):
-        raise ValueError("branch.points_examples or branch.points_losses: give branch points")
-    if config.batch.schedule.kind != "constant" or config.batch.lr_coupling.rule != "none":
-        raise ValueError("batch.schedule.kind must be 'constant' and batch.lr_coupling.rule "
-                         "'none' for the reference run of a branch study")
+        fail("branch.points_examples", "give branch points (or branch.points_losses)")
+    if config.batch.schedule.kind != "constant":
+        fail("batch.schedule.kind", "must be 'constant' for the reference run of a branch "
+             f"study, got {config.batch.schedule.kind!r}")
+    if config.batch.lr_coupling.rule != "none":
+        fail("batch.lr_coupling.rule", "must be 'none' for the reference run of a branch "
+             f"study, got {config.batch.lr_coupling.rule!r}")
     big, unit = window_examples(config), _ladder_lcm(ks) * reference_batch(config)
     if big % unit:
-        raise ValueError(f"branch.window_examples={big} must be a multiple of lcm(ks)·B = "
-                         f"{unit} (a whole number of steps for every k)")
+        fail("branch.window_examples", f"{big} must be a multiple of lcm(ks)·B = {unit} (a "
+             "whole number of steps for every k)")
 
 
 def reference_batch(config: ml_collections.ConfigDict) -> int:
@@ -346,9 +365,7 @@ def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
         keep_checkpoints=1_000_000), drop=())
     ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
-    status = records.read_json(os.path.join(ref_dir, files.STATUS_FILE))
-    if status and status.get("status") in ("finished", "stopped") and status.get(
-            "config_hash") == trainer.config_hash(c):
+    if loop.ended_run(ref_dir, c) is not None:  # a diverged reference run raises again
         return
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])  # small models: one device
     t = trainer.Trainer(c, ref_dir, mesh=one, dataset=dataset)

@@ -31,8 +31,14 @@ from typing import Any
 import ml_collections
 
 from cbs.analysis import edges
+from cbs.engine.fields import ConfigError
 from cbs.engine.lr import LR_RULES, lr_multiplier
 from cbs.engine.noise_spec import check_moved_keys
+
+__all__ = [
+    "TARGET_METRICS", "Trial", "default_sweep_config", "grid_trials", "learning_rates_for",
+    "make_trials", "parse_shard", "shard_trials", "trial_table", "validate_sweep",
+]
 
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
 
@@ -108,9 +114,9 @@ def _real(value: object) -> bool:
 
 
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the field of an invalid sweep definition."""
+    """Raises `ConfigError` naming the field of an invalid sweep definition."""
     def fail(field: str, why: str) -> None:
-        raise ValueError(f"config.sweep.{field}: {why}")
+        raise ConfigError(f"config.sweep.{field}: {why}")
 
     if not sweep.batch_sizes:
         fail("batch_sizes", "needs at least one batch size")

@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import mesh, spec
-from cbs.engine.loop import Loop, config_hash
+from cbs.engine.loop import Loop, ended_run
 from cbs.engine.measure import state_measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
@@ -58,6 +58,8 @@ from cbs.sweeps.trials import (
     result_from_curve,
     trial_overrides,
 )
+
+__all__ = ["PROGRESS_SPLIT", "TrialGroup", "group_dir"]
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 
@@ -182,9 +184,6 @@ class TrialGroup:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
                             shapes)
 
-    def restored(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state  # each trial's η_0 is its own, in the state
-
     def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
                 ) -> tuple[dict[str, Any], int, None]:
         """All K trials from `step` to the next evaluation, in one dispatch."""
@@ -210,10 +209,6 @@ class TrialGroup:
         """One record per trial (its `trial` index and its values)."""
         return [{"trial": t.index} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
                 for i, t in enumerate(self.trials)]
-
-    def noise_scale(self, state: dict[str, Any], name: str) -> float:
-        raise ValueError("a trial group trains at a constant batch size: it observes no "
-                         f"noise scale ({name})")
 
     def num_compilations(self) -> int:
         return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
@@ -246,9 +241,8 @@ class TrialGroup:
         """Trains (or resumes) the group to the end; returns one result per trial. A group
         whose run directory already ended with this config is replayed from its records."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
-        status = records.read_json(os.path.join(self.workdir, files.STATUS_FILE))
-        if status and status.get("status") in ("finished", "stopped") and status.get(
-                "config_hash") == config_hash(self.config):
+        status = ended_run(self.workdir, self.config)
+        if status is not None:
             self._replay(records.read_records(os.path.join(self.workdir,
                                                            files.METRICS_FILE)))
             summary = status

@@ -34,6 +34,7 @@ import ml_collections
 from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import preemption, spec
+from cbs.engine.fields import ConfigError
 from cbs.engine.writer import CountBar
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import (
@@ -48,6 +49,11 @@ from cbs.sweeps.grid import (
 from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
+
+__all__ = [
+    "check_config", "group_slots", "num_train", "pending_trials", "resolved_config", "run_sweep",
+    "sweep_definition",
+]
 
 
 def num_train(config: ml_collections.ConfigDict) -> int:
@@ -64,21 +70,21 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     """
     trials = make_trials(config.sweep)
     if config.data.name not in data.known_datasets():
-        raise ValueError(f"config.data.name: {config.data.name!r} is not one of "
+        raise ConfigError(f"config.data.name: {config.data.name!r} is not one of "
                          f"{data.known_datasets()}")
     ds = data.get_dataset(config.data.name, **config.data.options)
     n = ds.num_train
     for b in sorted({t.batch_size for t in trials}):
         if b > n:
-            raise ValueError(f"config.sweep.batch_sizes: {b} is larger than the training split "
+            raise ConfigError(f"config.sweep.batch_sizes: {b} is larger than the training split "
                              f"of {config.data.name} ({n} examples); use batch sizes <= {n}")
     models.abstract_model(config.model, input_shape=ds.input_shape,
                           num_classes=ds.num_classes if ds.task != "regression" else None,
                           vocab_size=ds.vocab_size, seed=config.seed)
     noise = config.noise
     if noise.get("examples", "step") == "stream" and noise.batch_size > n:
-        raise ValueError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
-                         f"training split ({n} examples)")
+        raise ConfigError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
+                          f"training split ({n} examples)")
     for b in sorted({t.batch_size for t in trials}):
         c = spec.run_config(config, spec.RunOverrides(
             batch_size=b, micro_batch=b, learning_rate=trials[0].learning_rate,

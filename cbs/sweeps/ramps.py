@@ -30,13 +30,19 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs.analysis import fit
+from cbs.analysis import selection
 from cbs.engine import preemption, spec, trainer
+from cbs.engine.fields import ConfigError
 from cbs.engine.writer import CountBar
 from cbs.results import files, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
-from cbs.sweeps import launch
+from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
+
+__all__ = [
+    "RAMPS_DIR", "best_learning_rate", "check_ramps", "ramp_config", "ramp_overrides",
+    "ramp_record", "run_dir_name", "run_ramps",
+]
 
 RAMPS_DIR = "ramps"
 
@@ -51,7 +57,7 @@ def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
     """label -> run directory; a directory named by the raw label (older sweeps) is kept."""
     names = [run_dir_name(label) for label in labels]
     if len(set(names)) != len(names):
-        raise ValueError(f"config.ramps: labels {labels} give clashing directory names {names};"
+        raise ConfigError(f"config.ramps: labels {labels} give clashing directory names {names};"
                          " make them differ in more than spaces and punctuation")
     out = {}
     for label, name in zip(labels, names, strict=True):
@@ -65,14 +71,14 @@ def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
     """The sweep's learning rate with the fewest steps to its lowest reached target at B."""
     records = [r for r in SweepStore(sweep_dir).records() if r["batch_size"] == batch_size]
     if not records:
-        raise ValueError(f"config.ramps: no sweep trial at batch size {batch_size} in "
+        raise ConfigError(f"config.ramps: no sweep trial at batch size {batch_size} in "
                          f"{sweep_dir}; run the sweep first or give a number")
     keys = sorted(records[0]["steps_to_target"], key=float)
     for key in keys:  # lowest target first
         reached = [r for r in records if r["steps_to_target"][key] is not None]
         if reached:
             return min(reached, key=lambda r: r["steps_to_target"][key])["learning_rate"]
-    raise ValueError(f"config.ramps: no trial at batch size {batch_size} reached a target")
+    raise ConfigError(f"config.ramps: no trial at batch size {batch_size} reached a target")
 
 
 def _learning_rate(spec: Any, sweep_dir: str) -> float:
@@ -87,15 +93,15 @@ def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str) -> None:
     trials were trained with a different config (`SweepStore.check_definition`)."""
     labels = [run["label"] for run in config.ramps]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+        raise ConfigError(f"config.ramps: labels must be unique, got {labels}")
     sizes = sorted({int(b) for b in config.sweep.batch_sizes})
     for i, run in enumerate(config.ramps):
         spec = run["learning_rate"]
         if isinstance(spec, str) and spec.startswith("best@") and int(spec[5:]) not in sizes:
-            raise ValueError(f"config.ramps[{i}].learning_rate: {spec!r} names a batch size the"
+            raise ConfigError(f"config.ramps[{i}].learning_rate: {spec!r} names a batch size the"
                              f" sweep does not train (config.sweep.batch_sizes={sizes})")
     SweepStore(sweep_dir).check_definition(
-        launch.sweep_definition(config, launch.make_trials(config.sweep)), "config.ramps")
+        launch.sweep_definition(config, grid.make_trials(config.sweep)), "config.ramps")
 
 
 def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> None:
@@ -105,7 +111,7 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
     new = json.loads(json.dumps(run))
     if old is not None and old != new:
         diff = describe(definition_diff({"config": old}, {"config": new}) or ["its fields"])
-        raise ValueError(f"config.ramps: {run['label']!r} is recorded with a different spec "
+        raise ConfigError(f"config.ramps: {run['label']!r} is recorded with a different spec "
                          f"({diff}); give the changed ramp a new label")
 
 
@@ -150,8 +156,8 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
     steps_to, examples_to = {}, {}
     for target in sweep.targets:
         key = target_key(target)
-        steps_to[key] = fit.steps_to_target(curve["step"], curve[metric], target)
-        examples_to[key] = fit.steps_to_target(curve["examples"], curve[metric], target)
+        steps_to[key] = selection.steps_to_target(curve["step"], curve[metric], target)
+        examples_to[key] = selection.steps_to_target(curve["examples"], curve[metric], target)
     return {
         "label": label, "status": status, "learning_rate": learning_rate,
         "target_metric": metric, "steps_to_target": steps_to, "examples_to_target": examples_to,
@@ -179,7 +185,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     done = {r["label"]: r for r in records.read_records(path, required=("label",))}
     labels = [run["label"] for run in config.ramps]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"config.ramps: labels must be unique, got {labels}")
+        raise ConfigError(f"config.ramps: labels must be unique, got {labels}")
     run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):

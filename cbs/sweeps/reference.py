@@ -27,6 +27,8 @@ from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
 
+__all__ = ["ReferenceRun", "protocol_text", "reference_noise", "reference_trial", "run_reference"]
+
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
                     ) -> Trial | None:

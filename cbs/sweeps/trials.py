@@ -12,9 +12,9 @@ Two back ends, same records:
 Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations spaced
 evenly in log(step) over the step budget, `eval_steps`, the same grid in both back ends) and
 the crossing step of each target is interpolated linearly between
-evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
+evaluations (`cbs.analysis.selection.steps_to_target`). The noise scale recorded at a crossing is
 the ratio of window averages of the exact statistics measured at the evaluations around it
-(`cbs.analysis.fit.noise_scale_at_crossing`). Both back ends measure at their evaluations
+(`cbs.analysis.selection.noise_scale_at_crossing`). Both back ends measure at their evaluations
 through one call, `cbs.engine.measure` (what `config.noise` says), on draws fixed by (seed,
 evaluation index).
 """
@@ -29,8 +29,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs.analysis import fit
+from cbs.analysis import selection
 from cbs.engine import measure, spec, trainer
+from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.progress import (
     DivergenceRule,
@@ -41,8 +42,14 @@ from cbs.engine.progress import (
 )
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
-from cbs.stats.sampled import resolve_b_noise
+from cbs.stats import sampled
 from cbs.sweeps.grid import Trial
+
+__all__ = [
+    "NOISE_CURVE_KEYS", "ProgressMonitor", "curve_from_records", "divergence_rule", "eval_every",
+    "eval_steps", "micro_batch_for", "result_from_curve", "run_trial_engine", "step_budget",
+    "summarize", "trial_config", "trial_overrides",
+]
 
 # The noise statistics of a trial's curve: the evaluation's (`cbs.stats.noise.STAT_KEYS`
 # without the raw mean_* values) and the live estimate's EMA.
@@ -85,7 +92,7 @@ def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
 def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
     """The largest m ≤ micro_batch with B divisible by m·R (so A = B/(m·R) is whole)."""
     if batch_size % replicas:
-        raise ValueError(f"config.sweep.batch_sizes: {batch_size} is not divisible by the "
+        raise ConfigError(f"config.sweep.batch_sizes: {batch_size} is not divisible by the "
                          f"{replicas} data replicas of the mesh")
     per_replica = batch_size // replicas
     return max(d for d in range(1, min(micro_batch, per_replica) + 1) if per_replica % d == 0)
@@ -188,7 +195,7 @@ def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
     steps_to, examples_to, noise_at = {}, {}, {}
     for target in sweep.targets:
         key = target_key(target)
-        s = None if status == "diverged" and not curve[metric] else fit.steps_to_target(
+        s = None if status == "diverged" and not curve[metric] else selection.steps_to_target(
             curve["step"], curve[metric], target)
         steps_to[key] = s
         examples_to[key] = None if s is None else s * trial.batch_size
@@ -209,12 +216,12 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     if not x:
         return {}
     kw: dict[str, Any] = {"min_points": window, "window": 0.0}
-    out: dict[str, Any] = {"b_simple": fit.noise_scale_at_crossing(
+    out: dict[str, Any] = {"b_simple": selection.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
         num, den = _window_means(x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"],
                                  crossing, kw)
-        b_noise, why = resolve_b_noise(num, den)
+        b_noise, why = sampled.resolve_b_noise(num, den)
         if b_noise is None:
             out["b_noise_unresolved"] = why
         else:
@@ -228,11 +235,11 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
 
 def _window_means(x, num, den, crossing: float, kw) -> tuple[float, float]:
     """Window averages of `num` and `den` around the crossing, over the measurements where
-    both are finite (those `fit.noise_scale_at_crossing` divides)."""
+    both are finite (those `selection.noise_scale_at_crossing` divides)."""
     ok = [i for i in range(len(x)) if math.isfinite(num[i]) and math.isfinite(den[i])]
     xs = [x[i] for i in ok]
     ones = [1.0] * len(ok)
-    mean = lambda v: fit.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
+    mean = lambda v: selection.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
     return mean(num), mean(den)
 
 

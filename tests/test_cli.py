@@ -1,0 +1,68 @@
+"""`--help` on every command: its description and its own flags, exit status 0
+(`cbs.engine.cli.exit_on_help`), before any flag is parsed or anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cbs.engine import cli
+
+COMMANDS = ("train", "sweep", "analyze", "branch", "ramps", "compare")
+WRAPPERS = {"train": "main"}  # experiments/<name>.py of a command, where it differs
+OWN_FLAGS = {"train": ("--config", "--workdir", "--coordinator_address"),
+             "sweep": ("--config", "--sweep_dir", "--shard", "--[no]redefine"),
+             "analyze": ("--sweep_dir", "--bootstrap", "--[no]partial"),
+             "branch": ("--config", "--workdir", "--shard", "--[no]analyze_only"),
+             "ramps": ("--config", "--sweep_dir", "--out_dir"),
+             "compare": ("--out", "--bootstrap", "--[no]sizes")}
+
+
+def _check_help(text: str, command: str) -> None:
+    import ast
+    import pathlib
+    source = pathlib.Path(cli.__file__).parent.parent / "commands" / f"{command}.py"
+    doc = ast.get_docstring(ast.parse(source.read_text()))
+    assert doc.splitlines()[0] in text, "the command's description comes first"
+    flags_part = text[text.index("\nflags:"):]
+    for flag in OWN_FLAGS[command]:
+        assert f"\n  {flag}: " in flags_part, f"cbs-{command} --help lacks {flag}"
+    assert "--helpfull" in text and "--[no]verbose" in text
+    assert "--xla_" not in text and "--jax_" not in text, "only the command's own flags"
+
+
+def test_help_prints_the_description_and_own_flags_and_exits_0(capsys):
+    from cbs.commands import analyze
+    with pytest.raises(SystemExit) as exit_:
+        cli.exit_on_help(analyze.main, ["cbs-analyze", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cbs-analyze [flags]\n")
+    _check_help(out, "analyze")
+    cli.exit_on_help(analyze.main, ["cbs-analyze", "--sweep_dir=x"])  # no help: returns
+
+
+def _help_commands() -> dict[str, list[str]]:
+    """Both routes of every command: the console script's entry function (as the installed
+    `cbs-<name>` calls it) and `python -m experiments.<name>` from the checkout."""
+    out = {}
+    for c in COMMANDS:
+        script = (f"import sys; sys.argv = ['cbs-{c}', '--help']; "
+                  f"from cbs.commands.{c} import run; run()")
+        out[f"cbs-{c}"] = [sys.executable, "-c", script]
+        out[f"experiments.{c}"] = [sys.executable, "-m",
+                                   f"experiments.{WRAPPERS.get(c, c)}", "--help"]
+    return out
+
+
+@pytest.mark.slow
+def test_help_of_every_command_on_both_routes():
+    """Started together (each process imports the library), checked one by one."""
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, cmd in _help_commands().items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name} --help: status {proc.returncode}\n{err[-2000:]}"
+        _check_help(out, name.split("-")[-1].split(".")[-1])
