@@ -3,9 +3,11 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cbs.analysis import advice, calibration
@@ -80,3 +82,54 @@ def test_cbs_advise_prints_the_answer_and_writes_the_trajectory(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "config.json" in bad.stderr
+
+
+def _numbers_and_text(line):
+    nums = [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?", line)]
+    return nums, re.sub(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?", "#", line)
+
+
+def test_the_readme_advice_command_prints_the_readme_block(tmp_path):
+    """README's first answer: its command, run as shown (without the install), prints the
+    block README quotes (numbers to 2 %: float32 sums may differ in the last digit between
+    machines; every word the same)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    command = re.search(r"```bash\n(pip install -e \. && python -m experiments\.main "
+                        r"--config=digits_mlp:tiny[^\n]*)\n```", readme).group(1)
+    block = readme.split("<!-- the output of the command above (tests/test_advice.py) -->"
+                         )[1].split("```")[1].strip("\n").splitlines()
+    work = str(tmp_path / "advise")
+    parts = [p.strip() for p in command.split("&&")[1:]]
+    outs = []
+    for part in parts:
+        argv = part.replace("runs/advise", work).split()
+        assert argv[:2] == ["python", "-m"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as shown
+        done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(done.stdout)
+    got = outs[-1].strip("\n").splitlines()
+    assert len(got) == len(block)
+    for want_line, got_line in zip(block, got, strict=True):
+        want_nums, want_text = _numbers_and_text(want_line)
+        got_nums, got_text = _numbers_and_text(got_line)
+        assert got_text == want_text
+        np.testing.assert_allclose(got_nums, want_nums, rtol=0.02)
+
+
+def test_trajectory_prefers_the_measurement_at_evaluations(tmp_path):
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump({"optim": {"name": "adam"}, "noise": {"examples": "all", "batch_size": 0},
+                   "batch": {"schedule": {"batch_size": 32}}}, f)
+    rows = [{"step": 0, "kind": "train", "data/batch_size": 32, "noise/ema_b_simple": 9.0},
+            {"step": 0, "kind": "eval", "full_train/loss": 2.0, "noise/b_simple": 12.0},
+            {"step": 4, "kind": "eval", "full_train/loss": 1.5, "noise/b_simple": 15.0}]
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    tr = advice.trajectory(run)
+    assert [(a.step, a.noise_scale, a.loss, a.batch_size) for a in tr] == [
+        (0, 12.0, 2.0, 32.0), (4, 15.0, 1.5, 32.0)]
+    assert "all training examples" in tr[0].source

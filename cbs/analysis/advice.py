@@ -9,9 +9,11 @@ exchange rate λ (examples one would spend to save one step), the batch √(λ·
 minimises λ·S + E.
 
 `trajectory` reads a finished (or running) run directory, its `config.json` and
-`metrics.jsonl`, and gives the advice at every step with a measured noise scale (the
-periodic exact measurement `noise/b_simple`, `noise/b_noise`; else the live EMA
-`noise/ema_b_simple` at each evaluation), beside the training loss there.
+`metrics.jsonl`, and gives the advice at every step with a measured noise scale: the
+measurement at each evaluation when the run makes one (`config.noise.examples` "all": exact on
+the whole training set, the calibration's own protocol for small data; "stream": sampled),
+else the periodic measurement of the step's batch (`noise.every`), else the live EMA
+`noise/ema_b_simple` at each evaluation; beside the training loss there.
 
 What the calibration's ratios were measured with: B_crit fitted from batch-size sweeps and
 the noise scale measured at the target on the whole training set (small data) or on sampled
@@ -121,12 +123,20 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
     rows = records.read_records(os.path.join(run_dir, files.METRICS_FILE))
     losses = {int(r["step"]): float(r[k]) for r in rows for k in ("full_train/loss",)
               if r.get("kind") == "eval" and k in r}
+    batches = {int(r["step"]): r["data/batch_size"] for r in rows if "data/batch_size" in r}
+    noise_cfg = config.get("noise", {})
+    at_eval = {"all": "exact measurement on all training examples at an evaluation",
+               "stream": f"sampled measurement of {noise_cfg.get('batch_size', 0)} fresh "
+                         "examples at an evaluation"}.get(str(noise_cfg.get("examples")))
     out = []
     for r in rows:
-        if r.get("kind") != "train":
-            continue
         step = int(r["step"])
-        if f"noise/{scale}" in r:
+        if r.get("kind") == "eval" and at_eval and f"noise/{scale}" in r:
+            value, source = r[f"noise/{scale}"], at_eval
+            n = int(noise_cfg.get("batch_size", 0)) if "sampled" in at_eval else 0
+        elif r.get("kind") != "train" or at_eval:
+            continue
+        elif f"noise/{scale}" in r:
             value, source = r[f"noise/{scale}"], f"exact measurement ({scale})"
             n = int(r.get("noise/batch_size", 0))
         elif scale == "b_simple" and "noise/ema_b_simple" in r and step in losses:
@@ -135,10 +145,11 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         else:
             continue
         loss = losses.get(step, r.get("train/loss"))
+        batch = r.get("data/batch_size") or batches.get(step) or _batch(config)
         out.append(advise(float(value), optimizer=optimizer, scale=scale, level=level,
-                          batch_size=float(r.get("data/batch_size", 0) or _batch(config)),
-                          exchange=exchange, source=source, examples=n, calib=calib,
-                          step=step, loss=None if loss is None else float(loss)))
+                          batch_size=float(batch), exchange=exchange, source=source,
+                          examples=n, calib=calib, step=step,
+                          loss=None if loss is None else float(loss)))
     return out
 
 
