@@ -13,7 +13,7 @@ unsharded sweep's bit for bit) and a shard extends its own rates without waiting
 another. Finished trials (records in trials.jsonl) are skipped; an
 unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory
 dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`)
-whose records are appended together; otherwise each trial is a `cbs.engine.trainer.run`
+whose records are written together; otherwise each trial is a `cbs.engine.trainer.run`
 (`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"` an unsharded launch that
 finds every trial finished then runs the reference trajectory (`cbs.sweeps.reference`). Each
 group is claimed (`SweepStore.claim`: a lock file, or an expiring lease object on an object
