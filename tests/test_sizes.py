@@ -70,3 +70,38 @@ def test_report_lines_name_the_verdicts():
     assert "not rejected" not in lines[0]
     assert any(line.startswith("- Joint power law over all sizes: α_B = ") for line in lines)
     assert "| D = 32 |" in sizes.table(studies)
+
+
+def test_studies_of_different_experiments_are_refused_in_one_line(tmp_path):
+    """--sizes pools model sizes of one experiment: another dataset, model family or target
+    metric, or no target in common, is refused before anything is fitted or written."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    kaplan = [str(root / "results" / d) for d in
+              ("shakespeare_kaplan_d32", "shakespeare_kaplan", "shakespeare_kaplan_d128")]
+    sizes.check_comparable(kaplan)  # the committed study passes
+    with pytest.raises(ValueError, match=r"has data \{'name': 'digits'"):
+        sizes.check_comparable([kaplan[0], str(root / "results" / "digits")])
+    other = tmp_path / "other_targets"
+    other.mkdir()
+    definition = json.loads((root / "results" / "shakespeare_kaplan" / "sweep.json").read_text())
+    definition["config"]["sweep"]["targets"] = [1.9, 1.8]
+    (other / "sweep.json").write_text(json.dumps(definition))
+    with pytest.raises(ValueError, match="needs a target every study swept"):
+        sizes.check_comparable([kaplan[0], str(other)])
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.compare", "--sizes", kaplan[1],
+         str(root / "results" / "digits"), f"--out={out}"], cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: --sizes compares model sizes of one experiment")
+    assert not out.exists()

@@ -44,6 +44,29 @@ def study_size(sweep_dir: str) -> dict[str, Any]:
             "num_layers": model.get("num_layers")}
 
 
+def check_comparable(sweep_dirs: Sequence[str]) -> None:
+    """Raises ValueError (one line) unless the studies are sizes of one experiment: the same
+    data (dataset and options), model family and target metric, and at least one target in
+    common (each study's sweep.json)."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    for d in sweep_dirs:
+        config = (SweepStore(d).definition() or {}).get("config") or {}
+        sweep = config.get("sweep") or {}
+        seen.append((d, {"data": config.get("data"),
+                         "model family": (config.get("model") or {}).get("name"),
+                         "target metric": sweep.get("target_metric"),
+                         "targets": set(sweep.get("targets") or ())}))
+    first_dir, first = seen[0]
+    for d, this in seen[1:]:
+        for key in ("data", "model family", "target metric"):
+            if this[key] != first[key]:
+                raise ValueError(f"--sizes compares model sizes of one experiment, but {d} "
+                                 f"has {key} {this[key]!r} and {first_dir} {first[key]!r}")
+    if not set.intersection(*(this["targets"] for _, this in seen)):
+        raise ValueError("--sizes needs a target every study swept; these have "
+                         + "; ".join(f"{d}: {sorted(t['targets'])}" for d, t in seen))
+
+
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One entry per study: size, targets, B_crit and interval per target, the covariance of
     log B_crit over its fitted targets, and its own power law."""
@@ -235,7 +258,9 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
 
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000) -> str:
-    """report.md, sizes.json and the figure in out_dir; returns the report's path."""
+    """report.md, sizes.json and the figure in out_dir; returns the report's path. Studies
+    that are not sizes of one experiment are refused first (`check_comparable`)."""
+    check_comparable(sweep_dirs)
     studies = collect(sweep_dirs, bootstrap=bootstrap)
     result = analyze(studies)
     figure(studies, result, os.path.join(out_dir, files.SIZES_FIGURE_FILE))

@@ -28,11 +28,12 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
   data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
   the fields of `on_eval` when given (the noise measurement at evaluations, `cbs.engine.measure`).
-- `status.json`: status ("running" | "preempted" | "finished" | "stopped" | "diverged"), step,
+- `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
+  "diverged"), step,
   examples_seen, checkpoint_step, message, config_hash, last train and eval records.
 - `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files (when on).
-SIGTERM after `cbs.engine.preemption.install()` (the entry points call it) saves a checkpoint at
-the current step and raises `Preempted` with status "preempted".
+SIGTERM (SIGINT) after `cbs.engine.preemption.install()` (the entry points call it) saves a
+checkpoint at the current step and raises `Preempted` with status "preempted" ("interrupted").
 A restart with the same command resumes from the latest checkpoint and first drops records
 at or after its step, so the records equal an uninterrupted run's. A run whose status.json
 says it ended, with the same config, is not run again: its summary is returned.
