@@ -170,4 +170,5 @@ def test_wheel_alone_runs_the_tiny_main_job_outside_the_checkout(wheel, tmp_path
                            "--config=digits_sweep:tiny", "--sweep_dir=sweep"], cwd=away,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (away / "sweep" / "fit.json").is_file() or list((away / "sweep").iterdir())
+    trials = (away / "sweep" / "trials.jsonl").read_text().splitlines()
+    assert len(trials) >= 3 and (away / "sweep" / "report.md").is_file()  # trained, fit, reported
