@@ -35,6 +35,7 @@ from flax import nnx
 from cbs import models
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step, throughput
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.models import lm
 
 VOCAB = 50304
@@ -82,7 +83,7 @@ def _dims(mc) -> tuple[int, int, int]:
 
 def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
     replicas = mesh_lib.data_replicas(s["mesh"])
-    measure = step.Measurement("auto", every, 1) if every else None
+    measure = NoiseSpec(every=every) if every else None
     ts = step.TrainStep(s["loss_fn"], s["direction"], lambda e: 1.0, s["mesh"], s["sharding"],
                         mesh_lib.batch_sharding(s["mesh"]),
                         micro_batch=batch // (accum * replicas), two_batch=two_batch,

@@ -27,7 +27,7 @@ channels, linear head) written in `nnx`, in equinox (a per-example NCHW model vm
 loss) and in haiku (the last two with `pip install -e ".[foreign]"`; a row says so when one
 is missing); and a 6-layer Transformer LM under `nnx.scan` with `nnx.remat` at B = 32,
 T = 64 (d = 128, V = 256). Rows: plain gradient;
-`noise.value_grad_and_stats` (loss, ḡ and every NoiseStats field from the jaxpr ghost norms);
+`dropin.value_grad_and_stats` (loss, ḡ and every NoiseStats field from the jaxpr ghost norms);
 the vmap fallback with its automatic chunk size (`exact(method="vmap")`, no chunk given).
 The coverage column is the fraction of parameters on the fast path (`ghost.coverage`).
 
@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from cbs import models
-from cbs.stats import curvature, ghost, noise, trees
+from cbs.stats import curvature, dropin, ghost, noise, trees
 
 # name: (batch size, chunk of exact-vmap, chunk of trace_h_sigma). trace_h_sigma takes one
 # HVP of the whole-batch loss per example, so its vmapped chunk multiplies the working set
@@ -318,7 +318,7 @@ def foreign_rows(loss_fn: Callable) -> dict[str, Callable]:
     """Plain gradient, exact statistics from the jaxpr, and the auto-chunked vmap fallback."""
     return {
         "plain gradient": jax.value_and_grad(loss_fn),
-        "value_grad_and_stats": noise.value_grad_and_stats(loss_fn),
+        "value_grad_and_stats": dropin.value_grad_and_stats(loss_fn),
         "exact-vmap (auto chunk)": lambda p, b: noise.exact(loss_fn, p, b, method="vmap"),
     }
 

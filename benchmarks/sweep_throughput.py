@@ -48,7 +48,8 @@ def _config(batch_size: int, k: int, steps: int):
     s.max_steps, s.max_examples = steps, 0
     s.evals_per_trial = 40
     s.divergence_factor = 0.0  # off: every trial runs the whole budget
-    s.noise_batch_size = 0  # no noise measurements
+    c.noise.examples = "step"  # no noise measurements at the evaluations
+    s.noise_protocol = "per_trial"  # so no reference trajectory at a B outside this grid
     c.train.progress_bar = False  # the table is the output
     return c
 

@@ -59,6 +59,7 @@ from flax import nnx
 from cbs import models
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step
+from cbs.engine.noise_spec import NoiseSpec
 
 
 def _model(name: str):
@@ -184,7 +185,7 @@ def bench(name: str, steps: int, repeats: int, every: int, min_seconds: float
     baseline (ABBA): a load that drifts linearly over them cancels in (v₁ + v₂)/(b₁ + b₂)."""
     loss_fn, params, batch = _model(name)
     batch = jax.device_put(batch)
-    measure = step.Measurement("fast", every, micro_batches=2)  # the whole batch (A = 1: 1)
+    measure = NoiseSpec(method="fast", every=every)  # the whole batch (A = 1: one micro-batch)
     runner = lambda **kw: _cbs_runner(loss_fn, params, batch, 1e-3, **kw)
     variants = {
         "optax": (_optax_runner(loss_fn, params, batch, 1e-3), "-"),

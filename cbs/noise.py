@@ -1,9 +1,16 @@
-"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported, and the
-loop monitor of `cbs.stats.monitor`.
+"""`cbs.noise`: the public API of `cbs.stats.noise`, re-exported, the drop-in for a
+training loop of `cbs.stats.dropin`, and the loop monitor of `cbs.stats.monitor`.
 
 Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
 """
 
+from cbs.stats.dropin import (  # noqa: F401
+    example_keys,
+    keyed_loss,
+    nnx_value_grad_and_stats,
+    value_grad_and_stats,
+    with_keys,
+)
 from cbs.stats.monitor import NoiseMonitor  # noqa: F401
 from cbs.stats.noise import (  # noqa: F401
     CURVATURE_KEYS,
@@ -25,5 +32,4 @@ from cbs.stats.noise import (  # noqa: F401
     run_auto_axes,
     takes_hessian_batch,
     two_batch,
-    value_grad_and_stats,
 )

@@ -9,7 +9,7 @@ from cbs.engine.trainer import (  # noqa: F401
     DivergedError,
     EvalFn,
     Loop,
-    Measurement,
+    NoiseSpec,
     RunParts,
     Trainer,
     TrainState,

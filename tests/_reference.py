@@ -96,3 +96,47 @@ def reference_stats(loss_fn, params, batch, leaf_groups: list[str] | None = None
             idx = np.flatnonzero(np.isin(leaf_of, members))
             out["groups"][name] = _fields(batch_size, grads_BxP, hess_PxP, idx)
     return out
+
+
+def reference_halves(loss_fn, params, batch, leaf_groups: list[str] | None = None) -> dict:
+    """Float64 curvature fields of the drop-in's even/odd halves (`cbs.stats.dropin`): each
+    half's deviations weighed by the dense Hessian of the other half's mean loss, averaged;
+    {"groups": {name: fields}} per leaf group as in `reference_stats`."""
+    with jax.enable_x64(True):
+        params64 = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), params)
+        batch64 = jax.tree.map(
+            lambda x: jnp.asarray(np.asarray(x, np.float64 if np.issubdtype(x.dtype, np.floating)
+                                             else x.dtype)), batch)
+        flat, unravel = ravel_pytree(params64)
+        size = jax.tree.leaves(batch)[0].shape[0]
+        grad_fn = jax.jit(lambda f, b: ravel_pytree(jax.grad(loss_fn)(unravel(f), b))[0])
+        grads_BxP = np.stack([np.asarray(grad_fn(flat, jax.tree.map(lambda x, i=i: x[i:i + 1],
+                                                                    batch64)))
+                              for i in range(size)])
+        halves = [np.arange(s, size, 2) for s in (0, 1)]
+        hess = [np.asarray(jax.hessian(lambda f, h=h: loss_fn(
+            unravel(f), jax.tree.map(lambda x: x[h], batch64)))(flat)) for h in halves]
+    sizes = [np.size(x) for x in jax.tree.leaves(params)]
+    leaf_of = np.repeat(np.arange(len(sizes)), sizes)
+    names = list(dict.fromkeys(leaf_groups or []))
+    subsets = {None: np.arange(flat.shape[0])}
+    subsets.update({n: np.flatnonzero(np.isin(leaf_of, [i for i, g in enumerate(leaf_groups)
+                                                         if g == n])) for n in names})
+    out: dict = {"groups": {}}
+    for name, idx in subsets.items():
+        ths, ghg, ghg_u = [], [], []
+        for h in (0, 1):
+            g = grads_BxP[halves[h]][:, idx]
+            hh = hess[1 - h][np.ix_(idx, idx)]
+            d = g - g.mean(0)
+            n = len(halves[h])
+            ths.append(np.einsum("bp,pq,bq->", d, hh, d) / (n - 1))
+            ghg.append(g.mean(0) @ hh @ g.mean(0))
+            ghg_u.append(ghg[-1] - ths[-1] / n)
+        fields = dict(trace_h_sigma=np.mean(ths), mean_g_h_g=np.mean(ghg), g_h_g=np.mean(ghg_u))
+        fields["b_noise"] = fields["trace_h_sigma"] / fields["g_h_g"]
+        if name is None:
+            out.update(fields)
+        else:
+            out["groups"][name] = fields
+    return out

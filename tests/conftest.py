@@ -14,6 +14,9 @@ SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS",
                       f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gcsfs (read at its import) would ask a gRPC control API for the type of every bucket of the
+# GCS emulator the object-store tests start, and wait a minute for each answer
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 # Many tests build a fresh Trainer (new jitted closures) for programs that an earlier test,
 # or another xdist worker, already compiled; the cache turns those compilations into reads.

@@ -72,3 +72,34 @@ def test_cross_study_table_and_figure(tmp_path):
     assert os.path.getsize(tmp_path / "out" / files.FIGURE_FILE) > 10_000
     with pytest.raises(ValueError, match="no finished trials"):
         compare.collect([str(tmp_path)], bootstrap=0)
+
+
+def test_the_figure_leaves_the_plotting_backend_alone(tmp_path):
+    """A notebook's backend stays its own: the figure is a matplotlib Figure, not pyplot."""
+    import matplotlib
+
+    a = _study(str(tmp_path / "adam_task"), b_crit=20.0, optimizer="adam", data="digits",
+               noise=0.625)
+    rows = compare.collect([a], bootstrap=20)
+    before = matplotlib.get_backend()
+    matplotlib.use("svg", force=True)  # a backend the old matplotlib.use("Agg") would replace
+    try:
+        compare.figure(rows, str(tmp_path / "figure.png"))
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before, force=True)
+    assert os.path.getsize(tmp_path / "figure.png") > 10_000
+
+
+def test_a_collapsed_interval_a_rounding_error_inside_its_point_is_drawn(tmp_path):
+    """A bootstrap interval that collapses onto B_crit can end 3e-10 inside it (a negative
+    error bar, which matplotlib refuses): it is drawn with no bar."""
+    a = _study(str(tmp_path / "adam_task"), b_crit=20.0, optimizer="adam", data="digits",
+               noise=0.625)
+    rows = compare.collect([a], bootstrap=0)
+    for r in rows:
+        r["b_crit_ci"] = (r["b_crit"] + 3e-10, r["b_crit"] - 3e-10)
+        lo, hi = r["b_simple_range"]
+        r["b_simple_range"] = (r["b_simple"] + 1e-12, hi)
+    path = compare.figure(rows, str(tmp_path / "fig.png"))
+    assert os.path.getsize(path) > 10_000

@@ -83,3 +83,56 @@ def test_two_processes_find_each_other_from_a_slurm_environment():
         assert p.returncode == 0, out[-3000:]
         # 2 processes × 2 devices; the global sum sees both processes' data: 2·1 + 2·2.
         assert out.strip().splitlines()[-1] == f"slurm {i} 2 4 6.0"
+
+
+def test_modes(monkeypatch):
+    """--distributed: off never joins (explicit flags contradict it); on refuses to run alone;
+    auto runs alone when there is nothing to join."""
+    for k in SLURM | {"OMPI_COMM_WORLD_SIZE": "", "TPU_WORKER_HOSTNAMES": ""}:
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.initialize(mode="auto") == "single"
+    assert distributed.initialize(mode="off") == "off"
+    for k, v in SLURM.items():
+        monkeypatch.setenv(k, v)
+    assert distributed.initialize(mode="off") == "off"  # a Slurm step, but each task alone
+    with pytest.raises(ValueError, match="contradicts --coordinator_address"):
+        distributed.initialize("127.0.0.1:1234", 2, 0, mode="off")
+    for k in SLURM:
+        monkeypatch.delenv(k)
+    with pytest.raises(ValueError, match="--distributed=on: no multi-process environment"):
+        distributed.initialize(mode="on")
+    with pytest.raises(ValueError, match="must be one of auto, on, off"):
+        distributed.initialize(mode="yes")
+
+
+def test_one_shard_per_host():
+    """--shard=auto is this host's index among the hosts of its TPU slice, Slurm step or Open
+    MPI launch, and needs a runtime per host (not --distributed=on)."""
+    tpu = {"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}
+    assert distributed.host_shard(tpu) == "2/4"
+    assert distributed.host_shard(SLURM) == "1/2"
+    assert distributed.host_shard({"OMPI_COMM_WORLD_SIZE": "8",
+                                   "OMPI_COMM_WORLD_RANK": "5"}) == "5/8"
+    assert distributed.host_shard({}) is None
+    assert distributed.resolve_shard("auto", "off", tpu) == "2/4"
+    assert distributed.resolve_shard("1/3", "on", tpu) == "1/3"
+    assert distributed.resolve_shard(None, "auto", {}) is None
+    with pytest.raises(ValueError, match="use --distributed=off"):
+        distributed.resolve_shard("auto", "on", tpu)
+    with pytest.raises(ValueError, match="give --shard=i/n"):
+        distributed.resolve_shard("auto", "off", {})
+
+
+def test_a_sweep_command_with_shard_auto_and_distributed_on_is_one_line(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu",
+               TPU_WORKER_HOSTNAMES="t0,t1", TPU_WORKER_ID="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep",
+         f"--config={root}/experiments/configs/digits_sweep.py:tiny", "--shard=auto",
+         "--distributed=on", f"--sweep_dir={tmp_path / 's'}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "error: --shard=auto runs one shard per host: use --distributed=off (or auto), not on"]
+    assert not (tmp_path / "s").exists()

@@ -101,14 +101,17 @@ def _result(i: int) -> TrialResult:
                        seconds=1.0)
 
 
-def test_torn_tail_is_cut_before_the_next_append(tmp_path):
+def test_an_older_trials_file_with_a_torn_tail_is_read_and_copied_before_the_first_part(
+        tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
-    store.append([_result(0), _result(1)])
+    os.makedirs(store.sweep_dir)
+    records.append_records(store.path, [_result(0).to_json(), _result(1).to_json()])
     with open(store.path, "ab") as f:
         f.write(b'{"trial_id": "t2", "index": 2, "batch_')  # killed mid-write
     assert [r["trial_id"] for r in store.records()] == ["t0", "t1"]
-    with pytest.warns(records.CorruptRecordWarning, match="torn last line"):
-        store.append([_result(2)])  # never written onto the fragment
+    store.append([_result(2)])  # a part; the file's whole lines are copied first
+    assert [r["trial_id"] for r in store.records()] == ["t0", "t1", "t2"]
+    store.export()
     lines = pathlib.Path(store.path).read_text().splitlines()
     assert [json.loads(line)["trial_id"] for line in lines] == ["t0", "t1", "t2"]
 
@@ -116,13 +119,14 @@ def test_torn_tail_is_cut_before_the_next_append(tmp_path):
 def test_corrupt_middle_line_is_named_and_its_trial_reruns(tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
     store.append([_result(i) for i in range(3)])
-    lines = pathlib.Path(store.path).read_bytes().split(b"\n")
+    [part] = records.part_paths(store.path)
+    lines = pathlib.Path(part).read_bytes().split(b"\n")
     lines[1] = b"\x00\x00garbage" + lines[1][20:]  # line 2 damaged in place
-    pathlib.Path(store.path).write_bytes(b"\n".join(lines))
-    with pytest.warns(records.CorruptRecordWarning, match=r"trials\.jsonl:2: skipped"):
+    pathlib.Path(part).write_bytes(b"\n".join(lines))
+    with pytest.warns(records.CorruptRecordWarning, match=r"trials\.d/\d+-t0-\w+\.jsonl:2: skip"):
         assert store.finished_ids() == {"t0", "t2"}  # t1 counts as unfinished
     # valid JSON without the fields a trial record needs is corrupt too
-    with open(store.path, "ab") as f:
+    with open(part, "ab") as f:
         f.write(b'{"something": "else"}\n')
     with pytest.warns(records.CorruptRecordWarning, match=r":4: .*missing trial_id"):
         assert [r["trial_id"] for r in store.records()] == ["t0", "t2"]
@@ -146,22 +150,23 @@ def test_sweep_rerun_after_torn_and_corrupt_lines_restores_every_record(tmp_path
     c = digits_sweep.get_config("tiny")
     s = c.sweep
     s.batch_sizes, s.lr_factors = (8,), (1.0, 2.0)  # one vmapped group of two trials
-    s.max_steps, s.evals_per_trial, s.noise_curvature_batch_size = 12, 3, 0
+    s.max_steps, s.evals_per_trial, c.noise.curvature = 12, 3, False
     sweep_dir = str(tmp_path / "sweep")
     launch.run_sweep(c, sweep_dir, log=lambda _: None)
     store = SweepStore(sweep_dir)
     before = {r["trial_id"]: r for r in store.records()}
     assert len(before) == 2
-    data = pathlib.Path(store.path).read_bytes()
-    first, second = data.split(b"\n")[:2]
-    pathlib.Path(store.path).write_bytes(b"{oops" + first[5:] + b"\n" + second[: len(second) // 2])
+    [part] = records.part_paths(store.path)  # the group's records
+    first, second = pathlib.Path(part).read_bytes().split(b"\n")[:2]
+    pathlib.Path(part).write_bytes(b"{oops" + first[5:] + b"\n" + second[: len(second) // 2])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert launch.pending_trials(c, store) != []  # both count as unfinished
         launch.run_sweep(c, sweep_dir, log=lambda _: None)  # resumes from the group checkpoint
-    assert any("trials.jsonl:1: skipped" in str(w.message) for w in caught)
-    lines = pathlib.Path(store.path).read_text().splitlines()
-    parsed = [json.loads(line) for line in lines[1:]]  # line 1 stays as it was: skipped
+    assert any(".jsonl:1: skipped" in str(w.message) for w in caught)
+    damaged, new = records.part_paths(store.path)  # the damaged part stays for inspection
+    assert damaged == part
+    parsed = [json.loads(line) for line in pathlib.Path(new).read_text().splitlines()]
     assert sorted(r["trial_id"] for r in parsed) == sorted(before)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", records.CorruptRecordWarning)
@@ -254,12 +259,23 @@ def _readonly_dir(tmp_path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("case", ["config_word", "config_field", "dataset", "file_as_dir",
-                                  "read_only", "shard"])
+                                  "read_only", "shard", "config_syntax", "config_raises",
+                                  "sweep_targets"])
 def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path, case):
     digits, out = f"--config={CONFIGS / 'digits_mlp.py'}:tiny", tmp_path / "new" / "run"
     a_file = tmp_path / "a_file"
     a_file.write_text("not a directory")
+    syntax, raises = tmp_path / "syntax.py", tmp_path / "raises.py"
+    syntax.write_text("def get_config(arg=''):\n    c = dict(a=1\n    return c\n")
+    raises.write_text("def get_config(arg=''):\n    return {}['model']\n")
     module, args, expect = {
+        "sweep_targets": ("sweep", [f"--config={CONFIGS / 'digits_sweep.py'}:tiny",
+                                    f"--sweep_dir={out}", "--config.sweep.targets=abc"],
+                          "config.sweep.targets: must be numbers (losses), got ('abc',)"),
+        "config_syntax": ("main", [f"--config={syntax}", f"--workdir={out}"],
+                          f"error: {syntax}:2: SyntaxError: '(' was never closed"),
+        "config_raises": ("main", [f"--config={raises}:tiny", f"--workdir={out}"],
+                          f"error: {raises}:2: KeyError: 'model'"),
         "config_word": ("main", [f"--config={CONFIGS / 'digits_mlp.py'}:tinny",
                                  f"--workdir={out}"], "unknown config argument 'tinny'"),
         "config_field": ("main", [digits, f"--workdir={out}", "--config.optim.learning_rte=1"],
@@ -278,8 +294,7 @@ def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path,
     rc, lines, _ = _cli(module, *args)
     assert rc == cli.USER_ERROR_EXIT, lines
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
-    if case != "shard":  # (the sweep definition is written before the shard is parsed)
-        assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists()
 
 
 def test_verbose_keeps_the_traceback(tmp_path):
@@ -326,7 +341,8 @@ def test_sweep_store_creates_nothing_until_it_writes(tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
     assert store.records() == [] and not (tmp_path / "sweep").exists()
     store.append([_result(0)])
-    assert (tmp_path / "sweep" / "trials.jsonl").exists()
+    [part] = (tmp_path / "sweep" / "trials.d").iterdir()
+    assert part.name.endswith(".jsonl") and "-t0-" in part.name
 
 
 # ----------------------------------------------------------------------------- 8. small ones
@@ -369,3 +385,14 @@ def test_ramp_directories_have_no_spaces(tmp_path):
     assert dirs["adaptive"] == str(tmp_path / ramps.RAMPS_DIR / "adaptive")
     with pytest.raises(ValueError, match="clashing directory names"):
         ramps._run_dirs(str(tmp_path), ["a b", "a_b"])
+
+
+@pytest.mark.parametrize("targets", [(-1.0,), (0.5, 0.0), (float("inf"),), (True,),
+                                     ("0.5",), (0.5, float("nan"))])
+def test_sweep_targets_must_be_reachable_losses(targets):
+    from cbs.sweeps import grid
+
+    c = digits_sweep.get_config("tiny")
+    c.sweep.targets = targets
+    with pytest.raises(ValueError, match=r"^config\.sweep\.targets: must be "):
+        grid.validate_sweep(c.sweep)

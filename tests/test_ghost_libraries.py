@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbs.stats import ghost, noise
+from cbs.stats import dropin, ghost, noise
 
 B = 4
 
@@ -81,7 +81,7 @@ def test_foreign_library_cnn_is_exact_on_the_fast_path(build, x64):
         np.testing.assert_allclose(a, b, rtol=1e-10)
         assert float(jnp.min(a)) > 0
     # and the public entry point gives the same statistics as the vmap reference
-    stats = jax.jit(noise.value_grad_and_stats(loss_fn))(params, batch)[2]
+    stats = jax.jit(dropin.value_grad_and_stats(loss_fn))(params, batch)[2]
     ref = noise.exact(loss_fn, params, batch, method="vmap")
     np.testing.assert_allclose(stats.trace_sigma, ref.trace_sigma, rtol=1e-10)
     np.testing.assert_allclose(stats.grad_sq_norm, ref.grad_sq_norm, rtol=1e-8)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from test_ghost import built, compiled, jitted_info, plain_mlp
 
 from cbs.engine import mesh as cbs_mesh
-from cbs.stats import ghost, noise
+from cbs.stats import dropin, ghost, noise
 
 FIELDS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
 MODELS = ("nnx", "plain_cnn", "plain_mlp", "scanned_lm", "unreadable")  # test_ghost.MODELS
@@ -53,7 +53,7 @@ def test_every_field_float32(name):
 
 def test_value_grad_and_stats_is_value_and_grad_plus_stats(x64):
     loss_fn, params, batch = built("scanned_lm", x64=True)
-    run = lambda p, b: (noise.value_grad_and_stats(loss_fn, groups="auto")(p, b),
+    run = lambda p, b: (dropin.value_grad_and_stats(loss_fn, groups="auto")(p, b),
                         jax.value_and_grad(loss_fn)(p, b),
                         noise.exact(loss_fn, p, b, method="vmap", groups="auto"))
     (loss, grads, stats), (ref_loss, ref_grads), ref = compiled(run, params, batch)(params,
@@ -71,7 +71,7 @@ def _one_device():
     """scanned_lm at B = 8 and its value_grad_and_stats on one device (both modes' reference)."""
     loss_fn, params, batch = built("scanned_lm", x64=False)
     batch = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), batch)  # B = 8
-    return loss_fn, params, batch, compiled(noise.value_grad_and_stats(loss_fn), params,
+    return loss_fn, params, batch, compiled(dropin.value_grad_and_stats(loss_fn), params,
                                             batch)(params, batch)
 
 
@@ -84,7 +84,7 @@ def test_sharded_equals_one_device(mode):
     sharded_batch = jax.device_put(batch, cbs_mesh.batch_sharding(mesh))
     assert any(not s.is_fully_replicated for s in
                jax.tree.leaves(jax.tree.map(lambda x: x.sharding, sharded_params)))
-    many = compiled(noise.value_grad_and_stats(loss_fn), sharded_params, sharded_batch)(
+    many = compiled(dropin.value_grad_and_stats(loss_fn), sharded_params, sharded_batch)(
         sharded_params, sharded_batch)
     np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(many[1]), jax.tree.leaves(one[1]), strict=True):
@@ -100,7 +100,7 @@ def test_explicit_mesh_axes():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        out = jax.jit(noise.value_grad_and_stats(loss_fn, method="fast"))(params, sharded)
+        out = jax.jit(dropin.value_grad_and_stats(loss_fn, method="fast"))(params, sharded)
     np.testing.assert_allclose(out[2].b_simple,
                                noise.exact(loss_fn, params, batch, method="vmap").b_simple,
                                rtol=1e-5)
@@ -140,7 +140,7 @@ def test_auto_chunk_never_holds_all_gradients_of_a_large_model():
 
 def test_bad_input_on_the_new_path():
     loss_fn, params, batch = plain_mlp()
-    vgs = noise.value_grad_and_stats(loss_fn)
+    vgs = dropin.value_grad_and_stats(loss_fn)
     with pytest.raises(ValueError, match="B=1 is too small"):
         vgs(params, jax.tree.map(lambda x: x[:1], batch))
     with pytest.raises(ValueError, match="same leading"):
@@ -149,10 +149,10 @@ def test_bad_input_on_the_new_path():
         vgs({**params, "step": jnp.zeros((), jnp.int32)}, batch)
     per_example = lambda p, b: loss_fn(p, b) * jnp.ones(b["x"].shape[0])
     with pytest.raises(ValueError, match="must return a scalar"):
-        noise.value_grad_and_stats(per_example)(params, batch)
+        dropin.value_grad_and_stats(per_example)(params, batch)
     with pytest.raises(ValueError, match="method"):
-        noise.value_grad_and_stats(loss_fn, method="ghost")
+        dropin.value_grad_and_stats(loss_fn, method="ghost")
     summed = lambda p, b: loss_fn(p, b) * b["x"].shape[0]  # a sum over the batch, not a mean
-    for call in (noise.value_grad_and_stats(summed), functools.partial(noise.exact, summed)):
+    for call in (dropin.value_grad_and_stats(summed), functools.partial(noise.exact, summed)):
         with pytest.raises(ValueError, match="SUM over the batch"):
             call(params, batch)

@@ -26,11 +26,11 @@ from flax import nnx
 from cbs import data, models
 from cbs.engine import measure
 from cbs.engine import mesh as mesh_lib
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
-from cbs.stats import noise
+from cbs.stats import noise, sampled
 from cbs.sweeps import grid
-from cbs.sweeps.groups import TrialGroup, sweep_measurement
-from cbs.sweeps.measurement import SweepNoise
+from cbs.sweeps.groups import TrialGroup
 from cbs.sweeps.trials import run_trial_engine
 from experiments.configs import digits_sweep
 
@@ -74,13 +74,9 @@ def _problem(kind: str):
     return ds, loss_fn, params, arrays, full
 
 
-def _sweep():
-    s = grid.default_sweep_config()
-    s.noise_batch_size = 64
-    s.noise_curvature_batch_size = 16
-    s.noise_hessian_batch_size = 32
-    s.noise_chunk_size = 16
-    return s
+def _spec() -> NoiseSpec:
+    return NoiseSpec(examples="stream", batch_size=64, curvature=True, deviations=16,
+                     hessian_batch_size=32, chunk_size=16)
 
 
 def _z(draws, truth) -> float:
@@ -93,9 +89,9 @@ def test_sweep_measurement_is_unbiased(kind):
     ds, loss_fn, params, arrays, full = _problem(kind)
     truth = noise.exact(loss_fn, params, full, curvature=True, chunk_size=64)
     assert float(truth.g_h_g) > 0 and float(truth.trace_h_sigma) > 0
-    s = SweepNoise.from_sweep(_sweep())
+    s = _spec()
     draws = jax.device_get(jax.jit(lambda p, a: jax.lax.map(
-        lambda i: sweep_measurement(s, loss_fn, p, ds, a, i, seed=3), jnp.arange(DRAWS)))(
+        lambda i: measure.at_evaluation(s, loss_fn, p, ds, a, i, seed=3), jnp.arange(DRAWS)))(
         params, arrays))
     for k in ("trace_sigma", "grad_sq_norm", "trace_h_sigma", "g_h_g"):
         z = _z(draws[k], getattr(truth, k))
@@ -126,7 +122,7 @@ def test_measure_noise_equals_its_definition_in_float64(x64):
     grad_b = {"x": jnp.asarray(x[:8]), "y": jnp.asarray(y[:8])}
     hess_b = {"x": jnp.asarray(x[8:]), "y": jnp.asarray(y[8:])}
     # compiled, as inside the sweep's evaluation (op by op it takes several times longer)
-    got = jax.jit(functools.partial(measure.measure_noise, loss_fn, deviations=5,
+    got = jax.jit(functools.partial(sampled.measure_noise, loss_fn, deviations=5,
                                     chunk_size=2))(jnp.asarray(w), grad_b, hess_b)
     g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, {"x": x[i:i + 1], "y": y[i:i + 1]})).ravel()
                     for i in range(8)])
@@ -142,10 +138,10 @@ def test_measure_noise_equals_its_definition_in_float64(x64):
 
 
 def test_unresolved_b_noise_says_why():
-    assert measure.resolve_b_noise(2.0, 0.5) == (4.0, "")
-    value, why = measure.resolve_b_noise(2.0, -0.01)
+    assert sampled.resolve_b_noise(2.0, 0.5) == (4.0, "")
+    value, why = sampled.resolve_b_noise(2.0, -0.01)
     assert value is None and "g_h_g" in why and "<= 0" in why
-    value, why = measure.resolve_b_noise(float("nan"), 1.0)
+    value, why = sampled.resolve_b_noise(float("nan"), 1.0)
     assert value is None and "finite" in why
 
 
@@ -180,7 +176,7 @@ def test_group_records_measurements_at_every_evaluation_and_equals_the_engine(tm
     np.testing.assert_allclose(v["full_train/loss"][-1], e["full_train/loss"][-1], rtol=2e-5)
     assert out[0].curve["full_train/loss"][-1] != pytest.approx(v["full_train/loss"][-1])
     # One evaluation grid (the log-spaced `trials.eval_steps`) and one noise measurement
-    # (cbs.sweeps.measurement, draws from (seed, evaluation index)): the two back ends
+    # (cbs.engine.measure, draws from (seed, evaluation index)): the two back ends
     # evaluate at the same steps, on the same examples, and record the same values.
     assert v["step"] == e["step"] == v["noise/step"] == e["noise/step"] == [0, 1, 3, 7, 20]
     for key in ("full_train/loss", "noise/trace_sigma", "noise/grad_sq_norm",

@@ -23,8 +23,9 @@ import pytest
 from flax import nnx
 
 from cbs import models
-from cbs.engine import live_noise, optim, step
+from cbs.engine import live_noise, optim, step, step_metrics
 from cbs.engine import mesh as mesh_lib
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.stats import noise
 
 RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4
@@ -159,12 +160,12 @@ def test_batchnorm_model_falls_back_to_two_batch():
 
 
 def test_exact_measurement_is_read_from_the_live_statistics(mlp):
-    """Measurement("auto", every=2) with an exact live estimate: no separate call, the
+    """NoiseSpec(every=2) with an exact live estimate: no separate call, the
     measured statistics are the whole batch's on due steps and NaN between, and the measured
     EMA moves only on due steps."""
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=8, lr=0.05,
-                          measure=step.Measurement("auto", every=2))
+                          measure=NoiseSpec(every=2))
     inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
     assert ts.measured_in_step(state, inputs, 4)
     want = reference64(loss_fn, params, batch)
@@ -180,11 +181,11 @@ def test_exact_measurement_is_read_from_the_live_statistics(mlp):
     assert int(state.measure_ema.count) == 2
     # a two-batch live estimate leaves the measurement to its own call
     ts2, state2 = make_step(loss_fn, params, micro_batch=8, live="two_batch",
-                            measure=step.Measurement("auto", every=2))
+                            measure=NoiseSpec(every=2))
     assert not ts2.measured_in_step(state2, inputs, 4)
     # curvature still needs its own pass
     ts3, state3 = make_step(loss_fn, params, micro_batch=8,
-                            measure=step.Measurement("auto", every=2, curvature=True))
+                            measure=NoiseSpec(every=2, curvature=True))
     assert not ts3.measured_in_step(state3, inputs, 4)
 
 
@@ -194,8 +195,8 @@ def test_in_step_curvature_takes_b_simple_from_the_live_statistics(mlp):
     its second), as `noise.exact` gives them."""
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=8,
-                          measure=step.Measurement("vmap", every=1, curvature=True,
-                                                   in_step=True))
+                          measure=NoiseSpec(method="vmap", every=1, curvature=True,
+                                            in_step=True))
     _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh)), 4)
     m = jax.device_get(m)
     np.testing.assert_allclose(m["noise/b_simple"], reference64(loss_fn, params,
@@ -225,11 +226,11 @@ def test_jitted_step_packs_the_metrics_of_apply(mlp):
     inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
     _, want = jax.jit(ts.apply, static_argnums=2)(state, inputs, 1)
     _, got = ts(state, inputs, 1)
-    assert isinstance(got, step.StepMetrics) and got.array.shape == (len(want),)
+    assert isinstance(got, step_metrics.StepMetrics) and got.array.shape == (len(want),)
     got = jax.device_get(got)  # a pytree: fetched as one array, names kept
     assert sorted(got) == sorted(want) and len(want) > 5
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
     assert (got | {"x": 1.0})["x"] == 1.0
     with pytest.raises(ValueError, match="must be scalars"):
-        step.StepMetrics.pack({"a": jnp.zeros(()), "b": jnp.zeros(2)})
+        step_metrics.StepMetrics.pack({"a": jnp.zeros(()), "b": jnp.zeros(2)})

@@ -15,13 +15,15 @@ import types
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from cbs.analysis import noise_at_target, report
-from cbs.engine import measure
+from cbs.engine import noise_spec
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
-from cbs.stats import curvature
+from cbs.stats import curvature, sampled
 from cbs.sweeps import grid, reference, trials
 
 N, DIM, CLASSES = 24, 3, 3
@@ -57,7 +59,7 @@ def _reference64(loss_fn, w, batch):
 def test_full_data_measurement_equals_its_float64_definition(x64):
     loss_fn, w, batch = _softmax_problem()
     g_i, g, h, forms = _reference64(loss_fn, w, batch)
-    got = measure.measure_full_data(loss_fn, w, batch, deviations=N, chunk_size=5)
+    got = sampled.measure_full_data(loss_fn, w, batch, deviations=N, chunk_size=5)
     trace_sigma = np.sum((g_i - g) ** 2) / (N - 1)
     want = {"trace_sigma": trace_sigma, "grad_sq_norm": g @ g, "mean_grad_sq_norm": g @ g,
             "b_simple": trace_sigma / (g @ g), "trace_h_sigma": forms.sum() / (N - 1),
@@ -67,13 +69,13 @@ def test_full_data_measurement_equals_its_float64_definition(x64):
         np.testing.assert_allclose(float(got[k]), v, rtol=2e-5, err_msg=k)
     # a subset of m examples: N/(N−1) times the mean of its forms, exactly
     key = jax.random.key(5)
-    sub = measure.measure_full_data(loss_fn, w, batch, key, deviations=6)
+    sub = sampled.measure_full_data(loss_fn, w, batch, key, deviations=6)
     idx = np.asarray(jax.random.choice(jax.random.split(key)[0], N, (6,), replace=False))
     np.testing.assert_allclose(float(sub["trace_h_sigma"]), forms[idx].mean() * N / (N - 1),
                                rtol=2e-5)
     assert float(sub["g_h_g"]) == pytest.approx(want["g_h_g"], rel=2e-5)
     with pytest.raises(ValueError, match="a key is needed"):
-        measure.measure_full_data(loss_fn, w, batch, deviations=6)
+        sampled.measure_full_data(loss_fn, w, batch, deviations=6)
 
 
 @pytest.mark.parametrize("hessian_examples", [0, 8])
@@ -82,7 +84,7 @@ def test_subset_trace_h_sigma_is_unbiased(x64, hessian_examples):
     loss_fn, w, batch = _softmax_problem()
     _, _, _, forms = _reference64(loss_fn, w, batch)
     truth = forms.sum() / (N - 1)
-    draw = jax.jit(jax.vmap(lambda k: measure.measure_full_data(
+    draw = jax.jit(jax.vmap(lambda k: sampled.measure_full_data(
         loss_fn, w, batch, k, deviations=4, hessian_examples=hessian_examples)["trace_h_sigma"]))
     values = np.asarray(draw(jax.random.split(jax.random.key(1), 4000)), np.float64)
     assert values.std() > 0.05 * abs(truth)  # the draws do vary: the test can fail
@@ -102,12 +104,14 @@ def test_subset_trace_h_sigma_is_unbiased(x64, hessian_examples):
     assert (old.mean() - truth) / (old.std(ddof=1) / np.sqrt(old.size)) > 4
 
 
-def test_uses_full_data():
-    assert measure.uses_full_data("all", 10**6) and not measure.uses_full_data("sampled", 10)
-    assert measure.uses_full_data("auto", measure.FULL_DATA_MAX)
-    assert not measure.uses_full_data("auto", measure.FULL_DATA_MAX + 1)
-    with pytest.raises(ValueError, match="noise_examples"):
-        measure.uses_full_data("most", 10)
+def test_examples_auto_is_the_full_data_up_to_its_limit():
+    auto = NoiseSpec(examples="auto")
+    assert NoiseSpec(examples="all").examples_for(10**6) == "all"
+    assert NoiseSpec(examples="stream").examples_for(10) == "stream"
+    assert auto.examples_for(noise_spec.FULL_DATA_MAX) == "all"
+    assert auto.examples_for(noise_spec.FULL_DATA_MAX + 1) == "stream"
+    with pytest.raises(ValueError, match="noise.examples"):
+        NoiseSpec(examples="most")
 
 
 # ---------------------------------------------------------------------- analysis
@@ -133,12 +137,19 @@ def test_spread_is_min_median_max_over_batch_sizes():
 
 def test_protocol_names_examples_window_and_aggregation():
     s = grid.default_sweep_config()
-    s.noise_examples, s.noise_curvature_batch_size, s.noise_hessian_batch_size = "all", 32, 0
-    text = noise_at_target.protocol({"sweep": s.to_dict(), "num_train": 1438})
+    n = grid.default_sweep_noise(ml_collections.ConfigDict())
+    n.examples, n.deviations, n.hessian_batch_size = "all", 32, 0
+    definition = {"sweep": s.to_dict(), "num_train": 1438, "config": {"noise": n.to_dict()}}
+    text = noise_at_target.protocol(definition)
     assert text.startswith("full training set (N=1438); tr(HΣ) from 32 random deviations and "
                            "the full-data Hessian; ratio of means over the 5 evaluations")
-    s.noise_examples = "sampled"
-    assert noise_at_target.protocol({"sweep": s.to_dict()}).startswith("sampled: 256 examples")
+    n.examples = "stream"
+    definition["config"]["noise"] = n.to_dict()
+    assert noise_at_target.protocol(definition).startswith("sampled: 256 examples")
+    # a sweep.json written before the measurement settings moved to config.noise
+    old = s.to_dict() | {"noise_examples": "all", "noise_curvature_batch_size": 32,
+                         "noise_hessian_batch_size": 0, "noise_batch_size": 256}
+    assert noise_at_target.protocol({"sweep": old, "num_train": 1438}) == text
 
 
 def _reference_run():
@@ -208,12 +219,12 @@ def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
     from experiments.configs import digits_sweep
 
     c = digits_sweep.get_config()
-    c.sweep.noise_examples, c.sweep.noise_hessian_batch_size = "sampled", 64
+    c.noise.examples, c.noise.hessian_batch_size = "stream", 64
     base = c.to_dict()
-    n = reference.reference_noise(c.sweep)
-    assert (n.examples, n.hessian_batch_size) == ("all", 0)
-    assert n.batch_size == c.sweep.noise_batch_size
-    assert n.curvature_batch_size == c.sweep.noise_reference_deviations > 0
+    n = reference.reference_noise(c)
+    assert (n.examples, n.hessian_batch_size, n.resolved_method()) == ("all", 0, "full_data")
+    assert n.batch_size == c.noise.batch_size
+    assert n.deviations == c.sweep.noise_reference_deviations > 0 and n.curvature
     trial = grid.Trial(0, int(c.sweep.noise_reference_batch_size), 1e-3, 0)
     run = reference.ReferenceRun(c, trial, types.SimpleNamespace(sweep_dir=str(tmp_path)))
     evals = int(c.sweep.noise_reference_evals)
@@ -223,7 +234,7 @@ def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
     assert run.noise == n and run.checkpoint_every_evals == evals
     assert c.to_dict() == base
     c.sweep.noise_reference_deviations = 0  # 0: the sweep's own number of deviations
-    assert reference.reference_noise(c.sweep).curvature_batch_size == 32
+    assert reference.reference_noise(c).deviations == 32
     grid.validate_sweep(c.sweep)
     c.sweep.noise_reference_batch_size = 48
     with pytest.raises(ValueError, match="noise_reference_batch_size: 48 is not one of"):

@@ -118,6 +118,25 @@ def test_the_sweep_measurement_is_the_registered_sampled_method(mlp):
                chunk_size=None)
 
 
+def test_the_whole_training_set_estimator_is_the_registered_full_data_method(mlp):
+    """"full_data" (`cbs.stats.sampled.full_data_method`, what `noise.examples = "all"`
+    measures) is a method of the registry: the numbers of `measure_full_data` on the same
+    examples and key, no curvature unless asked."""
+    loss_fn, params, batch = mlp
+    method = noise.get_method(sampled.FULL_DATA_METHOD)
+    key = jax.random.key(3)
+    got = method(loss_fn, params, batch, key=key, curvature=True, num_probes=None,
+                 chunk_size=None, deviations=8, hessian_examples=16)
+    want = sampled.measure_full_data(loss_fn, params, batch, key, deviations=8,
+                                     hessian_examples=16)
+    assert set(got.to_dict(prefix="")) == set(want)
+    for k, v in want.items():
+        assert float(getattr(got, k)) == float(v), k
+    plain = method(loss_fn, params, batch, key=key, curvature=False, num_probes=None,
+                   chunk_size=None, deviations=8)
+    assert plain.b_noise is None and float(plain.b_simple) == float(want["b_simple"])
+
+
 def test_a_run_measures_with_the_sampled_method_from_its_config(tmp_path):
     """`noise.method = "sampled"` with curvature: the train step measures B_simple and
     B_noise every 2 steps with the sweep's estimator (Hessian from the other half of the

@@ -112,15 +112,17 @@ def test_sweep_store_in_a_gs_directory(gcs, tmp_path):
     assert csv_path == "gs://bucket/sweep/trials.csv"
     text = paths.read_bytes(csv_path).decode()
     assert text.splitlines()[1].startswith("t1,32,0.1,0,done,1,10.0,320.0,5.0")
-    assert any(k.endswith("sweep/trials.jsonl") for k in gcs)
-    # no locks on an object store: they live in a local directory named by the sweep
-    assert not paths.is_remote(store.lock_dir) and store.lock_dir != SweepStore(
-        "gs://bucket/other").lock_dir
-    fd = store.claim("g0")
+    assert [k.rsplit("/", 2)[-2] for k in gcs if "/trials.d/" in k or k.endswith(
+        ".jsonl")] == ["trials.d"] * 2  # a part per write, no shared file
+    # claims on an object store are lease objects in the sweep directory
+    assert store.lock_dir == "gs://bucket/sweep/locks"
+    held = store.claim("g0")
     try:
-        assert fd is not None and store.claim("g0") is None
+        assert held is not None and store.claim("g0") is None
+        assert store.claim_names() == ["g0"]
     finally:
-        store.release(fd)
+        store.release(held)
+    assert store.claim_names() == []
 
 
 def test_sweep_store_accepts_path_objects(tmp_path):

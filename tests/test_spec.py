@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cbs.engine import counts, spec, trainer
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.sweeps import branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial
 from experiments.configs import digits_branch, digits_ramps
@@ -44,21 +45,29 @@ def old_trial_config(config, trial, *, replicas=1):
     c.train.progress_bar = False
     c.train.tensorboard = False
     c.train.divergence_factor = 0.0
-    if c.noise.every or sweep.noise_batch_size:
-        c.noise.every = every if sweep.noise_batch_size else 0
+    if c.noise.every or _at_evals(config):
+        c.noise.every = every if _at_evals(config) else 0
         c.noise.batch_size = 0
     return c
+
+
+def _at_evals(config) -> bool:
+    """Whether a trial measures at its evaluations (before the measurement settings moved
+    to config.noise: `sweep.noise_batch_size` > 0)."""
+    return NoiseSpec.from_config(config.noise).measures_at_evals
 
 
 def _measured_at_evaluations(c, config, trial):
     """The intended changes since the reference: an engine trial no longer measures the
     noise in its step (noise.every) but at its evaluations, as a vmapped group does
-    (`cbs.sweeps.measurement`), so those evaluations are on; and it evaluates on the group's
-    log-spaced grid (eval.steps)."""
+    (`cbs.engine.measure`), so those evaluations are on; and it evaluates on the group's
+    log-spaced grid (eval.steps). Since the measurement settings moved to config.noise,
+    noise.batch_size is the evaluations' n and the trial keeps it."""
     c.eval.steps = tuple(trials.eval_steps(config.sweep, trial.batch_size))
-    if config.noise.every or config.sweep.noise_batch_size:
+    if config.noise.every or _at_evals(config):
         c.noise.every = 0
-    if config.sweep.noise_batch_size:
+        c.noise.batch_size = config.noise.batch_size
+    if _at_evals(config):
         c.eval.enabled = True
     return c
 
@@ -85,6 +94,8 @@ def old_ramp_config(config, run, sweep_dir):
     c.train.log_every = min(c.train.log_every, c.eval.every)
     c.train.progress_bar = False
     c.train.tensorboard = False
+    c.noise.examples = "step"  # intended since the move to config.noise: a ramp measures
+    #                            only on the step's examples, never at its evaluations
     return c
 
 
@@ -96,7 +107,7 @@ def old_check_configs(config, base_trials):
         c.optim.learning_rate = base_trials[0].learning_rate
         c.batch.micro_batch = b
         c.batch.schedule = ml_collections.ConfigDict({"kind": "constant", "batch_size": b})
-        c.noise.every, c.noise.batch_size = 0, 0
+        c.noise.every = 0  # (noise.batch_size, the evaluations' n, is kept since the move)
         out.append(c)
     return out
 
@@ -104,6 +115,7 @@ def old_check_configs(config, base_trials):
 def old_group_config(config, trial):
     c = old_trial_config(config, trial, replicas=1)
     c.noise.every = 0
+    c.noise.batch_size = config.noise.batch_size  # kept since the move: the evaluations' n
     c.eval.enabled = True  # set after the Trainer was built, on the same object
     c.eval.steps = tuple(trials.eval_steps(config.sweep, trial.batch_size))
     return c
@@ -162,8 +174,9 @@ def _variants(config):
     yield c
     for every, size in ((0, 0), (5, 0), (0, 16)):
         c = copy.deepcopy(config)
-        c.noise.every, c.sweep.noise_batch_size = every, size
-        c.noise.batch_size = 8  # a base measurement size the trial must replace (or keep)
+        c.noise.every, c.noise.batch_size = every, size or 8
+        if not size:  # no measurement at the evaluations
+            c.noise.examples = "step"
         yield c
 
 # ---------------------------------------------------------------- the run configs
@@ -199,7 +212,7 @@ def test_ramp_configs_equal_the_pre_refactor_ones(monkeypatch):
 
 def test_the_launch_check_validates_the_pre_refactor_configs(monkeypatch):
     config = _sweep_config("digits_sweep")
-    config.noise.every, config.noise.batch_size = 5, 8  # both switched off by the check
+    config.noise.every, config.noise.batch_size = 5, 8  # every switched off by the check
     seen = []
     monkeypatch.setattr(launch.config_lib, "validate", lambda c, **kw: seen.append(c))
     base_trials = launch.check_config(config)
@@ -211,7 +224,7 @@ def test_the_launch_check_validates_the_pre_refactor_configs(monkeypatch):
 
 def test_a_trial_group_builds_its_trainer_from_the_pre_refactor_config(monkeypatch):
     config = _sweep_config("digits_sweep")
-    config.sweep.noise_batch_size = 16  # the trial's own noise.every is then on
+    config.noise.batch_size = 16  # measured at the evaluations
     config.eval.enabled = False  # the group turns evaluations on
     seen = _capture(monkeypatch, groups, "RunParts")
     t = grid.make_trials(config.sweep)[1]

@@ -26,6 +26,7 @@ from cbs.engine import checkpoint, optim, step, trainer, writer
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.lr import coupled_lr
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
 from cbs.stats import noise
 
@@ -180,11 +181,11 @@ def test_eight_devices_equal_one(mlp):
 def test_measure_in_step_equals_separate(mlp):
     loss_fn, params, batch = mlp
     oc = ml_collections.ConfigDict({"name": "sgd"})
-    measure = step.Measurement("auto", every=2)
+    measure = NoiseSpec(every=2)
     mesh = one_device_mesh()  # with the two-batch live estimate: an exact one would give the
     # measurement itself (tests/test_live_noise.py)
     ts_a, st_a = make_step(loss_fn, params, oc, mesh, micro_batch=16,
-                           measure=measure._replace(in_step=True), live="two_batch")
+                           measure=measure.replace(in_step=True), live="two_batch")
     ts_b, st_b = make_step(loss_fn, params, oc, mesh, micro_batch=16, measure=measure,
                            live="two_batch")
     st_a, hist_a = run_steps(ts_a, st_a, batch, accum=2)
@@ -214,7 +215,7 @@ def test_curvature_measurement_in_the_step(mlp, method):
     loss_fn, params, batch = mlp
     ts, st = make_step(loss_fn, params, ml_collections.ConfigDict({"name": "sgd"}),
                        one_device_mesh(), micro_batch=16,
-                       measure=step.Measurement(method, every=1, curvature=True))
+                       measure=NoiseSpec(method=method, every=1, curvature=True))
     b = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
     st, measured = ts.measure_now(st, b, 2)
     measured = jax.device_get(measured)

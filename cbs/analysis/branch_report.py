@@ -115,7 +115,8 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run python -m "
                                 f"experiments.branch --config=... --workdir={workdir} first")
     b = definition["branch"]
-    rows = records.read_records(os.path.join(workdir, files.BRANCHES_FILE))
+    rows = records.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
+                               ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
     noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     noise = {r["step"]: r for r in records.read_records(noise_path)}
@@ -265,13 +266,11 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     triangles); the reference run's B_simple and B_noise (the study's exact whole-training-set
     measurement when it made one, else the run's in-step estimates); the swept B_crit at the
     target crossings; the loss on the right axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
 
     points, ref = summarize(workdir), _reference_curves(workdir)
-    fig, ax = plt.subplots(figsize=(8, 6.5))
+    fig = Figure(figsize=(8, 6.5))
+    ax = fig.subplots()
     ok = ref["E"] > 0
     noise = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
     if noise:  # exact on the whole training set: the study's own measurement
@@ -345,7 +344,6 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     fig.tight_layout()
     path = path or os.path.join(workdir, "local_cbs.png")
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import fit, report
+from cbs.analysis import calibration, fit, report
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
@@ -113,16 +113,15 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
     """Log-log B_crit against B_simple (left) and B_noise (right): y = x, the factor-10 band,
     B_crit's interval and the noise scale's spread over batch sizes as error bars, colour per
     task and marker per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
+    from matplotlib.lines import Line2D
 
     tasks = sorted({r["task"] for r in rows})
     opts = sorted({r["optimizer"] for r in rows})
     markers = dict(zip(opts, "osD^v<>", strict=False))
     colours = {t: f"C{i % 10}" for i, t in enumerate(tasks)}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
+    fig = Figure(figsize=(11, 4.8))
+    axes = fig.subplots(1, 2, sharey=True)
     values = [v for r in rows for v in (r["b_simple"], r["b_noise"], r["b_crit"])
               if math.isfinite(v) and v > 0]
     lo, hi = min(values) / 3, max(values) * 3
@@ -138,8 +137,9 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
             y_err = [[r["b_crit"] - r["b_crit_ci"][0]], [r["b_crit_ci"][1] - r["b_crit"]]]
             lo_x, hi_x = r[f"{name}_range"]
             x_err = [[r[name] - lo_x], [hi_x - r[name]]] if math.isfinite(lo_x) else None
-            ax.errorbar(r[name], r["b_crit"], yerr=np.nan_to_num(y_err),
-                        xerr=None if x_err is None else np.nan_to_num(x_err),
+            # a collapsed interval can sit a rounding error inside its point: draw it as 0
+            ax.errorbar(r[name], r["b_crit"], yerr=np.clip(np.nan_to_num(y_err), 0, None),
+                        xerr=None if x_err is None else np.clip(np.nan_to_num(x_err), 0, None),
                         fmt=markers[r["optimizer"]], color=colours[r["task"]], ms=6,
                         capsize=2, lw=0.8)
         ax.set_xscale("log")
@@ -147,15 +147,14 @@ def figure(rows: Sequence[dict[str, Any]], path: str) -> str:
         ax.set_xlabel(f"measured {label} at the target (examples)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("fitted B_crit (examples)")
-    handles = [plt.Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
-    handles += [plt.Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
+    handles = [Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
+    handles += [Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
     axes[1].legend(handles=handles, fontsize=8, loc="upper left")
     fig.suptitle("Critical batch against the measured noise scale, one point per study and "
                  "target")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -181,9 +180,12 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
                 f"{v['ratio_range'][0]:.3g}–{v['ratio_range'][1]:.3g}; within a factor 2 of "
                 f"B_crit in {v['within_2x']:.0%} of {v['points']} points, within a factor 10 in "
                 f"{v['within_10x']:.0%}.")
-    lines += ["", table(rows), "", f"![B_crit against the noise scale]({files.FIGURE_FILE})", ""]
+    calib = calibration.build([fit.json_ready(r) for r in rows])
+    lines += ["", table(rows), "", f"![B_crit against the noise scale]({files.FIGURE_FILE})", "",
+              "## Predicting B_crit from one measurement", "", calibration.markdown(calib), ""]
     path = os.path.join(out_dir, files.REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     records.write_json_atomic(os.path.join(out_dir, "compare.json"),
                               {"rows": [fit.json_ready(r) for r in rows], "summary": s})
+    records.write_json_atomic(os.path.join(out_dir, calibration.CALIBRATION_FILE), calib)
     return path

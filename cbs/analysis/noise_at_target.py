@@ -28,6 +28,7 @@ import numpy as np
 
 from cbs.analysis import fit
 from cbs.results import files, records
+from cbs.results.store import upgrade_noise_fields
 
 NAMES = ("b_simple", "b_noise")
 PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma", "g_h_g")}
@@ -58,8 +59,10 @@ def protocol(definition: dict[str, Any]) -> str:
     s = definition.get("sweep", {})
     n_train = definition.get("num_train")
     window = s.get("noise_window", 5)
-    m, h = s.get("noise_curvature_batch_size", 0), s.get("noise_hessian_batch_size", 0)
-    examples = s.get("noise_examples", "sampled")
+    noise = upgrade_noise_fields({"sweep": s, "noise": definition.get("config", {}).get(
+        "noise", {})})["noise"]
+    m = noise.get("deviations", 0) if noise.get("curvature", False) else 0
+    h, examples = noise.get("hessian_batch_size", 0), noise.get("examples", "stream")
     full = examples == "all" or (examples == "auto" and n_train is not None
                                  and n_train <= 10_000)
     if full:
@@ -68,7 +71,7 @@ def protocol(definition: dict[str, Any]) -> str:
             hess = f"the Hessian of {h} independent examples" if h else "the full-data Hessian"
             where += f"; tr(HΣ) from {m} random deviations and {hess}"
     else:
-        where = f"sampled: {s.get('noise_batch_size')} examples per measurement"
+        where = f"sampled: {noise.get('batch_size')} examples per measurement"
         if m:
             where += f"; tr(HΣ) from {m} of them and the Hessian of {h} independent examples"
     return (f"{where}; ratio of means over the {window} evaluations nearest each best "

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import edges, fit, joint, noise_at_target, plots
+from cbs.analysis import edges, fit, joint, misfit, noise_at_target, plots
 from cbs.analysis import report_tables as tables
 from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
 from cbs.results import records
@@ -151,7 +151,29 @@ def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | No
         power_law = dataclasses.replace(
             power_law, alpha_b_ci=j.alpha_b_ci, b_star_ci=j.b_star_ci, slope_ci=j.slope_ci,
             interval=joint.METHOD_POWER_LAW)
-    return power_law, j.to_dict()
+    return power_law, j.to_dict() | {"calibrated": _calibrated(per_target, bootstrap, j.seed)}
+
+
+def _calibrated(per_target: list[dict[str, Any]], bootstrap: int, seed: int
+                ) -> dict[str, Any]:
+    """The calibrated misfit test (`cbs.analysis.misfit`) and, where one target breaks the
+    law (calibrated p < 0.05 with it, ≥ 0.05 without), the power law without that target."""
+    tables = [t["_table"] for t in per_target]
+    losses = [t["target"] for t in per_target]
+    points = [t["fit"] for t in per_target]
+    c = misfit.calibrated_misfit(tables, losses, points, n=2 * bootstrap, seed=seed)
+    out = c.to_dict()
+    k = c.breaking_target
+    if k is None or not c.p < 0.05 or not c.without_target[k] >= 0.05:
+        return out
+    keep = [i for i in range(len(per_target)) if i != k and points[i].ok]
+    law = fit.fit_power_law([losses[i] for i in keep], [points[i].b_crit for i in keep],
+                            bootstrap=0)
+    jk = joint.joint_bootstrap([tables[i] for i in keep], [losses[i] for i in keep],
+                               [points[i] for i in keep], n=bootstrap, seed=seed)
+    return out | {"without_breaking": {"target": losses[k], "p": c.without_target[k],
+                                       "alpha_b": law.alpha_b, "alpha_b_ci": jk.alpha_b_ci,
+                                       "b_star": law.b_star}}
 
 
 def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,

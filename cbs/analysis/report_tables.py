@@ -131,18 +131,42 @@ def power_law_lines(analysis: dict[str, Any]) -> list[str]:
              f"interval {_ci(pl['alpha_b_ci'])} ({pl.get('interval', 'residual bootstrap-t')})."]
     m = pl.get("misfit")
     if m and m.get("misfit_p") is not None:
-        verdict = ("is supported" if m["power_law_supported"] else "is NOT supported")
         cis = m["local_slope_cis"]
         targets = [t["target"] for t in analysis["targets"] if t["fit"]["status"] == fit.OK]
         local = ", ".join(
             f"{a:g}→{b:g}: α {_g(-1 / s)} ({_alpha_ci(ci)})"
             for a, b, s, ci in zip(targets, targets[1:], m["local_slopes"], cis, strict=False))
         lines += ["", f"Misfit check: a single power law over L = {max(targets):g} → "
-                  f"{min(targets):g} {verdict} by the bootstrap covariance of the targets' "
-                  f"log B_crit (generalised least squares, χ² = {m['misfit_q']:.3g} on "
-                  f"{m['misfit_dof']} degrees of freedom, p = {m['misfit_p']:.2g}). Local "
-                  f"α_B between adjacent targets (percentile interval): {local}."]
+                  f"{min(targets):g} {_misfit_verdict(m)} Local α_B between adjacent targets "
+                  f"(percentile interval): {local}."]
     return lines + [""]
+
+
+def _misfit_verdict(m: dict[str, Any]) -> str:
+    """The misfit test's sentence: calibrated p when there is one (its verdict), the χ²
+    reading beside it, and the target that breaks the law with the law without it."""
+    chi2 = (f"generalised least squares on the bootstrap covariance of the targets' log "
+            f"B_crit, χ² = {m['misfit_q']:.3g} on {m['misfit_dof']} degrees of freedom, "
+            f"p = {m['misfit_p']:.2g}")
+    c = m.get("calibrated") or {}
+    if c.get("p") is None:
+        verdict = "is supported" if m["power_law_supported"] else "is NOT supported"
+        return f"{verdict} ({chi2})."
+    verdict = "is supported" if c["p"] >= 0.05 else "is NOT supported"
+    text = (f"{verdict} at 5 %: calibrated p = {c['p']:.2g} (Q of the law's generalised least "
+            f"squares against {c['n']} studies simulated under the fitted law with this "
+            f"study's noise, `cbs.analysis.misfit`; uncalibrated: {chi2}).")
+    w = c.get("without_breaking")
+    if w:
+        text += (f" The target that breaks it is L = {w['target']:g}: without it calibrated "
+                 f"p = {w['p']:.2g}, and α_B = {_g(w['alpha_b'])} "
+                 f"({_alpha_ci_pair(w['alpha_b_ci'])}) on the other targets.")
+    return text
+
+
+def _alpha_ci_pair(ci: Any) -> str:
+    lo, hi = (ci or [None, None])[:2]
+    return "interval –" if lo is None or hi is None else f"95% interval {_g(lo)}–{_g(hi)}"
 
 
 def missing_text(analysis: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from ml_collections import config_flags
 
 from cbs import commands
 from cbs.analysis import branch_report
-from cbs.engine import cli, distributed
+from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import branches
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
@@ -29,7 +29,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:ar
 _WORKDIR = flags.DEFINE_string("workdir", None, "Study directory (reference run, records).")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep of the same model (optional): its "
                                  "B_crit per target goes into the figure.")
-_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the branch units: i/n.")
+_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the branch units: i/n, "
+                             "or auto (this host's index in its TPU slice or Slurm step).")
 _REPORT = flags.DEFINE_bool("report", True, "Print the table and write the figure.")
 _FIGURE = flags.DEFINE_string("figure", None, "Figure path (default workdir/local_cbs.png).")
 _ANALYZE_ONLY = flags.DEFINE_bool("analyze_only", False, "Only the report and figure, from the "
@@ -45,8 +46,9 @@ def main(argv: list[str]) -> None:
     if not _ANALYZE_ONLY.value:
         if _CONFIG.value is None:
             raise ValueError("--config is required unless --analyze_only")
-        distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
-        branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=_SHARD.value)
+        shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
+        with preemption.active():
+            branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=shard)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
         print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))

@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from cbs import commands
 from cbs.analysis import payoff, report
-from cbs.engine import cli
+from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import launch, ramps
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with `sweep` and `ramps`.",
@@ -36,14 +36,15 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     sweep_dir, out_dir = cli.required(_SWEEP_DIR), _OUT_DIR.value
-    launch.run_sweep(_CONFIG.value, sweep_dir)
+    distributed.from_flags()  # a multi-host slice or Slurm step joins up; else one process
+    with preemption.active():
+        launch.run_sweep(_CONFIG.value, sweep_dir)
+        runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)
     if out_dir and out_dir != sweep_dir:
-        runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir)
         path = payoff.write_report(out_dir, runs, _CONFIG.value.sweep.targets,
                                    sweep_dir=sweep_dir)
         print(pathlib.Path(path).read_text())
         return
-    ramps.run_ramps(_CONFIG.value, sweep_dir)
     path = report.write_report(sweep_dir)
     analysis = report.load_analysis(sweep_dir)
     print(report.ramp_table(report.read_ramps(sweep_dir), analysis))

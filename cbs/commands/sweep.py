@@ -9,7 +9,8 @@ finished trials and resumes unfinished ones from their checkpoints; with --shard
 the batch sizes whose rank is ≡ i (mod n) run (every seed and rate at them), so n copies of
 the command (Slurm array, Kubernetes indexed job, ...) cover the sweep with the records of an
 unsharded run, learning rates added past edge optima included. Run `experiments.analyze`
-once they are all done.
+once they are all done. --shard=auto --distributed=off on every host of a TPU slice or
+every task of a Slurm step runs one shard per host (`cbs.engine.distributed`).
 --redefine changes the grid of an existing directory, keeping the finished trials still in
 it. Two launchers on one directory share its groups of trials. Files: see
 `cbs.results.store`.
@@ -24,13 +25,14 @@ from ml_collections import config_flags
 
 from cbs import commands
 from cbs.analysis import report
-from cbs.engine import cli, distributed
-from cbs.sweeps import launch
+from cbs.engine import cli, distributed, preemption
+from cbs.sweeps import grid, launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]) with a "
                                           "`sweep` section.", lock_config=True)
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep directory (records, checkpoints).")
-_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the trials: i/n.")
+_SHARD = flags.DEFINE_string("shard", None, "Run only this shard of the trials: i/n, or "
+                             "auto (this host's index in its TPU slice or Slurm step).")
 _ANALYZE = flags.DEFINE_bool("analyze", True, "Fit and write the report after the trials "
                              "(needs every trial finished; off for shards).")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
@@ -44,10 +46,12 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    distributed.initialize()  # a multi-host slice or Slurm step joins up; else one process
+    shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
+    grid.parse_shard(shard)  # a bad --shard stops before anything is written
     start = time.perf_counter()
-    launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR), shard=_SHARD.value,
-                     redefine=_REDEFINE.value)
+    with preemption.active():
+        launch.run_sweep(_CONFIG.value, cli.required(_SWEEP_DIR), shard=shard,
+                         redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
         path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value)

@@ -7,8 +7,9 @@ The same command resumes from the latest checkpoint in --workdir; a run that alr
 prints its summary again. Several hosts: start the same command on each; on a TPU pod slice,
 under Slurm (srun) or Open MPI (mpirun) the processes find each other by themselves
 (`cbs.engine.distributed`), elsewhere add --coordinator_address=HOST:PORT --num_processes=N
---process_id=I (see docs/scaling.md). Records are described in
-`cbs.engine.trainer`; the exit status is 1 when the run diverged.
+--process_id=I; --distributed=off keeps each process on its own (see docs/scaling.md).
+Records are described in `cbs.engine.trainer`; the exit status is 1 when the run diverged,
+143 after SIGTERM and 130 after Ctrl-C (a checkpoint saved: rerun to resume).
 """
 
 from __future__ import annotations
@@ -21,15 +22,11 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, trainer
+from cbs.engine import cli, distributed, preemption, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:arg]).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (records, checkpoints).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 for multi-host runs.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -37,9 +34,10 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    distributed.from_flags()
     try:
-        summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
+        with preemption.active():
+            summary = trainer.run(_CONFIG.value, cli.required(_WORKDIR))
     except trainer.DivergedError as err:
         print(f"diverged: {err}", file=sys.stderr)
         sys.exit(1)

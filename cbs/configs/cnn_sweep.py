@@ -20,7 +20,7 @@ values on CIFAR-10.
 from __future__ import annotations
 
 from cbs.configs import base, cnn
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
 TARGETS = {"mnist": (0.5, 0.2, 0.1, 0.05), "fashion_mnist": (0.8, 0.5, 0.4, 0.3),
            "cifar10": (1.8, 1.5, 1.2, 1.0)}  # eval cross-entropy (nats) per dataset
@@ -45,11 +45,13 @@ def get_config(arg: str = ""):
     s.max_examples = 3_000_000  # ≈ 50 epochs of MNIST per trial at most
     s.max_steps = 20_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced evaluations
-    s.noise_batch_size = 256  # images per exact noise measurement (ghost norms)
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from 32 of them
+    n = default_sweep_noise(c.noise)  # measured at each evaluation, on a fresh stream
+    n.every = 0  # not every k steps (the trials measure at their evaluations)
+    n.batch_size = 256  # images per exact noise measurement (ghost norms)
+    n.deviations = 32  # tr(HΣ) from 32 of them
     if "tiny" in base.parse_arg(arg, ("tiny", *cnn.DATASETS)):
         s.batch_sizes = (16, 64)  # two batch sizes
         s.max_steps, s.max_examples = 10, 0  # a few steps
         s.evals_per_trial = 4  # four evaluations
-        s.noise_batch_size, s.noise_curvature_batch_size = 16, 0  # small measurements
+        n.batch_size, n.curvature = 16, False  # small measurements, no B_noise
     return c

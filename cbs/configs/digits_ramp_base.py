@@ -25,4 +25,8 @@ def digits_ramp(arg: str, schedule: dict, *, base_batch_size: int, learning_rate
     c.train.max_steps = 2000  # updates
     c.eval.every = 10  # evaluation (with the full training-set loss) every 10 steps
     c.noise.every = 50  # exact noise statistics every 50 steps
+    c.noise.examples = "step"  # on the step's examples only, not at evaluations as the sweep
+    c.noise.batch_size = 0  # one micro-batch
+    c.noise.curvature = False  # B_simple only
+    c.noise.deviations = c.noise.hessian_batch_size = c.noise.chunk_size = 0  # (curvature off)
     return c

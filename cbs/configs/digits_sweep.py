@@ -20,7 +20,7 @@ shared CPU cores (the full-data measurement at every evaluation is most of it). 
 from __future__ import annotations
 
 from cbs.configs import base
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
 
 def get_config(arg: str = ""):
@@ -46,9 +46,10 @@ def get_config(arg: str = ""):
     s.max_examples = 400_000  # ≈ 280 epochs per trial at most
     s.max_steps = 6_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all 1438 training examples
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
-    s.noise_hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 1438 training examples
+    n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
+    n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory

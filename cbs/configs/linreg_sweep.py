@@ -24,7 +24,7 @@ two seeds; the noise scale is exact on all training examples at each best trial'
 from __future__ import annotations
 
 from cbs.configs import base
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
 
 def get_config(arg: str = ""):
@@ -61,9 +61,10 @@ def get_config(arg: str = ""):
     s.max_examples = 0  # steps bound the budget
     s.max_steps = 50_000  # updates per trial
     s.evals_per_trial = 120  # log-spaced progress evaluations up to the budget
-    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all training examples
-    s.noise_curvature_batch_size = 64  # tr(HΣ) from the deviations of 64 random examples
-    s.noise_hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ), GᵀHG on all training examples
+    n.deviations = 64  # tr(HΣ) from the deviations of 64 random examples
+    n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
     s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "per_trial"  # noise at each best trial's crossings
     if "tiny" in words:

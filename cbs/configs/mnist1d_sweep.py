@@ -20,7 +20,7 @@ with the full-data Hessian, as the digits studies have, took about 30 s per eval
 from __future__ import annotations
 
 from cbs.configs import base
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
 
 def get_config(arg: str = ""):
@@ -47,9 +47,10 @@ def get_config(arg: str = ""):
     s.max_examples = 1_600_000  # 400 epochs per trial at most
     s.max_steps = 16_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
-    s.noise_examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
-    s.noise_curvature_batch_size = 32  # tr(HΣ) from the deviations of 32 random examples
-    s.noise_hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
+    n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
+    n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "per_trial"  # no reference run: with the full-data Hessian over 4000
     #                                 examples it took ≈ 30 s per evaluation here

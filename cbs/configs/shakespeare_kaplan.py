@@ -26,6 +26,13 @@ character: α_B, the shape of the trend, is the comparable number; B* is not). C
 results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores; 66 in the
 grid of the per-seed extension rule).
 
+Held out from the advice's calibration: `depth4` (4 blocks instead of 2, D = 64), with
+`predict` for the one run that the advice is made from (B = 32, the grid's centre rate):
+
+    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:depth4,predict \
+        --sweep_dir=results/heldout_lm_depth4_predict
+    python -m experiments.advise --sweep_dir=results/heldout_lm_depth4_predict
+
 Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
 d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in the hour), e.g.
 
@@ -43,11 +50,13 @@ WIDTHS = {"d32": 32, "d128": 128}
 
 
 def get_config(arg: str = ""):
-    words = base.parse_arg(arg, known=("tiny", *WIDTHS))
+    words = base.parse_arg(arg, known=("tiny", "depth4", "predict", *WIDTHS))
     c = shakespeare_sweep.get_config("tiny" if "tiny" in words else "")
     for word, width in WIDTHS.items():
         if word in words:
             c.model.d_model, c.model.d_ff = width, 4 * width  # 4 heads, d_ff = 4D
+    if "depth4" in words:  # a held-out task for the batch-size advice: twice as deep
+        c.model.num_layers = 4  # blocks (the committed studies have 2)
     s = c.sweep
     s.batch_sizes = tuple(2 ** k for k in range(2, 10))  # 4 ... 512 sequences of 32 chars
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
@@ -60,9 +69,11 @@ def get_config(arg: str = ""):
     s.max_examples = 100_000  # sequences per trial
     s.max_steps = 6_000  # updates per trial
     s.evals_per_trial = 40  # log-spaced evaluations (a factor 1.25 in steps apart at 6,000)
-    s.noise_batch_size = 128  # windows per B_simple measurement (a large batch)
-    s.noise_curvature_batch_size = 16  # of those, windows whose deviations give tr(HΣ)
-    s.noise_hessian_batch_size = 16  # independent windows whose Hessian gives tr(HΣ), GᵀHG
+    n = c.noise  # measured at each evaluation, on a fresh stream (shakespeare_sweep's)
+    n.batch_size = 128  # windows per B_simple measurement (a large batch)
+    n.curvature = True  # B_noise too
+    n.deviations = 16  # of those, windows whose deviations give tr(HΣ)
+    n.hessian_batch_size = 16  # independent windows whose Hessian gives tr(HΣ), GᵀHG
     if "d128" in words:  # B = 8 ... 512: B = 4 costs the most steps, and the fitted B_crit
         s.batch_sizes = s.batch_sizes[1:]  # of D = 32 and 64 (≥ 20) stay 2.5× above B = 8
     if "tiny" in words:
@@ -72,6 +83,11 @@ def get_config(arg: str = ""):
         s.targets = (4.2, 4.0, 3.8)  # loose targets
         s.max_steps, s.max_examples = 12, 0  # a few steps
         s.evals_per_trial = 4  # four evaluations
-        s.noise_batch_size = 16  # small measurements
-        s.noise_curvature_batch_size = 0  # no curvature (its compilation dominates)
+        n.batch_size = 16  # small measurements
+        n.curvature = False  # no curvature (its compilation dominates)
+    if "predict" in words:  # ONE run for the advice (cbs-advise --sweep_dir), before a sweep
+        s.batch_sizes = (32,)  # one batch size
+        s.lr_factors = (1.0,)  # one rate: the grid's centre
+        s.seeds = (0,)  # one seed
+        s.extend_lr_rounds = 0  # no extension (one run)
     return c

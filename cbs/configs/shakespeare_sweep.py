@@ -17,7 +17,7 @@ eq. 5.3), and the measured B_simple rises with it.
 from __future__ import annotations
 
 from cbs.configs import base
-from cbs.sweeps.grid import default_sweep_config
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
 
 def get_config(arg: str = ""):
@@ -48,14 +48,15 @@ def get_config(arg: str = ""):
     s.max_examples = 60_000  # per trial, in sequences
     s.max_steps = 3_000  # per trial
     s.evals_per_trial = 60  # log-spaced
-    s.noise_batch_size = 128  # windows per B_simple measurement
-    s.noise_curvature_batch_size = 0  # no B_noise (see the docstring)
-    s.noise_chunk_size = 32  # vmap chunk of the measurement
+    n = default_sweep_noise(c.noise)  # measured at each evaluation, on a fresh stream
+    n.batch_size = 128  # windows per B_simple measurement
+    n.curvature = False  # no B_noise (see the docstring)
+    n.chunk_size = 32  # vmap chunk of the measurement
     if "tiny" in base.parse_arg(arg):
         c.model.d_model = c.model.num_layers = c.model.num_heads = c.model.d_ff = 0  # tiny row
         s.batch_sizes = (8, 32)  # two batch sizes
         s.targets = (4.0, 3.5)  # loose targets
         s.max_steps, s.max_examples = 20, 0  # a few steps
         s.evals_per_trial = 5  # five evaluations
-        s.noise_batch_size = 16  # small measurements
+        n.batch_size = 16  # small measurements
     return c

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import warnings
 from typing import Any
 
@@ -83,6 +84,16 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager, but it never asks JAX's preemption sync point itself: each such call
+    moves the protocol's call counter, and `cbs.engine.preemption` counts its own calls (the
+    loop decides the step to save at and saves with force=True)."""
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 class Checkpointer:
     """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
 
@@ -103,8 +114,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(paths.epath(self.directory), options=options,
-                                              item_handlers=handlers)
+        self._manager = _Manager(paths.epath(self.directory), options=options,
+                                 item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
@@ -133,7 +144,7 @@ class Checkpointer:
             found = os_error(err)
             if found is None:
                 raise
-            raise records.write_error(found, self.directory) from None
+            raise records.write_error(found, found.filename or self.directory) from None
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restores checkpoint `step` (latest when None) into the structure of `target`.
@@ -224,16 +235,28 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 
 def os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure: an OSError in its chain, or one
-    made from a message that says the disk is full; None for anything else (a bug)."""
+    made from a message that says the disk is full; None for anything else (a bug). It names
+    the file being written when the error or tensorstore's message does."""
     seen: set[int] = set()
     chain: BaseException | None = err
+    code, texts = None, []
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
         if isinstance(chain, OSError) and chain.errno:
-            return chain
+            if chain.filename:
+                return chain
+            code = code or chain.errno
+        texts.append(str(chain))
         chain = chain.__cause__ or chain.__context__
-    text = str(err)
-    if any(s in text for s in _NO_SPACE):
+    text = " ".join(texts)
+    if code is None and any(s in text for s in _NO_SPACE):
         code = errno.EDQUOT if "quota" in text else errno.ENOSPC
-        return OSError(code, os.strerror(code))
-    return None
+    if code is None and "File too large" in text:  # a file size limit (ulimit -f)
+        code = errno.EFBIG
+    if code is None:
+        return None
+    named = _WRITING.search(text)
+    return OSError(code, os.strerror(code), *([named.group(1)] if named else []))
+
+
+_WRITING = re.compile(r'(?:writing|write to) (?:local )?file "([^"]+)"', re.IGNORECASE)

@@ -18,7 +18,12 @@ errors too.
 
 SIGTERM (a preemption) makes the running training save a checkpoint and stop
 (`cbs.engine.preemption`): the command prints `preempted: <where, how to resume>` on stderr
-and exits with status 143; rerunning it resumes.
+and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same with
+`interrupted: ...` and status 130 (a second Ctrl-C stops at once); before training starts it
+prints one line and exits 130.
+
+orbax's log lines (for instance the tracebacks its background threads log when a checkpoint
+write fails) stay off the terminal unless --verbose: the failure itself is one line.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
@@ -28,12 +33,14 @@ created).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from cbs.engine import preemption
 
@@ -137,17 +144,28 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         try:
             return main(argv)
         except preemption.Preempted as err:
-            print(f"preempted: {message(err)}", file=sys.stderr)
-            sys.exit(preemption.EXIT_STATUS)
+            print(f"{err.status}: {message(err)}", file=sys.stderr)
+            sys.exit(err.exit_status)
+        except KeyboardInterrupt:  # Ctrl-C outside training (cbs.engine.preemption)
+            for path in created:
+                remove_if_empty(path)
+            print("interrupted (SIGINT): stopped outside training; what was written is kept, "
+                  "rerun the same command to go on", file=sys.stderr)
+            sys.exit(preemption.INTERRUPT_EXIT_STATUS)
         except Exception as err:
             for path in created:
                 remove_if_empty(path)
             if verbose() or not is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)
+            sys.unraisablehook = _ignore  # orbax's unfinished writes, collected at exit
             sys.exit(USER_ERROR_EXIT)
 
     return wrapped
+
+
+def _ignore(unraisable: Any) -> None:
+    del unraisable
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -175,29 +193,90 @@ def _config_field_error(argv: Sequence[str], err: Exception) -> str:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing whose errors (bad flags, a config file's errors, unknown config
-    fields) are one line and exit status 2."""
+    """absl flag parsing whose errors (bad flags, a config file that does not parse or fails,
+    unknown config fields) are one line and exit status 2."""
     try:
         return flags.FLAGS(argv)
-    except flags.Error as err:
-        cause = _root_cause(err)
-        if verbose() and cause is not err:
-            raise cause from None
-        text = message(cause) if cause is not err else message(err)
-    except (AttributeError, KeyError, TypeError) as err:
-        if verbose():
-            raise
-        text = _config_field_error(argv, err)
     except Exception as err:
-        if verbose() or not is_user_error(err):
-            raise
-        text = message(err)
+        text = None if verbose() else config_file_error(argv, err)
+        if text is None:
+            text = _flag_error(argv, err)
     print(f"error: {text}", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 
 
+def _flag_error(argv: list[str], err: Exception) -> str:
+    """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
+    if isinstance(err, flags.Error):
+        cause = _root_cause(err)
+        if verbose() and cause is not err:
+            raise cause from None
+        return message(cause) if cause is not err else message(err)
+    if isinstance(err, (AttributeError, KeyError, TypeError)):
+        if verbose():
+            raise err
+        return _config_field_error(argv, err)
+    if verbose() or not is_user_error(err):
+        raise err
+    return message(err)
+
+
+def _config_files(argv: Sequence[str]) -> list[str]:
+    return [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
+            if a.startswith("--config=")]
+
+
+def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
+    """`FILE:LINE: error` when `err` (or an error in its chain) is a syntax error in a Python
+    file, or a bug raised by a line of the --config file itself; else None."""
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    configs = _config_files(argv)
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, SyntaxError) and chain.filename:
+            return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
+                    f"{chain.msg}")
+        tb, where = chain.__traceback__, None
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
+                where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+            tb = tb.tb_next
+        if where is not None and not is_user_error(chain):  # a user error says what to do
+            return f"{where[0]}:{where[1]}: {type(chain).__name__}: {message(chain)}"
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
+_QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
+
+
+def _not_from_quiet_library(record: logging.LogRecord) -> bool:
+    """A log filter: orbax's own lines (its background threads log every failed write with
+    a traceback, which the one-line error already reports) and asyncio's (orbax's failed
+    writes, "exception was never retrieved") reach stderr only with --verbose."""
+    return verbose() or not (record.name.startswith("asyncio")
+                             or any(part in record.pathname for part in _QUIET))
+
+
+def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`sys.unraisablehook` without the tracebacks that tensorstore's write callbacks report
+    when a failed save closed orbax's event loop (the failure itself is one line)."""
+
+    def quiet(unraisable: Any) -> None:
+        err = unraisable.exc_value
+        if verbose() or not (isinstance(err, RuntimeError)
+                             and str(err) == "Event loop is closed"):
+            hook(unraisable)
+
+    return quiet
+
+
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
-    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`) and SIGTERM
-    turned into a checkpoint and exit status 143 (`cbs.engine.preemption`)."""
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
+    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`),
+    and orbax's log lines kept off the terminal unless --verbose."""
     preemption.install()
+    absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
+    sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     app.run(guarded(main, outputs), flags_parser=parse_flags)

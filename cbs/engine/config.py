@@ -7,7 +7,7 @@ whose message starts with the dotted name of the offending field.
 
 Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
 `cbs.engine.schedules.validate_batch_config` (batch), `cbs.engine.lr.validate_coupling_config`
-(batch.lr_coupling), `cbs.engine.measure.validate_config` (noise),
+(batch.lr_coupling), `cbs.engine.noise_spec.validate_config` (noise),
 `cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
 `cbs.engine.mesh.validate_config` (mesh), `cbs.engine.throughput.validate_config` (perf),
 `cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
@@ -30,8 +30,8 @@ from cbs.engine import (
     live_noise,
     loop,
     lr,
-    measure,
     mesh,
+    noise_spec,
     optim,
     schedules,
     throughput,
@@ -87,13 +87,23 @@ def default_config() -> ml_collections.ConfigDict:
     #   (per replica, R ≥ 2), or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2,
     #   m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
-    c.noise.every = 0  # steps between exact/probe measurements; 0 = never
+    # The measurement (cbs.engine.noise_spec.NoiseSpec, measured by cbs.engine.measure):
+    c.noise.every = 0  # steps between measurements of the step's examples; 0 = never
+    c.noise.examples = "step"  # also measured at each evaluation: "stream" (n examples of a
+    #   fresh stream, H from h independent ones) | "all" (the whole training set) | "auto"
+    #   ("all" up to 10k examples); "step": only every noise.every steps
     c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
-    #   "auto" | "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson) |
-    #   "sampled" (a sweep's estimator, cbs.stats.sampled: H from independent examples)
-    c.noise.batch_size = 0  # examples measured: a multiple of R·m; 0 = one micro-batch (R·m)
-    #   (an exact B_simple measurement with an exact live estimate uses the whole batch B)
+    #   "auto" (exact on the step's examples, "sampled" on a stream's, "full_data" on all) |
+    #   "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson) | "sampled"
+    #   (cbs.stats.sampled: H from independent examples) | "full_data" (examples "all")
+    c.noise.batch_size = 0  # n, examples measured; of the step's: a multiple of R·m, 0 = one
+    #   micro-batch (an exact B_simple measurement with an exact live estimate uses the whole
+    #   batch B); of a stream's: 0 = no measurement
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
+    c.noise.deviations = 0  # m, examples whose deviations give tr(HΣ) ("sampled",
+    #   "full_data"); 0 = all measured (of a stream's, the first m of n)
+    c.noise.hessian_batch_size = 0  # h, independent examples whose Hessian gives tr(HΣ)
+    #   (examples "stream"; "all": 0 = all N)
     c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
     c.noise.chunk_size = 0  # examples per vmap chunk in exact; 0 = all at once
     c.noise.in_step = False  # measure under lax.cond in the step (True) or in its own jit
@@ -184,7 +194,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
                           max_examples=_int(config, "train.max_examples", minimum=0))
     schedule = schedules.validate_batch_config(_section(config, "batch"))
     lr.validate_coupling_config(_section(config, "batch.lr_coupling"))
-    measure.validate_config(_section(config, "noise"))
+    noise_spec.validate_config(_section(config, "noise"))
     loop.validate_train_config(_section(config, "train"))
     loop.validate_eval_config(_section(config, "eval"))
     mesh.validate_config(_section(config, "mesh"))

@@ -31,7 +31,7 @@ from cbs.results import files, records
 from cbs.stats import noise
 
 StopFn = Callable[[int, dict[str, Any]], bool]
-ENDED = ("finished", "stopped", "diverged")  # "running" and "preempted" resume
+ENDED = ("finished", "stopped", "diverged")  # "running", "preempted", "interrupted" resume
 
 
 class DivergedError(FloatingPointError):
@@ -320,7 +320,7 @@ class Loop:
                 self._read(keep_newest=False)
                 if self.t != self.last_saved:
                     self._save()
-                raise preemption.Preempted(f"preempted (SIGTERM) at step {self.t}")
+                raise preemption.Preempted(f"{preemption.reason()} at step {self.t}")
             done = self._done()
             evaluate = c.eval.enabled and (done or tr.evaluation_due(self.t))
             evaluated = evaluate and self.t != last_eval
@@ -366,7 +366,8 @@ class Loop:
             enabled=self.primary, progress=c.train.progress_bar, tensorboard=c.train.tensorboard)
         self._write_status(self._summary("running"))
         try:
-            self._iterate()
+            with preemption.active():
+                self._iterate()
         except _Diverged as err:
             self.ckpt.wait()
             bad = err.record
@@ -385,7 +386,7 @@ class Loop:
             self.ckpt.wait()
             message = (f"{err}: checkpoint at step {self.ckpt.latest_step()} in "
                        f"{self.ckpt.directory}; rerun the same command to resume")
-            summary = self._summary("preempted", message)
+            summary = self._summary(err.status, message)
             self._write_status(summary)
             raise preemption.Preempted(message, summary) from None
         finally:

@@ -27,7 +27,8 @@ from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import lr, optim, schedules
 from cbs.engine import mesh as mesh_lib
-from cbs.engine.step import Measurement, TrainState, TrainStep, init_train_state
+from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.step import TrainState, TrainStep, init_train_state
 
 __all__ = ["RunParts"]
 
@@ -133,12 +134,8 @@ class RunParts:
     def _build_step(self) -> None:
         c, ds = self.config, self.dataset
         self.in_memory = ds.in_memory("train")
-        n = c.noise
-        measure = None
-        if n.every:
-            n_micro = max(1, n.batch_size // (c.batch.micro_batch * self.replicas))
-            measure = Measurement(n.method, n.every, n_micro, n.curvature, n.num_probes,
-                                  n.chunk_size, n.in_step)
+        self.noise_spec = NoiseSpec.from_config(c.noise)
+        measure = self.noise_spec if self.noise_spec.every else None
         if self.in_memory:
             rep = mesh_lib.replicated(self.mesh)
             self.train_arrays = ds.device_arrays("train", rep)
@@ -159,12 +156,12 @@ class RunParts:
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
 
     def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any, *,
-                  measure: Measurement | None = None) -> TrainStep:
+                  measure: NoiseSpec | None = None) -> TrainStep:
         """A `TrainStep` of this run's model, optimizer, mesh and config (`batch.micro_batch`,
         `batch.lr_coupling`, `noise.*`): the run's own step, or a variant with other inputs
         (branches read a data-order seed among them). `batch_fn(inputs, examples_seen,
         batch_size)` gathers a batch on the device (None: the inputs are the batch, with
-        sharding `inputs_sharding`); `measure`: the periodic noise measurement, or None."""
+        sharding `inputs_sharding`); `measure`: the every-k-steps noise measurement, or None."""
         c = self.config
         coupling = lr.coupling_from_config(
             c.batch.lr_coupling, self.schedule.batch_size_at(0, self.schedule.init()))

@@ -21,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from cbs.engine.fields import ConfigError, increasing_steps
+from cbs.engine.noise_spec import EXAMPLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,8 @@ class RunOverrides:
     full_train_eval: bool | None = None  # eval.full_train: also the whole training-set loss
     noise_every: int | None = None  # noise.every: steps between measurements; 0 = never
     noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
+    noise_examples: str | None = None  # noise.examples: "step" measures only every
+    #   noise.every steps, not at evaluations (cbs.engine.noise_spec)
 
     def __post_init__(self):
         for name in ("batch_size", "micro_batch", "adapt_every", "log_every", "record_every",
@@ -75,6 +78,9 @@ class RunOverrides:
         for name in ("seed", "max_steps", "max_examples", "eval_every", "noise_every",
                      "noise_batch_size"):
             _integer(name, getattr(self, name), minimum=0)
+        if self.noise_examples is not None and self.noise_examples not in EXAMPLES:
+            raise _error("noise_examples", f"must be one of {EXAMPLES}, got "
+                                           f"{self.noise_examples!r}")
         _number("learning_rate", self.learning_rate, strict=True)
         _number("divergence_factor", self.divergence_factor)
         for name in ("quiet", "eval_enabled", "full_train_eval"):
@@ -111,7 +117,7 @@ FIELDS = {
     "keep_checkpoints": "train.keep_checkpoints", "quiet": "train.progress_bar",
     "eval_enabled": "eval.enabled", "eval_every": "eval.every", "eval_steps": "eval.steps",
     "full_train_eval": "eval.full_train", "noise_every": "noise.every",
-    "noise_batch_size": "noise.batch_size",
+    "noise_batch_size": "noise.batch_size", "noise_examples": "noise.examples",
 }
 
 
@@ -182,6 +188,7 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
     _set(c.eval, "full_train", o.full_train_eval)
     _set(c.noise, "every", o.noise_every)
     _set(c.noise, "batch_size", o.noise_batch_size)
+    _set(c.noise, "examples", o.noise_examples)
     return c
 
 

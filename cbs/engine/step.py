@@ -17,9 +17,10 @@ One step on a global batch [B, ...] sharded over `data`:
    Σ_i |g_i|² and |ḡ|²; or the two-batch estimator (McCandlish et al. 2018, App. A;
    `cbs.stats.noise.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
    smoothed by `cbs.stats.noise.NoiseScaleEMA` in the state;
-5. optionally, every `measure_every` steps, `noise.exact` or `noise.probe` on the
-   first micro-batch(es), under `lax.cond` (or in `measure_now`, a separate jitted call); an
-   exact B_simple measurement with an exact live estimate is that estimate (no extra pass);
+5. optionally, every `noise.every` steps, the measurement of `cbs.engine.measure` (the
+   method the `NoiseSpec` names) on the first micro-batch(es), under `lax.cond` (or in
+   `measure_now`, a separate jitted call); an exact B_simple measurement with an exact live
+   estimate is that estimate (no extra pass);
 6. u = direction(ḡ) (optax, `cbs.engine.optim`), θ ← θ − η·u with η = coupled_lr(η_0·s(E + B), B)
    (`cbs.engine.schedules`): the learning rate is a function of examples seen E, never of steps.
 
@@ -32,7 +33,7 @@ differently changes only the order of float32 sums, never the update.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,7 +45,9 @@ from jax.sharding import PartitionSpec as P
 from cbs.engine import live_noise, optim
 from cbs.engine.counts import count_add, count_int32, count_value
 from cbs.engine.lr import coupled_lr
-from cbs.engine.measure import Measurement, measure_batch
+from cbs.engine.measure import in_step_measurement, serves, step_measurement
+from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.step_metrics import StepMetrics
 from cbs.stats import noise
 from cbs.stats.trees import tree_sq_norm
 
@@ -102,45 +105,6 @@ def stateless(loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> StatefulLoss:
     return lambda params, model_state, batch: (loss_fn(params, batch), model_state)
 
 
-@jax.tree_util.register_pytree_node_class
-class StepMetrics(Mapping):
-    """The jitted step's scalar metrics as ONE float32 vector read by name (a Mapping, like
-    the dict `TrainStep.apply` returns): one output buffer per step instead of one per
-    metric, which on a step of a few milliseconds is a measurable share of its dispatch."""
-
-    def __init__(self, names: tuple[str, ...], values: Any):
-        self.names, self.array = names, values
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.names:  # a Mapping's `in` and `get` need a KeyError
-            raise KeyError(name)
-        return self.array[self.names.index(name)]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __or__(self, other: Mapping) -> dict[str, Any]:
-        return dict(self) | dict(other)
-
-    def tree_flatten(self):
-        return (self.array,), self.names
-
-    @classmethod
-    def tree_unflatten(cls, names, children):
-        return cls(names, children[0])
-
-    @classmethod
-    def pack(cls, metrics: dict[str, jax.Array]) -> StepMetrics:
-        names = tuple(metrics)
-        bad = [k for k in names if jnp.ndim(metrics[k])]
-        if bad:
-            raise ValueError(f"step metrics must be scalars; not {bad}")
-        return cls(names, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names]))
-
-
 def _mean_state(tree: PyTree) -> PyTree:
     """Mean over the leading (group) axis of float leaves; other leaves take group 0."""
     return jax.tree.map(lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -177,7 +141,9 @@ class TrainStep:
         (e.g. a gather of device-resident data at the stream's indices); None when the inputs
         are the batch.
       lr_coupling: (base_batch_size, rule, cap) for `cbs.engine.lr.coupled_lr`, or None.
-      measure: a `Measurement` (or a tuple of its fields), or None.
+      measure: the every-k-steps measurement of the step's examples (a
+        `cbs.engine.noise_spec.NoiseSpec` with `every` > 0, its `batch_size` a multiple of
+        R·m: 0 = one micro-batch), or None.
       seed: seeds the probe vectors (folded with the step).
     """
 
@@ -195,7 +161,7 @@ class TrainStep:
     unroll: int | bool = 0
     batch_fn: Callable[[PyTree, jax.Array, int], PyTree] | None = None
     lr_coupling: tuple[int, str, float | None] | None = None
-    measure: Measurement | None = None
+    measure: NoiseSpec | None = None
     seed: int = 0
     data_axis: str = "data"
     _logged: set[str] = dataclasses.field(init=False, repr=False, compare=False)
@@ -204,9 +170,8 @@ class TrainStep:
     _measure_jit: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.measure is not None:
-            object.__setattr__(self, "measure", Measurement(*self.measure))
-            noise.get_method(self.measure.method)  # an unknown name fails here, not in the jit
+        if self.measure is not None and not self.measure.every:
+            raise ValueError("TrainStep.measure: a NoiseSpec with every > 0, or None")
         live_noise.resolve(self.live, None)  # an unknown name fails here
         object.__setattr__(self, "_logged", set())
         object.__setattr__(self, "_kinds", {})
@@ -250,7 +215,7 @@ class TrainStep:
         B_simple measurement that the exact live statistics of the step's batch give for free),
         so that `measure_now` need not run."""
         return self.measures_in_step() or (
-            self._served(self.live_kind(state, inputs, accum_steps)))
+            serves(self.measure, self.live_kind(state, inputs, accum_steps)))
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
                  ) -> tuple[TrainState, StepMetrics]:
@@ -372,30 +337,10 @@ class TrainStep:
 
     def _noise_metrics(self, state: TrainState, chunks, per_micro: int, whole=None
                        ) -> tuple[PyTree, dict[str, jax.Array]]:
-        """(updated measure_ema, noise/* metrics) of one measurement on the first micro-batches
-        (the first n·C/A chunks hold the examples of the first n micro-batches); `whole`: the
-        B_simple statistics when the step already has them (`measure_batch`)."""
-        assert self.measure is not None  # called only when measuring
-        method, _, n_micro, curvature, num_probes, chunk_size, _ = self.measure
-        n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
-        batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]),
-                             chunks)
+        """(measure_ema, noise/* metrics) of `cbs.engine.measure.step_measurement`."""
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
-        key = jax.random.fold_in(jax.random.key(self.seed), state.step)
-        stats = measure_batch(noise.get_method(method), loss_fn, state.params, batch, key=key,
-                              curvature=curvature, num_probes=num_probes,
-                              chunk_size=chunk_size or None, whole=whole)
-        if curvature and stats.trace_h_sigma is None:
-            raise ValueError(f"noise method {method!r} returned no curvature statistics "
-                             "(trace_h_sigma, g_h_g) though curvature was asked for")
-        curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if curvature else {}
-        ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
-        names = ("b_simple", "grad_sq_norm", "trace_sigma") + (
-            ("b_noise", "g_h_g", "trace_h_sigma") if curvature else ())
-        out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
-                                         for n in names}
-        out = {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
-        return ema, out
+        return step_measurement(self.measure, loss_fn, state, chunks, per_micro,
+                                self.micro_batch * self.replicas, seed=self.seed, whole=whole)
 
     def _packed_step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         state, metrics = self._step(state, inputs, accum_steps)
@@ -433,12 +378,6 @@ class TrainStep:
             live_noise.log_choice(kind, reason)
         return kind, reason
 
-    def _served(self, live_kind: str) -> bool:
-        """An exact B_simple measurement is the exact live statistics of the step's batch."""
-        m = self.measure
-        return (m is not None and live_kind == "exact" and not m.curvature
-                and m.method in live_noise.EXACT_MEASURE_METHODS)
-
     def _step(self, state: TrainState, inputs: PyTree, accum_steps: int):
         b_big = self.batch_size(accum_steps)
         live, _ = self._live(state, inputs, accum_steps)
@@ -472,24 +411,15 @@ class TrainStep:
                     "noise/ema_grad_sq_norm": f32(ema.grad_sq_norm),
                     "noise/ema_trace_sigma": f32(ema.trace_sigma),
                     "noise/ema_b_simple": f32(ema.b_simple)}
-        measure_ema = state.measure_ema
         exact = None
         if live == "exact" and big_sq is not None:
             exact = noise.NoiseStats(b_big, big_sq, grad_sq_norm, trace_sigma,
                                      trace_sigma / grad_sq_norm)
-        m = self.measure
-        if m is not None and self._served(live) and exact is not None:
-            measure_ema, measured = live_noise.measurement(
-                state.measure_ema, state.step % m.every == 0, exact)
-            metrics |= measured
-        elif m is not None and self.measures_in_step():
-            whole = exact if m.method in live_noise.EXACT_MEASURE_METHODS else None
-            measure = lambda: self._noise_metrics(state, chunks, c // accum_steps, whole)
-            skipped = lambda: (state.measure_ema, jax.tree.map(
-                lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure)[1]))
-            measure_ema, measured = jax.lax.cond(state.step % m.every == 0, measure,
-                                                 skipped)
-            metrics |= measured
+        measure_ema, measured = in_step_measurement(
+            self.measure, state.step, state.measure_ema, exact,
+            lambda whole: self._noise_metrics(state, chunks, c // accum_steps, whole),
+            served=serves(self.measure, live), in_step=self.measures_in_step())
+        metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
         examples_after = count_add(state.examples_seen, b_big)
         lr = self._learning_rate(state, b_big)

@@ -27,7 +27,7 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
   noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
   data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
-  the fields of `on_eval` when given (a sweep's noise measurement, `cbs.sweeps.measurement`).
+  the fields of `on_eval` when given (the noise measurement at evaluations, `cbs.engine.measure`).
 - `status.json`: status ("running" | "preempted" | "finished" | "stopped" | "diverged"), step,
   examples_seen, checkpoint_step, message, config_hash, last train and eval records.
 - `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files (when on).
@@ -49,11 +49,11 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, counts
+from cbs.engine import checkpoint, counts, measure
 from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash
+from cbs.engine.noise_spec import NoiseSpec  # noqa: F401 - cbs.train's
 from cbs.engine.parts import RunParts
-from cbs.engine.step import (  # noqa: F401 - Measurement, TrainStep, init_train_state: cbs.train's
-    Measurement,
+from cbs.engine.step import (  # noqa: F401 - TrainStep, init_train_state: cbs.train's
     TrainState,
     TrainStep,
     init_train_state,
@@ -76,7 +76,9 @@ class Trainer(RunParts):
       workdir: run directory (records, checkpoints); None for in-memory use only.
       mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
-      on_eval: `EvalFn` whose fields join every eval record (None: none).
+      on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
+        at evaluations, `cbs.engine.measure.EvalMeasurement`, when `noise.examples` asks
+        for one; else none).
       start: a state to start from instead of a fresh one (a branch from a checkpoint of its
         reference run): the run starts at its step and examples seen, with the config's
         η_0 (as on resume); its budget `train.max_steps` / `max_examples` counts from 0.
@@ -86,6 +88,9 @@ class Trainer(RunParts):
                  mesh: jax.sharding.Mesh | None = None, dataset: data.Dataset | None = None,
                  on_eval: EvalFn | None = None, start: TrainState | None = None):
         super().__init__(config, mesh=mesh, dataset=dataset)
+        if on_eval is None and self.noise_spec.measures_at_evals:
+            on_eval = measure.EvalMeasurement(self.noise_spec, seed=int(config.seed),
+                                              steps=config.eval.get("steps", ()))
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
         self.start_position = (0, 0) if start is None else counts.position(start)
         self._eval_steps = frozenset(config.eval.get("steps", ()))  # checked every step

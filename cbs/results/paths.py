@@ -11,17 +11,23 @@ What an object store lacks, and what cbs does instead:
   one, never a part), so an atomic replacement is one write of the whole file
   (`cbs.results.records.write_atomic`);
 - append: an append reads the object, adds the lines and writes it back whole (cost
-  O(file size), atomic like a replacement; concurrent appenders to one object can lose each
-  other's lines, so one process writes each file);
-- locks: fcntl locks exist on local (and mounted) file systems only (`local_lock_dir`).
+  O(file size), atomic like a replacement; concurrent appenders to one object would lose
+  each other's lines, so only files one process writes are appended to: records that
+  several processes write are write-once objects, `cbs.results.records.write_part`);
+- locks: fcntl locks exist on local (and mounted) file systems only; an object store has
+  a write that succeeds only when the object does not exist yet (`create_new`, a
+  does-not-exist precondition), on which `cbs.results.leases` builds expiring leases.
+
+Remote listings and reads here bypass fsspec's listing cache (`_fresh_fs`): other processes
+add objects to the directories cbs lists.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import tempfile
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from cbs import install_command
@@ -104,11 +110,85 @@ def rmtree(path: PathLike) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def local_lock_dir(path: PathLike) -> str:
-    """Where the fcntl locks of directory `path` live: `path/locks` when it is local; for a
-    remote path, a directory under the local temporary directory named by a hash of `path`
-    (object stores have no locks, so processes coordinate only within this machine)."""
+def _fresh_fs(path: PathLike) -> tuple[Any, str]:
+    """(fsspec file system, path without protocol) for a remote path, its listing cache
+    dropped so that objects other processes wrote since are seen."""
+    import fsspec
+
+    epath(path)  # the one-line error naming the extra when gs:// has no backend
+    fs, bare = fsspec.core.url_to_fs(os.fspath(path))
+    fs.invalidate_cache()
+    return fs, bare
+
+
+def listdir(path: PathLike) -> list[str]:
+    """The names in directory `path`, sorted; [] when it does not exist."""
     if not is_remote(path):
-        return join(path, "locks")
-    digest = hashlib.sha1(os.fspath(path).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "cbs-locks", digest)
+        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    fs, bare = _fresh_fs(path)
+    try:
+        found = fs.ls(bare, detail=False)
+    except FileNotFoundError:
+        return []
+    names = (os.path.basename(p.rstrip("/")) for p in found)
+    return sorted(n for n in names if n and n != os.path.basename(bare.rstrip("/")))
+
+
+def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:
+    """{path: bytes} of the files that exist among `paths` (remote ones fetched together)."""
+    out: dict[str, bytes] = {}
+    remote = [os.fspath(p) for p in paths if is_remote(p)]
+    for p in paths:
+        if not is_remote(p) and (raw := read_bytes(p)) is not None:
+            out[os.fspath(p)] = raw
+    if remote:
+        fs, _ = _fresh_fs(remote[0])
+        got = fs.cat(remote, on_error="omit")  # fetched concurrently
+        plain = lambda p: p.split("://", 1)[-1].strip("/")  # keys may lack the scheme
+        by_key = {plain(k): v for k, v in got.items()}
+        out |= {p: by_key[plain(p)] for p in remote if plain(p) in by_key}
+    return out
+
+
+def create_new(path: PathLike, data: bytes) -> bool:
+    """Writes `data` to `path` only if nothing is there yet, atomically; True if it wrote.
+
+    Locally: a temporary file hard-linked to `path` (link fails when `path` exists). On an
+    object store: a write with a does-not-exist precondition (GCS `ifGenerationMatch=0`,
+    fsspec's `mode="create"`), which the store checks on its side.
+    """
+    if is_remote(path):
+        fs, bare = _fresh_fs(path)
+        try:
+            fs.pipe_file(bare, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    text = os.fspath(path)
+    tmp = f"{text}.tmp.{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, text)
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(tmp)
+    return True
+
+
+def remove(path: PathLike) -> None:
+    """Removes a file if it exists."""
+    if is_remote(path):
+        fs, bare = _fresh_fs(path)
+        try:
+            fs.rm_file(bare)
+        except FileNotFoundError:
+            pass
+    else:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass

@@ -6,19 +6,25 @@ Files in a sweep directory (all appended or replaced atomically; analysis reads 
   filled in; its "sweep" section also at the top) and the base trial grid ("trials"),
   written once the config has been validated; a later launch must match it field by field
   (`write_definition`), or pass `redefine` to change the grid only;
-- `trials.jsonl`: one complete record per finished trial (see `TrialResult`); a record is
-  written once, in one `write`, after the trial's last checkpoint; re-running skips it. A
-  torn last line is cut off before the next append and a corrupt line is skipped with a
-  warning naming its line (`cbs.results.records`): its trial counts as unfinished and reruns;
-- `trials.csv`: the same records flattened to one row per (trial, target);
+- `trials.d/`: the trial records, one complete record per finished trial (see
+  `TrialResult`), written as write-once parts: each group of trials that finishes together is
+  one file (`cbs.results.records.write_part`), written whole in one atomic write after the
+  group's last checkpoint; no writer touches another's part, so launchers on any number of
+  hosts, on a local disk, a network mount or an object store, lose no record. A corrupt line
+  is skipped with a warning naming its part and line: its trial counts as unfinished and
+  reruns;
+- `trials.jsonl`: the records of sweeps written before parts existed, then an export of the
+  parts (`export`, at the end of each launch; it may lag behind the parts while launchers
+  run). The records are this file and the parts, merged (first record per trial id), so a
+  committed study's `trials.jsonl` reads as before;
+- `trials.csv`: the records flattened to one row per (trial, target);
 - `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl);
-- `locks/`: one lock file per group of trials; a launcher holds it (fcntl) while it runs the
-  group, so concurrent launchers into one directory share the work instead of repeating it.
+- `locks/`: one claim per group of trials (`cbs.results.leases`): an fcntl lock file on a
+  file system, an expiring lease object on an object store; a launcher holds it while it
+  runs the group, so concurrent launchers into one directory, on one machine or on several,
+  share the work instead of repeating it.
 
-The directory may be remote (`gs://bucket/sweep`, see `cbs.results.paths`). Object stores
-have no locks: the lock files then live in a local directory (`lock_dir`), so launchers on
-one machine still share the work, but launchers on several machines must not write into one
-remote sweep directory at once (give each its own, or use a shared file-system mount).
+The directory may be remote (`gs://bucket/sweep`, see `cbs.results.paths`).
 
 Nothing is created until something is written, so a command that fails before its first
 record leaves no directory behind.
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import fcntl
 import io
 import json
 import math
@@ -36,7 +41,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cbs.results import files, paths, records
+from cbs.results import files, leases, paths, records
 from cbs.results.paths import PathLike
 
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
@@ -94,7 +99,7 @@ class SweepStore:
     def __init__(self, sweep_dir: PathLike):
         self.sweep_dir = os.fspath(sweep_dir)
         self.path = paths.join(sweep_dir, files.TRIALS_FILE)
-        self.lock_dir = paths.local_lock_dir(sweep_dir)
+        self.lock_dir = paths.join(sweep_dir, "locks")
         if paths.exists(sweep_dir) and not paths.isdir(sweep_dir):
             raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
                                      "directory (new or an earlier sweep's)")
@@ -154,45 +159,47 @@ class SweepStore:
                              f"trials of a different config: {describe(changed)}; use the sweep's "
                              "config, or a new --sweep_dir")
 
-    def claim(self, name: str, *, wait: bool = False) -> int | None:
-        """Takes the lock `<lock_dir>/<name>.lock` (fcntl, released by `release` or when the
-        process ends, kill -9 included); returns its descriptor, or None when another process
-        holds it and `wait` is False. `lock_dir` is `locks/` in the sweep directory, or a
-        local directory when that is remote (module docstring)."""
-        os.makedirs(self.lock_dir, exist_ok=True)
-        fd = os.open(os.path.join(self.lock_dir, f"{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+    def claim(self, name: str, *, wait: bool = False) -> leases.Claim | None:
+        """Takes the claim `name` in `locks/` (`cbs.results.leases`: an fcntl lock locally,
+        an expiring lease object on an object store); returns it, or None when another
+        process holds it and `wait` is False."""
+        return leases.claim(self.lock_dir, name, wait=wait)
 
     @staticmethod
-    def release(fd: int) -> None:
-        """Releases a lock taken by `claim`."""
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    def release(held: leases.Claim) -> None:
+        """Gives back a claim taken by `claim`."""
+        leases.release(held)
+
+    def claim_names(self) -> list[str]:
+        """The names of the claims ever taken in this sweep (held or not)."""
+        return leases.names(self.lock_dir)
 
     def definition(self) -> dict[str, Any] | None:
         return records.read_json(paths.join(self.sweep_dir, files.SWEEP_FILE))
 
     def records(self) -> list[dict[str, Any]]:
-        """Finished trial records, first record per trial id (a repeated append is ignored)."""
-        seen, out = set(), []
-        for r in records.read_records(self.path, required=("trial_id", "index")):
-            if r["trial_id"] not in seen:
-                seen.add(r["trial_id"])
-                out.append(r)
+        """Finished trial records (trials.jsonl and every part), first record per trial id (a
+        repeated record is ignored), in index order."""
+        out = records.read_merged(self.path, ("trial_id",), required=("index",))
         return sorted(out, key=lambda r: r["index"])
 
     def finished_ids(self) -> set[str]:
         return {r["trial_id"] for r in self.records()}
 
     def append(self, results: Sequence[TrialResult]) -> None:
-        """Appends complete records with a single write (all or none) and makes it durable."""
+        """Records finished trials: one write-once part with a single write (all or none)."""
+        if not results:
+            return
         self._makedirs()
-        records.append_records(self.path, [r.to_json() for r in results])
+        records.write_part(self.path, records.part_name([r.trial_id for r in results]),
+                           [r.to_json() for r in results])
+
+    def export(self) -> None:
+        """Writes the exports: trials.jsonl (the parts' records it lacks, added; its earlier
+        lines kept byte for byte) and trials.csv."""
+        if records.part_paths(self.path):
+            records.export_parts(self.path, ("trial_id",))
+        self.export_csv()
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
@@ -219,11 +226,38 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Measurement settings that moved from config.sweep to config.noise (old -> new name).
+MOVED_NOISE_FIELDS = {"noise_batch_size": "batch_size",
+                      "noise_hessian_batch_size": "hessian_batch_size",
+                      "noise_chunk_size": "chunk_size", "noise_examples": "examples",
+                      "noise_curvature_batch_size": "deviations"}
+
+
+def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A config written before the measurement settings moved from `sweep.noise_*` to
+    `noise.*`, in the current layout (a copy; a current config is returned as it is):
+    examples "sampled" reads "stream", and noise_curvature_batch_size m reads
+    deviations = m with curvature = m > 0."""
+    sweep = config.get("sweep") or {}
+    if not any(k in sweep for k in MOVED_NOISE_FIELDS):
+        return config
+    sweep, noise = dict(sweep), dict(config.get("noise") or {})
+    for old, new in MOVED_NOISE_FIELDS.items():
+        if old in sweep:
+            noise[new] = sweep.pop(old)
+    if noise.get("examples") == "sampled":
+        noise["examples"] = "stream"
+    if "deviations" in noise:
+        noise["curvature"] = noise["deviations"] > 0
+    return config | {"sweep": sweep, "noise": noise}
+
+
 def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, Any]:
     """The flat config of a definition; an old one with only a "sweep" section gives that."""
     config = dict(definition.get("config") or {})
     if "sweep" in definition and "sweep" not in config:
         config["sweep"] = definition["sweep"]
+    config = upgrade_noise_fields(config)
     return {k: v for k, v in flatten(config).items()
             if not any(k == f or k.startswith(f + ".") for f in ignored)}
 

@@ -10,8 +10,10 @@ one line naming the cause and the fix:
   A caller whose draws are the same for an example in every batch that holds it (a key folded
   with an example id carried in the batch) says so with `allow_randomness(loss_fn)`;
 - examples coupled through a batch statistic (BatchNorm in training mode, linen or nnx):
-  a loss_fn that updates nnx BatchNorm statistics fails to trace (named here), and a loss of
-  examples 0 and 1 together that is not the mean of their losses alone is refused;
+  found in the jaxpr, whatever the parameters (`cbs.stats.coupling`: a reduction over the
+  example axis combined with every example); a loss_fn that updates nnx BatchNorm statistics
+  it closes over fails to trace (named here); and a loss of examples 0 and 1 together that is
+  not the mean of their losses alone is refused;
 - a loss SUMMED over the batch: example 0 twice gives twice its loss alone (a mean gives the
   same), which would scale ḡ by B and the ghost norms by B².
 
@@ -32,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from cbs.stats.coupling import coupling_site
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -76,6 +80,10 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
     except Exception as err:  # noqa: BLE001 - a mutated BatchNorm statistic is named; any
         raise_if_batch_stats(err)  # other failure (tracers closed over from an outer
         return  # transformation) is left to the computation itself
+    n_params = len(jax.tree.leaves(params))
+    site = coupling_site(jaxpr.jaxpr, range(n_params, len(jaxpr.jaxpr.invars)))
+    if site is not None:
+        raise_coupled(site)
     found = sorted(random_primitives(jaxpr.jaxpr))
     if found and not allowed:
         raise ValueError(f"loss_fn draws random numbers it does not take as an argument "
@@ -91,13 +99,30 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
 
 
 def raise_if_batch_stats(err: Exception) -> None:
-    """Turns flax's error for a BatchNorm statistic mutated under a trace into one line."""
+    """Turns flax's error for a BatchNorm statistic or an nnx.Rngs stream mutated under a
+    trace into one line."""
     text = str(err)
+    if "RngCount" in text or "RngKey" in text:
+        raise ValueError("loss_fn draws from an nnx.Rngs stream of a model it closes over "
+                         "(nnx.Dropout): each route would draw different masks; measure with "
+                         "noise.nnx_value_grad_and_stats(loss_fn)(model, batch), which gives "
+                         "each example its own stream key, or run the model deterministically "
+                         "(model.eval())") from err
     if "BatchStat" in text or "batch_stats" in text:
         raise ValueError("loss_fn updates BatchNorm statistics (BatchNorm in training mode): a "
                          "batch statistic couples the examples, so per-example gradients are "
                          "undefined; measure with the model in evaluation mode (nnx: "
                          "model.eval(); linen: use_running_average=True, no mutable)") from err
+
+
+def raise_coupled(site: str) -> None:
+    """The one-line refusal of a loss whose jaxpr combines a statistic over the examples with
+    each example (`cbs.stats.coupling`, at `site`)."""
+    raise ValueError(f"loss_fn couples the examples of a batch: a statistic over the batch axis"
+                     f" is combined with every example ({site}), so per-example gradients are "
+                     "undefined (a batch statistic, e.g. BatchNorm in training mode: linen "
+                     "mutable=['batch_stats'], nnx model.train()); measure in evaluation mode "
+                     "(use_running_average=True / model.eval())")
 
 
 def random_primitives(jaxpr: Any) -> set[str]:

@@ -18,8 +18,8 @@ Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson,
 O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
 The periodic measurement of a run is chosen by name from a registry of methods
 (`register_method`, `get_method`, `method_names`; config field `noise.method`): the exact
-"auto" | "fast" | "vmap" and "probe" here, and "sampled", the estimator a sweep records at its
-evaluations (`cbs.stats.sampled`, registered when `cbs.stats` is imported).
+"auto" | "fast" | "vmap" and "probe" here, and "sampled" and "full_data" (`cbs.stats.sampled`,
+registered when `cbs.stats` is imported); `cbs.engine.measure.measure` calls them all.
 Per-example quantities apply `loss_fn` to one-example batches, so a loss that couples the
 examples of a batch (BatchNorm in training mode) or draws randomness it does not take as an
 argument (dropout with a fixed key) has none: every estimator refuses it in one line
@@ -208,43 +208,6 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
                   curvature=curvature, groups=groups, method=method)
 
 
-def value_grad_and_stats(loss_fn: LossFn, *, method: str = "auto",
-                         chunk_size: int | None = None, groups: GroupSpec = None
-                         ) -> Callable[[PyTree, PyTree], tuple[jax.Array, PyTree, NoiseStats]]:
-    """Drop-in for `jax.value_and_grad(loss_fn)` that also returns exact noise statistics.
-
-    `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
-    forward and ONE backward pass over the batch when `cbs.stats.ghost` reads every parameter
-    from the jaxpr (any nnx, linen or plain-JAX model; leaves it cannot read add a chunked
-    vmap, or raise under method="fast"). Jittable: call it inside your own jitted train step.
-
-        step_fn = noise.value_grad_and_stats(loss_fn)
-        loss, grads, stats = step_fn(params, batch)    # stats.b_simple, stats.to_dict()
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-
-    method: "auto" or "fast" as in `exact` ("vmap" gives the reference: slow).
-    chunk_size, groups: as in `exact`.
-    """
-    _check_method(method)
-
-    def fn(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, NoiseStats]:
-        batch_size = check_inputs(loss_fn, params, batch)
-        grouping = group_matrix(params, groups)
-
-        def compute(params, batch):
-            if method == "vmap":
-                loss, grad = jax.value_and_grad(loss_fn)(params, batch)
-                sums = _vmap_sums(loss_fn, params, batch, chunk_size, False, None)
-            else:
-                loss, grad, sq_norms = _ghost_info(loss_fn, params, batch, method, chunk_size)
-                sums = _fast_sums(batch_size, grad, sq_norms)
-            return loss, grad, _assemble(batch_size, sums, grouping)
-
-        return run_auto_axes(compute, params, batch)
-
-    return fn
-
-
 def _check_method(method: str) -> None:
     if method not in ("auto", "vmap", "fast"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'fast', got {method!r}.")
@@ -421,12 +384,10 @@ def _exact_method(route: str) -> MethodFn:
     def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size,
                 hessian_batch=None):
         del key, num_probes
-        if curvature:
-            return exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=True,
-                         method=route, hessian_batch=hessian_batch)
-        # the same one forward and one backward pass a user's own train step calls
-        return value_grad_and_stats(loss_fn, method=route, chunk_size=chunk_size)(
-            params, batch)[2]
+        # without curvature: the one forward and one backward pass of the drop-in
+        # `value_grad_and_stats` (the estimator's own jit is inlined into the train step)
+        return exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
+                     method=route, hessian_batch=hessian_batch if curvature else None)
 
     return measure
 

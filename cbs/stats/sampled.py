@@ -37,8 +37,8 @@ Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} 
 per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
 trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
 
-The batches are the caller's: a sweep draws them (`cbs.engine.measure.measurement_batches`,
-`cbs.sweeps.measurement`), so the same draws give the same numbers in every back end.
+Both are registered noise methods ("sampled", "full_data"); the batches are the caller's
+(`cbs.engine.measure.draw`), so the same draws give the same numbers in every back end.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from cbs.stats import curvature, noise, trees
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
+FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -87,8 +88,9 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                    hessian_batch: PyTree | None = None, deviations: int = 0
                    ) -> noise.NoiseStats:
     """The noise method "sampled" of the registry (`cbs.stats.noise.register_method`): the
-    measurement a sweep records at its evaluations (`cbs.sweeps.measurement`), and a single
-    run's with `config.noise.method = "sampled"`. `measure_noise` on `batch` (𝓑); with
+    measurement of a fresh stream's examples (`cbs.engine.measure`; what `config.noise.method
+    = "auto"` measures there), and of the step's examples or the whole training set when
+    `config.noise.method = "sampled"`. `measure_noise` on `batch` (𝓑); with
     `curvature`, tr(HΣ) from the deviations of its first `deviations` examples (0: all) and the
     Hessian of `hessian_batch` (𝓒, drawn independently of 𝓑: the train step's periodic
     measurement passes the other half of its examples). `key` and `num_probes` are unused
@@ -107,6 +109,24 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
 
 
 noise.register_method(SAMPLED_METHOD, sampled_method)
+
+
+def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
+                     key: jax.Array | None = None, curvature: bool = False,
+                     num_probes: int | None = None, chunk_size: int | None = None,
+                     deviations: int = 0, hessian_examples: int = 0) -> noise.NoiseStats:
+    """The noise method "full_data" of the registry: `measure_full_data` on `batch`, all N
+    training examples (what `config.noise.method = "auto"` measures with
+    `noise.examples = "all"`); with `curvature`, tr(HΣ) from `deviations` examples drawn
+    with `key` and the Hessian of `hessian_examples` (0: all N). `num_probes` is unused."""
+    del num_probes
+    out = measure_full_data(loss_fn, params, batch, key, deviations=deviations if curvature
+                            else 0, hessian_examples=hessian_examples, chunk_size=chunk_size)
+    n = jax.tree.leaves(batch)[0].shape[0]
+    return noise.NoiseStats(batch_size=n, **{k: out.get(k) for k in noise.STAT_KEYS})
+
+
+noise.register_method(FULL_DATA_METHOD, full_data_method)
 
 
 def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):
@@ -207,7 +227,7 @@ def resolve_b_noise(trace_h_sigma: float, g_h_g: float) -> tuple[float | None, s
         return None, "no finite curvature measurement near the crossing"
     if g_h_g <= 0:
         return None, (f"g_h_g = {g_h_g:.3g} <= 0 near the crossing (noise larger than the "
-                      "signal: raise sweep.noise_batch_size or noise_hessian_batch_size)")
+                      "signal: raise noise.batch_size or noise.hessian_batch_size)")
     if trace_h_sigma <= 0:
         return None, f"trace_h_sigma = {trace_h_sigma:.3g} <= 0 near the crossing"
     return trace_h_sigma / g_h_g, ""

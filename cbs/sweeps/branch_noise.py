@@ -1,16 +1,20 @@
-"""The noise scale of a branch study's reference run, measured exactly on the whole training
-set at its checkpoints (`branch.noise_checkpoints`; in-memory data only).
+"""The noise scale of a branch study's reference run at its checkpoints
+(`branch.noise_checkpoints`; in-memory data only): which checkpoints, and their records.
 
 Letters: N training examples, m of them (a fixed random draw) whose deviations give tr(HΣ),
-H the Hessian of the mean loss over all N. With `cbs.engine.measure.measure_noise`:
-G, tr(Σ) and B_simple from all N per-example gradients (exact); tr(HΣ) =
+H the Hessian of the mean loss over all N. The measurement is the one call of every path,
+`cbs.engine.measure.measure` (`measurement_spec`: the registered method "sampled" of
+`cbs.stats.sampled` on all N examples in the random order of `branch.noise_seed`, its first m
+the deviations,
+and H over all N): G, tr(Σ) and B_simple from all N per-example gradients (exact); tr(HΣ) =
 Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased for the population value since H is the
 full-data Hessian, not the Hessian of the examples weighed (the same-batch estimator that
 inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG. Cost per
 checkpoint: N per-example gradients and m + 1 HVPs over N examples.
 
 Records (`reference_noise.jsonl`, one per checkpoint, appended): step, examples_seen,
-num_examples, deviations, noise/* (as `measure_noise`), estimator (`NOISE_ESTIMATOR`).
+num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`), estimator
+(`NOISE_ESTIMATOR`).
 """
 
 from __future__ import annotations
@@ -22,18 +26,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from cbs.engine import measure
 from cbs.engine.counts import count_to_int
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
+from cbs.stats import noise
 
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
                    "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
                    "full-data Hessian")
 _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitted measurement
+
+
+def measurement_spec(deviations: int) -> NoiseSpec:
+    """The measurement of `NOISE_ESTIMATOR` with m = `deviations`."""
+    return NoiseSpec(method="sampled", examples="all", curvature=True, deviations=deviations,
+                     chunk_size=64)
 
 
 def measure_at(runner: Any, step: int) -> dict[str, Any]:
@@ -43,14 +54,15 @@ def measure_at(runner: Any, step: int) -> dict[str, Any]:
         raise ValueError("branch.noise_checkpoints needs an in-memory training set")
     tr, m = runner.parts, int(runner.b.noise_deviations)
     if runner not in _FNS:
-        num = tr.dataset.num_train
-        perm = jax.random.permutation(jax.random.key(int(runner.b.noise_seed)), num)
-        batch = tr.dataset.take(tr.train_arrays, perm.astype(jnp.int32), "train")
+        s = measurement_spec(m)
+        batch, hess = measure.all_examples(s, tr.dataset, tr.train_arrays,
+                                           jax.random.key(int(runner.b.noise_seed)))
 
         def fn(params, model_state):
             loss = lambda p, bt: tr.loss_fn(p, model_state, bt)[0]
-            return measure.measure_noise(loss, params, batch, batch, deviations=m,
-                                         chunk_size=64)
+            stats = measure.measure(s, loss, params, batch, hessian_batch=hess,
+                                    examples="all")
+            return {k: getattr(stats, k) for k in noise.STAT_KEYS}
 
         _FNS[runner] = jax.jit(fn)
     state = runner.restore(step)

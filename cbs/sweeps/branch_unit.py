@@ -17,9 +17,9 @@ its start position from the driver. Two drivers:
   the run's per-step `train/loss` records. A branch that reaches a non-finite loss stops
   there and records non-finite values, as a vmapped one does.
 
-Each unit runs in a directory of its own under `workdir/units/`; `cbs.sweeps.branches` appends
-its records to `branches.jsonl` and then removes the directory. A unit killed after its last
-step resumes from the checkpoint the loop saved at its end; one killed before starts again.
+Each unit runs in a directory of its own under `workdir/units/`; `cbs.sweeps.branches` writes
+its records (a part of `branches.jsonl`) and then removes the directory. A unit killed after
+its last step resumes from the checkpoint the loop saved at its end; one killed before starts again.
 """
 
 from __future__ import annotations

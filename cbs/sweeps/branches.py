@@ -25,10 +25,13 @@ point, k a batch multiplier from the ladder K, Δ the window in examples, S the 
 
 k*, B* and their uncertainty are computed from the records by `cbs.analysis.branch_report`.
 
-Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.jsonl`
-(one record per (point, k, seed), appended per (point, k), never rewritten except to drop a
-torn last line), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`, when measured), and
-`units/` while a unit runs (its loop's run directory, removed once its records are appended).
+Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/`
+(one record per (point, k, seed), a write-once part per (point, k), so shards on any file
+system lose none of each other's; `cbs.results.records.write_part`), `branches.jsonl` (the
+records of older versions, then an export of the parts; readers merge both:
+`records.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`,
+when measured), and `units/` while a unit runs (its loop's run directory, removed once its
+records are written).
 A killed run resumes: finished (point, k) units are skipped and an unfinished one is run
 again from its point (or from the checkpoint its loop saved at the end of its window), so the
 records equal an uninterrupted run's. `shard="i/n"` runs only units whose
@@ -57,6 +60,8 @@ from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.grid import parse_shard
+
+UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
 LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)  # f(k) = k^p must grow with k
 METRICS = ("loss_ema", "full_train/loss")
@@ -360,7 +365,7 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
     i, n = parse_shard(shard)
     mine = [u for j, u in enumerate(units) if j % n == i]
     done = {(r["point_step"], r["k"]) for r in
-            records.read_records(os.path.join(workdir, files.BRANCHES_FILE))}
+            records.read_merged(os.path.join(workdir, files.BRANCHES_FILE), UNIT_KEYS)}
     return [u for u in mine if u not in done]
 
 
@@ -397,7 +402,6 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
     write_definition(config, workdir)
     run_reference(config, workdir, dataset=dataset)
     path = os.path.join(workdir, files.BRANCHES_FILE)
-    records.repair_tail(path)
     runner = BranchRunner(config, workdir, dataset=dataset)
     try:
         ref = records.read_records(os.path.join(workdir, files.REFERENCE_DIR, files.METRICS_FILE))
@@ -411,7 +415,8 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
                 if stop_after is not None and i >= stop_after:
                     break
                 preemption.check(f"before branch unit (step {step}, k={k})")
-                records.append_records(path, runner.run_unit(step, k))
+                records.write_part(path, records.part_name([f"s{step}_k{k}"]),
+                                   runner.run_unit(step, k))  # shards never share a file
                 runner.remove_unit(step, k)
                 bar.update()
         if shard is None or parse_shard(shard)[0] == 0:
@@ -419,4 +424,6 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             branch_noise.measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()
-    return records.read_records(path)
+    if records.part_paths(path):
+        records.export_parts(path, UNIT_KEYS)
+    return records.read_merged(path, UNIT_KEYS)

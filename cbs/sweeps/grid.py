@@ -7,9 +7,11 @@ records, per target, the steps S and examples E = B·S at which the metric first
 measured along the way. `cbs.analysis.fit` turns those records into S_min, E_min and B_crit.
 
 The sweep is declared in the config next to the base run (`config.sweep`, see
-`default_sweep_config`); launchers only iterate it. The learning rate grid is either absolute
-(`sweep.learning_rates`) or centred on a scaling rule from a base learning rate:
-η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear), 1/2 (sqrt) or 0.
+`default_sweep_config`); launchers only iterate it. What a trial measures of its noise at
+each evaluation is `config.noise` (`default_sweep_noise`: a sweep's defaults). The learning
+rate grid is either absolute (`sweep.learning_rates`) or centred on a scaling rule from a
+base learning rate: η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear),
+1/2 (sqrt) or 0.
 
 When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
 rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
@@ -21,6 +23,8 @@ The sweep directory's files are `cbs.results.store`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +32,7 @@ import ml_collections
 
 from cbs.analysis import edges
 from cbs.engine.lr import LR_RULES, lr_multiplier
+from cbs.engine.noise_spec import check_moved_keys
 
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")
 
@@ -57,27 +62,31 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.divergence_patience = 3  # ... when it stays above for this many consecutive evaluations
     #                            (a shorter spike that recovers is not a divergence)
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
-    s.noise_batch_size = 256  # examples per exact noise measurement at each evaluation (0 = off)
-    s.noise_curvature_batch_size = 64  # of those, examples whose deviations give tr(HΣ) for
-    #                                    B_noise (0 = no curvature measurement)
-    s.noise_hessian_batch_size = 64  # examples, drawn independently, whose Hessian H is used
-    s.noise_chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
-    s.noise_examples = "sampled"  # "sampled": the batches above; "all": the whole training set
-    #                               (exact G, tr(Σ), GᵀHG; tr(HΣ) from noise_curvature_batch_size
-    #                               random deviations); "auto": "all" when N <= 10,000
     s.noise_protocol = "per_trial"  # "per_trial": noise at each best trial's crossings only;
     #                                 "reference": also one rerun at noise_reference_batch_size
     #                                 (its best rate), measured on all examples at every eval
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
     s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
-    #                                   noise_curvature_batch_size); late in training one
+    #                                   config.noise.deviations); late in training one
     #                                   example's form can dominate: more is steadier
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging
     #                               several seeds per learning rate)
     return s
+
+
+def default_sweep_noise(noise: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Writes into `config.noise` the measurement a sweep makes at each evaluation unless its
+    config says otherwise (`cbs.engine.noise_spec.NoiseSpec`); returns the section."""
+    noise.examples = "stream"  # a fresh stream at each evaluation ("all": the training set)
+    noise.batch_size = 256  # n, examples per measurement (0 = off)
+    noise.curvature = True  # B_noise too
+    noise.deviations = 64  # m, of those, examples whose deviations give tr(HΣ)
+    noise.hessian_batch_size = 64  # h, examples, drawn independently, whose Hessian H is used
+    noise.chunk_size = 64  # examples per vmap chunk of the exact measurement (memory)
+    return noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,10 @@ class Trial:
     @property
     def trial_id(self) -> str:
         return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
@@ -121,6 +134,11 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("seeds", "needs at least one seed")
     if not sweep.targets:
         fail("targets", "needs at least one target loss")
+    if isinstance(sweep.targets, str) or not all(_real(t) for t in sweep.targets):
+        fail("targets", f"must be numbers (losses), got {sweep.targets!r}")
+    if any(not 0 < t < math.inf for t in sweep.targets):
+        fail("targets", f"must be finite and > 0 ({sweep.target_metric} is a loss, never below "
+             f"0), got {tuple(sweep.targets)}")
     if sweep.target_metric not in TARGET_METRICS:
         fail("target_metric", f"must be one of {TARGET_METRICS}, got {sweep.target_metric!r}")
     if sweep.max_examples < 0 or sweep.max_steps < 0:
@@ -135,12 +153,7 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("divergence_factor", f"must be 0 (off) or > 1, got {sweep.divergence_factor}")
     if sweep.get("divergence_patience", 1) < 1:
         fail("divergence_patience", f"must be >= 1, got {sweep.divergence_patience}")
-    if sweep.noise_curvature_batch_size == 1:
-        fail("noise_curvature_batch_size", "needs >= 2 examples (or 0 = off)")
-    if sweep.noise_curvature_batch_size and sweep.get("noise_hessian_batch_size", 1) < 1:
-        fail("noise_hessian_batch_size", "must be >= 1 when noise_curvature_batch_size > 0")
-    if sweep.get("noise_examples", "sampled") not in ("sampled", "all", "auto"):
-        fail("noise_examples", f"must be 'sampled', 'all' or 'auto', got {sweep.noise_examples!r}")
+    check_moved_keys(sweep)
     if sweep.get("noise_protocol", "per_trial") not in ("per_trial", "reference"):
         fail("noise_protocol", f"must be 'per_trial' or 'reference', got "
              f"{sweep.noise_protocol!r}")

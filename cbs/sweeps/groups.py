@@ -10,11 +10,11 @@ branches also run: a `fori_loop` whose length is a value, so the log-spaced eval
 `cbs.sweeps.trials.eval_steps` costs no recompilation; the data gathered on the device from the
 stream of `cbs.data`) and a vmapped evaluation at the end of each: the progress metric (the full
 training-set loss, the eval-split loss, or the EMA of the batch loss carried through the
-dispatch, `cbs.engine.progress.ema_update`) and an exact noise measurement per trial
-(`cbs.sweeps.measurement`, the one engine trials record too: B_simple on a fresh batch of
-`sweep.noise_batch_size` training examples; for B_noise, the deviations of its first
-`sweep.noise_curvature_batch_size` examples and the Hessian of an independent draw of
-`sweep.noise_hessian_batch_size` examples, so the estimate is unbiased). The group stops once
+dispatch, `cbs.engine.progress.ema_update`) and the noise measurement of `config.noise` per
+trial (`cbs.engine.measure.state_measurement`, the one engine trials record too: by default
+B_simple on a fresh batch of `noise.batch_size` training examples; for B_noise, the
+deviations of its first `noise.deviations` examples and the Hessian of an independent draw of
+`noise.hessian_batch_size` examples, so the estimate is unbiased). The group stops once
 every trial has crossed the lowest target or diverged (`cbs.engine.progress.DivergenceRule`
 on the progress metric, as for engine trials).
 
@@ -42,6 +42,8 @@ import numpy as np
 
 from cbs.engine import mesh, spec
 from cbs.engine.loop import Loop, config_hash
+from cbs.engine.measure import state_measurement
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
 from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
@@ -49,11 +51,6 @@ from cbs.engine.vmapped import vmapped_steps
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.measurement import (  # noqa: F401 - sweep_measurement: public here too
-    SweepNoise,
-    state_measurement,
-    sweep_measurement,
-)
 from cbs.sweeps.trials import (
     NOISE_CURVE_KEYS,
     divergence_rule,
@@ -81,7 +78,7 @@ class TrialGroup:
       trials: the K trials (one batch size, one seed).
       store: the sweep's store (the group's run directory is under it).
       cache: compiled evaluations shared by the groups of one sweep.
-      noise: the noise measurement at each evaluation (default: `config.sweep`'s).
+      noise: the noise measurement at each evaluation (default: `config.noise`'s).
       evals: evaluations on the log grid (default `sweep.evals_per_trial`).
       checkpoint_every_evals: evaluations between checkpoints (default
         `sweep.checkpoint_every_evals`).
@@ -93,12 +90,12 @@ class TrialGroup:
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None,
-                 noise: SweepNoise | None = None, evals: int | None = None,
+                 noise: NoiseSpec | None = None, evals: int | None = None,
                  checkpoint_every_evals: int | None = None):
         if len({(t.batch_size, t.seed) for t in trials}) != 1:
             raise ValueError("a trial group needs one batch size and one seed")
         self.sweep, self.trials = config.sweep, list(trials)
-        self.noise = noise or SweepNoise.from_sweep(config.sweep)
+        self.noise = noise or NoiseSpec.from_config(config.noise)
         self.checkpoint_every_evals = max(1, int(
             config.sweep.checkpoint_every_evals if checkpoint_every_evals is None
             else checkpoint_every_evals))
@@ -152,7 +149,7 @@ class TrialGroup:
                 split, e.num_examples if split == "eval" else e.train_examples)
             sums = fn(state.params, state.model_state, arrays)
             out[metric] = sums["loss_sum"] / sums["count"]
-        if self.noise.batch_size:
+        if self.noise.measures_at_evals:
             out |= {f"noise/{k}": v for k, v in self._measure(state, index).items()}
         return out
 

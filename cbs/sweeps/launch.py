@@ -16,16 +16,17 @@ dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.swe
 whose records are appended together; otherwise each trial is a `cbs.engine.trainer.run`
 (`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"` an unsharded launch that
 finds every trial finished then runs the reference trajectory (`cbs.sweeps.reference`). Each
-group is claimed with a lock (`SweepStore.claim`): two launchers on one directory run
-different groups, and one waits for the other's before it goes on.
+group is claimed (`SweepStore.claim`: a lock file, or an expiring lease object on an object
+store): launchers on one directory, on one machine or several, run different groups, and one
+waits for the others' before it goes on. Each group's records are one write-once part, so no
+launcher loses another's; trials.jsonl and trials.csv are exported at the end.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import jax
 import ml_collections
@@ -74,13 +75,14 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     models.abstract_model(config.model, input_shape=ds.input_shape,
                           num_classes=ds.num_classes if ds.task != "regression" else None,
                           vocab_size=ds.vocab_size, seed=config.seed)
-    if config.sweep.noise_batch_size > n:
-        raise ValueError(f"config.sweep.noise_batch_size: {config.sweep.noise_batch_size} is "
-                         f"larger than the training split ({n} examples)")
+    noise = config.noise
+    if noise.get("examples", "step") == "stream" and noise.batch_size > n:
+        raise ValueError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
+                         f"training split ({n} examples)")
     for b in sorted({t.batch_size for t in trials}):
         c = spec.run_config(config, spec.RunOverrides(
             batch_size=b, micro_batch=b, learning_rate=trials[0].learning_rate,
-            noise_every=0, noise_batch_size=0))
+            noise_every=0))
         config_lib.validate(c, data_replicas=1, model_names=models.model_names(),
                             dataset_names=data.known_datasets())
     return trials
@@ -162,7 +164,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
             "the analysis")
     elif config.sweep.get("noise_protocol", "per_trial") == "reference" and shard is None:
         run_reference(config, store, log=log)
-    store.export_csv()
+    store.export()
     return results
 
 
@@ -200,8 +202,8 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
         for group in _groups(todo, vmap):
             slots = group_slots(config, group) if vmap else group
             preemption.check(f"before {_claim_name(slots)}")  # finished groups are recorded
-            fd = store.claim(_claim_name(slots))
-            if fd is None:
+            held = store.claim(_claim_name(slots))
+            if held is None:
                 bar.log(f"{_claim_name(slots)}: running in another process")
                 continue
             try:
@@ -220,22 +222,21 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
                 bar.update(len(out))
                 results += out
             finally:
-                store.release(fd)
+                store.release(held)
     return results
 
 
 def _wait_for_others(store: SweepStore) -> bool:
     """Waits until no other process holds a group of this sweep; True if one did."""
-    lock_dir = store.lock_dir
-    held = False
-    for fname in sorted(os.listdir(lock_dir)) if os.path.isdir(lock_dir) else []:
-        name = fname.removesuffix(".lock")
-        fd = store.claim(name)
-        if fd is None:
-            held = True
-            fd = store.claim(name, wait=True)
-        store.release(cast(int, fd))  # a waiting claim returns its lock
-    return held
+    waited = False
+    for name in store.claim_names():
+        held = store.claim(name)
+        if held is None:
+            waited = True
+            held = store.claim(name, wait=True)
+        if held is not None:
+            store.release(held)  # a waiting claim returns it
+    return waited
 
 
 def _unfinished(config, store) -> list[Trial]:

@@ -112,7 +112,9 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
 def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
                    ) -> spec.RunOverrides:
     """How one ramp's run differs from the base config: its schedule, η_0 and coupling, the
-    sweep's budget and an evaluation every `eval_every` (default 5) steps."""
+    sweep's budget and an evaluation every `eval_every` (default 5) steps. A ramp measures
+    the noise only where its config's `noise.every` asks (on the step's examples), never at
+    its evaluations as the sweep's trials do."""
     sweep = config.sweep
     coupling = dict(run.get("lr_coupling", {"rule": "none"}))
     every = int(run.get("eval_every", 5))
@@ -129,7 +131,7 @@ def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep
         eval_every=every,
         adapt_every=int(run.get("adapt_every", config.batch.adapt_every)),
         full_train_eval=sweep.target_metric == "full_train/loss",
-        log_every=min(config.train.log_every, every), quiet=True)
+        log_every=min(config.train.log_every, every), quiet=True, noise_examples="step")
 
 
 def ramp_config(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str

@@ -4,8 +4,9 @@ After a sweep, the best trial at B_ref (`sweep.noise_reference_batch_size`: the 
 with the fewest steps to the lowest target any trial at B_ref reached, first seed) is run
 again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`, the same step and data
 order, so the same trajectory) with `sweep.noise_reference_evals` log-spaced evaluations, each
-an exact measurement on the whole training set (`cbs.engine.measure.measure_full_data`:
-tr(HΣ) from `sweep.noise_reference_deviations` random deviations and the full-data Hessian).
+a measurement of the whole training set by the method `config.noise.method` names ("auto":
+"full_data", exact, `cbs.stats.sampled`: tr(HΣ) from `sweep.noise_reference_deviations`
+random deviations and the full-data Hessian; `reference_noise`).
 It runs until `sweep.noise_window` evaluations past the lowest target's crossing. The record
 (the run's curve and settings) is appended to `reference_noise.jsonl` in the sweep directory;
 `cbs.analysis.noise_at_target` turns it into the noise scale at each target.
@@ -13,7 +14,6 @@ It runs until `sweep.noise_window` evaluations past the lowest target's crossing
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -21,11 +21,11 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
 from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
-from cbs.sweeps.measurement import SweepNoise
 
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
@@ -44,12 +44,14 @@ def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str
     return None
 
 
-def reference_noise(sweep: ml_collections.ConfigDict) -> SweepNoise:
-    """The reference run's measurement: exact on the whole training set, tr(HΣ) from
-    `_deviations` random deviations and the full-data Hessian."""
-    return dataclasses.replace(SweepNoise.from_sweep(sweep), examples="all",
-                               curvature_batch_size=_deviations(sweep),
-                               hessian_batch_size=0)  # the full-data Hessian
+def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
+    """The reference run's measurement: `config.noise` on the whole training set ("auto":
+    exact, "full_data"), tr(HΣ) from `_deviations` random deviations and the full-data
+    Hessian."""
+    m = _deviations(config)
+    return NoiseSpec.from_config(config.noise).replace(
+        examples="all", curvature=m > 0, deviations=m,
+        hessian_batch_size=0)  # the full-data Hessian
 
 
 class ReferenceRun(TrialGroup):
@@ -60,7 +62,7 @@ class ReferenceRun(TrialGroup):
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
         evals = int(config.sweep.noise_reference_evals)
-        super().__init__(config, [trial], store, noise=reference_noise(config.sweep),
+        super().__init__(config, [trial], store, noise=reference_noise(config),
                          evals=evals, checkpoint_every_evals=evals)
         self.workdir = os.path.join(store.sweep_dir, files.REFERENCE_DIR,
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
@@ -73,14 +75,17 @@ class ReferenceRun(TrialGroup):
         return self.rule.scan(m).diverged
 
 
-def _deviations(sweep: ml_collections.ConfigDict) -> int:
-    """m of the reference run: noise_reference_deviations, else noise_curvature_batch_size."""
-    return int(sweep.get("noise_reference_deviations", 0) or sweep.noise_curvature_batch_size)
+def _deviations(config: ml_collections.ConfigDict) -> int:
+    """m of the reference run: sweep.noise_reference_deviations, else noise.deviations (0
+    without noise.curvature)."""
+    n = config.noise
+    fallback = int(n.get("deviations", 0)) if n.get("curvature", False) else 0
+    return int(config.sweep.get("noise_reference_deviations", 0) or fallback)
 
 
 def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int) -> str:
     s = config.sweep
-    m = _deviations(s)
+    m = _deviations(config)
     return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
             f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, each exact "
             f"on the full training set (N={num_train}; tr(HΣ) from {m} random deviations and "

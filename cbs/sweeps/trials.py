@@ -15,7 +15,8 @@ the crossing step of each target is interpolated linearly between
 evaluations (`cbs.analysis.fit.steps_to_target`). The noise scale recorded at a crossing is
 the ratio of window averages of the exact statistics measured at the evaluations around it
 (`cbs.analysis.fit.noise_scale_at_crossing`). Both back ends measure at their evaluations
-through one function, `cbs.sweeps.measurement`, on draws fixed by (seed, evaluation index).
+through one call, `cbs.engine.measure` (what `config.noise` says), on draws fixed by (seed,
+evaluation index).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ml_collections
 
 from cbs.analysis import fit
 from cbs.engine import measure, spec, trainer
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -39,11 +41,13 @@ from cbs.engine.progress import (
 )
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.stats.sampled import resolve_b_noise
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.measurement import EngineMeasurement, SweepNoise
 
-NOISE_CURVE_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
-                    "b_noise", "ema_b_simple")
+# The noise statistics of a trial's curve: the evaluation's (`cbs.stats.noise.STAT_KEYS`
+# without the raw mean_* values) and the live estimate's EMA.
+NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_")) + (
+    "ema_b_simple",)
 
 
 def divergence_rule(sweep: ml_collections.ConfigDict) -> DivergenceRule:
@@ -93,10 +97,11 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
     its log-spaced evaluation grid (`eval_steps`, the grid a vmapped group evaluates on, so
     both back ends evaluate and measure at the same steps). The in-step periodic
     measurement is off: a sweep measures the noise at each evaluation
-    (`cbs.sweeps.measurement`, for both back ends)."""
+    (`cbs.engine.measure`, for both back ends)."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
-    measured = bool(config.noise.every or sweep.noise_batch_size)
+    at_evals = NoiseSpec.from_config(config.noise).measures_at_evals
+    measured = bool(config.noise.every or at_evals)
     return spec.RunOverrides(
         batch_size=trial.batch_size,
         micro_batch=micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas),
@@ -107,8 +112,8 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
         full_train_eval=sweep.target_metric == "full_train/loss",
         log_every=min(config.train.log_every, every), quiet=True,
         divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
-        eval_enabled=True if sweep.noise_batch_size else None,  # the noise is measured there
-        noise_every=0 if measured else None, noise_batch_size=0 if measured else None)
+        eval_enabled=True if at_evals else None,  # the noise is measured there
+        noise_every=0 if measured else None)
 
 
 def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
@@ -209,7 +214,7 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
         num, den = _window_means(x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"],
                                  crossing, kw)
-        b_noise, why = measure.resolve_b_noise(num, den)
+        b_noise, why = resolve_b_noise(num, den)
         if b_noise is None:
             out["b_noise_unresolved"] = why
         else:
@@ -239,19 +244,15 @@ def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
     """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory; the
-    noise is measured at each evaluation (`cbs.sweeps.measurement.EngineMeasurement`)."""
+    noise is measured at each evaluation (`cbs.engine.measure.EvalMeasurement`, which the
+    trainer adds when `config.noise` measures at evaluations)."""
     sweep = config.sweep
     replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)
     workdir = store.trial_dir(trial)
     monitor = ProgressMonitor(sweep)
-    on_eval = None
-    if sweep.noise_batch_size:
-        on_eval = EngineMeasurement(SweepNoise.from_sweep(sweep), seed=trial.seed,
-                                    steps=eval_steps(sweep, trial.batch_size))
     start = time.perf_counter()
-    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh,
-                          on_eval=on_eval)
+    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
     recs = records.read_records(f"{workdir}/{files.METRICS_FILE}")
     curve = curve_from_records(recs, sweep.target_metric, sweep.loss_ema_decay)
     for r in recs:  # a resumed monitor has not seen the records before the restart

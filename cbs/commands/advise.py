@@ -1,0 +1,76 @@
+"""How large should my batch be now? python -m experiments.advise --workdir=RUN.
+
+Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise scale) and
+prints the calibrated advice at its last measured step (`cbs.analysis.advice`): the predicted
+B_crit with its prediction interval, what the run's batch costs in steps and examples against
+their minima, and with --exchange=λ the batch that minimises λ·steps + examples. Writes the
+advice at every measured step to advice.md, advice.json and advice.png in the run directory
+(or --out). With --sweep_dir instead: the advice at each target of a sweep from the noise its
+trials recorded at their crossings (prediction.md, .json, .png), e.g. the one run of a
+config's `predict` argument, before that task's sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags
+
+from cbs.analysis import advice
+from cbs.engine import cli
+from cbs.results import records
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (python -m experiments.main "
+                               "--workdir=...).")
+_SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "
+                                 "the advice at each of its targets from the noise scale its "
+                                 "trials recorded there (a one-run `predict` sweep: the "
+                                 "prediction before the task's sweep).")
+_SCALE = flags.DEFINE_enum("scale", "b_simple", ["b_simple", "b_noise"],
+                           "The measured noise scale to predict from (b_noise needs "
+                           "noise.curvature=True in the run).")
+_EXCHANGE = flags.DEFINE_float("exchange", None, "λ: examples you would spend to save one "
+                               "step (the best batch is √(λ·B_crit)).")
+_LEVEL = flags.DEFINE_float("level", 0.8, "Level of the prediction interval.")
+_OUT = flags.DEFINE_string("out", None, "Directory for advice.md and advice.png (default: the "
+                           "run directory).")
+flags.mark_flags_as_mutual_exclusive(["workdir", "sweep_dir"], required=True)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not 0 < _LEVEL.value < 1:
+        raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
+    kw = {"scale": _SCALE.value, "level": _LEVEL.value, "exchange": _EXCHANGE.value}
+    if _SWEEP_DIR.value:
+        where, name = _SWEEP_DIR.value, "prediction"
+        advices = advice.from_sweep(where, **kw)
+    else:
+        where, name = _WORKDIR.value, "advice"
+        advices = advice.trajectory(where, **kw)
+    if not advices:
+        raise ValueError(f"{where} has no measured {_SCALE.value} yet: run with a noise "
+                         "estimate (config.noise.live or noise.every > 0"
+                         + (", noise.curvature=True" if _SCALE.value == "b_noise" else "")
+                         + ") and evaluations")
+    out = _OUT.value or where
+    os.makedirs(out, exist_ok=True)
+    text = advice.table(advices)
+    records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
+                         f"`{where}`\n\n{advice.summary(advices[-1])}\n\n{text}\n")
+    records.write_json_atomic(os.path.join(out, f"{name}.json"), {"advice": json.loads(
+        json.dumps([a.to_dict() for a in advices], default=float))})
+    advice.figure(advices, os.path.join(out, f"{name}.png"))
+    print(advice.summary(advices[-1]))
+    print()
+    print(text)
+
+
+def run() -> None:
+    """The `cbs-advise` console script (and `python -m experiments.advise`)."""
+    cli.run(main, outputs=("out", "workdir", "sweep_dir"))
+
+
+if __name__ == "__main__":
+    run()

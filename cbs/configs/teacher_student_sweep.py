@@ -1,0 +1,69 @@
+"""A held-out task for the batch-size advice: an MLP student on a teacher network's labels.
+
+    python -m experiments.sweep --config=experiments/configs/teacher_student_sweep.py:predict \
+        --sweep_dir=results/heldout_teacher_student_predict
+    python -m experiments.advise --sweep_dir=results/heldout_teacher_student_predict
+    python -m experiments.sweep --config=experiments/configs/teacher_student_sweep.py \
+        --sweep_dir=results/heldout_teacher_student
+
+No committed study uses this data (`cbs.data.synthetic.teacher_student`: x ~ N(0, I) in 32
+dimensions, labels the argmax of a random tanh teacher with 64 hidden units, 10 classes,
+8,192 training examples), so the calibration of `cbs-advise` never saw it. `:predict` is ONE
+run at B = 64 at the grid's centre rate, measured exactly on all training examples at every
+evaluation; `cbs-advise --sweep_dir` turns its noise scale at each target into a predicted
+B_crit with an 80 % interval, committed before the sweep (the default argument: batch sizes 8
+to 2048, a factor-2 rate grid extended past edge optima) is run to test it.
+"""
+
+from __future__ import annotations
+
+from cbs.configs import base
+from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
+
+
+def get_config(arg: str = ""):
+    words = base.parse_arg(arg, known=("predict", "tiny"))
+    c = base.base_config("teacher_student", "mlp")
+    c.data.options.dim = 32  # input dimensions
+    c.data.options.hidden = 64  # teacher's hidden units
+    c.data.options.num_train = 8192  # training examples
+    c.data.options.num_eval = 2048  # evaluation examples
+    c.model.hidden_sizes = (128, 128)  # student: 32-128-128-10
+    c.optim.name = "adam"  # Adam, constant rate
+    c.batch.micro_batch = 2048  # m: each trial's whole batch in one micro-batch
+    c.eval.batch_size = 8192  # the whole training set in one evaluation chunk
+    c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
+
+    s = c.sweep = default_sweep_config()
+    s.batch_sizes = tuple(2 ** k for k in range(3, 12))  # 8 ... 2048 examples
+    s.base_lr = 2e-3  # η at B = 64, centre of the grid
+    s.base_batch_size = 64  # B at which base_lr is the centre
+    s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
+    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    s.max_lr = 0.05  # cap on any rate
+    s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
+    s.seeds = (0,)  # one seed per (B, η)
+    s.targets = (1.0, 0.6, 0.4, 0.3, 0.2)  # full training-set cross-entropy (nats)
+    s.target_metric = "full_train/loss"  # exact loss over all training examples
+    s.max_examples = 2_000_000  # ≈ 240 epochs per trial at most
+    s.max_steps = 8_000  # and at most this many updates
+    s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
+    n = default_sweep_noise(c.noise)  # measured at each evaluation
+    n.examples = "all"  # exact G, tr(Σ) on all training examples
+    n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
+    n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
+    s.noise_window = 5  # measurements averaged around each crossing
+    s.noise_protocol = "per_trial"  # noise at each best trial's crossings
+    if "predict" in words:
+        s.batch_sizes = (64,)  # one batch size
+        s.lr_factors = (1.0,)  # one rate: the grid's centre
+        s.extend_lr_rounds = 0  # no extension (one run)
+    if "tiny" in words:
+        c.data.options.num_train = 512  # a small training set
+        s.batch_sizes = (8, 32, 128)  # three batch sizes
+        s.targets = (2.0, 1.8)  # loose targets
+        s.max_steps = 40  # a few dispatches per trial
+        s.max_examples = 0  # steps bound the budget
+        s.evals_per_trial = 6  # six evaluations
+        s.extend_lr_rounds = 0  # no extension rounds
+    return c

@@ -1,0 +1,158 @@
+"""What a run measures of its gradient noise, and when: `NoiseSpec`, read once from
+`config.noise` (`NoiseSpec.from_config`, which validates every field and raises
+`cbs.engine.fields.ConfigError` naming it).
+
+Letters: n examples measured (𝓑), m of them whose deviations give tr(HΣ) (𝓐), h examples of
+an independent Hessian draw (𝓒), N training examples, k steps between measurements.
+
+Which examples (`examples`) and when:
+
+- "step": the first n examples of the train step's own batch, every k steps (`every`);
+  with curvature the deviations come from one half and H from the other
+  (`cbs.engine.measure.measure`);
+- "stream": at each evaluation (a sweep's trials, or a single run), n examples of a training
+  stream independent of training's and h independent examples for H (n = 0: off);
+- "all": at each evaluation, the whole training set (N examples);
+- "auto": "all" when N ≤ `FULL_DATA_MAX`, else "stream".
+
+`every` > 0 measures the step's own examples every k steps whatever `examples` says (a sweep's
+trials turn it off: they measure at their evaluations).
+
+The estimator is the registered method `method` (`cbs.stats.noise.register_method`); "auto"
+stands for the exact per-example estimator on the step's examples, "sampled" on a stream's
+and "full_data" on the whole training set (`resolved_method`). The settings of a sweep's
+protocol (the window around a crossing, the reference run) stay in `config.sweep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cbs.engine import fields, live_noise
+from cbs.stats import noise
+
+EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples
+FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this many
+# The method "auto" stands for, by the examples measured.
+AUTO_METHOD = {"step": "auto", "stream": "sampled", "all": "full_data"}
+FULL_DATA_METHOD = "full_data"  # the whole-training-set estimator (cbs.stats.sampled)
+# Keys that moved from config.sweep to config.noise (config.sweep.<old> -> config.noise.<new>).
+MOVED_SWEEP_KEYS = {"noise_batch_size": "batch_size",
+                    "noise_curvature_batch_size": "deviations (with curvature=True)",
+                    "noise_hessian_batch_size": "hessian_batch_size",
+                    "noise_examples": "examples", "noise_chunk_size": "chunk_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseSpec:
+    """One run's (or one sweep's) noise measurement; see the module docstring."""
+
+    method: str = "auto"  # a registered method, or "auto" (`resolved_method`)
+    examples: str = "step"  # "step" | "stream" | "all" | "auto" (module docstring)
+    batch_size: int = 0  # n; "step": a multiple of R·m, 0 = one micro-batch; "stream": 0 = off
+    deviations: int = 0  # m, examples whose deviations give tr(HΣ); 0 = all measured
+    hessian_batch_size: int = 0  # h, examples of the independent Hessian draw 𝓒 ("stream";
+    #                              "all": 0 = all N)
+    curvature: bool = False  # also tr(HΣ), GᵀHG and b_noise
+    num_probes: int = 1  # probe vectors ("probe")
+    chunk_size: int = 0  # examples per vmap chunk of an exact pass; 0 = all at once
+    every: int = 0  # k, steps between measurements of the step's examples; 0 = never
+    in_step: bool = False  # every k steps: under lax.cond in the step (True) or in its own
+    #                        jit call
+
+    def __post_init__(self):
+        self.check()
+
+    @classmethod
+    def from_config(cls, noise_config: Any) -> NoiseSpec:
+        """The spec of `config.noise` (missing fields take the defaults above)."""
+        at = "config.noise"
+        fields.integer(noise_config, "every", at, minimum=0)
+        fields.choice(noise_config, "method", at, noise.method_names())
+        fields.integer(noise_config, "batch_size", at, minimum=0)
+        fields.integer(noise_config, "num_probes", at)
+        fields.integer(noise_config, "chunk_size", at, minimum=0)
+        get = noise_config.get
+        for name in ("deviations", "hessian_batch_size"):
+            if name in noise_config:
+                fields.integer(noise_config, name, at, minimum=0)
+        if "examples" in noise_config:
+            fields.choice(noise_config, "examples", at, EXAMPLES)
+        for name in ("curvature", "in_step"):
+            if not isinstance(get(name, False), bool):
+                raise fields.ConfigError(f"{at}.{name}: must be True or False, got "
+                                         f"{get(name)!r}")
+        return cls(method=str(noise_config.method), examples=str(get("examples", "step")),
+                   batch_size=int(noise_config.batch_size),
+                   deviations=int(get("deviations", 0)),
+                   hessian_batch_size=int(get("hessian_batch_size", 0)),
+                   curvature=bool(get("curvature", False)),
+                   num_probes=int(noise_config.num_probes),
+                   chunk_size=int(noise_config.chunk_size), every=int(noise_config.every),
+                   in_step=bool(get("in_step", False)))
+
+    def check(self) -> None:
+        """The checks within the spec; ConfigError naming the `config.noise` field."""
+        def fail(name: str, problem: str):
+            raise fields.ConfigError(f"config.noise.{name}: {problem}")
+
+        if self.examples not in EXAMPLES:
+            fail("examples", f"must be one of {EXAMPLES}, got {self.examples!r}")
+        if self.method != "auto" and self.method not in noise.method_names():
+            fail("method", f"unknown method {self.method!r}; known: {noise.method_names()}")
+        if self.method == FULL_DATA_METHOD and self.examples not in ("all", "auto"):
+            fail("method", f"'{FULL_DATA_METHOD}' measures the whole training set: set "
+                           "noise.examples='all'")
+        if self.curvature and self.deviations == 1:
+            fail("deviations", "needs >= 2 examples (or 0 = all measured)")
+        if self.curvature and self.examples == "stream" and self.hessian_batch_size < 1:
+            fail("hessian_batch_size", "must be >= 1 for a curvature measurement on a stream")
+
+    @property
+    def measures(self) -> bool:
+        """Whether anything is measured (every k steps or at evaluations)."""
+        return bool(self.every) or self.measures_at_evals
+
+    @property
+    def measures_at_evals(self) -> bool:
+        """Whether each evaluation measures (examples other than "step"; "stream" with
+        n > 0)."""
+        return self.examples != "step" and (self.examples != "stream" or self.batch_size > 0)
+
+    def examples_for(self, num_train: int) -> str:
+        """The examples measured with N = `num_train` training examples ("auto" resolved)."""
+        if self.examples == "auto":
+            return "all" if num_train <= FULL_DATA_MAX else "stream"
+        return self.examples
+
+    def resolved_method(self, examples: str | None = None) -> str:
+        """The registered method that measures `examples` (default: the spec's)."""
+        if self.method != "auto":
+            return self.method
+        return AUTO_METHOD[examples or self.examples]
+
+    def replace(self, **changes) -> NoiseSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_config(noise_config: Any) -> NoiseSpec:
+    """Checks `config.noise`: the live estimate (small_batch, ema_decay, live) and the
+    measurement (`NoiseSpec.from_config`); returns the spec. Sizes against the batch and the
+    mesh are `cbs.engine.config.validate`'s."""
+    at = "config.noise"
+    fields.integer(noise_config, "small_batch", at, minimum=0)
+    decay = fields.number(noise_config, "ema_decay", at)
+    if not decay < 1:
+        raise fields.ConfigError(f"{at}.ema_decay: must be < 1, got {noise_config.ema_decay}")
+    if "live" in noise_config:
+        fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
+    return NoiseSpec.from_config(noise_config)
+
+
+def check_moved_keys(sweep: Any) -> None:
+    """ConfigError for a measurement setting still in `config.sweep` (it moved to
+    `config.noise`): one line naming the new field."""
+    for old, new in MOVED_SWEEP_KEYS.items():
+        if old in sweep:
+            raise fields.ConfigError(f"config.sweep.{old}: moved to config.noise.{new}")

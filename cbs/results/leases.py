@@ -1,0 +1,176 @@
+"""Claims that let launchers share one directory: fcntl locks locally, expiring leases remotely.
+
+A sweep launcher claims each group of trials before it runs it (`cbs.sweeps.launch`), so
+launchers writing into one sweep directory, on one machine or on many, run different groups
+instead of repeating them. A claim only divides the work; no record depends on it (records
+are write-once parts, `cbs.results.records.write_part`), so a group run twice by mistake
+costs time, never a record.
+
+- Local directory (`<dir>/<name>.lock`): an fcntl lock on the file, released by `release` or
+  when the process ends (kill -9 included). On a network mount it holds across machines as
+  far as the mount's locking does (NFSv4 does).
+- Object store (`gs://...`): a lease object `<dir>/<name>.<epoch>.lease` holding the owner
+  (host, pid) and when it expires (seconds since the epoch), created with a does-not-exist
+  precondition (`cbs.results.paths.create_new`): of several launchers claiming at once
+  exactly one creates it. A name's lease is its highest epoch. It is held until its holder
+  deletes it (`release`), or until it expires: a background thread renews it every quarter
+  of `lease_seconds()`, so it expires only once its holder is gone (kill -9, a lost host,
+  a network partition longer than the lease). An expired lease is taken over by creating the
+  next epoch, again with the precondition. A lease whose owner is a process of this host
+  that no longer exists counts as expired at once, so a killed launcher restarted on the
+  same host goes on without waiting. Hosts' clocks must agree to well within the lease
+  (NTP does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+
+from cbs.results import paths, records
+from cbs.results.paths import PathLike
+
+LEASE_SECONDS = 600.0  # default lease; CBS_LEASE_SECONDS overrides it
+_SUFFIX = ".lease"
+
+
+def lease_seconds() -> float:
+    """How long a lease lasts without renewal (CBS_LEASE_SECONDS, default 600 s)."""
+    return float(os.environ.get("CBS_LEASE_SECONDS", LEASE_SECONDS))
+
+
+@dataclasses.dataclass
+class Claim:
+    """A held claim: the lock file's descriptor (local) or the lease object and the thread
+    renewing it (remote)."""
+
+    name: str
+    path: str
+    fd: int | None = None
+    stop: threading.Event | None = None
+    thread: threading.Thread | None = None
+
+
+def claim(lock_dir: PathLike, name: str, *, wait: bool = False) -> Claim | None:
+    """Takes claim `name` in `lock_dir`; None when another process holds it and `wait` is
+    False (with `wait`, blocks until it is free)."""
+    if not paths.is_remote(lock_dir):
+        return _lock(os.fspath(lock_dir), name, wait)
+    poll = min(5.0, lease_seconds() / 10)
+    while True:
+        got = _lease(os.fspath(lock_dir), name)
+        if got is not None or not wait:
+            return got
+        time.sleep(poll)
+
+
+def release(held: Claim) -> None:
+    """Gives a claim back."""
+    if held.fd is not None:
+        fcntl.flock(held.fd, fcntl.LOCK_UN)
+        os.close(held.fd)
+        return
+    if held.stop is not None and held.thread is not None:
+        held.stop.set()
+        held.thread.join()
+    paths.remove(held.path)
+
+
+def names(lock_dir: PathLike) -> list[str]:
+    """The names that may be held in `lock_dir`, sorted: every lock file's (held or not), and
+    every lease object's (a released lease is deleted)."""
+    out = set()
+    for f in paths.listdir(lock_dir):
+        if f.endswith(".lock"):
+            out.add(f.removesuffix(".lock"))
+        elif f.endswith(_SUFFIX) and _epoch(f) is not None:
+            out.add(f.removesuffix(_SUFFIX).rsplit(".", 1)[0])
+    return sorted(out)
+
+
+def _lock(lock_dir: str, name: str, wait: bool) -> Claim | None:
+    os.makedirs(lock_dir, exist_ok=True)
+    path = os.path.join(lock_dir, f"{name}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return Claim(name, path, fd=fd)
+
+
+def _epoch(fname: str) -> int | None:
+    stem = fname.removesuffix(_SUFFIX).rsplit(".", 1)
+    return int(stem[1]) if len(stem) == 2 and stem[1].isdigit() else None
+
+
+def _lease(lock_dir: str, name: str) -> Claim | None:
+    """One attempt at the lease of `name` (module docstring)."""
+    prefix = f"{name}."
+    epochs = sorted(e for f in paths.listdir(lock_dir) if f.startswith(prefix)
+                    and f.endswith(_SUFFIX) and (e := _epoch(f)) is not None
+                    and f == f"{prefix}{e}{_SUFFIX}")
+    epoch = 0
+    if epochs:
+        top = paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}")
+        current = _read(top)
+        if current is None:  # released between the listing and the read: look again later
+            return None
+        if _alive(current):
+            return None
+        epoch = epochs[-1] + 1
+    path = paths.join(lock_dir, f"{prefix}{epoch}{_SUFFIX}")
+    if not paths.create_new(path, _body()):
+        return None  # another launcher created it first
+    if epochs:
+        paths.remove(paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}"))  # the dead one
+    stop = threading.Event()
+    thread = threading.Thread(target=_renew, args=(path, stop), daemon=True,
+                              name=f"lease {name}")
+    thread.start()
+    return Claim(name, path, stop=stop, thread=thread)
+
+
+def _body() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                       "expires": time.time() + lease_seconds()}).encode()
+
+
+def _read(path: str) -> dict | None:
+    raw = paths.read_many([path]).get(path)
+    if raw is None:
+        return None
+    try:
+        lease = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {"expires": 0.0}  # damaged: counts as expired
+    return lease if isinstance(lease, dict) else {"expires": 0.0}
+
+
+def _alive(lease: dict) -> bool:
+    """True while a lease holds: not expired, and not owned by a dead process of this host."""
+    if float(lease.get("expires", 0.0)) <= time.time():
+        return False
+    if lease.get("host") == socket.gethostname() and isinstance(lease.get("pid"), int):
+        try:
+            os.kill(lease["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    return True
+
+
+def _renew(path: str, stop: threading.Event) -> None:
+    """Rewrites the lease with a later expiry every quarter lease until `stop`."""
+    while not stop.wait(lease_seconds() / 4):
+        try:
+            records.write_atomic(path, _body())
+        except OSError:
+            pass  # a missed renewal: the next one may succeed before the lease runs out

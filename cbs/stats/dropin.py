@@ -1,0 +1,329 @@
+"""The drop-in for a training loop: `jax.value_and_grad` that also returns the noise
+statistics of the same batch (`value_grad_and_stats`), and its NNX form, which takes the
+module as `nnx.value_and_grad` does (`nnx_value_grad_and_stats`).
+
+Arguments follow JAX's per-example libraries (jax_privacy's `clipped_grad`): `argnums` names
+the differentiated argument(s), `batch_argnums` the argument(s) whose leaves share the leading
+example axis B, `prng_argnum` a PRNG key argument, and `has_aux` a loss returning
+`(loss, aux)`. Any other argument is passed through unchanged.
+
+Randomness. With a key, the example at position i of the batch (0 ≤ i < B) draws from
+`example_keys(key, B)[i] = jax.random.fold_in(key, i)`, and its loss is
+
+    ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
+
+and the batch loss L = (1/B) Σ_i ℓ_i (loss_fn vmapped over the examples). Every route applies
+this one definition: the ghost-norm pass and `vmap(grad)` of `method`, and the curvature
+halves; `keyed_loss` gives the same ℓ_i to `noise.exact` and `noise.probe`. A dropout mask is
+thus a function of (key, position, example), identical on every route. In the NNX form the
+model's own `nnx.Rngs` streams play the key: example i draws from each stream's key folded
+with i, and the streams advance once per call, as `nnx.value_and_grad` would advance them.
+
+Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations
+g_i − ḡ it weighs, so the batch is split into its even and its odd positions (B_e = ⌈B/2⌉,
+B_o = ⌊B/2⌋ examples): the deviations of each half are weighed by the Hessian of the other
+half's mean loss, and the two estimates are averaged. With h ∈ {e, o} and h' the other half:
+
+    trace_h_sigma = ½ Σ_h Σ_{i∈h} (g_i − ḡ_h)ᵀ H_h' (g_i − ḡ_h) / (B_h − 1)
+    mean_g_h_g    = ½ Σ_h ḡ_hᵀ H_h' ḡ_h
+    g_h_g         = ½ Σ_h (ḡ_hᵀ H_h' ḡ_h − tr(H_h'Σ)_h / B_h)       unbiased for GᵀHG
+    b_noise       = trace_h_sigma / g_h_g
+
+(so g_h_g = mean_g_h_g − trace_h_sigma/(B/2) for even B). Cost: B per-example gradients and
+B Hessian-vector products, each HVP over the other half's B/2 examples: about B²/2 example
+forward-and-backward passes times an HVP's cost (2–4 gradients), against B for the step
+itself; meant for measurement steps, not every step. The simple fields come from the whole
+batch as without curvature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cbs.stats import coupling, examples, loss_checks
+from cbs.stats.examples import PyTree, check_inputs, run_auto_axes
+from cbs.stats.noise import (
+    NoiseStats,
+    _assemble,
+    _check_method,
+    _fast_sums,
+    _ghost_info,
+    _vmap_sums,
+)
+from cbs.stats.trees import GroupSpec, group_matrix
+
+__all__ = ["example_keys", "keyed_loss", "nnx_value_grad_and_stats", "value_grad_and_stats",
+           "with_keys"]
+
+Argnums = int | Sequence[int]
+
+
+def example_keys(key: jax.Array, batch_size: int) -> jax.Array:
+    """The key of each example position: `jax.random.fold_in(key, i)` for i < B, shape [B]
+    (typed keys) or [B, 2] (raw uint32 keys)."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch_size))
+
+
+def _is_typed(key: jax.Array) -> bool:
+    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(keys: jax.Array) -> jax.Array:
+    """Per-example keys as plain uint32 batch leaves (every estimator slices the batch)."""
+    return jax.random.key_data(keys) if _is_typed(keys) else keys
+
+
+def _wrapper(key: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    if not _is_typed(key):
+        return lambda data: data
+    impl = jax.random.key_impl(key)
+    return lambda data: jax.random.wrap_key_data(data, impl=impl)
+
+
+def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: jax.Array
+               ) -> Callable[[PyTree, PyTree], jax.Array]:
+    """`L(params, (batch, data)) = (1/B) Σ_i loss_fn(params, batch[i:i+1], key_i)` with key_i
+    unwrapped from data[i] (`data = key_data(example_keys(key, B))`, what the drop-in builds):
+    the per-example-keyed loss of the module docstring, for `noise.exact` / `noise.probe`.
+    Reuse the returned function (the estimators compile for it). Random draws are let through
+    the randomness check (each example's are the same in every batch that holds it)."""
+    wrap = _wrapper(key)
+
+    def loss(params: PyTree, batch_and_keys: tuple[PyTree, jax.Array]) -> jax.Array:
+        batch, data = batch_and_keys
+        one = lambda ex, k: loss_fn(params, examples.one_example(ex), wrap(k))
+        return jnp.mean(jax.vmap(one)(batch, data))
+
+    return loss_checks.allow_randomness(loss)
+
+
+def with_keys(batch: PyTree, key: jax.Array) -> tuple[PyTree, jax.Array]:
+    """(batch, per-example key data): the batch `keyed_loss` takes."""
+    size = jax.tree.leaves(batch)[0].shape[0]
+    return batch, _key_data(example_keys(key, size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Which positional arguments are the params, the batch and the key."""
+
+    argnums: tuple[int, ...]
+    batch_argnums: tuple[int, ...]
+    prng_argnum: int | None
+    single_params: bool
+    single_batch: bool
+
+    @classmethod
+    def of(cls, argnums: Argnums, batch_argnums: Argnums, prng_argnum: int | None) -> _Spec:
+        a = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        b = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+        named = [*a, *b, *(() if prng_argnum is None else (prng_argnum,))]
+        if not a or not b or len(set(named)) != len(named) or min(named) < 0:
+            raise ValueError(f"argnums={argnums}, batch_argnums={batch_argnums} and prng_argnum"
+                             f"={prng_argnum} must name distinct non-negative positions, and "
+                             "at least one each of params and batch")
+        return cls(a, b, prng_argnum, isinstance(argnums, int), isinstance(batch_argnums, int))
+
+    def split(self, args: tuple) -> tuple[PyTree, PyTree, Any, dict[int, Any]]:
+        """(params, batch, key, the other arguments by position)."""
+        if max(*self.argnums, *self.batch_argnums, self.prng_argnum or 0) >= len(args):
+            raise ValueError(f"got {len(args)} arguments; argnums={self.argnums}, batch_argnums"
+                             f"={self.batch_argnums}, prng_argnum={self.prng_argnum}")
+        pick = lambda nums, single: args[nums[0]] if single else tuple(args[i] for i in nums)
+        named = {*self.argnums, *self.batch_argnums, self.prng_argnum}
+        return (pick(self.argnums, self.single_params), pick(self.batch_argnums,
+                                                             self.single_batch),
+                None if self.prng_argnum is None else args[self.prng_argnum],
+                {i: a for i, a in enumerate(args) if i not in named})
+
+    def call(self, loss_fn: Callable, params, batch, key, others: dict[int, Any]):
+        args = dict(others)
+        args.update(zip(self.argnums, (params,) if self.single_params else params, strict=True))
+        args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch,
+                        strict=True))
+        if self.prng_argnum is not None:
+            args[self.prng_argnum] = key
+        return loss_fn(*(args[i] for i in range(len(args))))
+
+
+def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
+                         argnums: Argnums = 0, batch_argnums: Argnums = 1,
+                         prng_argnum: int | None = None, curvature: bool = False,
+                         method: str = "auto", chunk_size: int | None = None,
+                         groups: GroupSpec = None) -> Callable[..., tuple[Any, PyTree, NoiseStats]]:
+    """Drop-in for `jax.value_and_grad(loss_fn, argnums, has_aux)` that also returns the noise
+    statistics of the batch.
+
+    `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
+    forward and ONE backward pass over the batch when `cbs.stats.ghost` reads every parameter
+    from the jaxpr (any nnx, linen, equinox or plain-JAX model; leaves it cannot read add a
+    chunked vmap, or raise under method="fast"). Jittable: call it inside your jitted step.
+
+        vgs = noise.value_grad_and_stats(loss_fn, has_aux=True)
+        (loss, aux), grads, stats = vgs(params, batch)    # stats.b_simple, stats.to_dict()
+
+    Args:
+        loss_fn: the MEAN loss over the batch's leading axis (or `(loss, aux)`).
+        has_aux: loss_fn returns (loss, aux); the call returns ((loss, aux), grads, stats).
+            aux is loss_fn's own on the whole batch; with a key it is each example's, stacked
+            [B, ...] (as jax_privacy returns it), since each example is its own call.
+        argnums: the argument(s) differentiated (a tuple gives grads as a tuple).
+        batch_argnums: the argument(s) holding the examples, every leaf with leading axis B.
+        prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` and a one-example
+            call (module docstring), so its random draws are the same on every route.
+        curvature: also B_noise, with H of each half of the batch weighing the other half's
+            deviations (module docstring: cost about B²/2 example passes × an HVP).
+        method: "auto" | "fast" | "vmap" as in `noise.exact` ("vmap": the reference, slow).
+        chunk_size, groups: as in `noise.exact` (groups get curvature per diagonal block).
+    Returns:
+        fn(*args) -> (loss or (loss, aux), grads, NoiseStats).
+    """
+    _check_method(method)
+    spec = _Spec.of(argnums, batch_argnums, prng_argnum)
+    plain = (spec.argnums, spec.batch_argnums, has_aux, prng_argnum) == ((0,), (1,), False, None)
+
+    def fn(*args: Any) -> tuple[Any, PyTree, NoiseStats]:
+        params, batch, key, others = spec.split(args)
+        value = (lambda out: out[0]) if has_aux else (lambda out: out)
+        call = lambda p, b, k: spec.call(loss_fn, p, b, k, others)
+        if key is None:
+            loss = loss_fn if plain and len(args) == 2 else (lambda p, b: value(call(p, b, None)))
+            aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
+            measured = batch
+        else:
+            _refuse_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
+            loss = keyed_loss(lambda p, b, k: value(call(p, b, k)), key)
+            measured = with_keys(batch, key)
+            aux_fn = _keyed_aux(call, key) if has_aux else None
+        return _measure(loss, aux_fn, params, measured, method=method, chunk_size=chunk_size,
+                        groups=groups, curvature=curvature, has_aux=has_aux)
+
+    return fn
+
+
+def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
+    wrap = _wrapper(key)
+    one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
+    return lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)
+
+
+def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
+    """The structural coupling check on the loss of the whole batch with one key (the keyed
+    loss calls it one example at a time, where no batch statistic can show)."""
+    site = coupling.loss_coupling(loss, params, batch, key)
+    if site is not None:
+        loss_checks.raise_coupled(site)
+
+
+def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyTree, *,
+             method: str, chunk_size: int | None, groups: GroupSpec, curvature: bool,
+             has_aux: bool) -> tuple[Any, PyTree, NoiseStats]:
+    batch_size = check_inputs(loss, params, batch, min_batch=4 if curvature else 2)
+    grouping = group_matrix(params, groups)
+
+    def compute(params, batch):
+        if method == "vmap":
+            value, grad = jax.value_and_grad(loss)(params, batch)
+            sums = _vmap_sums(loss, params, batch, chunk_size, False, None)
+        else:
+            value, grad, sq_norms = _ghost_info(loss, params, batch, method, chunk_size)
+            sums = _fast_sums(batch_size, grad, sq_norms)
+        stats = _assemble(batch_size, sums, grouping)
+        if curvature:
+            stats = _with_curvature(stats, loss, params, batch, chunk_size, grouping)
+        # a second forward pass in the program, the same operations on the same operands as
+        # the first: XLA's common-subexpression elimination merges them
+        aux = aux_fn(params, batch) if aux_fn is not None else None
+        return value, aux, grad, stats
+
+    value, aux, grad, stats = run_auto_axes(compute, params, batch)
+    return ((value, aux) if has_aux else value), grad, stats
+
+
+def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: PyTree,
+                    chunk_size: int | None, grouping) -> NoiseStats:
+    """stats with the curvature fields of the even/odd halves (module docstring)."""
+    blocks = grouping[2] if grouping else None
+    halves = [jax.tree.map(lambda x, s=s: x[s::2], batch) for s in (0, 1)]
+    sizes = [jax.tree.leaves(h)[0].shape[0] for h in halves]
+    sums = [_vmap_sums(loss, params, halves[h], chunk_size, True, blocks, halves[1 - h])
+            for h in (0, 1)]
+
+    def fields(dhd: str, ghg: str, k: int | None = None) -> dict[str, Any]:
+        pick = (lambda s, n: s[n]) if k is None else (lambda s, n: s[n][k])
+        ths = [pick(s, dhd) / (n - 1) for s, n in zip(sums, sizes, strict=True)]
+        mghg = [pick(s, ghg) for s in sums]
+        ghg_u = [m - t / n for m, t, n in zip(mghg, ths, sizes, strict=True)]
+        trace_h_sigma, g_h_g = (ths[0] + ths[1]) / 2, (ghg_u[0] + ghg_u[1]) / 2
+        return dict(trace_h_sigma=trace_h_sigma, g_h_g=g_h_g, b_noise=trace_h_sigma / g_h_g,
+                    mean_g_h_g=(mghg[0] + mghg[1]) / 2)
+
+    group_stats = stats.groups
+    if grouping is not None and stats.groups is not None:
+        group_stats = {name: dataclasses.replace(stats.groups[name],
+                                                 **fields("dhd_K", "ghg_K", k))
+                       for k, name in enumerate(grouping[0])}
+    return dataclasses.replace(stats, groups=group_stats, **fields("dhd", "ghg"))
+
+
+def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
+                             wrt: Any = nnx.Param, curvature: bool = False,
+                             method: str = "auto", chunk_size: int | None = None,
+                             groups: GroupSpec = None
+                             ) -> Callable[[nnx.Module, PyTree], tuple[Any, nnx.State,
+                                                                       NoiseStats]]:
+    """The NNX form: `fn(model, batch)` -> (loss or (loss, aux), grads, NoiseStats) for
+    `loss_fn(model, batch)`, differentiating the `wrt` variables (an `nnx.Param` State, as
+    `nnx.value_and_grad` returns them). Everything else of the model (BatchNorm statistics,
+    `nnx.Rngs` streams) is passed through unchanged.
+
+    A model whose loss draws from its `nnx.Rngs` streams (`nnx.Dropout`) is measured per
+    example: example i draws from each stream's key folded with i (module docstring), and the
+    streams' counts advance as one call of the model would advance them. Call it eagerly or
+    inside `nnx.jit` (the streams live in the module). BatchNorm in training mode is refused
+    (`cbs.stats.coupling`); `model.eval()` measures it with its running statistics.
+    Other arguments as in `value_grad_and_stats`.
+    """
+    _check_method(method)
+    value = (lambda out: out[0]) if has_aux else (lambda out: out)
+
+    def fn(model: nnx.Module, batch: PyTree) -> tuple[Any, nnx.State, NoiseStats]:
+        graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)  # type: ignore[misc]
+        fresh = lambda state: jax.tree.map(lambda x: x, state)  # Variables of this trace
+
+        def run(p, b, k):
+            merged = nnx.merge(graphdef, p, fresh(k), fresh(rest))
+            return loss_fn(merged, b), merged
+
+        if loss_checks.random_primitives(jax.make_jaxpr(
+                lambda p, b: value(run(p, b, keys)[0]))(params, batch).jaxpr):
+            data = jax.tree.map(lambda k: _key_data(example_keys(
+                k, jax.tree.leaves(batch)[0].shape[0])), keys)
+            wraps = [_wrapper(k) for k in jax.tree.leaves(keys)]
+            unwrap = lambda d: jax.tree.unflatten(jax.tree.structure(d), [
+                w(x) for w, x in zip(wraps, jax.tree.leaves(d), strict=True)])
+            one = lambda p, ex, d: run(p, examples.one_example(ex), unwrap(d))[0]
+            _refuse_coupling(lambda p, b, k: value(run(p, b, k)[0]), params, batch, keys)
+            loss = loss_checks.allow_randomness(
+                lambda p, bd: jnp.mean(jax.vmap(lambda ex, d: value(one(p, ex, d)))(*bd)))
+            aux_fn = ((lambda p, bd: jax.vmap(lambda ex, d: one(p, ex, d)[1])(*bd))
+                      if has_aux else None)
+            out = _measure(loss, aux_fn, params, (batch, data), method=method,
+                           chunk_size=chunk_size, groups=groups, curvature=curvature,
+                           has_aux=has_aux)
+            # the streams' counts after one call (the forward itself is dead code under jit)
+            counted = run(params, jax.tree.map(lambda x: x[:1], batch), keys)[1]
+            nnx.update(model, nnx.state(counted, nnx.RngCount))
+            return out
+        loss = lambda p, b: value(run(p, b, keys)[0])
+        aux_fn = (lambda p, b: run(p, b, keys)[0][1]) if has_aux else None
+        return _measure(loss, aux_fn, params, batch, method=method, chunk_size=chunk_size,
+                        groups=groups, curvature=curvature, has_aux=has_aux)
+
+    return fn

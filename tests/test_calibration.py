@@ -1,0 +1,95 @@
+"""The B_crit calibration (`cbs.analysis.calibration`): coverage on synthetic studies with a
+known ratio, the trade-off arithmetic, and the shipped file."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cbs.analysis import calibration, fit
+
+
+def _rows(rng, *, studies, points=5, mu=(("adam", 0.7), ("sgd", -0.4)), tau=0.3, sigma=0.3,
+          prefix="s"):
+    """Synthetic studies: log(B_crit/B_simple) = μ_family + a_study + e_point."""
+    rows = []
+    for j in range(studies):
+        opt, m = mu[j % len(mu)]
+        a = tau * rng.normal()
+        for k in range(points):
+            b_simple = float(np.exp(rng.uniform(1, 7)))
+            rows.append({"study": f"{prefix}{j}", "optimizer": opt, "target": 1.0 / (k + 1),
+                         "b_simple": b_simple,
+                         "b_crit": b_simple * math.exp(m + a + sigma * rng.normal())})
+    return rows
+
+
+def test_prediction_intervals_cover_new_studies_at_their_level():
+    """Calibrate on 10 synthetic studies, predict the points of a new one; over 1,500
+    repetitions the 80 % interval holds 80 % ± 3 % of the new points (s.e. 1 % here: the
+    points of one study are correlated, so the spread is wider than 7,500 independent
+    points')."""
+    rng = np.random.default_rng(0)
+    hits = []
+    for _ in range(1500):
+        rows = _rows(rng, studies=10)
+        model = calibration.model(rows, "b_simple")
+        new = _rows(rng, studies=1, prefix="new")
+        for r in new:
+            lo, hi = calibration.predict(model, r["b_simple"], r["optimizer"])["interval"]
+            hits.append(lo <= r["b_crit"] <= hi)
+    assert abs(np.mean(hits) - 0.8) < 0.03
+
+
+def test_the_fitted_ratio_recovers_the_true_one():
+    rng = np.random.default_rng(1)
+    model = calibration.model(_rows(rng, studies=60), "b_simple")
+    assert model["families"]["adaptive"]["mu"] == pytest.approx(0.7, abs=0.15)
+    assert model["families"]["sgd"]["mu"] == pytest.approx(-0.4, abs=0.15)
+    assert model["tau2"] == pytest.approx(0.09, abs=0.06)
+    assert model["sigma2"] == pytest.approx(0.09, abs=0.03)
+
+
+def test_leave_one_study_out_holds_each_study_out():
+    rng = np.random.default_rng(2)
+    rows = _rows(rng, studies=8)
+    loso = calibration.leave_one_study_out(rows, "b_simple")
+    assert set(loso["per_study"]) == {f"s{j}" for j in range(8)}
+    assert loso["points"] == 40
+    # a study far off its family's ratio is outside the interval fitted without it
+    bad = [dict(r, b_crit=r["b_crit"] * 50) if r["study"] == "s0" else r for r in rows]
+    assert calibration.leave_one_study_out(bad, "b_simple")["per_study"]["s0"]["covered"] == 0
+
+
+def test_the_tradeoff_arithmetic_is_the_fitted_hyperbola():
+    # S(B) = S_min + E_min/B with B_crit = E_min/S_min
+    s_min, b_crit = 12.0, 300.0
+    e_min = s_min * b_crit
+    for b in (16.0, 300.0, 4096.0):
+        t = calibration.tradeoff(b, b_crit)
+        steps = s_min + e_min / b
+        assert t["steps_ratio"] == pytest.approx(steps / s_min)
+        assert t["examples_ratio"] == pytest.approx(b * steps / e_min)
+    # the batch minimising λ·S + E, by brute force over a fine grid
+    for lam in (10.0, 300.0, 5000.0):
+        grid = np.geomspace(1, 1e6, 200_001)
+        cost = lam * (s_min + e_min / grid) + grid * (s_min + e_min / grid)
+        best = calibration.tradeoff(64.0, b_crit, exchange=lam)["best_batch_size"]
+        assert best == pytest.approx(grid[np.argmin(cost)], rel=1e-3)
+    assert calibration.tradeoff(64.0, b_crit, exchange=b_crit)["best_batch_size"] == (
+        pytest.approx(b_crit))
+    assert fit.OK  # the same trade-off the sweeps fit
+
+
+def test_the_shipped_calibration_is_the_committed_studies():
+    import json
+    import pathlib
+
+    shipped = calibration.shipped()
+    root = pathlib.Path(__file__).resolve().parent.parent
+    committed = json.loads((root / "results/compare/calibration.json").read_text())
+    assert shipped == committed
+    assert shipped["version"] == calibration.VERSION
+    assert len(shipped["studies"]) >= 9
+    with pytest.raises(ValueError, match="no calibrated family"):
+        calibration.family("lion")

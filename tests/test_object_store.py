@@ -1,0 +1,249 @@
+"""Sweeps, runs and checkpoints on a real object-store API: a GCS emulator (fake-gcs-server)
+on 127.0.0.1, reached by gcsfs (records, status, leases) and by orbax's tensorstore (array
+checkpoints), with concurrent writer processes.
+
+What this proves, and what docs/scaling.md states: concurrent writers into one gs:// sweep
+(or one local directory) lose no record, and each claim goes to one of them; a lease expires
+once its holder stops renewing it; a sharded sweep on gs:// analyses as the same sweep run
+locally, its shards in one process, one of them killed mid-group and resumed from its gs://
+checkpoint (default), or as concurrent processes (slow); a run killed with SIGKILL on gs://
+resumes from its gs:// checkpoint to the uninterrupted records (slow).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _gcs_emulator as emulator
+import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
+
+from cbs.analysis import report
+from cbs.engine import checkpoint
+from cbs.results import files, leases, paths, records
+from cbs.results.store import SweepStore
+from cbs.sweeps import groups, launch
+from experiments.configs import digits_sweep
+
+pytestmark = pytest.mark.xdist_group("object_store")  # one emulator, one worker
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "cbs-test"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """gs://cbs-test on a fresh emulator; the environment points this process and its
+    subprocesses at it while the module runs."""
+    log = tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log"
+    with emulator.serve(str(log)) as url, pytest.MonkeyPatch.context() as mp:
+        for k, v in emulator.environment(url).items():
+            mp.setenv(k, v)
+        from gcsfs.core import GCSFileSystem  # the plain client, whatever imported gcsfs first
+
+        registry = importlib.import_module("fsspec.registry")._registry
+        for protocol in ("gs", "gcs"):
+            mp.setitem(registry, protocol, GCSFileSystem)
+        emulator.forget_clients()
+        emulator.make_bucket(url, BUCKET)
+        yield f"gs://{BUCKET}"
+        emulator.forget_clients()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                XLA_FLAGS=SUBPROCESS_XLA_FLAGS, **extra)
+
+
+_WRITER = """
+import sys
+from cbs.results.store import SweepStore, TrialResult
+sweep, w, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = SweepStore(sweep)
+for j in range(m):
+    i = w * m + j
+    store.append([TrialResult(f"w{w}_t{j:03d}", i, 8, 0.1, 0, "done", "train/loss",
+                              {"1": float(i)}, {"1": 8.0 * i}, {}, 10, 0.5, {}, 1.0)])
+    held = store.claim(f"g{j:03d}")  # every writer claims every group; one may get each
+    if held is not None:
+        print(f"g{j:03d}", flush=True)  # kept until the process ends
+"""
+
+
+@pytest.mark.parametrize("where", ["gs", "local"])
+def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(where, request,
+                                                                               tmp_path):
+    sweep = (f"{request.getfixturevalue('gcs')}/writers" if where == "gs"
+             else str(tmp_path / "writers"))
+    n, m = 4, 40
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, sweep, str(w), str(m)],
+                              env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for w in range(n)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    got = SweepStore(sweep).records()
+    assert len(got) == n * m  # every record of every writer
+    assert [r["index"] for r in got] == list(range(n * m))
+    claimed = [line for out, _ in outs for line in out.split()]
+    assert sorted(claimed) == [f"g{j:03d}" for j in range(m)]  # each group exactly once
+    print(f"{where}: {len(got)} of {n * m} records kept, {time.perf_counter() - start:.1f} s")
+
+
+def test_a_lease_expires_when_its_holder_stops_renewing(gcs, monkeypatch):
+    lock_dir = f"{gcs}/lease/locks"
+    monkeypatch.setenv("CBS_LEASE_SECONDS", "2")
+    first = leases.claim(lock_dir, "g")
+    assert first is not None and first.path.endswith("g.0.lease")
+    assert leases.claim(lock_dir, "g") is None  # held (and renewed)
+    time.sleep(2.5)
+    assert leases.claim(lock_dir, "g") is None  # still renewed by its thread
+    first.stop.set()  # the holder dies without releasing: no more renewals
+    first.thread.join()
+    time.sleep(2.5)
+    second = leases.claim(lock_dir, "g")
+    assert second is not None and second.path.endswith("g.1.lease")  # taken over
+    assert paths.listdir(lock_dir) == ["g.1.lease"]  # the dead lease is gone
+    leases.release(second)
+    assert leases.names(lock_dir) == [] and paths.listdir(lock_dir) == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    lease = {"host": os.uname().nodename, "pid": int(dead.stdout), "expires": time.time() + 600}
+    assert paths.create_new(f"{lock_dir}/h.0.lease", json.dumps(lease).encode())
+    third = leases.claim(lock_dir, "h")  # a dead process of this host holds nothing
+    assert third is not None
+    leases.release(third)
+
+
+_SWEEP = {"batch_sizes": "8,32", "lr_factors": "1.0", "max_steps": "16",
+          "evals_per_trial": "3", "noise_curvature_batch_size": "0"}  # two tiny trials
+
+
+def _sweep_args(sweep_dir: str, shard: str | None = None) -> list[str]:
+    return [sys.executable, "-m", "experiments.sweep",
+            f"--config={ROOT / 'experiments/configs/digits_sweep.py'}:tiny",
+            f"--sweep_dir={sweep_dir}", "--noanalyze", "--config.train.progress_bar=False",
+            *(f"--config.sweep.{k}={v}" for k, v in _SWEEP.items()),
+            *([f"--shard={shard}"] if shard else [])]
+
+
+def _plain(sweep_dir: str) -> dict[str, dict]:
+    return {r["trial_id"]: {k: v for k, v in r.items() if k != "seconds"}
+            for r in SweepStore(sweep_dir).records()}
+
+
+@pytest.mark.slow  # three processes; test_shards_into_a_gs_sweep_... is the fast form
+def test_concurrent_shards_into_one_gs_sweep_analyse_as_the_local_sweep(gcs, tmp_path):
+    sweep, local = f"{gcs}/sharded", str(tmp_path / "local")
+    start = time.perf_counter()
+    procs = [subprocess.Popen(args, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for args in (_sweep_args(sweep, "0/2"), _sweep_args(sweep, "1/2"),
+                          _sweep_args(local))]  # the same sweep, unsharded, on local disk
+    errors = [p.communicate(timeout=400)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-3000:] for e in errors]
+    seconds = time.perf_counter() - start
+    assert len(_plain(local)) == 2 and _plain(sweep) == _plain(local)
+    assert len(records.part_paths(paths.join(sweep, files.TRIALS_FILE))) == 2  # one a shard
+    assert _analysis(sweep) == _analysis(local)
+    print(f"two shards on gs:// and the local sweep: {seconds:.1f} s")
+
+
+def _analysis(sweep_dir: str) -> str:
+    """The analysis of a sweep, as JSON (NaN compares equal), without its directory."""
+    out = report.analyze(sweep_dir, bootstrap=0, write=False)
+    return json.dumps({k: v for k, v in out.items() if k in ("targets", "power_law", "statuses",
+                                                              "num_trials", "seeds")},
+                      sort_keys=True, default=str)
+
+
+def _config():
+    """The config of `_SWEEP`, in process."""
+    c = digits_sweep.get_config("tiny")
+    s = c.sweep
+    s.batch_sizes, s.lr_factors, s.max_steps, s.evals_per_trial = (8, 32), (1.0,), 16, 3
+    s.noise_curvature_batch_size = 0
+    c.train.progress_bar = False
+    return c
+
+
+class _Killed(BaseException):
+    """A kill in the middle of a group (no handler of the loop catches it)."""
+
+
+def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
+        gcs, tmp_path, monkeypatch):
+    """The same in one process (fast): the shards one after the other, one of them killed
+    once its group has a checkpoint on gs:// and run again, which restores it from there."""
+    c = _config()
+    sweep, local = f"{gcs}/inprocess", str(tmp_path / "local")
+    launch.run_sweep(c, sweep, shard="1/2", log=lambda _: None)
+    evaluate = groups.TrialGroup._evaluate
+
+    def killed_after_a_checkpoint(self, *args):
+        if any(n.isdigit() for n in paths.listdir(f"{self.workdir}/checkpoints")):
+            raise _Killed
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", killed_after_a_checkpoint)
+    with pytest.raises(_Killed):
+        launch.run_sweep(c, sweep, shard="0/2", log=lambda _: None)
+    monkeypatch.setattr(groups.TrialGroup, "_evaluate", evaluate)
+    assert len(_plain(sweep)) == 1  # shard 1's trial; shard 0's was killed
+    restores = []
+    restore = checkpoint.Checkpointer.restore
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", lambda self, *a, **k: (
+        restores.append(a[0]), restore(self, *a, **k))[1])
+    launch.run_sweep(c, sweep, shard="0/2", log=lambda _: None)
+    assert restores and restores[0] > 0  # resumed from its gs:// checkpoint
+    launch.run_sweep(c, local, log=lambda _: None)
+    assert len(_plain(local)) == 2 and _plain(sweep) == _plain(local)
+    assert _analysis(sweep) == _analysis(local)
+    assert launch.run_sweep(c, sweep, log=lambda _: None) == []  # all finished: read back
+
+
+@pytest.mark.slow  # three processes; the test above is the fast form
+@pytest.mark.slow  # three processes; the killed and resumed shard above is the fast form
+def test_a_run_killed_on_gs_resumes_from_its_gs_checkpoint(gcs, tmp_path):
+    workdir = f"{gcs}/killed"
+    args = [sys.executable, "-m", "experiments.main",
+            f"--config={ROOT / 'experiments/configs/digits_mlp.py'}:tiny",
+            "--config.train.max_steps=40", "--config.train.checkpoint_every=10",
+            "--config.train.progress_bar=False", "--config.train.tensorboard=False"]
+    proc = subprocess.Popen(args + [f"--workdir={workdir}"], env=_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    full = subprocess.Popen(args + [f"--workdir={tmp_path / 'full'}"], env=_env(), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpts = f"{workdir}/checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if any(n.isdigit() and int(n) >= 20 for n in paths.listdir(ckpts)):
+            break  # checkpoint 10 is whole: orbax finishes a save before the next starts
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = sorted(int(n) for n in paths.listdir(ckpts) if n.isdigit())
+    before = records.read_json(f"{workdir}/{files.STATUS_FILE}") or {}
+    assert 10 in steps and before.get("status") != "finished", (steps, before)
+    rerun = subprocess.Popen(args + [f"--workdir={workdir}"], env=_env(), cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    started = None  # status.json says "running" at the step it restored, until it finishes
+    while rerun.poll() is None and started is None:
+        status = records.read_json(f"{workdir}/{files.STATUS_FILE}") or {}
+        if status.get("status") == "running" and status["step"] != before.get("step"):
+            started = status["step"]
+        time.sleep(0.05)
+    assert rerun.wait(timeout=300) == 0, rerun.stderr.read()[-3000:]
+    assert started in steps and started >= 10  # resumed from a gs:// checkpoint
+    assert full.wait(timeout=300) == 0, full.stderr.read()[-3000:]  # uninterrupted, local
+    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")
+                           and k not in ("time", "seconds")} for r in recs]
+    assert strip(records.read_records(f"{workdir}/{files.METRICS_FILE}")) == strip(
+        records.read_records(str(tmp_path / "full" / files.METRICS_FILE)))
+    assert records.read_json(f"{workdir}/{files.STATUS_FILE}")["status"] == "finished"
