@@ -25,7 +25,8 @@ from conftest import SUBPROCESS_XLA_FLAGS
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = {"cbs-train": "cbs.commands.train:run", "cbs-sweep": "cbs.commands.sweep:run",
            "cbs-analyze": "cbs.commands.analyze:run", "cbs-branch": "cbs.commands.branch:run",
-           "cbs-ramps": "cbs.commands.ramps:run", "cbs-compare": "cbs.commands.compare:run"}
+           "cbs-ramps": "cbs.commands.ramps:run", "cbs-compare": "cbs.commands.compare:run",
+           "cbs-advise": "cbs.commands.advise:run"}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_console_script_functions_exist_and_experiments_wrap_them():
         assert {function, "main"} <= defined, path
     for wrapper, command in [("main", "train"), ("sweep", "sweep"), ("analyze", "analyze"),
                              ("branch", "branch"), ("ramps", "ramps"),
-                             ("compare", "compare")]:
+                             ("compare", "compare"), ("advise", "advise")]:
         text = (ROOT / "experiments" / f"{wrapper}.py").read_text()
         assert f"from cbs.commands.{command} import main, run" in text
 
