@@ -25,7 +25,8 @@ from conftest import SUBPROCESS_XLA_FLAGS
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = {"cbs-train": "cbs.commands.train:run", "cbs-sweep": "cbs.commands.sweep:run",
            "cbs-analyze": "cbs.commands.analyze:run", "cbs-branch": "cbs.commands.branch:run",
-           "cbs-ramps": "cbs.commands.ramps:run", "cbs-compare": "cbs.commands.compare:run"}
+           "cbs-ramps": "cbs.commands.ramps:run", "cbs-compare": "cbs.commands.compare:run",
+           "cbs-advise": "cbs.commands.advise:run"}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_console_script_functions_exist_and_experiments_wrap_them():
         assert {function, "main"} <= defined, path
     for wrapper, command in [("main", "train"), ("sweep", "sweep"), ("analyze", "analyze"),
                              ("branch", "branch"), ("ramps", "ramps"),
-                             ("compare", "compare")]:
+                             ("compare", "compare"), ("advise", "advise")]:
         text = (ROOT / "experiments" / f"{wrapper}.py").read_text()
         assert f"from cbs.commands.{command} import main, run" in text
 
@@ -170,4 +171,5 @@ def test_wheel_alone_runs_the_tiny_main_job_outside_the_checkout(wheel, tmp_path
                            "--config=digits_sweep:tiny", "--sweep_dir=sweep"], cwd=away,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (away / "sweep" / "fit.json").is_file() or list((away / "sweep").iterdir())
+    trials = (away / "sweep" / "trials.jsonl").read_text().splitlines()
+    assert len(trials) >= 3 and (away / "sweep" / "report.md").is_file()  # trained, fit, reported
