@@ -237,7 +237,7 @@ def test_dropout_with_a_fixed_key_is_refused_unless_declared_per_example():
         return jnp.mean((jnp.where(keep, h, 0.0).sum(-1) - batch["y"]) ** 2)
 
     _refused_everywhere(loss_fn, params, batch, r"draws random numbers .*\(random_bits in its "
-                                                r"jaxpr.*loss_checks.allow_randomness")
+                                                r"jaxpr.*noise.allow_randomness")
 
     def per_example(params, batch):  # each example's mask from its own id: the same anywhere
         h = batch["x"] @ params["w"]
