@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cbs.data as data
-from cbs.engine import measure
+from cbs.stats import sampled
 from experiments.configs import linreg_sweep
 
 
@@ -42,7 +42,7 @@ def _data(num_train):
 def test_full_data_measurement_matches_a_float64_reference():
     # Every deviation and the whole-set Hessian: the measurement is exact on these N.
     _, batch, params = _data(4000)
-    got = measure.measure_full_data(_loss, params, batch, jax.random.key(0),
+    got = sampled.measure_full_data(_loss, params, batch, jax.random.key(0),
                                     deviations=4000, chunk_size=1000)
     ref = _sample_reference(np.asarray(batch["x"], np.float64),
                             np.asarray(batch["y"], np.float64),
@@ -58,7 +58,7 @@ def test_full_data_measurement_matches_the_closed_form():
     # O(N^-½): at N = 100,000 by about 0.5 % here, so 3 % (tr(HΣ), a mean of quartic forms,
     # is checked exactly above and against Monte Carlo in test_data_synthetic).
     meta, batch, params = _data(100_000)
-    got = measure.measure_full_data(_loss, params, batch, jax.random.key(0), deviations=1,
+    got = sampled.measure_full_data(_loss, params, batch, jax.random.key(0), deviations=1,
                                     chunk_size=10_000)
     cov = np.zeros((7, 7))
     cov[:6, :6], cov[6, 6] = meta["cov"], 1.0

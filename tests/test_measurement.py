@@ -8,6 +8,8 @@ numbers of each path equal those recorded before the paths were joined (golden v
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -18,7 +20,7 @@ from cbs import data
 from cbs.engine import config as config_lib
 from cbs.engine import fields, measure, mesh, trainer
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.results import files, records
+from cbs.results import files, records, store
 from cbs.results.store import SweepStore
 from cbs.stats import noise
 from cbs.sweeps import branch_noise, grid, groups, trials
@@ -227,3 +229,24 @@ def test_the_method_config_names_is_what_runs_and_sweeps_measure(tmp_path):
     measured = [r["noise/b_simple"] for r in recs if "noise/b_simple" in r
                 and np.isfinite(r["noise/b_simple"])]
     assert measured and all(v == 12345 for v in measured)
+
+
+def test_a_sweep_json_of_the_old_layout_matches_the_same_config_now():
+    """A sweep directory written before the move (measurement settings in sweep.noise_*)
+    is the same definition as today's config of the same settings, so it resumes; another
+    setting is named in the new layout."""
+    new = digits_sweep.get_config("tiny").to_dict()
+    old = copy.deepcopy(new)
+    n = old["noise"]
+    old["sweep"] |= {"noise_batch_size": n["batch_size"], "noise_examples": n["examples"],
+                     "noise_curvature_batch_size": n["deviations"],
+                     "noise_hessian_batch_size": n["hessian_batch_size"],
+                     "noise_chunk_size": n["chunk_size"]}
+    for k in ("examples", "deviations", "hessian_batch_size"):
+        del n[k]
+    n |= {"batch_size": 0, "chunk_size": 0, "curvature": False}  # the step's, unused
+    assert store.definition_diff({"config": old}, {"config": new}) == []
+    old["sweep"]["noise_curvature_batch_size"] = 8
+    assert [d.split(" ")[0] for d in store.definition_diff({"config": old},
+                                                           {"config": new})] == [
+        "noise.deviations"]

@@ -140,7 +140,7 @@ def measurement(measure_ema: NoiseScaleEMA, due: jax.Array, stats: noise.NoiseSt
     new = measure_ema.update(stats.grad_sq_norm, stats.trace_sigma)
     ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, measure_ema)
     out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(new, n)
-                                     for n in ("b_simple", "grad_sq_norm", "trace_sigma")}
+                                     for n in noise.SIMPLE_KEYS if not n.startswith("mean_")}
     out["noise/batch_size"] = stats.batch_size
     nan = jnp.full((), jnp.nan, jnp.float32)
     return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}

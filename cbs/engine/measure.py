@@ -50,6 +50,9 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 # What an evaluation records: the unbiased |G|² only (not the raw |ḡ|² of the batch).
 EVAL_KEYS = tuple(k for k in noise.STAT_KEYS if k != "mean_grad_sq_norm")
+# What the measured EMA reports (`noise/measured_ema_<key>`): the unbiased statistics.
+EMA_SIMPLE_KEYS = tuple(k for k in noise.SIMPLE_KEYS if not k.startswith("mean_"))
+EMA_CURVATURE_KEYS = tuple(k for k in noise.CURVATURE_KEYS if not k.startswith("mean_"))
 
 
 def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
@@ -115,8 +118,7 @@ def step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks
                          "(trace_h_sigma, g_h_g) though curvature was asked for")
     curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if spec.curvature else {}
     ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
-    names = ("b_simple", "grad_sq_norm", "trace_sigma") + (
-        ("b_noise", "g_h_g", "trace_h_sigma") if spec.curvature else ())
+    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if spec.curvature else ())
     out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
                                      for n in names}
     return ema, {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}

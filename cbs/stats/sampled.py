@@ -80,8 +80,7 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
       {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"} (module docstring).
     """
     stats = noise.exact(loss_fn, params, grad_batch, chunk_size=chunk_size)
-    out = {k: getattr(stats, k) for k in ("trace_sigma", "grad_sq_norm", "mean_grad_sq_norm",
-                                          "b_simple")}
+    out = {k: getattr(stats, k) for k in noise.SIMPLE_KEYS}
     if hess_batch is not None:
         out |= _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size)
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
