@@ -4,7 +4,8 @@
   `ConfigError`), `spec` (a run as a base config plus typed overrides), `parts` (`RunParts`,
   built once from a config), `step` (the pure jitted train step) and `step_metrics` (its
   packed metrics), `vmapped` (many states as one vmapped program), `loop` (the one host
-  loop), `driver` (what it drives), `trainer` (a run in a run directory), `progress` (loss EMA, divergence rule, evaluation points);
+  loop), `driver` (what it drives), `trainer` (a run in a run directory), `progress` (loss
+  EMA, divergence rule, evaluation points);
 - the maths it trains with: `lr` (learning-rate coupling and schedules), `schedules`
   (batch-size schedules), `optim` (optimizers), `counts` (exact example counts on device);
 - the noise it measures: `live_noise` (the step's live estimate), `noise_spec` (the one
