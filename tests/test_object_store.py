@@ -62,10 +62,19 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 _WRITER = """
-import sys
+import os, sys, time
 from cbs.results.store import SweepStore, TrialResult
-sweep, w, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sweep, w, m, sync = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+
+def barrier(name):  # every writer reaches `name` before any goes on
+    open(os.path.join(sync, f"{name}.{w}"), "w").close()
+    while len([f for f in os.listdir(sync) if f.startswith(name + ".")]) < 4:
+        time.sleep(0.01)
+
+
 store = SweepStore(sweep)
+barrier("start")  # all four write at once, however staggered their start-up
 for j in range(m):
     i = w * m + j
     store.append([TrialResult(f"w{w}_t{j:03d}", i, 8, 0.1, 0, "done", "train/loss",
@@ -73,6 +82,7 @@ for j in range(m):
     held = store.claim(f"g{j:03d}")  # every writer claims every group; one may get each
     if held is not None:
         print(f"g{j:03d}", flush=True)  # kept until the process ends
+barrier("end")  # and no claim is given back (at exit) before every writer has tried all
 """
 
 
@@ -83,7 +93,9 @@ def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(wh
              else str(tmp_path / "writers"))
     n, m = 4, 40
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, sweep, str(w), str(m)],
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, sweep, str(w), str(m), str(sync)],
                               env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for w in range(n)]
     outs = [p.communicate(timeout=240) for p in procs]
