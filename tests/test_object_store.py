@@ -134,7 +134,7 @@ def test_a_lease_expires_when_its_holder_stops_renewing(gcs, monkeypatch):
 
 
 _SWEEP = {"batch_sizes": "8,32", "lr_factors": "1.0", "max_steps": "16",
-          "evals_per_trial": "3", "noise_curvature_batch_size": "0"}  # two tiny trials
+          "evals_per_trial": "3"}  # two tiny trials (no curvature: `_sweep_args`)
 
 
 def _sweep_args(sweep_dir: str, shard: str | None = None) -> list[str]:
@@ -142,6 +142,7 @@ def _sweep_args(sweep_dir: str, shard: str | None = None) -> list[str]:
             f"--config={ROOT / 'experiments/configs/digits_sweep.py'}:tiny",
             f"--sweep_dir={sweep_dir}", "--noanalyze", "--config.train.progress_bar=False",
             *(f"--config.sweep.{k}={v}" for k, v in _SWEEP.items()),
+            "--config.noise.curvature=False",
             *([f"--shard={shard}"] if shard else [])]
 
 
@@ -180,7 +181,7 @@ def _config():
     c = digits_sweep.get_config("tiny")
     s = c.sweep
     s.batch_sizes, s.lr_factors, s.max_steps, s.evals_per_trial = (8, 32), (1.0,), 16, 3
-    s.noise_curvature_batch_size = 0
+    c.noise.curvature = False
     c.train.progress_bar = False
     return c
 
