@@ -227,7 +227,7 @@ def figure(advices: Sequence[Advice], path: str) -> str:
     fig = Figure(figsize=(6.5, 4))
     ax = fig.add_subplot()
     pts = [a for a in advices if math.isfinite(a.b_crit)]
-    steps = [a.step for a in pts]
+    steps = [int(a.step or 0) for a in pts]
     ax.fill_between(steps, [a.interval[0] for a in pts], [a.interval[1] for a in pts],
                     alpha=0.25, label=f"{pts[0].level:.0%} interval" if pts else None)
     ax.plot(steps, [a.b_crit for a in pts], "o-", ms=3, label="predicted B_crit")

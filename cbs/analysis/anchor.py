@@ -122,7 +122,8 @@ def optimal_lr(problem: LinregProblem, m: np.ndarray, batch: np.ndarray) -> np.n
     return s["grad_sq_norm"] / (s["g_h_g"] + problem.rho(batch) / batch * s["trace_h_sigma"])
 
 
-def trajectory(problem: LinregProblem, batch_sizes: Sequence[float], lrs: Sequence[float] | None,
+def trajectory(problem: LinregProblem, batch_sizes: Sequence[float] | np.ndarray,
+               lrs: Sequence[float] | np.ndarray | None,
                steps: int, *, stop_below: float = -math.inf) -> tuple[np.ndarray, np.ndarray]:
     """Expected losses [K, steps + 1] (before the first update, then after each) and second
     moments [K, steps + 1, P] of K runs: (batch_sizes[k], lrs[k]) constant, or the per-step

@@ -79,7 +79,9 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
     n_points, n_studies = len(resid), len(studies)
     families = sorted(set(fam.values()))
     sigma2 = float(np.sum(np.square(resid)) / max(n_points - n_studies, 1))
-    between, inv_n, per_family = [], [], {}
+    between: list[float] = []
+    inv_n: list[float] = []
+    per_family: dict[str, dict[str, float]] = {}
     for f in families:
         ms = [means[s] for s in studies if fam[s] == f]
         mu = float(np.mean(ms))
@@ -89,8 +91,8 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
     dof = max(n_studies - len(families), 1)
     var_means = float(np.sum(between) / dof) if between else 0.0
     tau2 = max(0.0, var_means - sigma2 * float(np.mean(inv_n)))
-    for v in per_family.values():
-        v["var_mu"] = (tau2 + sigma2 * float(np.mean(inv_n))) / v["studies"]
+    for fam_fit in per_family.values():
+        fam_fit["var_mu"] = (tau2 + sigma2 * float(np.mean(inv_n))) / fam_fit["studies"]
     return {"families": per_family, "tau2": tau2, "sigma2": sigma2, "dof": dof,
             "studies": n_studies, "points": n_points}
 

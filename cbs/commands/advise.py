@@ -46,13 +46,13 @@ def main(argv: list[str]) -> None:
     del argv
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
-    kw = {"scale": _SCALE.value, "level": _LEVEL.value, "exchange": _EXCHANGE.value}
+    scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
     if _SWEEP_DIR.value:
-        where, name = _SWEEP_DIR.value, "prediction"
-        advices = advice.from_sweep(where, **kw)
+        where, name = str(_SWEEP_DIR.value), "prediction"
+        advices = advice.from_sweep(where, scale=scale, level=level, exchange=exchange)
     else:
-        where, name = _WORKDIR.value, "advice"
-        advices = advice.trajectory(where, **kw)
+        where, name = cli.required(_WORKDIR), "advice"
+        advices = advice.trajectory(where, scale=scale, level=level, exchange=exchange)
     if not advices:
         raise ValueError(f"{where} has no measured {_SCALE.value} yet: run with a noise "
                          "estimate (config.noise.live or noise.every > 0"

@@ -28,6 +28,7 @@ SLURM_PROCID of SLURM_NTASKS, the Open MPI rank), one shard per host.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -48,7 +49,7 @@ if "distributed" not in flags.FLAGS:
     flags.DEFINE_integer("process_id", None, "This process's index.")
 
 
-def detect(environ: dict[str, str] | None = None) -> str | None:
+def detect(environ: Mapping[str, str] | None = None) -> str | None:
     """The multi-process environment this process runs in: "tpu" | "slurm" | "ompi" | None."""
     env = os.environ if environ is None else environ
     if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:

@@ -344,6 +344,7 @@ class TrainStep:
                        ) -> tuple[PyTree, dict[str, jax.Array]]:
         """(measure_ema, noise/* metrics) of `cbs.engine.measure.step_measurement`."""
         loss_fn = lambda p, b: self.loss_fn(p, state.model_state, b)[0]
+        assert self.measure is not None  # only called when the step measures
         return step_measurement(self.measure, loss_fn, state, chunks, per_micro,
                                 self.micro_batch * self.replicas, seed=self.seed, whole=whole)
 

@@ -127,7 +127,8 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     out = measure_full_data(loss_fn, params, batch, key, deviations=deviations if curvature
                             else 0, hessian_examples=hessian_examples, chunk_size=chunk_size)
     n = jax.tree.leaves(batch)[0].shape[0]
-    return noise.NoiseStats(batch_size=n, **{k: out.get(k) for k in noise.STAT_KEYS})
+    stats: dict[str, Any] = {k: out.get(k) for k in noise.STAT_KEYS}
+    return noise.NoiseStats(batch_size=n, **stats)
 
 
 noise.register_method(FULL_DATA_METHOD, full_data_method)
