@@ -55,6 +55,7 @@ def get_config(arg: str = ""):
     n = default_sweep_noise(c.noise)  # measured at each evaluation, on a fresh stream
     n.batch_size = 128  # windows per B_simple measurement
     n.curvature = False  # no B_noise (see the docstring)
+    n.deviations = 0  # (no curvature: no deviations; as the committed study was defined)
     n.chunk_size = 32  # vmap chunk of the measurement
     if "tiny" in base.parse_arg(arg):
         c.model.d_model = c.model.num_layers = c.model.num_heads = c.model.d_ff = 0  # tiny row
