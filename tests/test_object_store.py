@@ -199,10 +199,17 @@ def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
     launch.run_sweep(c, sweep, shard="1/2", log=lambda _: None)
     evaluate = groups.TrialGroup._evaluate
 
+    calls = []
+
     def killed_after_a_checkpoint(self, *args):
-        if any(n.isdigit() for n in paths.listdir(f"{self.workdir}/checkpoints")):
-            raise _Killed
-        return evaluate(self, *args)
+        calls.append(1)
+        deadline = time.time() + (60 if len(calls) > 1 else 0)  # saves are asynchronous:
+        while True:  # from the second evaluation on, wait for the first save to show
+            if any(n.isdigit() for n in paths.listdir(f"{self.workdir}/checkpoints")):
+                raise _Killed
+            if time.time() >= deadline:
+                return evaluate(self, *args)
+            time.sleep(0.2)
 
     monkeypatch.setattr(groups.TrialGroup, "_evaluate", killed_after_a_checkpoint)
     with pytest.raises(_Killed):
@@ -221,7 +228,6 @@ def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
     assert launch.run_sweep(c, sweep, log=lambda _: None) == []  # all finished: read back
 
 
-@pytest.mark.slow  # three processes; the test above is the fast form
 @pytest.mark.slow  # three processes; the killed and resumed shard above is the fast form
 def test_a_run_killed_on_gs_resumes_from_its_gs_checkpoint(gcs, tmp_path):
     workdir = f"{gcs}/killed"
