@@ -42,7 +42,8 @@ import numpy as np
 from cbs.analysis import fit, joint
 from cbs.analysis.selection import BestPerBatchSize
 
-__all__ = ["METHOD", "CalibratedMisfit", "calibrated_misfit", "gls_q"]
+__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p", "gls_q",
+           "pooled_draws", "study_noise"]
 
 METHOD = ("studentized parametric bootstrap under the fitted law: each target's S_min kept, "
           "B_crit on the line, Gaussian log-step noise with the study's shared (per batch "
@@ -122,13 +123,83 @@ def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float
     return CalibratedMisfit(q, p, int(sims.shape[0]), without, breaking)
 
 
+@dataclasses.dataclass(frozen=True)
+class StudyNoise:
+    """One study's noise, for tests that pool studies (`cbs.analysis.sizes`): its fitted
+    targets' losses and log B_crit, the covariance of log B_crit per unit variance of the
+    shared (c_a) and own (c_u) log-step noise, and the study's estimates of those variances
+    from its own residuals. `cov` is the covariance that noise implies."""
+
+    losses: tuple[float, ...]
+    log_b_crit: np.ndarray
+    c_a: np.ndarray
+    c_u: np.ndarray
+    var_a: float
+    var_u: float
+    design: _Design
+
+    @property
+    def cov(self) -> np.ndarray:
+        return self.var_a * self.c_a + self.var_u * self.c_u
+
+
+def study_noise(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
+                points: Sequence[fit.TradeoffFit], *, n: int = 1000,
+                seed: int = 0) -> StudyNoise | None:
+    """The `StudyNoise` of one study's targets whose point fit is ok (None without any)."""
+    ok = [k for k, p in enumerate(points) if p.ok]
+    if not ok:
+        return None
+    design = _Design(tables, points, ok)
+    y = np.log([points[k].b_crit for k in ok])
+    rng = np.random.default_rng(seed)
+    c_a = np.atleast_2d(np.cov(design.refit(y, design.draw(rng, n, SMALL, 0.0))[0],
+                               rowvar=False)) / SMALL**2
+    c_u = np.atleast_2d(np.cov(design.refit(y, design.draw(rng, n, 0.0, SMALL))[0],
+                               rowvar=False)) / SMALL**2
+    var_a, var_u = design.components(design.observed_residuals())
+    return StudyNoise(tuple(float(losses[k]) for k in ok), y, c_a, c_u, float(var_a),
+                      float(var_u), design)
+
+
+def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n: int,
+                 seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Simulated pooled log B_crit [R, N] (the studies' targets side by side) under the null
+    values `null` (one array per study), each study drawn with its own noise and refitted,
+    and each simulated row's own block-diagonal covariance [R, N, N] (the noise its studies
+    estimate for themselves: studentized); R ≤ n keeps the rows whose every refit is finite."""
+    rng = np.random.default_rng(seed)
+    sims, covs, goods = [], [], []
+    for s, y0 in zip(studies, null, strict=True):
+        noise = s.design.draw(rng, n, math.sqrt(s.var_a), math.sqrt(s.var_u))
+        out, resid, good = s.design.refit_all(np.asarray(y0, np.float64), noise)
+        a, u = (np.atleast_1d(v) for v in s.design.components(resid))
+        sims.append(out)
+        covs.append(a[:, None, None] * s.c_a + u[:, None, None] * s.c_u)
+        goods.append(good)
+    keep = np.all(goods, axis=0)
+    Y = np.concatenate([x[keep] for x in sims], axis=1)
+    C = np.zeros((Y.shape[0], Y.shape[1], Y.shape[1]))
+    at = 0
+    for c in covs:
+        k = c.shape[1]
+        C[:, at:at + k, at:at + k] = c[keep]
+        at += k
+    return Y, C
+
+
+def calibrated_p(observed: float, simulated: np.ndarray) -> float:
+    """(1 + #{simulated ≥ observed})/(1 + R): the p-value of a simulated null distribution."""
+    simulated = np.asarray(simulated)
+    return float((1 + np.sum(simulated >= observed)) / (1 + simulated.size))
+
+
 def _test(X, y, C_obs, sims_RxT, C_sim_RxTxT) -> tuple[float, float]:
     """(Q, calibrated p): the study's Q (its own noise estimate in C) against each simulated
     study's Q with that study's own noise estimate (a studentized parametric bootstrap). Q
     removes the best line from each, so the law they were simulated under drops out."""
     q = float(gls_q(X, y[None], C_obs)[0])
-    q_sim = gls_q(X, sims_RxT, C_sim_RxTxT)
-    return q, float((1 + np.sum(q_sim >= q)) / (1 + q_sim.size))
+    return q, calibrated_p(q, gls_q(X, sims_RxT, C_sim_RxTxT))
 
 
 class _Design:
@@ -156,6 +227,12 @@ class _Design:
         """Refits S = S_min + E_min/B per target to S_min(1 + e^{y0}/B)·e^noise: log B_crit
         [n', T] and the leverage-scaled residuals [n', T, len(universe)] (NaN where a target
         lacks a batch size) of the n' simulated studies whose every refit is finite."""
+        out, resid, good = self.refit_all(y0, noise)
+        return out[good], resid[good]
+
+    def refit_all(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`refit` for every simulated study, with the mask [n] of those whose refits are
+        finite."""
         n = noise[0].shape[0]
         out = np.empty((n, len(self.points)))
         resid = np.full((n, len(self.points), len(self.universe)), np.nan)
@@ -167,8 +244,7 @@ class _Design:
             out[:, i] = th[:, 1] - th[:, 0]
             fitted = fit.model_log_steps(th, grid)[0]
             resid[:, i, self.cols[i]] = (logs - fitted) / np.sqrt(1.0 - self.lev[i])
-        good = np.all(np.isfinite(out), axis=1)
-        return out[good], resid[good]
+        return out, resid, np.all(np.isfinite(out), axis=1)
 
     def observed_residuals(self) -> np.ndarray:
         """The study's own leverage-scaled residuals, [1, T, len(universe)]."""

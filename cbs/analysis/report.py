@@ -99,7 +99,8 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
 
     Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
     the fit objects under "fits" (one `cbs.analysis.fit.TradeoffFit` per target, in target
-    order) and "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws.
+    order), "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws, and
+    "tables" (each target's `cbs.analysis.selection.BestPerBatchSize`, for pooled tests).
     """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
@@ -130,7 +131,8 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
                     sweep_dir, targets, int(definition.get("sweep", {}).get("noise_window", 5)))}
     if write:
         records.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
-    return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law}
+    return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law,
+                       "tables": [t["_table"] for t in per_target]}
 
 
 def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | None
