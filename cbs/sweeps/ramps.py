@@ -7,7 +7,9 @@ and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, 
 trial, once the sweep's progress metric has crossed every target, and it records the steps S
 and the examples E at each crossing (each interpolated between evaluations on its own
 axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
-directory, where `cbs.analysis.report` draws them on each target's S–E plane against the frontier
+directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
+export, so launchers on several hosts lose none; `cbs.results.records.add_records`), where
+`cbs.analysis.report` draws them on each target's S–E plane against the frontier
 S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
 every fixed batch size; on it, it matched one.
 
@@ -34,7 +36,7 @@ from cbs.analysis import selection
 from cbs.engine import preemption, spec, trainer
 from cbs.engine.fields import ConfigError
 from cbs.engine.writer import CountBar
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
 from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
@@ -62,7 +64,7 @@ def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
     out = {}
     for label, name in zip(labels, names, strict=True):
         legacy = os.path.join(sweep_dir, RAMPS_DIR, label)
-        out[label] = legacy if label != name and os.path.isdir(legacy) else os.path.join(
+        out[label] = legacy if label != name and paths.isdir(legacy) else os.path.join(
             sweep_dir, RAMPS_DIR, name)
     return out
 
@@ -180,12 +182,10 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     """
     check_ramps(config, sweep_dir)
     out_dir = out_dir or sweep_dir
-    os.makedirs(out_dir, exist_ok=True)
+    paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
-    done = {r["label"]: r for r in records.read_records(path, required=("label",))}
+    done = {r["label"]: r for r in records.read_merged(path, files.RAMP_KEYS)}
     labels = [run["label"] for run in config.ramps]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"config.ramps: labels must be unique, got {labels}")
     run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):
@@ -199,11 +199,12 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
             preemption.check(f"before ramp {run['label']}")
             _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
             bar.update()
-    return records.read_records(path, required=("label",))
+    return records.read_merged(path, files.RAMP_KEYS)
 
 
 def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
-    """Trains one ramp (or resumes it), appends its record to ramps.jsonl, logs its line."""
+    """Trains one ramp (or resumes it), adds its record to ramps.jsonl (a write-once part and
+    the export), logs its line."""
     c = ramp_config(config, run, sweep_dir)
     monitor = ProgressMonitor(config.sweep)
     summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
@@ -211,7 +212,7 @@ def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
     status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
     rec = ramp_record(run["label"], recs, config.sweep, status, c.optim.learning_rate)
     rec["spec"] = json.loads(json.dumps(run))
-    records.append_records(path, [rec])
+    records.add_records(path, files.RAMP_KEYS, [rec])
     cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                       for k, s in rec["steps_to_target"].items())
     log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
