@@ -77,7 +77,8 @@ def test_duplicate_labels_are_rejected(tmp_path):
     c = _config()
     c.ramps = [c.ramps[0], c.ramps[0]]
     with pytest.raises(ValueError, match="unique"):
-        ramps.run_ramps(c, str(tmp_path), log=lambda _: None)
+        ramps.validate_ramps(c, replicas=1)
+    assert not (tmp_path / "ramps").exists()
 
 
 def test_ramp_table_lists_each_run():
