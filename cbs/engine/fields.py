@@ -101,10 +101,9 @@ def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | No
     for field in switches:
         if field in section:
             switch(section, field, prefix)
-    for field, (what, whole, least, strict) in (lists or {}).items():
+    for field, (what, whole, low, strict) in (lists or {}).items():
         if field in section:
-            number_list(section, field, prefix, what, whole=whole, minimum=least,
-                        strict=strict)
+            number_list(section, field, prefix, what, whole=whole, minimum=low, strict=strict)
 
 
 def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> str:

@@ -83,7 +83,8 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
     def fail(field: str, problem: str) -> NoReturn:
         raise ConfigError(f"config.{field}: {problem}")
 
-    fields.check_section(b, "config.branch", **_TYPES)
+    fields.check_section(b, "config.branch", integers=_INTEGERS, finite_fields=_FINITE,
+                         switches=("vmap",), lists=_LISTS)
     ks = [int(k) for k in b.ks]
     if not ks or ks[0] != 1 or any(y <= x for x, y in zip(ks, ks[1:], strict=False)):
         fail("branch.ks", f"give increasing multipliers starting at 1, got {tuple(b.ks)}")
@@ -120,14 +121,14 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
 
 
 # The type and sign of each field (`cbs.engine.fields.check_section`).
-_TYPES = {"integers": {"window_examples": 0, "noise_checkpoints": 0, "noise_deviations": 1,
-                       "noise_seed": 0},
-          "finite_fields": ("window_fraction", "epsilon", "loss_ema_decay"),
-          "switches": ("vmap",),
-          "lists": {"ks": ("batch multipliers", True, 1, False),
-                    "points_examples": ("examples seen", True, 0, False),
-                    "points_losses": ("smoothed training losses", False, 0, True),
-                    "seeds": ("data-order seeds", True, 0, False)}}
+_INTEGERS = {"window_examples": 0, "noise_checkpoints": 0, "noise_deviations": 1,
+             "noise_seed": 0}
+_FINITE = ("window_fraction", "epsilon", "loss_ema_decay")
+_LISTS: dict[str, tuple[str, bool, float, bool]] = {
+    "ks": ("batch multipliers", True, 1, False),
+    "points_examples": ("examples seen", True, 0, False),
+    "points_losses": ("smoothed training losses", False, 0, True),
+    "seeds": ("data-order seeds", True, 0, False)}
 
 
 def reference_batch(config: ml_collections.ConfigDict) -> int:
