@@ -24,7 +24,7 @@ from cbs.engine import lr, trainer
 from cbs.engine.fields import ConfigError
 from cbs.results import files, records
 from cbs.stats import noise
-from cbs.sweeps import branch_noise, branch_unit, branches
+from cbs.sweeps import branch_config, branch_noise, branch_unit, branches
 from experiments.configs import base, digits_branch
 
 
@@ -58,7 +58,7 @@ def test_criterion_on_known_ladders():
     assert branch_report.critical_multiplier(ks, [1.0, 0.9, 0.92, 1.0, 0.905], 0.01) == 16
     assert branch_report.critical_multiplier(ks, [1.0, 0.9, 0.92, 1.0, 0.915], 0.01) == 2
     # within the tolerance against the best smaller k, not only against k = 1
-    for rule in branches.CRITERIA:
+    for rule in branch_config.CRITERIA:
         assert branch_report.critical_multiplier(ks, [1.0, 0.9, 0.915, 0.95, 0.95], 0.01,
                                                  criterion=rule) == 2
         assert branch_report.critical_multiplier(ks, [1.0, 0.9, 0.905, 0.9, 0.9], 0.01,
@@ -71,29 +71,29 @@ def test_criterion_on_known_ladders():
 
 
 def test_paper_defaults_and_bad_config_names_the_field():
-    b = branches.default_branch_config()
+    b = branch_config.default_branch_config()
     assert (b.epsilon, b.tolerance, b.loss_ema_decay, b.loss_ema_per, b.criterion, b.b_star,
             b.lr_rule, b.metric) == (0.01, "absolute", 0.5, "step", "paper", "k_star", "sqrt",
                                      "loss_ema")
     c = _config(window_examples=0, loss_ema_per="step", loss_ema_decay=0.5)
-    assert branches.window_examples(c) == 512 * 16  # the paper's ≈ 477 steps at B, rounded
+    assert branch_config.window_examples(c) == 512 * 16  # the paper's ≈ 477 steps at B, rounded
     c.branch.ks = (1, 2, 3)
-    assert branches.window_examples(c) == 516 * 16  # a whole number of steps for every k
-    assert branches.ema_decay_per_step(c, 4) == 0.5
+    assert branch_config.window_examples(c) == 516 * 16  # a whole number of steps for every k
+    assert branch_config.ema_decay_per_step(c, 4) == 0.5
     c.branch.loss_ema_per, c.branch.loss_ema_decay = "reference_batch", 0.9
-    assert branches.ema_decay_per_step(c, 4) == pytest.approx(0.9**4)
+    assert branch_config.ema_decay_per_step(c, 4) == pytest.approx(0.9**4)
     with pytest.raises(ConfigError, match=r"^config\.branch\.ks: "):
-        branches.validate_branch_config(_config(ks=(2, 4)))
+        branch_config.validate_branch_config(_config(ks=(2, 4)))
     with pytest.raises(ConfigError, match=r"^config\.branch\.window_examples: "):
-        branches.validate_branch_config(_config(window_examples=100))
+        branch_config.validate_branch_config(_config(window_examples=100))
     with pytest.raises(ConfigError, match=r"^config\.branch\.window_examples: "):  # 1.5 k=2 steps
-        branches.validate_branch_config(_config(ks=(1, 2, 3), window_examples=48))
+        branch_config.validate_branch_config(_config(ks=(1, 2, 3), window_examples=48))
     for field in ("criterion", "b_star", "loss_ema_per", "lr_rule"):
         with pytest.raises(ConfigError, match=rf"^config\.branch\.{field}: .*got 'nope'"):
-            branches.validate_branch_config(_config(**{field: "nope"}))
+            branch_config.validate_branch_config(_config(**{field: "nope"}))
     with pytest.raises(ConfigError, match=r"^config\.branch\.lr_rule: "):  # f(k) must grow
-        branches.validate_branch_config(_config(lr_rule="none"))
-    assert set(branches.BRANCH_LR_RULES) == set(lr.LR_RULES) - {"none"}
+        branch_config.validate_branch_config(_config(lr_rule="none"))
+    assert set(branch_config.BRANCH_LR_RULES) == set(lr.LR_RULES) - {"none"}
 
 
 def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_path):
@@ -163,14 +163,14 @@ def test_a_streamed_dataset_branches_through_the_engine_to_the_same_records(tmp_
 
 def test_window_proportional_to_examples_seen_and_bounds_in_the_table():
     c = _config(window_fraction=0.25)
-    branches.validate_branch_config(c)
+    branch_config.validate_branch_config(c)
     unit = 4 * 16  # lcm(1, 2, 4)·B
-    assert branches.window_examples(c, 320) == 2 * unit  # 80 → two steps at k = 4
-    assert branches.window_examples(c, 100) == unit  # never below one step of the largest k
-    assert branches.window_examples(c, 4096) == 1024  # exactly E/4
-    assert branches.window_examples(c) == 128  # no point: the fixed window
+    assert branch_config.window_examples(c, 320) == 2 * unit  # 80 → two steps at k = 4
+    assert branch_config.window_examples(c, 100) == unit  # never below one step of the largest k
+    assert branch_config.window_examples(c, 4096) == 1024  # exactly E/4
+    assert branch_config.window_examples(c) == 128  # no point: the fixed window
     with pytest.raises(ValueError, match="branch.window_fraction"):
-        branches.validate_branch_config(_config(window_fraction=2.0))
+        branch_config.validate_branch_config(_config(window_fraction=2.0))
     rows = lambda losses: [{"point_step": 1, "point_examples": 80, "k": k, "seed": 1,
                             "reference_batch_size": 4, "loss_ema": v, "window_examples": 32}
                            for k, v in zip((1, 2, 4), losses, strict=True)]
@@ -223,7 +223,7 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
                                          jnp.full((1,), jnp.nan), jnp.asarray(20, jnp.int32))
         assert abs(float(runner._final(reset)[0]) - at[640]["full_train/loss"]) > 1e-4
         # k = 4 at 2η_0 through the engine's loop, with the rate set here rather than by
-        # branches.lr_factor
+        # branch_config.lr_factor
         c4 = copy.deepcopy(runner.branch_config)
         c4.seed = c.seed
         tr = trainer.Trainer(c4, None, mesh=runner.mesh)
@@ -283,7 +283,7 @@ def _linreg_config(seeds: int) -> ml_collections.ConfigDict:
     c.train.tensorboard = False  # no event files
     c.eval.every = 0  # evaluate at the end only
     c.noise.every = 0  # no measurements
-    b = c.branch = branches.default_branch_config()
+    b = c.branch = branch_config.default_branch_config()
     b.points_examples = (4,)  # one point, after two reference steps
     b.ks = (1, 2, 4, 8, 16)  # branch batches 2 ... 32
     b.lr_rule = "linear"  # SGD: η = k·η_0

@@ -271,7 +271,7 @@ def test_user_errors_are_one_line_with_status_2_and_leave_no_directory(tmp_path,
     module, args, expect = {
         "sweep_targets": ("sweep", [f"--config={CONFIGS / 'digits_sweep.py'}:tiny",
                                     f"--sweep_dir={out}", "--config.sweep.targets=abc"],
-                          "config.sweep.targets: must be numbers (losses), got ('abc',)"),
+                          "config.sweep.targets: must be a list of numbers > 0"),
         "config_syntax": ("main", [f"--config={syntax}", f"--workdir={out}"],
                           f"error: {syntax}:2: SyntaxError: '(' was never closed"),
         "config_raises": ("main", [f"--config={raises}:tiny", f"--workdir={out}"],

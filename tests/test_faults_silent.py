@@ -124,9 +124,9 @@ def test_ramps_refuse_a_batch_size_the_sweep_lacks_and_a_sweep_of_another_config
     other = digits_ramps.get_config("tiny")
     other.optim.name = "sgd"
     with pytest.raises(ValueError) as err:
-        ramps.run_ramps(other, d, log=_quiet)
+        ramps.run_ramps(other, d, log=_quiet, mesh=_one_device())
     assert "config.ramps: " in _one_line(err) and 'optim.name ("adam" -> "sgd")' in str(err.value)
-    ramps.check_ramps(digits_ramps.get_config("tiny"), d)  # its own sweep: accepted
+    ramps.check_ramps(digits_ramps.get_config("tiny"), d, mesh=_one_device())  # its own sweep
 
 
 def test_a_recorded_ramp_with_another_spec_is_refused():

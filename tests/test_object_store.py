@@ -108,6 +108,48 @@ def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(wh
     print(f"{where}: {len(got)} of {n * m} records kept, {time.perf_counter() - start:.1f} s")
 
 
+_ADDER = """
+import os, sys, time
+from cbs.results import files, records
+out, w, m, sync = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+open(os.path.join(sync, f"start.{w}"), "w").close()
+while len(os.listdir(sync)) < 4:  # all four write at once
+    time.sleep(0.01)
+for j in range(m):
+    records.add_records(f"{out}/{files.RAMPS_FILE}", files.RAMP_KEYS,
+                        [{"label": f"ramp {w} · seed {j}", "w": w, "j": j}])
+    records.add_records(f"{out}/{files.REFERENCE_NOISE_FILE}", files.REFERENCE_POINT_KEYS,
+                        [{"step": w * m + j}])
+"""
+
+
+@pytest.mark.parametrize("where", ["gs", "local"])
+def test_concurrent_ramp_and_noise_writers_lose_no_record(where, request, tmp_path):
+    """ramps.jsonl and reference_noise.jsonl are write-once parts merged on read: four
+    processes adding records at once to one directory keep every one (on an object store an
+    append reads and rewrites the whole object, so concurrent appends lose records)."""
+    out = (f"{request.getfixturevalue('gcs')}/studies" if where == "gs"
+           else str(tmp_path / "studies"))
+    n, m = 4, 6
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _ADDER, out, str(w), str(m), str(sync)],
+                              env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+             for w in range(n)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for e in errs]
+    ramps_file = f"{out}/{files.RAMPS_FILE}"
+    got = records.read_merged(ramps_file, files.RAMP_KEYS)
+    assert sorted((r["w"], r["j"]) for r in got) == [(w, j) for w in range(n) for j in range(m)]
+    noise_file = f"{out}/{files.REFERENCE_NOISE_FILE}"
+    steps = sorted(r["step"] for r in records.read_merged(noise_file, files.REFERENCE_POINT_KEYS))
+    assert steps == list(range(n * m))
+    records.export_parts(ramps_file, files.RAMP_KEYS)  # the export: every record, as before
+    assert sorted(r["label"] for r in records.read_records(ramps_file)) == sorted(
+        r["label"] for r in got)
+    assert report.read_ramps(out) == got  # what the report reads
+
+
 def test_a_lease_expires_when_its_holder_stops_renewing(gcs, monkeypatch):
     lock_dir = f"{gcs}/lease/locks"
     monkeypatch.setenv("CBS_LEASE_SECONDS", "2")

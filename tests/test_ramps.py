@@ -68,13 +68,16 @@ def test_ramp_runs_record_steps_and_examples_on_their_own_axes(tmp_path):
     assert len(ramps.run_ramps(c, d, log=lambda _: None, mesh=one)) == 2
     assert os.path.getmtime(os.path.join(d, files.RAMPS_FILE)) == before
     assert len(records.read_records(os.path.join(d, files.RAMPS_FILE))) == 2
+    parts = records.part_paths(os.path.join(d, files.RAMPS_FILE))  # one write-once part a run
+    assert [records.read_records(p)[0]["label"] for p in parts] == ["fixed", "steps"]
+    assert records.read_records(os.path.join(d, files.RAMPS_FILE)) == out  # the export
 
 
 def test_duplicate_labels_are_rejected(tmp_path):
     c = _config()
     c.ramps = [c.ramps[0], c.ramps[0]]
     with pytest.raises(ValueError, match="unique"):
-        ramps.run_ramps(c, str(tmp_path), log=lambda _: None)
+        ramps.validate_ramps(c, replicas=1)
 
 
 def test_ramp_table_lists_each_run():

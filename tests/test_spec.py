@@ -16,7 +16,7 @@ import pytest
 
 from cbs.engine import counts, loop, spec
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.sweeps import branch_unit, branches, grid, groups, launch, ramps, trials
+from cbs.sweeps import branch_config, branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial
 from experiments.configs import digits_branch, digits_ramps
 
@@ -240,7 +240,7 @@ def test_branch_configs_equal_the_pre_refactor_ones(monkeypatch, tmp_path):
     with pytest.raises(_Built):
         branches.BranchRunner(config, str(tmp_path))
     ks = [int(k) for k in config.branch.ks]
-    old = old_branch_config(config, ks[-1], branches.reference_batch(config))
+    old = old_branch_config(config, ks[-1], branch_config.reference_batch(config))
     _same(seen[0], old)
     seen = _capture(monkeypatch, branches.trainer, "Trainer")
     with pytest.raises(_Built):
@@ -254,7 +254,7 @@ def test_a_branch_is_its_study_config_with_the_branch_fields_overridden():
     study with the batch size, rate, seed, budget, records, checkpoints, divergence rule and
     final evaluation of the branch written, and nothing else."""
     config = digits_branch.get_config("tiny")
-    study = old_branch_config(config, 4, branches.reference_batch(config))
+    study = old_branch_config(config, 4, branch_config.reference_batch(config))
     start = types.SimpleNamespace(step=np.int32(20), examples_seen=counts.count_from_int(320))
     o = branch_unit.branch_overrides(start, batch_size=64, learning_rate=3e-3, num_steps=5,
                                      full_train=True, seed=9)

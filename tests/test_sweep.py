@@ -53,7 +53,7 @@ def test_shards_partition_the_grid():
 @pytest.mark.parametrize("field,value,match", [
     ("batch_sizes", (), "batch_sizes"),
     ("batch_sizes", (8, 8), "duplicates"),
-    ("batch_sizes", (0, 8), "positive"),
+    ("batch_sizes", (0, 8), "> 0"),
     ("lr_rule", "cubic", "lr_rule"),
     ("targets", (), "targets"),
     ("target_metric", "accuracy", "target_metric"),

@@ -125,7 +125,7 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
                                ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
     noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
-    noise = {r["step"]: r for r in records.read_records(noise_path)}
+    noise = {r["step"]: r for r in records.read_merged(noise_path, files.REFERENCE_POINT_KEYS)}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
@@ -171,7 +171,8 @@ def format_b_star(p: dict[str, Any]) -> str:
 
 def noise_estimator(workdir: str) -> str | None:
     """The estimator named by the study's noise records (None when it measured none)."""
-    recs = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
+    recs = records.read_merged(
+        os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
     return recs[0].get("estimator") if recs else None
 
 
@@ -278,7 +279,8 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     fig = Figure(figsize=(8, 6.5))
     ax = fig.subplots()
     ok = ref["E"] > 0
-    noise = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
+    noise = records.read_merged(
+        os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
         for key, color, name in (("b_simple", "tab:blue", "B_simple"),

@@ -125,7 +125,8 @@ def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
     """The reference-trajectory protocol of the sweep in `sweep_dir`, or None without one:
     {"protocol": words, "batch_size", "learning_rate", "seed", "targets": reference_values}."""
-    runs = records.read_records(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE))
+    runs = records.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
+                               files.REFERENCE_RUN_KEYS)
     if not runs:
         return None
     run = runs[-1]

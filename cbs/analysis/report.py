@@ -36,7 +36,7 @@ from cbs.analysis import edges, fit, joint, misfit, noise_at_target, plots, sele
 from cbs.analysis import report_tables as tables
 from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
 from cbs.results import records
-from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMPS_FILE, REPORT_FILE
+from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMP_KEYS, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
 
 __all__ = [
@@ -210,7 +210,7 @@ def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
 
 def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
     """Batch-ramp runs recorded beside the sweep (see `cbs.sweeps.ramps`), if any."""
-    return records.read_records(os.path.join(sweep_dir, RAMPS_FILE))
+    return records.read_merged(os.path.join(sweep_dir, RAMPS_FILE), RAMP_KEYS)
 
 
 def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None

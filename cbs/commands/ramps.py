@@ -1,6 +1,7 @@
 """Batch-size ramps beside a sweep: python -m experiments.ramps --config=... --sweep_dir=DIR.
 
-Finishes the sweep of the config in DIR if needed (finished trials are skipped), runs every
+Validates the sweep and every ramp first (nothing is written for a bad config), then
+finishes the sweep of the config in DIR if needed (finished trials are skipped), runs every
 `config.ramps` entry not yet recorded in DIR/ramps.jsonl (`cbs.sweeps.ramps`), and rewrites the
 report with the ramps on each target's S–E frontier.
 
@@ -39,6 +40,8 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     sweep_dir, out_dir = cli.required(_SWEEP_DIR), _OUT_DIR.value
     distributed.from_flags()  # a multi-host slice or Slurm step joins up; else one process
+    launch.check_config(_CONFIG.value)  # the sweep, then the ramps: before anything is written
+    ramps.check_ramps(_CONFIG.value, sweep_dir)
     with preemption.active():
         launch.run_sweep(_CONFIG.value, sweep_dir)
         runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)

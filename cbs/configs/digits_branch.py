@@ -36,7 +36,7 @@ The criterion ("paper"), B* = k*·B and f(k) = √k are the paper's.
 from __future__ import annotations
 
 from cbs.configs import base
-from cbs.sweeps.branches import default_branch_config
+from cbs.sweeps.branch_config import default_branch_config
 
 __all__ = [
     "get_config",

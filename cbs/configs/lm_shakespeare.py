@@ -27,7 +27,7 @@ __all__ = [
 
 
 def get_config(arg: str = ""):
-    words = base.parse_arg(arg)
+    words = base.parse_arg(arg, known=("tiny", "124m", "1b"))
     c = base.base_config("shakespeare_char", "lm")
     c.data.options.seq_len = 64  # T, characters per example
     c.model.size = "small"  # row of cbs.models.lm.LM_SIZES (D = 256, L = 4)

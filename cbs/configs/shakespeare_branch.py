@@ -20,7 +20,7 @@ seconds.
 from __future__ import annotations
 
 from cbs.configs import base, shakespeare_sweep
-from cbs.sweeps.branches import default_branch_config
+from cbs.sweeps.branch_config import default_branch_config
 
 __all__ = [
     "get_config",

@@ -9,12 +9,13 @@ the dotted name of the field, e.g. ``config.optim.eps: must be a number > 0, got
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "REQUIRED", "ConfigError", "as_mapping", "choice", "get", "increasing_steps", "integer",
-    "lookup", "number",
+    "REQUIRED", "ConfigError", "as_mapping", "check_section", "choice", "finite", "get",
+    "increasing_steps", "integer", "lookup", "number", "number_list", "switch",
 ]
 
 
@@ -49,6 +50,60 @@ def number(section: Any, field: str, prefix: str, *, minimum: float = 0.0,
         op = ">" if strict else ">="
         raise ConfigError(f"{prefix}.{field}: must be a number {op} {minimum}, got {value!r}")
     return float(value)
+
+
+def finite(section: Any, field: str, prefix: str) -> float:
+    """A finite int or float (not a bool, NaN or ±inf); its range is the caller's check."""
+    value = get(section, field, prefix)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value):
+        raise ConfigError(f"{prefix}.{field}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+def switch(section: Any, field: str, prefix: str) -> bool:
+    """True or False (not 0, 1 or a string)."""
+    value = get(section, field, prefix)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{prefix}.{field}: must be True or False, got {value!r}")
+    return value
+
+
+def number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool = False,
+            minimum: float = 0.0, strict: bool = False) -> tuple[Any, ...]:
+    """A tuple or list of finite numbers (ints when `whole`; never bools) ≥ minimum (> when
+    `strict`); `what` says what they are, for the message (e.g. "batch sizes")."""
+    value = get(section, field, prefix)
+    kind = "integers" if whole else "numbers"
+    op = ">" if strict else ">="
+    ok = isinstance(value, (tuple, list)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        and (isinstance(v, int) or not whole) and (v > minimum if strict else v >= minimum)
+        for v in value)
+    if not ok:
+        raise ConfigError(f"{prefix}.{field}: must be a list of {kind} {op} {minimum:g} "
+                          f"({what}), got {value!r}")
+    return tuple(value)
+
+
+def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | None = None,
+                  finite_fields: Sequence[str] = (), switches: Sequence[str] = (),
+                  lists: Mapping[str, tuple[str, bool, float, bool]] | None = None) -> None:
+    """The type and sign of each present field of a section, before anything compares them:
+    `integers` {field: least value}, `finite_fields` (numbers), `switches` (bools), `lists`
+    {field: (what they are, whole, least value, strictly above it)} (`number_list`)."""
+    for field, least in (integers or {}).items():
+        if field in section:
+            integer(section, field, prefix, minimum=least)
+    for field in finite_fields:
+        if field in section:
+            finite(section, field, prefix)
+    for field in switches:
+        if field in section:
+            switch(section, field, prefix)
+    for field, (what, whole, low, strict) in (lists or {}).items():
+        if field in section:
+            number_list(section, field, prefix, what, whole=whole, minimum=low, strict=strict)
 
 
 def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> str:

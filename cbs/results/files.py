@@ -1,6 +1,10 @@
 """The names of the files and directories that runs, sweeps and studies write.
 
-Writers and readers take the names from here, so the two cannot disagree.
+Writers and readers take the names from here, so the two cannot disagree. The records files
+that more than one process may write (TRIALS_FILE, BRANCHES_FILE, RAMPS_FILE,
+REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.records.write_part`,
+`read_merged`), each record identified by its keys: `trial_id` (`cbs.results.store`),
+`cbs.sweeps.branches.UNIT_KEYS`, and those named here beside the other two files.
 
 - a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE (the records),
   STATUS_FILE (the summary), plus `checkpoints/` and `tensorboard/` (their owners' names);
@@ -19,8 +23,9 @@ Writers and readers take the names from here, so the two cannot disagree.
 __all__ = [
     "ANALYSIS_FILE", "BRANCHES_FILE", "CONFIG_FILE", "CSV_FILE", "DEFINITION_FILE", "FIGURES_DIR",
     "FIGURE_FILE", "METRICS_FILE", "PAYOFF_FIGURE_FILE", "PAYOFF_FILE", "PAYOFF_REPORT_FILE",
-    "RAMPS_FILE", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REPORT_FILE", "SIZES_FIGURE_FILE",
-    "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR",
+    "RAMPS_FILE", "RAMP_KEYS", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REFERENCE_POINT_KEYS",
+    "REFERENCE_RUN_KEYS", "REPORT_FILE", "SIZES_FIGURE_FILE", "SIZES_FILE", "STATUS_FILE",
+    "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR",
 ]
 
 CONFIG_FILE = "config.json"
@@ -31,12 +36,17 @@ TRIALS_FILE = "trials.jsonl"
 CSV_FILE = "trials.csv"
 SWEEP_FILE = "sweep.json"
 RAMPS_FILE = "ramps.jsonl"
+RAMP_KEYS = ("label",)  # what identifies a record of RAMPS_FILE
 ANALYSIS_FILE = "analysis.json"
 REPORT_FILE = "report.md"
 FIGURES_DIR = "figures"
 
 REFERENCE_DIR = "reference"
 REFERENCE_NOISE_FILE = "reference_noise.jsonl"
+# What identifies a record of REFERENCE_NOISE_FILE: in a sweep directory, the reference run;
+# in a branch study's directory, the measured checkpoint.
+REFERENCE_RUN_KEYS = ("batch_size", "learning_rate")
+REFERENCE_POINT_KEYS = ("step",)
 
 DEFINITION_FILE = "branch.json"
 BRANCHES_FILE = "branches.jsonl"

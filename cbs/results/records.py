@@ -11,8 +11,9 @@ Files in a run directory (written by process 0 only):
 - `tensorboard/`: tensorboardX event files (no TensorFlow needed). After a resume the
   writer is opened with `purge_step`, so TensorBoard hides events past the restored step.
 
-Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`) goes through
-`read_records` and `append_records`, which survive crashes and damage:
+Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`, ...) is read
+through `read_records` (or `read_merged`, which reads each part so) and written by
+`append_records` or as parts, which survive crashes and damage:
 
 - a torn last line (a kill during a write: no final newline) is not a record; readers skip
   it and `append_records` cuts it off first (`repair_tail`), so a record is never written
@@ -22,12 +23,13 @@ Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`
   not done (a trial is rerun, a step is recorded again).
 
 Records that several processes may write (a sweep's trials from several shards, a branch
-study's units) are never appended to one shared file: each write is a write-once part,
-`<name>.d/<part>.jsonl` beside `<name>.jsonl` (`write_part`), and readers merge the parts
-(`read_merged`), so no writer can lose another's records on any file system, object stores
-included. `<name>.jsonl` is then an export of the parts (`export_parts`); a directory written
-before parts existed has the file only, which is read as before, and its first part is
-preceded by a copy of it.
+study's units, ramp runs, reference-run noise measurements) are never appended to one
+shared file: each write is a write-once part, `<name>.d/<part>.jsonl` beside `<name>.jsonl`
+(`write_part`), and readers merge the parts (`read_merged`), so no writer can lose another's
+records on any file system, object stores included. `<name>.jsonl` is then an export of the
+parts (`export_parts`); a directory written before parts existed has the file only, which is
+read as before, and its first part is preceded by a copy of it. `add_records` writes a part
+and the export in one call.
 
 Every path may be local or remote (`gs://...`, see `cbs.results.paths`). Locally a
 replacement is a temporary file, fsync and rename, and an append is one `write` on an
@@ -54,8 +56,9 @@ from cbs.results import paths
 from cbs.results.paths import PathLike
 
 __all__ = [
-    "CorruptRecordWarning", "append_records", "plain_value", "read_json", "read_records",
-    "repair_tail", "truncate_records", "write_atomic", "write_error", "write_json_atomic",
+    "CorruptRecordWarning", "add_records", "append_records", "plain_value", "read_json",
+    "read_records", "repair_tail", "truncate_records", "write_atomic", "write_error",
+    "write_json_atomic",
 ]
 
 
@@ -260,6 +263,19 @@ def export_parts(path: PathLike, keys: Sequence[str]) -> bool:
         return False
     write_atomic(path, data)
     return True
+
+
+def add_records(path: PathLike, keys: Sequence[str],
+                records: Sequence[Mapping[str, Any]]) -> str:
+    """Adds `records` (each holding `keys`) to records file `path`, which other processes may
+    also write: one write-once part (`write_part`, named after the first record's keys),
+    then `path` rewritten as the export of every part (`export_parts`), so it reads as
+    before. Read them back with `read_merged(path, keys)`. Returns the part's path."""
+    first = "_".join(str(records[0][k]) for k in keys)
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in ".-") else "_" for c in first)
+    part = write_part(path, part_name([safe.strip("_") or "record"]), records)
+    export_parts(path, keys)
+    return part
 
 
 def repair_tail(path: PathLike) -> int:

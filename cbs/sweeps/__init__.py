@@ -1,10 +1,10 @@
 """Batch-size sweeps: the trial grid (`grid`), running trials (`trials`, `groups`), the
 launcher (`launch`), batch-size ramps beside a sweep (`ramps`), the reference-trajectory
-protocol (`reference`) and branch studies (`branches`, one unit of which is `branch_unit`, with
-the reference run's noise in `branch_noise`); every trial runner records the one noise
-measurement of `cbs.engine.measure`."""
+protocol (`reference`) and branch studies (`branches`, their config in `branch_config`, one
+unit of which is `branch_unit`, with the reference run's noise in `branch_noise`); every trial
+runner records the one noise measurement of `cbs.engine.measure`."""
 
 __all__ = [
-    "branch_noise", "branch_unit", "branches", "grid", "groups", "launch", "ramps", "reference",
-    "trials",
+    "branch_config", "branch_noise", "branch_unit", "branches", "grid", "groups", "launch",
+    "ramps", "reference", "trials",
 ]  # its modules

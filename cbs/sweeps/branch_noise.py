@@ -12,9 +12,10 @@ full-data Hessian, not the Hessian of the examples weighed (the same-batch estim
 inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG. Cost per
 checkpoint: N per-example gradients and m + 1 HVPs over N examples.
 
-Records (`reference_noise.jsonl`, one per checkpoint, appended): step, examples_seen,
-num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`), estimator
-(`NOISE_ESTIMATOR`).
+Records (`reference_noise.jsonl`, one per checkpoint, each a write-once part in
+`reference_noise.d/` with the file as their export, `cbs.results.records.add_records`): step,
+examples_seen, num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`),
+estimator (`NOISE_ESTIMATOR`).
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 
 def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
                              runner: Any, points: Sequence[int]) -> None:
-    """Appends the exact noise measurements (`files.REFERENCE_NOISE_FILE`) the study does not
-    have yet."""
+    """Adds the exact noise measurements (`files.REFERENCE_NOISE_FILE`) the study does not
+    have yet, each as a write-once part."""
     path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
-    records.repair_tail(path)
-    done = {r["step"] for r in records.read_records(path)}
+    keys = files.REFERENCE_POINT_KEYS
+    done = {r["step"] for r in records.read_merged(path, keys)}
     for step in noise_steps(config, runner.ckpt.all_steps(), points):
         if step not in done:
-            records.append_records(path, [measure_at(runner, step)])
+            records.add_records(path, keys, [measure_at(runner, step)])

@@ -40,19 +40,17 @@ index ≡ i (mod n).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import ml_collections
 
-from cbs import data
+from cbs import data, models
 from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
+from cbs.engine import config as config_lib
 from cbs.engine.counts import position
-from cbs.engine.fields import ConfigError
-from cbs.engine.lr import EXPONENTS, lr_multiplier
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep
 from cbs.engine.vmapped import vmapped_steps
@@ -60,148 +58,22 @@ from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise, branch_unit
+from cbs.sweeps.branch_config import (
+    ema_decay_per_step,
+    lr_factor,
+    reference_batch,
+    reference_run_config,
+    validate_branch_config,
+    window_examples,
+)
 from cbs.sweeps.grid import parse_shard
 
 __all__ = [
-    "BRANCH_LR_RULES", "B_STAR_RULES", "CRITERIA", "EMA_UNITS", "METRICS", "PAPER_WINDOW_STEPS",
-    "UNIT_KEYS",
-    "BranchRunner", "branch_steps", "default_branch_config", "ema_decay_per_step", "lr_factor",
-    "pending_units", "reference_batch", "run_branches", "run_reference", "validate_branch_config",
-    "window_examples", "write_definition",
+    "UNIT_KEYS", "BranchRunner", "branch_steps", "pending_units", "run_branches",
+    "run_reference", "write_definition",
 ]
 
 UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
-
-# The rules a branch study may scale its learning rate by, f(k) = k^p: those of
-# `cbs.engine.lr.LR_RULES` whose f grows with k (p > 0, so not "none").
-BRANCH_LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)
-METRICS = ("loss_ema", "full_train/loss")
-EMA_UNITS = ("step", "reference_batch")
-CRITERIA = ("paper", "ladder")
-B_STAR_RULES = ("k_star", "geometric")
-# Δ of the paper: 2 billion tokens with OLMo's B = 1024 documents × 4096 tokens, i.e. ≈ 477
-# steps at B; in reference steps, rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
-PAPER_WINDOW_STEPS = 512
-
-
-def default_branch_config() -> ml_collections.ConfigDict:
-    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
-
-    The paper's values (its Sec. 3.1 "implementation details" 1–3 as quoted by three
-    independent readings; see README, "Local critical batch size by branched training"):
-    Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the
-    per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k whose smoothed loss is
-    within ε of every smaller k, reported as B* = k*·B. The k ladder is ours (the paper lists
-    its grids per checkpoint in its App. A). `window_fraction` and the reference-noise fields
-    are ours (off by default)."""
-    b = ml_collections.ConfigDict()
-    b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
-    b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
-    b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
-    b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
-    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B, rounded up to a
-    #   multiple of lcm(ks)·B (the paper's 2B tokens ≈ 477 steps at B, Sec. 3.1)
-    b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the branch point,
-    #   rounded up to a multiple of lcm(ks)·B (windows short against the training before
-    #   them at every point); 0 = the fixed Δ above
-    b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
-    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or as a fraction of that min
-    #   ("relative")
-    b.criterion = "paper"  # "paper": k* = largest k within ε of every smaller k; "ladder": the
-    #   same, but the first failing k ends the ladder (a lucky larger k does not count)
-    b.b_star = "k_star"  # reported B*: "k_star" k*·B (paper); "geometric" √(k*·k⁺)·B, the
-    #   log-midpoint between the last passing and the first failing batch
-    b.loss_ema_decay = 0.5  # EMA decay of the batch loss (paper: α = 0.5)
-    b.loss_ema_per = "step"  # the decay applies per step of each branch ("step", paper) or per
-    #   B examples ("reference_batch": decay^k per step of branch k)
-    b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
-    b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
-    b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
-    b.noise_checkpoints = 0  # > 0: B_simple and B_noise measured exactly on the whole training
-    #   set at every branch point and this many log-spaced reference checkpoints (in-memory
-    #   data; `branch_noise.NOISE_ESTIMATOR`); 0 = off
-    b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
-    b.noise_seed = 0  # draw of those m examples
-    return b
-
-
-def validate_branch_config(config: ml_collections.ConfigDict) -> None:
-    """Raises `ConfigError` naming the `config.branch.*` (or engine) field to change."""
-    b = config.branch
-
-    def fail(field: str, problem: str) -> NoReturn:
-        raise ConfigError(f"config.{field}: {problem}")
-
-    ks = [int(k) for k in b.ks]
-    if not ks or ks[0] != 1 or any(y <= x for x, y in zip(ks, ks[1:], strict=False)):
-        fail("branch.ks", f"give increasing multipliers starting at 1, got {tuple(b.ks)}")
-    if b.lr_rule not in BRANCH_LR_RULES:
-        fail("branch.lr_rule", f"use one of {sorted(BRANCH_LR_RULES)}, got {b.lr_rule!r}")
-    if b.tolerance not in ("absolute", "relative"):
-        fail("branch.tolerance", f"must be 'absolute' or 'relative', got {b.tolerance!r}")
-    if not b.epsilon > 0:
-        fail("branch.epsilon", f"must be > 0, got {b.epsilon}")
-    if b.metric not in METRICS:
-        fail("branch.metric", f"use one of {METRICS}, got {b.metric!r}")
-    for field, known in (("loss_ema_per", EMA_UNITS), ("criterion", CRITERIA),
-                         ("b_star", B_STAR_RULES)):
-        if b.get(field, known[0]) not in known:
-            fail(f"branch.{field}", f"use one of {known}, got {b[field]!r}")
-    if not 0 <= b.loss_ema_decay < 1:
-        fail("branch.loss_ema_decay", f"must be in [0, 1), got {b.loss_ema_decay}")
-    if not 0 <= float(b.get("window_fraction", 0.0)) <= 1:
-        fail("branch.window_fraction", f"must be in [0, 1], got {b.window_fraction}")
-    if not b.seeds:
-        fail("branch.seeds", "give at least one data-order seed")
-    if not (b.points_examples or b.points_losses):
-        fail("branch.points_examples", "give branch points (or branch.points_losses)")
-    if config.batch.schedule.kind != "constant":
-        fail("batch.schedule.kind", "must be 'constant' for the reference run of a branch "
-             f"study, got {config.batch.schedule.kind!r}")
-    if config.batch.lr_coupling.rule != "none":
-        fail("batch.lr_coupling.rule", "must be 'none' for the reference run of a branch "
-             f"study, got {config.batch.lr_coupling.rule!r}")
-    big, unit = window_examples(config), _ladder_lcm(ks) * reference_batch(config)
-    if big % unit:
-        fail("branch.window_examples", f"{big} must be a multiple of lcm(ks)·B = {unit} (a "
-             "whole number of steps for every k)")
-
-
-def reference_batch(config: ml_collections.ConfigDict) -> int:
-    """B, the reference run's batch size."""
-    return int(config.batch.schedule.batch_size)
-
-
-def _ladder_lcm(ks: Sequence[int]) -> int:
-    return math.lcm(*[int(k) for k in ks])
-
-
-def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None = None) -> int:
-    """Δ in examples: with `branch.window_fraction` > 0 and the branch point's examples seen,
-    that fraction of them rounded up to a multiple of lcm(ks)·B; else
-    `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a multiple of lcm(ks)·B."""
-    b, bsz = config.branch, reference_batch(config)
-    frac = float(b.get("window_fraction", 0.0))
-    if frac and examples_seen is not None:
-        unit = _ladder_lcm(b.ks) * bsz
-        return max(unit, -(-math.ceil(frac * examples_seen) // unit) * unit)
-    if int(b.window_examples):
-        return int(b.window_examples)
-    unit = _ladder_lcm(b.ks)
-    return -(-PAPER_WINDOW_STEPS // unit) * unit * bsz
-
-
-def ema_decay_per_step(config: ml_collections.ConfigDict, k: int) -> float:
-    """The EMA decay per step of branch k (see `branch.loss_ema_per`)."""
-    b = config.branch
-    decay = float(b.loss_ema_decay)
-    return decay ** k if b.get("loss_ema_per", "step") == "reference_batch" else decay
-
-
-def lr_factor(k: int, rule: str) -> float:
-    """f(k): k for "linear" (SGD), √k for "sqrt" (Adam)."""
-    return float(lr_multiplier(k, 1, rule))
-
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
@@ -361,8 +233,7 @@ class BranchRunner:
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
                   dataset: data.Dataset | None = None) -> None:
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
-    c = spec.run_config(config, spec.RunOverrides(  # branch points need old checkpoints
-        keep_checkpoints=1_000_000), drop=())
+    c = reference_run_config(config)
     ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
     if loop.ended_run(ref_dir, c) is not None:  # a diverged reference run raises again
@@ -414,8 +285,13 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
                  stop_after: int | None = None) -> list[dict[str, Any]]:
     """Reference run, then this shard's pending branch units; returns all branch records.
 
-    `stop_after`: run at most this many units (tests: an interrupted study)."""
+    Every field, the shard and the reference run's config are validated before anything is
+    written. `stop_after`: run at most this many units (tests: an interrupted study)."""
     validate_branch_config(config)
+    parse_shard(shard)
+    config_lib.validate(reference_run_config(config), data_replicas=1,  # one device
+                        model_names=models.model_names(),
+                        dataset_names=None if dataset is not None else data.known_datasets())
     write_definition(config, workdir)
     run_reference(config, workdir, dataset=dataset)
     path = os.path.join(workdir, files.BRANCHES_FILE)

@@ -23,14 +23,13 @@ The sweep directory's files are `cbs.results.store`.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 
 from cbs.analysis import edges
+from cbs.engine import fields
 from cbs.engine.fields import ConfigError
 from cbs.engine.lr import LR_RULES, lr_multiplier
 from cbs.engine.noise_spec import check_moved_keys
@@ -109,57 +108,62 @@ class Trial:
         return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
 
 
-def _real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+# Whole-number fields of config.sweep and their least value (what each counts is in
+# `default_sweep_config`), number fields, switches, and the lists: (what, whole, least,
+# strictly above it).
+_INTEGER_FIELDS = {
+    "base_batch_size": 1, "extend_lr_rounds": 0, "extend_lr_count": 1, "max_examples": 0,
+    "max_steps": 0, "evals_per_trial": 2, "noise_window": 1, "divergence_patience": 1,
+    "noise_reference_batch_size": 1, "noise_reference_evals": 2,
+    "noise_reference_deviations": 0, "checkpoint_every_evals": 1,
+}
+_NUMBER_FIELDS = ("base_lr", "max_lr", "min_lr", "divergence_factor", "loss_ema_decay")
+_SWITCH_FIELDS = ("vmap_trials", "stop_when_dominated")
+_LIST_FIELDS = {"batch_sizes": ("examples per step", True, 0, True),
+                "learning_rates": ("empty: the lr_rule grid", False, 0, True),
+                "lr_factors": ("factors around the grid centre", False, 0, True),
+                "seeds": ("training seeds", True, 0, False)}
+
+
+def _check_types(sweep: ml_collections.ConfigDict) -> None:
+    """Every present field of the right type and sign, before any comparison reads it."""
+    targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
+    fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
+                         finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,
+                         lists=_LIST_FIELDS | {"targets": targets})
 
 
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
-    """Raises `ConfigError` naming the field of an invalid sweep definition."""
+    """Raises `ConfigError` naming the field of an invalid sweep definition: the type and range
+    of every field, then how they fit together."""
     def fail(field: str, why: str) -> None:
         raise ConfigError(f"config.sweep.{field}: {why}")
 
+    check_moved_keys(sweep)
+    _check_types(sweep)
     if not sweep.batch_sizes:
         fail("batch_sizes", "needs at least one batch size")
-    if any(int(b) != b or b <= 0 for b in sweep.batch_sizes):
-        fail("batch_sizes", f"must be positive integers, got {tuple(sweep.batch_sizes)}")
     if len(set(sweep.batch_sizes)) != len(sweep.batch_sizes):
         fail("batch_sizes", f"has duplicates: {tuple(sweep.batch_sizes)}")
-    if sweep.learning_rates:
-        if any(not lr > 0 for lr in sweep.learning_rates):
-            fail("learning_rates", f"must be positive, got {tuple(sweep.learning_rates)}")
-    else:
-        if not sweep.base_lr > 0:
-            fail("base_lr", f"must be positive, got {sweep.base_lr}")
-        if not sweep.base_batch_size > 0:
-            fail("base_batch_size", f"must be positive, got {sweep.base_batch_size}")
+    if not sweep.learning_rates:
         if sweep.lr_rule not in LR_RULES:
             fail("lr_rule", f"must be one of {list(LR_RULES)}, got {sweep.lr_rule!r}")
-        if not sweep.lr_factors or any(not f > 0 for f in sweep.lr_factors):
-            fail("lr_factors", f"must be positive, got {tuple(sweep.lr_factors)}")
+        if not sweep.base_lr > 0:
+            fail("base_lr", f"must be positive, got {sweep.base_lr}")
+        if not sweep.lr_factors:
+            fail("lr_factors", "needs at least one factor (or give learning_rates)")
     if not sweep.seeds:
         fail("seeds", "needs at least one seed")
     if not sweep.targets:
         fail("targets", "needs at least one target loss")
-    if isinstance(sweep.targets, str) or not all(_real(t) for t in sweep.targets):
-        fail("targets", f"must be numbers (losses), got {sweep.targets!r}")
-    if any(not 0 < t < math.inf for t in sweep.targets):
-        fail("targets", f"must be finite and > 0 ({sweep.target_metric} is a loss, never below "
-             f"0), got {tuple(sweep.targets)}")
     if sweep.target_metric not in TARGET_METRICS:
         fail("target_metric", f"must be one of {TARGET_METRICS}, got {sweep.target_metric!r}")
-    if sweep.max_examples < 0 or sweep.max_steps < 0:
-        fail("max_steps", "budgets must be >= 0 (0 = no limit)")
+    if not 0 <= sweep.get("loss_ema_decay", 0.0) < 1:
+        fail("loss_ema_decay", f"must be in [0, 1), got {sweep.loss_ema_decay}")
     if sweep.max_examples == 0 and sweep.max_steps == 0:
         fail("max_steps", "set max_steps or max_examples: a trial needs a budget")
-    if sweep.evals_per_trial < 2:
-        fail("evals_per_trial", f"must be >= 2, got {sweep.evals_per_trial}")
-    if sweep.noise_window < 1:
-        fail("noise_window", f"must be >= 1, got {sweep.noise_window}")
     if sweep.divergence_factor < 0 or 0 < sweep.divergence_factor <= 1:
         fail("divergence_factor", f"must be 0 (off) or > 1, got {sweep.divergence_factor}")
-    if sweep.get("divergence_patience", 1) < 1:
-        fail("divergence_patience", f"must be >= 1, got {sweep.divergence_patience}")
-    check_moved_keys(sweep)
     if sweep.get("noise_protocol", "per_trial") not in ("per_trial", "reference"):
         fail("noise_protocol", f"must be 'per_trial' or 'reference', got "
              f"{sweep.noise_protocol!r}")
@@ -171,10 +175,6 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("max_lr", "learning-rate cap and floor must be >= 0 (0 = none)")
     if sweep.max_lr and sweep.min_lr > sweep.max_lr:
         fail("min_lr", f"is above max_lr ({sweep.min_lr} > {sweep.max_lr})")
-    if sweep.extend_lr_rounds < 0:
-        fail("extend_lr_rounds", f"must be >= 0, got {sweep.extend_lr_rounds}")
-    if sweep.extend_lr_count < 1:
-        fail("extend_lr_count", f"must be >= 1, got {sweep.extend_lr_count}")
 
 
 def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> list[float]:

@@ -7,7 +7,9 @@ and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, 
 trial, once the sweep's progress metric has crossed every target, and it records the steps S
 and the examples E at each crossing (each interpolated between evaluations on its own
 axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
-directory, where `cbs.analysis.report` draws them on each target's S–E plane against the frontier
+directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
+export, so launchers on several hosts lose none; `cbs.results.records.add_records`), where
+`cbs.analysis.report` draws them on each target's S–E plane against the frontier
 S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
 every fixed batch size; on it, it matched one.
 
@@ -30,18 +32,22 @@ from typing import Any
 import jax
 import ml_collections
 
+from cbs import data, models
 from cbs.analysis import selection
-from cbs.engine import preemption, spec, trainer
+from cbs.engine import config as config_lib
+from cbs.engine import fields, preemption, schedules, spec, trainer
 from cbs.engine.fields import ConfigError
+from cbs.engine.lr import LR_RULES
 from cbs.engine.writer import CountBar
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
 from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 __all__ = [
-    "RAMPS_DIR", "best_learning_rate", "check_ramps", "ramp_config", "ramp_overrides",
-    "ramp_record", "run_dir_name", "run_ramps",
+    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps",
+    "ramp_config", "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps",
+    "validate_ramps",
 ]
 
 RAMPS_DIR = "ramps"
@@ -55,14 +61,11 @@ def run_dir_name(label: str) -> str:
 
 def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
     """label -> run directory; a directory named by the raw label (older sweeps) is kept."""
-    names = [run_dir_name(label) for label in labels]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"config.ramps: labels {labels} give clashing directory names {names};"
-                         " make them differ in more than spaces and punctuation")
     out = {}
-    for label, name in zip(labels, names, strict=True):
+    for label in labels:
+        name = run_dir_name(label)
         legacy = os.path.join(sweep_dir, RAMPS_DIR, label)
-        out[label] = legacy if label != name and os.path.isdir(legacy) else os.path.join(
+        out[label] = legacy if label != name and paths.isdir(legacy) else os.path.join(
             sweep_dir, RAMPS_DIR, name)
     return out
 
@@ -87,19 +90,98 @@ def _learning_rate(spec: Any, sweep_dir: str) -> float:
     return float(spec)
 
 
-def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str) -> None:
-    """Refuses, before anything trains, ramps that cannot run beside this sweep: labels that
-    clash, a "best@B" at a batch size the sweep does not train, or a sweep directory whose
-    trials were trained with a different config (`SweepStore.check_definition`)."""
-    labels = [run["label"] for run in config.ramps]
+# The fields of a config.ramps entry: those without a default, then the optional ones with
+# their least value (whole numbers) or their kind.
+RAMP_REQUIRED = ("label", "schedule", "learning_rate")
+_RAMP_INTEGERS = {"micro_batch": 1, "seed": 0, "eval_every": 1, "max_steps": 0,
+                  "max_examples": 0, "adapt_every": 1}
+_COUPLING_FIELDS = ("rule", "base_batch_size", "cap")
+RAMP_FIELDS = (*RAMP_REQUIRED, "lr_coupling", "name", *_RAMP_INTEGERS)
+
+
+def validate_ramps(config: ml_collections.ConfigDict, *, replicas: int | None = None) -> None:
+    """Refuses, before anything is written, `config.ramps` entries that cannot run: the type
+    and range of every field (`RAMP_FIELDS`; an unknown one is a typo), labels that are not
+    unique or give clashing directory names, a "best@B" at a batch size the sweep does not
+    train, and the run config of each ramp as the engine validates it (`ramp_config`, with
+    `replicas` data replicas, by default those of `config.mesh` on this host's devices).
+    Raises `ConfigError` naming `config.ramps[i].field`."""
+    runs = config.get("ramps")
+    if not isinstance(runs, (list, tuple)) or not runs:
+        raise ConfigError("config.ramps: must be a non-empty list of ramps (dicts with "
+                          f"{', '.join(RAMP_REQUIRED)}), got {runs!r}")
+    sizes = sorted({int(b) for b in config.sweep.batch_sizes})
+    if replicas is None:
+        n = config.mesh
+        replicas = jax.device_count() // max(1, n.model) if n.data == -1 else int(n.data)
+    for i, run in enumerate(runs):
+        _validate_ramp(config, run, f"config.ramps[{i}]", sizes, replicas)
+    labels = [run["label"] for run in runs]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"config.ramps: labels must be unique, got {labels}")
-    sizes = sorted({int(b) for b in config.sweep.batch_sizes})
-    for i, run in enumerate(config.ramps):
-        spec = run["learning_rate"]
-        if isinstance(spec, str) and spec.startswith("best@") and int(spec[5:]) not in sizes:
-            raise ConfigError(f"config.ramps[{i}].learning_rate: {spec!r} names a batch size the"
-                             f" sweep does not train (config.sweep.batch_sizes={sizes})")
+    names = [run_dir_name(label) for label in labels]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config.ramps: labels {labels} give clashing directory names {names};"
+                          " make them differ in more than spaces and punctuation")
+
+
+def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: list[int],
+                   replicas: int) -> None:
+    if not hasattr(run, "keys"):
+        raise ConfigError(f"{at}: must be a dict with {', '.join(RAMP_REQUIRED)}, got {run!r}")
+    if unknown := sorted(set(run.keys()) - set(RAMP_FIELDS)):
+        raise ConfigError(f"{at}: unknown fields {unknown}; known: {list(RAMP_FIELDS)}")
+    for field in ("label", "name"):
+        if field in run or field == "label":
+            value = fields.get(run, field, at)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{at}.{field}: must be a non-empty string, got {value!r}")
+    for field, least in _RAMP_INTEGERS.items():
+        if field in run:
+            fields.integer(run, field, at, minimum=least)
+    schedule = fields.get(run, "schedule", at)
+    try:
+        schedules.batch_schedule_from_config(schedule)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"{at}.schedule: {err}") from None
+    lr = fields.get(run, "learning_rate", at)
+    if isinstance(lr, str):
+        best = re.fullmatch(r"best@(\d+)", lr)
+        if best is None:
+            raise ConfigError(f"{at}.learning_rate: must be a number > 0 or 'best@B' (B a swept "
+                              f"batch size), got {lr!r}")
+        if int(best[1]) not in sizes:
+            raise ConfigError(f"{at}.learning_rate: {lr!r} names a batch size the sweep does "
+                              f"not train (config.sweep.batch_sizes={sizes})")
+    elif fields.finite(run, "learning_rate", at) <= 0:
+        raise ConfigError(f"{at}.learning_rate: must be > 0, got {lr!r}")
+    if "lr_coupling" in run:
+        coupling = run["lr_coupling"]
+        where = f"{at}.lr_coupling"
+        if not hasattr(coupling, "keys") or set(coupling.keys()) - set(_COUPLING_FIELDS):
+            raise ConfigError(f"{where}: must be a dict of {list(_COUPLING_FIELDS)}, got "
+                              f"{coupling!r}")
+        fields.choice(coupling, "rule", where, LR_RULES)
+        if "base_batch_size" in coupling:
+            fields.integer(coupling, "base_batch_size", where, minimum=0)
+        if "cap" in coupling:
+            fields.number(coupling, "cap", where)
+    if isinstance(lr, str):  # the sweep's best rate is read later; any rate checks the rest
+        run = dict(run, learning_rate=float(config.optim.learning_rate))
+    try:
+        config_lib.validate(ramp_config(config, dict(run), ""), data_replicas=replicas,
+                            model_names=models.model_names(),
+                            dataset_names=data.known_datasets())
+    except ConfigError as err:
+        raise ConfigError(f"{at}: as a run, {err}") from None
+
+
+def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *,
+                mesh: jax.sharding.Mesh | None = None) -> None:
+    """Refuses, before anything trains, ramps that cannot run beside this sweep: any
+    `validate_ramps` finds, or a sweep directory whose trials were trained with a different
+    config (`SweepStore.check_definition`). Reads the directory, writes nothing."""
+    validate_ramps(config, replicas=None if mesh is None else int(mesh.shape["data"]))
     SweepStore(sweep_dir).check_definition(
         launch.sweep_definition(config, grid.make_trials(config.sweep)), "config.ramps")
 
@@ -178,14 +260,12 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     micro_batch × data replicas. `out_dir` (default: sweep_dir) holds ramps.jsonl and the
     runs, so a study of ramps can sit beside a finished sweep without touching it.
     """
-    check_ramps(config, sweep_dir)
+    check_ramps(config, sweep_dir, mesh=mesh)
     out_dir = out_dir or sweep_dir
-    os.makedirs(out_dir, exist_ok=True)
+    paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
-    done = {r["label"]: r for r in records.read_records(path, required=("label",))}
+    done = {r["label"]: r for r in records.read_merged(path, files.RAMP_KEYS)}
     labels = [run["label"] for run in config.ramps]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"config.ramps: labels must be unique, got {labels}")
     run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):
@@ -199,11 +279,12 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
             preemption.check(f"before ramp {run['label']}")
             _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
             bar.update()
-    return records.read_records(path, required=("label",))
+    return records.read_merged(path, files.RAMP_KEYS)
 
 
 def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
-    """Trains one ramp (or resumes it), appends its record to ramps.jsonl, logs its line."""
+    """Trains one ramp (or resumes it), adds its record to ramps.jsonl (a write-once part and
+    the export), logs its line."""
     c = ramp_config(config, run, sweep_dir)
     monitor = ProgressMonitor(config.sweep)
     summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
@@ -211,7 +292,7 @@ def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
     status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
     rec = ramp_record(run["label"], recs, config.sweep, status, c.optim.learning_rate)
     rec["spec"] = json.loads(json.dumps(run))
-    records.append_records(path, [rec])
+    records.add_records(path, files.RAMP_KEYS, [rec])
     cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                       for k, s in rec["steps_to_target"].items())
     log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")
