@@ -197,7 +197,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         raise
 
 
-_RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE)
+_RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE, files.WANDB_RUN_FILE)
 _RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
 
 

@@ -3,7 +3,8 @@
 Writers and readers take the names from here, so the two cannot disagree.
 
 - a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE (the records),
-  STATUS_FILE (the summary), plus `checkpoints/` and `tensorboard/` (their owners' names);
+  STATUS_FILE (the summary), WANDB_RUN_FILE (the id of its W&B run, when it has one), plus
+  `checkpoints/` and `tensorboard/` (their owners' names);
 - a sweep directory (`cbs.results.store`, `cbs.sweeps`, `cbs.analysis.report`): TRIALS_FILE,
   CSV_FILE, SWEEP_FILE, RAMPS_FILE, ANALYSIS_FILE, REPORT_FILE, FIGURES_DIR, and the reference
   trajectory in REFERENCE_DIR with its exact noise measurements in REFERENCE_NOISE_FILE;
@@ -20,12 +21,13 @@ __all__ = [
     "ANALYSIS_FILE", "BRANCHES_FILE", "CONFIG_FILE", "CSV_FILE", "DEFINITION_FILE", "FIGURES_DIR",
     "FIGURE_FILE", "METRICS_FILE", "PAYOFF_FIGURE_FILE", "PAYOFF_FILE", "PAYOFF_REPORT_FILE",
     "RAMPS_FILE", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REPORT_FILE", "SIZES_FIGURE_FILE",
-    "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR",
+    "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR", "WANDB_RUN_FILE",
 ]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
+WANDB_RUN_FILE = "wandb_run.json"
 
 TRIALS_FILE = "trials.jsonl"
 CSV_FILE = "trials.csv"
