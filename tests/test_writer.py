@@ -137,6 +137,30 @@ def test_a_group_takes_its_bar_and_mirrors_from_the_sweep(tmp_path):
         label=os.path.basename(group.workdir), nested=True)
 
 
+def test_a_trial_run_one_by_one_takes_the_sweeps_bar_and_mirrors(tmp_path, monkeypatch):
+    """The other back end of sweeps (`sweep.vmap_trials=False`): each trial is a quiet run
+    of the engine given the sweep's outputs."""
+    from cbs.results import store
+    from cbs.sweeps import grid, trials
+
+    class _Given(Exception):
+        pass
+
+    def fake_run(config, workdir, **kwargs):
+        raise _Given(config, kwargs["outputs"])
+
+    monkeypatch.setattr(trials.trainer, "run", fake_run)
+    c = _tiny_sweep()
+    c.train.wandb = "project"
+    trial = grid.make_trials(c.sweep)[0]
+    with pytest.raises(_Given) as given:
+        trials.run_trial_engine(c, trial, store.SweepStore(str(tmp_path / "sw")))
+    run_config, outputs = given.value.args
+    assert run_config.train.wandb == "" and not run_config.train.progress_bar
+    assert outputs == writer.Outputs(progress=bool(c.train.progress_bar), wandb="project",
+                                     wandb_group="sw", label=trial.trial_id, nested=True)
+
+
 def _tiny_sweep():
     from experiments.configs import digits_sweep
 
