@@ -62,7 +62,7 @@ def test_wheel_holds_the_library_its_data_and_license_only(wheel):
     assert "Classifier: License ::" not in text  # superseded by the SPDX expression
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert "Name: cbs-jax\n" in text and f"Version: {version}\n" in text
-    for extra in ("tfds", "mnist1d", "tensorboard", "gcs", "all", "test"):
+    for extra in ("tfds", "mnist1d", "tensorboard", "wandb", "gcs", "all", "test"):
         assert f"Provides-Extra: {extra}\n" in text
 
 

@@ -1,8 +1,8 @@
 """README's commands on the plain install (`pip install -e .`, no extras).
 
 A plain install is simulated, not built: each command runs in a fresh Python whose import
-of every optional extra's package (tensorboardX, mnist1d, tensorflow_datasets, tensorflow,
-gcsfs) fails as if it were not installed (`sys.modules[name] = None` before the command
+of every optional extra's package (tensorboardX, wandb, mnist1d, tensorflow_datasets,
+tensorflow, gcsfs) fails as if it were not installed (`sys.modules[name] = None` before the command
 starts). The core dependencies are the same as in a plain install. Commands that need no
 extra must succeed; a command that needs one must stop with one line on stderr naming it,
 exit status 2, and leave no directory behind. Tiny config variants keep them short; the
@@ -20,7 +20,7 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXTRAS = ("tensorboardX", "mnist1d", "tensorflow_datasets", "tensorflow", "gcsfs")
+EXTRAS = ("tensorboardX", "wandb", "mnist1d", "tensorflow_datasets", "tensorflow", "gcsfs")
 _SHIM = f"""
 import runpy, sys
 for name in {EXTRAS!r}:
@@ -75,6 +75,7 @@ def test_training_command_runs_without_tensorboard(tmp_path):
 @pytest.mark.parametrize("target,args,extra", [
     ("experiments.main", ("digits_mlp.py:tiny", "--config.train.tensorboard=True"),
      "tensorboard"),
+    ("experiments.main", ("digits_mlp.py:tiny", "--config.train.wandb=cbs"), "wandb"),
     ("experiments.main", ("mnist1d_mlp.py:tiny",), "mnist1d"),
     ("experiments.main", ("cnn.py",), "tfds"),
     ("experiments.sweep", ("cnn_sweep.py:mnist",), "tfds"),

@@ -12,8 +12,9 @@
   spec of a measurement, from `config.noise`), `measure` (the one call every path measures
   through);
 - runtime plumbing: `mesh` (device mesh and shardings), `checkpoint` (orbax), `writer`
-  (records, TensorBoard, progress bar), `throughput` (tokens/s, MFU), `preemption`
-  (SIGTERM and Ctrl-C), `distributed` (multi-host start-up), `cli` (entry-point plumbing).
+  (a run's records and their TensorBoard and W&B mirrors, progress bars), `throughput`
+  (tokens/s, MFU), `preemption` (SIGTERM and Ctrl-C), `distributed` (multi-host start-up),
+  `cli` (entry-point plumbing).
 """
 
 __all__ = [

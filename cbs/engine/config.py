@@ -131,6 +131,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;
     #   needs the [tensorboard] extra, checked before anything is written)
+    c.train.wandb = ""  # W&B project to mirror the records to ("" = none; process 0; needs
+    #   the [wandb] extra; entity, offline mode and directory from WANDB_ENTITY, WANDB_MODE,
+    #   WANDB_DIR). Counts in the config hash only when set
 
     c.eval = ml_collections.ConfigDict()
     c.eval.enabled = True  # evaluate at all (every eval.every steps and at the end of the run)

@@ -68,8 +68,14 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
-    """A short hash of the config's JSON (equal configs, equal hashes)."""
-    return hashlib.sha1(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
+    """A short hash of the config's JSON (equal configs, equal hashes). `train.wandb` counts
+    only when set: runs from before it existed keep their hash."""
+    text = config.to_json(sort_keys=True)
+    if config.get("train") is not None and config.train.get("wandb", None) == "":
+        plain = json.loads(text)
+        del plain["train"]["wandb"]
+        text = json.dumps(plain, sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
@@ -98,6 +104,9 @@ def validate_train_config(train_config: Any) -> None:
     for field in ("log_every", "record_every", "checkpoint_every", "keep_checkpoints",
                   "divergence_patience"):
         fields.integer(t, field, at)
+    if not isinstance(t.get("wandb", ""), str):
+        raise fields.ConfigError(f'{at}.wandb: must be a W&B project name, or "" for none, '
+                                 f"got {t.wandb!r}")
     if not isinstance(t.get("grad_norm", True), bool):
         raise fields.ConfigError(f"{at}.grad_norm: must be True or False, got "
                                  f"{t.grad_norm!r}")
@@ -338,13 +347,14 @@ class Loop:
         """Runs to the end; returns the summary (also written to status.json)."""
         self.start = time.perf_counter()
         c = self.config
-        if c.train.tensorboard and self.primary:
-            writer.summary_writer_class()  # a missing extra stops the run before any file
+        outputs = writer.Outputs.of(self.driver, c)  # bar, TensorBoard, W&B
+        if self.primary:
+            outputs.check()  # a missing extra stops the run before any file
         self._restore_or_init()
         save_config(c, self.workdir)
-        self.writer = writer.MetricsWriter(
-            self.workdir, start_step=self.t, total_steps=c.train.max_steps or None,
-            enabled=self.primary, progress=c.train.progress_bar, tensorboard=c.train.tensorboard)
+        self.writer = outputs.open(self.workdir, start_step=self.t,
+                                   total_steps=c.train.max_steps or None, enabled=self.primary,
+                                   hparams=c.to_dict() if outputs.wandb else None)
         self._write_status(self._summary("running"))
         try:
             with preemption.active():

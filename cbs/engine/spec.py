@@ -62,7 +62,7 @@ class RunOverrides:
     divergence_factor: float | None = None  # train.divergence_factor: × the early loss that
     #   counts as diverged; 0 = the engine never declares divergence
     keep_checkpoints: int | None = None  # train.keep_checkpoints: checkpoints kept on disk
-    quiet: bool = False  # True: train.progress_bar and train.tensorboard off
+    quiet: bool = False  # True: train.progress_bar, train.tensorboard and train.wandb off
     eval_enabled: bool | None = None  # eval.enabled: evaluate at all
     eval_every: int | None = None  # eval.every: steps between evaluations; 0 = at the end
     eval_steps: tuple[int, ...] | None = None  # eval.steps: steps after which to evaluate
@@ -184,6 +184,8 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
     if o.quiet:
         c.train.progress_bar = False
         c.train.tensorboard = False
+        if "wandb" in c.train:
+            c.train.wandb = ""
     _set(c.eval, "enabled", o.eval_enabled)
     _set(c.eval, "every", o.eval_every)
     _set(c.eval, "steps", o.eval_steps)

@@ -50,7 +50,7 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, counts, measure
+from cbs.engine import checkpoint, counts, measure, writer
 from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
@@ -88,6 +88,7 @@ class Trainer(RunParts):
             on_eval = measure.EvalMeasurement(self.noise_spec, seed=int(config.seed),
                                               steps=config.eval.get("steps", ()))
         self.workdir, self.on_eval, self.start = workdir, on_eval, start
+        self.outputs: writer.Outputs | None = None  # the bar and mirrors; None: the config's
         self.start_position = (0, 0) if start is None else counts.position(start)
 
     # ------------------------------------------------------------------ the loop's driver
@@ -162,7 +163,8 @@ class Trainer(RunParts):
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | None = None,
         raise_on_divergence: bool = True, mesh: jax.sharding.Mesh | None = None,
-        on_eval: EvalFn | None = None) -> dict[str, Any]:
+        on_eval: EvalFn | None = None, outputs: writer.Outputs | None = None
+        ) -> dict[str, Any]:
     """Trains (or resumes, or returns the summary of an ended run) in `workdir`.
 
     Args:
@@ -176,6 +178,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
       mesh: device mesh (default from config.mesh).
       on_eval: on_eval(trainer, state, step) -> {record key: device scalar}, fields added to
         every eval record (`EvalFn`); not part of the config, so not of its hash.
+      outputs: the bar and mirrors (default: the config's, `cbs.engine.writer.Outputs`); a
+        sweep's trial takes the sweep's.
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
@@ -185,6 +189,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     fresh = not _has_checkpoint(workdir)
     try:
         trainer = Trainer(config, workdir, mesh=mesh, on_eval=on_eval)
+        trainer.outputs = outputs  # None: the config's (`writer.Outputs.of`)
         try:
             return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
         finally:
@@ -197,7 +202,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         raise
 
 
-_RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE)
+_RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE, files.WANDB_RUN_FILE)
 _RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
 
 

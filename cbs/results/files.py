@@ -7,7 +7,8 @@ REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.records.
 `cbs.sweeps.branches.UNIT_KEYS`, and those named here beside the other two files.
 
 - a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE (the records),
-  STATUS_FILE (the summary), plus `checkpoints/` and `tensorboard/` (their owners' names);
+  STATUS_FILE (the summary), WANDB_RUN_FILE (the id of its W&B run, when it has one), plus
+  `checkpoints/` and `tensorboard/` (their owners' names);
 - a sweep directory (`cbs.results.store`, `cbs.sweeps`, `cbs.analysis.report`): TRIALS_FILE,
   CSV_FILE, SWEEP_FILE, RAMPS_FILE, ANALYSIS_FILE, REPORT_FILE, FIGURES_DIR, and the reference
   trajectory in REFERENCE_DIR with its exact noise measurements in REFERENCE_NOISE_FILE;
@@ -25,12 +26,13 @@ __all__ = [
     "FIGURE_FILE", "METRICS_FILE", "PAYOFF_FIGURE_FILE", "PAYOFF_FILE", "PAYOFF_REPORT_FILE",
     "RAMPS_FILE", "RAMP_KEYS", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REFERENCE_POINT_KEYS",
     "REFERENCE_RUN_KEYS", "REPORT_FILE", "SIZES_FIGURE_FILE", "SIZES_FILE", "STATUS_FILE",
-    "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR",
+    "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR", "WANDB_RUN_FILE",
 ]
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
+WANDB_RUN_FILE = "wandb_run.json"
 
 TRIALS_FILE = "trials.jsonl"
 CSV_FILE = "trials.csv"

@@ -54,7 +54,7 @@ GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "l
                "extend_lr_count")
 # Config fields that change no record: output, profiling and checkpoint spacing (a resume is
 # bit-identical whatever the spacing), and the sections of studies that read a sweep.
-OUTPUT_FIELDS = ("train.progress_bar", "train.tensorboard", "perf.peak_flops",
+OUTPUT_FIELDS = ("train.progress_bar", "train.tensorboard", "train.wandb", "perf.peak_flops",
                  "perf.profile_start", "perf.profile_steps", "perf.compilation_cache_dir")
 IGNORED_FIELDS = OUTPUT_FIELDS + ("train.checkpoint_every", "train.keep_checkpoints",
                                   "sweep.checkpoint_every_evals", "ramps", "branch")

@@ -12,8 +12,10 @@ Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when 
 carry them) into bias-corrected EMAs, numerator and denominator apart (their ratio is not
 unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.smoothing.NoiseScaleEMA` in one
 compiled update that stays on the device. Every `every` calls the smoothed values are read
-back once and appended to `history` and passed to `log`. `b_simple` / `b_noise` read the
-current values (a host sync).
+back once, appended to `history`, passed to `log` and written to `writer`: any metric writer
+with clu's `write_scalars(step, scalars)` (`cbs.results.writers`: JSON lines, TensorBoard,
+W&B, several at once; or a clu writer). `b_simple` / `b_noise` read the current values (a host
+sync).
 """
 
 from __future__ import annotations
@@ -48,29 +50,43 @@ class NoiseMonitor:
       decay: EMA decay per update (0.95 averages about the last 20 batches).
       every: read back and log every this many updates (0: never log, read on demand).
       log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats.
+      writer: a metric writer, called as writer.write_scalars(step, {...}) with the same
+        values (`cbs.results.writers`); the caller closes it.
+
+    The step of a log is the number of updates so far, or the `step` given to `update` (the
+    training loop's own, so that the noise scale lines up with its other metrics).
     """
 
     def __init__(self, *, decay: float = 0.95, every: int = 100,
-                 log: Callable[[int, dict[str, float]], Any] | None = None):
+                 log: Callable[[int, dict[str, float]], Any] | None = None,
+                 writer: Any = None):
         if every < 0:
             raise ValueError(f"every must be >= 0, got {every}")
+        if writer is not None and not callable(getattr(writer, "write_scalars", None)):
+            raise TypeError("writer must have a write_scalars(step, scalars) method (a "
+                            f"cbs.results.writers.MetricWriter), got {type(writer).__name__}")
         self.ema = NoiseScaleEMA.init(decay)
-        self.every, self.log, self.step = every, log, 0
+        self.every, self.log, self.writer, self.updates = every, log, writer, 0
+        self.step = 0  # the step of the last update
         self.history: list[tuple[int, dict[str, float]]] = []
 
-    def update(self, stats: NoiseStats) -> None:
-        """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`)."""
+    def update(self, stats: NoiseStats, *, step: int | None = None) -> None:
+        """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`);
+        `step`: the training loop's step (default: the number of updates)."""
         if stats.g_h_g is not None and stats.trace_h_sigma is not None:
             self.ema = _fold_curvature(self.ema, stats.grad_sq_norm, stats.trace_sigma,
                                        stats.trace_h_sigma, stats.g_h_g)
         else:
             self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma)
-        self.step += 1
-        if self.every and self.step % self.every == 0:
+        self.updates += 1
+        self.step = self.updates if step is None else int(step)
+        if self.every and self.updates % self.every == 0:
             values = self.values()
             self.history.append((self.step, values))
             if self.log is not None:
                 self.log(self.step, values)
+            if self.writer is not None:
+                self.writer.write_scalars(self.step, values)
 
     def values(self) -> dict[str, float]:
         """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN before the

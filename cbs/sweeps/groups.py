@@ -24,7 +24,9 @@ step, kind="eval", trial (the trial's index), data/examples_seen, the progress m
 train/loss_ema, noise/ema_b_simple and the measured noise/* statistics), status.json and a
 checkpoint of the stacked state and loss EMAs every `sweep.checkpoint_every_evals`
 evaluations; a killed group resumes from there and ends with the same records as an
-uninterrupted one.
+uninterrupted one. While it runs, a progress bar follows its steps (inside the sweep's bar of
+trials), and the sweep's `train.tensorboard` and `train.wandb` mirror its records, one curve
+per trial (`cbs.engine.writer.Outputs`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from cbs.engine.parts import RunParts
 from cbs.engine.progress import DivergenceRule
 from cbs.engine.step import TrainState
 from cbs.engine.vmapped import vmapped_steps
+from cbs.engine.writer import Outputs
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import Trial
@@ -102,6 +105,11 @@ class TrialGroup:
             config.sweep.checkpoint_every_evals if checkpoint_every_evals is None
             else checkpoint_every_evals))
         self.store, self.workdir = store, group_dir(store, trials)
+        # what the group shows and mirrors: the sweep's settings (its run config is quiet); a
+        # bar over the group's steps inside the sweep's bar of trials
+        self.outputs = Outputs.from_config(
+            config, label=os.path.basename(self.workdir), nested=True,
+            wandb_group=os.path.basename(os.path.normpath(str(store.sweep_dir))))
         overrides = dataclasses.replace(
             trial_overrides(config, trials[0], replicas=1),
             noise_every=0,  # measured here, on separate batches, at each evaluation

@@ -22,6 +22,7 @@ evaluation index).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from cbs.engine.progress import (
     ema_update,
     log_spaced_steps,
 )
+from cbs.engine.writer import Outputs
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
 from cbs.stats import sampled
@@ -259,7 +261,11 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     workdir = store.trial_dir(trial)
     monitor = ProgressMonitor(sweep)
     start = time.perf_counter()
-    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)
+    outputs = Outputs.from_config(  # the sweep's bar and mirrors (the trial's config is quiet)
+        config, label=trial.trial_id, nested=True,
+        wandb_group=os.path.basename(os.path.normpath(str(store.sweep_dir))))
+    summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh,
+                          outputs=outputs)
     recs = records.read_records(f"{workdir}/{files.METRICS_FILE}")
     curve = curve_from_records(recs, sweep.target_metric, sweep.loss_ema_decay)
     for r in recs:  # a resumed monitor has not seen the records before the restart

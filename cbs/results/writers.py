@@ -1,0 +1,264 @@
+"""Metric writers: one small interface and its back ends.
+
+`MetricWriter` has the shape of clu's metric writers: `write_scalars(step, scalars)`,
+`write_hparams(hparams)`, `flush()` and `close()`. Runs, sweep groups and
+`cbs.stats.monitor.NoiseMonitor` write through it, and anything with a `write_scalars(step,
+scalars)` method can stand in for one (a clu writer too):
+
+- `JsonlWriter`: JSON lines in `metrics.jsonl` (the record of truth of runs, `records`); a
+  run writes its whole records with `write_records`, `write_scalars` adds one record
+  {"step": step, **scalars};
+- `TensorBoardWriter`: tensorboardX event files (the [tensorboard] extra; no TensorFlow);
+- `WandbWriter`: a Weights & Biases run (the [wandb] extra), online, or offline with
+  `WANDB_MODE=offline` (`wandb sync` uploads it later);
+- `MultiWriter`: the same calls to several writers.
+
+The mirrors (TensorBoard, W&B) get a record's numeric fields through `record_scalars`: the
+namespaced keys ("train/loss", "noise/b_simple", ...), and, for a sweep group's records (one
+per trial at each evaluation), the key with the trial appended ("full_train/loss/trial3"), so
+the K trials are K curves.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import numbers
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from cbs import install_command
+from cbs.results import paths
+from cbs.results.files import METRICS_FILE
+from cbs.results.paths import PathLike
+from cbs.results.records import append_records, plain_value, truncate_records
+
+__all__ = [
+    "JsonlWriter", "MetricWriter", "MultiWriter", "TensorBoardWriter", "WandbWriter",
+    "import_wandb", "record_scalars", "tensorboard_writer_class",
+]
+
+
+class MetricWriter(abc.ABC):
+    """Writes scalars against a step (the shape of clu's `MetricWriter`).
+
+    Use it as a context manager, or call `close` when done; `flush` makes what was written
+    durable (a run calls it before each checkpoint).
+    """
+
+    @abc.abstractmethod
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Writes `scalars` ({name: number}) at `step`."""
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:  # noqa: B027  # optional
+        """Records the run's hyperparameters (a nested mapping); ignored by default."""
+
+    def flush(self) -> None:  # noqa: B027  # optional: writers with no buffer
+        """Makes everything written so far durable."""
+
+    def close(self) -> None:
+        """Flushes and releases the writer's files."""
+        self.flush()
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric (not bool) values of `scalars` as floats (NumPy and JAX scalars too)."""
+    out = {}
+    for k, v in scalars.items():
+        v = plain_value(v)
+        if isinstance(v, numbers.Real) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+def record_scalars(record: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
+    """(step, scalars) of a run's record for the mirrors: its numeric fields with a namespaced
+    key ("train/loss"; not "step", "kind" or "trial"), the key suffixed with the trial
+    ("eval/loss/trial3") for a record of one trial of a group."""
+    trial = record.get("trial")
+    suffix = "" if trial is None else f"/trial{trial}"
+    scalars = _numbers({k + suffix: v for k, v in record.items() if "/" in k})
+    return int(record["step"]), scalars
+
+
+class JsonlWriter(MetricWriter):
+    """Appends records to `metrics.jsonl` in `workdir` (`cbs.results.records` reads it).
+
+    Locally each write is one append; on an object store (`gs://...`) the records are held
+    and added to the object in one atomic write at each `flush` and at `close`.
+
+    Args:
+      workdir: the directory (local or remote) of the file.
+      start_step: records at or after this step are dropped first (a resumed run writes
+        them again; 0 starts an empty file).
+      filename: the file's name in `workdir`.
+    """
+
+    def __init__(self, workdir: PathLike, *, start_step: int = 0,
+                 filename: str = METRICS_FILE):
+        self.path = paths.join(workdir, filename)
+        self._fd: int | None = None
+        self._pending: list[dict[str, Any]] = []  # remote: records not yet in the object
+        paths.makedirs(workdir)
+        truncate_records(self.path, start_step)
+        if not paths.is_remote(self.path):
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write_records(self, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Appends whole records (all in one write); returns them with plain values."""
+        plain = [{k: plain_value(v) for k, v in r.items()} for r in records]
+        if not plain:
+            return plain
+        if self._fd is None:
+            self._pending += plain
+        else:
+            os.write(self._fd, "".join(json.dumps(r) + "\n" for r in plain).encode())
+        return plain
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        self.write_records([{"step": int(step), **scalars}])
+
+    def flush(self) -> None:
+        if self._fd is None:
+            if self._pending:
+                append_records(self.path, self._pending)
+            self._pending = []
+        else:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        self.flush()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def tensorboard_writer_class() -> type:
+    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as err:
+        raise ImportError("TensorBoard event files need tensorboardX: "
+                          f"{install_command('tensorboard')}") from err
+    return SummaryWriter
+
+
+class TensorBoardWriter(MetricWriter):
+    """TensorBoard event files in `logdir` (tensorboardX).
+
+    Args:
+      logdir: the directory of the event files.
+      purge_step: a resumed run's step: events at or after it written before are hidden.
+    """
+
+    def __init__(self, logdir: PathLike, *, purge_step: int | None = None):
+        self._writer = tensorboard_writer_class()(str(logdir), purge_step=purge_step)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        for k, v in _numbers(scalars).items():
+            self._writer.add_scalar(k, v, int(step))
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        text = json.dumps(hparams, indent=1, sort_keys=True, default=str)
+        self._writer.add_text("hparams", "```\n" + text + "\n```", 0)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def import_wandb() -> Any:
+    """The wandb module; an ImportError naming the [wandb] extra when it is missing."""
+    try:
+        import wandb
+    except ImportError as err:
+        raise ImportError(f"W&B logging needs wandb: {install_command('wandb')}") from err
+    return wandb
+
+
+class WandbWriter(MetricWriter):
+    """A Weights & Biases run: scalars as its history, hyperparameters as its config.
+
+    Either logs into a run the caller started (`run=`; `close` leaves it open) or starts one
+    (`wandb.init` with the other arguments; `close` finishes it). W&B's entity, mode and
+    directory come from its own settings (`WANDB_ENTITY`, `WANDB_MODE=offline`, `WANDB_DIR`).
+
+    W&B keeps one increasing step axis per run: scalars at a step below one already written
+    are not sent (a resumed run writes again the steps since its checkpoint; the JSON records
+    hold them).
+
+    Args:
+      project: the W&B project.
+      run: a run already started (`wandb.init()`), instead of starting one.
+      name: the run's display name.
+      group: the run's group (a sweep's groups share the sweep's).
+      run_id: the run's id: a run started again with the same id continues it.
+      config: hyperparameters (a nested mapping).
+      **init_kwargs: more arguments of `wandb.init` (tags, notes, ...).
+    """
+
+    def __init__(self, project: str | None = None, *, run: Any = None, name: str | None = None,
+                 group: str | None = None, run_id: str | None = None,
+                 config: Mapping[str, Any] | None = None, **init_kwargs: Any):
+        self._owned = run is None
+        if run is None:
+            wandb = import_wandb()
+            run = wandb.init(project=project, name=name, group=group, id=run_id,
+                             resume="allow" if run_id else None,
+                             config=dict(config) if config else None, **init_kwargs)
+        self.run = run
+        self._last_step = -1
+        self.dropped = 0  # scalars not sent: their step was below the last one written
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        values = _numbers(scalars)
+        if not values:
+            return
+        if int(step) < self._last_step:
+            self.dropped += len(values)
+            return
+        self._last_step = int(step)
+        self.run.log(values, step=int(step))
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        self.run.config.update(dict(hparams), allow_val_change=True)
+
+    def close(self) -> None:
+        if self._owned and self.run is not None:
+            self.run.finish()
+        self.run = None
+
+
+class MultiWriter(MetricWriter):
+    """Passes every call on to each of `writers` in turn."""
+
+    def __init__(self, writers: Sequence[Any]):
+        self.writers = list(writers)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            w.write_scalars(step, scalars)
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            if hasattr(w, "write_hparams"):
+                w.write_hparams(hparams)
+
+    def flush(self) -> None:
+        for w in self.writers:
+            if hasattr(w, "flush"):
+                w.flush()
+
+    def close(self) -> None:
+        for w in self.writers:
+            if hasattr(w, "close"):
+                w.close()
