@@ -139,18 +139,36 @@ def test_killed_study_resumes_to_the_same_records_and_vmap_equals_engine(tmp_pat
     assert records.read_json(os.path.join(tmp_path, "full", files.DEFINITION_FILE))
 
 
-def test_a_streamed_dataset_branches_through_the_engine_to_the_same_records(tmp_path):
+def _small_config(**branch):
+    """k = 1, 2 and one seed; a streamed split is evaluated on a subset."""
+    c = _config(ks=(1, 2), seeds=(1,), **branch)
+    c.eval.train_examples = 512
+    return c
+
+
+@pytest.fixture(scope="module")
+def small_study(tmp_path_factory):
+    """(workdir, records) of the in-memory study of `_small_config` with the reference run's
+    noise measured at two checkpoints: the two tests below read it (the measurement, after the
+    branch units, changes none of their records)."""
+    workdir = str(tmp_path_factory.mktemp("small_study"))
+    c = _small_config(noise_checkpoints=2, noise_deviations=16)
+    return workdir, branches.run_branches(c, workdir, dataset=data.get_dataset("digits"))
+
+
+@pytest.mark.xdist_group("branches_small_study")  # one worker runs `small_study` once
+def test_a_streamed_dataset_branches_through_the_engine_to_the_same_records(tmp_path,
+                                                                            small_study):
     """A training split read from the host (no device arrays) runs each branch as a Trainer
     started from the point's state, whose loader reads from the point's examples seen: the
     records equal the in-memory vmapped study's."""
-    c = _config(ks=(1, 2), seeds=(1,))
-    c.eval.train_examples = 512  # a streamed split is evaluated on a subset
+    c = _small_config()  # a streamed split has no reference-noise measurement
     ds = data.get_dataset("digits")
     split = ds.split("train")
     streamed = dataclasses.replace(ds, splits={**ds.splits, "train": dataclasses.replace(
         split, arrays=None, reader=split.read)})
     assert not streamed.in_memory("train")
-    want = branches.run_branches(c, str(tmp_path / "memory"), dataset=ds)
+    want = small_study[1]
     got = branches.run_branches(c, str(tmp_path / "streamed"), dataset=streamed)
     key = lambda r: (r["point_step"], r["k"], r["seed"])
     assert len(got) == len(want) == 2
@@ -239,14 +257,14 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
         runner.close()
 
 
-def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
-    c = _config(noise_checkpoints=2, noise_deviations=16)
-    c.branch.ks, c.branch.seeds = (1, 2), (1,)
-    branches.run_branches(c, str(tmp_path))
-    recs = records.read_records(os.path.join(tmp_path, files.REFERENCE_NOISE_FILE))
+@pytest.mark.xdist_group("branches_small_study")
+def test_reference_noise_is_measured_on_the_whole_training_set(small_study):
+    c = _small_config(noise_checkpoints=2, noise_deviations=16)
+    workdir = small_study[0]
+    recs = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
     assert [r["step"] for r in recs] == [20, 40]  # log-spaced checkpoints ∪ the point
     assert all(r["estimator"] == branch_noise.NOISE_ESTIMATOR for r in recs)
-    runner = branches.BranchRunner(c, str(tmp_path))
+    runner = branches.BranchRunner(c, workdir)
     try:
         tr, state = runner.parts, runner.restore(20)
         arrays = tr.dataset.take(tr.train_arrays, jnp.arange(tr.dataset.num_train), "train")
@@ -257,7 +275,7 @@ def test_reference_noise_is_measured_on_the_whole_training_set(tmp_path):
     assert recs[0]["num_examples"] == tr.dataset.num_train and recs[0]["deviations"] == 16
     np.testing.assert_allclose(recs[0]["noise/b_simple"], float(want.b_simple), rtol=1e-4)
     assert recs[0]["noise/b_noise"] > 0
-    points = branch_report.summarize(str(tmp_path))
+    points = branch_report.summarize(workdir)
     assert points[0]["b_simple"] == recs[0]["noise/b_simple"]  # the point is step 20
 
 
