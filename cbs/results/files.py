@@ -10,7 +10,8 @@ Writers and readers take the names from here, so the two cannot disagree.
 - a branch study's directory (`cbs.sweeps.branches`, `cbs.analysis.branch_report`):
   DEFINITION_FILE, BRANCHES_FILE, the reference run in REFERENCE_DIR, REFERENCE_NOISE_FILE,
   REPORT_FILE, and UNITS_DIR (the run directories of the units running);
-- a comparison across studies (`cbs.analysis.compare`): REPORT_FILE and FIGURE_FILE; across
+- a comparison across studies (`cbs.analysis.compare`): REPORT_FILE, FIGURE_FILE (under the
+  reference-over-seeds protocol) and PER_TRIAL_FIGURE_FILE; across
   model sizes (`cbs.analysis.sizes`): REPORT_FILE, SIZES_FILE and SIZES_FIGURE_FILE;
 - a ramp payoff study (`cbs.sweeps.ramps` with out_dir, `cbs.analysis.payoff`): RAMPS_FILE,
   PAYOFF_REPORT_FILE, PAYOFF_FILE and PAYOFF_FIGURE_FILE.
@@ -19,8 +20,9 @@ Writers and readers take the names from here, so the two cannot disagree.
 __all__ = [
     "ANALYSIS_FILE", "BRANCHES_FILE", "CONFIG_FILE", "CSV_FILE", "DEFINITION_FILE", "FIGURES_DIR",
     "FIGURE_FILE", "METRICS_FILE", "PAYOFF_FIGURE_FILE", "PAYOFF_FILE", "PAYOFF_REPORT_FILE",
-    "RAMPS_FILE", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REPORT_FILE", "SIZES_FIGURE_FILE",
-    "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR",
+    "PER_TRIAL_FIGURE_FILE", "RAMPS_FILE", "REFERENCE_DIR", "REFERENCE_NOISE_FILE",
+    "REPORT_FILE", "SIZES_FIGURE_FILE", "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE",
+    "UNITS_DIR",
 ]
 
 CONFIG_FILE = "config.json"
@@ -43,6 +45,7 @@ BRANCHES_FILE = "branches.jsonl"
 UNITS_DIR = "units"
 
 FIGURE_FILE = "b_crit_vs_noise.png"
+PER_TRIAL_FIGURE_FILE = "b_crit_vs_noise_per_trial.png"
 SIZES_FILE = "sizes.json"
 SIZES_FIGURE_FILE = "b_crit_vs_loss_by_size.png"
 
