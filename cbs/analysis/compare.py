@@ -82,8 +82,8 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
 def _protocol_fields(ref: dict[str, Any] | None, target: float, b_crit: float,
                      optimizer: str) -> dict[str, Any]:
     """The row's protocol values (NaN without the protocol)."""
-    entry = next((r for r in (ref or {}).get("targets", []) if r["target"] == float(target)),
-                 {})
+    entry: dict[str, Any] = next(
+        (r for r in (ref or {}).get("targets", []) if r["target"] == float(target)), {})
     out: dict[str, Any] = {"ref_batch_size": (ref or {}).get("batch_size"),
                            "ref_protocol": (ref or {}).get("protocol")}
     update = optimizer in ("adam", "adamw")  # P·g; SGD's update is the gradient itself
