@@ -194,14 +194,13 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
                         capsize=2, lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(f"measured {label} at the target (examples; bars: {spread})",
-                      fontsize=9)
+        ax.set_xlabel(f"measured {label} at the target (examples)")
         ax.set_ylabel("fitted B_crit (examples)")
         ax.grid(True, which="both", alpha=0.3)
     handles = [Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
     handles += [Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
     axes[min(1, len(axes) - 1)].legend(handles=handles, fontsize=8, loc="upper left")
-    fig.suptitle(title)
+    fig.suptitle(f"{title}\nbars: B_crit's 95% interval; the noise scale's min–max {spread}")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -210,10 +209,11 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
 
 def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per (study, target) with the protocol: B_crit, the reference batch
-    size, each noise scale's median over seeds (min–max, ×geometric SD) and B_crit over it."""
-    lines = ["| study | optimizer | target L | B_crit (95% CI) | B | seeds | B_simple | "
-             "B_noise | B_simple^P | B_noise^P | B_crit/B_simple | B_crit/B_noise | "
-             "B_crit/B_noise^P |", "|" + "---|" * 13]
+    size B (and B/B_crit at that target), each noise scale's median over seeds (min–max,
+    ×geometric SD) and B_crit over it."""
+    lines = ["| study | optimizer | target L | B_crit (95% CI) | B | B/B_crit | seeds | "
+             "B_simple | B_noise | B_simple^P | B_noise^P | B_crit/B_simple | B_crit/B_noise | "
+             "B_crit/B_noise^P |", "|" + "---|" * 14]
     for r in rows:
         if not math.isfinite(r.get("ref_b_simple", math.nan)):
             continue
@@ -222,7 +222,8 @@ def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_g(r['b_crit'])} "
             f"({_g(r['b_crit_ci'][0])}–{_g(r['b_crit_ci'][1])}) | {r['ref_batch_size']} | "
-            f"{r['ref_b_simple_seeds']} | {cell('ref_b_simple')} | {cell('ref_b_noise')} | "
+            f"{_g(r['ref_batch_size'] / r['b_crit'])} | {r['ref_b_simple_seeds']} | "
+            f"{cell('ref_b_simple')} | {cell('ref_b_noise')} | "
             f"{cell('ref_update_b_simple') if adaptive else '(= B_simple)'} | "
             f"{cell('ref_update_b_noise') if adaptive else '(= B_noise)'} | "
             f"{_g(r['ratio_ref_b_simple'])} | {_g(r['ratio_ref_b_noise'])} | "
