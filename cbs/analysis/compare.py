@@ -38,8 +38,8 @@ DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median ove
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)
 # The protocol's noise scales: the gradient's, and the update's (P·g with Adam/AdamW).
 PROTOCOL = (("ref_b_simple", "B_simple"), ("ref_b_noise", "B_noise"),
-            ("ref_update_b_simple", "B_simple of the update (P·g)"),
-            ("ref_update_b_noise", "B_noise of the update (P·g)"))
+            ("ref_update_b_simple", "B_simple of the update (P·g; SGD: g)"),
+            ("ref_update_b_noise", "B_noise of the update (P·g; SGD: g)"))
 
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
@@ -271,9 +271,9 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
     lines += ["## Under one noise protocol: the reference trajectory over seeds", ""]
     if with_protocol:
         figure(with_protocol, os.path.join(out_dir, files.FIGURE_FILE), PROTOCOL,
-               spread="min–max over seeds",
+               spread="over seeds",
                title="B_crit against the noise scale of the reference trajectory (B ≤ "
-                     "B_crit/4, median over seeds)")
+                     "B_crit/4 at the lowest target; median over seeds)")
         ps = summary(with_protocol)
         studies = sorted({r["study"] for r in with_protocol})
         lacking = sorted({r["study"] for r in rows} - set(studies))
