@@ -69,7 +69,9 @@ def test_cross_study_table_and_figure(tmp_path):
     text = open(path).read()
     assert "| adam_task | digits/mlp | adam | 0.5 | 20 (" in text
     assert "| 1.6 | 3.2 |" in text  # the two ratios of the first point
-    assert os.path.getsize(tmp_path / "out" / files.FIGURE_FILE) > 10_000
+    assert os.path.getsize(tmp_path / "out" / files.PER_TRIAL_FIGURE_FILE) > 10_000
+    assert not (tmp_path / "out" / files.FIGURE_FILE).exists()  # no study has the protocol
+    assert "No study has the protocol" in text and "## Per trial (second view)" in text
     with pytest.raises(ValueError, match="no finished trials"):
         compare.collect([str(tmp_path)], bootstrap=0)
 

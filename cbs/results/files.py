@@ -15,7 +15,8 @@ REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.records.
 - a branch study's directory (`cbs.sweeps.branches`, `cbs.analysis.branch_report`):
   DEFINITION_FILE, BRANCHES_FILE, the reference run in REFERENCE_DIR, REFERENCE_NOISE_FILE,
   REPORT_FILE, and UNITS_DIR (the run directories of the units running);
-- a comparison across studies (`cbs.analysis.compare`): REPORT_FILE and FIGURE_FILE; across
+- a comparison across studies (`cbs.analysis.compare`): REPORT_FILE, FIGURE_FILE (under the
+  reference-over-seeds protocol) and PER_TRIAL_FIGURE_FILE; across
   model sizes (`cbs.analysis.sizes`): REPORT_FILE, SIZES_FILE and SIZES_FIGURE_FILE;
 - a ramp payoff study (`cbs.sweeps.ramps` with out_dir, `cbs.analysis.payoff`): RAMPS_FILE,
   PAYOFF_REPORT_FILE, PAYOFF_FILE and PAYOFF_FIGURE_FILE.
@@ -24,9 +25,9 @@ REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.records.
 __all__ = [
     "ANALYSIS_FILE", "BRANCHES_FILE", "CONFIG_FILE", "CSV_FILE", "DEFINITION_FILE", "FIGURES_DIR",
     "FIGURE_FILE", "METRICS_FILE", "PAYOFF_FIGURE_FILE", "PAYOFF_FILE", "PAYOFF_REPORT_FILE",
-    "RAMPS_FILE", "RAMP_KEYS", "REFERENCE_DIR", "REFERENCE_NOISE_FILE", "REFERENCE_POINT_KEYS",
-    "REFERENCE_RUN_KEYS", "REPORT_FILE", "SIZES_FIGURE_FILE", "SIZES_FILE", "STATUS_FILE",
-    "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR", "WANDB_RUN_FILE",
+    "PER_TRIAL_FIGURE_FILE", "RAMPS_FILE", "RAMP_KEYS", "REFERENCE_DIR", "REFERENCE_NOISE_FILE",
+    "REFERENCE_POINT_KEYS", "REFERENCE_RUN_KEYS", "REPORT_FILE", "SIZES_FIGURE_FILE",
+    "SIZES_FILE", "STATUS_FILE", "SWEEP_FILE", "TRIALS_FILE", "UNITS_DIR", "WANDB_RUN_FILE",
 ]
 
 CONFIG_FILE = "config.json"
@@ -55,6 +56,7 @@ BRANCHES_FILE = "branches.jsonl"
 UNITS_DIR = "units"
 
 FIGURE_FILE = "b_crit_vs_noise.png"
+PER_TRIAL_FIGURE_FILE = "b_crit_vs_noise_per_trial.png"
 SIZES_FILE = "sizes.json"
 SIZES_FIGURE_FILE = "b_crit_vs_loss_by_size.png"
 

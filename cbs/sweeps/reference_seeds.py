@@ -1,0 +1,240 @@
+"""One noise protocol for a committed study: the reference trajectory, over seeds.
+
+One trajectory is one draw: on plain SGD the noise scale at a target swings several-fold
+within a few evaluations of one run. So, for a study already swept, `run_seeds` runs the
+reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped group of one)
+
+- at the batch size B = the largest of the sweep's batch sizes with B ≤ B_crit/`fraction`
+  (`choose_batch_size`; B_crit: the study's fit at its lowest target, the deepest loss, where
+  B_crit is largest; at the higher targets B/B_crit is larger and the report states it);
+- at the best learning rate at B on the sweep's first seed (`cbs.sweeps.reference
+  .reference_trial`), for every seed;
+- for `seeds` seeds 0, 1, …: the seed sets the initialisation and the data order;
+- measured on the whole training set ("full_data": G, |G|², tr(Σ) and GᵀHG exact, tr(HΣ)
+  from `deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation at
+  or after the first crossing of the highest target (earlier ones are never read: their
+  noise fields are NaN), until `sweep.noise_window` evaluations past the lowest target;
+- for Adam and AdamW also the noise scale of the update actually applied, u = P·g
+  (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
+  bias-corrected Adam preconditioner of the optimizer state at that step), by the same
+  estimator on the same draws in the rescaled coordinates; recorded as `noise_p/<key>`.
+
+Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in the sweep
+directory (a seed whose file exists is skipped, so a second call adds only missing seeds);
+the run directories go to `reference_seeds/runs/`. `cbs.analysis.reference_protocol` reads
+them: each seed's noise scale at each target and the spread over seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cbs.engine import config as config_lib
+from cbs.engine import measure
+from cbs.engine.fields import ConfigError
+from cbs.engine.noise_spec import NoiseSpec
+from cbs.results import files, records
+from cbs.results.store import SweepStore, upgrade_noise_fields
+from cbs.stats import preconditioned
+from cbs.sweeps import reference
+from cbs.sweeps.grid import Trial, default_sweep_config
+from cbs.sweeps.groups import TrialGroup
+
+__all__ = [
+    "DEVIATIONS", "FRACTION", "PRECONDITIONED_KEYS", "SEEDS_DIR", "SeedReferenceRun",
+    "choose_batch_size", "run_seeds", "seed_path", "study_config", "update_measurement",
+]
+
+SEEDS_DIR = "reference_seeds"  # in the sweep directory: seed_<k>.jsonl and runs/
+DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the protocol accepts
+FRACTION = 4  # B ≤ B_crit / FRACTION at the lowest target
+PRECONDITIONED_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
+                       "b_noise")  # recorded as noise_p/<key> (Adam, AdamW)
+ADAPTIVE = ("adam", "adamw")
+
+
+def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
+                       examples: str | None = None) -> dict[str, jax.Array]:
+    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`): `measure.measure` of
+    the loss in the coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`), on the same
+    examples and random draws as the plain measurement."""
+    phi = jax.tree.map(lambda q, s: q / jnp.sqrt(s), params, precond)
+    stats = measure.measure(spec, preconditioned.rescaled(loss_fn, precond), phi, batch,
+                            hessian_batch=hessian_batch, key=key, examples=examples)
+    return {k: jnp.asarray(getattr(stats, k)) for k in PRECONDITIONED_KEYS}
+
+
+def seed_path(sweep_dir: str, seed: int) -> str:
+    return os.path.join(sweep_dir, SEEDS_DIR, f"seed_{seed}.jsonl")
+
+
+def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
+    """The committed study's config (sweep.json), in the current layout: the study's values
+    over `default_config()` and `default_sweep_config()` (fields added since keep their
+    defaults)."""
+    definition = SweepStore(sweep_dir).definition()
+    if not definition:
+        raise ConfigError(f"--sweep_dir: {sweep_dir} has no {files.SWEEP_FILE}; name a "
+                          "committed study")
+    raw = dict(definition.get("config") or {})
+    raw.setdefault("sweep", definition.get("sweep", {}))
+    raw = upgrade_noise_fields(raw)
+    c = config_lib.default_config()
+    c.sweep = default_sweep_config()
+    return _merged(c, raw)
+
+
+def _merged(base: ml_collections.ConfigDict, raw: dict[str, Any]) -> ml_collections.ConfigDict:
+    out = base.to_dict()
+
+    def merge(into: dict[str, Any], values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(into.get(k), dict) and k != "model":
+                merge(into[k], v)
+            else:
+                into[k] = tuple(v) if isinstance(v, list) else v
+
+    merge(out, raw)
+    return ml_collections.ConfigDict(out)
+
+
+def _lowest_b_crit(sweep_dir: str, targets) -> tuple[float, float]:
+    """(lowest target, its fitted B_crit) from the study's analysis.json."""
+    path = os.path.join(sweep_dir, files.ANALYSIS_FILE)
+    with open(path) as f:
+        analysis = json.load(f)
+    fitted = [(t["target"], t["fit"].get("b_crit")) for t in analysis["targets"]
+              if t["fit"].get("b_crit") is not None and math.isfinite(t["fit"]["b_crit"])]
+    if not fitted:
+        raise ValueError(f"{path}: no target has a B_crit fit")
+    return min(fitted)
+
+
+def choose_batch_size(sweep: ml_collections.ConfigDict, b_crit: float,
+                      fraction: float = FRACTION) -> int:
+    """The largest of the sweep's batch sizes with B ≤ b_crit / fraction."""
+    fit = [int(b) for b in sweep.batch_sizes if b <= b_crit / fraction]
+    if not fit:
+        raise ValueError(f"no batch size of the sweep {list(sweep.batch_sizes)} is <= "
+                         f"B_crit/{fraction:g} = {b_crit / fraction:.3g}")
+    return max(fit)
+
+
+class SeedReferenceRun(reference.ReferenceRun):
+    """`reference.ReferenceRun` measured only from the first crossing of the highest target
+    on, and for Adam/AdamW also in the update's coordinates (`noise_p/<key>`)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
+        super().__init__(config, trial, store)
+        self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
+                                    f"b{trial.batch_size:06d}_s{trial.seed}")
+        self.preconditioner = str(config.optim.name) in ADAPTIVE
+        self._measure_below = max(float(t) for t in self.sweep.targets)
+        self._measuring = False
+        self._progress_jit = jax.jit(jax.vmap(self._progress_fn, in_axes=(0, 0, None)))
+        self._noise_jit = jax.jit(jax.vmap(self._noise_fn, in_axes=(0, None)))
+        self._empty: dict[str, np.ndarray] | None = None
+
+    def _progress_fn(self, state, loss_ema, index):
+        out = TrialGroup._evaluate_fn(self, state, loss_ema, index)
+        return {k: v for k, v in out.items()
+                if not k.startswith("noise/") or k == "noise/ema_b_simple"}
+
+    def _noise_fn(self, state, index):
+        out = {f"noise/{k}": v for k, v in self._measure(state, index).items()}
+        if not self.preconditioner:
+            return out
+        optim = self.parts.config.optim
+        p = preconditioned.adam_preconditioner(state.opt_state, eps=float(optim.eps),
+                                               b2=float(optim.b2))
+        examples, grad_batch, hess_batch, key = measure.draw(
+            self.noise, self.dataset, self.parts.train_arrays, index, seed=self.trial_seed)
+        loss = lambda q, b: self.parts.loss_fn(q, state.model_state, b)[0]
+        stats = update_measurement(self.noise, loss, state.params, p, grad_batch, hess_batch,
+                                   key, examples)
+        return out | {f"noise_p/{k}": v.astype(jnp.float32) for k, v in stats.items()}
+
+    def _evaluate(self, states, loss_ema, index):
+        i = jnp.asarray(index, jnp.int32)
+        out = self._progress_jit(states, loss_ema, i)
+        value = float(np.asarray(out[self.sweep.target_metric])[0])
+        self._measuring = self._measuring or value <= self._measure_below
+        if self._measuring:
+            return out | self._noise_jit(states, i)
+        if self._empty is None:
+            shapes = jax.eval_shape(self._noise_jit, states, i)
+            self._empty = {k: np.full(s.shape, np.nan, np.float32) for k, s in shapes.items()}
+        return out | self._empty
+
+    def _result(self, i, trial, history):
+        result = super()._result(i, trial, history)
+        n = len(result.curve["noise/step"])
+        evals = history["evals"][:n]
+        for k in PRECONDITIONED_KEYS if self.preconditioner else ():
+            key = f"noise_p/{k}"
+            values = [float(np.asarray(e[key])[i]) if key in e else math.nan for e in evals]
+            result.curve[key] = [v if math.isfinite(v) else None for v in values]
+        return result
+
+
+def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
+              fraction: float = FRACTION, evals: int | None = None, batch_size: int = 0,
+              log=print) -> list[dict[str, Any]]:
+    """Runs the protocol (module docstring) for seeds 0 … seeds − 1 of the study in
+    `sweep_dir`, skipping seeds already written; returns every seed's record.
+
+    evals: log-spaced evaluations over the budget (default `sweep.noise_reference_evals`);
+    batch_size: B (default: `choose_batch_size` with `fraction`)."""
+    if deviations < DEVIATIONS:
+        raise ConfigError(f"--deviations: the protocol takes >= {DEVIATIONS} deviations, "
+                          f"got {deviations}")
+    if seeds < 1:
+        raise ConfigError(f"--seeds: must be >= 1, got {seeds}")
+    config = study_config(sweep_dir)
+    store = SweepStore(sweep_dir)
+    target, b_crit = _lowest_b_crit(sweep_dir, config.sweep.targets)
+    b = int(batch_size) or choose_batch_size(config.sweep, b_crit, fraction)
+    with config.unlocked():
+        config.sweep.noise_reference_batch_size = b
+        config.sweep.noise_reference_deviations = int(deviations)
+        if evals:
+            config.sweep.noise_reference_evals = int(evals)
+    best = reference.reference_trial(config.sweep, store.records())
+    if best is None:
+        raise ValueError(f"no trial of {sweep_dir} at B={b} reached a target")
+    out = []
+    for seed in range(seeds):
+        path = seed_path(sweep_dir, seed)
+        done = records.read_records(path)
+        if done:
+            out.append(done[-1])
+            continue
+        trial = dataclasses.replace(best, seed=seed)
+        run = SeedReferenceRun(config, trial, store)
+        result = run.run()[0]
+        record = {
+            "batch_size": b, "learning_rate": trial.learning_rate, "seed": seed,
+            "lowest_target": target, "b_crit_lowest_target": b_crit, "fraction": fraction,
+            "deviations": int(deviations), "evals": len(run.steps) - 1,
+            "optimizer": str(config.optim.name),
+            "preconditioner": "adam" if run.preconditioner else None,
+            "target_metric": result.target_metric, "status": result.status,
+            "seconds": result.seconds,
+            "protocol": reference.protocol_text(config, trial, run.dataset.num_train),
+            "curve": result.curve}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        records.append_records(path, [record])
+        log(f"{sweep_dir}: seed {seed}, B={b} (B_crit/{b_crit / b:.3g} at L={target:g}), "
+            f"lr={trial.learning_rate:.3g}, {len(result.curve['step'])} evaluations, "
+            f"{result.seconds:.0f} s, {result.status}")
+        out.append(record)
+    return out

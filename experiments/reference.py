@@ -1,0 +1,49 @@
+"""One noise protocol for a committed study: the reference trajectory over seeds.
+
+    python -m experiments.reference --sweep_dir=results/digits --seeds=3
+
+Runs, for seeds 0 … seeds − 1 (the seed sets initialisation and data order), the reference
+trajectory at the largest of the study's batch sizes B ≤ B_crit/4 (B_crit: the study's fit
+at its lowest target), at the best learning rate at B, measured on the whole training set
+with the full-data Hessian and 256 deviations at each evaluation past the first target, and
+for Adam/AdamW also the noise scale of the update applied (`cbs.sweeps.reference_seeds`).
+Writes SWEEP_DIR/reference_seeds/seed_<k>.jsonl once per seed (existing seeds are skipped)
+and prints each seed's noise scale at each target and the spread over seeds
+(`cbs.analysis.reference_protocol`); `python -m experiments.compare` puts them on the
+cross-task figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cbs.analysis import reference_protocol
+from cbs.sweeps import reference_seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep_dir", required=True, help="a committed study")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … seeds − 1")
+    parser.add_argument("--deviations", type=int, default=reference_seeds.DEVIATIONS,
+                        help="random deviations of tr(HΣ) per measurement (>= 256)")
+    parser.add_argument("--fraction", type=float, default=reference_seeds.FRACTION,
+                        help="B <= B_crit / fraction at the lowest target")
+    parser.add_argument("--evals", type=int, default=0,
+                        help="log-spaced evaluations over the budget (0: the sweep's "
+                             "noise_reference_evals)")
+    parser.add_argument("--batch_size", type=int, default=0,
+                        help="B (0: the largest batch size <= B_crit / fraction)")
+    args = parser.parse_args(argv)
+    reference_seeds.run_seeds(args.sweep_dir, seeds=args.seeds, deviations=args.deviations,
+                              fraction=args.fraction, evals=args.evals or None,
+                              batch_size=args.batch_size)
+    summary = reference_protocol.load(args.sweep_dir)
+    if summary is not None:
+        print(reference_protocol.markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
