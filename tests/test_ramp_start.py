@@ -84,3 +84,14 @@ def test_payoff_tunes_each_fixed_baseline_per_target_and_pairs_each_ramp():
     start = t["start"][0]
     assert start["fixed_run"] == "fixed B=16 · η=2e-3"
     assert start["step_saving"] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_a_ramp_that_never_left_its_first_batch_is_said_to_be_the_fixed_run():
+    sched = {"kind": "adaptive", "initial": 16, "min_batch": 16}
+    fixed = [_record("fixed", s, {"kind": "constant", "batch_size": 16}, 100.0 + s, 1600.0 + s)
+             for s in range(3)]
+    ramp = [_record("ramp", s, sched, (100.0 + s) * (1 + 1e-9), 1600.0 + s) for s in range(3)]
+    row = ramp_start.compare(ramp, fixed, "1", bootstrap=50) | {"fixed_run": "fixed"}
+    assert ramp_start.verdict(row) == "the fixed run's steps (the ramp had not left B_0)"
+    t = {"target": 1.0, "start": [row | {"run": "ramp", "start_batch_size": 16}]}
+    assert "1 seeds" not in "\n".join(ramp_start.summary_lines([t]))

@@ -151,6 +151,12 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
         "detectable_saving": detectable_effect(len(r), sd)}
 
 
+def _unmoved(row: dict[str, Any]) -> bool:
+    """The ramp took the fixed run's steps on every seed (to 1e-4: interpolation rounding):
+    it had not left B_0 by L."""
+    return row["sd_log_steps"] < 1e-4 and abs(row["step_saving"]) < 1e-4
+
+
 def verdict(row: dict[str, Any]) -> str:
     """The paired t interval of the steps saved, in words."""
     if row.get("fixed_run") is None:
@@ -158,7 +164,7 @@ def verdict(row: dict[str, Any]) -> str:
     if "step_saving" not in row:
         return f"{row['num_pairs']} seed pair(s) reached L"
     lo, hi = row["step_saving_t_ci"]
-    if row["sd_log_steps"] < 1e-9 and abs(row["step_saving"]) < 1e-9:
+    if _unmoved(row):
         return "the fixed run's steps (the ramp had not left B_0)"
     examples = ("no more examples" if row["example_ratio"] <= 0 else
                 f"{_pct(row['example_ratio'])} examples")
@@ -214,7 +220,7 @@ def summary_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
                 parts.append(f"L={t['target']:g}: {verdict(row)}")
                 continue
             lo, hi = row["step_saving_t_ci"]
-            moved = not (row["sd_log_steps"] < 1e-9 and abs(row["step_saving"]) < 1e-9)
+            moved = not _unmoved(row)
             if moved and row["seeds_needed"]:
                 needed.append(row["seeds_needed"])
             parts.append(f"L={t['target']:g}: {_pct(row['step_saving'])} ({_pct(lo)} to "
