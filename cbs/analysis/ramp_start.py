@@ -198,8 +198,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                       f"{_pct(row['step_saving'])} ({_pct(bl)} to {_pct(bh)}; "
                       f"{_pct(tl)} to {_pct(th)})",
                       f"{_pct(row['example_ratio'])} ({_pct(el)} to {_pct(eh)})",
-                      f"{row['sd_log_steps']:.3f}", str(need) if need else "> 10,000",
-                      f"{100 * row['detectable_saving']:.0f} %"]
+                      f"{row['sd_log_steps']:.3f}",
+                      "–" if _unmoved(row) else (str(need) if need else "> 10,000"),
+                      "–" if _unmoved(row) else f"{100 * row['detectable_saving']:.0f} %"]
         else:
             cells += [str(row.get("num_pairs", "–"))] + ["–"] * 5
         lines.append("| " + " | ".join(cells + [verdict(row)]) + " |")
