@@ -95,3 +95,49 @@ def test_seed_table_puts_the_seed_range_beside_the_bootstrap_interval():
                            "steps_spread_median": 0.1, "steps_spread_max": 0.3}]}
     row = report_tables.seed_table(analysis).splitlines()[-1]
     assert row == "| 1 | 64 | 50–80 | 40 | 100 | 40–100 (2.50×) | 10% (30%) |"
+
+
+@pytest.mark.parametrize("module, study", [("digits_sweep", "digits"),
+                                           ("digits_sgd_sweep", "digits_sgd")])
+def test_seeds3_presets_repeat_every_trial_and_leave_the_committed_grids_alone(module, study):
+    """`:seeds3` runs every (B, η) of the committed study on seeds 0, 1, 2 with no early stop;
+    the default preset's trials keep the committed sweep.json's ids and definition."""
+    import importlib
+    import json
+    import pathlib
+
+    from cbs.results.store import SweepStore
+    from cbs.sweeps import grid, launch
+
+    config = importlib.import_module(f"cbs.configs.{module}")
+    root = pathlib.Path(__file__).resolve().parent.parent / "results" / study
+    committed = json.loads((root / "sweep.json").read_text())
+    one = config.get_config()
+    assert [t["trial_id"] for t in grid.trial_table(grid.make_trials(one.sweep))] == [
+        t["trial_id"] for t in committed["trials"]]
+    SweepStore(str(root)).check_definition(  # the committed sweep resumes as itself
+        launch.sweep_definition(one, grid.make_trials(one.sweep)), "config")
+    three = config.get_config("seeds3")
+    assert tuple(three.sweep.seeds) == (0, 1, 2) and not three.sweep.stop_when_dominated
+    ids = {t.trial_id for t in grid.make_trials(three.sweep)}
+    base = {t["trial_id"] for t in committed["trials"]}
+    assert base <= ids and len(ids) == 3 * len(base)
+    assert {i.replace("_s0", "_s1") for i in base} <= ids
+    with pytest.raises(ValueError, match="sweep.seeds"):  # a different study, its own directory
+        SweepStore(str(root)).check_definition(
+            launch.sweep_definition(three, grid.make_trials(three.sweep)), "config")
+
+
+@pytest.mark.slow  # 18 tiny trials: about 3 CPU-minutes (22 min on 2 heavily shared cores)
+def test_a_tiny_three_seed_sweep_reports_its_held_out_fit(tmp_path):
+    from cbs.analysis import report
+    from cbs.configs import digits_sweep
+    from cbs.sweeps import launch
+
+    d = str(tmp_path)
+    launch.run_sweep(digits_sweep.get_config("tiny,seeds3"), d, log=lambda _: None)
+    text = open(report.write_report(d, bootstrap=20, select_on_seed=0)).read()
+    assert "## Held-out seeds" in text and "range over seeds (max/min)" in text
+    rows = report.load_analysis(d)["held_out"]
+    assert [r["measured_on_seeds"] for r in rows] == [[1, 2]] * len(rows)
+    assert all("censored" not in r.get("left_out", "") for t in rows for r in t["rows"])
