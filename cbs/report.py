@@ -15,9 +15,16 @@ from cbs.analysis.report import (
     seed_spread,
     write_report,
 )
-from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
+from cbs.analysis.report_tables import (
+    held_out_table,
+    kaplan_table,
+    ramp_table,
+    seed_table,
+    summary_table,
+)
 
 __all__ = [
-    "analyze", "analyze_target", "kaplan_table", "load_analysis", "make_figures", "ramp_table",
-    "read_ramps", "seed_spread", "seed_table", "summary_table", "write_report",
+    "analyze", "analyze_target", "held_out_table", "kaplan_table", "load_analysis",
+    "make_figures", "ramp_table", "read_ramps", "seed_spread", "seed_table", "summary_table",
+    "write_report",
 ]

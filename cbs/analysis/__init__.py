@@ -2,7 +2,9 @@
 `fit` (trade-off and power-law fits), `selection` (from trial records to fit points), `joint`
 (intervals across targets), `edges` (learning-rate grids that bracket the optimum),
 `noise_at_target` (the noise scale at a target loss), `reference_protocol` (the noise scale
-at each target on the reference trajectory over seeds), `report` (a sweep's analysis) and
+at each target on the reference trajectory over seeds), `held_out` (rates selected on one
+seed, steps measured on the others), `ramp_start` (a ramp against the fixed run at its first
+batch), `report` (a sweep's analysis) and
 `report_tables` (its tables), `plots` (figures), `payoff` (batch ramps against fixed batch
 sizes), `branch_report` (local critical batch size from branches), `compare` (across
 studies) and `sizes` (across model sizes), `misfit` (the calibrated test of one power law),
@@ -12,7 +14,8 @@ it).
 """
 
 __all__ = [
-    "advice", "anchor", "branch_report", "calibration", "compare", "edges", "fit", "joint",
-    "misfit", "noise_at_target", "payoff", "plots", "reference_protocol", "report",
+    "advice", "anchor", "branch_report", "calibration", "compare", "edges", "fit", "held_out",
+    "joint", "misfit", "noise_at_target", "payoff", "plots", "ramp_start", "reference_protocol",
+    "report",
     "report_tables", "selection", "sizes",
 ]  # its modules

@@ -8,10 +8,13 @@ are the fixed-batch baseline; every other run is a ramp. For each target L:
   reported as "k/n seeds reached", not averaged);
 - the fixed-batch frontier S = S_min + E_min/B fitted (`cbs.analysis.fit.fit_tradeoff`) to
   the fixed runs' mean steps, the same protocol as the ramps (same evaluation points,
-  same stopping rule), not to a sweep run under another;
+  same stopping rule), not to a sweep run under another; where several fixed runs share a B
+  (other learning rates), the fastest at L stands for B at L (baselines tuned per target);
 - for each ramp, the step saving at equal examples, 1 − S_ramp / S_frontier(E_ramp), with
   S_frontier(E) = S_min·E/(E − E_min) (+∞ when E ≤ E_min: no fixed batch reaches L with so
-  few examples), and the example cost at equal steps, E_ramp / E_frontier(S_ramp) − 1.
+  few examples), and the example cost at equal steps, E_ramp / E_frontier(S_ramp) − 1;
+- for each ramp, Merrill et al.'s comparison against the fixed run at its first batch size,
+  seed by seed, with the seeds a 15 % saving needs (`cbs.analysis.ramp_start`).
 
 Intervals: S and E, Student-t over seeds in log S and log E (positive, like S and E); the
 saving and the cost, a percentile bootstrap that resamples seeds within every run (ramps and
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from cbs.analysis import fit, joint
+from cbs.analysis import fit, joint, ramp_start
 from cbs.results import files, records
 from cbs.results.store import target_key
 
@@ -124,21 +127,36 @@ def _rng(runs: dict[str, list[dict[str, Any]]], key: str) -> np.random.Generator
     return np.random.default_rng(int(hashlib.sha256(data.encode()).hexdigest()[:16], 16))
 
 
+def _tuned(values, fixed) -> dict[int, str]:
+    """B -> the fixed run at B with the fewest steps at this target (geometric mean over its
+    seeds; runs where a seed never reached L are left out): each baseline tuned per target."""
+    out: dict[int, str] = {}
+    for name in sorted((n for n, b in fixed.items() if b is not None and values[n][0].size)):
+        b = int(fixed[name])
+        if b not in out or geometric_mean(values[name][0]) < geometric_mean(values[out[b]][0]):
+            out[b] = name
+    return out
+
+
 def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                    bootstrap: int = BOOTSTRAP, confidence: float = CONFIDENCE
                    ) -> dict[str, Any]:
-    """One target: every run's S, E over seeds, the frontier, each ramp's saving."""
+    """One target: every run's S, E over seeds, the frontier through the fixed runs tuned at
+    this target (the fastest rate at each B), each ramp's saving against it, and each ramp
+    against the fixed run at its first batch size (`cbs.analysis.ramp_start`)."""
     key = target_key(target)
     values = {name: _seed_values(v, key) for name, v in runs.items()}
     fixed = {name: fixed_batch_size(v[0]) for name, v in runs.items()}
-    usable = sorted((n for n, b in fixed.items() if b is not None and values[n][0].size),
-                    key=lambda n: (fixed[n], n))
-    sizes = [int(fixed[n]) for n in usable]  # type: ignore[arg-type]
+    tuned = _tuned(values, fixed)
+    usable = [tuned[b] for b in sorted(tuned)]
+    sizes = sorted(tuned)
     s_min, e_min = _frontier(sizes, [geometric_mean(values[n][0]) for n in usable])
     rows = []
     for name, v in runs.items():
         s, e = values[name]
         row: dict[str, Any] = {"run": name, "batch_size": fixed[name], "num_seeds": len(v),
+                               "learning_rate": v[0].get("learning_rate"),
+                               "tuned": name in usable,
                                "reached": int(sum(r["steps_to_target"].get(key) is not None
                                                   for r in v))}
         if s.size:
@@ -153,9 +171,25 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
     out = {"target": float(target), "frontier": {
                "s_min": s_min, "e_min": e_min, "batch_sizes": sorted(sizes),
                "rms_log_residual": float(np.sqrt(np.mean(resid ** 2))) if sizes else math.nan},
-           "rows": rows}
+           "tuned_fixed": {str(b): n for b, n in sorted(tuned.items())}, "rows": rows,
+           "start": _against_start(runs, fixed, tuned, key, bootstrap or BOOTSTRAP, confidence)}
     if math.isfinite(s_min) and bootstrap:
         _bootstrap(out, values, usable, sizes, bootstrap, confidence, _rng(runs, key))
+    return out
+
+
+def _against_start(runs, fixed, tuned, key, bootstrap, confidence) -> list[dict[str, Any]]:
+    """Each ramp against the fixed run at its first batch size, tuned at this target."""
+    out = []
+    for name, v in runs.items():
+        if fixed[name] is not None:
+            continue
+        b0 = ramp_start.start_batch_size(v[0].get("spec") or {})
+        row = {"run": name, "start_batch_size": b0, "fixed_run": tuned.get(b0) if b0 else None}
+        if row["fixed_run"] is not None:
+            row |= ramp_start.compare(v, runs[row["fixed_run"]], key, bootstrap=bootstrap,
+                                      confidence=confidence)
+        out.append(row)
     return out
 
 
@@ -208,7 +242,8 @@ def verdict(row: dict[str, Any], best: dict[str, Any] | None = None) -> str:
 
 def best_fixed(target: dict[str, Any]) -> dict[str, Any] | None:
     """The fixed batch size furthest below the fitted frontier (examples at equal steps)."""
-    fixed = [r for r in target["rows"] if r["batch_size"] is not None and "example_cost" in r]
+    fixed = [r for r in target["rows"]
+             if r["batch_size"] is not None and r.get("tuned", True) and "example_cost" in r]
     return min(fixed, key=lambda r: r["example_cost"]) if fixed else None
 
 
@@ -258,7 +293,8 @@ def table(target: dict[str, Any]) -> str:
                       verdict(row, best)]
         elif row["batch_size"] is not None and "step_saving" in row:
             cells += [_pct(row["step_saving"]), _pct(row["example_cost"]),
-                      "fixed batch (frontier residual)"]
+                      "fixed batch (frontier residual)" if row.get("tuned", True) else
+                      "fixed batch, a slower rate at this L (not in the frontier)"]
         else:
             cells += ["–", "–",
                       verdict(row, best) if row["batch_size"] is None else "fixed batch"]
@@ -355,10 +391,12 @@ def write_report(out_dir: str, ramps: Sequence[dict[str, Any]], targets: Sequenc
     seeds = sorted({s for v in result["seeds"].values() for s in v if s is not None})
     lines = [f"# Batch ramps against fixed batch sizes: {out_dir}", "",
              f"{len(ramps)} runs: {len(runs)} schedules × seeds {seeds}, learning rates from "
-             f"the sweep in `{sweep_dir}` (fixed B: its best rate at B; ramps: its best rate at "
-             "their first B, then the square-root rule). Every run is evaluated and stopped the "
-             "same way; the frontier S = S_min + E_min/B is fitted to the fixed batch sizes' "
-             "mean steps. S and E: geometric means over seeds. Intervals are "
+             f"the sweep in `{sweep_dir}` (fixed B: its best rate at B, and any other rate run "
+             "at B; ramps: its best rate at their first B, then the square-root rule). Every "
+             "run is evaluated and stopped the same way; at each target the frontier S = "
+             "S_min + E_min/B is fitted to the mean steps of the fastest fixed run at each B "
+             "(tuned per target, selected on the same seeds). S and E: geometric means over "
+             "seeds. Intervals are "
              f"{int(100 * result['confidence'])} %: S and E, "
              f"{T_INTERVAL}; step saving and example cost, {BOOTSTRAP_INTERVAL}, {bootstrap} "
              "replicates. Step saving at equal examples: 1 − S/S_frontier(E) (> 0: fewer "
@@ -366,17 +404,29 @@ def write_report(out_dir: str, ramps: Sequence[dict[str, Any]], targets: Sequenc
              "equal steps: E/E_frontier(S) − 1 (< 0: fewer examples); 100 %*: the run used at most "
              "E_min examples, fewer than the fitted frontier allows any fixed batch size. The "
              "frontier's fit is only as good as its RMS residual (given per target): where "
-             "fixed batch sizes sit far off it, so do the savings.", "", "## Schedules", ""]
-    lines += [f"- {name}: {_schedule_text(v[0].get('spec') or {})}" for name, v in runs.items()]
-    lines += ["", "## Verdict per ramp", "", *summary_lines(result), ""]
+             "fixed batch sizes sit far off it, so do the savings. Below each target's table, "
+             "Merrill et al.'s comparison: each ramp against the fixed run at its first batch "
+             "size, seed by seed (`cbs.analysis.ramp_start`): steps saved to L and the examples "
+             "beside (a saving at equal examples where those are ≤ 0), the seeds a paired "
+             f"t-test needs to detect {ramp_start.EFFECT:.0%} fewer steps with "
+             f"{ramp_start.POWER:.0%} power at the seed-to-seed σ observed, and the saving "
+             "these seeds could detect.", "", "## Schedules", ""]
+    lines += [f"- {name}: {_schedule_text(v[0].get('spec') or {})}"
+              + (f" (η = {v[0]['learning_rate']:.4g})" if "learning_rate" in v[0] else "")
+              for name, v in runs.items()]
+    lines += ["", "## Verdict per ramp", "", *summary_lines(result), "",
+              "## Against the fixed run at the first batch size (Merrill et al.'s comparison)",
+              "", *ramp_start.summary_lines(result["targets"]), ""]
     for t in result["targets"]:
         f = t["frontier"]
         front = (f"frontier S_min = {f['s_min']:.3g}, E_min = {f['e_min']:.3g} "
-                 f"(B_crit = {f['e_min'] / f['s_min']:.3g}) from B = "
-                 f"{', '.join(map(str, f['batch_sizes']))}, RMS residual "
+                 f"(B_crit = {f['e_min'] / f['s_min']:.3g}) from "
+                 f"{', '.join(t['tuned_fixed'].values())}, RMS residual "
                  f"{f['rms_log_residual']:.2f} in log S" if math.isfinite(f["s_min"])
                  else "no frontier (fewer than 3 fixed batch sizes reached it with every seed)")
-        lines += [f"## L = {t['target']:g}", "", front, "", table(t), ""]
+        lines += [f"## L = {t['target']:g}", "", front, "", table(t), "",
+                  "Against the fixed run at the ramp's first batch size:", "",
+                  ramp_start.table(t["start"]), ""]
     lines += [f"![Runs on the S–E plane]({files.PAYOFF_FIGURE_FILE})", ""]
     path = os.path.join(out_dir, files.PAYOFF_REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))

@@ -32,9 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import edges, fit, joint, misfit, noise_at_target, plots, selection
+from cbs.analysis import edges, fit, held_out, joint, misfit, noise_at_target, plots, selection
 from cbs.analysis import report_tables as tables
-from cbs.analysis.report_tables import kaplan_table, ramp_table, seed_table, summary_table
+from cbs.analysis.report_tables import (
+    held_out_table,
+    kaplan_table,
+    ramp_table,
+    seed_table,
+    summary_table,
+)
 from cbs.results import records
 from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMP_KEYS, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
@@ -89,13 +95,15 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
 
 
 def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
-            write: bool = True) -> dict[str, Any]:
+            write: bool = True, select_on_seed: int | None = None) -> dict[str, Any]:
     """Fits every target of the sweep in `sweep_dir`.
 
     Intervals: B_crit at every target and the power law's α_B, B* come from one bootstrap
     over batch sizes, resampled jointly across targets (`cbs.analysis.joint`); S_min and E_min
     from the residual bootstrap-t of `fit.fit_tradeoff`. seed: of the bootstrap (None:
-    derived from the records, so the intervals depend on the records alone).
+    derived from the records, so the intervals depend on the records alone). select_on_seed:
+    also each best rate selected on that seed and S measured on the others
+    (`cbs.analysis.held_out`, under "held_out"; None: not done).
 
     Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
     the fit objects under "fits" (one `cbs.analysis.fit.TradeoffFit` per target, in target
@@ -129,6 +137,9 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
                 "noise_protocol": noise_at_target.protocol(definition),
                 "reference_noise": noise_at_target.reference(
                     sweep_dir, targets, int(definition.get("sweep", {}).get("noise_window", 5)))}
+    if select_on_seed is not None:
+        analysis["held_out"] = held_out.held_out(recs, targets, select_on_seed,
+                                                 bootstrap=min(bootstrap, 200))
     if write:
         records.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law,
@@ -264,14 +275,15 @@ def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
     return figs
 
 
-def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False) -> str:
+def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False,
+                 select_on_seed: int | None = None) -> str:
     """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`.
 
     Refuses (ValueError) a sweep whose grid has trials without records, naming how many per
     batch size; with `partial` it writes the report anyway, headed as partial, with every fit
-    from an incomplete grid marked.
+    from an incomplete grid marked. select_on_seed: adds the held-out section (`analyze`).
     """
-    analysis = analyze(sweep_dir, bootstrap=bootstrap)
+    analysis = analyze(sweep_dir, bootstrap=bootstrap, select_on_seed=select_on_seed)
     if not analysis["complete"] and not partial:
         raise ValueError(f"{sweep_dir} is incomplete: {tables.missing_text(analysis)}; finish it "
                          "(rerun the sweep command, every shard) or pass --partial for a "
@@ -301,7 +313,17 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
         lines += ["## Seeds", "", "The fit above uses, at each batch size, the mean over "
                   "seeds of each seed's fewest steps; below, the same fit on each seed's "
                   "trials alone, and how far the seeds' fewest steps lie apart "
-                  "((max − min)/mean, over batch sizes).", "", seed_table(analysis), ""]
+                  "((max − min)/mean, over batch sizes). The bootstrap interval resamples "
+                  "batch sizes, not seeds: where the per-seed fits range wider, the seed "
+                  "spread is the larger error.", "", seed_table(analysis), ""]
+    if analysis.get("held_out"):
+        lines += ["## Held-out seeds", "", "Each best learning rate selected on one seed "
+                  "(fewest steps to L at each B) and its steps measured on the other seeds; "
+                  "the fit through those held-out S beside the in-sample fit (each seed's own "
+                  "best rate) on the same seeds. A ratio above 1: selecting and measuring on "
+                  "the same seed flattered S by that factor. A B whose held-out trial never "
+                  "crossed L is left out; \"censored\": its group stopped once a faster rate "
+                  "crossed (`sweep.stop_when_dominated`).", "", held_out_table(analysis), ""]
     lines += ["## Learning-rate grid", "", *(f"- {n}" for n in tables.grid_notes(analysis)), ""]
     notes = tables.notes(analysis)
     if notes:

@@ -2,7 +2,8 @@
 
 Each function reads the `analysis` dict of `cbs.analysis.report.analyze` (or analysis.json)
 and returns markdown: B_crit per target beside the measured noise scales (`summary_table`),
-in tokens beside Kaplan et al. 2020 (`kaplan_table`), per seed (`seed_table`), batch-size
+in tokens beside Kaplan et al. 2020 (`kaplan_table`), per seed (`seed_table`), with rates
+selected on one seed and S measured on the others (`held_out_table`), batch-size
 ramps against the fixed-batch frontier (`ramp_table`), and the report's notes on intervals,
 the power law, missing trials and the learning-rate grid. `cbs.analysis.report` assembles
 them into report.md and re-exports the tables.
@@ -17,7 +18,7 @@ from typing import Any
 from cbs.analysis import fit, noise_at_target
 from cbs.results.store import target_key
 
-__all__ = ["kaplan_table", "ramp_table", "seed_table", "summary_table"]
+__all__ = ["held_out_table", "kaplan_table", "ramp_table", "seed_table", "summary_table"]
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
@@ -78,21 +79,52 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
 
 
 def seed_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit of all seeds together beside each seed alone, and the seeds' spread
-    of S at the best learning rates."""
+    """Markdown: B_crit of all seeds together with its bootstrap interval, beside each seed
+    alone and the range of those per-seed fits (the seed spread, which a one-seed interval does
+    not contain), and the seeds' spread of S at the best learning rates."""
     rows = analysis.get("seeds") or []
     seeds = list(rows[0]["b_crit_per_seed"]) if rows else []
-    lines = ["| target L | B_crit (all seeds) | " + " | ".join(
-        f"B_crit (seed {sd})" for sd in seeds) + " | S spread between seeds, median (max) |",
-        "|---|---|" + "---|" * len(seeds) + "---|"]
+    lines = ["| target L | B_crit (all seeds) | bootstrap 95% CI | " + " | ".join(
+        f"B_crit (seed {sd})" for sd in seeds) + " | range over seeds (max/min) | "
+        "S spread between seeds, median (max) |",
+        "|---|---|---|" + "---|" * len(seeds) + "---|---|"]
     by_target = {t["target"]: t for t in analysis["targets"]}
     for row in rows:
-        t = by_target[row["target"]]
-        all_seeds = _g(t["fit"]["b_crit"]) if t["fit"]["status"] == fit.OK else "–"
-        per = " | ".join(_g(v) if v is not None else "–" for v in row["b_crit_per_seed"].values())
+        f = by_target[row["target"]]["fit"]
+        ok = f["status"] == fit.OK
+        all_seeds = _g(f["b_crit"]) if ok else "–"
+        ci = _ci(f["b_crit_ci"]) if ok and f.get("b_crit_ci") else "–"
+        values = list(row["b_crit_per_seed"].values())
+        per = " | ".join(_g(v) if v is not None else "–" for v in values)
+        got = [v for v in values if v is not None]
+        spread = (f"{_g(min(got))}–{_g(max(got))} ({max(got) / min(got):.2f}×)"
+                  if len(got) == len(values) and got else "–")
         med, mx = row["steps_spread_median"], row["steps_spread_max"]
-        spread = f"{med:.0%} ({mx:.0%})" if med is not None else "–"
-        lines.append(f"| {row['target']:g} | {all_seeds} | {per} | {spread} |")
+        s_spread = f"{med:.0%} ({mx:.0%})" if med is not None else "–"
+        lines.append(f"| {row['target']:g} | {all_seeds} | {ci} | {per} | {spread} | "
+                     f"{s_spread} |")
+    return "\n".join(lines)
+
+
+def held_out_table(analysis: dict[str, Any]) -> str:
+    """Markdown: per target, B_crit with each rate selected on one seed and S measured on the
+    others (`cbs.analysis.held_out`) beside the in-sample fit on those same seeds."""
+    rows = analysis.get("held_out") or []
+    lines = ["| target L | rates from seed | S on seeds | B_crit, held out (95% CI) | "
+             "B_crit, in sample (95% CI) | held-out / in-sample S, median over B | "
+             "B left out |", "|---|---|---|---|---|---|---|"]
+    for t in rows:
+        cells = []
+        for f in (t["fit"], t["fit_in_sample"]):
+            ok = f["status"] == fit.OK
+            cells.append(f"{_g(f['b_crit'])} ({_ci(f['b_crit_ci'])})" if ok and f["b_crit_ci"]
+                         else (_g(f["b_crit"]) if ok else "–"))
+        ratio = f"{t['median_ratio']:.2f}" if t["median_ratio"] is not None else "–"
+        left = ", ".join(f"{r['batch_size']:g} ({r['left_out']})" for r in t["rows"]
+                         if "left_out" in r) or "none"
+        lines.append(f"| {t['target']:g} | {t['select_on_seed']} | "
+                     f"{', '.join(map(str, t['measured_on_seeds']))} | {cells[0]} | "
+                     f"{cells[1]} | {ratio} | {left} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
 Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
 analysis.json, figures/*.png and report.md there, and prints B_crit per target beside the
-measured B_simple and B_noise. An unfinished sweep (trials missing, e.g. a shard not run) is
+measured B_simple and B_noise. With --select_on_seed=K (a sweep with several seeds), the
+report adds B_crit with each rate selected on seed K and its steps measured on the others.
+An unfinished sweep (trials missing, e.g. a shard not run) is
 refused with the count per batch size, unless --partial.
 """
 
@@ -18,6 +20,10 @@ __all__ = ["main", "run"]
 
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "A sweep directory.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
+_SELECT_ON_SEED = flags.DEFINE_integer(
+    "select_on_seed", None, "Also select each best learning rate on this seed and measure its "
+    "steps on the sweep's other seeds: B_crit held out, beside the in-sample fit (report "
+    "section \"Held-out seeds\"; needs a sweep with several seeds).")
 _PARTIAL = flags.DEFINE_bool("partial", False, "Write the report of an unfinished sweep, "
                              "headed as partial (otherwise refused).")
 flags.mark_flags_as_required(["sweep_dir"])
@@ -26,7 +32,7 @@ flags.mark_flags_as_required(["sweep_dir"])
 def main(argv: list[str]) -> None:
     del argv
     path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value,
-                               partial=_PARTIAL.value)
+                               partial=_PARTIAL.value, select_on_seed=_SELECT_ON_SEED.value)
     print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
     print(f"report: {path}")
 

@@ -10,7 +10,9 @@ crossed every target; `cbs.analysis.payoff` fits the frontier to the fixed batch
 reports each ramp's step saving at equal examples with a bootstrap interval over seeds
 (payoff.md). Runs:
 
-- fixed B = 16 … 256 at the sweep's best learning rate at B (the frontier);
+- fixed B = 16 … 256 at the sweep's best learning rate at B (the frontier), and again at
+  every other rate that is the sweep's best at B for some target ("fixed B=… · η=…"), so that
+  `cbs.analysis.payoff` tunes each fixed baseline per target (the fastest of a B's rates there);
 - "adaptive (B_simple)": B follows the live noise scale (`ramp_adaptive.py`);
 - "local CBS": a step schedule through the branched study's local critical batch B*(e)
   (`cbs.analysis.branch_report.local_cbs_schedule`), 8 → 16 → 32;
@@ -23,14 +25,40 @@ import os
 
 from cbs.analysis import branch_report
 from cbs.configs import base, digits_ramps
+from cbs.results.store import SweepStore
 
 __all__ = [
-    "BRANCH_DIR", "FIXED", "SEEDS", "get_config", "local_cbs_ramp",
+    "BRANCH_DIR", "FIXED", "SEEDS", "SWEEP_DIR", "get_config", "local_cbs_ramp",
+    "target_rates", "tuned_fixed",
 ]
 
 SEEDS = (0, 1, 2)
 FIXED = (16, 32, 64, 128, 256)
 BRANCH_DIR = "results/digits_branch"  # the local-CBS study this config reads
+SWEEP_DIR = "results/digits"  # the sweep whose per-target best rates the fixed runs add
+
+
+def target_rates(sweep_dir: str, batch_size: int) -> dict[str, float]:
+    """target key -> the sweep's fastest learning rate at `batch_size` for that target (one
+    seed's fewest steps; targets no trial at B reached are left out)."""
+    trials = [r for r in SweepStore(sweep_dir).records() if r["batch_size"] == batch_size]
+    out = {}
+    for key in sorted({k for r in trials for k in r["steps_to_target"]}, key=float):
+        reached = [r for r in trials if r["steps_to_target"].get(key) is not None]
+        if reached:
+            out[key] = float(min(reached, key=lambda r: r["steps_to_target"][key])
+                             ["learning_rate"])
+    return out
+
+
+def tuned_fixed(sweep_dir: str, batch_size: int) -> list[dict]:
+    """Fixed runs at B for every per-target best rate of the sweep other than "best@B" (the
+    lowest target's), labelled "fixed B=… · η=…"."""
+    rates = target_rates(sweep_dir, batch_size)
+    lowest = rates[min(rates, key=float)] if rates else None
+    return [digits_ramps.fixed(batch_size) | {"label": f"fixed B={batch_size} · η={lr:.4g}",
+                                              "learning_rate": lr}
+            for lr in sorted(set(rates.values())) if lr != lowest]
 
 
 def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
@@ -52,9 +80,11 @@ def get_config(arg: str = ""):
         c.ramps = base.seeded(runs, (0, 1))
         return c
     ramps = {r["label"]: r for r in c.ramps}
+    sweep_dir = os.path.join(base.repo_root(), SWEEP_DIR)
     runs = [digits_ramps.fixed(b) for b in FIXED] + [
         ramps["adaptive"] | {"label": "adaptive (B_simple)"},
         local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
-        ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]]
+        ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]] + [
+        run for b in FIXED for run in tuned_fixed(sweep_dir, b)]
     c.ramps = base.seeded(runs, SEEDS)
     return c

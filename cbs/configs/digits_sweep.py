@@ -2,6 +2,9 @@
 
     python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
     python -m experiments.sweep --config=experiments/configs/digits_sweep.py:tiny --sweep_dir=/tmp/t
+    python -m experiments.sweep --config=experiments/configs/digits_sweep.py:seeds3 \
+        --sweep_dir=results/digits_seeds3
+    python -m experiments.analyze --sweep_dir=results/digits_seeds3 --select_on_seed=0
 
 Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
 rule η(B) = 4e-3·(B/64)^½, extended by up to three factor-2 rounds wherever the best rate
@@ -15,6 +18,13 @@ B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22x 
 sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 min on 2
 shared CPU cores (the full-data measurement at every evaluation is most of it). `:tiny` runs
 3 batch sizes for a handful of steps (tests) without the reference run.
+
+`:seeds3` (not yet run) is the held-out study: the same grid with seeds 0, 1, 2 and every
+learning rate of a (B, seed) run until it crosses the lowest target (no stop once one rate
+has crossed, so S at seed 0's best rate is measured, not censored, on seeds 1 and 2);
+`--select_on_seed=0` then reports B_crit with each rate selected on seed 0 and S measured on
+seeds 1 and 2 (`cbs.analysis.held_out`) beside the per-seed fits. Expected cost: 3 × 48
+trials without the early stop, an estimated 2–4 hours on 2 shared CPU cores.
 """
 
 from __future__ import annotations
@@ -60,7 +70,11 @@ def get_config(arg: str = ""):
     s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
     s.noise_reference_deviations = 256  # its tr(HΣ) from 256 random deviations (32 are too
     #                                     few late in training: relative std ≈ 1.4 per eval)
-    if "tiny" in base.parse_arg(arg):
+    words = base.parse_arg(arg, ("tiny", "seeds3"))
+    if "seeds3" in words:  # the held-out study: every rate's S measured on every seed
+        s.seeds = (0, 1, 2)  # three seeds per (B, η): rates selected on one, S on the others
+        s.stop_when_dominated = False  # no rate of a (B, seed) censored by a faster one
+    if "tiny" in words:
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.targets = (1.5, 1.0)  # loose targets
