@@ -25,7 +25,9 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   noise/live_exact (1: exact from per-example norms, 0: two-batch; `cbs.engine.live_noise`),
   noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
-  noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
+  noise/measured_ema_*, noise/batch_size; with a live estimate the calibrated advice
+  advice/{b_crit, b_crit_lo, b_crit_hi, steps_ratio, examples_ratio}
+  (`cbs.engine.live_advice`). Eval records: step, kind="eval",
   data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
   the fields of `on_eval` when given (the noise measurement at evaluations, `cbs.engine.measure`).
 - `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
