@@ -48,17 +48,21 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from cbs import data
 from cbs.engine import checkpoint, counts, measure
 from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
-from cbs.results import files, paths
+from cbs.results import files, paths, records
 
-__all__ = ["EvalFn", "Trainer", "run"]
+__all__ = ["CHECKPOINT_CHUNK", "EvalFn", "Trainer", "measure_checkpoint", "run"]
+
+CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exact pass
 
 # on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
@@ -222,3 +226,66 @@ def _remove_run_files(workdir: str, created: bool) -> None:
             paths.rmtree(os.path.join(workdir, name))
     if created and paths.isdir(workdir) and not any(paths.epath(workdir).iterdir()):
         paths.epath(workdir).rmdir()
+
+
+def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int = 0,
+                       curvature: bool = False, deviations: int = 256,
+                       mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
+    """The noise scale exactly at a saved state: checkpoint `step` (None: the latest) of the
+    run in `workdir`, its model and data from the run's config.json, measured by the one
+    call `cbs.engine.measure.measure` on all N training examples (`examples` = 0 or ≥ N:
+    method "full_data", exact; the split must be in memory) or on `examples` = n < N examples
+    of the measurement stream (index 0 of `cbs.engine.measure.draw`, seed `config.seed`).
+    With `curvature`, also B_noise from `deviations` examples' deviations and H over the
+    examples measured.
+
+    Returns {"step", "examples_seen", "batch_size" (the schedule's B at that state),
+    "optimizer", "num_train", "examples" (measured), "method", "full_train/loss" (at the
+    state, `config.eval.train_examples`), "noise/<key>" (`cbs.engine.measure.EVAL_KEYS`)}.
+    """
+    raw = records.read_json(os.path.join(workdir, files.CONFIG_FILE))
+    if raw is None:
+        raise FileNotFoundError(f"{workdir} has no {files.CONFIG_FILE}: give the run directory "
+                                "of `python -m experiments.main --workdir=...`")
+    directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+    if not paths.isdir(directory):
+        raise FileNotFoundError(f"{workdir} has no {checkpoint.CHECKPOINT_DIR}/ (set "
+                                "config.train.checkpoint_every > 0)")
+    config = ml_collections.ConfigDict(raw)
+    tr = Trainer(config, mesh=mesh)
+    try:
+        n = tr.dataset.num_train
+        every = not examples or examples >= n
+        if every and not tr.in_memory:
+            raise ValueError(f"the training split of {tr.dataset.name} is streamed: measure a "
+                             "stated number of examples (examples=n)")
+        spec = (NoiseSpec(examples="all", curvature=curvature, deviations=deviations,
+                          chunk_size=CHECKPOINT_CHUNK) if every else
+                NoiseSpec(examples="stream", batch_size=examples, curvature=curvature,
+                          deviations=deviations, hessian_batch_size=examples,
+                          chunk_size=CHECKPOINT_CHUNK))
+        ckpt = checkpoint.Checkpointer(directory, max_to_keep=None)
+        try:
+            state, meta = ckpt.restore(step, tr.restore_target())
+        finally:
+            ckpt.close()
+        seed = int(config.seed)
+        if tr.in_memory:
+            stats = jax.jit(measure.state_measurement(spec, tr, seed=seed))(state, jnp.int32(0))
+        else:
+            grad_batch, hess_batch = measure.host_draw(spec, tr.dataset, 0, seed=seed)
+            loss = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+            stats = measure.evaluation_record(jax.jit(
+                lambda p, g, h: measure.measure(spec, loss, p, g, hessian_batch=h))(
+                    state.params, grad_batch, hess_batch))
+        schedule_state = tr.schedule.state_from_dict(meta.get("schedule_state"))
+        loss_at = tr.evaluate(state, "train", int(config.eval.train_examples))["loss"]
+        return {"step": int(meta["step"]), "examples_seen": int(meta["examples_seen"]),
+                "batch_size": tr.schedule.batch_size_at(int(meta["examples_seen"]),
+                                                        schedule_state),
+                "optimizer": str(config.optim.name), "num_train": n,
+                "examples": n if every else min(examples, n),
+                "method": spec.resolved_method(), "full_train/loss": loss_at,
+                **{f"noise/{k}": float(v) for k, v in jax.device_get(stats).items()}}
+    finally:
+        tr.close()
