@@ -143,7 +143,7 @@ def from_checkpoint(measured: Mapping[str, Any], *, scale: str = "b_simple",
         raise ValueError(f"the measurement has no {scale}"
                          + (" (measure with curvature)" if scale == "b_noise" else ""))
     n, total = int(measured["examples"]), int(measured["num_train"])
-    where = (f"exact measurement on all {total} training examples" if n >= total else
+    where = ("exact measurement on all training examples" if n >= total else
              f"sampled measurement of {n} of {total} training examples")
     return advise(float(value), optimizer=str(measured["optimizer"]),
                   batch_size=float(measured["batch_size"]), scale=scale, level=level,
