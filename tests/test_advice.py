@@ -243,3 +243,32 @@ def test_cbs_advise_from_a_checkpoint_prints_that_measurement(tiny_run, tmp_path
     bad = subprocess.run([sys.executable, "-m", "experiments.advise", f"--checkpoint={run}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and "RUN/checkpoints/STEP" in bad.stderr
+
+
+def test_a_calibrated_ramp_follows_the_predicted_b_crit(tmp_path):
+    """An adaptive ramp with rule="calibrated" (SGD: B_crit ≈ 0.63 × B_simple): every batch
+    size the run took is the schedule's answer to the live B_simple it observed, and each move
+    lands on the rung nearest the predicted B_crit the run logged (advice/b_crit)."""
+    import ml_collections
+
+    from cbs.engine.adaptive import Adaptive
+
+    schedule = {"kind": "adaptive", "min_batch": 8, "max_batch": 512, "initial": 8,
+                "patience": 1, "multiple": 8, "rule": "calibrated"}
+    _, recs = _trained(tmp_path, **{"optim.name": "sgd", "optim.learning_rate": 0.1,
+                                    "batch.adapt_every": 2,
+                                    "batch.schedule": ml_collections.ConfigDict(schedule)})
+    trains = {r["step"]: r for r in recs if r["kind"] == "train"}
+    s = Adaptive(**{k: v for k, v in schedule.items() if k != "kind"}, optimizer="sgd")
+    state = s.init()
+    moves = 0
+    for t in range(1, 12):
+        before = trains[t - 1]
+        if t % 2 == 0:  # the loop feeds the EMA after step t - 1
+            state = s.update(state, before["noise/ema_b_simple"], trains[t]["data/examples_seen"])
+        assert trains[t]["data/batch_size"] == state.batch_size
+        if state.batch_size != before["data/batch_size"]:
+            moves += 1
+            target = min(max(before["advice/b_crit"], s.min_batch), s.max_batch)
+            assert state.batch_size == min(s.rungs, key=lambda r: abs(math.log(r / target)))
+    assert moves >= 1

@@ -281,3 +281,44 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
     p = (tokens - warmup) / (total - warmup)
     expected = 8e-5 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * p)))
     assert float(lr(counts.count_value(count))) == pytest.approx(expected, rel=1e-5)
+
+
+def test_adaptive_calibrated_targets_the_predicted_b_crit():
+    """rule="calibrated": the target is k times the B_crit the shipped calibration predicts
+    from the observed noise scale for the optimizer's family, not k times the noise scale."""
+    from cbs.analysis import calibration
+
+    calib = calibration.shipped()
+    nearest = lambda rungs, x: min(rungs, key=lambda r: abs(math.log(r / x)))
+    for optimizer, source, k in (("sgd", "b_simple", 1.0), ("adam", "b_simple", 2.0),
+                                 ("momentum", "b_noise", 1.0)):
+        s = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1, k=k, source=source,
+                     rule="calibrated", optimizer=optimizer)
+        p = calibration.predict(calib["models"][source], 100.0, optimizer)
+        assert s.ratio == pytest.approx(p["b_crit"] / 100.0, rel=1e-12)
+        assert s.update(s.init(), 100.0, 0).batch_size == nearest(s.rungs, k * p["b_crit"])
+    plain = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1)
+    sgd = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1, rule="calibrated",
+                   optimizer="sgd")
+    assert plain.ratio == 1.0 and plain.update(plain.init(), 100.0, 0).batch_size == 128
+    assert sgd.update(sgd.init(), 100.0, 0).batch_size == 64  # B_crit ≈ 0.63 × B_simple
+    with pytest.raises(ValueError, match="rule must be one of"):
+        Adaptive(min_batch=8, max_batch=64, rule="kaplan")
+    with pytest.raises(ValueError, match="no calibrated family"):
+        Adaptive(min_batch=8, max_batch=64, rule="calibrated", optimizer="lion")
+    unbound = Adaptive(min_batch=8, max_batch=64, rule="calibrated")
+    with pytest.raises(ValueError, match="config.optim.name"):
+        unbound.update(unbound.init(), 100.0, 0)
+
+
+def test_a_calibrated_schedule_is_validated_with_the_run_optimizer():
+    c = config_lib.default_config()
+    c.batch.micro_batch = 8
+    c.batch.schedule = ml_collections.ConfigDict(
+        {"kind": "adaptive", "min_batch": 8, "max_batch": 64, "rule": "calibrated"})
+    config_lib.validate(c, data_replicas=1)
+    built = sch.batch_schedule_from_config(c.batch.schedule, optimizer=c.optim.name)
+    assert built.optimizer == c.optim.name and built.ratio > 0
+    c.batch.schedule.rule = "nearest"
+    with pytest.raises(ConfigError, match=r"config\.batch\.schedule: rule must be one of"):
+        config_lib.validate(c, data_replicas=1)
