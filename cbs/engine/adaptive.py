@@ -50,7 +50,8 @@ class AdaptiveState:
 
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
-    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n.
+    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n
+    (clip(k·r̂·noise_scale, ...) with rule="calibrated").
 
     k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1);
       with rule="calibrated", per unit of the predicted B_crit.
