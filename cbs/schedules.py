@@ -1,10 +1,12 @@
-"""`cbs.schedules`: the public API of `cbs.engine.schedules` (batch-size schedules) and
+"""`cbs.schedules`: the public API of `cbs.engine.schedules` (batch-size schedules),
+`cbs.engine.adaptive` (the adaptive one) and
 `cbs.engine.lr` (learning-rate coupling and schedules), re-exported: `__all__` is the union
 of theirs.
 
 Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
 """
 
+from cbs.engine.adaptive import ADAPTIVE_RULES, Adaptive, AdaptiveState
 from cbs.engine.lr import (
     DECAYS,
     EXPONENTS,
@@ -19,8 +21,6 @@ from cbs.engine.lr import (
     validate_coupling_config,
 )
 from cbs.engine.schedules import (
-    Adaptive,
-    AdaptiveState,
     BatchSchedule,
     Constant,
     Linear,
@@ -36,9 +36,10 @@ from cbs.engine.schedules import (
 )
 
 __all__ = [
-    "DECAYS", "EXPONENTS", "LR_RULES", "Adaptive", "AdaptiveState", "BatchSchedule", "Constant",
-    "Linear", "Step", "batch_schedule_from_config", "batch_size_trace", "checked_schedule",
-    "coupled_lr", "coupled_lr_history", "coupling_from_config", "deepseek_v3_schedule",
-    "in_sequences", "learning_rate_shape", "llama3_schedule", "lr_multiplier", "lr_schedule",
-    "lr_schedule_from_config", "register", "validate_batch_config", "validate_coupling_config",
+    "ADAPTIVE_RULES", "DECAYS", "EXPONENTS", "LR_RULES", "Adaptive", "AdaptiveState",
+    "BatchSchedule", "Constant", "Linear", "Step", "batch_schedule_from_config",
+    "batch_size_trace", "checked_schedule", "coupled_lr", "coupled_lr_history",
+    "coupling_from_config", "deepseek_v3_schedule", "in_sequences", "learning_rate_shape",
+    "llama3_schedule", "lr_multiplier", "lr_schedule", "lr_schedule_from_config", "register",
+    "validate_batch_config", "validate_coupling_config",
 ]

@@ -20,11 +20,12 @@ from cbs.engine.noise_spec import (
 )
 from cbs.engine.parts import RunParts
 from cbs.engine.step import StatefulLoss, TrainState, TrainStep, init_train_state, stateless
-from cbs.engine.trainer import EvalFn, Trainer, run
+from cbs.engine.trainer import CHECKPOINT_CHUNK, EvalFn, Trainer, measure_checkpoint, run
 
 __all__ = [
-    "AUTO_METHOD", "ENDED", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "MOVED_SWEEP_KEYS",
-    "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts", "StatefulLoss", "StopFn",
-    "TrainState", "TrainStep", "Trainer", "check_moved_keys", "config_hash", "ended_run",
-    "init_train_state", "run", "stateless", "validate_config",
+    "AUTO_METHOD", "CHECKPOINT_CHUNK", "ENDED", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD",
+    "MOVED_SWEEP_KEYS", "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts",
+    "StatefulLoss", "StopFn", "TrainState", "TrainStep", "Trainer", "check_moved_keys",
+    "config_hash", "ended_run", "init_train_state", "measure_checkpoint", "run", "stateless",
+    "validate_config",
 ]

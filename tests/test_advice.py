@@ -7,10 +7,15 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from test_train import one_device_mesh, tiny_config
 
+from cbs import noise
 from cbs.analysis import advice, calibration
+from cbs.engine import checkpoint, live_advice, trainer
+from cbs.results import files, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,3 +138,137 @@ def test_trajectory_prefers_the_measurement_at_evaluations(tmp_path):
     assert [(a.step, a.noise_scale, a.loss, a.batch_size) for a in tr] == [
         (0, 12.0, 2.0, 32.0), (4, 15.0, 1.5, 32.0)]
     assert "all training examples" in tr[0].source
+
+
+# ------------------------------------------------------------------ live advice and checkpoints
+
+
+def _trained(path, **overrides):
+    """A tiny digits run (tests/test_train.py's 12 steps at B = 32, Adam, checkpoints every
+    5) in `path`, with the overrides; its records."""
+    c = tiny_config(**({"train.keep_checkpoints": 5} | overrides))
+    trainer.run(c, str(path), mesh=one_device_mesh())
+    return c, records.read_records(os.path.join(str(path), files.METRICS_FILE))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("advice_run")
+    c, recs = _trained(path)
+    return str(path), c, recs
+
+
+def test_live_advice_is_the_calibrated_prediction_and_the_tradeoff():
+    class Optim:
+        name = "sgd"
+
+    calib = calibration.shipped()
+    live = live_advice.LiveAdvice.from_config(type("C", (), {"optim": Optim})())
+    got = live.record({"noise/ema_b_simple": 150.0, "data/batch_size": 64})
+    p = calibration.predict(calib["models"]["b_simple"], 150.0, "sgd", level=calib["level"])
+    assert got["advice/b_crit"] == pytest.approx(p["b_crit"], rel=1e-12)
+    assert (got["advice/b_crit_lo"], got["advice/b_crit_hi"]) == pytest.approx(p["interval"],
+                                                                               rel=1e-12)
+    assert got["advice/steps_ratio"] == pytest.approx(1 + p["b_crit"] / 64, rel=1e-12)
+    assert got["advice/examples_ratio"] == pytest.approx(1 + 64 / p["b_crit"], rel=1e-12)
+    assert sorted(got) == sorted(f"advice/{k}" for k in live_advice.ADVICE_KEYS)
+    # the same numbers as the advice of a finished run
+    a = advice.advise(150.0, optimizer="sgd", batch_size=64)
+    assert (a.b_crit, a.steps_ratio, a.examples_ratio) == pytest.approx(
+        (got["advice/b_crit"], got["advice/steps_ratio"], got["advice/examples_ratio"]))
+    # no estimate (live "none": NaN EMA): no keys; an estimate <= 0: NaN advice
+    assert live.record({"noise/ema_b_simple": math.nan, "data/batch_size": 64}) == {}
+    bad = live.record({"noise/ema_b_simple": -3.0, "data/batch_size": 64})
+    assert sorted(bad) == sorted(got) and all(math.isnan(v) for v in bad.values())
+
+
+def test_a_run_with_a_live_estimate_logs_the_advice(tiny_run):
+    _, c, recs = tiny_run
+    trains = [r for r in recs if r["kind"] == "train"]
+    assert len(trains) == 12
+    ratio = math.exp(calibration.shipped()["models"]["b_simple"]["families"]["adaptive"]["mu"])
+    for r in trains:
+        assert all(f"advice/{k}" in r for k in live_advice.ADVICE_KEYS)
+        b, b_crit = r["data/batch_size"], r["advice/b_crit"]
+        assert b_crit == pytest.approx(ratio * r["noise/ema_b_simple"], rel=1e-9)
+        assert r["advice/b_crit_lo"] < b_crit < r["advice/b_crit_hi"]
+        assert r["advice/steps_ratio"] == pytest.approx(1 + b_crit / b, rel=1e-12)
+        assert r["advice/examples_ratio"] == pytest.approx(1 + b / b_crit, rel=1e-12)
+    assert not any(k.startswith("advice/") for r in recs if r["kind"] == "eval" for k in r)
+
+
+def test_the_advice_from_a_checkpoint_is_the_measurement_of_that_state(tiny_run):
+    """`measure_checkpoint` restores checkpoint 10 and measures on all training examples: the
+    same B_simple as `cbs.noise.exact` on the restored parameters, directly (tr Σ over the N
+    examples, |G|² of their mean gradient)."""
+    run, c, recs = tiny_run
+    measured = trainer.measure_checkpoint(run, 10, mesh=one_device_mesh())
+    tr = trainer.Trainer(c, mesh=one_device_mesh())
+    ckpt = checkpoint.Checkpointer(os.path.join(run, checkpoint.CHECKPOINT_DIR))
+    state, _ = ckpt.restore(10, tr.restore_target())
+    ckpt.close()
+    n = tr.dataset.num_train
+    everything = tr.dataset.take(tr.train_arrays, jax.numpy.arange(n), "train")
+    loss = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+    direct = noise.exact(loss, state.params, everything, chunk_size=256)
+    assert measured["examples"] == measured["num_train"] == n and measured["step"] == 10
+    # on the whole training set G is the mean gradient itself: |G|² = |ḡ|², no 1/N correction
+    b_simple = float(direct.trace_sigma / direct.mean_grad_sq_norm)
+    assert measured["noise/b_simple"] == pytest.approx(b_simple, rel=1e-5)
+    assert measured["batch_size"] == 32 and measured["optimizer"] == "adam"
+    evals = {r["step"]: r for r in recs if r["kind"] == "eval"}
+    assert measured["full_train/loss"] == pytest.approx(evals[12]["full_train/loss"], rel=0.05)
+    a = advice.from_checkpoint(measured)
+    b = advice.advise(measured["noise/b_simple"], optimizer="adam", batch_size=32)
+    assert (a.b_crit, a.interval, a.steps_ratio) == (b.b_crit, b.interval, b.steps_ratio)
+    assert a.step == 10 and a.examples == n and "all" in a.source and not a.flags
+    # on a stated number of examples: a sampled measurement, flagged below FEW_EXAMPLES
+    few = advice.from_checkpoint(trainer.measure_checkpoint(run, 10, examples=128,
+                                                            mesh=one_device_mesh()))
+    assert few.examples == 128 and few.flags and "128 of" in few.source
+
+
+@pytest.mark.slow
+def test_cbs_advise_from_a_checkpoint_prints_that_measurement(tiny_run, tmp_path):
+    run, _, _ = tiny_run
+    want = advice.from_checkpoint(trainer.measure_checkpoint(run, 5, mesh=one_device_mesh()))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "experiments.advise",
+                          f"--checkpoint={run}/checkpoints/5", f"--out={tmp_path}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith(advice.summary(want))  # after the model's line
+    saved = json.load(open(tmp_path / "advice_5.json"))
+    assert saved["advice"]["noise_scale"] == want.noise_scale
+    bad = subprocess.run([sys.executable, "-m", "experiments.advise", f"--checkpoint={run}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and "RUN/checkpoints/STEP" in bad.stderr
+
+
+def test_a_calibrated_ramp_follows_the_predicted_b_crit(tmp_path):
+    """An adaptive ramp with rule="calibrated" (SGD: B_crit ≈ 0.63 × B_simple): every batch
+    size the run took is the schedule's answer to the live B_simple it observed, and each move
+    lands on the rung nearest the predicted B_crit the run logged (advice/b_crit)."""
+    import ml_collections
+
+    from cbs.engine.adaptive import Adaptive
+
+    schedule = {"kind": "adaptive", "min_batch": 8, "max_batch": 512, "initial": 8,
+                "patience": 1, "multiple": 8, "rule": "calibrated"}
+    _, recs = _trained(tmp_path, **{"optim.name": "sgd", "optim.learning_rate": 0.1,
+                                    "batch.adapt_every": 2,
+                                    "batch.schedule": ml_collections.ConfigDict(schedule)})
+    trains = {r["step"]: r for r in recs if r["kind"] == "train"}
+    s = Adaptive(**{k: v for k, v in schedule.items() if k != "kind"}, optimizer="sgd")
+    state = s.init()
+    moves = 0
+    for t in range(1, 12):
+        before = trains[t - 1]
+        if t % 2 == 0:  # the loop feeds the EMA after step t - 1
+            state = s.update(state, before["noise/ema_b_simple"], trains[t]["data/examples_seen"])
+        assert trains[t]["data/batch_size"] == state.batch_size
+        if state.batch_size != before["data/batch_size"]:
+            moves += 1
+            target = min(max(before["advice/b_crit"], s.min_batch), s.max_batch)
+            assert state.batch_size == min(s.rungs, key=lambda r: abs(math.log(r / target)))
+    assert moves >= 1

@@ -10,6 +10,7 @@ import pytest
 
 from cbs.engine import config as config_lib
 from cbs.engine import schedules as sch
+from cbs.engine.adaptive import Adaptive, AdaptiveState
 from cbs.engine.fields import ConfigError
 from cbs.engine.lr import lr_schedule
 
@@ -131,7 +132,7 @@ def _naive(signal, rungs):
 def test_adaptive_dead_zone_never_moves():
     # Alternates across the midpoint 90.5 of rungs 64 and 128 on every update: nearest-rung
     # rounding flips every time; inside the band B·[1/band, band] nothing may move.
-    s = sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=1)
+    s = Adaptive(min_batch=16, max_batch=256, initial=64, patience=1)
     signal = [80.0, 100.0] * 200 + [64 * 1.68, 64 / 1.68] * 50
     assert np.count_nonzero(np.diff(_naive(signal, s.rungs))) >= 0.99 * len(signal)
     state, sizes = _run(s, signal)
@@ -144,23 +145,23 @@ def test_adaptive_hysteresis_prevents_oscillation_on_noisy_signal():
     rng = np.random.default_rng(0)
     signal = math.sqrt(64 * 128) * np.exp(0.1 * rng.standard_normal(4000))
     assert np.count_nonzero(np.diff(_naive(signal, (16, 32, 64, 128, 256)))) > 1000
-    s = sch.Adaptive(min_batch=16, max_batch=256, initial=64)  # defaults: band 1.68, patience 3
+    s = Adaptive(min_batch=16, max_batch=256, initial=64)  # defaults: band 1.68, patience 3
     state, sizes = _run(s, signal)
     assert state.num_changes <= 2 and set(sizes.tolist()) <= {64, 128}
     # With 25 % noise and more patience it still does not flip-flop.
     signal = math.sqrt(64 * 128) * np.exp(0.25 * rng.standard_normal(4000))
-    state, sizes = _run(sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=8),
+    state, sizes = _run(Adaptive(min_batch=16, max_batch=256, initial=64, patience=8),
                         signal)
     assert state.num_changes <= 2
     # Every change is preceded by at least `patience` updates at the old size.
-    state, sizes = _run(sch.Adaptive(min_batch=16, max_batch=256, initial=64, patience=3),
+    state, sizes = _run(Adaptive(min_batch=16, max_batch=256, initial=64, patience=3),
                         signal)
     dwell = np.diff(np.flatnonzero(np.diff(sizes)))
     assert state.num_changes > 2 and dwell.min() >= 3
 
 
 def test_adaptive_follows_a_growing_signal_on_allowed_rungs_within_limits():
-    s = sch.Adaptive(min_batch=8, max_batch=512, factor=2, k=2.0, patience=3, multiple=8)
+    s = Adaptive(min_batch=8, max_batch=512, factor=2, k=2.0, patience=3, multiple=8)
     rng = np.random.default_rng(1)
     signal = np.geomspace(1.0, 2000.0, 600) * np.exp(0.2 * rng.standard_normal(600))
     state, sizes = _run(s, signal)
@@ -175,7 +176,7 @@ def test_adaptive_follows_a_growing_signal_on_allowed_rungs_within_limits():
 
 
 def test_adaptive_patience_and_trusted_target():
-    s = sch.Adaptive(min_batch=16, max_batch=1024, initial=16, patience=3)
+    s = Adaptive(min_batch=16, max_batch=1024, initial=16, patience=3)
     state = s.init()
     for i, x in enumerate([1000.0, 1000.0]):
         state = s.update(state, x, i)
@@ -192,12 +193,12 @@ def test_adaptive_patience_and_trusted_target():
 
 
 def test_adaptive_ignores_nan_and_state_is_json():
-    s = sch.Adaptive(min_batch=8, max_batch=64, patience=2)
+    s = Adaptive(min_batch=8, max_batch=64, patience=2)
     state = s.update(s.init(), float("nan"), 0)
     assert state.batch_size == 8 and state.num_updates == 1 and state.streak == 0
     state = s.update(state, 40.0, 8)
     blob = json.dumps(state.to_dict())
-    restored = sch.AdaptiveState.from_dict(json.loads(blob))
+    restored = AdaptiveState.from_dict(json.loads(blob))
     assert restored == state
     assert s.update(restored, 40.0, 16) == s.update(state, 40.0, 16)
     assert s.update(restored, 40.0, 16).batch_size == 32
@@ -205,9 +206,9 @@ def test_adaptive_ignores_nan_and_state_is_json():
 
 def test_adaptive_rejects_band_that_allows_oscillation():
     with pytest.raises(ValueError, match="sqrt"):
-        sch.Adaptive(min_batch=8, max_batch=64, factor=2, band=1.4)
+        Adaptive(min_batch=8, max_batch=64, factor=2, band=1.4)
     with pytest.raises(ValueError, match="ladder"):
-        sch.Adaptive(min_batch=8, max_batch=64, initial=24)
+        Adaptive(min_batch=8, max_batch=64, initial=24)
 
 
 def test_a_registered_schedule_is_built_from_config_and_validated():
@@ -280,3 +281,44 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
     p = (tokens - warmup) / (total - warmup)
     expected = 8e-5 * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * p)))
     assert float(lr(counts.count_value(count))) == pytest.approx(expected, rel=1e-5)
+
+
+def test_adaptive_calibrated_targets_the_predicted_b_crit():
+    """rule="calibrated": the target is k times the B_crit the shipped calibration predicts
+    from the observed noise scale for the optimizer's family, not k times the noise scale."""
+    from cbs.analysis import calibration
+
+    calib = calibration.shipped()
+    nearest = lambda rungs, x: min(rungs, key=lambda r: abs(math.log(r / x)))
+    for optimizer, source, k in (("sgd", "b_simple", 1.0), ("adam", "b_simple", 2.0),
+                                 ("momentum", "b_noise", 1.0)):
+        s = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1, k=k, source=source,
+                     rule="calibrated", optimizer=optimizer)
+        p = calibration.predict(calib["models"][source], 100.0, optimizer)
+        assert s.ratio == pytest.approx(p["b_crit"] / 100.0, rel=1e-12)
+        assert s.update(s.init(), 100.0, 0).batch_size == nearest(s.rungs, k * p["b_crit"])
+    plain = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1)
+    sgd = Adaptive(min_batch=8, max_batch=4096, initial=8, patience=1, rule="calibrated",
+                   optimizer="sgd")
+    assert plain.ratio == 1.0 and plain.update(plain.init(), 100.0, 0).batch_size == 128
+    assert sgd.update(sgd.init(), 100.0, 0).batch_size == 64  # B_crit ≈ 0.63 × B_simple
+    with pytest.raises(ValueError, match="rule must be one of"):
+        Adaptive(min_batch=8, max_batch=64, rule="kaplan")
+    with pytest.raises(ValueError, match="no calibrated family"):
+        Adaptive(min_batch=8, max_batch=64, rule="calibrated", optimizer="lion")
+    unbound = Adaptive(min_batch=8, max_batch=64, rule="calibrated")
+    with pytest.raises(ValueError, match="config.optim.name"):
+        unbound.update(unbound.init(), 100.0, 0)
+
+
+def test_a_calibrated_schedule_is_validated_with_the_run_optimizer():
+    c = config_lib.default_config()
+    c.batch.micro_batch = 8
+    c.batch.schedule = ml_collections.ConfigDict(
+        {"kind": "adaptive", "min_batch": 8, "max_batch": 64, "rule": "calibrated"})
+    config_lib.validate(c, data_replicas=1)
+    built = sch.batch_schedule_from_config(c.batch.schedule, optimizer=c.optim.name)
+    assert built.optimizer == c.optim.name and built.ratio > 0
+    c.batch.schedule.rule = "nearest"
+    with pytest.raises(ConfigError, match=r"config\.batch\.schedule: rule must be one of"):
+        config_lib.validate(c, data_replicas=1)

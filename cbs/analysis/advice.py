@@ -8,6 +8,10 @@ is given) and says what the current batch B costs (McCandlish et al. 2018): S/S_
 exchange rate λ (examples one would spend to save one step), the batch √(λ·B_crit) that
 minimises λ·S + E.
 
+`from_stats` takes the statistics of the drop-in API (`cbs.noise.value_grad_and_stats` on the
+user's own loss, parameters and batch: a `NoiseStats`) and `from_checkpoint` the measurement
+of a saved state (`cbs.train.measure_checkpoint`: all training examples where they fit).
+
 `trajectory` reads a finished (or running) run directory, its `config.json` and
 `metrics.jsonl`, and gives the advice at every step with a measured noise scale: the
 measurement at each evaluation when the run makes one (`config.noise.examples` "all": exact on
@@ -36,8 +40,8 @@ from cbs.analysis import calibration
 from cbs.results import files, records
 from cbs.results.store import SweepStore, target_key
 
-__all__ = ["FEW_EXAMPLES", "Advice", "advise", "figure", "from_sweep", "summary", "table",
-           "trajectory"]
+__all__ = ["FEW_EXAMPLES", "Advice", "advise", "figure", "from_checkpoint", "from_stats",
+           "from_sweep", "summary", "table", "trajectory"]
 
 FEW_EXAMPLES = 512  # a noise scale measured on fewer examples is flagged as noisy
 
@@ -109,6 +113,43 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
     return Advice(float(noise_scale), scale, optimizer, float(batch_size), b_crit,
                   interval, level, t["steps_ratio"], t["examples_ratio"],
                   t.get("best_batch_size"), source, int(examples), about, step, loss)
+
+
+def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b_simple",
+               level: float = 0.8, exchange: float | None = None,
+               calib: Mapping[str, Any] | None = None, step: int | None = None,
+               loss: float | None = None) -> Advice:
+    """The advice from noise statistics measured in your own code: a `NoiseStats` of the
+    drop-in API (`cbs.noise.value_grad_and_stats`, `cbs.noise.exact`, ...) or anything with
+    the attribute `scale` ("b_simple", or "b_noise" when measured with curvature) and
+    `batch_size` (the examples measured). batch_size: the batch you train with."""
+    value = getattr(stats, scale, None)
+    if value is None:
+        raise ValueError(f"the statistics have no {scale}"
+                         + (" (measure with curvature=True)" if scale == "b_noise" else ""))
+    n = int(getattr(stats, "batch_size", 0) or 0)
+    return advise(float(value), optimizer=optimizer, batch_size=batch_size, scale=scale,
+                  level=level, exchange=exchange, source=f"measured in your code ({scale})",
+                  examples=n, calib=calib, step=step, loss=loss)
+
+
+def from_checkpoint(measured: Mapping[str, Any], *, scale: str = "b_simple",
+                    level: float = 0.8, exchange: float | None = None,
+                    calib: Mapping[str, Any] | None = None) -> Advice:
+    """The advice from `cbs.train.measure_checkpoint`'s measurement of a saved state, at the
+    batch size the run's schedule had there."""
+    value = measured.get(f"noise/{scale}")
+    if value is None:
+        raise ValueError(f"the measurement has no {scale}"
+                         + (" (measure with curvature)" if scale == "b_noise" else ""))
+    n, total = int(measured["examples"]), int(measured["num_train"])
+    where = ("exact measurement on all training examples" if n >= total else
+             f"sampled measurement of {n} of {total} training examples")
+    return advise(float(value), optimizer=str(measured["optimizer"]),
+                  batch_size=float(measured["batch_size"]), scale=scale, level=level,
+                  exchange=exchange, source=f"{where} at checkpoint {measured['step']}",
+                  examples=n, calib=calib, step=int(measured["step"]),
+                  loss=measured.get("full_train/loss"))
 
 
 def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,

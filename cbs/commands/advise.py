@@ -8,6 +8,11 @@ advice at every measured step to advice.md, advice.json and advice.png in the ru
 (or --out). With --sweep_dir instead: the advice at each target of a sweep from the noise its
 trials recorded at their crossings (prediction.md, .json, .png), e.g. the one run of a
 config's `predict` argument, before that task's sweep.
+
+From a checkpoint (--checkpoint=RUN/checkpoints/STEP, or --workdir=RUN --step=STEP, or a
+--workdir whose records hold no measured noise scale): restores the saved state and measures
+the noise scale exactly there (`cbs.train.measure_checkpoint`: all training examples, or
+--examples=n of them), then prints the same advice and writes advice_STEP.md and .json.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import os
 from absl import flags
 
 from cbs.analysis import advice
-from cbs.engine import cli
-from cbs.results import records
+from cbs.engine import checkpoint, cli, trainer
+from cbs.results import paths, records
 
 __all__ = [
     "main", "run",
@@ -39,7 +44,15 @@ _EXCHANGE = flags.DEFINE_float("exchange", None, "λ: examples you would spend t
 _LEVEL = flags.DEFINE_float("level", 0.8, "Level of the prediction interval.")
 _OUT = flags.DEFINE_string("out", None, "Directory for advice.md and advice.png (default: the "
                            "run directory).")
-flags.mark_flags_as_mutual_exclusive(["workdir", "sweep_dir"], required=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Instead of --workdir: a checkpoint of "
+                                  "a run, RUN/checkpoints/STEP (or RUN/checkpoints: the "
+                                  "latest); the noise scale is measured at that state.")
+_STEP = flags.DEFINE_integer("step", None, "With --workdir: measure at this checkpoint "
+                             "instead of reading the records.")
+_EXAMPLES = flags.DEFINE_integer("examples", 0, "From a checkpoint: measure on this many "
+                                 "training examples (0: all of them, exactly; needed when the "
+                                 "training split is streamed).")
+flags.mark_flags_as_mutual_exclusive(["workdir", "sweep_dir", "checkpoint"], required=True)
 
 
 def main(argv: list[str]) -> None:
@@ -47,12 +60,18 @@ def main(argv: list[str]) -> None:
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
     scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
+    if _CHECKPOINT.value or _STEP.value is not None:
+        _from_checkpoint(*_checkpoint_of(), scale=scale, level=level, exchange=exchange)
+        return
     if _SWEEP_DIR.value:
         where, name = str(_SWEEP_DIR.value), "prediction"
         advices = advice.from_sweep(where, scale=scale, level=level, exchange=exchange)
     else:
         where, name = cli.required(_WORKDIR), "advice"
         advices = advice.trajectory(where, scale=scale, level=level, exchange=exchange)
+        if not advices and _has_checkpoint(where):  # no measured noise: measure at the latest
+            _from_checkpoint(where, None, scale=scale, level=level, exchange=exchange)
+            return
     if not advices:
         raise ValueError(f"{where} has no measured {_SCALE.value} yet: run with a noise "
                          "estimate (config.noise.live or noise.every > 0"
@@ -69,6 +88,44 @@ def main(argv: list[str]) -> None:
     print(advice.summary(advices[-1]))
     print()
     print(text)
+
+
+def _checkpoint_of() -> tuple[str, int | None]:
+    """(run directory, step or None for the latest) of --checkpoint, or --workdir --step."""
+    if not _CHECKPOINT.value:
+        return cli.required(_WORKDIR), _STEP.value
+    if _STEP.value is not None:
+        raise ValueError("--step goes with --workdir; --checkpoint names its step: "
+                         "--checkpoint=RUN/checkpoints/STEP")
+    path = os.path.normpath(str(_CHECKPOINT.value))
+    head, tail = os.path.split(path)
+    if tail.isdigit() and os.path.basename(head) == checkpoint.CHECKPOINT_DIR:
+        return os.path.dirname(head), int(tail)
+    if tail == checkpoint.CHECKPOINT_DIR:
+        return head, None
+    raise ValueError(f"--checkpoint={_CHECKPOINT.value}: give RUN/{checkpoint.CHECKPOINT_DIR}/"
+                     f"STEP (one checkpoint) or RUN/{checkpoint.CHECKPOINT_DIR} (the latest)")
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    return paths.isdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))
+
+
+def _from_checkpoint(workdir: str, step: int | None, *, scale: str, level: float,
+                     exchange: float | None) -> None:
+    """Measures at the checkpoint, prints the advice, writes advice_STEP.md and .json."""
+    measured = trainer.measure_checkpoint(workdir, step, examples=int(_EXAMPLES.value),
+                                          curvature=scale == "b_noise")
+    a = advice.from_checkpoint(measured, scale=scale, level=level, exchange=exchange)
+    out = _OUT.value or workdir
+    os.makedirs(out, exist_ok=True)
+    name = f"advice_{measured['step']}"
+    records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
+                         f"`{workdir}` at checkpoint {measured['step']}\n\n"
+                         f"{advice.summary(a)}\n")
+    records.write_json_atomic(os.path.join(out, f"{name}.json"), {
+        "advice": json.loads(json.dumps(a.to_dict(), default=float)), "measured": measured})
+    print(advice.summary(a))
 
 
 def run() -> None:

@@ -7,10 +7,12 @@
   loop), `driver` (what it drives), `trainer` (a run in a run directory), `progress` (loss
   EMA, divergence rule, evaluation points);
 - the maths it trains with: `lr` (learning-rate coupling and schedules), `schedules`
-  (batch-size schedules), `optim` (optimizers), `counts` (exact example counts on device);
+  (batch-size schedules) and `adaptive` (the one that follows the noise scale), `optim`
+  (optimizers), `counts` (exact example counts on device);
 - the noise it measures: `live_noise` (the step's live estimate), `noise_spec` (the one
   spec of a measurement, from `config.noise`), `measure` (the one call every path measures
-  through);
+  through), `live_advice` (the calibrated batch-size advice each record logs from the live
+  estimate);
 - runtime plumbing: `mesh` (device mesh and shardings), `checkpoint` (orbax), `writer`
   (a run's records and their TensorBoard and W&B mirrors, progress bars), `throughput`
   (tokens/s, MFU), `preemption` (SIGTERM and Ctrl-C), `distributed` (multi-host start-up),
@@ -18,7 +20,8 @@
 """
 
 __all__ = [
-    "checkpoint", "cli", "config", "counts", "distributed", "driver", "fields", "live_noise",
-    "loop", "lr", "measure", "mesh", "noise_spec", "optim", "parts", "preemption", "progress",
-    "schedules", "spec", "step", "step_metrics", "throughput", "trainer", "vmapped", "writer",
+    "adaptive", "checkpoint", "cli", "config", "counts", "distributed", "driver", "fields",
+    "live_advice", "live_noise", "loop", "lr", "measure", "mesh", "noise_spec", "optim", "parts",
+    "preemption", "progress", "schedules", "spec", "step", "step_metrics", "throughput",
+    "trainer", "vmapped", "writer",
 ]  # its modules

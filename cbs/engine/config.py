@@ -197,7 +197,8 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
         _choice(config, "model.name", tuple(model_names))
     optim.validate_config(_section(config, "optim"),
                           max_examples=_int(config, "train.max_examples", minimum=0))
-    schedule = schedules.validate_batch_config(_section(config, "batch"))
+    schedule = schedules.validate_batch_config(_section(config, "batch"),
+                                               optimizer=str(config.optim.name))
     lr.validate_coupling_config(_section(config, "batch.lr_coupling"))
     noise_spec.validate_config(_section(config, "noise"))
     loop.validate_train_config(_section(config, "train"))

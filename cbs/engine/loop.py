@@ -25,7 +25,7 @@ from typing import Any, cast
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, fields, preemption, throughput, writer
+from cbs.engine import checkpoint, fields, live_advice, preemption, throughput, writer
 from cbs.engine.driver import (
     AdjustsRestored,
     Driver,
@@ -162,6 +162,7 @@ class Loop:
         self.divergence = DivergenceState()
         self.noise_batch = self.config.noise.batch_size or (
             self.config.batch.micro_batch * driver.replicas)
+        self.advice = live_advice.LiveAdvice.from_config(self.config)  # advice/* records
 
     # ------------------------------------------------------------------ state
 
@@ -221,7 +222,7 @@ class Loop:
         else:  # the in-step measurement's skipped branch is all NaN: leave it out
             rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
                    and k not in _MEASURED_KEYS}
-        return rec
+        return rec | self.advice.record(rec)
 
     def _read(self, *, keep_newest: bool) -> None:
         """Fetches pending metrics (all, or all but the newest step's), writes records."""

@@ -56,7 +56,8 @@ class RunParts:
         config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
                             dataset_names=None if dataset else data.known_datasets())
         self.dataset = dataset or self._load_dataset()
-        self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
+        self.schedule = schedules.batch_schedule_from_config(
+            config.batch.schedule, optimizer=str(config.optim.name))
         self._check_sizes()
         self._build_model()
         self._build_step()

@@ -19,9 +19,8 @@ accept the same calls as no-ops, so a training loop needs one code path.
 - `Constant(B)`; `Step(((0, B_0), (e_1, B_1), ...))`: B_i once e ≥ e_i;
   `Linear(start, end, over, multiple)`: B(e) = start + (end − start)·min(e/over, 1), rounded to
   the nearest multiple of `multiple` (micro_batch × data_replicas).
-- `Adaptive`: follows the live noise scale, B* = clip(k·B_noise (or k·B_simple), min, max), on
-  a ladder of sizes min·factor^n, with hysteresis: it moves only after the target has stayed
-  beyond a band (B·band above or B/band below) for `patience` consecutive updates.
+- `Adaptive` (`cbs.engine.adaptive`): follows the live noise scale on a ladder of sizes with
+  hysteresis, towards k·B_s or k times the calibrated prediction of B_crit.
 
 The learning rate that goes with B (coupling, caps, warmup and decay in examples seen) is
 `cbs.engine.lr`.
@@ -37,12 +36,14 @@ from typing import Any, cast
 import numpy as np
 
 from cbs.engine import fields
+from cbs.engine.adaptive import Adaptive
 
 __all__ = [
-    "Adaptive", "AdaptiveState", "BatchSchedule", "Constant", "Linear", "Step",
+    "BatchSchedule", "Constant", "Linear", "Step",
     "batch_schedule_from_config", "batch_size_trace", "checked_schedule", "deepseek_v3_schedule",
     "in_sequences", "llama3_schedule", "register", "validate_batch_config",
 ]
+
 
 
 def _round_to_multiple(x: float, multiple: int) -> int:
@@ -184,147 +185,6 @@ class Linear(_Static):
                    float(fields.lookup(c, "over", w)), int(fields.lookup(c, "multiple", w, 1)))
 
 
-@dataclasses.dataclass(frozen=True)
-class AdaptiveState:
-    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON).
-
-    streak: consecutive updates with the target beyond the band, signed (+ up, − down).
-    streak_target: the least extreme target of the current streak (what a move may trust).
-    """
-
-    batch_size: int
-    streak: int = 0
-    streak_target: float | None = None
-    num_updates: int = 0
-    num_changes: int = 0
-    last_change_at: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> AdaptiveState:
-        return cls(**d)
-
-
-@dataclasses.dataclass(frozen=True)
-class Adaptive:
-    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n.
-
-    k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1).
-    band: hysteresis ratio; a move up needs target > B·band, a move down target < B/band,
-      each for `patience` consecutive updates. band > √factor makes the dead zones of
-      neighbouring rungs overlap, so a target sitting between two rungs cannot flip-flop;
-      the default factor^(3/4) (1.68 for factor 2) leaves a margin of factor^(1/4) (19 %)
-      on either side of the geometric midpoint between rungs.
-    source: which smoothed noise scale the caller feeds ("b_noise" or "b_simple").
-    multiple: micro_batch × data_replicas; every rung must be a multiple of it.
-    """
-
-    min_batch: int
-    max_batch: int
-    initial: int | None = None
-    factor: int = 2
-    k: float = 1.0
-    band: float | None = None
-    patience: int = 3
-    source: str = "b_simple"
-    multiple: int = 1
-
-    def __post_init__(self):
-        if self.band is None:
-            object.__setattr__(self, "band", float(self.factor) ** 0.75)
-        if self.factor < 2 or self.min_batch < 1 or self.max_batch < self.min_batch:
-            raise ValueError("Adaptive needs factor >= 2 and 1 <= min_batch <= max_batch")
-        if self.min_batch % self.multiple:
-            raise ValueError(f"min_batch={self.min_batch} must be a multiple of {self.multiple}")
-        if cast(float, self.band) ** 2 <= self.factor:
-            raise ValueError(f"band={self.band} must exceed sqrt(factor)={self.factor ** 0.5:.3f}"
-                             " or a target between two rungs can oscillate")
-        if self.patience < 1 or self.k <= 0:
-            raise ValueError("Adaptive needs patience >= 1 and k > 0")
-        if self.source not in ("b_simple", "b_noise"):
-            raise ValueError(f"source must be 'b_simple' or 'b_noise', got {self.source!r}")
-        if self.initial is not None and self.initial not in self.rungs:
-            raise ValueError(f"initial={self.initial} is not on the ladder {self.rungs}")
-
-    @property
-    def rungs(self) -> tuple[int, ...]:
-        """Allowed batch sizes: min_batch·factor^n ≤ max_batch."""
-        out, b = [], self.min_batch
-        while b <= self.max_batch:
-            out.append(b)
-            b *= self.factor
-        return tuple(out)
-
-    @property
-    def observes(self) -> str:
-        """The noise scale `update` wants: "b_simple" or "b_noise" (`source`)."""
-        return self.source
-
-    def batch_sizes(self) -> tuple[int, ...]:
-        return self.rungs
-
-    def init(self) -> AdaptiveState:
-        return AdaptiveState(batch_size=self.initial or self.min_batch)
-
-    def state_from_dict(self, raw: Mapping[str, Any] | None) -> AdaptiveState:
-        """The state saved by `AdaptiveState.to_dict` (a fresh one for None)."""
-        return self.init() if raw is None else AdaptiveState.from_dict(raw)
-
-    def batch_size_at(self, examples_seen: float, state: AdaptiveState | None = None) -> int:
-        return (state or self.init()).batch_size
-
-    def planning_batch_size(self, examples_seen: float) -> int:
-        """The smallest rung: the size a loader can plan for before any observation."""
-        return self.min_batch
-
-    def update(self, state: AdaptiveState, noise_scale: float,
-               examples_seen: float) -> AdaptiveState:
-        """One observation of the smoothed noise scale; returns the next state."""
-        noise_scale = float(noise_scale)
-        counted = dataclasses.replace(state, num_updates=state.num_updates + 1)
-        if not math.isfinite(noise_scale) or noise_scale <= 0:  # EMA not ready: no evidence
-            return dataclasses.replace(counted, streak=0, streak_target=None)
-        band = cast(float, self.band)  # set in __post_init__
-        rungs, b = self.rungs, state.batch_size
-        target = min(max(self.k * noise_scale, self.min_batch), self.max_batch)
-        direction = 0
-        if target > b * band and b < rungs[-1]:
-            direction = 1
-        elif target < b / band and b > rungs[0]:
-            direction = -1
-        if direction == 0:
-            return dataclasses.replace(counted, streak=0, streak_target=None)
-        if state.streak * direction > 0:  # the streak continues
-            streak = state.streak + direction
-            pick = min if direction > 0 else max
-            trusted = pick(cast(float, state.streak_target), target)  # set in the streak
-        else:
-            streak, trusted = direction, target
-        if abs(streak) < self.patience:
-            return dataclasses.replace(counted, streak=streak, streak_target=trusted)
-        new_b = min(rungs, key=lambda r: abs(math.log(r / trusted)))
-        if (new_b - b) * direction <= 0:  # never stall at the band edge: at least one rung
-            new_b = min(r for r in rungs if r > b) if direction > 0 else max(
-                r for r in rungs if r < b)
-        return dataclasses.replace(counted, batch_size=new_b, streak=0, streak_target=None,
-                                   num_changes=state.num_changes + 1,
-                                   last_change_at=float(examples_seen))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "kind": "adaptive"}
-
-    @classmethod
-    def from_config(cls, config: Any) -> Adaptive:
-        c = fields.as_mapping(config)
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = set(c) - set(names) - {"kind"}
-        if unknown:
-            raise ValueError(f"batch_schedule: unknown adaptive fields {sorted(unknown)}")
-        return cls(**{n: c[n] for n in names if n in c and c[n] is not None})
-
-
 BatchSchedule = Constant | Step | Linear | Adaptive
 _SCHEDULES: dict[str, Any] = {}
 
@@ -347,35 +207,42 @@ for _kind, _cls in (("constant", Constant), ("step", Step), ("linear", Linear),
     register(_kind, _cls)
 
 
-def batch_schedule_from_config(config: Any) -> BatchSchedule:
+def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
+                               ) -> BatchSchedule:
     """Builds a schedule from a config whose `kind` is a registered kind.
 
     Fields: constant: batch_size; step: steps [(threshold, batch_size), ...]; linear: start,
     end, over, multiple; adaptive: the fields of `Adaptive`. Errors name the missing field.
+    optimizer: the run's `config.optim.name`, for an adaptive schedule with
+    rule="calibrated" that names none.
     """
     c = fields.as_mapping(config)
     kind = fields.lookup(c, "kind", "batch_schedule")
     if kind not in _SCHEDULES:
         raise ValueError(f"batch_schedule.kind={kind!r}: expected one of {sorted(_SCHEDULES)}")
+    if optimizer is not None and kind == "adaptive" and c.get("optimizer") is None:
+        c = dict(c) | {"optimizer": optimizer}
     return _SCHEDULES[kind].from_config(c)
 
 
 
-def checked_schedule(schedule_config: Any) -> BatchSchedule:
+def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> BatchSchedule:
     """`batch_schedule_from_config`, its error as a `fields.ConfigError` naming
     `config.batch.schedule`."""
     try:
-        return batch_schedule_from_config(schedule_config)
+        return batch_schedule_from_config(schedule_config, optimizer=optimizer)
     except (ValueError, TypeError, KeyError) as err:
         raise fields.ConfigError(f"config.batch.schedule: {err}") from err
 
 
-def validate_batch_config(batch_config: Any) -> BatchSchedule:
+def validate_batch_config(batch_config: Any, *, optimizer: str | None = None
+                          ) -> BatchSchedule:
     """Checks `config.batch` (micro_batch, schedule, adapt_every; `lr_coupling` is checked by
-    `cbs.engine.lr.validate_coupling_config`); returns the schedule. Raises `fields.ConfigError`."""
+    `cbs.engine.lr.validate_coupling_config`); returns the schedule. Raises `fields.ConfigError`.
+    optimizer: `config.optim.name` (what a calibrated adaptive schedule predicts for)."""
     at = "config.batch"
     fields.integer(batch_config, "micro_batch", at)
-    schedule = checked_schedule(fields.get(batch_config, "schedule", at))
+    schedule = checked_schedule(fields.get(batch_config, "schedule", at), optimizer=optimizer)
     fields.integer(batch_config, "adapt_every", at)
     return schedule
 

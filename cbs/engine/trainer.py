@@ -25,7 +25,9 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
   noise/live_exact (1: exact from per-example norms, 0: two-batch; `cbs.engine.live_noise`),
   noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
   grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
-  noise/measured_ema_*, noise/batch_size. Eval records: step, kind="eval",
+  noise/measured_ema_*, noise/batch_size; with a live estimate the calibrated advice
+  advice/{b_crit, b_crit_lo, b_crit_hi, steps_ratio, examples_ratio}
+  (`cbs.engine.live_advice`). Eval records: step, kind="eval",
   data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
   the fields of `on_eval` when given (the noise measurement at evaluations, `cbs.engine.measure`).
 - `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
@@ -46,17 +48,21 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from cbs import data
 from cbs.engine import checkpoint, counts, measure, writer
 from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState
-from cbs.results import files, paths
+from cbs.results import files, paths, records
 
-__all__ = ["EvalFn", "Trainer", "run"]
+__all__ = ["CHECKPOINT_CHUNK", "EvalFn", "Trainer", "measure_checkpoint", "run"]
+
+CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exact pass
 
 # on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
@@ -225,3 +231,66 @@ def _remove_run_files(workdir: str, created: bool) -> None:
             paths.rmtree(os.path.join(workdir, name))
     if created and paths.isdir(workdir) and not any(paths.epath(workdir).iterdir()):
         paths.epath(workdir).rmdir()
+
+
+def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int = 0,
+                       curvature: bool = False, deviations: int = 256,
+                       mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
+    """The noise scale exactly at a saved state: checkpoint `step` (None: the latest) of the
+    run in `workdir`, its model and data from the run's config.json, measured by the one
+    call `cbs.engine.measure.measure` on all N training examples (`examples` = 0 or ≥ N:
+    method "full_data", exact; the split must be in memory) or on `examples` = n < N examples
+    of the measurement stream (index 0 of `cbs.engine.measure.draw`, seed `config.seed`).
+    With `curvature`, also B_noise from `deviations` examples' deviations and H over the
+    examples measured.
+
+    Returns {"step", "examples_seen", "batch_size" (the schedule's B at that state),
+    "optimizer", "num_train", "examples" (measured), "method", "full_train/loss" (at the
+    state, `config.eval.train_examples`), "noise/<key>" (`cbs.engine.measure.EVAL_KEYS`)}.
+    """
+    raw = records.read_json(os.path.join(workdir, files.CONFIG_FILE))
+    if raw is None:
+        raise FileNotFoundError(f"{workdir} has no {files.CONFIG_FILE}: give the run directory "
+                                "of `python -m experiments.main --workdir=...`")
+    directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+    if not paths.isdir(directory):
+        raise FileNotFoundError(f"{workdir} has no {checkpoint.CHECKPOINT_DIR}/ (set "
+                                "config.train.checkpoint_every > 0)")
+    config = ml_collections.ConfigDict(raw)
+    tr = Trainer(config, mesh=mesh)
+    try:
+        n = tr.dataset.num_train
+        every = not examples or examples >= n
+        if every and not tr.in_memory:
+            raise ValueError(f"the training split of {tr.dataset.name} is streamed: measure a "
+                             "stated number of examples (examples=n)")
+        spec = (NoiseSpec(examples="all", curvature=curvature, deviations=deviations,
+                          chunk_size=CHECKPOINT_CHUNK) if every else
+                NoiseSpec(examples="stream", batch_size=examples, curvature=curvature,
+                          deviations=deviations, hessian_batch_size=examples,
+                          chunk_size=CHECKPOINT_CHUNK))
+        ckpt = checkpoint.Checkpointer(directory, max_to_keep=None)
+        try:
+            state, meta = ckpt.restore(step, tr.restore_target())
+        finally:
+            ckpt.close()
+        seed = int(config.seed)
+        if tr.in_memory:
+            stats = jax.jit(measure.state_measurement(spec, tr, seed=seed))(state, jnp.int32(0))
+        else:
+            grad_batch, hess_batch = measure.host_draw(spec, tr.dataset, 0, seed=seed)
+            loss = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+            stats = measure.evaluation_record(jax.jit(
+                lambda p, g, h: measure.measure(spec, loss, p, g, hessian_batch=h))(
+                    state.params, grad_batch, hess_batch))
+        schedule_state = tr.schedule.state_from_dict(meta.get("schedule_state"))
+        loss_at = tr.evaluate(state, "train", int(config.eval.train_examples))["loss"]
+        return {"step": int(meta["step"]), "examples_seen": int(meta["examples_seen"]),
+                "batch_size": tr.schedule.batch_size_at(int(meta["examples_seen"]),
+                                                        schedule_state),
+                "optimizer": str(config.optim.name), "num_train": n,
+                "examples": n if every else min(examples, n),
+                "method": spec.resolved_method(), "full_train/loss": loss_at,
+                **{f"noise/{k}": float(v) for k, v in jax.device_get(stats).items()}}
+    finally:
+        tr.close()

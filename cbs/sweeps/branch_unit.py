@@ -88,7 +88,8 @@ class VmappedBranch:
                  final_loss: Callable | None):
         self.config, self.workdir, self.parts = config, workdir, parts
         self.dataset, self.mesh = parts.dataset, parts.mesh
-        self.schedule = schedules.batch_schedule_from_config(config.batch.schedule)
+        self.schedule = schedules.batch_schedule_from_config(
+            config.batch.schedule, optimizer=str(config.optim.name))
         self.seeds = [int(s) for s in seeds]
         self.program, self.final_loss = program, final_loss
         self._rep = mesh.replicated(parts.mesh)

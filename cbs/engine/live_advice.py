@@ -1,0 +1,70 @@
+"""The batch-size advice a run logs live, from its live noise estimate at no extra cost.
+
+Each train record with a live noise estimate (`noise/ema_b_simple`, the EMA of the step's
+B_simple, `cbs.engine.live_noise`) also gets the calibrated prediction of
+`cbs.analysis.calibration` (the shipped file, for the optimizer family of `config.optim.name`)
+and what the record's batch B costs against it (McCandlish et al. 2018, eqs. 2.7 and 2.11),
+keyed `advice/<key>` by the one list `ADVICE_KEYS`:
+
+    b_crit                 predicted B_crit = r̂·B_simple (r̂ the family's calibrated ratio)
+    b_crit_lo, b_crit_hi   its prediction interval at the calibration's level (80 %)
+    steps_ratio            S/S_min = 1 + B_crit/B
+    examples_ratio         E/E_min = 1 + B/B_crit
+
+The prediction is log-linear in the noise scale (log B_crit = log B_s + μ̂), so the ratio and
+the interval's factors are read from the calibration once per run and each record costs a few
+host multiplications of numbers already fetched: no device work. A record whose estimate is
+not positive (|G|² estimated ≤ 0, early with a small batch) gets NaN; a run without a live
+estimate (`noise.live = "none"`) or with an optimizer the calibration does not cover gets no
+advice keys. The live B_simple is one batch's, smoothed: `cbs-advise --checkpoint` measures
+the noise scale on all training examples at a saved state instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from cbs.analysis import calibration
+
+__all__ = ["ADVICE_KEYS", "LiveAdvice", "SOURCE_KEY"]
+
+ADVICE_KEYS = ("b_crit", "b_crit_lo", "b_crit_hi", "steps_ratio", "examples_ratio")
+SOURCE_KEY = "noise/ema_b_simple"  # the live estimate the advice is computed from
+_SCALE = "b_simple"
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveAdvice:
+    """B_crit and its interval per unit of the live noise scale (None: no advice)."""
+
+    ratio: float | None
+    lo: float = math.nan
+    hi: float = math.nan
+
+    @classmethod
+    def from_config(cls, config: Any, calib: Mapping[str, Any] | None = None) -> LiveAdvice:
+        """The advice of `config.optim.name` from `calib` (default: the shipped file); no
+        advice when the calibration has no model of B_simple for its optimizer family."""
+        calib = calibration.shipped() if calib is None else calib
+        model = calib["models"].get(_SCALE)
+        try:
+            p = calibration.predict(model or {}, 1.0, str(config.optim.name),
+                                    level=float(calib["level"]))
+        except (ValueError, KeyError):
+            return cls(None)
+        return cls(p["b_crit"], *p["interval"])
+
+    def record(self, rec: Mapping[str, Any]) -> dict[str, float]:
+        """The `advice/*` fields of a train record (empty without a live estimate)."""
+        b_s, batch = rec.get(SOURCE_KEY), rec.get("data/batch_size")
+        if self.ratio is None or b_s is None or batch is None or not math.isfinite(b_s):
+            return {}
+        if not b_s > 0:
+            return {f"advice/{k}": math.nan for k in ADVICE_KEYS}
+        b_crit = self.ratio * b_s
+        t = calibration.tradeoff(float(batch), b_crit)
+        values = (b_crit, self.lo * b_s, self.hi * b_s, t["steps_ratio"], t["examples_ratio"])
+        return {f"advice/{k}": float(v) for k, v in zip(ADVICE_KEYS, values, strict=True)}
