@@ -383,8 +383,14 @@ def test_ramp_directories_have_no_spaces(tmp_path):
     dirs = ramps._run_dirs(str(tmp_path), labels)
     assert dirs["step (Llama 3)"] == str(legacy)
     assert dirs["adaptive"] == str(tmp_path / ramps.RAMPS_DIR / "adaptive")
+    from cbs.configs import digits_ramps  # labels that clash are refused when validated
+
+    c = digits_ramps.get_config("tiny")
+    runs = [dict(r) for r in c.ramps][:2]
+    runs[0]["label"], runs[1]["label"] = "a b", "a_b"
+    c.ramps = runs
     with pytest.raises(ValueError, match="clashing directory names"):
-        ramps._run_dirs(str(tmp_path), ["a b", "a_b"])
+        ramps.validate_ramps(c, replicas=1)
 
 
 @pytest.mark.parametrize("targets", [(-1.0,), (0.5, 0.0), (float("inf"),), (True,),
