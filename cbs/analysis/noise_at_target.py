@@ -31,7 +31,8 @@ from cbs.results import files, records
 from cbs.results.store import upgrade_noise_fields
 
 __all__ = [
-    "NAMES", "PAIRS", "protocol", "protocol_lines", "reference", "reference_cell",
+    "NAMES", "PAIRS", "after_crossing", "protocol", "protocol_lines", "reference",
+    "reference_cell",
     "reference_values", "spread", "spread_cell",
 ]
 
@@ -100,7 +101,7 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
         for name, (num_key, den_key) in PAIRS.items():
             num = np.asarray([math.nan if v is None else v for v in curve[f"noise/{num_key}"]])
             den = np.asarray([math.nan if v is None else v for v in curve[f"noise/{den_key}"]])
-            row[name], row[f"{name}_steps"] = _after(x, num, den, crossing, window)
+            row[name], row[f"{name}_steps"] = after_crossing(x, num, den, crossing, window)
             row[f"{name}_centred"] = (
                 math.nan if crossing is None else selection.noise_scale_at_crossing(
                     x, num, den, crossing, window=0.0, min_points=window))
@@ -108,8 +109,10 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
     return out
 
 
-def _after(x, num, den, crossing, window) -> tuple[float, list[float]]:
-    """Ratio of means over the first `window` finite measurements at steps ≥ crossing."""
+def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
+    """Ratio of means over the first `window` finite measurements at steps ≥ crossing, and
+    their steps (the reference protocol's window, also over seeds:
+    `cbs.analysis.reference_protocol`)."""
     if crossing is None:
         return math.nan, []
     ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import selection
+from cbs.analysis import noise_at_target, selection
 from cbs.results import records
 
 __all__ = ["NAMES", "PAIRS", "SEEDS_GLOB", "load", "markdown", "seed_values", "spread",
@@ -56,23 +56,10 @@ def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
         row: dict[str, Any] = {"target": float(target), "crossing_step": crossing}
         for name, (num_key, den_key) in PAIRS.items():
             if num_key in curve and den_key in curve:
-                row[name] = _after(x, _array(curve[num_key]), _array(curve[den_key]),
-                                   crossing, window)
+                row[name] = noise_at_target.after_crossing(
+                    x, _array(curve[num_key]), _array(curve[den_key]), crossing, window)[0]
         out.append(row)
     return out
-
-
-def _after(x: np.ndarray, num: np.ndarray, den: np.ndarray, crossing: float | None,
-           window: int) -> float:
-    """Ratio of means over the first `window` finite measurements at steps ≥ crossing."""
-    if crossing is None:
-        return math.nan
-    ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)
-    idx = np.nonzero(ok)[0][:window]
-    if idx.size == 0:
-        return math.nan
-    mean_den = float(np.mean(den[idx]))
-    return float(np.mean(num[idx])) / mean_den if mean_den > 0 else math.nan
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
