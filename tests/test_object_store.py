@@ -239,25 +239,27 @@ def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
     c = _config()
     sweep, local = f"{gcs}/inprocess", str(tmp_path / "local")
     launch.run_sweep(c, sweep, shard="1/2", log=lambda _: None)
-    evaluate = groups.TrialGroup._evaluate
-
-    calls = []
+    evaluate, save = groups.TrialGroup._evaluate, checkpoint.Checkpointer.save
+    saves: list[int] = []
 
     def killed_after_a_checkpoint(self, *args):
-        calls.append(1)
-        deadline = time.time() + (60 if len(calls) > 1 else 0)  # saves are asynchronous:
-        while True:  # from the second evaluation on, wait for the first save to show
+        if not saves:  # no save started yet: nothing to be killed after
+            return evaluate(self, *args)
+        deadline = time.time() + 60  # saves are asynchronous: wait for the first to show
+        while time.time() < deadline:
             if any(n.isdigit() for n in paths.listdir(f"{self.workdir}/checkpoints")):
                 raise _Killed
-            if time.time() >= deadline:
-                return evaluate(self, *args)
             time.sleep(0.2)
+        raise AssertionError(f"checkpoint {saves[0]} did not show on gs:// within 60 s")
 
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", lambda self, step, *a, **k: (
+        saves.append(step), save(self, step, *a, **k))[1])
     monkeypatch.setattr(groups.TrialGroup, "_evaluate", killed_after_a_checkpoint)
     with pytest.raises(_Killed):
         launch.run_sweep(c, sweep, shard="0/2", log=lambda _: None)
     monkeypatch.setattr(groups.TrialGroup, "_evaluate", evaluate)
-    assert len(_plain(sweep)) == 1  # shard 1's trial; shard 0's was killed
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
+    assert saves and len(_plain(sweep)) == 1  # shard 1's trial; shard 0's was killed
     restores = []
     restore = checkpoint.Checkpointer.restore
     monkeypatch.setattr(checkpoint.Checkpointer, "restore", lambda self, *a, **k: (
