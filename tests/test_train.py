@@ -34,20 +34,6 @@ from cbs.stats import noise
 RTOL, ATOL = 2e-5, 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """Identical programs compile once per module (every Trainer re-traces its closures)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(names[1], 0)
-    jax.config.update(names[2], 0)
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-
-
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
     """digits, MLP 64-16-10, m = 8, B = 32, 12 steps; dotted overrides."""
     c = config_lib.default_config()
