@@ -32,7 +32,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import scipy.stats
 
 __all__ = ["CALIBRATION_FILE", "FAMILIES", "VERSION", "build", "family", "leave_one_study_out",
            "markdown", "model", "predict", "shipped", "tradeoff"]
@@ -97,6 +96,15 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
             "studies": n_studies, "points": n_points}
 
 
+def _t_quantile(p: float, dof: float) -> float:
+    """Student's t quantile. scipy.stats is imported here, not with the module: every
+    training run imports this module (its live advice), and scipy.stats would add about a
+    second to the start of each."""
+    import scipy.stats
+
+    return float(scipy.stats.t.ppf(p, dof))
+
+
 def predict(model: Mapping[str, Any], noise_scale: float, optimizer: str, *,
             level: float = 0.8) -> dict[str, Any]:
     """Predicted B_crit for a measured noise scale (the model's scale) and optimizer: the
@@ -106,7 +114,7 @@ def predict(model: Mapping[str, Any], noise_scale: float, optimizer: str, *,
         raise ValueError(f"the calibration has no {family(optimizer)!r} study; it covers "
                          f"{sorted(model['families'])}")
     sd = math.sqrt(model["tau2"] + model["sigma2"] + f["var_mu"])
-    t = float(scipy.stats.t.ppf(0.5 + level / 2, model["dof"]))
+    t = _t_quantile(0.5 + level / 2, model["dof"])
     centre = math.log(noise_scale) + f["mu"]
     return {"b_crit": math.exp(centre), "interval": (math.exp(centre - t * sd),
                                                      math.exp(centre + t * sd)),
@@ -161,7 +169,7 @@ def markdown(calib: Mapping[str, Any]) -> str:
              "", "| noise scale | family | studies | B_crit / noise scale | interval factor (×/÷) "
              "| leave-one-study-out coverage |", "|---|---|---|---|---|---|"]
     for scale, m in calib["models"].items():
-        t = float(scipy.stats.t.ppf(0.5 + calib["level"] / 2, m["dof"]))
+        t = _t_quantile(0.5 + calib["level"] / 2, m["dof"])
         for f, v in m["families"].items():
             sd = math.sqrt(m["tau2"] + m["sigma2"] + v["var_mu"])
             lines.append(f"| {scale} | {f} | {v['studies']} | {math.exp(v['mu']):.3g} | "
