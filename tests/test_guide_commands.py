@@ -5,7 +5,9 @@ Two kinds of command, by how the page shows them:
 - a quick command: a fenced block right after `<!-- quick: runs as a test -->` (or `<!-- quick:
   runs as a slow test -->`, for blocks that train for more than a few seconds on a CPU) runs
   here, each line in order from the repository root, with `/tmp/cbs/` standing for a fresh
-  temporary directory; it must exit with status 0. Each guide that shows commands has one.
+  temporary directory, on the simulated plain install of tests/_plain_install.py (no extra
+  installed: none of these commands names one); it must exit with status 0. Each guide that
+  shows commands has one.
 - every other command line (`python -m experiments.X ...` or `python -m benchmarks.X ...`
   in a fenced or indented block or in backquotes: full studies, multi-host launches) is
   checked without running: the module exists, every flag is one it defines, the config
@@ -18,16 +20,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import pathlib
 import re
 import shlex
-import subprocess
-import sys
 from typing import Any
 
+import _plain_install
 import pytest
-from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import configs, data, models
 from cbs.engine import config as config_lib
@@ -92,14 +91,10 @@ def test_every_guide_that_shows_commands_has_a_quick_block():
 
 @pytest.mark.parametrize("lines", _quick_blocks())
 def test_quick_commands_run(lines, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
-    env.pop("CBS_VERBOSE", None)
     for line in lines:
         args = [a.replace(TMP, f"{tmp_path}/") for a in shlex.split(line)]
         assert args[:2] == ["python", "-m"], f"a quick command runs python -m: {line}"
-        proc = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = _plain_install.run(args[2], *args[3:], timeout=900)
         assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
 
 

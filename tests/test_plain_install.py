@@ -1,47 +1,31 @@
 """README's commands on the plain install (`pip install -e .`, no extras).
 
-A plain install is simulated, not built: each command runs in a fresh Python whose import
-of every optional extra's package (tensorboardX, wandb, mnist1d, tensorflow_datasets,
-tensorflow, gcsfs) fails as if it were not installed (`sys.modules[name] = None` before the command
-starts). The core dependencies are the same as in a plain install. Commands that need no
-extra must succeed; a command that needs one must stop with one line on stderr naming it,
+A plain install is simulated, not built (`tests/_plain_install.py`): each command runs in a
+fresh Python whose import of every optional extra's package (tensorboardX, wandb, mnist1d,
+tensorflow_datasets, tensorflow, gcsfs) fails as if it were not installed. Commands that need
+no extra must succeed; a command that needs one must stop with one line on stderr naming it,
 exit status 2, and leave no directory behind. Tiny config variants keep them short; the
-complete runs are marked slow.
+complete runs are marked slow. The guides' quick commands run on the same simulated plain
+install (tests/test_guide_commands.py).
 """
 
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
+import _plain_install
 import pytest
-from conftest import SUBPROCESS_XLA_FLAGS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXTRAS = ("tensorboardX", "wandb", "mnist1d", "tensorflow_datasets", "tensorflow", "gcsfs")
-_SHIM = f"""
-import runpy, sys
-for name in {EXTRAS!r}:
-    sys.modules[name] = None
-target = sys.argv[1]
-sys.argv = sys.argv[1:]
-if target.endswith(".py"):
-    runpy.run_path(target, run_name="__main__")
-else:
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-"""
+ROOT = _plain_install.ROOT
+EXTRAS, _SHIM = _plain_install.EXTRAS, _plain_install.SHIM
 
 
 def _plain(target: str, *args: str, timeout: float = 300):
-    """Runs `python -m target args` (or `python target.py args`) from the repository root
-    with the extras blocked; returns (exit status, stdout, non-empty stderr lines)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {SUBPROCESS_XLA_FLAGS}")
-    env.pop("CBS_VERBOSE", None)
-    proc = subprocess.run([sys.executable, "-c", _SHIM, target, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """Runs `target args` on the simulated plain install; returns (exit status, stdout,
+    non-empty stderr lines)."""
+    proc = _plain_install.run(target, *args, timeout=timeout)
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     return proc.returncode, proc.stdout, errors
 
@@ -63,6 +47,8 @@ def test_the_shim_blocks_every_extra():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # fast form: the training guide's quick command, the same command on the
+#                   same simulated plain install (tests/test_guide_commands.py)
 def test_training_command_runs_without_tensorboard(tmp_path):
     """README's Training command: TensorBoard is off by default, so no extra is needed."""
     code, out, errors = _plain("experiments.main", _config("digits_mlp.py:tiny"),
