@@ -12,9 +12,9 @@ L = 0.1, 50 at L = 0.05); the median B_simple over batch sizes is 1.0-1.5 B_crit
 B_noise 0.48-0.74 B_crit, but at L = 0.05 B_simple spans 31-620 and B_noise 5.8-345 across
 batch sizes, because at the best rates the full training loss oscillates from one
 evaluation to the next and |G|² and tr(HΣ) swing with it. About 30 min on 2 shared CPU cores.
-`:tiny` is the shrunk grid of `digits_sweep:tiny` (tests). `:seeds3` (not yet run) is the
-held-out study of `digits_sweep:seeds3` with SGD (seeds 0, 1, 2, no early stop; an estimated
-3–5 hours on 2 shared CPU cores):
+`:tiny` is the shrunk grid of `digits_sweep:tiny` (tests). `:seeds3` is the held-out study
+of `digits_sweep:seeds3` with SGD (seeds 0, 1, 2, no early stop; committed:
+results/digits_sgd_seeds3, 159 trials, 27 min on 2 shared CPU cores):
 
     python -m experiments.sweep --config=experiments/configs/digits_sgd_sweep.py:seeds3 \
         --sweep_dir=results/digits_sgd_seeds3

@@ -19,9 +19,10 @@ sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 mi
 shared CPU cores (the full-data measurement at every evaluation is most of it). `:tiny` runs
 3 batch sizes for a handful of steps (tests) without the reference run.
 
-`:seeds3` is the held-out study (committed: results/digits_seeds3): the same grid with seeds 0, 1, 2 and every
-learning rate of a (B, seed) run until it crosses the lowest target (no stop once one rate
-has crossed, so S at seed 0's best rate is measured, not censored, on seeds 1 and 2);
+`:seeds3` is the held-out study (committed: results/digits_seeds3): the same grid with
+seeds 0, 1, 2 and every learning rate of a (B, seed) run until it crosses the lowest target
+(no stop once one rate has crossed, so S at seed 0's best rate is measured, not censored,
+on seeds 1 and 2);
 `--select_on_seed=0` then reports B_crit with each rate selected on seed 0 and S measured on
 seeds 1 and 2 (`cbs.analysis.held_out`) beside the per-seed fits. Measured: 150 trials
 with the extension rounds, 21 minutes on 2 shared CPU cores; per-seed B_crit within
