@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cbs import install_command
 from cbs.engine import fields
 from cbs.results import paths, records
 from cbs.results.files import METRICS_FILE, WANDB_RUN_FILE
@@ -41,7 +40,9 @@ from cbs.results.writers import (
     MultiWriter,
     TensorBoardWriter,
     WandbWriter,
+    import_wandb,
     record_scalars,
+    tensorboard_writer_class,
 )
 
 __all__ = [
@@ -55,20 +56,7 @@ LOG_INTERVAL_S = 30.0  # seconds between the progress lines of a log (`LogLines`
 
 def summary_writer_class() -> type:
     """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError as err:
-        raise ImportError("config.train.tensorboard=True needs tensorboardX: "
-                          f"{install_command('tensorboard')} (or set it to False)") from err
-    return SummaryWriter
-
-
-def _check_wandb() -> None:
-    try:
-        import wandb  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f'config.train.wandb needs wandb: {install_command("wandb")} '
-                          '(or set it to "")') from err
+    return tensorboard_writer_class("config.train.tensorboard=True", "set it to False")
 
 
 # ---------------------------------------------------------------------- progress bars
@@ -208,7 +196,7 @@ class Outputs:
         if self.tensorboard:
             summary_writer_class()
         if self.wandb:
-            _check_wandb()
+            import_wandb("config.train.wandb", 'set it to ""')
 
     def open(self, workdir: PathLike, *, start_step: int = 0, total_steps: int | None = None,
              enabled: bool = True, hparams: Mapping[str, Any] | None = None) -> MetricsWriter:

@@ -140,13 +140,20 @@ class JsonlWriter(MetricWriter):
             self._fd = None
 
 
-def tensorboard_writer_class() -> type:
-    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
+def _missing(needed_by: str, package: str, extra: str, instead: str) -> ImportError:
+    """The one-line ImportError of a missing extra: who needs it, how to install it."""
+    return ImportError(f"{needed_by} needs {package}: {install_command(extra)}"
+                       + (f" (or {instead})" if instead else ""))
+
+
+def tensorboard_writer_class(needed_by: str = "Writing TensorBoard event files", instead: str = ""
+                             ) -> type:
+    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing
+    (`needed_by` and `instead` phrase it for the caller, e.g. a config field)."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError as err:
-        raise ImportError("TensorBoard event files need tensorboardX: "
-                          f"{install_command('tensorboard')}") from err
+        raise _missing(needed_by, "tensorboardX", "tensorboard", instead) from err
     return SummaryWriter
 
 
@@ -176,12 +183,12 @@ class TensorBoardWriter(MetricWriter):
         self._writer.close()
 
 
-def import_wandb() -> Any:
+def import_wandb(needed_by: str = "W&B logging", instead: str = "") -> Any:
     """The wandb module; an ImportError naming the [wandb] extra when it is missing."""
     try:
         import wandb
     except ImportError as err:
-        raise ImportError(f"W&B logging needs wandb: {install_command('wandb')}") from err
+        raise _missing(needed_by, "wandb", "wandb", instead) from err
     return wandb
 
 
