@@ -41,6 +41,14 @@ def test_prediction_intervals_cover_new_studies_at_their_level():
     assert abs(np.mean(hits) - 0.8) < 0.03
 
 
+def test_the_t_quantile_is_scipys():
+    from scipy import stats
+
+    for p in (0.6, 0.9, 0.975):
+        for dof in (1, 2, 7, 30.5):
+            assert calibration._t_quantile(p, dof) == stats.t.ppf(p, dof)
+
+
 def test_the_fitted_ratio_recovers_the_true_one():
     rng = np.random.default_rng(1)
     model = calibration.model(_rows(rng, studies=60), "b_simple")

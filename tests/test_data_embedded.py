@@ -30,6 +30,24 @@ def test_digits_shapes_range_and_fixed_split():
     np.testing.assert_array_equal(batch["y"].sum(1), np.ones(4, np.float32))
 
 
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+    """The file read directly equals `load_digits` bit for bit, and the fallback (no file at
+    the usual place) is `load_digits` itself."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    pixels, labels = embedded._digits_arrays()
+    np.testing.assert_array_equal(pixels, bunch.data)
+    np.testing.assert_array_equal(labels, bunch.target)
+    embedded._digits_arrays.cache_clear()
+    monkeypatch.setattr(embedded.os.path, "exists", lambda path: False)
+    try:
+        fallback = embedded._digits_arrays()
+    finally:
+        embedded._digits_arrays.cache_clear()
+    np.testing.assert_array_equal(fallback[0], bunch.data)
+
+
 def test_mnist1d_shapes_and_global_rngs_untouched():
     np_state, py_state = np.random.get_state()[1].copy(), random.getstate()  # noqa: NPY002
     ds = data.get_dataset("mnist1d")

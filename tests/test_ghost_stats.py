@@ -157,3 +157,27 @@ def test_bad_input_on_the_new_path():
     for call in (dropin.value_grad_and_stats(summed), functools.partial(noise.exact, summed)):
         with pytest.raises(ValueError, match="SUM over the batch"):
             call(params, batch)
+
+
+def test_a_new_closure_over_a_checked_program_is_not_value_checked_again(monkeypatch):
+    """The value checks run once per program (jaxpr and constants): a second closure over the
+    same loss skips them; a summed loss is a different program and is refused every time."""
+    from cbs.stats import loss_checks
+
+    loss_fn, params, batch = plain_mlp()
+    calls = []
+    sample = loss_checks._sample_losses
+    monkeypatch.setattr(loss_checks, "_sample_losses",
+                        lambda *a: calls.append(1) or sample(*a))
+    monkeypatch.setattr(loss_checks, "_PASSED_PROGRAMS", {})
+    for _ in range(2):
+        loss_checks.check_loss_fn(lambda p, b: loss_fn(p, b), params, batch)
+    assert len(calls) == 1
+    scaled = jax.tree.map(lambda x: 2 * x, params)  # other inputs, the same program
+    loss_checks.check_loss_fn(lambda p, b: loss_fn(p, b), scaled, batch)
+    assert len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="SUM over the batch"):
+            loss_checks.check_loss_fn(lambda p, b: loss_fn(p, b) * b["x"].shape[0], params,
+                                      batch)
+    assert len(calls) == 3

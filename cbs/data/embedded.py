@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import importlib.util
 import json
 import lzma
+import os
 import random
 
 import numpy as np
@@ -58,17 +60,34 @@ def digits(*, split_seed: int = 0, eval_fraction: float = 0.2, flatten: bool = T
 
     Default split: 1,438 train / 359 eval examples, fixed by `split_seed`.
     """
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.data / 16.0).astype(np.float32)
-    y = bunch.target.astype(np.int32)
+    pixels, labels = _digits_arrays()
+    x = (pixels / 16.0).astype(np.float32)
+    y = labels.astype(np.int32)
     order = np.random.default_rng(split_seed).permutation(len(y))
     num_eval = _eval_count(len(y), eval_fraction)
     eval_idx, train_idx = order[:num_eval], order[num_eval:]
     return _classification("digits", x[train_idx], y[train_idx], x[eval_idx], y[eval_idx],
                            num_classes=10, flatten=flatten, one_hot=one_hot,
                            image_shape=(8, 8, 1), metadata={"split_seed": split_seed})
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(pixels float64 [1797, 64] in 0..16, labels [1797]): scikit-learn's digits.csv.gz,
+    read as `sklearn.datasets.load_digits` reads it but without importing scikit-learn (its
+    import costs about 2 s of every process that trains on digits); `load_digits` itself
+    where the file is not at its usual place in the installed package."""
+    spec = importlib.util.find_spec("sklearn")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = next((f for f in (os.path.join(d, "datasets", "data", "digits.csv.gz")
+                             for d in folders) if os.path.exists(f)), None)
+    if path is None:
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.data, bunch.target
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
 
 
 def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:

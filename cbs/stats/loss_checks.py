@@ -21,7 +21,9 @@ The value checks need numbers: with concrete inputs they use example 0 and 1 of 
 under jit (traced inputs) they run once at trace time on stand-in inputs of the same shapes
 and dtypes (normal floats, scaled kernels, 0/1 integers), so a jitted train step pays nothing
 per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
-losses, is not value-checked (the computation reports its own errors).
+losses, is not value-checked (the computation reports its own errors). A loss_fn whose jaxpr
+and constants equal those of one that passed (a new closure over the same model and shapes) is
+not value-checked again: the value checks cost a compilation, once per program and process.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "ran
 # examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
 COUPLING_TOLERANCE = 0.01
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions that passed every check
+# programs (a jaxpr and its constants) that passed every check: a new closure over the same
+# loss (each Trainer, sweep group or reference run builds its own) is not value-checked again
+_PASSED_PROGRAMS: dict[tuple, None] = {}
+_MAX_PROGRAMS = 256
 _ALLOWED_FLAG = "_cbs_allow_randomness"
 
 
@@ -94,9 +100,14 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
                          "run the model deterministically (dropout off) for the measurement, "
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
-    losses = _sample_losses(loss_fn, params, batch)
-    if losses is not None:
-        _check_values(*losses, coupling=not allowed)
+    program = _program_key(jaxpr, allowed)
+    if program not in _PASSED_PROGRAMS:
+        losses = _sample_losses(loss_fn, params, batch)
+        if losses is not None:
+            _check_values(*losses, coupling=not allowed)
+        if len(_PASSED_PROGRAMS) >= _MAX_PROGRAMS:
+            _PASSED_PROGRAMS.pop(next(iter(_PASSED_PROGRAMS)))
+        _PASSED_PROGRAMS[program] = None
     _checked(loss_fn, add=True)
 
 
@@ -206,6 +217,21 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
         return rng.integers(0, 2, shape).astype(dtype)  # numpy: stays concrete under a trace
 
     return jax.tree.map(one, tree)
+
+
+def _program_key(jaxpr: Any, allowed: bool) -> tuple:
+    """What the value checks' verdict depends on: the printed jaxpr (shapes, dtypes and every
+    operation) and its constants (their values where small, else shape, dtype and a
+    checksum)."""
+    consts = []
+    for c in jaxpr.consts:
+        try:
+            a = np.asarray(c)
+        except Exception:  # noqa: BLE001 - a traced constant, a key array: never equal,
+            return (object(),)  # so checked every time
+        consts.append((a.shape, str(a.dtype), a.tobytes() if a.size <= 4096
+                       else float(np.sum(a, dtype=np.float64))))
+    return (str(jaxpr.jaxpr), tuple(consts), bool(allowed))
 
 
 def _checked(loss_fn: LossFn, add: bool = False) -> bool:
