@@ -23,7 +23,8 @@ and dtypes (normal floats, scaled kernels, 0/1 integers), so a jitted train step
 per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
 losses, is not value-checked (the computation reports its own errors). A loss_fn whose jaxpr
 and constants equal those of one that passed (a new closure over the same model and shapes) is
-not value-checked again: the value checks cost a compilation, once per program and process.
+not value-checked again: the value checks (on examples 0 and 1, whatever the batch size) cost
+a compilation, once per program and process.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
                          "run the model deterministically (dropout off) for the measurement, "
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
-    program = _program_key(jaxpr, allowed)
+    program = _program_key(_first_two(loss_fn, abstract) or jaxpr, allowed)
     if program not in _PASSED_PROGRAMS:
         losses = _sample_losses(loss_fn, params, batch)
         if losses is not None:
@@ -180,6 +181,8 @@ def _sample_losses(loss_fn: LossFn, params: PyTree, batch: PyTree
         params = stand_in(params, kernels=True)
         batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             (min(2, x.shape[0]), *x.shape[1:]), x.dtype), batch), kernels=False)
+    else:  # examples 0 and 1 only: the compiled program does not depend on the batch size
+        batch = jax.tree.map(lambda x: x[:2], batch)
     size = jax.tree.leaves(batch)[0].shape[0]
 
     def losses(params, batch):
@@ -217,6 +220,18 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
         return rng.integers(0, 2, shape).astype(dtype)  # numpy: stays concrete under a trace
 
     return jax.tree.map(one, tree)
+
+
+def _first_two(loss_fn: LossFn, abstract: tuple[PyTree, PyTree]) -> Any:
+    """The jaxpr of loss_fn on the first two examples (what the value checks run), which
+    depends on the per-example shapes, not on the batch size; None if it cannot be traced."""
+    params, batch = abstract
+    two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
+                                                      x.dtype), batch)
+    try:
+        return jax.make_jaxpr(loss_fn)(params, two)
+    except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
+        return None
 
 
 def _program_key(jaxpr: Any, allowed: bool) -> tuple:
