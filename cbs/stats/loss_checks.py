@@ -102,13 +102,14 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
     program = _program_key(_first_two(loss_fn, abstract) or jaxpr, allowed)
-    if program not in _PASSED_PROGRAMS:
+    if program is None or program not in _PASSED_PROGRAMS:
         losses = _sample_losses(loss_fn, params, batch)
         if losses is not None:
             _check_values(*losses, coupling=not allowed)
-        if len(_PASSED_PROGRAMS) >= _MAX_PROGRAMS:
-            _PASSED_PROGRAMS.pop(next(iter(_PASSED_PROGRAMS)))
-        _PASSED_PROGRAMS[program] = None
+        if program is not None:
+            if len(_PASSED_PROGRAMS) >= _MAX_PROGRAMS:
+                _PASSED_PROGRAMS.pop(next(iter(_PASSED_PROGRAMS)))
+            _PASSED_PROGRAMS[program] = None
     _checked(loss_fn, add=True)
 
 
@@ -234,16 +235,16 @@ def _first_two(loss_fn: LossFn, abstract: tuple[PyTree, PyTree]) -> Any:
         return None
 
 
-def _program_key(jaxpr: Any, allowed: bool) -> tuple:
+def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
     """What the value checks' verdict depends on: the printed jaxpr (shapes, dtypes and every
     operation) and its constants (their values where small, else shape, dtype and a
-    checksum)."""
+    checksum); None (checked every time, never recorded) when a constant has no host value."""
     consts = []
     for c in jaxpr.consts:
         try:
             a = np.asarray(c)
-        except Exception:  # noqa: BLE001 - a traced constant, a key array: never equal,
-            return (object(),)  # so checked every time
+        except Exception:  # noqa: BLE001 - a traced constant, a key array
+            return None
         consts.append((a.shape, str(a.dtype), a.tobytes() if a.size <= 4096
                        else float(np.sum(a, dtype=np.float64))))
     return (str(jaxpr.jaxpr), tuple(consts), bool(allowed))
