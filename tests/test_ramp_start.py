@@ -3,12 +3,14 @@ paired power calculation against closed forms and published values, and the comp
 synthetic seeds with a known saving."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from cbs.analysis import payoff, ramp_start
+from cbs.configs import base
 
 
 def test_power_matches_the_published_paired_t_value():
@@ -95,3 +97,24 @@ def test_a_ramp_that_never_left_its_first_batch_is_said_to_be_the_fixed_run():
     assert ramp_start.verdict(row) == "the fixed run's steps (the ramp had not left B_0)"
     t = {"target": 1.0, "start": [row | {"run": "ramp", "start_batch_size": 16}]}
     assert "1 seeds" not in "\n".join(ramp_start.summary_lines([t]))
+
+
+def test_the_start_study_pairs_every_ramp_with_fixed_runs_at_its_first_batch():
+    """`digits_payoff.py:start`: every ramp's first batch size has fixed runs at every rate
+    that is the sweep's best there for some target, every run on every seed, seed-major."""
+    from cbs.configs import digits_payoff
+
+    runs = list(digits_payoff.get_config("start").ramps)
+    seeds = digits_payoff.START_SEEDS
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    assert [r["seed"] for r in runs] == sorted(r["seed"] for r in runs)
+    assert len(runs) == len(names) * len(seeds)
+    ramps = [r for r in runs[:len(names)] if not r["name"].startswith("fixed")]
+    assert len(ramps) == 4
+    for ramp in ramps:
+        b0 = ramp_start.start_batch_size(ramp)
+        at_b0 = [r for r in runs[:len(names)] if r["schedule"] == {"kind": "constant",
+                                                                   "batch_size": b0}]
+        rates = set(digits_payoff.target_rates(
+            os.path.join(base.repo_root(), digits_payoff.SWEEP_DIR), b0).values())
+        assert len(at_b0) == len(rates) >= 1, (ramp["name"], b0)

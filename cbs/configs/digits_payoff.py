@@ -17,22 +17,28 @@ reports each ramp's step saving at equal examples with a bootstrap interval over
 - "local CBS": a step schedule through the branched study's local critical batch B*(e)
   (`cbs.analysis.branch_report.local_cbs_schedule`), 8 → 16 → 32;
 - the Llama 3 and DeepSeek-V3 shapes (`ramp_llama3_style.py`, `ramp_deepseek_style.py`).
+
+`--config=experiments/configs/digits_payoff.py:start` (out_dir results/digits_ramp_start) is
+Merrill et al.'s comparison alone, with the seeds it needs: the four ramps and the fixed runs at
+each ramp's first batch size (every rate that is the sweep's best there for some target), on
+seeds 0 … 11, seed by seed.
 """
 
 from __future__ import annotations
 
 import os
 
-from cbs.analysis import branch_report
+from cbs.analysis import branch_report, ramp_start
 from cbs.configs import base, digits_ramps
 from cbs.results.store import SweepStore
 
 __all__ = [
-    "BRANCH_DIR", "FIXED", "SEEDS", "SWEEP_DIR", "get_config", "local_cbs_ramp",
-    "target_rates", "tuned_fixed",
+    "BRANCH_DIR", "FIXED", "SEEDS", "START_SEEDS", "SWEEP_DIR", "get_config", "local_cbs_ramp",
+    "start_runs", "target_rates", "tuned_fixed",
 ]
 
 SEEDS = (0, 1, 2)
+START_SEEDS = tuple(range(12))  # ":start": the seeds of the ramp-against-its-start study
 FIXED = (16, 32, 64, 128, 256)
 BRANCH_DIR = "results/digits_branch"  # the local-CBS study this config reads
 SWEEP_DIR = "results/digits"  # the sweep whose per-target best rates the fixed runs add
@@ -71,9 +77,18 @@ def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
             "lr_coupling": {"rule": "sqrt", "base_batch_size": first, "cap": 0.03}}
 
 
+def start_runs(ramps: list[dict], sweep_dir: str) -> list[dict]:
+    """The ramps and, for each first batch size B_0 among them, the fixed runs at B_0 at every
+    rate that is the sweep's best at B_0 for some target (so that the fixed run at B_0 is
+    tuned per target, as in the payoff study)."""
+    starts = sorted({ramp_start.start_batch_size(r) for r in ramps} - {None})
+    return list(ramps) + [run for b in starts
+                          for run in [digits_ramps.fixed(b), *tuned_fixed(sweep_dir, b)]]
+
+
 def get_config(arg: str = ""):
-    words = base.parse_arg(arg)
-    c = digits_ramps.get_config(arg)
+    words = base.parse_arg(arg, ("tiny", "start"))
+    c = digits_ramps.get_config(",".join(sorted(words & {"tiny"})))
     if "tiny" in words:  # the tiny sweep's batch sizes; two seeds; no branch study needed
         runs = [digits_ramps.fixed(b) for b in (8, 32, 128)] + [
             r for r in c.ramps if not r["label"].startswith("fixed")]
@@ -86,5 +101,10 @@ def get_config(arg: str = ""):
         local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
         ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]] + [
         run for b in FIXED for run in tuned_fixed(sweep_dir, b)]
+    if "start" in words:  # each ramp against the fixed run at its first B, seed-major (a
+        #   stopped study holds whole seeds)
+        runs = start_runs(runs[len(FIXED):len(FIXED) + 4], sweep_dir)
+        c.ramps = [run for s in START_SEEDS for run in base.seeded(runs, (s,))]
+        return c
     c.ramps = base.seeded(runs, SEEDS)
     return c
