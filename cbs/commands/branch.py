@@ -20,7 +20,6 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.analysis import branch_report
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import branches
 
@@ -53,6 +52,10 @@ def main(argv: list[str]) -> None:
             branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=shard)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
+        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
+        # config, a shard or a preempted run stops without them
+        from cbs.analysis import branch_report
+
         print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))
         path = branch_report.plot_local_cbs(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value,
                                             path=_FIGURE.value)

@@ -20,7 +20,6 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.analysis import payoff, report, report_tables
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import launch, ramps
 
@@ -45,6 +44,10 @@ def main(argv: list[str]) -> None:
     with preemption.active():
         launch.run_sweep(_CONFIG.value, sweep_dir)
         runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)
+    # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
+    # config, a shard or a preempted run stops without them
+    from cbs.analysis import payoff, report, report_tables
+
     if out_dir and out_dir != sweep_dir:
         path = payoff.write_report(out_dir, runs, _CONFIG.value.sweep.targets,
                                    sweep_dir=sweep_dir)

@@ -24,7 +24,6 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.analysis import report, report_tables
 from cbs.engine import cli, distributed, preemption
 from cbs.sweeps import grid, launch
 
@@ -56,6 +55,10 @@ def main(argv: list[str]) -> None:
                          redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
+        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
+        # config, a shard or a preempted run stops without them
+        from cbs.analysis import report, report_tables
+
         path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value)
         print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
         print(f"report: {path}  (total {time.perf_counter() - start:.0f} s)")

@@ -81,7 +81,7 @@ def start_runs(ramps: list[dict], sweep_dir: str) -> list[dict]:
     """The ramps and, for each first batch size B_0 among them, the fixed runs at B_0 at every
     rate that is the sweep's best at B_0 for some target (so that the fixed run at B_0 is
     tuned per target, as in the payoff study)."""
-    starts = sorted({ramp_start.start_batch_size(r) for r in ramps} - {None})
+    starts = sorted({b for r in ramps if (b := ramp_start.start_batch_size(r)) is not None})
     return list(ramps) + [run for b in starts
                           for run in [digits_ramps.fixed(b), *tuned_fixed(sweep_dir, b)]]
 
