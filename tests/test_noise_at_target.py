@@ -48,9 +48,10 @@ def _reference64(loss_fn, w, batch):
     """Per-example gradients [N, P], G, dense full-data Hessian [P, P] and the per-example
     forms d_iᵀHd_i, from their definitions in float64."""
     one = lambda i: {k: v[i:i + 1] for k, v in batch.items()}
-    g_i = np.stack([np.asarray(jax.grad(loss_fn)(w, one(i))).ravel() for i in range(N)])
+    grad = jax.jit(jax.grad(loss_fn))  # one compilation for the N one-example gradients
+    g_i = np.stack([np.asarray(grad(w, one(i))).ravel() for i in range(N)])
     p = g_i.shape[1]
-    h = np.asarray(jax.hessian(loss_fn)(w, batch)).reshape(p, p)
+    h = np.asarray(jax.jit(jax.hessian(loss_fn))(w, batch)).reshape(p, p)
     g = g_i.mean(0)
     d = g_i - g
     return g_i, g, h, np.einsum("ip,pq,iq->i", d, h, d)
