@@ -82,7 +82,7 @@ class TrialGroup:
       config: the sweep's config (`sweep` section and the base run).
       trials: the K trials (one batch size, one seed).
       store: the sweep's store (the group's run directory is under it).
-      cache: compiled evaluations shared by the groups of one sweep.
+      cache: compiled evaluations and initial states shared by the groups of one sweep.
       noise: the noise measurement at each evaluation (default: `config.noise`'s).
       evals: evaluations on the log grid (default `sweep.evals_per_trial`).
       checkpoint_every_evals: evaluations between checkpoints (default
@@ -131,6 +131,7 @@ class TrialGroup:
                               in_shardings=(rep, rep, None), out_shardings=rep)
         # The evaluation does not depend on B: groups of one sweep share its compilation.
         cache = {} if cache is None else cache
+        self._cache = cache
         key = ("evaluate", len(trials), self.trial_seed)
         if key not in cache:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
@@ -179,8 +180,14 @@ class TrialGroup:
         return self.trials[0].seed
 
     def init_state(self) -> dict[str, Any]:
-        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)}."""
-        state = self.parts.init_state()
+        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)}.
+        The initialisation does not depend on B: the groups of one sweep and seed share it."""
+        key = ("init", self.trial_seed)
+        if key not in self._cache:
+            self._cache[key] = self.parts.init_state()
+        return self._stacked(self._cache[key])
+
+    def _stacked(self, state: TrainState) -> dict[str, Any]:
         k = len(self.trials)
         states = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)).copy(), state)
         lrs = jnp.asarray([t.learning_rate for t in self.trials], jnp.float32)
@@ -188,7 +195,7 @@ class TrialGroup:
                                "loss_ema": jnp.full((k,), jnp.nan, jnp.float32)}, self._rep)
 
     def restore_target(self) -> dict[str, Any]:
-        shapes = jax.eval_shape(self.init_state)
+        shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
                             shapes)
 
