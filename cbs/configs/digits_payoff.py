@@ -97,15 +97,15 @@ def get_config(arg: str = ""):
         return c
     ramps = {r["label"]: r for r in c.ramps}
     sweep_dir = os.path.join(base.repo_root(), SWEEP_DIR)
-    runs = [digits_ramps.fixed(b) for b in FIXED] + [
-        ramps["adaptive"] | {"label": "adaptive (B_simple)"},
-        local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
-        ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]] + [
-        run for b in FIXED for run in tuned_fixed(sweep_dir, b)]
+    measured = [ramps["adaptive"] | {"label": "adaptive (B_simple)"},
+                local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
+                ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]]
     if "start" in words:  # each ramp against the fixed run at its first B, seed-major (a
         #   stopped study holds whole seeds)
-        runs = start_runs(runs[len(FIXED):len(FIXED) + 4], sweep_dir)
+        runs = start_runs(measured, sweep_dir)
         c.ramps = [run for s in START_SEEDS for run in base.seeded(runs, (s,))]
         return c
+    runs = [digits_ramps.fixed(b) for b in FIXED] + measured + [
+        run for b in FIXED for run in tuned_fixed(sweep_dir, b)]
     c.ramps = base.seeded(runs, SEEDS)
     return c
