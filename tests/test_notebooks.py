@@ -1,9 +1,12 @@
 """The Colab notebooks: committed without outputs, and each runs end to end in tiny mode.
 
-Each notebook is executed in a fresh python3 kernel with CBS_NOTEBOOK_TINY=1 (its own
-switch to the configs' `:tiny` variants), one CPU device (no fake devices, as in a Colab
-CPU runtime) and TMPDIR pointed at the test's temporary directory, where the notebooks put
-their sweep directories. About a minute per notebook on 2 busy CPU cores.
+Each notebook is executed in a python3 kernel with CBS_NOTEBOOK_TINY=1 (its own switch to
+the configs' `:tiny` variants), one CPU device (no fake devices, as in a Colab CPU runtime)
+and TMPDIR pointed at a temporary directory, where the notebooks put their sweep
+directories. The five share one kernel, started once, and each starts from an empty
+namespace (`%reset -f`), as after "Restart kernel" but without importing JAX again: five
+kernel starts and import cells cost about 25 CPU-s of the suite. About half a minute per
+notebook on 2 busy CPU cores.
 """
 
 import pathlib
@@ -13,6 +16,7 @@ import nbformat
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 from nbclient import NotebookClient
+from nbclient.util import ensure_async, run_sync
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -83,18 +87,39 @@ def test_setup_cell_and_public_api_only(path):
     assert private == [], f"{path.name} uses private names {private}"
 
 
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """A client holding one running python3 kernel (started on an empty notebook, in the
+    notebooks' folder, with the tiny-mode environment), shut down after the module."""
+    tmp = tmp_path_factory.mktemp("notebooks")
+    client = NotebookClient(nbformat.v4.new_notebook(), timeout=CELL_TIMEOUT_S,
+                            kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    with pytest.MonkeyPatch.context() as env:  # what the kernel process inherits
+        env.setenv("CBS_NOTEBOOK_TINY", "1")
+        env.setenv("JAX_PLATFORMS", "cpu")
+        # one CPU device (not the 8 fake ones of conftest), compiled at the same level
+        env.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)
+        env.setenv("TMPDIR", str(tmp))
+        client.execute(cleanup_kc=False)  # starts the kernel and keeps it running
+    yield client
+
+    async def shutdown():
+        client.kc.stop_channels()
+        await ensure_async(client.km.shutdown_kernel(now=True))
+
+    run_sync(shutdown)()
+
+
+@pytest.mark.xdist_group("notebooks")  # one worker runs them all, in the one kernel
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_runs_in_tiny_mode(path, monkeypatch, tmp_path):
-    monkeypatch.setenv("CBS_NOTEBOOK_TINY", "1")
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    # one CPU device (not the 8 fake ones of conftest), compiled at the same level
-    monkeypatch.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_runs_in_tiny_mode(path, kernel):
     files_before = sorted(NOTEBOOK_DIR.rglob("*"))
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    client.execute()  # raises CellExecutionError, with the traceback, if a cell fails
+    nb.cells.insert(0, nbformat.v4.new_code_cell("%reset -f"))  # an empty namespace
+    kernel.nb = nb
+    kernel.execute(cleanup_kc=False)  # raises CellExecutionError, with the traceback, if a
+    #                                   cell fails
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert "tiny mode" in "".join(o.get("text", "") for o in outputs)
