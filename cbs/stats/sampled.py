@@ -36,6 +36,10 @@ Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} 
 (H and G are fixed: no example's own Hessian is over-weighted). Cost: one pass over N for the
 per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
 trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
+Memory: a training set of more than `FULL_DATA_CHUNK` examples has its gradient and HVPs
+summed over chunks of at most that many examples (G = Σ_k (n_k/N) ∇L_k, Hv likewise), and its
+deviations' HVPs run one after another, so memory is that of one pass over one chunk; a
+smaller set takes one pass, as before (the same program and numbers).
 
 Both are registered noise methods ("sampled", "full_data"); the batches are the caller's
 (`cbs.engine.measure.draw`), so the same draws give the same numbers in every back end.
@@ -53,14 +57,15 @@ import jax.numpy as jnp
 from cbs.stats import curvature, noise, trees
 
 __all__ = [
-    "FULL_DATA_METHOD", "SAMPLED_METHOD", "full_data_method", "measure_full_data",
-    "measure_noise", "resolve_b_noise", "sampled_method",
+    "FULL_DATA_CHUNK", "FULL_DATA_METHOD", "SAMPLED_METHOD", "full_data_method",
+    "measure_full_data", "measure_noise", "population_hvp", "resolve_b_noise", "sampled_method",
 ]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
+FULL_DATA_CHUNK = 32768  # examples per pass of the full-data gradient and HVPs (memory)
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -198,17 +203,51 @@ def _draw(batch, key, size, num):
     return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
 
 
+def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
+                   chunk: int = FULL_DATA_CHUNK) -> tuple[PyTree, Callable]:
+    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: for N ≤ `chunk`,
+    `cbs.stats.curvature.hvp_fn` (one linearisation, which keeps the activations of all N);
+    for larger N, sums over chunks of at most `chunk` examples weighted by their share n_k/N,
+    each HVP recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
+    num = jax.tree.leaves(batch)[0].shape[0]
+    if num <= chunk:
+        return curvature.hvp_fn(loss_fn, params, batch)
+    whole, rest = divmod(num, chunk)
+    chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
+                          batch)
+    tail = jax.tree.map(lambda x: x[whole * chunk:], batch)
+    grad_of = lambda p, b: jax.grad(loss_fn)(p, b)
+
+    def summed(f):  # Σ_k (n_k/N) f(chunk_k), f(examples) -> a tree like params
+        def add(total, b):
+            return jax.tree.map(lambda t, x: t + x * (chunk / num), total, f(b)), None
+
+        zero = jax.tree.map(jnp.zeros_like, params)
+        total, _ = jax.lax.scan(add, zero, chunks)
+        if rest:
+            total = jax.tree.map(lambda t, x: t + x * (rest / num), total, f(tail))
+        return total
+
+    def hvp(v):
+        v = trees.tree_cast_like(v, params)
+        return summed(lambda b: jax.jvp(lambda p: grad_of(p, b), (params,), (v,))[1])
+
+    return summed(lambda b: grad_of(params, b)), hvp
+
+
 def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     num = jax.tree.leaves(train_batch)[0].shape[0]
     if m < 1:
         raise ValueError(f"the curvature measurement needs >= 1 deviation example, got {m}")
     dtype = trees.accum_dtype()
-    grad, hvp = curvature.hvp_fn(loss_fn, params, train_batch)
+    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_CHUNK)
     g_h_g = trees.tree_dot(grad, hvp(grad))
     key_a, key_c = (None, None) if key is None else jax.random.split(key)
     subset = _draw(train_batch, key_a, m, num)
+    hessian_num = h if h and h < num else num
     if h and h < num:
-        _, hvp = curvature.hvp_fn(loss_fn, params, _draw(train_batch, key_c, h, num))
+        _, hvp = population_hvp(loss_fn, params, _draw(train_batch, key_c, h, num),
+                                FULL_DATA_CHUNK)
     grad_acc = trees.tree_cast(grad, dtype)
 
     def form(example):
@@ -216,7 +255,9 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
         d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
         return trees.tree_dot(d, hvp(d))
 
-    forms = jax.lax.map(form, subset, batch_size=min(chunk_size or m, m))
+    # deviations side by side (vmap) only while an HVP is one pass over at most a chunk
+    side_by_side = min(chunk_size or m, m) if hessian_num <= FULL_DATA_CHUNK else 1
+    forms = jax.lax.map(form, subset, batch_size=side_by_side)
     trace_h_sigma = jnp.mean(forms) * num / (num - 1)
     return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": g_h_g, "g_h_g": g_h_g,
             "b_noise": trace_h_sigma / g_h_g}
