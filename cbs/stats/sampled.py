@@ -36,8 +36,9 @@ Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} 
 (H and G are fixed: no example's own Hessian is over-weighted). Cost: one pass over N for the
 per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
 trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
-Memory: a training set of more than `FULL_DATA_CHUNK` examples has its gradient and HVPs
-summed over chunks of at most that many examples (G = Σ_k (n_k/N) ∇L_k, Hv likewise), and its
+Memory: a training set of more than `FULL_DATA_ONE_PASS` examples has its per-example
+norms, gradient and HVPs summed over chunks of `FULL_DATA_CHUNK` examples (G = Σ_k (n_k/N) ∇L_k,
+Hv and the mean of |g_i|² likewise; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)), and its
 deviations' HVPs run one after another, so memory is that of one pass over one chunk; a
 smaller set takes one pass, as before (the same program and numbers).
 
@@ -54,18 +55,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cbs.stats import curvature, noise, trees
+from cbs.stats import curvature, ghost, noise, trees
 
 __all__ = [
-    "FULL_DATA_CHUNK", "FULL_DATA_METHOD", "SAMPLED_METHOD", "full_data_method",
-    "measure_full_data", "measure_noise", "population_hvp", "resolve_b_noise", "sampled_method",
+    "FULL_DATA_CHUNK", "FULL_DATA_METHOD", "FULL_DATA_ONE_PASS", "SAMPLED_METHOD",
+    "full_data_method", "measure_full_data", "measure_noise", "population_hvp",
+    "resolve_b_noise", "sampled_method",
 ]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
-FULL_DATA_CHUNK = 32768  # examples per pass of the full-data gradient and HVPs (memory)
+FULL_DATA_ONE_PASS = 32768  # up to this many training examples: one pass over all of them
+FULL_DATA_CHUNK = 4096  # beyond it: examples per pass of the per-example norms, gradient
+#                         and HVPs, summed over the chunks (memory of one chunk)
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -183,10 +187,10 @@ def measure_full_data(loss_fn: LossFn, params: PyTree, train_batch: PyTree,
       when deviations > 0, {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"}.
     """
     num = jax.tree.leaves(train_batch)[0].shape[0]
-    stats = noise.exact(loss_fn, params, train_batch, chunk_size=chunk_size)
-    grad_sq_norm = stats.mean_grad_sq_norm  # |G|², exact: G is the population gradient
-    out = {"trace_sigma": stats.trace_sigma, "grad_sq_norm": grad_sq_norm,
-           "mean_grad_sq_norm": grad_sq_norm, "b_simple": stats.trace_sigma / grad_sq_norm}
+    trace_sigma, grad_sq_norm = _population_noise(loss_fn, params, train_batch, chunk_size)
+    # |G|², exact: G is the population gradient
+    out = {"trace_sigma": trace_sigma, "grad_sq_norm": grad_sq_norm,
+           "mean_grad_sq_norm": grad_sq_norm, "b_simple": trace_sigma / grad_sq_norm}
     if deviations:
         out |= _full_curvature(loss_fn, params, train_batch, key, min(deviations, num),
                                hessian_examples, chunk_size)
@@ -203,36 +207,63 @@ def _draw(batch, key, size, num):
     return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
 
 
-def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
-                   chunk: int = FULL_DATA_CHUNK) -> tuple[PyTree, Callable]:
-    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: for N ≤ `chunk`,
-    `cbs.stats.curvature.hvp_fn` (one linearisation, which keeps the activations of all N);
-    for larger N, sums over chunks of at most `chunk` examples weighted by their share n_k/N,
-    each HVP recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
+def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
+    """Σ_k (n_k/N) f(chunk_k) over the chunks of at most `chunk` examples of `batch` (a scan
+    over the whole ones, then the rest): the mean over all N of a per-chunk mean."""
     num = jax.tree.leaves(batch)[0].shape[0]
-    if num <= chunk:
-        return curvature.hvp_fn(loss_fn, params, batch)
     whole, rest = divmod(num, chunk)
     chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
                           batch)
-    tail = jax.tree.map(lambda x: x[whole * chunk:], batch)
-    grad_of = lambda p, b: jax.grad(loss_fn)(p, b)
 
-    def summed(f):  # Σ_k (n_k/N) f(chunk_k), f(examples) -> a tree like params
-        def add(total, b):
-            return jax.tree.map(lambda t, x: t + x * (chunk / num), total, f(b)), None
+    def add(total, b):
+        return jax.tree.map(lambda t, x: t + x * (chunk / num), total, f(b)), None
 
-        zero = jax.tree.map(jnp.zeros_like, params)
-        total, _ = jax.lax.scan(add, zero, chunks)
-        if rest:
-            total = jax.tree.map(lambda t, x: t + x * (rest / num), total, f(tail))
-        return total
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(f, jax.tree.map(lambda x: x[0], chunks)))
+    total, _ = jax.lax.scan(add, zero, chunks)
+    if rest:
+        tail = f(jax.tree.map(lambda x: x[whole * chunk:], batch))
+        total = jax.tree.map(lambda t, x: t + x * (rest / num), total, tail)
+    return total
+
+
+def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
+                   one_pass: int = FULL_DATA_ONE_PASS, chunk: int = FULL_DATA_CHUNK
+                   ) -> tuple[PyTree, Callable]:
+    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: for N ≤ `one_pass`,
+    `cbs.stats.curvature.hvp_fn` (one linearisation, which keeps the activations of all N);
+    for larger N, sums over chunks of `chunk` examples weighted by their share n_k/N, each
+    HVP recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
+    num = jax.tree.leaves(batch)[0].shape[0]
+    if num <= one_pass:
+        return curvature.hvp_fn(loss_fn, params, batch)
+    grad_of = jax.grad(loss_fn)
 
     def hvp(v):
         v = trees.tree_cast_like(v, params)
-        return summed(lambda b: jax.jvp(lambda p: grad_of(p, b), (params,), (v,))[1])
+        return _chunk_mean(lambda b: jax.jvp(lambda p: grad_of(p, b), (params,), (v,))[1],
+                           batch, chunk)
 
-    return summed(lambda b: grad_of(params, b)), hvp
+    return _chunk_mean(lambda b: grad_of(params, b), batch, chunk), hvp
+
+
+def _population_noise(loss_fn: LossFn, params: PyTree, batch: PyTree, chunk_size: int | None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(tr(Σ), |G|²) over all N examples: `noise.exact` for N ≤ `FULL_DATA_ONE_PASS`, else
+    from the chunks' mean gradients and mean per-example squared norms."""
+    num = jax.tree.leaves(batch)[0].shape[0]
+    if num <= FULL_DATA_ONE_PASS:
+        stats = noise.exact(loss_fn, params, batch, chunk_size=chunk_size)
+        return stats.trace_sigma, stats.mean_grad_sq_norm
+
+    def part(b):
+        _, grad, sq = ghost.per_example_grads_info(loss_fn, params, b, chunk_size=chunk_size)
+        dtype = trees.accum_dtype()
+        return trees.tree_cast(grad, dtype), sum(jnp.mean(x.astype(dtype))
+                                                 for x in jax.tree.leaves(sq))
+
+    grad, mean_sq = _chunk_mean(part, batch, FULL_DATA_CHUNK)
+    grad_sq_norm = trees.tree_sq_norm(grad)
+    return (mean_sq - grad_sq_norm) * num / (num - 1), grad_sq_norm
 
 
 def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
@@ -240,14 +271,15 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     if m < 1:
         raise ValueError(f"the curvature measurement needs >= 1 deviation example, got {m}")
     dtype = trees.accum_dtype()
-    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_CHUNK)
+    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_ONE_PASS,
+                               FULL_DATA_CHUNK)
     g_h_g = trees.tree_dot(grad, hvp(grad))
     key_a, key_c = (None, None) if key is None else jax.random.split(key)
     subset = _draw(train_batch, key_a, m, num)
     hessian_num = h if h and h < num else num
     if h and h < num:
         _, hvp = population_hvp(loss_fn, params, _draw(train_batch, key_c, h, num),
-                                FULL_DATA_CHUNK)
+                                FULL_DATA_ONE_PASS, FULL_DATA_CHUNK)
     grad_acc = trees.tree_cast(grad, dtype)
 
     def form(example):
@@ -256,7 +288,7 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
         return trees.tree_dot(d, hvp(d))
 
     # deviations side by side (vmap) only while an HVP is one pass over at most a chunk
-    side_by_side = min(chunk_size or m, m) if hessian_num <= FULL_DATA_CHUNK else 1
+    side_by_side = min(chunk_size or m, m) if hessian_num <= FULL_DATA_ONE_PASS else 1
     forms = jax.lax.map(form, subset, batch_size=side_by_side)
     trace_h_sigma = jnp.mean(forms) * num / (num - 1)
     return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": g_h_g, "g_h_g": g_h_g,
