@@ -124,6 +124,24 @@ def test_lm_step_benchmark_tiny_mode(capsys, no_compilation_cache):
     assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)
 
 
+def test_full_data_cost_benchmark_quick(capsys):
+    """benchmarks/full_data_cost.py --quick (digits): every row, an evaluation under the
+    protocol costing 2 × (norms + 257 HVPs) for Adam, in units of one gradient."""
+    from benchmarks import full_data_cost
+
+    full_data_cost.main(["--quick"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [float(x.replace(",", "")) for x in
+                                         line.split("|")[2:4]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line
+            and "seconds" not in line}
+    assert list(rows)[:3] == ["gradient", "per-example norms", "HVP"]
+    assert rows["gradient"][1] == 1.0
+    evaluation = next(v for k, v in rows.items() if k.startswith("one evaluation: 256"))
+    expected = 2 * (rows["per-example norms"][0] + 257 * rows["HVP"][0])
+    assert evaluation[0] == pytest.approx(expected, rel=0.05)  # shown to 3 digits
+
+
 def test_train_step_benchmark_pairs_every_variant_with_its_baseline(no_compilation_cache):
     """benchmarks/train_step.py: one ABBA repeat on the MLP gives a positive ratio for every
     (variant, baseline) pair, the exact live estimate where the ghost rules read the model,
