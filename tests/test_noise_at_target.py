@@ -109,9 +109,10 @@ def test_a_training_set_larger_than_a_chunk_is_summed_over_chunks_to_the_same_nu
 def test_the_full_data_curvature_needs_the_memory_of_a_chunk_not_of_all_examples(
         monkeypatch):
     """The compiled measurement's temporaries (tr(Σ), |G|², GᵀHG and tr(HΣ) of 8 deviations)
-    are the same at N = 2, 16 and 64 chunks of an MLP's examples; in one pass over all N they
-    grow with N (~8x from 2 to 16 chunks: the LM of results/shakespeare_kaplan_d32, N =
-    140,257, asked for 2.7 TB; now ~5 GB at chunks of 4,096)."""
+    are the same at N = 2, 16 and 64 chunks of an MLP's examples, up to a copy of the
+    examples themselves; in one pass over all N they grow with N (~8x from 2 to 16 chunks:
+    the reference run of results/shakespeare_kaplan_d32's LM, N = 140,257, asked for 2.7 TB;
+    in chunks of 4,096 it compiles to ~5 GB)."""
     rng = np.random.default_rng(0)
     w = {"a": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
          "b": jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)}
@@ -130,7 +131,9 @@ def test_the_full_data_curvature_needs_the_memory_of_a_chunk_not_of_all_examples
     monkeypatch.setattr(sampled, "FULL_DATA_ONE_PASS", 256)
     monkeypatch.setattr(sampled, "FULL_DATA_CHUNK", 256)
     two = temp_bytes(2 * 256, 8)
-    assert temp_bytes(16 * 256, 8) < 1.1 * two and temp_bytes(64 * 256, 8) < 1.1 * two
+    data_bytes = lambda num: num * (16 + 4) * 4  # a copy of the examples, if XLA makes one
+    for num in (16 * 256, 64 * 256):  # (this XLA makes none: the same bytes at every N)
+        assert temp_bytes(num, 8) < 1.1 * two + data_bytes(num)
     monkeypatch.setattr(sampled, "FULL_DATA_ONE_PASS", 10**9)  # one pass: the test can fail
     assert temp_bytes(16 * 256, 8) > 4 * temp_bytes(2 * 256, 8)
 
