@@ -128,6 +128,59 @@ def test_the_batch_size_is_the_largest_at_most_b_crit_over_four():
         reference_seeds.choose_batch_size(s, 12.0)
 
 
+def _tiny_adam_study(d: str) -> None:
+    """A tiny Adam study in `d`: its definition and one finished trial at B = 8 and 32, with a
+    fitted B_crit of 150 at its lowest target (B = 32 is then ≤ B_crit/4)."""
+    from cbs.results.store import SweepStore, TrialResult
+    from cbs.sweeps import launch
+    from experiments.configs import digits_sweep
+
+    c = digits_sweep.get_config("tiny")
+    c.model.hidden_sizes = (8,)
+    c.sweep.update(dict(batch_sizes=(8, 32), targets=(2.0, 1.5), max_steps=60,
+                        noise_window=2))
+    st = SweepStore(d)
+    st.write_definition(launch.sweep_definition(c, []))
+    st.append([TrialResult(
+        trial_id=f"b{b}", index=k, batch_size=b, learning_rate=0.02, seed=0, status="done",
+        target_metric="full_train/loss", steps_to_target={"2.0": 10.0, "1.5": 30.0},
+        examples_to_target={}, noise_at_target={}, final_steps=60, final_metric=1.0,
+        curve={}, seconds=0.0) for k, b in enumerate((8, 32))])
+    with open(os.path.join(d, files.ANALYSIS_FILE), "w") as f:
+        json.dump({"targets": [{"target": 2.0, "fit": {"b_crit": 60.0}},
+                               {"target": 1.5, "fit": {"b_crit": 150.0}}]}, f)
+
+
+@pytest.mark.slow  # two reference runs
+def test_a_reference_run_over_chunks_of_the_training_set_measures_the_same(tmp_path,
+                                                                          monkeypatch):
+    """The seed reference run of a tiny Adam study with its N = 1,438 digits measured in one
+    pass and in chunks of 128 (`cbs.stats.sampled.FULL_DATA_CHUNK`, the path of training sets
+    over 32,768 examples), inside the vmapped group and in the update's coordinates: the
+    same plain and preconditioned statistics at every evaluation (float32 sums in another
+    order)."""
+    from cbs.stats import sampled
+
+    curves = []
+    for one_pass in (sampled.FULL_DATA_ONE_PASS, 256):
+        d = str(tmp_path / f"s{one_pass}")
+        _tiny_adam_study(d)
+        monkeypatch.setattr(sampled, "FULL_DATA_ONE_PASS", one_pass)
+        monkeypatch.setattr(sampled, "FULL_DATA_CHUNK", 128)
+        reference_seeds.run_seeds(d, seeds=1, evals=8, log=lambda *_: None)
+        curves.append(records.read_records(reference_seeds.seed_path(d, 0))[0]["curve"])
+    one, chunked = curves
+    assert one["full_train/loss"] == chunked["full_train/loss"]  # the same trajectory
+    measured = 0
+    for key in [k for k in one if k.startswith(("noise/", "noise_p/")) and k != "noise/step"]:
+        for a, b in zip(one[key], chunked[key], strict=True):
+            assert (a is None) == (b is None), key
+            if a is not None and key != "noise/ema_b_simple":
+                assert b == pytest.approx(a, rel=1e-5), key  # measured: <= 2.5e-7
+                measured += 1
+    assert measured > 20
+
+
 @pytest.mark.slow  # three reference runs, each compiled for its own seed
 def test_the_command_on_a_tiny_sweep(tmp_path):
     """The command on a tiny Adam study (its definition and one finished trial at each batch
