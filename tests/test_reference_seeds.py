@@ -186,26 +186,10 @@ def test_the_command_on_a_tiny_sweep(tmp_path):
     """The command on a tiny Adam study (its definition and one finished trial at each batch
     size): three seeds at B ≤ B_crit/4, each written once with the plain and the update's
     statistics at every evaluation past the first target; the comparison reads them."""
-    from cbs.results.store import SweepStore, TrialResult
-    from cbs.sweeps import launch
     from experiments import reference
-    from experiments.configs import digits_sweep
 
-    c = digits_sweep.get_config("tiny")
-    c.model.hidden_sizes = (8,)
-    c.sweep.update(dict(batch_sizes=(8, 32), targets=(2.0, 1.5), max_steps=60,
-                        noise_window=2))
     d = str(tmp_path / "s")
-    st = SweepStore(d)
-    st.write_definition(launch.sweep_definition(c, []))
-    st.append([TrialResult(
-        trial_id=f"b{b}", index=k, batch_size=b, learning_rate=0.02, seed=0, status="done",
-        target_metric="full_train/loss", steps_to_target={"2.0": 10.0, "1.5": 30.0},
-        examples_to_target={}, noise_at_target={}, final_steps=60, final_metric=1.0,
-        curve={}, seconds=0.0) for k, b in enumerate((8, 32))])
-    with open(os.path.join(d, files.ANALYSIS_FILE), "w") as f:  # a fitted B_crit of 150
-        json.dump({"targets": [{"target": 2.0, "fit": {"b_crit": 60.0}},
-                               {"target": 1.5, "fit": {"b_crit": 150.0}}]}, f)
+    _tiny_adam_study(d)
     assert reference.main([f"--sweep_dir={d}", "--seeds=3", "--evals=8"]) == 0
     runs = [records.read_records(reference_seeds.seed_path(d, k)) for k in range(3)]
     assert [len(r) for r in runs] == [1, 1, 1]
