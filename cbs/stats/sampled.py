@@ -276,8 +276,8 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     g_h_g = trees.tree_dot(grad, hvp(grad))
     key_a, key_c = (None, None) if key is None else jax.random.split(key)
     subset = _draw(train_batch, key_a, m, num)
-    hessian_num = h if h and h < num else num
-    if h and h < num:
+    hessian_num = h if h and h < num else num  # examples of the Hessian of tr(HΣ)
+    if hessian_num < num:
         _, hvp = population_hvp(loss_fn, params, _draw(train_batch, key_c, h, num),
                                 FULL_DATA_ONE_PASS, FULL_DATA_CHUNK)
     grad_acc = trees.tree_cast(grad, dtype)

@@ -50,7 +50,7 @@ from cbs.sweeps.grid import Trial, default_sweep_config
 from cbs.sweeps.groups import TrialGroup
 
 __all__ = [
-    "DEVIATIONS", "FRACTION", "PRECONDITIONED_KEYS", "SEEDS_DIR", "SeedReferenceRun",
+    "ADAPTIVE", "DEVIATIONS", "FRACTION", "PRECONDITIONED_KEYS", "SEEDS_DIR", "SeedReferenceRun",
     "choose_batch_size", "run_seeds", "seed_path", "study_config", "update_measurement",
 ]
 
@@ -59,7 +59,7 @@ DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the protocol accepts
 FRACTION = 4  # B ≤ B_crit / FRACTION at the lowest target
 PRECONDITIONED_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                        "b_noise")  # recorded as noise_p/<key> (Adam, AdamW)
-ADAPTIVE = ("adam", "adamw")
+ADAPTIVE = ("adam", "adamw")  # optimizers whose update P·g is measured too (noise_p/)
 
 
 def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
