@@ -30,6 +30,11 @@ if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cbs-test-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Lowering writes each operation's Python traceback (up to 100 frames, pytest's included)
+# into the program as its location; only the innermost frame is kept here, which makes
+# lowering about a tenth cheaper. Locations are debug information: the compiled programs,
+# and the persistent cache's keys (computed without them), are the same.
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

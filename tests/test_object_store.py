@@ -4,7 +4,7 @@ checkpoints), with concurrent writer processes.
 
 What this proves, and what docs/scaling.md states: concurrent writers into one gs:// sweep
 (or one local directory) lose no record, and each claim goes to one of them; a lease expires
-once its holder stops renewing it; a sharded sweep on gs:// analyses as the same sweep run
+once its holder stops renewing it; a sharded sweep on gs:// analyzes as the same sweep run
 locally, its shards in one process, one of them killed mid-group and resumed from its gs://
 checkpoint (default), or as concurrent processes (slow); a run killed with SIGKILL on gs://
 resumes from its gs:// checkpoint to the uninterrupted records (slow).
@@ -194,7 +194,7 @@ def _plain(sweep_dir: str) -> dict[str, dict]:
 
 
 @pytest.mark.slow  # three processes; test_shards_into_a_gs_sweep_... is the fast form
-def test_concurrent_shards_into_one_gs_sweep_analyse_as_the_local_sweep(gcs, tmp_path):
+def test_concurrent_shards_into_one_gs_sweep_analyze_as_the_local_sweep(gcs, tmp_path):
     sweep, local = f"{gcs}/sharded", str(tmp_path / "local")
     start = time.perf_counter()
     procs = [subprocess.Popen(args, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -232,7 +232,7 @@ class _Killed(BaseException):
     """A kill in the middle of a group (no handler of the loop catches it)."""
 
 
-def test_shards_into_a_gs_sweep_killed_and_resumed_analyse_as_the_local_sweep(
+def test_shards_into_a_gs_sweep_killed_and_resumed_analyze_as_the_local_sweep(
         gcs, tmp_path, monkeypatch):
     """The same in one process (fast): the shards one after the other, one of them killed
     once its group has a checkpoint on gs:// and run again, which restores it from there."""
