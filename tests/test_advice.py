@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import _warm
 import jax
 import numpy as np
 import pytest
@@ -74,9 +75,7 @@ def test_trajectory_reads_every_measured_step(tmp_path):
 
 def test_cbs_advise_prints_the_answer_and_writes_the_trajectory(tmp_path):
     run = _run_dir(str(tmp_path / "run"), optimizer="sgd")
-    out = subprocess.run([sys.executable, "-m", "experiments.advise", f"--workdir={run}",
-                          "--exchange=100"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = _warm.python(["-m", "experiments.advise", f"--workdir={run}", "--exchange=100"])
     assert out.returncode == 0, out.stderr
     assert "predicted B_crit" in out.stdout and "sgd optimizers" in out.stdout
     assert "the batch that minimises" in out.stdout
@@ -84,8 +83,7 @@ def test_cbs_advise_prints_the_answer_and_writes_the_trajectory(tmp_path):
         assert os.path.getsize(os.path.join(run, name)) > 0
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
-    bad = subprocess.run([sys.executable, "-m", "experiments.advise", f"--workdir={empty}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = _warm.python(["-m", "experiments.advise", f"--workdir={empty}"])
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "config.json" in bad.stderr
 
@@ -111,9 +109,8 @@ def test_the_readme_advice_command_prints_the_readme_block(tmp_path):
         argv = part.replace("runs/advise", work).split()
         assert argv[:2] == ["python", "-m"]
         # one device, as shown; the tests' compile flags change no number beyond the 2 %
-        env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
-        done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600, env=env)
+        env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+        done = _warm.python(argv[1:], env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(done.stdout)
     got = outs[-1].strip("\n").splitlines()

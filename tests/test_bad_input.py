@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 
+import _warm
 import jax
 import ml_collections
 import pytest
@@ -151,8 +150,7 @@ def test_valid_ramps_and_sweeps_of_every_preset_pass(tmp_path):
 def _cli(module: str, *args: str) -> tuple[int, list[str]]:
     env = {k: v for k, v in os.environ.items() if k != cli.VERBOSE_ENV}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
-    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=180)
+    proc = _warm.python(["-m", f"experiments.{module}", *args], env=env, timeout=180)
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
 
 

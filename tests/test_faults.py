@@ -16,11 +16,10 @@ import os
 import pathlib
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import warnings
 
+import _warm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +64,7 @@ def _cli(module: str, *args: str, env: dict | None = None, timeout: float = 180)
     full.update({"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                  "XLA_FLAGS": SUBPROCESS_XLA_FLAGS} | (env or {}))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                          env=full, capture_output=True, text=True, timeout=timeout)
+    proc = _warm.python(["-m", f"experiments.{module}", *args], env=full, timeout=timeout)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     return proc.returncode, lines, time.perf_counter() - start
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import _warm
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -284,11 +285,10 @@ def test_a_model_that_cannot_be_built_fails_the_sweep_before_anything_is_written
 
 def test_the_sweep_command_with_an_unbuildable_model_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "sweep"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.sweep",
+    proc = _warm.python(
+        ["-m", "experiments.sweep",
          f"--config={ROOT / 'experiments' / 'configs' / 'digits_sweep.py'}:tiny",
-         f"--sweep_dir={out}", "--config.model.hidden_sizes=(0,)"],
-        cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300)
+         f"--sweep_dir={out}", "--config.model.hidden_sizes=(0,)"], env=_subprocess_env())
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == cli.USER_ERROR_EXIT and len(lines) == 1, lines
     assert lines[0].startswith("error: config.model: model.hidden_sizes=(0,) must be positive")

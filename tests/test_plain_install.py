@@ -1,8 +1,9 @@
 """README's commands on the plain install (`pip install -e .`, no extras).
 
 A plain install is simulated, not built (`tests/_plain_install.py`): each command runs in a
-fresh Python whose import of every optional extra's package (tensorboardX, wandb, mnist1d,
-tensorflow_datasets, tensorflow, gcsfs) fails as if it were not installed. Commands that need
+new Python process (started warm: `tests/_warm.py`) whose import of every optional extra's
+package (tensorboardX, wandb, mnist1d, tensorflow_datasets, tensorflow, gcsfs) fails as if it
+were not installed. Commands that need
 no extra must succeed; a command that needs one must stop with one line on stderr naming it,
 exit status 2, and leave no directory behind. Tiny config variants keep them short; the
 complete runs are marked slow. The guides' quick commands run on the same simulated plain

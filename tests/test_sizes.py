@@ -77,10 +77,9 @@ def test_studies_of_different_experiments_are_refused_in_one_line(tmp_path):
     """--sizes pools model sizes of one experiment: another dataset, model family or target
     metric, or no target in common, is refused before anything is fitted or written."""
     import json
-    import os
     import pathlib
-    import subprocess
-    import sys
+
+    import _warm
 
     root = pathlib.Path(__file__).resolve().parent.parent
     kaplan = [str(root / "results" / d) for d in
@@ -97,11 +96,8 @@ def test_studies_of_different_experiments_are_refused_in_one_line(tmp_path):
         sizes.check_comparable([kaplan[0], str(other)])
 
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.compare", "--sizes", kaplan[1],
-         str(root / "results" / "digits"), f"--out={out}"], cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
-        capture_output=True, text=True, timeout=120)
+    proc = _warm.python(["-m", "experiments.compare", "--sizes", kaplan[1],
+                         str(root / "results" / "digits"), f"--out={out}"], timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: --sizes compares model sizes of one experiment")
