@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,89 +39,171 @@ PRELOAD = ("numpy", "scipy.optimize", "scipy.stats", "jax", "jax.numpy", "flax.n
 _IMPORT_TIME = ("JAX_", "PYTHON", "TF_", "OMP_", "OPENBLAS_", "MKL_", "LD_")
 
 _SERVER = f"""
-import importlib, json, os, runpy, sys
+import importlib, json, os, runpy, select, sys
 for name in {PRELOAD!r}:
     importlib.import_module(name)
-sys.stdout.write(json.dumps({{"ready": os.getpid()}}) + "\\n")
-sys.stdout.flush()
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:  # the command's process
-        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        sys.stdin = open(os.devnull)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        if "tempfile" in sys.modules:  # TMPDIR as the command's environment gives it
-            sys.modules["tempfile"].tempdir = None
-        for name in req["block"]:
-            sys.modules[name] = None
-        importlib.invalidate_caches()
-        args = req["args"]
-        if args[0] == "-m":
-            sys.argv = args[1:]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+
+
+def send(message):
+    os.write(1, (json.dumps(message) + "\\n").encode())
+
+
+def command(req):  # in the forked process: becomes the command, never returns
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        if path is None:  # standard error into standard output
+            os.dup2(1, 2)
         else:
-            sys.argv = list(args)
-            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-            runpy.run_path(args[0], run_name="__main__")
-        sys.exit(0)  # exceptions and SystemExit end the process as at a script's top level
-    sys.stdout.write(json.dumps({{"pid": pid}}) + "\\n")
-    sys.stdout.flush()
-    _, status = os.waitpid(pid, 0)
-    sys.stdout.write(json.dumps({{"code": os.waitstatus_to_exitcode(status)}}) + "\\n")
-    sys.stdout.flush()
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    sys.stdin = open(os.devnull)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    if "tempfile" in sys.modules:  # TMPDIR as the command's environment gives it
+        sys.modules["tempfile"].tempdir = None
+    for name in req["block"]:
+        sys.modules[name] = None
+    importlib.invalidate_caches()
+    args = req["args"]
+    if args[0] == "-m":
+        sys.argv = args[1:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+    sys.exit(0)  # exceptions and SystemExit end the process as at a script's top level
+
+
+send({{"ready": os.getpid()}})
+pending, running = b"", 0
+while True:
+    while running:  # report each command that ended
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        running -= 1
+        send({{"ended": pid, "code": os.waitstatus_to_exitcode(status)}})
+    if not select.select([0], [], [], 0.02 if running else None)[0]:
+        continue
+    chunk = os.read(0, 1 << 16)
+    if not chunk:
+        break  # the test process is gone
+    pending += chunk
+    while b"\\n" in pending:
+        line, pending = pending.split(b"\\n", 1)
+        pid = os.fork()
+        if pid == 0:
+            command(json.loads(line))
+        running += 1
+        send({{"started": pid}})
 """
 
 
 class _Server:
-    """The warm Python of this test process, started on first use, ended at exit."""
+    """The warm Python of this test process, started on first use, ended at exit; it starts
+    commands and reports when each ends."""
 
     def __init__(self) -> None:
         self.env = base_env()
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, cwd=ROOT, env=self.env,
                                      bufsize=0)
-        self.pid = self._reply(timeout=300)["ready"]
+        self.pending = b""
+        self.ended: dict[int, int] = {}  # pid -> exit status
+        self.pid = self._message(timeout=300)["ready"]
         atexit.register(self.close)
 
-    def _reply(self, timeout: float | None) -> dict:
+    def _message(self, timeout: float | None) -> dict:
+        """The server's next message, or TimeoutError."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the warm server ended (status {self.proc.wait()})")
-        return json.loads(line)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the warm server ended (status {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        message = json.loads(line)
+        if "ended" in message:
+            self.ended[message["ended"]] = message["code"]
+        return message
 
-    def run(self, args: Sequence[str], cwd: str, env: dict[str, str], block: Sequence[str],
-            timeout: float) -> subprocess.CompletedProcess:
+    def start(self, args: Sequence[str], cwd: str, env: dict[str, str], block: Sequence[str],
+              stdout: str, stderr: str | None) -> int:
         assert self.proc.stdin is not None
-        with tempfile.TemporaryDirectory(prefix="cbs-warm-") as tmp:
-            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"args": list(args), "cwd": str(cwd), "env": env, "block": list(block),
-                       "stdout": out, "stderr": err}
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            pid = self._reply(timeout=60)["pid"]
+        request = {"args": list(args), "cwd": cwd, "env": env, "block": list(block),
+                   "stdout": stdout, "stderr": stderr}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        while "started" not in (message := self._message(timeout=60)):
+            pass
+        return message["started"]
+
+    def status(self, pid: int, timeout: float | None) -> int | None:
+        """The exit status of command `pid`, waiting up to `timeout` seconds (0: a look)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.ended:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                code = self._reply(timeout=timeout)["code"]
+                self._message(timeout=left)
             except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                self._reply(timeout=60)
-                raise subprocess.TimeoutExpired([sys.executable, *args], timeout) from None
-            with open(out) as f_out, open(err) as f_err:
-                return subprocess.CompletedProcess([sys.executable, *args], code,
-                                                   f_out.read(), f_err.read())
+                return None
+        return self.ended[pid]
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class Process:
+    """A command started warm, used as a `subprocess.Popen` with text output: `pid`, `poll`,
+    `wait`, `communicate`, `send_signal`, `terminate`, `kill`, `returncode`."""
+
+    def __init__(self, server: _Server, args: Sequence[str], cwd: str, env: dict[str, str],
+                 block: Sequence[str], stderr_to_stdout: bool = False) -> None:
+        self.args = [sys.executable, *args]
+        self._server = server
+        self._tmp = tempfile.TemporaryDirectory(prefix="cbs-warm-")
+        self._out = os.path.join(self._tmp.name, "stdout")
+        self._err = None if stderr_to_stdout else os.path.join(self._tmp.name, "stderr")
+        self.pid = server.start(args, cwd, env, block, self._out, self._err)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.status(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        with open(self._out) as out:
+            text = out.read()
+        if self._err is None:
+            return text, None
+        with open(self._err) as err:
+            return text, err.read()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 _server: _Server | None = None
@@ -161,7 +244,28 @@ def python(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
             argv = [sys.executable, *args]
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
-    return server().run(args, str(cwd), env, block, timeout)
+    proc = Process(server(), args, str(cwd), env, block)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(60)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def popen(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
+          env: dict[str, str] | None = None, stderr_to_stdout: bool = False
+          ) -> Process | subprocess.Popen:
+    """`python *args` started as by `python` (warm or cold alike), not waited for: a
+    `subprocess.Popen` with text output, or a `Process` that acts as one; standard error goes
+    into standard output with `stderr_to_stdout`."""
+    env = dict(base_env() if env is None else env)
+    if os.environ.get("CBS_TEST_COLD") == "1" or not _same_imports(env, server().env):
+        return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                                if stderr_to_stdout else subprocess.PIPE)
+    return Process(server(), args, str(cwd), env, (), stderr_to_stdout)
 
 
 def shim(block: Sequence[str]) -> str:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import _warm
 import jax
 import numpy as np
 import pytest
@@ -75,16 +76,15 @@ def _launch(workdir, out, num_processes: int, devices: int, steps: int = 6,
     """Starts the workers; with `lm` they train the tiny LM and find each other from a
     simulated Slurm step (coordinator port 61440 + job id mod 4096) instead of flags."""
     port = _free_port() if not lm else _free_port_in(61440, 65535)
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+    env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     slurm = lambda i: {"SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "127.0.0.1",
                        "SLURM_NTASKS": str(num_processes), "SLURM_PROCID": str(i),
                        "SLURM_LOCALID": str(i)} if lm else {}
-    procs = [subprocess.Popen(
-        [sys.executable, WORKER, f"--process_id={i}", f"--num_processes={num_processes}",
+    procs = [_warm.popen(
+        [WORKER, f"--process_id={i}", f"--num_processes={num_processes}",
          f"--port={port}", f"--devices={devices}", f"--workdir={workdir}", f"--out={out}",
          f"--steps={steps}", f"--full={int(full)}", f"--lm={int(lm)}", f"--auto={int(lm)}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env | slurm(i))
-        for i in range(num_processes)]
+        env=env | slurm(i), stderr_to_stdout=True) for i in range(num_processes)]
     outputs = []
     try:
         for p in procs:

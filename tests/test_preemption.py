@@ -13,9 +13,9 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
+import _warm
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
@@ -34,8 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def _start(module: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _warm.popen(["-m", module, *args], env=_env())
 
 
 def _lines(path: pathlib.Path) -> int:
@@ -59,8 +58,7 @@ def _terminate_when(proc: subprocess.Popen, ready, timeout: float = 300,
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    return _warm.python(["-m", module, *args], env=_env(), timeout=600)
 
 
 def _strip(recs):
@@ -185,11 +183,10 @@ def _free_port() -> int:
 def _two_processes(workdir: pathlib.Path, *args: str) -> list[subprocess.Popen]:
     port = _free_port()
     env = _env()  # one CPU device per process: a mesh of 2 data replicas over 2 processes
-    return [subprocess.Popen(
-        [sys.executable, "-m", "experiments.main", *args, f"--workdir={workdir}",
+    return [_warm.popen(
+        ["-m", "experiments.main", *args, f"--workdir={workdir}",
          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)]
+        env=env) for i in range(2)]
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, list[str]]]:

@@ -3,9 +3,8 @@ rounds, reports of partial sweeps, and two launchers sharing one directory."""
 
 import json
 import os
-import subprocess
-import sys
 
+import _warm
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
@@ -109,13 +108,12 @@ def test_partial_sweep_is_refused_or_marked(tmp_path):
 
 def test_two_launchers_on_one_directory_share_the_work(tmp_path):
     d = str(tmp_path / "shared")
-    cmd = [sys.executable, "-m", "experiments.sweep",
+    cmd = ["-m", "experiments.sweep",
            "--config=experiments/configs/digits_sweep.py:tiny", f"--sweep_dir={d}",
            "--config.sweep.batch_sizes=8,32", "--config.sweep.lr_factors=(1.0,)",
            "--config.sweep.max_steps=10", "--config.sweep.evals_per_trial=3", "--noanalyze"]
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+    procs = [_warm.popen(cmd, env=env, stderr_to_stdout=True) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     with open(os.path.join(d, files.TRIALS_FILE)) as f:
