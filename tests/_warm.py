@@ -69,6 +69,10 @@ def command(req):  # in the forked process: becomes the command, never returns
         sys.argv = args[1:]
         sys.path[0] = os.getcwd()
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    elif args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        sys.path[0] = ""
+        exec(compile(args[1], "<string>", "exec"), {{"__name__": "__main__"}})
     else:
         sys.argv = list(args)
         sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
@@ -230,11 +234,11 @@ def server() -> _Server:
 def python(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
            env: dict[str, str] | None = None, timeout: float = 300,
            block: Sequence[str] = (), cold: bool = False) -> subprocess.CompletedProcess:
-    """`python *args` (`-m module ...` or `script.py ...`) in `cwd` with `env` (default: this
-    process's, with the repository on PYTHONPATH and JAX on the CPU), its output captured as
-    text; `block` names modules whose import fails, as if they were not installed. Warm when
-    the environment allows, else (or with `cold`) a real process (see the module's
-    docstring)."""
+    """`python *args` (`-m module ...`, `-c code ...` or `script.py ...`) in `cwd` with `env`
+    (default: this process's, with the repository on PYTHONPATH and JAX on the CPU), its
+    output captured as text; `block` (with `-m` or a script) names modules whose import
+    fails, as if they were not installed. Warm when the environment allows, else (or with
+    `cold`) a real process (see the module's docstring)."""
     env = dict(base_env() if env is None else env)
     cold = cold or os.environ.get("CBS_TEST_COLD") == "1"
     if cold or not _same_imports(env, server().env):

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import _gcs_emulator as emulator
+import _warm
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
@@ -95,9 +96,8 @@ def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(wh
     start = time.perf_counter()
     sync = tmp_path / "sync"
     sync.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, sweep, str(w), str(m), str(sync)],
-                              env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for w in range(n)]
+    procs = [_warm.popen(["-c", _WRITER, sweep, str(w), str(m), str(sync)], env=_env())
+             for w in range(n)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     got = SweepStore(sweep).records()
@@ -133,8 +133,7 @@ def test_concurrent_ramp_and_noise_writers_lose_no_record(where, request, tmp_pa
     n, m = 4, 6
     sync = tmp_path / "sync"
     sync.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _ADDER, out, str(w), str(m), str(sync)],
-                              env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    procs = [_warm.popen(["-c", _ADDER, out, str(w), str(m), str(sync)], env=_env())
              for w in range(n)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for e in errs]

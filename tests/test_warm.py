@@ -99,3 +99,9 @@ def test_a_warm_command_that_runs_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         _warm.python([str(tmp_path / "sleeps.py")], timeout=1)
     assert _warm.python([str(tmp_path / "ok.py")]).stdout == "ok\n"  # the server goes on
+
+
+def test_code_given_with_c_runs_as_python_c_does():
+    code = "import sys; print(sys.argv, __name__)"
+    warm, cold = (_warm.python(["-c", code, "a", "b"], cold=c) for c in (False, True))
+    assert warm.stdout == cold.stdout == "['-c', 'a', 'b'] __main__\n" and warm.returncode == 0
