@@ -1,20 +1,22 @@
 """Commands run as `python -m module args` in a new process that starts warm.
 
-A command the tests run (`python -m experiments.main ...`, a guide's quick command, a
-refusal) spends about 2.5 of its 3 CPU-seconds importing JAX, Flax, optax, orbax and SciPy
-before it reads a flag; the suite runs dozens. Here one Python per test process (the warm
-server) imports those packages once and then, for each command, forks: the child is a new
-process with its own PID, working directory, environment, standard streams and exit status,
-and runs the module as `python -m` does (`runpy`, `__main__`, `sys.argv`); only the
-third-party packages above are already imported. No cbs module is imported before the fork,
-and no optional extra (the plain-install shim blocks those in the child, before the command
-starts; `test_the_warm_server_holds_no_extra_and_no_cbs_module` checks the server).
+A command the tests run (a training run, a guide's quick command, a refusal) spends about 2.5
+of its 3 CPU-seconds importing JAX, Flax, optax, orbax and SciPy before it reads a flag; the
+suite runs dozens. Here one Python per test process (the warm server) imports those packages
+once and then, for each command, forks: the child is a new process with its own PID, working
+directory, environment, standard streams and exit status, and runs the module as `python -m`
+does (`runpy`, `__main__`, `sys.argv`; a script and `-c` code likewise); only the third-party
+packages above are already imported. No cbs module is imported before the fork, and no
+optional extra (the plain-install shim blocks those in the child, before the command starts).
+`python` waits for the command; `popen` returns at once with an object used as a
+`subprocess.Popen` (commands that run side by side, signals).
 
 A command whose environment changes what those packages read when imported (any `JAX_*`,
 `PYTHON*`, `TF_*` or thread-count variable different from the server's) runs as a real
-`python -m` process instead, as does every command when CBS_TEST_COLD=1. XLA_FLAGS may
+`python` process instead, as does every command when CBS_TEST_COLD=1. XLA_FLAGS may
 differ: XLA reads it when the command first starts a backend, after the fork.
-`tests/test_warm.py` runs commands both ways and compares what they print and return.
+`tests/test_warm.py` checks all of this and runs commands both ways to compare what they
+print and return.
 """
 
 from __future__ import annotations
