@@ -233,24 +233,32 @@ def server() -> _Server:
     return _server
 
 
-def python(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
-           env: dict[str, str] | None = None, timeout: float = 300,
-           block: Sequence[str] = (), cold: bool = False) -> subprocess.CompletedProcess:
-    """`python *args` (`-m module ...`, `-c code ...` or `script.py ...`) in `cwd` with `env`
-    (default: this process's, with the repository on PYTHONPATH and JAX on the CPU), its
-    output captured as text; `block` (with `-m` or a script) names modules whose import
-    fails, as if they were not installed. Warm when the environment allows, else (or with
-    `cold`) a real process (see the module's docstring)."""
+def popen(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
+          env: dict[str, str] | None = None, block: Sequence[str] = (),
+          stderr_to_stdout: bool = False, cold: bool = False) -> Process | subprocess.Popen:
+    """`python *args` (`-m module ...`, `-c code ...` or `script.py ...`) started in `cwd`
+    with `env` (default: `base_env()`), not waited for: a `Process`, or where the command runs
+    cold (see the module's docstring, or `cold`) a `subprocess.Popen`; both with text output.
+    `block` (with `-m` or a script) names modules whose import fails, as if they were not
+    installed; standard error goes into standard output with `stderr_to_stdout`."""
     env = dict(base_env() if env is None else env)
-    cold = cold or os.environ.get("CBS_TEST_COLD") == "1"
-    if cold or not _same_imports(env, server().env):
+    if cold or os.environ.get("CBS_TEST_COLD") == "1" or not _same_imports(env, server().env):
         if block:  # the target as `shim` expects it: a module's name or a script's path
             argv = [sys.executable, "-c", shim(block), *args[args[0] == "-m":]]
         else:
             argv = [sys.executable, *args]
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    proc = Process(server(), args, str(cwd), env, block)
+        return subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if stderr_to_stdout
+                                else subprocess.PIPE)
+    return Process(server(), args, str(cwd), env, block, stderr_to_stdout)
+
+
+def python(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
+           env: dict[str, str] | None = None, timeout: float = 300,
+           block: Sequence[str] = (), cold: bool = False) -> subprocess.CompletedProcess:
+    """`popen` waited for, as `subprocess.run` with its output captured: killed after
+    `timeout` seconds (`subprocess.TimeoutExpired`)."""
+    proc = popen(args, cwd=cwd, env=env, block=block, cold=cold)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -258,20 +266,6 @@ def python(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
         proc.wait(60)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def popen(args: Sequence[str], *, cwd: str | os.PathLike = ROOT,
-          env: dict[str, str] | None = None, stderr_to_stdout: bool = False
-          ) -> Process | subprocess.Popen:
-    """`python *args` started as by `python` (warm or cold alike), not waited for: a
-    `subprocess.Popen` with text output, or a `Process` that acts as one; standard error goes
-    into standard output with `stderr_to_stdout`."""
-    env = dict(base_env() if env is None else env)
-    if os.environ.get("CBS_TEST_COLD") == "1" or not _same_imports(env, server().env):
-        return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                                if stderr_to_stdout else subprocess.PIPE)
-    return Process(server(), args, str(cwd), env, (), stderr_to_stdout)
 
 
 def shim(block: Sequence[str]) -> str:

@@ -38,7 +38,9 @@ raise SystemExit(int(sys.argv[1]))
 """
 
 
-@pytest.mark.skipif(os.environ.get("CBS_TEST_COLD") == "1", reason="CBS_TEST_COLD=1: all cold")
+@pytest.mark.skipif(os.environ.get("CBS_TEST_COLD") == "1",
+                    reason="CBS_TEST_COLD=1 runs every command as a plain process: there is "
+                           "no warm command to check")
 def test_a_warm_command_is_a_new_process_with_its_own_environment_and_devices(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
