@@ -5,6 +5,9 @@ memory, with and without the in-step noise estimate and a periodic exact measure
                                                  # runs it through tests/test_throughput.py)
     python -m benchmarks.lm_step                 # the sizes that fit the device (GPU/TPU)
     python -m benchmarks.lm_step --sizes=124m --batch=16 --seq_len=1024 --remat=dots
+    python -m benchmarks.lm_step --sizes=124m --variants=plain --profile=/tmp/prof
+                                                 # + a jax.profiler trace of the plain step
+                                                 # and its top kernels by device time
 
 On all local devices (data parallel, FSDP × TP by name when --model_axis > 1), AdamW, one fixed
 device-resident batch of B sequences of T tokens (vocabulary 50304), A = 2 accumulation
@@ -18,12 +21,20 @@ Columns: median ms/step over repeats (after a warm-up run), tokens/s, MFU agains
 table in `cbs.engine.throughput` ("unknown" on CPU), overhead against `plain` in the same
 run, compile time of the step (lower + compile), and memory: the compiled step's temporaries
 plus arguments (`memory_analysis`), and the device's peak bytes in use where it reports them.
-A size whose parameters and Adam state do not fit the device is skipped.
+A size whose parameters and Adam state do not fit the device is skipped. `--attention`
+picks the model's attention kernel (`cbs.models.lm.ATTENTION`; the table's header says which
+one ran), `--variants` which of the three rows run. `--profile=DIR` traces `--steps` plain steps
+with `jax.profiler` after the timings (a Perfetto trace under DIR) and prints the operations
+that took the most device time (`top_ops`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
+import pathlib
 import statistics
 import time
 
@@ -42,9 +53,9 @@ VOCAB = 50304
 
 
 def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_axis: int,
-           vocab: int, num_devices: int = 0):
+           vocab: int, num_devices: int = 0, attention: str = "auto"):
     mc = models.default_model_config("lm")
-    mc.update(size=size, remat=remat, compute_dtype=dtype)
+    mc.update(size=size, remat=remat, compute_dtype=dtype, attention=attention)
     model = nnx.eval_shape(lambda: models.build_model(
         mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
     graphdef, abstract, rest = models.split_model(model)
@@ -73,7 +84,8 @@ def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_ax
     flops = lm.lm_flops_per_token(*_dims(mc), vocab, seq_len) * seq_len
     n_params = sum(x.size for x in jax.tree.leaves(abstract))
     return dict(init=init, sharding=sharding, mesh=mesh, data=data, loss_fn=loss_fn,
-                direction=direction, flops_per_example=flops, n_params=n_params)
+                direction=direction, flops_per_example=flops, n_params=n_params,
+                description=model.description)
 
 
 def _dims(mc) -> tuple[int, int, int]:
@@ -105,7 +117,7 @@ def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
             t += 1
         return metrics
 
-    return run, compile_s, program
+    return run, compile_s, program, ts.live_kind(state, s["data"], accum)
 
 
 def _time(run, steps: int) -> float:
@@ -132,28 +144,71 @@ def bench(size: str, args) -> list[dict]:
     if not _fits(s["n_params"]):
         print(f"{size}: {s['n_params'] / 1e6:.0f}M parameters do not fit; skipped")
         return []
-    variants = {"plain": dict(two_batch=False, every=0), "+live": dict(two_batch=True, every=0),
-                f"+live+exact/{args.every}": dict(two_batch=True, every=args.every)}
+    every = {"plain": dict(two_batch=False, every=0), "live": dict(two_batch=True, every=0),
+             "exact": dict(two_batch=True, every=args.every)}
+    names = {"plain": "plain", "live": "+live", "exact": f"+live+exact/{args.every}"}
+    variants = {names[v]: every[v] for v in args.variants.split(",")}
+    print(f"{size}: {s['description']}", flush=True)
     runs = {}
     for name, kw in variants.items():
         runs[name] = _runner(s, batch=args.batch, accum=2, **kw)
         jax.block_until_ready(runs[name][0](args.every))  # warm-up (covers one measurement)
     times = {k: [] for k in runs}
     for _ in range(args.repeats):  # interleaved, so load on a shared machine hits all
-        for k, (run, _, _) in runs.items():
+        for k, (run, *_) in runs.items():
             times[k].append(_time(run, args.steps))
+    if args.profile:
+        first = next(iter(runs))
+        trace_dir = pathlib.Path(args.profile) / f"{size}-{first}"
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            jax.block_until_ready(runs[first][0](args.steps))
+        print(top_ops(trace_dir, steps=args.steps), flush=True)
     peak = throughput.peak_flops()
     devices = s["mesh"].size
     rows = []
-    for k, (_, compile_s, program) in runs.items():
+    for k, (_, compile_s, program, live) in runs.items():
         sec = statistics.median(times[k])
         r = throughput.rates(args.batch, sec, 1, tokens_per_example=args.seq_len,
                              flops_per_example=s["flops_per_example"], peak=peak,
                              devices=devices)
-        rows.append(dict(size=size, params=s["n_params"], variant=k, ms=sec * 1e3,
+        rows.append(dict(size=size, params=s["n_params"], variant=k, live=live, ms=sec * 1e3,
                          tokens_s=r["perf/tokens_per_s"], mfu=r.get("perf/mfu"),
                          compile_s=compile_s, program=program, peak=_peak_bytes()))
     return rows
+
+
+def top_ops(trace_dir: pathlib.Path, steps: int, n: int = 15) -> str:
+    """The `n` operations with the most device time per step in a Perfetto trace under
+    `trace_dir` (events of the device's processes, grouped by name within each of its threads,
+    so that the kernel and XLA-op views of one device are not added together)."""
+    files = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))
+    if not files:
+        return f"(no Perfetto trace under {trace_dir})"
+    events = json.loads(gzip.open(files[-1]).read())["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M" and "args" in e]
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta
+               if e.get("name") == "thread_name"}
+    device = {e["pid"] for e in meta if e.get("name") == "process_name"
+              and "/device:" in e["args"]["name"] and "host" not in e["args"]["name"].lower()}
+    totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device:
+            thread = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            totals[thread][e["name"]] += float(e.get("dur", 0.0))
+    lines = []
+    for thread, counter in sorted(totals.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(counter.values())
+        if total < 0.05 * max(sum(c.values()) for c in totals.values()):
+            continue
+        lines.append(f"\ndevice time per step on `{thread}`: {total / steps / 1e3:.2f} ms "
+                     f"({len(counter)} distinct names)\n\n| op | ms/step | share |\n"
+                     "|---|---:|---:|")
+        for name, us in counter.most_common(n):
+            lines.append(f"| {name[:90]} | {us / steps / 1e3:.3f} | {100 * us / total:.1f} % |")
+    if not lines:
+        procs = sorted({e["args"]["name"] for e in meta if e.get("name") == "process_name"})
+        return f"(no device events in {files[-1]}; its processes: {procs})"
+    return "\n".join(lines)
 
 
 def _mib(n: int | None) -> str:
@@ -175,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps between exact measurements")
+    parser.add_argument("--attention", default="auto", choices=lm.ATTENTION,
+                        help="the model's attention kernel")
+    parser.add_argument("--variants", default="plain,live,exact",
+                        help="rows to run: plain, live (the live estimate), exact (+ the "
+                        "periodic exact measurement); the first is the overhead baseline")
+    parser.add_argument("--profile", default="", help="trace the first variant into this "
+                        "directory and print its top operations by device time")
     args = parser.parse_args(argv)
     if args.tiny:
         args.sizes = args.sizes or "tiny"
@@ -191,16 +253,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {used} × {d.device_kind} ({d.platform}), peak {peak_s} per "
           f"device; B={args.batch} × T={args.seq_len}, A=2, remat={args.remat}, "
           f"compute {args.dtype}; median of "
-          f"{args.repeats} × {args.steps} steps\n")
-    print("| size | params | variant | ms/step | tokens/s | MFU | overhead | compile s "
-          "| step MiB | peak MiB |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"{args.repeats} × {args.steps} steps; jax {jax.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    header = ("| size | params | variant | live | ms/step | tokens/s | MFU | overhead "
+              "| compile s | step MiB | peak MiB |\n|---|---:|---|---|---:|---:|---:|---:|---:|"
+              "---:|---:|")
+    print(header)
     for size in sizes:
         rows = bench(size, args)
         base = rows[0]["ms"] if rows else 1.0
         for r in rows:
             mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
-            print(f"| {r['size']} | {r['params'] / 1e6:.3g}M | {r['variant']} | {r['ms']:.2f} | "
+            print(f"| {r['size']} | {r['params'] / 1e6:.3g}M | {r['variant']} | {r['live']} | "
+                  f"{r['ms']:.2f} | "
                   f"{r['tokens_s']:,.0f} | {mfu} | {100 * (r['ms'] / base - 1):+.1f} % | "
                   f"{r['compile_s']:.1f} | {_mib(r['program'])} | {_mib(r['peak'])} |",
                   flush=True)

@@ -210,3 +210,40 @@ def test_flops_formula_matches_parameter_count():
         nnx.state(model, nnx.Param))[0] if "norm" not in mesh_lib.path_name(path))
     flops = lm.lm_flops_per_token(s.d_model, 3, s.d_ff, V, seq_len=T)
     assert flops == 6 * n_matmul + 6 * 3 * T * s.d_model
+
+
+def test_attention_kernel_auto_is_xla_off_gpu_and_cudnn_refused_there():
+    assert lm.resolve_attention("auto", jnp.bfloat16, 64) == (
+        "cudnn" if jax.default_backend() == "gpu" else "xla")
+    assert lm.resolve_attention("auto", jnp.float32, 64) == "xla"  # cuDNN: bf16/fp16 only
+    assert lm.resolve_attention("auto", jnp.bfloat16, 12) == "xla"  # width not a multiple of 8
+    assert "attention=xla" in _model().description
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="model.attention='cudnn' needs a GPU"):
+            _model(dtype="bfloat16", attention="cudnn", d_model=64, num_heads=4)
+    with pytest.raises(ValueError, match="model.attention='flash'"):
+        _model(attention="flash")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_library_attention_equals_the_written_scores(dtype):
+    """`jax.nn.dot_product_attention` (the cuDNN path's API, here its XLA form) against the
+    [B, H, T, T] float32 scores as written: the same function of q, k, v to float rounding."""
+    block = _model(dtype=dtype).blocks
+    graphdef, stacked = nnx.split(block)
+    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))
+    x = jax.random.normal(jax.random.key(3), (4, T, 32)).astype(layer.compute_dtype)
+    written = layer.attention(x)
+    layer.attention_kernel = "library"  # anything but "cudnn" runs the written form
+
+    def library(x_BxTxD):
+        b, t, d = x_BxTxD.shape
+        heads = lambda y: y.reshape(b, t, layer.num_heads, d // layer.num_heads)
+        q, k, v = (lm.rotary(heads(x_BxTxD @ layer._w(w))) if r else heads(x_BxTxD @ layer._w(w))
+                   for w, r in ((layer.wq, True), (layer.wk, True), (layer.wv, False)))
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        return out.reshape(b, t, d) @ layer._w(layer.wo)
+
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(library(x), np.float32),
+                               np.asarray(written, np.float32), rtol=tol, atol=tol)

@@ -120,8 +120,10 @@ def test_lm_step_benchmark_tiny_mode(capsys, no_compilation_cache):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny")]
     assert [r.split("|")[3].strip() for r in rows] == ["plain", "+live", "+live+exact/2"]
-    assert all(r.split("|")[6].strip() == "unknown" for r in rows)
-    assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)
+    assert [r.split("|")[4].strip() for r in rows] == ["none", "exact", "exact"]  # live kind
+    assert all(r.split("|")[7].strip() == "unknown" for r in rows)
+    assert all(float(r.split("|")[6].replace(",", "")) > 0 for r in rows)
+    assert "attention=xla" in out and f"jax {jax.__version__}" in out
 
 
 def test_full_data_cost_benchmark_quick(capsys):
@@ -171,17 +173,34 @@ def test_train_step_verdict_says_where_the_repeats_straddle_the_target():
     assert verdict("≥ 0.97× speed", [0.97, 1.1]) == "met" and verdict("", [1.0]) == ""
 
 
+def test_accelerator_script_goes_on_past_a_failed_part(tmp_path):
+    """A part that fails leaves its error and status, and the parts after it still write
+    their tables; the script's own status says a part failed."""
+    env = dict(os.environ, PARTS="lm_step device", LM_ARGS="--no-such-flag",
+               JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "accelerator.sh"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    status = (tmp_path / "status.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in status] == ["lm_step", "device"]
+    assert "exit 2" in status[0] and "exit 0" in status[1]
+    assert "--no-such-flag" in (tmp_path / "lm_step.err").read_text()
+    assert f"jax {jax.__version__}" in (tmp_path / "device.md").read_text()
+
+
 @pytest.mark.slow
-def test_accelerator_script_writes_its_three_tables_in_cpu_smoke_mode(tmp_path):
-    """benchmarks/accelerator.sh with the smoke arguments its header names (40 s on 2 CPU
-    cores): the device line and both tables."""
+def test_accelerator_script_writes_its_tables_in_cpu_smoke_mode(tmp_path):
+    """benchmarks/accelerator.sh with the smoke arguments its header names (about a minute on
+    2 CPU cores): the device line and both tables."""
     env = dict(os.environ, LM_ARGS="--tiny --repeats=1 --steps=2 --every=2 --devices=1",
-               NOISE_ARGS="--models=mlp --skip-slow --repeats=1", JAX_PLATFORMS="cpu")
+               NOISE_ARGS="--models=mlp --skip-slow --repeats=1", JAX_PLATFORMS="cpu",
+               PARTS="device lm_step noise_cost")
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a machine with one accelerator
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "accelerator.sh"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "cpu" in (tmp_path / "device.txt").read_text()
+    assert "cpu" in (tmp_path / "device.md").read_text()
     lm = (tmp_path / "lm_step.md").read_text()
     assert [line.split("|")[3].strip() for line in lm.splitlines()
             if line.startswith("| tiny")] == ["plain", "+live", "+live+exact/2"]

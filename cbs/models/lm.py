@@ -9,7 +9,12 @@ V vocabulary, L layers.
     logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
 
 Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
-biases. The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...]:
+biases. `attention` picks its kernel (ATTENTION): "xla" forms the [B, H, T, T] scores in float32
+as written; "cudnn" calls `jax.nn.dot_product_attention` with cuDNN's fused (flash) kernel, which
+never forms them (GPU, bfloat16/float16, head width a multiple of 8 up to 128); "auto" takes
+cuDNN where it applies and "xla" elsewhere (every CPU number is the "xla" one).
+
+The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...]:
 built with `nnx.vmap` (one split RNG per layer), run with `nnx.scan` (one copy of the block in
 the compiled program, so compile time and program size do not grow with L). `remat` wraps the
 scanned body in `nnx.remat` with a `jax.checkpoint` policy (REMAT_POLICIES): "none" keeps all
@@ -46,11 +51,12 @@ from cbs.models.registry import ModelInputs, check_positive, register
 from cbs.models.transformer import lm_flops_per_token, rotary
 
 __all__ = [
-    "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "LMSize", "build_lm", "lm_fields",
-    "lm_flops", "remat_policy", "resolve_size", "rms_norm",
+    "ATTENTION", "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "LMSize", "build_lm",
+    "lm_fields", "lm_flops", "remat_policy", "resolve_attention", "resolve_size", "rms_norm",
 ]
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION = ("auto", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -83,6 +89,22 @@ def remat_policy(name: str):
     return table[name]
 
 
+def resolve_attention(name: str, compute_dtype, head_width: int) -> str:
+    """"xla" or "cudnn" for an ATTENTION name on the default backend."""
+    if name not in ATTENTION:
+        raise ValueError(f"model.attention={name!r} is not one of {ATTENTION}")
+    fits = (jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_width % 8 == 0 and head_width <= 128)
+    if name == "cudnn" and not (fits and jax.default_backend() == "gpu"):
+        raise ValueError("model.attention='cudnn' needs a GPU, compute_dtype bfloat16 or "
+                         "float16 and a head width (d_model / num_heads) a multiple of 8 up "
+                         f"to 128 (here {jax.default_backend()}, "
+                         f"{jnp.dtype(compute_dtype).name}, {head_width}); use 'auto'")
+    if name == "auto":
+        return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
+    return name
+
+
 def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / rms(x) · scale, statistics in float32, result in x's dtype."""
     x32 = x_BxTxD.astype(jnp.float32)
@@ -94,10 +116,11 @@ class Block(nnx.Module):
     """Pre-RMSNorm block: causal attention with rotary positions, then a SwiGLU MLP."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, *, out_std: float,
-                 compute_dtype, rngs: nnx.Rngs):
+                 compute_dtype, rngs: nnx.Rngs, attention: str = "xla"):
         init, out_init = nnx.initializers.normal(0.02), nnx.initializers.normal(out_std)
         key = rngs.params
         self.num_heads, self.compute_dtype = num_heads, compute_dtype
+        self.attention_kernel = attention
         self.attn_norm = nnx.Param(jnp.ones((d_model,)))
         self.wq = nnx.Param(init(key(), (d_model, d_model)))
         self.wk = nnx.Param(init(key(), (d_model, d_model)))
@@ -118,6 +141,10 @@ class Block(nnx.Module):
         q_BxTxHxK = rotary(heads(x_BxTxD @ self._w(self.wq)))
         k_BxSxHxK = rotary(heads(x_BxTxD @ self._w(self.wk)))
         v_BxSxHxK = heads(x_BxTxD @ self._w(self.wv))
+        if self.attention_kernel == "cudnn":
+            out_BxTxHxK = jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK,
+                                                       is_causal=True, implementation="cudnn")
+            return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
         scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
                                     preferred_element_type=jnp.float32) / math.sqrt(d // h)
         causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
@@ -140,7 +167,8 @@ class LM(nnx.Module):
 
     def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
                  d_ff: int, remat: str = "none", compute_dtype: str = "bfloat16",
-                 tie_embeddings: bool = True, scan_unroll: int = 1, rngs: nnx.Rngs):
+                 tie_embeddings: bool = True, scan_unroll: int = 1, attention: str = "auto",
+                 rngs: nnx.Rngs):
         if d_model % num_heads or (d_model // num_heads) % 2:
             raise ValueError(f"model.num_heads={num_heads} must divide d_model={d_model} into "
                              "heads of even width (rotary positions)")
@@ -152,12 +180,13 @@ class LM(nnx.Module):
         self.num_layers, self.tie_embeddings = num_layers, tie_embeddings
         out_std = 0.02 / math.sqrt(2 * num_layers)
         dtype = self.compute_dtype
+        kernel = resolve_attention(attention, dtype, d_model // num_heads)
 
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_blocks(rngs: nnx.Rngs) -> Block:
             return Block(d_model, num_heads, d_ff, out_std=out_std, compute_dtype=dtype,
-                         rngs=rngs)
+                         rngs=rngs, attention=kernel)
 
         self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
                                                              (vocab_size, d_model)))
@@ -169,7 +198,7 @@ class LM(nnx.Module):
                             f"N(0, {out_std:.4g}^2), RMSNorm scale one")
         self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, "
                             f"F={d_ff}, V={vocab_size}, remat={remat}, "
-                            f"compute={compute_dtype}, "
+                            f"compute={compute_dtype}, attention={kernel}, "
                             f"{'tied' if tie_embeddings else 'untied'})")
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
@@ -204,6 +233,7 @@ def lm_fields() -> ml_collections.ConfigDict:
     c.compute_dtype = "bfloat16"  # matmul/activation dtype; params stay float32
     c.tie_embeddings = True  # output head = embedding^T
     c.scan_unroll = 1  # nnx.scan unroll over the layers (1 = rolled, one copy of the block)
+    c.attention = "auto"  # attention kernel: auto (cuDNN flash on a GPU, else xla) | xla | cudnn
     return c
 
 
@@ -234,4 +264,5 @@ def build_lm(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) 
     check_positive(c, "scan_unroll")
     return LM(inputs.vocab_size, d_model=s.d_model, num_layers=s.num_layers,
               num_heads=s.num_heads, d_ff=s.d_ff, remat=c.remat, compute_dtype=c.compute_dtype,
-              tie_embeddings=c.tie_embeddings, scan_unroll=c.scan_unroll, rngs=rngs)
+              tie_embeddings=c.tie_embeddings, scan_unroll=c.scan_unroll,
+              attention=c.attention, rngs=rngs)

@@ -34,12 +34,10 @@ from typing import Any
 import jax
 from jax.extend import core
 
-from cbs.stats import ghost_trace
+from cbs.stats import ghost_trace, nested
 
 __all__ = ["coupling_site"]
 
-_NESTED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
-                     "custom_jvp_call", "custom_vjp_call"})
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                      "reduce_or", "reduce_xor", "argmax", "argmin"})
 _ALONG_AXIS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"})
@@ -87,15 +85,14 @@ def _merge(tags: list[_Tag]) -> _Tag:
 
 
 def _eqn(eqn, ins: list[_Tag]) -> list[_Tag]:
-    name, params = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     n_out = len(eqn.outvars)
-    if name in _NESTED:
-        inner = params.get("jaxpr", params.get("call_jaxpr"))
-        return _walk(getattr(inner, "jaxpr", inner), ins)
+    if name in nested.CALLS:
+        return _walk(nested.call_body(eqn).jaxpr, ins)
     if name in ("scan", "while"):
         return _loop(eqn, ins)
     if name == "cond":
-        branches = [_walk(b.jaxpr, ins[1:]) for b in params["branches"]]
+        branches = [_walk(b.jaxpr, ins[1:]) for b in nested.cond_branches(eqn)]
         return [_merge(list(outs)) for outs in zip(*branches, strict=True)]
     mixed = any(t.mixed for t in ins)
     axes = {t.eaxis for t in ins if t.eaxis is not None}
@@ -153,14 +150,15 @@ def _out_axes(eqn, ins, e) -> list[int | None] | None:
 def _loop(eqn, ins: list[_Tag]) -> list[_Tag]:
     """`scan` (consts, carry, xs sliced on axis 0) and `while` (cond consts, body consts,
     carry): the carry's tags to a fixed point (three rounds, then lost)."""
-    p = eqn.params
     if eqn.primitive.name == "scan":
-        n_c, n_carry, body = p["num_consts"], p["num_carry"], p["jaxpr"].jaxpr
+        scan = nested.scan_parts(eqn)
+        n_c, n_carry, body = scan.n_consts, scan.n_carry, scan.body.jaxpr
         xs = [_Tag(t.eaxis - 1 if t.eaxis else None, t.mixed or t.eaxis == 0)
               for t in ins[n_c + n_carry:]]
         consts, carry = ins[:n_c], ins[n_c:n_c + n_carry]
     else:
-        skip, n_c, body = p["cond_nconsts"], p["body_nconsts"], p["body_jaxpr"].jaxpr
+        loop = nested.while_parts(eqn)
+        skip, n_c, body = loop.cond_nconsts, loop.body_nconsts, loop.body.jaxpr
         consts, carry, xs = ins[skip:skip + n_c], ins[skip + n_c:], []
         n_carry = len(carry)
     for _ in range(3):

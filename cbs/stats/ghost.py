@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from cbs.stats import ghost_rules, ghost_trace, loss_checks
+from cbs.stats import ghost_rules, ghost_trace, loss_checks, nested
 from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_axes
 from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
@@ -224,9 +224,10 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
 
 
 def _eval_nested(eqn, invals, pert, plan):
-    name, p = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     if name == "scan":
-        n_c, n_carry, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        scan = nested.scan_parts(eqn)
+        n_c, n_carry, body = scan.n_consts, scan.n_carry, scan.body
         consts, init, xs = invals[:n_c], invals[n_c:n_c + n_carry], invals[n_c + n_carry:]
 
         def step(carry, xs_pert):
@@ -234,14 +235,14 @@ def _eval_nested(eqn, invals, pert, plan):
             outs, c = _eval(body.jaxpr, body.consts, [*consts, *carry, *x], pt, plan)
             return outs[:n_carry], (outs[n_carry:], c)
 
-        carry, (ys, caps) = jax.lax.scan(step, init, (xs, pert), length=p["length"],
-                                         reverse=p["reverse"], unroll=p["unroll"])
+        carry, (ys, caps) = jax.lax.scan(step, init, (xs, pert), length=scan.length,
+                                         reverse=scan.reverse, unroll=scan.unroll)
         return [*carry, *ys], caps
+    body = nested.call_body(eqn)
     if name in ("remat2", "checkpoint"):
-        fn = lambda args, pt: _eval(p["jaxpr"], [], args, pt, plan)
-        return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(invals, pert)
-    closed = p.get("jaxpr", p.get("call_jaxpr"))
-    return _eval(closed.jaxpr, closed.consts, invals, pert, plan)
+        fn = lambda args, pt: _eval(body.jaxpr, body.consts, args, pt, plan)
+        return jax.checkpoint(fn, **nested.remat_options(eqn))(invals, pert)
+    return _eval(body.jaxpr, body.consts, invals, pert, plan)
 
 
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):

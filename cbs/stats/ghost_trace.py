@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
+from cbs.stats import nested
+
 __all__ = [
     "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "discover",
 ]
@@ -43,8 +45,6 @@ NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squee
                           "sharding_constraint", "reshard", "mesh_cast", "pvary"})
 LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
 ELEMENTWISE_USES = frozenset({"mul", "add", "sub", "add_any"})
-_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
-                      "custom_jvp_call", "custom_vjp_call"})
 _ELEMENTWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil
 clamp conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
@@ -144,7 +144,7 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     dep = any(t.dep for t in ins)
     n_out = len(eqn.outvars)
     ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
-    if name in _INLINED or name == "scan":
+    if name in nested.CALLS or name == "scan":
         return _nested(eqn, ins, disc, ctx, stack, scans)
     if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
         p = ins[0].ptag
@@ -190,12 +190,10 @@ def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
 
 
 def _nested(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
-    name, params = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     if name == "scan":
         return _scan(eqn, ins, disc, ctx, stack, scans)
-    inner = params.get("jaxpr", params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
-    outs = _walk(inner, ins, disc, ctx, stack, scans + [id(eqn)])
+    outs = _walk(nested.call_body(eqn).jaxpr, ins, disc, ctx, stack, scans + [id(eqn)])
     if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
         outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
     return outs
@@ -209,11 +207,10 @@ def _passed(t: _Var, ctx, why: str) -> _Var:
 
 
 def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
-    params = eqn.params
-    body = params["jaxpr"].jaxpr
-    n_c, n_carry = params["num_consts"], params["num_carry"]
+    scan = nested.scan_parts(eqn)
+    body, n_c, n_carry = scan.body.jaxpr, scan.n_consts, scan.n_carry
     sid = id(eqn)
-    inner_ctx, inner_stack = ctx + (sid,), stack + (params["length"],)
+    inner_ctx, inner_stack = ctx + (sid,), stack + (scan.length,)
     consts, carry, xs = ins[:n_c], ins[n_c:n_c + n_carry], ins[n_c + n_carry:]
     consts = [dataclasses.replace(t, ptag=dataclasses.replace(
         t.ptag, shared="closed over by a scan body, so shared by every step"))
@@ -347,8 +344,16 @@ def _window(eqn, ins, e):
     return e if ok else None
 
 
+def _fused_attention(eqn, ins, e):
+    """cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`, layout
+    [B, T, heads, width]): example i's outputs read example i's queries, keys and values only."""
+    return 0 if e == 0 and all(t.eaxis in (None, 0) for t in ins) else None
+
+
 _AXIS_RULES = {
     "reshape": _reshape,
+    "dot_product_attention_fwd": _fused_attention,
+    "dot_product_attention_fwd_wrapper": _fused_attention,
     "transpose": lambda eqn, ins, e: list(eqn.params["permutation"]).index(e),
     "squeeze": lambda eqn, ins, e: _drop(eqn.params["dimensions"], e),
     "expand_dims": lambda eqn, ins, e: e + sum(d <= e for d in eqn.params["dimensions"]),
@@ -364,6 +369,8 @@ _AXIS_RULES = {
     "rev": lambda eqn, ins, e: None if e in eqn.params["dimensions"] else e,
     "sort": lambda eqn, ins, e: None if eqn.params["dimension"] == e else e,
     "split": lambda eqn, ins, e: None if eqn.params["axis"] == e else e,
+    # JAX >= 0.11: one output per index along `axis` (an unpacked fused projection)
+    "unstack": lambda eqn, ins, e: _drop((eqn.params["axis"],), e),
     "reduce_window_sum": _window, "reduce_window_max": _window, "reduce_window_min": _window,
     "reduce_window": _window,
     **{n: (lambda eqn, ins, e: _drop(eqn.params["axes"], e)) for n in _REDUCE},

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cbs.stats import nested
 from cbs.stats.coupling import coupling_site
 
 __all__ = ["allow_randomness", "check_loss_fn"]
@@ -146,11 +147,8 @@ def random_primitives(jaxpr: Any) -> set[str]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in RANDOM_PRIMITIVES:
             found.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found |= random_primitives(inner)
+        for inner in nested.sub_jaxprs(eqn):
+            found |= random_primitives(inner)
     return found
 
 

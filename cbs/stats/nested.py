@@ -1,0 +1,154 @@
+"""The higher-order primitives that cbs's jaxpr walkers enter, read the same way on every JAX
+release from 0.9.2 on.
+
+A walker (`cbs.stats.ghost_trace`, `cbs.stats.ghost`, `cbs.stats.coupling`,
+`cbs.stats.loss_checks`) needs three things of a nested primitive: its body (an open jaxpr and
+the constants closed over by it), how the equation's operands map onto the body's inputs, and
+how the body's outputs map onto the equation's results. JAX moves these between releases:
+`scan` held `num_consts`/`num_carry` up to 0.10 and a flat-tree `ft_in`/`ft_out` from 0.11;
+the closed jaxpr was a wrapper up to 0.10 and is the jaxpr itself from 0.11; `pjit` became
+`jit`; `remat`'s `prevent_cse` became per operand. Every walker reads them here and nowhere
+else, and each split is derived from the jaxpr's own avals where the parameters do not name
+it, so a renamed parameter does not break a walker:
+
+- scan: operands `consts + carry + xs`, results `carry + ys`. An `xs` operand has one axis
+  more than its body input (the scanned axis) and a `ys` result one more than its body output,
+  while consts and carry keep their shapes, so the split is the first operand (result) whose
+  rank differs from the body's.
+- while: operands `cond_consts + body_consts + carry`; the body returns the carry, so its
+  length is the body's output count, and each jaxpr's consts are its inputs before the carry.
+- cond: operands `index + ops`, every branch a jaxpr over `ops`.
+- calls (`jit`, `pjit`, `closed_call`, `core_call`, `remat`, `custom_jvp_call`,
+  `custom_vjp_call`, `shard_map`): one body over all operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "CALLS", "Body", "Scan", "While", "call_body", "cond_branches", "remat_options",
+    "scan_parts", "sub_jaxprs", "while_parts",
+]
+
+# Primitives that run one body on their operands as they are (a call); shard_map runs it on
+# each device's shard, so only a walker that follows axes through shapes enters it.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+                   "custom_jvp_call", "custom_vjp_call"})
+_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """An open jaxpr (`eqns`, `constvars`, `invars`, `outvars`) and its constants' values."""
+
+    jaxpr: Any
+    consts: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A `scan` equation read: operands `[:n_consts]`, `[n_consts:n_consts + n_carry]`, the
+    rest are xs; results `[:n_carry]` carry, the rest ys."""
+
+    body: Body
+    n_consts: int
+    n_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+@dataclasses.dataclass(frozen=True)
+class While:
+    """A `while` equation read: operands `cond_consts + body_consts + carry`."""
+
+    cond: Body
+    body: Body
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def body_of(value: Any) -> Body:
+    """A closed jaxpr (a wrapper up to JAX 0.10, the jaxpr itself with consts from 0.11) or an
+    open jaxpr, as a Body."""
+    jaxpr = getattr(value, "jaxpr", value)
+    return Body(jaxpr, tuple(getattr(value, "consts", ()) or ()))
+
+
+def call_body(eqn: Any) -> Body:
+    """The body of a call-like equation (CALLS, shard_map): its operands are the body's inputs."""
+    for name in _BODY_PARAMS:
+        if name in eqn.params:
+            return body_of(eqn.params[name])
+    raise ValueError(f"`{eqn.primitive.name}` holds no jaxpr among {_BODY_PARAMS}: "
+                     f"{sorted(eqn.params)}")
+
+
+def scan_parts(eqn: Any) -> Scan:
+    """`scan`'s body and operand split, from the parameters that name it or from the avals."""
+    p = eqn.params
+    body = body_of(p["jaxpr"])
+    if "num_consts" in p and "num_carry" in p:  # JAX <= 0.10
+        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    else:
+        n_consts, n_carry = _scan_split_from_avals(eqn, body.jaxpr)
+    return Scan(body, n_consts, n_carry, int(p["length"]), bool(p.get("reverse", False)),
+                p.get("unroll", 1))
+
+
+def _rank(v: Any) -> int:
+    return len(getattr(v.aval, "shape", ()))
+
+
+def _first_rank_change(outer: list, inner: list) -> int:
+    """Index of the first outer variable one rank above its inner counterpart (the scanned
+    axis), or len(inner) when there is none."""
+    for i, (o, b) in enumerate(zip(outer, inner, strict=True)):
+        if _rank(o) != _rank(b):
+            return i
+    return len(inner)
+
+
+def _scan_split_from_avals(eqn: Any, jaxpr: Any) -> tuple[int, int]:
+    n_carry = _first_rank_change(list(eqn.outvars), list(jaxpr.outvars))
+    xs_start = _first_rank_change(list(eqn.invars), list(jaxpr.invars))
+    n_consts = xs_start - n_carry
+    if n_consts < 0:
+        raise ValueError(f"scan at {eqn.source_info}: {n_carry} carried values but the scanned "
+                         f"operands start at {xs_start}")
+    return n_consts, n_carry
+
+
+def while_parts(eqn: Any) -> While:
+    """`while`'s cond and body and its operand split (derived from the jaxprs: the body returns
+    the carry; each jaxpr's inputs are its consts, then the carry)."""
+    p = eqn.params
+    cond, body = body_of(p["cond_jaxpr"]), body_of(p["body_jaxpr"])
+    n_carry = len(body.jaxpr.outvars)
+    return While(cond, body, len(cond.jaxpr.invars) - n_carry, len(body.jaxpr.invars) - n_carry)
+
+
+def cond_branches(eqn: Any) -> list[Body]:
+    """`cond`'s branches; each runs on the operands after the index (operand 0)."""
+    return [body_of(b) for b in eqn.params["branches"]]
+
+
+def remat_options(eqn: Any) -> dict[str, Any]:
+    """`jax.checkpoint` keywords that rebuild a `remat` equation: its policy, and prevent_cse
+    as one flag (per operand from JAX 0.11: kept when any operand keeps it)."""
+    pcse = eqn.params.get("prevent_cse", True)
+    if isinstance(pcse, (tuple, list)):
+        pcse = any(pcse)
+    return {"prevent_cse": bool(pcse), "policy": eqn.params.get("policy")}
+
+
+def sub_jaxprs(eqn: Any) -> Iterator[Any]:
+    """Every open jaxpr among an equation's parameters (any primitive, any release)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield inner
