@@ -14,12 +14,13 @@
 #   tests       OUT_DIR/tests.md: the JAX-walking tests (ghost norms, coupling, drop-in, the
 #               LM, the nested primitives) on this machine's JAX release, on its CPU, and the
 #               GPU-only checks (tests/test_gpu.py: cuDNN attention, ghost norms through it)
-#   attention   OUT_DIR/attention.md: the plain 124m step with each attention kernel
+#   settings    OUT_DIR/settings.md: the plain 124m step under other settings than the default
+#               (XLA's attention, the layers' scan unrolled, Triton's GEMM fusions off)
 #   lm_step     OUT_DIR/lm_step.md: `benchmarks.lm_step` at 124m and 350m, B = 16, T = 1024, A = 2
 #               (tokens/s, MFU, the live estimate's and the periodic exact measurement's
 #               overhead, memory)
-#   profile     OUT_DIR/profile.md: top operations of the plain 124m step by device time, and
-#               its Perfetto trace under OUT_DIR/trace/
+#   profile     OUT_DIR/profile.md: top operations of the 124m step by device time, plain and
+#               with the live estimate, and their Perfetto traces under OUT_DIR/trace/
 #   noise_cost  OUT_DIR/noise_cost_foreign.md: `benchmarks.noise_cost --foreign` (the exact
 #               statistics of models written without cbs layers against a plain gradient)
 #
@@ -33,7 +34,7 @@ out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-parts=${PARTS:-device install tests attention lm_step profile noise_cost}
+parts=${PARTS:-device install tests settings lm_step profile noise_cost}
 failed=0
 
 run_part() {  # run_part NAME COMMAND...: stdout to NAME.md, stderr to NAME.err, status noted
@@ -96,11 +97,18 @@ gpu_tests() {
   return $((cpu || gpu))
 }
 
-attention_table() {  # the kernel and the rematerialisation policy, plain and live rows
-  for choice in "xla dots" "cudnn dots" "cudnn none"; do
-    set -- $choice
-    "$python" -m benchmarks.lm_step --sizes=124m --variants=plain,live --attention="$1" \
-      --remat="$2" --repeats=3 || return
+settings_table() {  # one process per setting: the plain step's row
+  local plain=(--sizes=124m --variants=plain --repeats=3)
+  "$python" -m benchmarks.lm_step "${plain[@]}" --attention=xla || return
+  "$python" -m benchmarks.lm_step "${plain[@]}" --unroll=12 || return
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+    "$python" -m benchmarks.lm_step "${plain[@]}" || return
+}
+
+profiles() {
+  for variant in plain live; do
+    "$python" -m benchmarks.lm_step --sizes=124m --variants=$variant --repeats=1 --steps=5 \
+      --profile="$out/trace" || return
   done
 }
 
@@ -109,15 +117,14 @@ for part in $parts; do
     device) run_part device device_info ;;
     install) run_part install install_cbs ;;
     tests) run_part tests gpu_tests ;;
-    attention) run_part attention attention_table ;;
+    settings) run_part settings settings_table ;;
     # shellcheck disable=SC2086
     lm_step) run_part lm_step "$python" -m benchmarks.lm_step ${LM_ARGS:---sizes=124m,350m} ;;
-    profile) run_part profile "$python" -m benchmarks.lm_step --sizes=124m --variants=plain \
-      --repeats=1 --steps=5 --profile="$out/trace" ;;
+    profile) run_part profile profiles ;;
     # shellcheck disable=SC2086
     noise_cost) run_part noise_cost_foreign "$python" -m benchmarks.noise_cost \
       ${NOISE_ARGS:---foreign --repeats=5} ;;
-    *) echo "unknown part $part (device install tests attention lm_step profile noise_cost)"
+    *) echo "unknown part $part (device install tests settings lm_step profile noise_cost)"
        failed=1 ;;
   esac
 done

@@ -53,9 +53,10 @@ VOCAB = 50304
 
 
 def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_axis: int,
-           vocab: int, num_devices: int = 0, attention: str = "auto"):
+           vocab: int, num_devices: int = 0, attention: str = "auto", unroll: int = 1):
     mc = models.default_model_config("lm")
-    mc.update(size=size, remat=remat, compute_dtype=dtype, attention=attention)
+    mc.update(size=size, remat=remat, compute_dtype=dtype, attention=attention,
+              scan_unroll=unroll)
     model = nnx.eval_shape(lambda: models.build_model(
         mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
     graphdef, abstract, rest = models.split_model(model)
@@ -140,7 +141,7 @@ def _fits(n_params: int) -> bool:
 
 def bench(size: str, args) -> list[dict]:
     s = _setup(size, args.batch, args.seq_len, args.remat, args.dtype, args.model_axis,
-               args.vocab, args.devices)
+               args.vocab, args.devices, args.attention, args.unroll)
     if not _fits(s["n_params"]):
         print(f"{size}: {s['n_params'] / 1e6:.0f}M parameters do not fit; skipped")
         return []
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=10, help="steps between exact measurements")
     parser.add_argument("--attention", default="auto", choices=lm.ATTENTION,
                         help="the model's attention kernel")
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="the model's scan unrolling over its layers")
     parser.add_argument("--variants", default="plain,live,exact",
                         help="rows to run: plain, live (the live estimate), exact (+ the "
                         "periodic exact measurement); the first is the overhead baseline")
