@@ -151,3 +151,13 @@ def test_one_spelling_of_analyze():
              for p in paths for text in [p.read_text()] for m in other.finditer(text)
              if m.group(1) != "es"]
     assert found == []
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """.ci/run's last line is README's second command, which runs the default suite and the
+    newest-releases job (tests/test_newest.py)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)
+    assert blocks[1].startswith('pip install -e ".[test]"') and "-m newest" in blocks[1]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == blocks[1]

@@ -6,6 +6,8 @@ int32 at 3·10¹² tokens."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,3 +249,42 @@ def test_library_attention_equals_the_written_scores(dtype):
     tol = 1e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(library(x), np.float32),
                                np.asarray(written, np.float32), rtol=tol, atol=tol)
+
+
+def _bf16_gradient_program(remat="none"):
+    """value_and_grad of a bf16 LM's loss with its layers unrolled (XLA's cost analysis counts
+    a loop's body once), lowered and compiled on this machine: (StableHLO text, compiled)."""
+    c = models.default_model_config("lm")
+    c.update(size="tiny", compute_dtype="bfloat16", d_model=64, num_heads=4, scan_unroll=2,
+             remat=remat, attention="xla")
+    graphdef, params, rest = models.split_model(models.build_model(
+        c, input_shape=(32,), vocab_size=96, rngs=nnx.Rngs(0), verbose=False))
+    x = jnp.zeros((4, 33), jnp.int32)
+    lowered = jax.jit(jax.value_and_grad(models.make_loss_fn(graphdef, rest, "lm"))).lower(
+        params, {"x": x[:, :-1], "y": x[:, 1:]})
+    return lowered.as_text(), lowered.compile(), lm.resolve_size(c)
+
+
+def test_bf16_step_has_no_unexpected_float32_matmul():
+    """Every matmul of a bf16 LM's gradient takes bf16 operands, except the two of XLA's
+    attention backward that multiply the float32 score cotangent [B, H, T, T] (dq, dk; the
+    cuDNN kernel has none): a float32 matmul elsewhere (the [B·T, V] vocabulary projection's
+    backward was one: TF32 on a GPU, 17 % of the 124m step) fails here on a CPU."""
+    text, _, _ = _bf16_gradient_program()
+    operands = [re.search(r":\s*\((.*?)\)\s*->", line)[1] for line in text.splitlines()
+                if "stablehlo.dot_general" in line]
+    assert len(operands) > 10
+    f32 = [o for o in operands if o.count("xf32>") == 2]
+    assert f32 and len(f32) % 2 == 0, f32  # dq and dk of each block the program holds
+    assert all("4x4x32x32xf32" in o for o in f32), f32  # [B, H, T, T] scores only
+
+
+def test_compiled_gradient_flops_match_the_formula():
+    """XLA's count of the compiled gradient's FLOPs (matmuls and elementwise work) is
+    1.0-1.25× the model's formula (6·N per token plus attention, `lm_flops_per_token`):
+    a matmul run twice, a missing backward or a float32 copy of a projection moves it out."""
+    _, compiled, size = _bf16_gradient_program()
+    cost = compiled.cost_analysis()
+    flops = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+    formula = 4 * 32 * lm.lm_flops_per_token(size.d_model, size.num_layers, size.d_ff, 96, 32)
+    assert 1.0 <= flops / formula <= 1.25, (flops, formula)

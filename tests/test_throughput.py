@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import time
 
@@ -205,3 +206,19 @@ def test_accelerator_script_writes_its_tables_in_cpu_smoke_mode(tmp_path):
     assert [line.split("|")[3].strip() for line in lm.splitlines()
             if line.startswith("| tiny")] == ["plain", "+live", "+live+exact/2"]
     assert "| exact-fast |" in (tmp_path / "noise_cost_foreign.md").read_text()
+
+
+def test_top_ops_reads_a_committed_gpu_trace(tmp_path):
+    """`lm_step.top_ops` on the H200 trace committed with the benchmarks guide: the device's
+    stream, cuDNN's attention among the top kernels, shares adding up under 100 %."""
+    from benchmarks import lm_step
+
+    trace = ROOT / "benchmarks" / "device" / "h200-2026-12-04" / "run2_plain.trace.json.gz"
+    (tmp_path / "run").mkdir()
+    shutil.copy(trace, tmp_path / "run" / "gpu.trace.json.gz")
+    table = lm_step.top_ops(tmp_path, steps=5, n=10)
+    assert "device time per step on `Stream" in table and "42.72 ms" in table
+    assert "cudnn_generated" in table and "f32f32_tf32" not in table  # no float32 matmul
+    shares = [float(line.split("|")[3].strip(" %")) for line in table.splitlines()
+              if line.startswith("| ") and line.endswith("% |")]
+    assert len(shares) == 10 and 0 < sum(shares) < 100
