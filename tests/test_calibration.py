@@ -58,15 +58,44 @@ def test_the_fitted_ratio_recovers_the_true_one():
     assert model["sigma2"] == pytest.approx(0.09, abs=0.03)
 
 
-def test_leave_one_study_out_holds_each_study_out():
+def test_leave_one_task_out_holds_each_task_out():
     rng = np.random.default_rng(2)
-    rows = _rows(rng, studies=8)
-    loso = calibration.leave_one_study_out(rows, "b_simple")
-    assert set(loso["per_study"]) == {f"s{j}" for j in range(8)}
-    assert loso["points"] == 40
-    # a study far off its family's ratio is outside the interval fitted without it
-    bad = [dict(r, b_crit=r["b_crit"] * 50) if r["study"] == "s0" else r for r in rows]
-    assert calibration.leave_one_study_out(bad, "b_simple")["per_study"]["s0"]["covered"] == 0
+    rows = [dict(r, task=f"t{int(r['study'][1:]) // 2}") for r in _rows(rng, studies=8)]
+    loto = calibration.leave_one_task_out(rows, "b_simple")
+    assert set(loto["per_task"]) == {f"t{j}" for j in range(4)} and loto["tasks"] == 4
+    assert loto["points"] == 40
+    # a task far off its family's ratio is outside the interval fitted without it
+    bad = [dict(r, b_crit=r["b_crit"] * 50) if r["task"] == "t0" else r for r in rows]
+    assert calibration.leave_one_task_out(bad, "b_simple")["per_task"]["t0"]["covered"] == 0
+
+
+def test_points_are_one_run_values_and_extrapolated_targets_give_none():
+    row = {"study": "s", "task": "t", "optimizer": "adam", "target": 1.0, "b_crit": 100.0,
+           "b_simple": 50.0, "b_simple_by_batch_size": {"16": 40.0, "64": 60.0, "256": 80.0}}
+    points = calibration._points([row], "b_simple")
+    assert sorted(math.exp(p[2]) for p in points) == pytest.approx([1.25, 100 / 60, 2.5])
+    assert {p[0] for p in points} == {"t | adaptive"} and {p[3] for p in points} == {"t"}
+    assert calibration._points([dict(row, extrapolated=True)], "b_simple") == []
+    assert len(calibration._points([{k: v for k, v in row.items()
+                                     if k != "b_simple_by_batch_size"}], "b_simple")) == 1
+
+
+def test_the_shipped_interval_holds_on_tasks_left_out():
+    """What the advice prints: on the committed studies, the 80 % interval fitted without a
+    task holds that task's one-run noise scales (each best trial's B_simple at each target)
+    at least 80 % of the time, pooled over tasks; the Kaplan sizes and the depth-4 LM are
+    one task, and no extrapolated B_crit is a point."""
+    shipped = calibration.shipped()
+    rows = shipped["points"]
+    assert shipped["unit"] == calibration.UNIT
+    loto = calibration.leave_one_task_out(rows, "b_simple")
+    assert loto == shipped["models"]["b_simple"]["loto"]
+    assert loto["coverage"] >= 0.8 and loto["tasks"] >= 4
+    tasks = {r["study"]: r["task"] for r in rows}
+    assert len({tasks[s] for s in tasks if s.startswith("shakespeare")}) == 1
+    assert loto["points"] > 5 * len(rows)  # several batch sizes per (study, target)
+    assert not any(r.get("extrapolated") for r in rows
+                   if calibration._points([r], "b_simple"))
 
 
 def test_the_tradeoff_arithmetic_is_the_fitted_hyperbola():

@@ -107,9 +107,11 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
     else:
         b_crit, interval, ratio = math.nan, nan2, math.nan
         t = {"steps_ratio": math.nan, "examples_ratio": math.nan}
+    loto = model.get("loto", {})
     about = {"version": calib["version"], "studies": len(calib["studies"]),
-             "family": calibration.family(optimizer), "ratio": ratio,
-             "loso_coverage": model.get("loso", {}).get("coverage")}
+             "tasks": len(calib.get("tasks", ())), "family": calibration.family(optimizer),
+             "ratio": ratio, "loto_coverage": loto.get("coverage"),
+             "loto_points": loto.get("points"), "held_out": calib.get("held_out")}
     return Advice(float(noise_scale), scale, optimizer, float(batch_size), b_crit,
                   interval, level, t["steps_ratio"], t["examples_ratio"],
                   t.get("best_batch_size"), source, int(examples), about, step, loss)
@@ -240,14 +242,28 @@ def summary(a: Advice) -> str:
     lines = [f"{a.scale} = {_g(a.noise_scale)}{where} ({a.source}"
              + (f", {a.examples} examples" if a.examples else "") + ")",
              f"predicted B_crit = {_g(a.b_crit)} ({a.level:.0%} interval {_g(a.interval[0])}–"
-             f"{_g(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies, "
-             f"{c['family']} optimizers: B_crit ≈ {_g(c['ratio'])} × {a.scale}, "
-             f"leave-one-study-out coverage {_g(100 * (c['loso_coverage'] or math.nan))} %)",
+             f"{_g(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies of "
+             f"{c['tasks']} tasks, {c['family']} optimizers: B_crit ≈ {_g(c['ratio'])} × "
+             f"{a.scale})",
+             _track_record(c),
              f"batch {_g(a.batch_size)}: {_g(a.steps_ratio)}× the fewest steps, "
              f"{_g(a.examples_ratio)}× the fewest examples"
              + ("" if a.best_batch_size is None else
                 f"; the batch that minimises λ·S + E is {_g(a.best_batch_size)}")]
     return "\n".join(lines + [f"note: {f}" for f in a.flags])
+
+
+def _track_record(c: Mapping[str, Any]) -> str:
+    """How often such an interval held where it was tested: leave-one-task-out on one-run
+    noise scales, and the held-out tasks predicted before their sweeps."""
+    line = (f"interval held on tasks left out of the calibration: "
+            f"{_g(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
+            f"one-run noise scales")
+    h = c.get("held_out")
+    if h:
+        line += (f"; on {h['tasks']} tasks predicted before their sweeps: {h['inside']} of "
+                 f"{h['points']} B_crit")
+    return line
 
 
 def table(advices: Sequence[Advice]) -> str:

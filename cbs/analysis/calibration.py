@@ -1,22 +1,32 @@
 """Predicting B_crit from one noise-scale measurement, calibrated on committed studies.
 
-A study's points are (target L, fitted B_crit, measured noise scale B_s at L), with B_s either
-B_simple or B_noise (`cbs.analysis.compare.collect`). The ratio r = B_crit/B_s is what a
-prediction needs: B_crit ≈ r·B_s. Points of one study share its task, model and protocol,
-so they are not independent draws: the model is one-way random effects on log r per
-optimizer family f ("sgd"; "adaptive": Adam and AdamW),
+What the advice uses is ONE run's noise scale B_s (B_simple, or B_noise with curvature) at
+one batch size, so that is what the calibration is fitted and checked on: every best trial
+of a study's sweep (the best learning rate at its batch size B) measured B_s at each target's
+crossing, and each such value with the study's fitted B_crit at that target is one point
+(`cbs.analysis.compare.collect`, `<scale>_by_batch_size`). A target whose B_crit lies outside
+the batch sizes swept (extrapolated) gives no point. The ratio r = B_crit/B_s is what a
+prediction needs: B_crit ≈ r·B_s.
 
-    log r_jk = μ_f + a_j + e_jk,      a_j ~ N(0, τ²) (study j),  e_jk ~ N(0, σ²) (its targets),
+Points of one task (a data set and a model family: the Kaplan sizes and the depth-4 LM are
+one task) are not independent draws: the model is one-way random effects on log r per
+optimizer family f ("sgd"; "adaptive": Adam and AdamW), the groups j being a task's studies
+of one family,
 
-estimated from the study means m_j (n_j points each): μ̂_f = mean_j m_j, σ̂² the pooled
-variance of the points about their study means, τ̂² = max(0, var_j(m_j) − σ̂²·mean_j(1/n_j))
-(method of moments; σ̂² and τ̂² pooled over the families, each family keeping its μ̂_f). A
-new study's point is predicted as log B_crit = log B_s + μ̂_f, with the prediction interval
-μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)), var(μ̂_f) = (τ̂² + σ̂²·mean 1/n_j)/J_f, ν = J − F
-(studies less families, at least 1) degrees of freedom.
+    log r_jk = μ_f + a_j + e_jk,      a_j ~ N(0, τ²) (group j),  e_jk ~ N(0, σ²) (its points),
 
-`leave_one_study_out` refits without each study in turn and asks whether its points fall in
-their intervals: the coverage a user can expect on a task the calibration never saw.
+estimated from the group means m_j (n_j points each): μ̂_f = mean_j m_j, σ̂² the pooled
+variance of the points about their group means (the spread over targets, batch sizes and
+runs), τ̂² = max(0, var_j(m_j) − σ̂²·mean_j(1/n_j)) (method of moments; σ̂² and τ̂² pooled over
+the families, each family keeping its μ̂_f). A new task's point is predicted as
+log B_crit = log B_s + μ̂_f, with the prediction interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)),
+var(μ̂_f) = (τ̂² + σ̂²·mean 1/n_j)/J_f, ν = J − F (groups less families, at least 1).
+
+`leave_one_task_out` refits without each task in turn (all its studies) and asks whether its
+points fall in their intervals: the coverage a user can expect on a task the calibration never
+saw, measured on what the advice uses. It is the coverage the calibration file records and the
+advice prints, beside the tally of held-out tasks whose predictions were committed before
+their sweeps ran (`held_out`).
 
 The calibration is data: `build` returns a JSON-ready dict (`CALIBRATION_FILE`, version,
 studies, points and the fitted model per noise scale), which `cbs-compare` writes beside its
@@ -33,11 +43,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CALIBRATION_FILE", "FAMILIES", "VERSION", "build", "family", "leave_one_study_out",
-           "markdown", "model", "predict", "shipped", "tradeoff"]
+__all__ = ["CALIBRATION_FILE", "FAMILIES", "UNIT", "VERSION", "build", "family", "held_out",
+           "leave_one_task_out", "markdown", "model", "predict", "shipped", "tradeoff"]
 
 CALIBRATION_FILE = "calibration.json"
-VERSION = 1  # the format of the file; a change of model or fields is a new version
+VERSION = 2  # the format of the file; a change of model or fields is a new version (2: points
+#              are one run's noise scale at one batch size, grouped by task; leave-one-task-out)
+UNIT = "one run's noise scale at one batch size (its best learning rate), at the target"
 FAMILIES = {"sgd": "sgd", "momentum": "sgd", "adam": "adaptive", "adamw": "adaptive"}
 SCALES = ("b_simple", "b_noise")
 
@@ -51,23 +63,35 @@ def family(optimizer: str) -> str:
                          f"{sorted(FAMILIES)}") from None
 
 
-def _points(rows: Sequence[Mapping[str, Any]], scale: str) -> list[tuple[str, str, float]]:
-    """(study, family, log r) of every row with a finite positive noise scale."""
+def _task(row: Mapping[str, Any]) -> str:
+    return str(row.get("task") or row["study"])
+
+
+def _points(rows: Sequence[Mapping[str, Any]], scale: str) -> list[tuple[str, str, float, str]]:
+    """(group, family, log r, task) of every one-run value of `scale` (module docstring): a
+    row's `<scale>_by_batch_size` values, or its `scale` alone where it has none; rows whose
+    B_crit is extrapolated give none."""
     out = []
     for r in rows:
-        b, s = float(r["b_crit"]), float(r.get(scale) or math.nan)
-        if math.isfinite(b) and math.isfinite(s) and b > 0 and s > 0:
-            out.append((str(r["study"]), family(str(r["optimizer"])), math.log(b / s)))
+        if r.get("extrapolated"):
+            continue
+        f = family(str(r["optimizer"]))
+        b = float(r["b_crit"])
+        values = list((r.get(f"{scale}_by_batch_size") or {}).values()) or [r.get(scale)]
+        for v in values:
+            s = float(v) if v is not None else math.nan
+            if math.isfinite(b) and math.isfinite(s) and b > 0 and s > 0:
+                out.append((f"{_task(r)} | {f}", f, math.log(b / s), _task(r)))
     return out
 
 
 def model(rows: Sequence[Mapping[str, Any]], scale: str = "b_simple") -> dict[str, Any]:
     """The random-effects model (module docstring) of the rows' B_crit against `scale`."""
-    return _fit(_points(rows, scale))
+    return _fit([p[:3] for p in _points(rows, scale)])
 
 
 def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
-    """The random-effects model of the module docstring on (study, family, log r)."""
+    """The random-effects model of the module docstring on (group, family, log r)."""
     studies: dict[str, list[float]] = {}
     fam: dict[str, str] = {}
     for study, f, v in points:
@@ -122,64 +146,96 @@ def predict(model: Mapping[str, Any], noise_scale: float, optimizer: str, *,
             "level": level, "ratio": math.exp(f["mu"]), "log_sd": sd}
 
 
-def leave_one_study_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
-                        level: float = 0.8) -> dict[str, Any]:
-    """Per study, the share of its points inside the `level` interval of the model fitted
-    without it; and over all points. A study whose family has no other study is skipped."""
+def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
+                       level: float = 0.8) -> dict[str, Any]:
+    """Per task, the share of its one-run points inside the `level` interval of the model
+    fitted without the task; and over all points. A task whose family has no other task is
+    skipped."""
     pts = _points(rows, scale)
-    per_study, inside, total = {}, 0, 0
-    by_study: dict[str, list[Mapping[str, Any]]] = {}
-    for r in rows:
-        by_study.setdefault(str(r["study"]), []).append(r)
-    for study, held in by_study.items():
-        rest = [p for p in pts if p[0] != study]
-        model = _fit(rest)
+    per_task, inside, total = {}, 0, 0
+    for task in sorted({p[3] for p in pts}):
+        model = _fit([p[:3] for p in pts if p[3] != task])
         hits = []
-        for r in held:
-            s = float(r.get(scale) or math.nan)
-            fam_ok = family(str(r["optimizer"])) in model["families"]
-            if not (fam_ok and math.isfinite(s) and s > 0):
+        for _, f, log_r, _ in (p for p in pts if p[3] == task):
+            fam = model["families"].get(f)
+            if fam is None:
                 continue
-            lo, hi = predict(model, s, str(r["optimizer"]), level=level)["interval"]
-            hits.append(lo <= float(r["b_crit"]) <= hi)
+            sd = math.sqrt(model["tau2"] + model["sigma2"] + fam["var_mu"])
+            hits.append(abs(log_r - fam["mu"]) <= _t_quantile(0.5 + level / 2, model["dof"]) * sd)
         if hits:
-            per_study[study] = {"covered": int(sum(hits)), "points": len(hits)}
+            per_task[task] = {"covered": int(sum(hits)), "points": len(hits)}
             inside += sum(hits)
             total += len(hits)
     return {"level": level, "coverage": inside / total if total else math.nan,
-            "points": total, "per_study": per_study}
+            "points": total, "tasks": len(per_task), "per_task": per_task}
 
 
-def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8) -> dict[str, Any]:
-    """The calibration file's content: the model per noise scale, its leave-one-study-out
-    coverage, and the points it rests on."""
-    models = {s: _fit(_points(rows, s)) | {"loso": leave_one_study_out(rows, s, level=level)}
+def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> dict[str, Any]:
+    """The tally of predictions committed before their sweeps: per pair (a prediction file's
+    content, `cbs-advise --sweep_dir` on one run: `{"advice": [...]}`, and the later sweep's
+    analysis.json), how many measured B_crit fall inside the predicted interval at the same
+    target; extrapolated B_crit are counted apart."""
+    inside = points = extrapolated = 0
+    tasks = []
+    for prediction, analysis in pairs:
+        measured = {float(t["target"]): t for t in analysis["targets"]
+                    if t["fit"]["status"] == "ok"}
+        for a in prediction["advice"]:
+            t = measured.get(float(a["loss"]))
+            if t is None:
+                continue
+            if t.get("b_crit_extrapolated"):
+                extrapolated += 1
+                continue
+            lo, hi = a["interval"]
+            inside += int(lo <= t["fit"]["b_crit"] <= hi)
+            points += 1
+        tasks.append(prediction["advice"][0].get("calibration", {}).get("version"))
+    return {"inside": inside, "points": points, "extrapolated": extrapolated,
+            "tasks": len(pairs), "calibration_versions": sorted(set(map(str, tasks)))}
+
+
+def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
+          held_out_tally: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The calibration file's content: the model per noise scale, its leave-one-task-out
+    coverage, the held-out tally (`held_out`) when given, and the points it rests on."""
+    models = {s: model(rows, s) | {"loto": leave_one_task_out(rows, s, level=level)}
               for s in SCALES if _points(rows, s)}
-    return {"version": VERSION, "studies": sorted({str(r["study"]) for r in rows}), "level": level,
-            "models": models,
-            "points": [{k: r[k] for k in ("study", "task", "optimizer", "target", "b_crit",
-                                          "b_crit_ci", "b_simple", "b_noise", "protocol")
-                        if k in r} for r in rows]}
+    keep = ("study", "task", "optimizer", "target", "b_crit", "b_crit_ci", "extrapolated",
+            "b_simple", "b_noise", "b_simple_by_batch_size", "b_noise_by_batch_size",
+            "protocol")
+    return {"version": VERSION, "unit": UNIT,
+            "studies": sorted({str(r["study"]) for r in rows}),
+            "tasks": sorted({_task(r) for r in rows}), "level": level, "models": models,
+            "held_out": dict(held_out_tally) if held_out_tally else None,
+            "points": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
 def markdown(calib: Mapping[str, Any]) -> str:
     """The calibration in words and a table: per noise scale and optimizer family, the ratio
-    B_crit/B_s, the spread, the interval's width and the leave-one-study-out coverage."""
-    lines = [f"Calibration v{calib['version']} ({len(calib['studies'])} studies; "
-             f"{calib['level']:.0%} prediction intervals for a new study; `{CALIBRATION_FILE}`):",
-             "", "| noise scale | family | studies | B_crit / noise scale | interval factor (×/÷) "
-             "| leave-one-study-out coverage |", "|---|---|---|---|---|---|"]
+    B_crit/B_s, the spread, the interval's width and the leave-one-task-out coverage."""
+    lines = [f"Calibration v{calib['version']} ({len(calib['studies'])} studies of "
+             f"{len(calib['tasks'])} tasks; points: {calib['unit']}; {calib['level']:.0%} "
+             f"prediction intervals for a new task; `{CALIBRATION_FILE}`):",
+             "", "| noise scale | family | task groups | B_crit / noise scale | interval factor "
+             "(×/÷) | leave-one-task-out coverage |", "|---|---|---|---|---|---|"]
     for scale, m in calib["models"].items():
         t = _t_quantile(0.5 + calib["level"] / 2, m["dof"])
         for f, v in m["families"].items():
             sd = math.sqrt(m["tau2"] + m["sigma2"] + v["var_mu"])
             lines.append(f"| {scale} | {f} | {v['studies']} | {math.exp(v['mu']):.3g} | "
-                         f"{math.exp(t * sd):.3g} | {m['loso']['coverage']:.0%} of "
-                         f"{m['loso']['points']} points |")
-    per = ["", "Leave-one-study-out, points inside the interval fitted without their study: "
-           + "; ".join(f"{scale}: " + ", ".join(
-               f"{s} {v['covered']}/{v['points']}" for s, v in m["loso"]["per_study"].items())
+                         f"{math.exp(t * sd):.3g} | {m['loto']['coverage']:.0%} of "
+                         f"{m['loto']['points']} points, {m['loto']['tasks']} tasks |")
+    per = ["", "Leave-one-task-out, one-run points inside the interval fitted without their "
+           "task: " + "; ".join(f"{scale}: " + ", ".join(
+               f"{s} {v['covered']}/{v['points']}" for s, v in m["loto"]["per_task"].items())
                for scale, m in calib["models"].items()) + "."]
+    h = calib.get("held_out")
+    if h:
+        per += ["", f"Held-out tasks, each predicted from one run before its sweep ran: "
+                f"{h['inside']} of {h['points']} measured B_crit inside the 80 % interval "
+                f"({h['tasks']} tasks; {h['extrapolated']} extrapolated B_crit not counted; "
+                f"predicted with calibration v{', v'.join(h['calibration_versions'])})."]
     return "\n".join(lines + per)
 
 

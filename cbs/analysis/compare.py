@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import calibration, fit, reference_protocol, report
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
-__all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PROTOCOL", "collect", "figure", "protocol_table",
-           "summary", "table", "write_report"]
+__all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PREDICTION_SUFFIX", "PROTOCOL", "collect",
+           "figure", "held_out_pairs", "protocol_table", "summary", "table", "write_report"]
 
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)
@@ -45,7 +45,9 @@ PROTOCOL = (("ref_b_simple", "B_simple"), ("ref_b_noise", "B_noise"),
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One row per (study, target) with a B_crit fit: study, task, optimizer, target,
     b_crit and its interval, the measured b_simple / b_noise (median over batch sizes) with
-    their min/max where recorded, the noise protocol, and the ratios B_crit/B_simple and
+    their min/max where recorded and each best trial's value by batch size
+    (<name>_by_batch_size, one run's value: what `cbs.analysis.calibration` is fitted on),
+    the noise protocol, and the ratios B_crit/B_simple and
     B_crit/B_noise; and where the study has the protocol (`reference_protocol`), for each
     name of PROTOCOL its median over seeds (ref_<...>), _range (min, max), _gsd, _seeds and
     ratio_<...>, with ref_batch_size and ref_protocol."""
@@ -68,9 +70,14 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
                    or DEFAULT_PROTOCOL}
+            by_batch = t.get("measured_by_batch_size") or {}
             for name in ("b_simple", "b_noise"):
                 mid = _finite(t.get(f"measured_{name}"))
                 row[name] = mid
+                # one run's value at each batch size: what the calibration is fitted on
+                row[f"{name}_by_batch_size"] = {
+                    b: _finite(v.get(name)) for b, v in by_batch.items()
+                    if math.isfinite(_finite(v.get(name)))}
                 row[f"{name}_range"] = (_finite(t.get(f"measured_{name}_min", mid)),
                                         _finite(t.get(f"measured_{name}_max", mid)))
                 row[f"ratio_{name}"] = f["b_crit"] / mid if mid > 0 else math.nan
@@ -252,9 +259,32 @@ def _summary_lines(s: dict[str, Any], names: Sequence[tuple[str, str]]) -> list[
     return lines
 
 
-def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000) -> str:
+PREDICTION_SUFFIX = "_predict"  # <held-out sweep>_predict/prediction.json: its prediction
+
+
+def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(prediction, analysis) per held-out sweep directory D: D + PREDICTION_SUFFIX holds
+    prediction.json (`cbs-advise --sweep_dir` on one run, committed before D's sweep ran) and
+    D its analysis.json."""
+    pairs = []
+    for d in held_out_dirs:
+        pred_path = paths.join(os.path.normpath(d) + PREDICTION_SUFFIX, "prediction.json")
+        prediction, analysis = (records.read_json(pred_path),
+                                records.read_json(paths.join(d, files.ANALYSIS_FILE)))
+        if prediction is None or analysis is None:
+            raise ValueError(f"held-out study {d}: needs {pred_path} (the prediction made "
+                             f"before its sweep) and {files.ANALYSIS_FILE} (cbs-analyze)")
+        pairs.append((prediction, analysis))
+    return pairs
+
+
+def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000,
+                 held_out: Sequence[str] = ()) -> str:
     """report.md and the figures in out_dir (under the protocol, `files.FIGURE_FILE`, where a
-    study has it; per trial, `files.PER_TRIAL_FIGURE_FILE`); returns the report's path."""
+    study has it; per trial, `files.PER_TRIAL_FIGURE_FILE`); returns the report's path.
+    held_out: sweep directories of held-out tasks (`held_out_pairs`), whose tally the
+    calibration records."""
+    tally = calibration.held_out(held_out_pairs(held_out)) if held_out else None
     rows = collect(sweep_dirs, bootstrap=bootstrap)
     if not rows:
         raise ValueError(f"none of {list(sweep_dirs)} has a target with a B_crit fit")
@@ -293,11 +323,12 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
               "over batch sizes. Noise protocol per study: " + "; ".join(
                   sorted({f"{r['study']}: {r['protocol']}" for r in rows})) + ".", ""]
     lines += _summary_lines(s, PER_TRIAL)
-    calib = calibration.build([fit.json_ready(r) for r in rows])
+    calib = calibration.build([fit.json_ready(r) for r in rows], held_out_tally=tally)
     lines += ["", table(rows), "", f"![B_crit against the noise scale, per trial]"
               f"({files.PER_TRIAL_FIGURE_FILE})", "",
               "## Predicting B_crit from one measurement", "",
-              "From the per-trial noise scales.", "", calibration.markdown(calib), ""]
+              "From one run's noise scale at one batch size (each best trial's).", "",
+              calibration.markdown(calib), ""]
     path = os.path.join(out_dir, files.REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     records.write_json_atomic(os.path.join(out_dir, "compare.json"),

@@ -1,7 +1,7 @@
 """B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4).
 
     python -m experiments.compare results/digits results/digits_sgd results/shakespeare_kaplan \
-        --out=results/compare
+        --out=results/compare --held_out=results/heldout_teacher_student
 
 Re-fits every study from its records (the same analysis as its report) and writes
 OUT/report.md (one row per study and target, B_crit/B_simple and B_crit/B_noise per point)
@@ -35,6 +35,10 @@ _OUT = flags.DEFINE_string("out", "results/compare", "Directory for report.md an
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
 _SIZES = flags.DEFINE_boolean("sizes", False, "The studies are model sizes on one dataset: "
                               "B_crit against the loss by size instead of against the noise.")
+_HELD_OUT = flags.DEFINE_list(
+    "held_out", [], "Sweep directories of held-out tasks, D, each with D_predict/prediction.json "
+    "(its prediction from one run, made before the sweep): the calibration records how many "
+    "of their B_crit fell inside the predicted intervals.")
 
 
 def check_inputs(dirs: list[str], out: str, bootstrap: int, by_size: bool) -> None:
@@ -67,7 +71,8 @@ def main(argv: list[str]) -> None:
     dirs = argv[1:]
     check_inputs(dirs, _OUT.value, _BOOTSTRAP.value, _SIZES.value)
     module = sizes if _SIZES.value else compare
-    path = module.write_report(dirs, _OUT.value, bootstrap=_BOOTSTRAP.value)
+    extra = {} if _SIZES.value else {"held_out": _HELD_OUT.value}
+    path = module.write_report(dirs, _OUT.value, bootstrap=_BOOTSTRAP.value, **extra)
     print(pathlib.Path(path).read_text())
     print(f"report: {path}")
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
-    "CALLS", "Body", "Scan", "While", "call_body", "cond_branches", "remat_options",
+    "CALLS", "Body", "Scan", "While", "body_of", "call_body", "cond_branches", "remat_options",
     "scan_parts", "sub_jaxprs", "while_parts",
 ]
 
