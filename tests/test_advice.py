@@ -271,3 +271,18 @@ def test_a_calibrated_ramp_follows_the_predicted_b_crit(tmp_path):
             target = min(max(before["advice/b_crit"], s.min_batch), s.max_batch)
             assert state.batch_size == min(s.rungs, key=lambda r: abs(math.log(r / target)))
     assert moves >= 1
+
+
+def test_a_prediction_names_the_examples_its_noise_scale_was_measured_on():
+    """A one-run prediction's source follows the sweep's noise protocol: the whole training
+    set (the teacher–student task's 8,192 examples) or the sampled windows (the depth-4 LM:
+    5 measurements of 128 sequences at the crossing, not its 140,257 training windows)."""
+    from cbs.analysis import advice as advice_lib
+
+    lm = advice_lib.from_sweep(os.path.join(ROOT, "results", "heldout_lm_depth4_predict"))
+    assert {a.examples for a in lm} == {640}
+    assert all("sampled, 5 × 128" in a.source for a in lm)
+    ts = advice_lib.from_sweep(os.path.join(ROOT, "results",
+                                            "heldout_teacher_student_predict"))
+    assert {a.examples for a in ts} == {8192}
+    assert all("full training set" in a.source for a in ts)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import calibration
+from cbs.analysis import calibration, noise_at_target
 from cbs.results import files, records
 from cbs.results.store import SweepStore, target_key
 
@@ -208,6 +208,7 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
     definition = store.definition() or {}
     config = definition.get("config", {})
     optimizer = str(config.get("optim", {}).get("name", "?"))
+    examples, how = noise_at_target.examples_per_value(definition)
     out = []
     for target in definition.get("sweep", {}).get("targets", []):
         key = target_key(float(target))
@@ -221,8 +222,8 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         i = int(np.argsort(values)[len(values) // 2])
         out.append(advise(values[i], optimizer=optimizer, scale=scale, level=level,
                           batch_size=batch[i], exchange=exchange,
-                          source=f"{scale} at the crossing ({len(values)} trial(s))",
-                          examples=int(definition.get("num_train") or 0), calib=calib,
+                          source=f"{scale} at the crossing ({len(values)} trial(s); "
+                                 f"{how})", examples=examples, calib=calib,
                           step=int(round(steps[i])), loss=float(target)))
     return out
 

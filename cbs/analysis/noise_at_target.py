@@ -31,9 +31,8 @@ from cbs.results import files, records
 from cbs.results.store import upgrade_noise_fields
 
 __all__ = [
-    "NAMES", "PAIRS", "after_crossing", "protocol", "protocol_lines", "reference",
-    "reference_cell",
-    "reference_values", "spread", "spread_cell",
+    "NAMES", "PAIRS", "after_crossing", "examples_per_value", "protocol", "protocol_lines",
+    "reference", "reference_cell", "reference_values", "spread", "spread_cell",
 ]
 
 NAMES = ("b_simple", "b_noise")
@@ -60,17 +59,35 @@ def spread(best_records: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     return out
 
 
+def _noise(definition: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the sweep's noise settings, whether each measurement used the full training set)."""
+    noise = upgrade_noise_fields({"sweep": definition.get("sweep", {}), "noise": definition.get(
+        "config", {}).get("noise", {})})["noise"]
+    n_train, examples = definition.get("num_train"), noise.get("examples", "stream")
+    full = examples == "all" or (examples == "auto" and n_train is not None
+                                 and n_train <= 10_000)
+    return noise, full
+
+
+def examples_per_value(definition: dict[str, Any]) -> tuple[int, str]:
+    """(examples behind one per-trial value, in words): the training set when each measurement
+    used all of it, else the sampled examples of the window's measurements together."""
+    noise, full = _noise(definition)
+    if full:
+        return int(definition.get("num_train") or 0), "full training set"
+    window = int(definition.get("sweep", {}).get("noise_window", 5))
+    batch = int(noise.get("batch_size") or 0)
+    return batch * window, f"sampled, {window} × {batch}"
+
+
 def protocol(definition: dict[str, Any]) -> str:
     """The per-trial protocol of a sweep in words, from its sweep.json definition."""
     s = definition.get("sweep", {})
     n_train = definition.get("num_train")
     window = s.get("noise_window", 5)
-    noise = upgrade_noise_fields({"sweep": s, "noise": definition.get("config", {}).get(
-        "noise", {})})["noise"]
+    noise, full = _noise(definition)
     m = noise.get("deviations", 0) if noise.get("curvature", False) else 0
-    h, examples = noise.get("hessian_batch_size", 0), noise.get("examples", "stream")
-    full = examples == "all" or (examples == "auto" and n_train is not None
-                                 and n_train <= 10_000)
+    h = noise.get("hessian_batch_size", 0)
     if full:
         where = f"full training set (N={n_train})"
         if m:
