@@ -220,7 +220,11 @@ def test_the_advice_from_a_checkpoint_is_the_measurement_of_that_state(tiny_run)
     a = advice.from_checkpoint(measured)
     b = advice.advise(measured["noise/b_simple"], optimizer="adam", batch_size=32)
     assert (a.b_crit, a.interval, a.steps_ratio) == (b.b_crit, b.interval, b.steps_ratio)
-    assert a.step == 10 and a.examples == n and "all" in a.source and not a.flags
+    assert a.step == 10 and a.examples == n and "all" in a.source
+    # the tiny run's Adam at 0.001 and its loss of 2.3 lie outside the calibration: said first
+    assert measured["task"] == "digits/mlp" and measured["learning_rate"] == 1e-3
+    assert [o.split(" ")[0] for o in a.outside] == ["learning", "loss"]
+    assert a.flags == [f"outside the calibration: {o}" for o in a.outside]
     # on a stated number of examples: a sampled measurement, flagged below FEW_EXAMPLES
     few = advice.from_checkpoint(trainer.measure_checkpoint(run, 10, examples=128,
                                                             mesh=one_device_mesh()))
@@ -286,3 +290,54 @@ def test_a_prediction_names_the_examples_its_noise_scale_was_measured_on():
                                             "heldout_teacher_student_predict"))
     assert {a.examples for a in ts} == {8192}
     assert all("full training set" in a.source for a in ts)
+
+
+def _digits_run(path, learning_rate, loss):
+    """A run directory of digits/mlp with Adam at `learning_rate`, B = 128, one evaluation
+    at step 10 with the full training loss `loss` and B_simple 70 on all 1,438 examples."""
+    os.makedirs(path)
+    config = {"optim": {"name": "adam", "learning_rate": learning_rate},
+              "data": {"name": "digits"}, "model": {"name": "mlp"},
+              "batch": {"schedule": {"batch_size": 128}},
+              "noise": {"examples": "all", "batch_size": 1438}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    row = {"kind": "eval", "step": 10, "full_train/loss": loss, "noise/b_simple": 70.0}
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_advice_outside_its_calibration_says_so_in_its_first_line(tmp_path):
+    """The guide's run at digits_mlp's default rate (Adam 0.001 at B = 128, 23× below the
+    0.0226 the committed sweep found best there) is told first that B_crit at an untuned rate
+    is not what the calibration measured; at the tuned rate and a calibrated loss nothing is
+    said; a loss above every calibrated target of the data set is named too."""
+    untuned = advice.trajectory(_digits_run(str(tmp_path / "a"), 1e-3, 0.2))[-1]
+    first = advice.summary(untuned).splitlines()[0]
+    assert first.startswith("outside the calibration: learning rate 0.001 is 22.6× below the "
+                            "best 0.0226 that this task's sweep found at B = 128")
+    tuned = advice.trajectory(_digits_run(str(tmp_path / "b"), 0.0226, 0.2))[-1]
+    assert tuned.outside == () and advice.summary(tuned).startswith("b_simple = 70")
+    early = advice.trajectory(_digits_run(str(tmp_path / "c"), 0.0226, 1.5))[-1]
+    assert early.outside == ("loss 1.5 is above every target calibrated on digits "
+                             "(0.05–0.5): B_crit there was not measured",)
+    assert "| loss |" in advice.table([early]) and "| – |" in advice.table([tuned])
+
+
+def test_a_tiny_lm_is_told_it_lies_outside_the_calibration(tmp_path):
+    """lm_shakespeare.py:tiny (the scanned LM, not the calibrated character Transformer), at a
+    loss of 4 nats far above the calibrated 2.1–3.0, with a B_simple under one sequence: the
+    advice's first line says all three before the number."""
+    work = str(tmp_path / "lm")
+    env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+    done = _warm.python(["-m", "experiments.main",
+                         "--config=experiments/configs/lm_shakespeare.py:tiny",
+                         f"--workdir={work}"], env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = _warm.python(["-m", "experiments.advise", f"--workdir={work}"], env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("outside the calibration: predicted B_crit ")
+    assert "task shakespeare_char/lm with adaptive optimizers is not in the calibration" in first
+    assert "above every target calibrated on shakespeare_char (2.1–3)" in first

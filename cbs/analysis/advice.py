@@ -69,11 +69,12 @@ class Advice:
     calibration: dict[str, Any]
     step: int | None = None
     loss: float | None = None
+    outside: tuple[str, ...] = ()  # where the run lies outside the calibration (`edges`)
 
     @property
     def flags(self) -> list[str]:
         """What a reader should know before trusting the number."""
-        out = []
+        out = [f"outside the calibration: {o}" for o in self.outside]
         if 0 < self.examples < FEW_EXAMPLES:
             out.append(f"noise scale from {self.examples} examples (< {FEW_EXAMPLES}): noisy")
         if not self.noise_scale > 0:
@@ -87,12 +88,15 @@ class Advice:
 def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str = "b_simple",
            level: float = 0.8, exchange: float | None = None, source: str = "given",
            examples: int = 0, calib: Mapping[str, Any] | None = None,
-           step: int | None = None, loss: float | None = None) -> Advice:
+           step: int | None = None, loss: float | None = None, task: str | None = None,
+           learning_rate: float | None = None) -> Advice:
     """The calibrated advice for one measured noise scale (module docstring).
 
     scale: "b_simple" or "b_noise" (which noise scale `noise_scale` is); optimizer: the
     config's optim.name (its family selects the calibrated ratio); exchange: λ, examples per
     step saved (None: no best batch). calib: a calibration dict (default: the shipped one).
+    task ("data/model"), learning_rate (η_0) and loss place the run against the calibration
+    (`cbs.analysis.calibration.edges`): what lies outside it is named first in the summary.
     """
     calib = calibration.shipped() if calib is None else calib
     model = calib["models"].get(scale)
@@ -112,9 +116,12 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
              "tasks": len(calib.get("tasks", ())), "family": calibration.family(optimizer),
              "ratio": ratio, "loto_coverage": loto.get("coverage"),
              "loto_points": loto.get("points"), "held_out": calib.get("held_out")}
+    outside = calibration.edges(calib, optimizer=optimizer, batch_size=batch_size, task=task,
+                                learning_rate=learning_rate, loss=loss, b_crit=b_crit)
     return Advice(float(noise_scale), scale, optimizer, float(batch_size), b_crit,
                   interval, level, t["steps_ratio"], t["examples_ratio"],
-                  t.get("best_batch_size"), source, int(examples), about, step, loss)
+                  t.get("best_batch_size"), source, int(examples), about, step, loss,
+                  tuple(outside))
 
 
 def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b_simple",
@@ -151,7 +158,8 @@ def from_checkpoint(measured: Mapping[str, Any], *, scale: str = "b_simple",
                   batch_size=float(measured["batch_size"]), scale=scale, level=level,
                   exchange=exchange, source=f"{where} at checkpoint {measured['step']}",
                   examples=n, calib=calib, step=int(measured["step"]),
-                  loss=measured.get("full_train/loss"))
+                  loss=measured.get("full_train/loss"), task=measured.get("task"),
+                  learning_rate=measured.get("learning_rate"))
 
 
 def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
@@ -163,6 +171,7 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         raise ValueError(f"{run_dir} has no config.json: give a run directory "
                          "(python -m experiments.main --workdir=...)")
     optimizer = str(config["optim"]["name"])
+    run = _run_context(config)
     rows = records.read_records(os.path.join(run_dir, files.METRICS_FILE))
     losses = {int(r["step"]): float(r[k]) for r in rows for k in ("full_train/loss",)
               if r.get("kind") == "eval" and k in r}
@@ -192,8 +201,16 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         out.append(advise(float(value), optimizer=optimizer, scale=scale, level=level,
                           batch_size=float(batch), exchange=exchange, source=source,
                           examples=n, calib=calib, step=step,
-                          loss=None if loss is None else float(loss)))
+                          loss=None if loss is None else float(loss), **run))
     return out
+
+
+def _run_context(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The task ("data/model") and η_0 of a run's config, for `calibration.edges`."""
+    names = [config.get(k, {}).get("name") for k in ("data", "model")]
+    rate = config.get("optim", {}).get("learning_rate")
+    return {"task": "/".join(names) if all(names) else None,
+            "learning_rate": float(rate) if rate else None}
 
 
 def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
@@ -209,6 +226,7 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
     config = definition.get("config", {})
     optimizer = str(config.get("optim", {}).get("name", "?"))
     examples, how = noise_at_target.examples_per_value(definition)
+    run = _run_context(config)
     out = []
     for target in definition.get("sweep", {}).get("targets", []):
         key = target_key(float(target))
@@ -219,12 +237,14 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         values = [float(r["noise_at_target"][key][scale]) for r in crossed]
         batch = [float(r["batch_size"]) for r in crossed]
         steps = [float(r["steps_to_target"][key]) for r in crossed]
+        rates = [float(r["learning_rate"]) for r in crossed]
         i = int(np.argsort(values)[len(values) // 2])
         out.append(advise(values[i], optimizer=optimizer, scale=scale, level=level,
                           batch_size=batch[i], exchange=exchange,
                           source=f"{scale} at the crossing ({len(values)} trial(s); "
                                  f"{how})", examples=examples, calib=calib,
-                          step=int(round(steps[i])), loss=float(target)))
+                          step=int(round(steps[i])), loss=float(target),
+                          **(run | {"learning_rate": rates[i]})))
     return out
 
 
@@ -240,7 +260,8 @@ def summary(a: Advice) -> str:
     """The answer in three lines."""
     c = a.calibration
     where = "" if a.step is None else f" at step {a.step}"
-    lines = [f"{a.scale} = {_g(a.noise_scale)}{where} ({a.source}"
+    lines = [f"outside the calibration: {'; '.join(a.outside)}"] if a.outside else []
+    lines += [f"{a.scale} = {_g(a.noise_scale)}{where} ({a.source}"
              + (f", {a.examples} examples" if a.examples else "") + ")",
              f"predicted B_crit = {_g(a.b_crit)} ({a.level:.0%} interval {_g(a.interval[0])}–"
              f"{_g(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies of "
@@ -251,7 +272,7 @@ def summary(a: Advice) -> str:
              f"{_g(a.examples_ratio)}× the fewest examples"
              + ("" if a.best_batch_size is None else
                 f"; the batch that minimises λ·S + E is {_g(a.best_batch_size)}")]
-    return "\n".join(lines + [f"note: {f}" for f in a.flags])
+    return "\n".join(lines + [f"note: {f}" for f in a.flags if not f.startswith("outside")])
 
 
 def _track_record(c: Mapping[str, Any]) -> str:
@@ -269,12 +290,14 @@ def _track_record(c: Mapping[str, Any]) -> str:
 
 def table(advices: Sequence[Advice]) -> str:
     """Markdown: the advice at every measured step."""
-    lines = ["| step | loss | noise scale | predicted B_crit (interval) | S/S_min | E/E_min |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| step | loss | noise scale | predicted B_crit (interval) | S/S_min | E/E_min "
+             "| outside the calibration |", "|---|---|---|---|---|---|---|"]
+    short = {"learning": "rate", "loss": "loss", "task": "task", "predicted": "B_crit < 1"}
     for a in advices:
+        outside = ", ".join(short.get(o.split(" ")[0], o) for o in a.outside) or "–"
         lines.append(f"| {a.step} | {_g(a.loss)} | {_g(a.noise_scale)} | {_g(a.b_crit)} "
                      f"({_g(a.interval[0])}–{_g(a.interval[1])}) | {_g(a.steps_ratio)} | "
-                     f"{_g(a.examples_ratio)} |")
+                     f"{_g(a.examples_ratio)} | {outside} |")
     return "\n".join(lines)
 
 

@@ -43,13 +43,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CALIBRATION_FILE", "FAMILIES", "UNIT", "VERSION", "build", "family", "held_out",
-           "leave_one_task_out", "markdown", "model", "predict", "shipped", "tradeoff"]
+__all__ = ["CALIBRATION_FILE", "FAMILIES", "RATE_FACTOR", "UNIT", "VERSION", "build", "edges",
+           "family", "held_out", "leave_one_task_out", "markdown", "model", "predict", "shipped",
+           "tradeoff"]
 
 CALIBRATION_FILE = "calibration.json"
 VERSION = 2  # the format of the file; a change of model or fields is a new version (2: points
 #              are one run's noise scale at one batch size, grouped by task; leave-one-task-out)
 UNIT = "one run's noise scale at one batch size (its best learning rate), at the target"
+RATE_FACTOR = 3.0  # a learning rate further than this factor from the task's best is untuned
 FAMILIES = {"sgd": "sgd", "momentum": "sgd", "adam": "adaptive", "adamw": "adaptive"}
 SCALES = ("b_simple", "b_noise")
 
@@ -203,12 +205,75 @@ def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
               for s in SCALES if _points(rows, s)}
     keep = ("study", "task", "optimizer", "target", "b_crit", "b_crit_ci", "extrapolated",
             "b_simple", "b_noise", "b_simple_by_batch_size", "b_noise_by_batch_size",
-            "protocol")
+            "best_learning_rate_by_batch_size", "protocol")
     return {"version": VERSION, "unit": UNIT,
             "studies": sorted({str(r["study"]) for r in rows}),
             "tasks": sorted({_task(r) for r in rows}), "level": level, "models": models,
             "held_out": dict(held_out_tally) if held_out_tally else None,
             "points": [{k: r[k] for k in keep if k in r} for r in rows]}
+
+
+def edges(calib: Mapping[str, Any], *, optimizer: str, batch_size: float,
+          task: str | None = None, learning_rate: float | None = None,
+          loss: float | None = None, b_crit: float | None = None) -> list[str]:
+    """Where a prediction lies outside what the calibration measured, in words (empty: inside).
+
+    task: "data/model" of the run (None: unknown, nothing is checked against the points).
+    Checked: the task itself (a task not calibrated gets the held-out record, not the
+    leave-one-task-out one); the learning rate against the best rates the committed sweeps of
+    the same task and optimizer family found at the nearest batch size (median over targets;
+    further than RATE_FACTOR is untuned: the calibration's B_crit are those of tuned rates);
+    the loss against the targets calibrated on the same data set; B_crit below one example."""
+    out = []
+    if b_crit is not None and math.isfinite(b_crit) and b_crit < 1:
+        out.append(f"predicted B_crit {b_crit:.3g} is below one example: the noise scale is far "
+                   "from any calibrated one")
+    if task is None:
+        return out
+    points = calib.get("points", [])
+    fam = family(optimizer)
+    same = [p for p in points if p.get("task") == task and family(str(p["optimizer"])) == fam]
+    data = task.split("/")[0]
+    targets = [float(p["target"]) for p in points
+               if str(p.get("task", "")).split("/")[0] == data]
+    if not same:
+        h = calib.get("held_out")
+        known = sorted({str(p.get("task")) for p in points})
+        record = (f": on tasks predicted before their sweeps such intervals held "
+                  f"{h['inside']} of {h['points']} times" if h else "")
+        out.append(f"task {task} with {fam} optimizers is not in the calibration "
+                   f"({', '.join(known)}){record}")
+    if same and learning_rate is not None and learning_rate > 0:
+        best = _best_rate(same, batch_size)
+        if best is not None:
+            rate, at = best
+            factor = max(learning_rate / rate, rate / learning_rate)
+            if factor > RATE_FACTOR:
+                out.append(f"learning rate {learning_rate:.3g} is {factor:.3g}× "
+                           f"{'below' if learning_rate < rate else 'above'} the best "
+                           f"{rate:.3g} that this task's sweep found at B = {at:g}: the "
+                           "calibration holds near a tuned rate, so B_crit at this one can "
+                           "differ by several times (tune it: cbs-sweep)")
+    if targets and loss is not None and math.isfinite(loss):
+        lo, hi = min(targets), max(targets)
+        if not lo / 1.25 <= loss <= hi * 1.25:
+            out.append(f"loss {loss:.3g} is {'above' if loss > hi else 'below'} every target "
+                       f"calibrated on {data} ({lo:g}–{hi:g}): B_crit there was not measured")
+    return out
+
+
+def _best_rate(points: Sequence[Mapping[str, Any]], batch_size: float
+               ) -> tuple[float, float] | None:
+    """(median best learning rate over the points' targets, at the swept batch size nearest
+    `batch_size` in log scale), or None when the points record no rates."""
+    rates: dict[float, list[float]] = {}
+    for p in points:
+        for b, lr in (p.get("best_learning_rate_by_batch_size") or {}).items():
+            rates.setdefault(float(b), []).append(float(lr))
+    if not rates or not batch_size > 0:
+        return None
+    at = min(rates, key=lambda b: abs(math.log(b / batch_size)))
+    return float(np.median(rates[at])), at
 
 
 def markdown(calib: Mapping[str, Any]) -> str:

@@ -70,6 +70,10 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
                    or DEFAULT_PROTOCOL}
+            row["best_learning_rate_by_batch_size"] = {
+                f"{float(b):g}": float(lr)
+                for b, lr in zip(t.get("batch_sizes", []), t.get("learning_rates", []),
+                                 strict=False)}
             by_batch = t.get("measured_by_batch_size") or {}
             for name in ("b_simple", "b_noise"):
                 mid = _finite(t.get(f"measured_{name}"))

@@ -245,8 +245,9 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
     examples measured.
 
     Returns {"step", "examples_seen", "batch_size" (the schedule's B at that state),
-    "optimizer", "num_train", "examples" (measured), "method", "full_train/loss" (at the
-    state, `config.eval.train_examples`), "noise/<key>" (`cbs.engine.measure.EVAL_KEYS`)}.
+    "optimizer", "task" ("data/model"), "learning_rate" (η_0), "num_train", "examples"
+    (measured), "method", "full_train/loss" (at the state, `config.eval.train_examples`),
+    "noise/<key>" (`cbs.engine.measure.EVAL_KEYS`)}.
     """
     raw = records.read_json(os.path.join(workdir, files.CONFIG_FILE))
     if raw is None:
@@ -289,6 +290,8 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
                 "batch_size": tr.schedule.batch_size_at(int(meta["examples_seen"]),
                                                         schedule_state),
                 "optimizer": str(config.optim.name), "num_train": n,
+                "task": f"{config.data.name}/{config.model.name}",
+                "learning_rate": float(config.optim.learning_rate),
                 "examples": n if every else min(examples, n),
                 "method": spec.resolved_method(), "full_train/loss": loss_at,
                 **{f"noise/{k}": float(v) for k, v in jax.device_get(stats).items()}}
