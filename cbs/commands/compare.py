@@ -20,8 +20,6 @@ The inputs are checked first (`check_inputs`): a bad one is one line and nothing
 
 from __future__ import annotations
 
-import pathlib
-
 from absl import flags
 
 from cbs import commands
@@ -68,7 +66,7 @@ def main(argv: list[str]) -> None:
     check_inputs(dirs, _OUT.value, _BOOTSTRAP.value, _SIZES.value)
     module = sizes if _SIZES.value else compare
     path = module.write_report(dirs, _OUT.value, bootstrap=_BOOTSTRAP.value)
-    print(pathlib.Path(path).read_text())
+    print(paths.read_text(path))
     print(f"report: {path}")
 
 
