@@ -147,6 +147,8 @@ class _Server:
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         while "started" not in (message := self._message(timeout=60)):
             pass
+        # a PID is reused once its process is reaped: an earlier command's status is not this one's
+        self.ended.pop(message["started"], None)
         return message["started"]
 
     def status(self, pid: int, timeout: float | None) -> int | None:

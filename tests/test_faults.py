@@ -28,7 +28,7 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import checkpoint, cli, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, TrialResult
 from cbs.stats import noise
 from cbs.sweeps import launch, ramps
@@ -327,11 +327,11 @@ def test_empty_directories_of_a_failed_command_are_removed(tmp_path):
     kept = tmp_path / "kept"
     (kept / "sub").mkdir(parents=True)
     (kept / "sub" / "file").write_text("x")
-    cli.remove_if_empty(str(kept))
+    paths.remove_if_empty(str(kept))
     assert (kept / "sub" / "file").exists()
     empty = tmp_path / "empty"
     (empty / "a" / "b").mkdir(parents=True)
-    cli.remove_if_empty(str(empty))
+    paths.remove_if_empty(str(empty))
     assert not empty.exists()
 
 

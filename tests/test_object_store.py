@@ -23,6 +23,7 @@ from pathlib import Path
 
 import _gcs_emulator as emulator
 import _warm
+import fsspec
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
@@ -309,3 +310,144 @@ def test_a_run_killed_on_gs_resumes_from_its_gs_checkpoint(gcs, tmp_path):
     assert strip(records.read_records(f"{workdir}/{files.METRICS_FILE}")) == strip(
         records.read_records(str(tmp_path / "full" / files.METRICS_FILE)))
     assert records.read_json(f"{workdir}/{files.STATUS_FILE}")["status"] == "finished"
+
+
+# Every command on gs://: committed studies' records copied to the store (not their reports,
+# figures or analysis.json, which the commands write), each command run in a fresh working
+# directory that must stay empty (a path handled as local would leave `gs:` there).
+_STUDIES = {"digits": ("trials.jsonl", "sweep.json", "reference_noise.jsonl",
+                       "reference_seeds/seed_0.jsonl", "reference_seeds/seed_1.jsonl",
+                       "reference_seeds/seed_2.jsonl"),
+            "digits_sgd": ("trials.jsonl", "sweep.json", "reference_noise.jsonl",
+                           "reference_seeds/seed_0.jsonl", "reference_seeds/seed_1.jsonl",
+                           "reference_seeds/seed_2.jsonl"),
+            "digits_branch": ("branch.json", "branches.jsonl", "reference_noise.jsonl",
+                              "reference/config.json", "reference/metrics.jsonl",
+                              "reference/status.json")}
+
+
+@pytest.fixture(scope="module")
+def studies(gcs):
+    """gs://cbs-test/studies/<name>: the records of three committed studies."""
+    for name, names in _STUDIES.items():
+        for file in names:
+            records.write_atomic(f"{gcs}/studies/{name}/{file}",
+                                 (ROOT / "results" / name / file).read_bytes())
+    return f"{gcs}/studies"
+
+
+def _command(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m experiments.<module> args` in `cwd`, which must stay empty."""
+    proc = _warm.python(["-m", f"experiments.{module}", *args], cwd=cwd, env=_env())
+    assert sorted(os.listdir(cwd)) == [], f"{module} wrote to the local disk"
+    return proc
+
+
+def _objects(root: str) -> list[str]:
+    """Every object under `root`, as the store lists it now."""
+    fs, bare = fsspec.core.url_to_fs(root)
+    fs.invalidate_cache()
+    return sorted(fs.find(bare))
+
+
+def _png(path: str) -> bool:
+    return (paths.read_bytes(path) or b"")[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyze_writes_report_figures_and_analysis_on_gs(studies, tmp_path):
+    sweep, local = f"{studies}/digits", tmp_path / "local"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("analyze", f"--sweep_dir={sweep}", "--bootstrap=20", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith(f"report: {sweep}/{files.REPORT_FILE}")
+    analysis = report.load_analysis(sweep)  # read back from gs://
+    committed = json.loads((ROOT / "results" / "digits" / files.ANALYSIS_FILE).read_text())
+    assert [t["target"] for t in analysis["targets"]] == [
+        t["target"] for t in committed["targets"]]
+    figures = paths.listdir(f"{sweep}/{files.FIGURES_DIR}")
+    assert figures == ["b_crit_vs_loss.png", "collapse.png", "noise_scale.png", "pareto.png"]
+    assert all(_png(f"{sweep}/{files.FIGURES_DIR}/{f}") for f in figures)
+    text = paths.read_text(f"{sweep}/{files.REPORT_FILE}")
+    assert all(f"]({files.FIGURES_DIR}/{f})" in text for f in figures)  # relative links
+    local.mkdir()
+    for file in _STUDIES["digits"]:  # the same records on the local disk analyze alike
+        (local / file).parent.mkdir(exist_ok=True)
+        (local / file).write_bytes((ROOT / "results" / "digits" / file).read_bytes())
+    assert _analysis(sweep) == _analysis(str(local))
+
+
+@pytest.mark.parametrize("source", ["sweep_dir", "workdir"])
+def test_advise_reads_and_writes_on_gs(studies, source, tmp_path):
+    where = (f"{studies}/digits" if source == "sweep_dir"
+             else f"{studies}/digits_branch/reference")
+    name = "prediction" if source == "sweep_dir" else "advice"
+    out = f"{studies}/advice_{source}"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("advise", f"--{source}={where}", f"--out={out}", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert paths.listdir(out) == [f"{name}.json", f"{name}.md", f"{name}.png"]
+    advices = records.read_json(f"{out}/{name}.json")["advice"]
+    assert advices and f"`{where}`" in paths.read_text(f"{out}/{name}.md")
+    assert _png(f"{out}/{name}.png")
+    assert f"{advices[-1]['b_crit']:.3g}" in proc.stdout
+
+
+def test_compare_two_gs_studies_into_gs(studies, tmp_path):
+    out = f"{studies}/compare"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("compare", f"{studies}/digits", f"{studies}/digits_sgd", f"--out={out}",
+                    "--bootstrap=20", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert paths.listdir(out) == ["b_crit_vs_noise.png", "b_crit_vs_noise_per_trial.png",
+                                  "calibration.json", "compare.json", files.REPORT_FILE]
+    assert paths.read_text(f"{out}/{files.REPORT_FILE}") in proc.stdout  # printed as read
+    assert _png(f"{out}/b_crit_vs_noise.png") and _png(f"{out}/b_crit_vs_noise_per_trial.png")
+
+
+def test_branch_report_from_gs_records(studies, tmp_path):
+    workdir = f"{studies}/digits_branch"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("branch", "--analyze_only", f"--workdir={workdir}",
+                    f"--sweep_dir={studies}/digits", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = paths.read_text(f"{workdir}/{files.REPORT_FILE}")
+    assert "Swept B_crit" in text and text in proc.stdout
+    assert _png(f"{workdir}/local_cbs.png")
+
+
+@pytest.mark.parametrize("module,args", [
+    ("analyze", ("--sweep_dir={gs}/none",)),
+    ("advise", ("--workdir={gs}/none",)),
+    ("advise", ("--sweep_dir={gs}/none",)),
+    ("advise", ("--checkpoint={gs}/none/checkpoints",)),
+    ("compare", ("{gs}/none", "--out={gs}/none_out")),
+    ("compare", ("{studies}/digits", "{studies}/digits_sgd",
+                 "--out={studies}/digits/sweep.json")),
+    ("branch", ("--analyze_only", "--workdir={gs}/none")),
+], ids=["analyze", "advise_workdir", "advise_sweep_dir", "advise_checkpoint", "compare",
+        "compare_out_a_file", "branch"])
+def test_bad_gs_input_stops_with_one_line_and_writes_nothing(gcs, studies, module, args,
+                                                             tmp_path):
+    before = _objects(gcs)
+    (tmp_path / "cwd").mkdir()
+    proc = _command(module, *(a.format(gs=gcs, studies=studies) for a in args),
+                    cwd=tmp_path / "cwd")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "gs://" in proc.stderr and "gs:/" not in proc.stderr.replace("gs://", "")
+    assert _objects(gcs) == before
+
+
+@pytest.mark.slow  # trains a sweep of two batch sizes and three ramps (~25 s)
+def test_ramps_beside_a_gs_sweep_report_there(gcs, tmp_path):
+    sweep = f"{gcs}/ramps"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("ramps", f"--config={ROOT / 'experiments/configs/digits_ramps.py'}:tiny",
+                    f"--sweep_dir={sweep}", "--config.sweep.batch_sizes=8,32",
+                    "--config.noise.curvature=False", "--config.train.progress_bar=False",
+                    cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    labels = [r["label"] for r in report.read_ramps(sweep)]
+    assert sorted(labels) == ["adaptive", "fixed B=32", "step"]
+    text = paths.read_text(f"{sweep}/{files.REPORT_FILE}")
+    assert "## Batch-size ramps" in text and all(f"| {label} |" in text for label in labels)
+    assert report.load_analysis(sweep)["num_trials"] == len(SweepStore(sweep).records())

@@ -4,6 +4,7 @@ registered for the gs protocol, so nothing leaves the machine)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import pathlib
@@ -181,3 +182,102 @@ def test_checkpointer_takes_an_epath_directory(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint.Checkpointer(str(tmp_path / "ckpt")).close()  # a str sees the same
+
+
+# Only cbs.results.paths touches the file system for run and sweep paths, so that every
+# command works on gs:// as on a local disk. The other places that may, and why:
+TOUCH_ALLOWED = {
+    "cbs": "reads pyproject.toml of a source checkout (the version), not a run path",
+    "cbs.analysis.calibration": "reads the calibration file shipped inside the package",
+    "cbs.analysis.plots:save_figure": "renders the PNG into memory (`records.write_atomic` "
+                                      "writes it)",
+    "cbs.commands": "finds the checkout of the --config file, a source file",
+    "cbs.configs": "lists and reads the preset files shipped inside the package",
+    "cbs.data.embedded": "reads the data files of installed packages (digits, Shakespeare)",
+    "cbs.results.records": "the local branch of an atomic replacement (temporary file, "
+                           "fsync, rename) and of an O_APPEND append, after `paths.is_remote`",
+    "cbs.results.leases": "fcntl locks on a local lock file (object stores: "
+                          "`paths.create_new`)",
+    "cbs.results.writers": "appends metrics to a local file on an O_APPEND descriptor "
+                           "(object stores: written whole through `records`)",
+}
+_OS_CALLS = {"open", "makedirs", "mkdir", "remove", "unlink", "rmdir", "removedirs", "rename",
+             "renames", "replace", "listdir", "scandir", "walk", "stat", "link", "symlink",
+             "truncate", "chmod", "utime"}
+_OS_PATH_CALLS = {"exists", "lexists", "isdir", "isfile", "islink", "getsize", "getmtime",
+                  "samefile"}
+_MODULE_CALLS = {"glob.glob", "glob.iglob", "np.save", "np.savez", "np.load", "np.loadtxt",
+                 "np.savetxt", "numpy.save", "numpy.load"}
+_NOT_FILES = {"shutil.get_terminal_size", "shutil.which"}
+_PATH_METHODS = {"read_text", "read_bytes", "write_text", "write_bytes", "mkdir", "unlink",
+                 "rmdir", "touch", "glob", "rglob", "iterdir", "exists", "is_file", "is_dir",
+                 "rename", "savefig"}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _file_system_calls(source: str, filename: str) -> list[tuple[str, int, str]]:
+    """(enclosing function, line, call) of each call in `source` that touches the file system
+    directly: the built-in `open`, os and os.path calls on files, glob, shutil, numpy's file
+    functions, and the methods of path objects (`Path(...).write_text`, `fig.savefig`)."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call):
+            name, func = _dotted(node.func), node.func
+            receiver = _dotted(func.value) if isinstance(func, ast.Attribute) else None
+            if (name == "open" or name in _MODULE_CALLS
+                    or (name or "").startswith(("shutil.", "tempfile.")) and name not in _NOT_FILES
+                    or name and name.count(".") == 1 and name.startswith("os.")
+                    and name[3:] in _OS_CALLS
+                    or name and name.startswith("os.path.") and name[8:] in _OS_PATH_CALLS
+                    or isinstance(func, ast.Attribute) and func.attr in _PATH_METHODS
+                    and receiver not in ("paths", "os", "os.path")):
+                found.append((function, node.lineno, ast.unparse(node.func)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source, filename), "")
+    return found
+
+
+def test_only_the_paths_module_touches_the_file_system():
+    """Every other module reaches run and sweep directories through `cbs.results.paths` (or
+    `records`, on top of it), so nothing writes a local directory named `gs:`; the places that
+    may touch files directly are listed in TOUCH_ALLOWED with their reasons."""
+    root = pathlib.Path(__file__).resolve().parent.parent / "cbs"
+    offending = []
+    for file in sorted(root.rglob("*.py")):
+        parts = file.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if module == "cbs.results.paths" or module in TOUCH_ALLOWED:
+            continue
+        offending += [f"{file.relative_to(root.parent)}:{line} {call}(...) in {function}()"
+                      for function, line, call in _file_system_calls(file.read_text(), str(file))
+                      if f"{module}:{function}" not in TOUCH_ALLOWED]
+    assert not offending, "go through cbs.results.paths:\n" + "\n".join(offending)
+
+
+def test_the_file_system_scan_sees_each_kind_of_call():
+    source = """
+def f(fig, p, path):
+    open(p)
+    os.makedirs(p, exist_ok=True)
+    os.path.exists(p)
+    glob.glob(p)
+    shutil.copy(p, p)
+    pathlib.Path(p).write_text("x")
+    fig.savefig(p)
+    paths.exists(p)  # the layer itself: not flagged
+    shutil.get_terminal_size()
+    os.path.join(p, "a")
+"""
+    assert [line for _, line, _ in _file_system_calls(source, "f.py")] == list(range(3, 10))

@@ -102,13 +102,13 @@ def test_degenerate_inputs_still_write_a_png(tmp_path, name):
 def figures(monkeypatch):
     """The Figure objects the plot functions save, in order (drawn, so text has extents)."""
     saved = []
-    save = plots._save
+    save = plots.save_figure
 
-    def keep(fig, path):
+    def keep(fig, path, dpi=120):
         saved.append(fig)
-        return save(fig, path)
+        return save(fig, path, dpi)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     return saved
 
 

@@ -107,3 +107,39 @@ def test_code_given_with_c_runs_as_python_c_does():
     code = "import sys; print(sys.argv, __name__)"
     warm, cold = (_warm.python(["-c", code, "a", "b"], cold=c) for c in (False, True))
     assert warm.stdout == cold.stdout == "['-c', 'a', 'b'] __main__\n" and warm.returncode == 0
+
+
+class _Pipes:
+    """The warm server's side of its pipes, written by the test: `stdout` carries the
+    messages the test wrote, `stdin` takes the requests."""
+
+    def __init__(self) -> None:
+        read, self.write = os.pipe()
+        self.stdout = os.fdopen(read, "rb", buffering=0)
+        self.stdin = open(os.devnull, "wb", buffering=0)
+
+    def send(self, **message) -> None:
+        os.write(self.write, (json.dumps(message) + "\n").encode())
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_reused_pid_does_not_return_an_earlier_commands_status():
+    """The system gives a new process the PID of one already reaped: the status the first
+    command ended with is not the second one's, which is still running."""
+    pipes = _Pipes()
+    server = object.__new__(_warm._Server)
+    server.proc, server.pending, server.ended = pipes, b"", {}
+    pipes.send(started=4242)
+    first = server.start(["-c", "pass"], "/", {}, (), os.devnull, None)
+    pipes.send(ended=4242, code=3)
+    assert server.status(first, timeout=5) == 3
+    pipes.send(started=4242)  # the same PID again, for another command
+    second = server.start(["-c", "pass"], "/", {}, (), os.devnull, None)
+    assert second == first and server.status(second, timeout=0) is None  # not ended yet
+    pipes.send(ended=4242, code=0)
+    assert server.status(second, timeout=5) == 0
+    pipes.stdout.close()
+    pipes.stdin.close()
+    os.close(pipes.write)

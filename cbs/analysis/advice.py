@@ -319,6 +319,6 @@ def figure(advices: Sequence[Advice], path: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    from cbs.analysis import plots
+
+    return plots.save_figure(fig, path, dpi=110)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import report
+from cbs.analysis import plots, report
 from cbs.results import files, records
 
 __all__ = [
@@ -196,6 +196,9 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
     """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
     reference's crossings of the sweep's targets); returns its text."""
     d: Any = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
+    if d is None:
+        raise ValueError(f"{workdir} has no {files.DEFINITION_FILE}: give the --workdir of a "
+                         "branch study (python -m experiments.branch --config=... --workdir=...)")
     b, points = d["branch"], summarize(workdir)
     tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
            else f"{b['epsilon']:g} nats")
@@ -226,8 +229,7 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
                   f"{s['lo']:.3g}–{s['hi']:.3g} |" for s in sw]
         lines.append("")
     text = "\n".join(lines)
-    with open(os.path.join(workdir, files.REPORT_FILE), "w") as f:
-        f.write(text)
+    records.write_atomic(os.path.join(workdir, files.REPORT_FILE), text)
     return text
 
 
@@ -351,8 +353,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     ax.set_title("Local critical batch size vs noise scale vs swept B_crit")
     fig.tight_layout()
     path = path or os.path.join(workdir, "local_cbs.png")
-    fig.savefig(path, dpi=120)
-    return path
+    return plots.save_figure(fig, path)
 
 
 def _ema(x: np.ndarray, decay: float) -> np.ndarray:

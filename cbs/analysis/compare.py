@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import calibration, fit, reference_protocol, report
+from cbs.analysis import calibration, fit, plots, reference_protocol, report
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
@@ -213,9 +213,7 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
     axes[min(1, len(axes) - 1)].legend(handles=handles, fontsize=8, loc="upper left")
     fig.suptitle(f"{title}\nbars: B_crit's 95% interval; the noise scale's min–max {spread}")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return plots.save_figure(fig, path, dpi=110)
 
 
 def protocol_table(rows: Sequence[dict[str, Any]]) -> str:

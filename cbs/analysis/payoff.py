@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from cbs.analysis import fit, joint, ramp_start
+from cbs.analysis import fit, joint, plots, ramp_start
 from cbs.results import files, records
 from cbs.results.store import target_key
 
@@ -363,8 +363,7 @@ def figure(result: dict[str, Any], ramps: Sequence[dict[str, Any]], path: str) -
         ax.grid(True, which="both", alpha=0.3)
     fig.axes[0].set_ylabel("steps S")
     fig.legend(loc="outside right center", fontsize=7)
-    fig.savefig(path, dpi=110)
-    return path
+    return plots.save_figure(fig, path, dpi=110)
 
 
 def _schedule_text(spec: dict[str, Any]) -> str:

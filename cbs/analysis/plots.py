@@ -8,6 +8,7 @@ S_min, E_min, B_crit = E_min/S_min the fitted trade-off, L the target loss.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -21,20 +22,26 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from cbs.analysis.fit import PowerLawFit, TradeoffFit
+from cbs.results import paths, records
 
 __all__ = [
     "PathLike", "b_crit_vs_loss", "batch_size_schedule", "log_labels", "noise_over_training",
-    "pareto_frontier", "se_plane", "tradeoff_collapse",
+    "pareto_frontier", "save_figure", "se_plane", "tradeoff_collapse",
 ]
 
 PathLike = str | os.PathLike
 
 
-def _save(fig: Figure, path: PathLike) -> str:
+def save_figure(fig: Figure, path: PathLike, dpi: int = 120) -> str:
+    """Writes `fig` as a PNG to `path` (local or gs://, through `cbs.results.paths`),
+    creating its directory; returns the path. Rendered in memory and written whole."""
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    paths.makedirs(os.path.dirname(path) or ".")
+    records.write_atomic(path, buffer.getvalue())
     return path
+
 
 
 def _new(ncols: int = 1, width: float = 6.0) -> tuple[Figure, list[Any]]:
@@ -153,7 +160,7 @@ def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
         ax.plot(s, b * s, "o", color=color, label=label)
     ax.set(xlabel="steps S", ylabel="examples E = B·S", title=title)
     _finish(ax, logx=True, logy=True)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def tradeoff_collapse(series: Sequence[Mapping[str, Any]], path: PathLike) -> str:
@@ -182,7 +189,7 @@ def tradeoff_collapse(series: Sequence[Mapping[str, Any]], path: PathLike) -> st
         _finish(ax, logx=True, logy=True)
     if not xs:
         _no_data(ax_s, "no target with a fit")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: PathLike, *,
@@ -217,7 +224,7 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
     ax.set(xlabel=xlabel, ylabel="batch size")
     if _finish(ax, logx=True, logy=True):
         ax.invert_xaxis()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
@@ -255,7 +262,7 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
         ax.legend(handles=handles, fontsize=7 if outside else 8,
                   ncols=1 + len(handles) // 16 if outside else 1,
                   **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if outside else {}))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _label_colors(n: int) -> list[Any]:
@@ -295,7 +302,7 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
         ax.plot([sx], [ex], "D", color=f"C{i % 10}", ms=8, mec="k", label=run.get("label"))
     ax.set(xlabel="steps S", ylabel="examples E", title=title)
     _finish(ax, logx=True, logy=True)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
@@ -316,4 +323,4 @@ def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
     if ax_lr is not None:
         ax_lr.set_ylabel("learning rate (dotted)")
     _finish(ax, logx=False, logy=True)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -17,7 +17,7 @@ Reads only result files; needs no model.
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import math
 import os
 from collections.abc import Sequence
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import noise_at_target, selection
-from cbs.results import records
+from cbs.results import paths, records
 
 __all__ = ["NAMES", "PAIRS", "SEEDS_GLOB", "load", "markdown", "seed_values", "spread",
            "summarize"]
@@ -109,8 +109,10 @@ def load(sweep_dir: str, targets: Sequence[float] | None = None, window: int | N
          ) -> dict[str, Any] | None:
     """`summarize` of the seeds written in `sweep_dir` (None without any); targets and
     window default to the sweep's (sweep.json)."""
-    paths = sorted(glob.glob(os.path.join(sweep_dir, SEEDS_GLOB)))
-    runs = [rs[-1] for rs in (records.read_records(p) for p in paths) if rs]
+    folder, pattern = os.path.split(SEEDS_GLOB)
+    names = fnmatch.filter(paths.listdir(paths.join(sweep_dir, folder)), pattern)
+    seed_files = [paths.join(sweep_dir, folder, n) for n in names]
+    runs = [rs[-1] for rs in (records.read_records(p) for p in seed_files) if rs]
     if not runs:
         return None
     runs.sort(key=lambda r: int(r["seed"]))

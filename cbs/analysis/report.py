@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
+import errno
 import math
 import os
 from collections.abc import Sequence
@@ -345,6 +345,10 @@ def _tokens_per_example(definition: dict[str, Any]) -> int | None:
 
 
 def load_analysis(sweep_dir: str) -> dict[str, Any]:
-    """analysis.json of a sweep directory (written by `analyze`)."""
-    with open(os.path.join(sweep_dir, ANALYSIS_FILE)) as f:
-        return json.load(f)
+    """analysis.json of a sweep directory (written by `analyze`); FileNotFoundError when the
+    sweep has none."""
+    path = os.path.join(sweep_dir, ANALYSIS_FILE)
+    analysis = records.read_json(path)
+    if analysis is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    return analysis

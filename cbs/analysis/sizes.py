@@ -41,7 +41,7 @@ import numpy as np
 import scipy.stats
 
 from cbs.analysis import fit, joint, misfit, report
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
 __all__ = ["analyze", "collect", "figure", "study_size", "summary", "table", "write_report"]
@@ -401,9 +401,7 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
     ax.set_title("Critical batch against the loss, by model size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return plots.save_figure(fig, path, dpi=110)
 
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000) -> str:
@@ -426,7 +424,7 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
              "the χ² reading beside it).", "", *summary(result), "", table(studies), "",
              f"![B_crit against the loss by size]({files.SIZES_FIGURE_FILE})", ""]
     path = os.path.join(out_dir, files.REPORT_FILE)
-    os.makedirs(out_dir, exist_ok=True)
+    paths.makedirs(out_dir)
     records.write_atomic(path, "\n".join(lines))
     plain = [{k: v for k, v in s.items() if k != "_noise"} for s in studies]
     records.write_json_atomic(os.path.join(out_dir, files.SIZES_FILE),

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
                          + (", noise.curvature=True" if _SCALE.value == "b_noise" else "")
                          + ") and evaluations")
     out = _OUT.value or where
-    os.makedirs(out, exist_ok=True)
+    paths.makedirs(out)
     text = advice.table(advices)
     records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
                          f"`{where}`\n\n{advice.summary(advices[-1])}\n\n{text}\n")
@@ -97,8 +97,8 @@ def _checkpoint_of() -> tuple[str, int | None]:
     if _STEP.value is not None:
         raise ValueError("--step goes with --workdir; --checkpoint names its step: "
                          "--checkpoint=RUN/checkpoints/STEP")
-    path = os.path.normpath(str(_CHECKPOINT.value))
-    head, tail = os.path.split(path)
+    path = str(_CHECKPOINT.value).rstrip("/")  # not normpath: it makes gs://b of gs:/b
+    head, tail = os.path.split(path if paths.is_remote(path) else os.path.normpath(path))
     if tail.isdigit() and os.path.basename(head) == checkpoint.CHECKPOINT_DIR:
         return os.path.dirname(head), int(tail)
     if tail == checkpoint.CHECKPOINT_DIR:
@@ -118,7 +118,7 @@ def _from_checkpoint(workdir: str, step: int | None, *, scale: str, level: float
                                           curvature=scale == "b_noise")
     a = advice.from_checkpoint(measured, scale=scale, level=level, exchange=exchange)
     out = _OUT.value or workdir
-    os.makedirs(out, exist_ok=True)
+    paths.makedirs(out)
     name = f"advice_{measured['step']}"
     records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
                          f"`{workdir}` at checkpoint {measured['step']}\n\n"

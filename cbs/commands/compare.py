@@ -20,8 +20,6 @@ The inputs are checked first (`check_inputs`): a bad one is one line and nothing
 
 from __future__ import annotations
 
-import pathlib
-
 from absl import flags
 
 from cbs import commands
@@ -73,7 +71,7 @@ def main(argv: list[str]) -> None:
     module = sizes if _SIZES.value else compare
     extra = {} if _SIZES.value else {"held_out": _HELD_OUT.value}
     path = module.write_report(dirs, _OUT.value, bootstrap=_BOOTSTRAP.value, **extra)
-    print(pathlib.Path(path).read_text())
+    print(paths.read_text(path))
     print(f"report: {path}")
 
 

@@ -14,13 +14,12 @@ examples against their frontier.
 
 from __future__ import annotations
 
-import pathlib
-
 from absl import flags, logging
 from ml_collections import config_flags
 
 from cbs import commands
 from cbs.engine import cli, distributed, preemption
+from cbs.results import paths
 from cbs.sweeps import launch, ramps
 
 __all__ = ["main", "run"]
@@ -51,7 +50,7 @@ def main(argv: list[str]) -> None:
     if out_dir and out_dir != sweep_dir:
         path = payoff.write_report(out_dir, runs, _CONFIG.value.sweep.targets,
                                    sweep_dir=sweep_dir)
-        print(pathlib.Path(path).read_text())
+        print(paths.read_text(path))
         return
     path = report.write_report(sweep_dir)
     analysis = report.load_analysis(sweep_dir)

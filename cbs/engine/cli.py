@@ -44,11 +44,12 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from cbs.engine import preemption
+from cbs.results import paths
 
 __all__ = [
     "HELP_FLAGS", "USER_ERROR_EXIT", "VERBOSE_ENV", "command_help", "exit_on_help", "flag_help",
-    "guarded", "is_missing_extra", "is_user_error", "message", "parse_flags", "remove_if_empty",
-    "required", "run", "verbose",
+    "guarded", "is_missing_extra", "is_user_error", "message", "parse_flags", "required", "run",
+    "verbose",
 ]
 
 VERBOSE_ENV = "CBS_VERBOSE"
@@ -113,30 +114,6 @@ def message(err: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _first_missing(path: str) -> str | None:
-    """The outermost directory on `path` that does not exist yet (None if it exists)."""
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        return None
-    while not os.path.exists(os.path.dirname(path)):
-        path = os.path.dirname(path)
-    return path
-
-
-def remove_if_empty(root: str) -> None:
-    """Removes `root` and the directories under it if none of them holds a file."""
-    if not os.path.isdir(root):
-        return
-    for _, _, filenames in os.walk(root):
-        if filenames:
-            return
-    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(dirpath)
-        except OSError:
-            return
-
-
 def _outputs(names: Sequence[str]) -> list[str]:
     values = (flags.FLAGS[n].value for n in names if n in flags.FLAGS)
     return [v for v in values if isinstance(v, str) and v]
@@ -147,7 +124,7 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
     """`main` with user errors turned into one line and exit status 2 (see the module doc)."""
 
     def wrapped(argv: list[str]) -> Any:
-        created = [p for p in map(_first_missing, _outputs(outputs)) if p is not None]
+        created = [p for p in map(paths.first_missing, _outputs(outputs)) if p is not None]
         try:
             return main(argv)
         except preemption.Preempted as err:
@@ -155,13 +132,13 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
             sys.exit(err.exit_status)
         except KeyboardInterrupt:  # Ctrl-C outside training (cbs.engine.preemption)
             for path in created:
-                remove_if_empty(path)
+                paths.remove_if_empty(path)
             print("interrupted (SIGINT): stopped outside training; what was written is kept, "
                   "rerun the same command to go on", file=sys.stderr)
             sys.exit(preemption.INTERRUPT_EXIT_STATUS)
         except Exception as err:
             for path in created:
-                remove_if_empty(path)
+                paths.remove_if_empty(path)
             if verbose() or not is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)

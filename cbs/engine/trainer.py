@@ -214,7 +214,7 @@ _RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
 
 def _has_checkpoint(workdir: str) -> bool:
     ckpts = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
-    return paths.isdir(ckpts) and any(paths.epath(ckpts).iterdir())
+    return bool(paths.listdir(ckpts))
 
 
 def _remove_run_files(workdir: str, created: bool) -> None:
@@ -223,14 +223,12 @@ def _remove_run_files(workdir: str, created: bool) -> None:
     if jax.process_index() != 0:
         return
     for name in _RUN_FILES:
-        path = paths.epath(os.path.join(workdir, name))
-        if path.exists():
-            path.unlink()
+        paths.remove(os.path.join(workdir, name))
     for name in _RUN_DIRS:
         if paths.isdir(os.path.join(workdir, name)):
             paths.rmtree(os.path.join(workdir, name))
-    if created and paths.isdir(workdir) and not any(paths.epath(workdir).iterdir()):
-        paths.epath(workdir).rmdir()
+    if created:
+        paths.rmdir(workdir)
 
 
 def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int = 0,

@@ -24,6 +24,7 @@ add objects to the directories cbs lists.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import uuid
@@ -33,8 +34,9 @@ from typing import Any
 from cbs import install_command
 
 __all__ = [
-    "PathLike", "create_new", "epath", "exists", "is_remote", "isdir", "join", "listdir",
-    "makedirs", "move", "read_bytes", "read_many", "remove", "rmtree",
+    "PathLike", "create_new", "epath", "exists", "first_missing", "is_remote", "isdir", "join",
+    "listdir", "makedirs", "move", "read_bytes", "read_many", "read_text", "remove",
+    "remove_if_empty", "rmdir", "rmtree",
 ]
 
 PathLike = str | os.PathLike
@@ -95,6 +97,14 @@ def read_bytes(path: PathLike) -> bytes | None:
         return None
 
 
+def read_text(path: PathLike) -> str:
+    """The file's text (UTF-8); FileNotFoundError when it does not exist."""
+    raw = read_bytes(path)
+    if raw is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+    return raw.decode("utf-8")
+
+
 def move(src: PathLike, dst: PathLike) -> None:
     """Moves a file or directory tree (a copy and delete on an object store)."""
     if is_remote(src) or is_remote(dst):
@@ -113,6 +123,46 @@ def rmtree(path: PathLike) -> None:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
+
+
+def first_missing(path: PathLike) -> str | None:
+    """The outermost directory on `path` that does not exist yet, which a command writing to
+    `path` would create (None if `path` exists). On an object store, which has no
+    directories, `path` itself when nothing is stored under it."""
+    if is_remote(path):
+        return None if exists(path) else os.fspath(path)
+    text = os.path.abspath(path)
+    if os.path.exists(text):
+        return None
+    while not os.path.exists(os.path.dirname(text)):
+        text = os.path.dirname(text)
+    return text
+
+
+def remove_if_empty(root: PathLike) -> None:
+    """Removes `root` and the directories under it if none of them holds a file (on an
+    object store, where a directory is only the prefix of its objects: nothing to remove)."""
+    if is_remote(root) or not os.path.isdir(root):
+        return
+    root = os.fspath(root)
+    for _, _, filenames in os.walk(root):
+        if filenames:
+            return
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            return
+
+
+def rmdir(path: PathLike) -> None:
+    """Removes the directory if it is empty (else, or when it does not exist, nothing; on an
+    object store, where a directory is only the prefix of its objects, nothing either)."""
+    if not is_remote(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def _fresh_fs(path: PathLike) -> tuple[Any, str]:

@@ -225,9 +225,7 @@ class BranchRunner:
             d = branch_unit.unit_dir(self.workdir, step, k, seed)
             if paths.isdir(d):
                 paths.rmtree(d)
-        units = os.path.join(self.workdir, files.UNITS_DIR)
-        if paths.isdir(units) and not any(paths.epath(units).iterdir()):
-            paths.epath(units).rmdir()
+        paths.rmdir(os.path.join(self.workdir, files.UNITS_DIR))
 
 
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,

@@ -28,7 +28,7 @@ them: each seed's noise scale at each target and the spread over seeds.
 from __future__ import annotations
 
 import dataclasses
-import json
+import errno
 import math
 import os
 from typing import Any
@@ -42,7 +42,7 @@ from cbs.engine import config as config_lib
 from cbs.engine import measure
 from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, upgrade_noise_fields
 from cbs.stats import preconditioned
 from cbs.sweeps import reference
@@ -110,8 +110,9 @@ def _merged(base: ml_collections.ConfigDict, raw: dict[str, Any]) -> ml_collecti
 def _lowest_b_crit(sweep_dir: str, targets) -> tuple[float, float]:
     """(lowest target, its fitted B_crit) from the study's analysis.json."""
     path = os.path.join(sweep_dir, files.ANALYSIS_FILE)
-    with open(path) as f:
-        analysis = json.load(f)
+    analysis = records.read_json(path)
+    if analysis is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     fitted = [(t["target"], t["fit"].get("b_crit")) for t in analysis["targets"]
               if t["fit"].get("b_crit") is not None and math.isfinite(t["fit"]["b_crit"])]
     if not fitted:
@@ -231,7 +232,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
             "seconds": result.seconds,
             "protocol": reference.protocol_text(config, trial, run.dataset.num_train),
             "curve": result.curve}
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        paths.makedirs(os.path.dirname(path))
         records.append_records(path, [record])
         log(f"{sweep_dir}: seed {seed}, B={b} (B_crit/{b_crit / b:.3g} at L={target:g}), "
             f"lr={trial.learning_rate:.3g}, {len(result.curve['step'])} evaluations, "
