@@ -1,10 +1,11 @@
 """The declared floors are true: a fresh virtual environment with every direct dependency at
-exactly its lowest declared version (pyproject.toml's `>=`) installs, satisfies cbs-jax's
-metadata (`pip check`), and runs a tiny run with `cbs-train`.
+exactly its lowest declared version (pyproject.toml's `>=`) installs and satisfies cbs-jax's
+metadata (`pip check`); there one `nnx.jit` step of the NNX drop-in and a tiny sweep run
+(the default suite, so CI checks the floors on every change), and a tiny `cbs-train` run
+(slow).
 
-Slow, and the one test that downloads: pip fetches the floor versions from the package index
-(a few hundred MB the first time; pip's cache serves later runs). Run it with
-`python -m pytest -m slow tests/test_floors.py` after changing a floor or a use of a newer API.
+The one test module of the default suite that downloads: pip fetches the floor versions from
+the package index (a few hundred MB the first time; pip's cache serves later runs).
 """
 
 from __future__ import annotations
@@ -62,16 +63,42 @@ def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.slow
-def test_lowest_declared_versions_run_a_tiny_run(tmp_path):
-    venv = tmp_path / "venv"
+_NNX_JIT_STEP = """
+import jax, jax.numpy as jnp, optax
+from flax import nnx
+from cbs import noise
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+def loss(model, batch):
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]),
+                                                                    batch["y"]))
+
+batch = {"x": jax.random.normal(jax.random.key(1), (32, 8)), "y": jnp.arange(32) % 3}
+value, grads, stats = nnx.jit(noise.nnx_value_grad_and_stats(loss))(MLP(nnx.Rngs(0)), batch)
+assert jnp.isfinite(value) and jnp.isfinite(stats.trace_sigma), (value, stats)
+print("nnx.jit step", jax.__version__)
+"""
+
+
+@pytest.fixture(scope="module")
+def floors(tmp_path_factory):
+    """(python, env) of a venv with every direct dependency at its floor and cbs-jax from a
+    copy of this checkout (so the checkout gets no build/ or egg-info directories)."""
+    root = tmp_path_factory.mktemp("floors")
+    venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     python = str(venv / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "JAX_COMPILATION_CACHE_DIR")}
     env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one device, as a user's run
     _run([python, "-m", "pip", "install", "-q", "--only-binary=:all:", *floor_pins()],
          env=env, timeout=1800)
-    src = tmp_path / "src"  # a copy, so the checkout gets no build/ or egg-info directories
+    src = root / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
@@ -83,9 +110,25 @@ def test_lowest_declared_versions_run_a_tiny_run(tmp_path):
     for pin in floor_pins():
         name, version = re.sub(r"\[.*\]", "", pin).split("==")
         assert Version(installed[name.lower().replace("_", "-")]) == Version(version), name
-    away = tmp_path / "elsewhere"
-    away.mkdir()
+    return python, env, venv
+
+
+def test_lowest_declared_versions_run_an_nnx_jit_step_and_a_tiny_sweep(floors, tmp_path):
+    """The floors' fast check: flax 0.12.1 with jax 0.9.2 failed the first (`nnx.jit`
+    passed `abstracted_axes` to a jax.jit that has none)."""
+    python, env, venv = floors
+    step = _run([python, "-c", _NNX_JIT_STEP], env=env, cwd=tmp_path, timeout=600)
+    assert "nnx.jit step 0.9.2" in step.stdout
+    configs = ROOT / "experiments" / "configs" / "digits_sweep.py"
+    sweep = _run([str(venv / "bin" / "cbs-sweep"), f"--config={configs}:tiny",
+                  "--sweep_dir=sweep"], env=env, cwd=tmp_path, timeout=1200)
+    assert "report:" in sweep.stdout and (tmp_path / "sweep" / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_lowest_declared_versions_run_a_tiny_run(floors, tmp_path):
+    python, env, venv = floors
     proc = _run([str(venv / "bin" / "cbs-train"), "--config=digits_mlp:tiny",
-                 "--workdir=run"], cwd=away, env=env, timeout=1200)
+                 "--workdir=run"], cwd=tmp_path, env=env, timeout=1200)
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert summary["status"] == "finished" and summary["step"] == 20, summary
