@@ -21,10 +21,11 @@ from cbs.analysis.report_tables import (
     ramp_table,
     seed_table,
     summary_table,
+    to_wandb,
 )
 
 __all__ = [
     "analyze", "analyze_target", "held_out_table", "kaplan_table", "load_analysis",
     "make_figures", "ramp_table", "read_ramps", "seed_spread", "seed_table", "summary_table",
-    "write_report",
+    "to_wandb", "write_report",
 ]

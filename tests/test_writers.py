@@ -16,6 +16,7 @@ import time
 import jax.numpy as jnp
 import ml_collections
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import noise
 from cbs.engine import fields, loop, writer
@@ -264,3 +265,26 @@ def test_a_run_mirrors_its_records_to_an_offline_wandb_run(tmp_path, offline_wan
     assert len(runs) == 2  # the same W&B run, resumed (wandb sync merges them)
     later = {r["_step"] for r in _wandb_history(runs[1]) if "train/loss" in r}
     assert later == {8, 9, 10, 11}
+
+
+def test_a_sweep_mirrored_to_wandb_says_one_line_per_run_and_sends_its_b_crit_table(tmp_path):
+    """A three-group tiny sweep with `train.wandb` (offline): W&B's own banners are silenced
+    (they were 102 `wandb:` lines on stderr), one line per run names where it is, and the
+    sweep's B_crit table goes to W&B as a "<sweep> summary" run of the sweep's group."""
+    import _warm
+
+    env = _warm.base_env() | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+                              "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+    env.pop("WANDB_SILENT", None)  # what W&B would print is the point
+    done = _warm.python(["-m", "experiments.sweep",
+                         "--config=experiments/configs/digits_sweep.py:tiny",
+                         f"--sweep_dir={tmp_path / 'sw'}", "--config.train.wandb=cbs-test"],
+                        env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("wandb:")]
+    groups = len(os.listdir(tmp_path / "sw" / "groups"))
+    assert groups == 3 and len(said) == groups + 1, said
+    assert said[-1].startswith("wandb: sw summary (offline: ")
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")), key=os.path.getmtime)
+    rows = _wandb_history(runs[-1])
+    assert any(k.startswith("sweep/b_crit/") for r in rows for k in r), rows  # the table

@@ -18,7 +18,8 @@ from typing import Any
 from cbs.analysis import fit, noise_at_target
 from cbs.results.store import target_key
 
-__all__ = ["held_out_table", "kaplan_table", "ramp_table", "seed_table", "summary_table"]
+__all__ = [
+    "held_out_table", "kaplan_table", "ramp_table", "seed_table", "summary_table", "to_wandb"]
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
@@ -278,3 +279,27 @@ def _g(x: Any) -> str:
     if x is not None and float(x) == math.inf:
         return "∞"  # an interval's unbounded side
     return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
+
+
+def to_wandb(analysis: dict[str, Any], project: str, *, group: str) -> None:
+    """The sweep's B_crit table as one W&B run of the sweep's group ("<group> summary"): a
+    table per target (B_crit, its interval, S_min, E_min, the noise scales at L, status) and
+    `b_crit/L=<target>` in the run's summary."""
+    from cbs.results.writers import WandbWriter
+
+    columns = ["target", "b_crit", "b_crit_lo", "b_crit_hi", "extrapolated", "s_min", "e_min",
+               "b_simple", "b_noise", "status"]
+    rows, summary = [], {}
+    for t in analysis["targets"]:
+        f = t["fit"]
+        lo, hi = f.get("b_crit_ci") or (None, None)
+        rows.append([float(t["target"]), f.get("b_crit"), lo, hi,
+                     bool(t.get("b_crit_extrapolated")), f.get("s_min"), f.get("e_min"),
+                     t.get("measured_b_simple"), t.get("measured_b_noise"), f["status"]])
+        if f["status"] == fit.OK:
+            summary[f"b_crit/L={t['target']:g}"] = f["b_crit"]
+    writer = WandbWriter(project, name=f"{group} summary", group=group)
+    try:
+        writer.write_table("sweep/b_crit", columns, rows, summary)
+    finally:
+        writer.close()

@@ -18,6 +18,7 @@ it. Two launchers on one directory share its groups of trials. Files: see
 
 from __future__ import annotations
 
+import os
 import time
 
 from absl import flags, logging
@@ -59,8 +60,13 @@ def main(argv: list[str]) -> None:
         # config, a shard or a preempted run stops without them
         from cbs.analysis import report, report_tables
 
-        path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value)
-        print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
+        sweep_dir = cli.required(_SWEEP_DIR)
+        path = report.write_report(sweep_dir, bootstrap=_BOOTSTRAP.value)
+        analysis = report.load_analysis(sweep_dir)
+        print(report_tables.summary_table(analysis))
+        if _CONFIG.value.train.get("wandb"):  # the trials' runs are in W&B: so is the table
+            report_tables.to_wandb(analysis, _CONFIG.value.train.wandb, group=os.path.basename(
+                os.path.normpath(str(sweep_dir))))
         print(f"report: {path}  (total {time.perf_counter() - start:.0f} s)")
 
 
