@@ -133,6 +133,8 @@ def leave_one_study_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
         by_study.setdefault(str(r["study"]), []).append(r)
     for study, held in by_study.items():
         rest = [p for p in pts if p[0] != study]
+        if not rest:  # no other study to fit (a comparison of one study)
+            continue
         model = _fit(rest)
         hits = []
         for r in held:

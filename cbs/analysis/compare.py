@@ -32,7 +32,7 @@ from cbs.results import files, records
 from cbs.results.store import SweepStore
 
 __all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PROTOCOL", "collect", "figure", "protocol_table",
-           "summary", "table", "write_report"]
+           "study_labels", "study_path", "summary", "table", "write_report"]
 
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)
@@ -42,15 +42,37 @@ PROTOCOL = (("ref_b_simple", "B_simple"), ("ref_b_noise", "B_noise"),
             ("ref_update_b_noise", "B_noise of the update (P·g; SGD: g)"))
 
 
+def study_path(sweep_dir: str) -> str:
+    """What identifies a study: its sweep directory's full path (absolute, or the URI as
+    given), without a trailing separator."""
+    text = sweep_dir.rstrip("/") or "/"
+    return text if "://" in text else os.path.abspath(text)
+
+
+def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
+    """One label per study, distinct: its folder's name, or where folders share a name, as
+    many trailing folders of the full path as tell them apart (`a/digits`, `b/digits`)."""
+    parts = [study_path(d).split("/") for d in sweep_dirs]
+    depth = [1] * len(parts)
+    while True:
+        labels = ["/".join(p[-k:]) for p, k in zip(parts, depth, strict=True)]
+        clashes = {x for x in labels if labels.count(x) > 1}
+        longer = [i for i, x in enumerate(labels) if x in clashes and depth[i] < len(parts[i])]
+        if not longer:  # distinct, or the same path twice (`cbs-compare` refuses that)
+            return labels
+        for i in longer:
+            depth[i] += 1
+
+
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One row per (study, target) with a B_crit fit: study, task, optimizer, target,
-    b_crit and its interval, the measured b_simple / b_noise (median over batch sizes) with
-    their min/max where recorded, the noise protocol, and the ratios B_crit/B_simple and
-    B_crit/B_noise; and where the study has the protocol (`reference_protocol`), for each
-    name of PROTOCOL its median over seeds (ref_<...>), _range (min, max), _gsd, _seeds and
-    ratio_<...>, with ref_batch_size and ref_protocol."""
+    """One row per (study, target) with a B_crit fit: study (`study_labels`), task, optimizer,
+    target, b_crit and its interval, the measured b_simple / b_noise (median over batch
+    sizes) with their min/max where recorded, the noise protocol, and the ratios
+    B_crit/B_simple and B_crit/B_noise; and where the study has the protocol
+    (`reference_protocol`), for each name of PROTOCOL its median over seeds (ref_<...>),
+    _range (min, max), _gsd, _seeds and ratio_<...>, with ref_batch_size and ref_protocol."""
     rows = []
-    for d in sweep_dirs:
+    for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)
         definition = SweepStore(d).definition() or {}
         config = definition.get("config", {})
@@ -62,7 +84,7 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             f = t["fit"]
             if f["status"] != fit.OK:
                 continue
-            row = {"study": os.path.basename(os.path.normpath(d)), "task": task,
+            row = {"study": label, "task": task,
                    "optimizer": optimizer, "target": t["target"], "b_crit": f["b_crit"],
                    "b_crit_ci": tuple(f["b_crit_ci"] or (math.nan, math.nan)),
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
