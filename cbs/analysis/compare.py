@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import calibration, fit, reference_protocol, report
+from cbs.analysis import calibration, fit, reference_protocol, report, report_tables
 from cbs.results import files, records
 from cbs.results.store import SweepStore
 
@@ -87,6 +87,8 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             row = {"study": label, "task": task,
                    "optimizer": optimizer, "target": t["target"], "b_crit": f["b_crit"],
                    "b_crit_ci": tuple(f["b_crit_ci"] or (math.nan, math.nan)),
+                   "n_batch_sizes": int(f["n_batch_sizes"]),
+                   "b_crit_unresolved": report_tables.unresolved(f),
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
                    or DEFAULT_PROTOCOL}
@@ -157,10 +159,18 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         mark = " (extrapolated)" if r["extrapolated"] else ""
         lines.append(
             f"| {r['study']} | {r['task']} | {r['optimizer']} | {r['target']:g} | "
-            f"{_g(r['b_crit'])} ({_g(r['b_crit_ci'][0])}–{_g(r['b_crit_ci'][1])}){mark} | "
+            f"{_b_crit_cell(r)}{mark} | "
             f"{_with_range(r, 'b_simple')} | {_with_range(r, 'b_noise')} | "
             f"{_g(r['ratio_b_simple'])} | {_g(r['ratio_b_noise'])} |")
     return "\n".join(lines)
+
+
+def _b_crit_cell(row: dict[str, Any]) -> str:
+    """"B_crit (lo–hi)", or flagged unresolved when its interval collapsed."""
+    if row.get("b_crit_unresolved"):
+        return f"{_g(row['b_crit'])}, {report_tables.unresolved_text(row)}"
+    lo, hi = row["b_crit_ci"]
+    return f"{_g(row['b_crit'])} ({_g(lo)}–{_g(hi)})"
 
 
 def _with_range(row: dict[str, Any], name: str) -> str:
@@ -242,8 +252,8 @@ def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
         adaptive = r["optimizer"] in ("adam", "adamw")
         cell = functools.partial(_seeds_cell, r)
         lines.append(
-            f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_g(r['b_crit'])} "
-            f"({_g(r['b_crit_ci'][0])}–{_g(r['b_crit_ci'][1])}) | {r['ref_batch_size']} | "
+            f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_b_crit_cell(r)} | "
+            f"{r['ref_batch_size']} | "
             f"{_g(r['ref_batch_size'] / r['b_crit'])} | {r['ref_b_simple_seeds']} | "
             f"{cell('ref_b_simple')} | {cell('ref_b_noise')} | "
             f"{cell('ref_update_b_simple') if adaptive else '(= B_simple)'} | "
