@@ -16,16 +16,19 @@ from cbs.analysis.report import (
     write_report,
 )
 from cbs.analysis.report_tables import (
+    b_crit_cell,
     held_out_table,
     kaplan_table,
     ramp_table,
     seed_table,
     summary_table,
     to_wandb,
+    unresolved,
+    unresolved_text,
 )
 
 __all__ = [
-    "analyze", "analyze_target", "held_out_table", "kaplan_table", "load_analysis",
-    "make_figures", "ramp_table", "read_ramps", "seed_spread", "seed_table", "summary_table",
-    "to_wandb", "write_report",
+    "analyze", "analyze_target", "b_crit_cell", "held_out_table", "kaplan_table",
+    "load_analysis", "make_figures", "ramp_table", "read_ramps", "seed_spread", "seed_table",
+    "summary_table", "to_wandb", "unresolved", "unresolved_text", "write_report",
 ]

@@ -248,6 +248,49 @@ def test_cbs_advise_from_a_checkpoint_prints_that_measurement(tiny_run, tmp_path
     assert bad.returncode == 2 and "RUN/checkpoints/STEP" in bad.stderr
 
 
+def test_cbs_advise_says_what_is_true_and_what_to_do(tiny_run, tmp_path):
+    """A step with no checkpoint names the steps there are (the checkpoints are intact: no
+    "delete it to start over"); a negative --exchange is a validation error, not "math
+    domain error"; a run whose records hold no noise estimate (live "none": NaN) is measured
+    at its latest checkpoint as promised, and without a checkpoint is told what to rerun."""
+    import shutil
+
+    run, _, _ = tiny_run
+    env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+
+    def advise(*args):
+        return _warm.python(["-m", "experiments.advise", *args], env=env)
+
+    step = advise(f"--workdir={run}", "--step=7", f"--out={tmp_path / 'o'}")
+    assert step.returncode == 2 and len(step.stderr.strip().splitlines()) == 1
+    assert "no checkpoint at step 7" in step.stderr and "steps 0, 5, 10 and 12" in step.stderr
+    assert "delete" not in step.stderr
+    exchange = advise(f"--workdir={run}", "--exchange=-1")
+    assert exchange.returncode == 2 and "math domain" not in exchange.stderr
+    assert exchange.stderr.startswith("error: --exchange=-1: λ is the examples you would "
+                                      "spend to save one step, a number > 0")
+    quiet = str(tmp_path / "quiet")
+    shutil.copytree(run, quiet)
+    path = os.path.join(quiet, files.METRICS_FILE)
+    rows = [{k: (math.nan if k.startswith(("noise/", "advice/")) else v) for k, v in r.items()}
+            for r in records.read_records(path)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert advice.trajectory(quiet) == []  # NaN is no measurement
+    measured = advise(f"--workdir={quiet}", "--examples=128")
+    assert measured.returncode == 0, measured.stderr
+    assert "not positive" not in measured.stdout
+    assert (f"{quiet} records no measured b_simple: measuring it at the latest checkpoint "
+            "(128 training examples)") in measured.stdout
+    assert "at step 12 (sampled measurement of 128 of 1438 training examples at checkpoint " \
+           "12" in measured.stdout
+    shutil.rmtree(os.path.join(quiet, checkpoint.CHECKPOINT_DIR))
+    none = advise(f"--workdir={quiet}")
+    assert none.returncode == 2 and len(none.stderr.strip().splitlines()) == 1
+    assert "records no measured b_simple and has no checkpoint to measure it at: rerun it " \
+           "with --config.noise.every=100" in none.stderr
+
+
 def test_a_calibrated_ramp_follows_the_predicted_b_crit(tmp_path):
     """An adaptive ramp with rule="calibrated" (SGD: B_crit ≈ 0.63 × B_simple): every batch
     size the run took is the schedule's answer to the live B_simple it observed, and each move

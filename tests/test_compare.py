@@ -105,3 +105,55 @@ def test_a_collapsed_interval_a_rounding_error_inside_its_point_is_drawn(tmp_pat
         r["b_simple_range"] = (r["b_simple"] + 1e-12, hi)
     path = compare.figure(rows, str(tmp_path / "fig.png"))
     assert os.path.getsize(path) > 10_000
+
+
+def test_cbs_compare_writes_into_no_directory_the_user_did_not_name(tmp_path):
+    """Without --out, `cbs-compare results/digits` from a checkout's root leaves the committed
+    results/compare/ alone: the report goes to a new directory beside the study, another one
+    on the next run; studies in different directories need --out (one line, nothing
+    written)."""
+    import _warm
+
+    results = tmp_path / "results"
+    _study(str(results / "digits"), b_crit=20.0, optimizer="adam", data="digits", noise=0.625)
+    committed = results / "compare"
+    committed.mkdir()
+    (committed / "report.md").write_text("the committed comparison\n")
+    args = ["-m", "experiments.compare", "results/digits", "--bootstrap=20"]
+    for name in ("compare_digits", "compare_digits_2"):
+        out = _warm.python(args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr == ""  # one study: no numpy warning either
+        assert (results / name / "report.md").is_file()
+        assert out.stdout.strip().splitlines()[-1].startswith(
+            f"report: {results / name / 'report.md'} (a new directory beside the studies")
+    assert (committed / "report.md").read_text() == "the committed comparison\n"
+    assert sorted(os.listdir(committed)) == ["report.md"]
+    other = _study(str(tmp_path / "elsewhere" / "digits_sgd"), b_crit=200.0, optimizer="sgd",
+                   data="digits", noise=5.0)
+    before = sorted(os.listdir(tmp_path))
+    bad = _warm.python([*args, other], cwd=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "--out=DIR" in bad.stderr and sorted(os.listdir(tmp_path)) == before
+
+
+def test_studies_whose_folders_share_a_name_stay_apart(tmp_path):
+    """A study is its full path: x/task and y/task are two studies (two labels, two points
+    each per target in the summary), not one merged study, and nothing goes to stderr."""
+    import _warm
+
+    x = _study(str(tmp_path / "x" / "task"), b_crit=20.0, optimizer="adam", data="digits",
+               noise=0.625)
+    y = _study(str(tmp_path / "y" / "task"), b_crit=200.0, optimizer="sgd", data="mnist1d",
+               noise=5.0)
+    out = _warm.python(["-m", "experiments.compare", x, y, f"--out={tmp_path / 'out'}",
+                        "--bootstrap=20"])
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    assert "4 points from 2 studies" in out.stdout
+    assert "| x/task | digits/mlp | adam |" in out.stdout
+    assert "| y/task | mnist1d/mlp | sgd |" in out.stdout
+    assert compare.study_labels([x, y]) == ["x/task", "y/task"]
+    assert compare.study_labels([x, str(tmp_path / "x" / "other")]) == ["task", "other"]
+    same = _warm.python(["-m", "experiments.compare", x, f"{x}/", f"--out={tmp_path / 'o2'}"])
+    assert same.returncode == 2 and "name one study twice" in same.stderr

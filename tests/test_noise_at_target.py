@@ -301,21 +301,37 @@ def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
         grid.validate_sweep(c.sweep)
 
 
-def test_reference_run_after_a_sweep(tmp_path):
+def test_reference_run_after_a_sweep(tmp_path, monkeypatch):
     """A tiny sweep with the reference protocol: the best trial at B_ref is rerun on the same
     trajectory (its progress equals the sweep's at common steps), measured at every evaluation
-    until `noise_window` evaluations past the lowest target, and the report quotes it."""
+    until `noise_window` evaluations past the lowest target, and the report quotes it. Its
+    progress bar counts to that stop, not to the step budget (an ETA of hours for a run of
+    seconds)."""
+    from cbs.engine import writer
     from cbs.sweeps import launch
     from experiments.configs import digits_sweep
 
+    bars = []
+
+    def recorded(total, *, unit, **kwargs):
+        bar = writer.LogLines(total, unit=unit, file=open(os.devnull, "w"), interval=1e9)
+        bars.append((unit, bar))
+        return bar
+
+    monkeypatch.setattr(writer, "progress_bar", recorded)
     c = digits_sweep.get_config("tiny")
-    c.sweep.update(dict(batch_sizes=(32,), targets=(1.5,), max_steps=30, evals_per_trial=6,
+    c.train.progress_bar = True
+    c.sweep.update(dict(batch_sizes=(32,), targets=(1.5,), max_steps=60, evals_per_trial=6,
                         noise_protocol="reference", noise_reference_batch_size=32,
                         noise_reference_evals=10, noise_window=2,
                         noise_reference_deviations=8))
     d = str(tmp_path / "s")
     launch.run_sweep(c, d, log=lambda *_: None)
     run = records.read_records(os.path.join(d, files.REFERENCE_NOISE_FILE))[-1]
+    (unit, bar) = bars[-1]  # the reference run's, after the sweep's own
+    budget = trials.step_budget(c.sweep, 32)
+    assert unit == "step" and run["curve"]["step"][-1] < budget
+    assert bar.total == bar.n == run["curve"]["step"][-1]
     sweep_rec = next(r for r in store.SweepStore(d).records()
                      if r["learning_rate"] == run["learning_rate"])
     curve, mine = run["curve"], sweep_rec["curve"]

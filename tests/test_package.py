@@ -13,6 +13,7 @@ import ast
 import importlib.metadata
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -173,3 +174,19 @@ def test_wheel_alone_runs_the_tiny_main_job_outside_the_checkout(wheel, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = (away / "sweep" / "trials.jsonl").read_text().splitlines()
     assert len(trials) >= 3 and (away / "sweep" / "report.md").is_file()  # trained, fit, reported
+
+
+def test_readme_and_changelog_list_every_console_script():
+    """README's list of console scripts (with their `python -m experiments.*` twins) and the
+    CHANGELOG's name every script of pyproject.toml, no more and no fewer."""
+    scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    assert scripts == set(SCRIPTS)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = readme.split("installs the commands as console scripts,")[1].split("the same")[0]
+    assert set(re.findall(r"`(cbs-[a-z]+)`", listed)) == scripts
+    twins = re.search(r"`python -m experiments\.([a-z|]+)`", readme.split(listed)[1]).group(1)
+    assert len(twins.split("|")) == len(scripts)
+    assert all((ROOT / "experiments" / f"{m}.py").is_file() for m in twins.split("|"))
+    changelog = " ".join((ROOT / "CHANGELOG.md").read_text().split())
+    bullet = changelog.split("- Console scripts ")[1].split(";")[0]
+    assert set(re.findall(r"`(cbs-[a-z]+)`", bullet)) == scripts

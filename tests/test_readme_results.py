@@ -68,3 +68,25 @@ def test_every_results_table_names_its_source(page):
         if line.startswith(RESULT_HEADERS):
             assert line in covered and lines[i + 2] in covered, (
                 f"{page.name} line {i + 1}: a results table without a <!-- from PATH --> marker")
+
+
+def test_readme_says_what_deterministic_covers():
+    """README's "deterministic" is bit for bit on one machine and software stack; across
+    machines the points move within their intervals. The other machine's row it quotes is the
+    committed study's target (same B_crit and interval as results/digits), and each point lies
+    inside the other's interval."""
+    import json
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert ("Deterministic means: on one machine and software stack the same command gives the "
+            "same records and table, bit for bit; across machines") in text
+    assert "the points move within their intervals" in text
+    m = re.search(r"the L = ([\d.]+) row read ([\d.]+) \(([\d.]+)–([\d.]+)\) against "
+                  r"([\d.]+) \(([\d.]+)–([\d.]+)\)", text)
+    assert m, "README quotes the row another machine gave"
+    target, *numbers = map(float, m.groups())
+    other, (here, lo, hi) = numbers[:3], numbers[3:]
+    analysis = json.loads((ROOT / "results/digits/analysis.json").read_text())
+    fit = next(t["fit"] for t in analysis["targets"] if t["target"] == target)
+    assert [float(f"{v:.3g}") for v in (fit["b_crit"], *fit["b_crit_ci"])] == [here, lo, hi]
+    assert lo <= other[0] <= hi and other[1] <= here <= other[2]

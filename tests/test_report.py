@@ -102,3 +102,60 @@ def test_seed_spread_fits_each_seed_and_measures_the_spread_of_steps():
     assert rows[0]["steps_spread_median"] == pytest.approx(0.1 / 1.05, rel=1e-9)
     assert rows[0]["steps_spread_max"] == pytest.approx(0.1 / 1.05, rel=1e-9)
     assert report.seed_spread(base, [0.5]) == []
+
+
+def test_a_collapsed_interval_is_flagged_unresolved(tmp_path):
+    """Three batch sizes give a bootstrap interval with no width ("67 (67–67)" read as a 95 %
+    interval): the table says "unresolved (3 batch sizes)" and the notes say what to do."""
+    recs = []
+    for b, wiggle in ((8, 1.1), (32, 0.93), (128, 1.05)):
+        s = wiggle * S_MIN * (1 + 64 / b)
+        recs += [_record(len(recs), b, 0.01, 1.5 * s), _record(len(recs) + 1, b, 0.02, s)]
+    d = str(tmp_path)
+    records.append_records(store.SweepStore(d).path, recs)
+    text = open(report.write_report(d, bootstrap=200)).read()
+    f = report.load_analysis(d)["targets"][0]["fit"]
+    assert f["b_crit_ci"][0] == pytest.approx(f["b_crit_ci"][1], rel=1e-6)
+    row = report_tables.summary_table(report.load_analysis(d)).splitlines()[2]
+    assert row.startswith("| 0.5 | 67, unresolved (3 batch sizes) |")
+    assert "(67–67)" not in row
+    assert ("L=0.5: B_crit unresolved: its bootstrap interval from 3 batch sizes has no width "
+            "(67–67); sweep more batch sizes to resolve it.") in text
+    # points exactly on the curve: a zero-width interval that is no failure to resolve
+    assert not report_tables.unresolved(f | {"residual_std": 4e-16})
+    assert not report_tables.unresolved(f | {"b_crit_ci": [66.4, 67.9]})
+
+
+def test_cbs_analyze_out_re_reports_a_study_elsewhere(tmp_path):
+    """`cbs-analyze --out=DIR` writes report.md, analysis.json and the figures into DIR and
+    nothing into the sweep directory (a committed or read-only study); without --out a
+    read-only one is refused in one line naming --out (where chmod holds: not for root)."""
+    import _warm
+
+    study = tmp_path / "study"
+    study.mkdir()
+    records.append_records(store.SweepStore(str(study)).path,
+                           _records([8, 16, 32, 64, 128, 256, 512]))
+    before = {p: p.stat().st_mtime_ns for p in study.rglob("*")}
+    out = tmp_path / "elsewhere" / "report"
+    done = _warm.python(["-m", "experiments.analyze", f"--sweep_dir={study}", f"--out={out}",
+                         "--bootstrap=20"])
+    assert done.returncode == 0, done.stderr
+    assert {p: p.stat().st_mtime_ns for p in study.rglob("*")} == before
+    assert done.stdout.strip().endswith(f"report: {out / files.REPORT_FILE}")
+    text = (out / files.REPORT_FILE).read_text()
+    assert f"# Critical batch size report: `{study}`" in text
+    for name in ("pareto", "collapse"):
+        assert f"![{name}]({files.FIGURES_DIR}/{name}.png)" in text
+        assert (out / files.FIGURES_DIR / f"{name}.png").stat().st_size > 1000
+    assert report.load_analysis(str(out))["targets"][0]["fit"]["status"] == "ok"
+    if os.geteuid() == 0:
+        return
+    study.chmod(0o555)
+    try:
+        refused = _warm.python(["-m", "experiments.analyze", f"--sweep_dir={study}",
+                                "--bootstrap=20"])
+    finally:
+        study.chmod(0o755)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "write the report elsewhere with --out=DIR" in refused.stderr

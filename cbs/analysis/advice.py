@@ -196,6 +196,8 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
             n = int(r.get("data/batch_size", 0))
         else:
             continue
+        if value is None or math.isnan(float(value)):  # no estimate there (live "none")
+            continue
         loss = losses.get(step, r.get("train/loss"))
         batch = r.get("data/batch_size") or batches.get(step) or _batch(config)
         out.append(advise(float(value), optimizer=optimizer, scale=scale, level=level,

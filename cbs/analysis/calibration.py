@@ -156,7 +156,10 @@ def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
     pts = _points(rows, scale)
     per_task, inside, total = {}, 0, 0
     for task in sorted({p[3] for p in pts}):
-        model = _fit([p[:3] for p in pts if p[3] != task])
+        rest = [p[:3] for p in pts if p[3] != task]
+        if not rest:  # no other task to fit (a comparison of one task)
+            continue
+        model = _fit(rest)
         hits = []
         for _, f, log_r, _ in (p for p in pts if p[3] == task):
             fam = model["families"].get(f)

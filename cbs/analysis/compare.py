@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import calibration, fit, plots, reference_protocol, report
+from cbs.analysis import calibration, fit, plots, reference_protocol, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
 __all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PREDICTION_SUFFIX", "PROTOCOL", "collect",
-           "figure", "held_out_pairs", "protocol_table", "summary", "table", "write_report"]
+           "figure", "held_out_pairs", "protocol_table", "study_labels", "study_path",
+           "summary", "table", "write_report"]
 
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)
@@ -42,17 +43,39 @@ PROTOCOL = (("ref_b_simple", "B_simple"), ("ref_b_noise", "B_noise"),
             ("ref_update_b_noise", "B_noise of the update (P·g; SGD: g)"))
 
 
+def study_path(sweep_dir: str) -> str:
+    """What identifies a study: its sweep directory's full path (absolute, or the URI as
+    given), without a trailing separator."""
+    text = sweep_dir.rstrip("/") or "/"
+    return text if "://" in text else os.path.abspath(text)
+
+
+def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
+    """One label per study, distinct: its folder's name, or where folders share a name, as
+    many trailing folders of the full path as tell them apart (`a/digits`, `b/digits`)."""
+    parts = [study_path(d).split("/") for d in sweep_dirs]
+    depth = [1] * len(parts)
+    while True:
+        labels = ["/".join(p[-k:]) for p, k in zip(parts, depth, strict=True)]
+        clashes = {x for x in labels if labels.count(x) > 1}
+        longer = [i for i, x in enumerate(labels) if x in clashes and depth[i] < len(parts[i])]
+        if not longer:  # distinct, or the same path twice (`cbs-compare` refuses that)
+            return labels
+        for i in longer:
+            depth[i] += 1
+
+
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One row per (study, target) with a B_crit fit: study, task, optimizer, target,
-    b_crit and its interval, the measured b_simple / b_noise (median over batch sizes) with
-    their min/max where recorded and each best trial's value by batch size
+    """One row per (study, target) with a B_crit fit: study (`study_labels`), task, optimizer,
+    target, b_crit and its interval, the measured b_simple / b_noise (median over batch
+    sizes) with their min/max where recorded and each best trial's value by batch size
     (<name>_by_batch_size, one run's value: what `cbs.analysis.calibration` is fitted on),
-    the noise protocol, and the ratios B_crit/B_simple and
-    B_crit/B_noise; and where the study has the protocol (`reference_protocol`), for each
-    name of PROTOCOL its median over seeds (ref_<...>), _range (min, max), _gsd, _seeds and
-    ratio_<...>, with ref_batch_size and ref_protocol."""
+    the noise protocol, and the ratios B_crit/B_simple and B_crit/B_noise; and where the
+    study has the protocol (`reference_protocol`), for each name of PROTOCOL its median over
+    seeds (ref_<...>), _range (min, max), _gsd, _seeds and ratio_<...>, with ref_batch_size
+    and ref_protocol."""
     rows = []
-    for d in sweep_dirs:
+    for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)
         definition = SweepStore(d).definition() or {}
         config = definition.get("config", {})
@@ -64,9 +87,11 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             f = t["fit"]
             if f["status"] != fit.OK:
                 continue
-            row = {"study": os.path.basename(os.path.normpath(d)), "task": task,
+            row = {"study": label, "task": task,
                    "optimizer": optimizer, "target": t["target"], "b_crit": f["b_crit"],
                    "b_crit_ci": tuple(f["b_crit_ci"] or (math.nan, math.nan)),
+                   "n_batch_sizes": int(f["n_batch_sizes"]),
+                   "b_crit_unresolved": report_tables.unresolved(f),
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
                    or DEFAULT_PROTOCOL}
@@ -146,10 +171,18 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         mark = " (extrapolated)" if r["extrapolated"] else ""
         lines.append(
             f"| {r['study']} | {r['task']} | {r['optimizer']} | {r['target']:g} | "
-            f"{_g(r['b_crit'])} ({_g(r['b_crit_ci'][0])}–{_g(r['b_crit_ci'][1])}){mark} | "
+            f"{_b_crit_cell(r)}{mark} | "
             f"{_with_range(r, 'b_simple')} | {_with_range(r, 'b_noise')} | "
             f"{_g(r['ratio_b_simple'])} | {_g(r['ratio_b_noise'])} |")
     return "\n".join(lines)
+
+
+def _b_crit_cell(row: dict[str, Any]) -> str:
+    """"B_crit (lo–hi)", or flagged unresolved when its interval collapsed."""
+    if row.get("b_crit_unresolved"):
+        return f"{_g(row['b_crit'])}, {report_tables.unresolved_text(row)}"
+    lo, hi = row["b_crit_ci"]
+    return f"{_g(row['b_crit'])} ({_g(lo)}–{_g(hi)})"
 
 
 def _with_range(row: dict[str, Any], name: str) -> str:
@@ -229,8 +262,8 @@ def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
         adaptive = r["optimizer"] in ("adam", "adamw")
         cell = functools.partial(_seeds_cell, r)
         lines.append(
-            f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_g(r['b_crit'])} "
-            f"({_g(r['b_crit_ci'][0])}–{_g(r['b_crit_ci'][1])}) | {r['ref_batch_size']} | "
+            f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_b_crit_cell(r)} | "
+            f"{r['ref_batch_size']} | "
             f"{_g(r['ref_batch_size'] / r['b_crit'])} | {r['ref_b_simple_seeds']} | "
             f"{cell('ref_b_simple')} | {cell('ref_b_noise')} | "
             f"{cell('ref_update_b_simple') if adaptive else '(= B_simple)'} | "

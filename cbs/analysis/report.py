@@ -41,7 +41,7 @@ from cbs.analysis.report_tables import (
     seed_table,
     summary_table,
 )
-from cbs.results import records
+from cbs.results import paths, records
 from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMP_KEYS, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
 
@@ -95,7 +95,8 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
 
 
 def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
-            write: bool = True, select_on_seed: int | None = None) -> dict[str, Any]:
+            write: bool = True, select_on_seed: int | None = None,
+            out_dir: str | None = None) -> dict[str, Any]:
     """Fits every target of the sweep in `sweep_dir`.
 
     Intervals: B_crit at every target and the power law's α_B, B* come from one bootstrap
@@ -105,7 +106,8 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
     also each best rate selected on that seed and S measured on the others
     (`cbs.analysis.held_out`, under "held_out"; None: not done).
 
-    Returns the JSON-ready analysis (also written to analysis.json unless `write=False`) plus
+    Returns the JSON-ready analysis (also written to analysis.json in `out_dir`, default the
+    sweep directory, unless `write=False`) plus
     the fit objects under "fits" (one `cbs.analysis.fit.TradeoffFit` per target, in target
     order), "power_law_fit" (`cbs.analysis.fit.PowerLawFit`), which `make_figures` draws, and
     "tables" (each target's `cbs.analysis.selection.BestPerBatchSize`, for pooled tests).
@@ -141,7 +143,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
         analysis["held_out"] = held_out.held_out(recs, targets, select_on_seed,
                                                  bootstrap=min(bootstrap, 200))
     if write:
-        records.write_json_atomic(os.path.join(sweep_dir, ANALYSIS_FILE), analysis)
+        records.write_json_atomic(os.path.join(out_dir or sweep_dir, ANALYSIS_FILE), analysis)
     return analysis | {"fits": [t["fit"] for t in per_target], "power_law_fit": power_law,
                        "tables": [t["_table"] for t in per_target]}
 
@@ -276,19 +278,25 @@ def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
 
 
 def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False,
-                 select_on_seed: int | None = None) -> str:
-    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`.
+                 select_on_seed: int | None = None, out_dir: str | None = None) -> str:
+    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`, written into
+    `out_dir` (default: the sweep directory; another one re-reports a study that is
+    read-only, or committed, without touching it).
 
     Refuses (ValueError) a sweep whose grid has trials without records, naming how many per
     batch size; with `partial` it writes the report anyway, headed as partial, with every fit
     from an incomplete grid marked. select_on_seed: adds the held-out section (`analyze`).
     """
-    analysis = analyze(sweep_dir, bootstrap=bootstrap, select_on_seed=select_on_seed)
+    out = out_dir or sweep_dir
+    if out_dir:
+        paths.makedirs(out_dir)
+    analysis = analyze(sweep_dir, bootstrap=bootstrap, select_on_seed=select_on_seed,
+                       out_dir=out)
     if not analysis["complete"] and not partial:
         raise ValueError(f"{sweep_dir} is incomplete: {tables.missing_text(analysis)}; finish it "
                          "(rerun the sweep command, every shard) or pass --partial for a "
                          "report marked partial")
-    figs = make_figures(sweep_dir, analysis)
+    figs = make_figures(sweep_dir, analysis, os.path.join(out, FIGURES_DIR))
     lines = [f"# Critical batch size report: `{sweep_dir}`", ""]
     if not analysis["complete"]:
         lines += [f"**PARTIAL SWEEP, not a final result: {tables.missing_text(analysis)}.** Fits "
@@ -328,12 +336,12 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
     notes = tables.notes(analysis)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    lines += ["## Figures", ""] + [f"![{k}]({os.path.relpath(p, sweep_dir)})"
+    lines += ["## Figures", ""] + [f"![{k}]({os.path.relpath(p, out)})"
                                    for k, p in figs.items()] + [""]
     ramps = read_ramps(sweep_dir)
     if ramps:
         lines += ["## Batch-size ramps", "", ramp_table(ramps, analysis), ""]
-    path = os.path.join(sweep_dir, REPORT_FILE)
+    path = os.path.join(out, REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     return path
 

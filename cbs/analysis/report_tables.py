@@ -12,14 +12,40 @@ them into report.md and re-exports the tables.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbs.analysis import fit, noise_at_target
 from cbs.results.store import target_key
 
-__all__ = [
-    "held_out_table", "kaplan_table", "ramp_table", "seed_table", "summary_table", "to_wandb"]
+__all__ = ["b_crit_cell", "held_out_table", "kaplan_table", "ramp_table", "seed_table",
+           "summary_table", "to_wandb", "unresolved", "unresolved_text"]
+
+
+def unresolved(f: Mapping[str, Any]) -> bool:
+    """Whether a fit's B_crit interval has no width at the precision printed (3 significant
+    figures) while its points scatter about the fit (log-step residuals above 1e-6): the
+    bootstrap over its batch sizes resolved nothing ("101 (101–101)" from 3 batch sizes).
+    Points exactly on the curve give a zero-width interval honestly."""
+    lo, hi = (f.get("b_crit_ci") or (None, None))[:2]
+    scatter = f.get("residual_std")
+    return (f.get("status") == fit.OK and lo is not None and hi is not None
+            and math.isfinite(float(lo)) and math.isfinite(float(hi)) and _g(lo) == _g(hi)
+            and not (scatter is not None and float(scatter) <= 1e-6))
+
+
+def unresolved_text(f: Mapping[str, Any]) -> str:
+    """The flag of an `unresolved` interval: "unresolved (k batch sizes)"."""
+    return f"unresolved ({f['n_batch_sizes']} batch sizes)"
+
+
+def b_crit_cell(f: Mapping[str, Any]) -> str:
+    """A fit's B_crit as a table shows it: "B_crit (lo–hi)"; "B_crit, unresolved (k batch
+    sizes)" (`unresolved`); "B_crit" without an interval."""
+    if unresolved(f):
+        return f"{_g(f['b_crit'])}, {unresolved_text(f)}"
+    ci = f.get("b_crit_ci")
+    return _g(f["b_crit"]) + (f" ({_ci(ci)})" if ci and ci[0] is not None else "")
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
@@ -36,10 +62,9 @@ def summary_table(analysis: dict[str, Any]) -> str:
         f = t["fit"]
         status = f["status"]
         if f["status"] == fit.OK:
-            lo, hi = f["b_crit_ci"] if f["b_crit_ci"] else (None, None)
-            ci = f" ({_g(lo)}–{_g(hi)})" if lo is not None else ""
             mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
-            row = [_g(f["b_crit"]) + ci + mark, _g(f["s_min"]), _g(f["e_min"])]
+            row = [b_crit_cell(f) + mark,
+                   _g(f["s_min"]), _g(f["e_min"])]
             if t.get("incomplete_batch_sizes"):
                 status += ", incomplete grid"
         else:
@@ -67,7 +92,8 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
             continue
         ci_pair: Any = f["b_crit_ci"] or (None, None)
         lo, hi = ci_pair
-        ci = f"{_g(lo * tokens)}–{_g(hi * tokens)}" if lo is not None else "–"
+        ci = ("–" if lo is None else unresolved_text(f) if unresolved(f)
+              else f"{_g(lo * tokens)}–{_g(hi * tokens)}")
         mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
         lines.append(f"| {t['target']:g} | {_g(f['b_crit'])}{mark} | "
                      f"{_g(f['b_crit'] * tokens)} | {ci} |")
@@ -94,7 +120,8 @@ def seed_table(analysis: dict[str, Any]) -> str:
         f = by_target[row["target"]]["fit"]
         ok = f["status"] == fit.OK
         all_seeds = _g(f["b_crit"]) if ok else "–"
-        ci = _ci(f["b_crit_ci"]) if ok and f.get("b_crit_ci") else "–"
+        ci = "–" if not (ok and f.get("b_crit_ci")) else (
+            unresolved_text(f) if unresolved(f) else _ci(f["b_crit_ci"]))
         values = list(row["b_crit_per_seed"].values())
         per = " | ".join(_g(v) if v is not None else "–" for v in values)
         got = [v for v in values if v is not None]
@@ -118,8 +145,7 @@ def held_out_table(analysis: dict[str, Any]) -> str:
         cells = []
         for f in (t["fit"], t["fit_in_sample"]):
             ok = f["status"] == fit.OK
-            cells.append(f"{_g(f['b_crit'])} ({_ci(f['b_crit_ci'])})" if ok and f["b_crit_ci"]
-                         else (_g(f["b_crit"]) if ok else "–"))
+            cells.append(b_crit_cell(f) if ok else "–")
         ratio = f"{t['median_ratio']:.2f}" if t["median_ratio"] is not None else "–"
         left = ", ".join(f"{r['batch_size']:g} ({r['left_out']})" for r in t["rows"]
                          if "left_out" in r) or "none"
@@ -240,7 +266,12 @@ def notes(analysis: dict[str, Any]) -> list[str]:
         if t.get("incomplete_batch_sizes"):
             notes.append(f"L={t['target']:g}: fit from an incomplete grid (trials missing at "
                          f"B = {_bs(t['incomplete_batch_sizes'])}).")
-        notes += [f"L={t['target']:g}: {w}" for w in t["fit"].get("warnings", [])]
+        f = t["fit"]
+        if unresolved(f):
+            notes.append(f"L={t['target']:g}: B_crit unresolved: its bootstrap interval from "
+                         f"{f['n_batch_sizes']} batch sizes has no width ({_ci(f['b_crit_ci'])})"
+                         "; sweep more batch sizes to resolve it.")
+        notes += [f"L={t['target']:g}: {w}" for w in f.get("warnings", [])]
     return notes
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
-from cbs.analysis import fit, joint, misfit, report
+from cbs.analysis import fit, joint, misfit, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
@@ -101,6 +101,9 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
                     "targets": [a["targets"][i]["target"] for i in ok],
                     "b_crit": [a["targets"][i]["fit"]["b_crit"] for i in ok],
                     "b_crit_ci": [a["targets"][i]["fit"]["b_crit_ci"] for i in ok],
+                    "unresolved": [report_tables.unresolved_text(a["targets"][i]["fit"])
+                                   if report_tables.unresolved(a["targets"][i]["fit"]) else ""
+                                   for i in ok],
                     "cov": cov.tolist(), "alpha_b": pl.get("alpha_b", math.nan),
                     "alpha_b_ci": pl.get("alpha_b_ci"), "b_star": pl.get("b_star", math.nan),
                     "power_law_p": (law.get("calibrated") or {}).get("p", law.get("misfit_p"))})
@@ -361,7 +364,9 @@ def table(studies: Sequence[dict[str, Any]]) -> str:
             if t in s["targets"]:
                 j = s["targets"].index(t)
                 lo, hi = s["b_crit_ci"][j]
-                cells.append(f"{_g(s['b_crit'][j])} ({_g(lo)}–{_g(hi)})")
+                flag = (s.get("unresolved") or [""] * len(s["targets"]))[j]
+                cells.append(f"{_g(s['b_crit'][j])}, {flag}" if flag
+                             else f"{_g(s['b_crit'][j])} ({_g(lo)}–{_g(hi)})")
             else:
                 cells.append("–")
         ci = s.get("alpha_b_ci") or (math.nan, math.nan)

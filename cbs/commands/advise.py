@@ -18,6 +18,7 @@ the noise scale exactly there (`cbs.train.measure_checkpoint`: all training exam
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from absl import flags
@@ -59,6 +60,14 @@ def main(argv: list[str]) -> None:
     del argv
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
+    if _EXCHANGE.value is not None and not (math.isfinite(_EXCHANGE.value)
+                                            and _EXCHANGE.value > 0):
+        raise ValueError(f"--exchange={_EXCHANGE.value:g}: λ is the examples you would spend to "
+                         "save one step, a number > 0 (e.g. --exchange=100); leave it out for "
+                         "no best batch")
+    if _EXAMPLES.value < 0:
+        raise ValueError(f"--examples={_EXAMPLES.value}: give a number of training examples "
+                         "> 0, or 0 for all of them")
     scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
     if _CHECKPOINT.value or _STEP.value is not None:
         _from_checkpoint(*_checkpoint_of(), scale=scale, level=level, exchange=exchange)
@@ -70,13 +79,12 @@ def main(argv: list[str]) -> None:
         where, name = cli.required(_WORKDIR), "advice"
         advices = advice.trajectory(where, scale=scale, level=level, exchange=exchange)
         if not advices and _has_checkpoint(where):  # no measured noise: measure at the latest
+            print(f"{where} records no measured {scale}: measuring it at the latest checkpoint "
+                  f"({'all' if not _EXAMPLES.value else _EXAMPLES.value} training examples)")
             _from_checkpoint(where, None, scale=scale, level=level, exchange=exchange)
             return
     if not advices:
-        raise ValueError(f"{where} has no measured {_SCALE.value} yet: run with a noise "
-                         "estimate (config.noise.live or noise.every > 0"
-                         + (", noise.curvature=True" if _SCALE.value == "b_noise" else "")
-                         + ") and evaluations")
+        raise ValueError(_nothing_measured(where, scale, bool(_SWEEP_DIR.value)))
     out = _OUT.value or where
     paths.makedirs(out)
     text = advice.table(advices)
@@ -88,6 +96,20 @@ def main(argv: list[str]) -> None:
     print(advice.summary(advices[-1]))
     print()
     print(text)
+
+
+def _nothing_measured(where: str, scale: str, sweep: bool) -> str:
+    """What is true and what to run when `where` has no measured noise scale to advise from."""
+    if sweep:
+        return (f"{where}: no trial recorded {scale} at a target crossing: either none "
+                "reached a target (see its report), or the sweep measured no noise at its "
+                "evaluations (rerun it with --config.noise.examples=auto"
+                + (" --config.noise.curvature=True" if scale == "b_noise" else "") + ")")
+    curvature = " --config.noise.curvature=True" if scale == "b_noise" else ""
+    return (f"{where} records no measured {scale} and has no checkpoint to measure it at: "
+            f"rerun it with --config.noise.every=100{curvature} (an exact measurement every 100 "
+            "steps) or --config.train.checkpoint_every=100 (then this command measures at the "
+            "latest checkpoint)")
 
 
 def _checkpoint_of() -> tuple[str, int | None]:

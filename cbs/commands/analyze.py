@@ -1,7 +1,8 @@
 """Fit a finished sweep and write its report: python -m experiments.analyze --sweep_dir=DIR.
 
 Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
-analysis.json, figures/*.png and report.md there, and prints B_crit per target beside the
+analysis.json, figures/*.png and report.md there (or into --out, which re-reports a study that
+is read-only or committed without touching it), and prints B_crit per target beside the
 measured B_simple and B_noise. With --select_on_seed=K (a sweep with several seeds), the
 report adds B_crit with each rate selected on seed K and its steps measured on the others.
 An unfinished sweep (trials missing, e.g. a shard not run) is
@@ -26,21 +27,31 @@ _SELECT_ON_SEED = flags.DEFINE_integer(
     "section \"Held-out seeds\"; needs a sweep with several seeds).")
 _PARTIAL = flags.DEFINE_bool("partial", False, "Write the report of an unfinished sweep, "
                              "headed as partial (otherwise refused).")
+_OUT = flags.DEFINE_string("out", None, "Directory for report.md, analysis.json and figures/ "
+                           "(default: the sweep directory).")
 flags.mark_flags_as_required(["sweep_dir"])
 
 
 def main(argv: list[str]) -> None:
     del argv
-    path = report.write_report(cli.required(_SWEEP_DIR), bootstrap=_BOOTSTRAP.value,
-                               partial=_PARTIAL.value, select_on_seed=_SELECT_ON_SEED.value)
-    print(report_tables.summary_table(report.load_analysis(cli.required(_SWEEP_DIR))))
+    sweep_dir, out = cli.required(_SWEEP_DIR), _OUT.value
+    try:
+        path = report.write_report(sweep_dir, bootstrap=_BOOTSTRAP.value,
+                                   partial=_PARTIAL.value, select_on_seed=_SELECT_ON_SEED.value,
+                                   out_dir=out)
+    except PermissionError as err:
+        if out:
+            raise
+        raise ValueError(f"{cli.message(err).split(';')[0]}: the sweep directory is read-only; "
+                         "write the report elsewhere with --out=DIR") from None
+    print(report_tables.summary_table(report.load_analysis(out or sweep_dir)))
     print(f"report: {path}")
 
 
 def run() -> None:
     """The `cbs-analyze` console script (and `python -m experiments.analyze`)."""
     commands.make_configs_importable()
-    cli.run(main, outputs=("sweep_dir",))
+    cli.run(main, outputs=("sweep_dir", "out"))
 
 
 if __name__ == "__main__":

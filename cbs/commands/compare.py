@@ -15,10 +15,17 @@ With --sizes the studies are model sizes on the same data (Kaplan et al. 2020, F
 writes OUT/report.md (B_crit per size and target, a test of "B_crit depends on L alone", the
 joint power law) and OUT/b_crit_vs_loss_by_size.png (`cbs.analysis.sizes`).
 
+Without --out the report goes to a new directory beside the studies (`default_out`:
+compare_<first study>[_and_<n>_more], with _2, _3, ... when that name is taken), never into
+one that exists; studies in different directories need --out. A study is its full path: two
+whose folders share a name are labelled by as much of their paths as tells them apart.
+
 The inputs are checked first (`check_inputs`): a bad one is one line and nothing is written.
 """
 
 from __future__ import annotations
+
+import os
 
 from absl import flags
 
@@ -27,9 +34,10 @@ from cbs.analysis import compare, sizes
 from cbs.engine import cli
 from cbs.results import files, paths
 
-__all__ = ["check_inputs", "main", "run"]
+__all__ = ["check_inputs", "default_out", "main", "run"]
 
-_OUT = flags.DEFINE_string("out", "results/compare", "Directory for report.md and the figure.")
+_OUT = flags.DEFINE_string("out", None, "Directory for report.md and the figures (default: a "
+                           "new directory beside the studies, compare_<first study>...).")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples of each fit.")
 _SIZES = flags.DEFINE_boolean("sizes", False, "The studies are model sizes on one dataset: "
                               "B_crit against the loss by size instead of against the noise.")
@@ -39,7 +47,7 @@ _HELD_OUT = flags.DEFINE_list(
     "of their B_crit fell inside the predicted intervals.")
 
 
-def check_inputs(dirs: list[str], out: str, bootstrap: int, by_size: bool) -> None:
+def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool) -> None:
     """Refuses, in one line and before anything is read at length or written, what cannot be
     compared: no study, one named twice, a directory that is not a sweep's, a negative
     --bootstrap (--sizes needs one: at least 2 resamples, and two studies of one experiment,
@@ -47,8 +55,10 @@ def check_inputs(dirs: list[str], out: str, bootstrap: int, by_size: bool) -> No
     if not dirs:
         raise ValueError("name one or more sweep directories: python -m "
                          "experiments.compare results/digits results/digits_sgd ...")
-    if len(set(dirs)) != len(dirs):
-        raise ValueError(f"each study once, please: {dirs} names one twice")
+    full = [compare.study_path(d) for d in dirs]
+    twice = sorted({d for d, p in zip(dirs, full, strict=True) if full.count(p) > 1})
+    if twice:
+        raise ValueError(f"each study once, please: {', '.join(twice)} name one study twice")
     for d in dirs:
         if not paths.exists(paths.join(d, files.SWEEP_FILE)):
             raise ValueError(f"{d} is not a sweep directory (no {files.SWEEP_FILE}); name "
@@ -61,18 +71,44 @@ def check_inputs(dirs: list[str], out: str, bootstrap: int, by_size: bool) -> No
         if len(dirs) < 2:
             raise ValueError("--sizes needs two or more studies (model sizes of one experiment)")
         sizes.check_comparable(dirs)
-    if paths.exists(out) and not paths.isdir(out):
+    if out is not None and paths.exists(out) and not paths.isdir(out):
         raise ValueError(f"--out={out} is a file; name a directory")
+
+
+def default_out(dirs: list[str]) -> str:
+    """The report's directory when no --out is given: a new one beside the studies,
+    compare_<first study's folder>[_and_<n>_more] (then _2, _3, ... while that exists), so
+    that no existing directory (committed results, an earlier comparison) is written into.
+    Studies in different directories have no "beside": refused, naming --out."""
+    full = [compare.study_path(d) for d in dirs]
+    parents = sorted({os.path.dirname(p) for p in full})
+    if len(parents) != 1:
+        raise ValueError(f"the studies sit in {len(parents)} directories "
+                         f"({', '.join(parents)}): name where the report goes with --out=DIR")
+    name = f"compare_{os.path.basename(full[0])}" + (
+        f"_and_{len(full) - 1}_more" if len(full) > 1 else "")
+    out, k = paths.join(parents[0], name), 1
+    while paths.exists(out):
+        k += 1
+        out = paths.join(parents[0], f"{name}_{k}")
+    return out
 
 
 def main(argv: list[str]) -> None:
     dirs = argv[1:]
     check_inputs(dirs, _OUT.value, _BOOTSTRAP.value, _SIZES.value)
+    out = _OUT.value or default_out(dirs)
     module = sizes if _SIZES.value else compare
     extra = {} if _SIZES.value else {"held_out": _HELD_OUT.value}
-    path = module.write_report(dirs, _OUT.value, bootstrap=_BOOTSTRAP.value, **extra)
+    try:
+        path = module.write_report(dirs, out, bootstrap=_BOOTSTRAP.value, **extra)
+    except BaseException:
+        if not _OUT.value and not paths.is_remote(out):
+            paths.remove_if_empty(out)  # the new directory, when nothing was written
+        raise
     print(paths.read_text(path))
-    print(f"report: {path}")
+    print(f"report: {path}" + ("" if _OUT.value else
+                               " (a new directory beside the studies; --out=DIR names another)"))
 
 
 def run() -> None:

@@ -165,6 +165,11 @@ class Checkpointer:
             step = latest
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        held = self.all_steps()
+        if step != latest and step not in held:
+            raise ValueError(f"no checkpoint at step {step} in {self.directory}: it holds "
+                             + (f"{_steps_text(held)}; ask for one of those" if held
+                                else "none"))
         candidates = [s for s in reversed(self.all_steps()) if s <= step] if step == latest \
             else [step]
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
@@ -191,6 +196,10 @@ class Checkpointer:
                 f"({mismatch}); use a new workdir for this model, or delete "
                 f"{self.directory} to start over")
         reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        if step != latest:  # one checkpoint asked for: the others may be intact
+            raise ValueError(f"checkpoint {step} in {self.directory} cannot be read "
+                             f"({reasons}); it also holds "
+                             f"{_steps_text([s for s in held if s != step]) or 'none'}")
         raise ValueError(f"no intact checkpoint in {self.directory} ({reasons}); delete it to "
                          "start over")
 
@@ -265,3 +274,16 @@ def os_error(err: BaseException) -> OSError | None:
 
 
 _WRITING = re.compile(r'(?:writing|write to) (?:local )?file "([^"]+)"', re.IGNORECASE)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """"steps 10 and 20", "steps 5, 10, 15, ..., 995, 1000 (200 checkpoints)" ("" for
+    none)."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return f"step {steps[0]} only"
+    if len(steps) > 8:
+        head, tail = ", ".join(map(str, steps[:3])), ", ".join(map(str, steps[-2:]))
+        return f"steps {head}, ..., {tail} ({len(steps)} checkpoints)"
+    return f"steps {', '.join(map(str, steps[:-1]))} and {steps[-1]}"

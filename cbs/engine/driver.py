@@ -5,8 +5,9 @@ a single run (`cbs.engine.trainer.Trainer`), a sweep's vmapped group of trials
 
 `Driver` is what every driver implements. A driver may also keep its own evaluation and
 checkpoint points (`OwnPoints`; otherwise the config's, `checkpoint_due` and
-`evaluation_due`), adjust a restored state (`AdjustsRestored`) or carry a smoothed noise
-scale for a schedule that observes one (`ObservesNoise`).
+`evaluation_due`), adjust a restored state (`AdjustsRestored`), carry a smoothed noise
+scale for a schedule that observes one (`ObservesNoise`) or know where it will stop before
+its budget (`KnowsItsEnd`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cbs.data.dataset import Dataset
 from cbs.engine import schedules
 
 __all__ = [
-    "AdjustsRestored", "Driver", "ObservesNoise", "OwnPoints", "checkpoint_due",
+    "AdjustsRestored", "Driver", "KnowsItsEnd", "ObservesNoise", "OwnPoints", "checkpoint_due",
     "evaluation_due",
 ]
 
@@ -103,6 +104,16 @@ class ObservesNoise(Protocol):
 
     def noise_scale(self, state: Any, name: str) -> float:
         """The smoothed noise scale `name` ("b_simple", "b_noise") the state carries."""
+
+
+@runtime_checkable
+class KnowsItsEnd(Protocol):
+    """A driver that can tell before it starts where it will stop short of its budget (a
+    sweep's reference run repeats a trial whose crossing is recorded): the progress bar
+    counts to that step, so its estimate is of the work that will run."""
+
+    def expected_steps(self) -> int | None:
+        """The step where the run should stop (None: unknown, the budget)."""
 
 
 def checkpoint_due(config: ml_collections.ConfigDict, step: int) -> bool:

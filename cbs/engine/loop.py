@@ -29,6 +29,7 @@ from cbs.engine import checkpoint, fields, live_advice, preemption, throughput, 
 from cbs.engine.driver import (
     AdjustsRestored,
     Driver,
+    KnowsItsEnd,
     ObservesNoise,
     OwnPoints,
     checkpoint_due,
@@ -353,8 +354,10 @@ class Loop:
             outputs.check()  # a missing extra stops the run before any file
         self._restore_or_init()
         save_config(c, self.workdir)
+        end = self.driver.expected_steps() if isinstance(self.driver, KnowsItsEnd) else None
         self.writer = outputs.open(self.workdir, start_step=self.t,
-                                   total_steps=c.train.max_steps or None, enabled=self.primary,
+                                   total_steps=end or c.train.max_steps or None,
+                                   enabled=self.primary,
                                    hparams=c.to_dict() if outputs.wandb else None)
         self._write_status(self._summary("running"))
         try:

@@ -290,6 +290,8 @@ class MetricsWriter:
                 postfix["ex/s"] = f"{rate:.4g}"
             self._last_time, self._last_examples = now, examples
             self._bar.set_postfix(postfix, refresh=False)
+        if self._bar.total is not None and done > self._bar.total:
+            self._bar.total = None  # past the expected end (`KnowsItsEnd`): no ETA to give
         if done > self._bar.n:
             self._bar.update(done - self._bar.n)
 

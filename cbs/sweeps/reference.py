@@ -16,6 +16,7 @@ write-once part in `reference_noise.d/` and the file as its export,
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,18 @@ from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
 
-__all__ = ["ReferenceRun", "protocol_text", "reference_noise", "reference_trial", "run_reference"]
+__all__ = ["ReferenceRun", "lowest_crossing", "protocol_text", "reference_noise",
+           "reference_trial", "run_reference"]
+
+
+def lowest_crossing(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]],
+                    trial: Trial) -> float | None:
+    """The step at which `trial`'s record crossed the sweep's lowest target (None: it did
+    not, or it has no record)."""
+    key = target_key(min(sweep.targets))
+    return next((r["steps_to_target"].get(key) for r in records
+                 if r["index"] == trial.index and r["steps_to_target"].get(key) is not None),
+                None)
 
 
 def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
@@ -64,12 +76,23 @@ class ReferenceRun(TrialGroup):
     `sweep.noise_window` evaluations after its crossing of the lowest target (or when it
     diverges or its budget ends)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
+    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
+                 crossing: float | None = None):
         evals = int(config.sweep.noise_reference_evals)
         super().__init__(config, [trial], store, noise=reference_noise(config),
                          evals=evals, checkpoint_every_evals=evals)
         self.workdir = os.path.join(store.sweep_dir, files.REFERENCE_DIR,
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
+        self.crossing = crossing  # the step where the sweep's trial crossed the lowest target
+
+    def expected_steps(self) -> int | None:
+        """Where the run should stop (`cbs.engine.driver.KnowsItsEnd`): the `noise_window`-th
+        evaluation after the first at or past `crossing`, the step at which the sweep's trial
+        on this trajectory crossed the lowest target; None (the budget) without one."""
+        if self.crossing is None:
+            return None
+        j = bisect.bisect_left(self.steps, self.crossing)
+        return int(self.steps[min(j + int(self.sweep.noise_window), len(self.steps) - 1)])
 
     def _finished(self, history) -> bool:
         m = self._metric_matrix(history)[self._skip:, 0]
@@ -110,7 +133,8 @@ def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
         log(f"reference noise: no trial at B={config.sweep.noise_reference_batch_size} "
             "reached a target; no reference run")
         return None
-    run = ReferenceRun(config, trial, store)
+    run = ReferenceRun(config, trial, store,
+                       crossing=lowest_crossing(config.sweep, store.records(), trial))
     result = run.run()[0]
     record = {"batch_size": trial.batch_size, "learning_rate": trial.learning_rate,
               "seed": trial.seed, "target_metric": result.target_metric,

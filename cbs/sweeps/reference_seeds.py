@@ -134,8 +134,9 @@ class SeedReferenceRun(reference.ReferenceRun):
     """`reference.ReferenceRun` measured only from the first crossing of the highest target
     on, and for Adam/AdamW also in the update's coordinates (`noise_p/<key>`)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore):
-        super().__init__(config, trial, store)
+    def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
+                 crossing: float | None = None):
+        super().__init__(config, trial, store, crossing=crossing)
         self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
         self.preconditioner = str(config.optim.name) in ADAPTIVE
@@ -212,6 +213,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
     best = reference.reference_trial(config.sweep, store.records())
     if best is None:
         raise ValueError(f"no trial of {sweep_dir} at B={b} reached a target")
+    crossing = reference.lowest_crossing(config.sweep, store.records(), best)  # seed 0's
     out = []
     for seed in range(seeds):
         path = seed_path(sweep_dir, seed)
@@ -220,7 +222,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
             out.append(done[-1])
             continue
         trial = dataclasses.replace(best, seed=seed)
-        run = SeedReferenceRun(config, trial, store)
+        run = SeedReferenceRun(config, trial, store, crossing=crossing)
         result = run.run()[0]
         record = {
             "batch_size": b, "learning_rate": trial.learning_rate, "seed": seed,
