@@ -1,6 +1,7 @@
-"""The guides' code blocks marked `<!-- runs as a test -->` run as they stand (each in a fresh
-namespace): the drop-in snippets of docs/guides/measuring.md for optax + plain JAX, NNX, a
-linen TrainState step and equinox."""
+"""The code blocks of README.md and the guides marked `<!-- runs as a test -->` run as they
+stand (each in a fresh namespace): README's drop-in in an optax loop, and the drop-in snippets
+of docs/guides/measuring.md for optax + plain JAX, NNX, a linen TrainState step and
+equinox."""
 
 import math
 import pathlib
@@ -15,7 +16,7 @@ BLOCK = re.compile(re.escape(MARK) + r"\s*```python\n(.*?)```", re.S)
 
 def _snippets():
     out = []
-    for page in sorted((ROOT / "docs").rglob("*.md")):
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = page.read_text()
         for i, code in enumerate(BLOCK.findall(text)):
             out.append(pytest.param(code, id=f"{page.stem}-{i}"))
