@@ -130,7 +130,10 @@ def first_missing(path: PathLike) -> str | None:
     `path` would create (None if `path` exists). On an object store, which has no
     directories, `path` itself when nothing is stored under it."""
     if is_remote(path):
-        return None if exists(path) else os.fspath(path)
+        try:
+            return None if exists(path) else os.fspath(path)
+        except ImportError:  # no backend for the store: the command says which extra, itself
+            return os.fspath(path)
     text = os.path.abspath(path)
     if os.path.exists(text):
         return None
