@@ -194,6 +194,11 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
         call = lambda p, b, k: spec.call(loss_fn, p, b, k, others)
         if key is None:
             loss = loss_fn if plain and len(args) == 2 else (lambda p, b: value(call(p, b, None)))
+            if others:  # checked with them as arguments: under jit they are traced
+                loss_checks.check_loss_fn(lambda p, b, *o: value(spec.call(
+                    loss_fn, p, b, None, dict(zip(others, o, strict=True)))), params, batch,
+                    *others.values())
+                loss_checks.passed(loss)
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch
         else:
@@ -297,8 +302,8 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
         graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)  # type: ignore[misc]
         fresh = lambda state: jax.tree.map(lambda x: x, state)  # Variables of this trace
 
-        def run(p, b, k):
-            merged = nnx.merge(graphdef, p, fresh(k), fresh(rest))
+        def run(p, b, k, r=rest):
+            merged = nnx.merge(graphdef, p, fresh(k), fresh(r))
             return loss_fn(merged, b), merged
 
         if loss_checks.random_primitives(jax.make_jaxpr(
@@ -322,6 +327,10 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
             nnx.update(model, nnx.state(counted, nnx.RngCount))
             return out
         loss = lambda p, b: value(run(p, b, keys)[0])
+        # checked with the model's other state as arguments: under nnx.jit it is traced
+        loss_checks.check_loss_fn(lambda p, b, k, r: value(run(p, b, k, r)[0]), params, batch,
+                                  keys, rest)
+        loss_checks.passed(loss)
         aux_fn = (lambda p, b: run(p, b, keys)[0][1]) if has_aux else None
         return _measure(loss, aux_fn, params, batch, method=method, chunk_size=chunk_size,
                         groups=groups, curvature=curvature, has_aux=has_aux)

@@ -19,8 +19,9 @@ one line naming the cause and the fix:
 
 The value checks need numbers: with concrete inputs they use example 0 and 1 of the batch;
 under jit (traced inputs) they run once at trace time on stand-in inputs of the same shapes
-and dtypes (normal floats, scaled kernels, 0/1 integers), so a jitted train step pays nothing
-per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
+and dtypes (normal floats, scaled kernels, 0/1 integers; ones for a traced extra argument of
+`check_loss_fn`, which every check passes to loss_fn), so a jitted train step pays nothing per
+step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
 losses, is not value-checked (the computation reports its own errors). A loss_fn whose jaxpr
 and constants equal those of one that passed (a new closure over the same model and shapes) is
 not value-checked again: the value checks (on examples 0 and 1, whatever the batch size) cost
@@ -77,21 +78,26 @@ def allow_randomness(loss_fn: LossFn) -> LossFn:
     return wrapped
 
 
-def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
+def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
+                  *args: Any) -> None:
     """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
-    docstring); each loss_fn object is checked once."""
+    docstring); each loss_fn object is checked once. `args`: loss_fn's other arguments, after
+    the batch (`loss_fn(params, batch, *args)`): their arrays go to every check (traced ones as
+    stand-ins under jit, like the params), their other leaves as they are."""
     if _checked(loss_fn):
         return
     allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
+    arrays, bind = _array_leaves(args)
+    fn = lambda p, b, a: loss_fn(p, b, *bind(a))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                            (params, batch))
+                            (params, batch, arrays))
     try:
-        jaxpr = jax.make_jaxpr(loss_fn)(*abstract)
+        jaxpr = jax.make_jaxpr(fn)(*abstract)
     except Exception as err:  # noqa: BLE001 - a mutated BatchNorm statistic is named; any
         raise_if_batch_stats(err)  # other failure (tracers closed over from an outer
         return  # transformation) is left to the computation itself
-    n_params = len(jax.tree.leaves(params))
-    site = coupling_site(jaxpr.jaxpr, range(n_params, len(jaxpr.jaxpr.invars)))
+    n_params, n_batch = (len(jax.tree.leaves(t)) for t in (params, batch))
+    site = coupling_site(jaxpr.jaxpr, range(n_params, n_params + n_batch))
     if site is not None:
         raise_coupled(site)
     found = sorted(random_primitives(jaxpr.jaxpr))
@@ -102,16 +108,38 @@ def check_loss_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> None:
                          "run the model deterministically (dropout off) for the measurement, "
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
-    program = _program_key(_first_two(loss_fn, abstract) or jaxpr, allowed)
+    program = _program_key(_first_two(fn, abstract) or jaxpr, allowed)
     if program is None or program not in _PASSED_PROGRAMS:
-        losses = _sample_losses(loss_fn, params, batch)
+        losses = _sample_losses(fn, params, batch, arrays)
         if losses is not None:
             _check_values(*losses, coupling=not allowed)
         if program is not None:
             if len(_PASSED_PROGRAMS) >= _MAX_PROGRAMS:
                 _PASSED_PROGRAMS.pop(next(iter(_PASSED_PROGRAMS)))
             _PASSED_PROGRAMS[program] = None
+    passed(loss_fn)
+
+
+def passed(loss_fn: Callable[..., jax.Array]) -> None:
+    """Records that loss_fn passed every check (a closure over arguments that were checked
+    as `check_loss_fn`'s `args`), so it is not checked again."""
     _checked(loss_fn, add=True)
+
+
+def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
+    """The array leaves of `args` (traced or not) and the function that puts arrays in their
+    places; every other leaf (a Python flag, a string) stays as it is."""
+    leaves, tree = jax.tree.flatten(args)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
+                                                               np.generic))]
+
+    def bind(arrays: list[Any]) -> tuple:
+        filled = list(leaves)
+        for i, x in zip(where, arrays, strict=True):
+            filled[i] = x
+        return jax.tree.unflatten(tree, filled)
+
+    return [leaves[i] for i in where], bind
 
 
 def raise_if_batch_stats(err: Exception) -> None:
@@ -172,10 +200,11 @@ def _check_values(once: float, other: float | None, pair: float | None, twice: f
                          " / model.eval())")
 
 
-def _sample_losses(loss_fn: LossFn, params: PyTree, batch: PyTree
-                   ) -> tuple[float, float | None, float | None, float] | None:
-    """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) on the inputs, or on stand-ins of their
-    shapes when any is traced; None when loss_fn cannot run on them or a loss is not finite."""
+def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
+                   args: list[Any]) -> tuple[float, float | None, float | None, float] | None:
+    """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) of `loss_fn(params, batch, args)` on the
+    inputs, or on stand-ins of their shapes when any is traced (each traced array of `args`:
+    ones, or a key); None when loss_fn cannot run on them or a loss is not finite."""
     if not all(concrete(x) for x in jax.tree.leaves((params, batch))):
         params = stand_in(params, kernels=True)
         batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -183,18 +212,21 @@ def _sample_losses(loss_fn: LossFn, params: PyTree, batch: PyTree
     else:  # examples 0 and 1 only: the compiled program does not depend on the batch size
         batch = jax.tree.map(lambda x: x[:2], batch)
     size = jax.tree.leaves(batch)[0].shape[0]
+    pairs = [_stand_in_arg(x) for x in args]
+    args, wraps = [a for a, _ in pairs], [w for _, w in pairs]
 
-    def losses(params, batch):
+    def losses(params, batch, args):
         take = lambda idx: jax.tree.map(lambda x: x[jnp.asarray(idx)], batch)
-        out = [loss_fn(params, take([0])), loss_fn(params, take([0, 0]))]
+        args = [w(a) for w, a in zip(wraps, args, strict=True)]
+        out = [loss_fn(params, take([0]), args), loss_fn(params, take([0, 0]), args)]
         if size >= 2:
-            out += [loss_fn(params, take([1])), loss_fn(params, take([0, 1]))]
+            out += [loss_fn(params, take([1]), args), loss_fn(params, take([0, 1]), args)]
         return out
 
     try:
         with jax.ensure_compile_time_eval():
-            compiled = jax.jit(losses).lower(params, batch).compile()  # runs now, not staged
-            values = [float(v) for v in jax.device_get(compiled(params, batch))]
+            compiled = jax.jit(losses).lower(params, batch, args).compile()  # runs now
+            values = [float(v) for v in jax.device_get(compiled(params, batch, args))]
     except Exception as err:  # noqa: BLE001 - a loss that needs a larger batch (sharding,
         raise_if_batch_stats(err)  # reshapes) is left to the computation itself
         return None
@@ -203,6 +235,21 @@ def _sample_losses(loss_fn: LossFn, params: PyTree, batch: PyTree
     once, twice, *rest = values
     other, pair = rest if rest else (None, None)
     return once, other, pair, twice
+
+
+def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """An argument as it is when concrete, else ones of its shape and dtype (a temperature, a
+    mask, a count or a running variance stays valid), or zero key data for a typed key; and
+    the function that makes it the argument again inside the check (wraps the key)."""
+    if concrete(x):
+        return x, lambda a: a
+    shape, dtype = jnp.shape(x), jnp.result_type(x)
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+        return (np.zeros(data.shape, data.dtype),
+                lambda a: jax.random.wrap_key_data(a, impl=impl))
+    return np.ones(shape, dtype), lambda a: a
 
 
 def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
@@ -221,14 +268,14 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def _first_two(loss_fn: LossFn, abstract: tuple[PyTree, PyTree]) -> Any:
+def _first_two(loss_fn: Callable[..., jax.Array], abstract: tuple[PyTree, PyTree, Any]) -> Any:
     """The jaxpr of loss_fn on the first two examples (what the value checks run), which
     depends on the per-example shapes, not on the batch size; None if it cannot be traced."""
-    params, batch = abstract
+    params, batch, args = abstract
     two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
                                                       x.dtype), batch)
     try:
-        return jax.make_jaxpr(loss_fn)(params, two)
+        return jax.make_jaxpr(loss_fn)(params, two, args)
     except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
         return None
 
