@@ -66,3 +66,28 @@ def test_help_of_every_command_on_both_routes():
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name} --help: status {proc.returncode}\n{err[-2000:]}"
         _check_help(out, name.split("-")[-1].split(".")[-1])
+
+
+def test_help_and_hints_name_the_console_scripts_a_wheel_installs():
+    """A wheel install has `cbs-train`, `cbs-sweep`, ... and no `experiments/` package: every
+    command's --help (its module docstring) and every hint in the library name those (the line
+    that says which module a console script is keeps naming it for a checkout)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "cbs"
+    found = []
+    for path in root.rglob("*.py"):
+        if "configs" in path.parts:  # presets: their docstrings are the checkout's recipes
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            named = re.search(r"python -m experiments\.(main|sweep|analyze|branch|ramps|"
+                              r"compare|advise)\b", line)
+            if named and "console script (and `python -m experiments." not in line:
+                found.append(f"{path.relative_to(root)}:{i}")
+    assert found == []
+    import ast
+
+    for name, script in (("sweep", "cbs-sweep"), ("train", "cbs-train")):  # their --help text
+        doc = ast.get_docstring(ast.parse((root / "commands" / f"{name}.py").read_text()))
+        assert f"{script} --config=" in doc

@@ -169,7 +169,7 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
     config = records.read_json(os.path.join(run_dir, files.CONFIG_FILE))
     if config is None:
         raise ValueError(f"{run_dir} has no config.json: give a run directory "
-                         "(python -m experiments.main --workdir=...)")
+                         "(cbs-train --workdir=...)")
     optimizer = str(config["optim"]["name"])
     run = _run_context(config)
     rows = records.read_records(os.path.join(run_dir, files.METRICS_FILE))

@@ -149,7 +149,7 @@ def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
     points = summarize(workdir)
     if not points:
         raise ValueError(f"{workdir}: no complete branch point to build a schedule from; "
-                         "finish the branch study first (python -m experiments.branch)")
+                         "finish the branch study first (cbs-branch)")
     steps: list[tuple[int, int]] = []
     best = 0
     for p in points:
@@ -198,7 +198,7 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
     d: Any = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if d is None:
         raise ValueError(f"{workdir} has no {files.DEFINITION_FILE}: give the --workdir of a "
-                         "branch study (python -m experiments.branch --config=... --workdir=...)")
+                         "branch study (cbs-branch --config=... --workdir=...)")
     b, points = d["branch"], summarize(workdir)
     tol = (f"{100 * b['epsilon']:g}% of the loss" if b["tolerance"] == "relative"
            else f"{b['epsilon']:g} nats")

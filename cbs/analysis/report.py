@@ -118,7 +118,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
     recs = grid["records"]
     if not recs:
         raise ValueError(f"{sweep_dir} has no finished trials ({store.path} is empty); run "
-                         "the sweep first: python -m experiments.sweep --config=... "
+                         "the sweep first: cbs-sweep --config=... "
                          f"--sweep_dir={sweep_dir}")
     targets = definition.get("sweep", {}).get("targets") or sorted(
         {float(k) for r in recs for k in r["steps_to_target"]}, reverse=True)

@@ -1,4 +1,4 @@
-"""How large should my batch be now? python -m experiments.advise --workdir=RUN.
+"""How large should my batch be now? cbs-advise --workdir=RUN.
 
 Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise scale) and
 prints the calibrated advice at its last measured step (`cbs.analysis.advice`): the predicted
@@ -31,7 +31,7 @@ __all__ = [
     "main", "run",
 ]
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (python -m experiments.main "
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (cbs-train "
                                "--workdir=...).")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "
                                  "the advice at each of its targets from the noise scale its "

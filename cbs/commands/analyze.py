@@ -1,4 +1,4 @@
-"""Fit a finished sweep and write its report: python -m experiments.analyze --sweep_dir=DIR.
+"""Fit a finished sweep and write its report: cbs-analyze --sweep_dir=DIR.
 
 Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
 analysis.json, figures/*.png and report.md there (or into --out, which re-reports a study that

@@ -1,9 +1,9 @@
 """Local critical batch size by branched training, then its table and figure.
 
-    python -m experiments.branch --config=experiments/configs/digits_branch.py \
+    cbs-branch --config=digits_branch \
         --workdir=runs/digits_branch --sweep_dir=runs/digits
-    python -m experiments.branch --config=... --workdir=DIR --shard=2/4 --noreport  # array job
-    python -m experiments.branch --analyze_only --workdir=results/digits_branch \
+    cbs-branch --config=... --workdir=DIR --shard=2/4 --noreport  # array job
+    cbs-branch --analyze_only --workdir=results/digits_branch \
         --sweep_dir=runs/digits  # table, report.md and figure from committed records
 
 Trains (or resumes) the reference run, then this shard's branch units (see

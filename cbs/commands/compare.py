@@ -1,6 +1,6 @@
 """B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4).
 
-    python -m experiments.compare results/digits results/digits_sgd results/shakespeare_kaplan \
+    cbs-compare results/digits results/digits_sgd results/shakespeare_kaplan \
         --out=results/compare --held_out=results/heldout_teacher_student
 
 Re-fits every study from its records (the same analysis as its report) and writes
@@ -9,7 +9,7 @@ and OUT/b_crit_vs_noise.png (log-log, y = x and the factor-10 band drawn).
 
 With --sizes the studies are model sizes on the same data (Kaplan et al. 2020, Fig. 10):
 
-    python -m experiments.compare --sizes results/shakespeare_kaplan_d32 \
+    cbs-compare --sizes results/shakespeare_kaplan_d32 \
         results/shakespeare_kaplan results/shakespeare_kaplan_d128 --out=results/kaplan_sizes
 
 writes OUT/report.md (B_crit per size and target, a test of "B_crit depends on L alone", the

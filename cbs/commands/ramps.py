@@ -1,4 +1,4 @@
-"""Batch-size ramps beside a sweep: python -m experiments.ramps --config=... --sweep_dir=DIR.
+"""Batch-size ramps beside a sweep: cbs-ramps --config=... --sweep_dir=DIR.
 
 Validates the sweep and every ramp first (nothing is written for a bad config), then
 finishes the sweep of the config in DIR if needed (finished trials are skipped), runs every

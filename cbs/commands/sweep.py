@@ -1,8 +1,8 @@
 """Run a batch-size sweep, then (by default) fit it and write the report.
 
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
-    python -m experiments.sweep --config=...:tiny --sweep_dir=/tmp/s --config.sweep.seeds=0,1
-    python -m experiments.sweep --config=... --sweep_dir=DIR --shard=3/8 --noanalyze  # array job
+    cbs-sweep --config=digits_sweep --sweep_dir=runs/digits
+    cbs-sweep --config=...:tiny --sweep_dir=/tmp/s --config.sweep.seeds=0,1
+    cbs-sweep --config=... --sweep_dir=DIR --shard=3/8 --noanalyze  # array job
 
 The config is validated before anything is written. Re-running the same command skips
 finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only

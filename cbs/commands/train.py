@@ -1,6 +1,6 @@
-"""Train one run from a config file: python -m experiments.main --config=... --workdir=DIR.
+"""Train one run from a config file: cbs-train --config=... --workdir=DIR.
 
-    python -m experiments.main --config=experiments/configs/digits_mlp.py:tiny \
+    cbs-train --config=digits_mlp:tiny \
         --workdir=/tmp/digits --config.optim.learning_rate=3e-3
 
 The same command resumes from the latest checkpoint in --workdir; a run that already ended

@@ -250,7 +250,7 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
     raw = records.read_json(os.path.join(workdir, files.CONFIG_FILE))
     if raw is None:
         raise FileNotFoundError(f"{workdir} has no {files.CONFIG_FILE}: give the run directory "
-                                "of `python -m experiments.main --workdir=...`")
+                                "of `cbs-train --workdir=...`")
     directory = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
     if not paths.isdir(directory):
         raise FileNotFoundError(f"{workdir} has no {checkpoint.CHECKPOINT_DIR}/ (set "
