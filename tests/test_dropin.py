@@ -227,6 +227,31 @@ def test_nnx_form_equals_value_and_grad_and_the_reference(x64):
     _close(stats, reference_stats(split, params, batch), SIMPLE)
 
 
+def test_nnx_form_passes_other_arguments_through(x64):
+    """`fn(model, batch, *args)`: class weights and a temperature reach `loss_fn` unchanged,
+    eagerly and under `nnx.jit` (where they are traced): the loss and gradients of
+    `nnx.value_and_grad` with the same arguments, the statistics of the float64 reference."""
+    _, _, batch = tiny_mlp(jnp.float64)
+    model = _Net(nnx.Rngs(0), dtype=jnp.float64)
+    weights, temperature = jnp.array([1.0, 2.0, 0.5], jnp.float64), jnp.float64(1.5)
+
+    def weighted(m, b, w, t):
+        logits = m(b["x"]) / t
+        picked = jnp.take_along_axis(logits, b["y"][:, None], -1)[:, 0]
+        return jnp.mean(w[b["y"]] * (jax.nn.logsumexp(logits, -1) - picked))
+
+    ref_loss, ref_grads = nnx.value_and_grad(weighted)(model, batch, weights, temperature)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    split = lambda p, b: weighted(nnx.merge(graphdef, p, rest), b, weights, temperature)
+    want = reference_stats(split, params, batch)
+    vgs = noise.nnx_value_grad_and_stats(weighted)
+    for call in (vgs, nnx.jit(vgs)):
+        loss, grads, stats = call(model, batch, weights, temperature)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+        _tree_close(grads, ref_grads)
+        _close(stats, want, SIMPLE)
+
+
 def test_nnx_dropout_streams_are_folded_per_example_and_advance(x64):
     _, _, batch = tiny_mlp(jnp.float64, batch_size=6)
     model = _Net(nnx.Rngs(0, dropout=1), rate=0.3, dtype=jnp.float64)

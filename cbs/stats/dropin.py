@@ -281,12 +281,13 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
                              wrt: Any = nnx.Param, curvature: bool = False,
                              method: str = "auto", chunk_size: int | None = None,
                              groups: GroupSpec = None
-                             ) -> Callable[[nnx.Module, PyTree], tuple[Any, nnx.State,
-                                                                       NoiseStats]]:
-    """The NNX form: `fn(model, batch)` -> (loss or (loss, aux), grads, NoiseStats) for
-    `loss_fn(model, batch)`, differentiating the `wrt` variables (an `nnx.Param` State, as
-    `nnx.value_and_grad` returns them). Everything else of the model (BatchNorm statistics,
-    `nnx.Rngs` streams) is passed through unchanged.
+                             ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
+    """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
+    `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (an `nnx.Param`
+    State, as `nnx.value_and_grad` returns them). Everything else of the model (BatchNorm
+    statistics, `nnx.Rngs` streams) and the other arguments `args` (not differentiated, the
+    same for every example: class weights, a temperature, a mask over positions) are passed
+    through unchanged.
 
     A model whose loss draws from its `nnx.Rngs` streams (`nnx.Dropout`) is measured per
     example: example i draws from each stream's key folded with i (module docstring), and the
@@ -298,13 +299,13 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)
 
-    def fn(model: nnx.Module, batch: PyTree) -> tuple[Any, nnx.State, NoiseStats]:
+    def fn(model: nnx.Module, batch: PyTree, *args: Any) -> tuple[Any, nnx.State, NoiseStats]:
         graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)  # type: ignore[misc]
         fresh = lambda state: jax.tree.map(lambda x: x, state)  # Variables of this trace
 
-        def run(p, b, k, r=rest):
+        def run(p, b, k, r=rest, a=args):
             merged = nnx.merge(graphdef, p, fresh(k), fresh(r))
-            return loss_fn(merged, b), merged
+            return loss_fn(merged, b, *a), merged
 
         if loss_checks.random_primitives(jax.make_jaxpr(
                 lambda p, b: value(run(p, b, keys)[0]))(params, batch).jaxpr):
@@ -327,9 +328,10 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
             nnx.update(model, nnx.state(counted, nnx.RngCount))
             return out
         loss = lambda p, b: value(run(p, b, keys)[0])
-        # checked with the model's other state as arguments: under nnx.jit it is traced
-        loss_checks.check_loss_fn(lambda p, b, k, r: value(run(p, b, k, r)[0]), params, batch,
-                                  keys, rest)
+        # checked with the model's other state and the other arguments as arguments: under
+        # nnx.jit they are traced
+        loss_checks.check_loss_fn(lambda p, b, k, r, *a: value(run(p, b, k, r, a)[0]), params,
+                                  batch, keys, rest, *args)
         loss_checks.passed(loss)
         aux_fn = (lambda p, b: run(p, b, keys)[0][1]) if has_aux else None
         return _measure(loss, aux_fn, params, batch, method=method, chunk_size=chunk_size,
