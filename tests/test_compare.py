@@ -157,3 +157,12 @@ def test_studies_whose_folders_share_a_name_stay_apart(tmp_path):
     assert compare.study_labels([x, str(tmp_path / "x" / "other")]) == ["task", "other"]
     same = _warm.python(["-m", "experiments.compare", x, f"{x}/", f"--out={tmp_path / 'o2'}"])
     assert same.returncode == 2 and "name one study twice" in same.stderr
+
+
+def test_a_held_out_prediction_is_found_beside_its_sweep_on_any_store():
+    from cbs.analysis import compare as compare_lib
+
+    assert compare_lib.prediction_path("gs://bucket/runs/task/") == (
+        "gs://bucket/runs/task_predict/prediction.json")
+    assert compare_lib.prediction_path("results/heldout_lm_depth4") == (
+        "results/heldout_lm_depth4_predict/prediction.json")

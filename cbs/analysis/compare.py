@@ -32,8 +32,8 @@ from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
 __all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PREDICTION_SUFFIX", "PROTOCOL", "collect",
-           "figure", "held_out_pairs", "protocol_table", "study_labels", "study_path",
-           "summary", "table", "write_report"]
+           "figure", "held_out_pairs", "prediction_path", "protocol_table", "study_labels",
+           "study_path", "summary", "table", "write_report"]
 
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)
@@ -297,13 +297,19 @@ def _summary_lines(s: dict[str, Any], names: Sequence[tuple[str, str]]) -> list[
 PREDICTION_SUFFIX = "_predict"  # <held-out sweep>_predict/prediction.json: its prediction
 
 
+def prediction_path(held_out_dir: str) -> str:
+    """Where the prediction of held-out sweep directory D lies: D + PREDICTION_SUFFIX /
+    prediction.json (not through normpath, which makes gs://b/D of gs:/b/D)."""
+    return paths.join(str(held_out_dir).rstrip("/") + PREDICTION_SUFFIX, "prediction.json")
+
+
 def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(prediction, analysis) per held-out sweep directory D: D + PREDICTION_SUFFIX holds
     prediction.json (`cbs-advise --sweep_dir` on one run, committed before D's sweep ran) and
     D its analysis.json."""
     pairs = []
     for d in held_out_dirs:
-        pred_path = paths.join(os.path.normpath(d) + PREDICTION_SUFFIX, "prediction.json")
+        pred_path = prediction_path(d)
         prediction, analysis = (records.read_json(pred_path),
                                 records.read_json(paths.join(d, files.ANALYSIS_FILE)))
         if prediction is None or analysis is None:
