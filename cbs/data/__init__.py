@@ -19,8 +19,8 @@ resuming, changing the batch size mid-run and splitting the batch over hosts all
 same example sequence.
 
 Registered names: digits, mnist1d, shakespeare_char (embedded, offline); linreg,
-teacher_student (synthetic, known answers); mnist, fashion_mnist, cifar10, svhn_cropped,
-tiny_shakespeare, lm1b (TensorFlow Datasets, prepared locally).
+teacher_student, teacher_regression (synthetic, known answers); mnist, fashion_mnist,
+cifar10, svhn_cropped, tiny_shakespeare, lm1b (TensorFlow Datasets, prepared locally).
 
 Modules: `dataset` (the `Dataset` type and its views), `stream` (the seeded example stream),
 `batching` (device and host batches, evaluation), and the sources `embedded` (shipped with
@@ -56,6 +56,7 @@ _REGISTRY: dict[str, Callable[..., Dataset]] = {
     "shakespeare_char": embedded.shakespeare_char,
     "linreg": synthetic.linreg,
     "teacher_student": synthetic.teacher_student,
+    "teacher_regression": synthetic.teacher_regression,
     **{name: functools.partial(tfds_source.tfds_images, name)
        for name in tfds_source.IMAGE_DATASETS},
     "tiny_shakespeare": tfds_source.tiny_shakespeare,

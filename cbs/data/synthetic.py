@@ -12,6 +12,10 @@ so B_simple = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG are known in closed form
 
 Teacher-student classifier: x ~ N(0, I_D), labels from a fixed random one-hidden-layer
 tanh teacher, argmax of its logits, or sampled from softmax(logits / temperature).
+
+Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random
+one-hidden-layer tanh teacher scaled to unit variance over x, per-example loss ½(ŷ − y)²
+(the loss floor is σ²/2).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 
 from cbs.data.dataset import ClassificationView, Dataset, RegressionView, Split
 
-__all__ = ["linreg", "linreg_noise_stats", "teacher_student"]
+__all__ = ["linreg", "linreg_noise_stats", "teacher_regression", "teacher_student"]
 
 
 def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndarray | float]:
@@ -117,3 +121,36 @@ def teacher_student(*, dim: int = 32, hidden: int = 64, num_classes: int = 10,
             "train_argmax_agreement": float(np.mean(train["y"] == train_best))}
     return Dataset(name="teacher_student", task="classification", input_shape=(dim,),
                    splits=splits, num_classes=num_classes, metadata=meta)
+
+
+def teacher_regression(*, dim: int = 16, hidden: int = 32, num_train: int = 8192,
+                       num_eval: int = 2048, noise_std: float = 0.1,
+                       data_seed: int = 0) -> Dataset:
+    """Teacher-student regression: x float32 [N, dim] ~ N(0, I), y float32 [N].
+
+    f(x) = tanh(x W1) w2 / s with W1 ~ N(0, 4/dim) (so the tanh units saturate and f is
+    far from linear), w2 ~ N(0, 1/hidden), s the standard deviation of tanh(x W1) w2 over
+    65,536 draws of x (Var f ≈ 1); y = f(x) + noise_std·ε. metadata holds the teacher and
+    `loss_floor` = noise_std²/2, the expected loss of f itself.
+    """
+    if dim < 1 or hidden < 1 or num_train < 2 or num_eval < 1 or noise_std < 0:
+        raise ValueError(f"need dim, hidden >= 1, num_train >= 2, num_eval >= 1 and "
+                         f"noise_std >= 0; got {dim}, {hidden}, {num_train}, {num_eval}, "
+                         f"{noise_std}")
+    rng = np.random.default_rng(data_seed)
+    w1 = rng.normal(size=(dim, hidden)) * 2.0 / np.sqrt(dim)
+    w2 = rng.normal(size=hidden) / np.sqrt(hidden)
+    scale = float(np.std(np.tanh(rng.normal(size=(65_536, dim)) @ w1) @ w2))
+
+    def sample(n):
+        x = rng.normal(size=(n, dim))
+        y = np.tanh(x @ w1) @ w2 / scale + noise_std * rng.normal(size=n)
+        return {"x": x.astype(np.float32), "y": y.astype(np.float32)}
+
+    view = RegressionView()
+    splits = {"train": Split(num_train, view, sample(num_train)),
+              "eval": Split(num_eval, view, sample(num_eval))}
+    meta = {"w1": w1, "w2": w2, "scale": scale, "noise_std": float(noise_std),
+            "loss_floor": 0.5 * float(noise_std) ** 2}
+    return Dataset(name="teacher_regression", task="regression", input_shape=(dim,),
+                   splits=splits, metadata=meta)

@@ -289,7 +289,10 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
 
     # deviations side by side (vmap) only while an HVP is one pass over at most a chunk
     side_by_side = min(chunk_size or m, m) if hessian_num <= FULL_DATA_ONE_PASS else 1
-    forms = jax.lax.map(form, subset, batch_size=side_by_side)
+    try:
+        forms = jax.lax.map(form, subset, batch_size=side_by_side)
+    except NotImplementedError:  # jax has no batching rule for this model's HVP (a conv's
+        forms = jax.lax.map(form, subset)  # kernel gradient under a mesh): one at a time
     trace_h_sigma = jnp.mean(forms) * num / (num - 1)
     return {"trace_h_sigma": trace_h_sigma, "mean_g_h_g": g_h_g, "g_h_g": g_h_g,
             "b_noise": trace_h_sigma / g_h_g}
