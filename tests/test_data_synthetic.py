@@ -67,3 +67,23 @@ def test_teacher_student_labels():
     assert 0.2 < noisy.metadata["train_argmax_agreement"] < 0.99
     with pytest.raises(ValueError, match="num_classes"):
         data.get_dataset("teacher_student", num_classes=1)
+
+
+def test_teacher_regression_targets():
+    """y = f(x) + σε with Var f ≈ 1 and f far from linear (a least-squares line explains
+    little of it), deterministic in data_seed; the metadata's loss floor is σ²/2."""
+    ds = data.get_dataset("teacher_regression", dim=16, hidden=32, num_train=8192,
+                          num_eval=512, noise_std=0.1)
+    assert (ds.task, ds.input_shape, ds.num_classes) == ("regression", (16,), None)
+    x, y = ds.train["x"].astype(np.float64), ds.train["y"].astype(np.float64)
+    assert x.dtype == np.float64 and y.shape == (8192,)
+    assert 0.9 < np.var(y) < 1.15  # Var f ≈ 1 (over 8,192 draws) plus σ² = 0.01
+    design = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+    residual = y - design @ np.linalg.lstsq(design, y, rcond=None)[0]
+    assert np.var(residual) / np.var(y) > 0.3  # a linear model leaves > 30 % unexplained
+    assert ds.metadata["loss_floor"] == pytest.approx(0.005)
+    again = data.get_dataset("teacher_regression", dim=16, hidden=32, num_train=8192,
+                             num_eval=512, noise_std=0.1)
+    np.testing.assert_array_equal(again.train["y"], ds.train["y"])
+    with pytest.raises(ValueError, match="noise_std"):
+        data.get_dataset("teacher_regression", noise_std=-1.0)
