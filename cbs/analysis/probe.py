@@ -21,7 +21,8 @@ lies in. Its standard error in log space joins two parts:
 sd_seeds the spread of log B* over the exact bootstrap of the seeds (all S^S resamples of the
 S seeds with replacement, the losses averaged per resample; 2,000 random ones past S = 5),
 sd_ladder the resolution of the ladder (the crossing uniform in log between the bracket's
-ends). At either end of the ladder (k* = 1, or the top) B* is only a bound: no ratio, and the
+ends; a resample whose k* is the top of the ladder counts as k_max·b_0, its lower bound). At
+either end of the ladder (k* = 1, or the top) B* is only a bound: no ratio, and the
 advice keeps the cross-task prior. The probed log ratio is y = log(B*/B_s); B_s measured on
 all training examples is exact for the training set and adds no error (a sampled one would:
 it is not counted).
