@@ -209,3 +209,29 @@ def test_the_committed_evidence_is_what_the_command_writes():
     for a, b in zip(now["studies"], committed["studies"], strict=True):
         assert [p["error_probed"] for p in a["pairs"]] == pytest.approx(
             [p["error_probed"] for p in b["pairs"]], rel=1e-9)
+
+
+def test_a_run_logs_live_advice_with_the_probed_ratio(tmp_path):
+    """`config.noise.advice_calibration` = the calibration `--probe` writes: every advice/b_crit
+    the run logs is the probed ratio times its live B_simple; a missing file is named."""
+    from test_train import one_device_mesh, tiny_config
+
+    from cbs.engine import trainer
+
+    calib = calibration.shipped()
+    model = calib["models"]["b_simple"]
+    probed = {"log_ratio": -1.0, "se": 0.2, "noise_scale": 30.0, "b_star": 30 * math.exp(-1)}
+    c = probe.combine(model, "adam", probed)
+    path = os.path.join(tmp_path, "calibration_12.json")
+    records.write_json_atomic(path, probe.calibration_with(calib, "b_simple", "adam", c))
+    run = os.path.join(tmp_path, "run")
+    trainer.run(tiny_config(**{"noise.advice_calibration": path}), run, mesh=one_device_mesh())
+    recs = [r for r in records.read_records(os.path.join(run, files.METRICS_FILE))
+            if r.get("kind") == "train" and math.isfinite(r.get("advice/b_crit") or math.nan)]
+    assert recs
+    for r in recs:
+        assert r["advice/b_crit"] == pytest.approx(c["probed"]["ratio"]
+                                                   * r["noise/ema_b_simple"], rel=1e-6)
+    with pytest.raises(FileNotFoundError, match="config.noise.advice_calibration"):
+        trainer.run(tiny_config(**{"noise.advice_calibration": path + ".missing"}),
+                    os.path.join(tmp_path, "other"), mesh=one_device_mesh())
