@@ -66,9 +66,10 @@ _RANDOM_RESAMPLES = 2000
 def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple[int, ...]]:
     """(b_0, K) of the probe: `batch_sizes` (examples; each twice, four times, ... the smallest)
     or by default B/2, B, 2B, 4B, 8B (B, 2B, 4B, 8B when B is odd)."""
-    sizes = sorted(int(b) for b in batch_sizes) or (
-        [batch_size // 2] * (batch_size % 2 == 0 and batch_size > 1)
-        + [batch_size * m for m in (1, 2, 4, 8)])
+    sizes = sorted(int(b) for b in batch_sizes)
+    if not sizes:
+        half = [batch_size // 2] if batch_size > 1 and batch_size % 2 == 0 else []
+        sizes = half + [batch_size * m for m in (1, 2, 4, 8)]
     b0 = sizes[0]
     if b0 < 1 or len(set(sizes)) < 2 or any(b % b0 for b in sizes):
         raise ValueError(f"probe batch sizes {tuple(sizes)}: give two or more distinct sizes, "

@@ -29,7 +29,7 @@ import ml_collections
 
 from cbs.analysis import calibration, probe
 from cbs.engine import checkpoint, lr
-from cbs.results import files, paths, records
+from cbs.results import files, records
 from cbs.sweeps import branches
 from cbs.sweeps.branch_config import default_branch_config
 
@@ -119,5 +119,4 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
     if records.part_paths(path):
         records.export_parts(path, branches.UNIT_KEYS)
     rows = [r for r in records.read_merged(path, branches.UNIT_KEYS) if r["point_step"] == step]
-    paths.makedirs(out_dir)
     return out | {"rows": rows, "metric": metric}
