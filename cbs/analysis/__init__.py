@@ -9,13 +9,16 @@ batch), `report` (a sweep's analysis) and
 sizes), `branch_report` (local critical batch size from branches), `compare` (across
 studies) and `sizes` (across model sizes), `misfit` (the calibrated test of one power law),
 `anchor` (the linear-regression anchor in closed form), `calibration` (B_crit predicted from a
-noise scale, calibrated on committed studies) and `advice` (the batch-size answer built on
-it).
+noise scale, calibrated on committed studies), `advice` (the batch-size answer built on
+it), `probe` (the task's own ratio of local B_crit to the noise scale from short branches,
+combined with the calibration) and `probe_evidence` (that probe on the committed branch
+studies).
 """
 
 __all__ = [
     "advice", "anchor", "branch_report", "calibration", "compare", "edges", "fit", "held_out",
-    "joint", "misfit", "noise_at_target", "payoff", "plots", "ramp_start", "reference_protocol",
+    "joint", "misfit", "noise_at_target", "payoff", "plots", "probe", "probe_evidence",
+    "ramp_start", "reference_protocol",
     "report",
     "report_tables", "selection", "sizes",
 ]  # its modules

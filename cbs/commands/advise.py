@@ -13,6 +13,13 @@ From a checkpoint (--checkpoint=RUN/checkpoints/STEP, or --workdir=RUN --step=ST
 --workdir whose records hold no measured noise scale): restores the saved state and measures
 the noise scale exactly there (`cbs.train.measure_checkpoint`: all training examples, or
 --examples=n of them), then prints the same advice and writes advice_STEP.md and .json.
+
+With --probe (from a checkpoint, or a --workdir's latest): also the task's own calibration,
+short branches at a few batch sizes from that state within --probe_budget of the run so far
+(`cbs.sweeps.probe_runs`), their local B_crit against the noise scale, and the prediction with
+that ratio beside the cross-task one (`cbs.analysis.probe`); the branch records go to
+probe_STEP/, the calibration with the probed ratio (for a run's live advice:
+--config.noise.advice_calibration) to calibration_STEP.json.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import os
 
 from absl import flags
 
-from cbs.analysis import advice
+from cbs.analysis import advice, calibration, probe
 from cbs.engine import checkpoint, cli, trainer
 from cbs.results import paths, records
 
@@ -53,6 +60,23 @@ _STEP = flags.DEFINE_integer("step", None, "With --workdir: measure at this chec
 _EXAMPLES = flags.DEFINE_integer("examples", 0, "From a checkpoint: measure on this many "
                                  "training examples (0: all of them, exactly; needed when the "
                                  "training split is streamed).")
+_PROBE = flags.DEFINE_bool("probe", False, "From a checkpoint (--checkpoint, or --workdir with "
+                           "or without --step: the latest): also run short branches at a few "
+                           "batch sizes from there and combine the task's own ratio of local "
+                           "B_crit to the noise scale with the cross-task calibration.")
+_PROBE_BUDGET = flags.DEFINE_float("probe_budget", probe.DEFAULT_BUDGET, "The probe's branches "
+                                   "train at most this fraction of the run so far "
+                                   "(--probe_unit).")
+_PROBE_UNIT = flags.DEFINE_enum("probe_unit", "examples", list(probe.UNITS), "What the budget "
+                                "counts: examples (compute) or steps (wall time of a device "
+                                "that a larger batch does not saturate).")
+_PROBE_BATCH_SIZES = flags.DEFINE_list("probe_batch_sizes", [], "The probe's batch sizes, each "
+                                       "a multiple of the smallest (default: B/2, B, 2B, 4B, "
+                                       "8B with B the run's batch there).")
+_PROBE_SEEDS = flags.DEFINE_integer("probe_seeds", 2, "Data-order seeds per batch size.")
+_PROBE_EPSILON = flags.DEFINE_float("probe_epsilon", 0.02, "ε of the branch criterion, a "
+                                    "fraction of the loss (a batch passes while its loss is "
+                                    "within ε of every smaller batch's).")
 flags.mark_flags_as_mutual_exclusive(["workdir", "sweep_dir", "checkpoint"], required=True)
 
 
@@ -69,6 +93,17 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--examples={_EXAMPLES.value}: give a number of training examples "
                          "> 0, or 0 for all of them")
     scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
+    if _PROBE.value:
+        if _SWEEP_DIR.value:
+            raise ValueError("--probe branches from a checkpoint of a run: give --checkpoint="
+                             "RUN/checkpoints/STEP or --workdir=RUN, not --sweep_dir")
+        where, step = _checkpoint_of()
+        if not _has_checkpoint(where):
+            raise ValueError(f"--probe branches from a checkpoint: {where} has no "
+                             f"{checkpoint.CHECKPOINT_DIR}/ (rerun it with "
+                             "--config.train.checkpoint_every=100)")
+        _from_checkpoint(where, step, scale=scale, level=level, exchange=exchange)
+        return
     if _CHECKPOINT.value or _STEP.value is not None:
         _from_checkpoint(*_checkpoint_of(), scale=scale, level=level, exchange=exchange)
         return
@@ -142,12 +177,49 @@ def _from_checkpoint(workdir: str, step: int | None, *, scale: str, level: float
     out = _OUT.value or workdir
     paths.makedirs(out)
     name = f"advice_{measured['step']}"
+    text, extra = advice.summary(a), {}
+    if _PROBE.value:
+        probed, extra = _probe(workdir, measured, out, scale=scale, level=level)
+        text += "\n\n" + probed
     records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
-                         f"`{workdir}` at checkpoint {measured['step']}\n\n"
-                         f"{advice.summary(a)}\n")
-    records.write_json_atomic(os.path.join(out, f"{name}.json"), {
-        "advice": json.loads(json.dumps(a.to_dict(), default=float)), "measured": measured})
-    print(advice.summary(a))
+                         f"`{workdir}` at checkpoint {measured['step']}\n\n{text}\n")
+    records.write_json_atomic(os.path.join(out, f"{name}.json"), json.loads(json.dumps({
+        "advice": a.to_dict(), "measured": measured} | extra, default=float)))
+    print(text)
+
+
+def _probe(workdir: str, measured: dict, out: str, *, scale: str, level: float
+           ) -> tuple[str, dict]:
+    """Runs the probe at the measured checkpoint; (its summary, {"probe": what it found}) and
+    writes calibration_STEP.json (the calibration with the probed ratio)."""
+    from cbs.sweeps import probe_runs
+
+    step = int(measured["step"])
+    sizes = [int(b) for b in _PROBE_BATCH_SIZES.value]
+    ran = probe_runs.run_probe(workdir, measured, os.path.join(out, f"probe_{step}"),
+                               batch_sizes=sizes, seeds=int(_PROBE_SEEDS.value),
+                               budget=float(_PROBE_BUDGET.value), unit=str(_PROBE_UNIT.value),
+                               epsilon=float(_PROBE_EPSILON.value))
+    ratio = probe.local_ratio(ran["rows"], float(measured.get(f"noise/{scale}", math.nan)),
+                              epsilon=ran["epsilon"], tolerance=ran["tolerance"],
+                              metric=ran["metric"])
+    calib = calibration.shipped()
+    combined = probe.combine(calib["models"][scale], str(measured["optimizer"]), ratio,
+                             level=level)
+    spent = probe.cost(ran["rows"])
+    plan = ran["plan"]
+    spent |= {"base": ran["base"], "window": plan["window"], "budget": plan["budget"],
+              "unit": plan["unit"], "fraction_examples": spent["examples"] / max(
+                  int(measured["examples_seen"]), 1),
+              "fraction_steps": spent["steps"] / max(step, 1)}
+    if ratio["bound"] == "":
+        records.write_json_atomic(os.path.join(out, f"calibration_{step}.json"),
+                                  probe.calibration_with(calib, scale, str(measured["optimizer"]),
+                                                         combined))
+    found = {"ratio": ratio, "combined": combined, "cost": spent, "plan": plan,
+             "metric": ran["metric"], "epsilon": ran["epsilon"], "tolerance": ran["tolerance"],
+             "lr_scale": ran["lr_scale"]}
+    return probe.summary(ratio, combined, spent, scale), {"probe": found}
 
 
 def run() -> None:

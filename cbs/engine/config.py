@@ -89,6 +89,9 @@ def default_config() -> ml_collections.ConfigDict:
     #   (per replica, R ≥ 2), or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2,
     #   m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
+    c.noise.advice_calibration = ""  # the calibration file of the live advice/* keys: ""
+    #   the shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json (the task's
+    #   own probed ratio)
     # The measurement (cbs.engine.noise_spec.NoiseSpec, measured by cbs.engine.measure):
     c.noise.every = 0  # steps between measurements of the step's examples; 0 = never
     c.noise.examples = "step"  # also measured at each evaluation: "stream" (n examples of a

@@ -28,12 +28,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from cbs.analysis import calibration
+from cbs.results import records
 
-__all__ = ["ADVICE_KEYS", "LiveAdvice", "SOURCE_KEY"]
+__all__ = ["ADVICE_KEYS", "LiveAdvice", "SOURCE_KEY", "calibration_file"]
 
 ADVICE_KEYS = ("b_crit", "b_crit_lo", "b_crit_hi", "steps_ratio", "examples_ratio")
 SOURCE_KEY = "noise/ema_b_simple"  # the live estimate the advice is computed from
 _SCALE = "b_simple"
+
+
+def calibration_file(config: Any) -> dict[str, Any] | None:
+    """The calibration named by `config.noise.advice_calibration` (None: the shipped one)."""
+    path = str(config.noise.get("advice_calibration", "") or "")
+    if not path:
+        return None
+    calib = records.read_json(path)
+    if calib is None:
+        raise FileNotFoundError(f"config.noise.advice_calibration: no file {path} (e.g. "
+                                "cbs-advise --probe's calibration_STEP.json)")
+    return calib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,7 +163,8 @@ class Loop:
         self.divergence = DivergenceState()
         self.noise_batch = self.config.noise.batch_size or (
             self.config.batch.micro_batch * driver.replicas)
-        self.advice = live_advice.LiveAdvice.from_config(self.config)  # advice/* records
+        self.advice = live_advice.LiveAdvice.from_config(  # advice/* records
+            self.config, live_advice.calibration_file(self.config))
 
     # ------------------------------------------------------------------ state
 

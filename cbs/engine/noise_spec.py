@@ -152,6 +152,9 @@ def validate_config(noise_config: Any) -> NoiseSpec:
         raise fields.ConfigError(f"{at}.ema_decay: must be < 1, got {noise_config.ema_decay}")
     if "live" in noise_config:
         fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
+    if not isinstance(noise_config.get("advice_calibration", ""), str):
+        raise fields.ConfigError(f"{at}.advice_calibration: a path to a calibration file or "
+                                 f"\"\", got {noise_config.advice_calibration!r}")
     return NoiseSpec.from_config(noise_config)
 
 

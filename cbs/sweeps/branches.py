@@ -99,10 +99,16 @@ def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 
 
 class BranchRunner:
-    """Runs the branches of one study; `run_unit(step, k)` returns a unit's records."""
+    """Runs the branches of one study; `run_unit(step, k)` returns a unit's records.
+
+    checkpoints: the directory of the checkpoints to branch from (default: the study's
+    reference run, `workdir/reference/checkpoints`; `cbs.sweeps.probe_runs` branches from any
+    run's). lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate (1: the
+    reference's; a probe whose ladder starts below the run's batch scales it down)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
-                 dataset: data.Dataset | None = None):
+                 dataset: data.Dataset | None = None, checkpoints: str | None = None,
+                 lr_scale: float = 1.0):
         validate_branch_config(config)
         self.config, self.workdir, self.b = config, workdir, config.branch
         self.bsz = reference_batch(config)
@@ -118,8 +124,9 @@ class BranchRunner:
         self.mesh, self.rep = one, mesh.replicated(one)
         self.parts = RunParts(c, mesh=one, dataset=dataset)
         self.vmap = bool(self.b.vmap) and self.parts.in_memory
-        self.ckpt = checkpoint.Checkpointer(
-            os.path.join(workdir, files.REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
+        self.lr_scale = float(lr_scale)
+        self.ckpt = checkpoint.Checkpointer(checkpoints or os.path.join(
+            workdir, files.REFERENCE_DIR, checkpoint.CHECKPOINT_DIR), max_to_keep=None)
         self._programs: dict[int, Callable] = {}
         self._final: Callable | None = None
         if self.vmap:
@@ -181,7 +188,7 @@ class BranchRunner:
     def _overrides(self, state: TrainState, k: int, seed: int | None = None,
                    evaluate: bool = True) -> spec.RunOverrides:
         e0 = position(state)[1]
-        lr0 = float(jax.device_get(state.learning_rate))
+        lr0 = float(jax.device_get(state.learning_rate)) * self.lr_scale
         return branch_unit.branch_overrides(
             state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
             num_steps=self.window(e0) // (k * self.bsz), seed=seed, evaluate=evaluate,
