@@ -118,8 +118,8 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     the exact noise scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
     definition = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if definition is None:
-        raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run python -m "
-                                f"experiments.branch --config=... --workdir={workdir} first")
+        raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run cbs-branch "
+                                f"--config=... --workdir={workdir} first")
     b = definition["branch"]
     rows = shared.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
                               ("point_step", "k", "seed"))  # the export and its parts
