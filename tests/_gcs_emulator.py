@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import time
@@ -50,14 +51,17 @@ def make_bucket(url: str, name: str) -> None:
 
 
 @contextlib.contextmanager
-def serve(log_path: str) -> Iterator[str]:
-    """Runs the emulator until the block ends; yields its URL (http://127.0.0.1:PORT)."""
+def serve(log_path: str, *, count: bool = False) -> Iterator[str]:
+    """Runs the emulator until the block ends; yields its URL (http://127.0.0.1:PORT).
+
+    count: log every request the emulator answers (its access log, one line each) to
+    `log_path`, for `requests`."""
     port = _free_port()
     url = f"http://{HOST}:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [binary(), "-scheme", "http", "-host", HOST, "-port", str(port), "-backend",
-             "memory", "-external-url", url, "-log-level", "warn"],
+             "memory", "-external-url", url, "-log-level", "info" if count else "warn"],
             stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_ready(url, proc)
@@ -69,6 +73,15 @@ def serve(log_path: str) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+_REQUEST = re.compile(r'\\"(GET|POST|PUT|PATCH|DELETE|HEAD) (\S+) HTTP/')
+
+
+def requests(log_path: str) -> list[tuple[str, str]]:
+    """(method, path) of every request the emulator logged so far (`serve` with count)."""
+    with open(log_path, errors="replace") as log:
+        return [m.groups() for line in log if (m := _REQUEST.search(line))]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import _warm
 import jax
@@ -20,6 +21,8 @@ from cbs.engine import checkpoint, live_advice, trainer
 from cbs.results import files, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+    SCRIPTS = tomllib.load(_f)["project"]["scripts"]  # console script -> module:function
 
 
 def test_advice_is_the_calibrated_prediction_and_the_tradeoff():
@@ -98,7 +101,7 @@ def test_the_readme_advice_command_prints_the_readme_block(tmp_path):
     block README quotes (numbers to 2 %: float32 sums may differ in the last digit between
     machines; every word the same)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    command = re.search(r"```bash\n(pip install -e \. && python -m experiments\.main "
+    command = re.search(r"```bash\n(pip install -e \. && cbs-train "
                         r"--config=digits_mlp:tiny[^\n]*)\n```", readme).group(1)
     block = readme.split("<!-- the output of the command above (tests/test_advice.py) -->"
                          )[1].split("```")[1].strip("\n").splitlines()
@@ -107,7 +110,8 @@ def test_the_readme_advice_command_prints_the_readme_block(tmp_path):
     outs = []
     for part in parts:
         argv = part.replace("runs/advise", work).split()
-        assert argv[:2] == ["python", "-m"]
+        script = argv[0]  # the console script: the module it runs (pyproject.toml)
+        argv = ["python", "-m", SCRIPTS[script].split(":")[0], *argv[1:]]
         # one device, as shown; the tests' compile flags change no number beyond the 2 %
         env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
         done = _warm.python(argv[1:], env=env, timeout=600)

@@ -22,7 +22,7 @@ from cbs import data
 from cbs.analysis import branch_report
 from cbs.engine import lr, trainer
 from cbs.engine.fields import ConfigError
-from cbs.results import files, records
+from cbs.results import files, records, shared
 from cbs.stats import noise
 from cbs.sweeps import branch_config, branch_noise, branch_unit, branches
 from experiments.configs import base, digits_branch
@@ -449,13 +449,13 @@ def test_kill_9_then_same_command_gives_the_uninterrupted_records(tmp_path):
     path = os.path.join(killed, files.BRANCHES_FILE)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if records.part_paths(path):  # a unit's records are written
+        if shared.part_paths(path):  # a unit's records are written
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    before = records.read_merged(path, branches.UNIT_KEYS)
-    want = records.read_merged(os.path.join(ref, files.BRANCHES_FILE), branches.UNIT_KEYS)
+    before = shared.read_merged(path, branches.UNIT_KEYS)
+    want = shared.read_merged(os.path.join(ref, files.BRANCHES_FILE), branches.UNIT_KEYS)
     assert 0 < len(before) < len(want)
     run(_branch_command(killed))
     key = lambda r: (r["point_step"], r["k"], r["seed"])

@@ -79,6 +79,32 @@ def test_argnums_batch_argnums_and_passed_through_arguments(x64):
     _close(stats, ref, SIMPLE)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_keyword_arguments_go_to_the_loss_as_in_value_and_grad(x64, jit):
+    """fn(*args, **kwargs): keywords reach loss_fn undifferentiated (jax.value_and_grad's
+    rule), with has_aux and a tuple argnums unchanged; statistics equal the float64 reference
+    of the loss with the keywords bound."""
+    loss_fn, params, batch = tiny_mlp(jnp.float64)
+    first = {"dense1": params["dense1"]}
+    second = {k: v for k, v in params.items() if k != "dense1"}
+
+    def loss(p1, b, p2, *, scale, shift=0.0):
+        value = scale * loss_fn({**p1, **p2}, b) + shift
+        return value, {"scale": scale}
+
+    vgs = noise.value_grad_and_stats(loss, has_aux=True, argnums=(0, 2), batch_argnums=1)
+    call = jax.jit(vgs) if jit else vgs
+    (value, aux), grads, stats = call(first, batch, second, scale=jnp.float64(3.0), shift=0.5)
+    (ref_value, ref_aux), ref_grads = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)(
+        first, batch, second, scale=jnp.float64(3.0), shift=0.5)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    np.testing.assert_allclose(aux["scale"], ref_aux["scale"])
+    assert isinstance(grads, tuple) and len(grads) == 2
+    _tree_close(grads, ref_grads)
+    ref = reference_stats(lambda p, b: 3.0 * loss_fn(p, b) + 0.5, params, batch)
+    _close(stats, ref, SIMPLE)
+
+
 def test_aux_adds_no_second_forward_pass():
     """aux is computed by a second call of loss_fn in the same program, on the same operands
     as the ghost pass's forward; XLA merges the two: the compiled step's flops grow by the

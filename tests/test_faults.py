@@ -28,7 +28,7 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import checkpoint, cli, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.results import files, paths, records
+from cbs.results import files, paths, records, shared
 from cbs.results.store import SweepStore, TrialResult
 from cbs.stats import noise
 from cbs.sweeps import launch, ramps
@@ -117,7 +117,7 @@ def test_an_older_trials_file_with_a_torn_tail_is_read_and_copied_before_the_fir
 def test_corrupt_middle_line_is_named_and_its_trial_reruns(tmp_path):
     store = SweepStore(str(tmp_path / "sweep"))
     store.append([_result(i) for i in range(3)])
-    [part] = records.part_paths(store.path)
+    [part] = shared.part_paths(store.path)
     lines = pathlib.Path(part).read_bytes().split(b"\n")
     lines[1] = b"\x00\x00garbage" + lines[1][20:]  # line 2 damaged in place
     pathlib.Path(part).write_bytes(b"\n".join(lines))
@@ -154,7 +154,7 @@ def test_sweep_rerun_after_torn_and_corrupt_lines_restores_every_record(tmp_path
     store = SweepStore(sweep_dir)
     before = {r["trial_id"]: r for r in store.records()}
     assert len(before) == 2
-    [part] = records.part_paths(store.path)  # the group's records
+    [part] = shared.part_paths(store.path)  # the group's records
     first, second = pathlib.Path(part).read_bytes().split(b"\n")[:2]
     pathlib.Path(part).write_bytes(b"{oops" + first[5:] + b"\n" + second[: len(second) // 2])
     with warnings.catch_warnings(record=True) as caught:
@@ -162,7 +162,7 @@ def test_sweep_rerun_after_torn_and_corrupt_lines_restores_every_record(tmp_path
         assert launch.pending_trials(c, store) != []  # both count as unfinished
         launch.run_sweep(c, sweep_dir, log=lambda _: None)  # resumes from the group checkpoint
     assert any(".jsonl:1: skipped" in str(w.message) for w in caught)
-    damaged, new = records.part_paths(store.path)  # the damaged part stays for inspection
+    damaged, new = shared.part_paths(store.path)  # the damaged part stays for inspection
     assert damaged == part
     parsed = [json.loads(line) for line in pathlib.Path(new).read_text().splitlines()]
     assert sorted(r["trial_id"] for r in parsed) == sorted(before)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from cbs.engine import checkpoint, cli, loop, trainer
 from cbs.engine import mesh as mesh_lib
-from cbs.results import records
+from cbs.results import records, shared
 from cbs.results.store import SweepStore, definition_diff
 from cbs.stats import dropin, ghost, loss_checks, noise
 from cbs.sweeps import branches, grid, launch, ramps
@@ -356,7 +356,7 @@ def test_a_rerun_of_part_of_a_vmapped_group_gives_bit_identical_records(tmp_path
     for case in ("replayed", "retrained"):
         d = tmp_path / case
         shutil.copytree(whole, d)
-        for part in map(pathlib.Path, records.part_paths(d / "trials.jsonl")):  # lose it
+        for part in map(pathlib.Path, shared.part_paths(d / "trials.jsonl")):  # lose it
             lines = part.read_text().splitlines(keepends=True)
             part.write_text("".join(x for x in lines if lost not in x))
         if case == "retrained":  # no run directory to replay: the group trains again

@@ -8,12 +8,16 @@ Two kinds of command, by how the page shows them:
   temporary directory, on the simulated plain install of tests/_plain_install.py (no extra
   installed: none of these commands names one); it must exit with status 0. Each guide that
   shows commands has one.
-- every other command line (`python -m experiments.X ...` or `python -m benchmarks.X ...`
-  in a fenced or indented block or in backquotes: full studies, multi-host launches) is
-  checked without running: the module exists, every flag is one it defines, the config
-  resolves and loads with its argument, each `--config.a.b=...` names a field of it, the
-  config's sweep, ramps and branch sections (and its run config) validate, and the committed
-  study directories it names exist.
+- every other command line (a console script, `cbs-sweep ...`, or `python -m experiments.X
+  ...` or `python -m benchmarks.X ...` in a fenced or indented block or in backquotes: full
+  studies, multi-host launches) is checked without running: the module exists, every flag
+  is one it defines, the config resolves and loads with its argument, each
+  `--config.a.b=...` names a field of it, the config's sweep, ramps and branch sections (and
+  its run config) validate, and the committed study directories it names exist.
+
+The guides and README show the commands as a wheel installs them (`cbs-train`, `cbs-sweep`,
+..., presets by name); `python -m experiments.X` of a command that has a console script
+appears at most once a page, as the note that names the checkout's form.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import importlib.util
 import pathlib
 import re
 import shlex
+import tomllib
 from typing import Any
 
 import _plain_install
@@ -38,7 +43,13 @@ QUICK, SLOW = "<!-- quick: runs as a test -->", "<!-- quick: runs as a slow test
 FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.S | re.M)
 MARKED = re.compile(r"^(" + re.escape(QUICK) + "|" + re.escape(SLOW) + r")\n```[a-z]*\n(.*?)^```",
                     re.S | re.M)
-COMMAND = re.compile(r"python -m ((?:experiments|benchmarks)\.\w+)([^`\"\n]*)")
+# console script -> the module it runs (pyproject.toml) and its checkout twin in experiments/
+SCRIPTS = {name: target.split(":")[0] for name, target in tomllib.loads(
+    (ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()}
+TWINS = {name: "experiments." + ("main" if name == "cbs-train" else name[len("cbs-"):])
+         for name in SCRIPTS}
+COMMAND = re.compile(r"(?:python -m ((?:experiments|benchmarks)\.\w+)|(?<![\w/.-])("
+                     + "|".join(map(re.escape, SCRIPTS)) + r")(?![\w-]))([^`\"\n]*)")
 TMP = "/tmp/cbs/"
 ABSL = {"verbosity", "v", "logtostderr", "alsologtostderr", "help", "helpfull", "verbose",
         "distributed", "coordinator_address", "num_processes", "process_id"}
@@ -67,7 +78,7 @@ def _commands(text: str) -> list[tuple[str, list[str]]]:
             found += COMMAND.findall(line)
     for span in re.findall(r"`([^`]+)`", _joined(FENCE.sub("", text))):
         found += COMMAND.findall(span)
-    return [(module, shlex.split(args)) for module, args in found]
+    return [(module or TWINS[script], shlex.split(args)) for module, script, args in found]
 
 
 def _quick_blocks() -> list[Any]:
@@ -93,6 +104,8 @@ def test_every_guide_that_shows_commands_has_a_quick_block():
 def test_quick_commands_run(lines, tmp_path):
     for line in lines:
         args = [a.replace(TMP, f"{tmp_path}/") for a in shlex.split(line)]
+        if args[0] in SCRIPTS:  # the console script: the module it runs
+            args = ["python", "-m", SCRIPTS[args[0]], *args[1:]]
         assert args[:2] == ["python", "-m"], f"a quick command runs python -m: {line}"
         proc = _plain_install.run(args[2], *args[3:], timeout=900)
         assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
@@ -169,6 +182,20 @@ def _shown_commands() -> list[Any]:
 
 def test_the_guides_show_commands():
     assert len(_shown_commands()) > 20
+
+
+def test_the_guides_and_readme_show_the_console_scripts():
+    """A wheel has `cbs-sweep` and no experiments/ package: `python -m experiments.X` of a
+    command with a console script appears at most once a page, in a note naming the
+    checkout (experiments/ tools without one, such as `experiments.anchor`, stay)."""
+    twins = "|".join(t.split(".")[1] for t in TWINS.values())
+    for page in [*sorted((ROOT / "docs" / "guides").glob("*.md")), ROOT / "README.md"]:
+        text = " ".join(page.read_text().split())
+        found = [m.start() for m in re.finditer(rf"python -m experiments\.({twins})\b", text)]
+        assert len(found) <= 1, f"{page.name}: {len(found)} checkout forms; show cbs-* instead"
+        for at in found:
+            assert "checkout" in text[max(0, at - 300):at + 300], (
+                f"{page.name}: `python -m experiments...` outside the note naming the checkout")
 
 
 @pytest.mark.parametrize("module,args", _shown_commands())

@@ -29,7 +29,7 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.analysis import report
 from cbs.engine import checkpoint
-from cbs.results import files, leases, paths, records
+from cbs.results import files, leases, paths, records, shared
 from cbs.results.store import SweepStore
 from cbs.sweeps import groups, launch
 from experiments.configs import digits_sweep
@@ -111,16 +111,16 @@ def test_four_concurrent_writers_lose_no_record_and_each_claim_has_one_holder(wh
 
 _ADDER = """
 import os, sys, time
-from cbs.results import files, records
+from cbs.results import files, records, shared
 out, w, m, sync = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 open(os.path.join(sync, f"start.{w}"), "w").close()
 while len(os.listdir(sync)) < 4:  # all four write at once
     time.sleep(0.01)
 for j in range(m):
-    records.add_records(f"{out}/{files.RAMPS_FILE}", files.RAMP_KEYS,
-                        [{"label": f"ramp {w} · seed {j}", "w": w, "j": j}])
-    records.add_records(f"{out}/{files.REFERENCE_NOISE_FILE}", files.REFERENCE_POINT_KEYS,
-                        [{"step": w * m + j}])
+    shared.add_records(f"{out}/{files.RAMPS_FILE}", files.RAMP_KEYS,
+                       [{"label": f"ramp {w} · seed {j}", "w": w, "j": j}])
+    shared.add_records(f"{out}/{files.REFERENCE_NOISE_FILE}", files.REFERENCE_POINT_KEYS,
+                       [{"step": w * m + j}])
 """
 
 
@@ -139,12 +139,12 @@ def test_concurrent_ramp_and_noise_writers_lose_no_record(where, request, tmp_pa
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for e in errs]
     ramps_file = f"{out}/{files.RAMPS_FILE}"
-    got = records.read_merged(ramps_file, files.RAMP_KEYS)
+    got = shared.read_merged(ramps_file, files.RAMP_KEYS)
     assert sorted((r["w"], r["j"]) for r in got) == [(w, j) for w in range(n) for j in range(m)]
     noise_file = f"{out}/{files.REFERENCE_NOISE_FILE}"
-    steps = sorted(r["step"] for r in records.read_merged(noise_file, files.REFERENCE_POINT_KEYS))
+    steps = sorted(r["step"] for r in shared.read_merged(noise_file, files.REFERENCE_POINT_KEYS))
     assert steps == list(range(n * m))
-    records.export_parts(ramps_file, files.RAMP_KEYS)  # the export: every record, as before
+    shared.export_parts(ramps_file, files.RAMP_KEYS)  # the export: every record, as before
     assert sorted(r["label"] for r in records.read_records(ramps_file)) == sorted(
         r["label"] for r in got)
     assert report.read_ramps(out) == got  # what the report reads
@@ -205,7 +205,7 @@ def test_concurrent_shards_into_one_gs_sweep_analyze_as_the_local_sweep(gcs, tmp
     assert all(p.returncode == 0 for p in procs), [e[-3000:] for e in errors]
     seconds = time.perf_counter() - start
     assert len(_plain(local)) == 2 and _plain(sweep) == _plain(local)
-    assert len(records.part_paths(paths.join(sweep, files.TRIALS_FILE))) == 2  # one a shard
+    assert len(shared.part_paths(paths.join(sweep, files.TRIALS_FILE))) == 2  # one a shard
     assert _analysis(sweep) == _analysis(local)
     print(f"two shards on gs:// and the local sweep: {seconds:.1f} s")
 

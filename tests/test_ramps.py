@@ -8,7 +8,7 @@ import pytest
 
 from cbs.analysis import report_tables
 from cbs.engine import mesh
-from cbs.results import files, records, store
+from cbs.results import files, records, shared, store
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps import ramps
 from cbs.sweeps.grid import Trial
@@ -68,8 +68,8 @@ def test_ramp_runs_record_steps_and_examples_on_their_own_axes(tmp_path):
     assert len(ramps.run_ramps(c, d, log=lambda _: None, mesh=one)) == 2
     assert os.path.getmtime(os.path.join(d, files.RAMPS_FILE)) == before
     assert len(records.read_records(os.path.join(d, files.RAMPS_FILE))) == 2
-    parts = records.part_paths(os.path.join(d, files.RAMPS_FILE))  # one write-once part a run
-    assert [records.read_records(p)[0]["label"] for p in parts] == ["fixed", "steps"]
+    written = shared.part_paths(os.path.join(d, files.RAMPS_FILE))  # one write-once part a run
+    assert [records.read_records(p)[0]["label"] for p in written] == ["fixed", "steps"]
     assert records.read_records(os.path.join(d, files.RAMPS_FILE)) == out  # the export
 
 

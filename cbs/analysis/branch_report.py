@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import plots, report
-from cbs.results import files, records
+from cbs.results import files, records, shared
 
 __all__ = [
     "REFERENCE_METRICS", "critical_batch", "critical_multiplier", "format_b_star", "local_cbs",
@@ -118,14 +118,14 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     the exact noise scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
     definition = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if definition is None:
-        raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run python -m "
-                                f"experiments.branch --config=... --workdir={workdir} first")
+        raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run cbs-branch "
+                                f"--config=... --workdir={workdir} first")
     b = definition["branch"]
-    rows = records.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
-                               ("point_step", "k", "seed"))  # the export and its parts
+    rows = shared.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
+                              ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
     noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
-    noise = {r["step"]: r for r in records.read_merged(noise_path, files.REFERENCE_POINT_KEYS)}
+    noise = {r["step"]: r for r in shared.read_merged(noise_path, files.REFERENCE_POINT_KEYS)}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
@@ -171,8 +171,8 @@ def format_b_star(p: dict[str, Any]) -> str:
 
 def noise_estimator(workdir: str) -> str | None:
     """The estimator named by the study's noise records (None when it measured none)."""
-    recs = records.read_merged(
-        os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    recs = shared.read_merged(
+       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
     return recs[0].get("estimator") if recs else None
 
 
@@ -281,8 +281,8 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     fig = Figure(figsize=(8, 6.5))
     ax = fig.subplots()
     ok = ref["E"] > 0
-    noise = records.read_merged(
-        os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    noise = shared.read_merged(
+       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
         for key, color, name in (("b_simple", "tab:blue", "B_simple"),

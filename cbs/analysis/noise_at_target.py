@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import selection
-from cbs.results import files, records
+from cbs.results import files, shared
 from cbs.results.store import upgrade_noise_fields
 
 __all__ = [
@@ -145,8 +145,8 @@ def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
     """The reference-trajectory protocol of the sweep in `sweep_dir`, or None without one:
     {"protocol": words, "batch_size", "learning_rate", "seed", "targets": reference_values}."""
-    runs = records.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
-                               files.REFERENCE_RUN_KEYS)
+    runs = shared.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
+                              files.REFERENCE_RUN_KEYS)
     if not runs:
         return None
     run = runs[-1]

@@ -41,7 +41,7 @@ from cbs.analysis.report_tables import (
     seed_table,
     summary_table,
 )
-from cbs.results import paths, records
+from cbs.results import paths, records, shared
 from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMP_KEYS, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
 
@@ -223,7 +223,7 @@ def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
 
 def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
     """Batch-ramp runs recorded beside the sweep (see `cbs.sweeps.ramps`), if any."""
-    return records.read_merged(os.path.join(sweep_dir, RAMPS_FILE), RAMP_KEYS)
+    return shared.read_merged(os.path.join(sweep_dir, RAMPS_FILE), RAMP_KEYS)
 
 
 def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None

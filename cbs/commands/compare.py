@@ -53,8 +53,8 @@ def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool
     --bootstrap (--sizes needs one: at least 2 resamples, and two studies of one experiment,
     `cbs.analysis.sizes.check_comparable`) or an --out that is a file."""
     if not dirs:
-        raise ValueError("name one or more sweep directories: python -m "
-                         "experiments.compare results/digits results/digits_sgd ...")
+        raise ValueError("name one or more sweep directories: cbs-compare results/digits "
+                         "results/digits_sgd ...")
     full = [compare.study_path(d) for d in dirs]
     twice = sorted({d for d, p in zip(dirs, full, strict=True) if full.count(p) > 1})
     if twice:

@@ -8,7 +8,7 @@ The config is validated before anything is written. Re-running the same command 
 finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only
 the batch sizes whose rank is ≡ i (mod n) run (every seed and rate at them), so n copies of
 the command (Slurm array, Kubernetes indexed job, ...) cover the sweep with the records of an
-unsharded run, learning rates added past edge optima included. Run `experiments.analyze`
+unsharded run, learning rates added past edge optima included. Run `cbs-analyze`
 once they are all done. --shard=auto --distributed=off on every host of a TPU slice or
 every task of a Slurm step runs one shard per host (`cbs.engine.distributed`).
 --redefine changes the grid of an existing directory, keeping the finished trials still in

@@ -2,9 +2,9 @@
 
 Writers and readers take the names from here, so the two cannot disagree. The records files
 that more than one process may write (TRIALS_FILE, BRANCHES_FILE, RAMPS_FILE,
-REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.records.write_part`,
-`read_merged`), each record identified by its keys: `trial_id` (`cbs.results.store`),
-`cbs.sweeps.branches.UNIT_KEYS`, and those named here beside the other two files.
+REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.shared`), each record
+identified by its keys: `trial_id` (`cbs.results.store`), `cbs.sweeps.branches.UNIT_KEYS`, and
+those named here beside the other two files.
 
 - a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE (the records),
   STATUS_FILE (the summary), WANDB_RUN_FILE (the id of its W&B run, when it has one), plus

@@ -3,7 +3,7 @@
 A sweep launcher claims each group of trials before it runs it (`cbs.sweeps.launch`), so
 launchers writing into one sweep directory, on one machine or on many, run different groups
 instead of repeating them. A claim only divides the work; no record depends on it (records
-are write-once parts, `cbs.results.records.write_part`), so a group run twice by mistake
+are write-once parts, `cbs.results.shared.write_part`), so a group run twice by mistake
 costs time, never a record.
 
 - Local directory (`<dir>/<name>.lock`): an fcntl lock on the file, released by `release` or

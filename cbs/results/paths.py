@@ -13,7 +13,7 @@ What an object store lacks, and what cbs does instead:
 - append: an append reads the object, adds the lines and writes it back whole (cost
   O(file size), atomic like a replacement; concurrent appenders to one object would lose
   each other's lines, so only files one process writes are appended to: records that
-  several processes write are write-once objects, `cbs.results.records.write_part`);
+  several processes write are write-once objects, `cbs.results.shared`);
 - locks: fcntl locks exist on local (and mounted) file systems only; an object store has
   a write that succeeds only when the object does not exist yet (`create_new`, a
   does-not-exist precondition), on which `cbs.results.leases` builds expiring leases.
@@ -35,8 +35,8 @@ from cbs import install_command
 
 __all__ = [
     "PathLike", "create_new", "epath", "exists", "first_missing", "is_remote", "isdir", "join",
-    "listdir", "makedirs", "move", "read_bytes", "read_many", "read_text", "remove",
-    "remove_if_empty", "rmdir", "rmtree",
+    "listdir", "listdir_versions", "makedirs", "move", "read_bytes", "read_many", "read_text",
+    "remove", "remove_if_empty", "rmdir", "rmtree",
 ]
 
 PathLike = str | os.PathLike
@@ -190,6 +190,27 @@ def listdir(path: PathLike) -> list[str]:
         return []
     names = (os.path.basename(p.rstrip("/")) for p in found)
     return sorted(n for n in names if n and n != os.path.basename(bare.rstrip("/")))
+
+
+def listdir_versions(path: PathLike) -> dict[str, str | None]:
+    """{name: version} of the entries of directory `path`, sorted ({} when it does not exist).
+    On an object store the version is the object's generation (any rewrite changes it), from
+    the same listing request; locally None (a local file is simply read again)."""
+    if not is_remote(path):
+        return dict.fromkeys(listdir(path))
+    fs, bare = _fresh_fs(path)
+    try:
+        found = fs.ls(bare, detail=True)
+    except FileNotFoundError:
+        return {}
+    here = os.path.basename(bare.rstrip("/"))
+    out = {}
+    for entry in found:
+        name = os.path.basename(entry["name"].rstrip("/"))
+        if name and name != here:
+            out[name] = str(next((entry[k] for k in ("generation", "etag", "md5Hash")
+                                  if entry.get(k)), (entry.get("size"), entry.get("created"))))
+    return dict(sorted(out.items()))
 
 
 def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:

@@ -12,8 +12,8 @@ Files in a run directory (written by process 0 only):
   writer is opened with `purge_step`, so TensorBoard hides events past the restored step.
 
 Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`, ...) is read
-through `read_records` (or `read_merged`, which reads each part so) and written by
-`append_records` or as parts, which survive crashes and damage:
+through `read_records` (or `cbs.results.shared.read_merged`, which reads each part so) and
+written by `append_records` or as parts, which survive crashes and damage:
 
 - a torn last line (a kill during a write: no final newline) is not a record; readers skip
   it and `append_records` cuts it off first (`repair_tail`), so a record is never written
@@ -24,12 +24,7 @@ through `read_records` (or `read_merged`, which reads each part so) and written 
 
 Records that several processes may write (a sweep's trials from several shards, a branch
 study's units, ramp runs, reference-run noise measurements) are never appended to one
-shared file: each write is a write-once part, `<name>.d/<part>.jsonl` beside `<name>.jsonl`
-(`write_part`), and readers merge the parts (`read_merged`), so no writer can lose another's
-records on any file system, object stores included. `<name>.jsonl` is then an export of the
-parts (`export_parts`); a directory written before parts existed has the file only, which is
-read as before, and its first part is preceded by a copy of it. `add_records` writes a part
-and the export in one call.
+shared file: each write is a write-once part, merged on read (`cbs.results.shared`).
 
 Every path may be local or remote (`gs://...`, see `cbs.results.paths`). Locally a
 replacement is a temporary file, fsync and rename, and an append is one `write` on an
@@ -41,11 +36,8 @@ writes, such as a run's `metrics.jsonl`, are appended to there).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import socket
-import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -56,7 +48,7 @@ from cbs.results import paths
 from cbs.results.paths import PathLike
 
 __all__ = [
-    "CorruptRecordWarning", "add_records", "append_records", "plain_value", "read_json",
+    "CorruptRecordWarning", "append_records", "lines_in", "plain_value", "read_json",
     "read_records", "repair_tail", "truncate_records", "write_atomic", "write_error",
     "write_json_atomic",
 ]
@@ -150,10 +142,10 @@ def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[s
 
 def _records_in(raw: bytes, path: PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
     """The records in the bytes `raw` of `path` (as `read_records`)."""
-    return [r for _, r in _lines_in(raw, path, required)]
+    return [r for _, r in lines_in(raw, path, required)]
 
 
-def _lines_in(raw: bytes, path: PathLike, required: Sequence[str]
+def lines_in(raw: bytes, path: PathLike, required: Sequence[str]
               ) -> list[tuple[bytes, dict[str, Any]]]:
     """(line as stored, record) of each record in the bytes `raw` of `path`."""
     lines = raw.split(b"\n")
@@ -168,114 +160,6 @@ def _lines_in(raw: bytes, path: PathLike, required: Sequence[str]
             continue
         out.append((line, record))
     return out
-
-
-def parts_dir(path: PathLike) -> str:
-    """The directory of the write-once parts of records file `path` (`trials.jsonl` ->
-    `trials.d`)."""
-    return os.fspath(path).removesuffix(".jsonl") + ".d"
-
-
-def part_name(keys: Sequence[str]) -> str:
-    """A new part's file name for the records of `keys` (trial ids, unit names): the time
-    (ns since the epoch, so name order is write order and the first record of a trial written
-    twice wins), the first key, and a digest of all keys and the writer (host, process), so
-    no two writes share a part."""
-    writer = f"{socket.gethostname()}:{os.getpid()}:{time.monotonic_ns()}"
-    digest = hashlib.sha1("\n".join([*keys, writer]).encode()).hexdigest()[:10]
-    return f"{time.time_ns():020d}-{keys[0]}-{digest}.jsonl"
-
-
-def write_part(path: PathLike, name: str, records: Iterable[Mapping[str, Any]]) -> str:
-    """Writes `records` as the write-once part `name` of records file `path` in one atomic
-    write (all or none; `write_atomic`) and returns the part's path. No other writer touches
-    it, so concurrent writers on any file system, object stores included, lose nothing.
-
-    The first part written beside a file of an older version is preceded by a copy of that
-    file's whole lines (`LEGACY_PART`): once parts exist, only they are read.
-    """
-    data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n"
-                   for r in records)
-    folder = parts_dir(path)
-    if not part_paths(path):
-        raw = paths.read_bytes(path) or b""
-        if kept := raw[:raw.rfind(b"\n") + 1]:  # every writer that saw no part copies it:
-            paths.makedirs(folder)              # the same bytes under the same name
-            write_atomic(paths.join(folder, LEGACY_PART), kept)
-    target = paths.join(folder, name)
-    paths.makedirs(folder)
-    write_atomic(target, data)
-    return target
-
-
-LEGACY_PART = "0-before-parts.jsonl"  # the records a file held when its first part came
-#                                      (its name sorts before any `part_name`)
-
-
-def part_paths(path: PathLike) -> list[str]:
-    """The parts of records file `path`: the older file's copy first, then in name order
-    (temporary files left out)."""
-    folder = parts_dir(path)
-    names = sorted((n for n in paths.listdir(folder) if n.endswith(".jsonl")),
-                   key=lambda n: (n != LEGACY_PART, n))
-    return [paths.join(folder, n) for n in names]
-
-
-def read_merged(path: PathLike, keys: Sequence[str], *,
-                required: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The records of records file `path`: those of its parts when it has any (the file is
-    then an export, never read), else those of the file (written by an older version), the
-    first record per value of `keys` only (a record written twice counts once). Each file
-    is read as by `read_records`, with `keys` and `required` required: a corrupt line is
-    skipped with a warning naming its file and line, and what it recorded counts as not
-    done."""
-    return [r for _, r in _merged_lines(path, keys, (*keys, *required))]
-
-
-def _merged_lines(path: PathLike, keys: Sequence[str], need: Sequence[str]
-                  ) -> list[tuple[bytes, dict[str, Any]]]:
-    """(line, record) of `read_merged`, each line as stored."""
-    names = part_paths(path)
-    found = paths.read_many(names)
-    sources = [(n, found[n]) for n in names if n in found] if names else [
-        (os.fspath(path), paths.read_bytes(path) or b"")]
-    seen: set[str] = set()
-    out = []
-    for name, raw in sources:
-        for line, record in _lines_in(raw, name, need):
-            if (k := json.dumps([record[x] for x in keys])) not in seen:
-                seen.add(k)
-                out.append((line, record))
-    return out
-
-
-def export_parts(path: PathLike, keys: Sequence[str]) -> bool:
-    """Rewrites file `path` as the export of its parts: their records' lines as stored, the
-    first per value of `keys`, the older file's copy first, so a file that gained nothing
-    keeps its bytes (and is not written). Returns whether it wrote. Readers use the parts
-    (`read_merged`): an export that misses a part written meanwhile loses nothing."""
-    if not part_paths(path):
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CorruptRecordWarning)  # reported when read
-        data = b"".join(line + b"\n" for line, _ in _merged_lines(path, keys, keys))
-    if data == paths.read_bytes(path):
-        return False
-    write_atomic(path, data)
-    return True
-
-
-def add_records(path: PathLike, keys: Sequence[str],
-                records: Sequence[Mapping[str, Any]]) -> str:
-    """Adds `records` (each holding `keys`) to records file `path`, which other processes may
-    also write: one write-once part (`write_part`, named after the first record's keys),
-    then `path` rewritten as the export of every part (`export_parts`), so it reads as
-    before. Read them back with `read_merged(path, keys)`. Returns the part's path."""
-    first = "_".join(str(records[0][k]) for k in keys)
-    safe = "".join(c if c.isascii() and (c.isalnum() or c in ".-") else "_" for c in first)
-    part = write_part(path, part_name([safe.strip("_") or "record"]), records)
-    export_parts(path, keys)
-    return part
 
 
 def repair_tail(path: PathLike) -> int:

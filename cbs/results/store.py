@@ -8,11 +8,12 @@ Files in a sweep directory (all appended or replaced atomically; analysis reads 
   (`write_definition`), or pass `redefine` to change the grid only;
 - `trials.d/`: the trial records, one complete record per finished trial (see
   `TrialResult`), written as write-once parts: each group of trials that finishes together is
-  one file (`cbs.results.records.write_part`), written whole in one atomic write after the
+  one file (`cbs.results.shared.write_part`), written whole in one atomic write after the
   group's last checkpoint; no writer touches another's part, so launchers on any number of
-  hosts, on a local disk, a network mount or an object store, lose no record. A corrupt line
-  is skipped with a warning naming its part and line: its trial counts as unfinished and
-  reruns;
+  hosts, on a local disk, a network mount or an object store, lose no record. On an object
+  store the parts are compacted as they accumulate, so a sweep of n trials costs O(n)
+  requests (`cbs.results.shared`). A corrupt line is skipped with a warning naming its part
+  and line: its trial counts as unfinished and reruns;
 - `trials.jsonl`: the records of sweeps written before parts existed, then an export of the
   parts (`export`, at the end of each launch; it may lag behind the parts while launchers
   run). The records are this file and the parts, merged (first record per trial id), so a
@@ -41,7 +42,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cbs.results import files, leases, paths, records
+from cbs.results import files, leases, paths, records, shared
 from cbs.results.paths import PathLike
 
 __all__ = [
@@ -105,6 +106,7 @@ class SweepStore:
         self.sweep_dir = os.fspath(sweep_dir)
         self.path = paths.join(sweep_dir, files.TRIALS_FILE)
         self.lock_dir = paths.join(sweep_dir, "locks")
+        self._read = shared.PartCache()  # on an object store, each part is fetched once
         if paths.exists(sweep_dir) and not paths.isdir(sweep_dir):
             raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
                                      "directory (new or an earlier sweep's)")
@@ -184,8 +186,9 @@ class SweepStore:
 
     def records(self) -> list[dict[str, Any]]:
         """Finished trial records (trials.jsonl and every part), first record per trial id (a
-        repeated record is ignored), in index order."""
-        out = records.read_merged(self.path, ("trial_id",), required=("index",))
+        repeated record is ignored), in index order. On an object store only the parts that
+        are new since this store's last read are fetched."""
+        out = shared.read_merged(self.path, ("trial_id",), required=("index",), cache=self._read)
         return sorted(out, key=lambda r: r["index"])
 
     def finished_ids(self) -> set[str]:
@@ -196,14 +199,14 @@ class SweepStore:
         if not results:
             return
         self._makedirs()
-        records.write_part(self.path, records.part_name([r.trial_id for r in results]),
-                           [r.to_json() for r in results])
+        shared.write_part(self.path, shared.part_name([r.trial_id for r in results]),
+                          [r.to_json() for r in results])
 
     def export(self) -> None:
         """Writes the exports: trials.jsonl (the parts' records it lacks, added; its earlier
         lines kept byte for byte) and trials.csv."""
-        if records.part_paths(self.path):
-            records.export_parts(self.path, ("trial_id",))
+        if shared.part_paths(self.path):
+            shared.export_parts(self.path, ("trial_id",), cache=self._read)
         self.export_csv()
 
     def export_csv(self) -> str:

@@ -142,14 +142,15 @@ class _Spec:
                 None if self.prng_argnum is None else args[self.prng_argnum],
                 {i: a for i, a in enumerate(args) if i not in named})
 
-    def call(self, loss_fn: Callable, params, batch, key, others: dict[int, Any]):
+    def call(self, loss_fn: Callable, params, batch, key, others: dict[int, Any],
+             kwargs: dict[str, Any] | None = None):
         args = dict(others)
         args.update(zip(self.argnums, (params,) if self.single_params else params, strict=True))
         args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch,
                         strict=True))
         if self.prng_argnum is not None:
             args[self.prng_argnum] = key
-        return loss_fn(*(args[i] for i in range(len(args))))
+        return loss_fn(*(args[i] for i in range(len(args))), **(kwargs or {}))
 
 
 def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -182,22 +183,26 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
         method: "auto" | "fast" | "vmap" as in `noise.exact` ("vmap": the reference, slow).
         chunk_size, groups: as in `noise.exact` (groups get curvature per diagonal block).
     Returns:
-        fn(*args) -> (loss or (loss, aux), grads, NoiseStats).
+        fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats); keyword arguments
+        go to loss_fn undifferentiated, as in `jax.value_and_grad`.
     """
     _check_method(method)
     spec = _Spec.of(argnums, batch_argnums, prng_argnum)
     plain = (spec.argnums, spec.batch_argnums, has_aux, prng_argnum) == ((0,), (1,), False, None)
 
-    def fn(*args: Any) -> tuple[Any, PyTree, NoiseStats]:
+    def fn(*args: Any, **kwargs: Any) -> tuple[Any, PyTree, NoiseStats]:
         params, batch, key, others = spec.split(args)
         value = (lambda out: out[0]) if has_aux else (lambda out: out)
-        call = lambda p, b, k: spec.call(loss_fn, p, b, k, others)
+        call = lambda p, b, k: spec.call(loss_fn, p, b, k, others, kwargs)
         if key is None:
-            loss = loss_fn if plain and len(args) == 2 else (lambda p, b: value(call(p, b, None)))
-            if others:  # checked with them as arguments: under jit they are traced
+            loss = (loss_fn if plain and len(args) == 2 and not kwargs
+                    else (lambda p, b: value(call(p, b, None))))
+            if others or kwargs:  # checked with them as arguments: under jit they are traced
+                names = list(kwargs)
                 loss_checks.check_loss_fn(lambda p, b, *o: value(spec.call(
-                    loss_fn, p, b, None, dict(zip(others, o, strict=True)))), params, batch,
-                    *others.values())
+                    loss_fn, p, b, None, dict(zip(others, o[:len(others)], strict=True)),
+                    dict(zip(names, o[len(others):], strict=True)))), params, batch,
+                    *others.values(), *kwargs.values())
                 loss_checks.passed(loss)
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch

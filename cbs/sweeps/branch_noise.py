@@ -13,7 +13,7 @@ inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG.
 checkpoint: N per-example gradients and m + 1 HVPs over N examples.
 
 Records (`reference_noise.jsonl`, one per checkpoint, each a write-once part in
-`reference_noise.d/` with the file as their export, `cbs.results.records.add_records`): step,
+`reference_noise.d/` with the file as their export, `cbs.results.shared.add_records`): step,
 examples_seen, num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`),
 estimator (`NOISE_ESTIMATOR`).
 """
@@ -33,7 +33,7 @@ import numpy as np
 from cbs.engine import measure
 from cbs.engine.counts import count_to_int
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.results import files, records
+from cbs.results import files, shared
 from cbs.stats import noise
 
 __all__ = [
@@ -100,7 +100,8 @@ def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
     have yet, each as a write-once part."""
     path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     keys = files.REFERENCE_POINT_KEYS
-    done = {r["step"] for r in records.read_merged(path, keys)}
+    done = {r["step"] for r in shared.read_merged(path, keys)}
     for step in noise_steps(config, runner.ckpt.all_steps(), points):
         if step not in done:
-            records.add_records(path, keys, [measure_at(runner, step)])
+            shared.add_records(path, keys, [measure_at(runner, step)])
+    shared.export_parts(path, keys)  # on an object store, once for all checkpoints

@@ -27,9 +27,9 @@ k*, B* and their uncertainty are computed from the records by `cbs.analysis.bran
 
 Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/`
 (one record per (point, k, seed), a write-once part per (point, k), so shards on any file
-system lose none of each other's; `cbs.results.records.write_part`), `branches.jsonl` (the
+system lose none of each other's; `cbs.results.shared.write_part`), `branches.jsonl` (the
 records of older versions, then an export of the parts; readers merge both:
-`records.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`,
+`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`,
 when measured), and `units/` while a unit runs (its loop's run directory, removed once its
 records are written).
 A killed run resumes: finished (point, k) units are skipped and an unfinished one is run
@@ -55,7 +55,7 @@ from cbs.engine.parts import RunParts
 from cbs.engine.step import TrainState, TrainStep
 from cbs.engine.vmapped import vmapped_steps
 from cbs.engine.writer import CountBar
-from cbs.results import files, paths, records
+from cbs.results import files, paths, records, shared
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.branch_config import (
@@ -258,7 +258,7 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
     i, n = parse_shard(shard)
     mine = [u for j, u in enumerate(units) if j % n == i]
     done = {(r["point_step"], r["k"]) for r in
-            records.read_merged(os.path.join(workdir, files.BRANCHES_FILE), UNIT_KEYS)}
+            shared.read_merged(os.path.join(workdir, files.BRANCHES_FILE), UNIT_KEYS)}
     return [u for u in mine if u not in done]
 
 
@@ -313,8 +313,8 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
                 if stop_after is not None and i >= stop_after:
                     break
                 preemption.check(f"before branch unit (step {step}, k={k})")
-                records.write_part(path, records.part_name([f"s{step}_k{k}"]),
-                                   runner.run_unit(step, k))  # shards never share a file
+                shared.write_part(path, shared.part_name([f"s{step}_k{k}"]),
+                                  runner.run_unit(step, k))  # shards never share a file
                 runner.remove_unit(step, k)
                 bar.update()
         if shard is None or parse_shard(shard)[0] == 0:
@@ -322,6 +322,6 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             branch_noise.measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()
-    if records.part_paths(path):
-        records.export_parts(path, UNIT_KEYS)
-    return records.read_merged(path, UNIT_KEYS)
+    if shared.part_paths(path):
+        shared.export_parts(path, UNIT_KEYS)
+    return shared.read_merged(path, UNIT_KEYS)

@@ -8,7 +8,7 @@ trial, once the sweep's progress metric has crossed every target, and it records
 and the examples E at each crossing (each interpolated between evaluations on its own
 axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
 directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
-export, so launchers on several hosts lose none; `cbs.results.records.add_records`), where
+export, so launchers on several hosts lose none; `cbs.results.shared.add_records`), where
 `cbs.analysis.report` draws them on each target's S–E plane against the frontier
 S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
 every fixed batch size; on it, it matched one.
@@ -39,7 +39,7 @@ from cbs.engine import fields, preemption, schedules, spec, trainer
 from cbs.engine.fields import ConfigError
 from cbs.engine.lr import LR_RULES
 from cbs.engine.writer import CountBar
-from cbs.results import files, paths, records
+from cbs.results import files, paths, records, shared
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
 from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
@@ -264,7 +264,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     out_dir = out_dir or sweep_dir
     paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
-    done = {r["label"]: r for r in records.read_merged(path, files.RAMP_KEYS)}
+    done = {r["label"]: r for r in shared.read_merged(path, files.RAMP_KEYS)}
     labels = [run["label"] for run in config.ramps]
     run_dirs = _run_dirs(out_dir, labels)
     todo = []
@@ -279,7 +279,8 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
             preemption.check(f"before ramp {run['label']}")
             _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
             bar.update()
-    return records.read_merged(path, files.RAMP_KEYS)
+    shared.export_parts(path, files.RAMP_KEYS)  # on an object store, once for all runs
+    return shared.read_merged(path, files.RAMP_KEYS)
 
 
 def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
@@ -292,7 +293,7 @@ def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
     status = "diverged" if summary["status"] == "diverged" or monitor.exploded else "done"
     rec = ramp_record(run["label"], recs, config.sweep, status, c.optim.learning_rate)
     rec["spec"] = json.loads(json.dumps(run))
-    records.add_records(path, files.RAMP_KEYS, [rec])
+    shared.add_records(path, files.RAMP_KEYS, [rec])
     cells = ", ".join(f"L={k}: S={'–' if s is None else f'{s:.0f}'}"
                       for k, s in rec["steps_to_target"].items())
     log(f"ramp {run['label']:<16s} η0={c.optim.learning_rate:.3g} {status}: {cells}")

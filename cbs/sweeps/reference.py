@@ -10,7 +10,7 @@ random deviations and the full-data Hessian; `reference_noise`).
 It runs until `sweep.noise_window` evaluations past the lowest target's crossing. The record
 (the run's curve and settings) goes to `reference_noise.jsonl` in the sweep directory (a
 write-once part in `reference_noise.d/` and the file as its export,
-`cbs.results.records.add_records`, so two launchers finishing at once lose nothing);
+`cbs.results.shared.add_records`, so two launchers finishing at once lose nothing);
 `cbs.analysis.noise_at_target` turns it into the noise scale at each target.
 """
 
@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.results import files, records
+from cbs.results import files, shared
 from cbs.results.store import SweepStore, target_key
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.groups import TrialGroup
@@ -125,7 +125,7 @@ def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
     """Runs the reference trajectory once (skipped when reference_noise.jsonl exists);
     returns its record, or None when no trial at B_ref reached a target."""
     path = os.path.join(store.sweep_dir, files.REFERENCE_NOISE_FILE)
-    done = records.read_merged(path, files.REFERENCE_RUN_KEYS)
+    done = shared.read_merged(path, files.REFERENCE_RUN_KEYS)
     if done:
         return done[-1]
     trial = reference_trial(config.sweep, store.records())
@@ -141,7 +141,8 @@ def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
               "status": result.status, "seconds": result.seconds,
               "protocol": protocol_text(config, trial, run.dataset.num_train),
               "curve": result.curve}
-    records.add_records(path, files.REFERENCE_RUN_KEYS, [record])
+    shared.add_records(path, files.REFERENCE_RUN_KEYS, [record])
+    shared.export_parts(path, files.REFERENCE_RUN_KEYS)  # on an object store too
     log(f"reference noise: B={trial.batch_size}, lr={trial.learning_rate:.3g}, "
         f"{len(result.curve['step'])} evaluations, {result.seconds:.0f} s")
     return record
