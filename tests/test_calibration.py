@@ -2,11 +2,14 @@
 known ratio, the trade-off arithmetic, and the shipped file."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 
 from cbs.analysis import calibration, fit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rows(rng, *, studies, points=5, mu=(("adam", 0.7), ("sgd", -0.4)), tau=0.3, sigma=0.3,
@@ -130,3 +133,19 @@ def test_the_shipped_calibration_is_the_committed_studies():
     assert len(shipped["studies"]) >= 9
     with pytest.raises(ValueError, match="no calibrated family"):
         calibration.family("lion")
+
+
+def test_the_held_out_tally_is_what_the_committed_predictions_and_sweeps_give():
+    """Five tasks, each predicted from one run before its sweep (results/heldout_*_predict),
+    against the sweep's B_crit: the tally the shipped calibration prints, task by task."""
+    from cbs.analysis import compare
+    names = ("teacher_student", "lm_depth4", "digits_cnn", "mnist1d_cnn", "regression")
+    dirs = [os.path.join(ROOT, "results", f"heldout_{n}") for n in names]
+    tally = calibration.held_out(compare.held_out_pairs(dirs))
+    shipped = calibration.shipped()["held_out"]
+    assert (tally["inside"], tally["points"], tally["extrapolated"]) == (16, 25, 0)
+    assert {k: (v["inside"], v["points"]) for k, v in tally["per_task"].items()} == {
+        "heldout_teacher_student": (1, 5), "heldout_lm_depth4": (4, 5),
+        "heldout_digits_cnn": (5, 5), "heldout_mnist1d_cnn": (5, 5),
+        "heldout_regression": (1, 5)}
+    assert tally == shipped

@@ -28,8 +28,9 @@ def test_a_tiny_held_out_sweep_measures_its_noise_scale(tmp_path, task):
 
 
 def test_the_config_names_one_task():
-    with pytest.raises(ValueError, match="exactly one task"):
-        heldout_sweep.get_config("tiny")
+    with pytest.raises(ValueError, match="one task"):
+        heldout_sweep.get_config("digits_cnn,regression")
+    assert heldout_sweep.get_config("tiny").model.name == "cnn"  # digits_cnn by default
     predict = heldout_sweep.get_config("regression,predict")
     assert tuple(predict.sweep.batch_sizes) == (64,) and tuple(predict.sweep.lr_factors) == (1.0,)
     full = {"digits_cnn": 1438, "mnist1d_cnn": 4000, "regression": 8192}

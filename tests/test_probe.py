@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import tomllib
 
 import _warm
 import ml_collections
@@ -17,7 +18,11 @@ from scipy import stats
 
 from cbs.analysis import branch_report, calibration, probe, probe_evidence
 from cbs.engine import live_advice
-from cbs.results import files, records
+from cbs.results import files, records, shared
+
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "pyproject.toml"), "rb") as _f:
+    SCRIPTS = tomllib.load(_f)["project"]["scripts"]  # console script -> module:function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +93,7 @@ def test_the_committed_branch_points_give_the_reports_bracket():
     study's rule) at every point, and its ratio is the brute force's."""
     d = records.read_json(os.path.join(ROOT, "results/digits_branch", files.DEFINITION_FILE))
     report = branch_report.summarize(os.path.join(ROOT, "results/digits_branch"))
-    rows = records.read_merged(os.path.join(ROOT, "results/digits_branch",
+    rows = shared.read_merged(os.path.join(ROOT, "results/digits_branch",
                                             files.BRANCHES_FILE), ("point_step", "k", "seed"))
     for p in report:
         mine = [r for r in rows if r["point_step"] == p["point_step"]]
@@ -160,14 +165,14 @@ def test_the_readme_probe_runs_a_tiny_run_end_to_end_within_its_budget(tmp_path)
     printed, the advice JSON holds the probe, the branches trained what the plan allowed and
     no more, and the ratio is the one its records give."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    train = re.search(r"```bash\npip install -e \. && (python -m experiments\.main "
+    train = re.search(r"```bash\npip install -e \. && (cbs-train "
                       r"--config=digits_mlp:tiny[^&\n]*) &&", readme).group(1)
-    command = re.search(r"```bash\n(python -m experiments\.advise [^\n]*--probe[^\n]*)\n```",
-                        readme).group(1)
+    command = re.search(r"```bash\n(cbs-advise [^\n]*--probe[^\n]*)\n```", readme).group(1)
     work = str(tmp_path / "advise")
     env = _warm.base_env() | {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     for part in (train, command):
-        done = _warm.python(part.replace("runs/advise", work).split()[1:], env=env, timeout=600)
+        script, *args = part.replace("runs/advise", work).split()  # a console script: its module
+        done = _warm.python(["-m", SCRIPTS[script].split(":")[0], *args], env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert re.search(r"^probe: 2 seed\(s\) × batches 32, 64, 128, window \d+ examples", out, re.M)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -181,10 +182,12 @@ def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> di
     analysis.json), how many measured B_crit fall inside the predicted interval at the same
     target; extrapolated B_crit are counted apart."""
     inside = points = extrapolated = 0
-    tasks = []
-    for prediction, analysis in pairs:
+    tasks, per_task = [], {}
+    for k, (prediction, analysis) in enumerate(pairs):
         measured = {float(t["target"]): t for t in analysis["targets"]
                     if t["fit"]["status"] == "ok"}
+        version = prediction["advice"][0].get("calibration", {}).get("version")
+        row = {"inside": 0, "points": 0, "calibration_version": str(version), "ratios": []}
         for a in prediction["advice"]:
             t = measured.get(float(a["loss"]))
             if t is None:
@@ -193,11 +196,15 @@ def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> di
                 extrapolated += 1
                 continue
             lo, hi = a["interval"]
-            inside += int(lo <= t["fit"]["b_crit"] <= hi)
-            points += 1
-        tasks.append(prediction["advice"][0].get("calibration", {}).get("version"))
+            row["inside"] += int(lo <= t["fit"]["b_crit"] <= hi)
+            row["points"] += 1
+            row["ratios"].append(t["fit"]["b_crit"] / a["b_crit"])  # measured / predicted
+        inside, points = inside + row["inside"], points + row["points"]
+        tasks.append(version)
+        per_task[os.path.basename(str(analysis.get("sweep_dir", f"task_{k}")).rstrip("/"))] = row
     return {"inside": inside, "points": points, "extrapolated": extrapolated,
-            "tasks": len(pairs), "calibration_versions": sorted(set(map(str, tasks)))}
+            "tasks": len(pairs), "calibration_versions": sorted(set(map(str, tasks))),
+            "per_task": per_task}
 
 
 def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
@@ -304,6 +311,11 @@ def markdown(calib: Mapping[str, Any]) -> str:
                 f"{h['inside']} of {h['points']} measured B_crit inside the 80 % interval "
                 f"({h['tasks']} tasks; {h['extrapolated']} extrapolated B_crit not counted; "
                 f"predicted with calibration v{', v'.join(h['calibration_versions'])})."]
+        per += ["", "| held-out task | calibration | inside the 80 % interval | measured / "
+                "predicted B_crit (min–max) |", "|---|---|---|---|"]
+        per += [f"| {name} | v{r['calibration_version']} | {r['inside']} of {r['points']} | "
+                f"{min(r['ratios']):.2g}–{max(r['ratios']):.2g} |"
+                for name, r in h.get("per_task", {}).items() if r["ratios"]]
     return "\n".join(lines + per)
 
 

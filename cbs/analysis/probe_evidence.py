@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis import branch_report, calibration, probe
-from cbs.results import files, records
+from cbs.results import files, records, shared
 
 __all__ = ["STUDIES", "evidence", "markdown", "study"]
 
@@ -51,7 +51,7 @@ STUDIES = (("digits_branch", "digits", "digits/mlp"),
 
 def _point_noise(branch_dir: str, steps: Sequence[int]) -> tuple[dict[int, float], str]:
     """B_s at each branch point and its source."""
-    noise = records.read_merged(os.path.join(branch_dir, files.REFERENCE_NOISE_FILE),
+    noise = shared.read_merged(os.path.join(branch_dir, files.REFERENCE_NOISE_FILE),
                                 files.REFERENCE_POINT_KEYS)
     if noise:
         by = {int(r["step"]): float(r["noise/b_simple"]) for r in noise}
@@ -83,7 +83,7 @@ def study(root: str, branch: str, sweep: str, task: str,
     branch_dir = os.path.join(root, "results", branch)
     d = records.read_json(os.path.join(branch_dir, files.DEFINITION_FILE))
     b, bsz = d["branch"], int(d["reference_batch_size"])
-    rows = records.read_merged(os.path.join(branch_dir, files.BRANCHES_FILE),
+    rows = shared.read_merged(os.path.join(branch_dir, files.BRANCHES_FILE),
                                ("point_step", "k", "seed"))
     steps = sorted({int(r["point_step"]) for r in rows})
     noise, source = _point_noise(branch_dir, steps)

@@ -11,9 +11,9 @@ checkout also reaches each preset by its repository path,
 The presets: single runs `digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`,
 `shakespeare_transformer`; sweeps `digits_sweep` (the main job), `digits_sgd_sweep`,
 `mnist1d_sweep`, `linreg_sweep`, `cnn_sweep`, `shakespeare_sweep`, `shakespeare_kaplan`,
-`teacher_student_sweep`; ramps `ramp_adaptive`, `ramp_llama3_style`, `ramp_deepseek_style`,
-`digits_ramps`, `digits_payoff`, `shakespeare_payoff`; branch studies `digits_branch`,
-`shakespeare_branch`.
+`teacher_student_sweep`, `heldout_sweep` (three held-out tasks); ramps `ramp_adaptive`,
+`ramp_llama3_style`, `ramp_deepseek_style`, `digits_ramps`, `digits_payoff`,
+`shakespeare_payoff`; branch studies `digits_branch`, `shakespeare_branch`.
 
 `resolve` turns a `--config` value into the path[:arg] that the flag library loads; this
 package's `__init__` imports no preset, so resolving a name costs nothing.

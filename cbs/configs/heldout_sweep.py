@@ -11,7 +11,8 @@ tasks the calibration of `cbs-advise` was fitted on (data set and model family):
   (`cbs.data.synthetic.teacher_regression`, 8,192 examples; squared error, no calibrated task
   is a non-linear regression), plain SGD; batch sizes 8 to 8,192 (the full training set).
 
-    cbs-sweep --config=heldout_sweep:digits_cnn,predict --sweep_dir=results/heldout_digits_cnn_predict
+    cbs-sweep --config=heldout_sweep:digits_cnn,predict \
+        --sweep_dir=results/heldout_digits_cnn_predict
     cbs-advise --sweep_dir=results/heldout_digits_cnn_predict
     cbs-sweep --config=heldout_sweep:digits_cnn --sweep_dir=results/heldout_digits_cnn
 
@@ -20,7 +21,7 @@ training examples at every evaluation; `cbs-advise --sweep_dir` turns its noise 
 target into a predicted B_crit with its interval, committed before the sweep is run to test
 it. Each sweep's batch sizes reach the full training set, so no target's B_crit can lie past
 the largest batch swept; rate grids are extended past edge optima. `tiny` shrinks any of them
-for tests.
+for tests; without a task the argument means `digits_cnn`.
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def _regression(c, s) -> None:
 def get_config(arg: str = ""):
     words = base.parse_arg(arg, known=(*TASKS, "predict", "tiny"))
     tasks = [w for w in words if w in TASKS]
-    if len(tasks) != 1:
-        raise ValueError(f"heldout_sweep needs exactly one task of {TASKS} in its argument "
+    if len(tasks) > 1:
+        raise ValueError(f"heldout_sweep takes one task of {TASKS} in its argument "
                          f"(e.g. --config=heldout_sweep:digits_cnn); got {arg!r}")
-    task = tasks[0]
+    task = tasks[0] if tasks else TASKS[0]
     data_name, model = {"digits_cnn": ("digits", "cnn"), "mnist1d_cnn": ("mnist1d", "cnn"),
                         "regression": ("teacher_regression", "mlp")}[task]
     c = base.base_config(data_name, model)

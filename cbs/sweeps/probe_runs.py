@@ -29,7 +29,7 @@ import ml_collections
 
 from cbs.analysis import calibration, probe
 from cbs.engine import checkpoint, lr
-from cbs.results import files, records
+from cbs.results import files, records, shared
 from cbs.sweeps import branches
 from cbs.sweeps.branch_config import default_branch_config
 
@@ -112,11 +112,11 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
         log(f"probe from {run_dir} at step {step}: {len(todo)} of {len(ks)} batch sizes to "
             f"run, window {plan['window']} examples")
         for s, k in todo:
-            records.write_part(path, records.part_name([f"s{s}_k{k}"]), runner.run_unit(s, k))
+            shared.write_part(path, shared.part_name([f"s{s}_k{k}"]), runner.run_unit(s, k))
             runner.remove_unit(s, k)
     finally:
         runner.close()
-    if records.part_paths(path):
-        records.export_parts(path, branches.UNIT_KEYS)
-    rows = [r for r in records.read_merged(path, branches.UNIT_KEYS) if r["point_step"] == step]
+    if shared.part_paths(path):
+        shared.export_parts(path, branches.UNIT_KEYS)
+    rows = [r for r in shared.read_merged(path, branches.UNIT_KEYS) if r["point_step"] == step]
     return out | {"rows": rows, "metric": metric}
