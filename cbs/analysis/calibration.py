@@ -187,7 +187,8 @@ def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> di
         measured = {float(t["target"]): t for t in analysis["targets"]
                     if t["fit"]["status"] == "ok"}
         version = prediction["advice"][0].get("calibration", {}).get("version")
-        row = {"inside": 0, "points": 0, "calibration_version": str(version), "ratios": []}
+        row: dict[str, Any] = {"inside": 0, "points": 0, "calibration_version": str(version),
+                               "ratios": []}
         for a in prediction["advice"]:
             t = measured.get(float(a["loss"]))
             if t is None:

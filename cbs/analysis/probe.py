@@ -131,8 +131,8 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
     Returns b_star (√(k*·k⁺)·b_0), b_pass, b_fail, bound ("" or "≤ X" / "≥ X": then log_ratio
     and se are NaN), log_ratio, se, sd_seeds, sd_ladder, seeds, noise_scale, the point's
     losses (seed means) and ks."""
-    rule = {"epsilon": epsilon, "tolerance": tolerance, "criterion": criterion}
-    p = branch_report.local_cbs(list(rows), metric=metric, b_star="geometric", **rule)
+    rule: dict[str, Any] = {"epsilon": epsilon, "tolerance": tolerance, "criterion": criterion}
+    p = branch_report.local_cbs([dict(r) for r in rows], metric=metric, b_star="geometric", **rule)
     ks, b0 = p["ks"], int(rows[0]["reference_batch_size"])
     out = {"b_star": p["b_star"], "b_pass": p["b_pass"], "b_fail": p["b_fail"],
            "k_star": p["k_star"], "ks": ks, "losses": p["losses"], "seeds": p["num_seeds"],

@@ -82,6 +82,8 @@ def study(root: str, branch: str, sweep: str, task: str,
     """The evidence of one branch study (module docstring)."""
     branch_dir = os.path.join(root, "results", branch)
     d = records.read_json(os.path.join(branch_dir, files.DEFINITION_FILE))
+    if d is None:
+        raise ValueError(f"{branch_dir}: no {files.DEFINITION_FILE} (a branch study's definition)")
     b, bsz = d["branch"], int(d["reference_batch_size"])
     rows = shared.read_merged(os.path.join(branch_dir, files.BRANCHES_FILE),
                                ("point_step", "k", "seed"))
@@ -91,7 +93,7 @@ def study(root: str, branch: str, sweep: str, task: str,
             "criterion": b.get("criterion", "ladder")}
     prior = calibration.model([p for p in calib["points"] if p.get("task") != task], "b_simple")
     optimizer = str(d["optimizer"])
-    points = []
+    points: list[dict[str, Any]] = []
     for s in steps:
         pr = [r for r in rows if r["point_step"] == s]
         ratio = probe.local_ratio(pr, noise[s], **rule)

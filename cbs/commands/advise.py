@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Any
 
 from absl import flags
 
@@ -177,7 +178,7 @@ def _from_checkpoint(workdir: str, step: int | None, *, scale: str, level: float
     out = _OUT.value or workdir
     paths.makedirs(out)
     name = f"advice_{measured['step']}"
-    text, extra = advice.summary(a), {}
+    text, extra = advice.summary(a), dict[str, Any]()
     if _PROBE.value:
         probed, extra = _probe(workdir, measured, out, scale=scale, level=level)
         text += "\n\n" + probed
@@ -206,7 +207,7 @@ def _probe(workdir: str, measured: dict, out: str, *, scale: str, level: float
     calib = calibration.shipped()
     combined = probe.combine(calib["models"][scale], str(measured["optimizer"]), ratio,
                              level=level)
-    spent = probe.cost(ran["rows"])
+    spent: dict[str, Any] = dict(probe.cost(ran["rows"]))
     plan = ran["plan"]
     spent |= {"base": ran["base"], "window": plan["window"], "budget": plan["budget"],
               "unit": plan["unit"], "fraction_examples": spent["examples"] / max(

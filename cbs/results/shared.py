@@ -131,7 +131,7 @@ def compact(path: PathLike, names: Sequence[str]) -> str | None:
                   key=os.path.basename)
     if not read:
         return None
-    data = b"".join(raw[:raw.rfind(b"\n") + 1] for raw in map(found.get, read))
+    data = b"".join(raw[:raw.rfind(b"\n") + 1] for raw in (found[n] for n in read))
     level = 1 + max(part_level(n) for n in read)
     first = os.path.basename(read[0])[:20]
     target = paths.join(parts_dir(path),
@@ -168,8 +168,9 @@ class PartCache:
         out = {p: raw for p, (v, raw) in self._held.items() if listed.get(p) == v}
         got = paths.read_many([p for p in listed if p not in out])
         for p, raw in got.items():
-            if listed[p] is not None:
-                self._held[p] = (listed[p], raw)
+            version = listed[p]
+            if version is not None:
+                self._held[p] = (version, raw)
         folders = {os.path.dirname(p) for p in listed}
         for p in [p for p in self._held if os.path.dirname(p) in folders and p not in listed]:
             del self._held[p]
