@@ -107,3 +107,25 @@ def forget_clients() -> None:
     for protocol in ("gs", "gcs"):
         with contextlib.suppress(ImportError, ValueError):
             fsspec.get_filesystem_class(protocol).clear_instance_cache()
+
+
+@contextlib.contextmanager
+def bucket(log_path: str, name: str, *, count: bool = False) -> Iterator[str]:
+    """gs://NAME on a fresh emulator (`serve`), this process's environment and fsspec's gs://
+    and gcs:// protocols pointed at it while the block runs (plain gcsfs, whatever imported
+    gcsfs first); yields the bucket's URL."""
+    import pytest
+
+    with serve(log_path, count=count) as url, pytest.MonkeyPatch.context() as mp:
+        for k, v in environment(url).items():
+            mp.setenv(k, v)
+        import importlib
+
+        from gcsfs.core import GCSFileSystem
+        registry = importlib.import_module("fsspec.registry")._registry
+        for protocol in ("gs", "gcs"):
+            mp.setitem(registry, protocol, GCSFileSystem)
+        forget_clients()
+        make_bucket(url, name)
+        yield f"gs://{name}"
+        forget_clients()

@@ -12,7 +12,6 @@ resumes from its gs:// checkpoint to the uninterrupted records (slow).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -44,18 +43,8 @@ def gcs(tmp_path_factory):
     """gs://cbs-test on a fresh emulator; the environment points this process and its
     subprocesses at it while the module runs."""
     log = tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log"
-    with emulator.serve(str(log)) as url, pytest.MonkeyPatch.context() as mp:
-        for k, v in emulator.environment(url).items():
-            mp.setenv(k, v)
-        from gcsfs.core import GCSFileSystem  # the plain client, whatever imported gcsfs first
-
-        registry = importlib.import_module("fsspec.registry")._registry
-        for protocol in ("gs", "gcs"):
-            mp.setitem(registry, protocol, GCSFileSystem)
-        emulator.forget_clients()
-        emulator.make_bucket(url, BUCKET)
-        yield f"gs://{BUCKET}"
-        emulator.forget_clients()
+    with emulator.bucket(str(log), BUCKET) as url:
+        yield url
 
 
 def _env(**extra: str) -> dict[str, str]:

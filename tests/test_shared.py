@@ -10,7 +10,6 @@ compacted on their own, and an explicit compaction keeps what was written meanwh
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import threading
@@ -34,18 +33,8 @@ def emulated(tmp_path_factory):
     """(gs://cbs-shared, the emulator's request log) on a fresh emulator that logs every
     request; the environment points this process at it while the module runs."""
     log = str(tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log")
-    with emulator.serve(log, count=True) as url, pytest.MonkeyPatch.context() as mp:
-        for k, v in emulator.environment(url).items():
-            mp.setenv(k, v)
-        from gcsfs.core import GCSFileSystem  # the plain client, whatever imported gcsfs first
-
-        registry = importlib.import_module("fsspec.registry")._registry
-        for protocol in ("gs", "gcs"):
-            mp.setitem(registry, protocol, GCSFileSystem)
-        emulator.forget_clients()
-        emulator.make_bucket(url, BUCKET)
-        yield f"gs://{BUCKET}", log
-        emulator.forget_clients()
+    with emulator.bucket(log, BUCKET, count=True) as url:
+        yield url, log
 
 
 def _count(log: str) -> int:
