@@ -240,3 +240,19 @@ def test_a_run_logs_live_advice_with_the_probed_ratio(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.noise.advice_calibration"):
         trainer.run(tiny_config(**{"noise.advice_calibration": path + ".missing"}),
                     os.path.join(tmp_path, "other"), mesh=one_device_mesh())
+
+
+def test_the_committed_held_out_probe_report_is_what_its_records_give():
+    """results/probe_heldout/report.md is the table `experiments.probe_heldout` renders from
+    the committed probe_heldout.json (each row: the default budget first; the whole run's
+    examples only where the default refused)."""
+    from experiments import probe_heldout
+    d = os.path.join(ROOT, "results", "probe_heldout")
+    with open(os.path.join(d, "probe_heldout.json"), encoding="utf-8") as f:
+        rows = json.load(f)
+    with open(os.path.join(d, "report.md"), encoding="utf-8") as f:
+        assert f.read() == probe_heldout._markdown(rows)
+    assert [r["task"] for r in rows] == [t[0] for t in probe_heldout.TASKS]
+    for r in rows:
+        assert r["probes"][0]["budget"] == 0.1
+        assert len(r["probes"]) == 1 + ("refused" in r["probes"][0])
