@@ -47,17 +47,34 @@ def test_no_link_points_at_a_placeholder():
             assert placeholder not in text, f"{path.name} holds the placeholder {placeholder}"
 
 
-def test_setup_cell_needs_only_repo_url_in_colab_and_installs_a_checkout():
-    """The first cell: REPO_URL is empty (the one variable to set in Colab); in a checkout it
-    imports cbs from the checkout's own folder, and installs the checkout in development mode
-    (for its dependencies) only when that import fails."""
+def test_setup_cell_installs_the_package_without_a_repository_url():
+    """The first cell: cbs as the installed package (its presets from `cbs.configs`); in a
+    checkout it imports cbs from the checkout's own folder and installs the checkout in
+    development mode (for its dependencies) only when that import fails; elsewhere (Colab) it
+    installs the distribution `cbs-jax` from the package index. Nothing is cloned, no
+    repository URL is asked for, and no notebook imports the checkout's `experiments`."""
     for path in NOTEBOOKS:
-        first = _code(nbformat.read(path, as_version=4))[0]
-        assert 'REPO_URL = ""  # <-- set in Colab' in first, path.name
-        on_path = first.index("sys.path.insert(0, str(REPO_DIR))")
+        text = path.read_text()
+        for needle in ("git clone", "REPO_URL", "github.com"):
+            assert needle not in text, f"{path.name} holds {needle!r}"
+        code = _code(nbformat.read(path, as_version=4))
+        imports = [line for cell in code for line in cell.splitlines()
+                   if re.match(r"\s*(from|import)\s+experiments\b", line)]
+        assert imports == [], f"{path.name} imports experiments: {imports}"
+        first = code[0]
+        on_path = first.index("sys.path.insert(0, str(CHECKOUT))")
         fallback = first.index("except ImportError:")
         assert on_path < first.index("    import cbs") < fallback
-        assert first.index('[*pip, "-e", str(REPO_DIR)]', fallback) > fallback
+        assert first.index('[*pip, "-e", str(CHECKOUT)]', fallback) > fallback
+        assert first.index('[*pip, "cbs-jax", *accelerator]', fallback) > fallback
+        assert "RESULTS_DIR = " in first
+
+
+def test_setup_cell_installs_the_distribution_named_in_pyproject():
+    pyproject = (NOTEBOOK_DIR.parent / "pyproject.toml").read_text()
+    name = re.search(r'(?m)^name = "([^"]+)"', pyproject).group(1)
+    for path in NOTEBOOKS:
+        assert f'"{name}"' in _code(nbformat.read(path, as_version=4))[0], path.name
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -77,8 +94,7 @@ def test_setup_cell_and_public_api_only(path):
     nb = nbformat.read(path, as_version=4)
     code = _code(nb)
     first = code[0]
-    for needle in ('"google.colab" in sys.modules', "REPO_URL = ", "CBS_NOTEBOOK_TINY",
-                   "jax.devices()"):
+    for needle in ('"google.colab" in sys.modules', "CBS_NOTEBOOK_TINY", "jax.devices()"):
         assert needle in first, f"{path.name}: first code cell lacks {needle!r}"
     source = "\n".join(code)
     assert "from cbs" in source or "import cbs" in source
