@@ -24,9 +24,14 @@ import sys
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "results/probe_heldout", "Where report.md and "
-                           "probe_heldout.json go.")
-_WORK = flags.DEFINE_string("work", "/tmp/probe_heldout", "Where the runs and probes go.")
+
+def _define_flags() -> None:
+    """--out and --work, defined when run as a command only (the tests import `_markdown`
+    beside other commands that define --out)."""
+    flags.DEFINE_string("out", "results/probe_heldout", "Where report.md and "
+                        "probe_heldout.json go.")
+    flags.DEFINE_string("work", "/tmp/probe_heldout", "Where the runs and probes go.")
+
 
 # (name, preset, centre rate at B = 64, steps, deepest target, the sweep that measured it)
 TASKS = (
@@ -63,8 +68,8 @@ def _probe(workdir: str, steps: int, budget: float) -> dict:
             "local_now": c["local_now"], "weight": c["weight"], "cost": probe["cost"]}
 
 
-def _row(name, preset, lr, steps, target, sweep_dir) -> dict:
-    workdir = os.path.join(_WORK.value, name)
+def _row(work, name, preset, lr, steps, target, sweep_dir) -> dict:
+    workdir = os.path.join(work, name)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         done = _module("cbs.commands.train", [
             f"--config={preset}", f"--config.optim.learning_rate={lr}",
@@ -109,14 +114,16 @@ def _markdown(rows: list[dict]) -> str:
 
 def main(argv):
     del argv
-    rows = [_row(*t) for t in TASKS]
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "probe_heldout.json"), "w", encoding="utf-8") as f:
+    out = flags.FLAGS.out
+    rows = [_row(flags.FLAGS.work, *t) for t in TASKS]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "probe_heldout.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
-    with open(os.path.join(_OUT.value, "report.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(_markdown(rows))
     print(_markdown(rows))
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
