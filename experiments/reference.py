@@ -26,8 +26,17 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep_dir", required=True, help="a committed study")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … seeds − 1")
-    parser.add_argument("--deviations", type=int, default=reference_seeds.DEVIATIONS,
-                        help="random deviations of tr(HΣ) per measurement (>= 256)")
+    parser.add_argument("--deviations", type=int, default=None,
+                        help="random deviations of tr(HΣ) per measurement (whole training "
+                             f"set: >= {reference_seeds.DEVIATIONS}, its default; sampled: "
+                             f"default {reference_seeds.SAMPLED_DEVIATIONS})")
+    parser.add_argument("--examples", type=int, default=0,
+                        help="n > 0: the sampled protocol, n examples per measurement at the "
+                             "window of evaluations from each target's crossing (0: the whole "
+                             "training set at every evaluation past the first crossing)")
+    parser.add_argument("--hessian_examples", type=int,
+                        default=reference_seeds.HESSIAN_EXAMPLES,
+                        help="h of the sampled protocol: examples of the independent Hessian")
     parser.add_argument("--fraction", type=float, default=reference_seeds.FRACTION,
                         help="B <= B_crit / fraction at the lowest target")
     parser.add_argument("--evals", type=int, default=0,
@@ -38,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reference_seeds.run_seeds(args.sweep_dir, seeds=args.seeds, deviations=args.deviations,
                               fraction=args.fraction, evals=args.evals or None,
-                              batch_size=args.batch_size)
+                              batch_size=args.batch_size, examples=args.examples,
+                              hessian_examples=args.hessian_examples)
     summary = reference_protocol.load(args.sweep_dir)
     if summary is not None:
         print(reference_protocol.markdown(summary))

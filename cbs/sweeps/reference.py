@@ -72,14 +72,14 @@ def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
 
 class ReferenceRun(TrialGroup):
     """A group of one trial, `sweep.noise_reference_evals` log-spaced evaluations each measured
-    by `reference_noise`, no mid-run checkpoints (one run of minutes), that stops
+    by `reference_noise` (or the spec `noise`), no mid-run checkpoints (one run of minutes), that stops
     `sweep.noise_window` evaluations after its crossing of the lowest target (or when it
     diverges or its budget ends)."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
-                 crossing: float | None = None):
+                 crossing: float | None = None, noise: NoiseSpec | None = None):
         evals = int(config.sweep.noise_reference_evals)
-        super().__init__(config, [trial], store, noise=reference_noise(config),
+        super().__init__(config, [trial], store, noise=noise or reference_noise(config),
                          evals=evals, checkpoint_every_evals=evals)
         self.workdir = os.path.join(store.sweep_dir, files.REFERENCE_DIR,
                                     f"b{trial.batch_size:06d}_s{trial.seed}")

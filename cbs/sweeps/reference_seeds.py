@@ -10,10 +10,17 @@ reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped grou
 - at the best learning rate at B on the sweep's first seed (`cbs.sweeps.reference
   .reference_trial`), for every seed;
 - for `seeds` seeds 0, 1, …: the seed sets the initialisation and the data order;
-- measured on the whole training set ("full_data": G, |G|², tr(Σ) and GᵀHG exact, tr(HΣ)
-  from `deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation at
-  or after the first crossing of the highest target (earlier ones are never read: their
-  noise fields are NaN), until `sweep.noise_window` evaluations past the lowest target;
+- measured either on the whole training set ("full_data": G, |G|², tr(Σ) and GᵀHG exact,
+  tr(HΣ) from `deviations` ≥ 256 random deviations and the full-data Hessian) at each
+  evaluation at or after the first crossing of the highest target (earlier ones are never
+  read: their noise fields are NaN), until `sweep.noise_window` evaluations past the lowest
+  target; or, for a training set too large to pass over at every evaluation (`examples` =
+  n > 0), by the sampled estimator ("sampled", `cbs.stats.sampled`: G, |G|² and tr(Σ) from n
+  examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them
+  and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
+  by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
+  evaluations from each target's first crossing on: the evaluations the protocol reads (`cbs.analysis.reference_protocol`, which
+  reports each window's standard error from its independent draws);
 - for Adam and AdamW also the noise scale of the update actually applied, u = P·g
   (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
   bias-corrected Adam preconditioner of the optimizer state at that step), by the same
@@ -50,12 +57,16 @@ from cbs.sweeps.grid import Trial, default_sweep_config
 from cbs.sweeps.groups import TrialGroup
 
 __all__ = [
-    "ADAPTIVE", "DEVIATIONS", "FRACTION", "PRECONDITIONED_KEYS", "SEEDS_DIR", "SeedReferenceRun",
-    "choose_batch_size", "run_seeds", "seed_path", "study_config", "update_measurement",
+    "ADAPTIVE", "DEVIATIONS", "FRACTION", "HESSIAN_EXAMPLES", "PRECONDITIONED_KEYS",
+    "SAMPLED_DEVIATIONS", "SEEDS_DIR", "SeedReferenceRun", "choose_batch_size", "run_seeds",
+    "sampled_noise", "seed_path", "study_config", "update_measurement",
 ]
 
 SEEDS_DIR = "reference_seeds"  # in the sweep directory: seed_<k>.jsonl and runs/
-DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the protocol accepts
+DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the whole-training-set protocol takes
+SAMPLED_DEVIATIONS = 64  # m of the sampled protocol (examples > 0): its default
+HESSIAN_EXAMPLES = 256  # h of the sampled protocol: its default (the Hessian draw's standard
+#                         error is small beside the deviations'; results.md of the LM studies)
 FRACTION = 4  # B ≤ B_crit / FRACTION at the lowest target
 PRECONDITIONED_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                        "b_noise")  # recorded as noise_p/<key> (Adam, AdamW)
@@ -64,13 +75,15 @@ ADAPTIVE = ("adam", "adamw")  # optimizers whose update P·g is measured too (no
 
 def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
                        examples: str | None = None) -> dict[str, jax.Array]:
-    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`): `measure.measure` of
-    the loss in the coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`), on the same
-    examples and random draws as the plain measurement."""
+    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`; without
+    `spec.curvature` the B_simple^P ones only): `measure.measure` of the loss in the
+    coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`), on the same examples and
+    random draws as the plain measurement."""
     phi = jax.tree.map(lambda q, s: q / jnp.sqrt(s), params, precond)
     stats = measure.measure(spec, preconditioned.rescaled(loss_fn, precond), phi, batch,
                             hessian_batch=hessian_batch, key=key, examples=examples)
-    return {k: jnp.asarray(getattr(stats, k)) for k in PRECONDITIONED_KEYS}
+    return {k: jnp.asarray(getattr(stats, k)) for k in PRECONDITIONED_KEYS
+            if getattr(stats, k) is not None}
 
 
 def seed_path(sweep_dir: str, seed: int) -> str:
@@ -130,13 +143,31 @@ def choose_batch_size(sweep: ml_collections.ConfigDict, b_crit: float,
     return max(fit)
 
 
+def sampled_noise(config: ml_collections.ConfigDict, examples: int, deviations: int,
+                  hessian_examples: int) -> NoiseSpec:
+    """The sampled protocol's measurement: n = `examples` of an independent stream, m =
+    `deviations` of them, h = `hessian_examples` for the Hessian (module docstring)."""
+    chunk = int(config.noise.chunk_size) or SAMPLED_CHUNK
+    return NoiseSpec.from_config(config.noise).replace(
+        method="sampled", examples="stream", batch_size=int(examples), curvature=True,
+        deviations=int(deviations), hessian_batch_size=int(hessian_examples),
+        chunk_size=min(chunk, int(examples)), every=0, in_step=False)
+
+
+SAMPLED_CHUNK = 1024  # examples per vmap chunk of the sampled protocol (memory)
+
+
 class SeedReferenceRun(reference.ReferenceRun):
     """`reference.ReferenceRun` measured only from the first crossing of the highest target
-    on, and for Adam/AdamW also in the update's coordinates (`noise_p/<key>`)."""
+    on (with `windows`: only at the `sweep.noise_window` evaluations from each target's first
+    crossing), and for Adam/AdamW also in the update's coordinates (`noise_p/<key>`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
-                 crossing: float | None = None):
-        super().__init__(config, trial, store, crossing=crossing)
+                 crossing: float | None = None, noise: NoiseSpec | None = None,
+                 windows: bool = False):
+        super().__init__(config, trial, store, crossing=crossing, noise=noise)
+        self.windows = windows
+        self._left = {float(t): None for t in self.sweep.targets}  # measurements still due
         self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
         self.preconditioner = str(config.optim.name) in ADAPTIVE
@@ -161,21 +192,36 @@ class SeedReferenceRun(reference.ReferenceRun):
         examples, grad_batch, hess_batch, key = measure.draw(
             self.noise, self.dataset, self.parts.train_arrays, index, seed=self.trial_seed)
         loss = lambda q, b: self.parts.loss_fn(q, state.model_state, b)[0]
-        stats = update_measurement(self.noise, loss, state.params, p, grad_batch, hess_batch,
-                                   key, examples)
+        # the sampled protocol measures B_simple^P only (its HVPs would double the cost)
+        spec = self.noise.replace(curvature=False) if self.windows else self.noise
+        stats = update_measurement(spec, loss, state.params, p, grad_batch,
+                                   hess_batch if spec.curvature else None, key, examples)
         return out | {f"noise_p/{k}": v.astype(jnp.float32) for k, v in stats.items()}
 
     def _evaluate(self, states, loss_ema, index):
         i = jnp.asarray(index, jnp.int32)
         out = self._progress_jit(states, loss_ema, i)
         value = float(np.asarray(out[self.sweep.target_metric])[0])
-        self._measuring = self._measuring or value <= self._measure_below
+        if self.windows:
+            self._measuring = self._window_due(value)
+        else:
+            self._measuring = self._measuring or value <= self._measure_below
         if self._measuring:
             return out | self._noise_jit(states, i)
         if self._empty is None:
             shapes = jax.eval_shape(self._noise_jit, states, i)
             self._empty = {k: np.full(s.shape, np.nan, np.float32) for k, s in shapes.items()}
         return out | self._empty
+
+    def _window_due(self, value: float) -> bool:
+        """Whether this evaluation lies in some target's window: the `noise_window`
+        evaluations from its first crossing (value <= target) on."""
+        for t, left in self._left.items():
+            if left is None and math.isfinite(value) and value <= t:
+                self._left[t] = int(self.sweep.noise_window)
+        due = any(left for left in self._left.values())
+        self._left = {t: (left - 1 if left else left) for t, left in self._left.items()}
+        return due
 
     def _result(self, i, trial, history):
         result = super()._result(i, trial, history)
@@ -188,17 +234,29 @@ class SeedReferenceRun(reference.ReferenceRun):
         return result
 
 
-def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
+def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
               fraction: float = FRACTION, evals: int | None = None, batch_size: int = 0,
+              examples: int = 0, hessian_examples: int = HESSIAN_EXAMPLES,
               log=print) -> list[dict[str, Any]]:
     """Runs the protocol (module docstring) for seeds 0 … seeds − 1 of the study in
     `sweep_dir`, skipping seeds already written; returns every seed's record.
 
     evals: log-spaced evaluations over the budget (default `sweep.noise_reference_evals`);
-    batch_size: B (default: `choose_batch_size` with `fraction`)."""
-    if deviations < DEVIATIONS:
+    batch_size: B (default: `choose_batch_size` with `fraction`); examples: n of the sampled
+    protocol (0: the whole training set), with m = `deviations` (default
+    `SAMPLED_DEVIATIONS`; the whole-set protocol: `DEVIATIONS`, its minimum) and h =
+    `hessian_examples`."""
+    sampled = examples > 0
+    if deviations is None:
+        deviations = SAMPLED_DEVIATIONS if sampled else DEVIATIONS
+    if not sampled and deviations < DEVIATIONS:
         raise ConfigError(f"--deviations: the protocol takes >= {DEVIATIONS} deviations, "
                           f"got {deviations}")
+    if sampled and not 2 <= deviations <= examples:
+        raise ConfigError(f"--deviations: the sampled protocol takes 2 <= m <= --examples "
+                          f"({examples}), got {deviations}")
+    if sampled and hessian_examples < 1:
+        raise ConfigError(f"--hessian_examples: must be >= 1, got {hessian_examples}")
     if seeds < 1:
         raise ConfigError(f"--seeds: must be >= 1, got {seeds}")
     config = study_config(sweep_dir)
@@ -222,7 +280,10 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
             out.append(done[-1])
             continue
         trial = dataclasses.replace(best, seed=seed)
-        run = SeedReferenceRun(config, trial, store, crossing=crossing)
+        noise = (sampled_noise(config, examples, deviations, hessian_examples) if sampled
+                 else None)
+        run = SeedReferenceRun(config, trial, store, crossing=crossing, noise=noise,
+                               windows=sampled)
         result = run.run()[0]
         record = {
             "batch_size": b, "learning_rate": trial.learning_rate, "seed": seed,
@@ -232,8 +293,13 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
             "preconditioner": "adam" if run.preconditioner else None,
             "target_metric": result.target_metric, "status": result.status,
             "seconds": result.seconds,
-            "protocol": reference.protocol_text(config, trial, run.dataset.num_train),
+            "protocol": (_sampled_text(config, trial, run.dataset.num_train, examples,
+                                       deviations, hessian_examples) if sampled else
+                         reference.protocol_text(config, trial, run.dataset.num_train)),
             "curve": result.curve}
+        if sampled:
+            record |= {"method": "sampled", "examples": int(examples),
+                       "hessian_examples": int(hessian_examples)}
         paths.makedirs(os.path.dirname(path))
         records.append_records(path, [record])
         log(f"{sweep_dir}: seed {seed}, B={b} (B_crit/{b_crit / b:.3g} at L={target:g}), "
@@ -241,3 +307,14 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int = DEVIATIONS,
             f"{result.seconds:.0f} s, {result.status}")
         out.append(record)
     return out
+
+
+def _sampled_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int, n: int,
+                  m: int, h: int) -> str:
+    s = config.sweep
+    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
+            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, the "
+            f"{int(s.noise_window)} from each target's crossing on measured by the sampled "
+            f"estimator (N={num_train}: n={n} examples of an independent stream for G and "
+            f"tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of h={h} examples "
+            "drawn independently); ratio of means over those evaluations")
