@@ -217,3 +217,55 @@ def test_the_command_on_a_tiny_sweep(tmp_path):
     assert row["ref_update_b_noise"] == summary["targets"][0]["b_noise_p"]["median"]
     with pytest.raises(Exception, match="256"):
         reference_seeds.run_seeds(d, seeds=3, deviations=64)
+
+
+def test_the_window_standard_error_in_closed_form():
+    """window_se: the delta method over the window's k measurements."""
+    x = np.arange(6.0)
+    num = np.asarray([9.0, 1.0, 2.0, 3.0, 9.0, 9.0])
+    den = np.ones(6)
+    # crossing at 1, window 3: num 1, 2, 3 (mean 2, sample variance 1), den constant
+    got = reference_protocol.window_se(x, num, den, 1.0, 3)
+    assert got == pytest.approx(math.sqrt(1.0 / 3 / 4))
+    # numerator and denominator moving together: the ratio is constant, no error
+    assert reference_protocol.window_se(x, num, num, 1.0, 3) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(reference_protocol.window_se(x, num, den, 4.5, 3))  # one measurement
+    assert math.isnan(reference_protocol.window_se(x, num, den, None, 3))
+    runs = [_run(0, 1.0), _run(1, 2.0)]
+    row = reference_protocol.summarize(runs, [0.5], window=3)["targets"][0]
+    # tr(Σ) = scale·step over steps 10, 12, 14, |G|² = 1: se = sd(10, 12, 14)/√3/12
+    assert row["b_simple"]["se"] == pytest.approx([2 / math.sqrt(3) / 12] * 2)
+    assert "±10%" in reference_protocol.markdown(reference_protocol.summarize(
+        runs, [0.5], window=3))
+
+
+def test_the_sampled_protocol_measures_only_the_windows(tmp_path):
+    """The sampled protocol (n examples of a stream, m deviations, h Hessian examples) on a
+    tiny Adam study: measured at exactly the `noise_window` evaluations from each target's
+    first crossing (the ones the protocol reads), B_simple^P of the update but not its
+    curvature, and the settings in the record."""
+    d = str(tmp_path / "s")
+    _tiny_adam_study(d)
+    reference_seeds.run_seeds(d, seeds=1, evals=12, examples=64, deviations=8,
+                              hessian_examples=16, log=lambda *_: None)
+    run = records.read_records(reference_seeds.seed_path(d, 0))[0]
+    assert (run["method"], run["examples"], run["deviations"], run["hessian_examples"]) == (
+        "sampled", 64, 8, 16)
+    assert "n=64" in run["protocol"] and "h=16" in run["protocol"]
+    curve = run["curve"]
+    loss = np.asarray(curve["full_train/loss"])
+    want = set()
+    for target in (2.0, 1.5):  # noise_window = 2
+        hit = np.flatnonzero(loss <= target)
+        if hit.size:
+            want |= {int(i) for i in hit[:1]} | {int(hit[0]) + 1}
+    want = {i for i in want if i < len(loss)}
+    measured = {i for i, v in enumerate(curve["noise/trace_sigma"]) if v is not None}
+    assert want and measured == want
+    assert {i for i, v in enumerate(curve["noise_p/b_simple"]) if v is not None} == want
+    assert all(v is None for v in curve["noise_p/b_noise"])  # no HVPs of the update
+    assert all(curve["noise/b_noise"][i] is not None for i in want)
+    summary = reference_protocol.load(d)
+    assert summary["targets"][0]["b_simple"]["seeds"] == 1
+    with pytest.raises(Exception, match="2 <= m"):
+        reference_seeds.run_seeds(d, seeds=2, examples=4, deviations=8)

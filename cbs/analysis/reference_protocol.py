@@ -29,7 +29,7 @@ from cbs.analysis import noise_at_target, selection
 from cbs.results import paths, records
 
 __all__ = ["NAMES", "PAIRS", "SEEDS_GLOB", "load", "markdown", "seed_values", "spread",
-           "summarize"]
+           "summarize", "window_se"]
 
 NAMES = ("b_simple", "b_noise", "b_simple_p", "b_noise_p")
 PAIRS = {"b_simple": ("noise/trace_sigma", "noise/grad_sq_norm"),
@@ -56,10 +56,31 @@ def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
         row: dict[str, Any] = {"target": float(target), "crossing_step": crossing}
         for name, (num_key, den_key) in PAIRS.items():
             if num_key in curve and den_key in curve:
-                row[name] = noise_at_target.after_crossing(
-                    x, _array(curve[num_key]), _array(curve[den_key]), crossing, window)[0]
+                num, den = _array(curve[num_key]), _array(curve[den_key])
+                row[name] = noise_at_target.after_crossing(x, num, den, crossing, window)[0]
+                row[f"{name}_se"] = window_se(x, num, den, crossing, window)
         out.append(row)
     return out
+
+
+def window_se(x, num, den, crossing, window) -> float:
+    """The relative standard error of the window's ratio of means (`noise_at_target
+    .after_crossing`) from its k measurements, each on its own draws: the delta method,
+    var(r)/r² = (s_n²/n̄² + s_d²/d̄² − 2·s_nd/(n̄·d̄))/k. It counts the trajectory's drift
+    within the window as noise too (an upper bound on the draws' part); NaN below k = 2."""
+    if crossing is None:
+        return math.nan
+    ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)
+    idx = np.nonzero(ok)[0][:window]
+    if idx.size < 2:
+        return math.nan
+    n, d = num[idx], den[idx]
+    mn, md = float(np.mean(n)), float(np.mean(d))
+    if mn <= 0 or md <= 0:
+        return math.nan
+    cov = np.cov(n, d, ddof=1)
+    rel_var = (cov[0, 0] / mn**2 + cov[1, 1] / md**2 - 2 * cov[0, 1] / (mn * md)) / idx.size
+    return float(math.sqrt(max(rel_var, 0.0)))
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
@@ -88,6 +109,10 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
         for name in NAMES:
             if all(name in s[j] for s in per_seed):
                 row[name] = spread([s[j][name] for s in per_seed])
+                ses = [s[j][f"{name}_se"] for s in per_seed]
+                finite = [v for v in ses if math.isfinite(v)]
+                row[name]["se"] = ses  # per seed, relative
+                row[name]["se_median"] = float(np.median(finite)) if finite else math.nan
         rows.append(row)
     first = runs[0]
     b = first["batch_size"]
@@ -126,11 +151,13 @@ def load(sweep_dir: str, targets: Sequence[float] | None = None, window: int | N
 
 
 def _cell(entry: dict[str, Any] | None) -> str:
-    """"median (min–max) ×gsd" of a spread, "–" without one."""
+    """"median (min–max) ×gsd ±se" of a spread (se: the median over seeds of a window's
+    relative standard error, where known), "–" without one."""
     if not entry or not entry["seeds"]:
         return "–"
+    se = entry.get("se_median", math.nan)
     return (f"{_g(entry['median'])} ({_g(entry['min'])}–{_g(entry['max'])}) "
-            f"×{_g(entry['gsd'])}")
+            f"×{_g(entry['gsd'])}" + (f" ±{100 * se:.0f}%" if math.isfinite(se) else ""))
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -139,7 +166,11 @@ def markdown(summary: dict[str, Any]) -> str:
     labels = {"b_simple": "B_simple", "b_noise": "B_noise", "b_simple_p": "B_simple^P",
               "b_noise_p": "B_noise^P"}
     lines = [f"Protocol: {summary['protocol']}.", "",
-             "| target L | " + " | ".join(f"{labels[n]} median (min–max) ×GSD"
+             "The spread is over seeds (GSD: geometric standard deviation); ±: the median "
+             "over seeds of one window's relative standard error (delta method over its "
+             "measurements, each on its own draws; drift within the window counts as noise).",
+             "",
+             "| target L | " + " | ".join(f"{labels[n]} median (min–max) ×GSD ±SE"
                                           for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for r in summary["targets"]:
