@@ -145,6 +145,22 @@ def test_full_data_cost_benchmark_quick(capsys):
     assert evaluation[0] == pytest.approx(expected, rel=0.05)  # shown to 3 digits
 
 
+def test_sampled_precision_benchmark_quick(capsys):
+    """benchmarks/sampled_precision.py --quick (digits): a row per statistic, the Hessian
+    draw's part only for the curvature ones, positive standard errors."""
+    from benchmarks import sampled_precision
+
+    sampled_precision.main(["--quick"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line
+            and "statistic" not in line}
+    assert list(rows) == list(sampled_precision.KEYS)
+    assert all(float(v[1].rstrip("%")) > 0 for v in rows.values())
+    assert rows["b_simple"][2] == "–" and rows["b_noise"][2].endswith("%")
+    assert "n = 256, m = 16, h = 64" in out
+
+
 def test_train_step_benchmark_pairs_every_variant_with_its_baseline(no_compilation_cache):
     """benchmarks/train_step.py: one ABBA repeat on the MLP gives a positive ratio for every
     (variant, baseline) pair, the exact live estimate where the ghost rules read the model,
