@@ -1,6 +1,6 @@
 """What each draw of the sampled noise estimator costs in standard error, on a committed study.
 
-    python -m benchmarks.sampled_precision      # results/shakespeare_kaplan_d32 (~5 min, 2 CPU cores)
+    python -m benchmarks.sampled_precision   # results/shakespeare_kaplan_d32 (~5 min, 2 cores)
     python -m benchmarks.sampled_precision --quick   # results/digits, small n, m, h
 
 The estimator of the reference protocol over seeds for a large training set
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         a = np.asarray([r[k] for r in fresh])
         hh = np.asarray([r[k] for r in hessian_only])
         mean = float(np.mean(a))
-        rel = lambda x: float(np.std(x, ddof=1) / abs(mean)) if mean else float("nan")
+        rel = lambda x, mu=mean: float(np.std(x, ddof=1) / abs(mu)) if mu else float("nan")
         part = "–" if k in ("trace_sigma", "grad_sq_norm", "b_simple") else f"{rel(hh):.1%}"
         print(f"| {k} | {mean:.4g} | {rel(a):.1%} | {part} |")
     return 0

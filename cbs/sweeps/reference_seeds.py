@@ -19,8 +19,9 @@ reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped grou
   examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them
   and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
   by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
-  evaluations from each target's first crossing on: the evaluations the protocol reads (`cbs.analysis.reference_protocol`, which
-  reports each window's standard error from its independent draws);
+  evaluations from each target's first crossing on: the evaluations the protocol reads
+  (`cbs.analysis.reference_protocol`, which reports each window's standard error from its
+  independent draws);
 - for Adam and AdamW also the noise scale of the update actually applied, u = P·g
   (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
   bias-corrected Adam preconditioner of the optimizer state at that step), by the same
@@ -48,7 +49,7 @@ import numpy as np
 from cbs.engine import config as config_lib
 from cbs.engine import measure
 from cbs.engine.fields import ConfigError
-from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.noise_spec import FULL_DATA_MAX, NoiseSpec
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, upgrade_noise_fields
 from cbs.stats import preconditioned
@@ -284,6 +285,11 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
                  else None)
         run = SeedReferenceRun(config, trial, store, crossing=crossing, noise=noise,
                                windows=sampled)
+        if not sampled and run.dataset.num_train > FULL_DATA_MAX:
+            log(f"{sweep_dir}: every evaluation passes over all N = "
+                f"{run.dataset.num_train:,} training examples ({DEVIATIONS}+ HVPs over N "
+                "each); --examples=4096 measures the sampled protocol at each target's "
+                "window instead")
         result = run.run()[0]
         record = {
             "batch_size": b, "learning_rate": trial.learning_rate, "seed": seed,
