@@ -72,9 +72,9 @@ def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
 
 class ReferenceRun(TrialGroup):
     """A group of one trial, `sweep.noise_reference_evals` log-spaced evaluations each measured
-    by `reference_noise` (or the spec `noise`), no mid-run checkpoints (one run of minutes), that stops
-    `sweep.noise_window` evaluations after its crossing of the lowest target (or when it
-    diverges or its budget ends)."""
+    by `reference_noise` (or the spec `noise`), no mid-run checkpoints (one run of minutes),
+    that stops `sweep.noise_window` evaluations after its crossing of the lowest target (or
+    when it diverges or its budget ends)."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                  crossing: float | None = None, noise: NoiseSpec | None = None):

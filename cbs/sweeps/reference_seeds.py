@@ -19,8 +19,9 @@ reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped grou
   examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them
   and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
   by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
-  evaluations from each target's first crossing on: the evaluations the protocol reads (`cbs.analysis.reference_protocol`, which
-  reports each window's standard error from its independent draws);
+  evaluations from each target's first crossing on: the evaluations the protocol reads
+  (`cbs.analysis.reference_protocol`, which reports each window's standard error from its
+  independent draws);
 - for Adam and AdamW also the noise scale of the update actually applied, u = P·g
   (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
   bias-corrected Adam preconditioner of the optimizer state at that step), by the same
