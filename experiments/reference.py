@@ -9,15 +9,18 @@ with the full-data Hessian and 256 deviations at each evaluation past the first 
 for Adam/AdamW also the noise scale of the update applied (`cbs.sweeps.reference_seeds`).
 Writes SWEEP_DIR/reference_seeds/seed_<k>.jsonl once per seed (existing seeds are skipped)
 and prints each seed's noise scale at each target and the spread over seeds
-(`cbs.analysis.reference_protocol`); `python -m experiments.compare` puts them on the
-cross-task figure.
+(`cbs.analysis.reference_protocol`); `cbs-compare` puts them on the cross-task figure.
+SWEEP_DIR may be on an object store (gs://). A bad input (no study there, a bad flag value)
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from cbs.analysis import reference_protocol
+from cbs.engine import cli
 from cbs.sweeps import reference_seeds
 
 
@@ -56,4 +59,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.guarded(lambda argv: main(argv[1:]))(sys.argv)  # user errors: one line, status 2

@@ -10,7 +10,8 @@ Two kinds of command, by how the page shows them:
   shows commands has one.
 - every other command line (a console script, `cbs-sweep ...`, or `python -m experiments.X
   ...` or `python -m benchmarks.X ...` in a fenced or indented block or in backquotes: full
-  studies, multi-host launches) is checked without running: the module exists, every flag
+  studies, multi-host launches), and every command in a preset's docstring (cbs/configs), is
+  checked without running: the module exists, every flag
   is one it defines, the config resolves and loads with its argument, each
   `--config.a.b=...` names a field of it, the config's sweep, ramps and branch sections (and
   its run config) validate, and the committed study directories it names exist.
@@ -169,14 +170,23 @@ def _validate(module: str, config: Any) -> None:
                             dataset_names=data.known_datasets())
 
 
+def _preset_docstrings() -> dict[str, str]:
+    """{preset: its module's docstring} of the presets that ship in cbs/configs."""
+    return {f.stem: ast.get_docstring(ast.parse(f.read_text())) or ""
+            for f in sorted((ROOT / "cbs" / "configs").glob("*.py"))}
+
+
 def _shown_commands() -> list[Any]:
+    """The commands the guides show, then those of the presets' docstrings."""
     out, seen = [], set()
-    for page in PAGES:
-        for module, args in _commands(page.read_text()):
+    texts = [(page.stem, page.read_text()) for page in PAGES] + [
+        (f"preset_{name}", doc) for name, doc in _preset_docstrings().items()]
+    for where, text in texts:
+        for module, args in _commands(text):
             key = (module, tuple(args))
             if key not in seen:
                 seen.add(key)
-                out.append(pytest.param(module, args, id=f"{page.stem}:{module}:{len(out)}"))
+                out.append(pytest.param(module, args, id=f"{where}:{module}:{len(out)}"))
     return out
 
 
@@ -196,6 +206,17 @@ def test_the_guides_and_readme_show_the_console_scripts():
         for at in found:
             assert "checkout" in text[max(0, at - 300):at + 300], (
                 f"{page.name}: `python -m experiments...` outside the note naming the checkout")
+
+
+def test_the_presets_show_the_console_scripts():
+    """The presets ship in the wheel, which has no experiments/ package: their docstrings show
+    `cbs-train --config=<preset>`, not `python -m experiments.main --config=experiments/...`."""
+    twins = "|".join(t.split(".")[1] for t in TWINS.values())
+    docs = _preset_docstrings()
+    assert sum(bool(_commands(doc)) for doc in docs.values()) > 15
+    for name, doc in docs.items():
+        assert not re.search(rf"python -m experiments\.({twins})\b", doc), name
+        assert name not in configs.names() or "--config=experiments/configs" not in doc, name
 
 
 @pytest.mark.parametrize("module,args", _shown_commands())

@@ -7,13 +7,20 @@ What this proves, and what docs/scaling.md states: concurrent writers into one g
 once its holder stops renewing it; a sharded sweep on gs:// analyzes as the same sweep run
 locally, its shards in one process, one of them killed mid-group and resumed from its gs://
 checkpoint (default), or as concurrent processes (slow); a run killed with SIGKILL on gs://
-resumes from its gs:// checkpoint to the uninterrupted records (slow).
+resumes from its gs:// checkpoint to the uninterrupted records (slow). Every command runs on
+gs:// from an empty working directory that stays empty (no local `gs:` directory), its
+outputs read back from the bucket: cbs-train, cbs-sweep with its analyze step, cbs-analyze,
+cbs-advise from records and from a gs:// checkpoint, cbs-compare (and --sizes), cbs-branch's
+report, cbs-ramps beside the sweep (slow) and into a gs:// --out_dir, and the reference
+protocol (whole-set: slow; sampled); bad gs:// input stops each in one line (exit status 2)
+and writes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -312,12 +319,20 @@ _STUDIES = {"digits": ("trials.jsonl", "sweep.json", "reference_noise.jsonl",
                            "reference_seeds/seed_2.jsonl"),
             "digits_branch": ("branch.json", "branches.jsonl", "reference_noise.jsonl",
                               "reference/config.json", "reference/metrics.jsonl",
-                              "reference/status.json")}
+                              "reference/status.json"),
+            **{f"shakespeare_kaplan{size}": ("trials.jsonl", "sweep.json")
+               for size in ("_d32", "", "_d128")}}  # model sizes of one experiment
+
+
+# the sweep of digits_ramps.py:tiny at two batch sizes and one rate (with its ramps beside it)
+_RAMPS_SWEEP = (f"--config={ROOT / 'experiments/configs/digits_ramps.py'}:tiny",
+                "--config.sweep.batch_sizes=8,32", "--config.sweep.lr_factors=1.0",
+                "--config.noise.curvature=False", "--config.train.progress_bar=False")
 
 
 @pytest.fixture(scope="module")
 def studies(gcs):
-    """gs://cbs-test/studies/<name>: the records of three committed studies."""
+    """gs://cbs-test/studies/<name>: the records of six committed studies."""
     for name, names in _STUDIES.items():
         for file in names:
             records.write_atomic(f"{gcs}/studies/{name}/{file}",
@@ -326,9 +341,12 @@ def studies(gcs):
 
 
 def _command(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m experiments.<module> args` in `cwd`, which must stay empty."""
+    """`python -m experiments.<module> args` in `cwd`, which must stay empty; no Python log
+    line below WARNING reaches stderr (gcsfs logs every read of an object at INFO; the line
+    tensorstore writes for the emulator's test token is no Python log)."""
     proc = _warm.python(["-m", f"experiments.{module}", *args], cwd=cwd, env=_env())
     assert sorted(os.listdir(cwd)) == [], f"{module} wrote to the local disk"
+    assert not re.search(r"^I\d{4} .*\.py:\d+\]", proc.stderr, re.M), proc.stderr[-2000:]
     return proc
 
 
@@ -341,6 +359,30 @@ def _objects(root: str) -> list[str]:
 
 def _png(path: str) -> bool:
     return (paths.read_bytes(path) or b"")[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def swept(gcs, tmp_path_factory):
+    """gs://cbs-test/swept: a tiny sweep of two batch sizes run by `cbs-sweep` with its
+    analyze step, from an empty working directory; (sweep directory, the command's output)."""
+    sweep = f"{gcs}/swept"
+    proc = _command("sweep", *_RAMPS_SWEEP, f"--sweep_dir={sweep}", "--bootstrap=20",
+                    cwd=tmp_path_factory.mktemp("cwd"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep, proc.stdout
+
+
+def test_sweep_on_gs_analyzes_there(swept):
+    """cbs-sweep with its sweep_dir on gs:// trains the trials and then writes the report,
+    its figures and analysis.json there (read back from the store)."""
+    sweep, stdout = swept
+    assert stdout.rstrip().splitlines()[-1].startswith(f"report: {sweep}/{files.REPORT_FILE}")
+    analysis = report.load_analysis(sweep)
+    assert analysis["num_trials"] == len(SweepStore(sweep).records()) == 2
+    figures = paths.listdir(f"{sweep}/{files.FIGURES_DIR}")
+    assert figures and all(_png(f"{sweep}/{files.FIGURES_DIR}/{f}") for f in figures)
+    text = paths.read_text(f"{sweep}/{files.REPORT_FILE}")
+    assert all(f"]({files.FIGURES_DIR}/{f})" in text for f in figures)
 
 
 def test_analyze_writes_report_figures_and_analysis_on_gs(studies, tmp_path):
@@ -381,6 +423,55 @@ def test_advise_reads_and_writes_on_gs(studies, source, tmp_path):
     assert f"{advices[-1]['b_crit']:.3g}" in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def trained(gcs, tmp_path_factory):
+    """gs://cbs-test/trained: a tiny run trained there (`cbs-train`), checkpoints at 10 and
+    20; the command wrote nothing to its empty working directory."""
+    workdir = f"{gcs}/trained"
+    proc = _command("main", f"--config={ROOT / 'experiments/configs/digits_mlp.py'}:tiny",
+                    f"--workdir={workdir}", "--config.train.max_steps=20",
+                    "--config.train.checkpoint_every=10", "--config.train.progress_bar=False",
+                    "--config.train.tensorboard=False", cwd=tmp_path_factory.mktemp("cwd"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert records.read_json(f"{workdir}/{files.STATUS_FILE}")["status"] == "finished"
+    return workdir
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "step"])
+def test_advise_measures_at_a_gs_checkpoint_and_writes_on_gs(trained, how, tmp_path):
+    """--checkpoint=gs://RUN/checkpoints/STEP (or --workdir=gs://RUN --step=STEP) restores the
+    state from the store, measures the noise scale there on the training examples and writes
+    advice_STEP.md and .json to a gs:// --out."""
+    step = 20 if how == "checkpoint" else 10
+    where = ([f"--checkpoint={trained}/checkpoints/{step}"] if how == "checkpoint"
+             else [f"--workdir={trained}", f"--step={step}"])
+    out = f"{trained}_advice_{how}"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("advise", *where, f"--out={out}", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert paths.listdir(out) == [f"advice_{step}.json", f"advice_{step}.md"]
+    got = records.read_json(f"{out}/advice_{step}.json")
+    measured = got["measured"]
+    assert measured["step"] == step and measured["method"] == "full_data"
+    assert measured["examples"] == measured["num_train"] == 1438
+    assert measured["noise/b_simple"] > 0 and got["advice"]["b_crit"] > 0
+    text = paths.read_text(f"{out}/advice_{step}.md")
+    assert f"`{trained}` at checkpoint {step}" in text
+    assert f"{got['advice']['b_crit']:.3g}" in proc.stdout
+
+
+def test_advise_at_a_missing_gs_checkpoint_stops_with_one_line_and_writes_nothing(
+        gcs, trained, tmp_path):
+    before = _objects(gcs)
+    (tmp_path / "cwd").mkdir()
+    proc = _command("advise", f"--checkpoint={trained}/checkpoints/15",
+                    f"--out={gcs}/none_advice", cwd=tmp_path / "cwd")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: no checkpoint at step 15 in {trained}/checkpoints: it holds steps 10 and 20; "
+        "ask for one of those"]
+    assert _objects(gcs) == before
+
+
 def test_compare_two_gs_studies_into_gs(studies, tmp_path):
     out = f"{studies}/compare"
     (tmp_path / "cwd").mkdir()
@@ -393,6 +484,30 @@ def test_compare_two_gs_studies_into_gs(studies, tmp_path):
     assert _png(f"{out}/b_crit_vs_noise.png") and _png(f"{out}/b_crit_vs_noise_per_trial.png")
 
 
+def test_compare_sizes_of_gs_studies_into_gs(studies, tmp_path):
+    """--sizes: the three model sizes of the Kaplan study, read from gs://, their pooled fits
+    written to gs:// as from the committed records on the local disk."""
+    dirs = [f"{studies}/shakespeare_kaplan{size}" for size in ("_d32", "", "_d128")]
+    out = f"{studies}/kaplan_sizes"
+    (tmp_path / "cwd").mkdir()
+    proc = _command("compare", "--sizes", *dirs, f"--out={out}", "--bootstrap=20",
+                    cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert paths.listdir(out) == [files.SIZES_FIGURE_FILE, files.REPORT_FILE, files.SIZES_FILE]
+    text = paths.read_text(f"{out}/{files.REPORT_FILE}")
+    assert text in proc.stdout and f"D = 32: `{dirs[0]}`" in text
+    assert f"]({files.SIZES_FIGURE_FILE})" in text and _png(f"{out}/{files.SIZES_FIGURE_FILE}")
+    got = records.read_json(f"{out}/{files.SIZES_FILE}")
+    assert [s["d_model"] for s in got["studies"]] == [32, 64, 128]
+    assert [s["sweep_dir"] for s in got["studies"]] == dirs
+    local = [str(ROOT / "results" / os.path.basename(d)) for d in dirs]
+    (tmp_path / "local").mkdir()
+    assert _command("compare", "--sizes", *local, f"--out={tmp_path / 'local' / 'out'}",
+                    "--bootstrap=20", cwd=tmp_path / "cwd").returncode == 0
+    want = json.loads((tmp_path / "local" / "out" / files.SIZES_FILE).read_text())
+    assert got["result"] == want["result"]  # the same records, the same fits
+
+
 def test_branch_report_from_gs_records(studies, tmp_path):
     workdir = f"{studies}/digits_branch"
     (tmp_path / "cwd").mkdir()
@@ -402,28 +517,6 @@ def test_branch_report_from_gs_records(studies, tmp_path):
     text = paths.read_text(f"{workdir}/{files.REPORT_FILE}")
     assert "Swept B_crit" in text and text in proc.stdout
     assert _png(f"{workdir}/local_cbs.png")
-
-
-@pytest.mark.parametrize("module,args", [
-    ("analyze", ("--sweep_dir={gs}/none",)),
-    ("advise", ("--workdir={gs}/none",)),
-    ("advise", ("--sweep_dir={gs}/none",)),
-    ("advise", ("--checkpoint={gs}/none/checkpoints",)),
-    ("compare", ("{gs}/none", "--out={gs}/none_out")),
-    ("compare", ("{studies}/digits", "{studies}/digits_sgd",
-                 "--out={studies}/digits/sweep.json")),
-    ("branch", ("--analyze_only", "--workdir={gs}/none")),
-], ids=["analyze", "advise_workdir", "advise_sweep_dir", "advise_checkpoint", "compare",
-        "compare_out_a_file", "branch"])
-def test_bad_gs_input_stops_with_one_line_and_writes_nothing(gcs, studies, module, args,
-                                                             tmp_path):
-    before = _objects(gcs)
-    (tmp_path / "cwd").mkdir()
-    proc = _command(module, *(a.format(gs=gcs, studies=studies) for a in args),
-                    cwd=tmp_path / "cwd")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "gs://" in proc.stderr and "gs:/" not in proc.stderr.replace("gs://", "")
-    assert _objects(gcs) == before
 
 
 @pytest.mark.slow  # trains a sweep of two batch sizes and three ramps (~25 s)
@@ -440,3 +533,96 @@ def test_ramps_beside_a_gs_sweep_report_there(gcs, tmp_path):
     text = paths.read_text(f"{sweep}/{files.REPORT_FILE}")
     assert "## Batch-size ramps" in text and all(f"| {label} |" in text for label in labels)
     assert report.load_analysis(sweep)["num_trials"] == len(SweepStore(sweep).records())
+
+
+_PAYOFF_CONFIG = """
+from cbs.configs import base, digits_ramps
+
+
+def get_config(arg=""):  # the sweep of digits_ramps.py:tiny; two fixed batch sizes, one seed
+    c = digits_ramps.get_config(arg)
+    c.ramps = base.seeded([digits_ramps.fixed(8), digits_ramps.fixed(32)], (0,))
+    return c
+"""
+
+
+def test_ramps_into_a_gs_out_dir_beside_a_gs_sweep(swept, tmp_path):
+    """--out_dir=gs://: the ramps' records, runs and payoff report go there, read back from
+    the store; the sweep's directory (finished, on gs://) is only read."""
+    sweep, _ = swept
+    out = f"{sweep}_payoff"
+    config = tmp_path / "payoff.py"
+    config.write_text(_PAYOFF_CONFIG)
+    before = _objects(sweep)
+    (tmp_path / "cwd").mkdir()
+    proc = _command("ramps", f"--config={config}:tiny", *_RAMPS_SWEEP[1:],
+                    f"--sweep_dir={sweep}", f"--out_dir={out}", cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _objects(sweep) == before  # only read
+    got = report.read_ramps(out)
+    assert sorted(r["label"] for r in got) == ["fixed B=32 · seed 0", "fixed B=8 · seed 0"]
+    text = paths.read_text(f"{out}/{files.PAYOFF_REPORT_FILE}")
+    assert text in proc.stdout and f"`{sweep}`" in text
+    assert _png(f"{out}/{files.PAYOFF_FIGURE_FILE}")
+    assert records.read_json(f"{out}/{files.PAYOFF_FILE}")["targets"]
+
+
+@pytest.mark.parametrize("protocol", [
+    pytest.param("full_data", marks=pytest.mark.slow),  # 10-13 s; the sampled call is the fast one
+    "sampled"])
+def test_the_reference_protocol_on_a_gs_study(gcs, protocol, tmp_path):
+    """`experiments.reference --sweep_dir=gs://...` on a tiny Adam study stored there: the
+    seed's reference run (its run directory on gs:// too) and its record, read back; the
+    sampled protocol (--examples) measures only at each target's window."""
+    from cbs.analysis import reference_protocol
+    from cbs.sweeps import reference_seeds
+    from tests.test_reference_seeds import _tiny_adam_study
+
+    study = f"{gcs}/reference_{protocol}"
+    _tiny_adam_study(study)
+    sampled = ("--examples=64", "--deviations=8", "--hessian_examples=16")
+    (tmp_path / "cwd").mkdir()
+    proc = _command("reference", f"--sweep_dir={study}", "--seeds=1", "--evals=8",
+                    *(sampled if protocol == "sampled" else ()), cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [record] = records.read_records(reference_seeds.seed_path(study, 0))
+    assert (record["batch_size"], record["seed"], record["preconditioner"]) == (32, 0, "adam")
+    assert record["deviations"] == (8 if protocol == "sampled" else 256)
+    assert record.get("method", "full_data") == protocol
+    measured = [v for v in record["curve"]["noise_p/trace_sigma"] if v is not None]
+    assert measured and len(measured) < len(record["curve"]["step"])
+    runs = f"{study}/{reference_seeds.SEEDS_DIR}/runs"
+    assert paths.listdir(runs) == ["b000032_s0"]  # the seed's run directory, on gs:// too
+    assert files.METRICS_FILE in paths.listdir(f"{runs}/b000032_s0")
+    summary = reference_protocol.load(study)
+    assert summary["seeds"] == [0] and reference_protocol.markdown(summary) in proc.stdout
+
+
+@pytest.mark.parametrize("module,args", [
+    ("analyze", ("--sweep_dir={gs}/none",)),
+    ("advise", ("--workdir={gs}/none",)),
+    ("advise", ("--sweep_dir={gs}/none",)),
+    ("advise", ("--checkpoint={gs}/none/checkpoints",)),
+    ("advise", ("--workdir={gs}/none", "--step=10", "--out={gs}/none_out")),
+    ("compare", ("{gs}/none", "--out={gs}/none_out")),
+    ("compare", ("{studies}/digits", "{studies}/digits_sgd",
+                 "--out={studies}/digits/sweep.json")),
+    ("compare", ("--sizes", "{studies}/shakespeare_kaplan", "{gs}/none", "--out={gs}/none_out")),
+    ("compare", ("--sizes", "{studies}/shakespeare_kaplan", "{studies}/digits",
+                 "--out={gs}/none_out")),
+    ("branch", ("--analyze_only", "--workdir={gs}/none")),
+    ("sweep", (*_RAMPS_SWEEP, "--sweep_dir={studies}/digits")),
+    ("ramps", (*_RAMPS_SWEEP, "--sweep_dir={studies}/digits", "--out_dir={gs}/none_out")),
+    ("reference", ("--sweep_dir={gs}/none", "--seeds=1")),
+], ids=["analyze", "advise_workdir", "advise_sweep_dir", "advise_checkpoint", "advise_step",
+        "compare", "compare_out_a_file", "compare_sizes", "compare_sizes_other_data", "branch",
+        "sweep_of_another_config", "ramps_beside_another_config", "reference"])
+def test_bad_gs_input_stops_with_one_line_and_writes_nothing(gcs, studies, module, args,
+                                                             tmp_path):
+    before = _objects(gcs)
+    (tmp_path / "cwd").mkdir()
+    proc = _command(module, *(a.format(gs=gcs, studies=studies) for a in args),
+                    cwd=tmp_path / "cwd")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "gs://" in proc.stderr and "gs:/" not in proc.stderr.replace("gs://", "")
+    assert _objects(gcs) == before

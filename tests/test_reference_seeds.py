@@ -7,7 +7,6 @@ tiny sweep."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -18,7 +17,7 @@ import pytest
 
 from cbs.analysis import compare, reference_protocol
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.results import files, records
+from cbs.results import files, paths, records
 from cbs.sweeps import reference_seeds
 from tests.test_preconditioned import _loss, _problem
 
@@ -129,8 +128,9 @@ def test_the_batch_size_is_the_largest_at_most_b_crit_over_four():
 
 
 def _tiny_adam_study(d: str) -> None:
-    """A tiny Adam study in `d`: its definition and one finished trial at B = 8 and 32, with a
-    fitted B_crit of 150 at its lowest target (B = 32 is then ≤ B_crit/4)."""
+    """A tiny Adam study in `d` (local or gs://): its definition and one finished trial at
+    B = 8 and 32, with a fitted B_crit of 150 at its lowest target (B = 32 is then ≤
+    B_crit/4)."""
     from cbs.results.store import SweepStore, TrialResult
     from cbs.sweeps import launch
     from experiments.configs import digits_sweep
@@ -146,9 +146,9 @@ def _tiny_adam_study(d: str) -> None:
         target_metric="full_train/loss", steps_to_target={"2.0": 10.0, "1.5": 30.0},
         examples_to_target={}, noise_at_target={}, final_steps=60, final_metric=1.0,
         curve={}, seconds=0.0) for k, b in enumerate((8, 32))])
-    with open(os.path.join(d, files.ANALYSIS_FILE), "w") as f:
-        json.dump({"targets": [{"target": 2.0, "fit": {"b_crit": 60.0}},
-                               {"target": 1.5, "fit": {"b_crit": 150.0}}]}, f)
+    records.write_json_atomic(paths.join(d, files.ANALYSIS_FILE), {
+        "targets": [{"target": 2.0, "fit": {"b_crit": 60.0}},
+                    {"target": 1.5, "fit": {"b_crit": 150.0}}]})
 
 
 @pytest.mark.slow  # two reference runs

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
@@ -41,8 +41,6 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv: list[str]) -> None:
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     start = time.perf_counter()
     if not _ANALYZE_ONLY.value:
         if _CONFIG.value is None:

@@ -14,7 +14,7 @@ examples against their frontier.
 
 from __future__ import annotations
 
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
@@ -34,8 +34,6 @@ flags.mark_flags_as_required(["config", "sweep_dir"])
 
 def main(argv: list[str]) -> None:
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     sweep_dir, out_dir = cli.required(_SWEEP_DIR), _OUT_DIR.value
     distributed.from_flags()  # a multi-host slice or Slurm step joins up; else one process
     launch.check_config(_CONFIG.value)  # the sweep, then the ramps: before anything is written

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
@@ -46,8 +46,6 @@ flags.mark_flags_as_required(["config", "sweep_dir"])
 
 def main(argv: list[str]) -> None:
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     shard = distributed.from_flags(_SHARD.value)  # a multi-host slice or Slurm step joins
     grid.parse_shard(shard)  # a bad --shard stops before anything is written
     start = time.perf_counter()

@@ -18,7 +18,7 @@ import json
 import sys
 
 import jax
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
@@ -34,8 +34,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv: list[str]) -> None:
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     distributed.from_flags()
     try:
         with preemption.active():

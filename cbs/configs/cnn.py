@@ -1,9 +1,9 @@
 """Small CNNs on TFDS images: mnist, fashion_mnist, cifar10 (the argument picks one).
 
-    python -m experiments.main --config=experiments/configs/cnn.py:mnist --workdir=/tmp/mnist
-    python -m experiments.main --config=experiments/configs/cnn.py:fashion_mnist --workdir=...
-    python -m experiments.main --config=experiments/configs/cnn.py:cifar10 --workdir=/tmp/c10
-    python -m experiments.main --config=experiments/configs/cnn.py:mnist,tiny --workdir=/tmp/t
+    cbs-train --config=cnn:mnist --workdir=/tmp/mnist
+    cbs-train --config=cnn:fashion_mnist --workdir=...
+    cbs-train --config=cnn:cifar10 --workdir=/tmp/c10
+    cbs-train --config=cnn:mnist,tiny --workdir=/tmp/t
 
 The datasets must be prepared locally first (nothing downloads unless
 --config.data.options.download=True): `tfds build mnist --file_format=array_record`.

@@ -1,9 +1,8 @@
 """Batch-size sweeps of the small CNNs on TFDS images (argument: mnist, fashion_mnist, cifar10).
 
     tfds build mnist --data_dir=~/tensorflow_datasets --file_format=array_record   # once
-    python -m experiments.sweep --config=experiments/configs/cnn_sweep.py:mnist \
-        --sweep_dir=runs/mnist
-    python -m experiments.sweep --config=experiments/configs/cnn_sweep.py:cifar10 \
+    cbs-sweep --config=cnn_sweep:mnist --sweep_dir=runs/mnist
+    cbs-sweep --config=cnn_sweep:cifar10 \
         --sweep_dir=runs/cifar10 --shard=0/4 --noanalyze    # one of 4 array tasks
 
 The model and optimizer are those of `cnn.py` (GroupNorm, so per-example statistics are well

@@ -1,9 +1,8 @@
 """Local critical batch size of the digits MLP (the model of digits_sweep.py) with Adam.
 
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
-    python -m experiments.branch --config=experiments/configs/digits_branch.py \
-        --workdir=runs/digits_branch --sweep_dir=runs/digits
-    python -m experiments.branch --config=experiments/configs/digits_branch.py:tiny --workdir=/tmp/b
+    cbs-sweep --config=digits_sweep --sweep_dir=runs/digits
+    cbs-branch --config=digits_branch --workdir=runs/digits_branch --sweep_dir=runs/digits
+    cbs-branch --config=digits_branch:tiny --workdir=/tmp/b
 
 A reference run at B = 4, η_0 = 2e-3 (2× the sweep's square-root centre 4e-3·(B/64)^½; with
 4e-3 one of the two fastest rates of its grid at B = 4: 1125 and 1122 steps to L = 0.05, where

@@ -1,7 +1,7 @@
 """digits (scikit-learn, 1438 train / 359 eval, 8×8 images) with a 64-128-128-10 MLP and Adam.
 
-    python -m experiments.main --config=experiments/configs/digits_mlp.py --workdir=/tmp/digits
-    python -m experiments.main --config=experiments/configs/digits_mlp.py:tiny --workdir=/tmp/t
+    cbs-train --config=digits_mlp --workdir=/tmp/digits
+    cbs-train --config=digits_mlp:tiny --workdir=/tmp/t
 
 Expected (measured on 2 shared CPU cores, one device): 2000 steps of B = 128 in about 20 s;
 full_train/loss falls from 2.30 to about 6e-4 (training accuracy 1.0), eval/loss to about

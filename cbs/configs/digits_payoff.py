@@ -1,7 +1,6 @@
 """The payoff of measuring on digits: ramps against fixed batch sizes, three seeds each.
 
-    python -m experiments.ramps --config=experiments/configs/digits_payoff.py \
-        --sweep_dir=results/digits --out_dir=results/digits_payoff
+    cbs-ramps --config=digits_payoff --sweep_dir=results/digits --out_dir=results/digits_payoff
 
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
 (results/digits_branch: the schedule of the "local CBS" ramp) and writes only to out_dir.
@@ -18,7 +17,7 @@ reports each ramp's step saving at equal examples with a bootstrap interval over
   (`cbs.analysis.branch_report.local_cbs_schedule`), 8 → 16 → 32;
 - the Llama 3 and DeepSeek-V3 shapes (`ramp_llama3_style.py`, `ramp_deepseek_style.py`).
 
-`--config=experiments/configs/digits_payoff.py:start` (out_dir results/digits_ramp_start) is
+`--config=digits_payoff:start` (out_dir results/digits_ramp_start) is
 Merrill et al.'s comparison alone, with the seeds it needs: the four ramps and the fixed runs at
 each ramp's first batch size (every rate that is the sweep's best there for some target), on
 seeds 0 … 21, seed by seed (22: the most that a 15 % saving needed at the spread twelve seeds

@@ -1,7 +1,7 @@
 """Batch ramps against the digits sweep's frontier: fixed small, fixed large, step, linear and
 adaptive batch sizes, each with its learning rate tuned (fixed B) or coupled (ramps).
 
-    python -m experiments.ramps --config=experiments/configs/digits_ramps.py --sweep_dir=runs/digits
+    cbs-ramps --config=digits_ramps --sweep_dir=runs/digits
 
 Runs the digits sweep first if it is not finished (`digits_sweep.py`, same sweep_dir), then
 each ramp below with `cbs.engine.trainer.run`, stopped once the full training loss has crossed every

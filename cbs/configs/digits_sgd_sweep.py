@@ -1,7 +1,6 @@
 """Where the theory does not hold: the digits sweep with plain SGD (no momentum).
 
-    python -m experiments.sweep --config=experiments/configs/digits_sgd_sweep.py \
-        --sweep_dir=results/digits_sgd
+    cbs-sweep --config=digits_sgd_sweep --sweep_dir=results/digits_sgd
 
 The model, data, batch sizes, targets and budget of `digits_sweep` (64-128-128-10 MLP, full
 training-set loss), trained with plain SGD at a constant rate: a factor-2 grid centred on
@@ -16,9 +15,8 @@ evaluation to the next and |G|² and tr(HΣ) swing with it. About 30 min on 2 sh
 of `digits_sweep:seeds3` with SGD (seeds 0, 1, 2, no early stop; committed:
 results/digits_sgd_seeds3, 159 trials, 27 min on 2 shared CPU cores):
 
-    python -m experiments.sweep --config=experiments/configs/digits_sgd_sweep.py:seeds3 \
-        --sweep_dir=results/digits_sgd_seeds3
-    python -m experiments.analyze --sweep_dir=results/digits_sgd_seeds3 --select_on_seed=0
+    cbs-sweep --config=digits_sgd_sweep:seeds3 --sweep_dir=results/digits_sgd_seeds3
+    cbs-analyze --sweep_dir=results/digits_sgd_seeds3 --select_on_seed=0
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The default study: batch-size sweep of a 64-128-128-10 MLP on digits with Adam.
 
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py --sweep_dir=runs/digits
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py:tiny --sweep_dir=/tmp/t
-    python -m experiments.sweep --config=experiments/configs/digits_sweep.py:seeds3 \
-        --sweep_dir=results/digits_seeds3
-    python -m experiments.analyze --sweep_dir=results/digits_seeds3 --select_on_seed=0
+    cbs-sweep --config=digits_sweep --sweep_dir=runs/digits
+    cbs-sweep --config=digits_sweep:tiny --sweep_dir=/tmp/t
+    cbs-sweep --config=digits_sweep:seeds3 --sweep_dir=results/digits_seeds3
+    cbs-analyze --sweep_dir=results/digits_seeds3 --select_on_seed=0
 
 Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
 rule η(B) = 4e-3·(B/64)^½, extended by up to three factor-2 rounds wherever the best rate

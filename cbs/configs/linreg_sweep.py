@@ -1,8 +1,7 @@
 """Batch-size sweep of plain SGD on Gaussian linear regression: the anchor of the cross-task
 comparison, where the noise scales are known in closed form (`cbs.data.linreg_noise_stats`).
 
-    python -m experiments.sweep --config=experiments/configs/linreg_sweep.py \
-        --sweep_dir=results/linreg_sgd
+    cbs-sweep --config=linreg_sweep --sweep_dir=results/linreg_sgd
 
 The data: x ~ N(0, C) in D = 64 dimensions with eigenvalues of C equal to 1/(1 + k),
 k = 0..63 (condition number 64), y = x·w* + σε with σ = 0.5, 32,768 training examples; the

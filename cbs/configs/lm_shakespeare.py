@@ -2,9 +2,8 @@
 path (scanned blocks, remat, bf16 compute, named FSDP × TP shardings, throughput records) at a
 size a CPU runs.
 
-    python -m experiments.main --config=experiments/configs/lm_shakespeare.py:tiny \
-        --workdir=/tmp/lm_tiny
-    python -m experiments.main --config=experiments/configs/lm_shakespeare.py \
+    cbs-train --config=lm_shakespeare:tiny --workdir=/tmp/lm_tiny
+    cbs-train --config=lm_shakespeare \
         --workdir=/tmp/lm --config.mesh.model=2 --config.mesh.param_mode=fsdp_tp
 
 Arguments (comma-separated): "tiny" (D = 32, 2 layers, 20 steps, float32 compute: the test

@@ -1,7 +1,7 @@
 """MNIST-1D (4000 train / 1000 eval, 40-sample 1-D signals, generated offline) with an MLP.
 
-    python -m experiments.main --config=experiments/configs/mnist1d_mlp.py --workdir=/tmp/m1d
-    python -m experiments.main --config=experiments/configs/mnist1d_mlp.py:tiny --workdir=/tmp/t
+    cbs-train --config=mnist1d_mlp --workdir=/tmp/m1d
+    cbs-train --config=mnist1d_mlp:tiny --workdir=/tmp/t
 
 Expected (measured on 2 shared CPU cores, one device): 3000 steps in about 70 s;
 full_train/loss falls from 2.43 to 0.003 (training accuracy 1.0: the MLP memorises the 4000

@@ -1,10 +1,8 @@
 """Batch-size sweep of a 40-256-256-10 MLP on MNIST-1D with Adam (a second task for the
-cross-study comparison, `python -m experiments.compare`).
+cross-study comparison, `cbs-compare`).
 
-    python -m experiments.sweep --config=experiments/configs/mnist1d_sweep.py \
-        --sweep_dir=results/mnist1d_adam
-    python -m experiments.sweep --config=experiments/configs/mnist1d_sweep.py:sgd \
-        --sweep_dir=results/mnist1d_sgd
+    cbs-sweep --config=mnist1d_sweep --sweep_dir=results/mnist1d_adam
+    cbs-sweep --config=mnist1d_sweep:sgd --sweep_dir=results/mnist1d_sgd
 
 Needs the `[mnist1d]` extra (the data set is generated offline: 4,000 training signals of
 40 samples, 10 classes). Batch sizes 8 to 2048 (factor 2); Adam on a factor-2 grid centred on

@@ -1,6 +1,6 @@
 """An adaptive batch ramp on digits: B follows the live gradient noise scale.
 
-    python -m experiments.main --config=experiments/configs/ramp_adaptive.py --workdir=/tmp/ad
+    cbs-train --config=ramp_adaptive --workdir=/tmp/ad
 
 Every 10 steps the loop reads the in-step live estimate of B_simple (exact, from the step's
 per-example gradient norms; EMA of numerator and denominator,

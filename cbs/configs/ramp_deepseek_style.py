@@ -1,6 +1,6 @@
 """A DeepSeek-V3 style batch ramp, scaled down to digits: B grows linearly, then holds.
 
-    python -m experiments.main --config=experiments/configs/ramp_deepseek_style.py --workdir=/tmp/ds
+    cbs-train --config=ramp_deepseek_style --workdir=/tmp/ds
 
 DeepSeek-V3 ramped its batch from 3,072 to 15,360 sequences (5×) over the first 469B of
 14.8T training tokens (`cbs.engine.schedules.deepseek_v3_schedule`, full scale as a pure function).

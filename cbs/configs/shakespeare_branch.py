@@ -1,9 +1,8 @@
 """Local critical batch size of the character-level Transformer of shakespeare_sweep.py.
 
-    python -m experiments.branch --config=experiments/configs/shakespeare_branch.py \
+    cbs-branch --config=shakespeare_branch \
         --workdir=runs/shakespeare_branch --sweep_dir=runs/shakespeare
-    python -m experiments.branch --config=experiments/configs/shakespeare_branch.py:tiny \
-        --workdir=/tmp/b
+    cbs-branch --config=shakespeare_branch:tiny --workdir=/tmp/b
 
 A reference run at B = 16 windows of 32 characters, AdamW at η_0 = 1.5e-3 (the sweep's
 square-root rule at B = 16), 2000 steps; branches at k = 1 ... 16 with η = √k·η_0, each for

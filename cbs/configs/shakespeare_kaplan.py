@@ -1,8 +1,7 @@
 """Kaplan et al. (2020) §5 at laptop scale: B_crit(L) of a character-level Transformer LM.
 
-    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py \
-        --sweep_dir=results/shakespeare_kaplan
-    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:tiny \
+    cbs-sweep --config=shakespeare_kaplan --sweep_dir=results/shakespeare_kaplan
+    cbs-sweep --config=shakespeare_kaplan:tiny \
         --sweep_dir=/tmp/kaplan_tiny   # seconds: the whole pipeline, meaningless numbers
 
 The model and data of `shakespeare_sweep` (2 layers, D = 64, windows of T = 32 characters,
@@ -29,15 +28,14 @@ grid of the per-seed extension rule).
 Held out from the advice's calibration: `depth4` (4 blocks instead of 2, D = 64), with
 `predict` for the one run that the advice is made from (B = 32, the grid's centre rate):
 
-    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:depth4,predict \
+    cbs-sweep --config=shakespeare_kaplan:depth4,predict \
         --sweep_dir=results/heldout_lm_depth4_predict
-    python -m experiments.advise --sweep_dir=results/heldout_lm_depth4_predict
+    cbs-advise --sweep_dir=results/heldout_lm_depth4_predict
 
 Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
 d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in the hour), e.g.
 
-    python -m experiments.sweep --config=experiments/configs/shakespeare_kaplan.py:d32 \
-        --sweep_dir=results/shakespeare_kaplan_d32
+    cbs-sweep --config=shakespeare_kaplan:d32 --sweep_dir=results/shakespeare_kaplan_d32
 """
 
 from __future__ import annotations

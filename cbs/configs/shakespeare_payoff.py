@@ -1,6 +1,6 @@
 """The payoff of measuring on the character LM: ramps against fixed batch sizes, 3 seeds each.
 
-    python -m experiments.ramps --config=experiments/configs/shakespeare_payoff.py \
+    cbs-ramps --config=shakespeare_payoff \
         --sweep_dir=results/shakespeare_char --out_dir=results/shakespeare_payoff
 
 The model, data and targets of `shakespeare_sweep` (eval loss 3.0 → 2.2 nats per character);

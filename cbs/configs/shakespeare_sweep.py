@@ -1,7 +1,6 @@
 """Kaplan-style study: critical batch size of a character-level Transformer LM against loss.
 
-    python -m experiments.sweep --config=experiments/configs/shakespeare_sweep.py \
-        --sweep_dir=runs/shakespeare
+    cbs-sweep --config=shakespeare_sweep --sweep_dir=runs/shakespeare
 
 A 2-layer, D = 64 Transformer (rotary positions, ~109k parameters) on the embedded
 Shakespeare plays, windows of T = 32 characters; batch sizes 8 to 256 sequences, three

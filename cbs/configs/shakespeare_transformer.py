@@ -1,9 +1,7 @@
 """Character-level Transformer LM on the embedded Shakespeare plays (vocabulary 80, T = 64).
 
-    python -m experiments.main --config=experiments/configs/shakespeare_transformer.py \
-        --workdir=/tmp/shakespeare
-    python -m experiments.main --config=experiments/configs/shakespeare_transformer.py:tiny \
-        --workdir=/tmp/t
+    cbs-train --config=shakespeare_transformer --workdir=/tmp/shakespeare
+    cbs-train --config=shakespeare_transformer:tiny --workdir=/tmp/t
 
 The model is D = 64, 2 layers, 4 heads, F = 256, rotary positions (109k parameters, sized
 for a CPU: about 0.14 s per step on 2 cores); ":tiny" uses the "tiny" row of

@@ -1,10 +1,9 @@
 """A held-out task for the batch-size advice: an MLP student on a teacher network's labels.
 
-    python -m experiments.sweep --config=experiments/configs/teacher_student_sweep.py:predict \
+    cbs-sweep --config=teacher_student_sweep:predict \
         --sweep_dir=results/heldout_teacher_student_predict
-    python -m experiments.advise --sweep_dir=results/heldout_teacher_student_predict
-    python -m experiments.sweep --config=experiments/configs/teacher_student_sweep.py \
-        --sweep_dir=results/heldout_teacher_student
+    cbs-advise --sweep_dir=results/heldout_teacher_student_predict
+    cbs-sweep --config=teacher_student_sweep --sweep_dir=results/heldout_teacher_student
 
 No committed study uses this data (`cbs.data.synthetic.teacher_student`: x ~ N(0, I) in 32
 dimensions, labels the argmax of a random tanh teacher with 64 hidden units, 10 classes,

@@ -23,7 +23,9 @@ and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same w
 prints one line and exits 130.
 
 orbax's log lines (for instance the tracebacks its background threads log when a checkpoint
-write fails) stay off the terminal unless --verbose: the failure itself is one line.
+write fails) stay off the terminal unless --verbose: the failure itself is one line. Log lines
+below WARNING (orbax's every save, gcsfs's every read of a gs:// object) stay off it too
+unless --verbosity is given.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
 command created and that holds no file when it fails is removed again (with the parents it
@@ -256,15 +258,28 @@ def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return quiet
 
 
+def _warnings_only(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
+    """`main` with the log level at WARNING unless --verbosity was given (absl's default is
+    INFO: orbax logs every save there, gcsfs every read of a gs:// object)."""
+
+    def wrapped(argv: list[str]) -> Any:
+        if not flags.FLAGS["verbosity"].present:
+            absl_logging.set_verbosity(absl_logging.WARNING)
+        return main(argv)
+
+    return wrapped
+
+
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
     """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
     or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.engine.preemption`),
-    and orbax's log lines kept off the terminal unless --verbose."""
+    orbax's log lines kept off the terminal unless --verbose, and log lines below WARNING
+    unless --verbosity."""
     exit_on_help(main, sys.argv)
     preemption.install()
     absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
     sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
-    app.run(guarded(main, outputs), flags_parser=parse_flags)
+    app.run(guarded(_warnings_only(main), outputs), flags_parser=parse_flags)
 
 
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
