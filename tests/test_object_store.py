@@ -519,6 +519,26 @@ def test_branch_report_from_gs_records(studies, tmp_path):
     assert _png(f"{workdir}/local_cbs.png")
 
 
+@pytest.mark.slow  # trains a tiny branch study (reference run, branches, report)
+def test_a_branch_study_runs_on_gs_and_reports_there(gcs, tmp_path):
+    """`cbs-branch` end to end with its workdir on gs://: the trunk's checkpoints, the
+    branches' records and the report land there, nothing on the local disk; a second call
+    finds every unit done and trains nothing more."""
+    workdir = f"{gcs}/branch"
+    (tmp_path / "cwd").mkdir()
+    args = (f"--config={ROOT / 'experiments/configs/digits_branch.py'}:tiny",
+            f"--workdir={workdir}", "--config.train.progress_bar=False")
+    proc = _command("branch", *args, cwd=tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    units = records.read_records(f"{workdir}/{files.BRANCHES_FILE}")
+    assert units and all("k" in u and "point_step" in u for u in units)
+    text = paths.read_text(f"{workdir}/{files.REPORT_FILE}")
+    assert text and text in proc.stdout
+    again = _command("branch", *args, cwd=tmp_path / "cwd")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert records.read_records(f"{workdir}/{files.BRANCHES_FILE}") == units
+
+
 @pytest.mark.slow  # trains a sweep of two batch sizes and three ramps (~25 s)
 def test_ramps_beside_a_gs_sweep_report_there(gcs, tmp_path):
     sweep = f"{gcs}/ramps"
