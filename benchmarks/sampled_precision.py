@@ -15,6 +15,11 @@ training, not the study's trajectory), then measured `--repeats` times
 
 and each measurement is timed (median after a warm-up). Prints, per statistic, the mean, the
 relative standard error of one measurement, the Hessian draw's part of it, and the seconds.
+
+With `--by_leaf`, also where B_simple^P = tr(PΣ)/GᵀPG of AdamW's update comes from (P the
+bias-corrected Adam preconditioner of the optimizer state, `cbs.stats.preconditioned`): per
+params leaf, its share of tr(PΣ) and of GᵀPG and its own ratio, from the per-example
+gradients of n examples (vmap), beside the plain tr(Σ)/|G|² of the same examples.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import optax
 
 from cbs import data
 from cbs.engine import cli, mesh, trainer
-from cbs.stats import sampled
+from cbs.stats import preconditioned, sampled
 from cbs.sweeps import grid, reference_seeds, trials
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=0.006)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--by_leaf", action="store_true",
+                        help="also B_simple^P of AdamW's update, leaf by leaf")
     args = parser.parse_args(argv)
     if args.quick:
         args.examples, args.deviations, args.hessian_examples = 256, 16, 64
@@ -113,7 +120,49 @@ def main(argv: list[str] | None = None) -> int:
         rel = lambda x, mu=mean: float(np.std(x, ddof=1) / abs(mu)) if mu else float("nan")
         part = "–" if k in ("trace_sigma", "grad_sq_norm", "b_simple") else f"{rel(hh):.1%}"
         print(f"| {k} | {mean:.4g} | {rel(a):.1%} | {part} |")
+    if args.by_leaf:
+        p = preconditioned.adam_preconditioner(opt_state, eps=1e-8, b2=0.999)
+        _by_leaf(loss_fn, params, p, read(n), min(n, 1024))
     return 0
+
+
+def _by_leaf(loss_fn, params, precond, batch, chunk: int) -> None:
+    """Per leaf: tr(P Σ) and GᵀPG (unbiased, from per-example gradients) and their shares."""
+    one = lambda q, x: loss_fn(q, jax.tree.map(lambda a: a[None], x))
+    per = jax.jit(lambda q, b: jax.vmap(jax.grad(one), in_axes=(None, 0))(q, b))
+    n = jax.tree.leaves(batch)[0].shape[0]
+    sums = None
+    for start in range(0, n, chunk):
+        g = per(params, jax.tree.map(lambda a, i=start: a[i:i + chunk], batch))
+        s1 = jax.tree.map(lambda x: jnp.sum(x, 0), g)
+        s2 = jax.tree.map(lambda x, w: jnp.sum(x * x, 0) * w, g, precond)
+        s0 = jax.tree.map(lambda x: jnp.sum(x * x, 0), g)
+        part = (s1, s2, s0)
+        sums = part if sums is None else jax.tree.map(jnp.add, sums, part)
+    s1, s2, s0 = sums
+    rows, total = [], {"tps": 0.0, "gpg": 0.0, "ts": 0.0, "gg": 0.0}
+    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    for name, a, b, c, w in zip(names, jax.tree.leaves(s1), jax.tree.leaves(s2),
+                                jax.tree.leaves(s0), jax.tree.leaves(precond), strict=True):
+        mean = a / n
+        # unbiased: tr(WΣ) = (Σ w·g² − n·w·ḡ²)/(n − 1), GᵀWG = w·ḡ² − tr(WΣ)/n (per coordinate)
+        tps = float(jnp.sum(b - n * w * mean**2) / (n - 1))
+        gpg = float(jnp.sum(w * mean**2)) - tps / n
+        ts = float(jnp.sum(c - n * mean**2) / (n - 1))
+        gg = float(jnp.sum(mean**2)) - ts / n
+        rows.append((name, tps, gpg, ts, gg, float(jnp.max(w)), float(jnp.median(w))))
+        for k, v in zip(("tps", "gpg", "ts", "gg"), (tps, gpg, ts, gg), strict=True):
+            total[k] += v
+    print(f"\nB_simple^P of AdamW's update by params leaf (n = {n:,} examples): whole "
+          f"B_simple^P = {total['tps'] / total['gpg']:.4g}, B_simple = "
+          f"{total['ts'] / total['gg']:.4g}\n")
+    print("| leaf | share of tr(PΣ) | share of GᵀPG | its tr(PΣ)/GᵀPG | its tr(Σ)/|G|² | "
+          "P max / median |")
+    print("|---|---|---|---|---|---|")
+    for name, tps, gpg, ts, gg, pmax, pmed in sorted(rows, key=lambda r: -r[1])[:8]:
+        ratio = lambda a, b: f"{a / b:.3g}" if b > 0 else "–"
+        print(f"| {name} | {tps / total['tps']:.1%} | {gpg / total['gpg']:.1%} | "
+              f"{ratio(tps, gpg)} | {ratio(ts, gg)} | {pmax:.3g} / {pmed:.3g} |")
 
 
 if __name__ == "__main__":
