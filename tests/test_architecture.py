@@ -25,10 +25,6 @@ ALLOWED = {  # package -> packages it may import (besides itself)
     "configs": {"stats", "data", "results", "models", "analysis", "engine", "sweeps"},
     "commands": {"stats", "data", "results", "models", "analysis", "engine", "sweeps", "configs"},
 }
-# Single modules a package may import from a package it may not: the engine logs the
-# calibrated prediction live and its adaptive ramp can follow it (`cbs.analysis.calibration`
-# reads its shipped file and imports no other cbs module), nothing else of the analysis.
-ALSO_ALLOWED = {"engine": {"cbs.analysis.calibration"}}
 PENDING: set[str] = set()  # modules exempt from the `__all__` and re-export checks: none
 
 
@@ -238,8 +234,7 @@ def test_layers_import_only_lower_layers():
             tpkg = _package(target)
             if target.split(".")[1:2] and target.split(".")[1] in ALIASES and tpkg is None:
                 bad.append(f"{module} imports the public alias {target}")
-            elif (tpkg is not None and tpkg != pkg and tpkg not in ALLOWED[pkg]
-                  and target not in ALSO_ALLOWED.get(pkg, ())):
+            elif tpkg is not None and tpkg != pkg and tpkg not in ALLOWED[pkg]:
                 bad.append(f"{module} ({pkg}) imports {target} ({tpkg})")
     assert bad == [], "\n".join(bad)
 

@@ -55,6 +55,7 @@ def test_wheel_holds_the_library_its_data_and_license_only(wheel):
     assert top - dist_info == {"cbs"}, top
     assert [d.split("-")[0] for d in dist_info] == ["cbs_jax"]
     assert any(n.startswith("cbs/data/files/") and n.endswith(".xz") for n in names)
+    assert "cbs/results/shipped/calibration.json" in names  # cbs.results.calibration.shipped
     assert "cbs/commands/train.py" in names
     assert "cbs/py.typed" in names  # PEP 561: type checkers read cbs's own annotations
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
