@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "cbs"
 ALIASES = {"noise", "curvature", "fit", "schedules", "train", "report"}
 ALLOWED = {  # package -> packages it may import (besides itself)
     "stats": set(),
-    "data": set(),
+    "data": {"results"},
     "results": set(),
     "models": {"stats"},
     "analysis": {"results"},
