@@ -10,8 +10,9 @@ extra is missing stops with a one-line error (exit status 2).
 
 For digits and mnist1d (MLP 256-256, Adam) and shakespeare_char (T=128; embedding, a
 4-character causal context and an MLP, Adam) at several batch sizes B it times:
-  device: the on-device gather `cbs.data.device_batch` inside jit, 16 consecutive batches per
-          call (stacked into one output), so per-call dispatch is amortised as in a step;
+  device: the on-device gather `cbs.data.batching.device_batch` inside jit, 16 consecutive
+          batches per call (stacked into one output), so per-call dispatch is amortised as in
+          a step;
   host:   `cbs.data.HostLoader` (numpy gather on the host, 2 prefetch threads);
   step:   the jitted train step on a batch already on device;
   step+gather: the train step that gathers its own batch from (arrays, examples_seen).
@@ -34,6 +35,7 @@ import numpy as np
 import optax
 
 import cbs.data as data
+from cbs.data import batching
 from cbs.engine import cli
 
 _PER_CALL = 16  # batches gathered per jit call in the device measurement
@@ -105,18 +107,18 @@ def measure(name, ds, model, batch_size, calls, repeats, seed=0):
         return optax.apply_updates(params, updates), opt_state
 
     step = jax.jit(update, donate_argnums=(0, 1))
-    gather = jax.jit(functools.partial(data.device_batch, ds, seed=seed), static_argnums=2)
+    gather = jax.jit(functools.partial(batching.device_batch, ds, seed=seed), static_argnums=2)
 
     @jax.jit
     def gather_many(arrays, examples_seen):
         def body(carry, k):
-            return carry, data.device_batch(ds, arrays, examples_seen + k * batch_size,
+            return carry, batching.device_batch(ds, arrays, examples_seen + k * batch_size,
                                             batch_size, seed=seed)
         return jax.lax.scan(body, 0, jnp.arange(_PER_CALL))[1]
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step_gather(params, opt_state, arrays, examples_seen):
-        batch = data.device_batch(ds, arrays, examples_seen, batch_size, seed=seed)
+        batch = batching.device_batch(ds, arrays, examples_seen, batch_size, seed=seed)
         return update(params, opt_state, batch)
 
     n = ds.num_train

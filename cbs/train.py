@@ -13,9 +13,7 @@ from cbs.engine.noise_spec import (
     EXAMPLES,
     FULL_DATA_MAX,
     FULL_DATA_METHOD,
-    MOVED_SWEEP_KEYS,
     NoiseSpec,
-    check_moved_keys,
     validate_config,
 )
 from cbs.engine.parts import RunParts
@@ -24,8 +22,7 @@ from cbs.engine.trainer import CHECKPOINT_CHUNK, EvalFn, Trainer, measure_checkp
 
 __all__ = [
     "AUTO_METHOD", "CHECKPOINT_CHUNK", "ENDED", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD",
-    "MOVED_SWEEP_KEYS", "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts",
-    "StatefulLoss", "StopFn", "TrainState", "TrainStep", "Trainer", "check_moved_keys",
-    "config_hash", "ended_run", "init_train_state", "measure_checkpoint", "run", "stateless",
-    "validate_config",
+    "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts", "StatefulLoss", "StopFn",
+    "TrainState", "TrainStep", "Trainer", "config_hash", "ended_run", "init_train_state",
+    "measure_checkpoint", "run", "stateless", "validate_config",
 ]

@@ -29,8 +29,10 @@ _SPECIAL = re.compile(r"([\\*_|`])")
 
 
 def _target(name: str) -> str:
-    """Where a dotted cbs name is defined: `cbs.train.run` -> `cbs.engine.trainer.run` (the
-    façades are documented through the modules they re-export)."""
+    """Where a dotted cbs name is documented: its one public path, the module that defines it
+    (`cbs.train.run` -> `cbs.engine.trainer.run`: the façades are documented through the
+    modules they re-export) or the package whose `__all__` lists it in place of that module
+    (`cbs.data.Dataset`, defined in `cbs.data.dataset`)."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -42,9 +44,20 @@ def _target(name: str) -> str:
         module = getattr(obj, "__module__", None)
         qualname = getattr(obj, "__qualname__", None)
         if obj is not None and module and qualname and module.startswith("cbs"):
-            return f"{module}.{qualname}"
+            return f"{_public_module(module, qualname.split('.')[0])}.{qualname}"
         return name
     return name
+
+
+def _public_module(module: str, name: str) -> str:
+    """`module`, or the package above it whose `__all__` lists `name` where `module`'s does
+    not (one public path per name, tests/test_architecture.py)."""
+    where = module
+    while where.count("."):
+        if name in getattr(sys.modules.get(where), "__all__", ()):
+            return where
+        where = where.rsplit(".", 1)[0]
+    return module
 
 
 def _code(text: str) -> str:

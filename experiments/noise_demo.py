@@ -20,7 +20,8 @@ import time
 import jax
 from absl import flags, logging
 
-from cbs import data, models
+from cbs import models
+from cbs.data import batching
 from cbs.engine import cli
 from cbs.engine.parts import RunParts
 from cbs.stats import noise, smoothing, trees
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> None:
     c.train.progress_bar = False
     runner = RunParts(c)
     state = runner.init_state()
-    batch = data.device_batch(runner.dataset, runner.train_arrays, 0, _BATCH.value, seed=99)
+    batch = batching.device_batch(runner.dataset, runner.train_arrays, 0, _BATCH.value, seed=99)
     loss_fn = models.make_loss_fn(runner.graphdef, state.model_state, runner.dataset.task)
     stats_fn = jax.jit(lambda p: {
         "fast": noise.exact(loss_fn, p, batch, method="fast"),

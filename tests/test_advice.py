@@ -16,9 +16,9 @@ from conftest import SUBPROCESS_XLA_FLAGS
 from test_train import one_device_mesh, tiny_config
 
 from cbs import noise
-from cbs.analysis import advice, calibration
+from cbs.analysis import advice
 from cbs.engine import checkpoint, live_advice, trainer
-from cbs.results import files, records
+from cbs.results import calibration, files, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:

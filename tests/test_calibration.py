@@ -1,5 +1,6 @@
-"""The B_crit calibration (`cbs.analysis.calibration`): coverage on synthetic studies with a
-known ratio, the trade-off arithmetic, and the shipped file."""
+"""The B_crit calibration (its fit, `cbs.analysis.calibration`, and its prediction and shipped
+file, `cbs.results.calibration`): coverage on synthetic studies with a known ratio, the
+trade-off arithmetic, and the shipped file."""
 
 import math
 import os
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from cbs.analysis import calibration, fit
+from cbs.results import calibration as calibration_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +41,7 @@ def test_prediction_intervals_cover_new_studies_at_their_level():
         model = calibration.model(rows, "b_simple")
         new = _rows(rng, studies=1, prefix="new")
         for r in new:
-            lo, hi = calibration.predict(model, r["b_simple"], r["optimizer"])["interval"]
+            lo, hi = calibration_file.predict(model, r["b_simple"], r["optimizer"])["interval"]
             hits.append(lo <= r["b_crit"] <= hi)
     assert abs(np.mean(hits) - 0.8) < 0.03
 
@@ -49,7 +51,7 @@ def test_the_t_quantile_is_scipys():
 
     for p in (0.6, 0.9, 0.975):
         for dof in (1, 2, 7, 30.5):
-            assert calibration._t_quantile(p, dof) == stats.t.ppf(p, dof)
+            assert calibration_file.t_quantile(p, dof) == stats.t.ppf(p, dof)
 
 
 def test_the_fitted_ratio_recovers_the_true_one():
@@ -88,7 +90,7 @@ def test_the_shipped_interval_holds_on_tasks_left_out():
     task holds that task's one-run noise scales (each best trial's B_simple at each target)
     at least 80 % of the time, pooled over tasks; the Kaplan sizes and the depth-4 LM are
     one task, and no extrapolated B_crit is a point."""
-    shipped = calibration.shipped()
+    shipped = calibration_file.shipped()
     rows = shipped["points"]
     assert shipped["unit"] == calibration.UNIT
     loto = calibration.leave_one_task_out(rows, "b_simple")
@@ -106,7 +108,7 @@ def test_the_tradeoff_arithmetic_is_the_fitted_hyperbola():
     s_min, b_crit = 12.0, 300.0
     e_min = s_min * b_crit
     for b in (16.0, 300.0, 4096.0):
-        t = calibration.tradeoff(b, b_crit)
+        t = calibration_file.tradeoff(b, b_crit)
         steps = s_min + e_min / b
         assert t["steps_ratio"] == pytest.approx(steps / s_min)
         assert t["examples_ratio"] == pytest.approx(b * steps / e_min)
@@ -114,9 +116,9 @@ def test_the_tradeoff_arithmetic_is_the_fitted_hyperbola():
     for lam in (10.0, 300.0, 5000.0):
         grid = np.geomspace(1, 1e6, 200_001)
         cost = lam * (s_min + e_min / grid) + grid * (s_min + e_min / grid)
-        best = calibration.tradeoff(64.0, b_crit, exchange=lam)["best_batch_size"]
+        best = calibration_file.tradeoff(64.0, b_crit, exchange=lam)["best_batch_size"]
         assert best == pytest.approx(grid[np.argmin(cost)], rel=1e-3)
-    assert calibration.tradeoff(64.0, b_crit, exchange=b_crit)["best_batch_size"] == (
+    assert calibration_file.tradeoff(64.0, b_crit, exchange=b_crit)["best_batch_size"] == (
         pytest.approx(b_crit))
     assert fit.OK  # the same trade-off the sweeps fit
 
@@ -125,14 +127,14 @@ def test_the_shipped_calibration_is_the_committed_studies():
     import json
     import pathlib
 
-    shipped = calibration.shipped()
+    shipped = calibration_file.shipped()
     root = pathlib.Path(__file__).resolve().parent.parent
     committed = json.loads((root / "results/compare/calibration.json").read_text())
     assert shipped == committed
     assert shipped["version"] == calibration.VERSION
     assert len(shipped["studies"]) >= 9
     with pytest.raises(ValueError, match="no calibrated family"):
-        calibration.family("lion")
+        calibration_file.family("lion")
 
 
 def test_the_held_out_tally_is_what_the_committed_predictions_and_sweeps_give():
@@ -142,7 +144,7 @@ def test_the_held_out_tally_is_what_the_committed_predictions_and_sweeps_give():
     names = ("teacher_student", "lm_depth4", "digits_cnn", "mnist1d_cnn", "regression")
     dirs = [os.path.join(ROOT, "results", f"heldout_{n}") for n in names]
     tally = calibration.held_out(compare.held_out_pairs(dirs))
-    shipped = calibration.shipped()["held_out"]
+    shipped = calibration_file.shipped()["held_out"]
     assert (tally["inside"], tally["points"], tally["extrapolated"]) == (16, 25, 0)
     assert {k: (v["inside"], v["points"]) for k, v in tally["per_task"].items()} == {
         "heldout_teacher_student": (1, 5), "heldout_lm_depth4": (4, 5),

@@ -10,7 +10,17 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cbs.data as data
+from cbs.data.batching import (
+    device_batch,
+    eval_batches,
+    evaluate,
+    global_batch,
+    host_batch,
+    process_rows,
+    process_slice,
+)
 from cbs.data.dataset import Dataset, RegressionView, Split
+from cbs.data.stream import stream_indices
 
 NUM = 100  # examples in the index dataset
 
@@ -32,7 +42,7 @@ def run(ds, sizes, *, seed=0, start=0):
     """Batches of the given sizes read one after another from examples_seen = start."""
     out, seen = [], start
     for b in sizes:
-        out.append(ids(data.host_batch(ds, seen, b, seed=seed)))
+        out.append(ids(host_batch(ds, seen, b, seed=seed)))
         seen += b
     return out
 
@@ -60,12 +70,12 @@ def test_ramp_consumes_the_planned_stream():
     sizes = [32] * k + [64] * 6
     seen = np.concatenate(run(ds, sizes))
     total = sum(sizes)
-    np.testing.assert_array_equal(seen, data.stream_indices(0, total, NUM, 0))
+    np.testing.assert_array_equal(seen, stream_indices(0, total, NUM, 0))
     for e in range(total // NUM):
         np.testing.assert_array_equal(np.sort(seen[e * NUM:(e + 1) * NUM]), np.arange(NUM))
     # The same data on device, with a jitted gather per batch size.
     arrays = ds.device_arrays()
-    step = jax.jit(functools.partial(data.device_batch, ds, seed=0), static_argnums=2)
+    step = jax.jit(functools.partial(device_batch, ds, seed=0), static_argnums=2)
     on_device, s = [], 0
     for b in sizes:
         on_device.append(ids(step(arrays, jnp.int32(s), b)))
@@ -76,28 +86,28 @@ def test_ramp_consumes_the_planned_stream():
 def test_two_processes_read_disjoint_slices_whose_union_is_the_global_batch():
     ds, batch = index_dataset(), 48
     for s in (0, 90):  # the second batch straddles an epoch boundary
-        whole = ids(data.host_batch(ds, s, batch, seed=2))
-        parts = [ids(data.host_batch(ds, s, batch, seed=2, rows=data.process_slice(batch, p, 2)))
+        whole = ids(host_batch(ds, s, batch, seed=2))
+        parts = [ids(host_batch(ds, s, batch, seed=2, rows=process_slice(batch, p, 2)))
                  for p in range(2)]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
         if s == 0:  # within one epoch the two processes share no example
             assert not set(parts[0]) & set(parts[1])
     with pytest.raises(ValueError, match="not divisible"):
-        data.process_slice(50, 0, 3)
+        process_slice(50, 0, 3)
 
 
 def test_global_batch_on_a_mesh_equals_the_host_batch():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     sharding = NamedSharding(mesh, P("data"))
     ds = index_dataset()
-    np.testing.assert_array_equal(data.process_rows(sharding, (32, 2)), np.arange(32))
-    got = data.global_batch(ds, sharding, 70, 32, seed=4)
-    want = data.host_batch(ds, 70, 32, seed=4)
+    np.testing.assert_array_equal(process_rows(sharding, (32, 2)), np.arange(32))
+    got = global_batch(ds, sharding, 70, 32, seed=4)
+    want = host_batch(ds, 70, 32, seed=4)
     for k in want:
         assert got[k].sharding == sharding and got[k].shape == want[k].shape
         np.testing.assert_array_equal(np.asarray(got[k]), want[k])
     with pytest.raises(ValueError, match="not divisible"):
-        data.global_batch(ds, sharding, 0, 12, seed=4)
+        global_batch(ds, sharding, 0, 12, seed=4)
 
 
 def test_device_batch_is_shardable_inside_jit():
@@ -113,7 +123,7 @@ def test_device_batch_is_shardable_inside_jit():
         return batch, jnp.mean(batch["x"][:, 0])
 
     batch, _ = step(arrays, jnp.int32(40), 16)
-    np.testing.assert_array_equal(ids(batch), ids(data.host_batch(ds, 40, 16, seed=7)))
+    np.testing.assert_array_equal(ids(batch), ids(host_batch(ds, 40, 16, seed=7)))
     assert batch["x"].sharding.spec == P("data")
 
 
@@ -125,28 +135,28 @@ def test_host_loader_prefetch_returns_the_pure_batches():
         for _ in range(8):
             b = schedule(seen)
             np.testing.assert_array_equal(ids(loader(seen, b)),
-                                          ids(data.host_batch(ds, seen, b, seed=3)))
+                                          ids(host_batch(ds, seen, b, seed=3)))
             seen += b
         # A request off the predicted path (an adaptive schedule) is still exact.
-        np.testing.assert_array_equal(ids(loader(5, 8)), ids(data.host_batch(ds, 5, 8, seed=3)))
+        np.testing.assert_array_equal(ids(loader(5, 8)), ids(host_batch(ds, 5, 8, seed=3)))
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     with data.HostLoader(ds, seed=3, sharding=NamedSharding(mesh, P("data"))) as loader:
         got = loader(10, 16)
         assert isinstance(got["x"], jax.Array) and got["x"].sharding.spec == P("data")
-        np.testing.assert_array_equal(ids(got), ids(data.host_batch(ds, 10, 16, seed=3)))
+        np.testing.assert_array_equal(ids(got), ids(host_batch(ds, 10, 16, seed=3)))
 
 
 def test_eval_batches_and_evaluate_are_fixed_and_exact():
     ds = index_dataset(37)
-    batches = list(data.eval_batches(ds, 10))
+    batches = list(eval_batches(ds, 10))
     assert [len(ids(b)) for b in batches] == [10, 10, 10, 7]
     np.testing.assert_array_equal(np.concatenate([ids(b) for b in batches]), np.arange(37))
     metric = jax.jit(lambda batch: {"mean": jnp.mean(batch["y"]),
                                     "sq": jnp.mean(batch["y"] ** 2)})
     want = {"mean": np.arange(37).mean(), "sq": (np.arange(37) ** 2).mean()}
-    host = data.evaluate(metric, ds, batch_size=10)
-    device = data.evaluate(metric, ds, batch_size=10, split="train", arrays=ds.device_arrays())
-    limited = data.evaluate(metric, ds, batch_size=10, limit=5)
+    host = evaluate(metric, ds, batch_size=10)
+    device = evaluate(metric, ds, batch_size=10, split="train", arrays=ds.device_arrays())
+    limited = evaluate(metric, ds, batch_size=10, limit=5)
     for got in (host, device):
         for k in want:
             assert got[k] == pytest.approx(want[k], rel=1e-6)
@@ -156,9 +166,9 @@ def test_eval_batches_and_evaluate_are_fixed_and_exact():
 def test_batch_size_errors():
     ds = index_dataset(10)
     with pytest.raises(ValueError, match="larger than index/train"):
-        data.host_batch(ds, 0, 11, seed=0)
+        host_batch(ds, 0, 11, seed=0)
     with pytest.raises(ValueError, match="larger than"):
-        data.device_batch(ds, ds.device_arrays(), 0, 11, seed=0)
+        device_batch(ds, ds.device_arrays(), 0, 11, seed=0)
 
 
 _WORKER = """
@@ -171,9 +181,10 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                            initialization_timeout=60)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import cbs.data as data
+from cbs.data.batching import global_batch
 mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 ds = data.get_dataset("linreg", dim=3, num_train=100, num_eval=10)
-batch = data.global_batch(ds, NamedSharding(mesh, P("data")), 90, 32, seed=5)
+batch = global_batch(ds, NamedSharding(mesh, P("data")), 90, 32, seed=5)
 rows, xs = [], []
 for shard in batch["x"].addressable_shards:
     rows.append(np.arange(32)[shard.index[0]])
@@ -209,5 +220,5 @@ def test_two_real_processes_build_one_global_batch(tmp_path):
     np.testing.assert_array_equal(parts[0]["rows"], np.arange(16))
     np.testing.assert_array_equal(parts[1]["rows"], np.arange(16, 32))
     ds = data.get_dataset("linreg", dim=3, num_train=100, num_eval=10)
-    want = data.host_batch(ds, 90, 32, seed=5)["x"]
+    want = host_batch(ds, 90, 32, seed=5)["x"]
     np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), want)

@@ -11,6 +11,8 @@ import pytest
 
 import cbs.data as data
 from cbs.data import embedded
+from cbs.data.batching import device_batch, host_batch
+from cbs.data.stream import stream_indices
 
 
 def test_digits_shapes_range_and_fixed_split():
@@ -25,7 +27,7 @@ def test_digits_shapes_range_and_fixed_split():
     other = data.get_dataset("digits", split_seed=1)
     assert not np.array_equal(other.eval["x"], ds.eval["x"])
     images = data.get_dataset("digits", flatten=False, one_hot=True)
-    batch = data.host_batch(images, 0, 4, seed=0)
+    batch = host_batch(images, 0, 4, seed=0)
     assert batch["x"].shape == (4, 8, 8, 1) and batch["y"].shape == (4, 10)
     np.testing.assert_array_equal(batch["y"].sum(1), np.ones(4, np.float32))
 
@@ -71,14 +73,14 @@ def test_shakespeare_char_windows_vocab_and_text():
     assert "To be, or not to be" in text and "HAMLET:" in text
     assert ds.metadata["num_train_tokens"] + ds.metadata["num_eval_tokens"] == len(text)
     assert ds.num_train == (ds.metadata["num_train_tokens"] - 65) // 64 + 1
-    batch = data.host_batch(ds, 0, 8, seed=0)
+    batch = host_batch(ds, 0, 8, seed=0)
     assert batch["x"].shape == (8, 64) and batch["x"].dtype == np.int32
     np.testing.assert_array_equal(batch["x"][:, 1:], batch["y"][:, :-1])
     # Example i is the text window starting at i * stride.
-    i = int(data.stream_indices(0, 1, ds.num_train, 0)[0])
+    i = int(stream_indices(0, 1, ds.num_train, 0)[0])
     assert ds.decode(batch["x"][0]) == text[i * 64:(i + 1) * 64]
     assert ds.decode(ds.encode("Fair is foul")) == "Fair is foul"
-    on_device = jax.jit(lambda a, s: data.device_batch(ds, a, s, 8, seed=0))(
+    on_device = jax.jit(lambda a, s: device_batch(ds, a, s, 8, seed=0))(
         ds.device_arrays(), jnp.int32(0))
     np.testing.assert_array_equal(np.asarray(on_device["y"]), batch["y"])
 

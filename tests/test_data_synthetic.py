@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import cbs.data as data
+from cbs.data.batching import host_batch
 
 
 def _within(estimate: float, truth: float, samples: np.ndarray, k: float = 5.0) -> None:
@@ -39,7 +40,7 @@ def test_linreg_shapes_and_known_values():
     ds = data.get_dataset("linreg", dim=3, num_train=64, num_eval=8, cov_decay=0.0,
                           noise_std=0.5)
     assert (ds.task, ds.input_shape, ds.num_train, ds.num_eval) == ("regression", (3,), 64, 8)
-    batch = data.host_batch(ds, 0, 16, seed=0)
+    batch = host_batch(ds, 0, 16, seed=0)
     assert batch["x"].shape == (16, 3) and batch["y"].shape == (16,)
     assert batch["x"].dtype == batch["y"].dtype == np.float32
     # C = I, w = w* + e_0: G = e_0, tr Σ = (1 + σ²)·3 + 1, tr HΣ the same, GᵀHG = 1.

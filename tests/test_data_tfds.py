@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import cbs.data as data
+from cbs.data.batching import device_batch, eval_batches, host_batch
+from cbs.data.stream import stream_indices
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
@@ -78,7 +80,7 @@ def test_images_on_mock_data(name, shape):
         ds = data.get_dataset(name, download=True)
     assert (ds.num_train, ds.num_eval, ds.input_shape, ds.num_classes) == (24, 24, shape, 10)
     assert ds.train["x"].dtype == np.uint8
-    batch = data.host_batch(ds, 20, 8, seed=0)
+    batch = host_batch(ds, 20, 8, seed=0)
     assert batch["x"].shape == (8,) + shape and batch["x"].dtype == np.float32
     assert 0.0 <= batch["x"].min() and batch["x"].max() <= 1.0
     assert batch["y"].dtype == np.int32 and batch["y"].max() < 10
@@ -88,9 +90,9 @@ def test_text_on_mock_data():
     with tfds.testing.mock_data(num_examples=20):
         chars = data.get_dataset("tiny_shakespeare", download=True, seq_len=8)
         lm1b = data.get_dataset("lm1b", download=True, seq_len=16)
-        batch = data.host_batch(lm1b, 0, 4, seed=0)
+        batch = host_batch(lm1b, 0, 4, seed=0)
     assert chars.task == "lm" and chars.vocab_size == len(chars.vocab)
-    assert data.host_batch(chars, 0, 4, seed=0)["x"].shape == (4, 8)
+    assert host_batch(chars, 0, 4, seed=0)["x"].shape == (4, 8)
     assert (lm1b.num_train, lm1b.vocab_size) == (20, 256)
     assert batch["x"].shape == (4, 16) and batch["x"].dtype == np.int32
     assert 0 <= batch["x"].min() and batch["x"].max() < 256
@@ -120,13 +122,13 @@ def test_local_array_record_images_in_memory_and_streamed(fake_mnist):
     streamed = data.get_dataset("mnist", data_dir=data_dir, in_memory=False, flatten=True)
     assert not streamed.in_memory() and streamed.input_shape == (784,)
     for s in (0, 30):
-        want = data.host_batch(ds, s, 16, seed=1)
-        got = data.host_batch(streamed, s, 16, seed=1)
+        want = host_batch(ds, s, 16, seed=1)
+        got = host_batch(streamed, s, 16, seed=1)
         np.testing.assert_array_equal(got["x"], want["x"].reshape(16, -1))
         np.testing.assert_array_equal(got["y"], want["y"])
         np.testing.assert_allclose(
-            want["x"], images["train"][data.stream_indices(s, 16, 40, 1)] / 255, rtol=1e-6)
-    on_device = jax.jit(lambda a: data.device_batch(ds, a, jnp.int32(30), 16, seed=1))(
+            want["x"], images["train"][stream_indices(s, 16, 40, 1)] / 255, rtol=1e-6)
+    on_device = jax.jit(lambda a: device_batch(ds, a, jnp.int32(30), 16, seed=1))(
         ds.device_arrays())
     np.testing.assert_array_equal(np.asarray(on_device["x"]), want["x"])
 
@@ -134,9 +136,9 @@ def test_local_array_record_images_in_memory_and_streamed(fake_mnist):
 def test_local_array_record_standardised(fake_mnist):
     data_dir, images = fake_mnist
     ds = data.get_dataset("mnist", data_dir=data_dir, normalize="standard", one_hot=True)
-    x = np.concatenate([b["x"] for b in data.eval_batches(ds, 16, split="train")])
+    x = np.concatenate([b["x"] for b in eval_batches(ds, 16, split="train")])
     assert abs(x.mean()) < 1e-5 and abs(x.std() - 1.0) < 1e-5
-    assert data.host_batch(ds, 0, 4, seed=0)["y"].shape == (4, 10)
+    assert host_batch(ds, 0, 4, seed=0)["y"].shape == (4, 10)
     with pytest.raises(ValueError, match="normalize"):
         data.get_dataset("mnist", data_dir=data_dir, normalize="zca")
     with pytest.raises(ValueError, match="reader must be"):
@@ -156,8 +158,8 @@ def test_local_array_record_tiny_shakespeare(tmp_path):
     ds = data.get_dataset("tiny_shakespeare", data_dir=str(tmp_path), seq_len=10, stride=1)
     assert ds.num_train == len(texts["train"]) - 10
     assert ds.num_eval == (len(texts["validation"]) - 11) // 10 + 1
-    batch = data.host_batch(ds, 0, 5, seed=0)
-    starts = data.stream_indices(0, 5, ds.num_train, 0)
+    batch = host_batch(ds, 0, 5, seed=0)
+    starts = stream_indices(0, 5, ds.num_train, 0)
     for row, start in zip(batch["x"], starts, strict=True):
         assert ds.decode(row) == texts["train"][start:start + 10]
     with pytest.raises(ValueError, match="too long"):
@@ -174,13 +176,13 @@ def test_local_array_record_lm1b_byte_windows(tmp_path):
     assert not ds.in_memory()
     stream = "".join(s + "\n" for s in sentences["train"]).encode() * 2
     offsets = np.cumsum([0] + [len((s + "\n").encode()) for s in sentences["train"]])
-    batch = data.host_batch(ds, 0, 4, seed=3)
-    for row_x, row_y, i in zip(batch["x"], batch["y"], data.stream_indices(0, 4, 4, 3),
+    batch = host_batch(ds, 0, 4, seed=3)
+    for row_x, row_y, i in zip(batch["x"], batch["y"], stream_indices(0, 4, 4, 3),
                                strict=True):
         window = np.frombuffer(stream[offsets[i]:offsets[i] + 21], np.uint8)
         np.testing.assert_array_equal(row_x, window[:-1])
         np.testing.assert_array_equal(row_y, window[1:])
     assert ds.decode(batch["x"][0]).startswith(sentences["train"][int(
-        data.stream_indices(0, 1, 4, 3)[0])])
-    evals = list(data.eval_batches(ds, 2))
+        stream_indices(0, 1, 4, 3)[0])])
+    evals = list(eval_batches(ds, 2))
     assert ds.decode(evals[0]["x"][0]).startswith("One .\nTwo .\nOne .")

@@ -9,16 +9,9 @@ import pytest
 from flax import nnx
 
 from cbs import models
-from cbs.models import (
-    SIZES,
-    build_model,
-    default_model_config,
-    make_eval_fn,
-    make_loss_fn,
-    param_count,
-    split_model,
-)
-from cbs.models.transformer import rotary
+from cbs.models import build_model, default_model_config, make_loss_fn, param_count, split_model
+from cbs.models.losses import make_eval_fn, per_example_loss
+from cbs.models.transformer import SIZES, rotary
 from cbs.stats import ghost
 
 
@@ -205,15 +198,15 @@ def test_per_example_losses_in_float64(x64):
     rng = np.random.default_rng(0)
     z_BxC, y_B = rng.normal(size=(5, 4)) * 3, rng.integers(0, 4, 5)
     ref_B = _logsumexp(z_BxC) - z_BxC[np.arange(5), y_B]
-    got = models.per_example_loss(jnp.asarray(z_BxC), jnp.asarray(y_B), "classification")
+    got = per_example_loss(jnp.asarray(z_BxC), jnp.asarray(y_B), "classification")
     assert got.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(got), ref_B, rtol=1e-12)
     z_BxTxV, y_BxT = rng.normal(size=(3, 4, 6)), rng.integers(0, 6, (3, 4))
     tok_BxT = _logsumexp(z_BxTxV) - np.take_along_axis(z_BxTxV, y_BxT[..., None], -1)[..., 0]
-    got = models.per_example_loss(jnp.asarray(z_BxTxV), jnp.asarray(y_BxT), "lm")
+    got = per_example_loss(jnp.asarray(z_BxTxV), jnp.asarray(y_BxT), "lm")
     np.testing.assert_allclose(np.asarray(got), tok_BxT.mean(1), rtol=1e-12)
     pred_Bx1, t_B = rng.normal(size=(5, 1)), rng.normal(size=5)
-    got = models.per_example_loss(jnp.asarray(pred_Bx1), jnp.asarray(t_B), "regression")
+    got = per_example_loss(jnp.asarray(pred_Bx1), jnp.asarray(t_B), "regression")
     np.testing.assert_allclose(np.asarray(got), 0.5 * (pred_Bx1[:, 0] - t_B) ** 2, rtol=1e-12)
 
 

@@ -55,6 +55,7 @@ def test_wheel_holds_the_library_its_data_and_license_only(wheel):
     assert top - dist_info == {"cbs"}, top
     assert [d.split("-")[0] for d in dist_info] == ["cbs_jax"]
     assert any(n.startswith("cbs/data/files/") and n.endswith(".xz") for n in names)
+    assert "cbs/results/shipped/calibration.json" in names  # cbs.results.calibration.shipped
     assert "cbs/commands/train.py" in names
     assert "cbs/py.typed" in names  # PEP 561: type checkers read cbs's own annotations
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
@@ -129,15 +130,15 @@ def test_wheel_ships_every_preset_without_the_checkout(wheel):
 
 
 def test_install_command_follows_how_cbs_was_installed(tmp_path, monkeypatch):
-    import cbs
+    from cbs.results import extras
 
-    assert cbs.install_command("tfds") == 'pip install -e ".[tfds]"'  # this checkout
+    assert extras.install_command("tfds") == 'pip install -e ".[tfds]"'  # this checkout
     site = tmp_path / "site-packages"
-    (site / "cbs").mkdir(parents=True)
-    monkeypatch.setattr(cbs, "__file__", str(site / "cbs" / "__init__.py"))
-    assert cbs.install_command("tfds") == 'pip install "cbs-jax[tfds]"'  # from a wheel
+    (site / "cbs" / "results").mkdir(parents=True)
+    monkeypatch.setattr(extras, "__file__", str(site / "cbs" / "results" / "extras.py"))
+    assert extras.install_command("tfds") == 'pip install "cbs-jax[tfds]"'  # from a wheel
     (site / "pyproject.toml").write_text('[project]\nname = "other"\n')
-    assert cbs.install_command("gcs") == 'pip install "cbs-jax[gcs]"'
+    assert extras.install_command("gcs") == 'pip install "cbs-jax[gcs]"'
 
 
 def _wheel_venv(wheel: zipfile.ZipFile, where: pathlib.Path) -> tuple[pathlib.Path, dict]:
@@ -164,7 +165,8 @@ def test_wheel_alone_runs_the_tiny_main_job_outside_the_checkout(wheel, tmp_path
     away = tmp_path / "elsewhere"
     away.mkdir()
     probe = subprocess.run([str(python), "-c", "import cbs; print(cbs.__file__); "
-                            "print(cbs.install_command('tfds'))"], cwd=away, env=env,
+                            "from cbs.results.extras import install_command; "
+                            "print(install_command('tfds'))"], cwd=away, env=env,
                            capture_output=True, text=True, timeout=300)
     where, hint = probe.stdout.splitlines()
     assert where.startswith(str(tmp_path / "venv")), where

@@ -187,8 +187,6 @@ def test_checkpointer_takes_an_epath_directory(tmp_path):
 # Only cbs.results.paths touches the file system for run and sweep paths, so that every
 # command works on gs:// as on a local disk. The other places that may, and why:
 TOUCH_ALLOWED = {
-    "cbs": "reads pyproject.toml of a source checkout (the version), not a run path",
-    "cbs.analysis.calibration": "reads the calibration file shipped inside the package",
     "cbs.analysis.plots:save_figure": "renders the PNG into memory (`records.write_atomic` "
                                       "writes it)",
     "cbs.commands": "finds the checkout of the --config file, a source file",
@@ -196,6 +194,9 @@ TOUCH_ALLOWED = {
     "cbs.data.embedded": "reads the data files of installed packages (digits, Shakespeare)",
     "cbs.results.records": "the local branch of an atomic replacement (temporary file, "
                            "fsync, rename) and of an O_APPEND append, after `paths.is_remote`",
+    "cbs.results.calibration": "reads the calibration file shipped inside the package",
+    "cbs.results.extras": "reads pyproject.toml of a source checkout (how cbs was installed), "
+                          "not a run path",
     "cbs.results.leases": "fcntl locks on a local lock file (object stores: "
                           "`paths.create_new`)",
     "cbs.results.writers": "appends metrics to a local file on an O_APPEND descriptor "

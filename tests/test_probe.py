@@ -16,9 +16,9 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 from scipy import stats
 
-from cbs.analysis import branch_report, calibration, probe, probe_evidence
+from cbs.analysis import branch_report, probe, probe_evidence
 from cbs.engine import live_advice
-from cbs.results import files, records, shared
+from cbs.results import calibration, files, records, shared
 
 with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "pyproject.toml"), "rb") as _f:

@@ -286,7 +286,7 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
 def test_adaptive_calibrated_targets_the_predicted_b_crit():
     """rule="calibrated": the target is k times the B_crit the shipped calibration predicts
     from the observed noise scale for the optimizer's family, not k times the noise scale."""
-    from cbs.analysis import calibration
+    from cbs.results import calibration
 
     calib = calibration.shipped()
     nearest = lambda rungs, x: min(rungs, key=lambda r: abs(math.log(r / x)))

@@ -22,6 +22,7 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import data, models
+from cbs.data.stream import stream_indices
 from cbs.engine import checkpoint, loop, optim, step, trainer, writer
 from cbs.engine import config as config_lib
 from cbs.engine import mesh as mesh_lib
@@ -405,7 +406,7 @@ def test_evaluations_at_given_steps_replace_the_interval(tmp_path):
 
 def _poisoned_digits(bad_step: int, batch_size: int) -> data.Dataset:
     ds = data.get_dataset("digits")
-    idx = data.stream_indices(bad_step * batch_size, batch_size, ds.num_train, 0)
+    idx = stream_indices(bad_step * batch_size, batch_size, ds.num_train, 0)
     arrays = {k: v.copy() for k, v in ds.train.items()}
     arrays["x"] = arrays["x"].astype(np.float32)
     arrays["x"][idx[3]] = np.nan

@@ -38,6 +38,7 @@ import numpy as np
 
 from cbs.analysis import calibration, noise_at_target
 from cbs.results import files, records
+from cbs.results.calibration import family, predict, shipped, tradeoff
 from cbs.results.store import SweepStore, target_key
 
 __all__ = ["FEW_EXAMPLES", "Advice", "advise", "figure", "from_checkpoint", "from_stats",
@@ -98,22 +99,22 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
     task ("data/model"), learning_rate (η_0) and loss place the run against the calibration
     (`cbs.analysis.calibration.edges`): what lies outside it is named first in the summary.
     """
-    calib = calibration.shipped() if calib is None else calib
+    calib = shipped() if calib is None else calib
     model = calib["models"].get(scale)
     if model is None:
         raise ValueError(f"the calibration has no {scale!r} model; it has "
                          f"{sorted(calib['models'])}")
     nan2 = (math.nan, math.nan)
     if noise_scale > 0 and math.isfinite(noise_scale):
-        p = calibration.predict(model, noise_scale, optimizer, level=level)
+        p = predict(model, noise_scale, optimizer, level=level)
         b_crit, interval, ratio = p["b_crit"], p["interval"], p["ratio"]
-        t = calibration.tradeoff(batch_size, b_crit, exchange=exchange)
+        t = tradeoff(batch_size, b_crit, exchange=exchange)
     else:
         b_crit, interval, ratio = math.nan, nan2, math.nan
         t = {"steps_ratio": math.nan, "examples_ratio": math.nan}
     loto = model.get("loto", {})
     about = {"version": calib["version"], "studies": len(calib["studies"]),
-             "tasks": len(calib.get("tasks", ())), "family": calibration.family(optimizer),
+             "tasks": len(calib.get("tasks", ())), "family": family(optimizer),
              "ratio": ratio, "loto_coverage": loto.get("coverage"),
              "loto_points": loto.get("points"), "held_out": calib.get("held_out")}
     outside = calibration.edges(calib, optimizer=optimizer, batch_size=batch_size, task=task,

@@ -20,7 +20,9 @@ variance of the points about their group means (the spread over targets, batch s
 runs), τ̂² = max(0, var_j(m_j) − σ̂²·mean_j(1/n_j)) (method of moments; σ̂² and τ̂² pooled over
 the families, each family keeping its μ̂_f). A new task's point is predicted as
 log B_crit = log B_s + μ̂_f, with the prediction interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)),
-var(μ̂_f) = (τ̂² + σ̂²·mean 1/n_j)/J_f, ν = J − F (groups less families, at least 1).
+var(μ̂_f) = (τ̂² + σ̂²·mean 1/n_j)/J_f, ν = J − F (groups less families, at least 1). That
+prediction, from a fitted model, is `cbs.results.calibration.predict`, below the analysis
+layer because a training run uses it too.
 
 `leave_one_task_out` refits without each task in turn (all its studies) and asks whether its
 points fall in their intervals: the coverage a user can expect on a task the calibration never
@@ -28,42 +30,31 @@ saw, measured on what the advice uses. It is the coverage the calibration file r
 advice prints, beside the tally of held-out tasks whose predictions were committed before
 their sweeps ran (`held_out`).
 
-The calibration is data: `build` returns a JSON-ready dict (`CALIBRATION_FILE`, version,
-studies, points and the fitted model per noise scale), which `cbs-compare` writes beside its
-report and the package ships (`cbs/analysis/files/calibration.json`, `shipped`).
+The calibration is data: `build` returns a JSON-ready dict (version, studies, points and the
+fitted model per noise scale), which `cbs-compare` writes beside its report
+(`cbs.results.calibration.CALIBRATION_FILE`) and the package ships
+(`cbs.results.calibration.shipped`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CALIBRATION_FILE", "FAMILIES", "RATE_FACTOR", "UNIT", "VERSION", "build", "edges",
-           "family", "held_out", "leave_one_task_out", "markdown", "model", "predict", "shipped",
-           "tradeoff"]
+from cbs.results.calibration import CALIBRATION_FILE, family, t_quantile
 
-CALIBRATION_FILE = "calibration.json"
+__all__ = ["RATE_FACTOR", "UNIT", "VERSION", "build", "edges", "held_out", "leave_one_task_out",
+           "markdown", "model"]
+
 VERSION = 2  # the format of the file; a change of model or fields is a new version (2: points
 #              are one run's noise scale at one batch size, grouped by task; leave-one-task-out)
 UNIT = "one run's noise scale at one batch size (its best learning rate), at the target"
 RATE_FACTOR = 3.0  # a learning rate further than this factor from the task's best is untuned
-FAMILIES = {"sgd": "sgd", "momentum": "sgd", "adam": "adaptive", "adamw": "adaptive"}
 SCALES = ("b_simple", "b_noise")
-
-
-def family(optimizer: str) -> str:
-    """The optimizer family of a config's `optim.name` ("sgd" or "adaptive")."""
-    try:
-        return FAMILIES[optimizer.lower()]
-    except KeyError:
-        raise ValueError(f"no calibrated family for optimizer {optimizer!r}; known: "
-                         f"{sorted(FAMILIES)}") from None
 
 
 def _task(row: Mapping[str, Any]) -> str:
@@ -123,32 +114,6 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
             "studies": n_studies, "points": n_points}
 
 
-def _t_quantile(p: float, dof: float) -> float:
-    """Student's t quantile (`scipy.special.stdtrit`, what `scipy.stats.t.ppf` computes).
-    Imported here, not with the module: every training run imports this module (its live
-    advice), and scipy.stats, which imports scipy.optimize, would add about 2 s to the start of
-    each; scipy.special alone costs about half of that."""
-    from scipy.special import stdtrit
-
-    return float(stdtrit(dof, p))
-
-
-def predict(model: Mapping[str, Any], noise_scale: float, optimizer: str, *,
-            level: float = 0.8) -> dict[str, Any]:
-    """Predicted B_crit for a measured noise scale (the model's scale) and optimizer: the
-    point estimate and the `level` prediction interval, with the ratio it used."""
-    f = model["families"].get(family(optimizer))
-    if f is None:
-        raise ValueError(f"the calibration has no {family(optimizer)!r} study; it covers "
-                         f"{sorted(model['families'])}")
-    sd = math.sqrt(model["tau2"] + model["sigma2"] + f["var_mu"])
-    t = _t_quantile(0.5 + level / 2, model["dof"])
-    centre = math.log(noise_scale) + f["mu"]
-    return {"b_crit": math.exp(centre), "interval": (math.exp(centre - t * sd),
-                                                     math.exp(centre + t * sd)),
-            "level": level, "ratio": math.exp(f["mu"]), "log_sd": sd}
-
-
 def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
                        level: float = 0.8) -> dict[str, Any]:
     """Per task, the share of its one-run points inside the `level` interval of the model
@@ -167,7 +132,7 @@ def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
             if fam is None:
                 continue
             sd = math.sqrt(model["tau2"] + model["sigma2"] + fam["var_mu"])
-            hits.append(abs(log_r - fam["mu"]) <= _t_quantile(0.5 + level / 2, model["dof"]) * sd)
+            hits.append(abs(log_r - fam["mu"]) <= t_quantile(0.5 + level / 2, model["dof"]) * sd)
         if hits:
             per_task[task] = {"covered": int(sum(hits)), "points": len(hits)}
             inside += sum(hits)
@@ -296,7 +261,7 @@ def markdown(calib: Mapping[str, Any]) -> str:
              "", "| noise scale | family | task groups | B_crit / noise scale | interval factor "
              "(×/÷) | leave-one-task-out coverage |", "|---|---|---|---|---|---|"]
     for scale, m in calib["models"].items():
-        t = _t_quantile(0.5 + calib["level"] / 2, m["dof"])
+        t = t_quantile(0.5 + calib["level"] / 2, m["dof"])
         for f, v in m["families"].items():
             sd = math.sqrt(m["tau2"] + m["sigma2"] + v["var_mu"])
             lines.append(f"| {scale} | {f} | {v['studies']} | {math.exp(v['mu']):.3g} | "
@@ -318,21 +283,3 @@ def markdown(calib: Mapping[str, Any]) -> str:
                 f"{min(r['ratios']):.2g}–{max(r['ratios']):.2g} |"
                 for name, r in h.get("per_task", {}).items() if r["ratios"]]
     return "\n".join(lines + per)
-
-
-def shipped() -> dict[str, Any]:
-    """The calibration file shipped with the package."""
-    path = pathlib.Path(__file__).parent / "files" / CALIBRATION_FILE
-    return json.loads(path.read_text())
-
-
-def tradeoff(batch_size: float, b_crit: float, *, exchange: float | None = None
-             ) -> dict[str, float]:
-    """What batch size B costs against the critical batch (McCandlish et al. 2018, eqs. 2.7
-    and 2.11): steps S/S_min = 1 + B_crit/B, examples E/E_min = 1 + B/B_crit; and, for an
-    exchange rate λ (examples one would spend to save one step), the B minimising
-    λ·S + E, √(λ·B_crit) (B_crit itself at λ = B_crit, where both overheads are 2×)."""
-    out = {"steps_ratio": 1.0 + b_crit / batch_size, "examples_ratio": 1.0 + batch_size / b_crit}
-    if exchange is not None:
-        out["best_batch_size"] = math.sqrt(exchange * b_crit)
-    return out

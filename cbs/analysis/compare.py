@@ -29,6 +29,7 @@ import numpy as np
 
 from cbs.analysis import calibration, fit, plots, reference_protocol, report, report_tables
 from cbs.results import files, paths, records
+from cbs.results.calibration import CALIBRATION_FILE
 from cbs.results.store import SweepStore
 
 __all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PREDICTION_SUFFIX", "PROTOCOL", "collect",
@@ -376,5 +377,5 @@ def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 10
                               {"rows": [fit.json_ready(r) for r in rows], "summary": s,
                                "protocol_summary": summary(with_protocol)
                                if with_protocol else None})
-    records.write_json_atomic(os.path.join(out_dir, calibration.CALIBRATION_FILE), calib)
+    records.write_json_atomic(os.path.join(out_dir, CALIBRATION_FILE), calib)
     return path

@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from cbs.analysis import branch_report, calibration
+from cbs.analysis import branch_report
+from cbs.results.calibration import family, t_quantile
 
 __all__ = ["BOOTSTRAP_EXACT_SEEDS", "DEFAULT_BUDGET", "UNITS", "calibration_with", "combine",
            "cost", "ladder", "local_ratio", "plan", "summary"]
@@ -162,16 +163,16 @@ def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any],
             level: float = 0.8) -> dict[str, Any]:
     """The cross-task and the probed prediction (module docstring) at the probe's noise scale.
 
-    model: a calibration model (`calibration.model`, the shipped file's models[scale]);
+    model: a calibration model (`cbs.analysis.calibration.model`, the shipped file's models[scale]);
     probed: `local_ratio`'s result. Returns cross_task and probed ({"log_ratio", "sd",
     "ratio", "b_crit", "interval", "predicts"}), local_now (B* with the probe's own interval,
     None at a bound), weight (the probe's share of the task's mean log ratio, 0 without a
     ratio), level and the rule in words."""
-    fam = model["families"].get(calibration.family(optimizer))
+    fam = model["families"].get(family(optimizer))
     if fam is None:
-        raise ValueError(f"the calibration has no {calibration.family(optimizer)!r} study")
+        raise ValueError(f"the calibration has no {family(optimizer)!r} study")
     mu, v0, sigma2 = fam["mu"], model["tau2"] + fam["var_mu"], model["sigma2"]
-    t = calibration._t_quantile(0.5 + level / 2, model["dof"])
+    t = t_quantile(0.5 + level / 2, model["dof"])
     log_bs = math.log(probed["noise_scale"]) if probed["noise_scale"] > 0 else math.nan
     y, se = probed["log_ratio"], probed["se"]
     if math.isfinite(y) and se > 0:
@@ -210,7 +211,7 @@ def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
     `optimizer`'s family (mean m_1, spread √(v_1 + σ²)): what live advice reads
     (`config.noise.advice_calibration`), so a run's logged advice uses the task's own ratio."""
     model = dict(calib["models"][scale])
-    p, fam = combined["probed"], calibration.family(optimizer)
+    p, fam = combined["probed"], family(optimizer)
     model["families"] = {fam: {"mu": p["log_ratio"], "var_mu": p["var_task"],
                                "studies": model["families"][fam]["studies"]}}
     model["tau2"] = 0.0

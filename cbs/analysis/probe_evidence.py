@@ -41,6 +41,7 @@ import numpy as np
 
 from cbs.analysis import branch_report, calibration, probe
 from cbs.results import files, records, shared
+from cbs.results.calibration import family, shipped
 
 __all__ = ["STUDIES", "evidence", "markdown", "study"]
 
@@ -130,7 +131,7 @@ def study(root: str, branch: str, sweep: str, task: str,
                           "inside_probed": inside["probed"], "weight": c["weight"]})
     return {"branch": branch, "sweep": sweep, "task": task, "optimizer": optimizer,
             "reference_batch_size": bsz, "noise_source": source, "rule": rule,
-            "prior": {"mu": prior["families"][calibration.family(optimizer)]["mu"],
+            "prior": {"mu": prior["families"][family(optimizer)]["mu"],
                       "tasks_left": sorted({str(p.get("task")) for p in calib["points"]
                                             if p.get("task") != task})},
             "points": points, "pairs": pairs, "nearest": _nearest(pairs)}
@@ -174,7 +175,7 @@ def _errors(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def evidence(root: str, calib: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every study of STUDIES, with the error summaries over all pairs and nearest pairs."""
-    calib = calibration.shipped() if calib is None else calib
+    calib = shipped() if calib is None else calib
     studies = [study(root, *s, calib) for s in STUDIES]
     for s in studies:
         s["summary"] = {"all": _errors(s["pairs"]), "nearest": _errors(s["nearest"])}

@@ -31,9 +31,9 @@ from typing import Any
 
 from absl import flags
 
-from cbs.analysis import advice, calibration, probe
+from cbs.analysis import advice, probe
 from cbs.engine import checkpoint, cli, trainer
-from cbs.results import paths, records
+from cbs.results import calibration, paths, records
 
 __all__ = [
     "main", "run",

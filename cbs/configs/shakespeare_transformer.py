@@ -5,7 +5,7 @@
 
 The model is D = 64, 2 layers, 4 heads, F = 256, rotary positions (109k parameters, sized
 for a CPU: about 0.14 s per step on 2 cores); ":tiny" uses the "tiny" row of
-cbs.models.SIZES (D = 32) and 20 steps.
+cbs.models.transformer.SIZES (D = 32) and 20 steps.
 
 Expected (measured on 2 shared CPU cores, one device): 2000 steps in about 9 minutes;
 eval/loss falls from 4.40 to 1.76 nats per character (next-character accuracy 0.48), the
@@ -27,7 +27,7 @@ def get_config(arg: str = ""):
     words = base.parse_arg(arg)
     c = base.base_config("shakespeare_char", "transformer")
     c.data.options.seq_len = 64  # T, characters per example (x and y = x shifted by one)
-    c.model.size = "tiny"  # row of cbs.models.SIZES that the fields below override
+    c.model.size = "tiny"  # row of cbs.models.transformer.SIZES that the fields below override
     c.model.d_model = 64  # width D
     c.model.num_layers = 2  # blocks L
     c.model.num_heads = 4  # attention heads H (head size 16)

@@ -30,9 +30,9 @@ import numpy as np
 from cbs.data.dataset import Batch, Dataset
 from cbs.data.stream import check_batch_size, positions_to_indices_np, stream_indices_jax
 
-__all__ = [
-    "HostLoader", "device_batch", "eval_batches", "evaluate", "global_batch", "host_batch",
-    "make_batch_fn", "process_rows", "process_slice",
+__all__ = [  # and, public as cbs.data.HostLoader and cbs.data.make_batch_fn, those two
+    "device_batch", "eval_batches", "evaluate", "global_batch", "host_batch", "process_rows",
+    "process_slice",
 ]
 
 

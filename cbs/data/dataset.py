@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "TASKS", "Batch", "ClassificationView", "Dataset", "RegressionView", "Split", "WindowView",
-    "num_windows",
+__all__ = [  # and `Dataset`, public as cbs.data.Dataset
+    "TASKS", "Batch", "ClassificationView", "RegressionView", "Split", "WindowView", "num_windows",
 ]
 
 Batch = dict[str, Any]
@@ -188,7 +187,7 @@ class Dataset:
         arrays = self.split(split).arrays
         if arrays is None:
             raise ValueError(f"{self.name}/{split} is streamed, not in memory: use the host "
-                             "path (cbs.data.host_batch / HostLoader)")
+                             "path (cbs.data.batching.host_batch / cbs.data.HostLoader)")
         if sharding is None:
             return {k: jnp.asarray(v) for k, v in arrays.items()}
         return {k: jax.make_array_from_process_local_data(sharding, v, v.shape)

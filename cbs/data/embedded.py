@@ -24,8 +24,8 @@ import random
 
 import numpy as np
 
-from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split, WindowView, num_windows
+from cbs.results.extras import install_command
 
 __all__ = [
     "PLAYS_FILE", "char_lm", "digits", "mnist1d", "shakespeare_char", "shakespeare_plays",

@@ -24,7 +24,8 @@ import numpy as np
 
 from cbs.data.dataset import ClassificationView, Dataset, RegressionView, Split
 
-__all__ = ["linreg", "linreg_noise_stats", "teacher_regression", "teacher_student"]
+# and `linreg_noise_stats`, public as cbs.data.linreg_noise_stats
+__all__ = ["linreg", "teacher_regression", "teacher_student"]
 
 
 def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndarray | float]:

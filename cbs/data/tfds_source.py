@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from cbs import install_command
 from cbs.data.dataset import ClassificationView, Dataset, Split
 from cbs.data.embedded import char_lm
+from cbs.results.extras import install_command
 
 __all__ = [
     "DOWNLOAD_HOST", "IMAGE_DATASETS", "NETWORK_TIMEOUT_S", "check_network", "lm1b", "read_records",

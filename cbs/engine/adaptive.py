@@ -5,7 +5,7 @@ with B_s the live B_simple (or the measured B_noise), with hysteresis: it moves 
 target has stayed beyond a band (B·band above or B/band below) for `patience` consecutive
 updates. With `rule="calibrated"` the target is k times the calibrated prediction of B_crit,
 k·r̂·B_s, r̂ the ratio B_crit/B_s of the optimizer's family in the committed studies
-(`cbs.analysis.calibration`, the shipped file; a run sets the optimizer from
+(`cbs.results.calibration`, the shipped file; a run sets the optimizer from
 `config.optim.name`). Its state (`AdaptiveState`) is plain numbers, saved with each
 checkpoint. The schedule protocol and the registry are `cbs.engine.schedules`.
 """
@@ -17,8 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from cbs.analysis import calibration
 from cbs.engine import fields
+from cbs.results import calibration
 
 __all__ = ["ADAPTIVE_RULES", "Adaptive", "AdaptiveState"]
 

@@ -2,7 +2,7 @@
 
 Each train record with a live noise estimate (`noise/ema_b_simple`, the EMA of the step's
 B_simple, `cbs.engine.live_noise`) also gets the calibrated prediction of
-`cbs.analysis.calibration` (the shipped file, for the optimizer family of `config.optim.name`)
+`cbs.results.calibration` (the shipped file, for the optimizer family of `config.optim.name`)
 and what the record's batch B costs against it (McCandlish et al. 2018, eqs. 2.7 and 2.11),
 keyed `advice/<key>` by the one list `ADVICE_KEYS`:
 
@@ -27,8 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from cbs.analysis import calibration
-from cbs.results import records
+from cbs.results import calibration, records
 
 __all__ = ["ADVICE_KEYS", "LiveAdvice", "SOURCE_KEY", "calibration_file"]
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs import data
+from cbs.data import batching
 from cbs.engine import live_noise, mesh
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.stats import noise, smoothing
@@ -177,7 +178,7 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
     """
     num = dataset.num_train
     n = min(int(batch_size), num)
-    grad_batch = data.device_batch(dataset, arrays, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + SEED_OFFSET)
     if not hessian_batch_size:
         return grad_batch, None
     h = min(int(hessian_batch_size), num)
@@ -226,7 +227,7 @@ def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
         everything = train.read(np.asarray(jax.random.permutation(key, num)))
         return everything, everything
     n = min(spec.batch_size, num)
-    grad_batch = data.host_batch(dataset, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.host_batch(dataset, index * n, n, seed=seed + SEED_OFFSET)
     h = min(spec.hessian_batch_size if spec.curvature else 0, num)
     if not h:
         return grad_batch, None

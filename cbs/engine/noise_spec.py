@@ -32,9 +32,8 @@ from typing import Any
 from cbs.engine import fields, live_noise
 from cbs.stats import noise
 
-__all__ = [
-    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "MOVED_SWEEP_KEYS",
-    "NoiseSpec", "check_moved_keys", "validate_config",
+__all__ = [  # not the refusal of keys that moved (`check_moved_keys`), which the sweep reads
+    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec", "validate_config",
 ]
 
 EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples

@@ -24,12 +24,14 @@ import numpy as np
 from flax import nnx
 
 from cbs import data, models
+from cbs.data import batching
 from cbs.engine import config as config_lib
 from cbs.engine import lr, optim, schedules
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.step import TrainState, TrainStep, init_train_state
+from cbs.models import losses
 
 __all__ = ["RunParts"]
 
@@ -98,7 +100,7 @@ class RunParts:
         if jax.process_index() == 0:
             print(models.model_summary(abstract))
         self.graphdef, params, rest = models.split_model(abstract)
-        self.stateful = models.couples_examples(rest)
+        self.stateful = losses.couples_examples(rest)
         if self.stateful and c.noise.every:
             raise ConfigError(
                 "config.noise.every: per-example statistics are ill-defined for a model with "
@@ -144,7 +146,7 @@ class RunParts:
             batch_sh = mesh_lib.batch_sharding(self.mesh)
 
             def batch_fn(arrays, examples_seen, batch_size):
-                batch = data.device_batch(ds, arrays, examples_seen, batch_size, seed=c.seed)
+                batch = batching.device_batch(ds, arrays, examples_seen, batch_size, seed=c.seed)
                 return jax.lax.with_sharding_constraint(batch, batch_sh)
 
             self.step = self.make_step(batch_fn, rep, measure=measure)
@@ -225,7 +227,7 @@ class RunParts:
             view = lambda a, idx: {k: v[idx] for k, v in a.items()}
 
         def sums_fn(params, model_state, arrays):
-            eval_fn = models.make_eval_fn(self.graphdef, model_state, ds.task)
+            eval_fn = losses.make_eval_fn(self.graphdef, model_state, ds.task)
 
             def chunk_sums(start):
                 idx = start + jnp.arange(chunk, dtype=jnp.int32)

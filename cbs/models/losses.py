@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = [
-    "TASKS", "Batch", "couples_examples", "cross_entropy", "make_eval_fn", "make_loss_fn",
-    "per_example_correct", "per_example_loss", "split_model",
+__all__ = [  # and, public as cbs.models.make_loss_fn and cbs.models.split_model, those two
+    "TASKS", "Batch", "couples_examples", "cross_entropy", "make_eval_fn", "per_example_correct",
+    "per_example_loss",
 ]
 
 Batch = dict[str, jax.Array]

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import ml_collections
 from flax import nnx
 
-__all__ = [
+__all__ = [  # and `register`, public as cbs.models.register
     "BuildFn", "FlopsFn", "ModelInputs", "ModelSpec", "check_positive", "flops_per_example", "get",
-    "names", "register",
+    "names",
 ]
 
 

@@ -171,7 +171,7 @@ class TransformerLM(nnx.Module):
 def transformer_fields() -> ml_collections.ConfigDict:
     """The `model` fields of "transformer"."""
     c = ml_collections.ConfigDict()
-    c.size = "tiny"  # row of cbs.models.SIZES: "tiny" | "small" | "10m" | "100m"
+    c.size = "tiny"  # row of cbs.models.transformer.SIZES: "tiny" | "small" | "10m" | "100m"
     c.d_model = 0  # model width D; 0 = from size
     c.num_layers = 0  # number of blocks L; 0 = from size
     c.num_heads = 0  # attention heads H (must divide d_model); 0 = from size

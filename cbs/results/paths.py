@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from cbs import install_command
+from cbs.results.extras import install_command
 
 __all__ = [
     "PathLike", "create_new", "epath", "exists", "first_missing", "is_remote", "isdir", "join",

@@ -29,8 +29,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cbs import install_command
 from cbs.results import paths
+from cbs.results.extras import install_command
 from cbs.results.files import METRICS_FILE
 from cbs.results.paths import PathLike
 from cbs.results.records import append_records, plain_value, truncate_records

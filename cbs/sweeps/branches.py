@@ -48,6 +48,7 @@ import jax
 import ml_collections
 
 from cbs import data, models
+from cbs.data import batching
 from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
 from cbs.engine import config as config_lib
 from cbs.engine.counts import position
@@ -141,7 +142,7 @@ class BranchRunner:
         ds = self.parts.dataset
 
         def batch_fn(inputs, examples_seen, batch_size):
-            return data.device_batch(ds, inputs["arrays"], examples_seen, batch_size,
+            return batching.device_batch(ds, inputs["arrays"], examples_seen, batch_size,
                                      seed=inputs["seed"])
 
         return self.parts.make_step(batch_fn, self.rep)

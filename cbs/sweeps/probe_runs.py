@@ -27,9 +27,9 @@ from typing import Any
 
 import ml_collections
 
-from cbs.analysis import calibration, probe
+from cbs.analysis import probe
 from cbs.engine import checkpoint, lr
-from cbs.results import files, records, shared
+from cbs.results import calibration, files, records, shared
 from cbs.sweeps import branches
 from cbs.sweeps.branch_config import default_branch_config
 
