@@ -168,7 +168,8 @@ class SeedReferenceRun(reference.ReferenceRun):
                  windows: bool = False):
         super().__init__(config, trial, store, crossing=crossing, noise=noise)
         self.windows = windows
-        self._left = {float(t): None for t in self.sweep.targets}  # measurements still due
+        # per target, measurements of its window still due (None: not yet crossed)
+        self._left: dict[float, int | None] = {float(t): None for t in self.sweep.targets}
         self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
         self.preconditioner = str(config.optim.name) in ADAPTIVE
