@@ -19,13 +19,16 @@
 #   lm_step     OUT_DIR/lm_step.md: `benchmarks.lm_step` at 124m and 350m, B = 16, T = 1024, A = 2
 #               (tokens/s, MFU, the live estimate's and the periodic exact measurement's
 #               overhead, memory)
+#   tied        OUT_DIR/tied.md: the 124m step's live estimate with the tied embedding's norms
+#               each way (`lm_step --tied_forms`: the materialised path before
+#               `cbs.stats.ghost_tied`, the form it picks, its Gram and its direct form)
 #   profile     OUT_DIR/profile.md: top operations of the 124m step by device time, plain and
 #               with the live estimate, and their Perfetto traces under OUT_DIR/trace/
 #   noise_cost  OUT_DIR/noise_cost_foreign.md: `benchmarks.noise_cost --foreign` (the exact
 #               statistics of models written without cbs layers against a plain gradient)
 #
-# PARTS (default: all, in the order above) picks parts; LM_ARGS, NOISE_ARGS and TEST_ARGS
-# replace each part's arguments. A CPU smoke run (about a minute on 2 cores):
+# PARTS (default: all, in the order above) picks parts; LM_ARGS, TIED_ARGS, NOISE_ARGS and
+# TEST_ARGS replace each part's arguments. A CPU smoke run (about a minute on 2 cores):
 #   PARTS="device lm_step noise_cost" LM_ARGS="--tiny --repeats=1 --steps=2 --every=2 \
 #   --devices=1" NOISE_ARGS="--models=mlp --skip-slow --repeats=1" benchmarks/accelerator.sh /tmp/acc
 out=${1:?usage: benchmarks/accelerator.sh OUT_DIR}
@@ -34,7 +37,7 @@ out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-parts=${PARTS:-device install tests settings lm_step profile noise_cost}
+parts=${PARTS:-device install tests settings lm_step tied profile noise_cost}
 failed=0
 
 run_part() {  # run_part NAME COMMAND...: stdout to NAME.md, stderr to NAME.err, status noted
@@ -89,7 +92,8 @@ gpu_tests() {
   # shellcheck disable=SC2086  # the arguments are meant to split
   JAX_PLATFORMS=cpu "$python" -m pytest -q -p no:cacheprovider -o addopts="" -n 8 \
     ${TEST_ARGS:-tests/test_nested.py tests/test_ghost.py tests/test_ghost_stats.py \
-    tests/test_dropin.py tests/test_lm.py tests/test_live_noise.py} 2>&1 | tail -n 30
+    tests/test_ghost_tied.py tests/test_dropin.py tests/test_lm.py tests/test_live_noise.py} \
+    2>&1 | tail -n 30
   local cpu=${PIPESTATUS[0]}
   XLA_FLAGS= JAX_PLATFORMS= "$python" -m pytest -q -p no:cacheprovider -o addopts="" -rs \
     tests/test_gpu.py 2>&1 | tail -n 30
@@ -120,11 +124,15 @@ for part in $parts; do
     settings) run_part settings settings_table ;;
     # shellcheck disable=SC2086
     lm_step) run_part lm_step "$python" -m benchmarks.lm_step ${LM_ARGS:---sizes=124m,350m} ;;
+    # shellcheck disable=SC2086
+    tied) run_part tied "$python" -m benchmarks.lm_step ${TIED_ARGS:---sizes=124m \
+      --variants=plain,live --tied_forms=materialised,auto,gram,direct} ;;
     profile) run_part profile profiles ;;
     # shellcheck disable=SC2086
     noise_cost) run_part noise_cost_foreign "$python" -m benchmarks.noise_cost \
       ${NOISE_ARGS:---foreign --repeats=5} ;;
-    *) echo "unknown part $part (device install tests settings lm_step profile noise_cost)"
+    *) echo "unknown part $part (device install tests settings lm_step tied profile" \
+         "noise_cost)"
        failed=1 ;;
   esac
 done

@@ -8,6 +8,8 @@ memory, with and without the in-step noise estimate and a periodic exact measure
     python -m benchmarks.lm_step --sizes=124m --variants=plain --profile=/tmp/prof
                                                  # + a jax.profiler trace of the plain step
                                                  # and its top kernels by device time
+    python -m benchmarks.lm_step --sizes=124m --variants=plain,live \
+        --tied_forms=materialised,auto,gram,direct  # the tied embedding's norms each way
 
 On all local devices (data parallel, FSDP × TP by name when --model_axis > 1), AdamW, one fixed
 device-resident batch of B sequences of T tokens (vocabulary 50304), A = 2 accumulation
@@ -25,7 +27,11 @@ A size whose parameters and Adam state do not fit the device is skipped. `--atte
 picks the model's attention kernel (`cbs.models.lm.ATTENTION`; the table's header says which
 one ran), `--variants` which of the three rows run. `--profile=DIR` traces `--steps` plain steps
 with `jax.profiler` after the timings (a Perfetto trace under DIR) and prints the operations
-that took the most device time (`top_ops`).
+that took the most device time (`top_ops`). `--tied_forms` runs the `+live` and
+`+live+exact/k` rows once per form of the tied embedding's norms (`cbs.stats.ghost_tied.FORM`:
+"materialised", the path before `ghost_tied`, its per-example gradients by each use's
+transpose in float32; "auto", the cheaper of "gram" and "direct", named with the form it
+took; "gram"; "direct"), all in one run against one `plain` row.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step, throughput
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.models import lm
+from cbs.stats import ghost, ghost_tied
 
 VOCAB = 50304
 
@@ -81,12 +88,13 @@ def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_ax
     tokens = rng.integers(0, vocab, (batch, seq_len + 1)).astype(np.int32)
     data = mesh_lib.shard({"x": tokens[:, :-1], "y": tokens[:, 1:]},
                           mesh_lib.batch_sharding(mesh))
-    loss_fn = step.stateless(models.make_loss_fn(graphdef, rest, "lm"))
+    plain_loss = models.make_loss_fn(graphdef, rest, "lm")
+    loss_fn = step.stateless(plain_loss)
     flops = lm.lm_flops_per_token(*_dims(mc), vocab, seq_len) * seq_len
     n_params = sum(x.size for x in jax.tree.leaves(abstract))
     return dict(init=init, sharding=sharding, mesh=mesh, data=data, loss_fn=loss_fn,
-                direction=direction, flops_per_example=flops, n_params=n_params,
-                description=model.description)
+                plain_loss=plain_loss, abstract=abstract, direction=direction,
+                flops_per_example=flops, n_params=n_params, description=model.description)
 
 
 def _dims(mc) -> tuple[int, int, int]:
@@ -139,6 +147,13 @@ def _fits(n_params: int) -> bool:
     return limit is None or 16 * n_params < 0.6 * limit * jax.local_device_count()
 
 
+def _tied_rule(s, micro_batch: int, seq_len: int) -> str:
+    """How the embedding's norms are taken at the step's micro-batch (`ghost.leaf_rules`)."""
+    tokens = jax.ShapeDtypeStruct((micro_batch, seq_len), np.int32)
+    rules = ghost.leaf_rules(s["plain_loss"], s["abstract"], {"x": tokens, "y": tokens})
+    return rules.get("embed", "untied")
+
+
 def bench(size: str, args) -> list[dict]:
     s = _setup(size, args.batch, args.seq_len, args.remat, args.dtype, args.model_axis,
                args.vocab, args.devices, args.attention, args.unroll)
@@ -148,12 +163,30 @@ def bench(size: str, args) -> list[dict]:
     every = {"plain": dict(two_batch=False, every=0), "live": dict(two_batch=True, every=0),
              "exact": dict(two_batch=True, every=args.every)}
     names = {"plain": "plain", "live": "+live", "exact": f"+live+exact/{args.every}"}
-    variants = {names[v]: every[v] for v in args.variants.split(",")}
+    forms = args.tied_forms.split(",") if args.tied_forms else [None]
+    micro = args.batch // (2 * mesh_lib.data_replicas(s["mesh"]))
+    variants = {}
+    for v in args.variants.split(","):
+        for form in [None] if v == "plain" else forms:
+            if form is None:
+                variants[names[v]] = every[v], None
+                continue
+            ghost_tied.FORM = form
+            try:
+                rule = _tied_rule(s, micro, args.seq_len)
+            finally:
+                ghost_tied.FORM = "auto"
+            label = f"{form} → {rule.split()[-1]}" if form == "auto" else form
+            variants[f"{names[v]} [tied: {label}]"] = every[v], form
     print(f"{size}: {s['description']}", flush=True)
     runs = {}
-    for name, kw in variants.items():
-        runs[name] = _runner(s, batch=args.batch, accum=2, **kw)
-        jax.block_until_ready(runs[name][0](args.every))  # warm-up (covers one measurement)
+    for name, (kw, form) in variants.items():
+        ghost_tied.FORM = form or "auto"  # read when the step is traced (here and at warm-up)
+        try:
+            runs[name] = _runner(s, batch=args.batch, accum=2, **kw)
+            jax.block_until_ready(runs[name][0](args.every))  # warm-up (covers one measurement)
+        finally:
+            ghost_tied.FORM = "auto"
     times = {k: [] for k in runs}
     for _ in range(args.repeats):  # interleaved, so load on a shared machine hits all
         for k, (run, *_) in runs.items():
@@ -240,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
                         "periodic exact measurement); the first is the overhead baseline")
     parser.add_argument("--profile", default="", help="trace the first variant into this "
                         "directory and print its top operations by device time")
+    parser.add_argument("--tied_forms", default="",
+                        help="comma-separated forms of the tied embedding's norms "
+                        f"({', '.join(ghost_tied.FORMS)}): the live rows once per form")
     args = parser.parse_args(argv)
     if args.tiny:
         args.sizes = args.sizes or "tiny"

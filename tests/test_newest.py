@@ -32,8 +32,8 @@ NEWEST = ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint"]
 OTHERS = ["etils[epath]", "ml_collections", "absl-py", "numpy", "scipy", "scikit-learn",
           "matplotlib", "tqdm", "pytest", "pytest-xdist", "packaging", "equinox", "dm-haiku"]
 TESTS = ["tests/test_nested.py", "tests/test_ghost.py", "tests/test_ghost_fused.py",
-         "tests/test_ghost_libraries.py", "tests/test_ghost_stats.py", "tests/test_dropin.py",
-         "tests/test_lm.py", "tests/test_live_noise.py"]
+         "tests/test_ghost_libraries.py", "tests/test_ghost_stats.py", "tests/test_ghost_tied.py",
+         "tests/test_dropin.py", "tests/test_lm.py", "tests/test_live_noise.py"]
 
 pytestmark = pytest.mark.newest
 

@@ -127,6 +127,22 @@ def test_lm_step_benchmark_tiny_mode(capsys, no_compilation_cache):
     assert "attention=xla" in out and f"jax {jax.__version__}" in out
 
 
+def test_lm_step_benchmark_compares_the_tied_embedding_forms(capsys, no_compilation_cache):
+    """--tied_forms: one live row per form of the tied embedding's norms, "auto" named with
+    the form it took, against one plain row; the form is put back after each."""
+    from benchmarks import lm_step
+    from cbs.stats import ghost_tied
+
+    lm_step.main(["--tiny", "--repeats=1", "--steps=2", "--devices=1", "--variants=plain,live",
+                  "--tied_forms=materialised,auto,gram"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert [r.split("|")[3].strip() for r in rows] == [
+        "plain", "+live [tied: materialised]", "+live [tied: auto → direct]",
+        "+live [tied: gram]"]
+    assert [r.split("|")[4].strip() for r in rows] == ["none", "exact", "exact", "exact"]
+    assert ghost_tied.FORM == "auto"
+
+
 def test_full_data_cost_benchmark_quick(capsys):
     """benchmarks/full_data_cost.py --quick (digits): every row, an evaluation under the
     protocol costing 2 × (norms + 257 HVPs) for Adam, in units of one gradient."""

@@ -178,7 +178,7 @@ def transformer_fields() -> ml_collections.ConfigDict:
     c.d_ff = 0  # MLP hidden width F; 0 = from size
     c.max_len = 0  # longest sequence (learned position table); 0 = input length T
     c.positions = "rotary"  # "rotary" (no parameters) | "learned" (table [max_len, D])
-    c.tie_embeddings = False  # output head = embedding^T (slow per-example path)
+    c.tie_embeddings = False  # output head = embedding^T
     c.use_bias = False  # biases in the attention and MLP projections
     return c
 

@@ -42,8 +42,13 @@ and the norms from ONE backward pass:
 - any other use (a tied input/output embedding read by several uses, a leaf read through a
   broadcast that repeats it, or a slice) gets a zero *perturbation* added to its output and
   its data operand kept as an auxiliary output, so the backward pass also returns its
-  cotangent g; the leaf's exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is
-  then pulled back to the leaf's layout, summed over its uses (so the cross terms are exact)
+  cotangent g. A leaf read only by `dot_general`s and embedding gathers in layouts
+  `cbs.stats.ghost_tied` reads (a tied embedding and head, a kernel read by two matmuls)
+  then takes |Σ_u A_u,i|² from the Gram terms of its uses, pairs of positions of example i
+  (the ordinary backward gives its gradient), or from its per-example gradients in its
+  layout, whichever costs less, in the operands' own dtypes. Any other leaf is
+  *materialised*: its exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is
+  pulled back to the leaf's layout, summed over its uses (so the cross terms are exact)
   and squared, in chunks of examples.
 
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
@@ -73,13 +78,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from cbs.stats import ghost_rules, ghost_trace, loss_checks, nested
+from cbs.stats import ghost_rules, ghost_tied, ghost_trace, loss_checks, nested
 from cbs.stats.examples import map_and_sum, map_examples, one_example, run_auto_axes
 from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
 
 __all__ = [
-    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "auto_chunk_size", "coverage",
+    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "auto_chunk_size", "coverage", "leaf_rules",
     "per_example_grads_info", "uncovered_leaves", "vmap_chunk_size",
 ]
 
@@ -105,6 +110,9 @@ class _Plan:
     tapped: dict[int, Any]  # uid -> accumulation dtype: norm by its rule inside the backward
     fused: frozenset[int]  # tapped uids whose weight gradient is the sum of their per-example
     #                        gradients (formed for the norms: no separate weight gradient)
+    tied: dict[int, ghost_tied.Tied]  # leaf read by several dot/gather uses -> its rule
+    ordinary: frozenset[int]  # uids of uses captured for a rule whose leaf's gradient is
+    #                           the ordinary one (the Gram form of `ghost_tied`)
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -141,15 +149,20 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
     uids = {u.uid for u in active.values()}
     inside = {e: frozenset(s & uids) for e, s in disc.inner_uses.items()}
     unused = tuple(i for i in range(len(leaves)) if i not in reads)
-    tapped, fused = {}, set()
+    tapped, fused, tied = {}, set(), {}
+    ordinary: set[int] = set()
     for leaf, us in uses.items():
         dtype = jnp.promote_types(leaves[leaf].dtype, jnp.float32)
         if len(us) == 1 and _has_rule(us[0], dtype):
             tapped[us[0].uid] = dtype
             if _has_rule(us[0], dtype, fused=True):
                 fused.add(us[0].uid)
+        elif len(us) > 1 and (rule := ghost_tied.plan(us)) is not None:
+            tied[leaf] = rule
+            if rule.form == "gram":
+                ordinary.update(u.uid for u in us)
     return _Plan(closed, batch_size, uses, active, inside, uncovered, unused, tapped,
-                 frozenset(fused))
+                 frozenset(fused), tied, frozenset(ordinary))
 
 
 def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
@@ -177,6 +190,21 @@ def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str
     plan = _plan(loss_fn, params, batch)
     paths = leaf_paths(params)
     return {paths[leaf]: why for leaf, why in sorted(plan.uncovered.items())}
+
+
+def leaf_rules(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
+    """Per params leaf path, how its norms are taken (traces, never runs): "fused" or
+    "tapped" (one use, its ghost rule in the backward pass), "tied gram" or "tied direct"
+    (several dot/gather uses, `cbs.stats.ghost_tied`), "materialised" (its per-example
+    gradients by each use's transpose), "vmap" (uncovered) or "unused"."""
+    plan = _plan(loss_fn, params, batch)
+    rules = {leaf: "vmap" for leaf in plan.uncovered} | {leaf: "unused" for leaf in plan.unused}
+    for leaf, uses in plan.uses.items():
+        uid = uses[0].uid
+        rules[leaf] = ("fused" if uid in plan.fused else "tapped" if uid in plan.tapped else
+                       f"tied {plan.tied[leaf].form}" if leaf in plan.tied else "materialised")
+    paths = leaf_paths(params)
+    return {paths[leaf]: rule for leaf, rule in sorted(rules.items())}
 
 
 def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
@@ -211,10 +239,13 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
                 outs = [ghost_rules.tap(use, plan.tapped[use.uid])(
                     ghost_rules.bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
                     pert[use.uid])]
-            elif use is not None:  # materialised: the leaf's gradient is the sum of the
-                #                    per-example gradients formed for its norms
+            elif use is not None:  # captured: x kept, g the cotangent of a zero added to the
+                #                    output; where the leaf's gradient is the sum of the
+                #                    per-example gradients formed for its norms (materialised,
+                #                    direct), the use holds the leaf constant
                 held = list(invals)
-                held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
+                if use.uid not in plan.ordinary:
+                    held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
                 outs = [ghost_rules.bind(eqn, held)[0] + pert[use.uid]]
                 caps[use.uid] = invals[1 - use.pos]
             else:
@@ -397,6 +428,11 @@ def _grads_info(loss_fn, params, batch, method, chunk_size):
             u = uses[0]
             if u.uid in plan.tapped:  # summed over the scan steps of a stacked leaf
                 sq = jnp.sum(cots[u.uid], tuple(range(len(u.stack))))
+            elif leaf in plan.tied:  # several dot/gather uses: Gram terms or direct
+                sq, total = ghost_tied.sq_norms(plan.tied[leaf], caps, cots, dtypes[leaf],
+                                                chunk_size, MEMORY_BUDGET_BYTES)
+                if total is not None:  # direct: held constant, the per-example sum
+                    grads[leaf] = total.astype(leaves[leaf].dtype)
             else:  # its uses held the leaf constant: its gradient is their per-example sum
                 sq, total = _materialized(uses, caps, cots, dtypes[leaf], chunk_size)
                 grads[leaf] = total.astype(leaves[leaf].dtype)

@@ -27,9 +27,10 @@ from cbs.stats.examples import scan_chunks, sum_over_examples
 
 __all__ = [
     "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
-    "conv_sq_norm", "dense_fused", "dense_sq_norm", "elementwise_fused", "elementwise_sq_norm",
-    "embed_sq_norm", "example_chunk", "fuse_direct", "in_dtype", "per_example_grad", "replay_chain",
-    "bind", "fused", "tap", "use_gram",
+    "conv_sq_norm", "dense_fused", "dense_operands", "dense_sq_norm", "elementwise_fused",
+    "elementwise_sq_norm", "embed_layout", "embed_operands", "embed_sq_norm", "example_chunk",
+    "fuse_direct", "in_dtype", "per_example_grad", "replay_chain", "bind", "fused", "tap",
+    "use_gram",
 ]
 
 
@@ -97,7 +98,7 @@ def _perm_reshape(a: jax.Array, lead: list[int], rest: list[int], b: int) -> jax
     return a.reshape(b, -1, int(np.prod([a.shape[len(lead) + i] for i in range(len(rest))])))
 
 
-def _dense_operands(use, x, g):
+def dense_operands(use, x, g):
     """(x [B, T, C], g [B, T, F], W's contracting axes, W's free axes) of a `dot_general`
     with the parameter W on one side: C the contracting axes in the order of W's, F W's free
     axes in order, so that Σ_t x_t g_tᵀ is W's gradient with its axes permuted."""
@@ -119,14 +120,14 @@ def _dense_operands(use, x, g):
 def dense_sq_norm(use, x, g) -> jax.Array | None:
     """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
     free) order, which is a permutation of W's entries."""
-    x_BxTxC, g_BxTxF, _, _ = _dense_operands(use, x, g)
+    x_BxTxC, g_BxTxF, _, _ = dense_operands(use, x, g)
     return _kernel_sq_norm(x_BxTxC, g_BxTxF)
 
 
 def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
     gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
-    x_BxTxC, g_BxTxF, wc, w_free = _dense_operands(use, x, g)
+    x_BxTxC, g_BxTxF, wc, w_free = dense_operands(use, x, g)
     out = _direct(x_BxTxC, g_BxTxF, dtype)
     if out is None:
         return None
@@ -248,24 +249,48 @@ def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     return jnp.transpose(total, src), sq
 
 
-def embed_sq_norm(use, ids, g) -> jax.Array | None:
-    """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
-    when V < T)."""
+def embed_layout(use) -> tuple[int, int] | None:
+    """(V, O) of a `gather` of whole rows of a [V, O] table by one id per position, the layout
+    the embedding rules read; None for any other gather."""
     p = use.eqn.params
     dn = p["dimension_numbers"]
-    v, o = use.eqn.invars[0].aval.shape if len(use.eqn.invars[0].aval.shape) == 2 else (0, 0)
-    if (not v or dn.offset_dims != (g.ndim - 1,) or dn.collapsed_slice_dims != (0,)
-            or dn.start_index_map != (0,) or tuple(p["slice_sizes"]) != (1, o)
-            or ids.shape[-1] != 1):
+    table, ids, out = use.eqn.invars[0].aval, use.eqn.invars[1].aval, use.eqn.outvars[0].aval
+    if len(table.shape) != 2:
         return None
+    v, o = table.shape
+    if (dn.offset_dims != (len(out.shape) - 1,) or dn.collapsed_slice_dims != (0,)
+            or dn.start_index_map != (0,) or tuple(p["slice_sizes"]) != (1, o)
+            or ids.shape[-1:] != (1,)):
+        return None
+    return v, o
+
+
+def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
+    """(ids [B, T] in [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`): clipped
+    ids where the gather clips, and a zero cotangent where an out-of-range id read the fill
+    value (no gradient; its id is then clipped too, so that it indexes safely)."""
+    layout = embed_layout(use)
+    if layout is None:
+        return None
+    v, o = layout
     b = ids.shape[use.e_in]
     ids_BxT = jnp.moveaxis(ids[..., 0], use.e_in, 0).reshape(b, -1)
     g_BxTxO = jnp.moveaxis(g, use.e_out, 0).reshape(b, -1, o)
-    mode = str(p["mode"])
-    if "CLIP" in mode:
-        ids_BxT = jnp.clip(ids_BxT, 0, v - 1)
-    elif "FILL" in mode:  # out-of-range ids read the fill value: no gradient
-        g_BxTxO = jnp.where(((ids_BxT >= 0) & (ids_BxT < v))[..., None], g_BxTxO, 0)
+    mode = str(use.eqn.params["mode"])
+    if "FILL" in mode:  # out-of-range ids read the fill value: no gradient
+        g_BxTxO = jnp.where(((ids_BxT >= 0) & (ids_BxT < v))[..., None], g_BxTxO,
+                            jnp.zeros((), g_BxTxO.dtype))
+    return jnp.clip(ids_BxT, 0, v - 1), g_BxTxO
+
+
+def embed_sq_norm(use, ids, g) -> jax.Array | None:
+    """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
+    when V < T)."""
+    operands = embed_operands(use, ids, g)
+    if operands is None:
+        return None
+    ids_BxT, g_BxTxO = operands
+    v = use.eqn.invars[0].aval.shape[0]
     if ids_BxT.shape[1] == 1:
         return jnp.sum(jnp.square(g_BxTxO), (1, 2))
     if v < ids_BxT.shape[1]:
