@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 from cbs.analysis import calibration, reference_protocol
+from cbs.results import calibration as prediction
 from cbs.results import paths, records
 from cbs.results.store import SweepStore
 
@@ -62,8 +63,9 @@ def points(root: str) -> list[dict[str, Any]]:
 def check(rows: list[dict[str, Any]], level: float = 0.8) -> dict[str, Any]:
     """Per scale: the model on all points (ratio per family, τ², σ²) and its leave-one-task-
     out coverage at `level` (each task's points against the model fitted without the task,
-    `calibration.predict`), over all points and over the adaptive family's (the points whose
-    input differs), on the points where both scales are finite and positive."""
+    by `cbs.results.calibration.predict`), over all points and over the adaptive family's
+    (the points whose input differs), on the points where both scales are finite and
+    positive."""
     ok = [r for r in rows if all(math.isfinite(r[s]) and r[s] > 0 for s in SCALES)]
     out: dict[str, Any] = {"level": level, "points": len(ok),
                            "tasks": sorted({r["task"] for r in ok}),
@@ -75,10 +77,10 @@ def check(rows: list[dict[str, Any]], level: float = 0.8) -> dict[str, Any]:
         for task in out["tasks"]:
             rest = calibration.model([r for r in ok if r["task"] != task], scale)
             for r in (r for r in ok if r["task"] == task):
-                f = calibration.family(r["optimizer"])
+                f = prediction.family(r["optimizer"])
                 if f not in rest["families"]:
                     continue
-                lo, hi = calibration.predict(rest, r[scale], r["optimizer"],
+                lo, hi = prediction.predict(rest, r[scale], r["optimizer"],
                                              level=level)["interval"]
                 hit = lo <= r["b_crit"] <= hi
                 hits.setdefault(f, []).append(hit)
@@ -102,7 +104,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# B_simple against B_simple^P of Adam's update as the calibration's input", "",
              f"Points: one per (study, target, seed) of the reference protocol over seeds, "
              f"B_crit inside the swept batch sizes: {result['points']} points, "
-             f"{len(result['tasks'])} tasks ({', '.join(result['studies'])}). Model and "
+             f"{len(result['tasks'])} tasks, studies {', '.join(result['studies'])}. Model and "
              "leave-one-task-out check: those of the calibration (random effects on log "
              f"B_crit/B_s per optimizer family, t interval at {result['level']:.0%}); SGD's "
              "points are the same in both rows (its update is the gradient).", "",
