@@ -184,7 +184,7 @@ def test_experiment_configs_are_valid(path):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert "python -m experiments." in module.__doc__  # the command that runs it
+    assert "cbs-train --config=" in module.__doc__  # the command that runs it
     for arg in ("tiny", ""):
         c = module.get_config(arg) if arg else module.get_config()
         config_lib.validate(c, data_replicas=1, model_names=("mlp", "cnn", "transformer"))
