@@ -68,6 +68,19 @@ def _temp_gb(loss_fn, params, num: int, example, one_pass: bool) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 1e9
 
 
+def study_model(sweep_dir: str):
+    """(config, initial train state, loss_fn(params, batch), dataset) of the committed study
+    in `sweep_dir`: its first trial's model on one device."""
+    config = reference_seeds.study_config(sweep_dir)
+    trial = grid.make_trials(config.sweep)[0]
+    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+    tr = trainer.Trainer(trials.trial_config(config, trial), mesh=one)
+    state = tr.init_state()
+    loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
+    ds = data.get_dataset(config.data.name, **config.data.options.to_dict())
+    return config, state, loss_fn, ds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep_dir", default=None, help="a committed study (default: "
@@ -78,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir = args.sweep_dir or os.path.join(
         ROOT, "results", "digits" if args.quick else "shakespeare_kaplan_d32")
     repeats = 2 if args.quick else args.repeats
-    config = reference_seeds.study_config(sweep_dir)
-    trial = grid.make_trials(config.sweep)[0]
-    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    tr = trainer.Trainer(trials.trial_config(config, trial), mesh=one)
-    state = tr.init_state()
-    loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-    ds = data.get_dataset(config.data.name, **config.data.options.to_dict())
+    config, state, loss_fn, ds = study_model(sweep_dir)
     num = ds.num_train
     chunk = min(sampled.FULL_DATA_CHUNK, num)
     batch = jax.tree.map(jnp.asarray, ds.split("train").read(np.arange(chunk)))

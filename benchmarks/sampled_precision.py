@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from cbs import data
-from cbs.engine import cli, mesh, trainer
+from benchmarks import full_data_cost
+from cbs.engine import cli
 from cbs.stats import preconditioned, sampled
-from cbs.sweeps import grid, reference_seeds, trials
+from cbs.sweeps import reference_seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g", "b_noise")
@@ -66,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.steps = 3, 100
     sweep_dir = args.sweep_dir or os.path.join(
         ROOT, "results", "digits" if args.quick else "shakespeare_kaplan_d32")
-    config = reference_seeds.study_config(sweep_dir)
-    trial = grid.make_trials(config.sweep)[0]
-    one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    tr = trainer.Trainer(trials.trial_config(config, trial), mesh=one)
-    state = tr.init_state()
-    loss_fn = lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
-    ds = data.get_dataset(config.data.name, **config.data.options.to_dict())
+    config, state, loss_fn, ds = full_data_cost.study_model(sweep_dir)
     num = ds.num_train
     train = ds.split("train")
     rng = np.random.default_rng(0)
