@@ -18,23 +18,25 @@ from cbs.stats.loss_checks import allow_randomness, check_loss_fn
 from cbs.stats.monitor import NoiseMonitor
 from cbs.stats.noise import (
     CURVATURE_KEYS,
+    METHOD_ARGUMENTS,
     SIMPLE_KEYS,
     STAT_KEYS,
     MethodFn,
     NoiseStats,
     exact,
     get_method,
+    method_arguments,
     method_names,
     per_example_sq_norms,
     probe,
     register_method,
-    takes_hessian_batch,
 )
 from cbs.stats.smoothing import NoiseScaleEMA, two_batch
 
 __all__ = [
-    "CURVATURE_KEYS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseMonitor", "NoiseScaleEMA",
-    "NoiseStats", "allow_randomness", "check_loss_fn", "exact", "example_keys", "get_method",
-    "keyed_loss", "method_names", "nnx_value_grad_and_stats", "per_example_sq_norms", "probe",
-    "register_method", "takes_hessian_batch", "two_batch", "value_grad_and_stats", "with_keys",
+    "CURVATURE_KEYS", "METHOD_ARGUMENTS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseMonitor",
+    "NoiseScaleEMA", "NoiseStats", "allow_randomness", "check_loss_fn", "exact", "example_keys",
+    "get_method", "keyed_loss", "method_arguments", "method_names", "nnx_value_grad_and_stats",
+    "per_example_sq_norms", "probe", "register_method", "two_batch", "value_grad_and_stats",
+    "with_keys",
 ]

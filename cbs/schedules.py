@@ -18,6 +18,7 @@ from cbs.engine.lr import (
     lr_multiplier,
     lr_schedule,
     lr_schedule_from_config,
+    step_rate,
     validate_coupling_config,
 )
 from cbs.engine.schedules import (
@@ -41,5 +42,5 @@ __all__ = [
     "batch_size_trace", "checked_schedule", "coupled_lr", "coupled_lr_history",
     "coupling_from_config", "deepseek_v3_schedule", "in_sequences", "learning_rate_shape",
     "llama3_schedule", "lr_multiplier", "lr_schedule", "lr_schedule_from_config", "register",
-    "validate_batch_config", "validate_coupling_config",
+    "step_rate", "validate_batch_config", "validate_coupling_config",
 ]

@@ -1,28 +1,60 @@
 """`cbs.train`: the public API of `cbs.engine.trainer` (a run from a config),
-`cbs.engine.loop` (the one training loop), `cbs.engine.parts` (the parts of a run), the state
-and step of `cbs.engine.step` and the noise measurement's spec (`cbs.engine.noise_spec`),
+`cbs.engine.loop` (the one training loop), `cbs.engine.parts` (the parts of a run), the state of
+`cbs.engine.state`, the step of `cbs.engine.step` and the noise section's spec
+(`cbs.engine.noise_spec`),
 re-exported: `__all__` is the union of theirs.
 
 Training runs from a config: set-up (`RunParts`), the loop, evaluation, checkpoints, records,
 resume.
 """
 
-from cbs.engine.loop import ENDED, DivergedError, Loop, StopFn, config_hash, ended_run
+from cbs.engine.loop import (
+    ENDED,
+    DivergedError,
+    Loop,
+    StopFn,
+    config_hash,
+    ended_run,
+    noise_scale,
+)
 from cbs.engine.noise_spec import (
     AUTO_METHOD,
     EXAMPLES,
     FULL_DATA_MAX,
     FULL_DATA_METHOD,
     NoiseSpec,
-    validate_config,
 )
 from cbs.engine.parts import RunParts
-from cbs.engine.step import StatefulLoss, TrainState, TrainStep, init_train_state, stateless
+from cbs.engine.state import (
+    COUNT_BASE,
+    StatefulLoss,
+    StepMetrics,
+    TrainState,
+    count_add,
+    count_from_int,
+    count_int32,
+    count_to_int,
+    count_value,
+    init_train_state,
+    position,
+    stateless,
+)
+from cbs.engine.step import (
+    BatchLayout,
+    MeasureHook,
+    StepOptions,
+    TrainStep,
+    apply_step,
+    jit_step,
+)
 from cbs.engine.trainer import CHECKPOINT_CHUNK, EvalFn, Trainer, measure_checkpoint, run
 
 __all__ = [
-    "AUTO_METHOD", "CHECKPOINT_CHUNK", "ENDED", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD",
-    "DivergedError", "EvalFn", "Loop", "NoiseSpec", "RunParts", "StatefulLoss", "StopFn",
-    "TrainState", "TrainStep", "Trainer", "config_hash", "ended_run", "init_train_state",
-    "measure_checkpoint", "run", "stateless", "validate_config",
+    "AUTO_METHOD", "CHECKPOINT_CHUNK", "COUNT_BASE", "ENDED", "EXAMPLES", "FULL_DATA_MAX",
+    "FULL_DATA_METHOD", "BatchLayout", "DivergedError", "EvalFn", "Loop", "MeasureHook",
+    "NoiseSpec", "RunParts", "StatefulLoss", "StepMetrics", "StepOptions", "StopFn",
+    "TrainState", "TrainStep", "Trainer", "apply_step", "config_hash", "count_add",
+    "count_from_int", "count_int32", "count_to_int", "count_value", "ended_run",
+    "init_train_state", "jit_step", "measure_checkpoint", "noise_scale", "position", "run",
+    "stateless",
 ]

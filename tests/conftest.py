@@ -92,3 +92,39 @@ def mlp():
     graphdef, params, rest = models.split_model(model)
     batch = data.get_dataset("digits").split("train").read(np.arange(32))
     return models.make_loss_fn(graphdef, rest, "classification"), params, batch
+
+
+class MeasuredStep:
+    """A `TrainStep` with its `cbs.engine.measure.Measurement`, called like the step: the
+    t-th call is step t (measuring when due) and returns the record fields of its metrics."""
+
+    def __init__(self, train_step, spec, *, seed: int = 0):
+        from cbs.engine.measure import Measurement
+
+        self.train_step, self.measurement, self.t = train_step, Measurement(
+            spec, train_step, seed=seed), 0
+        self.layout = train_step.layout
+
+    def __call__(self, state, inputs, accum_steps):
+        state, values = self.measurement.step(state, inputs, accum_steps, self.t)
+        fields = self.measurement.fields(self.t, jax.device_get(values))
+        self.t += 1
+        return state, fields
+
+
+def make_train_step(loss_fn, params, direction, mesh, *, micro_batch, lr, stateful=False,
+                    measure=None, **options):
+    """(step, state): a `TrainStep` at a constant learning rate with the batch passed as
+    inputs (a `MeasuredStep` with the spec `measure`), and a fresh state on `mesh`."""
+    from cbs.engine import mesh as mesh_lib
+    from cbs.engine import state as state_lib
+    from cbs.engine import step
+
+    state = jax.jit(lambda p: state_lib.init_train_state(p, direction, learning_rate=lr),
+                    out_shardings=mesh_lib.replicated(mesh))(params)
+    layout = step.BatchLayout(mesh, jax.tree.map(lambda x: x.sharding, state),
+                              mesh_lib.batch_sharding(mesh), micro_batch=micro_batch)
+    fn = loss_fn if stateful else state_lib.stateless(loss_fn)
+    ts = step.TrainStep(fn, direction, lambda lr, e, b: lr, layout,
+                        step.StepOptions(**options))
+    return (ts if measure is None else MeasuredStep(ts, measure)), state

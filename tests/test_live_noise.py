@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from conftest import make_train_step
 from flax import nnx
 
 from cbs import models
-from cbs.engine import live_noise, optim, step, step_metrics
+from cbs.engine import live_noise, optim
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.state import StepMetrics
 from cbs.stats import noise, smoothing
 
 RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4
@@ -34,13 +36,8 @@ RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4
 def make_step(loss_fn, params, *, devices=1, micro_batch, stateful=False, lr=0.0, **kwargs):
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:devices])
     direction = optim.make_direction(ml_collections.ConfigDict({"name": "sgd"}))
-    state = jax.jit(lambda p: step.init_train_state(p, direction, learning_rate=lr),
-                    out_shardings=mesh_lib.replicated(mesh))(params)
-    fn = loss_fn if stateful else step.stateless(loss_fn)
-    ts = step.TrainStep(fn, direction, lambda e: 1.0, mesh,
-                        jax.tree.map(lambda x: x.sharding, state),
-                        mesh_lib.batch_sharding(mesh), micro_batch=micro_batch, **kwargs)
-    return ts, state
+    return make_train_step(loss_fn, params, direction, mesh, micro_batch=micro_batch, lr=lr,
+                           stateful=stateful, **kwargs)
 
 
 def reference64(loss_fn, params, batch) -> dict[str, float]:
@@ -66,7 +63,7 @@ def test_exact_live_equals_float64_reference(mlp, devices, micro_batch, accum):
     step's live statistics are those of the whole logical batch of 32."""
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, devices=devices, micro_batch=micro_batch)
-    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh))
     assert ts.live_kind(state, inputs, accum) == "exact"
     _, m = ts(state, inputs, accum)
     m = jax.device_get(m)
@@ -88,7 +85,7 @@ def test_grad_norm_off_skips_only_the_logged_norm(mlp, live):
     for grad_norm in (True, False):
         ts, state = make_step(loss_fn, params, micro_batch=16, lr=0.1, live=live,
                               grad_norm=grad_norm)
-        inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+        inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh))
         new, m = ts(state, inputs, 2)
         outs.append((jax.device_get(new.params), jax.device_get(m)))
     (p_on, m_on), (p_off, m_off) = outs
@@ -123,7 +120,7 @@ def _tanh_model():
 def test_unreadable_model_falls_back_to_two_batch(caplog):
     loss_fn, params, batch = _tanh_model()
     ts, state = make_step(loss_fn, params, micro_batch=4)
-    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh))
     with caplog.at_level(logging.INFO, logger="cbs.engine.live_noise"):
         assert ts.live_kind(state, inputs, 4) == "two_batch"
         _, m = ts(state, inputs, 4)
@@ -166,27 +163,26 @@ def test_exact_measurement_is_read_from_the_live_statistics(mlp):
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=8, lr=0.05,
                           measure=NoiseSpec(every=2))
-    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
-    assert ts.measured_in_step(state, inputs, 4)
+    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh))
     want = reference64(loss_fn, params, batch)
     hist = []
     for _ in range(3):
         state, m = ts(state, inputs, 4)
-        hist.append(jax.device_get(m))
+        hist.append(m)
+    assert ts.measurement._alone_jit is None  # no measurement of its own
+    assert ts.measurement.num_compilations() == 1  # one step for due steps and the others
     np.testing.assert_allclose(hist[0]["noise/b_simple"], want["b_simple"], rtol=RTOL_GRAD)
     np.testing.assert_allclose(hist[0]["noise/trace_sigma"], hist[0]["noise/live_trace_sigma"])
     assert hist[0]["noise/batch_size"] == 32
-    assert np.isnan(hist[1]["noise/b_simple"]) and np.isnan(hist[1]["noise/batch_size"])
+    assert "noise/b_simple" not in hist[1] and "noise/batch_size" not in hist[1]
     assert np.isfinite(hist[2]["noise/b_simple"])
     assert int(state.measure_ema.count) == 2
-    # a two-batch live estimate leaves the measurement to its own call
-    ts2, state2 = make_step(loss_fn, params, micro_batch=8, live="two_batch",
-                            measure=NoiseSpec(every=2))
-    assert not ts2.measured_in_step(state2, inputs, 4)
-    # curvature still needs its own pass
-    ts3, state3 = make_step(loss_fn, params, micro_batch=8,
-                            measure=NoiseSpec(every=2, curvature=True))
-    assert not ts3.measured_in_step(state3, inputs, 4)
+    # a two-batch live estimate, or curvature, leaves the measurement to its own call
+    for kwargs in ({"live": "two_batch"}, {"measure": NoiseSpec(every=2, curvature=True)}):
+        ts2, state2 = make_step(loss_fn, params, micro_batch=8,
+                                **({"measure": NoiseSpec(every=2)} | kwargs))
+        state2, m2 = ts2(state2, inputs, 4)
+        assert ts2.measurement._alone_jit is not None and "noise/b_simple" in m2
 
 
 def test_in_step_curvature_takes_b_simple_from_the_live_statistics(mlp):
@@ -197,8 +193,7 @@ def test_in_step_curvature_takes_b_simple_from_the_live_statistics(mlp):
     ts, state = make_step(loss_fn, params, micro_batch=8,
                           measure=NoiseSpec(method="vmap", every=1, curvature=True,
                                             in_step=True))
-    _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh)), 4)
-    m = jax.device_get(m)
+    _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh)), 4)
     np.testing.assert_allclose(m["noise/b_simple"], reference64(loss_fn, params,
                                                                 batch)["b_simple"],
                                rtol=RTOL_GRAD)
@@ -212,7 +207,7 @@ def test_in_step_curvature_takes_b_simple_from_the_live_statistics(mlp):
 def test_live_none_and_unknown_name(mlp):
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=32, live="none")
-    _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh)), 1)
+    _, m = ts(state, jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh)), 1)
     assert np.isnan(m["noise/live_trace_sigma"]) and float(m["noise/live_exact"]) == 0.0
     with pytest.raises(ValueError, match="live must be one of"):
         make_step(loss_fn, params, micro_batch=32, live="ghostly")
@@ -223,14 +218,14 @@ def test_jitted_step_packs_the_metrics_of_apply(mlp):
     with the same values (both run on the same state and batch)."""
     loss_fn, params, batch = mlp
     ts, state = make_step(loss_fn, params, micro_batch=32)
-    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.mesh))
+    inputs = jax.device_put(batch, mesh_lib.batch_sharding(ts.layout.mesh))
     _, want = jax.jit(ts.apply, static_argnums=2)(state, inputs, 1)
     _, got = ts(state, inputs, 1)
-    assert isinstance(got, step_metrics.StepMetrics) and got.array.shape == (len(want),)
+    assert isinstance(got, StepMetrics) and got.array.shape == (len(want),)
     got = jax.device_get(got)  # a pytree: fetched as one array, names kept
     assert sorted(got) == sorted(want) and len(want) > 5
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
     assert (got | {"x": 1.0})["x"] == 1.0
     with pytest.raises(ValueError, match="must be scalars"):
-        step_metrics.StepMetrics.pack({"a": jnp.zeros(()), "b": jnp.zeros(2)})
+        StepMetrics.pack({"a": jnp.zeros(()), "b": jnp.zeros(2)})

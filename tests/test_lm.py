@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cbs import models
-from cbs.engine import counts, trainer
 from cbs.engine import mesh as mesh_lib
+from cbs.engine import state as counts
+from cbs.engine import trainer
 from cbs.models import lm
 from experiments.configs import lm_shakespeare
 

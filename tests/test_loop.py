@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import pytest
 from cbs.engine import config as config_lib
 from cbs.engine import loop, schedules, trainer
 from cbs.engine import mesh as mesh_lib
+from cbs.engine.driver import Deferred
 from cbs.engine.progress import (
     DivergenceRule,
     DivergenceState,
@@ -127,27 +127,21 @@ class _Scripted:
     (1.0 past the end); `stride` steps per dispatch (a group-like driver has no train
     records: it reports only evaluations)."""
 
-    read_each_evaluation = False
-    replicas = 1
-    dataset = types.SimpleNamespace(input_shape=(1,), vocab_size=None)
-    mesh = types.SimpleNamespace(size=1)
-
     def __init__(self, config, workdir, losses=(), *, schedule=None, stride=1,
                  start_position=(0, 0)):
         self.config, self.workdir, self.losses, self.stride = config, workdir, losses, stride
         self.start_position = start_position
         self.schedule = schedule or schedules.Constant(4)
         self.evaluated: list[int] = []
-        self.read_each_evaluation = stride > 1
 
-    def init_state(self):
+    def _fresh(self):
         return {"t": jnp.zeros((), jnp.int32)}
 
-    def restore_target(self):
-        return jax.eval_shape(self.init_state)
-
-    def restored(self, state):
-        return state
+    def start(self, restore):
+        if restore is not None:
+            return restore(jax.eval_shape(self._fresh))
+        step, seen = self.start_position
+        return self._fresh(), {"step": step, "examples_seen": seen}
 
     def advance(self, state, step, examples_seen, batch_size):
         n = self.stride
@@ -155,10 +149,9 @@ class _Scripted:
         if n > 1:
             return state, n, None
         loss = self.losses[step] if step < len(self.losses) else 1.0
-        return state, 1, ({"train/loss": np.float32(loss)}, None)
-
-    def accum_steps(self, batch_size):
-        return 1
+        values = {"train/loss": np.float32(loss)}
+        return state, 1, Deferred(values, lambda v: [
+            {"data/batch_size": batch_size} | {k: float(x) for k, x in v.items()}])
 
     def checkpoint_due(self, step):
         return step % self.config.train.checkpoint_every == 0
@@ -168,17 +161,12 @@ class _Scripted:
 
     def evaluate_at(self, state, step):
         self.evaluated.append(step)
-        return state["t"]
+        return Deferred(state["t"], lambda t: [{"eval/loss": 1.0 / (1.0 + float(t))}])
 
-    def eval_records(self, t):
-        return [{"eval/loss": 1.0 / (1.0 + float(t))}]
 
-    def noise_scale(self, state, name):
-        assert name == "b_simple"
-        return 100.0 + float(state["t"])
-
-    def num_compilations(self):
-        return 0
+def _loop(driver, **kwargs):
+    """The loop of a scripted driver: its own points; a strided one reads each evaluation."""
+    return loop.Loop(driver, points=driver, read_each_evaluation=driver.stride > 1, **kwargs)
 
 
 def _loop_config(**train):
@@ -197,7 +185,7 @@ def _records(workdir):
 def test_loop_runs_to_the_step_budget_with_evaluations_on_schedule(tmp_path):
     d = str(tmp_path)
     drv = _Scripted(_loop_config(max_steps=7), d)
-    summary = loop.Loop(drv).run()
+    summary = _loop(drv).run()
     assert summary["status"] == "finished" and summary["step"] == 7
     recs = _records(d)
     assert [r["step"] for r in recs if r["kind"] == "train"] == list(range(7))
@@ -210,7 +198,7 @@ def test_a_state_that_starts_later_runs_from_its_position_to_the_same_budget(tmp
     """A driver whose fresh state is at step 5 with 20 examples seen (a branch from its
     point): the loop's counters start there and `train.max_steps` counts from step 0."""
     d = str(tmp_path)
-    summary = loop.Loop(_Scripted(_loop_config(max_steps=7), d, start_position=(5, 20))).run()
+    summary = _loop(_Scripted(_loop_config(max_steps=7), d, start_position=(5, 20))).run()
     assert (summary["step"], summary["examples_seen"]) == (7, 28)
     recs = _records(d)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [5, 6]
@@ -220,7 +208,7 @@ def test_a_state_that_starts_later_runs_from_its_position_to_the_same_budget(tmp
 
 def test_loop_stops_on_the_example_budget(tmp_path):
     c = _loop_config(max_steps=0, max_examples=10)
-    summary = loop.Loop(_Scripted(c, str(tmp_path))).run()
+    summary = _loop(_Scripted(c, str(tmp_path))).run()
     assert summary["status"] == "finished"
     assert (summary["step"], summary["examples_seen"]) == (3, 12)  # B = 4: 12 ≥ 10
 
@@ -228,7 +216,7 @@ def test_loop_stops_on_the_example_budget(tmp_path):
 def test_stop_fn_ends_the_run_as_stopped_with_a_final_evaluation(tmp_path):
     d = str(tmp_path)
     drv = _Scripted(_loop_config(max_steps=50), d)
-    summary = loop.Loop(drv, stop_fn=lambda step, rec: step == 4).run()
+    summary = _loop(drv, stop_fn=lambda step, rec: step == 4).run()
     assert summary["status"] == "stopped"
     # read every log_every = 2 steps, all but the newest: step 4 is read at t = 6
     assert summary["step"] == 6 and drv.evaluated == [0, 3, 6]
@@ -239,7 +227,7 @@ def test_divergence_after_patience_is_raised_with_its_step(tmp_path):
     d = str(tmp_path)
     losses = [1.0, 1.0, 9.0, 1.0, 9.0, 9.0, 9.0]  # factor 4, patience 2: diverged at step 5
     with pytest.raises(loop.DivergedError, match="diverged at step 5") as err:
-        loop.Loop(_Scripted(_loop_config(max_steps=20), d, losses)).run()
+        _loop(_Scripted(_loop_config(max_steps=20), d, losses)).run()
     assert err.value.step == 5
     status = records.read_json(os.path.join(d, files.STATUS_FILE))
     assert status["status"] == "diverged"
@@ -247,7 +235,7 @@ def test_divergence_after_patience_is_raised_with_its_step(tmp_path):
 
 
 def test_non_finite_loss_diverges_at_once_without_raising_when_asked(tmp_path):
-    summary = loop.Loop(_Scripted(_loop_config(max_steps=20), str(tmp_path),
+    summary = _loop(_Scripted(_loop_config(max_steps=20), str(tmp_path),
                                   [1.0, 1.0, math.nan])).run(raise_on_divergence=False)
     assert summary["status"] == "diverged" and summary["step"] == 2
     assert "non-finite loss" in summary["message"]
@@ -259,21 +247,29 @@ def test_a_multi_step_driver_stops_at_the_evaluation_that_asked(tmp_path):
     c = _loop_config(max_steps=100)
     c.eval.every = 5
     drv = _Scripted(c, str(tmp_path), stride=5)
-    summary = loop.Loop(drv, stop_fn=lambda step, rec: rec["eval/loss"] < 0.08).run()
+    summary = _loop(drv, stop_fn=lambda step, rec: rec["eval/loss"] < 0.08).run()
     assert summary["status"] == "stopped" and summary["step"] == 15  # 1/16 < 0.08 < 1/11
     assert drv.evaluated == [0, 5, 10, 15]
     assert all(r["kind"] == "eval" for r in _records(str(tmp_path)))
 
 
-def test_an_unregistered_observing_schedule_is_fed_and_resumed_through_its_protocol(tmp_path):
+def test_an_unregistered_observing_schedule_is_fed_and_resumed_through_its_protocol(
+        tmp_path, monkeypatch):
+    """The loop reads the state's smoothed noise scale (here 100 + t) every `adapt_every`
+    steps and feeds the schedule; a resumed run continues from the checkpoint's state."""
+    def scripted_noise_scale(state, name):
+        assert name == "b_simple"
+        return 100.0 + float(state["t"])
+
+    monkeypatch.setattr(loop, "noise_scale", scripted_noise_scale)
     d = str(tmp_path)
     c = _loop_config(max_steps=4, log_every=1, checkpoint_every=2)
     c.batch.adapt_every = 2
-    first = loop.Loop(_Scripted(c, d, schedule=_Doubling()))
+    first = _loop(_Scripted(c, d, schedule=_Doubling()))
     first.run()
     assert first.sched_state == _CountState(4, (102.0,))  # observed at t = 2 (not at t = 0)
     c.train.max_steps = 8  # continue the same run: the schedule state comes from the checkpoint
-    second = loop.Loop(_Scripted(c, d, schedule=_Doubling()))
+    second = _loop(_Scripted(c, d, schedule=_Doubling()))
     second.run()
     assert second.sched_state == _CountState(16, (102.0, 104.0, 106.0))
     sizes = [r["data/batch_size"] for r in _records(d) if r["kind"] == "train"]

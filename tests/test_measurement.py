@@ -96,14 +96,14 @@ def test_engine_measurement_of_a_streamed_split_equals_the_in_memory_one(example
     trial = grid.make_trials(c.sweep)[0]
     one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     tr = trainer.Trainer(trials.trial_config(c, trial), mesh=one)
-    assert isinstance(tr.on_eval, measure.EvalMeasurement)  # the trainer adds it
+    assert tr.on_eval is not None  # the trainer adds the measurement at evaluations
     state = tr.init_state()
     steps = trials.eval_steps(c.sweep, trial.batch_size)
-    hook = lambda: measure.EvalMeasurement(NoiseSpec.from_config(c.noise), seed=trial.seed,
-                                           steps=steps)
-    want = jax.device_get(hook()(tr, state, steps[3]))
+    hook = lambda: measure.Measurement(tr.noise_spec, tr.step, seed=trial.seed, parts=tr,
+                                       eval_steps=steps)
+    want = jax.device_get(hook().evaluation(state, steps[3]))
     tr.in_memory = False  # the host path a streamed training split takes
-    got = jax.device_get(hook()(tr, state, steps[3]))
+    got = jax.device_get(hook().evaluation(state, steps[3]))
     assert set(got) == set(want) and "noise/trace_h_sigma" in got
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, err_msg=k)
@@ -182,8 +182,8 @@ def _golden_values() -> dict[str, dict[str, float]]:
     s = NoiseSpec(every=1, batch_size=32, curvature=True)
     chunks = jax.tree.map(lambda x: x[None, :32], tr.dataset.take(
         tr.train_arrays, jnp.arange(32, dtype=jnp.int32)))
-    _, metrics = jax.jit(lambda st: measure.step_measurement(
-        s, loss, st, chunks, 1, 32, seed=0))(state)
+    _, metrics = jax.jit(lambda st: measure._step_measurement(
+        s, loss, st, chunks, 1, tr.step.layout, seed=0))(state)
     out["step"] = {k: float(v) for k, v in jax.device_get(metrics).items()
                    if k.removeprefix("noise/") in noise.STAT_KEYS}
     return out

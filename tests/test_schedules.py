@@ -259,7 +259,7 @@ def test_token_schedules_and_counter_at_three_trillion_tokens():
     """At 3·10¹² tokens (past int32 by 1400×): Llama 3's batch is 16M tokens = 2048 sequences
     of 8192, in tokens and in sequences; the exact device counter holds the position and the
     cosine learning rate read there equals the float64 closed form."""
-    from cbs.engine import counts
+    from cbs.engine import state as counts
 
     tokens, t = 3 * 10**12, 8192
     assert sch.llama3_schedule().batch_size_at(tokens) == 16 * MI

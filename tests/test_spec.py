@@ -14,7 +14,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cbs.engine import counts, loop, spec
+from cbs.engine import loop, spec
+from cbs.engine import state as counts
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.sweeps import branch_config, branch_unit, branches, grid, groups, launch, ramps, trials
 from cbs.sweeps.grid import Trial

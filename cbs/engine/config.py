@@ -7,7 +7,8 @@ whose message starts with the dotted name of the offending field.
 
 Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
 `cbs.engine.schedules.validate_batch_config` (batch), `cbs.engine.lr.validate_coupling_config`
-(batch.lr_coupling), `cbs.engine.noise_spec.validate_config` (noise),
+(batch.lr_coupling), `cbs.engine.noise_spec.NoiseSpec.from_config` (noise: the one reading
+of that section),
 `cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
 `cbs.engine.mesh.validate_config` (mesh), `cbs.engine.throughput.validate_config` (perf),
 `cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
@@ -182,8 +183,9 @@ def batch_sizes(config: Any) -> tuple[int, ...]:
 
 
 def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
-             dataset_names: tuple[str, ...] | None = None) -> None:
+             dataset_names: tuple[str, ...] | None = None) -> noise_spec.NoiseSpec:
     """Checks every field the engine reads; raises ConfigError naming the first bad one.
+    Returns the noise section read once (`cbs.engine.noise_spec.NoiseSpec`).
 
     data_replicas: R, the size of the mesh's data axis (every batch size must be a multiple
     of R·m). model_names / dataset_names: the known names, when the registries are given.
@@ -203,16 +205,18 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     schedule = schedules.validate_batch_config(_section(config, "batch"),
                                                optimizer=str(config.optim.name))
     lr.validate_coupling_config(_section(config, "batch.lr_coupling"))
-    noise_spec.validate_config(_section(config, "noise"))
+    spec = noise_spec.NoiseSpec.from_config(_section(config, "noise"))
     loop.validate_train_config(_section(config, "train"))
     loop.validate_eval_config(_section(config, "eval"))
     mesh.validate_config(_section(config, "mesh"))
     if "perf" in config:
         throughput.validate_config(config.perf)
-    _check_sizes(config, data_replicas, schedule)
+    _check_sizes(config, data_replicas, schedule, spec)
+    return spec
 
 
-def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule) -> None:
+def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule,
+                 n: noise_spec.NoiseSpec) -> None:
     """The checks that join sections: batch sizes against micro_batch × data replicas, the
     noise measurements against the batch and the schedule's needs."""
     m, r = config.batch.micro_batch, replicas
@@ -221,7 +225,6 @@ def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule) 
         if b < 1 or b % multiple:
             raise ConfigError(f"config.batch.schedule: batch size {b} is not a positive multiple"
                               f" of micro_batch × data replicas = {m} × {r}")
-    n = config.noise
     if schedule.observes == "b_noise" and not (n.every and n.curvature):
         raise ConfigError("config.batch.schedule.source: 'b_noise' needs curvature "
                           "measurements (noise.every > 0 and noise.curvature=True)")

@@ -3,117 +3,73 @@ a single run (`cbs.engine.trainer.Trainer`), a sweep's vmapped group of trials
 (`cbs.sweeps.groups.TrialGroup`) or the vmapped seeds of a branch
 (`cbs.sweeps.branch_unit.VmappedBranch`).
 
-`Driver` is what every driver implements. A driver may also keep its own evaluation and
-checkpoint points (`OwnPoints`; otherwise the config's, `checkpoint_due` and
-`evaluation_due`), adjust a restored state (`AdjustsRestored`), carry a smoothed noise
-scale for a schedule that observes one (`ObservesNoise`) or know where it will stop before
-its budget (`KnowsItsEnd`).
+`Driver` is what every driver implements: six members. How a loop runs (its own evaluation
+and checkpoint points, reading each evaluation at once, the step it expects to end at, the
+bar and mirrors, the throughput hooks) is given to `Loop` by whoever starts it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-import jax
 import ml_collections
 
-from cbs.data.dataset import Dataset
 from cbs.engine import schedules
 
-__all__ = [
-    "AdjustsRestored", "Driver", "KnowsItsEnd", "ObservesNoise", "OwnPoints", "checkpoint_due",
-    "evaluation_due",
-]
+__all__ = ["Deferred", "Driver", "Points", "Restore", "checkpoint_due", "evaluation_due"]
+
+# restore(target) -> (state, checkpoint metadata): the loop's checkpoint restored into the
+# abstract arrays `target` (shapes, dtypes, shardings)
+Restore = Callable[[Any], tuple[Any, dict[str, Any]]]
+
+
+class Deferred(NamedTuple):
+    """What a dispatch leaves to read later: device values, and `fields(fetched values)` ->
+    the record fields they make (one dict per record)."""
+
+    values: Any
+    fields: Callable[[Any], list[dict[str, Any]]]
 
 
 class Driver(Protocol):
-    """What `Loop` drives, and what every driver implements: the state (fresh, or the
-    abstract arrays a checkpoint restores into), its dispatches and its evaluations. When
-    to evaluate and to checkpoint is read from the config (`train.checkpoint_every`,
-    `eval.every`, `eval.steps`) unless the driver keeps its own points (`OwnPoints`).
+    """What `Loop` drives: a run config, a run directory, a batch schedule, a state, its
+    dispatches and its evaluations.
 
-    Attributes: `config` (the run config: `train`, `eval`, `noise` and `batch.adapt_every`
-    are read), `workdir`, `schedule` (`cbs.engine.schedules`), `dataset` and `mesh` (for the
-    throughput hooks), `replicas` (data replicas); `read_each_evaluation`: read every
-    evaluation as soon as it is dispatched (a driver whose stopping depends on it), instead
-    of up to `log_every` steps late; `start_position`: (step, examples seen) of the state
-    `init_state` gives ((0, 0) for a fresh run; a branch starts where its point is, so its
-    budget `train.max_steps` counts from the reference run's step 0).
+    Attributes: `config` (the run config: `train`, `eval` and `batch.adapt_every` are read),
+    `workdir` (the run directory), `schedule` (`cbs.engine.schedules`).
     """
 
     config: ml_collections.ConfigDict
+    workdir: str | None
     schedule: schedules.BatchSchedule
-    dataset: Dataset
-    mesh: jax.sharding.Mesh
-    replicas: int
-    read_each_evaluation: bool
-    start_position: tuple[int, int]
 
-    @property
-    def workdir(self) -> str | None:
-        """The run directory (a `Loop` needs one)."""
-
-    def init_state(self) -> Any:
-        """A fresh state on the device."""
-
-    def restore_target(self) -> Any:
-        """The state's abstract arrays (shapes, dtypes, shardings) to restore into."""
+    def start(self, restore: Restore | None) -> tuple[Any, dict[str, Any]]:
+        """(state, metadata): a fresh state on the device with {"step", "examples_seen"} of
+        where it starts (a branch starts where its point is, so its budget `train.max_steps`
+        counts from the reference run's step 0) when `restore` is None; else the checkpoint
+        `restore` reads into this driver's abstract state, adjusted for what the config may
+        change on resume, with the checkpoint's metadata."""
 
     def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
-                ) -> tuple[Any, int, Any]:
-        """Dispatches the steps from `step` on: (state, number of steps, device metrics of a
-        single step or None)."""
+                ) -> tuple[Any, int, Deferred | None]:
+        """Dispatches the steps from `step` on: (state, number of steps, the train record's
+        fields of a single step, or None)."""
 
-    def accum_steps(self, batch_size: int) -> int:
-        """Micro-batches per step at batch size B (recorded as data/accum_steps)."""
-
-    def evaluate_at(self, state: Any, step: int) -> Any:
-        """Dispatches the evaluation at `step`; device values for `eval_records`."""
-
-    def eval_records(self, values: Any) -> list[dict[str, Any]]:
-        """The evaluation's record fields from fetched values (one dict per record)."""
-
-    def num_compilations(self) -> int:
-        """Compilations of the step so far."""
+    def evaluate_at(self, state: Any, step: int) -> Deferred:
+        """Dispatches the evaluation of the parameters after `step` updates."""
 
 
 @runtime_checkable
-class OwnPoints(Protocol):
-    """A driver whose evaluations and checkpoints are not the config's (a sweep group's
-    log-spaced evaluation points, a checkpoint every few of them)."""
+class Points(Protocol):
+    """Evaluations and checkpoints that are not the config's (a sweep group's log-spaced
+    evaluation points, a checkpoint every few of them): a `Loop` argument."""
 
     def checkpoint_due(self, step: int) -> bool:
         """Save a checkpoint at `step` (one is also saved at the end)."""
 
     def evaluation_due(self, step: int) -> bool:
         """Evaluate the parameters after `step` updates (also done at the end)."""
-
-
-@runtime_checkable
-class AdjustsRestored(Protocol):
-    """A driver that adjusts a restored state for what the config may change on resume."""
-
-    def restored(self, state: Any) -> Any:
-        """The restored state, adjusted."""
-
-
-@runtime_checkable
-class ObservesNoise(Protocol):
-    """A driver whose state carries a smoothed noise scale (for a schedule that observes
-    one, `schedule.observes`)."""
-
-    def noise_scale(self, state: Any, name: str) -> float:
-        """The smoothed noise scale `name` ("b_simple", "b_noise") the state carries."""
-
-
-@runtime_checkable
-class KnowsItsEnd(Protocol):
-    """A driver that can tell before it starts where it will stop short of its budget (a
-    sweep's reference run repeats a trial whose crossing is recorded): the progress bar
-    counts to that step, so its estimate is of the work that will run."""
-
-    def expected_steps(self) -> int | None:
-        """The step where the run should stop (None: unknown, the budget)."""
 
 
 def checkpoint_due(config: ml_collections.ConfigDict, step: int) -> bool:

@@ -36,9 +36,9 @@ SOURCE_KEY = "noise/ema_b_simple"  # the live estimate the advice is computed fr
 _SCALE = "b_simple"
 
 
-def calibration_file(config: Any) -> dict[str, Any] | None:
-    """The calibration named by `config.noise.advice_calibration` (None: the shipped one)."""
-    path = str(config.noise.get("advice_calibration", "") or "")
+def calibration_file(path: str) -> dict[str, Any] | None:
+    """The calibration file `path` of `config.noise.advice_calibration` (None for "": the
+    shipped one)."""
     if not path:
         return None
     calib = records.read_json(path)

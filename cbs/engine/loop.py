@@ -25,21 +25,15 @@ from typing import Any, cast
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, fields, live_advice, preemption, throughput, writer
-from cbs.engine.driver import (
-    AdjustsRestored,
-    Driver,
-    KnowsItsEnd,
-    ObservesNoise,
-    OwnPoints,
-    checkpoint_due,
-    evaluation_due,
-)
+from cbs.engine import checkpoint, fields, preemption, throughput, writer
+from cbs.engine.driver import Deferred, Driver, Points, checkpoint_due, evaluation_due
 from cbs.engine.progress import DivergenceRule, DivergenceState
+from cbs.engine.state import TrainState
 from cbs.results import files, records
-from cbs.stats import noise
 
-__all__ = ["ENDED", "DivergedError", "Loop", "StopFn", "config_hash", "ended_run"]
+__all__ = [
+    "ENDED", "DivergedError", "Loop", "StopFn", "config_hash", "ended_run", "noise_scale",
+]
 
 StopFn = Callable[[int, dict[str, Any]], bool]
 ENDED = ("finished", "stopped", "diverged")  # "running", "preempted", "interrupted" resume
@@ -141,30 +135,56 @@ class _Pending:
     kind: str  # "train" | "eval"
     step: int
     examples_seen: int
-    values: Any  # device arrays, fetched at the next read
-    extra: dict[str, Any]
+    deferred: Deferred  # device values, fetched at the next read, and their fields
+
+
+def noise_scale(state: Any, name: str) -> float:
+    """The smoothed noise scale `name` a single run's state carries: B_simple from the EMA of
+    its live estimates, B_noise from the EMA of its periodic measurements (the only one with
+    curvature)."""
+    if not isinstance(state, TrainState):
+        raise ValueError(f"a {type(state).__name__} state trains at a constant batch size: it "
+                         f"observes no noise scale ({name})")
+    ema = state.measure_ema if name == "b_noise" else state.noise_ema
+    return float(jax.device_get(getattr(ema, name)))
 
 
 class Loop:
-    """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`."""
+    """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`.
+
+    Args:
+      driver: what the loop drives.
+      stop_fn: stop_fn(step, record) -> bool, called on every record written; True stops.
+      points: evaluations and checkpoints of the driver's own (default: the config's).
+      read_each_evaluation: read every evaluation as soon as it is dispatched (a driver whose
+        stopping depends on it), instead of up to `log_every` steps late.
+      end: the step where the run should stop short of its budget, when known (the bar
+        counts to it).
+      outputs: the bar and mirrors (default: the config's, `cbs.engine.writer.Outputs`).
+      perf: the throughput hooks (default: the config's `perf`, without the data's shapes).
+      compilations: the number of compilations so far, for the summary.
+    """
 
     sched_state: Any  # the schedule's state (`init`, `update`, `state_from_dict`)
 
-    def __init__(self, driver: Driver, stop_fn: StopFn | None = None):
+    def __init__(self, driver: Driver, stop_fn: StopFn | None = None, *,
+                 points: Points | None = None, read_each_evaluation: bool = False,
+                 end: int | None = None, outputs: writer.Outputs | None = None,
+                 perf: throughput.Perf | None = None,
+                 compilations: Callable[[], int] | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
         self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
+        self.points, self.read_each_evaluation, self.end = points, read_each_evaluation, end
+        self.outputs = outputs or writer.Outputs.from_config(self.config)
+        self.compilations = compilations
         self.primary = jax.process_index() == 0
-        self.perf = throughput.for_trainer(driver)  # perf hook (cbs.engine.throughput)
+        self.perf = perf or throughput.from_config(self.config, self.workdir)  # perf hook
         self.pending: list[_Pending] = []
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.rule = divergence_rule(self.config)
         self.divergence = DivergenceState()
-        self.noise_batch = self.config.noise.batch_size or (
-            self.config.batch.micro_batch * driver.replicas)
-        self.advice = live_advice.LiveAdvice.from_config(  # advice/* records
-            self.config, live_advice.calibration_file(self.config))
 
     # ------------------------------------------------------------------ state
 
@@ -175,16 +195,14 @@ class Loop:
             max_to_keep=c.train.keep_checkpoints)
         self.schedule = tr.schedule
         latest = self.ckpt.latest_step()
+        restore = None if latest is None else (
+            lambda target: self.ckpt.restore(latest, target))
+        self.state, meta = tr.start(restore)
+        self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         if latest is None:
-            self.state = tr.init_state()
-            (self.t, self.e), self.sched_state = tr.start_position, self.schedule.init()
-            self.last_saved = -1
+            self.sched_state, self.last_saved = self.schedule.init(), -1
             self.divergence = DivergenceState()
             return
-        self.state, meta = self.ckpt.restore(latest, tr.restore_target())
-        if isinstance(tr, AdjustsRestored):
-            self.state = tr.restored(self.state)
-        self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
         self.last_saved = self.t
         self.divergence = DivergenceState.from_dict(meta.get("divergence"))
@@ -208,23 +226,7 @@ class Loop:
         """The records of one step or evaluation: the one place a record is assembled (add
         fields, e.g. throughput, here)."""
         base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
-        if item.kind == "eval":
-            return [base | fields for fields in self.driver.eval_records(values)]
-        return [self._train_record(base | item.extra, item.step, values)]
-
-    def _train_record(self, base: dict[str, Any], step: int, values: Any) -> dict[str, Any]:
-        step_metrics, measured = values
-        rec = base | {k: float(v) for k, v in step_metrics.items()}
-        every = self.config.noise.every
-        if every and step % every == 0:
-            rec |= {k: float(v) for k, v in (measured or {}).items()}
-            # the measured examples: the step's whole batch when read from its exact live
-            # statistics, else noise.batch_size
-            rec["noise/batch_size"] = int(rec.get("noise/batch_size", self.noise_batch))
-        else:  # the in-step measurement's skipped branch is all NaN: leave it out
-            rec = {k: v for k, v in rec.items() if not k.startswith(("noise/measured_ema_",))
-                   and k not in _MEASURED_KEYS}
-        return rec | self.advice.record(rec)
+        return [base | fields for fields in item.deferred.fields(values)]
 
     def _read(self, *, keep_newest: bool) -> None:
         """Fetches pending metrics (all, or all but the newest step's), writes records."""
@@ -234,7 +236,7 @@ class Loop:
         items, self.pending = self.pending[:n], self.pending[n:]
         if not items:
             return
-        fetched = jax.device_get([it.values for it in items])
+        fetched = jax.device_get([it.deferred.values for it in items])
         records, every = [], self.config.train.record_every
         bad = None
         for item, values in zip(items, fetched, strict=True):
@@ -280,29 +282,25 @@ class Loop:
         name, every = self.schedule.observes, self.config.batch.adapt_every
         if name is None or self.t == 0 or self.t % every:
             return
-        if not isinstance(self.driver, ObservesNoise):
-            raise ValueError(f"{type(self.driver).__name__} trains at a constant batch size: it "
-                             f"observes no noise scale ({name})")
-        value = self.driver.noise_scale(self.state, name)
+        value = noise_scale(self.state, name)
         self.sched_state = self.schedule.update(self.sched_state, value, self.e)
 
     def _advance(self) -> None:
         b = self.schedule.batch_size_at(self.e, self.sched_state)
         self.perf.at_step(self.t)  # perf hook: profiler trace window
-        self.state, n, values = self.driver.advance(self.state, self.t, self.e, b)
-        if values is not None:  # one step: its record is read later
-            extra = {"data/batch_size": b, "data/accum_steps": self.driver.accum_steps(b)}
-            self.pending.append(_Pending("train", self.t, self.e, values, extra))
+        self.state, n, deferred = self.driver.advance(self.state, self.t, self.e, b)
+        if deferred is not None:  # one step: its record is read later
+            self.pending.append(_Pending("train", self.t, self.e, deferred))
         self.t, self.e = self.t + n, self.e + n * b
 
     def _evaluation_due(self, step: int) -> bool:
-        if isinstance(self.driver, OwnPoints):
-            return self.driver.evaluation_due(step)
+        if self.points is not None:
+            return self.points.evaluation_due(step)
         return evaluation_due(self.config, step)
 
     def _checkpoint_due(self, step: int) -> bool:
-        if isinstance(self.driver, OwnPoints):
-            return self.driver.checkpoint_due(step)
+        if self.points is not None:
+            return self.points.checkpoint_due(step)
         return checkpoint_due(self.config, step)
 
     def _iterate(self) -> None:
@@ -320,9 +318,9 @@ class Loop:
             if evaluated:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
-                                             tr.evaluate_at(self.state, self.t), {}))
+                                             tr.evaluate_at(self.state, self.t)))
             save = done or self._checkpoint_due(self.t)
-            if save or (evaluated and tr.read_each_evaluation):
+            if save or (evaluated and self.read_each_evaluation):
                 self._read(keep_newest=False)
                 if save and self.t != self.last_saved:
                     self._save()
@@ -339,7 +337,8 @@ class Loop:
         return {"status": status, "step": self.t, "examples_seen": self.e,
                 "checkpoint_step": self.ckpt.latest_step(), "message": message,
                 "config_hash": config_hash(self.config), "last_train": self.last_train,
-                "last_eval": self.last_eval, "compilations": self.driver.num_compilations(),
+                "last_eval": self.last_eval,
+                "compilations": self.compilations() if self.compilations else 0,
                 "elapsed_s": round(time.perf_counter() - self.start, 3)}
 
     def _write_status(self, summary: dict[str, Any]) -> None:
@@ -350,14 +349,13 @@ class Loop:
         """Runs to the end; returns the summary (also written to status.json)."""
         self.start = time.perf_counter()
         c = self.config
-        outputs = writer.Outputs.of(self.driver, c)  # bar, TensorBoard, W&B
+        outputs = self.outputs  # bar, TensorBoard, W&B
         if self.primary:
             outputs.check()  # a missing extra stops the run before any file
         self._restore_or_init()
         save_config(c, self.workdir)
-        end = self.driver.expected_steps() if isinstance(self.driver, KnowsItsEnd) else None
         self.writer = outputs.open(self.workdir, start_step=self.t,
-                                   total_steps=end or c.train.max_steps or None,
+                                   total_steps=self.end or c.train.max_steps or None,
                                    enabled=self.primary,
                                    hparams=c.to_dict() if outputs.wandb else None)
         self._write_status(self._summary("running"))
@@ -393,5 +391,3 @@ class Loop:
         self._write_status(summary)
         return summary
 
-
-_MEASURED_KEYS = frozenset(f"noise/{k}" for k in (*noise.STAT_KEYS, "batch_size"))

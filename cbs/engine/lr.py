@@ -30,7 +30,7 @@ from cbs.engine import fields
 
 __all__ = [
     "DECAYS", "EXPONENTS", "LR_RULES", "coupled_lr", "coupled_lr_history", "coupling_from_config",
-    "learning_rate_shape", "lr_multiplier", "lr_schedule", "lr_schedule_from_config",
+    "learning_rate_shape", "lr_multiplier", "lr_schedule", "lr_schedule_from_config", "step_rate",
     "validate_coupling_config",
 ]
 
@@ -167,3 +167,21 @@ def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Arra
                        final_fraction=float(o.get("final_fraction", 0.0)))
 
 
+
+
+def step_rate(config: ml_collections.ConfigDict, initial_batch_size: int
+              ) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
+    """The train step's rate η(η_0, E, B) = coupled_lr(η_0 · s(E), B) from `config.optim`
+    (`learning_rate_shape`) and `config.batch.lr_coupling` (`coupling_from_config`, B_0 the
+    schedule's first batch size `initial_batch_size` when not set); jittable."""
+    shape = learning_rate_shape(config)
+    coupling = coupling_from_config(config.batch.lr_coupling, initial_batch_size)
+
+    def rate(base_lr: jax.Array, examples_seen: jax.Array, batch_size: int) -> jax.Array:
+        lr = base_lr * shape(examples_seen)
+        if coupling is not None:
+            base, rule, cap = coupling
+            lr = coupled_lr(lr, batch_size, base, rule, cap)
+        return lr
+
+    return rate

@@ -5,14 +5,15 @@ estimator is the registered method it names (`cbs.stats.noise.register_method`: 
 "fast", "vmap", "probe", and "sampled" and "full_data" of `cbs.stats.sampled`, where the
 letters and equations are). The paths, all through `measure`:
 
-- the train step every k steps, on its own batch (`step_measurement`, called under the step's
-  jit or in `cbs.engine.step.TrainStep.measure_now`);
-- each evaluation, on examples of their own (`draw`: 𝓑 at stream positions that depend only
-  on (seed, evaluation index), 𝓒 an independent draw; or the whole training set):
-  `state_measurement` inside a vmapped sweep group's evaluation, `EvalMeasurement` as the
-  `on_eval` hook of an engine run (a sweep's engine trial, or a single run whose
-  `noise.examples` is not "step"), both recording `evaluation_record`; the same (seed,
-  index) gives the same draws, so both back ends record the same numbers;
+- a run's `Measurement`, built once from the spec, the one event of the loop that measures:
+  every k steps on the step's own batch (`Measurement.step`: read from the step's exact live
+  statistics when they are the measurement, else the method on the step's first examples,
+  in a step variant or a jit of its own), and at each evaluation on examples of their own
+  (`Measurement.evaluation`; `draw`: 𝓑 at stream positions that depend only on (seed,
+  evaluation index), 𝓒 an independent draw; or the whole training set);
+- `state_measurement` inside a vmapped sweep group's evaluation, recording
+  `evaluation_record` as a run's evaluations do; the same (seed, index) gives the same draws,
+  so both back ends record the same numbers;
 - a sweep's reference run (a vmapped group of one, the "full_data" method) and a branch
   study's reference checkpoints (`cbs.sweeps.branches`: "sampled" on the whole training set
   in a random order, its first m the deviations and H over all N).
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,17 +36,18 @@ from cbs import data
 from cbs.data import batching
 from cbs.engine import live_noise, mesh
 from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.state import TrainState
+from cbs.engine.step import BatchLayout, TrainStep, jit_step
 from cbs.stats import noise, smoothing
 
 __all__ = [
-    "EVAL_KEYS", "EvalMeasurement", "SEED_OFFSET", "all_examples", "at_evaluation", "draw",
-    "evaluation_record", "host_draw", "in_step_measurement", "measure", "measurement_batches",
-    "measurement_key", "serves", "state_measurement", "step_measurement",
+    "EVAL_KEYS", "Measurement", "SEED_OFFSET", "all_examples", "at_evaluation", "draw",
+    "evaluation_record", "host_draw", "measure", "measurement_batches", "measurement_key",
+    "state_measurement",
 ]
 
 PyTree = Any
 RunParts = Any  # a cbs.engine.parts.RunParts (not imported: the parts import this module)
-TrainState = Any  # a cbs.engine.step.TrainState (likewise)
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 # What an evaluation records: the unbiased |G|² only (not the raw |ḡ|² of the batch).
@@ -80,13 +81,14 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     fn = noise.get_method(spec.resolved_method(examples))
     kw: dict[str, Any] = dict(key=key, curvature=spec.curvature, num_probes=spec.num_probes,
                               chunk_size=spec.chunk_size or None)
-    takes = inspect.signature(fn).parameters
+    takes = noise.method_arguments(spec.resolved_method(examples))
     if "deviations" in takes:
         kw["deviations"] = spec.deviations
     if "hessian_examples" in takes:
         kw["hessian_examples"] = spec.hessian_batch_size
-    if examples != "step" or not (spec.curvature and noise.takes_hessian_batch(fn)):
-        if spec.curvature and hessian_batch is not None and noise.takes_hessian_batch(fn):
+    split_hessian = spec.curvature and "hessian_batch" in takes
+    if examples != "step" or not split_hessian:
+        if split_hessian and hessian_batch is not None:
             kw["hessian_batch"] = hessian_batch
         return fn(loss_fn, params, batch, **kw)
     n = jax.tree.leaves(batch)[0].shape[0]
@@ -99,59 +101,6 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     split = fn(loss_fn, params, jax.tree.map(lambda x: x[:half], batch),
                hessian_batch=jax.tree.map(lambda x: x[half:], batch), **kw)
     return dataclasses.replace(whole, **{k: getattr(split, k) for k in noise.CURVATURE_KEYS})
-
-
-def step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks: PyTree,
-                     per_micro: int, micro_examples: int, *, seed: int,
-                     whole: noise.NoiseStats | None = None
-                     ) -> tuple[smoothing.NoiseScaleEMA, dict[str, jax.Array]]:
-    """(updated measure_ema, noise/* metrics) of the train step's measurement: `measure` on
-    its first max(1, n/M) micro-batches of M = `micro_examples` examples (the first
-    n·C/A of its `chunks` [C, B/C, ...], `per_micro` = C/A chunks each), the method's random
-    draws keyed by (seed, step)."""
-    n_micro = max(1, spec.batch_size // micro_examples)
-    n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
-    batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]), chunks)
-    key = jax.random.fold_in(jax.random.key(seed), state.step)
-    stats = measure(spec, loss_fn, state.params, batch, key=key, examples="step", whole=whole)
-    if spec.curvature and stats.trace_h_sigma is None:
-        raise ValueError(f"noise method {spec.method!r} returned no curvature statistics "
-                         "(trace_h_sigma, g_h_g) though curvature was asked for")
-    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if spec.curvature else {}
-    ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
-    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if spec.curvature else ())
-    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
-                                     for n in names}
-    return ema, {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
-
-
-def serves(spec: NoiseSpec | None, live_kind: str) -> bool:
-    """Whether the step's exact live statistics are its every-k-steps measurement (an exact
-    B_simple measurement, no curvature, with an exact live estimate: no extra pass)."""
-    return (spec is not None and live_kind == "exact" and not spec.curvature
-            and spec.method in live_noise.EXACT_MEASURE_METHODS)
-
-
-def in_step_measurement(spec: NoiseSpec | None, step: jax.Array,
-                        measure_ema: smoothing.NoiseScaleEMA, exact: noise.NoiseStats | None,
-                        measure_fn: Callable[[noise.NoiseStats | None], Any], *, served: bool,
-                        in_step: bool) -> tuple[smoothing.NoiseScaleEMA, dict[str, jax.Array]]:
-    """(measure_ema, noise/* metrics) of the step's measurement inside the step: when due
-    (step % every == 0), the exact live statistics `exact` of the step's batch when they
-    serve it (`serves`), else `measure_fn(whole)` under `lax.cond` (`in_step`); NaN metrics
-    and the EMA unchanged when not due; nothing without a measurement in the step."""
-    if spec is None:
-        return measure_ema, {}
-    due = step % spec.every == 0
-    if served and exact is not None:
-        return live_noise.measurement(measure_ema, due, exact)
-    if not in_step:
-        return measure_ema, {}
-    whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
-    run = lambda: measure_fn(whole)
-    skipped = lambda: (measure_ema, jax.tree.map(
-        lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(run)[1]))
-    return jax.lax.cond(due, run, skipped)
 
 
 def evaluation_record(stats: noise.NoiseStats) -> dict[str, jax.Array]:
@@ -262,28 +211,143 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
     return fn
 
 
-class EvalMeasurement:
-    """The `on_eval` hook (`cbs.engine.trainer.run`) that measures at each evaluation:
-    {"noise/ema_b_simple", "noise/<key>" of `at_evaluation`} after `step` updates, at the
-    evaluation's index on the grid `steps` (a sweep trial's `eval.steps`, the grid of a
-    vmapped group; a final evaluation between grid points gets the next index), or at index
-    `step` without a grid."""
 
-    def __init__(self, spec: NoiseSpec, *, seed: int, steps: Sequence[int] = ()):
-        self.spec, self.seed, self.steps = spec, seed, [int(s) for s in steps]
-        self._fn: Callable[..., dict[str, jax.Array]] | None = None
+class Measurement:
+    """A run's noise measurement, built once from its spec: when it measures and how. The
+    loop's step event calls `step` (the train step, measuring when due) and its evaluations
+    call `evaluation`.
 
-    def __call__(self, tr: RunParts, state: TrainState, step: int) -> dict[str, jax.Array]:
-        index = bisect.bisect_left(self.steps, int(step)) if self.steps else int(step)
-        if self._fn is None:
-            self._fn = self._build(tr)
+    Every `spec.every` steps, on the step's own examples: read from the step's exact live
+    statistics when they are the measurement (`serves`: an exact B_simple measurement with an
+    exact live estimate, no extra pass; the step then always runs with the reading, NaN
+    between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
+    (the method's random draws keyed by (seed, step)), in a step variant compiled for the due
+    steps (`in_step`) or in a jit of its own before the step. At each evaluation, when the
+    spec measures there, examples of their own (`draw`) at the evaluation's index on the grid
+    `eval_steps` (a final evaluation between grid points gets the next index), or at index
+    `step` without a grid.
+
+    Args:
+      spec: the run's `NoiseSpec`.
+      train_step: the run's `cbs.engine.step.TrainStep`.
+      seed: the run's seed.
+      parts: the run's `cbs.engine.parts.RunParts` (its data and mesh), for the measurements
+        at evaluations.
+      eval_steps: the evaluation grid (`config.eval.steps`; empty: none).
+    """
+
+    def __init__(self, spec: NoiseSpec, train_step: TrainStep, *, seed: int,
+                 parts: RunParts | None = None, eval_steps: Sequence[int] = ()):
+        self.spec, self.train_step, self.parts, self.seed = spec, train_step, parts, seed
+        self.eval_steps = [int(s) for s in eval_steps]
+        ts = train_step
+        self.batch_size = spec.batch_size or ts.layout.micro_batch * ts.layout.replicas
+        self._served: dict[tuple, bool] = {}
+        self._plain = jit_step(ts, self._read_live) if self._may_serve() else ts
+        self._with_step = jit_step(ts, self._measure_hook) if spec.in_step else None
+        self._alone_jit: Any = None
+        self._eval_fn: Callable[..., dict[str, jax.Array]] | None = None
+
+    # ------------------------------------------------------------------ every k steps
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` measures the step's examples."""
+        return bool(self.spec.every) and step % self.spec.every == 0
+
+    def step(self, state: TrainState, inputs: Any, accum_steps: int, step: int
+             ) -> tuple[TrainState, tuple[Any, dict[str, jax.Array] | None]]:
+        """Step `step` of the run, measuring when due: (state, (step metrics, measured
+        metrics or None)), all on the device."""
+        if not self.due(step) or self._serves(state, inputs, accum_steps):
+            state, metrics = self._plain(state, inputs, accum_steps)
+            return state, (metrics, None)
+        if self._with_step is not None:
+            state, metrics = self._with_step(state, inputs, accum_steps)
+            return state, (metrics, None)
+        ema, measured = self._measure_alone(state, inputs, accum_steps)
+        state, metrics = self._plain(state.replace(measure_ema=ema), inputs, accum_steps)
+        return state, (metrics, measured)
+
+    def fields(self, step: int, values: Any) -> dict[str, float]:
+        """The record fields of step `step` from its fetched values: the step's metrics, and
+        the measurement's on due steps (with `noise/batch_size`, the examples measured)."""
+        metrics, measured = values
+        rec = {k: float(v) for k, v in metrics.items()}
+        if not self.due(step):  # the live reading's NaN between due steps: left out
+            return {k: v for k, v in rec.items()
+                    if not k.startswith("noise/measured_ema_") and k not in _MEASURED_KEYS}
+        rec |= {k: float(v) for k, v in (measured or {}).items()}
+        rec["noise/batch_size"] = int(rec.get("noise/batch_size", self.batch_size))
+        return rec
+
+    def num_compilations(self) -> int:
+        """Compiled variants of the step so far (one per accumulation count and variant)."""
+        fns = {id(f): f for f in (self._plain, self._with_step) if f is not None}
+        return sum(f.num_compilations() if isinstance(f, TrainStep) else f._cache_size()
+                   for f in fns.values())
+
+    def _may_serve(self) -> bool:
+        s = self.spec
+        return bool(s.every) and not s.curvature and s.method in live_noise.EXACT_MEASURE_METHODS
+
+    def _serves(self, state: TrainState, inputs: Any, accum_steps: int) -> bool:
+        return self._may_serve() and self.train_step.live_kind(state, inputs,
+                                                               accum_steps) == "exact"
+
+    def _read_live(self, state: TrainState, chunks: Any, per_micro: int,
+                   exact: noise.NoiseStats | None):
+        """The step hook of a run the live statistics serve: their reading when due."""
+        if exact is None:
+            return state.measure_ema, {}
+        return live_noise.measurement(state.measure_ema, state.step % self.spec.every == 0,
+                                      exact)
+
+    def _measure_hook(self, state: TrainState, chunks: Any, per_micro: int,
+                      exact: noise.NoiseStats | None):
+        """The step hook of a due step: the method on the step's first micro-batches (B_simple
+        from the exact live statistics `exact` when the method is exact)."""
+        spec, ts = self.spec, self.train_step
+        whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
+        return _step_measurement(spec, lambda p, b: ts.loss_fn(p, state.model_state, b)[0],
+                                 state, chunks, per_micro, ts.layout, seed=self.seed,
+                                 whole=whole)
+
+    def _measure_alone(self, state: TrainState, inputs: Any, accum_steps: int):
+        """The measurement of a due step without its update: the step variant with the hook,
+        of which only the measurement is kept (the rest is never computed)."""
+        if self._alone_jit is None:
+            def alone(state, inputs, accum_steps):
+                hook = lambda st, ch, pm, ex: _keep(out, self._measure_hook(st, ch, pm, None))
+                out: list = []
+                self.train_step.apply(state, inputs, accum_steps, hook)
+                return out[0]
+
+            lay = self.train_step.layout
+            self._alone_jit = jax.jit(alone, static_argnums=(2,),
+                                      in_shardings=(lay.state_sharding, lay.inputs_sharding),
+                                      out_shardings=(lay.state_sharding.measure_ema,
+                                                     mesh.replicated(lay.mesh)))
+        return self._alone_jit(state, inputs, accum_steps)
+
+    # ------------------------------------------------------------------ evaluations
+
+    def evaluation(self, state: TrainState, step: int) -> dict[str, jax.Array]:
+        """{"noise/ema_b_simple", "noise/<key>" of `at_evaluation`} after `step` updates
+        (device values), or {} when the spec does not measure at evaluations."""
+        if not self.spec.measures_at_evals:
+            return {}
+        tr = self.parts
+        steps = self.eval_steps
+        index = bisect.bisect_left(steps, int(step)) if steps else int(step)
+        if self._eval_fn is None:
+            self._eval_fn = self._build_evaluation()
         if tr.in_memory:
-            return self._fn(state, tr.train_arrays, jnp.int32(index))
+            return self._eval_fn(state, tr.train_arrays, jnp.int32(index))
         grad_batch, hess_batch = host_draw(self.spec, tr.dataset, index, seed=self.seed)
-        return self._fn(state, grad_batch, hess_batch, jnp.int32(index))
+        return self._eval_fn(state, grad_batch, hess_batch, jnp.int32(index))
 
-    def _build(self, tr: RunParts) -> Callable[..., dict[str, jax.Array]]:
-        spec, seed = self.spec, self.seed
+    def _build_evaluation(self) -> Callable[..., dict[str, jax.Array]]:
+        spec, seed, tr = self.spec, self.seed, self.parts
         examples = spec.examples_for(tr.dataset.num_train)
 
         def record(state, stats):
@@ -302,3 +366,36 @@ class EvalMeasurement:
 
         return jax.jit(from_arrays if tr.in_memory else from_batches,
                        out_shardings=mesh.replicated(tr.mesh))
+
+
+def _keep(out: list, value: Any) -> Any:
+    out.append(value)
+    return value
+
+
+def _step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks: PyTree,
+                      per_micro: int, layout: BatchLayout, *, seed: int,
+                      whole: noise.NoiseStats | None = None
+                      ) -> tuple[smoothing.NoiseScaleEMA, dict[str, jax.Array]]:
+    """(updated measure_ema, noise/* metrics) of the train step's measurement: `measure` on
+    its first max(1, n/M) micro-batches of M = R·m examples (the first n·C/A of its `chunks`
+    [C, B/C, ...], `per_micro` = C/A chunks each), the method's random draws keyed by (seed,
+    step)."""
+    n_micro = max(1, spec.batch_size // (layout.micro_batch * layout.replicas))
+    n_micro = min(n_micro, jax.tree.leaves(chunks)[0].shape[0] // per_micro)
+    batch = jax.tree.map(lambda x: x[:n_micro * per_micro].reshape(-1, *x.shape[2:]), chunks)
+    key = jax.random.fold_in(jax.random.key(seed), state.step)
+    stats = measure(spec, loss_fn, state.params, batch, key=key, examples="step", whole=whole)
+    if spec.curvature and stats.trace_h_sigma is None:
+        raise ValueError(f"noise method {spec.method!r} returned no curvature statistics "
+                         "(trace_h_sigma, g_h_g) though curvature was asked for")
+    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if spec.curvature else {}
+    ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
+    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if spec.curvature else ())
+    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
+                                     for n in names}
+    return ema, {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+# the keys of a measurement in a train record (left out between due steps)
+_MEASURED_KEYS = frozenset(f"noise/{k}" for k in (*noise.STAT_KEYS, "batch_size"))

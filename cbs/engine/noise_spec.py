@@ -1,6 +1,11 @@
-"""What a run measures of its gradient noise, and when: `NoiseSpec`, read once from
-`config.noise` (`NoiseSpec.from_config`, which validates every field and raises
-`cbs.engine.fields.ConfigError` naming it).
+"""What a run estimates and measures of its gradient noise, and when: `NoiseSpec`, the one
+reading of `config.noise` (`NoiseSpec.from_config`, which validates every field and raises
+`cbs.engine.fields.ConfigError` naming it; nothing else reads that section).
+
+The live estimate every step (`cbs.engine.live_noise`): `live` ("auto" | "exact" |
+"two_batch" | "none"; the config's `two_batch=False` reads as "none"), the two-batch small
+batch `small_batch`, the EMA's `ema_decay`, and the calibration of the live advice
+(`advice_calibration`).
 
 Letters: n examples measured (𝓑), m of them whose deviations give tr(HΣ) (𝓐), h examples of
 an independent Hessian draw (𝓒), N training examples, k steps between measurements.
@@ -33,7 +38,7 @@ from cbs.engine import fields, live_noise
 from cbs.stats import noise
 
 __all__ = [  # not the refusal of keys that moved (`check_moved_keys`), which the sweep reads
-    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec", "validate_config",
+    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec",
 ]
 
 EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples
@@ -62,31 +67,45 @@ class NoiseSpec:
     num_probes: int = 1  # probe vectors ("probe")
     chunk_size: int = 0  # examples per vmap chunk of an exact pass; 0 = all at once
     every: int = 0  # k, steps between measurements of the step's examples; 0 = never
-    in_step: bool = False  # every k steps: under lax.cond in the step (True) or in its own
-    #                        jit call
+    in_step: bool = False  # every k steps: in the step's own jit (a variant compiled for the
+    #                        measured steps) or in a jit call of its own before the step
+    live: str = "auto"  # the live estimate every step: "auto" | "exact" | "two_batch" | "none"
+    small_batch: int = 0  # b of the two-batch live estimate; 0 = automatic
+    ema_decay: float = 0.95  # decay of the live estimates' NoiseScaleEMA (per step)
+    advice_calibration: str = ""  # calibration file of the live advice; "" = the shipped one
 
     def __post_init__(self):
         self.check()
 
     @classmethod
     def from_config(cls, noise_config: Any) -> NoiseSpec:
-        """The spec of `config.noise` (missing fields take the defaults above)."""
-        at = "config.noise"
+        """The spec of `config.noise` (missing optional fields take the defaults above);
+        sizes against the batch and the mesh are `cbs.engine.config.validate`'s."""
+        at, get = "config.noise", noise_config.get
         fields.integer(noise_config, "every", at, minimum=0)
         fields.choice(noise_config, "method", at, noise.method_names())
         fields.integer(noise_config, "batch_size", at, minimum=0)
         fields.integer(noise_config, "num_probes", at)
         fields.integer(noise_config, "chunk_size", at, minimum=0)
-        get = noise_config.get
+        fields.integer(noise_config, "small_batch", at, minimum=0)
         for name in ("deviations", "hessian_batch_size"):
             if name in noise_config:
                 fields.integer(noise_config, name, at, minimum=0)
         if "examples" in noise_config:
             fields.choice(noise_config, "examples", at, EXAMPLES)
-        for name in ("curvature", "in_step"):
-            if not isinstance(get(name, False), bool):
+        if "live" in noise_config:
+            fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
+        for name in ("curvature", "in_step", "two_batch"):
+            if not isinstance(get(name, name == "two_batch"), bool):
                 raise fields.ConfigError(f"{at}.{name}: must be True or False, got "
                                          f"{get(name)!r}")
+        decay = fields.number(noise_config, "ema_decay", at)
+        if not decay < 1:
+            raise fields.ConfigError(f"{at}.ema_decay: must be < 1, got {decay}")
+        calibration = get("advice_calibration", "")
+        if not isinstance(calibration, str):
+            raise fields.ConfigError(f"{at}.advice_calibration: a path to a calibration file "
+                                     f"or \"\", got {calibration!r}")
         return cls(method=str(noise_config.method), examples=str(get("examples", "step")),
                    batch_size=int(noise_config.batch_size),
                    deviations=int(get("deviations", 0)),
@@ -94,7 +113,15 @@ class NoiseSpec:
                    curvature=bool(get("curvature", False)),
                    num_probes=int(noise_config.num_probes),
                    chunk_size=int(noise_config.chunk_size), every=int(noise_config.every),
-                   in_step=bool(get("in_step", False)))
+                   in_step=bool(get("in_step", False)),
+                   live=str(get("live", "auto")) if get("two_batch", True) else "none",
+                   small_batch=int(noise_config.small_batch), ema_decay=float(decay),
+                   advice_calibration=calibration)
+
+    @classmethod
+    def of(cls, config: Any) -> NoiseSpec:
+        """The spec of a run config's `noise` section (`from_config`)."""
+        return cls.from_config(config.noise)
 
     def check(self) -> None:
         """The checks within the spec; ConfigError naming the `config.noise` field."""
@@ -110,6 +137,8 @@ class NoiseSpec:
                            "noise.examples='all'")
         if self.curvature and self.deviations == 1:
             fail("deviations", "needs >= 2 examples (or 0 = all measured)")
+        if self.live not in live_noise.LIVE_METHODS:
+            fail("live", f"must be one of {live_noise.LIVE_METHODS}, got {self.live!r}")
         if self.curvature and self.examples == "stream" and self.hessian_batch_size < 1:
             fail("hessian_batch_size", "must be >= 1 for a curvature measurement on a stream")
 
@@ -138,23 +167,6 @@ class NoiseSpec:
 
     def replace(self, **changes) -> NoiseSpec:
         return dataclasses.replace(self, **changes)
-
-
-def validate_config(noise_config: Any) -> NoiseSpec:
-    """Checks `config.noise`: the live estimate (small_batch, ema_decay, live) and the
-    measurement (`NoiseSpec.from_config`); returns the spec. Sizes against the batch and the
-    mesh are `cbs.engine.config.validate`'s."""
-    at = "config.noise"
-    fields.integer(noise_config, "small_batch", at, minimum=0)
-    decay = fields.number(noise_config, "ema_decay", at)
-    if not decay < 1:
-        raise fields.ConfigError(f"{at}.ema_decay: must be < 1, got {noise_config.ema_decay}")
-    if "live" in noise_config:
-        fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
-    if not isinstance(noise_config.get("advice_calibration", ""), str):
-        raise fields.ConfigError(f"{at}.advice_calibration: a path to a calibration file or "
-                                 f"\"\", got {noise_config.advice_calibration!r}")
-    return NoiseSpec.from_config(noise_config)
 
 
 def check_moved_keys(sweep: Any) -> None:

@@ -29,7 +29,7 @@ import optax
 from cbs.engine import fields
 from cbs.engine.lr import DECAYS
 
-__all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "apply_step", "make_direction", "validate_config"]
+__all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "make_direction", "validate_config"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
@@ -92,10 +92,3 @@ def make_direction(optim: ml_collections.ConfigDict) -> optax.GradientTransforma
     if name == "adamw" and wd > 0:
         stages.append(optax.add_decayed_weights(wd, mask))
     return optax.chain(*stages) if stages else optax.identity()
-
-
-def apply_step(params, updates, lr: jax.Array):
-    """θ − η·u, leaf by leaf, keeping each parameter's dtype (as `optax.apply_updates`)."""
-    return jax.tree.map(
-        lambda p, u: (p - lr.astype(u.dtype) * u).astype(p.dtype) if p is not None else None,
-        params, updates, is_leaf=lambda x: x is None)

@@ -29,8 +29,9 @@ from cbs.engine import config as config_lib
 from cbs.engine import lr, optim, schedules
 from cbs.engine import mesh as mesh_lib
 from cbs.engine.fields import ConfigError
-from cbs.engine.noise_spec import NoiseSpec
-from cbs.engine.step import TrainState, TrainStep, init_train_state
+from cbs.engine.measure import Measurement
+from cbs.engine.state import TrainState, init_train_state
+from cbs.engine.step import BatchLayout, StepOptions, TrainStep
 from cbs.models import losses
 
 __all__ = ["RunParts"]
@@ -55,8 +56,9 @@ class RunParts:
         except ValueError as err:
             raise ConfigError(f"config.mesh: {err}") from err
         self.replicas = mesh_lib.data_replicas(self.mesh)
-        config_lib.validate(config, data_replicas=self.replicas, model_names=models.model_names(),
-                            dataset_names=None if dataset else data.known_datasets())
+        self.noise_spec = config_lib.validate(  # config.noise, read once
+            config, data_replicas=self.replicas, model_names=models.model_names(),
+            dataset_names=None if dataset else data.known_datasets())
         self.dataset = dataset or self._load_dataset()
         self.schedule = schedules.batch_schedule_from_config(
             config.batch.schedule, optimizer=str(config.optim.name))
@@ -101,7 +103,7 @@ class RunParts:
             print(models.model_summary(abstract))
         self.graphdef, params, rest = models.split_model(abstract)
         self.stateful = losses.couples_examples(rest)
-        if self.stateful and c.noise.every:
+        if self.stateful and self.noise_spec.every:
             raise ConfigError(
                 "config.noise.every: per-example statistics are ill-defined for a model with "
                 "BatchNorm in training mode (set noise.every=0 or model.norm != 'batchnorm')")
@@ -111,7 +113,7 @@ class RunParts:
             _, p, r = models.split_model(make_model())
             return init_train_state(p, self.direction, model_state=r,
                                     learning_rate=c.optim.learning_rate,
-                                    ema_decay=c.noise.ema_decay)
+                                    ema_decay=self.noise_spec.ema_decay)
 
         self._make_state = make_state
         shapes = self.abstract_state()
@@ -138,8 +140,6 @@ class RunParts:
     def _build_step(self) -> None:
         c, ds = self.config, self.dataset
         self.in_memory = ds.in_memory("train")
-        self.noise_spec = NoiseSpec.from_config(c.noise)
-        measure = self.noise_spec if self.noise_spec.every else None
         if self.in_memory:
             rep = mesh_lib.replicated(self.mesh)
             self.train_arrays = ds.device_arrays("train", rep)
@@ -149,33 +149,30 @@ class RunParts:
                 batch = batching.device_batch(ds, arrays, examples_seen, batch_size, seed=c.seed)
                 return jax.lax.with_sharding_constraint(batch, batch_sh)
 
-            self.step = self.make_step(batch_fn, rep, measure=measure)
+            self.step = self.make_step(batch_fn, rep)
         else:
             self.loader = data.HostLoader(ds, seed=c.seed,
                                           sharding=mesh_lib.batch_sharding(self.mesh),
                                           batch_size_fn=self._static_batch_size)
-            self.step = self.make_step(None, mesh_lib.batch_sharding(self.mesh),
-                                       measure=measure)
+            self.step = self.make_step(None, mesh_lib.batch_sharding(self.mesh))
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
+        self.measurement = Measurement(self.noise_spec, self.step, seed=int(c.seed),
+                                       parts=self, eval_steps=c.eval.get("steps", ()))
 
-    def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any, *,
-                  measure: NoiseSpec | None = None) -> TrainStep:
+    def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any) -> TrainStep:
         """A `TrainStep` of this run's model, optimizer, mesh and config (`batch.micro_batch`,
-        `batch.lr_coupling`, `noise.*`): the run's own step, or a variant with other inputs
-        (branches read a data-order seed among them). `batch_fn(inputs, examples_seen,
-        batch_size)` gathers a batch on the device (None: the inputs are the batch, with
-        sharding `inputs_sharding`); `measure`: the every-k-steps noise measurement, or None."""
-        c = self.config
-        coupling = lr.coupling_from_config(
-            c.batch.lr_coupling, self.schedule.batch_size_at(0, self.schedule.init()))
-        return TrainStep(self.loss_fn, self.direction, lr.learning_rate_shape(c),
-                         self.mesh, self.state_sharding, inputs_sharding,
-                         micro_batch=c.batch.micro_batch, small_batch=c.noise.small_batch,
-                         live=c.noise.get("live", "auto"), two_batch=c.noise.two_batch,
-                         grad_norm=c.train.get("grad_norm", True),
-                         batch_fn=batch_fn, lr_coupling=coupling, measure=measure,
-                         seed=c.seed)
+        `batch.lr_coupling`, the live estimate of `noise`): the run's own step, or a variant
+        with other inputs (branches read a data-order seed among them). `batch_fn(inputs,
+        examples_seen, batch_size)` gathers a batch on the device (None: the inputs are the
+        batch, with sharding `inputs_sharding`)."""
+        c, n = self.config, self.noise_spec
+        rate = lr.step_rate(c, self.schedule.batch_size_at(0, self.schedule.init()))
+        layout = BatchLayout(self.mesh, self.state_sharding, inputs_sharding,
+                             micro_batch=c.batch.micro_batch, batch_fn=batch_fn)
+        options = StepOptions(live=n.live, small_batch=n.small_batch,
+                              grad_norm=c.train.get("grad_norm", True))
+        return TrainStep(self.loss_fn, self.direction, rate, layout, options)
 
     def _static_batch_size(self, examples_seen: int) -> int:
         return self.schedule.planning_batch_size(examples_seen)

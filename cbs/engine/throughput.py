@@ -29,7 +29,7 @@ from cbs.engine import fields
 from cbs.models import registry
 
 __all__ = [
-    "PEAK_FLOPS", "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_trainer",
+    "PEAK_FLOPS", "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_run",
     "from_config", "model_flops_per_example", "peak_flops", "rates", "validate_config",
 ]
 
@@ -180,9 +180,7 @@ def from_config(config: Any, workdir: str, *, input_shape: tuple[int, ...] = (),
     return Perf(meter, profile)
 
 
-def for_trainer(trainer: Any) -> Perf:
-    """`from_config` for a `cbs.engine.trainer.Trainer` (its config, workdir, data, mesh)."""
-    ds = trainer.dataset
-    return from_config(trainer.config, trainer.workdir or ".",
-                       input_shape=tuple(ds.input_shape), vocab_size=ds.vocab_size,
-                       devices=trainer.mesh.size)
+def for_run(config: Any, workdir: str, dataset: Any, mesh: Any) -> Perf:
+    """`from_config` for a run on `dataset` (a `cbs.data.Dataset`, its shapes) and `mesh`."""
+    return from_config(config, workdir, input_shape=tuple(dataset.input_shape),
+                       vocab_size=dataset.vocab_size, devices=mesh.size)

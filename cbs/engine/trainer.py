@@ -53,11 +53,12 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, counts, measure, writer
+from cbs.engine import checkpoint, live_advice, measure, state, throughput, writer
+from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
-from cbs.engine.step import TrainState
+from cbs.engine.state import TrainState
 from cbs.results import files, paths, records
 
 __all__ = ["CHECKPOINT_CHUNK", "EvalFn", "Trainer", "measure_checkpoint", "run"]
@@ -67,7 +68,6 @@ CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exac
 # on_eval(trainer, state, step) -> {record key: device scalar}: fields added to the eval record
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
-_ON_EVAL = "on_eval"  # the key of the hook's values among an evaluation's device values
 
 class Trainer(RunParts):
     """A run: its parts (`cbs.engine.parts.RunParts`, built from `config` and validated
@@ -79,8 +79,8 @@ class Trainer(RunParts):
       mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
-        at evaluations, `cbs.engine.measure.EvalMeasurement`, when `noise.examples` asks
-        for one; else none).
+        at evaluations, `cbs.engine.measure.Measurement.evaluation`, when `noise.examples`
+        asks for one; else none).
       start: a state to start from instead of a fresh one (a branch from a checkpoint of its
         reference run): the run starts at its step and examples seen, with the config's
         η_0 (as on resume); its budget `train.max_steps` / `max_examples` counts from 0.
@@ -91,21 +91,25 @@ class Trainer(RunParts):
                  on_eval: EvalFn | None = None, start: TrainState | None = None):
         super().__init__(config, mesh=mesh, dataset=dataset)
         if on_eval is None and self.noise_spec.measures_at_evals:
-            on_eval = measure.EvalMeasurement(self.noise_spec, seed=int(config.seed),
-                                              steps=config.eval.get("steps", ()))
-        self.workdir, self.on_eval, self.start = workdir, on_eval, start
+            on_eval = lambda tr, st, step: tr.measurement.evaluation(st, step)
+        self.workdir, self.on_eval, self.start_state = workdir, on_eval, start
         self.outputs: writer.Outputs | None = None  # the bar and mirrors; None: the config's
-        self.start_position = (0, 0) if start is None else counts.position(start)
+        self.start_position = (0, 0) if start is None else state.position(start)
+        self.advice = live_advice.LiveAdvice.from_config(  # the advice/* fields
+            config, live_advice.calibration_file(self.noise_spec.advice_calibration))
 
     # ------------------------------------------------------------------ the loop's driver
 
-    read_each_evaluation = False  # metrics are read every `train.log_every` steps
-
-    def init_state(self) -> TrainState:
-        """A fresh state on the mesh (parameters from `config.seed`), or the `start` state."""
-        if self.start is None:
-            return super().init_state()
-        return self.restored(jax.device_put(self.start, self.state_sharding))
+    def start(self, restore: Restore | None) -> tuple[TrainState, dict[str, Any]]:
+        """A fresh state on the mesh (parameters from `config.seed`) or the `start` state,
+        or the checkpoint `restore` reads, with the config's η_0 (`restored`)."""
+        if restore is not None:
+            restored, meta = restore(self.restore_target())
+            return self.restored(restored), meta
+        step, seen = self.start_position
+        fresh = (self.init_state() if self.start_state is None else
+                 self.restored(jax.device_put(self.start_state, self.state_sharding)))
+        return fresh, {"step": step, "examples_seen": seen}
 
     def restore_target(self) -> TrainState:
         """The state's abstract arrays with their shardings (what a checkpoint restores)."""
@@ -121,37 +125,34 @@ class Trainer(RunParts):
             self.state_sharding.learning_rate, base_lr, ()))
 
     def advance(self, state: TrainState, step: int, examples_seen: int, batch_size: int
-                ) -> tuple[TrainState, int, Any]:
-        """Dispatches step `step` (and, when due and not in the step, the noise measurement
-        before it): (state, 1, (step metrics, measured metrics or None))."""
-        n = self.config.noise
+                ) -> tuple[TrainState, int, Deferred]:
+        """Dispatches step `step` (`cbs.engine.measure.Measurement.step`: measuring when
+        due): (state, 1, its record's fields to read later)."""
         a = self.accum_steps(batch_size)
-        inputs = self.inputs(examples_seen, batch_size)
-        measured = None
-        if n.every and step % n.every == 0 and not self.step.measured_in_step(state, inputs, a):
-            state, measured = self.step.measure_now(state, inputs, a)
-        state, step_metrics = self.step(state, inputs, a)
-        return state, 1, (step_metrics, measured)
+        state, values = self.measurement.step(state, self.inputs(examples_seen, batch_size), a,
+                                              step)
+        head = {"data/batch_size": batch_size, "data/accum_steps": a}
 
-    def evaluate_at(self, state: TrainState, step: int) -> dict[str, Any]:
-        out = self.evaluate_async(state)
+        def fields(fetched: Any) -> list[dict[str, Any]]:
+            rec = head | self.measurement.fields(step, fetched)
+            return [rec | self.advice.record(rec)]
+
+        return state, 1, Deferred(values, fields)
+
+    def evaluate_at(self, state: TrainState, step: int) -> Deferred:
+        """Dispatches the configured evaluations and the `on_eval` fields."""
+        out = {"sums": self.evaluate_async(state)}
         if self.on_eval is not None:
-            out[_ON_EVAL] = self.on_eval(self, state, step)
-        return out
+            out["extra"] = self.on_eval(self, state, step)
 
-    def eval_records(self, sums: dict[str, Any]) -> list[dict[str, float]]:
-        sums = dict(sums)
-        extra = {k: float(v) for k, v in sums.pop(_ON_EVAL, {}).items()}
-        return [self.eval_record(sums) | extra]
+        def fields(fetched: dict[str, Any]) -> list[dict[str, Any]]:
+            extra = {k: float(v) for k, v in fetched.get("extra", {}).items()}
+            return [self.eval_record(fetched["sums"]) | extra]
 
-    def noise_scale(self, state: TrainState, name: str) -> float:
-        """The smoothed noise scale `name`: B_simple from the in-step two-batch EMA, B_noise
-        from the EMA of the periodic measurements (the only one with curvature)."""
-        ema = state.measure_ema if name == "b_noise" else state.noise_ema
-        return float(jax.device_get(getattr(ema, name)))
+        return Deferred(out, fields)
 
     def num_compilations(self) -> int:
-        return self.step.num_compilations()
+        return self.measurement.num_compilations()
 
     # ------------------------------------------------------------------ the run
 
@@ -164,7 +165,10 @@ class Trainer(RunParts):
         """
         if self.workdir is None:
             raise ValueError("Trainer.run needs a workdir")
-        return Loop(self, stop_fn).run(raise_on_divergence)
+        perf = throughput.for_run(self.config, self.workdir, self.dataset, self.mesh)
+        loop = Loop(self, stop_fn, outputs=self.outputs, perf=perf,
+                    compilations=self.num_compilations)
+        return loop.run(raise_on_divergence)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | None = None,

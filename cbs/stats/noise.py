@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +44,9 @@ from cbs.stats.examples import LossFn, PyTree, check_inputs, run_auto_axes
 from cbs.stats.trees import GroupSpec, group_matrix
 
 __all__ = [
-    "CURVATURE_KEYS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseStats", "exact", "get_method",
-    "method_names", "per_example_sq_norms", "probe", "register_method", "takes_hessian_batch",
+    "CURVATURE_KEYS", "METHOD_ARGUMENTS", "SIMPLE_KEYS", "STAT_KEYS", "MethodFn", "NoiseStats",
+    "exact", "get_method", "method_arguments", "method_names", "per_example_sq_norms", "probe",
+    "register_method",
 ]
 
 # The statistics of a measurement, recorded as `noise/<key>` (with `noise/batch_size`): the
@@ -343,30 +343,38 @@ def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature,
 # A measurement method: fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size)
 # -> NoiseStats of `batch` at `params`, jittable (the train step calls it under its jit).
 MethodFn = Callable[..., NoiseStats]
+# The keywords a method may declare it takes besides the common ones (`register_method`).
+METHOD_ARGUMENTS = ("hessian_batch", "deviations", "hessian_examples")
 _METHODS: dict[str, MethodFn] = {}
+_ARGUMENTS: dict[str, tuple[str, ...]] = {}
 
 
-def register_method(name: str, fn: MethodFn) -> MethodFn:
+def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> MethodFn:
     """Registers a noise-measurement method under `name` (a value of `config.noise.method`).
 
     fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats, where
     key is a PRNG key (fresh every measurement, for random probes), curvature asks for the
     curvature fields too (trace_h_sigma, g_h_g, ...), and num_probes / chunk_size are the
-    config's `noise.num_probes` and `noise.chunk_size` (None for 0). A method whose signature
-    has a `hessian_batch` keyword is called with curvature on half of the measured examples
-    and given the other half there, to take H from examples independent of the deviations
-    (`takes_hessian_batch`; the built-ins do); others get curvature on the whole batch. A
-    repeated name is an error. Returns fn.
+    config's `noise.num_probes` and `noise.chunk_size` (None for 0). `takes` declares the
+    further keywords it is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn
+    independently of the measured ones (on the step's examples a method that takes it gets
+    curvature on half of them and the other half there; the built-ins take it); `deviations`,
+    the config's m; `hessian_examples`, its h. A repeated name is an error. Returns fn.
     """
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
-    _METHODS[name] = fn
+    unknown = set(takes) - set(METHOD_ARGUMENTS)
+    if unknown:
+        raise ValueError(f"noise method {name!r}: unknown arguments {sorted(unknown)}; a "
+                         f"method may take {METHOD_ARGUMENTS}")
+    _METHODS[name], _ARGUMENTS[name] = fn, tuple(takes)
     return fn
 
 
-def takes_hessian_batch(fn: MethodFn) -> bool:
-    """Whether the method `fn` accepts a `hessian_batch` keyword (see `register_method`)."""
-    return "hessian_batch" in inspect.signature(fn).parameters
+def method_arguments(name: str) -> tuple[str, ...]:
+    """The further keywords the method `name` declared (`register_method`'s `takes`)."""
+    get_method(name)
+    return _ARGUMENTS[name]
 
 
 def method_names() -> tuple[str, ...]:
@@ -403,5 +411,5 @@ def _probe_method(loss_fn, params, batch, *, key, curvature, num_probes, chunk_s
 
 
 for _route in ("auto", "fast", "vmap"):
-    register_method(_route, _exact_method(_route))
-register_method("probe", _probe_method)
+    register_method(_route, _exact_method(_route), takes=("hessian_batch",))
+register_method("probe", _probe_method, takes=("hessian_batch",))

@@ -121,7 +121,7 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                             b_noise=out.get("b_noise"))
 
 
-noise.register_method(SAMPLED_METHOD, sampled_method)
+noise.register_method(SAMPLED_METHOD, sampled_method, takes=("hessian_batch", "deviations"))
 
 
 def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
@@ -140,7 +140,8 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
     return noise.NoiseStats(batch_size=n, **stats)
 
 
-noise.register_method(FULL_DATA_METHOD, full_data_method)
+noise.register_method(FULL_DATA_METHOD, full_data_method,
+                      takes=("deviations", "hessian_examples"))
 
 
 def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):

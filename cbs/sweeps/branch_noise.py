@@ -31,8 +31,8 @@ import ml_collections
 import numpy as np
 
 from cbs.engine import measure
-from cbs.engine.counts import count_to_int
 from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.state import count_to_int
 from cbs.results import files, shared
 from cbs.stats import noise
 

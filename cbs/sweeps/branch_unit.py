@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import mesh, progress, schedules, spec, trainer
-from cbs.engine.counts import position
+from cbs.engine import mesh, progress, schedules, spec, throughput, trainer
+from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import Loop
 from cbs.engine.parts import RunParts
-from cbs.engine.step import TrainState
+from cbs.engine.state import TrainState, position
 from cbs.results import files, records
 
 __all__ = ["VmappedBranch", "branch_overrides", "engine_branch", "unit_dir"]
@@ -80,23 +80,18 @@ class VmappedBranch:
       final_loss: jit of states[S] -> the final metric [S], or None (NaN recorded).
     """
 
-    read_each_evaluation = False
-    replicas = 1
-
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, parts: RunParts,
                  start: TrainState, seeds: Sequence[int], program: Callable,
                  final_loss: Callable | None):
         self.config, self.workdir, self.parts = config, workdir, parts
-        self.dataset, self.mesh = parts.dataset, parts.mesh
         self.schedule = schedules.batch_schedule_from_config(
             config.batch.schedule, optimizer=str(config.optim.name))
         self.seeds = [int(s) for s in seeds]
         self.program, self.final_loss = program, final_loss
         self._rep = mesh.replicated(parts.mesh)
         self._start = start
-        self.start_position = position(start)
 
-    def init_state(self) -> dict[str, Any]:
+    def _fresh(self) -> dict[str, Any]:
         s = len(self.seeds)
         lr = jnp.full((s,), float(self.config.optim.learning_rate), jnp.float32)
         states = jax.tree.map(lambda x: jnp.broadcast_to(x, (s, *x.shape)), self._start)
@@ -104,9 +99,14 @@ class VmappedBranch:
         return jax.device_put({"trials": states.replace(learning_rate=lr), "loss_ema": nan,
                                "last_loss": nan}, self._rep)
 
-    def restore_target(self) -> dict[str, Any]:
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
-                            jax.eval_shape(self.init_state))
+    def start(self, restore: Restore | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The S seeds' states at the point (its step and examples seen), or restored."""
+        if restore is not None:
+            return restore(jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
+                jax.eval_shape(self._fresh)))
+        step, seen = position(self._start)
+        return self._fresh(), {"step": step, "examples_seen": seen}
 
     def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
                 ) -> tuple[dict[str, Any], int, None]:
@@ -117,19 +117,15 @@ class VmappedBranch:
                                          state["loss_ema"], jnp.asarray(n, jnp.int32))
         return {"trials": states, "loss_ema": ema, "last_loss": last}, n, None
 
-    def accum_steps(self, batch_size: int) -> int:
-        return self.parts.accum_steps(batch_size)
-
-    def evaluate_at(self, state: dict[str, Any], step: int) -> dict[str, jax.Array]:
+    def evaluate_at(self, state: dict[str, Any], step: int) -> Deferred:
+        """The end of the window: one record per seed."""
         nan = jnp.full((len(self.seeds),), jnp.nan, jnp.float32)
         final = self.final_loss(state["trials"]) if self.final_loss else nan
-        return {"loss_ema": state["loss_ema"], "train/loss": state["last_loss"],
-                "full_train/loss": final}
-
-    def eval_records(self, values: dict[str, Any]) -> list[dict[str, Any]]:
-        """One record per seed."""
-        return [{"seed": s} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
-                for i, s in enumerate(self.seeds)]
+        values = {"loss_ema": state["loss_ema"], "train/loss": state["last_loss"],
+                  "full_train/loss": final}
+        return Deferred(values, lambda fetched: [
+            {"seed": s} | {k: float(np.asarray(v)[i]) for k, v in fetched.items()}
+            for i, s in enumerate(self.seeds)])
 
     def num_compilations(self) -> int:
         return self.program._cache_size()  # type: ignore[attr-defined]  # jax's jitted
@@ -138,7 +134,9 @@ class VmappedBranch:
     def run(self) -> list[dict[str, float]]:
         """Trains (or resumes) the branch to the end of its window; one record per seed:
         loss_ema, train/loss (the last batch loss), full_train/loss (NaN when not measured)."""
-        Loop(self).run()
+        perf = throughput.for_run(self.config, self.workdir, self.parts.dataset,
+                                  self.parts.mesh)
+        Loop(self, perf=perf, compilations=self.num_compilations).run()
         end = int(self.config.train.max_steps)
         evals = [r for r in records.read_records(os.path.join(self.workdir,
                                                               files.METRICS_FILE))

@@ -51,9 +51,9 @@ from cbs import data, models
 from cbs.data import batching
 from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
 from cbs.engine import config as config_lib
-from cbs.engine.counts import position
 from cbs.engine.parts import RunParts
-from cbs.engine.step import TrainState, TrainStep
+from cbs.engine.state import TrainState, position
+from cbs.engine.step import TrainStep
 from cbs.engine.vmapped import vmapped_steps
 from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records, shared

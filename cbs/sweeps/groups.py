@@ -42,13 +42,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import mesh, spec
+from cbs.engine import mesh, spec, throughput
+from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import Loop, ended_run
 from cbs.engine.measure import state_measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
 from cbs.engine.progress import DivergenceRule
-from cbs.engine.step import TrainState
+from cbs.engine.state import TrainState
 from cbs.engine.vmapped import vmapped_steps
 from cbs.engine.writer import Outputs
 from cbs.results import files, records
@@ -89,10 +90,6 @@ class TrialGroup:
         `sweep.checkpoint_every_evals`).
     """
 
-    read_each_evaluation = True  # stopping depends on every evaluation
-    replicas = 1
-    start_position = (0, 0)  # every trial starts fresh
-
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None,
                  noise: NoiseSpec | None = None, evals: int | None = None,
@@ -100,7 +97,6 @@ class TrialGroup:
         if len({(t.batch_size, t.seed) for t in trials}) != 1:
             raise ValueError("a trial group needs one batch size and one seed")
         self.sweep, self.trials = config.sweep, list(trials)
-        self.noise = noise or NoiseSpec.from_config(config.noise)
         self.checkpoint_every_evals = max(1, int(
             config.sweep.checkpoint_every_evals if checkpoint_every_evals is None
             else checkpoint_every_evals))
@@ -117,6 +113,8 @@ class TrialGroup:
         c = spec.run_config(config, overrides)
         self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.parts = RunParts(c, mesh=self.mesh)
+        # what each evaluation measures: the run config's noise section, or the spec given
+        self.noise = noise or self.parts.noise_spec
         if not self.parts.in_memory:
             raise ValueError(f"{self.parts.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
@@ -179,13 +177,18 @@ class TrialGroup:
     def trial_seed(self) -> int:
         return self.trials[0].seed
 
-    def init_state(self) -> dict[str, Any]:
-        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)}.
-        The initialisation does not depend on B: the groups of one sweep and seed share it."""
+    def start(self, restore: Restore | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)},
+        fresh at step 0 or restored. The initialisation does not depend on B: the groups of
+        one sweep and seed share it."""
+        if restore is not None:
+            shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
+            return restore(jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep), shapes))
         key = ("init", self.trial_seed)
         if key not in self._cache:
             self._cache[key] = self.parts.init_state()
-        return self._stacked(self._cache[key])
+        return self._stacked(self._cache[key]), {"step": 0, "examples_seen": 0}
 
     def _stacked(self, state: TrainState) -> dict[str, Any]:
         k = len(self.trials)
@@ -193,11 +196,6 @@ class TrialGroup:
         lrs = jnp.asarray([t.learning_rate for t in self.trials], jnp.float32)
         return jax.device_put({"trials": states.replace(learning_rate=lrs),
                                "loss_ema": jnp.full((k,), jnp.nan, jnp.float32)}, self._rep)
-
-    def restore_target(self) -> dict[str, Any]:
-        shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._rep),
-                            shapes)
 
     def advance(self, state: dict[str, Any], step: int, examples_seen: int, batch_size: int
                 ) -> tuple[dict[str, Any], int, None]:
@@ -207,9 +205,6 @@ class TrialGroup:
         states, loss_ema = self._chunk(state["trials"], state["loss_ema"], jnp.int32(n))
         return {"trials": states, "loss_ema": loss_ema}, n, None
 
-    def accum_steps(self, batch_size: int) -> int:
-        return self.parts.accum_steps(batch_size)
-
     def checkpoint_due(self, step: int) -> bool:
         j = self._index[step]
         return j > 0 and j % self.checkpoint_every_evals == 0
@@ -217,17 +212,20 @@ class TrialGroup:
     def evaluation_due(self, step: int) -> bool:
         return step in self._index
 
-    def evaluate_at(self, state: dict[str, Any], step: int) -> dict[str, jax.Array]:
-        return self._evaluate(state["trials"], state["loss_ema"], self._index[step])
-
-    def eval_records(self, values: dict[str, Any]) -> list[dict[str, Any]]:
-        """One record per trial (its `trial` index and its values)."""
-        return [{"trial": t.index} | {k: float(np.asarray(v)[i]) for k, v in values.items()}
-                for i, t in enumerate(self.trials)]
+    def evaluate_at(self, state: dict[str, Any], step: int) -> Deferred:
+        """Every trial's evaluation: one record per trial (its `trial` index and values)."""
+        values = self._evaluate(state["trials"], state["loss_ema"], self._index[step])
+        return Deferred(values, lambda fetched: [
+            {"trial": t.index} | {k: float(np.asarray(v)[i]) for k, v in fetched.items()}
+            for i, t in enumerate(self.trials)])
 
     def num_compilations(self) -> int:
         return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
         #   functions have it; their stub does not
+
+    def expected_steps(self) -> int | None:
+        """The step where the group should stop short of its budget (None: unknown)."""
+        return None
 
     # ------------------------------------------------------------------ stopping, results
 
@@ -262,7 +260,11 @@ class TrialGroup:
                                                            files.METRICS_FILE)))
             summary = status
         else:
-            summary = Loop(self, self._observe).run()
+            summary = Loop(self, self._observe, points=self, read_each_evaluation=True,
+                           end=self.expected_steps(), outputs=self.outputs,
+                           perf=throughput.for_run(self.config, self.workdir, self.dataset,
+                                                   self.mesh),
+                           compilations=self.num_compilations).run()
         self.history["seconds"] = summary["elapsed_s"]
         return [self._result(i, t, self.history) for i, t in enumerate(self.trials)]
 

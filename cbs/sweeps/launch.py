@@ -35,6 +35,7 @@ from cbs import data, models
 from cbs.engine import config as config_lib
 from cbs.engine import preemption, spec
 from cbs.engine.fields import ConfigError
+from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.writer import CountBar
 from cbs.results.store import SweepStore, TrialResult
 from cbs.sweeps.grid import (
@@ -81,8 +82,8 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     models.abstract_model(config.model, input_shape=ds.input_shape,
                           num_classes=ds.num_classes if ds.task != "regression" else None,
                           vocab_size=ds.vocab_size, seed=config.seed)
-    noise = config.noise
-    if noise.get("examples", "step") == "stream" and noise.batch_size > n:
+    noise = NoiseSpec.of(config)
+    if noise.examples == "stream" and noise.batch_size > n:
         raise ConfigError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
                           f"training split ({n} examples)")
     for b in sorted({t.batch_size for t in trials}):

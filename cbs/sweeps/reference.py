@@ -65,7 +65,7 @@ def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
     exact, "full_data"), tr(HΣ) from `_deviations` random deviations and the full-data
     Hessian."""
     m = _deviations(config)
-    return NoiseSpec.from_config(config.noise).replace(
+    return NoiseSpec.of(config).replace(
         examples="all", curvature=m > 0, deviations=m,
         hessian_batch_size=0)  # the full-data Hessian
 
@@ -105,8 +105,8 @@ class ReferenceRun(TrialGroup):
 def _deviations(config: ml_collections.ConfigDict) -> int:
     """m of the reference run: sweep.noise_reference_deviations, else noise.deviations (0
     without noise.curvature)."""
-    n = config.noise
-    fallback = int(n.get("deviations", 0)) if n.get("curvature", False) else 0
+    n = NoiseSpec.of(config)
+    fallback = n.deviations if n.curvature else 0
     return int(config.sweep.get("noise_reference_deviations", 0) or fallback)
 
 

@@ -148,8 +148,9 @@ def sampled_noise(config: ml_collections.ConfigDict, examples: int, deviations: 
                   hessian_examples: int) -> NoiseSpec:
     """The sampled protocol's measurement: n = `examples` of an independent stream, m =
     `deviations` of them, h = `hessian_examples` for the Hessian (module docstring)."""
-    chunk = int(config.noise.chunk_size) or SAMPLED_CHUNK
-    return NoiseSpec.from_config(config.noise).replace(
+    noise = NoiseSpec.of(config)
+    chunk = noise.chunk_size or SAMPLED_CHUNK
+    return noise.replace(
         method="sampled", examples="stream", batch_size=int(examples), curvature=True,
         deviations=int(deviations), hessian_batch_size=int(hessian_examples),
         chunk_size=min(chunk, int(examples)), every=0, in_step=False)

@@ -109,8 +109,8 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
     (`cbs.engine.measure`, for both back ends)."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
-    at_evals = NoiseSpec.from_config(config.noise).measures_at_evals
-    measured = bool(config.noise.every or at_evals)
+    noise = NoiseSpec.of(config)
+    measured = bool(noise.every or noise.measures_at_evals)
     return spec.RunOverrides(
         batch_size=trial.batch_size,
         micro_batch=micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas),
@@ -121,7 +121,7 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
         full_train_eval=sweep.target_metric == "full_train/loss",
         log_every=min(config.train.log_every, every), quiet=True,
         divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
-        eval_enabled=True if at_evals else None,  # the noise is measured there
+        eval_enabled=True if noise.measures_at_evals else None,  # the noise is measured there
         noise_every=0 if measured else None)
 
 
