@@ -18,7 +18,7 @@ steps. Variants:
 - `+live`: the default live estimate (exact, from the backward pass's per-example gradient
   norms, where `cbs.stats.ghost` reads the model; else two-batch) and its EMA;
 - `+live+exact/k`: also an exact B_simple measurement every k steps (which the exact live
-  statistics give; else `measure_now`, its own jitted call), amortised over k steps.
+  statistics give; else `Measurement`'s own jitted call), amortised over k steps.
 Columns: median ms/step over repeats (after a warm-up run), tokens/s, MFU against the device
 table in `cbs.engine.throughput` ("unknown" on CPU), overhead against `plain` in the same
 run, compile time of the step (lower + compile), and memory: the compiled step's temporaries
@@ -52,7 +52,9 @@ from flax import nnx
 from cbs import models
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step, throughput
+from cbs.engine.measure import Measurement
 from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.state import init_train_state, stateless
 from cbs.models import lm
 from cbs.stats import ghost, ghost_tied
 
@@ -75,7 +77,7 @@ def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_ax
     def init():
         _, params, _ = models.split_model(models.build_model(
             mc, input_shape=(seq_len,), vocab_size=vocab, rngs=nnx.Rngs(0), verbose=False))
-        return step.init_train_state(params, direction, learning_rate=1e-4)
+        return init_train_state(params, direction, learning_rate=1e-4)
 
     shapes = jax.eval_shape(init)
     shard = lambda t: mesh_lib.param_shardings(t, mesh, mode)
@@ -89,7 +91,7 @@ def _setup(size: str, batch: int, seq_len: int, remat: str, dtype: str, model_ax
     data = mesh_lib.shard({"x": tokens[:, :-1], "y": tokens[:, 1:]},
                           mesh_lib.batch_sharding(mesh))
     plain_loss = models.make_loss_fn(graphdef, rest, "lm")
-    loss_fn = step.stateless(plain_loss)
+    loss_fn = stateless(plain_loss)
     flops = lm.lm_flops_per_token(*_dims(mc), vocab, seq_len) * seq_len
     n_params = sum(x.size for x in jax.tree.leaves(abstract))
     return dict(init=init, sharding=sharding, mesh=mesh, data=data, loss_fn=loss_fn,
@@ -105,10 +107,11 @@ def _dims(mc) -> tuple[int, int, int]:
 def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
     replicas = mesh_lib.data_replicas(s["mesh"])
     measure = NoiseSpec(every=every) if every else None
-    ts = step.TrainStep(s["loss_fn"], s["direction"], lambda e: 1.0, s["mesh"], s["sharding"],
-                        mesh_lib.batch_sharding(s["mesh"]),
-                        micro_batch=batch // (accum * replicas), two_batch=two_batch,
-                        measure=measure)
+    layout = step.BatchLayout(s["mesh"], s["sharding"], mesh_lib.batch_sharding(s["mesh"]),
+                              micro_batch=batch // (accum * replicas))
+    ts = step.TrainStep(s["loss_fn"], s["direction"], lambda lr, e, b: lr, layout,
+                        step.StepOptions(live="auto" if two_batch else "none"))
+    measurement = None if measure is None else Measurement(measure, ts, seed=0)
     state = jax.jit(s["init"], out_shardings=s["sharding"])()
     start = time.perf_counter()
     compiled = ts._jit.lower(state, s["data"], accum).compile()
@@ -120,9 +123,10 @@ def _runner(s, *, batch: int, accum: int, two_batch: bool, every: int):
     def run(n):
         nonlocal state, t
         for _ in range(n):
-            if every and t % every == 0 and not ts.measured_in_step(state, s["data"], accum):
-                state, _ = ts.measure_now(state, s["data"], accum)
-            state, metrics = ts(state, s["data"], accum)
+            if measurement is None:
+                state, metrics = ts(state, s["data"], accum)
+            else:
+                state, (metrics, _) = measurement.step(state, s["data"], accum, t)
             t += 1
         return metrics
 

@@ -24,7 +24,7 @@ unchanged on a GPU), with Adam and one fixed device-resident batch:
   the only small batches are the two halves of the batch (C = 2 chunks);
 - `... + exact/k`: also an exact B_simple measurement of the whole batch every k steps: with an
   exact live estimate it is that estimate (no extra pass); with the two-batch estimate it is
-  `cbs.stats.noise.exact` (fast path) in its own jitted call (`measure_now`), amortised;
+  `cbs.stats.noise.exact` (fast path) in its own jitted call (`Measurement`), amortised;
 - `cbs A=2 ...`: two accumulation steps (the live estimate sums the per-example norms over
   the micro-batches).
 
@@ -59,7 +59,9 @@ from flax import nnx
 from cbs import models
 from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step
+from cbs.engine.measure import Measurement
 from cbs.engine.noise_spec import NoiseSpec
+from cbs.engine.state import init_train_state, stateless
 
 
 def _model(name: str):
@@ -124,22 +126,23 @@ def _cbs_runner(loss_fn, params, batch, lr: float, *, accum: int = 1, live: str 
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     direction = optim.make_direction(ml_collections.ConfigDict({"name": "adam"}))
     rep = mesh_lib.replicated(mesh)
-    state = jax.jit(lambda p: step.init_train_state(p, direction, learning_rate=lr),
+    state = jax.jit(lambda p: init_train_state(p, direction, learning_rate=lr),
                     out_shardings=rep)(params)
     b = jax.tree.leaves(batch)[0].shape[0]
-    ts = step.TrainStep(step.stateless(loss_fn), direction, lambda e: 1.0, mesh,
-                        jax.tree.map(lambda x: x.sharding, state), mesh_lib.batch_sharding(mesh),
-                        micro_batch=b // accum, live=live, measure=measure,
-                        grad_norm=grad_norm)
-    separate = measure is not None and not ts.measured_in_step(state, batch, accum)
+    layout = step.BatchLayout(mesh, jax.tree.map(lambda x: x.sharding, state),
+                              mesh_lib.batch_sharding(mesh), micro_batch=b // accum)
+    ts = step.TrainStep(stateless(loss_fn), direction, lambda lr, e, b: lr, layout,
+                        step.StepOptions(live=live, grad_norm=grad_norm))
+    measurement = None if measure is None else Measurement(measure, ts, seed=0)
     t = 0
 
     def run(n):
         nonlocal state, t
         for _ in range(n):
-            if separate and t % measure.every == 0:
-                state, _ = ts.measure_now(state, batch, accum)
-            state, metrics = ts(state, batch, accum)
+            if measurement is None:
+                state, metrics = ts(state, batch, accum)
+            else:
+                state, (metrics, _) = measurement.step(state, batch, accum, t)
             t += 1
         return metrics
 

@@ -371,3 +371,70 @@ def test_the_public_path_check_can_fail(tmp_path):
     modules = {"cbs.pkg": pkg / "__init__.py", "cbs.pkg.sub": pkg / "sub.py"}
     assert _public_paths(modules) == {("cbs.pkg.sub", "f"): ["cbs.pkg.f", "cbs.pkg.sub.f"],
                                       ("cbs.pkg.sub", "g"): ["cbs.pkg.g", "cbs.pkg.sub.g"]}
+
+
+# ---------------------------------------------------------------- the core's size and reads
+
+NOISE_SECTION_READER = "cbs.engine.noise_spec"  # the one module that reads config.noise
+
+
+def _noise_section_reads(modules: dict[str, pathlib.Path]) -> dict[str, list[int]]:
+    """Per module, the lines that read a field of a run config's noise section
+    (`<x>.noise.<field>` or `<x>.noise.get(...)` loaded, `<x>["noise"]`): writes (a preset
+    or a launcher setting a field) are not reads. The presets (`cbs.configs`) only write."""
+    out: dict[str, list[int]] = {}
+    for m, path in modules.items():
+        if m == NOISE_SECTION_READER or m.startswith("cbs.configs"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "noise"
+                    and _is_config(node.value.value)):
+                out.setdefault(m, []).append(node.lineno)
+    return out
+
+
+CONFIG_NAMES = {"config", "c", "cfg", "run_config", "base", "single", "raw"}
+
+
+def _is_config(node: ast.expr) -> bool:
+    """A run config by name: `config`, `c`, ..., or `<x>.config`."""
+    return (isinstance(node, ast.Name) and node.id in CONFIG_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "config")
+
+
+def test_config_noise_is_read_in_one_place():
+    """Only `NoiseSpec.from_config` reads `config.noise`; everything else takes the spec
+    (`RunParts.noise_spec`, `NoiseSpec.of(config)`)."""
+    assert _noise_section_reads(_modules()) == {}
+
+
+def test_the_noise_read_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(config):\n    return config.noise.every\n")
+    assert _noise_section_reads({"cbs.engine.bad": bad}) == {"cbs.engine.bad": [2]}
+
+
+def _public_members(cls: type) -> set[str]:
+    """The public names of a class: its dataclass fields or protocol attributes, and the
+    methods and properties it defines (dunders aside)."""
+    names = set(getattr(cls, "__dataclass_fields__", {})) | set(
+        getattr(cls, "__annotations__", {}))
+    names |= {n for n in vars(cls) if not n.startswith("_")}
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_the_step_and_the_driver_are_small():
+    """TrainStep: at most 8 public members, none of them the measurement's; the Driver
+    protocol: at most 6 members; one step reads in at most three engine modules."""
+    from cbs.engine.driver import Driver
+    from cbs.engine.step import TrainStep
+
+    step_members = _public_members(TrainStep)
+    assert len(step_members) <= 8, sorted(step_members)
+    assert not any("measure" in n for n in step_members), sorted(step_members)
+    driver_members = _public_members(Driver)
+    assert len(driver_members) <= 6, sorted(driver_members)
+    graph = _graph()
+    engine = {m for m in graph["cbs.engine.step"] if m.startswith("cbs.engine")}
+    assert len(engine | {"cbs.engine.step"}) <= 3, sorted(engine)
