@@ -32,7 +32,6 @@ from cbs.data.stream import check_batch_size, positions_to_indices_np, stream_in
 
 __all__ = [  # and, public as cbs.data.HostLoader and cbs.data.make_batch_fn, those two
     "device_batch", "eval_batches", "evaluate", "global_batch", "host_batch", "process_rows",
-    "process_slice",
 ]
 
 
@@ -65,17 +64,6 @@ def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: i
     rows_R = np.arange(batch_size)[rows if rows is not None else slice(None)]
     idx_R = positions_to_indices_np(int(examples_seen) + rows_R, num, seed, shuffle=shuffle)
     return dataset.split(split).read(idx_R)
-
-
-def process_slice(batch_size: int, process_index: int, process_count: int) -> slice:
-    """The process_index-th of process_count equal contiguous slices of a global batch."""
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    if batch_size % process_count:
-        raise ValueError(f"batch_size={batch_size} is not divisible by the {process_count} "
-                         "processes that share it")
-    per = batch_size // process_count
-    return slice(process_index * per, (process_index + 1) * per)
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:

@@ -4,23 +4,20 @@ Letters: N examples in the split, B batch size, s examples seen (a stream positi
 e epoch, R shuffle rounds.
 
 The training stream of a split is the infinite concatenation of epoch permutations
-π_0, π_1, ... of {0, ..., N-1}; π_e is keyed by `fold_in(key(seed), e)`. Stream position p
-holds example π_{p // N}(p mod N), and the global batch at examples-seen s with size B is
-positions [s, s + B). So a resumed run sees the same batches, and a run whose batch size
-changes mid-way keeps reading the stream in order: no example is skipped or repeated within
-an epoch, whatever the batch sizes.
+π_0, π_1, ... of {0, ..., N-1}, π_e keyed by `fold_in(key(seed), e)`: position p holds
+example π_{p // N}(p mod N), and the global batch at s with size B is positions [s, s + B).
+A resumed run sees the same batches, and a run whose batch size changes keeps reading the
+stream in order: no example is skipped or repeated within an epoch.
 
-π_e is a keyed pseudo-random permutation evaluated index by index, not a sorted random
-vector: the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012). Round r pairs x
-with K_r − x (mod N) and swaps the pair when a keyed hash of max(x, K_r − x) is odd; each
-round is an involution of {0..N-1}, so the composition is a permutation for any N, with no
-cycle walking and no data-dependent loop. R = 2⌈log2 N⌉ + 16 rounds: fixed points and
-2-cycles then match a uniform permutation's (1 and 1/2 on average) in Monte Carlo checks.
-One position costs O(R) integer ops, so a batch costs O(B·R) for any N, as R elementwise
-steps on device (no host round trip). Keys use threefry whatever jax's default PRNG, so
-the stream does not depend on that setting. The numpy and jax versions are the same uint32
-arithmetic and return identical indices, so the host path and the on-device gather deliver
-identical batches. The host caches whole epoch tables for N ≤ 2^22.
+π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by
+index: round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of
+max(x, K_r − x) is odd; each round is an involution, so the composition is a permutation for
+any N, with no cycle walking or data-dependent loop. R = 2⌈log2 N⌉ + 16 rounds (fixed points
+and 2-cycles then match a uniform permutation's in Monte Carlo checks); a batch costs O(B·R)
+for any N, as R elementwise steps on device. Keys use threefry whatever jax's default PRNG.
+The numpy and jax versions are the same uint32 arithmetic and return identical indices, so
+the host path and the on-device gather deliver identical batches. The host caches whole
+epoch tables for N ≤ 2^22.
 """
 
 from __future__ import annotations

@@ -112,8 +112,6 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x_BxTxD, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxD - mean), axis=-1, keepdims=True)
         xhat = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
-        if self.scale is None and self.bias is None:
-            return xhat
         return scale_shift(xhat, _value(self.scale), _value(self.bias))
 
 
@@ -144,6 +142,4 @@ class GroupNorm(nnx.Module):
         mean = jnp.mean(x_BxTxGxK, axis=axes, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=axes, keepdims=True)
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
-        if self.scale is None and self.bias is None:
-            return xhat
         return scale_shift(xhat, _value(self.scale), _value(self.bias))

@@ -9,23 +9,20 @@ V vocabulary, L layers.
     logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
 
 Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
-biases. `attention` picks its kernel (ATTENTION): "xla" forms the [B, H, T, T] scores in float32
-as written; "cudnn" calls `jax.nn.dot_product_attention` with cuDNN's fused (flash) kernel, which
-never forms them (GPU, bfloat16/float16, head width a multiple of 8 up to 128); "auto" takes
-cuDNN where it applies and "xla" elsewhere (every CPU number is the "xla" one).
+biases. `attention` picks its kernel (ATTENTION): "xla" forms the [B, H, T, T] scores in
+float32; "cudnn" calls `jax.nn.dot_product_attention` with cuDNN's fused (flash) kernel (GPU,
+bfloat16/float16, head width a multiple of 8 up to 128); "auto" takes cuDNN where it applies
+(every CPU number is the "xla" one).
 
-The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...]:
-built with `nnx.vmap` (one split RNG per layer), run with `nnx.scan` (one copy of the block in
-the compiled program, so compile time and program size do not grow with L). `remat` wraps the
-scanned body in `nnx.remat` with a `jax.checkpoint` policy (REMAT_POLICIES): "none" keeps all
-activations, "full" recomputes the block in the backward pass, "dots" keeps matmul outputs,
-"dots_no_batch" keeps only matmuls without batch dimensions (weights-stationary).
+The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...], built with
+`nnx.vmap` and run with `nnx.scan` (compile time and program size do not grow with L).
+`remat` wraps the scanned body in `nnx.remat` with a `jax.checkpoint` policy (REMAT_POLICIES):
+"none" keeps all activations, "full" recomputes the block, "dots" keeps matmul outputs,
+"dots_no_batch" keeps only matmuls without batch dimensions.
 
-Precision: parameters (and so the optimizer state and gradients) are float32; matmuls and
-activations run in `compute_dtype` (bfloat16 by default: parameters are cast at their use);
-normalisation statistics and softmax are float32; the logits are rounded to the compute dtype
-at the vocabulary projection's output and the loss is taken in float32. Noise accumulators are
-the step's (float32), whatever the compute dtype.
+Precision: parameters (so optimizer state and gradients) are float32; matmuls and activations
+run in `compute_dtype` (bfloat16 by default, parameters cast at their use); normalisation
+statistics, softmax and the loss are float32, the logits rounded to the compute dtype.
 
 Parameter names are what `cbs.engine.mesh.LM_RULES` shards by: `embed`, `head`,
 `blocks/{wq,wk,wv,wo,w_gate,w_up,w_down,attn_norm,mlp_norm}`, `final_norm`.

@@ -7,14 +7,12 @@ F MLP width, V vocabulary, L layers, S key positions.
     h_l = h_{l-1} + Attn(LN(h_{l-1})),  h_l = h_l + W_2 gelu(W_1 LN(h_l))
     logits = LN(h_L) W_out            (W_out = E^T when embeddings are tied)
 
-Attention is softmax(q k^T / sqrt(K) + causal mask) v with q, k, v, o separate
-`cbs.models.layers.Linear` projections, written as einsums so every parameter sits in a layer whose
-per-example gradient norm has a fast path. Rotary positions (Su et al. 2021, eq. 34, in the
-"rotate half" layout) rotate q and k and add no parameters. A tied output head uses the
-embedding table twice, so its per-example gradient norms take the slow (vmap) path.
-
-Initialisation (GPT-2 style): embeddings and projections N(0, 0.02^2), the residual output
-projections (attention o and MLP W_2) N(0, (0.02 / sqrt(2L))^2), biases zero, LN scale one.
+Attention is softmax(q k^T / sqrt(K) + causal mask) v with separate q, k, v, o
+`cbs.models.layers.Linear` projections, written as einsums so every parameter sits in a
+layer whose per-example gradient norm has a fast path. Rotary positions (Su et al. 2021, eq.
+34, "rotate half" layout) rotate q and k and add no parameters. Initialisation (GPT-2 style):
+embeddings and projections N(0, 0.02^2), the residual output projections (attention o and
+MLP W_2) N(0, (0.02 / sqrt(2L))^2), biases zero, LN scale one.
 
 Named sizes (SIZES; parameters counted without embeddings, head, positions, final LN):
     tiny   D=32,  L=2,  H=2,  F=128     ~25K   (CPU tests, T=32)

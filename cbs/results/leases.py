@@ -1,29 +1,24 @@
 """Claims that let launchers share one directory: fcntl locks locally, expiring leases remotely.
 
 A sweep launcher claims each group of trials before it runs it (`cbs.sweeps.launch`), so
-launchers writing into one sweep directory, on one machine or on many, run different groups
-instead of repeating them. A claim only divides the work; no record depends on it (records
-are write-once parts, `cbs.results.shared.write_part`), so a group run twice by mistake
-costs time, never a record.
+launchers into one sweep directory, on one machine or many, run different groups. A claim
+only divides the work (records are write-once parts, `cbs.results.shared.write_part`): a
+group run twice by mistake costs time, never a record.
 
-- Local directory (`<dir>/<name>.lock`): an fcntl lock on the file, released by `release` or
-  when the process ends (kill -9 included). On a network mount it holds across machines as
-  far as the mount's locking does (NFSv4 does).
+- Local directory: an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the
+  process ends (kill -9 included); on a network mount as far as its locking goes (NFSv4).
 - Object store (`gs://...`): a lease object `<dir>/<name>.<epoch>.lease` holding the owner
-  (host, pid) and when it expires (seconds since the epoch), created with a does-not-exist
-  precondition (`cbs.results.paths.create_new`): of several launchers claiming at once
-  exactly one creates it. A name's lease is its highest epoch. It is held until its holder
-  deletes it (`release`), or until it expires: a background thread renews it every quarter
-  of `lease_seconds()`, so it expires only once its holder is gone (kill -9, a lost host,
-  a network partition longer than the lease). An expired lease is taken over by creating the
-  next epoch, again with the precondition. A lease whose owner is a process of this host
-  that no longer exists counts as expired at once, so a killed launcher restarted on the
-  same host goes on without waiting. Hosts' clocks must agree to well within the lease
-  (NTP does).
+  (host, pid) and its expiry (epoch seconds), created with a does-not-exist precondition
+  (`cbs.results.paths.create_new`), so exactly one of several claimants gets it; a name's
+  lease is its highest epoch. A background thread renews it every quarter of
+  `lease_seconds()` until `release` deletes it, so it expires only once its holder is gone;
+  an expired lease, or one owned by a dead process of this host, is taken over by creating
+  the next epoch. Hosts' clocks must agree to well within the lease (NTP does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -35,9 +30,7 @@ import time
 from cbs.results import paths, records
 from cbs.results.paths import PathLike
 
-__all__ = [
-    "Claim", "LEASE_SECONDS", "claim", "lease_seconds", "names", "release",
-]
+__all__ = ["Claim", "LEASE_SECONDS", "claim", "lease_seconds", "names", "release"]
 
 LEASE_SECONDS = 600.0  # default lease; CBS_LEASE_SECONDS overrides it
 _SUFFIX = ".lease"
@@ -174,7 +167,5 @@ def _alive(lease: dict) -> bool:
 def _renew(path: str, stop: threading.Event) -> None:
     """Rewrites the lease with a later expiry every quarter lease until `stop`."""
     while not stop.wait(lease_seconds() / 4):
-        try:
+        with contextlib.suppress(OSError):  # a missed renewal: the next one may succeed
             records.write_atomic(path, _body())
-        except OSError:
-            pass  # a missed renewal: the next one may succeed before the lease runs out

@@ -1,32 +1,24 @@
 """Paths every host sees: local files, or object stores (`gs://`, `s3://`) through etils.epath.
 
-A path is a `str` or an `os.PathLike` (`pathlib.Path`, `etils.epath.Path`). One with a URI
-scheme (`gs://bucket/runs/a`) is remote and goes through `etils.epath`, the file-system layer
-orbax checkpoints use (gs:// needs gcsfs, the `[gcs]` extra, or TensorFlow's gfile). Any other
-path is local and goes through the os module, exactly as before.
-
-What an object store lacks, and what cbs does instead:
-
-- rename: an object is written whole or not at all (readers see the old object or the new
-  one, never a part), so an atomic replacement is one write of the whole file
-  (`cbs.results.records.write_atomic`);
-- append: an append reads the object, adds the lines and writes it back whole (cost
-  O(file size), atomic like a replacement; concurrent appenders to one object would lose
-  each other's lines, so only files one process writes are appended to: records that
-  several processes write are write-once objects, `cbs.results.shared`);
-- locks: fcntl locks exist on local (and mounted) file systems only; an object store has
-  a write that succeeds only when the object does not exist yet (`create_new`, a
-  does-not-exist precondition), on which `cbs.results.leases` builds expiring leases.
-
-Remote listings and reads here bypass fsspec's listing cache (`_fresh_fs`): other processes
-add objects to the directories cbs lists.
+A path is a `str` or an `os.PathLike`. One with a URI scheme (`gs://bucket/runs/a`) is remote
+and goes through `etils.epath`, the file-system layer orbax uses (gs:// needs gcsfs, the
+`[gcs]` extra, or TensorFlow's gfile); any other goes through the os module. An object store
+has no rename (an atomic replacement is one write of the whole object,
+`cbs.results.records.write_atomic`), no append (read, add, write back whole: only files one
+process writes are appended to; records several processes write are write-once objects,
+`cbs.results.shared`) and no fcntl lock (a write that succeeds only when the object does not
+exist yet, `create_new`, on which `cbs.results.leases` builds expiring leases). Remote
+listings and reads bypass fsspec's listing cache (`_fresh_fs`): other processes add objects
+to the directories cbs lists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -110,8 +102,6 @@ def move(src: PathLike, dst: PathLike) -> None:
     if is_remote(src) or is_remote(dst):
         epath(src).rename(epath(dst))
     else:
-        import shutil
-
         shutil.move(os.fspath(src), os.fspath(dst))
 
 
@@ -120,8 +110,6 @@ def rmtree(path: PathLike) -> None:
     if is_remote(path):
         epath(path).rmtree(missing_ok=True)
     else:
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -162,10 +150,8 @@ def rmdir(path: PathLike) -> None:
     """Removes the directory if it is empty (else, or when it does not exist, nothing; on an
     object store, where a directory is only the prefix of its objects, nothing either)."""
     if not is_remote(path):
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(path)
-        except OSError:
-            pass
 
 
 def _fresh_fs(path: PathLike) -> tuple[Any, str]:
@@ -262,12 +248,8 @@ def remove(path: PathLike) -> None:
     """Removes a file if it exists."""
     if is_remote(path):
         fs, bare = _fresh_fs(path)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fs.rm_file(bare)
-        except FileNotFoundError:
-            pass
     else:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        except FileNotFoundError:
-            pass

@@ -1,36 +1,24 @@
 """Run records: JSON lines (the record of truth) and atomically replaced JSON files.
 
-Files in a run directory (written by process 0 only):
+A run directory (written by process 0 only) holds `metrics.jsonl`, one JSON object per line,
+appended in whole lines with one `write` per flush: each record has `step` (updates applied
+to the parameters it describes), `kind` ("train" or "eval") and slash-separated metric keys
+(`train/loss`, `opt/lr`, `noise/ema_b_simple`, `eval/loss`, ...), non-finite numbers as
+`NaN`/`Infinity`; `status.json`, replaced atomically (`write_atomic`); and `tensorboard/`
+(tensorboardX events, reopened with `purge_step` after a resume).
 
-- `metrics.jsonl`: one JSON object per line, appended in whole lines with one `write` call
-  per flush. Every record has `step` (updates applied to the parameters it describes) and
-  `kind` (`"train"` or `"eval"`), plus slash-separated metric keys (`train/loss`, `opt/lr`,
-  `noise/ema_b_simple`, `eval/loss`, `full_train/loss`, ...). Non-finite numbers are written
-  as `NaN`/`Infinity` (Python's json).
-- `status.json`: the run's state, replaced atomically (`write_atomic`).
-- `tensorboard/`: tensorboardX event files (no TensorFlow needed). After a resume the
-  writer is opened with `purge_step`, so TensorBoard hides events past the restored step.
+Every JSON-lines file cbs writes is read through `read_records` (or
+`cbs.results.shared.read_merged`, which reads each part so) and written by `append_records`
+or as write-once parts (`cbs.results.shared`: records that several processes may write), so
+it survives crashes and damage: a torn last line (a kill mid-write: no final newline) is not
+a record, and `append_records` cuts it off first (`repair_tail`); a complete line that is
+not a JSON object holding the required keys is skipped with a `CorruptRecordWarning` naming
+the file and line, and what it recorded counts as not done.
 
-Every JSON-lines file cbs writes (`metrics.jsonl`, `trials.jsonl`, `ramps.jsonl`, ...) is read
-through `read_records` (or `cbs.results.shared.read_merged`, which reads each part so) and
-written by `append_records` or as parts, which survive crashes and damage:
-
-- a torn last line (a kill during a write: no final newline) is not a record; readers skip
-  it and `append_records` cuts it off first (`repair_tail`), so a record is never written
-  onto a partial line;
-- a complete line that is not a JSON object (or lacks a required key) is skipped with a
-  `CorruptRecordWarning` naming the file and line number; whatever it recorded counts as
-  not done (a trial is rerun, a step is recorded again).
-
-Records that several processes may write (a sweep's trials from several shards, a branch
-study's units, ramp runs, reference-run noise measurements) are never appended to one
-shared file: each write is a write-once part, merged on read (`cbs.results.shared`).
-
-Every path may be local or remote (`gs://...`, see `cbs.results.paths`). Locally a
-replacement is a temporary file, fsync and rename, and an append is one `write` on an
-O_APPEND descriptor; on an object store, which has neither rename nor append, both are one
-write of the whole object, which the store makes atomic (so only files that one process
-writes, such as a run's `metrics.jsonl`, are appended to there).
+Paths may be remote (`gs://...`, `cbs.results.paths`). Locally a replacement is a temporary
+file, fsync and rename, and an append one `write` on an O_APPEND descriptor; an object store
+has neither, so both are one atomic write of the whole object (only files one process
+writes, such as `metrics.jsonl`, are appended to there).
 """
 
 from __future__ import annotations
@@ -141,8 +129,7 @@ def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[s
 
 
 def _records_in(raw: bytes, path: PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
-    """The records in the bytes `raw` of `path` (as `read_records`)."""
-    return [r for _, r in lines_in(raw, path, required)]
+    return [r for _, r in lines_in(raw, path, required)]  # a frame, for the warnings' stacklevel
 
 
 def lines_in(raw: bytes, path: PathLike, required: Sequence[str]

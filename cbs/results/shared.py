@@ -1,28 +1,22 @@
 """Records files that several processes add to: write-once parts, merged on read, compacted.
 
-A records file `<name>.jsonl` that several processes write (a sweep's trials from several
-shards, a branch study's units, ramp runs, reference-run noise measurements:
-`cbs.results.files`) is never appended to: each write is a write-once part,
-`<name>.d/<part>.jsonl` (`write_part`), written whole in one atomic write, and readers merge
-the parts (`read_merged`): the first record per key, in name order (a part's name starts with
-its time, so that is write order). No writer can lose another's records on any file system,
-object stores included. `<name>.jsonl` is then an export of the parts (`export_parts`); a
-directory written before parts existed has the file only, which is read as before, and its
+A records file `<name>.jsonl` that several processes write (`cbs.results.files`) is never
+appended to: each write is a write-once part `<name>.d/<part>.jsonl` (`write_part`), written
+whole in one atomic write, and readers merge the parts (`read_merged`): the first record per
+key, in name order (a part's name starts with its time: write order). No writer can lose
+another's records on any file system. `<name>.jsonl` is then an export of the parts
+(`export_parts`); a directory from before parts has the file only, read as before, and its
 first part is preceded by a copy of it (`LEGACY_PART`).
 
-On an object store every request is a round trip, so their number is what a sweep of many
-trials pays. Writing a part is one listing of the folder and one upload; reading is one
-listing and one fetch per part, all fetched together, and a reader that reads again
-(`PartCache`, which a sweep's store keeps) fetches only the parts that are new since. To keep
-the parts few, a write that brings `FANOUT` parts of one level together compacts them
-(`compact`): their whole lines, concatenated in name order, become one part of the next level,
-and then those parts, and only those, are deleted by name. A record is copied once per level
-(log_FANOUT n levels for n parts), so n writes cost O(n) requests in all, and a listing stays
-one page. Compaction loses nothing written meanwhile: it deletes only parts it has read, once
-their copy exists; a reader that finds a listed part gone lists again (the records are then
-in the compacted part, which the new listing holds), and a record seen twice (a part and its
-copy, or the copies of two compactions at once) counts once. Locally parts are never compacted:
-a directory lists and reads its files cheaply, and a committed study's folder keeps its files.
+On an object store every request is a round trip. Writing a part is one listing and one
+upload; reading is one listing and one fetch per part, all together, and a `PartCache`
+fetches only the parts new since its last read. A write that brings `FANOUT` parts of one
+level together compacts them (`compact`) into one part of the next level, then deletes those
+parts by name: a record is copied once per level, so n writes cost O(n) requests and a
+listing stays one page. Nothing written meanwhile is lost: only parts read are deleted, once
+their copy exists; a reader that finds a listed part gone lists again, and a record seen
+twice counts once. Local parts are never compacted (cheap to list; committed folders keep
+their files).
 """
 
 from __future__ import annotations

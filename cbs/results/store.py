@@ -1,34 +1,24 @@
 """A sweep directory on disk: the trial records, their CSV export and the sweep definition.
 
-Files in a sweep directory (all appended or replaced atomically; analysis reads only these):
+Files in a sweep directory (all appended or replaced atomically; analysis reads only these),
+which may be remote (`gs://bucket/sweep`, `cbs.results.paths`) and is created only when
+something is written:
 
 - `sweep.json`: the whole resolved config that determines the trials ("config", defaults
-  filled in; its "sweep" section also at the top) and the base trial grid ("trials"),
-  written once the config has been validated; a later launch must match it field by field
-  (`write_definition`), or pass `redefine` to change the grid only;
-- `trials.d/`: the trial records, one complete record per finished trial (see
-  `TrialResult`), written as write-once parts: each group of trials that finishes together is
-  one file (`cbs.results.shared.write_part`), written whole in one atomic write after the
-  group's last checkpoint; no writer touches another's part, so launchers on any number of
-  hosts, on a local disk, a network mount or an object store, lose no record. On an object
-  store the parts are compacted as they accumulate, so a sweep of n trials costs O(n)
-  requests (`cbs.results.shared`). A corrupt line is skipped with a warning naming its part
-  and line: its trial counts as unfinished and reruns;
+  filled in; its "sweep" section also at the top) and the base trial grid ("trials");
+  a later launch must match it field by field (`write_definition`), or pass `redefine` to
+  change the grid only;
+- `trials.d/`: one complete record per finished trial (`TrialResult`), each group of trials
+  that finishes together one write-once part written after its last checkpoint
+  (`cbs.results.shared`: no record lost with launchers on any number of hosts, compacted on
+  object stores). A corrupt line is skipped with a warning: its trial reruns;
 - `trials.jsonl`: the records of sweeps written before parts existed, then an export of the
-  parts (`export`, at the end of each launch; it may lag behind the parts while launchers
-  run). The records are this file and the parts, merged (first record per trial id), so a
-  committed study's `trials.jsonl` reads as before;
+  parts (`export`, at the end of each launch); the records are this file and the parts,
+  merged (first record per trial id);
 - `trials.csv`: the records flattened to one row per (trial, target);
 - `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl);
-- `locks/`: one claim per group of trials (`cbs.results.leases`): an fcntl lock file on a
-  file system, an expiring lease object on an object store; a launcher holds it while it
-  runs the group, so concurrent launchers into one directory, on one machine or on several,
-  share the work instead of repeating it.
-
-The directory may be remote (`gs://bucket/sweep`, see `cbs.results.paths`).
-
-Nothing is created until something is written, so a command that fails before its first
-record leaves no directory behind.
+- `locks/`: one claim per group of trials (`cbs.results.leases`), held while a launcher
+  runs it, so concurrent launchers share the work.
 """
 
 from __future__ import annotations

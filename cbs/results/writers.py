@@ -1,22 +1,14 @@
 """Metric writers: one small interface and its back ends.
 
-`MetricWriter` has the shape of clu's metric writers: `write_scalars(step, scalars)`,
-`write_hparams(hparams)`, `flush()` and `close()`. Runs, sweep groups and
-`cbs.stats.monitor.NoiseMonitor` write through it, and anything with a `write_scalars(step,
-scalars)` method can stand in for one (a clu writer too):
-
-- `JsonlWriter`: JSON lines in `metrics.jsonl` (the record of truth of runs, `records`); a
-  run writes its whole records with `write_records`, `write_scalars` adds one record
-  {"step": step, **scalars};
-- `TensorBoardWriter`: tensorboardX event files (the [tensorboard] extra; no TensorFlow);
-- `WandbWriter`: a Weights & Biases run (the [wandb] extra), online, or offline with
-  `WANDB_MODE=offline` (`wandb sync` uploads it later);
-- `MultiWriter`: the same calls to several writers.
-
-The mirrors (TensorBoard, W&B) get a record's numeric fields through `record_scalars`: the
-namespaced keys ("train/loss", "noise/b_simple", ...), and, for a sweep group's records (one
-per trial at each evaluation), the key with the trial appended ("full_train/loss/trial3"), so
-the K trials are K curves.
+`MetricWriter` has the shape of clu's metric writers (`write_scalars(step, scalars)`,
+`write_hparams`, `flush`, `close`); runs, sweep groups and `cbs.stats.monitor.NoiseMonitor`
+write through it, and anything with `write_scalars` can stand in for one. `JsonlWriter`:
+`metrics.jsonl`, the record of truth (`write_records` writes a run's whole records,
+`write_scalars` one {"step": step, **scalars}); `TensorBoardWriter`: tensorboardX event files
+(the [tensorboard] extra); `WandbWriter`: a Weights & Biases run (the [wandb] extra; offline
+with `WANDB_MODE=offline`); `MultiWriter`: the same calls to several. The mirrors get a
+record's numeric fields through `record_scalars`: the namespaced keys, with the trial
+appended for a sweep group's records ("full_train/loss/trial3"), so K trials are K curves.
 """
 
 from __future__ import annotations

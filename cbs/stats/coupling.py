@@ -1,37 +1,30 @@
 """A structural test for examples coupled through a batch statistic, read from the jaxpr.
 
-Per-example gradients need ℓ_i to depend on example i alone. A layer such as BatchNorm in
-training mode breaks that: it reduces over the example axis (a batch mean or variance) and
-combines the result with every example. Whether it does is a property of the program, not of
-the numbers in it, so it is read from one shape-only trace of `loss_fn(params, batch)` and
-holds whatever the parameters are (a value test on two examples can miss a coupling that the
-parameters make small).
+Per-example gradients need ℓ_i to depend on example i alone. BatchNorm in training mode
+breaks that: it reduces over the example axis and combines the result with every example.
+That is a property of the program, not of the numbers, so it is read from one shape-only
+trace of `loss_fn(params, batch)` and holds whatever the parameters (a value test on two
+examples can miss a coupling the parameters make small).
 
 Every jaxpr variable gets two tags, propagated forward from the batch inputs (example axis 0):
 
-- its *example axis*, mapped through each operation whose axis rule is known (the rules of
-  `cbs.stats.ghost_trace`: elementwise ops, layout ops, `dot_general`, convolutions, gathers,
-  reductions over other axes), and lost (no tag) through any other operation. A reshape that
-  merges the example axis with others (`[B, T, C] -> [B·T, C]`) keeps the merged axis as one
-  that *holds* the examples (`outer · B · inner` entries, example-major within), and a reshape
-  that splits it out again (`-> [B, T, C]`) gives the example axis back;
-- *mixed*: the value is a statistic over several examples, formed by a known operation that
-  reduces or contracts an axis holding the examples (`reduce_sum`, `reduce_max`, ...,
-  `argmax`, cumulative ops along it, a `dot_general` contracting it or pairing the examples of
-  two operands, `psum`/`pmax`/`pmin` over it: the form of `lax.psum`/`pmean` over a
-  `jax.vmap` axis name), or by a collective (`psum`, `all_gather`, `reduce_scatter`,
-  `all_to_all`, `ppermute`, ...) over a mesh axis that a `shard_map` splits the examples on;
-  and kept by everything computed from it.
+- its *example axis*, mapped through each operation whose axis rule is known (those of
+  `cbs.stats.ghost_trace`), lost through any other. A reshape that merges the example axis
+  with others (`[B, T, C] -> [B·T, C]`) keeps an axis that *holds* the examples, and one
+  that splits it out again gives the example axis back;
+- *mixed*: a statistic over several examples, formed by a known operation that reduces or
+  contracts an axis holding the examples (`reduce_sum`, `argmax`, cumulative ops, a
+  `dot_general` contracting or pairing them, `psum`/`pmax`/`pmin` over a `jax.vmap` axis
+  name), or by a collective over a mesh axis a `shard_map` splits the examples on; kept by
+  everything computed from it.
 
-A known operation whose output keeps an example axis while one of its operands is mixed is a
-coupling: `x − mean(x, axis=0)`, `x / std(x, axis=0)`. The mean loss itself is a mixed value
-that nothing per-example reads, and so is a token-weighted mean `Σ mask·ℓ / Σ mask`. A value
-whose example axis was lost through an unknown operation is never reported (no false refusal);
-the value test of `cbs.stats.loss_checks` still runs on it; so is a collective over a mesh axis
-the loss does not bind itself (a tensor-parallel `psum` over the model axis keeps examples apart).
-
-Nested `jit`, `remat`, `custom_jvp`/`custom_vjp`, `scan`, `while`, `cond` and `shard_map`
-bodies are walked.
+A known operation whose output keeps an example axis while an operand is mixed is a
+coupling: `x − mean(x, axis=0)`, `x / std(x, axis=0)`. The mean loss, or a token-weighted
+mean `Σ mask·ℓ / Σ mask`, is mixed but read by nothing per-example. A value whose example
+axis was lost through an unknown operation is never reported (the value test of
+`cbs.stats.loss_checks` still runs), nor a collective over a mesh axis the loss does not
+bind itself. Nested `jit`, `remat`, `custom_jvp`/`custom_vjp`, `scan`, `while`, `cond` and
+`shard_map` bodies are walked.
 """
 
 from __future__ import annotations

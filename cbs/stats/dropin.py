@@ -12,28 +12,25 @@ Randomness. With a key, the example at position i of the batch (0 ≤ i < B) dra
 
     ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
 
-and the batch loss L = (1/B) Σ_i ℓ_i (loss_fn vmapped over the examples). Every route applies
-this one definition: the ghost-norm pass and `vmap(grad)` of `method`, and the curvature
-halves; `keyed_loss` gives the same ℓ_i to `noise.exact` and `noise.probe`. A dropout mask is
-thus a function of (key, position, example), identical on every route. In the NNX form the
-model's own `nnx.Rngs` streams play the key: example i draws from each stream's key folded
-with i, and the streams advance once per call, as `nnx.value_and_grad` would advance them.
+with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves, and
+`keyed_loss` for `noise.exact` and `noise.probe`) applies this one definition, so a dropout
+mask is a function of (key, position, example). In the NNX form the model's `nnx.Rngs`
+streams play the key: example i draws from each stream's key folded with i, and the streams
+advance once per call, as `nnx.value_and_grad` would advance them.
 
-Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations
-g_i − ḡ it weighs, so the batch is split into its even and its odd positions (B_e = ⌈B/2⌉,
-B_o = ⌊B/2⌋ examples): the deviations of each half are weighed by the Hessian of the other
-half's mean loss, and the two estimates are averaged. With h ∈ {e, o} and h' the other half:
+Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations it
+weighs, so the batch is split into its even and odd positions (B_e = ⌈B/2⌉, B_o = ⌊B/2⌋):
+each half's deviations are weighed by the Hessian of the other half's mean loss, and the two
+estimates averaged. With h ∈ {e, o} and h' the other half:
 
     trace_h_sigma = ½ Σ_h Σ_{i∈h} (g_i − ḡ_h)ᵀ H_h' (g_i − ḡ_h) / (B_h − 1)
     mean_g_h_g    = ½ Σ_h ḡ_hᵀ H_h' ḡ_h
     g_h_g         = ½ Σ_h (ḡ_hᵀ H_h' ḡ_h − tr(H_h'Σ)_h / B_h)       unbiased for GᵀHG
     b_noise       = trace_h_sigma / g_h_g
 
-(so g_h_g = mean_g_h_g − trace_h_sigma/(B/2) for even B). Cost: B per-example gradients and
-B Hessian-vector products, each HVP over the other half's B/2 examples: about B²/2 example
-forward-and-backward passes times an HVP's cost (2–4 gradients), against B for the step
-itself; meant for measurement steps, not every step. The simple fields come from the whole
-batch as without curvature.
+Cost: B per-example gradients and B HVPs over B/2 examples each, about B²/2 example passes
+times an HVP's cost, against B for the step: for measurement steps, not every step. The
+simple fields come from the whole batch.
 """
 
 from __future__ import annotations

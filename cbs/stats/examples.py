@@ -67,10 +67,6 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
     return batch_size
 
 
-def _concrete_float(x: Any) -> bool:
-    return concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 def check_finite(params: PyTree, batch: PyTree) -> None:
     """Raises ValueError naming the first params or batch leaf holding NaN or inf (and, for
     the batch, the first such example). Leaves being traced (under jit) are not checked: the
@@ -78,7 +74,8 @@ def check_finite(params: PyTree, batch: PyTree) -> None:
     named = [(f"{what} leaf {p!r}", x, what == "batch")
              for what, tree in (("params", params), ("batch", batch))
              for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]
-    named = [(n, x, ex) for n, x, ex in named if _concrete_float(x)]
+    named = [(n, x, ex) for n, x, ex in named
+             if concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not named:
         return
     with jax.ensure_compile_time_eval():  # concrete leaves inside an outer trace stay eager

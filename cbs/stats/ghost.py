@@ -2,6 +2,9 @@
 for any JAX model: the operations that read each parameter are found in the jaxpr of the
 user's own `loss_fn`.
 
+Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
+features, L scan length, P parameters.
+
 For a loss `L = (1/B) Σ_i ℓ_i` (the mean loss of the DESIGN contract) the per-example gradient
 of a dense kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the operation's data
 operand at position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass
@@ -12,59 +15,41 @@ already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et 
                = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
-whichever is cheaper; where the direct form is taken, its per-example gradients also give
-the layer's weight gradient (their sum over i), so the ordinary weight-gradient pass is not
-run a second time ("fused" layers, `ghost_rules.fuse_direct`): the norms of a sequence or
-convolution layer then cost the squares of a [B, D, O] tensor, not another B·T·D·O pass. A
-convolution is the dense rule on its input windows (formed and multiplied in cache-sized
-chunks of examples on XLA:CPU, `ghost_rules.example_chunk`), an embedding
-table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or shift w broadcast over
-positions (norm layers, biases) `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, whose per-example
-sums Σ_t x_it ⊙ g_it also give w's gradient (fused too: one reduction of the cotangent)
-(`cbs.stats.ghost_rules`).
+whichever is cheaper. Where the direct form is taken its per-example gradients, summed, also
+give the weight gradient, so that pass is not run twice ("fused", `ghost_rules.fuse_direct`).
+A convolution is the dense rule on its input windows (in cache-sized chunks of examples on
+XLA:CPU, `ghost_rules.example_chunk`), an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`,
+and an elementwise scale or shift w broadcast over positions (norm layers, biases)
+`|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, fused too (`cbs.stats.ghost_rules`).
 
 Mechanism. `cbs.stats.ghost_trace` walks one shape-only trace of `loss_fn(params, batch)` and
 finds, for every params leaf, the operations that read it (its *uses*). The jaxpr is then
-evaluated again and differentiated once with `jax.value_and_grad`, which returns the loss, ḡ
-and the norms from ONE backward pass:
+evaluated again under one `jax.value_and_grad`, which returns the loss, ḡ and the norms:
 
-- a leaf read by exactly one use through norm-preserving layout ops, in a layout a ghost rule
-  reads, has its use's output routed through a *tap*: an identity whose custom backward
-  applies the rule to the use's data operand x and the output cotangent g as soon as the
-  backward pass reaches it, and returns the [B] norms as the cotangent of a zero *slot*
-  input. A fused use (a `dot_general` or convolution in the direct form, an elementwise
-  scale or shift) is evaluated under a custom backward instead: the data operand's
-  cotangent is the ordinary one, the parameter operand's is the sum of the per-example
-  gradients whose squares are the norms. Inside `scan` the slots are stacked (one [B] row
-  per step, summed afterwards: the slices of a stacked leaf are disjoint), so no
-  [L, B, T, D] activation or cotangent is kept beyond what the ordinary backward keeps;
+- a leaf read by one use through norm-preserving layout ops, in a layout a ghost rule reads,
+  has the use's output routed through a *tap*: an identity whose custom backward applies the
+  rule to x and g where the backward pass meets it and returns the [B] norms as the
+  cotangent of a zero *slot* input (a fused use is evaluated under a custom backward that
+  also returns the parameter's gradient). Inside `scan` the slots are stacked (one [B] row
+  per step, summed afterwards), so nothing is kept beyond what the ordinary backward keeps;
   under `remat` x is recomputed with the step.
-- any other use (a tied input/output embedding read by several uses, a leaf read through a
-  broadcast that repeats it, or a slice) gets a zero *perturbation* added to its output and
-  its data operand kept as an auxiliary output, so the backward pass also returns its
-  cotangent g. A leaf read only by `dot_general`s and embedding gathers in layouts
-  `cbs.stats.ghost_tied` reads (a tied embedding and head, a kernel read by two matmuls)
-  then takes |Σ_u A_u,i|² from the Gram terms of its uses, pairs of positions of example i
-  (the ordinary backward gives its gradient), or from its per-example gradients in its
-  layout, whichever costs less, in the operands' own dtypes. Any other leaf is
-  *materialised*: its exact per-example gradient `Σ_uses transpose(use)(x_i, g_i)` is
-  pulled back to the leaf's layout, summed over its uses (so the cross terms are exact)
-  and squared, in chunks of examples.
+- any other use gets a zero *perturbation* added to its output and its data operand kept as
+  an auxiliary output, so the backward pass also returns its cotangent g. A leaf read only
+  by `dot_general`s and embedding gathers that `cbs.stats.ghost_tied` reads (a tied
+  embedding and head, a kernel read by two matmuls) takes |Σ_u A_u,i|² from Gram terms or
+  from its per-example gradients, whichever costs less. Any other leaf is *materialised*:
+  `Σ_uses transpose(use)(x_i, g_i)` pulled back to the leaf's layout and squared, in chunks
+  of examples.
 
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
-`custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule is
+`custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule
 taken to be the derivative of their body). Leaves read in any other way fall back to
-`vmap(grad)` restricted to them, chunked to a memory budget; `uncovered_leaves` says which
-and why.
+`vmap(grad)` restricted to them, chunked to a memory budget (`uncovered_leaves` says which).
 
 Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
-fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)` (true for means over B
-and, with equal lengths, over B×T). A layer that mixes a batch statistic into every example
-(BatchNorm in training mode) removes the example axis in the trace, so the leaves after it
-fall back to vmap, whose per-example gradients are then those of one-example batches.
-
-Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
-features, L scan length, P parameters.
+fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A layer that mixes a
+batch statistic into every example (BatchNorm in training mode) removes the example axis in
+the trace, so the leaves after it fall back to vmap.
 """
 
 from __future__ import annotations
@@ -351,10 +336,6 @@ def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None
     return auto_chunk_size(3 * param_bytes + 64 * act_bytes, batch_size)
 
 
-def _sq_norm(g: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-
-
 def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequence[int],
                    chunk_size: int | None) -> list[jax.Array]:
     """|∂ℓ_i/∂leaf|² by vmap(grad) w.r.t. the leaves `which` only."""
@@ -369,7 +350,8 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
                 full[i] = s
             return loss_fn(jax.tree.unflatten(treedef, full), one_example(example))
 
-        return [_sq_norm(g) for g in jax.grad(loss_of)(sub)]
+        return [jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+                for g in jax.grad(loss_of)(sub)]
 
     return map_examples(one, batch, chunk)
 

@@ -53,19 +53,10 @@ def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
     return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= FUSED_BYTES
 
 
-def _direct(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
-            ) -> tuple[jax.Array, jax.Array] | None:
-    """(Σ_i G_i [D, O], [B] |G_i|²) of the per-example gradients G_i = Σ_t x_it g_itᵀ,
-    accumulated in `dtype` from the operands' own precision; None unless `fuse_direct`."""
-    b, t, d = x_BxTxD.shape
-    if not fuse_direct(b, t, d, g_BxTxO.shape[-1]):
-        return None
-    return _direct_products(x_BxTxD, g_BxTxO, dtype)
-
-
 def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
                      ) -> tuple[jax.Array, jax.Array]:
-    """`_direct` without the check."""
+    """(Σ_i G_i [D, O], [B] |G_i|²) of the per-example gradients G_i = Σ_t x_it g_itᵀ,
+    accumulated in `dtype` from the operands' own precision."""
     d = x_BxTxD.shape[-1]
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
     # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
@@ -88,8 +79,6 @@ def _kernel_sq_norm(x_BxTxD: jax.Array, g_BxTxO: jax.Array) -> jax.Array:
         return jnp.sum(xx_BxTxT * gg_BxTxT, (1, 2))
     grad_BxDxO = jnp.einsum("btd,bto->bdo", x_BxTxD, g_BxTxO)
     return jnp.sum(jnp.square(grad_BxDxO), (1, 2))
-
-
 
 
 def _perm_reshape(a: jax.Array, lead: list[int], rest: list[int], b: int) -> jax.Array:
@@ -128,10 +117,9 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
     gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
     x_BxTxC, g_BxTxF, wc, w_free = dense_operands(use, x, g)
-    out = _direct(x_BxTxC, g_BxTxF, dtype)
-    if out is None:
+    if not fuse_direct(*x_BxTxC.shape, g_BxTxF.shape[-1]):
         return None
-    total_CxF, sq = out
+    total_CxF, sq = _direct_products(x_BxTxC, g_BxTxF, dtype)
     w_shape = use.eqn.invars[use.pos].aval.shape
     total = total_CxF.reshape([w_shape[a] for a in wc] + [w_shape[a] for a in w_free])
     return jnp.transpose(total, [int(a) for a in np.argsort(wc + w_free)]), sq
@@ -382,9 +370,7 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
     """∂(one example's share of the loss)/∂(origin) for one example: x_i, g_i without the
     example axis; the result has the shape of the leaf (or of its scanned slice)."""
     origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
-    x1 = jnp.expand_dims(x_i, use.e_in)
-    if jnp.issubdtype(x1.dtype, jnp.inexact):
-        x1 = x1.astype(dtype)
+    x1 = in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
     g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)
     params = dict(use.eqn.params)
     if params.get("preferred_element_type") is not None:

@@ -25,27 +25,20 @@ letters and the mean-loss scaling):
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-Each example costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds more than the plain
-gradient this way (the *Gram form*; the ordinary backward gives the leaf's gradient). The
-*direct form* forms each example's gradient in the leaf's layout instead, sums and squares
-it, and takes the leaf's gradient as the sum over the examples (its uses hold the leaf
-constant in the ordinary backward, as in `cbs.stats.ghost`'s materialised path): its products
-replace the weight gradient's, so what it adds is the memory traffic of the [P] per-example
-gradients, counted as 4 multiply-adds per entry for each use's gradient and for their sum
-(the count of `ghost_rules.fuse_direct`, which makes the same choice for one layer). `plan`
-takes the cheaper (docs/guides/benchmarks.md measures both). Either way operands stay in
-their own dtype (bfloat16 stays bfloat16) and products accumulate in the leaf's accumulation
-dtype (`preferred_element_type`).
+This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more
+than the plain gradient (which the ordinary backward gives). The *direct form* forms each
+example's gradient in the leaf's layout, sums and squares it, and takes the leaf's gradient
+as the sum over the examples (as `cbs.stats.ghost`'s materialised path): what it adds is
+the memory traffic of the [P] per-example gradients, `ENTRY_COST` multiply-adds per entry
+for each use's gradient and their sum (as `ghost_rules.fuse_direct` for one layer). `plan`
+takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own
+dtype; products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
 
-Readable layouts: the chain of layout operations from the leaf to each use's operand may
-transpose it, change its dtype or sharding, and add or remove unit axes; a reshape that merges
-or splits axes, a pair of dot uses whose x sides share only some leaf axes, a table read
-transposed by another gather, and every other operation leave the leaf to the materialised
-path (`plan` returns None).
-
-`FORM` forces a form for every such leaf: "gram", "direct", or "materialised" (the leaf's
-per-example gradients by each use's transpose in float32: the path before this rule, kept
-for benchmarks/lm_step.py to compare against).
+The chain of layout operations from the leaf to each use's operand may transpose it, change
+its dtype or sharding, and add or remove unit axes; anything else (a reshape that merges or
+splits axes, dot uses whose x sides share only some leaf axes, a table read transposed by
+another gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
+"gram", "direct" or "materialised" (kept for benchmarks/lm_step.py to compare against).
 """
 
 from __future__ import annotations

@@ -100,12 +100,8 @@ class Discovery:
     inner_uses: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # eqn -> uids
 
 
-def _aval(v):
-    return v.aval
-
-
 def _shape(v) -> tuple[int, ...]:
-    return tuple(getattr(_aval(v), "shape", ()))
+    return tuple(getattr(v.aval, "shape", ()))
 
 
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:

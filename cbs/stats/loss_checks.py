@@ -1,31 +1,26 @@
 """What a `loss_fn` must be for its noise statistics to mean anything, checked once per loss_fn.
 
 Every estimator assumes L(batch) = (1/B) Σ_i ℓ_i with ℓ_i depending on example i alone, the
-same ℓ_i whichever batch holds it (the ghost, vmap, probe and curvature routes each apply
-loss_fn to different batches: the whole batch, one-example batches, copies). Refused, each in
-one line naming the cause and the fix:
+same whichever batch holds it (the ghost, vmap, probe and curvature routes apply loss_fn to
+different batches). Refused, each in one line naming the cause and the fix:
 
 - randomness loss_fn does not take as an argument (dropout with a fixed key, an nnx.Rngs
-  stream): found in the jaxpr (`RANDOM_PRIMITIVES`); each route would draw different masks.
-  A caller whose draws are the same for an example in every batch that holds it (a key folded
-  with an example id carried in the batch) says so with `allow_randomness(loss_fn)`;
-- examples coupled through a batch statistic (BatchNorm in training mode, linen or nnx):
-  found in the jaxpr, whatever the parameters (`cbs.stats.coupling`: a reduction over the
-  example axis combined with every example); a loss_fn that updates nnx BatchNorm statistics
-  it closes over fails to trace (named here); and a loss of examples 0 and 1 together that is
-  not the mean of their losses alone is refused;
-- a loss SUMMED over the batch: example 0 twice gives twice its loss alone (a mean gives the
-  same), which would scale ḡ by B and the ghost norms by B².
+  stream), found in the jaxpr (`RANDOM_PRIMITIVES`): each route would draw different masks.
+  A caller whose draws are the same for an example in every batch says so with
+  `allow_randomness(loss_fn)`;
+- examples coupled through a batch statistic (BatchNorm in training mode): found in the
+  jaxpr (`cbs.stats.coupling`); a loss_fn that updates nnx BatchNorm statistics it closes
+  over fails to trace (named here); and a loss of examples 0 and 1 together that is not the
+  mean of their losses alone;
+- a loss SUMMED over the batch: example 0 twice gives twice its loss alone, which would
+  scale ḡ by B and the ghost norms by B².
 
-The value checks need numbers: with concrete inputs they use example 0 and 1 of the batch;
-under jit (traced inputs) they run once at trace time on stand-in inputs of the same shapes
-and dtypes (normal floats, scaled kernels, 0/1 integers; ones for a traced extra argument of
-`check_loss_fn`, which every check passes to loss_fn), so a jitted train step pays nothing per
-step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
-losses, is not value-checked (the computation reports its own errors). A loss_fn whose jaxpr
-and constants equal those of one that passed (a new closure over the same model and shapes) is
-not value-checked again: the value checks (on examples 0 and 1, whatever the batch size) cost
-a compilation, once per program and process.
+The value checks use examples 0 and 1 of concrete inputs; under jit they run once at trace
+time on stand-in inputs of the same shapes and dtypes (normal floats, scaled kernels, 0/1
+integers; ones for a traced extra argument of `check_loss_fn`), so a jitted step pays nothing
+per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
+losses, is not value-checked, nor one whose jaxpr and constants equal those of one that
+passed (the checks cost a compilation, once per program and process).
 """
 
 from __future__ import annotations

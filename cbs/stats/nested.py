@@ -2,21 +2,18 @@
 release from 0.9.2 on.
 
 A walker (`cbs.stats.ghost_trace`, `cbs.stats.ghost`, `cbs.stats.coupling`,
-`cbs.stats.loss_checks`) needs three things of a nested primitive: its body (an open jaxpr and
-the constants closed over by it), how the equation's operands map onto the body's inputs, and
-how the body's outputs map onto the equation's results. JAX moves these between releases:
-`scan` held `num_consts`/`num_carry` up to 0.10 and a flat-tree `ft_in`/`ft_out` from 0.11;
-the closed jaxpr was a wrapper up to 0.10 and is the jaxpr itself from 0.11; `pjit` became
-`jit`; `remat`'s `prevent_cse` became per operand. Every walker reads them here and nowhere
-else, and each split is derived from the jaxpr's own avals where the parameters do not name
-it, so a renamed parameter does not break a walker:
+`cbs.stats.loss_checks`) needs a nested primitive's body (an open jaxpr and its closed-over
+constants) and how the equation's operands and results map onto the body's inputs and
+outputs. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became a
+flat-tree `ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became
+`jit`, `remat`'s `prevent_cse` became per operand), so every walker reads them here, each
+split derived from the jaxpr's own avals where the parameters do not name it:
 
-- scan: operands `consts + carry + xs`, results `carry + ys`. An `xs` operand has one axis
-  more than its body input (the scanned axis) and a `ys` result one more than its body output,
-  while consts and carry keep their shapes, so the split is the first operand (result) whose
+- scan: operands `consts + carry + xs`, results `carry + ys`; an `xs` operand (a `ys`
+  result) has one axis more than its body input (output), so the split is the first whose
   rank differs from the body's.
 - while: operands `cond_consts + body_consts + carry`; the body returns the carry, so its
-  length is the body's output count, and each jaxpr's consts are its inputs before the carry.
+  length is the body's output count, and each jaxpr's consts are its inputs before it.
 - cond: operands `index + ops`, every branch a jaxpr over `ops`.
 - calls (`jit`, `pjit`, `closed_call`, `core_call`, `remat`, `custom_jvp_call`,
   `custom_vjp_call`, `shard_map`): one body over all operands.

@@ -10,21 +10,19 @@ draw of h examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, �
     g_h_g         = mean_g_h_g − trace_h_sigma / n
     b_noise       = trace_h_sigma / g_h_g
 
-Why a separate 𝓒: `noise.exact(curvature=True)` on one batch takes H from the same examples
-whose deviations it measures, so each example's own Hessian enters its term (d_iᵀH_i d_i / m):
+Why a separate 𝓒: with H from the examples whose deviations it measures
+(`noise.exact(curvature=True)`), each example's own Hessian enters its term (d_iᵀH_i d_i / m):
 with m = 32 on the digits MLP that inflated tr(HΣ) about threefold and drove g_h_g negative.
-Here 𝓒 is drawn independently of 𝓑, so E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for
-𝓑 a uniform draw without replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and
-E[g_h_g] = GᵀHG − E[trace_h_sigma]/N, which is what `noise.exact(curvature=True)` gives on
-all N examples. Cost: m per-example gradients and m + 1 HVPs on h examples.
-Residual biases of this sampled estimator: E[g_h_g] = GᵀHG − E[trace_h_sigma]/N and
-E[grad_sq_norm] = |G|² − E[trace_sigma]/N under without-replacement draws (relative size
-1/(N·B_noise), 1/(N·B_simple)), and a reported B at a crossing is a ratio of window means
-(each unbiased, their ratio biased by O(variance/mean²) of the window mean).
+With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without
+replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG −
+E[trace_h_sigma]/N, as `noise.exact(curvature=True)` on all N. Cost: m per-example gradients
+and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
+E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is
+a ratio of window means (biased by O(variance/mean²) of the window mean).
 
 Full training set (`measure_full_data`, for small N): G, |G|², tr(Σ) and GᵀHG exactly over
-all N (H = ∇²L over all N), and tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐
-of m examples drawn without replacement:
+all N (H = ∇²L over all N), tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of
+m examples drawn without replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)):
 
     trace_sigma   = Σ_{i≤N} |g_i − G|² / (N − 1)
     grad_sq_norm  = mean_grad_sq_norm = |G|²
@@ -32,15 +30,11 @@ of m examples drawn without replacement:
     trace_h_sigma = N/(N − 1) · (1/m) Σ_{i∈𝓐} d_iᵀ H d_i
     b_simple = trace_sigma / grad_sq_norm,   b_noise = trace_h_sigma / g_h_g
 
-Every term is exact but trace_h_sigma, which is exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)
-(H and G are fixed: no example's own Hessian is over-weighted). Cost: one pass over N for the
-per-example norms and m + 1 HVPs over N (all N would be O(N²)); optionally the m HVPs of
-trace_h_sigma use the Hessian of h examples drawn independently of 𝓐 (still unbiased).
-Memory: a training set of more than `FULL_DATA_ONE_PASS` examples has its per-example
-norms, gradient and HVPs summed over chunks of `FULL_DATA_CHUNK` examples (G = Σ_k (n_k/N) ∇L_k,
-Hv and the mean of |g_i|² likewise; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)), and its
-deviations' HVPs run one after another, so memory is that of one pass over one chunk; a
-smaller set takes one pass, as before (the same program and numbers).
+Cost: one pass over N and m + 1 HVPs over N (optionally the m HVPs over h examples drawn
+independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples the per-example
+norms, gradient and HVPs are summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k,
+Hv and mean |g_i|² likewise; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)) and the deviations'
+HVPs run one after another: memory of one chunk.
 
 Both are registered noise methods ("sampled", "full_data"); the batches are the caller's
 (`cbs.engine.measure.draw`), so the same draws give the same numbers in every back end.
@@ -100,14 +94,11 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                    num_probes: int | None = None, chunk_size: int | None = None,
                    hessian_batch: PyTree | None = None, deviations: int = 0
                    ) -> noise.NoiseStats:
-    """The noise method "sampled" of the registry (`cbs.stats.noise.register_method`): the
-    measurement of a fresh stream's examples (`cbs.engine.measure`; what `config.noise.method
-    = "auto"` measures there), and of the step's examples or the whole training set when
-    `config.noise.method = "sampled"`. `measure_noise` on `batch` (𝓑); with
-    `curvature`, tr(HΣ) from the deviations of its first `deviations` examples (0: all) and the
-    Hessian of `hessian_batch` (𝓒, drawn independently of 𝓑: the train step's periodic
-    measurement passes the other half of its examples). `key` and `num_probes` are unused
-    (no random probes)."""
+    """The noise method "sampled" (`cbs.stats.noise.register_method`; what
+    `config.noise.method = "auto"` measures on a fresh stream): `measure_noise` on `batch`
+    (𝓑); with `curvature`, tr(HΣ) from the deviations of its first `deviations` examples
+    (0: all) and the Hessian of `hessian_batch` (𝓒, independent of 𝓑). `key` and
+    `num_probes` are unused."""
     del key, num_probes
     if curvature and hessian_batch is None:
         raise ValueError("the sampled noise method needs a hessian_batch for curvature")
