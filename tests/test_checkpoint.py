@@ -11,16 +11,17 @@ import numpy as np
 import optax
 import pytest
 
-from cbs.engine import checkpoint, step, writer
+from cbs.engine import checkpoint, writer
+from cbs.engine import state as state_lib
 from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records
 from cbs.stats import smoothing
 
 
-def _state(mesh, scale: float = 1.0) -> step.TrainState:
+def _state(mesh, scale: float = 1.0) -> state_lib.TrainState:
     params = {"w": jnp.arange(32.0).reshape(8, 4) * scale, "b": jnp.ones(4) * scale}
     direction = optax.scale_by_adam()
-    state = step.init_train_state(params, direction, learning_rate=3e-3)
+    state = state_lib.init_train_state(params, direction, learning_rate=3e-3)
     state = state.replace(step=jnp.int32(7), examples_seen=jnp.int32(224),
                           noise_ema=state.noise_ema.update(jnp.float32(2.0), jnp.float32(50.0)))
     shardings = jax.tree.map(lambda _: mesh_lib.replicated(mesh), state)
@@ -45,7 +46,7 @@ def test_round_trip_keeps_values_structure_and_shardings(tmp_path, mesh):
     restored, restored_meta = ckpt.restore(None, target)
     ckpt.close()
     assert restored_meta == meta
-    assert isinstance(restored, step.TrainState)
+    assert isinstance(restored, state_lib.TrainState)
     assert isinstance(restored.noise_ema, smoothing.NoiseScaleEMA)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

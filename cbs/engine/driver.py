@@ -41,8 +41,10 @@ class Driver(Protocol):
     """
 
     config: ml_collections.ConfigDict
-    workdir: str | None
     schedule: schedules.BatchSchedule
+
+    @property
+    def workdir(self) -> str | None: ...
 
     def start(self, restore: Restore | None) -> tuple[Any, dict[str, Any]]:
         """(state, metadata): a fresh state on the device with {"step", "examples_seen"} of

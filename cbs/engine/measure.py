@@ -283,8 +283,11 @@ class Measurement:
     def num_compilations(self) -> int:
         """Compiled variants of the step so far (one per accumulation count and variant)."""
         fns = {id(f): f for f in (self._plain, self._with_step) if f is not None}
-        return sum(f.num_compilations() if isinstance(f, TrainStep) else f._cache_size()
-                   for f in fns.values())
+        total = 0
+        for f in fns.values():
+            total += (f.num_compilations() if isinstance(f, TrainStep)
+                      else f._cache_size())  # type: ignore[attr-defined]  # jitted
+        return total
 
     def _may_serve(self) -> bool:
         s = self.spec
@@ -337,6 +340,7 @@ class Measurement:
         if not self.spec.measures_at_evals:
             return {}
         tr = self.parts
+        assert tr is not None, "a Measurement that measures at evaluations needs its parts"
         steps = self.eval_steps
         index = bisect.bisect_left(steps, int(step)) if steps else int(step)
         if self._eval_fn is None:
@@ -348,6 +352,7 @@ class Measurement:
 
     def _build_evaluation(self) -> Callable[..., dict[str, jax.Array]]:
         spec, seed, tr = self.spec, self.seed, self.parts
+        assert tr is not None
         examples = spec.examples_for(tr.dataset.num_train)
 
         def record(state, stats):

@@ -117,7 +117,8 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
     gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
     x_BxTxC, g_BxTxF, wc, w_free = dense_operands(use, x, g)
-    if not fuse_direct(*x_BxTxC.shape, g_BxTxF.shape[-1]):
+    b, t, d = x_BxTxC.shape
+    if not fuse_direct(b, t, d, g_BxTxF.shape[-1]):
         return None
     total_CxF, sq = _direct_products(x_BxTxC, g_BxTxF, dtype)
     w_shape = use.eqn.invars[use.pos].aval.shape
