@@ -36,7 +36,7 @@ import optax
 
 import cbs.data as data
 from cbs.data import batching
-from cbs.engine import cli
+from cbs.runtime import cli
 
 _PER_CALL = 16  # batches gathered per jit call in the device measurement
 

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs import data
-from cbs.engine import cli, mesh, trainer
+from cbs.engine import trainer
+from cbs.runtime import cli, mesh
 from cbs.stats import ghost, sampled
 from cbs.sweeps import grid, reference_seeds, trials
 

@@ -20,7 +20,7 @@ steps. Variants:
 - `+live+exact/k`: also an exact B_simple measurement every k steps (which the exact live
   statistics give; else `Measurement`'s own jitted call), amortised over k steps.
 Columns: median ms/step over repeats (after a warm-up run), tokens/s, MFU against the device
-table in `cbs.engine.throughput` ("unknown" on CPU), overhead against `plain` in the same
+table in `cbs.runtime.throughput` ("unknown" on CPU), overhead against `plain` in the same
 run, compile time of the step (lower + compile), and memory: the compiled step's temporaries
 plus arguments (`memory_analysis`), and the device's peak bytes in use where it reports them.
 A size whose parameters and Adam state do not fit the device is skipped. `--attention`
@@ -50,12 +50,13 @@ import numpy as np
 from flax import nnx
 
 from cbs import models
-from cbs.engine import mesh as mesh_lib
-from cbs.engine import optim, step, throughput
+from cbs.engine import optim, step
 from cbs.engine.measure import Measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.state import init_train_state, stateless
 from cbs.models import lm
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime import throughput
 from cbs.stats import ghost, ghost_tied
 
 VOCAB = 50304

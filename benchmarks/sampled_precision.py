@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 from benchmarks import full_data_cost
-from cbs.engine import cli
+from cbs.runtime import cli
 from cbs.stats import preconditioned, sampled
 from cbs.sweeps import reference_seeds
 

@@ -32,8 +32,8 @@ import time
 
 import jax
 
-from cbs.engine import mesh
 from cbs.results import store
+from cbs.runtime import mesh
 from cbs.sweeps import grid, groups, trials
 from experiments.configs import digits_sweep
 

@@ -57,11 +57,11 @@ import optax
 from flax import nnx
 
 from cbs import models
-from cbs.engine import mesh as mesh_lib
 from cbs.engine import optim, step
 from cbs.engine.measure import Measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.state import init_train_state, stateless
+from cbs.runtime import mesh as mesh_lib
 
 
 def _model(name: str):

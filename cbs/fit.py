@@ -1,10 +1,10 @@
-"""`cbs.fit`: the public API of `cbs.analysis.fit` (the fits) and `cbs.analysis.selection`
+"""`cbs.fit`: the public API of `cbs.analysis.fits.fit` (the fits) and `cbs.analysis.fits.selection`
 (from trial records to fit points), re-exported: `__all__` is the union of theirs.
 
 Fits of the steps–examples trade-off and of B_crit against loss (numpy/scipy, no model).
 """
 
-from cbs.analysis.fit import (
+from cbs.analysis.fits.fit import (
     INSUFFICIENT,
     OK,
     PowerLawFit,
@@ -18,7 +18,7 @@ from cbs.analysis.fit import (
     studentized,
     tradeoff_warnings,
 )
-from cbs.analysis.selection import (
+from cbs.analysis.fits.selection import (
     BestPerBatchSize,
     best_per_batch_size,
     noise_scale_at_crossing,

@@ -1,12 +1,12 @@
-"""`cbs.report`: the public API of `cbs.analysis.report` (the analysis of a sweep directory)
-and `cbs.analysis.report_tables` (its Markdown tables), re-exported: `__all__` is the union
+"""`cbs.report`: the public API of `cbs.analysis.reports.report` (the analysis of a sweep directory)
+and `cbs.analysis.reports.report_tables` (its Markdown tables), re-exported: `__all__` is the union
 of theirs.
 
 Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
 The names of the files it writes are in `cbs.results.files`.
 """
 
-from cbs.analysis.report import (
+from cbs.analysis.reports.report import (
     analyze,
     analyze_target,
     load_analysis,
@@ -15,7 +15,7 @@ from cbs.analysis.report import (
     seed_spread,
     write_report,
 )
-from cbs.analysis.report_tables import (
+from cbs.analysis.reports.report_tables import (
     b_crit_cell,
     held_out_table,
     kaplan_table,

@@ -4,7 +4,7 @@
 
 Reads the sweep's config (`sweep.json`: data, targets) and the learning rates it tried at each
 batch size (`trials.jsonl`), computes the exact expected loss of SGD on the same Gaussian
-problem (`cbs.analysis.anchor`) under the sweep's constant-rate grid (its batch sizes, batches
+problem (`cbs.analysis.fits.anchor`) under the sweep's constant-rate grid (its batch sizes, batches
 drawn without replacement from N) and under the per-step optimal rate (fresh examples, batch
 sizes 8 … 2^20 so that the fit brackets B_crit), and writes
 `anchor.json` and `report.md` to `--out`: per target, B_crit of each protocol, the path-average
@@ -25,7 +25,8 @@ import os
 import numpy as np
 
 from cbs import data
-from cbs.analysis import anchor, report
+from cbs.analysis.fits import anchor
+from cbs.analysis.reports import report
 from cbs.results import records
 from cbs.results.store import SweepStore
 
@@ -103,7 +104,7 @@ def markdown(result: dict) -> str:
             f"{_g(r['optimal_b_noise'])} |")
     return (f"# The linear-regression anchor in closed form: `{result['sweep_dir']}`\n\n"
             "Exact expected loss of SGD on the sweep's Gaussian problem (second-moment "
-            "recursion, `cbs.analysis.anchor`), targets "
+            "recursion, `cbs.analysis.fits.anchor`), targets "
             f"mapped by their excess over the training minimum ({result['training_minimum']:.5f}"
             f" → population {result['population_minimum']:.5f}). \"Sweep's grid\": the best "
             "constant rate per batch size among the rates the sweep tried (batches without "

@@ -22,8 +22,8 @@ from absl import flags, logging
 
 from cbs import models
 from cbs.data import batching
-from cbs.engine import cli
 from cbs.engine.parts import RunParts
+from cbs.runtime import cli
 from cbs.stats import noise, smoothing, trees
 
 _STEPS = flags.DEFINE_list("steps", ["0", "20", "50", "100", "200"], "Steps to measure at.")

@@ -2,7 +2,7 @@
 
     python -m experiments.preconditioned_check --out=results/preconditioned_check
 
-The calibration (`cbs.analysis.calibration`) predicts B_crit from B_simple of the gradient.
+The calibration (`cbs.analysis.advice.calibration`) predicts B_crit from B_simple of the gradient.
 For Adam the update applied is P·g, whose noise scale B_simple^P = tr(PΣ)/GᵀPG the reference
 protocol over seeds records (`cbs.sweeps.reference_seeds`, `noise_p/`). This reads every
 committed study that has that protocol (nothing is trained) and fits the calibration's own
@@ -22,7 +22,8 @@ import math
 import os
 from typing import Any
 
-from cbs.analysis import calibration, reference_protocol
+from cbs.analysis.advice import calibration
+from cbs.analysis.studies import reference_protocol
 from cbs.results import calibration as prediction
 from cbs.results import paths, records
 from cbs.results.store import SweepStore

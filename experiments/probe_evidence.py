@@ -3,7 +3,7 @@
     python -m experiments.probe_evidence --out=results/probe
 
 Reads the committed branch studies and sweeps (nothing is trained) and writes
-OUT/report.md and OUT/probe.json (`cbs.analysis.probe_evidence`).
+OUT/report.md and OUT/probe.json (`cbs.analysis.advice.probe_evidence`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from cbs.analysis import probe_evidence
+from cbs.analysis.advice import probe_evidence
 from cbs.results import paths, records
 
 

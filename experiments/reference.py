@@ -9,7 +9,7 @@ with the full-data Hessian and 256 deviations at each evaluation past the first 
 for Adam/AdamW also the noise scale of the update applied (`cbs.sweeps.reference_seeds`).
 Writes SWEEP_DIR/reference_seeds/seed_<k>.jsonl once per seed (existing seeds are skipped)
 and prints each seed's noise scale at each target and the spread over seeds
-(`cbs.analysis.reference_protocol`); `cbs-compare` puts them on the cross-task figure.
+(`cbs.analysis.studies.reference_protocol`); `cbs-compare` puts them on the cross-task figure.
 SWEEP_DIR may be on an object store (gs://). A bad input (no study there, a bad flag value)
 is one line on stderr and exit status 2.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cbs.analysis import reference_protocol
-from cbs.engine import cli
+from cbs.analysis.studies import reference_protocol
+from cbs.runtime import cli
 from cbs.sweeps import reference_seeds
 
 

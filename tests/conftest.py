@@ -116,9 +116,9 @@ def make_train_step(loss_fn, params, direction, mesh, *, micro_batch, lr, statef
                     measure=None, **options):
     """(step, state): a `TrainStep` at a constant learning rate with the batch passed as
     inputs (a `MeasuredStep` with the spec `measure`), and a fresh state on `mesh`."""
-    from cbs.engine import mesh as mesh_lib
     from cbs.engine import state as state_lib
     from cbs.engine import step
+    from cbs.runtime import mesh as mesh_lib
 
     state = jax.jit(lambda p: state_lib.init_train_state(p, direction, learning_rate=lr),
                     out_shardings=mesh_lib.replicated(mesh))(params)

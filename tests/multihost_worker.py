@@ -6,7 +6,7 @@
 Each process gets D fake CPU devices; with N > 1 they join one JAX runtime on 127.0.0.1
 (CPU collectives over gloo) and train the tiny digits config in DIR as one program. Process 0
 writes the final parameters to --out. --lm=1 trains the tiny scanned LM instead (FSDP × TP);
---auto=1 joins by `cbs.engine.distributed.initialize()` from the (Slurm) environment the
+--auto=1 joins by `cbs.runtime.distributed.initialize()` from the (Slurm) environment the
 parent set, without flags.
 """
 
@@ -34,7 +34,7 @@ def main() -> None:
     import numpy as np
 
     if args.auto:
-        from cbs.engine import distributed
+        from cbs.runtime import distributed
         distributed.initialize(timeout_s=60)
     elif args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

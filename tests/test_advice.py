@@ -1,4 +1,4 @@
-"""The batch-size advice (`cbs.analysis.advice`, `cbs-advise`)."""
+"""The batch-size advice (`cbs.analysis.advice.advice`, `cbs-advise`)."""
 
 import json
 import math
@@ -16,9 +16,10 @@ from conftest import SUBPROCESS_XLA_FLAGS
 from test_train import one_device_mesh, tiny_config
 
 from cbs import noise
-from cbs.analysis import advice
-from cbs.engine import checkpoint, live_advice, trainer
+from cbs.analysis.advice import advice
+from cbs.engine import live_advice, trainer
 from cbs.results import calibration, files, records
+from cbs.runtime import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
@@ -328,7 +329,7 @@ def test_a_prediction_names_the_examples_its_noise_scale_was_measured_on():
     """A one-run prediction's source follows the sweep's noise protocol: the whole training
     set (the teacher–student task's 8,192 examples) or the sampled windows (the depth-4 LM:
     5 measurements of 128 sequences at the crossing, not its 140,257 training windows)."""
-    from cbs.analysis import advice as advice_lib
+    from cbs.analysis.advice import advice as advice_lib
 
     lm = advice_lib.from_sweep(os.path.join(ROOT, "results", "heldout_lm_depth4_predict"))
     assert {a.examples for a in lm} == {640}

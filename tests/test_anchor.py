@@ -1,4 +1,4 @@
-"""The closed-form anchor (`cbs.analysis.anchor`) against simulated SGD and its own theory."""
+"""The closed-form anchor (`cbs.analysis.fits.anchor`) against simulated SGD and its own theory."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from cbs.analysis import anchor, fit
+from cbs.analysis.fits import anchor, fit
 
 # A small problem: D = 4, eigenvalues 1 … 1/4, σ = 0.7, a start away from the optimum.
 PROBLEM = anchor.LinregProblem(np.array([1.0, 0.5, 0.3, 0.25]), 0.7,

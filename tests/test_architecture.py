@@ -20,10 +20,13 @@ ALLOWED = {  # package -> packages it may import (besides itself)
     "results": set(),
     "models": {"stats"},
     "analysis": {"results"},
-    "engine": {"stats", "data", "results", "models"},
-    "sweeps": {"stats", "data", "results", "models", "analysis", "engine"},
-    "configs": {"stats", "data", "results", "models", "analysis", "engine", "sweeps"},
-    "commands": {"stats", "data", "results", "models", "analysis", "engine", "sweeps", "configs"},
+    "runtime": {"stats", "data", "results", "models"},
+    "engine": {"stats", "data", "results", "models", "runtime"},
+    "sweeps": {"stats", "data", "results", "models", "analysis", "runtime", "engine"},
+    "configs": {"stats", "data", "results", "models", "analysis", "runtime", "engine",
+                "sweeps"},
+    "commands": {"stats", "data", "results", "models", "analysis", "runtime", "engine",
+                 "sweeps", "configs"},
 }
 PENDING: set[str] = set()  # modules exempt from the `__all__` and re-export checks: none
 
@@ -214,13 +217,34 @@ def test_the_re_export_check_can_fail(tmp_path):
 
 
 def test_every_package_docstring_lists_its_modules():
-    """A package's docstring names each of its modules (as `name` in backquotes)."""
+    """A package's docstring names each of its modules and subpackages (as `name` in
+    backquotes)."""
     bad = []
-    for init in sorted(ROOT.glob("*/__init__.py")):
+    for init in sorted(ROOT.glob("*/**/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        for module in sorted(init.parent.glob("*.py")):
-            if module.name != "__init__.py" and f"`{module.stem}`" not in doc:
-                bad.append(f"cbs.{init.parent.name} does not list `{module.stem}`")
+        members = [m.stem for m in init.parent.glob("*.py") if m.name != "__init__.py"]
+        members += [d.name for d in init.parent.iterdir() if (d / "__init__.py").is_file()]
+        for name in sorted(members):
+            if f"`{name}`" not in doc:
+                bad.append(f"{_module_name(init)} does not list `{name}`")
+    assert bad == [], "\n".join(bad)
+
+
+ANALYSIS_ORDER = ["fits", "reports", "advice", "studies"]  # each imports only those before it
+
+
+def test_analysis_subpackages_import_only_earlier_ones():
+    bad = []
+    for module, imported in _graph().items():
+        parts = module.split(".")
+        if parts[1:2] != ["analysis"] or len(parts) < 4:
+            continue
+        rank = ANALYSIS_ORDER.index(parts[2])
+        for target in imported:
+            tparts = target.split(".")
+            if tparts[1:2] == ["analysis"] and len(tparts) >= 3 and tparts[2] in ANALYSIS_ORDER:
+                if ANALYSIS_ORDER.index(tparts[2]) > rank:
+                    bad.append(f"{module} imports {target}")
     assert bad == [], "\n".join(bad)
 
 

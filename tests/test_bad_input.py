@@ -18,10 +18,10 @@ import ml_collections
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.engine import cli
-from cbs.engine import mesh as mesh_lib
-from cbs.engine.fields import ConfigError
 from cbs.results import files, records
+from cbs.runtime import cli
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.fields import ConfigError
 from cbs.sweeps import branches, launch, ramps
 from experiments.configs import digits_branch, digits_ramps, digits_sweep
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from cbs import data
-from cbs.analysis import branch_report
+from cbs.analysis.reports import branch_report
 from cbs.engine import lr, trainer
-from cbs.engine.fields import ConfigError
 from cbs.results import files, records, shared
+from cbs.runtime.fields import ConfigError
 from cbs.stats import noise
 from cbs.sweeps import branch_config, branch_noise, branch_unit, branches
 from experiments.configs import base, digits_branch

@@ -1,5 +1,5 @@
-"""The B_crit calibration (its fit, `cbs.analysis.calibration`, and its prediction and shipped
-file, `cbs.results.calibration`): coverage on synthetic studies with a known ratio, the
+"""The B_crit calibration (its fit, `cbs.analysis.advice.calibration`, and its prediction and
+shipped file, `cbs.results.calibration`): coverage on synthetic studies with a known ratio, the
 trade-off arithmetic, and the shipped file."""
 
 import math
@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from cbs.analysis import calibration, fit
+from cbs.analysis.advice import calibration
+from cbs.analysis.fits import fit
 from cbs.results import calibration as calibration_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +141,7 @@ def test_the_shipped_calibration_is_the_committed_studies():
 def test_the_held_out_tally_is_what_the_committed_predictions_and_sweeps_give():
     """Five tasks, each predicted from one run before its sweep (results/heldout_*_predict),
     against the sweep's B_crit: the tally the shipped calibration prints, task by task."""
-    from cbs.analysis import compare
+    from cbs.analysis.studies import compare
     names = ("teacher_student", "lm_depth4", "digits_cnn", "mnist1d_cnn", "regression")
     dirs = [os.path.join(ROOT, "results", f"heldout_{n}") for n in names]
     tally = calibration.held_out(compare.held_out_pairs(dirs))

@@ -1,4 +1,4 @@
-"""Tests of cbs.engine.checkpoint (orbax behind one class) and the run records."""
+"""Tests of cbs.runtime.checkpoint (orbax behind one class) and the run records."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from cbs.engine import checkpoint, writer
 from cbs.engine import state as state_lib
-from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records
+from cbs.runtime import checkpoint, writer
+from cbs.runtime import mesh as mesh_lib
 from cbs.stats import smoothing
 
 

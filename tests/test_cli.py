@@ -1,5 +1,5 @@
 """`--help` on every command: its description and its own flags, exit status 0
-(`cbs.engine.cli.exit_on_help`), before any flag is parsed or anything starts."""
+(`cbs.runtime.cli.exit_on_help`), before any flag is parsed or anything starts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cbs.engine import cli
+from cbs.runtime import cli
 
 COMMANDS = ("train", "sweep", "analyze", "branch", "ramps", "compare")
 WRAPPERS = {"train": "main"}  # experiments/<name>.py of a command, where it differs

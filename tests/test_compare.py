@@ -1,5 +1,5 @@
-"""Tests of cbs.analysis.compare: the cross-study table and figure from small synthetic study
-directories (records written by hand, no training)."""
+"""Tests of cbs.analysis.studies.compare: the cross-study table and figure from small synthetic
+study directories (records written by hand, no training)."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cbs.analysis import compare
+from cbs.analysis.studies import compare
 from cbs.results import files, records, store
 
 S_MIN = 100.0
@@ -160,7 +160,7 @@ def test_studies_whose_folders_share_a_name_stay_apart(tmp_path):
 
 
 def test_a_held_out_prediction_is_found_beside_its_sweep_on_any_store():
-    from cbs.analysis import compare as compare_lib
+    from cbs.analysis.studies import compare as compare_lib
 
     assert compare_lib.prediction_path("gs://bucket/runs/task/") == (
         "gs://bucket/runs/task_predict/prediction.json")

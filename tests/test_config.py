@@ -12,9 +12,9 @@ import ml_collections
 import pytest
 
 from cbs.engine import config as config_lib
-from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
-from cbs.engine.fields import ConfigError
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.fields import ConfigError
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "cbs", "configs")  # the presets
 
@@ -106,7 +106,8 @@ def test_bad_field_is_named(key, value, field):
 def test_each_component_checks_its_own_section(section, key, value, field):
     """The section's own validator names the field on its own, and `validate` reaches it."""
     from cbs import data
-    from cbs.engine import optim, throughput
+    from cbs.engine import optim
+    from cbs.runtime import throughput
     own = {"optim": optim.validate_config, "mesh": mesh_lib.validate_config,
            "perf": throughput.validate_config, "data": data.validate_config}[section]
     c = config_lib.default_config()

@@ -1,4 +1,4 @@
-"""cbs.engine.distributed: detection from the environment, explicit flags as the override,
+"""cbs.runtime.distributed: detection from the environment, explicit flags as the override,
 and a real auto-detected start: two local processes under a simulated Slurm step."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cbs.engine import distributed
+from cbs.runtime import distributed
 
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "2",
          "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
@@ -38,7 +38,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-from cbs.engine import distributed
+from cbs.runtime import distributed
 how = distributed.initialize(timeout_s=60)
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P

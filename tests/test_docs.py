@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import re
@@ -34,6 +35,14 @@ def _library_modules() -> dict[str, pathlib.Path]:
 def _documented_modules() -> set[str]:
     text = (ROOT / "docs" / "api.md").read_text()
     return set(re.findall(r"^\.\. automodule:: (\S+)$", text, re.M))
+
+
+def test_the_api_page_is_the_one_the_packages_write():
+    """docs/api.md is what `python docs/api_page.py` writes: rerun it after a module moves."""
+    spec = importlib.util.spec_from_file_location("api_page", ROOT / "docs" / "api_page.py")
+    api_page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_page)
+    assert (ROOT / "docs" / "api.md").read_text() == api_page.page()
 
 
 def test_the_api_page_documents_every_library_module():

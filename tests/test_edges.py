@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from cbs.analysis import edges, report_tables
+from cbs.analysis.fits import edges
+from cbs.analysis.reports import report_tables
 from cbs.sweeps import grid
 
 RULES = {"count": 1, "steps": 4, "max_lr": 0.0, "min_lr": 0.0}

@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.engine import checkpoint, cli, trainer
-from cbs.engine import mesh as mesh_lib
+from cbs.engine import trainer
 from cbs.results import files, paths, records, shared
 from cbs.results.store import SweepStore, TrialResult
+from cbs.runtime import checkpoint, cli
+from cbs.runtime import mesh as mesh_lib
 from cbs.stats import noise
 from cbs.sweeps import launch, ramps
 from experiments.configs import digits_mlp, digits_sweep
@@ -131,7 +132,7 @@ def test_corrupt_middle_line_is_named_and_its_trial_reruns(tmp_path):
 
 
 def test_metrics_writer_repairs_a_torn_metrics_file(tmp_path):
-    from cbs.engine import writer
+    from cbs.runtime import writer
 
     path = tmp_path / files.METRICS_FILE
     records.append_records(str(path), [{"step": s, "kind": "train"} for s in range(3)])

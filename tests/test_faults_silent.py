@@ -23,10 +23,11 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 from flax import nnx
 
-from cbs.engine import checkpoint, cli, loop, trainer
-from cbs.engine import mesh as mesh_lib
+from cbs.engine import loop, trainer
 from cbs.results import records, shared
 from cbs.results.store import SweepStore, definition_diff
+from cbs.runtime import checkpoint, cli
+from cbs.runtime import mesh as mesh_lib
 from cbs.stats import dropin, ghost, loss_checks, noise
 from cbs.sweeps import branches, grid, launch, ramps
 from experiments.configs import digits_branch, digits_mlp, digits_ramps, digits_sweep

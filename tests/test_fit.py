@@ -1,4 +1,4 @@
-"""Tests for cbs.analysis.fit: hyperbola and power-law fits (recovery, coverage), crossings."""
+"""Tests for cbs.analysis.fits.fit: hyperbola and power-law fits (recovery, coverage), crossings."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cbs.analysis import fit, selection
+from cbs.analysis.fits import fit, selection
 
 S_MIN, E_MIN = 200.0, 12800.0  # B_crit = 64
 BATCH_SIZES = 2.0 ** np.arange(2, 12)  # 4 .. 2048, B_crit in the middle

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_ghost import built, compiled, jitted_info, plain_mlp
 
-from cbs.engine import mesh as cbs_mesh
+from cbs.runtime import mesh as cbs_mesh
 from cbs.stats import dropin, ghost, noise
 
 FIELDS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")

@@ -25,9 +25,9 @@ from flax import nnx
 
 from cbs import data, models
 from cbs.engine import measure
-from cbs.engine import mesh as mesh_lib
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
+from cbs.runtime import mesh as mesh_lib
 from cbs.stats import noise, sampled
 from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup

@@ -1,9 +1,10 @@
-"""Held-out seeds (`cbs.analysis.held_out`): rates selected on one seed, steps measured on the
+"""Held-out seeds (`cbs.analysis.fits.held_out`): rates selected on one seed, steps measured on the
 others, on synthetic sweeps whose answer is known."""
 
 import pytest
 
-from cbs.analysis import held_out, report_tables
+from cbs.analysis.fits import held_out
+from cbs.analysis.reports import report_tables
 
 S_MIN, B_CRIT = 40.0, 64.0
 SIZES = (8, 16, 32, 64, 128, 256)
@@ -130,7 +131,7 @@ def test_seeds3_presets_repeat_every_trial_and_leave_the_committed_grids_alone(m
 
 @pytest.mark.slow  # 18 tiny trials: about 3 CPU-minutes (22 min on 2 heavily shared cores)
 def test_a_tiny_three_seed_sweep_reports_its_held_out_fit(tmp_path):
-    from cbs.analysis import report
+    from cbs.analysis.reports import report
     from cbs.configs import digits_sweep
     from cbs.sweeps import launch
 

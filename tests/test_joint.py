@@ -1,11 +1,11 @@
-"""Tests of cbs.analysis.joint: the joint batch-size bootstrap of B_crit(L) and α_B."""
+"""Tests of cbs.analysis.fits.joint: the joint batch-size bootstrap of B_crit(L) and α_B."""
 
 import math
 
 import numpy as np
 import pytest
 
-from cbs.analysis import fit, joint, selection
+from cbs.analysis.fits import fit, joint, selection
 
 BATCH_SIZES = np.array([4, 8, 16, 32, 64, 128, 256, 512.0])
 LOSSES = np.array([2.5, 2.4, 2.3, 2.2, 2.1])
@@ -106,7 +106,7 @@ def test_an_unbounded_interval_side_is_inf_not_an_error(monkeypatch):
 
 
 def test_report_prints_an_unbounded_side_as_infinity():
-    from cbs.analysis import report_tables
+    from cbs.analysis.reports import report_tables
 
     assert report_tables._ci((71.5, math.inf)) == "71.5–∞"
     assert report_tables._ci((1.0, math.nan)) == "1–\u2013"

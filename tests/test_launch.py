@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.analysis import report
-from cbs.engine import checkpoint
+from cbs.analysis.reports import report
 from cbs.results import files, store
+from cbs.runtime import checkpoint
 from cbs.sweeps import grid, groups, launch
 from experiments.configs import digits_sweep
 

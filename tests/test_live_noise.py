@@ -25,9 +25,9 @@ from flax import nnx
 
 from cbs import models
 from cbs.engine import live_noise, optim
-from cbs.engine import mesh as mesh_lib
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.state import StepMetrics
+from cbs.runtime import mesh as mesh_lib
 from cbs.stats import noise, smoothing
 
 RTOL_TRACE, RTOL_GRAD = 2e-5, 1e-4

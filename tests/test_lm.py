@@ -17,10 +17,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cbs import models
-from cbs.engine import mesh as mesh_lib
 from cbs.engine import state as counts
 from cbs.engine import trainer
 from cbs.models import lm
+from cbs.runtime import mesh as mesh_lib
 from experiments.configs import lm_shakespeare
 
 T, V = 16, 80

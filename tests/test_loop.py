@@ -1,4 +1,4 @@
-"""Tests of cbs.engine.progress (the divergence rule and loss EMA shared by single runs and
+"""Tests of cbs.runtime.progress (the divergence rule and loss EMA shared by single runs and
 vmapped groups) and of cbs.engine.loop: its order of events, budgets, stopping, divergence and
 resume with a scripted driver, and a single run that diverges exits naming the step."""
 
@@ -15,16 +15,16 @@ import pytest
 
 from cbs.engine import config as config_lib
 from cbs.engine import loop, schedules, trainer
-from cbs.engine import mesh as mesh_lib
 from cbs.engine.driver import Deferred
-from cbs.engine.progress import (
+from cbs.results import files, records
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.progress import (
     DivergenceRule,
     DivergenceState,
     ema_curve,
     ema_update,
     log_spaced_steps,
 )
-from cbs.results import files, records
 
 
 def test_spike_that_recovers_is_not_a_divergence():

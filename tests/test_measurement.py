@@ -18,10 +18,11 @@ import pytest
 
 from cbs import data
 from cbs.engine import config as config_lib
-from cbs.engine import fields, measure, mesh, trainer
+from cbs.engine import measure, trainer
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
 from cbs.results.store import SweepStore
+from cbs.runtime import fields, mesh
 from cbs.stats import noise
 from cbs.sweeps import branch_noise, grid, groups, trials
 from experiments.configs import digits_sweep

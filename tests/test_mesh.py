@@ -1,4 +1,4 @@
-"""Tests for cbs.engine.mesh on 8 fake CPU devices: mesh shapes, sharding rules, and sharded jitted
+"""Tests for cbs.runtime.mesh on 8 fake CPU devices: mesh shapes, sharding rules, and sharded jitted
 loss and gradients equal to the single-device results."""
 
 import jax
@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from cbs.engine import mesh as cmesh
 from cbs.models import build_model, default_model_config, make_loss_fn, split_model
+from cbs.runtime import mesh as cmesh
 
 
 def test_make_mesh_shapes_and_axis_types():

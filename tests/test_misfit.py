@@ -1,10 +1,10 @@
-"""The calibrated misfit test of the power law (`cbs.analysis.misfit`) on synthetic studies."""
+"""The calibrated misfit test of the power law (`cbs.analysis.fits.misfit`) on synthetic studies."""
 
 import numpy as np
 import pytest
 
-from cbs.analysis import fit, joint, misfit
-from cbs.analysis.selection import BestPerBatchSize
+from cbs.analysis.fits import fit, joint, misfit
+from cbs.analysis.fits.selection import BestPerBatchSize
 
 LOSSES = [0.5, 0.3, 0.2, 0.1, 0.05]
 BATCH = np.array([2.0**k for k in range(2, 11)])  # 4 … 1024, nine batch sizes

@@ -21,8 +21,8 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs.engine import config as config_lib
 from cbs.engine import loop, trainer
-from cbs.engine import mesh as mesh_lib
 from cbs.results import files, records
+from cbs.runtime import mesh as mesh_lib
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
 

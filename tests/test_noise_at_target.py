@@ -1,6 +1,6 @@
 """The noise scale at a target: the full-training-set measurement (cbs.engine.measure) against
 float64 definitions and by Monte Carlo, the per-batch-size spread and the reference-trajectory
-protocol (cbs.analysis.noise_at_target, cbs.sweeps.reference), and their place in the report.
+protocol (cbs.analysis.fits.noise_at_target, cbs.sweeps.reference), and their place in the report.
 
 Monte Carlo tolerance: the mean of R draws of the subset tr(HΣ) lies within 4 standard errors
 (std/√R) of the all-examples value; a same-batch Hessian (biased by each example's own
@@ -19,7 +19,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cbs.analysis import noise_at_target, report
+from cbs.analysis.fits import noise_at_target
+from cbs.analysis.reports import report
 from cbs.engine import noise_spec
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records, store
@@ -307,7 +308,7 @@ def test_reference_run_after_a_sweep(tmp_path, monkeypatch):
     until `noise_window` evaluations past the lowest target, and the report quotes it. Its
     progress bar counts to that stop, not to the step budget (an ETA of hours for a run of
     seconds)."""
-    from cbs.engine import writer
+    from cbs.runtime import writer
     from cbs.sweeps import launch
     from experiments.configs import digits_sweep
 

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 from cbs.engine import config as config_lib
-from cbs.engine import mesh as mesh_lib
 from cbs.engine import trainer
-from cbs.engine.fields import ConfigError
 from cbs.results import files, records
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.fields import ConfigError
 from cbs.stats import noise, sampled
 
 

@@ -33,10 +33,10 @@ import fsspec
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.analysis import report
-from cbs.engine import checkpoint
+from cbs.analysis.reports import report
 from cbs.results import files, leases, paths, records, shared
 from cbs.results.store import SweepStore
+from cbs.runtime import checkpoint
 from cbs.sweeps import groups, launch
 from experiments.configs import digits_sweep
 
@@ -594,7 +594,7 @@ def test_the_reference_protocol_on_a_gs_study(gcs, protocol, tmp_path):
     """`experiments.reference --sweep_dir=gs://...` on a tiny Adam study stored there: the
     seed's reference run (its run directory on gs:// too) and its record, read back; the
     sampled protocol (--examples) measures only at each target's window."""
-    from cbs.analysis import reference_protocol
+    from cbs.analysis.studies import reference_protocol
     from cbs.sweeps import reference_seeds
     from tests.test_reference_seeds import _tiny_adam_study
 

@@ -16,9 +16,9 @@ from etils import epath
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from cbs.engine import checkpoint, writer
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, TrialResult
+from cbs.runtime import checkpoint, writer
 
 
 class FakeGCS(MemoryFileSystem):
@@ -187,7 +187,7 @@ def test_checkpointer_takes_an_epath_directory(tmp_path):
 # Only cbs.results.paths touches the file system for run and sweep paths, so that every
 # command works on gs:// as on a local disk. The other places that may, and why:
 TOUCH_ALLOWED = {
-    "cbs.analysis.plots:save_figure": "renders the PNG into memory (`records.write_atomic` "
+    "cbs.analysis.reports.plots:save_figure": "renders the PNG into memory (`records.write_atomic` "
                                       "writes it)",
     "cbs.commands": "finds the checkout of the --config file, a source file",
     "cbs.configs": "lists and reads the preset files shipped inside the package",

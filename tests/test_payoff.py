@@ -1,5 +1,6 @@
-"""The payoff of a ramp: seeded runs against the fixed-batch frontier (`cbs.analysis.payoff`),
-and seeded ramp studies written beside a sweep (`cbs.sweeps.ramps`, `out_dir`)."""
+"""The payoff of a ramp: seeded runs against the fixed-batch frontier
+(`cbs.analysis.studies.payoff`), and seeded ramp studies written beside a sweep
+(`cbs.sweeps.ramps`, `out_dir`)."""
 
 import math
 import os
@@ -9,9 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cbs.analysis import branch_report, payoff
-from cbs.engine import mesh
+from cbs.analysis.reports import branch_report
+from cbs.analysis.studies import payoff
 from cbs.results import files, records
+from cbs.runtime import mesh
 from cbs.sweeps import ramps
 from experiments.configs import base
 from tests.test_ramps import _config, _fake_sweep

@@ -1,10 +1,12 @@
-"""Tests for cbs.analysis.plots: each figure is a decodable, non-blank PNG, even degenerate."""
+"""Tests for cbs.analysis.reports.plots: each figure is a decodable, non-blank PNG, even
+degenerate."""
 
 import matplotlib.image
 import numpy as np
 import pytest
 
-from cbs.analysis import fit, plots
+from cbs.analysis.fits import fit
+from cbs.analysis.reports import plots
 
 B = np.array([4.0, 16.0, 64.0, 256.0, 1024.0])
 

@@ -1,4 +1,4 @@
-"""cbs.engine.preemption: a real SIGTERM sent to a running command saves a checkpoint, leaves
+"""cbs.runtime.preemption: a real SIGTERM sent to a running command saves a checkpoint, leaves
 status.json at "preempted" and exits with status 143; a real SIGINT (Ctrl-C) does the same with
 "interrupted" and 130; rerunning the same command resumes and ends with records equal to an
 uninterrupted run's (timing fields aside). Two processes of one run (jax.distributed on
@@ -19,9 +19,10 @@ import _warm
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.engine import loop, preemption
+from cbs.engine import loop
 from cbs.results import files, records
 from cbs.results.store import SweepStore
+from cbs.runtime import preemption
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"

@@ -1,4 +1,4 @@
-"""The task's own calibration (`cbs.analysis.probe`, `cbs.sweeps.probe_runs`, `cbs-advise
+"""The task's own calibration (`cbs.analysis.advice.probe`, `cbs.sweeps.probe_runs`, `cbs-advise
 --probe`): a tiny run probed end to end within its budget; the ratio against a brute-force
 float64 recomputation; the combination against its closed form; the committed evidence."""
 
@@ -16,7 +16,8 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 from scipy import stats
 
-from cbs.analysis import branch_report, probe, probe_evidence
+from cbs.analysis.advice import probe, probe_evidence
+from cbs.analysis.reports import branch_report
 from cbs.engine import live_advice
 from cbs.results import calibration, files, records, shared
 

@@ -1,4 +1,4 @@
-"""A ramp against the fixed run at its first batch size (`cbs.analysis.ramp_start`): the
+"""A ramp against the fixed run at its first batch size (`cbs.analysis.studies.ramp_start`): the
 paired power calculation against closed forms and published values, and the comparison on
 synthetic seeds with a known saving."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cbs.analysis import payoff, ramp_start
+from cbs.analysis.studies import payoff, ramp_start
 from cbs.configs import base
 
 

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from cbs.analysis import report_tables
-from cbs.engine import mesh
+from cbs.analysis.reports import report_tables
 from cbs.results import files, records, shared, store
 from cbs.results.store import SweepStore, TrialResult
+from cbs.runtime import mesh
 from cbs.sweeps import ramps
 from cbs.sweeps.grid import Trial
 from experiments.configs import digits_ramps

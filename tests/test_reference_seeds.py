@@ -1,5 +1,5 @@
 """One noise protocol: the reference trajectory over seeds (cbs.sweeps.reference_seeds) and
-its analysis (cbs.analysis.reference_protocol).
+its analysis (cbs.analysis.studies.reference_protocol).
 
 The update's noise scale is checked against float64 definitions on the whole training set;
 the spread over seeds against closed forms on synthetic records; the command end to end on a
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cbs.analysis import compare, reference_protocol
+from cbs.analysis.studies import compare, reference_protocol
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, paths, records
 from cbs.sweeps import reference_seeds

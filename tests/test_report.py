@@ -1,4 +1,4 @@
-"""Tests of cbs.analysis.report on trial records written by hand (no training): the best
+"""Tests of cbs.analysis.reports.report on trial records written by hand (no training): the best
 learning rate per batch size, the fit of S = S_min(1 + B_crit/B) on exact data, the mark of a
 B_crit outside the batch sizes fitted, the measured noise scale at a target, and the report
 file of a sweep directory."""
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from cbs.analysis import report, report_tables
+from cbs.analysis.reports import report, report_tables
 from cbs.results import files, records, store
 
 S_MIN, B_CRIT = 100.0, 64.0

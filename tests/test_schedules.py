@@ -11,8 +11,8 @@ import pytest
 from cbs.engine import config as config_lib
 from cbs.engine import schedules as sch
 from cbs.engine.adaptive import Adaptive, AdaptiveState
-from cbs.engine.fields import ConfigError
 from cbs.engine.lr import lr_schedule
+from cbs.runtime.fields import ConfigError
 
 MI = 2 ** 20
 

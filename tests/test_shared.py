@@ -18,7 +18,7 @@ import time
 import _gcs_emulator as emulator
 import pytest
 
-from cbs.analysis import report
+from cbs.analysis.reports import report
 from cbs.results import files, paths, shared
 from cbs.results.store import SweepStore, TrialResult
 

@@ -1,4 +1,4 @@
-"""B_crit against the loss across model sizes (`cbs.analysis.sizes`): the pooled GLS fits
+"""B_crit against the loss across model sizes (`cbs.analysis.studies.sizes`): the pooled GLS fits
 and the test of "B_crit depends on L alone", on synthetic studies with known answers."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cbs.analysis import sizes
+from cbs.analysis.studies import sizes
 
 TARGETS = [2.5, 2.4, 2.3, 2.2, 2.1]
 ALPHA, B_STAR = 0.2, 2000.0
@@ -113,8 +113,8 @@ BATCH = np.array([2.0**k for k in range(2, 11)])  # 4 … 1024
 def _trial_study(label, factor, rng, *, shared=0.1, own=0.05, kink=None):
     """B_crit = factor·B*·L^(−1/α) at TARGETS; `kink` = (target index, factor) moves one
     target off the law."""
-    from cbs.analysis import fit, misfit
-    from cbs.analysis.selection import BestPerBatchSize
+    from cbs.analysis.fits import fit, misfit
+    from cbs.analysis.fits.selection import BestPerBatchSize
 
     a = shared * rng.normal(size=BATCH.size)
     tables, points = [], []

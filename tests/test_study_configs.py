@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cbs.analysis import report, report_tables
+from cbs.analysis.reports import report, report_tables
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sgd_sweep, shakespeare_kaplan
 

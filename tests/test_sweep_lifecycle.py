@@ -8,7 +8,7 @@ import _warm
 import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
-from cbs.analysis import report
+from cbs.analysis.reports import report
 from cbs.results import files
 from cbs.sweeps import grid, launch
 from experiments.configs import digits_sweep

@@ -1,4 +1,4 @@
-"""cbs.engine.throughput: rates and MFU by hand, the device table, the record meter, the
+"""cbs.runtime.throughput: rates and MFU by hand, the device table, the record meter, the
 profiler window and the compilation-cache setting."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from cbs import models
 from cbs.engine import config as config_lib
-from cbs.engine import throughput
-from cbs.engine.fields import ConfigError
+from cbs.runtime import throughput
+from cbs.runtime.fields import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

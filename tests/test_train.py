@@ -23,14 +23,15 @@ from conftest import SUBPROCESS_XLA_FLAGS, make_train_step
 
 from cbs import data, models
 from cbs.data.stream import stream_indices
-from cbs.engine import checkpoint, loop, optim, step, trainer, writer
 from cbs.engine import config as config_lib
-from cbs.engine import mesh as mesh_lib
-from cbs.engine.fields import ConfigError
+from cbs.engine import loop, optim, step, trainer
 from cbs.engine.lr import coupled_lr
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.state import TrainState
 from cbs.results import files, records
+from cbs.runtime import checkpoint, writer
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.fields import ConfigError
 from cbs.stats import noise
 
 RTOL, ATOL = 2e-5, 1e-6

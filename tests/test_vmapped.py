@@ -1,5 +1,5 @@
 """Tests of cbs.engine.vmapped: the vmapped step loop equals K separate host loops of the same
-step, with the loss EMA of `cbs.engine.progress.ema_curve` and the last batch loss.
+step, with the loss EMA of `cbs.runtime.progress.ema_curve` and the last batch loss.
 
 The step is a toy one (gradient descent on (w − x)², w and η in the state) so the reference is
 a plain host loop. Tolerance: float32, a few roundings per step over 5 steps: rtol 1e-6.
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cbs.engine import progress
 from cbs.engine.vmapped import run_steps, vmapped_steps
+from cbs.runtime import progress
 
 DECAY = 0.5  # EMA decay per step
 

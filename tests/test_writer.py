@@ -1,4 +1,4 @@
-"""cbs.engine.writer's progress bars (`tqdm.auto` in a notebook and on a terminal, lines in a
+"""cbs.runtime.writer's progress bars (`tqdm.auto` in a notebook and on a terminal, lines in a
 log) and `CountBar`, the bar of a study's finished trials; a sweep group's bar over its steps."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import types
 import pytest
 import tqdm.auto
 
-from cbs.engine import writer
-from cbs.engine.writer import CountBar, LogLines, progress_bar
+from cbs.runtime import writer
+from cbs.runtime.writer import CountBar, LogLines, progress_bar
 
 
 class _Terminal(io.StringIO):

@@ -19,7 +19,7 @@ import pytest
 from conftest import SUBPROCESS_XLA_FLAGS
 
 from cbs import noise
-from cbs.engine import fields, loop, writer
+from cbs.engine import loop
 from cbs.engine import trainer as trainer_lib
 from cbs.results import files, records
 from cbs.results.writers import (
@@ -30,6 +30,7 @@ from cbs.results.writers import (
     WandbWriter,
     record_scalars,
 )
+from cbs.runtime import fields, writer
 from cbs.stats.noise import NoiseStats
 
 

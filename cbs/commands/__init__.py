@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 from cbs import configs
-from cbs.engine import cli
+from cbs.runtime import cli
 
 __all__ = [
     "advise", "analyze", "branch", "compare", "make_configs_importable", "ramps", "sweep", "train",

@@ -1,7 +1,7 @@
 """How large should my batch be now? cbs-advise --workdir=RUN.
 
 Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise scale) and
-prints the calibrated advice at its last measured step (`cbs.analysis.advice`): the predicted
+prints the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): the predicted
 B_crit with its prediction interval, what the run's batch costs in steps and examples against
 their minima, and with --exchange=λ the batch that minimises λ·steps + examples. Writes the
 advice at every measured step to advice.md, advice.json and advice.png in the run directory
@@ -17,7 +17,7 @@ the noise scale exactly there (`cbs.train.measure_checkpoint`: all training exam
 With --probe (from a checkpoint, or a --workdir's latest): also the task's own calibration,
 short branches at a few batch sizes from that state within --probe_budget of the run so far
 (`cbs.sweeps.probe_runs`), their local B_crit against the noise scale, and the prediction with
-that ratio beside the cross-task one (`cbs.analysis.probe`); the branch records go to
+that ratio beside the cross-task one (`cbs.analysis.advice.probe`); the branch records go to
 probe_STEP/, the calibration with the probed ratio (for a run's live advice:
 --config.noise.advice_calibration) to calibration_STEP.json.
 """
@@ -31,9 +31,10 @@ from typing import Any
 
 from absl import flags
 
-from cbs.analysis import advice, probe
-from cbs.engine import checkpoint, cli, trainer
+from cbs.analysis.advice import advice, probe
+from cbs.engine import trainer
 from cbs.results import calibration, paths, records
+from cbs.runtime import checkpoint, cli
 
 __all__ = [
     "main", "run",

@@ -14,8 +14,8 @@ from __future__ import annotations
 from absl import flags
 
 from cbs import commands
-from cbs.analysis import report, report_tables
-from cbs.engine import cli
+from cbs.analysis.reports import report, report_tables
+from cbs.runtime import cli
 
 __all__ = ["main", "run"]
 

@@ -20,7 +20,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, preemption
+from cbs.runtime import cli, distributed, preemption
 from cbs.sweeps import branches
 
 __all__ = ["main", "run"]
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
         # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
         # config, a shard or a preempted run stops without them
-        from cbs.analysis import branch_report
+        from cbs.analysis.reports import branch_report
 
         print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))
         path = branch_report.plot_local_cbs(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value,

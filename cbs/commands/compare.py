@@ -13,7 +13,7 @@ With --sizes the studies are model sizes on the same data (Kaplan et al. 2020, F
         results/shakespeare_kaplan results/shakespeare_kaplan_d128 --out=results/kaplan_sizes
 
 writes OUT/report.md (B_crit per size and target, a test of "B_crit depends on L alone", the
-joint power law) and OUT/b_crit_vs_loss_by_size.png (`cbs.analysis.sizes`).
+joint power law) and OUT/b_crit_vs_loss_by_size.png (`cbs.analysis.studies.sizes`).
 
 Without --out the report goes to a new directory beside the studies (`default_out`:
 compare_<first study>[_and_<n>_more], with _2, _3, ... when that name is taken), never into
@@ -30,9 +30,9 @@ import os
 from absl import flags
 
 from cbs import commands
-from cbs.analysis import compare, sizes
-from cbs.engine import cli
+from cbs.analysis.studies import compare, sizes
 from cbs.results import files, paths
+from cbs.runtime import cli
 
 __all__ = ["check_inputs", "default_out", "main", "run"]
 
@@ -51,7 +51,7 @@ def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool
     """Refuses, in one line and before anything is read at length or written, what cannot be
     compared: no study, one named twice, a directory that is not a sweep's, a negative
     --bootstrap (--sizes needs one: at least 2 resamples, and two studies of one experiment,
-    `cbs.analysis.sizes.check_comparable`) or an --out that is a file."""
+    `cbs.analysis.studies.sizes.check_comparable`) or an --out that is a file."""
     if not dirs:
         raise ValueError("name one or more sweep directories: cbs-compare results/digits "
                          "results/digits_sgd ...")

@@ -8,8 +8,8 @@ report with the ramps on each target's S–E frontier.
 With --out_dir=OUT the ramps and their records go to OUT instead and the sweep's directory
 is only read; when the runs are repeated over seeds (config.ramps entries with `name` and
 `seed`), OUT/payoff.md compares every ramp with the fixed batch sizes run beside it
-(`cbs.analysis.payoff`): steps and examples with seed intervals, and the step saving at equal
-examples against their frontier.
+(`cbs.analysis.studies.payoff`): steps and examples with seed intervals, and the step saving at
+equal examples against their frontier.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, preemption
 from cbs.results import paths
+from cbs.runtime import cli, distributed, preemption
 from cbs.sweeps import launch, ramps
 
 __all__ = ["main", "run"]
@@ -43,7 +43,8 @@ def main(argv: list[str]) -> None:
         runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)
     # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
     # config, a shard or a preempted run stops without them
-    from cbs.analysis import payoff, report, report_tables
+    from cbs.analysis.reports import report, report_tables
+    from cbs.analysis.studies import payoff
 
     if out_dir and out_dir != sweep_dir:
         path = payoff.write_report(out_dir, runs, _CONFIG.value.sweep.targets,

@@ -10,7 +10,7 @@ the batch sizes whose rank is ≡ i (mod n) run (every seed and rate at them), s
 the command (Slurm array, Kubernetes indexed job, ...) cover the sweep with the records of an
 unsharded run, learning rates added past edge optima included. Run `cbs-analyze`
 once they are all done. --shard=auto --distributed=off on every host of a TPU slice or
-every task of a Slurm step runs one shard per host (`cbs.engine.distributed`).
+every task of a Slurm step runs one shard per host (`cbs.runtime.distributed`).
 --redefine changes the grid of an existing directory, keeping the finished trials still in
 it. Two launchers on one directory share its groups of trials. Files: see
 `cbs.results.store`.
@@ -25,7 +25,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, preemption
+from cbs.runtime import cli, distributed, preemption
 from cbs.sweeps import grid, launch
 
 __all__ = ["main", "run"]
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
     if _ANALYZE.value and not _SHARD.value:
         # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
         # config, a shard or a preempted run stops without them
-        from cbs.analysis import report, report_tables
+        from cbs.analysis.reports import report, report_tables
 
         sweep_dir = cli.required(_SWEEP_DIR)
         path = report.write_report(sweep_dir, bootstrap=_BOOTSTRAP.value)

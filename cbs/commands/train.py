@@ -6,7 +6,7 @@
 The same command resumes from the latest checkpoint in --workdir; a run that already ended
 prints its summary again. Several hosts: start the same command on each; on a TPU pod slice,
 under Slurm (srun) or Open MPI (mpirun) the processes find each other by themselves
-(`cbs.engine.distributed`), elsewhere add --coordinator_address=HOST:PORT --num_processes=N
+(`cbs.runtime.distributed`), elsewhere add --coordinator_address=HOST:PORT --num_processes=N
 --process_id=I; --distributed=off keeps each process on its own (see docs/scaling.md).
 Records are described in `cbs.engine.trainer`; the exit status is 1 when the run diverged,
 143 after SIGTERM and 130 after Ctrl-C (a checkpoint saved: rerun to resume).
@@ -22,7 +22,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from cbs import commands
-from cbs.engine import cli, distributed, loop, preemption, trainer
+from cbs.engine import loop, trainer
+from cbs.runtime import cli, distributed, preemption
 
 __all__ = ["main", "run"]
 

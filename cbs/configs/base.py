@@ -51,7 +51,7 @@ def repo_root() -> str:
 
 def seeded(runs: list[dict], seeds: tuple[int, ...]) -> list[dict]:
     """Each ramp spec repeated over `seeds`: label "NAME · seed S", with `name` and `seed`
-    (`cbs.sweeps.ramps`; grouped again by `cbs.analysis.payoff`)."""
+    (`cbs.sweeps.ramps`; grouped again by `cbs.analysis.studies.payoff`)."""
     return [run | {"label": f"{run['label']} · seed {s}", "name": run["label"], "seed": int(s)}
             for run in runs for s in seeds]
 

@@ -5,16 +5,17 @@
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
 (results/digits_branch: the schedule of the "local CBS" ramp) and writes only to out_dir.
 Every run below is repeated over seeds 0, 1, 2 and stopped once the full training loss
-crossed every target; `cbs.analysis.payoff` fits the frontier to the fixed batch sizes and
+crossed every target; `cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and
 reports each ramp's step saving at equal examples with a bootstrap interval over seeds
 (payoff.md). Runs:
 
 - fixed B = 16 … 256 at the sweep's best learning rate at B (the frontier), and again at
   every other rate that is the sweep's best at B for some target ("fixed B=… · η=…"), so that
-  `cbs.analysis.payoff` tunes each fixed baseline per target (the fastest of a B's rates there);
+  `cbs.analysis.studies.payoff` tunes each fixed baseline per target (the fastest of a B's rates
+there);
 - "adaptive (B_simple)": B follows the live noise scale (`ramp_adaptive.py`);
 - "local CBS": a step schedule through the branched study's local critical batch B*(e)
-  (`cbs.analysis.branch_report.local_cbs_schedule`), 8 → 16 → 32;
+  (`cbs.analysis.reports.branch_report.local_cbs_schedule`), 8 → 16 → 32;
 - the Llama 3 and DeepSeek-V3 shapes (`ramp_llama3_style.py`, `ramp_deepseek_style.py`).
 
 `--config=digits_payoff:start` (out_dir results/digits_ramp_start) is
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import os
 
-from cbs.analysis import branch_report, ramp_start
+from cbs.analysis.reports import branch_report
+from cbs.analysis.studies import ramp_start
 from cbs.configs import base, digits_ramps
 from cbs.results.store import SweepStore
 

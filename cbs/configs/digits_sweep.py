@@ -23,7 +23,7 @@ seeds 0, 1, 2 and every learning rate of a (B, seed) run until it crosses the lo
 (no stop once one rate has crossed, so S at seed 0's best rate is measured, not censored,
 on seeds 1 and 2);
 `--select_on_seed=0` then reports B_crit with each rate selected on seed 0 and S measured on
-seeds 1 and 2 (`cbs.analysis.held_out`) beside the per-seed fits. Measured: 150 trials
+seeds 1 and 2 (`cbs.analysis.fits.held_out`) beside the per-seed fits. Measured: 150 trials
 with the extension rounds, 21 minutes on 2 shared CPU cores; per-seed B_crit within
 1.08–1.72× of each other, every held-out B_crit inside the in-sample interval.
 """

@@ -6,7 +6,7 @@
 The model, data and targets of `shakespeare_sweep` (eval loss 3.0 → 2.2 nats per character);
 learning rates from its committed sweep (results/shakespeare_char), the local-CBS schedule
 from its branched study (results/shakespeare_branch); writes only to out_dir. Every run is
-repeated over seeds 0, 1, 2 (`cbs.analysis.payoff` reports seed intervals and each ramp's
+repeated over seeds 0, 1, 2 (`cbs.analysis.studies.payoff` reports seed intervals and each ramp's
 step saving at equal examples against the fixed batch sizes' frontier):
 
 - fixed B = 8 … 128 sequences at the sweep's best learning rate at B;

@@ -17,8 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from cbs.engine import fields
 from cbs.results import calibration
+from cbs.runtime import fields
 
 __all__ = ["ADAPTIVE_RULES", "Adaptive", "AdaptiveState"]
 

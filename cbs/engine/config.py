@@ -10,11 +10,11 @@ Each component checks its own section: `cbs.engine.optim.validate_config` (optim
 (batch.lr_coupling), `cbs.engine.noise_spec.NoiseSpec.from_config` (noise: the one reading
 of that section),
 `cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
-`cbs.engine.mesh.validate_config` (mesh), `cbs.engine.throughput.validate_config` (perf),
+`cbs.runtime.mesh.validate_config` (mesh), `cbs.runtime.throughput.validate_config` (perf),
 `cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
 `validate` runs them and keeps the checks that join sections (batch sizes against the mesh's
 data replicas, noise sizes against the batch and the schedule, budgets). The field checks are
-in `cbs.engine.fields`.
+in `cbs.runtime.fields`.
 
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
@@ -26,18 +26,9 @@ from typing import Any
 import ml_collections
 
 from cbs import data, models
-from cbs.engine import (
-    fields,
-    live_noise,
-    loop,
-    lr,
-    mesh,
-    noise_spec,
-    optim,
-    schedules,
-    throughput,
-)
-from cbs.engine.fields import ConfigError
+from cbs.engine import live_noise, loop, lr, noise_spec, optim, schedules
+from cbs.runtime import fields, mesh, throughput
+from cbs.runtime.fields import ConfigError
 
 __all__ = ["batch_sizes", "default_config", "validate"]
 
@@ -156,7 +147,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.param_mode = "replicated"  # "replicated" | "fsdp" | "model" (mesh.param_shardings)
     #   | "fsdp_tp" | "tp" (by parameter name, mesh.LM_RULES: FSDP over data × TP over model)
 
-    c.perf = ml_collections.ConfigDict()  # cbs.engine.throughput
+    c.perf = ml_collections.ConfigDict()  # cbs.runtime.throughput
     c.perf.records = False  # add perf/* to train records: tokens/s, examples/s, step time, MFU
     c.perf.peak_flops = 0.0  # peak FLOP/s of one device for MFU; 0 = from the device table
     c.perf.profile_start = -1  # first step of a jax.profiler trace (workdir/profile); -1 = off

@@ -1,8 +1,8 @@
 """The one host loop: dispatch steps, read metrics late, evaluate, checkpoint, stop, resume.
 
 `Loop` owns the order of events, the run directory's records (`cbs.results.records`) and
-checkpoints (`cbs.engine.checkpoint`), the budget, `stop_fn` and the divergence rule of
-`cbs.engine.progress`. What it drives is a `Driver`: `cbs.engine.trainer.Trainer` for a single
+checkpoints (`cbs.runtime.checkpoint`), the budget, `stop_fn` and the divergence rule of
+`cbs.runtime.progress`. What it drives is a `Driver`: `cbs.engine.trainer.Trainer` for a single
 run (one step per dispatch; a branch of a local-CBS study is one started from its point's
 state), or a vmapped group of runs (`cbs.sweeps.groups.TrialGroup`: many steps of K trials per
 dispatch, evaluated at the end of each; `cbs.sweeps.branch_unit.VmappedBranch`: the S seeds of
@@ -25,11 +25,11 @@ from typing import Any, cast
 import jax
 import ml_collections
 
-from cbs.engine import checkpoint, fields, preemption, throughput, writer
 from cbs.engine.driver import Deferred, Driver, Points, checkpoint_due, evaluation_due
-from cbs.engine.progress import DivergenceRule, DivergenceState
 from cbs.engine.state import TrainState
 from cbs.results import files, records
+from cbs.runtime import checkpoint, fields, preemption, throughput, writer
+from cbs.runtime.progress import DivergenceRule, DivergenceState
 
 __all__ = [
     "ENDED", "DivergedError", "Loop", "StopFn", "config_hash", "ended_run", "noise_scale",
@@ -40,7 +40,7 @@ ENDED = ("finished", "stopped", "diverged")  # "running", "preempted", "interrup
 
 
 class DivergedError(FloatingPointError):
-    """The run diverged (`cbs.engine.progress.DivergenceRule`: a non-finite loss or gradient,
+    """The run diverged (`cbs.runtime.progress.DivergenceRule`: a non-finite loss or gradient,
     or a loss that stayed far above its initial value); the last checkpoint before it is
     kept."""
 
@@ -160,7 +160,7 @@ class Loop:
         stopping depends on it), instead of up to `log_every` steps late.
       end: the step where the run should stop short of its budget, when known (the bar
         counts to it).
-      outputs: the bar and mirrors (default: the config's, `cbs.engine.writer.Outputs`).
+      outputs: the bar and mirrors (default: the config's, `cbs.runtime.writer.Outputs`).
       perf: the throughput hooks (default: the config's `perf`, without the data's shapes).
       compilations: the number of compilations so far, for the summary.
     """

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import fields
+from cbs.runtime import fields
 
 __all__ = [
     "DECAYS", "EXPONENTS", "LR_RULES", "coupled_lr", "coupled_lr_history", "coupling_from_config",

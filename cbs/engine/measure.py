@@ -34,10 +34,11 @@ import numpy as np
 
 from cbs import data
 from cbs.data import batching
-from cbs.engine import live_noise, mesh
+from cbs.engine import live_noise
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.state import TrainState
 from cbs.engine.step import BatchLayout, TrainStep, jit_step
+from cbs.runtime import mesh
 from cbs.stats import noise, smoothing
 
 __all__ = [

@@ -1,6 +1,6 @@
 """What a run estimates and measures of its gradient noise, and when: `NoiseSpec`, the one
 reading of `config.noise` (`NoiseSpec.from_config`, which validates every field and raises
-`cbs.engine.fields.ConfigError` naming it; nothing else reads that section).
+`cbs.runtime.fields.ConfigError` naming it; nothing else reads that section).
 
 The live estimate every step (`cbs.engine.live_noise`): `live` ("auto" | "exact" |
 "two_batch" | "none"; the config's `two_batch=False` reads as "none"), the two-batch small
@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cbs.engine import fields, live_noise
+from cbs.engine import live_noise
+from cbs.runtime import fields
 from cbs.stats import noise
 
 __all__ = [  # not the refusal of keys that moved (`check_moved_keys`), which the sweep reads

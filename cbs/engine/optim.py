@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from cbs.engine import fields
 from cbs.engine.lr import DECAYS
+from cbs.runtime import fields
 
 __all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "make_direction", "validate_config"]
 

@@ -27,12 +27,12 @@ from cbs import data, models
 from cbs.data import batching
 from cbs.engine import config as config_lib
 from cbs.engine import lr, optim, schedules
-from cbs.engine import mesh as mesh_lib
-from cbs.engine.fields import ConfigError
 from cbs.engine.measure import Measurement
 from cbs.engine.state import TrainState, init_train_state
 from cbs.engine.step import BatchLayout, StepOptions, TrainStep
 from cbs.models import losses
+from cbs.runtime import mesh as mesh_lib
+from cbs.runtime.fields import ConfigError
 
 __all__ = ["RunParts"]
 
@@ -44,7 +44,7 @@ class RunParts:
 
     Args:
       config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
-      mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
+      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
     """
 

@@ -35,8 +35,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from cbs.engine import fields
 from cbs.engine.adaptive import Adaptive
+from cbs.runtime import fields
 
 __all__ = [
     "BatchSchedule", "Constant", "Linear", "Step",

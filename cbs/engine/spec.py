@@ -20,8 +20,8 @@ from typing import Any
 
 import ml_collections
 
-from cbs.engine.fields import ConfigError, increasing_steps
 from cbs.engine.noise_spec import EXAMPLES
+from cbs.runtime.fields import ConfigError, increasing_steps
 
 __all__ = ["FIELDS", "Coupling", "RunOverrides", "run_config"]
 
@@ -40,7 +40,7 @@ class RunOverrides:
     """How one run differs from its base config; None (or False for `quiet`) keeps the base.
 
     Each field names the config field it writes (`FIELDS`). Values are checked when the
-    overrides are built: a bad one raises `cbs.engine.fields.ConfigError` (a ValueError)
+    overrides are built: a bad one raises `cbs.runtime.fields.ConfigError` (a ValueError)
     naming the config field and the override.
     """
 

@@ -33,8 +33,8 @@ Files in `workdir` (process 0 writes records; every process writes its checkpoin
 - `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
   "diverged"), step,
   examples_seen, checkpoint_step, message, config_hash, last train and eval records.
-- `checkpoints/`: orbax (`cbs.engine.checkpoint`), `tensorboard/`: event files (when on).
-SIGTERM (SIGINT) after `cbs.engine.preemption.install()` (the entry points call it) saves a
+- `checkpoints/`: orbax (`cbs.runtime.checkpoint`), `tensorboard/`: event files (when on).
+SIGTERM (SIGINT) after `cbs.runtime.preemption.install()` (the entry points call it) saves a
 checkpoint at the current step and raises `Preempted` with status "preempted" ("interrupted").
 A restart with the same command resumes from the latest checkpoint and first drops records
 at or after its step, so the records equal an uninterrupted run's. A run whose status.json
@@ -53,13 +53,14 @@ import ml_collections
 import numpy as np
 
 from cbs import data
-from cbs.engine import checkpoint, live_advice, measure, state, throughput, writer
+from cbs.engine import live_advice, measure, state
 from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import DivergedError, Loop, StopFn, ended_run
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
 from cbs.engine.state import TrainState
 from cbs.results import files, paths, records
+from cbs.runtime import checkpoint, throughput, writer
 
 __all__ = ["CHECKPOINT_CHUNK", "EvalFn", "Trainer", "measure_checkpoint", "run"]
 
@@ -76,7 +77,7 @@ class Trainer(RunParts):
     Args:
       config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
       workdir: run directory (records, checkpoints); None for in-memory use only.
-      mesh: device mesh (default `cbs.engine.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
+      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
       dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
         at evaluations, `cbs.engine.measure.Measurement.evaluation`, when `noise.examples`
@@ -188,7 +189,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
       mesh: device mesh (default from config.mesh).
       on_eval: on_eval(trainer, state, step) -> {record key: device scalar}, fields added to
         every eval record (`EvalFn`); not part of the config, so not of its hash.
-      outputs: the bar and mirrors (default: the config's, `cbs.engine.writer.Outputs`); a
+      outputs: the bar and mirrors (default: the config's, `cbs.runtime.writer.Outputs`); a
         sweep's trial takes the sweep's.
     """
     created = not paths.exists(workdir)

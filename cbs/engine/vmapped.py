@@ -6,7 +6,7 @@ one compiled program: a `jax.lax.fori_loop` of `TrainStep.apply` whose length is
 value (no recompilation per length), vmapped over a leading axis K of the states. Both the
 trial groups (`cbs.sweeps.groups`) and the branched runs (`cbs.sweeps.branches`) use it.
 
-Along the loop it carries the EMA of the batch loss `train/loss` (`cbs.engine.progress
+Along the loop it carries the EMA of the batch loss `train/loss` (`cbs.runtime.progress
 .ema_update`: a NaN EMA takes the first loss as is) and the last batch loss.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cbs.engine.progress import ema_update
+from cbs.runtime.progress import ema_update
 
 __all__ = ["Apply", "run_steps", "vmapped_steps"]
 

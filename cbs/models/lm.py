@@ -24,7 +24,7 @@ Precision: parameters (so optimizer state and gradients) are float32; matmuls an
 run in `compute_dtype` (bfloat16 by default, parameters cast at their use); normalisation
 statistics, softmax and the loss are float32, the logits rounded to the compute dtype.
 
-Parameter names are what `cbs.engine.mesh.LM_RULES` shards by: `embed`, `head`,
+Parameter names are what `cbs.runtime.mesh.LM_RULES` shards by: `embed`, `head`,
 `blocks/{wq,wk,wv,wo,w_gate,w_up,w_down,attn_norm,mlp_norm}`, `final_norm`.
 
 Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D each):

@@ -1,6 +1,6 @@
 """The calibration file and the prediction its model gives: B_crit from one noise scale.
 
-The calibration (`cbs.analysis.calibration` fits and checks it, `cbs-compare` writes it as
+The calibration (`cbs.analysis.advice.calibration` fits and checks it, `cbs-compare` writes it as
 `CALIBRATION_FILE` beside its report) is data: per noise scale ("b_simple", "b_noise") a
 random-effects model of log(B_crit/B_s) per optimizer family, `{"families": {f: {"mu",
 "var_mu", "studies"}}, "tau2", "sigma2", "dof", ...}`. The package ships one

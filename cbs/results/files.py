@@ -9,16 +9,16 @@ those named here beside the other two files.
 - a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE (the records),
   STATUS_FILE (the summary), WANDB_RUN_FILE (the id of its W&B run, when it has one), plus
   `checkpoints/` and `tensorboard/` (their owners' names);
-- a sweep directory (`cbs.results.store`, `cbs.sweeps`, `cbs.analysis.report`): TRIALS_FILE,
+- a sweep directory (`cbs.results.store`, `cbs.sweeps`, `cbs.analysis.reports.report`): TRIALS_FILE,
   CSV_FILE, SWEEP_FILE, RAMPS_FILE, ANALYSIS_FILE, REPORT_FILE, FIGURES_DIR, and the reference
   trajectory in REFERENCE_DIR with its exact noise measurements in REFERENCE_NOISE_FILE;
-- a branch study's directory (`cbs.sweeps.branches`, `cbs.analysis.branch_report`):
+- a branch study's directory (`cbs.sweeps.branches`, `cbs.analysis.reports.branch_report`):
   DEFINITION_FILE, BRANCHES_FILE, the reference run in REFERENCE_DIR, REFERENCE_NOISE_FILE,
   REPORT_FILE, and UNITS_DIR (the run directories of the units running);
-- a comparison across studies (`cbs.analysis.compare`): REPORT_FILE, FIGURE_FILE (under the
+- a comparison across studies (`cbs.analysis.studies.compare`): REPORT_FILE, FIGURE_FILE (under the
   reference-over-seeds protocol) and PER_TRIAL_FIGURE_FILE; across
-  model sizes (`cbs.analysis.sizes`): REPORT_FILE, SIZES_FILE and SIZES_FIGURE_FILE;
-- a ramp payoff study (`cbs.sweeps.ramps` with out_dir, `cbs.analysis.payoff`): RAMPS_FILE,
+  model sizes (`cbs.analysis.studies.sizes`): REPORT_FILE, SIZES_FILE and SIZES_FIGURE_FILE;
+- a ramp payoff study (`cbs.sweeps.ramps` with out_dir, `cbs.analysis.studies.payoff`): RAMPS_FILE,
   PAYOFF_REPORT_FILE, PAYOFF_FILE and PAYOFF_FIGURE_FILE.
 """
 

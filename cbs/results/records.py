@@ -236,7 +236,7 @@ def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None
 
 def write_error(err: OSError, path: PathLike) -> OSError:
     """`err` (disk full, quota, read-only, I/O) as an OSError of the same errno naming the
-    file being written, for a one-line message (`cbs.engine.cli.message`)."""
+    file being written, for a one-line message (`cbs.runtime.cli.message`)."""
     code = err.errno or errno.EIO
     return type(err)(code, err.strerror or os.strerror(code), os.fspath(path))
 

@@ -61,7 +61,7 @@ class TrialResult:
     steps_to_target / examples_to_target: per target (as a string key), S and E = B·S at the
     first crossing of the progress metric, interpolated between evaluations; None if never.
     noise_at_target: per target, the noise statistics measured around the crossing
-    (ratios of window averages, see `cbs.analysis.selection.noise_scale_at_crossing`).
+    (ratios of window averages, see `cbs.analysis.fits.selection.noise_scale_at_crossing`).
     curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
     """
 

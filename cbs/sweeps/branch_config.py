@@ -13,9 +13,10 @@ from typing import NoReturn
 
 import ml_collections
 
-from cbs.engine import fields, spec
-from cbs.engine.fields import ConfigError
+from cbs.engine import spec
 from cbs.engine.lr import EXPONENTS, lr_multiplier
+from cbs.runtime import fields
+from cbs.runtime.fields import ConfigError
 
 __all__ = [
     "BRANCH_LR_RULES", "B_STAR_RULES", "CRITERIA", "EMA_UNITS", "METRICS", "PAPER_WINDOW_STEPS",
@@ -120,7 +121,7 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
              "whole number of steps for every k)")
 
 
-# The type and sign of each field (`cbs.engine.fields.check_section`).
+# The type and sign of each field (`cbs.runtime.fields.check_section`).
 _INTEGERS = {"window_examples": 0, "noise_checkpoints": 0, "noise_deviations": 1,
              "noise_seed": 0}
 _FINITE = ("window_fraction", "epsilon", "loss_ema_decay")

@@ -34,12 +34,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import mesh, progress, schedules, spec, throughput, trainer
+from cbs.engine import schedules, spec, trainer
 from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import Loop
 from cbs.engine.parts import RunParts
 from cbs.engine.state import TrainState, position
 from cbs.results import files, records
+from cbs.runtime import mesh, progress, throughput
 
 __all__ = ["VmappedBranch", "branch_overrides", "engine_branch", "unit_dir"]
 

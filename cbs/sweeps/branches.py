@@ -23,7 +23,7 @@ point, k a batch multiplier from the ladder K, Δ the window in examples, S the 
    positions [E, E + Δ), so their losses differ by the batch size and learning rate alone
    (common random numbers), not by the examples drawn.
 
-k*, B* and their uncertainty are computed from the records by `cbs.analysis.branch_report`.
+k*, B* and their uncertainty are computed from the records by `cbs.analysis.reports.branch_report`.
 
 Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/`
 (one record per (point, k, seed), a write-once part per (point, k), so shards on any file
@@ -49,15 +49,16 @@ import ml_collections
 
 from cbs import data, models
 from cbs.data import batching
-from cbs.engine import checkpoint, loop, mesh, preemption, progress, spec, trainer
 from cbs.engine import config as config_lib
+from cbs.engine import loop, spec, trainer
 from cbs.engine.parts import RunParts
 from cbs.engine.state import TrainState, position
 from cbs.engine.step import TrainStep
 from cbs.engine.vmapped import vmapped_steps
-from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records, shared
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
+from cbs.runtime import checkpoint, mesh, preemption, progress
+from cbs.runtime.writer import CountBar
 from cbs.sweeps import branch_noise, branch_unit
 from cbs.sweeps.branch_config import (
     ema_decay_per_step,

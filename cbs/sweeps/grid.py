@@ -4,7 +4,7 @@ A sweep is independent trials, one per (batch size B, learning rate η, seed). E
 trains until its progress metric has crossed every target loss or its budget is spent, and
 records, per target, the steps S and examples E = B·S at which the metric first crossed it
 (interpolated between evaluations), together with its loss curve and the noise statistics
-measured along the way. `cbs.analysis.fit` turns those records into S_min, E_min and B_crit.
+measured along the way. `cbs.analysis.fits.fit` turns those records into S_min, E_min and B_crit.
 
 The sweep is declared in the config next to the base run (`config.sweep`, see
 `default_sweep_config`); launchers only iterate it. What a trial measures of its noise at
@@ -15,7 +15,7 @@ base learning rate: η(B) = base_lr · (B / base_batch_size)^p · factor, with p
 
 When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
 rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
-rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.edges`).
+rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.fits.edges`).
 
 The sweep directory's files are `cbs.results.store`.
 """
@@ -28,11 +28,11 @@ from typing import Any
 
 import ml_collections
 
-from cbs.analysis import edges
-from cbs.engine import fields
-from cbs.engine.fields import ConfigError
+from cbs.analysis.fits import edges
 from cbs.engine.lr import LR_RULES, lr_multiplier
 from cbs.engine.noise_spec import check_moved_keys
+from cbs.runtime import fields
+from cbs.runtime.fields import ConfigError
 
 __all__ = [
     "TARGET_METRICS", "Trial", "default_sweep_config", "grid_trials", "learning_rates_for",
@@ -207,7 +207,7 @@ def trial_table(trials: Sequence[Trial]) -> list[dict[str, Any]]:
 
 def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
                 ) -> list[Trial]:
-    """The base grid plus the learning rates added past edges (`cbs.analysis.edges`).
+    """The base grid plus the learning rates added past edges (`cbs.analysis.fits.edges`).
 
     Added trials follow the base grid's indices; each has a fixed index computed from its
     (B, seed, side, step beyond the base grid), whatever order rounds happen in, so shards

@@ -10,12 +10,12 @@ branches also run: a `fori_loop` whose length is a value, so the log-spaced eval
 `cbs.sweeps.trials.eval_steps` costs no recompilation; the data gathered on the device from the
 stream of `cbs.data`) and a vmapped evaluation at the end of each: the progress metric (the full
 training-set loss, the eval-split loss, or the EMA of the batch loss carried through the
-dispatch, `cbs.engine.progress.ema_update`) and the noise measurement of `config.noise` per
+dispatch, `cbs.runtime.progress.ema_update`) and the noise measurement of `config.noise` per
 trial (`cbs.engine.measure.state_measurement`, the one engine trials record too: by default
 B_simple on a fresh batch of `noise.batch_size` training examples; for B_noise, the
 deviations of its first `noise.deviations` examples and the Hessian of an independent draw of
 `noise.hessian_batch_size` examples, so the estimate is unbiased). The group stops once
-every trial has crossed the lowest target or diverged (`cbs.engine.progress.DivergenceRule`
+every trial has crossed the lowest target or diverged (`cbs.runtime.progress.DivergenceRule`
 on the progress metric, as for engine trials).
 
 The group runs on one device (small models: the vmap is the parallelism). Its run directory
@@ -26,7 +26,7 @@ checkpoint of the stacked state and loss EMAs every `sweep.checkpoint_every_eval
 evaluations; a killed group resumes from there and ends with the same records as an
 uninterrupted one. While it runs, a progress bar follows its steps (inside the sweep's bar of
 trials), and the sweep's `train.tensorboard` and `train.wandb` mirror its records, one curve
-per trial (`cbs.engine.writer.Outputs`).
+per trial (`cbs.runtime.writer.Outputs`).
 """
 
 from __future__ import annotations
@@ -42,18 +42,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cbs.engine import mesh, spec, throughput
+from cbs.engine import spec
 from cbs.engine.driver import Deferred, Restore
 from cbs.engine.loop import Loop, ended_run
 from cbs.engine.measure import state_measurement
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.engine.parts import RunParts
-from cbs.engine.progress import DivergenceRule
 from cbs.engine.state import TrainState
 from cbs.engine.vmapped import vmapped_steps
-from cbs.engine.writer import Outputs
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult
+from cbs.runtime import mesh, throughput
+from cbs.runtime.progress import DivergenceRule
+from cbs.runtime.writer import Outputs
 from cbs.sweeps.grid import Trial
 from cbs.sweeps.trials import (
     NOISE_CURVE_KEYS,
@@ -279,7 +280,7 @@ class TrialGroup:
         return 1 if self.sweep.target_metric == "train/loss_ema" else 0
 
     def _finished(self, history) -> bool:
-        """Every trial crossed the lowest target or diverged (`cbs.engine.progress`); or, with
+        """Every trial crossed the lowest target or diverged (`cbs.runtime.progress`); or, with
         `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
         still make comes later than that trial's, so none of them can be the fastest."""
         m = self._metric_matrix(history)[self._skip:]

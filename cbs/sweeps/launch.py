@@ -33,11 +33,12 @@ import ml_collections
 
 from cbs import data, models
 from cbs.engine import config as config_lib
-from cbs.engine import preemption, spec
-from cbs.engine.fields import ConfigError
+from cbs.engine import spec
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.engine.writer import CountBar
 from cbs.results.store import SweepStore, TrialResult
+from cbs.runtime import preemption
+from cbs.runtime.fields import ConfigError
+from cbs.runtime.writer import CountBar
 from cbs.sweeps.grid import (
     Trial,
     default_sweep_config,

@@ -1,8 +1,8 @@
 """The probe's branches: short runs at a few batch sizes from one checkpoint of any run, within
 a budget, through the branch machinery (`cbs.sweeps.branches.BranchRunner`; the arithmetic in
-`cbs.analysis.probe`).
+`cbs.analysis.advice.probe`).
 
-Letters as in `cbs.analysis.probe`: B the run's batch at the checkpoint, b_0 the probe's
+Letters as in `cbs.analysis.advice.probe`: B the run's batch at the checkpoint, b_0 the probe's
 smallest batch, k = 1, 2, 4, ... its multipliers, S seeds, Δ the window.
 
 The run's own config (its `config.json`) becomes a branch study's: the batch constant at b_0,
@@ -27,9 +27,10 @@ from typing import Any
 
 import ml_collections
 
-from cbs.analysis import probe
-from cbs.engine import checkpoint, lr
+from cbs.analysis.advice import probe
+from cbs.engine import lr
 from cbs.results import calibration, files, records, shared
+from cbs.runtime import checkpoint
 from cbs.sweeps import branches
 from cbs.sweeps.branch_config import default_branch_config
 

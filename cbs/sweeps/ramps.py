@@ -9,7 +9,7 @@ and the examples E at each crossing (each interpolated between evaluations on it
 axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
 directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
 export, so launchers on several hosts lose none; `cbs.results.shared.add_records`), where
-`cbs.analysis.report` draws them on each target's S–E plane against the frontier
+`cbs.analysis.reports.report` draws them on each target's S–E plane against the frontier
 S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
 every fixed batch size; on it, it matched one.
 
@@ -18,7 +18,7 @@ The runs are declared in the config (`config.ramps`, a list of dicts): `label`, 
 "best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
 `lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`, `seed` (the run's
 seed; default `config.seed`) and `name` (the run a seed belongs to, for
-`cbs.analysis.payoff`).
+`cbs.analysis.studies.payoff`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ import jax
 import ml_collections
 
 from cbs import data, models
-from cbs.analysis import selection
+from cbs.analysis.fits import selection
 from cbs.engine import config as config_lib
-from cbs.engine import fields, preemption, schedules, spec, trainer
-from cbs.engine.fields import ConfigError
+from cbs.engine import schedules, spec, trainer
 from cbs.engine.lr import LR_RULES
-from cbs.engine.writer import CountBar
 from cbs.results import files, paths, records, shared
 from cbs.results.store import SweepStore, definition_diff, describe, target_key
+from cbs.runtime import fields, preemption
+from cbs.runtime.fields import ConfigError
+from cbs.runtime.writer import CountBar
 from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 

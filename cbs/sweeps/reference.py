@@ -11,7 +11,7 @@ It runs until `sweep.noise_window` evaluations past the lowest target's crossing
 (the run's curve and settings) goes to `reference_noise.jsonl` in the sweep directory (a
 write-once part in `reference_noise.d/` and the file as its export,
 `cbs.results.shared.add_records`, so two launchers finishing at once lose nothing);
-`cbs.analysis.noise_at_target` turns it into the noise scale at each target.
+`cbs.analysis.fits.noise_at_target` turns it into the noise scale at each target.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped grou
   and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
   by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
   evaluations from each target's first crossing on: the evaluations the protocol reads
-  (`cbs.analysis.reference_protocol`, which reports each window's standard error from its
+  (`cbs.analysis.studies.reference_protocol`, which reports each window's standard error from its
   independent draws);
 - for Adam and AdamW also the noise scale of the update actually applied, u = P·g
   (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
@@ -29,7 +29,7 @@ reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped grou
 
 Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in the sweep
 directory (a seed whose file exists is skipped, so a second call adds only missing seeds);
-the run directories go to `reference_seeds/runs/`. `cbs.analysis.reference_protocol` reads
+the run directories go to `reference_seeds/runs/`. `cbs.analysis.studies.reference_protocol` reads
 them: each seed's noise scale at each target and the spread over seeds.
 """
 
@@ -48,10 +48,10 @@ import numpy as np
 
 from cbs.engine import config as config_lib
 from cbs.engine import measure
-from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import FULL_DATA_MAX, NoiseSpec
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore, upgrade_noise_fields
+from cbs.runtime.fields import ConfigError
 from cbs.stats import preconditioned
 from cbs.sweeps import reference
 from cbs.sweeps.grid import Trial, default_sweep_config

@@ -12,9 +12,9 @@ Two back ends, same records:
 Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations spaced
 evenly in log(step) over the step budget, `eval_steps`, the same grid in both back ends) and
 the crossing step of each target is interpolated linearly between
-evaluations (`cbs.analysis.selection.steps_to_target`). The noise scale recorded at a crossing is
-the ratio of window averages of the exact statistics measured at the evaluations around it
-(`cbs.analysis.selection.noise_scale_at_crossing`). Both back ends measure at their evaluations
+evaluations (`cbs.analysis.fits.selection.steps_to_target`). The noise scale recorded at a crossing
+is the ratio of window averages of the exact statistics measured at the evaluations around it
+(`cbs.analysis.fits.selection.noise_scale_at_crossing`). Both back ends measure at their evaluations
 through one call, `cbs.engine.measure` (what `config.noise` says), on draws fixed by (seed,
 evaluation index).
 """
@@ -30,20 +30,20 @@ from typing import Any
 import jax
 import ml_collections
 
-from cbs.analysis import selection
+from cbs.analysis.fits import selection
 from cbs.engine import measure, spec, trainer
-from cbs.engine.fields import ConfigError
 from cbs.engine.noise_spec import NoiseSpec
-from cbs.engine.progress import (
+from cbs.results import files, records
+from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.runtime.fields import ConfigError
+from cbs.runtime.progress import (
     DivergenceRule,
     DivergenceState,
     ema_curve,
     ema_update,
     log_spaced_steps,
 )
-from cbs.engine.writer import Outputs
-from cbs.results import files, records
-from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.runtime.writer import Outputs
 from cbs.stats import sampled
 from cbs.sweeps.grid import Trial
 
@@ -60,7 +60,7 @@ NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_
 
 
 def divergence_rule(sweep: ml_collections.ConfigDict) -> DivergenceRule:
-    """The rule of `cbs.engine.progress` on a trial's progress metric, from
+    """The rule of `cbs.runtime.progress` on a trial's progress metric, from
     `sweep.divergence_factor` and `sweep.divergence_patience` (evaluations)."""
     return DivergenceRule(float(sweep.divergence_factor),
                           int(sweep.get("divergence_patience", 1)))

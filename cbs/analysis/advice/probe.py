@@ -1,0 +1,255 @@
+"""The task's own ratio of local B_crit to the noise scale, from short branches off a checkpoint,
+and its combination with the cross-task prior of the calibration (reads numbers only).
+
+Letters: B the run's batch at the checkpoint, b_0 the probe's smallest batch, K the ladder of
+multipliers k (branch batch k·b_0, k = 1, 2, 4, ...), S the data-order seeds, Δ the window in
+examples (the same for every k), E and t the examples and steps the run has seen, B_s the
+noise scale measured at the checkpoint, φ the budget as a fraction of the run so far.
+
+Cost: the branches train S·|K|·Δ examples in S·Σ_k Δ/(k·b_0) steps. `plan` gives the longest
+Δ (a multiple of lcm(K)·b_0, a whole number of steps for every k) within φ·E examples
+(`unit="examples"`, the compute) or φ·t steps (`unit="steps"`, the wall time of a device that
+a batch of k·b_0 does not saturate).
+
+Local B_crit: Merrill et al.'s criterion on the branch losses (`cbs.analysis.reports.branch_report`:
+k* the largest k whose loss at the end of the window is within ε of every smaller k's),
+reported as the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0) that the crossing
+lies in. Its standard error in log space joins two parts:
+
+    se² = sd_seeds² + sd_ladder²,   sd_ladder = log(k⁺/k*)/√12,
+
+sd_seeds the spread of log B* over the exact bootstrap of the seeds (all S^S resamples of the
+S seeds with replacement, the losses averaged per resample; 2,000 random ones past S = 5),
+sd_ladder the resolution of the ladder (the crossing uniform in log between the bracket's
+ends; a resample whose k* is the top of the ladder counts as k_max·b_0, its lower bound). At
+either end of the ladder (k* = 1, or the top) B* is only a bound: no ratio, and the
+advice keeps the cross-task prior. The probed log ratio is y = log(B*/B_s); B_s measured on
+all training examples is exact for the training set and adds no error (a sampled one would:
+it is not counted).
+
+Combination (one-way random effects, `cbs.analysis.advice.calibration`): the task's mean log ratio θ
+has the prior N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f); the probe measures it as y ~ N(θ, se²).
+The posterior is N(m_1, v_1) with 1/v_1 = 1/v_0 + 1/se² and m_1 = v_1·(μ̂_f/v_0 + y/se²)
+(precision weighting in log space), and a point of the task (one run's B_crit at a target)
+is predicted as log B_s + m_1 with the interval ± t_{q,ν}·√(v_1 + σ̂²), the calibration's ν.
+Without the probe this is the advice's own prediction (m_1 = μ̂_f, v_1 = v_0).
+
+What each predicts: the probe measures the LOCAL critical batch at this checkpoint (B*,
+Merrill et al.: the batch beyond which a short window from here loses more than ε), and
+`local_now` is that, with the probe's own interval. The combination predicts the quantity
+the calibration was fitted on, the fixed-batch B_crit of a target loss from a batch-size
+sweep (S/S_min = 1 + B_crit/B), on the stated ASSUMPTION that the task's ratio of local B*
+to B_s equals its ratio of swept B_crit to B_s. The committed studies test that assumption
+(`cbs.analysis.advice.probe_evidence`, results/probe).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from cbs.analysis.reports import branch_report
+from cbs.results.calibration import family, t_quantile
+
+__all__ = ["BOOTSTRAP_EXACT_SEEDS", "DEFAULT_BUDGET", "UNITS", "calibration_with", "combine",
+           "cost", "ladder", "local_ratio", "plan", "summary"]
+
+DEFAULT_BUDGET = 0.1  # φ: the probe's branches at most 10 % of the run so far
+UNITS = ("examples", "steps")  # what the budget counts
+BOOTSTRAP_EXACT_SEEDS = 5  # up to this many seeds, every one of the S^S resamples
+_RANDOM_RESAMPLES = 2000
+
+
+def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple[int, ...]]:
+    """(b_0, K) of the probe: `batch_sizes` (examples; each twice, four times, ... the smallest)
+    or by default B/2, B, 2B, 4B, 8B (B, 2B, 4B, 8B when B is odd)."""
+    sizes = sorted(int(b) for b in batch_sizes)
+    if not sizes:
+        half = [batch_size // 2] if batch_size > 1 and batch_size % 2 == 0 else []
+        sizes = half + [batch_size * m for m in (1, 2, 4, 8)]
+    b0 = sizes[0]
+    if b0 < 1 or len(set(sizes)) < 2 or any(b % b0 for b in sizes):
+        raise ValueError(f"probe batch sizes {tuple(sizes)}: give two or more distinct sizes, "
+                         "each a multiple of the smallest (e.g. 32,64,128,256)")
+    return b0, tuple(b // b0 for b in sizes)
+
+
+def plan(*, examples_seen: int, steps_seen: int, base: int, ks: Sequence[int], seeds: int,
+         budget: float = DEFAULT_BUDGET, unit: str = "examples") -> dict[str, Any]:
+    """The longest window Δ within the budget (module docstring) and what it costs.
+
+    Returns window (Δ, examples), examples and steps (the branches' totals), budget (φ), unit,
+    allowed (φ·E examples or φ·t steps), fraction (the cost in `unit` over the run so far).
+    Raises ValueError when not one step of the largest batch fits."""
+    if unit not in UNITS:
+        raise ValueError(f"probe budget unit {unit!r}: use one of {UNITS}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"probe budget {budget:g}: give a fraction of the run so far in (0, 1]")
+    quantum = math.lcm(*[int(k) for k in ks]) * base  # Δ: whole steps for every k
+    per_example = {"examples": seeds * len(ks), "steps": seeds * sum(1 / (k * base) for k in ks)}
+    so_far = examples_seen if unit == "examples" else steps_seen
+    allowed = budget * so_far
+    window = int(allowed / per_example[unit] / quantum) * quantum
+    if window < quantum:
+        need = per_example[unit] * quantum
+        raise ValueError(
+            f"probe budget {budget:g} × {so_far} {unit} so far = {allowed:.4g} {unit}, below one "
+            f"step of the largest probe batch ({need:.4g} {unit}: {seeds} seed(s) × batches "
+            f"{tuple(k * base for k in ks)}, window {quantum} examples); raise --probe_budget "
+            f"to ≥ {need / so_far:.3g}, use fewer seeds or batch sizes, or probe a later "
+            "checkpoint")
+    examples = seeds * len(ks) * window
+    steps = seeds * sum(window // (k * base) for k in ks)
+    spent = examples if unit == "examples" else steps
+    return {"window": window, "examples": examples, "steps": steps, "budget": budget,
+            "unit": unit, "allowed": allowed, "fraction": spent / so_far if so_far else math.inf}
+
+
+def cost(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Examples and steps the branch records trained (one record per (point, k, seed))."""
+    return {"examples": int(sum(int(r["steps"]) * int(r["batch_size"]) for r in rows)),
+            "steps": int(sum(int(r["steps"]) for r in rows))}
+
+
+def _seed_resamples(num_seeds: int) -> np.ndarray:
+    """[R, S] seed indices: every resample with replacement up to BOOTSTRAP_EXACT_SEEDS seeds,
+    else 2,000 drawn with a fixed key."""
+    if num_seeds <= BOOTSTRAP_EXACT_SEEDS:
+        return np.asarray(list(itertools.product(range(num_seeds), repeat=num_seeds)))
+    return np.random.default_rng(0).integers(0, num_seeds, (_RANDOM_RESAMPLES, num_seeds))
+
+
+def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilon: float,
+                tolerance: str = "relative", metric: str = "full_train/loss",
+                criterion: str = "paper") -> dict[str, Any]:
+    """The probed log ratio y = log(B*/B_s) and its standard error (module docstring) from
+    the branch records of ONE point (`k`, `seed`, `metric`, `reference_batch_size` = b_0).
+
+    Returns b_star (√(k*·k⁺)·b_0), b_pass, b_fail, bound ("" or "≤ X" / "≥ X": then log_ratio
+    and se are NaN), log_ratio, se, sd_seeds, sd_ladder, seeds, noise_scale, the point's
+    losses (seed means) and ks."""
+    rule: dict[str, Any] = {"epsilon": epsilon, "tolerance": tolerance, "criterion": criterion}
+    p = branch_report.local_cbs([dict(r) for r in rows], metric=metric, b_star="geometric", **rule)
+    ks, b0 = p["ks"], int(rows[0]["reference_batch_size"])
+    out = {"b_star": p["b_star"], "b_pass": p["b_pass"], "b_fail": p["b_fail"],
+           "k_star": p["k_star"], "ks": ks, "losses": p["losses"], "seeds": p["num_seeds"],
+           "noise_scale": float(noise_scale), "log_ratio": math.nan, "se": math.nan,
+           "sd_seeds": math.nan, "sd_ladder": math.nan, "bound": ""}
+    if p["floor"] or p["censored"]:  # k⁺ fails at the bottom; nothing fails at the top
+        out["bound"] = f"< {p['b_fail']:.0f}" if p["floor"] else f"≥ {p['b_pass']:.0f}"
+        return out
+    seeds = sorted({r["seed"] for r in rows})
+    table = np.full((len(seeds), len(ks)), np.nan)
+    for r in rows:
+        table[seeds.index(r["seed"]), ks.index(int(r["k"]))] = float(r[metric])
+    logs = []
+    for idx in _seed_resamples(len(seeds)):
+        losses = table[idx].mean(axis=0).tolist()
+        k = branch_report.critical_multiplier(ks, losses, **rule)
+        logs.append(math.log(branch_report.critical_batch(ks, k, b0, "geometric")[0]))
+    sd_seeds = float(np.std(logs))
+    sd_ladder = math.log(p["b_fail"] / p["b_pass"]) / math.sqrt(12.0)
+    if noise_scale > 0 and math.isfinite(noise_scale):
+        out["log_ratio"] = math.log(p["b_star"] / noise_scale)
+        out["se"] = math.hypot(sd_seeds, sd_ladder)
+    return out | {"sd_seeds": sd_seeds, "sd_ladder": sd_ladder}
+
+
+def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any], *,
+            level: float = 0.8) -> dict[str, Any]:
+    """The cross-task and the probed prediction (module docstring) at the probe's noise scale.
+
+    model: a calibration model (`cbs.analysis.advice.calibration.model`, the shipped file's
+    models[scale]); probed: `local_ratio`'s result. Returns cross_task and probed ({"log_ratio",
+    "sd", "ratio", "b_crit", "interval", "predicts"}), local_now (B* with the probe's own interval,
+    None at a bound), weight (the probe's share of the task's mean log ratio, 0 without a
+    ratio), level and the rule in words."""
+    fam = model["families"].get(family(optimizer))
+    if fam is None:
+        raise ValueError(f"the calibration has no {family(optimizer)!r} study")
+    mu, v0, sigma2 = fam["mu"], model["tau2"] + fam["var_mu"], model["sigma2"]
+    t = t_quantile(0.5 + level / 2, model["dof"])
+    log_bs = math.log(probed["noise_scale"]) if probed["noise_scale"] > 0 else math.nan
+    y, se = probed["log_ratio"], probed["se"]
+    if math.isfinite(y) and se > 0:
+        v1 = 1.0 / (1.0 / v0 + 1.0 / se**2)
+        m1, weight = v1 * (mu / v0 + y / se**2), v1 / se**2
+    else:
+        m1, v1, weight = mu, v0, 0.0
+    target = "fixed-batch B_crit of a target loss near here (sweep protocol)"
+
+    def prediction(m: float, v: float, predicts: str) -> dict[str, Any]:
+        sd = math.sqrt(v + sigma2)
+        return {"log_ratio": m, "var_task": v, "sd": sd, "ratio": math.exp(m), "predicts": predicts,
+                "b_crit": math.exp(log_bs + m),
+                "interval": (math.exp(log_bs + m - t * sd), math.exp(log_bs + m + t * sd))}
+
+    local = None
+    if math.isfinite(y):
+        from scipy.special import ndtri
+
+        z = float(ndtri(0.5 + level / 2))
+        local = {"b_crit": probed["b_star"], "predicts": "local B_crit at this checkpoint "
+                 "(Merrill et al.: the branch criterion)",
+                 "interval": (probed["b_star"] * math.exp(-z * se),
+                              probed["b_star"] * math.exp(z * se))}
+    return {"cross_task": prediction(mu, v0, target + ", cross-task prior alone"),
+            "probed": prediction(m1, v1, target + ", the prior updated by the probed ratio "
+                                 "(assumes local B*/B_s = swept B_crit/B_s)"),
+            "local_now": local, "weight": weight, "level": level,
+            "rule": "precision weighting in log space: the task's mean log ratio N(μ, τ² + "
+                    "var μ) updated by the probe's N(y, se²); interval ± t_ν √(v_1 + σ²)"}
+
+
+def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
+                     combined: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the calibration whose model of `scale` predicts with the probed ratio for
+    `optimizer`'s family (mean m_1, spread √(v_1 + σ²)): what live advice reads
+    (`config.noise.advice_calibration`), so a run's logged advice uses the task's own ratio."""
+    model = dict(calib["models"][scale])
+    p, fam = combined["probed"], family(optimizer)
+    model["families"] = {fam: {"mu": p["log_ratio"], "var_mu": p["var_task"],
+                               "studies": model["families"][fam]["studies"]}}
+    model["tau2"] = 0.0
+    out = dict(calib) | {"models": {scale: model}, "level": combined["level"],
+                         "probed": {"scale": scale, "family": fam,
+                                    "weight": combined["weight"]}}
+    return out
+
+
+def _g(x: float) -> str:
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
+
+
+def summary(probed: Mapping[str, Any], combined: Mapping[str, Any], spent: Mapping[str, Any],
+            scale: str) -> str:
+    """The probe's result and both predictions in a few lines."""
+    lines = [f"probe: {probed['seeds']} seed(s) × batches "
+             f"{', '.join(str(int(k * spent['base'])) for k in probed['ks'])}, window "
+             f"{spent['window']} examples: {spent['examples']} examples, {spent['steps']} steps "
+             f"= {100 * spent['fraction_examples']:.3g} % of the run's examples, "
+             f"{100 * spent['fraction_steps']:.3g} % of its steps (budget "
+             f"{100 * spent['budget']:g} % of its {spent['unit']})"]
+    if probed["bound"]:
+        lines.append(f"local B_crit {probed['bound']} (at the end of the probe's ladder: a "
+                     "bound, no ratio; the cross-task prior alone)")
+    else:
+        loc = combined["local_now"]
+        lines.append(f"local B_crit now = {_g(loc['b_crit'])} ({combined['level']:.0%} interval "
+                     f"{_g(loc['interval'][0])}–{_g(loc['interval'][1])}; bracket "
+                     f"{_g(probed['b_pass'])}–{_g(probed['b_fail'])}): ratio to {scale} "
+                     f"{_g(math.exp(probed['log_ratio']))} (log se {probed['se']:.2f}: seeds "
+                     f"{probed['sd_seeds']:.2f}, ladder {probed['sd_ladder']:.2f})")
+    for key, name in (("cross_task", "cross-task prior"), ("probed", "with the probe")):
+        p = combined[key]
+        lines.append(f"fixed-batch B_crit near here, {name}: {_g(p['b_crit'])} "
+                     f"({combined['level']:.0%} interval {_g(p['interval'][0])}–"
+                     f"{_g(p['interval'][1])}; ratio {_g(p['ratio'])} × {scale})")
+    lines.append(f"the probe's weight in the task's ratio: {combined['weight']:.2f} "
+                 f"({combined['rule']}); the probed line assumes local B*/{scale} equals the "
+                 f"swept B_crit/{scale} (results/probe tests it)")
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""Held-out seeds: each best learning rate selected on one seed, its steps measured on the others.
+
+A sweep's fit takes, at each batch size B, the fewest steps S over learning rates η on the
+same seeds it then reports: the minimum of noisy S is biased low, and more so where several
+rates are close. With several seeds, `held_out` selects η*(B, L) on seed k alone (fewest
+steps to L) and measures S at (B, η*) on every other seed, so selection and measurement use
+different data; the fit S = S_min + E_min/B through those held-out S (mean over the other
+seeds) gives a held-out B_crit. Beside it: the in-sample fit on the same other seeds (each
+seed's own best rate), and per B the ratio held-out S / in-sample S (≥ 1; how much the
+selection flattered that B).
+
+A held-out trial that never crossed L leaves its B out of the held-out fit. Sweeps with
+`sweep.stop_when_dominated` stop a (B, seed) group once one rate crossed the lowest target,
+so on another seed the rate selected on seed k is censored wherever it was not that seed's
+winner: such trials (status "dominated") are counted apart, and a held-out study turns the
+stop off (`digits_sweep.py:seeds3`).
+
+Letters: B batch size, η learning rate, S optimizer steps to a target loss L.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cbs.analysis.fits import fit
+from cbs.results.store import target_key
+
+__all__ = ["DOMINATED", "held_out", "held_out_target"]
+
+DOMINATED = "dominated"  # the status of a trial its group stopped once another rate crossed
+
+
+def _steps(record: dict[str, Any], key: str) -> float | None:
+    s = record["steps_to_target"].get(key)
+    return float(s) if s is not None and math.isfinite(float(s)) else None
+
+
+def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_seed: int, *,
+                    bootstrap: int = 200) -> dict[str, Any]:
+    """One target: η* per B from seed `select_on_seed`, S at η* on the other seeds, both fits.
+
+    records: trial records (`batch_size`, `learning_rate`, `seed`, `steps_to_target`,
+    `status`). Returns JSON-ready: "rows" (per B: the selected rate, its steps on the
+    selecting seed, the held-out steps per seed, their mean, the other seeds' in-sample mean
+    and held/in-sample ratio, or why B is left out), "fit" (held-out) and "fit_in_sample"
+    (`fit.TradeoffFit.to_dict`) and the seeds used.
+    """
+    key = target_key(target)
+    seeds = sorted({int(r.get("seed", 0)) for r in records})
+    others = [s for s in seeds if s != select_on_seed]
+    cell = {(float(r["batch_size"]), int(r.get("seed", 0)), float(r["learning_rate"])): r
+            for r in records}
+    rows = []
+    for b in sorted({float(r["batch_size"]) for r in records}):
+        chosen = [(s, lr) for (bb, sd, lr), r in cell.items()
+                  if bb == b and sd == select_on_seed and (s := _steps(r, key)) is not None]
+        row: dict[str, Any] = {"batch_size": b}
+        if not chosen:
+            rows.append(row | {"left_out": f"seed {select_on_seed} never reached L"})
+            continue
+        s_sel, lr = min(chosen)
+        held = {sd: cell.get((b, sd, lr)) for sd in others}
+        steps = {sd: _steps(r, key) if r else None for sd, r in held.items()}
+        row |= {"learning_rate": lr, "selected_steps": s_sel,
+                "held_out_steps": {str(sd): v for sd, v in steps.items()}}
+        if any(v is None for v in steps.values()):
+            censored = sum(1 for r in held.values() if r and r.get("status") == DOMINATED)
+            row["left_out"] = (f"{censored} held-out trial(s) stopped by a faster rate "
+                               "(censored)" if censored else "a held-out seed never reached L")
+            rows.append(row)
+            continue
+        own = [min(s for (bb, sd2, _), r in cell.items() if bb == b and sd2 == sd
+                   and (s := _steps(r, key)) is not None) for sd in others]
+        row |= {"steps": float(np.mean(list(steps.values()))),
+                "in_sample_steps": float(np.mean(own))}
+        row["ratio"] = row["steps"] / row["in_sample_steps"]
+        rows.append(row)
+    used = [r for r in rows if "steps" in r]
+    sizes = [r["batch_size"] for r in used]
+    held_fit = fit.fit_tradeoff(sizes, [r["steps"] for r in used], bootstrap=bootstrap)
+    own_fit = fit.fit_tradeoff(sizes, [r["in_sample_steps"] for r in used], bootstrap=bootstrap)
+    return {"target": float(target), "select_on_seed": int(select_on_seed),
+            "measured_on_seeds": others, "rows": rows, "fit": held_fit.to_dict(),
+            "fit_in_sample": own_fit.to_dict(),
+            "median_ratio": float(np.median([r["ratio"] for r in used])) if used else None}
+
+
+def held_out(records: Sequence[dict[str, Any]], targets: Sequence[float], select_on_seed: int,
+             *, bootstrap: int = 200) -> list[dict[str, Any]]:
+    """`held_out_target` at every target. Raises ValueError when `select_on_seed` is not a
+    seed of the records or there is no other seed to measure on."""
+    seeds = sorted({int(r.get("seed", 0)) for r in records})
+    if select_on_seed not in seeds or len(seeds) < 2:
+        raise ValueError(f"--select_on_seed={select_on_seed}: the sweep has seeds {seeds}; "
+                         "give one of them, in a sweep with at least two (sweep.seeds)")
+    return [held_out_target(records, t, select_on_seed, bootstrap=bootstrap) for t in targets]
+

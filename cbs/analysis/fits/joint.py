@@ -1,0 +1,251 @@
+"""Intervals for B_crit at every target and for the power law B_crit(L), from one bootstrap.
+
+Letters as in `cbs.analysis.fits.fit`: B batch size, S steps to a target, L the target loss,
+B_crit(L) = B*/L^(1/α_B).
+
+Every target of a sweep is read off the *same* trials, so the B_crit of two targets share
+their errors, and the five or so B_crit(L) points of a power-law fit are not independent. A
+residual bootstrap of the power law on those points measures mostly how far they lie off a
+line, not how well they are measured. Here the unit of resampling is what was sampled: the
+batch sizes, drawn with replacement *jointly for all targets*, and within each drawn batch
+size its seeds, drawn with replacement (so the spread between seeds is part of the
+uncertainty). Each replicate refits S = S_min + E_min/B at every target (least squares in
+log S, as `fit_tradeoff`) and then the power law to that replicate's B_crit(L). This is the
+case ("pairs") bootstrap of Davison & Hinkley (1997, §6.2.4), with whole batch sizes as cases.
+
+- B_crit at each target: studentized (bootstrap-t) interval, t* = (log B_crit* − log
+  B_crit)/se*, se from the weighted least-squares covariance of each replicate.
+- α_B, B* and the slope −1/α_B: percentile intervals of the replicates' power-law fits.
+- Misfit: a single power law is tested by generalised least squares with the replicates'
+  covariance C of log B_crit across targets, Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ) against χ²
+  with (targets − 2) degrees of freedom; and the local slopes between adjacent targets with
+  their percentile intervals (a trend in them is curvature the single α_B averages away).
+
+The generator is seeded from the records themselves, so the intervals depend on the records
+alone (not on the order they were written in, nor on which shard ran what).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import scipy.stats
+
+from cbs.analysis.fits import fit, selection
+
+__all__ = [
+    "METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "joint_bootstrap",
+    "solve_weighted",
+]
+
+METHOD_B_CRIT = ("bootstrap-t over batch sizes (resampled jointly across targets, seeds "
+                 "resampled within each batch size)")
+METHOD_POWER_LAW = ("percentile bootstrap over batch sizes (resampled jointly across targets, "
+                    "seeds within each batch size), power law refitted per replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class JointIntervals:
+    """What `joint_bootstrap` returns (NaN where a quantity could not be formed).
+
+    b_crit_ci: per target (in the order given). alpha_b_ci, b_star_ci, slope_ci: the power
+    law's. local_slopes / local_slope_cis: d log B_crit / d log L between adjacent targets.
+    misfit_q, misfit_dof, misfit_p: the GLS χ² test of one power law (module docstring).
+    n_replicates: replicates with a B_crit at every target. log_b_crit_cov: the replicates'
+    covariance of log B_crit over the targets with a fit (`cov_targets`, their indices), for
+    analyses that pool studies (`cbs.analysis.studies.sizes`).
+    """
+
+    b_crit_ci: list[tuple[float, float]]
+    alpha_b_ci: tuple[float, float]
+    b_star_ci: tuple[float, float]
+    slope_ci: tuple[float, float]
+    local_slopes: list[float]
+    local_slope_cis: list[tuple[float, float]]
+    misfit_q: float
+    misfit_dof: int
+    misfit_p: float
+    n_replicates: int
+    seed: int
+    confidence: float
+    log_b_crit_cov: list[list[float]] = dataclasses.field(default_factory=list)
+    cov_targets: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def power_law_supported(self) -> bool | None:
+        """True/False from the misfit test at 1 − confidence; None without a test."""
+        if not math.isfinite(self.misfit_p):
+            return None
+        return self.misfit_p >= 1.0 - self.confidence
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["power_law_supported"] = self.power_law_supported
+        d["method_b_crit"], d["method_power_law"] = METHOD_B_CRIT, METHOD_POWER_LAW
+        return fit.json_ready(d)
+
+
+def data_seed(tables: Sequence[selection.BestPerBatchSize]) -> int:
+    """A generator seed that is a function of the selected steps alone."""
+    h = hashlib.sha256()
+    for t in tables:
+        for b, s in zip(t.batch_sizes, t.seed_steps, strict=True):
+            h.update(np.asarray([b, *s], dtype=np.float64).tobytes())
+        h.update(b"|")
+    return int.from_bytes(h.digest()[:4], "little")
+
+
+def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequence[float],
+                    points: Sequence[fit.TradeoffFit], *, n: int = 1000,
+                    seed: int | None = None, confidence: float = 0.95) -> JointIntervals:
+    """Joint batch-size bootstrap of every target's B_crit and of the power law.
+
+    tables: `selection.best_per_batch_size` per target (with seed_steps); losses: the targets;
+    points: the point fits `fit.fit_tradeoff` gave for those tables (their estimates centre
+    the studentized intervals and start each refit).
+    """
+    seed = data_seed(tables) if seed is None else seed
+    rng = np.random.default_rng(seed)
+    universe = sorted({float(b) for t in tables for b in t.batch_sizes})
+    n_seeds = {b: max(len(s) for t in tables for bb, s in zip(t.batch_sizes, t.seed_steps,
+                                                              strict=True) if bb == b)
+               for b in universe}
+    draw_b = rng.integers(0, len(universe), size=(n, len(universe)))
+    max_seeds = max(n_seeds.values()) if n_seeds else 1
+    draw_s = rng.random(size=(n, len(universe), max_seeds))
+    log_bc = np.full((n, len(tables)), np.nan)
+    cis = []
+    for k, (table, point) in enumerate(zip(tables, points, strict=True)):
+        if not point.ok:
+            cis.append((math.nan, math.nan))
+            continue
+        logb, logs, w = _replicate_points(table, universe, n_seeds, draw_b, draw_s)
+        theta = solve_weighted(logb, logs, w, np.log([point.s_min, point.e_min]))
+        ok = _distinct(logb, w) >= 3
+        est_r = theta[:, 1] - theta[:, 0]
+        se_r = _weighted_se(logb, logs, w, theta)
+        log_bc[ok, k] = est_r[ok]
+        b0, s0 = np.log(table.batch_sizes), np.log(table.steps)
+        one = np.ones((1, b0.size))
+        se0 = _weighted_se(b0[None], s0[None], one, np.log([[point.s_min, point.e_min]]))[0]
+        lo, hi = fit.studentized(math.log(point.b_crit), se0, est_r[ok], se_r[ok], confidence)
+        with np.errstate(over="ignore"):  # an unbounded side is inf, not an OverflowError
+            cis.append((float(np.exp(lo)), float(np.exp(hi))))
+    return _power_law_part(cis, log_bc, losses, points, seed, confidence)
+
+
+def _replicate_points(table, universe, n_seeds, draw_b, draw_s):
+    """[R, N] log B, log S (seed means of the drawn seeds) and weights (0: B not in table)."""
+    index = {float(b): i for i, b in enumerate(table.batch_sizes)}
+    R, N = draw_b.shape
+    logb = np.zeros((R, N))
+    logs = np.zeros((R, N))
+    w = np.zeros((R, N))
+    for j, b in enumerate(universe):
+        i = index.get(b)
+        if i is None:
+            continue
+        s = np.asarray(table.seed_steps[i], dtype=np.float64)
+        m = n_seeds[b]
+        picks = np.minimum((draw_s[:, :, :m] * s.size).astype(int), s.size - 1)  # [R, N, m]
+        mean_s = s[picks].mean(axis=2)  # [R, N]
+        hit = draw_b == j
+        logb[hit], logs[hit], w[hit] = math.log(b), np.log(mean_s[hit]), 1.0
+    return logb, logs, w
+
+
+def _distinct(logb_RxN: np.ndarray, w_RxN: np.ndarray) -> np.ndarray:
+    masked = np.where(w_RxN > 0, logb_RxN, np.nan)
+    srt = np.sort(masked, axis=1)
+    new = np.isfinite(srt) & ~np.isclose(srt, np.roll(srt, 1, axis=1))
+    new[:, 0] = np.isfinite(srt[:, 0])
+    return new.sum(axis=1)
+
+
+def solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
+    """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once
+    (arrays [R, N]; weight 0 drops a point), each started from theta0 = log(S_min, E_min);
+    returns [R, 2] log(S_min, E_min). The bootstrap refits of this module and of
+    `cbs.analysis.studies.payoff`."""
+    R = logb.shape[0]
+    theta = np.broadcast_to(np.asarray(theta0, np.float64), (R, 2)).copy()
+    cost_of = lambda th: np.sum(w * (fit.model_log_steps(th, logb)[0] - logs) ** 2, axis=1)
+    cost = cost_of(theta)
+    lam = np.full(R, 1e-3)
+    eye = np.eye(2)
+    for _ in range(iters):
+        m, J = fit.model_log_steps(theta, logb)
+        r = m - logs
+        Jw = J * w[..., None]
+        A = np.einsum("rni,rnj->rij", Jw, J)
+        g = np.einsum("rni,rn->ri", Jw, r)
+        delta = -np.linalg.solve(A + lam[:, None, None] * (A * eye) + 1e-12 * eye,
+                                 g[..., None])[..., 0]
+        trial = theta + delta
+        new = cost_of(trial)
+        accept = np.isfinite(new) & (new <= cost)
+        theta[accept], cost[accept] = trial[accept], new[accept]
+        lam = np.clip(np.where(accept, lam / 3.0, lam * 4.0), 1e-12, 1e12)
+        if np.all((np.max(np.abs(delta), axis=1) < 1e-10) | (lam >= 1e12)):
+            break
+    return theta
+
+
+def _weighted_se(logb, logs, w, theta) -> np.ndarray:
+    """Least-squares standard error of log B_crit = log E_min − log S_min, [R]."""
+    m, J = fit.model_log_steps(theta, logb)
+    n_eff = w.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sigma2 = np.sum(w * (m - logs) ** 2, axis=1) / np.maximum(n_eff - 2, 1)
+        A = np.einsum("rni,rnj->rij", J * w[..., None], J)
+        det = A[:, 0, 0] * A[:, 1, 1] - A[:, 0, 1] ** 2
+        var = sigma2 * (A[:, 1, 1] + A[:, 0, 0] + 2 * A[:, 0, 1]) / det
+        return np.sqrt(var)
+
+
+def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointIntervals:
+    nan2 = (math.nan, math.nan)
+    ok_t = [k for k, p in enumerate(points) if p.ok]
+    x = np.log(np.asarray(losses, dtype=np.float64)[ok_t])
+    Y = log_bc[:, ok_t]
+    full = np.all(np.isfinite(Y), axis=1)
+    Y = Y[full]
+    res: dict[str, Any] = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2,
+                               local_slopes=[], local_slope_cis=[], misfit_q=math.nan,
+                               misfit_dof=0, misfit_p=math.nan, log_b_crit_cov=[],
+                               cov_targets=[])
+    if len(ok_t) >= 3 and Y.shape[0] >= 10:
+        X = np.stack([np.ones_like(x), x], axis=1)
+        coef_R = np.linalg.lstsq(X, Y.T, rcond=None)[0]  # [2, R]
+        slope_ci = fit.quantile_interval(coef_R[1], confidence)
+        y = np.log([points[k].b_crit for k in ok_t])
+        local = np.diff(y) / np.diff(x)
+        local_R = np.diff(Y, axis=1) / np.diff(x)[None]
+        q, dof = _gls_misfit(X, y, np.cov(Y, rowvar=False))
+        res.update(
+            slope_ci=slope_ci, alpha_b_ci=fit.alpha_interval(slope_ci),
+            b_star_ci=tuple(float(np.exp(v)) for v in fit.quantile_interval(coef_R[0],
+                                                                         confidence)),
+            local_slopes=[float(v) for v in local],
+            local_slope_cis=[fit.quantile_interval(local_R[:, i], confidence)
+                             for i in range(local.size)],
+            misfit_q=q, misfit_dof=dof,
+            misfit_p=float(scipy.stats.chi2.sf(q, dof)) if dof > 0 else math.nan)
+    if len(ok_t) >= 1 and Y.shape[0] >= 10:
+        res.update(log_b_crit_cov=np.atleast_2d(np.cov(Y, rowvar=False)).tolist(),
+                   cov_targets=list(ok_t))
+    return JointIntervals(b_crit_ci=cis, n_replicates=int(Y.shape[0]), seed=int(seed),
+                          confidence=confidence, **res)
+
+
+def _gls_misfit(X: np.ndarray, y: np.ndarray, C: np.ndarray) -> tuple[float, int]:
+    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) and its degrees of freedom (points − 2)."""
+    Ci = np.linalg.pinv(C)
+    beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y)
+    r = y - X @ beta
+    return float(r @ Ci @ r), int(y.size - 2)

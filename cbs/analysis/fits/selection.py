@@ -1,0 +1,157 @@
+"""From trial records to the points a fit uses: steps to a target, the best learning rate per
+batch size (per seed, then the seed mean), and the noise scale at a crossing.
+
+Letters: B batch size, S optimizer steps to reach a target loss, η learning rate. Re-exported
+by `cbs.analysis.fits.fit` (and so `cbs.fit`), where the fits that use them are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BestPerBatchSize", "best_per_batch_size", "noise_scale_at_crossing", "steps_to_target"]
+
+
+def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: float, *,
+                    interpolate: bool = True) -> float | None:
+    """First step at which the loss reaches `target` (≤), or None if it never does.
+
+    With `interpolate`, the crossing is interpolated linearly in log loss between the last
+    evaluation above the target and the first at or below it (exact when the loss decays
+    exponentially between evaluations, as it roughly does late in training; linear in the
+    loss itself would place every crossing late on a convex curve). Falls back to linear in
+    the loss when a value is not positive. Non-finite losses count as not reached. `steps`
+    may equally be examples seen.
+    """
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(losses, dtype=np.float64)
+    hit = np.flatnonzero(np.isfinite(y) & (y <= target))
+    if hit.size == 0:
+        return None
+    i = int(hit[0])
+    if i == 0 or not interpolate or not np.isfinite(y[i - 1]):
+        return float(x[i])
+    x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+    if min(y0, y1, target) > 0:
+        y0, y1, target = np.log(y0), np.log(y1), np.log(target)
+    return float(x0 + (y0 - target) * (x1 - x0) / (y0 - y1))
+
+
+@dataclasses.dataclass(frozen=True)
+class BestPerBatchSize:
+    """Per batch size, the steps to the target at the best learning rate, averaged over seeds.
+
+    Arrays are sorted by batch size and aligned. steps: the mean over seeds of each seed's
+    fewest steps; learning_rates: the best rate when every seed agrees, else the geometric
+    mean of the seeds' best rates; seed_steps / seed_learning_rates / best_rows: per batch
+    size, one entry per seed (sorted by seed). unreached: the records that did not reach the
+    target; missing_batch_sizes: B where some seed has no learning rate that reached it
+    (excluded from the fit); edge_batch_sizes: B where some seed's best learning rate is the
+    smallest or largest it tried (the grid may be too narrow there).
+    """
+
+    batch_sizes: np.ndarray
+    steps: np.ndarray
+    examples: np.ndarray
+    learning_rates: np.ndarray
+    num_seeds: np.ndarray
+    unreached: list[dict[str, Any]]
+    missing_batch_sizes: list[float]
+    edge_batch_sizes: list[float]
+    seed_steps: list[list[float]] = dataclasses.field(default_factory=list)
+    seed_learning_rates: list[list[float]] = dataclasses.field(default_factory=list)
+    best_rows: list[list[Mapping[str, Any]]] = dataclasses.field(default_factory=list)
+
+
+def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
+                        batch_key: str = "batch_size", lr_key: str = "learning_rate",
+                        steps_key: str = "steps", seed_key: str = "seed"
+                        ) -> BestPerBatchSize:
+    """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds.
+
+    records: one dict per trial with `batch_key`, `lr_key`, `steps_key` (None or NaN when the
+    trial never reached the target) and `seed_key` (absent: seed 0). The optimum is taken per
+    seed *before* averaging because sweeps stop a (B, seed) group as soon as one learning rate
+    has crossed: the other rates of that seed have no crossing, so a rate that wins in one
+    seed usually has none in the other, and averaging per (B, η) first would drop every
+    winner and keep a slower rate that both seeds happened to finish. A batch size counts as
+    reaching the target only if every seed tried there reached it at some learning rate
+    (averaging the seeds that did would bias S low). Repeats of one (B, η, seed) are averaged,
+    and count as reaching only if all of them did.
+    """
+    reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
+    unreached = [dict(r) for r in records if not reached(r)]
+    cells: dict[tuple[float, int, float], list[Mapping[str, Any]]] = {}
+    for rec in records:
+        key = (float(rec[batch_key]), int(rec.get(seed_key, 0) or 0), float(rec[lr_key]))
+        cells.setdefault(key, []).append(rec)
+    # per (B, seed): {lr: (mean steps or None, rows)}
+    per_seed: dict[float, dict[int, dict[float, tuple[float | None, list]]]] = {}
+    for (b, sd, lr), recs in sorted(cells.items()):
+        mean_s = (float(np.mean([float(r[steps_key]) for r in recs]))
+                  if all(reached(r) for r in recs) else None)
+        per_seed.setdefault(b, {}).setdefault(sd, {})[lr] = (mean_s, recs)
+    bs, missing, edge, rows = [], [], [], []
+    for b, seeds in sorted(per_seed.items()):
+        best = {}
+        for sd, by_lr in sorted(seeds.items()):
+            finite = [(s, lr) for lr, (s, _) in by_lr.items() if s is not None]
+            if finite:
+                best[sd] = min(finite)
+        if len(best) < len(seeds):
+            missing.append(b)
+            continue
+        bs.append(b)
+        rows.append([(best[sd][0], best[sd][1], seeds[sd][best[sd][1]][1][0])
+                     for sd in sorted(best)])
+        if any(len(seeds[sd]) > 1 and best[sd][1] in (min(seeds[sd]), max(seeds[sd]))
+               for sd in best):
+            edge.append(b)
+    steps = np.asarray([np.mean([s for s, _, _ in r]) for r in rows], dtype=np.float64)
+    seed_lrs = [[lr for _, lr, _ in r] for r in rows]
+    lrs = [lr[0] if len(set(lr)) == 1 else float(np.exp(np.mean(np.log(lr))))
+           for lr in seed_lrs]
+    b_arr = np.asarray(bs, dtype=np.float64)
+    return BestPerBatchSize(
+        batch_sizes=b_arr, steps=steps, examples=b_arr * steps,
+        learning_rates=np.asarray(lrs, dtype=np.float64),
+        num_seeds=np.asarray([len(r) for r in rows], dtype=np.int64),
+        unreached=unreached, missing_batch_sizes=missing, edge_batch_sizes=edge,
+        seed_steps=[[s for s, _, _ in r] for r in rows], seed_learning_rates=seed_lrs,
+        best_rows=[[row for _, _, row in r] for r in rows])
+
+
+def noise_scale_at_crossing(steps: Sequence[float] | np.ndarray,
+                            trace_sigma: Sequence[float] | np.ndarray,
+                            grad_sq_norm: Sequence[float] | np.ndarray,
+                            crossing_step: float | None, *,
+                            window: float | None = None, rel_window: float = 0.2,
+                            min_points: int = 3) -> float:
+    """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|².
+
+    A single snapshot of B_simple swings several-fold because |G|² oscillates; averaging
+    numerator and denominator separately over the measurements with |step − crossing| ≤
+    width/2 (width = `window` steps, else rel_window·crossing_step) is far steadier. If fewer
+    than `min_points` fall in the window, the `min_points` nearest measurements are used.
+    Pass trace_h_sigma and g_h_g for B_noise. Returns NaN without a crossing or data.
+    """
+    x = np.asarray(steps, dtype=np.float64)
+    num = np.asarray(trace_sigma, dtype=np.float64)
+    den = np.asarray(grad_sq_norm, dtype=np.float64)
+    ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den)
+    x, num, den = x[ok], num[ok], den[ok]
+    if crossing_step is None or x.size == 0:
+        return math.nan
+    width = rel_window * crossing_step if window is None else window
+    dist = np.abs(x - crossing_step)
+    sel = dist <= width / 2
+    if np.count_nonzero(sel) < min_points:
+        sel = np.zeros_like(sel)
+        sel[np.argsort(dist, kind="stable")[:min_points]] = True
+    mean_den = float(np.mean(den[sel]))
+    return float(np.mean(num[sel])) / mean_den if mean_den > 0 else math.nan

@@ -1,0 +1,239 @@
+"""A ramp against the fixed run at its starting batch size, seed by seed: the comparison
+Merrill et al. (2025) report (43 % fewer steps for OLMo 1B with batch-size warmup against the
+run that keeps the small batch, at equal tokens and equal or better loss).
+
+For a ramp whose schedule starts at B_0 and the fixed run at B_0 with the same seeds (same
+initialisation and data order: a paired design), at each target L and seed s:
+
+    r_s = log(S_ramp,s / S_fixed,s)    q_s = log(E_ramp,s / E_fixed,s)
+
+with S the steps and E the examples to reach L. Steps saved at L: 1 − exp(mean r); examples
+beside it: exp(mean q) − 1. Merrill et al.'s saving is this steps saving where the examples
+are no more than the fixed run's (q ≤ 0: at the fixed run's examples the ramp had reached L
+too). Intervals: a percentile bootstrap over seeds (pairs resampled together) and the paired
+Student-t interval of mean r (with 3 seeds the bootstrap has 10 distinct resamples and is
+narrow; the t interval is the one the power calculation assumes).
+
+Seeds needed: the fewest n for which a two-sided paired t-test at level α detects a saving of
+`effect` (|mean r| = −log(1 − effect)) with probability `power`, given the seeds' standard
+deviation σ of r: power(n) = P(|T| > t_{1−α/2, n−1}) with T noncentral t, n − 1 degrees of
+freedom, noncentrality −log(1 − effect)·√n/σ. σ is itself estimated from the seeds run, so
+with three of them the answer is a rough guide (its own 95 % interval is wide).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+__all__ = [
+    "ALPHA", "EFFECT", "POWER", "compare", "detectable_effect", "paired_power",
+    "seeds_needed", "start_batch_size", "summary_lines", "table", "verdict",
+]
+
+EFFECT = 0.15  # the step saving to detect (15 % fewer steps)
+ALPHA = 0.05  # two-sided level of the paired t-test
+POWER = 0.8  # probability of detecting EFFECT
+
+
+def start_batch_size(spec: dict[str, Any]) -> int | None:
+    """B_0, the first batch size of a ramp spec's schedule (None if unknown)."""
+    sched = spec.get("schedule", {})
+    kind = sched.get("kind")
+    if kind == "constant":
+        return int(sched["batch_size"])
+    if kind == "step":
+        return int(sorted(sched["steps"])[0][1])
+    if kind == "linear":
+        return int(sched["start"])
+    if kind == "adaptive":
+        return int(sched.get("initial", sched.get("min_batch")))
+    return None
+
+
+def paired_power(n: int, sd: float, effect: float = EFFECT, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test with n pairs, per-pair standard deviation `sd` of
+    the log ratio, against a true saving `effect`."""
+    if n < 2:
+        return 0.0
+    delta = -math.log1p(-effect)
+    if sd <= 0:
+        return 1.0
+    df, nc = n - 1, delta * math.sqrt(n) / sd
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    p = float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+    if not math.isfinite(p):  # scipy's noncentral t fails far in its tail: there, power is 1
+        return 1.0 if nc > crit else 0.0
+    return p
+
+
+def seeds_needed(sd: float, effect: float = EFFECT, alpha: float = ALPHA, power: float = POWER,
+                 max_seeds: int = 10_000) -> int | None:
+    """The fewest seeds (pairs) for `power` against `effect` (None: σ not finite, or more
+    than max_seeds)."""
+    if not math.isfinite(sd):
+        return None
+    lo, hi = 2, 2
+    while paired_power(hi, sd, effect, alpha) < power:
+        if hi >= max_seeds:
+            return None
+        lo, hi = hi, min(2 * hi, max_seeds)
+    while lo < hi:  # power grows with n: the smallest n with enough
+        mid = (lo + hi) // 2
+        if paired_power(mid, sd, effect, alpha) >= power:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def detectable_effect(n: int, sd: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest step saving the paired test detects with `power` from n seeds (NaN with
+    fewer than 2 or σ not finite)."""
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    lo, hi = 0.0, 1.0 - 1e-12
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if paired_power(n, sd, mid, alpha) >= power else (mid, hi)
+    return hi
+
+
+def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str
+            ) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Seeds both runs reached L with, and the per-seed log ratios of steps and examples."""
+    def by_seed(runs):
+        return {int((r.get("spec") or {}).get("seed", 0)): r for r in runs
+                if r["steps_to_target"].get(key) is not None
+                and r["examples_to_target"].get(key) is not None}
+    a, b = by_seed(ramp), by_seed(fixed)
+    seeds = sorted(set(a) & set(b))
+    r = np.log([a[s]["steps_to_target"][key] / b[s]["steps_to_target"][key] for s in seeds])
+    q = np.log([a[s]["examples_to_target"][key] / b[s]["examples_to_target"][key]
+                for s in seeds])
+    return seeds, np.asarray(r, np.float64), np.asarray(q, np.float64)
+
+
+def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str, *,
+            bootstrap: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
+    """One ramp's seeds against the fixed run at its B_0 at one target (key: the target's
+    key in `steps_to_target`). JSON-ready: the paired seeds, steps saved and examples beside
+    (each with its bootstrap and t intervals), σ of the log step ratio, seeds needed for
+    EFFECT and the saving detectable with the seeds run."""
+    seeds, r, q = _paired(ramp, fixed, key)
+    out: dict[str, Any] = {"seeds": seeds, "num_pairs": len(seeds),
+                           "reached": [sum(x["steps_to_target"].get(key) is not None
+                                           for x in runs) for runs in (ramp, fixed)]}
+    if len(seeds) < 2:
+        return out
+    sd = float(r.std(ddof=1))
+    half = stats.t.ppf(0.5 + confidence / 2, len(r) - 1) * sd / math.sqrt(len(r))
+    data = json.dumps([seeds, r.tolist(), q.tolist()])
+    rng = np.random.default_rng(int(hashlib.sha256(data.encode()).hexdigest()[:16], 16))
+    idx = rng.integers(0, len(r), (bootstrap, len(r)))
+    pct = (50 * (1 - confidence), 50 * (1 + confidence))
+    boot_r, boot_q = np.percentile(r[idx].mean(axis=1), pct), np.percentile(q[idx].mean(axis=1),
+                                                                            pct)
+    return out | {
+        "step_saving": float(1 - math.exp(r.mean())),
+        "step_saving_ci": (float(1 - math.exp(boot_r[1])), float(1 - math.exp(boot_r[0]))),
+        "step_saving_t_ci": (float(1 - math.exp(r.mean() + half)),
+                             float(1 - math.exp(r.mean() - half))),
+        "example_ratio": float(math.exp(q.mean()) - 1),
+        "example_ratio_ci": (float(math.exp(boot_q[0]) - 1), float(math.exp(boot_q[1]) - 1)),
+        "sd_log_steps": sd, "seeds_needed": seeds_needed(sd),
+        "detectable_saving": detectable_effect(len(r), sd)}
+
+
+def _unmoved(row: dict[str, Any]) -> bool:
+    """The ramp took the fixed run's steps on every seed (to 1e-4: interpolation rounding):
+    it had not left B_0 by L."""
+    return row["sd_log_steps"] < 1e-4 and abs(row["step_saving"]) < 1e-4
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """The paired t interval of the steps saved, in words."""
+    if row.get("fixed_run") is None:
+        return f"no fixed run at B = {row.get('start_batch_size')}"
+    if "step_saving" not in row:
+        return f"{row['num_pairs']} seed pair(s) reached L"
+    lo, hi = row["step_saving_t_ci"]
+    if _unmoved(row):
+        return "the fixed run's steps (the ramp had not left B_0)"
+    examples = ("no more examples" if row["example_ratio"] <= 0 else
+                f"{_pct(row['example_ratio'])} examples")
+    if lo > 0:
+        return f"fewer steps than the fixed run, {examples}"
+    if hi < 0:
+        return f"more steps than the fixed run, {examples}"
+    return f"not distinguished with {row['num_pairs']} seeds"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.0f} %"
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one line per ramp at one target (rows: `compare` results with `run`,
+    `start_batch_size` and `fixed_run`)."""
+    lines = [f"| ramp | first B | fixed run at it | seed pairs | steps saved at L (95 % "
+             f"bootstrap; paired t) | examples vs fixed (95 % bootstrap) | σ of log step ratio "
+             f"| seeds for {EFFECT:.0%} ({POWER:.0%} power) | saving detectable with these "
+             "seeds | verdict |", "|---" * 10 + "|"]
+    for row in rows:
+        cells = [row["run"], str(row.get("start_batch_size") or "–"),
+                 row.get("fixed_run") or "–"]
+        if "step_saving" in row:
+            bl, bh = row["step_saving_ci"]
+            tl, th = row["step_saving_t_ci"]
+            el, eh = row["example_ratio_ci"]
+            need = row["seeds_needed"]
+            cells += [str(row["num_pairs"]),
+                      f"{_pct(row['step_saving'])} ({_pct(bl)} to {_pct(bh)}; "
+                      f"{_pct(tl)} to {_pct(th)})",
+                      f"{_pct(row['example_ratio'])} ({_pct(el)} to {_pct(eh)})",
+                      f"{row['sd_log_steps']:.3f}",
+                      "–" if _unmoved(row) else (str(need) if need else "> 10,000"),
+                      "–" if _unmoved(row) else f"{100 * row['detectable_saving']:.0f} %"]
+        else:
+            cells += [str(row.get("num_pairs", "–"))] + ["–"] * 5
+        lines.append("| " + " | ".join(cells + [verdict(row)]) + " |")
+    return "\n".join(lines)
+
+
+def summary_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per ramp over the targets of `cbs.analysis.studies.payoff.analyze` (each with its
+    "start" rows): steps saved against the fixed run at its first batch size (paired t
+    interval), the examples beside, and the seeds a 15 % saving needs; then one line with the
+    range of seeds needed where the ramp had left its first batch size."""
+    out, needed = [], []
+    for name in [row["run"] for row in targets[0]["start"]]:
+        parts = []
+        for t in targets:
+            row = next(r for r in t["start"] if r["run"] == name)
+            if "step_saving" not in row:
+                parts.append(f"L={t['target']:g}: {verdict(row)}")
+                continue
+            lo, hi = row["step_saving_t_ci"]
+            moved = not _unmoved(row)
+            if moved and row["seeds_needed"]:
+                needed.append(row["seeds_needed"])
+            parts.append(f"L={t['target']:g}: {_pct(row['step_saving'])} ({_pct(lo)} to "
+                         f"{_pct(hi)}), examples {_pct(row['example_ratio'])}, "
+                         f"{row['seeds_needed'] if moved else '–'} seeds")
+        b0 = next(r for r in targets[0]["start"] if r["run"] == name)["start_batch_size"]
+        out.append(f"- **{name}** against fixed B = {b0} (its fastest rate at each L; steps "
+                   "saved, paired t interval; examples beside; seeds for "
+                   f"{EFFECT:.0%} at {POWER:.0%} power): " + "; ".join(parts) + ".")
+    if needed:
+        out.append(f"- Seeds needed to detect {EFFECT:.0%} fewer steps ({POWER:.0%} power, "
+                   f"paired t at {ALPHA:g}), over the ramps and targets where the ramp had left "
+                   f"its first batch size: {min(needed)}–{max(needed)} (median "
+                   f"{int(np.median(needed))}).")
+    return out

@@ -1,0 +1,289 @@
+"""Checkpoints: the only module that touches orbax.
+
+A checkpoint at step s holds two items saved together with `ocp.args.Composite`:
+
+- `state`: the train state pytree (step, examples seen, params, optimizer state, noise EMA)
+  as sharded arrays (`StandardSave`; every process writes its shards);
+- `meta`: a small JSON object with the host-side state needed for an exact resume: the step,
+  examples seen, the batch-size schedule's state, the config hash and the divergence rule's
+  state (`cbs.engine.loop.Loop`). The learning rate is η_0 from the device state times pure
+  functions of examples seen and the batch size (schedule and coupling), so `meta` holds
+  nothing of it.
+
+Saves are asynchronous (the device-to-host copy happens in `save`, the file writes in the
+background); `wait` blocks until they are durable and `close` waits too. orbax writes into
+a temporary directory and renames it when complete, so a kill during a save leaves the
+previous checkpoint as the latest one. The directory may be remote (`gs://bucket/run/...`):
+orbax reaches it through etils.epath and tensorstore, and on gs://, which has no rename, marks
+a complete checkpoint by a commit file (`commit_success.txt`) written last instead.
+
+Restoring the latest checkpoint survives damage: a checkpoint that cannot be read (a disk
+fault, a file cut short) is skipped with a `SkippedCheckpointWarning` saying which and why,
+moved aside to `checkpoints.skipped/<step>` (so the run can save that step again), and the
+newest intact one before it is restored; at least two checkpoints are kept so there is one
+to fall back to. A checkpoint whose arrays do not match the model (another architecture or
+size in the same workdir) is not damage: it raises `CheckpointMismatchError`, one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from cbs.results import paths, records
+from cbs.results.paths import PathLike
+
+__all__ = [
+    "CHECKPOINT_DIR", "MIN_TO_KEEP", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
+    "SkippedCheckpointWarning", "os_error",
+]
+
+CHECKPOINT_DIR = "checkpoints"
+SKIPPED_SUFFIX = ".skipped"  # damaged checkpoints go to <directory>.skipped/<step>
+MIN_TO_KEEP = 2  # the newest checkpoint plus one to fall back to
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds arrays of another model (tree or shapes differ)."""
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older one."""
+
+
+def _path_str(path) -> str:
+    names = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(n) for n in names)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """'params/w' -> shape for every array leaf of `tree` (dataclass fields and dict keys
+    alike, so a target and the stored metadata compare)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(p): tuple(getattr(v, "shape", ())) for p, v in leaves}
+
+
+def _difference(stored: dict, wanted: dict) -> str:
+    """A short description of how two {path: shape} maps differ ('' if they match)."""
+    parts = [f"{k}: checkpoint {stored[k]}, model {wanted[k]}"
+             for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
+    only_stored, only_wanted = sorted(set(stored) - set(wanted)), sorted(set(wanted) - set(stored))
+    if only_stored:
+        parts.append(f"only in the checkpoint: {', '.join(only_stored[:3])}"
+                     + (f" (+{len(only_stored) - 3})" if len(only_stored) > 3 else ""))
+    if only_wanted:
+        parts.append(f"only in the model: {', '.join(only_wanted[:3])}"
+                     + (f" (+{len(only_wanted) - 3})" if len(only_wanted) > 3 else ""))
+    return "; ".join(parts[:3])
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or "no message"
+    return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager, but it never asks JAX's preemption sync point itself: each such call
+    moves the protocol's call counter, and `cbs.runtime.preemption` counts its own calls (the
+    loop decides the step to save at and saves with force=True)."""
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
+class Checkpointer:
+    """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
+
+    Args:
+      directory: where the step directories live (created if missing): a local path or a
+        URI such as gs://bucket/run/checkpoints.
+      max_to_keep: how many recent checkpoints to keep (None keeps all; at least
+        MIN_TO_KEEP, so that a damaged newest checkpoint has an older one behind it).
+      async_save: write in the background (True) or block in `save` (False).
+    """
+
+    def __init__(self, directory: PathLike, *, max_to_keep: int | None = 2,
+                 async_save: bool = True):
+        self.directory = (os.fspath(directory) if paths.is_remote(directory)
+                          else os.path.abspath(directory))
+        if max_to_keep is not None:
+            max_to_keep = max(MIN_TO_KEEP, int(max_to_keep))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = _Manager(paths.epath(self.directory), options=options,
+                                 item_handlers=handlers)
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of all complete checkpoints, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
+        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved.
+
+        Raises OSError naming the checkpoint directory and the errno when the disk is full
+        (or another OS error stops a write; also from `wait` and `close` for an async save):
+        the checkpoints already complete stay as they were."""
+        with self._os_errors():
+            return self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                              meta=ocp.args.JsonSave(meta)), force=True)
+
+    @contextlib.contextmanager
+    def _os_errors(self):
+        try:
+            yield
+        except Exception as err:
+            found = os_error(err)
+            if found is None:
+                raise
+            raise records.write_error(found, found.filename or self.directory) from None
+
+    def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
+        """Restores checkpoint `step` (latest when None) into the structure of `target`.
+
+        `target` is a pytree of arrays or `jax.ShapeDtypeStruct`s with shardings: restored
+        arrays get the same shardings, so the state lands where the train step expects it.
+        When `step` is the latest (or None), a damaged checkpoint is skipped (warning, moved
+        aside) for the newest intact older one: read the step from the returned meta.
+        Raises CheckpointMismatchError when the stored arrays belong to another model.
+        """
+        latest = self.latest_step()
+        if step is None:
+            step = latest
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        held = self.all_steps()
+        if step != latest and step not in held:
+            raise ValueError(f"no checkpoint at step {step} in {self.directory}: it holds "
+                             + (f"{_steps_text(held)}; ask for one of those" if held
+                                else "none"))
+        candidates = [s for s in reversed(self.all_steps()) if s <= step] if step == latest \
+            else [step]
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        skipped: list[tuple[int, str]] = []
+        mismatch = ""
+        for s in candidates:
+            why = self._mismatch(s, abstract)
+            if why:  # another model's, or metadata too damaged to say
+                mismatch = mismatch or (f"step {s}: {why}" if why[0] != "!" else "")
+                skipped.append((s, why.lstrip("!")))
+                continue
+            try:
+                restored = self._manager.restore(
+                    s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                               meta=ocp.args.JsonRestore()))
+            except Exception as err:  # a file cut short or garbled: damaged
+                skipped.append((s, _reason(err)))
+                continue
+            self._set_aside(skipped, s)  # an older one matched: the newer ones are damage
+            return restored["state"], dict(restored["meta"])
+        if mismatch:
+            raise CheckpointMismatchError(
+                f"{os.path.dirname(self.directory)} holds another model's checkpoint "
+                f"({mismatch}); use a new workdir for this model, or delete "
+                f"{self.directory} to start over")
+        reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        if step != latest:  # one checkpoint asked for: the others may be intact
+            raise ValueError(f"checkpoint {step} in {self.directory} cannot be read "
+                             f"({reasons}); it also holds "
+                             f"{_steps_text([s for s in held if s != step]) or 'none'}")
+        raise ValueError(f"no intact checkpoint in {self.directory} ({reasons}); delete it to "
+                         "start over")
+
+    def _mismatch(self, step: int, abstract: Any) -> str:
+        """'' when checkpoint `step`'s arrays match `abstract`; how they differ; or '!why'
+        when its metadata cannot be read."""
+        try:
+            stored = _shapes(self._manager.item_metadata(step)["state"])
+        except Exception as err:
+            return "!" + _reason(err)
+        if not stored:
+            return "!no arrays in its metadata"
+        return _difference(stored, _shapes(abstract))
+
+    def _set_aside(self, skipped: list[tuple[int, str]], restored: int) -> None:
+        """Moves damaged checkpoints out of the way (so their steps can be saved again)."""
+        if not skipped:
+            return
+        aside = self.directory + SKIPPED_SUFFIX
+        for s, why in skipped:
+            where = paths.join(aside, str(s))
+            if jax.process_index() == 0:
+                paths.makedirs(aside)
+                paths.rmtree(where)
+                paths.move(paths.join(self.directory, str(s)), where)
+            warnings.warn(f"skipped the damaged checkpoint at step {s} in {self.directory} "
+                          f"({why}); moved it to {where}; resuming from step {restored}",
+                          SkippedCheckpointWarning, stacklevel=3)
+        self._manager.reload()
+
+    def wait(self) -> None:
+        """Blocks until every started save is complete on disk."""
+        with self._os_errors():
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        try:
+            with self._os_errors():
+                self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+
+_NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded")
+
+
+def os_error(err: BaseException) -> OSError | None:
+    """The OS error behind an orbax/tensorstore failure: an OSError in its chain, or one
+    made from a message that says the disk is full; None for anything else (a bug). It names
+    the file being written when the error or tensorstore's message does."""
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    code, texts = None, []
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno:
+            if chain.filename:
+                return chain
+            code = code or chain.errno
+        texts.append(str(chain))
+        chain = chain.__cause__ or chain.__context__
+    text = " ".join(texts)
+    if code is None and any(s in text for s in _NO_SPACE):
+        code = errno.EDQUOT if "quota" in text else errno.ENOSPC
+    if code is None and "File too large" in text:  # a file size limit (ulimit -f)
+        code = errno.EFBIG
+    if code is None:
+        return None
+    named = _WRITING.search(text)
+    return OSError(code, os.strerror(code), *([named.group(1)] if named else []))
+
+
+_WRITING = re.compile(r'(?:writing|write to) (?:local )?file "([^"]+)"', re.IGNORECASE)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """"steps 10 and 20", "steps 5, 10, 15, ..., 995, 1000 (200 checkpoints)" ("" for
+    none)."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return f"step {steps[0]} only"
+    if len(steps) > 8:
+        head, tail = ", ".join(map(str, steps[:3])), ", ".join(map(str, steps[-2:]))
+        return f"steps {head}, ..., {tail} ({len(steps)} checkpoints)"
+    return f"steps {', '.join(map(str, steps[:-1]))} and {steps[-1]}"

@@ -1,0 +1,322 @@
+"""Command-line entry points: a user error is one line and a non-zero exit; a bug keeps its
+traceback; a failed command leaves no empty directories behind.
+
+    from cbs.runtime import cli
+
+    if __name__ == "__main__":
+        cli.run(main, outputs=("workdir",))   # instead of absl's app.run(main)
+
+User errors are what a user fixes by changing the command: a bad config field or argument,
+an unknown or unprepared dataset, a bad shard spec, a workdir holding another model's
+checkpoint (all `ValueError`s raised by cbs or experiments code with a message naming what to
+change), file-system errors (missing, read-only, a file where a directory should be, an
+unreachable network: `OSError`), and a feature whose optional extra is not installed (the
+`ImportError` that cbs raises naming the install line, e.g. `pip install -e ".[tfds]"`).
+They print `error: <message>` on stderr and exit with status 2. Anything else is a bug and
+keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1` shows the traceback of user
+errors too.
+
+SIGTERM (a preemption) makes the running training save a checkpoint and stop
+(`cbs.runtime.preemption`): the command prints `preempted: <where, how to resume>` on stderr
+and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same with
+`interrupted: ...` and status 130 (a second Ctrl-C stops at once); before training starts it
+prints one line and exits 130.
+
+orbax's log lines (for instance the tracebacks its background threads log when a checkpoint
+write fails) stay off the terminal unless --verbose: the failure itself is one line. Log lines
+below WARNING (orbax's every save, gcsfs's every read of a gs:// object) stay off it too
+unless --verbosity is given.
+
+`outputs` names the flags that hold directories the command writes: any of them that the
+command created and that holds no file when it fails is removed again (with the parents it
+created).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+from cbs.results import paths
+from cbs.runtime import preemption
+
+__all__ = [
+    "HELP_FLAGS", "USER_ERROR_EXIT", "VERBOSE_ENV", "command_help", "exit_on_help", "flag_help",
+    "guarded", "is_missing_extra", "is_user_error", "message", "parse_flags", "required", "run",
+    "verbose",
+]
+
+VERBOSE_ENV = "CBS_VERBOSE"
+USER_ERROR_EXIT = 2
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cbs
+_OUR_CODE = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "experiments") + os.sep)
+
+if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, f"Show tracebacks of user errors too (or {VERBOSE_ENV}=1).")
+
+
+
+def required(flag: flags.FlagHolder[str | None]) -> str:
+    """The value of a string flag marked required (absl refuses to start `main` without it)."""
+    value = flag.value
+    if value is None:  # unreachable once absl has checked the flag; states the type
+        raise app.UsageError(f"--{flag.name} is required")
+    return value
+
+def verbose() -> bool:
+    """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
+    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
+
+
+def _raised_in_our_code(err: BaseException) -> bool:
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
+        _OUR_CODE)
+
+
+def is_missing_extra(err: BaseException) -> bool:
+    """The ImportError cbs raises for a feature whose extra is missing (it names the
+    `pip install` line); an ImportError of a broken installation stays a bug."""
+    return (isinstance(err, ImportError) and "pip install" in str(err)
+            and _raised_in_our_code(err))
+
+
+def is_user_error(err: BaseException) -> bool:
+    """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
+    missing optional extra."""
+    if isinstance(err, OSError) or is_missing_extra(err):
+        return True
+    return isinstance(err, ValueError) and _raised_in_our_code(err)
+
+
+def message(err: BaseException) -> str:
+    """The one-line message of a user error."""
+    if isinstance(err, OSError) and err.filename and err.strerror:
+        hint = {PermissionError: "; choose a location you can write to",
+                NotADirectoryError: "; a file is in the way: choose another path",
+                FileExistsError: "; a file is in the way: choose another path",
+                IsADirectoryError: "; a directory is in the way: choose another path",
+                }.get(type(err), "")
+        code = errno.errorcode.get(err.errno, "") if err.errno else ""
+        return f"{err.strerror}{f' ({code})' if code else ''}: {err.filename}{hint}"
+    text = str(err).strip() or type(err).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _outputs(names: Sequence[str]) -> list[str]:
+    values = (flags.FLAGS[n].value for n in names if n in flags.FLAGS)
+    return [v for v in values if isinstance(v, str) and v]
+
+
+def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
+            ) -> Callable[[list[str]], Any]:
+    """`main` with user errors turned into one line and exit status 2 (see the module doc)."""
+
+    def wrapped(argv: list[str]) -> Any:
+        created = [p for p in map(paths.first_missing, _outputs(outputs)) if p is not None]
+        try:
+            return main(argv)
+        except preemption.Preempted as err:
+            print(f"{err.status}: {message(err)}", file=sys.stderr)
+            sys.exit(err.exit_status)
+        except KeyboardInterrupt:  # Ctrl-C outside training (cbs.runtime.preemption)
+            for path in created:
+                paths.remove_if_empty(path)
+            print("interrupted (SIGINT): stopped outside training; what was written is kept, "
+                  "rerun the same command to go on", file=sys.stderr)
+            sys.exit(preemption.INTERRUPT_EXIT_STATUS)
+        except Exception as err:
+            for path in created:
+                paths.remove_if_empty(path)
+            if verbose() or not is_user_error(err):
+                raise
+            print(f"error: {message(err)}", file=sys.stderr)
+            sys.unraisablehook = _ignore  # orbax's unfinished writes, collected at exit
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapped
+
+
+def _ignore(unraisable: Any) -> None:
+    del unraisable
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The first user error in `err`'s chain (a config file's own ValueError inside the flag
+    library's wrappers), else `err`."""
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if is_user_error(chain):
+            return chain
+        chain = chain.__cause__ or chain.__context__
+    return err
+
+
+def _config_field_error(argv: Sequence[str], err: Exception) -> str:
+    """One line for an override of a config field that does not exist."""
+    text = str(err).replace("\\n", " ")
+    key = text.strip("'\" ").split("'")[0]
+    args = [a for a in argv[1:] if a.startswith("--") and "." in a.split("=")[0]]
+    arg = next((a for a in args if f".{key}" in a.split("=")[0]), " ".join(args))
+    hint = text[text.index("Did you mean"):].rstrip("'\" ") if "Did you mean" in text else (
+        "check the name against the config file")
+    return f"{arg}: no such config field; {hint}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing whose errors (bad flags, a config file that does not parse or fails,
+    unknown config fields) are one line and exit status 2."""
+    try:
+        return flags.FLAGS(argv)
+    except Exception as err:
+        text = None if verbose() else config_file_error(argv, err)
+        if text is None:
+            text = _flag_error(argv, err)
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def _flag_error(argv: list[str], err: Exception) -> str:
+    """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
+    if isinstance(err, flags.Error):
+        cause = _root_cause(err)
+        if verbose() and cause is not err:
+            raise cause from None
+        return message(cause) if cause is not err else message(err)
+    if isinstance(err, (AttributeError, KeyError, TypeError)):
+        if verbose():
+            raise err
+        return _config_field_error(argv, err)
+    if verbose() or not is_user_error(err):
+        raise err
+    return message(err)
+
+
+def _config_files(argv: Sequence[str]) -> list[str]:
+    return [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
+            if a.startswith("--config=")]
+
+
+def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
+    """`FILE:LINE: error` when `err` (or an error in its chain) is a syntax error in a Python
+    file, or a bug raised by a line of the --config file itself; else None."""
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    configs = _config_files(argv)
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, SyntaxError) and chain.filename:
+            return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
+                    f"{chain.msg}")
+        tb, where = chain.__traceback__, None
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
+                where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+            tb = tb.tb_next
+        if where is not None and not is_user_error(chain):  # a user error says what to do
+            return f"{where[0]}:{where[1]}: {type(chain).__name__}: {message(chain)}"
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
+_QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
+
+
+def _not_from_quiet_library(record: logging.LogRecord) -> bool:
+    """A log filter: orbax's own lines (its background threads log every failed write with
+    a traceback, which the one-line error already reports) and asyncio's (orbax's failed
+    writes, "exception was never retrieved") reach stderr only with --verbose."""
+    return verbose() or not (record.name.startswith("asyncio")
+                             or any(part in record.pathname for part in _QUIET))
+
+
+def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`sys.unraisablehook` without the tracebacks that tensorstore's write callbacks report
+    when a failed save closed orbax's event loop (the failure itself is one line)."""
+
+    def quiet(unraisable: Any) -> None:
+        err = unraisable.exc_value
+        if verbose() or not (isinstance(err, RuntimeError)
+                             and str(err) == "Event loop is closed"):
+            hook(unraisable)
+
+    return quiet
+
+
+def _warnings_only(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
+    """`main` with the log level at WARNING unless --verbosity was given (absl's default is
+    INFO: orbax logs every save there, gcsfs every read of a gs:// object)."""
+
+    def wrapped(argv: list[str]) -> Any:
+        if not flags.FLAGS["verbosity"].present:
+            absl_logging.set_verbosity(absl_logging.WARNING)
+        return main(argv)
+
+    return wrapped
+
+
+def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
+    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
+    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.runtime.preemption`),
+    orbax's log lines kept off the terminal unless --verbose, and log lines below WARNING
+    unless --verbosity."""
+    exit_on_help(main, sys.argv)
+    preemption.install()
+    absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
+    sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+    app.run(guarded(_warnings_only(main), outputs), flags_parser=parse_flags)
+
+
+HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
+
+
+def command_help(module_name: str, program: str) -> str:
+    """The help of a command: its module's docstring (what it does, how to call it, what to
+    expect), then the flags that module defines, then the flags every command takes
+    (`--verbose`, `--helpfull` for absl's and the libraries' own)."""
+    module = sys.modules[module_name]
+    own = flags.FLAGS.get_key_flags_for_module(module)
+    lines = [f"usage: {program} [flags]", "", (module.__doc__ or "").strip(), "", "flags:"]
+    for flag in sorted(own, key=lambda f: f.name):
+        lines.append(flag_help(flag))
+        if flag.name == "config":
+            lines.append("  --config.FIELD=VALUE: overrides one field of the config (dotted, e.g."
+                         " --config.train.max_steps=100).")
+    lines += ["", "every command:", flag_help(flags.FLAGS["verbose"]),
+              "  --helpfull: all flags, including those of absl and the libraries cbs uses."]
+    return "\n".join(lines)
+
+
+def flag_help(flag: flags.Flag) -> str:
+    """One flag as `--name: help (default: value)`, wrapped under its name."""
+    name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+    default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+    text = " ".join(f"{name}: {flag.help}{default}".split())
+    return "\n".join(textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="      "))
+
+
+def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
+    """`--help` (or -h, --helpshort): prints `command_help` of the module defining `main` and
+    exits with status 0, before any flag is parsed or anything is started."""
+    if not any(a in HELP_FLAGS for a in argv[1:]):
+        return
+    program = os.path.basename(argv[0]) if argv else "cbs"
+    if program.endswith(".py") or program == "__main__":
+        program = f"python -m {main.__module__}"
+    print(command_help(main.__module__, program))
+    sys.exit(0)

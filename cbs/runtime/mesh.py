@@ -1,0 +1,203 @@
+"""Device mesh and shardings: batch on the "data" axis, parameters replicated or sharded.
+
+A mesh has two named axes, ("data", "model"), of sizes (R, M) with R·M devices. A global batch
+[B, ...] is split along its leading axis into R equal parts (B must be divisible by R), one
+per data replica; parameters are either replicated, or sharded over "model" (FSDP-style or
+column-parallel), with every replica group holding the same split.
+
+Axis types are `AxisType.Auto`: jax.jit propagates the NamedShardings of the inputs (and
+`in_shardings`/`out_shardings`) through the program and inserts the collectives. With
+`AxisType.Explicit`, shardings are part of array types and every op whose output sharding is
+ambiguous must name one (`out_sharding=`): for example the embedding gather from a sharded
+table, and the reshape of the data-sharded batch axis into micro-batches for accumulation,
+both raise ShardingTypeError under jit. Auto keeps models, losses and statistics free of
+sharding annotations.
+
+Multi-host: meshes are built over the global `jax.devices()`; nothing assumes the devices are
+local. `global_batch` turns each process's slice of a batch into one global array.
+
+Named rules (`param_mode` "fsdp_tp" or "tp", `LM_RULES`): a parameter's path (e.g.
+`blocks/wq`, or `0/mu/blocks/wq` for its optimizer moment) picks the roles of its trailing
+axes: "fsdp" is sharded over "data" (fully sharded data parallel: each replica holds 1/R of
+the parameter and optimizer state, all-gathered at use), "tp" over "model" (tensor parallel:
+Megatron column/row split, q/k/v/gate/up by output features, o/down by input features).
+Leading axes (the layer axis L of scanned blocks) are never split; an axis whose size the mesh
+axis does not divide stays whole; unmatched leaves are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cbs.runtime import fields
+
+__all__ = [
+    "ALL_PARAM_MODES", "DATA", "LM_RULES", "MODEL", "NAMED_MODES", "PARAM_MODES", "Rules",
+    "batch_sharding", "data_replicas", "global_batch", "make_mesh", "named_shardings", "named_spec",
+    "param_shardings", "path_name", "replicated", "shard", "validate_config",
+]
+
+DATA, MODEL = "data", "model"
+PARAM_MODES = ("replicated", "fsdp", "model")
+NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only
+ALL_PARAM_MODES = PARAM_MODES + NAMED_MODES
+
+
+def validate_config(mesh_config: Any) -> None:
+    """Checks `config.mesh` (data, model, param_mode); raises `fields.ConfigError`."""
+    data = fields.get(mesh_config, "data", "config.mesh")
+    if isinstance(data, bool) or not isinstance(data, int) or (data < 1 and data != -1):
+        raise fields.ConfigError(f"config.mesh.data: must be -1 or a positive integer, got "
+                                 f"{data!r}")
+    fields.integer(mesh_config, "model", "config.mesh")
+    fields.choice(mesh_config, "param_mode", "config.mesh", ALL_PARAM_MODES)
+
+# (regex on the "/"-joined path, roles of the trailing axes); first match wins.
+Rules = tuple[tuple[str, tuple[str | None, ...]], ...]
+LM_RULES: Rules = (
+    (r"(^|/)embed$", ("tp", "fsdp")),  # [V, D]: vocabulary over model
+    (r"(^|/)head$", ("fsdp", "tp")),  # [D, V]
+    (r"(^|/)(wq|wk|wv|w_gate|w_up)$", ("fsdp", "tp")),  # [D, O]: column parallel
+    (r"(^|/)(wo|w_down)$", ("tp", "fsdp")),  # [O, D]: row parallel
+    (r"norm$", (None,)),  # [D]: replicated
+)
+
+
+def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None
+              ) -> Mesh:
+    """Mesh of shape (data, model) with axes ("data", "model"), both AxisType.Auto.
+
+    Args:
+      data: data-parallel replicas R; -1 means all devices not used by `model`.
+      model: size M of the parameter-sharding axis.
+      devices: devices to use (default: all global devices); R·M must equal their number.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if model < 1 or n % model:
+        raise ValueError(f"mesh.model={model} must be a positive divisor of {n} devices")
+    if data == -1:
+        data = n // model
+    if data < 1 or data * model != n:
+        raise ValueError(f"mesh.data={data} × mesh.model={model} must equal the {n} devices "
+                         "(pass devices= to use fewer)")
+    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+def data_replicas(mesh: Mesh) -> int:
+    """Number of data-parallel replicas R (size of the "data" axis)."""
+    return mesh.shape[DATA]
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over "data", other axes replicated."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
+    return NamedSharding(mesh, P())
+
+
+def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
+    if mode == "replicated" or m == 1:
+        return P()
+    if mode == "model":
+        # Column-parallel: the output-feature (last) axis of kernels and tables.
+        ok = len(shape) >= 2 and shape[-1] % m == 0
+        return P(*(None,) * (len(shape) - 1), MODEL) if ok else P()
+    if math.prod(shape) < min_size:
+        return P()
+    divisible = [i for i, n in enumerate(shape) if n % m == 0]
+    if not divisible:
+        return P()
+    axis = max(divisible, key=lambda i: shape[i])  # first of the largest on ties
+    return P(*(MODEL if i == axis else None for i in range(len(shape))))
+
+
+def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
+                    min_size: int = 2**14, rules: Rules = LM_RULES) -> Any:
+    """A pytree like `params` of NamedShardings.
+
+    Modes:
+      "replicated": every leaf on every device.
+      "fsdp": leaves with at least `min_size` elements are split over "model" along their
+        largest axis divisible by M; smaller or indivisible leaves stay replicated.
+      "model": leaves of rank >= 2 are split over "model" along their last axis when it is
+        divisible by M; others stay replicated.
+      "fsdp_tp" / "tp": by name, `rules` (see `named_shardings`), with / without FSDP.
+    Leaves may be arrays or jax.ShapeDtypeStruct (e.g. from nnx.eval_shape).
+    """
+    if mode not in ALL_PARAM_MODES:
+        raise ValueError(f"mesh.param_mode={mode!r} is not one of {ALL_PARAM_MODES}")
+    if mode in NAMED_MODES:
+        return named_shardings(params, mesh, rules, fsdp=mode == "fsdp_tp")
+    m = mesh.shape[MODEL]
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, _leaf_spec(tuple(x.shape), mode, m, min_size)), params)
+
+
+def path_name(path: tuple) -> str:
+    """"blocks/wq" from a pytree key path (nnx Variable `.value` keys dropped)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if name != "value":
+            parts.append(str(name))
+    return "/".join(parts)
+
+
+def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: Rules = LM_RULES, *,
+               fsdp: bool = True) -> P:
+    """PartitionSpec of the leaf called `name` (see the module docstring)."""
+    axis = {"fsdp": DATA if fsdp else None, "tp": MODEL, None: None}
+    for pattern, roles in rules:
+        if re.search(pattern, name):
+            if len(roles) > len(shape):
+                raise ValueError(f"sharding rule {pattern!r} names {len(roles)} axes; "
+                                 f"parameter {name} has shape {shape}")
+            lead = (None,) * (len(shape) - len(roles))
+            spec = []
+            for n, role in zip(shape, lead + tuple(roles), strict=True):
+                a = axis[role]
+                spec.append(a if a is not None and n % mesh.shape[a] == 0 else None)
+            return P(*spec)
+    return P()
+
+
+def named_shardings(params: Any, mesh: Mesh, rules: Rules = LM_RULES, *, fsdp: bool = True
+                    ) -> Any:
+    """NamedShardings by parameter name: `rules` map roles "fsdp" (→ "data" when `fsdp`) and
+    "tp" (→ "model") onto the trailing axes of each matching leaf; others are replicated."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, named_spec(path_name(path), tuple(x.shape), mesh,
+                                                       rules, fsdp=fsdp)), params)
+
+
+def shard(tree: Any, shardings: Any) -> Any:
+    """jax.device_put(tree, shardings); `shardings` is one sharding or a matching pytree.
+
+    On several hosts every process must pass the same values (use `global_batch` for data
+    that differs per process).
+    """
+    return jax.device_put(tree, shardings)
+
+
+def global_batch(local_batch: Any, mesh: Mesh) -> Any:
+    """Global arrays, split over "data", from each process's consecutive slice of the batch.
+
+    With one process this equals `shard(local_batch, batch_sharding(mesh))`; with P processes
+    each passes its [B / P, ...] slice and the result has leading axis B.
+    """
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)

@@ -1,0 +1,168 @@
+"""Preemption and Ctrl-C: SIGTERM (what Slurm, Kubernetes and TPU maintenance send before they
+kill a job) and SIGINT ask the run to save a checkpoint and stop, instead of dying mid-step.
+
+    from cbs.runtime import preemption
+
+    preemption.install()        # the entry points do this (cbs.runtime.cli.run)
+    ...                         # the loop checks preemption.requested() before each step
+
+`install` replaces the process's SIGTERM and SIGINT handlers with ones that only set a flag.
+The training loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it writes the
+records read so far, saves a checkpoint at the current step, writes status.json ("preempted"
+after SIGTERM, "interrupted" after SIGINT) and raises `Preempted`. Sweeps, ramps and branch
+studies check it between runs too. A command line then prints one line on stderr and exits
+with status 143 after SIGTERM (128 + SIGTERM, what a killed job reports, so a scheduler that
+requeues on it still does) or 130 after SIGINT; rerunning the same command resumes from the
+checkpoint, bit-identically on CPU.
+
+Ctrl-C: the first prints one line and stops at the end of the step as above; a second one
+stops the process at once (the default SIGINT action: nothing more is saved, the records and
+checkpoints written so far stay valid). Outside training (`active` not entered: start-up,
+analysis) SIGINT keeps its usual effect, a `KeyboardInterrupt` that `cbs.runtime.cli` prints
+as one line.
+
+Several processes (`jax.distributed`): they must stop at the same step, so the check is JAX's
+preemption sync point (`jax.experimental.multihost_utils.reached_preemption_sync_point`, the
+coordination service's protocol that orbax's `CheckpointManager.reached_preemption` wraps).
+`jax.distributed.initialize` installs the service's own SIGTERM handler, which tells every
+process; each `requested()` call counts one sync-point call, and all of them return True at
+the same call, one past the furthest any process had reached. The loop and the launchers make
+the same calls in the same order on every process, so they all save at the same step. A Ctrl-C
+on one process is passed to the service as a SIGTERM to itself. Install before
+`jax.distributed.initialize` (the entry points do): a SIGTERM handler installed after it would
+replace the service's.
+
+Without `install` (a library user's own process) the flag is never set and both signals keep
+their usual effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["EXIT_STATUS", "Preempted", "check", "clear", "install", "request", "requested"]
+
+EXIT_STATUS = 128 + signal.SIGTERM  # 143
+INTERRUPT_EXIT_STATUS = 128 + signal.SIGINT  # 130
+_requested = threading.Event()
+_state: dict[str, Any] = {"signal": None, "active": 0, "calls": 0, "synced": False}
+
+
+class Preempted(Exception):  # noqa: N818 (an event, not an error)
+    """The run was asked to stop (SIGTERM or SIGINT) and saved a checkpoint; rerun it to
+    resume. `status` is "preempted" or "interrupted"; `exit_status` 143 or 130."""
+
+    def __init__(self, message: str, summary: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+        self.status = status()
+        self.exit_status = INTERRUPT_EXIT_STATUS if self.status == "interrupted" else (
+            EXIT_STATUS)
+
+
+def _distributed() -> bool:
+    """Whether this process is one of a `jax.distributed` runtime (without touching a
+    device)."""
+    jax = sys.modules.get("jax")
+    return bool(jax is not None and jax.distributed.is_initialized())
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    del signum, frame
+    if _state["signal"] is None:
+        _state["signal"] = "SIGTERM"
+    _requested.set()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    del signum, frame
+    if not _state["active"]:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C stops at once
+    if _state["signal"] is None:
+        _state["signal"] = "SIGINT"
+    _requested.set()
+    print("interrupt: stopping after this step to save a checkpoint (Ctrl-C again stops at "
+          "once)", file=sys.stderr, flush=True)
+    if _distributed():  # tell the other processes through the coordination service
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def install() -> bool:
+    """Turns SIGTERM and SIGINT into a request to checkpoint and stop; True if installed (only
+    the main thread can install a signal handler). Call it before `jax.distributed`
+    starts."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if not _distributed():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigint)
+    return True
+
+
+@contextlib.contextmanager
+def active() -> Iterator[None]:
+    """Marks training in progress: within it the first SIGINT is a request to checkpoint and
+    stop (outside, a `KeyboardInterrupt`)."""
+    _state["active"] += 1
+    try:
+        yield
+    finally:
+        _state["active"] -= 1
+
+
+def requested() -> bool:
+    """Whether to stop now. One process: whether SIGTERM or SIGINT arrived since `install` (or
+    `request`). Several: whether every process has reached the preemption sync point (one
+    call of the protocol; call it at the same points on every process)."""
+    if _distributed() and not _state["synced"]:
+        from jax.experimental import multihost_utils
+
+        _state["synced"] = bool(multihost_utils.reached_preemption_sync_point(_state["calls"]))
+        _state["calls"] += 1
+        if _state["synced"] and _state["signal"] is None:
+            _state["signal"] = "SIGTERM"
+        return _state["synced"]
+    return _state["synced"] or _requested.is_set()
+
+
+def pending() -> bool:
+    """Whether a signal arrived on this process that no check has acted on yet (a command
+    that finished its work anyway)."""
+    return _requested.is_set() and not _state["synced"]
+
+
+def status() -> str:
+    """The status a stopped run records: "interrupted" after SIGINT, else "preempted"."""
+    return "interrupted" if _state["signal"] == "SIGINT" else "preempted"
+
+
+def reason() -> str:
+    """What stopped the run, for messages: "preempted (SIGTERM)" or "interrupted
+    (SIGINT)"."""
+    return f"{status()} ({_state['signal'] or 'SIGTERM'})"
+
+
+def request(signal_name: str = "SIGTERM") -> None:
+    """Asks the run to stop as SIGTERM (or SIGINT) would (tests, or a user's own signal
+    handling)."""
+    _state["signal"] = signal_name
+    _requested.set()
+
+
+def clear() -> None:
+    """Forgets a request (tests, or a process that goes on after a stopped run)."""
+    _requested.clear()
+    _state.update(signal=None, synced=False)
+
+
+def check(where: str) -> None:
+    """Raises `Preempted` if a stop was requested (between the runs of a sweep)."""
+    if requested():
+        raise Preempted(f"{reason()} {where}; rerun the same command to resume")

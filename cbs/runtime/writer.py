@@ -1,0 +1,359 @@
+"""The run's writer: `metrics.jsonl` (the record of truth), its mirrors (TensorBoard, W&B) and
+a progress bar; `CountBar`, the progress bar of a study's finished trials (sweeps, ramps,
+branches); `progress_bar`, the bar both use.
+
+The JSON-lines format and its readers are `cbs.results.records`, the writers
+`cbs.results.writers` (one `MetricWriter` interface); this module adds the live side of a run
+(process 0 only): appending records as they are read from the device
+(`cbs.results.writers.JsonlWriter`), mirroring their numeric fields to the writers the config
+asks for (`Outputs`: `config.train.tensorboard`, `config.train.wandb`) and a bar.
+
+The run directory may be remote (`gs://...`, `cbs.results.paths`). Locally each `write` is
+one append to `metrics.jsonl`; an object store has no append, so there records are held in
+memory and `sync` (before each checkpoint, and at `close`) adds them to the object in one
+atomic write: a reader sees them at checkpoints, and a resume drops records past its
+checkpoint anyway.
+
+Progress goes through `tqdm.auto`: a widget in a notebook, a bar on a terminal, and where
+stderr is neither (a Slurm or CI log, a redirected stream) a line in tqdm's format every
+`LOG_INTERVAL_S` seconds and at the end (`LogLines`), never a stream of carriage returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from cbs.results import paths, records
+from cbs.results.files import METRICS_FILE, WANDB_RUN_FILE
+from cbs.results.paths import PathLike
+from cbs.results.writers import (
+    JsonlWriter,
+    MultiWriter,
+    TensorBoardWriter,
+    WandbWriter,
+    import_wandb,
+    record_scalars,
+    tensorboard_writer_class,
+)
+from cbs.runtime import fields
+
+__all__ = [
+    "LOG_INTERVAL_S", "TENSORBOARD_DIR", "CountBar", "LogLines", "MetricsWriter", "Outputs",
+    "in_notebook", "progress_bar", "summary_writer_class",
+]
+
+TENSORBOARD_DIR = "tensorboard"
+LOG_INTERVAL_S = 30.0  # seconds between the progress lines of a log (`LogLines`)
+
+
+def summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
+    return tensorboard_writer_class("config.train.tensorboard=True", "set it to False")
+
+
+# ---------------------------------------------------------------------- progress bars
+
+
+def in_notebook() -> bool:
+    """True in a Jupyter kernel (where `tqdm.auto` draws a widget)."""
+    shell = sys.modules.get("IPython")
+    get = getattr(shell, "get_ipython", None)
+    ip = get() if get is not None else None
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def _isatty(file: Any) -> bool:
+    try:
+        return bool(file.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class LogLines:
+    """A progress bar for logs: a line in tqdm's format ("label: 40%|####  | 4/10 [00:12<00:18,
+    3.00s/step, loss=1.2]") every `interval` seconds of updates, and one at `close`.
+
+    It has the part of tqdm's interface the bars here use (`n`, `update`, `set_postfix`,
+    `write`, `close`)."""
+
+    def __init__(self, total: int | None, *, unit: str = "it", initial: int = 0,
+                 desc: str | None = None, file: Any = None, interval: float | None = None):
+        self.total, self.n, self.unit, self.desc = total, initial, unit, desc
+        self.interval = LOG_INTERVAL_S if interval is None else interval
+        self._file, self._initial = file, initial
+        self._start = self._last = time.monotonic()
+        self._postfix: str | None = None
+        self._closed = False
+
+    def set_postfix(self, postfix: Mapping[str, Any], refresh: bool = False) -> None:
+        del refresh
+        self._postfix = ", ".join(f"{k}={v}" for k, v in postfix.items()) or None
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if time.monotonic() - self._last >= self.interval:
+            self._print()
+
+    def _print(self) -> None:
+        from tqdm.std import tqdm
+
+        now = time.monotonic()
+        line = tqdm.format_meter(self.n, self.total, now - self._start, prefix=self.desc or "",
+                                 unit=self.unit, ascii=True, postfix=self._postfix,
+                                 initial=self._initial)
+        print(line, file=self._file if self._file is not None else sys.stderr, flush=True)
+        self._last = now
+
+    def write(self, line: str, file: Any = None) -> None:
+        print(line, file=file if file is not None else sys.stdout)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._print()
+
+
+def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | None = None,
+                 leave: bool = True, file: Any = None, interval: float | None = None,
+                 **tqdm_kwargs: Any) -> Any:
+    """A `tqdm.auto` bar in a notebook (a widget) or on a terminal; `LogLines` elsewhere (a
+    line every `interval` seconds, default `LOG_INTERVAL_S`).
+
+    Args:
+      total: units in all (None: unknown); initial: units already done (a resumed run).
+      unit, desc: what a unit is called; the label before the bar.
+      leave: keep the bar when closed (False for a bar inside another one).
+      file: the stream (stderr by default).
+      **tqdm_kwargs: more arguments of tqdm's bar (terminal and notebook).
+    """
+    stream = sys.stderr if file is None else file
+    if in_notebook() or _isatty(stream):
+        from tqdm.auto import tqdm
+
+        try:
+            return tqdm(total=total, initial=initial, unit=unit, desc=desc, leave=leave,
+                        file=stream, **tqdm_kwargs)
+        except ImportError:  # a notebook without ipywidgets: lines in the output instead
+            pass
+    return LogLines(total, unit=unit, initial=initial, desc=desc, file=stream,
+                    interval=interval)
+
+
+# ---------------------------------------------------------------------- a run's writer
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What a run shows and writes besides `metrics.jsonl` (on process 0).
+
+    progress: a progress bar (`progress_bar`); tensorboard: TensorBoard events in
+    `workdir/tensorboard`; wandb: the W&B project to mirror the records to ("" = none);
+    wandb_group: the W&B run's group ("" = none); label: the bar's label and the W&B run's name
+    ("" = the run directory's name); nested: a bar inside another one (a sweep group's inside
+    the sweep's), not left behind when done.
+
+    A single run's come from its config (`from_config`); a driver may bring its own as an
+    `outputs` attribute (`cbs.sweeps.groups.TrialGroup`: the sweep's settings, since its
+    run config is quiet).
+    """
+
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: str = ""
+    wandb_group: str = ""
+    label: str = ""
+    nested: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> Outputs:
+        """From `config.train` (progress_bar, tensorboard, wandb); `kwargs` set the rest.
+        Raises `fields.ConfigError` for a W&B project that is not a string."""
+        t = config.train
+        wandb = t.get("wandb", "")
+        if not isinstance(wandb, str):
+            raise fields.ConfigError(f'config.train.wandb: must be a W&B project name, or "" '
+                                     f"for none, got {wandb!r}")
+        return cls(progress=bool(t.progress_bar), tensorboard=bool(t.tensorboard),
+                   wandb=wandb, **kwargs)
+
+    @classmethod
+    def of(cls, driver: Any, config: Any) -> Outputs:
+        """The driver's own `outputs`, else the config's."""
+        own = getattr(driver, "outputs", None)
+        return own if own is not None else cls.from_config(config)
+
+    def check(self) -> None:
+        """An ImportError naming the extra when one the outputs need is missing (a run calls
+        it before writing any file)."""
+        if self.tensorboard:
+            summary_writer_class()
+        if self.wandb:
+            import_wandb("config.train.wandb", 'set it to ""')
+
+    def open(self, workdir: PathLike, *, start_step: int = 0, total_steps: int | None = None,
+             enabled: bool = True, hparams: Mapping[str, Any] | None = None) -> MetricsWriter:
+        """The run's `MetricsWriter` with these outputs."""
+        return MetricsWriter(workdir, start_step=start_step, total_steps=total_steps,
+                             enabled=enabled, hparams=hparams, **dataclasses.asdict(self))
+
+
+def _wandb_run_id(workdir: PathLike, start_step: int) -> str:
+    """The W&B run id of the run in `workdir`: its own (in WANDB_RUN_FILE) when it resumes, a
+    new one when it starts."""
+    path = paths.join(workdir, WANDB_RUN_FILE)
+    known = records.read_json(path) if start_step > 0 else None
+    if known and known.get("id"):
+        return str(known["id"])
+    run_id = uuid.uuid4().hex[:16]
+    records.write_json_atomic(path, {"id": run_id})
+    return run_id
+
+
+class MetricsWriter:
+    """Appends a run's records to `metrics.jsonl`, mirrors them to TensorBoard and W&B, shows
+    a progress bar.
+
+    Args:
+      workdir: the run directory.
+      start_step: the restored step (records at or after it are dropped first).
+      total_steps: length of the progress bar (None for unknown).
+      enabled: False on processes other than 0: every method is then a no-op.
+      progress, tensorboard, wandb, wandb_group, label, nested: as `Outputs`.
+      hparams: the run's config, for W&B.
+    """
+
+    def __init__(self, workdir: PathLike, *, start_step: int = 0,
+                 total_steps: int | None = None, enabled: bool = True, progress: bool = True,
+                 tensorboard: bool = False, wandb: str = "", wandb_group: str = "",
+                 label: str = "", nested: bool = False,
+                 hparams: Mapping[str, Any] | None = None):
+        self.enabled = enabled
+        self.path = paths.join(workdir, METRICS_FILE)
+        self.jsonl: JsonlWriter | None = None
+        self.mirrors = MultiWriter([])
+        self._bar: Any = None
+        self._last_time, self._last_examples = time.perf_counter(), None
+        if not enabled:
+            return
+        Outputs(tensorboard=tensorboard, wandb=wandb).check()  # before any file
+        self.jsonl = JsonlWriter(workdir, start_step=start_step)
+        name = label or os.path.basename(str(workdir).rstrip("/"))
+        if tensorboard:
+            self.mirrors.writers.append(TensorBoardWriter(
+                paths.join(workdir, TENSORBOARD_DIR),
+                purge_step=start_step if start_step > 0 else None))
+        if wandb:
+            self.mirrors.writers.append(WandbWriter(
+                wandb, name=name, group=wandb_group or None,
+                run_id=_wandb_run_id(workdir, start_step), config=hparams))
+        if progress:
+            self._bar = progress_bar(total_steps, unit="step", initial=start_step,
+                                     desc=label or None, leave=not nested,
+                                     dynamic_ncols=True, mininterval=1.0)
+
+    def write(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Appends whole records in one write; mirrors their numeric fields
+        (`cbs.results.writers.record_scalars`)."""
+        if self.jsonl is None:
+            return
+        plain = self.jsonl.write_records(records)
+        if not plain:
+            return
+        for r in plain:
+            step, scalars = record_scalars(r)
+            if scalars:
+                self.mirrors.write_scalars(step, scalars)
+        self._update_bar(plain)
+
+    def _update_bar(self, records: list[dict[str, Any]]) -> None:
+        """Advances the bar to the last step recorded (a train record: its step is done; an
+        evaluation, of a sweep group too: the steps before it)."""
+        if self._bar is None:
+            return
+        done = max(r["step"] + (r.get("kind") == "train") for r in records)
+        train = [r for r in records if r.get("kind") == "train"]
+        if train:
+            last = train[-1]
+            now = time.perf_counter()
+            examples = last.get("data/examples_seen", 0) + last.get("data/batch_size", 0)
+            postfix = {"loss": f"{last.get('train/loss', math.nan):.4g}"}
+            if self._last_examples is not None and now > self._last_time:
+                rate = (examples - self._last_examples) / (now - self._last_time)
+                postfix["ex/s"] = f"{rate:.4g}"
+            self._last_time, self._last_examples = now, examples
+            self._bar.set_postfix(postfix, refresh=False)
+        if self._bar.total is not None and done > self._bar.total:
+            self._bar.total = None  # past the expected end (`KnowsItsEnd`): no ETA to give
+        if done > self._bar.n:
+            self._bar.update(done - self._bar.n)
+
+    def sync(self) -> None:
+        """Makes everything written so far durable (called before each checkpoint)."""
+        if self.jsonl is None:
+            return
+        self.jsonl.flush()
+        self.mirrors.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the files, the W&B run and the bar."""
+        if self.jsonl is None:
+            return
+        self.jsonl.close()
+        self.mirrors.close()
+        if self._bar is not None:
+            self._bar.close()
+        self.jsonl, self.enabled = None, False
+
+
+class CountBar:
+    """A progress bar of finished units of a study (sweep trials, ramps, branch units): done /
+    total, rate and ETA (`progress_bar`: a widget in a notebook, a bar on a terminal, a line
+    now and then in a log); lines given to `log` appear above it.
+
+    Args:
+      total: units to run.
+      unit: what one unit is called ("trial", "ramp", "unit").
+      enabled: False turns the bar off (config.train.progress_bar; processes other than 0).
+      log: where lines go (print: stdout, written around the bar).
+      file: the bar's stream (stderr by default).
+      interval: seconds between the lines of a log (default `LOG_INTERVAL_S`).
+    """
+
+    def __init__(self, total: int, *, unit: str = "trial", enabled: bool = True,
+                 log: Callable[[str], Any] = print, file: Any = None,
+                 interval: float | None = None):
+        self._log, self._bar = log, None
+        if enabled and total > 0:
+            width = shutil.get_terminal_size().columns  # 80 where a terminal reports 0
+            self._bar = progress_bar(total, unit=unit, file=file, interval=interval,
+                                     ncols=min(width, 120), smoothing=0.1, mininterval=1.0)
+
+    def log(self, line: str) -> None:
+        """Prints a line (above the bar when there is one)."""
+        if self._bar is not None and self._log is print:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            self._log(line)
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> CountBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
