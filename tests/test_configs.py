@@ -18,7 +18,7 @@ def test_names_are_the_modules_with_get_config():
     found = configs.names()
     assert {"digits_sweep", "digits_mlp", "digits_branch", "digits_ramps", "lm_shakespeare"
             } <= set(found)
-    assert "base" not in found and "digits_ramp_base" not in found
+    assert "base" not in found
     assert found == sorted(found)
 
 
@@ -90,3 +90,29 @@ def test_the_flag_library_loads_a_resolved_value(value, monkeypatch):
     holder(["prog", f"--config={configs.resolve(value)}"])
     expected = importlib.import_module("cbs.configs.digits_sweep").get_config("tiny")
     assert holder.config.to_dict() == expected.to_dict()
+
+
+@pytest.mark.parametrize("arg, kind, first, rate", [
+    ("llama3", "step", 32, 5e-3), ("deepseek", "linear", 32, 5e-3),
+    ("adaptive", "adaptive", 16, 4e-3), ("adaptive,calibrated,tiny", "adaptive", 16, 4e-3)])
+def test_each_digits_ramp_is_a_run_of_its_own(arg, kind, first, rate):
+    from cbs.configs import digits_ramps
+    from cbs.engine import config as config_lib
+    c = digits_ramps.get_config(arg)
+    config_lib.validate(c, data_replicas=1)
+    assert "sweep" not in c and "ramps" not in c
+    assert c.batch.schedule.kind == kind and c.batch.micro_batch == 16
+    assert c.batch.lr_coupling.base_batch_size == first and c.optim.learning_rate == rate
+    assert (c.batch.schedule.get("rule") == "calibrated") == ("calibrated" in arg)
+    shape = {"step": digits_ramps.STEP, "linear": digits_ramps.LINEAR,
+             "adaptive": digits_ramps.ADAPTIVE}[kind]  # the study's ramp of the same shape
+    assert {r["schedule"]["kind"] for r in digits_ramps.get_config("").ramps} >= {kind}
+    for key, value in shape.items():
+        assert c.batch.schedule[key] == (tuple(map(tuple, value)) if key == "steps" else value)
+
+
+@pytest.mark.parametrize("arg", ["llama3,deepseek", "llama3,calibrated", "calibrated"])
+def test_digits_ramps_refuses_two_ramps_or_calibrated_without_adaptive(arg):
+    from cbs.configs import digits_ramps
+    with pytest.raises(ValueError, match="at most one ramp"):
+        digits_ramps.get_config(arg)

@@ -4,15 +4,15 @@
 
 Each preset is a module of this package whose `get_config(arg)` returns a
 `cbs.engine.config` ConfigDict (`names()` lists them; the text after the name's `:` is `arg`).
-`base` and `digits_ramp_base` hold helpers the presets share and are no presets themselves. A
+`base` holds helpers the presets share and is no preset itself. A
 checkout also reaches each preset by its repository path,
 `--config=experiments/configs/<name>.py[:arg]` (a thin file re-exporting the module here).
 
 The presets: single runs `digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`,
 `shakespeare_transformer`; sweeps `digits_sweep` (the main job), `digits_sgd_sweep`,
 `mnist1d_sweep`, `linreg_sweep`, `cnn_sweep`, `shakespeare_sweep`, `shakespeare_kaplan`,
-`teacher_student_sweep`, `heldout_sweep` (three held-out tasks); ramps `ramp_adaptive`,
-`ramp_llama3_style`, `ramp_deepseek_style`, `digits_ramps`, `digits_payoff`,
+`teacher_student_sweep`, `heldout_sweep` (three held-out tasks); ramps `digits_ramps` (also
+the single ramps `:llama3`, `:deepseek`, `:adaptive`), `digits_payoff`,
 `shakespeare_payoff`; branch studies `digits_branch`, `shakespeare_branch`.
 
 `resolve` turns a `--config` value into the path[:arg] that the flag library loads; this

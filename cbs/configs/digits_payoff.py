@@ -13,10 +13,10 @@ reports each ramp's step saving at equal examples with a bootstrap interval over
   every other rate that is the sweep's best at B for some target ("fixed B=… · η=…"), so that
   `cbs.analysis.studies.payoff` tunes each fixed baseline per target (the fastest of a B's rates
 there);
-- "adaptive (B_simple)": B follows the live noise scale (`ramp_adaptive.py`);
+- "adaptive (B_simple)": B follows the live noise scale (`digits_ramps.py:adaptive`);
 - "local CBS": a step schedule through the branched study's local critical batch B*(e)
   (`cbs.analysis.reports.branch_report.local_cbs_schedule`), 8 → 16 → 32;
-- the Llama 3 and DeepSeek-V3 shapes (`ramp_llama3_style.py`, `ramp_deepseek_style.py`).
+- the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py:llama3`, `:deepseek`).
 
 `--config=digits_payoff:start` (out_dir results/digits_ramp_start) is
 Merrill et al.'s comparison alone, with the seeds it needs: the four ramps and the fixed runs at

@@ -1,29 +1,80 @@
-"""Batch ramps against the digits sweep's frontier: fixed small, fixed large, step, linear and
-adaptive batch sizes, each with its learning rate tuned (fixed B) or coupled (ramps).
+"""Batch ramps on digits: the Llama 3, DeepSeek-V3 and adaptive shapes as single runs, and
+the study that runs them beside the digits sweep.
 
-    cbs-ramps --config=digits_ramps --sweep_dir=runs/digits
+    cbs-train --config=digits_ramps:llama3 --workdir=/tmp/l3      # one ramp (also :deepseek,
+    cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
+    cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
-Runs the digits sweep first if it is not finished (`digits_sweep.py`, same sweep_dir), then
-each ramp below with `cbs.engine.trainer.run`, stopped once the full training loss has crossed every
-target; appends them to ramps.jsonl and rewrites the report, whose "Batch-size ramps"
-section lists S and E per target and whose figures/ramps_L*.png place each run on that
-target's fitted S–E frontier. Fixed runs use the sweep's best learning rate at their B; the
-ramps start from the best one at their first B and follow the square-root rule.
+A single ramp is the digits sweep's run config with a batch-size schedule: the micro-batch
+stays 16, so only the accumulation count changes (one compilation per count), and Adam's η
+follows the square-root rule η = η_0·(B/B_0)^½ from η_0 at the first batch size B_0 (OLMo's
+batch-size warmup multiplied it by √2 per doubling), capped at 0.03:
+
+- `:llama3` (`STEP`): Llama 3 405B stepped its batch 4M → 8M tokens after 252M tokens → 16M
+  after 2.87T (`cbs.engine.schedules.llama3_schedule`); here the same two doublings are placed
+  where the digits sweep's fitted B_crit passes the current batch: 32 examples, 64 after
+  1,500 examples, 128 after 4,000. Expected: full_train/loss ≈ 0.05 within about 200 steps.
+- `:deepseek` (`LINEAR`): DeepSeek-V3 ramped 3,072 → 15,360 sequences (5×) over the first 469B
+  of 14.8T tokens (`cbs.engine.schedules.deepseek_v3_schedule`); here 32 → 160 examples over
+  the first 4,000, in multiples of the micro-batch 16 (at most 9 accumulation counts).
+  Expected: full_train/loss ≈ 0.05 within about 200 steps.
+- `:adaptive` (`ADAPTIVE`): every 10 steps the loop reads the live estimate of B_simple (exact,
+  from the step's per-example gradient norms; EMA of numerator and denominator,
+  `cbs.stats.smoothing.NoiseScaleEMA`) and the schedule (`cbs.engine.adaptive.Adaptive`) moves
+  B on the ladder 16, 32, ..., 1024 towards k·B_simple, with hysteresis (the target must stay
+  beyond a band of factor^¾ for 3 consecutive readings); η_0 at B_0 = 16. Expected: B climbs
+  from 16 to a few hundred as the loss falls (B_simple grows from ~30 to ~100+).
+  `:adaptive,calibrated` targets the calibrated prediction of B_crit instead
+  (`rule="calibrated"`: k·r̂·B_simple with Adam's r̂ from the shipped calibration), the number
+  each train record logs as `advice/b_crit`.
+
+The study (no ramp named): runs the digits sweep first if it is not finished
+(`digits_sweep.py`, same sweep_dir), then fixed small and large batches and each ramp with
+`cbs.engine.trainer.run`, stopped once the full training loss has crossed every target;
+appends them to ramps.jsonl and rewrites the report, whose "Batch-size ramps" section lists S
+and E per target and whose figures/ramps_L*.png place each run on that target's fitted S–E
+frontier. Fixed runs use the sweep's best learning rate at their B; the ramps start from the
+best one at their first B and follow the square-root rule.
 """
 
 from __future__ import annotations
 
-from cbs.configs import (
-    base,
-    digits_sweep,
-    ramp_adaptive,
-    ramp_deepseek_style,
-    ramp_llama3_style,
-)
+import ml_collections
+
+from cbs.configs import base, digits_sweep
 
 __all__ = [
-    "fixed", "get_config",
+    "ADAPTIVE", "LINEAR", "STEP", "fixed", "get_config", "ramp_run",
 ]
+
+STEP = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}  # Llama 3's shape
+LINEAR = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}  # DeepSeek
+ADAPTIVE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
+            "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
+_RUNS = {  # name: (schedule, B_0, η_0)
+    "llama3": (STEP, 32, 5e-3), "deepseek": (LINEAR, 32, 5e-3), "adaptive": (ADAPTIVE, 16, 4e-3),
+}
+
+
+def ramp_run(arg: str, schedule: dict, *, base_batch_size: int, learning_rate: float
+             ) -> ml_collections.ConfigDict:
+    """The digits sweep's run config with a batch-size schedule and square-root coupling."""
+    c = digits_sweep.get_config(arg)
+    del c["sweep"]
+    c.batch.micro_batch = 16  # m fixed; B changes through the accumulation count
+    c.batch.schedule = base.schedule_config(schedule)  # the ramp
+    c.batch.lr_coupling.rule = "sqrt"  # η = η_0·(B/B_0)^½ at every change
+    c.batch.lr_coupling.base_batch_size = base_batch_size  # B_0, the first batch size
+    c.batch.lr_coupling.cap = 0.03  # largest η allowed (Adam diverges above)
+    c.optim.learning_rate = learning_rate  # η_0 at B_0
+    c.train.max_steps = 2000  # updates
+    c.eval.every = 10  # evaluation (with the full training-set loss) every 10 steps
+    c.noise.every = 50  # exact noise statistics every 50 steps
+    c.noise.examples = "step"  # on the step's examples only, not at evaluations as the sweep
+    c.noise.batch_size = 0  # one micro-batch
+    c.noise.curvature = False  # B_simple only
+    c.noise.deviations = c.noise.hessian_batch_size = c.noise.chunk_size = 0  # (curvature off)
+    return c
 
 
 def fixed(batch_size: int) -> dict:
@@ -32,27 +83,41 @@ def fixed(batch_size: int) -> dict:
             "learning_rate": f"best@{batch_size}"}
 
 
-def _ramp(label: str, module, first: int) -> dict:
-    return {"label": label, "micro_batch": 16, "schedule": module.SCHEDULE,
+def _ramp(label: str, schedule: dict, first: int) -> dict:
+    return {"label": label, "micro_batch": 16, "schedule": schedule,
             "learning_rate": f"best@{first}",
             "lr_coupling": {"rule": "sqrt", "base_batch_size": first, "cap": 0.03}}
 
 
 def get_config(arg: str = ""):
-    c = digits_sweep.get_config(arg)
+    words = base.parse_arg(arg, ("tiny", "calibrated", *_RUNS))
+    named = sorted(words & set(_RUNS))
+    if len(named) > 1 or ("calibrated" in words and named != ["adaptive"]):
+        raise ValueError(f"digits_ramps:{arg}: name at most one ramp of {', '.join(_RUNS)} "
+                         "('calibrated' goes with 'adaptive')")
+    size = ",".join(sorted(words & {"tiny"}))
+    if named:
+        schedule, first, rate = _RUNS[named[0]]
+        if "calibrated" in words:
+            schedule = schedule | {"rule": "calibrated"}
+        c = ramp_run(size, schedule, base_batch_size=first, learning_rate=rate)
+        if named == ["adaptive"]:
+            c.batch.adapt_every = 10  # steps between noise-scale readings
+        return c
+    c = digits_sweep.get_config(size)
     c.ramps = [  # each: label, schedule, learning_rate ("best@B" or η_0), lr_coupling
         fixed(16), fixed(256),
-        _ramp("step (Llama 3)", ramp_llama3_style, 32),
-        _ramp("linear (DeepSeek-V3)", ramp_deepseek_style, 32),
-        _ramp("adaptive", ramp_adaptive, 16) | {"adapt_every": 10},
+        _ramp("step (Llama 3)", STEP, 32),
+        _ramp("linear (DeepSeek-V3)", LINEAR, 32),
+        _ramp("adaptive", ADAPTIVE, 16) | {"adapt_every": 10},
     ]
-    if "tiny" in base.parse_arg(arg):  # thresholds within the tiny budget (~600 examples);
-        #   every ramp starts at B = 8, a batch size of the tiny sweep (8, 32, 128)
+    if "tiny" in words:  # thresholds within the tiny budget (~600 examples); every ramp
+        #   starts at B = 8, a batch size of the tiny sweep (8, 32, 128)
         step = {"kind": "step", "steps": ((0, 8), (128, 16), (384, 32))}
-        adaptive = ramp_adaptive.SCHEDULE | {"min_batch": 8, "initial": 8, "multiple": 8}
+        adaptive = ADAPTIVE | {"min_batch": 8, "initial": 8, "multiple": 8}
         small = {"micro_batch": 8}
         c.ramps = [fixed(32),
-                   _ramp("step", ramp_llama3_style, 8) | {"schedule": step} | small,
-                   _ramp("adaptive", ramp_adaptive, 8) | {"schedule": adaptive,
-                                                          "adapt_every": 5} | small]
+                   _ramp("step", STEP, 8) | {"schedule": step} | small,
+                   _ramp("adaptive", ADAPTIVE, 8) | {"schedule": adaptive,
+                                                    "adapt_every": 5} | small]
     return c

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from cbs.configs import base, digits_payoff, digits_ramps, ramp_adaptive, shakespeare_sweep
+from cbs.configs import base, digits_payoff, digits_ramps, shakespeare_sweep
 
 __all__ = [
     "BRANCH_DIR", "FIXED", "SEEDS", "get_config",
@@ -32,7 +32,7 @@ BRANCH_DIR = "results/shakespeare_branch"
 def get_config(arg: str = ""):
     words = base.parse_arg(arg)
     c = shakespeare_sweep.get_config(arg)
-    adaptive = ramp_adaptive.SCHEDULE | {"min_batch": 8, "max_batch": 256, "initial": 8,
+    adaptive = digits_ramps.ADAPTIVE | {"min_batch": 8, "max_batch": 256, "initial": 8,
                                          "multiple": 8}
     runs = [digits_ramps.fixed(b) for b in FIXED] + [
         {"label": "adaptive (B_simple)", "micro_batch": 8, "schedule": adaptive,
