@@ -1,28 +1,20 @@
 """Checkpoints: the only module that touches orbax.
 
-A checkpoint at step s holds two items saved together with `ocp.args.Composite`:
+A checkpoint at step s holds two items (`ocp.args.Composite`): `state`, the train state pytree
+as sharded arrays (`StandardSave`; every process writes its shards), and `meta`, a JSON object
+with the host-side state of an exact resume (step, examples seen, batch-size schedule, config
+hash, divergence rule; `cbs.engine.loop.Loop`). The learning rate is a pure function of the
+device state, so `meta` holds nothing of it.
 
-- `state`: the train state pytree (step, examples seen, params, optimizer state, noise EMA)
-  as sharded arrays (`StandardSave`; every process writes its shards);
-- `meta`: a small JSON object with the host-side state needed for an exact resume: the step,
-  examples seen, the batch-size schedule's state, the config hash and the divergence rule's
-  state (`cbs.engine.loop.Loop`). The learning rate is η_0 from the device state times pure
-  functions of examples seen and the batch size (schedule and coupling), so `meta` holds
-  nothing of it.
+Saves are asynchronous; `wait` (and `close`) block until they are durable. orbax completes a
+checkpoint by a rename (on gs://, by a commit file written last), so a kill during a save
+leaves the previous one as the latest. The directory may be remote (`gs://bucket/run/...`).
 
-Saves are asynchronous (the device-to-host copy happens in `save`, the file writes in the
-background); `wait` blocks until they are durable and `close` waits too. orbax writes into
-a temporary directory and renames it when complete, so a kill during a save leaves the
-previous checkpoint as the latest one. The directory may be remote (`gs://bucket/run/...`):
-orbax reaches it through etils.epath and tensorstore, and on gs://, which has no rename, marks
-a complete checkpoint by a commit file (`commit_success.txt`) written last instead.
-
-Restoring the latest checkpoint survives damage: a checkpoint that cannot be read (a disk
-fault, a file cut short) is skipped with a `SkippedCheckpointWarning` saying which and why,
-moved aside to `checkpoints.skipped/<step>` (so the run can save that step again), and the
-newest intact one before it is restored; at least two checkpoints are kept so there is one
-to fall back to. A checkpoint whose arrays do not match the model (another architecture or
-size in the same workdir) is not damage: it raises `CheckpointMismatchError`, one line.
+Restoring the latest checkpoint survives damage: one that cannot be read is skipped with a
+`SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be
+saved again), and the newest intact one before it is restored (at least `MIN_TO_KEEP` are
+kept). Arrays that do not match the model (another architecture or size in the same workdir)
+are not damage: `CheckpointMismatchError`, one line.
 """
 
 from __future__ import annotations
@@ -74,13 +66,11 @@ def _difference(stored: dict, wanted: dict) -> str:
     """A short description of how two {path: shape} maps differ ('' if they match)."""
     parts = [f"{k}: checkpoint {stored[k]}, model {wanted[k]}"
              for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
-    only_stored, only_wanted = sorted(set(stored) - set(wanted)), sorted(set(wanted) - set(stored))
-    if only_stored:
-        parts.append(f"only in the checkpoint: {', '.join(only_stored[:3])}"
-                     + (f" (+{len(only_stored) - 3})" if len(only_stored) > 3 else ""))
-    if only_wanted:
-        parts.append(f"only in the model: {', '.join(only_wanted[:3])}"
-                     + (f" (+{len(only_wanted) - 3})" if len(only_wanted) > 3 else ""))
+    for where, only in (("the checkpoint", set(stored) - set(wanted)),
+                        ("the model", set(wanted) - set(stored))):
+        if only:
+            more = f" (+{len(only) - 3})" if len(only) > 3 else ""
+            parts.append(f"only in {where}: {', '.join(sorted(only)[:3])}{more}")
     return "; ".join(parts[:3])
 
 
@@ -102,12 +92,9 @@ class _Manager(ocp.CheckpointManager):
 class Checkpointer:
     """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
 
-    Args:
-      directory: where the step directories live (created if missing): a local path or a
-        URI such as gs://bucket/run/checkpoints.
-      max_to_keep: how many recent checkpoints to keep (None keeps all; at least
-        MIN_TO_KEEP, so that a damaged newest checkpoint has an older one behind it).
-      async_save: write in the background (True) or block in `save` (False).
+    directory: where the step directories live (created if missing; local or gs://);
+    max_to_keep: recent checkpoints to keep (None: all; at least MIN_TO_KEEP); async_save:
+    write in the background or block in `save`.
     """
 
     def __init__(self, directory: PathLike, *, max_to_keep: int | None = 2,
@@ -132,10 +119,8 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
         """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved.
-
-        Raises OSError naming the checkpoint directory and the errno when the disk is full
-        (or another OS error stops a write; also from `wait` and `close` for an async save):
-        the checkpoints already complete stay as they were."""
+        A full disk (or another OS error) raises OSError naming the file or directory, here or
+        from `wait` and `close`; the complete checkpoints stay as they were."""
         with self._os_errors():
             return self._manager.save(
                 step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -152,12 +137,9 @@ class Checkpointer:
             raise records.write_error(found, found.filename or self.directory) from None
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
-        """Restores checkpoint `step` (latest when None) into the structure of `target`.
-
-        `target` is a pytree of arrays or `jax.ShapeDtypeStruct`s with shardings: restored
-        arrays get the same shardings, so the state lands where the train step expects it.
-        When `step` is the latest (or None), a damaged checkpoint is skipped (warning, moved
-        aside) for the newest intact older one: read the step from the returned meta.
+        """Restores checkpoint `step` (latest when None) into `target`, a pytree of arrays or
+        `jax.ShapeDtypeStruct`s whose shardings the restored arrays get. For the latest, a
+        damaged checkpoint is skipped for an older one: read the step from the returned meta.
         Raises CheckpointMismatchError when the stored arrays belong to another model.
         """
         latest = self.latest_step()
@@ -248,9 +230,9 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 
 
 def os_error(err: BaseException) -> OSError | None:
-    """The OS error behind an orbax/tensorstore failure: an OSError in its chain, or one
-    made from a message that says the disk is full; None for anything else (a bug). It names
-    the file being written when the error or tensorstore's message does."""
+    """The OS error behind an orbax/tensorstore failure (an OSError in its chain, or one made
+    from a message that says the disk is full, naming the file when the message does); None
+    for anything else (a bug)."""
     seen: set[int] = set()
     chain: BaseException | None = err
     code, texts = None, []
@@ -277,8 +259,7 @@ _WRITING = re.compile(r'(?:writing|write to) (?:local )?file "([^"]+)"', re.IGNO
 
 
 def _steps_text(steps: list[int]) -> str:
-    """"steps 10 and 20", "steps 5, 10, 15, ..., 995, 1000 (200 checkpoints)" ("" for
-    none)."""
+    """"steps 10 and 20", "steps 5, 10, 15, ..., 995, 1000 (200 checkpoints)", ""."""
     if not steps:
         return ""
     if len(steps) == 1:

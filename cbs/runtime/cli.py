@@ -6,30 +6,22 @@ traceback; a failed command leaves no empty directories behind.
     if __name__ == "__main__":
         cli.run(main, outputs=("workdir",))   # instead of absl's app.run(main)
 
-User errors are what a user fixes by changing the command: a bad config field or argument,
-an unknown or unprepared dataset, a bad shard spec, a workdir holding another model's
-checkpoint (all `ValueError`s raised by cbs or experiments code with a message naming what to
-change), file-system errors (missing, read-only, a file where a directory should be, an
-unreachable network: `OSError`), and a feature whose optional extra is not installed (the
-`ImportError` that cbs raises naming the install line, e.g. `pip install -e ".[tfds]"`).
-They print `error: <message>` on stderr and exit with status 2. Anything else is a bug and
-keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1` shows the traceback of user
-errors too.
+User errors are what a user fixes by changing the command: a `ValueError` raised by cbs or
+experiments code (a bad config field, argument, dataset or shard spec, a workdir holding
+another model's checkpoint), an `OSError`, and the `ImportError` naming the install line of a
+missing optional extra. They print `error: <message>` on stderr and exit with status 2;
+anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1`
+shows the traceback of user errors too.
 
-SIGTERM (a preemption) makes the running training save a checkpoint and stop
-(`cbs.runtime.preemption`): the command prints `preempted: <where, how to resume>` on stderr
-and exits with status 143; rerunning it resumes. Ctrl-C (SIGINT) does the same with
-`interrupted: ...` and status 130 (a second Ctrl-C stops at once); before training starts it
-prints one line and exits 130.
+SIGTERM makes the running training save a checkpoint and stop (`cbs.runtime.preemption`):
+the command prints `preempted: <where, how to resume>` and exits with status 143. Ctrl-C
+does the same with `interrupted: ...` and status 130 (before training: one line, 130).
 
-orbax's log lines (for instance the tracebacks its background threads log when a checkpoint
-write fails) stay off the terminal unless --verbose: the failure itself is one line. Log lines
-below WARNING (orbax's every save, gcsfs's every read of a gs:// object) stay off it too
-unless --verbosity is given.
+orbax's log lines (the tracebacks of failed background writes) stay off the terminal unless
+--verbose, and log lines below WARNING unless --verbosity is given.
 
 `outputs` names the flags that hold directories the command writes: any of them that the
-command created and that holds no file when it fails is removed again (with the parents it
-created).
+command created and that holds no file when it fails is removed again (with its parents).
 """
 
 from __future__ import annotations
@@ -63,13 +55,13 @@ if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, f"Show tracebacks of user errors too (or {VERBOSE_ENV}=1).")
 
 
-
 def required(flag: flags.FlagHolder[str | None]) -> str:
     """The value of a string flag marked required (absl refuses to start `main` without it)."""
     value = flag.value
     if value is None:  # unreachable once absl has checked the flag; states the type
         raise app.UsageError(f"--{flag.name} is required")
     return value
+
 
 def verbose() -> bool:
     """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
@@ -144,14 +136,10 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
             if verbose() or not is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)
-            sys.unraisablehook = _ignore  # orbax's unfinished writes, collected at exit
+            sys.unraisablehook = lambda _: None  # orbax's unfinished writes, collected at exit
             sys.exit(USER_ERROR_EXIT)
 
     return wrapped
-
-
-def _ignore(unraisable: Any) -> None:
-    del unraisable
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -238,16 +226,15 @@ _QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal 
 
 
 def _not_from_quiet_library(record: logging.LogRecord) -> bool:
-    """A log filter: orbax's own lines (its background threads log every failed write with
-    a traceback, which the one-line error already reports) and asyncio's (orbax's failed
-    writes, "exception was never retrieved") reach stderr only with --verbose."""
+    """A log filter: orbax's lines (a traceback per failed background write) and asyncio's
+    ("exception was never retrieved") reach stderr only with --verbose."""
     return verbose() or not (record.name.startswith("asyncio")
                              or any(part in record.pathname for part in _QUIET))
 
 
 def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`sys.unraisablehook` without the tracebacks that tensorstore's write callbacks report
-    when a failed save closed orbax's event loop (the failure itself is one line)."""
+    """`sys.unraisablehook` without the tracebacks of tensorstore's write callbacks once a
+    failed save closed orbax's event loop."""
 
     def quiet(unraisable: Any) -> None:
         err = unraisable.exc_value
@@ -259,8 +246,8 @@ def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _warnings_only(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
-    """`main` with the log level at WARNING unless --verbosity was given (absl's default is
-    INFO: orbax logs every save there, gcsfs every read of a gs:// object)."""
+    """`main` with the log level at WARNING unless --verbosity was given (absl's INFO has
+    orbax's every save and gcsfs's every read)."""
 
     def wrapped(argv: list[str]) -> Any:
         if not flags.FLAGS["verbosity"].present:
@@ -271,10 +258,7 @@ def _warnings_only(main: Callable[[list[str]], Any]) -> Callable[[list[str]], An
 
 
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
-    """`absl.app.run(main)` with one-line user errors (`guarded`, `parse_flags`), SIGTERM
-    or SIGINT turned into a checkpoint and exit status 143 or 130 (`cbs.runtime.preemption`),
-    orbax's log lines kept off the terminal unless --verbose, and log lines below WARNING
-    unless --verbosity."""
+    """`absl.app.run(main)` with everything the module docstring describes."""
     exit_on_help(main, sys.argv)
     preemption.install()
     absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
@@ -286,9 +270,8 @@ HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
 
 
 def command_help(module_name: str, program: str) -> str:
-    """The help of a command: its module's docstring (what it does, how to call it, what to
-    expect), then the flags that module defines, then the flags every command takes
-    (`--verbose`, `--helpfull` for absl's and the libraries' own)."""
+    """A command's help: its module's docstring, the flags that module defines, then the flags
+    every command takes."""
     module = sys.modules[module_name]
     own = flags.FLAGS.get_key_flags_for_module(module)
     lines = [f"usage: {program} [flags]", "", (module.__doc__ or "").strip(), "", "flags:"]

@@ -5,24 +5,17 @@
     distributed.initialize("10.0.0.1:1234", 4, 2)    # explicit (the --coordinator_address,
                                                       # --num_processes, --process_id flags)
 
-Auto-detection is JAX's own (`jax.distributed.initialize()` with no arguments reads the
-cluster's environment): a multi-host Cloud TPU slice (TPU_WORKER_HOSTNAMES lists several
-workers), a Slurm step with several tasks (SLURM_NTASKS > 1; coordinator on the first node of
-SLURM_STEP_NODELIST, port from SLURM_JOB_ID) or an Open MPI launch (OMPI_COMM_WORLD_SIZE > 1).
-Elsewhere (a laptop, one GPU host, one TPU VM) nothing is initialised and the run is one
-process. Call it first, before anything touches a device.
+Detection is JAX's own (`jax.distributed.initialize()` reads the environment): a multi-host
+Cloud TPU slice (TPU_WORKER_HOSTNAMES lists several workers), a Slurm step with several tasks
+or an Open MPI launch with several ranks. Elsewhere the run is one process. Call it before
+anything touches a device. Then every process runs the same program on the global mesh;
+process 0 writes records, all write their checkpoint shards: point --workdir or --sweep_dir
+at a directory every host sees (a shared file system or a bucket).
 
-After it, every process runs the same program on the global mesh; process 0 writes records,
-status and config (`cbs.engine.loop`), all processes write their checkpoint shards through
-orbax, whose file layer (etils.epath) also takes `gs://` paths: point --workdir or
---sweep_dir at a directory every host sees (a shared file system or a bucket).
-
-The entry points take `--distributed=auto|on|off` (`from_flags`): `auto` (the default) joins
-when the environment says so, `on` requires it (a stray single process stops with one line
-instead of training alone), `off` never joins, so each host (or Slurm task) runs its own
-program on its own devices: with `--shard=auto` (sweeps and branch studies) each takes the
-shard of its index in the environment (`host_shard`: TPU_WORKER_ID of the slice's hosts,
-SLURM_PROCID of SLURM_NTASKS, the Open MPI rank), one shard per host.
+`--distributed=auto|on|off` (`from_flags`): `auto` joins when the environment says so, `on`
+requires it (one line instead of training alone), `off` never joins, so each host runs its
+own program: with `--shard=auto` each takes the shard of its index in the environment
+(`host_shard`).
 """
 
 from __future__ import annotations
@@ -110,13 +103,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     """Joins this process to its multi-host runtime; returns how ("explicit", an ENVIRONMENTS
     name, "single" when there is nothing to join, "off" when asked not to).
 
-    Args:
-      coordinator_address: host:port of process 0; given, the three arguments override any
-        detection (all three are then required).
-      num_processes, process_id: this run's process count and this process's index.
-      mode: "auto" joins when there is a runtime to join; "on" raises ValueError when there
-        is none; "off" never joins.
-      timeout_s: how long to wait for the other processes.
+    coordinator_address, num_processes, process_id: host:port of process 0, the process count
+    and this process's index (all three or none; given, they override detection); mode:
+    "auto", "on" (ValueError when there is nothing to join) or "off"; timeout_s: how long to
+    wait for the other processes.
     """
     if mode not in MODES:
         raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {mode!r}")

@@ -1,20 +1,13 @@
 """Device mesh and shardings: batch on the "data" axis, parameters replicated or sharded.
 
-A mesh has two named axes, ("data", "model"), of sizes (R, M) with R·M devices. A global batch
-[B, ...] is split along its leading axis into R equal parts (B must be divisible by R), one
-per data replica; parameters are either replicated, or sharded over "model" (FSDP-style or
-column-parallel), with every replica group holding the same split.
+A mesh has axes ("data", "model") of sizes (R, M) over R·M global devices. A global batch
+[B, ...] is split along its leading axis into R equal parts; parameters are replicated or
+sharded over "model" (FSDP-style or column-parallel). `global_batch` turns each process's
+slice of a batch into one global array.
 
-Axis types are `AxisType.Auto`: jax.jit propagates the NamedShardings of the inputs (and
-`in_shardings`/`out_shardings`) through the program and inserts the collectives. With
-`AxisType.Explicit`, shardings are part of array types and every op whose output sharding is
-ambiguous must name one (`out_sharding=`): for example the embedding gather from a sharded
-table, and the reshape of the data-sharded batch axis into micro-batches for accumulation,
-both raise ShardingTypeError under jit. Auto keeps models, losses and statistics free of
-sharding annotations.
-
-Multi-host: meshes are built over the global `jax.devices()`; nothing assumes the devices are
-local. `global_batch` turns each process's slice of a batch into one global array.
+Axis types are `AxisType.Auto`, so jit propagates the input shardings and models, losses and
+statistics need no sharding annotations (with `Explicit`, the embedding gather from a sharded
+table and the micro-batch reshape of the batch axis raise ShardingTypeError under jit).
 
 Named rules (`param_mode` "fsdp_tp" or "tp", `LM_RULES`): a parameter's path (e.g.
 `blocks/wq`, or `0/mu/blocks/wq` for its optimizer moment) picks the roles of its trailing
@@ -73,13 +66,9 @@ LM_RULES: Rules = (
 
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None
               ) -> Mesh:
-    """Mesh of shape (data, model) with axes ("data", "model"), both AxisType.Auto.
-
-    Args:
-      data: data-parallel replicas R; -1 means all devices not used by `model`.
-      model: size M of the parameter-sharding axis.
-      devices: devices to use (default: all global devices); R·M must equal their number.
-    """
+    """Mesh of shape (data, model) with axes ("data", "model"), both AxisType.Auto: R = `data`
+    replicas (-1: all devices not used by `model`), M = `model`; R·M must equal the number of
+    `devices` (default: all global devices)."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if model < 1 or n % model:
@@ -184,20 +173,14 @@ def named_shardings(params: Any, mesh: Mesh, rules: Rules = LM_RULES, *, fsdp: b
 
 
 def shard(tree: Any, shardings: Any) -> Any:
-    """jax.device_put(tree, shardings); `shardings` is one sharding or a matching pytree.
-
-    On several hosts every process must pass the same values (use `global_batch` for data
-    that differs per process).
-    """
+    """jax.device_put(tree, shardings) (one sharding or a matching pytree); on several hosts
+    every process must pass the same values (`global_batch` for data that differs)."""
     return jax.device_put(tree, shardings)
 
 
 def global_batch(local_batch: Any, mesh: Mesh) -> Any:
-    """Global arrays, split over "data", from each process's consecutive slice of the batch.
-
-    With one process this equals `shard(local_batch, batch_sharding(mesh))`; with P processes
-    each passes its [B / P, ...] slice and the result has leading axis B.
-    """
+    """Global arrays split over "data" [B, ...] from each of P processes' [B / P, ...] slice
+    (one process: `shard(local_batch, batch_sharding(mesh))`)."""
     sharding = batch_sharding(mesh)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)

@@ -6,34 +6,21 @@ kill a job) and SIGINT ask the run to save a checkpoint and stop, instead of dyi
     preemption.install()        # the entry points do this (cbs.runtime.cli.run)
     ...                         # the loop checks preemption.requested() before each step
 
-`install` replaces the process's SIGTERM and SIGINT handlers with ones that only set a flag.
-The training loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it writes the
-records read so far, saves a checkpoint at the current step, writes status.json ("preempted"
-after SIGTERM, "interrupted" after SIGINT) and raises `Preempted`. Sweeps, ramps and branch
-studies check it between runs too. A command line then prints one line on stderr and exits
-with status 143 after SIGTERM (128 + SIGTERM, what a killed job reports, so a scheduler that
-requeues on it still does) or 130 after SIGINT; rerunning the same command resumes from the
-checkpoint, bit-identically on CPU.
+`install` replaces the SIGTERM and SIGINT handlers with ones that set a flag. The training
+loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it writes the records read so
+far, saves a checkpoint, writes status.json ("preempted" or "interrupted") and raises
+`Preempted`; sweeps and studies check it between runs too. A command then exits with status
+143 (128 + SIGTERM, what a killed job reports) or 130; rerunning it resumes, bit-identically
+on CPU. A second Ctrl-C stops at once (what was written stays valid). Outside training
+(`active` not entered) SIGINT stays a `KeyboardInterrupt`. Without `install` both signals
+keep their usual effect.
 
-Ctrl-C: the first prints one line and stops at the end of the step as above; a second one
-stops the process at once (the default SIGINT action: nothing more is saved, the records and
-checkpoints written so far stay valid). Outside training (`active` not entered: start-up,
-analysis) SIGINT keeps its usual effect, a `KeyboardInterrupt` that `cbs.runtime.cli` prints
-as one line.
-
-Several processes (`jax.distributed`): they must stop at the same step, so the check is JAX's
-preemption sync point (`jax.experimental.multihost_utils.reached_preemption_sync_point`, the
-coordination service's protocol that orbax's `CheckpointManager.reached_preemption` wraps).
-`jax.distributed.initialize` installs the service's own SIGTERM handler, which tells every
-process; each `requested()` call counts one sync-point call, and all of them return True at
-the same call, one past the furthest any process had reached. The loop and the launchers make
-the same calls in the same order on every process, so they all save at the same step. A Ctrl-C
-on one process is passed to the service as a SIGTERM to itself. Install before
-`jax.distributed.initialize` (the entry points do): a SIGTERM handler installed after it would
-replace the service's.
-
-Without `install` (a library user's own process) the flag is never set and both signals keep
-their usual effect.
+Several processes must stop at the same step, so there the check is JAX's preemption sync
+point (`multihost_utils.reached_preemption_sync_point`, whose SIGTERM handler
+`jax.distributed.initialize` installs): each `requested()` is one protocol call, and all
+processes get True at the same call, so they save at the same step as long as they make the
+same calls in the same order. A Ctrl-C is passed on as a SIGTERM to this process. Install
+before `jax.distributed.initialize`, so as not to replace the service's handler.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
     MFU = (model FLOPs per example × examples per second) / (peak FLOP/s per device × devices)
 
-Model FLOPs are the forward and backward matmul FLOPs of the model as written (6·N per token
-plus attention, Kaplan et al. 2020 §2.1; `model_flops_per_example`), not what the hardware
-executes: rematerialisation, the in-step noise estimate and padding count as overhead, so
-MFU is comparable across implementations. Peaks (PEAK_FLOPS) are dense bfloat16 per device
-from the vendors' data sheets; an unknown device (any CPU) gives MFU None ("unknown").
+Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention,
+Kaplan et al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as
+overhead. Peaks (PEAK_FLOPS) are dense bfloat16 per device from data sheets; an unknown device
+(any CPU) gives no MFU. Timing is on the host between metric reads (`Meter`): each train
+record of a read window gets the window's mean step time; the first (compilation) is untimed.
 
-Timing is on the host between metric reads (`Meter.annotate`), so it needs no device
-synchronisation beyond the reads the loop does anyway: each train record in a read window gets
-that window's mean step time. The first window (compilation) is not timed.
-
-Also here: an optional `jax.profiler` trace window (`ProfileWindow`) and the persistent XLA
-compilation cache (`enable_compilation_cache`), both set by the config's `perf` fields.
+Also here, set by `config.perf`: a `jax.profiler` trace window and the compilation cache.
 """
 
 from __future__ import annotations
@@ -45,12 +40,12 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-
 def validate_config(perf_config: Any) -> None:
     """Checks `config.perf` (peak_flops, profile_start, profile_steps)."""
     fields.number(perf_config, "peak_flops", "config.perf")
     fields.integer(perf_config, "profile_start", "config.perf", minimum=-1)
     fields.integer(perf_config, "profile_steps", "config.perf")
+
 
 def peak_flops(device: jax.Device | None = None) -> float | None:
     """Peak FLOP/s of `device` (default: the first device); None when unknown (CPU)."""

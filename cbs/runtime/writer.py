@@ -1,22 +1,14 @@
-"""The run's writer: `metrics.jsonl` (the record of truth), its mirrors (TensorBoard, W&B) and
-a progress bar; `CountBar`, the progress bar of a study's finished trials (sweeps, ramps,
-branches); `progress_bar`, the bar both use.
+"""The live side of a run (process 0 only): `MetricsWriter` appends records to `metrics.jsonl`
+(format: `cbs.results.records`), mirrors their numbers to TensorBoard and W&B (`Outputs`) and
+shows a progress bar; `CountBar` is the bar of a study's finished trials.
 
-The JSON-lines format and its readers are `cbs.results.records`, the writers
-`cbs.results.writers` (one `MetricWriter` interface); this module adds the live side of a run
-(process 0 only): appending records as they are read from the device
-(`cbs.results.writers.JsonlWriter`), mirroring their numeric fields to the writers the config
-asks for (`Outputs`: `config.train.tensorboard`, `config.train.wandb`) and a bar.
+On an object store (`gs://...`), which has no append, records are held in memory and `sync`
+(before each checkpoint, and at `close`) writes them in one atomic write; a resume drops
+records past its checkpoint anyway.
 
-The run directory may be remote (`gs://...`, `cbs.results.paths`). Locally each `write` is
-one append to `metrics.jsonl`; an object store has no append, so there records are held in
-memory and `sync` (before each checkpoint, and at `close`) adds them to the object in one
-atomic write: a reader sees them at checkpoints, and a resume drops records past its
-checkpoint anyway.
-
-Progress goes through `tqdm.auto`: a widget in a notebook, a bar on a terminal, and where
-stderr is neither (a Slurm or CI log, a redirected stream) a line in tqdm's format every
-`LOG_INTERVAL_S` seconds and at the end (`LogLines`), never a stream of carriage returns.
+Bars go through `tqdm.auto` (a widget in a notebook, a bar on a terminal); elsewhere (a Slurm
+or CI log) `LogLines` prints a line in tqdm's format every `LOG_INTERVAL_S` seconds and at
+the end, never a stream of carriage returns.
 """
 
 from __future__ import annotations
@@ -47,19 +39,11 @@ from cbs.runtime import fields
 
 __all__ = [
     "LOG_INTERVAL_S", "TENSORBOARD_DIR", "CountBar", "LogLines", "MetricsWriter", "Outputs",
-    "in_notebook", "progress_bar", "summary_writer_class",
+    "in_notebook", "progress_bar",
 ]
 
 TENSORBOARD_DIR = "tensorboard"
 LOG_INTERVAL_S = 30.0  # seconds between the progress lines of a log (`LogLines`)
-
-
-def summary_writer_class() -> type:
-    """tensorboardX's SummaryWriter; an ImportError naming the extra when it is missing."""
-    return tensorboard_writer_class("config.train.tensorboard=True", "set it to False")
-
-
-# ---------------------------------------------------------------------- progress bars
 
 
 def in_notebook() -> bool:
@@ -78,11 +62,9 @@ def _isatty(file: Any) -> bool:
 
 
 class LogLines:
-    """A progress bar for logs: a line in tqdm's format ("label: 40%|####  | 4/10 [00:12<00:18,
-    3.00s/step, loss=1.2]") every `interval` seconds of updates, and one at `close`.
-
-    It has the part of tqdm's interface the bars here use (`n`, `update`, `set_postfix`,
-    `write`, `close`)."""
+    """A progress bar for logs with the part of tqdm's interface used here: a line in tqdm's
+    format ("label: 40%|####  | 4/10 [00:12<00:18, 3.00s/step, loss=1.2]") every `interval`
+    seconds of updates, and one at `close`."""
 
     def __init__(self, total: int | None, *, unit: str = "it", initial: int = 0,
                  desc: str | None = None, file: Any = None, interval: float | None = None):
@@ -124,15 +106,11 @@ class LogLines:
 def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | None = None,
                  leave: bool = True, file: Any = None, interval: float | None = None,
                  **tqdm_kwargs: Any) -> Any:
-    """A `tqdm.auto` bar in a notebook (a widget) or on a terminal; `LogLines` elsewhere (a
-    line every `interval` seconds, default `LOG_INTERVAL_S`).
+    """A `tqdm.auto` bar in a notebook or on a terminal; `LogLines` elsewhere.
 
-    Args:
-      total: units in all (None: unknown); initial: units already done (a resumed run).
-      unit, desc: what a unit is called; the label before the bar.
-      leave: keep the bar when closed (False for a bar inside another one).
-      file: the stream (stderr by default).
-      **tqdm_kwargs: more arguments of tqdm's bar (terminal and notebook).
+    total: units in all (None: unknown); initial: units already done; desc: the label; leave:
+    keep the bar when closed; file: the stream (stderr); interval: seconds between the lines
+    of `LogLines` (default `LOG_INTERVAL_S`); tqdm_kwargs: more arguments of tqdm's bar.
     """
     stream = sys.stderr if file is None else file
     if in_notebook() or _isatty(stream):
@@ -147,22 +125,14 @@ def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | 
                     interval=interval)
 
 
-# ---------------------------------------------------------------------- a run's writer
-
-
 @dataclasses.dataclass(frozen=True)
 class Outputs:
     """What a run shows and writes besides `metrics.jsonl` (on process 0).
 
-    progress: a progress bar (`progress_bar`); tensorboard: TensorBoard events in
-    `workdir/tensorboard`; wandb: the W&B project to mirror the records to ("" = none);
-    wandb_group: the W&B run's group ("" = none); label: the bar's label and the W&B run's name
-    ("" = the run directory's name); nested: a bar inside another one (a sweep group's inside
-    the sweep's), not left behind when done.
-
-    A single run's come from its config (`from_config`); a driver may bring its own as an
-    `outputs` attribute (`cbs.sweeps.groups.TrialGroup`: the sweep's settings, since its
-    run config is quiet).
+    progress: a progress bar; tensorboard: events in `workdir/tensorboard`; wandb: the W&B
+    project ("" = none); wandb_group: the W&B group ("" = none); label: the bar's label and
+    the W&B run's name ("" = the run directory's name); nested: a bar inside another one, not
+    left behind when done. A driver may bring its own as an `outputs` attribute (`of`).
     """
 
     progress: bool = True
@@ -194,7 +164,7 @@ class Outputs:
         """An ImportError naming the extra when one the outputs need is missing (a run calls
         it before writing any file)."""
         if self.tensorboard:
-            summary_writer_class()
+            tensorboard_writer_class("config.train.tensorboard=True", "set it to False")
         if self.wandb:
             import_wandb("config.train.wandb", 'set it to ""')
 
@@ -218,16 +188,11 @@ def _wandb_run_id(workdir: PathLike, start_step: int) -> str:
 
 
 class MetricsWriter:
-    """Appends a run's records to `metrics.jsonl`, mirrors them to TensorBoard and W&B, shows
-    a progress bar.
+    """Appends a run's records to `metrics.jsonl`, mirrors them, shows a progress bar.
 
-    Args:
-      workdir: the run directory.
-      start_step: the restored step (records at or after it are dropped first).
-      total_steps: length of the progress bar (None for unknown).
-      enabled: False on processes other than 0: every method is then a no-op.
-      progress, tensorboard, wandb, wandb_group, label, nested: as `Outputs`.
-      hparams: the run's config, for W&B.
+    start_step: the restored step (records at or after it are dropped first); total_steps: the
+    bar's length (None: unknown); enabled: False on processes other than 0 (every method a
+    no-op); progress ... nested: as `Outputs`; hparams: the run's config, for W&B.
     """
 
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
@@ -314,17 +279,11 @@ class MetricsWriter:
 
 
 class CountBar:
-    """A progress bar of finished units of a study (sweep trials, ramps, branch units): done /
-    total, rate and ETA (`progress_bar`: a widget in a notebook, a bar on a terminal, a line
-    now and then in a log); lines given to `log` appear above it.
+    """A `progress_bar` of a study's finished units (trials, ramps, branch units); lines given
+    to `log` appear above it.
 
-    Args:
-      total: units to run.
-      unit: what one unit is called ("trial", "ramp", "unit").
-      enabled: False turns the bar off (config.train.progress_bar; processes other than 0).
-      log: where lines go (print: stdout, written around the bar).
-      file: the bar's stream (stderr by default).
-      interval: seconds between the lines of a log (default `LOG_INTERVAL_S`).
+    total: units to run; unit: what one is called; enabled: False turns the bar off; log:
+    where lines go (print: stdout, around the bar); file, interval: as `progress_bar`.
     """
 
     def __init__(self, total: int, *, unit: str = "trial", enabled: bool = True,
