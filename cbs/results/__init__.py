@@ -1,12 +1,9 @@
-"""On-disk formats every layer shares: JSON-lines records and atomic writes (`records`), the
-write-once parts that several processes add records to, merged on read and compacted on object
-stores (`shared`), local and remote paths (`paths`), claims that let launchers share a directory
-(`leases`), the sweep directory (`store`), the names of the files runs, sweeps and studies
-write (`files`), the metric writers (`writers`: one interface, JSON lines, TensorBoard,
-W&B), the calibration file with the prediction of B_crit its model gives (`calibration`,
-the shipped file that the analysis fits and a training run reads) and the command that
-installs an optional extra, which every missing-extra error names (`extras`). Imports no
-other cbs package.
+"""On-disk formats every layer shares: JSON-lines records and atomic writes (`records`),
+write-once parts that several processes add records to (`shared`), local and remote paths
+(`paths`), claims that let launchers share a directory (`leases`), the sweep directory
+(`store`), the names of the files written (`files`), the metric writers (`writers`), the
+calibration file and its prediction of B_crit (`calibration`) and the install command of an
+optional extra (`extras`). Imports no other cbs package.
 """
 
 __all__ = [

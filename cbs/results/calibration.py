@@ -1,14 +1,12 @@
 """The calibration file and the prediction its model gives: B_crit from one noise scale.
 
-The calibration (`cbs.analysis.advice.calibration` fits and checks it, `cbs-compare` writes it as
-`CALIBRATION_FILE` beside its report) is data: per noise scale ("b_simple", "b_noise") a
-random-effects model of log(B_crit/B_s) per optimizer family, `{"families": {f: {"mu",
-"var_mu", "studies"}}, "tau2", "sigma2", "dof", ...}`. The package ships one
-(`cbs/results/shipped/calibration.json`, `shipped`). A new task's B_crit is predicted as
+The calibration (fitted by `cbs.analysis.advice.calibration`, written by `cbs-compare` as
+`CALIBRATION_FILE`) is per noise scale ("b_simple", "b_noise") a random-effects model of
+log(B_crit/B_s) per optimizer family, `{"families": {f: {"mu", "var_mu", "studies"}}, "tau2",
+"sigma2", "dof", ...}`; the package ships one (`shipped`). A new task's B_crit is predicted as
 log B_crit = log B_s + μ̂_f, with the prediction interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f))
-(`predict`); `tradeoff` is what a batch size costs against it. This is the part a training
-run needs (its live advice, `cbs.engine.live_advice`, and the adaptive ramp that follows the
-calibrated prediction, `cbs.engine.adaptive`): numbers and one shipped file, no fit.
+(`predict`); `tradeoff` is what a batch size costs against it. No fit here: this is what a
+training run needs.
 """
 
 from __future__ import annotations
@@ -36,10 +34,8 @@ def family(optimizer: str) -> str:
 
 
 def t_quantile(p: float, dof: float) -> float:
-    """Student's t quantile (`scipy.special.stdtrit`, what `scipy.stats.t.ppf` computes).
-    Imported here, not with the module: every training run imports this module (its live
-    advice), and scipy.stats, which imports scipy.optimize, would add about 2 s to the start of
-    each; scipy.special alone costs about half of that."""
+    """Student's t quantile (`scipy.stats.t.ppf`), imported here, not with the module: every
+    training run imports this module, and scipy would add about 1 s to its start."""
     from scipy.special import stdtrit
 
     return float(stdtrit(dof, p))

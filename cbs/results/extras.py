@@ -1,6 +1,5 @@
-"""The optional extras of the distribution (`cbs-jax[tfds]`, `[gcs]`, `[tensorboard]`, ...):
-the command that installs one for this copy of cbs, which every missing-extra error names
-(the data sources, gs:// paths and the metric writers)."""
+"""The command that installs an optional extra (`cbs-jax[tfds]`, `[gcs]`, ...), which every
+missing-extra error names."""
 
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ __all__ = ["install_command"]
 
 
 def install_command(extra: str) -> str:
-    """The command that installs the optional extra `extra` (e.g. "tfds") for this copy of cbs:
-    `pip install -e ".[tfds]"` when cbs runs from a source checkout (an editable install or
-    the checkout on sys.path: a pyproject.toml of cbs-jax beside the package), else
-    `pip install "cbs-jax[tfds]"` (an install from a wheel). Missing-extra errors name it."""
+    """`pip install -e ".[extra]"` when cbs runs from a source checkout (a pyproject.toml of
+    cbs-jax beside the package), else `pip install "cbs-jax[extra]"`."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cbs
     root = os.path.dirname(package)
     try:

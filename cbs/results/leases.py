@@ -1,19 +1,14 @@
 """Claims that let launchers share one directory: fcntl locks locally, expiring leases remotely.
 
-A sweep launcher claims each group of trials before it runs it (`cbs.sweeps.launch`), so
-launchers into one sweep directory, on one machine or many, run different groups. A claim
-only divides the work (records are write-once parts, `cbs.results.shared.write_part`): a
-group run twice by mistake costs time, never a record.
+A claim only divides the work (records are write-once parts): a group of trials run twice by
+mistake costs time, never a record.
 
-- Local directory: an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the
-  process ends (kill -9 included); on a network mount as far as its locking goes (NFSv4).
-- Object store (`gs://...`): a lease object `<dir>/<name>.<epoch>.lease` holding the owner
-  (host, pid) and its expiry (epoch seconds), created with a does-not-exist precondition
-  (`cbs.results.paths.create_new`), so exactly one of several claimants gets it; a name's
-  lease is its highest epoch. A background thread renews it every quarter of
-  `lease_seconds()` until `release` deletes it, so it expires only once its holder is gone;
-  an expired lease, or one owned by a dead process of this host, is taken over by creating
-  the next epoch. Hosts' clocks must agree to well within the lease (NTP does).
+- Local: an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the process ends.
+- Object store: a lease object `<dir>/<name>.<epoch>.lease` holding the owner (host, pid) and
+  its expiry (epoch seconds), created with a does-not-exist precondition, so one claimant
+  gets it. A thread renews it every quarter of `lease_seconds()` until `release` deletes it;
+  an expired lease, or one of a dead process of this host, is taken over by creating the
+  next epoch. Hosts' clocks must agree to well within the lease.
 """
 
 from __future__ import annotations

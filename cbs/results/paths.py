@@ -1,15 +1,11 @@
 """Paths every host sees: local files, or object stores (`gs://`, `s3://`) through etils.epath.
 
-A path is a `str` or an `os.PathLike`. One with a URI scheme (`gs://bucket/runs/a`) is remote
-and goes through `etils.epath`, the file-system layer orbax uses (gs:// needs gcsfs, the
-`[gcs]` extra, or TensorFlow's gfile); any other goes through the os module. An object store
-has no rename (an atomic replacement is one write of the whole object,
-`cbs.results.records.write_atomic`), no append (read, add, write back whole: only files one
-process writes are appended to; records several processes write are write-once objects,
-`cbs.results.shared`) and no fcntl lock (a write that succeeds only when the object does not
-exist yet, `create_new`, on which `cbs.results.leases` builds expiring leases). Remote
-listings and reads bypass fsspec's listing cache (`_fresh_fs`): other processes add objects
-to the directories cbs lists.
+A path with a URI scheme (`gs://bucket/runs/a`) is remote and goes through `etils.epath`, the
+file-system layer orbax uses (gs:// needs gcsfs, the `[gcs]` extra, or TensorFlow); any other
+through the os module. An object store has no rename (`cbs.results.records.write_atomic`
+writes whole objects), no append (`cbs.results.shared`: write-once parts) and no fcntl lock
+(`create_new`, on which `cbs.results.leases` builds leases). Remote listings and reads bypass
+fsspec's listing cache: other processes add objects to the directories cbs lists.
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ def isdir(path: PathLike) -> bool:
 
 
 def makedirs(path: PathLike) -> None:
-    """Creates the directory and its parents (object stores have none: a no-op there, or
-    a placeholder, as the backend does)."""
+    """Creates the directory and its parents (on an object store, as the backend does)."""
     if is_remote(path):
         epath(path).mkdir(parents=True, exist_ok=True)
     else:
@@ -114,9 +109,8 @@ def rmtree(path: PathLike) -> None:
 
 
 def first_missing(path: PathLike) -> str | None:
-    """The outermost directory on `path` that does not exist yet, which a command writing to
-    `path` would create (None if `path` exists). On an object store, which has no
-    directories, `path` itself when nothing is stored under it."""
+    """The outermost directory on `path` that does not exist yet, which writing to `path`
+    would create (None if `path` exists; on an object store, `path` when nothing is there)."""
     if is_remote(path):
         try:
             return None if exists(path) else os.fspath(path)
@@ -131,8 +125,8 @@ def first_missing(path: PathLike) -> str | None:
 
 
 def remove_if_empty(root: PathLike) -> None:
-    """Removes `root` and the directories under it if none of them holds a file (on an
-    object store, where a directory is only the prefix of its objects: nothing to remove)."""
+    """Removes `root` and the directories under it if none of them holds a file (nothing on
+    an object store, which has no directories)."""
     if is_remote(root) or not os.path.isdir(root):
         return
     root = os.fspath(root)
@@ -147,8 +141,7 @@ def remove_if_empty(root: PathLike) -> None:
 
 
 def rmdir(path: PathLike) -> None:
-    """Removes the directory if it is empty (else, or when it does not exist, nothing; on an
-    object store, where a directory is only the prefix of its objects, nothing either)."""
+    """Removes the directory if it is empty (nothing otherwise, or on an object store)."""
     if not is_remote(path):
         with contextlib.suppress(OSError):
             os.rmdir(path)
@@ -179,9 +172,8 @@ def listdir(path: PathLike) -> list[str]:
 
 
 def listdir_versions(path: PathLike) -> dict[str, str | None]:
-    """{name: version} of the entries of directory `path`, sorted ({} when it does not exist).
-    On an object store the version is the object's generation (any rewrite changes it), from
-    the same listing request; locally None (a local file is simply read again)."""
+    """{name: version} of the entries of directory `path`, sorted ({} when it does not exist):
+    on an object store the object's generation (from the listing), locally None."""
     if not is_remote(path):
         return dict.fromkeys(listdir(path))
     fs, bare = _fresh_fs(path)
@@ -217,11 +209,8 @@ def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:
 
 def create_new(path: PathLike, data: bytes) -> bool:
     """Writes `data` to `path` only if nothing is there yet, atomically; True if it wrote.
-
-    Locally: a temporary file hard-linked to `path` (link fails when `path` exists). On an
-    object store: a write with a does-not-exist precondition (GCS `ifGenerationMatch=0`,
-    fsspec's `mode="create"`), which the store checks on its side.
-    """
+    Locally a temporary file hard-linked to `path`; on an object store a write with a
+    does-not-exist precondition (fsspec's `mode="create"`)."""
     if is_remote(path):
         fs, bare = _fresh_fs(path)
         try:

@@ -1,24 +1,17 @@
 """Run records: JSON lines (the record of truth) and atomically replaced JSON files.
 
-A run directory (written by process 0 only) holds `metrics.jsonl`, one JSON object per line,
-appended in whole lines with one `write` per flush: each record has `step` (updates applied
-to the parameters it describes), `kind` ("train" or "eval") and slash-separated metric keys
-(`train/loss`, `opt/lr`, `noise/ema_b_simple`, `eval/loss`, ...), non-finite numbers as
-`NaN`/`Infinity`; `status.json`, replaced atomically (`write_atomic`); and `tensorboard/`
-(tensorboardX events, reopened with `purge_step` after a resume).
+`metrics.jsonl` holds one JSON object per line, appended in whole lines: each record has
+`step` (updates applied to the parameters it describes), `kind` ("train" or "eval") and
+slash-separated metric keys (`train/loss`, `opt/lr`, `eval/loss`, ...), non-finite numbers
+as `NaN`/`Infinity`. `status.json` and other JSON files are replaced atomically.
 
-Every JSON-lines file cbs writes is read through `read_records` (or
-`cbs.results.shared.read_merged`, which reads each part so) and written by `append_records`
-or as write-once parts (`cbs.results.shared`: records that several processes may write), so
-it survives crashes and damage: a torn last line (a kill mid-write: no final newline) is not
-a record, and `append_records` cuts it off first (`repair_tail`); a complete line that is
-not a JSON object holding the required keys is skipped with a `CorruptRecordWarning` naming
-the file and line, and what it recorded counts as not done.
+Every JSON-lines file survives crashes and damage: a torn last line (no final newline) is not
+a record, and `append_records` cuts it off first (`repair_tail`); a complete line that is not
+a JSON object holding the required keys is skipped with a `CorruptRecordWarning` naming the
+file and line, and what it recorded counts as not done.
 
-Paths may be remote (`gs://...`, `cbs.results.paths`). Locally a replacement is a temporary
-file, fsync and rename, and an append one `write` on an O_APPEND descriptor; an object store
-has neither, so both are one atomic write of the whole object (only files one process
-writes, such as `metrics.jsonl`, are appended to there).
+Locally a replacement is a temporary file, fsync and rename, and an append one `write` on an
+O_APPEND descriptor; on an object store (`gs://...`) both are one write of the whole object.
 """
 
 from __future__ import annotations
@@ -57,9 +50,8 @@ def plain_value(value: Any) -> Any:
 
 
 def write_atomic(path: PathLike, data: str | bytes) -> None:
-    """Replaces the file at `path` by `data` atomically: readers see the old content or the
-    new, never a part. Locally: a temporary file in the same directory, fsync, rename. On an
-    object store: one write of the whole object (atomic there; no rename exists)."""
+    """Replaces the file at `path` by `data` atomically (module docstring): readers see the
+    old content or the new, never a part."""
     raw = data.encode() if isinstance(data, str) else data
     if paths.is_remote(path):
         paths.epath(path).write_bytes(raw)
@@ -85,11 +77,8 @@ def write_json_atomic(path: PathLike, obj: Mapping[str, Any]) -> None:
 
 
 def read_json(path: PathLike) -> dict[str, Any] | None:
-    """The JSON object in `path`, or None when the file does not exist.
-
-    A damaged file raises ValueError naming it (these files are replaced atomically, so
-    only outside damage produces one).
-    """
+    """The JSON object in `path`, or None when the file does not exist; ValueError naming
+    a damaged file."""
     raw = paths.read_bytes(path)
     if raw is None:
         return None
@@ -118,12 +107,9 @@ def _parse(line: bytes, required: Sequence[str]) -> tuple[dict[str, Any] | None,
 
 
 def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The complete, readable records of a JSON-lines file, in file order.
-
-    A torn last line (no final newline) is skipped silently; any other line that is not a
-    JSON object holding every key in `required` is skipped with a `CorruptRecordWarning`
-    that names `path` and the line number. A missing file has no records.
-    """
+    """The complete, readable records of a JSON-lines file, in file order ([] when missing):
+    a torn last line is skipped silently, any other line that is not a JSON object holding
+    every key in `required` with a `CorruptRecordWarning` naming `path` and the line."""
     raw = paths.read_bytes(path)
     return [] if raw is None else _records_in(raw, path, required)
 
@@ -150,11 +136,8 @@ def lines_in(raw: bytes, path: PathLike, required: Sequence[str]
 
 
 def repair_tail(path: PathLike) -> int:
-    """Cuts a torn last line (bytes after the final newline) off `path`; returns how many.
-
-    Appending after a kill mid-write would otherwise glue the next record onto the
-    fragment and lose both.
-    """
+    """Cuts a torn last line (bytes after the final newline) off `path`, which an append
+    would glue the next record onto; returns how many bytes."""
     if paths.is_remote(path):
         raw = paths.read_bytes(path) or b""
         kept = _whole_lines(path, raw)
@@ -203,11 +186,8 @@ def _local_tail(path: str) -> tuple[int, int]:
 
 
 def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
-    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs.
-
-    A torn last line left by an earlier crash is cut off first (`repair_tail`). On an object
-    store the file is read and written back whole with the records added (module docstring).
-    """
+    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs,
+    after cutting off a torn last line (on an object store: rewrites the whole object)."""
     data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n" for r in records)
     if not data:
         return
@@ -242,12 +222,9 @@ def write_error(err: OSError, path: PathLike) -> OSError:
 
 
 def truncate_records(path: PathLike, step: int) -> int:
-    """Keeps only the readable records with `step < step` (atomically); returns how many
-    records were dropped (a torn last line and corrupt lines go too, uncounted).
-
-    After a restore to a state with `step` updates every later record is produced again, so
-    dropping them keeps the file free of duplicates.
-    """
+    """Keeps only the readable records with `step < step` (atomically: a resumed run writes
+    the later ones again); returns how many were dropped (torn and corrupt lines go
+    uncounted)."""
     raw = paths.read_bytes(path)
     if raw is None:
         return 0

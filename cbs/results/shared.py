@@ -1,22 +1,17 @@
 """Records files that several processes add to: write-once parts, merged on read, compacted.
 
 A records file `<name>.jsonl` that several processes write (`cbs.results.files`) is never
-appended to: each write is a write-once part `<name>.d/<part>.jsonl` (`write_part`), written
-whole in one atomic write, and readers merge the parts (`read_merged`): the first record per
-key, in name order (a part's name starts with its time: write order). No writer can lose
-another's records on any file system. `<name>.jsonl` is then an export of the parts
-(`export_parts`); a directory from before parts has the file only, read as before, and its
-first part is preceded by a copy of it (`LEGACY_PART`).
+appended to: each write is a write-once part `<name>.d/<part>.jsonl` (`write_part`, one atomic
+write), and readers merge the parts (`read_merged`): the first record per key, in name order
+(write order). No writer can lose another's records on any file system. `<name>.jsonl` is an
+export of the parts (`export_parts`); a directory from before parts has the file only, and
+its first part is preceded by a copy of it (`LEGACY_PART`).
 
-On an object store every request is a round trip. Writing a part is one listing and one
-upload; reading is one listing and one fetch per part, all together, and a `PartCache`
-fetches only the parts new since its last read. A write that brings `FANOUT` parts of one
-level together compacts them (`compact`) into one part of the next level, then deletes those
-parts by name: a record is copied once per level, so n writes cost O(n) requests and a
-listing stays one page. Nothing written meanwhile is lost: only parts read are deleted, once
-their copy exists; a reader that finds a listed part gone lists again, and a record seen
-twice counts once. Local parts are never compacted (cheap to list; committed folders keep
-their files).
+On an object store a `PartCache` fetches only the parts new since its last read, and a write
+that brings `FANOUT` parts of one level together compacts them (`compact`) into one part of
+the next level: n writes cost O(n) requests and a listing stays one page. Only parts read are
+deleted, once their copy exists; a reader that finds a listed part gone lists again, and a
+record seen twice counts once. Local parts are never compacted.
 """
 
 from __future__ import annotations
@@ -58,29 +53,22 @@ def _digest(*texts: str) -> str:
 
 
 def part_name(keys: Sequence[str]) -> str:
-    """A new part's file name for the records of `keys` (trial ids, unit names): the time
-    (ns since the epoch, so name order is write order and the first record of a trial written
-    twice wins), the first key, and a digest of all keys and the writer (host, process), so
-    no two writes share a part."""
+    """A new part's file name for the records of `keys`: the time in ns (name order is write
+    order), the first key, and a digest of all keys and the writer, so no two writes share
+    a part."""
     return f"{time.time_ns():020d}-{keys[0]}-{_digest(*keys)}.jsonl"
 
 
 def part_level(name: str) -> int:
-    """How many compactions the records of part `name` (a file name) went through: 0 for a
-    part as written, L for a part `compact` wrote from parts of level L − 1."""
+    """How many compactions the records of part `name` went through (0: as written)."""
     tag = os.path.basename(name)[21:].split("-", 1)[0]
     return int(tag[2:]) if tag.startswith(_COMPACTED) and tag[2:].isdigit() else 0
 
 
 def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]]) -> str:
     """Writes `records_` as the write-once part `name` of records file `path` in one atomic
-    write (all or none; `cbs.results.records.write_atomic`) and returns the part's path. No
-    other writer touches it, so concurrent writers on any file system lose nothing.
-
-    The first part written beside a file of an older version is preceded by a copy of that
-    file's whole lines (`LEGACY_PART`): once parts exist, only they are read. On an object
-    store, a write that brings `FANOUT` parts of one level together compacts them (`compact`).
-    """
+    write and returns its path; the first part beside an older file is preceded by a copy of
+    its whole lines (`LEGACY_PART`); on an object store, compacts (module docstring)."""
     data = "".join(json.dumps({k: records.plain_value(v) for k, v in r.items()}) + "\n"
                    for r in records_)
     folder = parts_dir(path)
@@ -111,14 +99,11 @@ def _compact_levels(path: PathLike, listed: Sequence[str]) -> None:
 
 
 def compact(path: PathLike, names: Sequence[str]) -> str | None:
-    """Copies the parts `names` of records file `path` (their paths) into one new part, then
-    deletes them; returns its path (None when none of them was left to read).
+    """Copies the parts `names` (paths) of records file `path` into one new part, then
+    deletes those it read; returns its path (None when none was left to read).
 
-    The new part holds their whole lines, concatenated in name order, and is named after the
-    first of them (so it sorts where its records did) at one level above the highest. Only
-    the parts read are deleted, and only once their copy is written: a part written meanwhile
-    is not among `names` and stays, one that another compaction deleted first is skipped, and
-    a reader between the two steps sees each record twice and counts it once (`read_merged`).
+    The new part holds their whole lines in name order, is named after the first (so it sorts
+    where its records did) and is one level above the highest.
     """
     found = paths.read_many(names)
     read = sorted((os.fspath(n) for n in names if os.fspath(n) in found),
@@ -149,9 +134,8 @@ def _sorted_parts(path: PathLike, names: Iterable[str]) -> list[str]:
 
 
 class PartCache:
-    """The parts already read, by path and version (an object's generation, which a rewrite
-    changes), so that reading a records file again fetches only its new parts. Object stores
-    only: a local part is read again each time (cheap, and a damaged one is seen at once)."""
+    """The parts already read, by path and version (an object's generation), so that reading
+    again fetches only new parts (object stores only: local parts are read each time)."""
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[str, bytes]] = {}
@@ -172,8 +156,8 @@ class PartCache:
 
 
 def _read_parts(path: PathLike, cache: PartCache | None) -> list[tuple[str, bytes]]:
-    """(path, bytes) of every part of `path` in name order, as one listing holds them: a part
-    deleted between a listing and its read (compacted) is looked for in a new listing."""
+    """(path, bytes) of every part of `path` in name order, listing again when a listed part
+    was compacted away before its read."""
     cache = cache or PartCache()
     for _ in range(_ATTEMPTS):
         versions = paths.listdir_versions(parts_dir(path))
@@ -187,12 +171,10 @@ def _read_parts(path: PathLike, cache: PartCache | None) -> list[tuple[str, byte
 
 def read_merged(path: PathLike, keys: Sequence[str], *, required: Sequence[str] = (),
                 cache: PartCache | None = None) -> list[dict[str, Any]]:
-    """The records of records file `path`: those of its parts when it has any (the file is
-    then an export, never read), else those of the file (written by an older version), the
-    first record per value of `keys` only (a record written twice counts once). Each file
-    is read as by `cbs.results.records.read_records`, with `keys` and `required` required: a
-    corrupt line is skipped with a warning naming its file and line, and what it recorded
-    counts as not done. `cache`: the parts read before (`PartCache`), fetched only if new."""
+    """The records of records file `path`: those of its parts when it has any, else those of
+    the file, the first per value of `keys`. Each file is read as by
+    `cbs.results.records.read_records` with `keys` and `required` required. `cache`: the
+    parts read before (`PartCache`)."""
     return [r for _, r in _merged_lines(path, keys, (*keys, *required), cache)]
 
 
@@ -212,10 +194,8 @@ def _merged_lines(path: PathLike, keys: Sequence[str], need: Sequence[str],
 
 def export_parts(path: PathLike, keys: Sequence[str], *,
                  cache: PartCache | None = None) -> bool:
-    """Rewrites file `path` as the export of its parts: their records' lines as stored, the
-    first per value of `keys`, the older file's copy first, so a file that gained nothing
-    keeps its bytes (and is not written). Returns whether it wrote. Readers use the parts
-    (`read_merged`): an export that misses a part written meanwhile loses nothing."""
+    """Rewrites file `path` as the export of its parts (their lines as stored, the first per
+    value of `keys`); returns whether it wrote (a file that gained nothing is left alone)."""
     if not part_paths(path):
         return False
     with warnings.catch_warnings():
@@ -229,12 +209,9 @@ def export_parts(path: PathLike, keys: Sequence[str], *,
 
 def add_records(path: PathLike, keys: Sequence[str],
                 records_: Sequence[Mapping[str, Any]]) -> str:
-    """Adds `records_` (each holding `keys`) to records file `path`, which other processes may
-    also write: one write-once part (`write_part`, named after the first record's keys).
-    Locally `path` is then rewritten as the export of every part (`export_parts`), so it
-    reads as before after every call; on an object store, where that would fetch every part
-    for every record, the command exports once when it has added its records. Read them back
-    with `read_merged(path, keys)`. Returns the part's path."""
+    """Adds `records_` (each holding `keys`) to records file `path` as one write-once part
+    named after the first record's keys; returns its path. Locally `path` is then exported
+    (`export_parts`); on an object store the command exports once at its end."""
     first = "_".join(str(records_[0][k]) for k in keys)
     safe = "".join(c if c.isascii() and (c.isalnum() or c in ".-") else "_" for c in first)
     part = write_part(path, part_name([safe.strip("_") or "record"]), records_)

@@ -1,24 +1,18 @@
 """A sweep directory on disk: the trial records, their CSV export and the sweep definition.
 
-Files in a sweep directory (all appended or replaced atomically; analysis reads only these),
-which may be remote (`gs://bucket/sweep`, `cbs.results.paths`) and is created only when
-something is written:
+Files in a sweep directory (local or remote, created when something is written; the analysis
+reads only these):
 
-- `sweep.json`: the whole resolved config that determines the trials ("config", defaults
-  filled in; its "sweep" section also at the top) and the base trial grid ("trials");
-  a later launch must match it field by field (`write_definition`), or pass `redefine` to
-  change the grid only;
-- `trials.d/`: one complete record per finished trial (`TrialResult`), each group of trials
-  that finishes together one write-once part written after its last checkpoint
-  (`cbs.results.shared`: no record lost with launchers on any number of hosts, compacted on
-  object stores). A corrupt line is skipped with a warning: its trial reruns;
-- `trials.jsonl`: the records of sweeps written before parts existed, then an export of the
-  parts (`export`, at the end of each launch); the records are this file and the parts,
-  merged (first record per trial id);
-- `trials.csv`: the records flattened to one row per (trial, target);
-- `trials/<trial_id>/`: each trial's run directory (checkpoints, metrics.jsonl);
-- `locks/`: one claim per group of trials (`cbs.results.leases`), held while a launcher
-  runs it, so concurrent launchers share the work.
+- `sweep.json`: the resolved config that determines the trials ("config"; its "sweep"
+  section also at the top) and the base trial grid ("trials"); a later launch must match it
+  (`write_definition`);
+- `trials.d/`: one record per finished trial (`TrialResult`), each group of trials that
+  finishes together one write-once part (`cbs.results.shared`). A corrupt line is skipped
+  with a warning: its trial reruns;
+- `trials.jsonl`: the records of sweeps from before parts, then an export of the parts
+  (`export`); `trials.csv`: one row per (trial, target);
+- `trials/<trial_id>/`: each trial's run directory; `locks/`: one claim per group of trials
+  (`cbs.results.leases`), so concurrent launchers share the work.
 """
 
 from __future__ import annotations
@@ -55,13 +49,11 @@ IGNORED_FIELDS = OUTPUT_FIELDS + ("train.checkpoint_every", "train.keep_checkpoi
 class TrialResult:
     """What a finished trial records (one line of trials.jsonl).
 
-    status: "done" (every target reached), "budget" (budget spent first), "diverged", or
-    "dominated" (stopped once another learning rate at the same (B, seed) reached every
-    target: its later crossings could not be the fastest).
-    steps_to_target / examples_to_target: per target (as a string key), S and E = B·S at the
+    status: "done" (every target reached), "budget", "diverged", or "dominated" (stopped once
+    another learning rate at the same (B, seed) reached every target first).
+    steps_to_target / examples_to_target: per target (`target_key`), S and E = B·S at the
     first crossing of the progress metric, interpolated between evaluations; None if never.
-    noise_at_target: per target, the noise statistics measured around the crossing
-    (ratios of window averages, see `cbs.analysis.fits.selection.noise_scale_at_crossing`).
+    noise_at_target: per target, the noise statistics around the crossing.
     curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
     """
 
@@ -109,18 +101,10 @@ class SweepStore:
         return paths.join(self.sweep_dir, "trials", trial.trial_id)
 
     def write_definition(self, definition: dict[str, Any], *, redefine: bool = False) -> None:
-        """Keeps the first launch's definition; a later launch must match it.
-
-        `definition["config"]` is the whole resolved config that determines the trials (the
-        sweep section included); fields that do not change a record (`IGNORED_FIELDS`:
-        progress bars, TensorBoard, profiling, checkpoint spacing, the ramps and branch
-        sections) are left out of the comparison. A field that only one of the two
-        definitions holds (a sweep.json written before the field existed) is not compared.
-        With `redefine`, a definition that changes only the grid (`GRID_FIELDS`: batch
-        sizes, learning rates, seeds, extension rules) replaces it; finished trials that are
-        still in the new grid keep their records, the others are ignored by the analysis.
-        Any other change (model, optimizer, budget, targets, ...) needs a new directory: its
-        records would not mean the same thing.
+        """Keeps the first launch's definition; a later launch must match it on the fields
+        both hold, `IGNORED_FIELDS` aside (`definition_diff`). With `redefine`, one that
+        changes only the grid (`GRID_FIELDS`) replaces it; any other change raises
+        ValueError (its records would not mean the same thing).
         """
         path = paths.join(self.sweep_dir, files.SWEEP_FILE)
         previous = records.read_json(path)
@@ -157,9 +141,7 @@ class SweepStore:
                              "config, or a new --sweep_dir")
 
     def claim(self, name: str, *, wait: bool = False) -> leases.Claim | None:
-        """Takes the claim `name` in `locks/` (`cbs.results.leases`: an fcntl lock locally,
-        an expiring lease object on an object store); returns it, or None when another
-        process holds it and `wait` is False."""
+        """Takes the claim `name` in `locks/` (`cbs.results.leases.claim`)."""
         return leases.claim(self.lock_dir, name, wait=wait)
 
     @staticmethod
@@ -175,9 +157,8 @@ class SweepStore:
         return records.read_json(paths.join(self.sweep_dir, files.SWEEP_FILE))
 
     def records(self) -> list[dict[str, Any]]:
-        """Finished trial records (trials.jsonl and every part), first record per trial id (a
-        repeated record is ignored), in index order. On an object store only the parts that
-        are new since this store's last read are fetched."""
+        """Finished trial records (`shared.read_merged`: first record per trial id), in index
+        order."""
         out = shared.read_merged(self.path, ("trial_id",), required=("index",), cache=self._read)
         return sorted(out, key=lambda r: r["index"])
 
@@ -193,8 +174,8 @@ class SweepStore:
                           [r.to_json() for r in results])
 
     def export(self) -> None:
-        """Writes the exports: trials.jsonl (the parts' records it lacks, added; its earlier
-        lines kept byte for byte) and trials.csv."""
+        """Writes the exports trials.jsonl (earlier lines kept byte for byte) and
+        trials.csv."""
         if shared.part_paths(self.path):
             shared.export_parts(self.path, ("trial_id",), cache=self._read)
         self.export_csv()
@@ -232,9 +213,8 @@ MOVED_NOISE_FIELDS = {"noise_batch_size": "batch_size",
 
 
 def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """A config written before the measurement settings moved from `sweep.noise_*` to
-    `noise.*`, in the current layout (a copy; a current config is returned as it is):
-    examples "sampled" reads "stream", and noise_curvature_batch_size m reads
+    """An old config's `sweep.noise_*` settings moved to `noise.*` (a copy; a current config
+    as it is): examples "sampled" reads "stream", noise_curvature_batch_size m reads
     deviations = m with curvature = m > 0."""
     sweep = config.get("sweep") or {}
     if not any(k in sweep for k in MOVED_NOISE_FIELDS):
@@ -262,11 +242,8 @@ def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, 
 
 def definition_diff(old: dict[str, Any], new: dict[str, Any],
                     ignored: Sequence[str] = IGNORED_FIELDS) -> list[str]:
-    """The dotted config fields whose values differ, as "name (old -> new)", sorted.
-
-    Only fields both definitions hold are compared (a definition written before a field
-    existed matches on the fields it has); the `ignored` fields (and below) never count.
-    """
+    """The dotted config fields both definitions hold whose values differ, as "name (old ->
+    new)", sorted; the `ignored` fields (and below) never count."""
     a, b = (_config_of(json.loads(json.dumps(d)), ignored) for d in (old, new))
     return [f"{k} ({_short(a[k])} -> {_short(b[k])})" for k in sorted(set(a) & set(b))
             if a[k] != b[k]]

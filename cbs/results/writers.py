@@ -1,14 +1,9 @@
 """Metric writers: one small interface and its back ends.
 
-`MetricWriter` has the shape of clu's metric writers (`write_scalars(step, scalars)`,
-`write_hparams`, `flush`, `close`); runs, sweep groups and `cbs.stats.monitor.NoiseMonitor`
-write through it, and anything with `write_scalars` can stand in for one. `JsonlWriter`:
-`metrics.jsonl`, the record of truth (`write_records` writes a run's whole records,
-`write_scalars` one {"step": step, **scalars}); `TensorBoardWriter`: tensorboardX event files
-(the [tensorboard] extra); `WandbWriter`: a Weights & Biases run (the [wandb] extra; offline
-with `WANDB_MODE=offline`); `MultiWriter`: the same calls to several. The mirrors get a
-record's numeric fields through `record_scalars`: the namespaced keys, with the trial
-appended for a sweep group's records ("full_train/loss/trial3"), so K trials are K curves.
+`MetricWriter` has the shape of clu's metric writers; anything with `write_scalars` can stand
+in for one. `JsonlWriter`: `metrics.jsonl`, the record of truth; `TensorBoardWriter` and
+`WandbWriter` (optional extras): the mirrors, which get a record's numeric fields through
+`record_scalars`; `MultiWriter`: the same calls to several.
 """
 
 from __future__ import annotations
@@ -34,11 +29,7 @@ __all__ = [
 
 
 class MetricWriter(abc.ABC):
-    """Writes scalars against a step (the shape of clu's `MetricWriter`).
-
-    Use it as a context manager, or call `close` when done; `flush` makes what was written
-    durable (a run calls it before each checkpoint).
-    """
+    """Writes scalars against a step; a context manager (or call `close`)."""
 
     @abc.abstractmethod
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -82,16 +73,9 @@ def record_scalars(record: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
 
 
 class JsonlWriter(MetricWriter):
-    """Appends records to `metrics.jsonl` in `workdir` (`cbs.results.records` reads it).
-
-    Locally each write is one append; on an object store (`gs://...`) the records are held
-    and added to the object in one atomic write at each `flush` and at `close`.
-
-    Args:
-      workdir: the directory (local or remote) of the file.
-      start_step: records at or after this step are dropped first (a resumed run writes
-        them again; 0 starts an empty file).
-      filename: the file's name in `workdir`.
+    """Appends records to `filename` in `workdir`, dropping those at or after `start_step`
+    first. Locally each write is one append; on an object store the records are held and
+    written at each `flush` and at `close`.
     """
 
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
@@ -188,22 +172,10 @@ def import_wandb(needed_by: str = "W&B logging", instead: str = "") -> Any:
 class WandbWriter(MetricWriter):
     """A Weights & Biases run: scalars as its history, hyperparameters as its config.
 
-    Either logs into a run the caller started (`run=`; `close` leaves it open) or starts one
-    (`wandb.init` with the other arguments; `close` finishes it). W&B's entity, mode and
-    directory come from its own settings (`WANDB_ENTITY`, `WANDB_MODE=offline`, `WANDB_DIR`).
-
-    W&B keeps one increasing step axis per run: scalars at a step below one already written
-    are not sent (a resumed run writes again the steps since its checkpoint; the JSON records
-    hold them).
-
-    Args:
-      project: the W&B project.
-      run: a run already started (`wandb.init()`), instead of starting one.
-      name: the run's display name.
-      group: the run's group (a sweep's groups share the sweep's).
-      run_id: the run's id: a run started again with the same id continues it.
-      config: hyperparameters (a nested mapping).
-      **init_kwargs: more arguments of `wandb.init` (tags, notes, ...).
+    Logs into `run`, a run the caller started (`close` leaves it open), or starts one with
+    `wandb.init(project, name, group, id=run_id, config, **init_kwargs)` (`close` finishes
+    it; the same `run_id` continues a run). W&B keeps one increasing step axis per run:
+    scalars at a step below the last one written are not sent (a resume rewrites them).
     """
 
     def __init__(self, project: str | None = None, *, run: Any = None, name: str | None = None,
