@@ -13,18 +13,15 @@ Large or streamed datasets come from the host, prefetched, as global sharded arr
     loader = cbs.data.HostLoader(ds, seed=config.seed, sharding=batch_sharding)
     batch = loader(examples_seen, batch_size)                # each process reads its rows
 
-The global batch is a pure function of (seed, examples_seen, batch_size): positions
-[s, s + B) of an infinite stream of seeded epoch permutations (`cbs.data.stream`), so
-resuming, changing the batch size mid-run and splitting the batch over hosts all read the
+The global batch is a pure function of (seed, examples_seen, batch_size) (`cbs.data.stream`),
+so resuming, changing the batch size mid-run and splitting the batch over hosts all read the
 same example sequence.
 
-Registered names: digits, mnist1d, shakespeare_char (embedded, offline); linreg,
-teacher_student, teacher_regression (synthetic, known answers); mnist, fashion_mnist,
-cifar10, svhn_cropped, tiny_shakespeare, lm1b (TensorFlow Datasets, prepared locally).
-
 Modules: `dataset` (the `Dataset` type and its views), `stream` (the seeded example stream),
-`batching` (device and host batches, evaluation), and the sources `embedded` (shipped with
-the package), `synthetic` (known answers) and `tfds_source` (TensorFlow Datasets).
+`batching` (device and host batches, evaluation), and the sources `embedded` (digits,
+mnist1d, shakespeare_char: offline), `synthetic` (linreg, teacher_student,
+teacher_regression: known answers) and `tfds_source` (mnist, fashion_mnist, cifar10,
+svhn_cropped, tiny_shakespeare, lm1b: TensorFlow Datasets, prepared locally).
 """
 
 from __future__ import annotations
@@ -87,10 +84,8 @@ def _unknown_options(name: str, options) -> list[str]:
 
 
 def validate_config(data_config: Any) -> None:
-    """Checks `config.data` (a registered `name`, `options` the loader accepts) without loading.
-
-    Raises ValueError whose message starts with the field's dotted name.
-    """
+    """Checks `config.data` (a registered `name`, `options` the loader accepts) without
+    loading; raises ValueError whose message starts with the field's dotted name."""
     name = data_config.get("name") if hasattr(data_config, "get") else None
     if name not in _REGISTRY:
         raise ValueError(f"config.data.name: unknown dataset {name!r}; known: "
@@ -106,10 +101,8 @@ def validate_config(data_config: Any) -> None:
 
 
 def get_dataset(name: str, **options) -> Dataset:
-    """The dataset `name` built with `options` (see `dataset_options(name)`).
-
-    Unknown names and options raise ValueError listing the known ones.
-    """
+    """The dataset `name` built with `options`; ValueError listing the known names and
+    options (`dataset_options(name)`) for unknown ones."""
     unknown = _unknown_options(name, options)
     if unknown:
         raise ValueError(f"unknown options {unknown} for dataset {name!r}; known: "

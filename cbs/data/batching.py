@@ -1,19 +1,12 @@
 """Batches from the example stream: on device (jit), on the host with prefetch, multi-host.
 
-Letters: s examples seen (stream position), B global batch size, N examples in the split,
-P processes.
+Letters: s examples seen (stream position), B global batch size, N examples in the split.
 
-The global batch at (seed, s, B) is stream positions [s, s + B) (see `cbs.data.stream`);
-every function here returns exactly that batch, or the rows of it that a process holds:
-
-- `device_batch`: inside jit, from the split's arrays already on device; s may be traced.
-  A train step takes (arrays, examples_seen) and gathers its own batch.
-- `host_batch`: numpy, for streamed splits (random-access records) or any split.
-- `global_batch`: each process reads only the rows of the global batch that its devices
-  hold on the sharding's data axis and the global jax.Array is assembled with
-  `jax.make_array_from_process_local_data`.
-- `HostLoader`: `host_batch`/`global_batch` with background prefetch of the next batches.
-- `eval_batches` / `evaluate`: fixed order, deterministic (the split from its first example).
+The global batch at (seed, s, B) is stream positions [s, s + B) (`cbs.data.stream`); every
+function here returns exactly that batch, or the rows of it that a process holds:
+`device_batch` inside jit from arrays on device (s may be traced), `host_batch` in numpy,
+`global_batch` as global arrays from each process's own rows, `HostLoader` with prefetch.
+`eval_batches` and `evaluate` read a split in order from its first example.
 """
 
 from __future__ import annotations
@@ -37,11 +30,8 @@ __all__ = [  # and, public as cbs.data.HostLoader and cbs.data.make_batch_fn, th
 
 def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, batch_size: int,
                  *, seed, split: str = "train", shuffle: bool = True) -> Batch:
-    """Global batch at stream positions [s, s + B), gathered from device-resident `arrays`.
-
-    Jittable in `arrays`, `examples_seen` (int32 scalar) and `seed`; `batch_size` static.
-    Constrain the result to the batch sharding inside the step to split the gather.
-    """
+    """Global batch at stream positions [s, s + B), gathered from device-resident `arrays`;
+    jittable in `arrays`, `examples_seen` (int32 scalar) and `seed`, `batch_size` static."""
     num = dataset.split(split).num_examples
     check_batch_size(batch_size, num, f"{dataset.name}/{split}")
     idx_B = stream_indices_jax(examples_seen, batch_size, num, seed, shuffle=shuffle)
@@ -67,11 +57,8 @@ def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: i
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:
-    """Sorted global batch rows held by this process's devices under `sharding`.
-
-    These rows, in this order, are the process-local data that
-    `jax.make_array_from_process_local_data` expects.
-    """
+    """Sorted global batch rows held by this process's devices under `sharding`: the
+    process-local data `jax.make_array_from_process_local_data` expects."""
     if global_shape[0] % _data_shards(sharding, global_shape):
         raise ValueError(f"batch_size={global_shape[0]} is not divisible by the "
                          f"{_data_shards(sharding, global_shape)} shards of the batch axis")
@@ -104,12 +91,9 @@ def global_batch(dataset: Dataset, sharding: jax.sharding.Sharding, examples_see
 
 
 class HostLoader:
-    """`host_batch` (or `global_batch` when `sharding` is given) with background prefetch.
-
-    Call it like the pure function, `loader(examples_seen, batch_size)`: the answer is
-    always that batch. After each call it starts reading the next `prefetch` batches,
-    assuming the batch size stays the same or follows `batch_size_fn(examples_seen)`;
-    a call that differs from the guess is simply read on the spot.
+    """`loader(examples_seen, batch_size)`: `host_batch` (`global_batch` with `sharding`),
+    prefetching the next `prefetch` batches, whose size stays or follows
+    `batch_size_fn(examples_seen)`; a call that differs from the guess is read on the spot.
     """
 
     def __init__(self, dataset: Dataset, *, seed: int, split: str = "train",
@@ -165,8 +149,8 @@ class HostLoader:
 def eval_batches(dataset: Dataset, batch_size: int, *, split: str = "eval",
                  limit: int | None = None) -> Iterator[Batch]:
     """Numpy batches of examples 0, 1, ..., min(N, limit) - 1 in order (last one shorter)."""
-    n = dataset.split(split).num_examples if limit is None else min(
-        limit, dataset.split(split).num_examples)
+    num = dataset.split(split).num_examples
+    n = num if limit is None else min(limit, num)
     for start in range(0, n, batch_size):
         yield dataset.split(split).read(np.arange(start, min(start + batch_size, n)))
 
@@ -178,13 +162,9 @@ def _weighted(value, weight: int) -> jax.Array:
 def evaluate(metric_fn: Callable[[Batch], Any], dataset: Dataset, *, batch_size: int = 1024,
              split: str = "eval", limit: int | None = None,
              arrays: dict[str, jax.Array] | None = None) -> Any:
-    """Example-weighted mean of `metric_fn(batch)` over a split in fixed chunks.
-
-    metric_fn returns batch means (a scalar or a pytree of scalars), e.g. a jitted loss.
-    With `arrays` (the split on device, `dataset.device_arrays(split)`) chunks are gathered
-    on device; otherwise they come from the host. Use split="train" to evaluate the full
-    training set of a small dataset. Returns the same structure holding Python floats.
-    """
+    """Example-weighted mean of `metric_fn(batch)` (batch means: a scalar or a pytree of
+    scalars) over a split in fixed chunks, as Python floats. With `arrays` (the split on
+    device, `dataset.device_arrays(split)`) chunks are gathered on device."""
     num = dataset.split(split).num_examples
     n = num if limit is None else min(limit, num)
     if n < 1:

@@ -2,14 +2,10 @@
 
 Letters: N examples, D features, T sequence length, V vocabulary size.
 
-- digits: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes), pixels scaled
-  from 0..16 to [0, 1]; a fixed train/eval split drawn from `split_seed`.
-- mnist1d: Greydanus (2020) MNIST-1D, procedurally generated offline by the `mnist1d`
-  package (`make_dataset` with its default arguments: 4,000 train / 1,000 eval signals of
-  length 40, 10 classes, already standardised).
-- shakespeare_char: Shakespeare's 38 plays as plain text (public domain, shipped compressed in
-  the package; speaker lines are "NAME:"), characters as tokens; the first 90% of the text
-  trains, the last 10% evaluates.
+- digits: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes) in [0, 1].
+- mnist1d: Greydanus (2020) MNIST-1D, generated offline by the `mnist1d` package.
+- shakespeare_char: Shakespeare's 38 plays as plain text (public domain, shipped compressed),
+  characters as tokens; the first 90% of the text trains, the last 10% evaluates.
 """
 
 from __future__ import annotations
@@ -56,10 +52,8 @@ def _classification(name: str, x_train, y_train, x_eval, y_eval, *, num_classes:
 
 def digits(*, split_seed: int = 0, eval_fraction: float = 0.2, flatten: bool = True,
            one_hot: bool = False) -> Dataset:
-    """scikit-learn digits: x float32 [N, 64] in [0, 1] ([N, 8, 8, 1] if not flatten).
-
-    Default split: 1,438 train / 359 eval examples, fixed by `split_seed`.
-    """
+    """scikit-learn digits: x float32 [N, 64] in [0, 1] ([N, 8, 8, 1] if not flatten);
+    1,438 train / 359 eval examples by default, split by `split_seed`."""
     pixels, labels = _digits_arrays()
     x = (pixels / 16.0).astype(np.float32)
     y = labels.astype(np.int32)
@@ -73,10 +67,9 @@ def digits(*, split_seed: int = 0, eval_fraction: float = 0.2, flatten: bool = T
 
 @functools.lru_cache(maxsize=1)
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(pixels float64 [1797, 64] in 0..16, labels [1797]): scikit-learn's digits.csv.gz,
-    read as `sklearn.datasets.load_digits` reads it but without importing scikit-learn (its
-    import costs about 2 s of every process that trains on digits); `load_digits` itself
-    where the file is not at its usual place in the installed package."""
+    """(pixels float64 [1797, 64] in 0..16, labels [1797]) from scikit-learn's
+    digits.csv.gz without importing scikit-learn (about 2 s); `load_digits` where the file
+    is not at its usual place."""
     spec = importlib.util.find_spec("sklearn")
     folders = list(spec.submodule_search_locations or []) if spec else []
     path = next((f for f in (os.path.join(d, "datasets", "data", "digits.csv.gz")
@@ -91,11 +84,8 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 
 def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
-    """MNIST-1D: x float32 [N, 40], 10 classes, 4,000 train / 1,000 eval by default.
-
-    `dataset_args` override entries of `mnist1d.data.get_dataset_args()` (for instance
-    num_samples, seed). Generation is offline and leaves the global RNGs untouched.
-    """
+    """MNIST-1D: x float32 [N, 40], 10 classes, 4,000 train / 1,000 eval by default;
+    `dataset_args` override `mnist1d.data.get_dataset_args()`. Leaves the global RNGs be."""
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as err:
@@ -107,16 +97,12 @@ def mnist1d(*, one_hot: bool = False, **dataset_args) -> Dataset:
     if unknown:
         raise ValueError(f"unknown mnist1d options {unknown}; known: {sorted(args)}")
     args.update(dataset_args)
-    data = _make_mnist1d(tuple(sorted((k, _hashable(v)) for k, v in args.items())),
-                         make_dataset)
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in args.items()))
+    data = _make_mnist1d(items, make_dataset)
     return _classification(
         "mnist1d", data["x"].astype(np.float32), data["y"].astype(np.int32),
         data["x_test"].astype(np.float32), data["y_test"].astype(np.int32),
         num_classes=10, flatten=True, one_hot=one_hot, metadata={"mnist1d_args": args})
-
-
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
 
 
 @functools.lru_cache(maxsize=4)
@@ -137,12 +123,8 @@ PLAYS_FILE = "files/shakespeare_plays.json.xz"
 
 @functools.lru_cache(maxsize=1)
 def shakespeare_plays() -> dict[str, str]:
-    """{"genre/stem": plain text} of the 38 plays shipped with cbs, in path order.
-
-    The text is public domain; it was taken from the markdown edition of the plays and
-    stripped of markup (headings, bold, italics and escapes removed, speakers as "NAME:",
-    trailing spaces and runs of blank lines collapsed), then compressed (1.5 MB).
-    """
+    """{"genre/stem": plain text} of the 38 plays shipped with cbs, in path order (public
+    domain; markup stripped, speakers as "NAME:")."""
     raw = importlib.resources.files("cbs.data").joinpath(PLAYS_FILE).read_bytes()
     return json.loads(lzma.decompress(raw))
 
@@ -190,11 +172,8 @@ def char_lm(name: str, train_text: str, eval_text: str, *, seq_len: int,
 def shakespeare_char(*, seq_len: int = 128, stride: int | None = None,
                      eval_fraction: float = 0.1,
                      plays: tuple[str, ...] | list[str] | None = None) -> Dataset:
-    """Shakespeare's plays as characters: x, y int32 [B, seq_len].
-
-    Train examples are windows starting every `stride` characters (default seq_len:
-    each character is predicted once per epoch); eval windows do not overlap.
-    """
+    """Shakespeare's plays as characters: x, y int32 [B, seq_len]; train windows start every
+    `stride` characters (default seq_len), eval windows do not overlap."""
     text = shakespeare_text(None if plays is None else tuple(plays))
     cut = len(text) - _eval_count(len(text), eval_fraction)
     return char_lm("shakespeare_char", text[:cut], text[cut:], seq_len=seq_len, stride=stride,

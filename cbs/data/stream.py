@@ -12,10 +12,9 @@ stream in order: no example is skipped or repeated within an epoch.
 π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by
 index: round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of
 max(x, K_r − x) is odd; each round is an involution, so the composition is a permutation for
-any N, with no cycle walking or data-dependent loop. R = 2⌈log2 N⌉ + 16 rounds (fixed points
-and 2-cycles then match a uniform permutation's in Monte Carlo checks); a batch costs O(B·R)
-for any N, as R elementwise steps on device. Keys use threefry whatever jax's default PRNG.
-The numpy and jax versions are the same uint32 arithmetic and return identical indices, so
+any N. R = 2⌈log2 N⌉ + 16 rounds (fixed points and 2-cycles then match a uniform
+permutation's in Monte Carlo checks); a batch costs O(B·R) for any N. Keys use threefry
+whatever jax's default PRNG. The numpy and jax versions are the same uint32 arithmetic, so
 the host path and the on-device gather deliver identical batches. The host caches whole
 epoch tables for N ≤ 2^22.
 """
@@ -30,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "MAX_EXAMPLES", "check_batch_size", "epoch_keys", "num_rounds", "permute_np",
-    "positions_to_indices_np", "stream_indices", "stream_indices_jax", "stream_indices_np",
+    "MAX_EXAMPLES", "check_batch_size", "epoch_keys", "num_rounds", "positions_to_indices_np",
+    "stream_indices", "stream_indices_jax", "stream_indices_np",
 ]
 
 MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
@@ -108,19 +107,6 @@ def _epoch_table(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     return _swap_or_not(np, np.arange(num_examples, dtype=np.uint32), keys, num_examples)
 
 
-def permute_np(i_B: np.ndarray, epoch_B: np.ndarray, num_examples: int, seed: int) -> np.ndarray:
-    """π_epoch(i) for indices i in [0, N) (numpy, host)."""
-    out = np.empty(i_B.shape, np.int64)
-    for e in np.unique(epoch_B):
-        sel = epoch_B == e
-        if num_examples <= _TABLE_MAX:
-            out[sel] = _epoch_table(int(seed), int(e), num_examples)[i_B[sel]]
-        else:
-            keys = epoch_keys(int(seed), int(e), num_rounds(num_examples))
-            out[sel] = _swap_or_not(np, i_B[sel], keys, num_examples)
-    return out
-
-
 def stream_indices_np(examples_seen: int, batch_size: int, num_examples: int, seed: int,
                       *, shuffle: bool = True) -> np.ndarray:
     """Example indices int64 [B] at stream positions [s, s + B) (host; exact Python ints)."""
@@ -138,7 +124,15 @@ def positions_to_indices_np(positions: np.ndarray, num_examples: int, seed: int,
     epoch, offset = np.divmod(positions, num_examples)
     if not shuffle:
         return offset
-    return permute_np(offset, epoch, num_examples, seed)
+    out = np.empty(offset.shape, np.int64)  # π_epoch(offset), one epoch at a time
+    for e in np.unique(epoch):
+        sel = epoch == e
+        if num_examples <= _TABLE_MAX:
+            out[sel] = _epoch_table(int(seed), int(e), num_examples)[offset[sel]]
+        else:
+            keys = epoch_keys(int(seed), int(e), num_rounds(num_examples))
+            out[sel] = _swap_or_not(np, offset[sel], keys, num_examples)
+    return out
 
 
 def stream_indices_jax(examples_seen: jax.Array | int, batch_size: int, num_examples: int,

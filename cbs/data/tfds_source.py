@@ -3,20 +3,15 @@
 Letters: N examples, H×W×C images, T sequence length.
 
 Reading prefers `tfds.data_source` (array_record files, random access, no TensorFlow);
-`tfds.load` is used when the prepared copy is TFRecord-only (or `reader="load"`) and
-TensorFlow is importable. Nothing is downloaded unless `download=True`
-(`--config.data.options.download=True`): a dataset that is not prepared under `data_dir`
-fails at once with the command that prepares it, and a download without a reachable
-network (the HTTPS proxy, when one is set, or storage.googleapis.com) fails within
-NETWORK_TIMEOUT_S with one line instead of retrying for minutes.
+`tfds.load` reads a TFRecord-only copy (or `reader="load"`). Nothing is downloaded unless
+`download=True`: an unprepared dataset fails at once with the command that prepares it, and
+a download without a reachable network fails within NETWORK_TIMEOUT_S with one line.
 
-- Images: stored uint8 [N, H, W, C] (in memory by default; the device gathers them),
-  batches x float32 [B, H, W, C] (or flattened) normalised by `normalize`.
-- tiny_shakespeare: the text of each split, characters as tokens, windows as for
-  shakespeare_char.
+- Images: stored uint8 [N, H, W, C], batches x float32 [B, H, W, C] (or flattened).
+- tiny_shakespeare: characters as tokens, windows as for shakespeare_char.
 - lm1b: UTF-8 bytes (vocab 256), streamed. Example i is the first T + 1 bytes of the
   split's sentences i, i+1, ... joined by "\n" (wrapping at the end), so every example is
-  full length, each sentence starts one example per epoch, and reading is random access.
+  full length and each sentence starts one example per epoch.
 """
 
 from __future__ import annotations
@@ -112,11 +107,8 @@ def _download_address() -> tuple[str, int]:
 
 def check_network(name: str, data_dir: str, download_fn=None) -> None:
     """Raises ConnectionError (one line) within NETWORK_TIMEOUT_S when a download of `name`
-    cannot reach the network, instead of TFDS retrying for minutes.
-
-    `download_fn`: the download about to run; one that is not TFDS's own (for instance under
-    `tfds.testing.mock_data`) downloads nothing, so nothing is checked.
-    """
+    cannot reach the network; nothing is checked when `download_fn`, the download about to
+    run, is not TFDS's own (`tfds.testing.mock_data`)."""
     if download_fn is not None and not getattr(download_fn, "__module__", "").startswith(
             "tensorflow_datasets.core"):
         return
@@ -185,9 +177,8 @@ def tfds_images(name: str, *, data_dir: str | None = None, download: bool = Fals
                 flatten: bool = False, one_hot: bool = False) -> Dataset:
     """mnist / fashion_mnist / cifar10 / svhn_cropped: x float32 [B, H, W, C], y int32 [B].
 
-    normalize: "unit" (x/255), "standard" (per-channel mean/std of the train split, from
-    its first 10,000 examples when streamed) or None (raw 0..255).
-    in_memory=False streams records through the host path instead of holding uint8 arrays.
+    normalize: "unit" (x/255), "standard" (per-channel mean/std of the train split's first
+    10,000 examples) or None (0..255); in_memory=False streams records through the host.
     """
     builder = _builder(name, data_dir, download)
     eval_split = IMAGE_DATASETS[name]
