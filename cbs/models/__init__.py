@@ -6,9 +6,9 @@
     loss_fn = make_loss_fn(graphdef, rest, ds.task)      # loss_fn(params, batch) -> mean loss
 
 `default_model_config(name)` documents every field of the `model` sub-config. A new
-architecture is one module with a `@register(name, default_config=...)` build function
-(`cbs.models.registry`), imported below. Models whose `couples_examples` attribute is True
-(CNN with BatchNorm) have no per-example loss in training mode; see `cbs.models.losses`.
+architecture is one module with a `@register(name, default_config=...)` build function,
+imported below. Models whose `couples_examples` is True (CNN with BatchNorm) have no
+per-example loss in training mode.
 
 Modules: `registry` (names to build functions), `layers` (the shared layers), the
 architectures `mlp`, `cnn`, `transformer` and `lm`, and `losses` (losses and evaluation).
@@ -46,14 +46,8 @@ def default_model_config(name: str = "mlp") -> ml_collections.ConfigDict:
 def build_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequence[int],
                 num_classes: int | None = None, vocab_size: int | None = None,
                 rngs: nnx.Rngs, verbose: bool = True) -> nnx.Module:
-    """Builds the model that `model_config` (see `default_model_config`) describes.
-
-    Args:
-      input_shape: shape of one example's "x" (without the batch axis); [T] for the LM.
-      num_classes: outputs of the MLP/CNN head; None means regression (one output).
-      vocab_size: vocabulary of a language model.
-      rngs: initialisation randomness.
-      verbose: print `model_summary` (process 0 only).
+    """Builds the model that `model_config` (see `default_model_config`) describes, for
+    inputs as `registry.ModelInputs` holds them; `verbose` prints `model_summary` (process 0).
     """
     spec = registry.get(model_config.name)
     inputs = registry.ModelInputs(tuple(input_shape), num_classes, vocab_size)

@@ -7,10 +7,8 @@ Normalisation (`norm`):
 - "layernorm": `cbs.models.layers.LayerNorm` over the channels of each position (per example).
 - "groupnorm": `cbs.models.layers.GroupNorm` over (H, W, C/groups) of each example.
 - "batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
-  mode (G = 0: the whole batch). This couples the examples of a ghost batch, so per-example
-  losses and gradients are ill-defined in training mode: the model sets
-  `couples_examples = True` and per-example noise statistics must not be taken from it
-  (evaluation mode, which uses the running averages, is per-example again).
+  mode (G = 0: the whole batch). This couples the examples of a ghost batch, so the model sets
+  `couples_examples = True`: no per-example statistics in training mode.
 
 Inputs of rank 1 ([L], e.g. a 1-D signal) are treated as [L, 1, 1] with (k, 1) kernels; inputs
 of rank 2 ([H, W]) get one channel.
@@ -117,13 +115,9 @@ class CNN(nnx.Module):
                             + f", act={activation})")
 
     def _pool(self, x_BxHxWxC: jax.Array) -> jax.Array:
-        """2×2 stride-2 VALID pooling (1 along a size-1 axis) as a reshape and a reduction.
-
-        The same values as `nnx.max_pool`/`nnx.avg_pool` (a trailing odd row or column is
-        dropped), but its gradient is an elementwise select: on XLA:CPU the gradient of the
-        `reduce_window` form (`select_and_scatter_add`) took two thirds of the default CNN's
-        training step.
-        """
+        """2×2 stride-2 VALID pooling (1 along a size-1 axis), the values of `nnx.max_pool`,
+        as a reshape and a reduction: on XLA:CPU the gradient of the `reduce_window` form took
+        two thirds of the default CNN's training step."""
         b, h, w, c = x_BxHxWxC.shape
         wh, ww = (2 if h > 1 else 1), (2 if w > 1 else 1)
         x = x_BxHxWxC[:, :h // wh * wh, :w // ww * ww]

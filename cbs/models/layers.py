@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = [
-    "Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "conv2d", "default_embedding_init",
+    "Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "default_embedding_init",
     "default_kernel_init", "embed", "linear", "scale_shift",
 ]
 
@@ -34,14 +34,6 @@ def _value(param: nnx.Param | None) -> jax.Array | None:
 def linear(x_BxTxD: jax.Array, kernel_DxO: jax.Array, bias_O: jax.Array | None) -> jax.Array:
     """y = x @ kernel + bias over the last axis."""
     y = x_BxTxD @ kernel_DxO
-    return y if bias_O is None else y + bias_O
-
-
-def conv2d(x_BxHxWxD: jax.Array, kernel: jax.Array, bias_O: jax.Array | None, *,
-           strides: tuple[int, ...], padding) -> jax.Array:
-    """NHWC convolution with an HWIO kernel, plus bias."""
-    y = jax.lax.conv_general_dilated(x_BxHxWxD, kernel, strides, padding,
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return y if bias_O is None else y + bias_O
 
 
@@ -83,8 +75,9 @@ class Conv(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxHxWxD: jax.Array) -> jax.Array:
-        return conv2d(x_BxHxWxD, self.kernel[...], _value(self.bias), strides=self.strides,
-                      padding=self.padding)
+        y = jax.lax.conv_general_dilated(x_BxHxWxD, self.kernel[...], self.strides, self.padding,
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Embed(nnx.Module):

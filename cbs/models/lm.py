@@ -9,20 +9,17 @@ V vocabulary, L layers.
     logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
 
 Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
-biases. `attention` picks its kernel (ATTENTION): "xla" forms the [B, H, T, T] scores in
-float32; "cudnn" calls `jax.nn.dot_product_attention` with cuDNN's fused (flash) kernel (GPU,
-bfloat16/float16, head width a multiple of 8 up to 128); "auto" takes cuDNN where it applies
-(every CPU number is the "xla" one).
+biases; `attention` (ATTENTION) picks "xla" (float32 [B, H, T, T] scores) or "cudnn" (the
+fused kernel of `jax.nn.dot_product_attention`; GPU, bfloat16/float16, head width a multiple
+of 8 up to 128), "auto" cuDNN where it applies.
 
 The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...], built with
-`nnx.vmap` and run with `nnx.scan` (compile time and program size do not grow with L).
-`remat` wraps the scanned body in `nnx.remat` with a `jax.checkpoint` policy (REMAT_POLICIES):
-"none" keeps all activations, "full" recomputes the block, "dots" keeps matmul outputs,
-"dots_no_batch" keeps only matmuls without batch dimensions.
+`nnx.vmap` and run with `nnx.scan` (compile time does not grow with L). `remat`
+(REMAT_POLICIES): "none" keeps all activations, "full" recomputes the block, "dots" keeps
+matmul outputs, "dots_no_batch" only those without batch dimensions.
 
-Precision: parameters (so optimizer state and gradients) are float32; matmuls and activations
-run in `compute_dtype` (bfloat16 by default, parameters cast at their use); normalisation
-statistics, softmax and the loss are float32, the logits rounded to the compute dtype.
+Precision: parameters float32; matmuls and activations in `compute_dtype` (bfloat16 by
+default); normalisation statistics, softmax and the loss float32.
 
 Parameter names are what `cbs.runtime.mesh.LM_RULES` shards by: `embed`, `head`,
 `blocks/{wq,wk,wv,wo,w_gate,w_up,w_down,attn_norm,mlp_norm}`, `final_norm`.
@@ -38,7 +35,6 @@ Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D e
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +42,11 @@ import ml_collections
 from flax import nnx
 
 from cbs.models.registry import ModelInputs, check_positive, register
-from cbs.models.transformer import lm_flops_per_token, rotary
+from cbs.models.transformer import TransformerSize, lm_flops_per_token, rotary
 
 __all__ = [
-    "ATTENTION", "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "LMSize", "build_lm",
-    "lm_fields", "lm_flops", "remat_policy", "resolve_attention", "resolve_size", "rms_norm",
+    "ATTENTION", "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "build_lm", "lm_fields",
+    "lm_flops", "remat_policy", "resolve_attention", "resolve_size", "rms_norm",
 ]
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -58,22 +54,12 @@ ATTENTION = ("auto", "xla", "cudnn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-@dataclass(frozen=True)
-class LMSize:
-    """One row of the size table."""
-
-    d_model: int
-    num_layers: int
-    num_heads: int
-    d_ff: int
-
-
-LM_SIZES: dict[str, LMSize] = {
-    "tiny": LMSize(32, 2, 2, 64),
-    "small": LMSize(256, 4, 4, 704),
-    "124m": LMSize(768, 12, 12, 2048),
-    "350m": LMSize(1024, 24, 16, 2816),
-    "1b": LMSize(2048, 16, 16, 5632),
+LM_SIZES: dict[str, TransformerSize] = {
+    "tiny": TransformerSize(32, 2, 2, 64),
+    "small": TransformerSize(256, 4, 4, 704),
+    "124m": TransformerSize(768, 12, 12, 2048),
+    "350m": TransformerSize(1024, 24, 16, 2816),
+    "1b": TransformerSize(2048, 16, 16, 5632),
 }
 
 
@@ -215,10 +201,8 @@ class LM(nnx.Module):
                        unroll=self.scan_unroll)
         h_BxTxD = rms_norm(run(h_BxTxD, self.blocks), self.final_norm[...])
         head_DxV = self.embed[...].T if self.head is None else self.head[...]
-        # The vocabulary projection's output in the compute dtype (its sums accumulate in
-        # float32 inside the matmul), widened for the loss: the backward pass then multiplies
-        # a compute-dtype cotangent, where a float32 output would make both of its [B·T, V]
-        # matmuls float32 ones (on an H200, 17 % of the 124m step in TF32).
+        # Logits in the compute dtype (accumulated in float32), widened for the loss: a float32
+        # output would make both backward [B·T, V] matmuls float32 (17 % of the 124m step, H200).
         logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, head_DxV.astype(self.compute_dtype),
                                   preferred_element_type=self.compute_dtype)
         return logits_BxTxV.astype(jnp.float32)
@@ -240,14 +224,14 @@ def lm_fields() -> ml_collections.ConfigDict:
     return c
 
 
-def resolve_size(c: ml_collections.ConfigDict) -> LMSize:
+def resolve_size(c: ml_collections.ConfigDict) -> TransformerSize:
     """The (d_model, num_layers, num_heads, d_ff) that config `c` asks for."""
     if c.size not in LM_SIZES:
         raise ValueError(f"model.size={c.size!r} is not one of {tuple(LM_SIZES)}")
     for field in ("d_model", "num_layers", "num_heads", "d_ff"):
         check_positive(c, field, allow_zero=True)
     row = LM_SIZES[c.size]
-    return LMSize(c.d_model or row.d_model, c.num_layers or row.num_layers,
+    return TransformerSize(c.d_model or row.d_model, c.num_layers or row.num_layers,
                   c.num_heads or row.num_heads, c.d_ff or row.d_ff)
 
 

@@ -99,13 +99,10 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str, *,
                  train: bool = True, return_state: bool = False) -> Callable:
     """loss_fn(params, batch) -> scalar mean of ℓ_i over the leading axis of batch["x"].
 
-    Args:
-      graphdef, rest_state: from `split_model(model)`; `rest_state` is closed over (build the
-        function inside the jitted step when it changes, e.g. BatchNorm statistics).
-      task: "classification", "lm" or "regression".
-      train: run the model in training mode (BatchNorm uses batch statistics) or eval mode.
-      return_state: return (loss, new_rest_state) instead, for use with `has_aux=True`, so a
-        training step can keep the BatchNorm running averages that the forward pass updated.
+    graphdef, rest_state: from `split_model(model)`; `rest_state` is closed over (build the
+    function inside the jitted step when it changes). train: training mode (BatchNorm uses
+    batch statistics) or eval mode. return_state: return (loss, new_rest_state) instead, for
+    `has_aux=True`, keeping the BatchNorm running averages the forward pass updated.
     """
     _check_task(task)
 
@@ -122,12 +119,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str, *,
 
 
 def make_eval_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str) -> Callable:
-    """eval_fn(params, batch) -> dict of sums, in eval mode, for exact evaluation in chunks.
-
-    Returns {"loss_sum": Σ_i m_i ℓ_i, "count": Σ_i m_i} and, except for regression,
-    {"correct_sum": Σ_i m_i acc_i}; m_i = batch["mask"] when given (1 real, 0 padding, so a
-    short last chunk can be padded to a fixed shape), else 1. Add the sums over chunks, then
-    divide by "count".
+    """eval_fn(params, batch) -> sums in eval mode, for exact evaluation in chunks:
+    {"loss_sum": Σ_i m_i ℓ_i, "count": Σ_i m_i} and, except for regression, "correct_sum":
+    Σ_i m_i acc_i; m_i = batch["mask"] (1 real, 0 padding) when given, else 1.
     """
     _check_task(task)
 

@@ -35,10 +35,8 @@ def get_activation(name: str, field: str = "model.activation") -> Callable[[jax.
 
 
 class MLP(nnx.Module):
-    """Flatten the input, then Linear → activation for each hidden size, then a Linear head.
-
-    Input x: float [B, ...features]; output: [B, O].
-    """
+    """Flatten, then Linear → activation per hidden size, then a Linear head: [B, ...] →
+    [B, O]."""
 
     couples_examples = False
 

@@ -3,11 +3,9 @@
     @register("mlp", default_config=mlp_fields)
     def build_mlp(config, inputs, rngs) -> nnx.Module: ...
 
-`default_config` returns the architecture's fields of the `model` sub-config (every field
-with a trailing comment giving its meaning); `build(config, inputs, rngs)` checks them and
-builds the model, raising ValueError("model.<field>: ...") for a bad value. `ModelInputs`
-carries what the dataset decides: one example's input shape, the number of classes (None for
-regression) and the vocabulary size (language models).
+`default_config` returns the architecture's fields of the `model` sub-config (each with a
+trailing comment giving its meaning); `build(config, inputs, rngs)` checks them, raising
+ValueError("model.<field>...") for a bad value, and builds the model.
 """
 
 from __future__ import annotations

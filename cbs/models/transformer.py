@@ -8,9 +8,8 @@ F MLP width, V vocabulary, L layers, S key positions.
     logits = LN(h_L) W_out            (W_out = E^T when embeddings are tied)
 
 Attention is softmax(q k^T / sqrt(K) + causal mask) v with separate q, k, v, o
-`cbs.models.layers.Linear` projections, written as einsums so every parameter sits in a
-layer whose per-example gradient norm has a fast path. Rotary positions (Su et al. 2021, eq.
-34, "rotate half" layout) rotate q and k and add no parameters. Initialisation (GPT-2 style):
+`cbs.models.layers.Linear` projections. Rotary positions (Su et al. 2021, eq. 34, "rotate
+half" layout) rotate q and k and add no parameters. Initialisation (GPT-2 style):
 embeddings and projections N(0, 0.02^2), the residual output projections (attention o and
 MLP W_2) N(0, (0.02 / sqrt(2L))^2), biases zero, LN scale one.
 
@@ -44,7 +43,7 @@ POSITIONS = ("learned", "rotary")
 
 @dataclass(frozen=True)
 class TransformerSize:
-    """One row of the size table."""
+    """One row of a size table (`SIZES`, `cbs.models.lm.LM_SIZES`)."""
 
     d_model: int
     num_layers: int
