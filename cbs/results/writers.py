@@ -64,8 +64,7 @@ def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
 
 def record_scalars(record: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
     """(step, scalars) of a run's record for the mirrors: its numeric fields with a namespaced
-    key ("train/loss"; not "step", "kind" or "trial"), the key suffixed with the trial
-    ("eval/loss/trial3") for a record of one trial of a group."""
+    key ("train/loss"), suffixed with the trial of a group's record ("eval/loss/trial3")."""
     trial = record.get("trial")
     suffix = "" if trial is None else f"/trial{trial}"
     scalars = _numbers({k + suffix: v for k, v in record.items() if "/" in k})
@@ -237,21 +236,19 @@ class MultiWriter(MetricWriter):
     def __init__(self, writers: Sequence[Any]):
         self.writers = list(writers)
 
-    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    def _each(self, method: str, *args: Any) -> None:
         for w in self.writers:
-            w.write_scalars(step, scalars)
+            if hasattr(w, method):
+                getattr(w, method)(*args)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        self._each("write_scalars", step, scalars)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        for w in self.writers:
-            if hasattr(w, "write_hparams"):
-                w.write_hparams(hparams)
+        self._each("write_hparams", hparams)
 
     def flush(self) -> None:
-        for w in self.writers:
-            if hasattr(w, "flush"):
-                w.flush()
+        self._each("flush")
 
     def close(self) -> None:
-        for w in self.writers:
-            if hasattr(w, "close"):
-                w.close()
+        self._each("close")

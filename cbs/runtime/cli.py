@@ -80,8 +80,7 @@ def _raised_in_our_code(err: BaseException) -> bool:
 
 
 def is_missing_extra(err: BaseException) -> bool:
-    """The ImportError cbs raises for a feature whose extra is missing (it names the
-    `pip install` line); an ImportError of a broken installation stays a bug."""
+    """The ImportError cbs raises for a missing extra (naming the `pip install` line)."""
     return (isinstance(err, ImportError) and "pip install" in str(err)
             and _raised_in_our_code(err))
 
@@ -143,8 +142,7 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
 
 
 def _root_cause(err: BaseException) -> BaseException:
-    """The first user error in `err`'s chain (a config file's own ValueError inside the flag
-    library's wrappers), else `err`."""
+    """The first user error in `err`'s chain (inside the flag library's wrappers), else `err`."""
     seen: set[int] = set()
     chain: BaseException | None = err
     while chain is not None and id(chain) not in seen:
@@ -167,8 +165,8 @@ def _config_field_error(argv: Sequence[str], err: Exception) -> str:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing whose errors (bad flags, a config file that does not parse or fails,
-    unknown config fields) are one line and exit status 2."""
+    """absl flag parsing whose errors (bad flags, a bad config file or field) are one line and
+    exit status 2."""
     try:
         return flags.FLAGS(argv)
     except Exception as err:
@@ -195,17 +193,13 @@ def _flag_error(argv: list[str], err: Exception) -> str:
     return message(err)
 
 
-def _config_files(argv: Sequence[str]) -> list[str]:
-    return [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
-            if a.startswith("--config=")]
-
-
 def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
-    """`FILE:LINE: error` when `err` (or an error in its chain) is a syntax error in a Python
-    file, or a bug raised by a line of the --config file itself; else None."""
+    """`FILE:LINE: error` for a syntax error in `err`'s chain, or a bug raised by a line of
+    the --config file itself; else None."""
     seen: set[int] = set()
     chain: BaseException | None = err
-    configs = _config_files(argv)
+    configs = [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
+               if a.startswith("--config=")]
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
         if isinstance(chain, SyntaxError) and chain.filename:
@@ -294,8 +288,8 @@ def flag_help(flag: flags.Flag) -> str:
 
 
 def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    """`--help` (or -h, --helpshort): prints `command_help` of the module defining `main` and
-    exits with status 0, before any flag is parsed or anything is started."""
+    """On `--help` (HELP_FLAGS) prints `command_help` of `main`'s module and exits 0, before
+    any flag is parsed."""
     if not any(a in HELP_FLAGS for a in argv[1:]):
         return
     program = os.path.basename(argv[0]) if argv else "cbs"

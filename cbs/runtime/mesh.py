@@ -115,16 +115,11 @@ def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
 
 def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
                     min_size: int = 2**14, rules: Rules = LM_RULES) -> Any:
-    """A pytree like `params` of NamedShardings.
-
-    Modes:
-      "replicated": every leaf on every device.
-      "fsdp": leaves with at least `min_size` elements are split over "model" along their
-        largest axis divisible by M; smaller or indivisible leaves stay replicated.
-      "model": leaves of rank >= 2 are split over "model" along their last axis when it is
-        divisible by M; others stay replicated.
-      "fsdp_tp" / "tp": by name, `rules` (see `named_shardings`), with / without FSDP.
-    Leaves may be arrays or jax.ShapeDtypeStruct (e.g. from nnx.eval_shape).
+    """A pytree like `params` (arrays or jax.ShapeDtypeStruct) of NamedShardings, by `mode`:
+    "replicated"; "fsdp" (leaves of at least `min_size` elements split over "model" along
+    their largest axis divisible by M); "model" (leaves of rank >= 2 along their last axis
+    when divisible by M); "fsdp_tp" / "tp" (by name, `rules`, with / without FSDP). A leaf
+    that cannot be split stays replicated.
     """
     if mode not in ALL_PARAM_MODES:
         raise ValueError(f"mesh.param_mode={mode!r} is not one of {ALL_PARAM_MODES}")

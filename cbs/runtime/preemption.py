@@ -54,8 +54,7 @@ class Preempted(Exception):  # noqa: N818 (an event, not an error)
 
 
 def _distributed() -> bool:
-    """Whether this process is one of a `jax.distributed` runtime (without touching a
-    device)."""
+    """Whether this process is one of a `jax.distributed` runtime (touching no device)."""
     jax = sys.modules.get("jax")
     return bool(jax is not None and jax.distributed.is_initialized())
 
@@ -83,8 +82,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 def install() -> bool:
     """Turns SIGTERM and SIGINT into a request to checkpoint and stop; True if installed (only
-    the main thread can install a signal handler). Call it before `jax.distributed`
-    starts."""
+    the main thread can)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     if not _distributed():
@@ -105,9 +103,8 @@ def active() -> Iterator[None]:
 
 
 def requested() -> bool:
-    """Whether to stop now. One process: whether SIGTERM or SIGINT arrived since `install` (or
-    `request`). Several: whether every process has reached the preemption sync point (one
-    call of the protocol; call it at the same points on every process)."""
+    """Whether to stop now: a signal arrived (one process), or every process reached the
+    preemption sync point (several; module docstring)."""
     if _distributed() and not _state["synced"]:
         from jax.experimental import multihost_utils
 
@@ -120,8 +117,7 @@ def requested() -> bool:
 
 
 def pending() -> bool:
-    """Whether a signal arrived on this process that no check has acted on yet (a command
-    that finished its work anyway)."""
+    """Whether a signal arrived on this process that no check has acted on yet."""
     return _requested.is_set() and not _state["synced"]
 
 
@@ -131,14 +127,12 @@ def status() -> str:
 
 
 def reason() -> str:
-    """What stopped the run, for messages: "preempted (SIGTERM)" or "interrupted
-    (SIGINT)"."""
+    """"preempted (SIGTERM)" or "interrupted (SIGINT)", for messages."""
     return f"{status()} ({_state['signal'] or 'SIGTERM'})"
 
 
 def request(signal_name: str = "SIGTERM") -> None:
-    """Asks the run to stop as SIGTERM (or SIGINT) would (tests, or a user's own signal
-    handling)."""
+    """Asks the run to stop as SIGTERM (or SIGINT) would."""
     _state["signal"] = signal_name
     _requested.set()
 

@@ -1,10 +1,7 @@
 """Progress of a run: the loss EMA, the divergence rule, the evaluation schedule.
 
 Single runs (`cbs.engine.loop.Loop`) and vmapped groups of trials (`cbs.sweeps.groups`) both
-use these, so a change to how a loss is smoothed, when a run counts as diverged or when it is
-evaluated is made here once.
-
-Divergence (one rule for every run): a run has diverged at the first observation that is
+use these. Divergence (one rule for every run): a run has diverged at the first observation that is
 non-finite, or that ends a streak of `patience` consecutive observations above
 `factor` × the initial (first finite) observation. A transient spike shorter than `patience`
 that comes back under the threshold is not a divergence. `factor = 0` keeps only the
@@ -45,12 +42,10 @@ def ema_curve(values: Sequence[float], decay: float) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceState:
-    """What the rule remembers between observations (JSON-serialisable, for checkpoints).
-
-    initial: the first finite observation (NaN before it); streak: consecutive observations
-    above the threshold so far; streak_start: index of the first of them (-1 when none);
-    seen: observations so far; diverged_at: index at which divergence was declared (-1: not
-    diverged); reason: why, in words ("" when not diverged).
+    """What the rule remembers between observations (JSON-serialisable, for checkpoints):
+    initial, the first finite observation (NaN before it); streak, consecutive observations
+    above the threshold, the first at index streak_start (-1: none); seen, observations so
+    far; diverged_at, the index of the divergence (-1: none) and its reason in words.
     """
 
     initial: float = math.nan
@@ -80,12 +75,9 @@ class DivergenceState:
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceRule:
-    """Diverged on a non-finite observation, or `patience` consecutive ones above
-    `factor` × the initial one (`factor = 0`: non-finite only).
-
-    The observations are a run's progress losses in order: the batch loss of each step for a
-    single run, the progress metric at each evaluation for a sweep trial.
-    """
+    """The divergence rule (module docstring) over a run's progress losses in order: the
+    batch loss of each step of a single run, the progress metric at each evaluation of a
+    sweep trial."""
 
     factor: float = 0.0
     patience: int = 1

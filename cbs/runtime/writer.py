@@ -144,8 +144,8 @@ class Outputs:
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> Outputs:
-        """From `config.train` (progress_bar, tensorboard, wandb); `kwargs` set the rest.
-        Raises `fields.ConfigError` for a W&B project that is not a string."""
+        """From `config.train` (progress_bar, tensorboard, wandb; `fields.ConfigError` for a
+        W&B project that is not a string); `kwargs` set the rest."""
         t = config.train
         wandb = t.get("wandb", "")
         if not isinstance(wandb, str):
@@ -161,8 +161,7 @@ class Outputs:
         return own if own is not None else cls.from_config(config)
 
     def check(self) -> None:
-        """An ImportError naming the extra when one the outputs need is missing (a run calls
-        it before writing any file)."""
+        """An ImportError naming the extra when one the outputs need is missing."""
         if self.tensorboard:
             tensorboard_writer_class("config.train.tensorboard=True", "set it to False")
         if self.wandb:
@@ -176,8 +175,7 @@ class Outputs:
 
 
 def _wandb_run_id(workdir: PathLike, start_step: int) -> str:
-    """The W&B run id of the run in `workdir`: its own (in WANDB_RUN_FILE) when it resumes, a
-    new one when it starts."""
+    """The W&B run id in `workdir`'s WANDB_RUN_FILE when it resumes, else a new one."""
     path = paths.join(workdir, WANDB_RUN_FILE)
     known = records.read_json(path) if start_step > 0 else None
     if known and known.get("id"):
@@ -239,8 +237,8 @@ class MetricsWriter:
         self._update_bar(plain)
 
     def _update_bar(self, records: list[dict[str, Any]]) -> None:
-        """Advances the bar to the last step recorded (a train record: its step is done; an
-        evaluation, of a sweep group too: the steps before it)."""
+        """Advances the bar to the last step done (a train record's step too, an
+        evaluation's not)."""
         if self._bar is None:
             return
         done = max(r["step"] + (r.get("kind") == "train") for r in records)
