@@ -120,14 +120,10 @@ class Split:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Dataset:
-    """A dataset from the registry (`cbs.data.get_dataset`).
-
-    name: registry name.  task: "classification" | "lm" | "regression".
-    input_shape: per-example shape of batch["x"] (T for lm).
-    splits: {"train": Split, "eval": Split}.
-    num_classes (classification), vocab_size and vocab (lm; vocab is the character string
-    for char-level data, None for bytes), seq_len (lm).
-    metadata: anything else (sources, normalisation, closed-form answers for synthetic data).
+    """A dataset from the registry (`cbs.data.get_dataset`): its `task` (TASKS), per-example
+    `input_shape` of batch["x"] ([T] for lm), `splits` {"train", "eval"}, `num_classes`, the
+    lm's `vocab_size`, `vocab` (characters; None for bytes) and `seq_len`, and `metadata`
+    (sources, normalisation, closed-form answers of synthetic data).
     """
 
     name: str
@@ -179,11 +175,8 @@ class Dataset:
 
     def device_arrays(self, split: str = "train",
                       sharding: jax.sharding.Sharding | None = None) -> dict[str, jax.Array]:
-        """Stored arrays of `split` on device (replicated by `sharding` when given).
-
-        Multi-host: every process holds the same arrays, so the global array is built from
-        identical process-local copies.
-        """
+        """Stored arrays of `split` on device (replicated by `sharding` when given, from each
+        process's identical copy)."""
         arrays = self.split(split).arrays
         if arrays is None:
             raise ValueError(f"{self.name}/{split} is streamed, not in memory: use the host "

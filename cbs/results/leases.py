@@ -38,8 +38,7 @@ def lease_seconds() -> float:
 
 @dataclasses.dataclass
 class Claim:
-    """A held claim: the lock file's descriptor (local) or the lease object and the thread
-    renewing it (remote)."""
+    """A held claim: the lock file's descriptor, or the lease and its renewing thread."""
 
     name: str
     path: str
@@ -74,8 +73,7 @@ def release(held: Claim) -> None:
 
 
 def names(lock_dir: PathLike) -> list[str]:
-    """The names that may be held in `lock_dir`, sorted: every lock file's (held or not), and
-    every lease object's (a released lease is deleted)."""
+    """The names of every lock file (held or not) and lease in `lock_dir`, sorted."""
     out = set()
     for f in paths.listdir(lock_dir):
         if f.endswith(".lock"):

@@ -130,9 +130,8 @@ class SweepStore:
         records.write_json_atomic(path, plain)
 
     def check_definition(self, definition: dict[str, Any], reader: str) -> None:
-        """Refuses a study that reads this sweep (`reader`, e.g. "config.ramps") with a
-        config whose trials would differ from the recorded ones (as `write_definition`,
-        grid fields included); a directory without sweep.json passes."""
+        """ValueError naming `reader` (e.g. "config.ramps") when `definition` differs from
+        the recorded one (grid fields included; no sweep.json passes)."""
         previous = self.definition()
         changed = definition_diff(previous, definition) if previous else []
         if changed:

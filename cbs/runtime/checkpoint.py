@@ -56,8 +56,7 @@ def _path_str(path) -> str:
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """'params/w' -> shape for every array leaf of `tree` (dataclass fields and dict keys
-    alike, so a target and the stored metadata compare)."""
+    """'params/w' -> shape for every array leaf of `tree` (dataclass fields as dict keys)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_path_str(p): tuple(getattr(v, "shape", ())) for p, v in leaves}
 
@@ -80,9 +79,8 @@ def _reason(err: BaseException) -> str:
 
 
 class _Manager(ocp.CheckpointManager):
-    """orbax's manager, but it never asks JAX's preemption sync point itself: each such call
-    moves the protocol's call counter, and `cbs.runtime.preemption` counts its own calls (the
-    loop decides the step to save at and saves with force=True)."""
+    """orbax's manager without its own calls of JAX's preemption sync point, whose call count
+    `cbs.runtime.preemption` keeps (the loop saves with force=True)."""
 
     def reached_preemption(self, step: int) -> bool:
         del step

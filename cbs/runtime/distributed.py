@@ -57,7 +57,7 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
 
 def host_shard(environ: dict[str, str] | None = None) -> str | None:
     """This host's shard "i/n" from its multi-process environment (None outside one): the TPU
-    worker's index among the slice's hosts, the Slurm task's, or the Open MPI rank."""
+    worker, Slurm task or Open MPI rank."""
     env = os.environ if environ is None else environ
     how = detect(env)
     if how == "tpu":
@@ -72,8 +72,7 @@ def host_shard(environ: dict[str, str] | None = None) -> str | None:
 
 def resolve_shard(shard: str | None, mode: str = "off",
                   environ: dict[str, str] | None = None) -> str | None:
-    """`--shard` with "auto" replaced by `host_shard()` (which needs --distributed=off: a joined
-    runtime runs one program, not one per host)."""
+    """`--shard` with "auto" replaced by `host_shard()` (needs --distributed other than on)."""
     if shard != "auto":
         return shard
     if mode == "on":
@@ -87,9 +86,8 @@ def resolve_shard(shard: str | None, mode: str = "off",
 
 
 def from_flags(shard: str | None = None) -> str | None:
-    """`initialize` from the --distributed, --coordinator_address, --num_processes and
-    --process_id flags; returns the command's --shard `shard` resolved (`resolve_shard`;
-    with "auto", --distributed=auto means off)."""
+    """`initialize` from the flags; returns the command's --shard `shard` resolved
+    (`resolve_shard`; with "auto", --distributed=auto means off)."""
     f = flags.FLAGS
     mode = "off" if shard == "auto" and f.distributed == "auto" else f.distributed
     shard = resolve_shard(shard, mode)

@@ -1,10 +1,9 @@
 """Config field checks shared by the engine's components.
 
-Each component validates its own config section (`cbs.engine.optim.validate_config`,
-`cbs.runtime.mesh.validate_config`, `cbs.runtime.throughput.validate_config`,
-`cbs.data.validate_config`, `cbs.sweeps.grid.validate_sweep`, ...); `cbs.engine.config.validate`
-calls them in turn. A failed check raises `ConfigError` (a ValueError) whose message starts with
-the dotted name of the field, e.g. ``config.optim.eps: must be a number > 0, got 0``.
+Each component validates its own config section (`cbs.runtime.mesh.validate_config`, ...);
+`cbs.engine.config.validate` calls them in turn. A failed check raises `ConfigError` (a
+ValueError) whose message starts with the field's dotted name, e.g.
+``config.optim.eps: must be a number > 0, got 0``.
 """
 
 from __future__ import annotations
@@ -89,9 +88,9 @@ def number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool
 def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | None = None,
                   finite_fields: Sequence[str] = (), switches: Sequence[str] = (),
                   lists: Mapping[str, tuple[str, bool, float, bool]] | None = None) -> None:
-    """The type and sign of each present field of a section, before anything compares them:
-    `integers` {field: least value}, `finite_fields` (numbers), `switches` (bools), `lists`
-    {field: (what they are, whole, least value, strictly above it)} (`number_list`)."""
+    """The type and sign of each present field: `integers` {field: least value},
+    `finite_fields`, `switches` (bools), `lists` {field: `number_list`'s (what, whole,
+    minimum, strict)}."""
     for field, least in (integers or {}).items():
         if field in section:
             integer(section, field, prefix, minimum=least)
@@ -131,7 +130,7 @@ def as_mapping(config: Any) -> Mapping[str, Any]:
 
 def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = REQUIRED) -> Any:
     """`config[name]` unless missing or None, then `default`; ValueError naming `where` and the
-    field when there is no default (the plain-mapping form of the schedule builders)."""
+    field when there is no default."""
     if name in config and config[name] is not None:
         return config[name]
     if default is REQUIRED:
