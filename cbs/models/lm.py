@@ -21,8 +21,7 @@ matmul outputs, "dots_no_batch" only those without batch dimensions.
 Precision: parameters float32; matmuls and activations in `compute_dtype` (bfloat16 by
 default); normalisation statistics, softmax and the loss float32.
 
-Parameter names are what `cbs.runtime.mesh.LM_RULES` shards by: `embed`, `head`,
-`blocks/{wq,wk,wv,wo,w_gate,w_up,w_down,attn_norm,mlp_norm}`, `final_norm`.
+`cbs.runtime.mesh.LM_RULES` shards by the parameter names (`embed`, `head`, `blocks/wq`, ...).
 
 Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D each):
     tiny   D=32,   L=2,  H=2,  F=64      ~21K      (CPU tests)

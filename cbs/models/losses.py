@@ -2,21 +2,19 @@
 
 Letters: B batch, T positions, C classes, V vocabulary.
 
-Split convention: `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` (`split_model`).
-`params` holds every `nnx.Param` (what is differentiated); `rest` holds everything else
-(BatchNorm running statistics). `loss_fn(params, batch)` rebuilds the model with `nnx.merge`
-on every call, so it is pure and can be jitted, differentiated and vmapped.
+`split_model` gives (graphdef, params, rest): every `nnx.Param` (what is differentiated) and
+everything else (BatchNorm statistics). `loss_fn(params, batch)` rebuilds the model with
+`nnx.merge` on every call, so it is pure and can be jitted, differentiated and vmapped.
 
 Per-example loss ℓ_i (the mean over a batch is what `loss_fn` returns, docs/design.md):
 - "classification": ℓ_i = logsumexp(z_i) − z_{i, y_i}, logits z [B, C], labels int [B].
 - "lm": ℓ_i = (1/T) Σ_t [logsumexp(z_it) − z_{it, y_it}], logits [B, T, V], labels [B, T]:
-  the mean over positions within an example, so the per-example loss is the example's mean
-  token loss, and the batch loss (mean over B) is the mean token loss when all T are equal.
+  the example's mean token loss.
 - "regression": ℓ_i = ½ (f(x_i) − y_i)², predictions [B] or [B, 1], targets [B].
 Losses are computed in float32 (float64 when the inputs are float64).
 
-Models that couple examples (BatchNorm in training mode) have no per-example loss: the returned
-`loss_fn.couples_examples` is True for them, and per-example statistics must not use it.
+Models that couple examples (BatchNorm in training mode) have no per-example loss:
+`loss_fn.couples_examples` is True for them.
 """
 
 from __future__ import annotations

@@ -162,13 +162,7 @@ def listdir(path: PathLike) -> list[str]:
     """The names in directory `path`, sorted; [] when it does not exist."""
     if not is_remote(path):
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
-    fs, bare = _fresh_fs(path)
-    try:
-        found = fs.ls(bare, detail=False)
-    except FileNotFoundError:
-        return []
-    names = (os.path.basename(p.rstrip("/")) for p in found)
-    return sorted(n for n in names if n and n != os.path.basename(bare.rstrip("/")))
+    return list(listdir_versions(path))
 
 
 def listdir_versions(path: PathLike) -> dict[str, str | None]:

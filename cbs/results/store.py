@@ -82,7 +82,7 @@ def target_key(target: float) -> str:
 
 
 class SweepStore:
-    """The sweep directory: finished trial records and their CSV export."""
+    """The sweep directory (module docstring)."""
 
     def __init__(self, sweep_dir: PathLike):
         self.sweep_dir = os.fspath(sweep_dir)

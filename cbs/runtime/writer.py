@@ -106,12 +106,9 @@ class LogLines:
 def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | None = None,
                  leave: bool = True, file: Any = None, interval: float | None = None,
                  **tqdm_kwargs: Any) -> Any:
-    """A `tqdm.auto` bar in a notebook or on a terminal; `LogLines` elsewhere.
-
-    total: units in all (None: unknown); initial: units already done; desc: the label; leave:
-    keep the bar when closed; file: the stream (stderr); interval: seconds between the lines
-    of `LogLines` (default `LOG_INTERVAL_S`); tqdm_kwargs: more arguments of tqdm's bar.
-    """
+    """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines` (a line every
+    `interval` seconds); total None: unknown; file: stderr by default; `tqdm_kwargs`: more
+    arguments of tqdm's bar."""
     stream = sys.stderr if file is None else file
     if in_notebook() or _isatty(stream):
         from tqdm.auto import tqdm
