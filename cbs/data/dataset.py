@@ -2,13 +2,11 @@
 
 Letters: B batch, N examples in a split, T sequence length, C classes, V vocabulary.
 
-A split stores compact arrays (for instance uint8 images or a 1-D token array) and a *view*
-turns them plus example indices into a batch in the agreed format:
-classification {"x": float32 [B, ...], "y": int32 [B]} (float32 [B, C] when one-hot),
-language modelling {"x": int32 [B, T], "y": int32 [B, T]} with y = x shifted by one,
-regression {"x": float32 [B, D], "y": float32 [B]}.
-Views are pure and work on numpy arrays (host) and jax arrays (inside jit, on device).
-Splits too large for memory have no arrays and a host `reader` instead.
+A split stores compact arrays (uint8 images, a 1-D token array) and a pure *view* turns them
+plus example indices (numpy, or jax inside jit) into a batch: classification {"x": float32
+[B, ...], "y": int32 [B]} (float32 [B, C] when one-hot), language modelling {"x": int32
+[B, T], "y": int32 [B, T]} with y = x shifted by one, regression {"x": float32 [B, D], "y":
+float32 [B]}. Splits too large for memory have a host `reader` instead.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 Letters: B batch, H, W spatial size, C channels, G ghost-batch size, K = B / G ghost batches.
 
-Normalisation (`norm`):
-- "none": no normalisation; convolutions carry a bias.
-- "layernorm": `cbs.models.layers.LayerNorm` over the channels of each position (per example).
-- "groupnorm": `cbs.models.layers.GroupNorm` over (H, W, C/groups) of each example.
-- "batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
+Normalisation (`norm`): "none" (convolutions carry a bias), "layernorm" (over the channels
+of each position), "groupnorm" (over (H, W, C/groups) of each example), or
+"batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
   mode (G = 0: the whole batch). This couples the examples of a ghost batch, so the model sets
   `couples_examples = True`: no per-example statistics in training mode.
 
@@ -34,12 +32,9 @@ NORMS = ("none", "layernorm", "groupnorm", "batchnorm")
 
 
 class GhostBatchNorm(nnx.Module):
-    """`nnx.BatchNorm` whose training statistics come from ghost batches of `ghost_batch_size`.
-
-    The running averages are updated with the mean over ghost batches of their means and
-    (biased) variances. Evaluation mode (`model.eval()`) and ghost_batch_size 0 or >= B defer
-    to `nnx.BatchNorm` itself.
-    """
+    """`nnx.BatchNorm` whose training statistics come from ghost batches of `ghost_batch_size`
+    (running averages: the mean over ghost batches of their means and biased variances). Eval
+    mode and ghost_batch_size 0 or >= B defer to `nnx.BatchNorm` itself."""
 
     def __init__(self, features: int, *, ghost_batch_size: int = 0, momentum: float = 0.99,
                  rngs: nnx.Rngs):

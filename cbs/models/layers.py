@@ -1,9 +1,6 @@
 """Standard layers (Flax NNX): drop-in equivalents of `nnx.Linear`, `nnx.Conv`, `nnx.Embed`,
 `nnx.LayerNorm` and `nnx.GroupNorm` with the same parameter names (`kernel`, `bias`,
-`embedding`, `scale`).
-
-They are plain layers: `cbs.stats.ghost` finds the per-example gradient norms of any model
-from its jaxpr, these included, so nothing here is special to the noise statistics.
+`embedding`, `scale`), nothing special to the noise statistics.
 
 Letters: B batch, T positions (sequence or spatial), D input features, O output features,
 V vocabulary.

@@ -9,13 +9,11 @@ Axis types are `AxisType.Auto`, so jit propagates the input shardings and models
 statistics need no sharding annotations (with `Explicit`, the embedding gather from a sharded
 table and the micro-batch reshape of the batch axis raise ShardingTypeError under jit).
 
-Named rules (`param_mode` "fsdp_tp" or "tp", `LM_RULES`): a parameter's path (e.g.
-`blocks/wq`, or `0/mu/blocks/wq` for its optimizer moment) picks the roles of its trailing
-axes: "fsdp" is sharded over "data" (fully sharded data parallel: each replica holds 1/R of
-the parameter and optimizer state, all-gathered at use), "tp" over "model" (tensor parallel:
-Megatron column/row split, q/k/v/gate/up by output features, o/down by input features).
-Leading axes (the layer axis L of scanned blocks) are never split; an axis whose size the mesh
-axis does not divide stays whole; unmatched leaves are replicated.
+Named rules (`param_mode` "fsdp_tp" or "tp", `LM_RULES`): a parameter's path (`blocks/wq`,
+or `0/mu/blocks/wq` for its optimizer moment) picks the roles of its trailing axes: "fsdp" is
+sharded over "data" (each replica holds 1/R of the parameter and optimizer state), "tp" over
+"model" (Megatron column/row split). Leading axes (the layer axis of scanned blocks) and axes
+the mesh axis does not divide stay whole; unmatched leaves are replicated.
 """
 
 from __future__ import annotations
