@@ -150,8 +150,7 @@ class Checkpointer:
             raise ValueError(f"no checkpoint at step {step} in {self.directory}: it holds "
                              + (f"{_steps_text(held)}; ask for one of those" if held
                                 else "none"))
-        candidates = [s for s in reversed(self.all_steps()) if s <= step] if step == latest \
-            else [step]
+        candidates = [s for s in reversed(held) if s <= step] if step == latest else [step]
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         skipped: list[tuple[int, str]] = []
         mismatch = ""
