@@ -12,11 +12,10 @@ Randomness. With a key, the example at position i of the batch (0 ≤ i < B) dra
 
     ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
 
-with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves, and
-`keyed_loss` for `noise.exact` and `noise.probe`) applies this one definition, so a dropout
-mask is a function of (key, position, example). In the NNX form the model's `nnx.Rngs`
-streams play the key: example i draws from each stream's key folded with i, and the streams
-advance once per call, as `nnx.value_and_grad` would advance them.
+with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves,
+`keyed_loss`) applies this one definition, so a dropout mask is a function of (key,
+position, example). In the NNX form each `nnx.Rngs` stream's key, folded with i, plays the
+key, and the streams advance once per call, as under `nnx.value_and_grad`.
 
 Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations it
 weighs, so the batch is split into its even and odd positions (B_e = ⌈B/2⌉, B_o = ⌊B/2⌋):
@@ -28,9 +27,8 @@ estimates averaged. With h ∈ {e, o} and h' the other half:
     g_h_g         = ½ Σ_h (ḡ_hᵀ H_h' ḡ_h − tr(H_h'Σ)_h / B_h)       unbiased for GᵀHG
     b_noise       = trace_h_sigma / g_h_g
 
-Cost: B per-example gradients and B HVPs over B/2 examples each, about B²/2 example passes
-times an HVP's cost, against B for the step: for measurement steps, not every step. The
-simple fields come from the whole batch.
+Cost: B per-example gradients and B HVPs over B/2 examples each (about B²/2 example passes
+times an HVP's cost): for measurement steps. The simple fields come from the whole batch.
 """
 
 from __future__ import annotations
@@ -43,16 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs.stats import coupling, examples, loss_checks
+from cbs.stats import coupling, examples, ghost, loss_checks
 from cbs.stats.examples import PyTree, check_inputs, run_auto_axes
-from cbs.stats.noise import (
-    NoiseStats,
-    _assemble,
-    _check_method,
-    _fast_sums,
-    _ghost_info,
-    _vmap_sums,
-)
+from cbs.stats.noise import NoiseStats, _assemble, _check_method, _fast_sums, _vmap_sums
 from cbs.stats.trees import GroupSpec, group_matrix
 
 __all__ = ["example_keys", "keyed_loss", "nnx_value_grad_and_stats", "value_grad_and_stats",
@@ -159,9 +150,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     statistics of the batch.
 
     `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
-    forward and ONE backward pass over the batch when `cbs.stats.ghost` reads every parameter
-    from the jaxpr (any nnx, linen, equinox or plain-JAX model; leaves it cannot read add a
-    chunked vmap, or raise under method="fast"). Jittable: call it inside your jitted step.
+    forward and ONE backward pass when `cbs.stats.ghost` reads every parameter from the jaxpr
+    (leaves it cannot read add a chunked vmap, or raise under method="fast"). Jittable.
 
         vgs = noise.value_grad_and_stats(loss_fn, has_aux=True)
         (loss, aux), grads, stats = vgs(params, batch)    # stats.b_simple, stats.to_dict()
@@ -174,9 +164,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
         argnums: the argument(s) differentiated (a tuple gives grads as a tuple).
         batch_argnums: the argument(s) holding the examples, every leaf with leading axis B.
         prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` and a one-example
-            call (module docstring), so its random draws are the same on every route.
-        curvature: also B_noise, with H of each half of the batch weighing the other half's
-            deviations (module docstring: cost about B²/2 example passes × an HVP).
+            call (module docstring).
+        curvature: also B_noise, from the even and odd halves (module docstring).
         method: "auto" | "fast" | "vmap" as in `noise.exact` ("vmap": the reference, slow).
         chunk_size, groups: as in `noise.exact` (groups get curvature per diagonal block).
     Returns:
@@ -239,7 +228,8 @@ def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyT
             value, grad = jax.value_and_grad(loss)(params, batch)
             sums = _vmap_sums(loss, params, batch, chunk_size, False, None)
         else:
-            value, grad, sq_norms = _ghost_info(loss, params, batch, method, chunk_size)
+            value, grad, sq_norms = ghost.per_example_grads_info(
+                loss, params, batch, method=method, chunk_size=chunk_size)
             sums = _fast_sums(batch_size, grad, sq_norms)
         stats = _assemble(batch_size, sums, grouping)
         if curvature:
@@ -286,17 +276,13 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
     `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (an `nnx.Param`
-    State, as `nnx.value_and_grad` returns them). Everything else of the model (BatchNorm
-    statistics, `nnx.Rngs` streams) and the other arguments `args` (not differentiated, the
-    same for every example: class weights, a temperature, a mask over positions) are passed
-    through unchanged.
+    State, as `nnx.value_and_grad` returns them). The rest of the model and the other
+    arguments `args` (the same for every example: class weights, a mask) pass through.
 
-    A model whose loss draws from its `nnx.Rngs` streams (`nnx.Dropout`) is measured per
-    example: example i draws from each stream's key folded with i (module docstring), and the
-    streams' counts advance as one call of the model would advance them. Call it eagerly or
-    inside `nnx.jit` (the streams live in the module). BatchNorm in training mode is refused
-    (`cbs.stats.coupling`); `model.eval()` measures it with its running statistics.
-    Other arguments as in `value_grad_and_stats`.
+    A loss drawing from the model's `nnx.Rngs` streams (`nnx.Dropout`) is measured per
+    example (module docstring); the streams' counts advance as one call would advance them.
+    Call it eagerly or inside `nnx.jit`. BatchNorm in training mode is refused; `model.eval()`
+    measures with the running statistics. Other arguments as in `value_grad_and_stats`.
     """
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)

@@ -26,19 +26,18 @@ letters and the mean-loss scaling):
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
 This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more
-than the plain gradient (which the ordinary backward gives). The *direct form* forms each
-example's gradient in the leaf's layout, sums and squares it, and takes the leaf's gradient
-as the sum over the examples (as `cbs.stats.ghost`'s materialised path): what it adds is
-the memory traffic of the [P] per-example gradients, `ENTRY_COST` multiply-adds per entry
-for each use's gradient and their sum (as `ghost_rules.fuse_direct` for one layer). `plan`
-takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own
-dtype; products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
+than the plain gradient. The *direct form* forms each example's gradient in the leaf's
+layout, sums and squares it, and takes the leaf's gradient as the sum over the examples: it
+adds `ENTRY_COST` multiply-adds (memory traffic) per entry of each use's per-example
+gradient and of their sum. `plan` takes the cheaper (docs/guides/benchmarks.md measures
+both). Operands stay in their own dtype; products accumulate in the leaf's accumulation
+dtype (`preferred_element_type`).
 
-The chain of layout operations from the leaf to each use's operand may transpose it, change
-its dtype or sharding, and add or remove unit axes; anything else (a reshape that merges or
-splits axes, dot uses whose x sides share only some leaf axes, a table read transposed by
-another gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
-"gram", "direct" or "materialised" (kept for benchmarks/lm_step.py to compare against).
+The layout operations from the leaf to each use's operand may transpose it, change its dtype
+or sharding, and add or remove unit axes; anything else (a reshape that merges or splits
+axes, dot uses whose x sides share only some leaf axes, a table read transposed by another
+gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
+"gram", "direct" or "materialised" (benchmarks/lm_step.py compares them).
 """
 
 from __future__ import annotations
@@ -338,17 +337,6 @@ def _slice_norm(tied: Tied, items: list, dtype):
     return jnp.sum(jnp.square(total)), total
 
 
-def _per_example_bytes(tied: Tied, dtype) -> int:
-    """Bytes one example (one scan step) adds to the operands the backward pass already
-    holds: two [T_u, T_v] matrices per pair of uses (Gram form), or each use's gradient in
-    the leaf's layout and their sum (direct form)."""
-    item = np.dtype(dtype).itemsize
-    if tied.form == "gram":
-        return 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions
-                              for j, k in tied.pairs)
-    return item * (len(tied.parts) + 1) * int(np.prod(tied.slice_shape))
-
-
 def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | None,
              budget_bytes: int) -> tuple[jax.Array, jax.Array | None]:
     """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i in
@@ -370,8 +358,15 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
         return jnp.sum(sq), total
 
     batch_size = items[0][0].shape[0]
-    if chunk_size is None:
-        per_example = _per_example_bytes(tied, dtype) * int(np.prod(stack))
+    if chunk_size is None:  # bytes per scan step: two [T_u, T_v] matrices per pair of uses
+        #                     (Gram form), or each use's gradient and their sum (direct form)
+        item = np.dtype(dtype).itemsize
+        if tied.form == "gram":
+            per_step = 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions
+                                      for j, k in tied.pairs)
+        else:
+            per_step = item * (len(tied.parts) + 1) * int(np.prod(tied.slice_shape))
+        per_example = per_step * int(np.prod(stack))
         chunk_size = int(max(1, min(batch_size, budget_bytes // max(per_example, 1))))
     sq, total = map_and_sum(one, items, chunk_size)
     return sq, (None if tied.form == "gram" else _to_leaf_layout(tied, total, len(stack)))

@@ -1,25 +1,23 @@
 """Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf.
 
-One shape-only trace of `loss_fn(params, batch)` gives a jaxpr with the params leaves and the
-batch leaves as inputs. A forward walk over it gives every variable two tags:
+A forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params
+leaves, then the batch leaves) gives every variable two tags:
 
 - a *parameter tag* when it is a params leaf seen through layout-only operations (reshape,
-  transpose, convert_element_type, squeeze, sharding changes: they keep the norm; broadcast
-  and static slices: they do not, and are undone by their transpose), or one step's slice of
-  a leaf stacked under `scan`;
-- an *example axis* when one of its axes is the batch's example axis: the batch inputs have
-  it at 0, and each known operation maps it (or drops it, when it reduces or mixes that
-  axis). A value combining an example-axis operand with a batch-dependent operand that has
-  lost the axis (a batch mean: BatchNorm) loses it too, so coupled examples are not read.
+  transpose, convert_element_type, squeeze, sharding changes keep the norm; broadcast and
+  static slices do not), or one step's slice of a leaf stacked under `scan`;
+- an *example axis* when one of its axes is the batch's example axis (0 on the batch
+  inputs), mapped by each known operation or dropped where it reduces or mixes that axis. A
+  value combining it with a batch-dependent operand that has lost the axis (a batch mean:
+  BatchNorm) loses it too, so coupled examples are not read.
 
 An operation reading a tagged parameter is a *use* when it is linear in it and its other
-operand and output carry the example axis: `dot_general` (dense, einsum, attention and tied
-output projections), `conv_general_dilated`, `gather` from the table (embeddings), and
-elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk enters nested
-`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies and `scan` bodies (a leaf scanned over as
-`xs` gives one use per step; closed over by the body it would be shared by every step).
-Any other read of a leaf (a weight-decay term, an op not listed, a carry) makes that leaf
-uncovered, with the reason.
+operand and output carry the example axis: `dot_general`, `conv_general_dilated`, `gather`
+from the table (embeddings), and elementwise `mul`/`add`/`sub` (norm scales and shifts,
+biases). The walk enters nested `jit`, `remat`, `custom_jvp`/`custom_vjp` and `scan` bodies
+(a leaf scanned over as `xs` gives one use per step; one closed over by the body would be
+shared by every step). Any other read (a weight-decay term, an op not listed, a carry)
+makes the leaf uncovered, with the reason.
 
 Letters: B batch, L scan length.
 """
@@ -144,19 +142,15 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         return _nested(eqn, ins, disc, ctx, stack, scans)
     if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
         p = ins[0].ptag
-        keeps = p.keeps_norm and (name in NORM_KEEPING or _only_adds_unit_axes(eqn))
+        # a `broadcast_in_dim` that only inserts size-1 axes (a bias [O] as [1, 1, O]) keeps it
+        keeps = p.keeps_norm and (name in NORM_KEEPING or (
+            name == "broadcast_in_dim"
+            and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape)))
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
     eaxis = _example_axis(eqn, ins, disc.batch_size)
     if ptagged:
         _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
     return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
-
-
-def _only_adds_unit_axes(eqn) -> bool:
-    """A `broadcast_in_dim` that only inserts size-1 axes (a bias [O] seen as [1, 1, O]): a
-    reshape, which keeps the norm."""
-    return (eqn.primitive.name == "broadcast_in_dim"
-            and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape))
 
 
 def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):

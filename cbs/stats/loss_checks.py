@@ -1,26 +1,20 @@
 """What a `loss_fn` must be for its noise statistics to mean anything, checked once per loss_fn.
 
 Every estimator assumes L(batch) = (1/B) Σ_i ℓ_i with ℓ_i depending on example i alone, the
-same whichever batch holds it (the ghost, vmap, probe and curvature routes apply loss_fn to
-different batches). Refused, each in one line naming the cause and the fix:
+same whichever batch holds it. Refused, each in one line naming the cause and the fix:
 
-- randomness loss_fn does not take as an argument (dropout with a fixed key, an nnx.Rngs
-  stream), found in the jaxpr (`RANDOM_PRIMITIVES`): each route would draw different masks.
-  A caller whose draws are the same for an example in every batch says so with
-  `allow_randomness(loss_fn)`;
+- randomness loss_fn does not take as an argument (`RANDOM_PRIMITIVES` in the jaxpr, or an
+  nnx.Rngs stream): each route would draw different masks, unless `allow_randomness(loss_fn)`
+  declares the draws the same for an example in every batch that holds it;
 - examples coupled through a batch statistic (BatchNorm in training mode): found in the
-  jaxpr (`cbs.stats.coupling`); a loss_fn that updates nnx BatchNorm statistics it closes
-  over fails to trace (named here); and a loss of examples 0 and 1 together that is not the
-  mean of their losses alone;
-- a loss SUMMED over the batch: example 0 twice gives twice its loss alone, which would
-  scale ḡ by B and the ghost norms by B².
+  jaxpr (`cbs.stats.coupling`), as flax's error for a mutated statistic, or as a loss of
+  examples 0 and 1 together that is not the mean of their losses alone;
+- a loss SUMMED over the batch: example 0 twice gives twice its loss alone.
 
 The value checks use examples 0 and 1 of concrete inputs; under jit they run once at trace
-time on stand-in inputs of the same shapes and dtypes (normal floats, scaled kernels, 0/1
-integers; ones for a traced extra argument of `check_loss_fn`), so a jitted step pays nothing
-per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
-losses, is not value-checked, nor one whose jaxpr and constants equal those of one that
-passed (the checks cost a compilation, once per program and process).
+time on stand-ins of the same shapes and dtypes (`stand_in`; ones for a traced extra
+argument). A loss_fn that cannot run on one or two examples, or gives non-finite losses, is
+not value-checked, nor one whose jaxpr and constants equal those of one that passed.
 """
 
 from __future__ import annotations
@@ -59,11 +53,9 @@ _ALLOWED_FLAG = "_cbs_allow_randomness"
 
 def allow_randomness(loss_fn: LossFn) -> LossFn:
     """Declares that loss_fn's random draws are the same for an example in every batch that
-    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)` with the id in
-    the batch), so every route measures the same per-example loss. Returns a wrapper the
-    randomness check lets through (the coupling check is then skipped: random draws differ
-    from one call to the next by design). Reuse the returned function: it is the static
-    argument the estimators compile for."""
+    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)`). Returns a
+    wrapper the randomness check lets through (the value coupling check is skipped); reuse
+    it: it is the static argument the estimators compile for."""
 
     def wrapped(params: PyTree, batch: PyTree) -> jax.Array:
         return loss_fn(params, batch)
@@ -76,9 +68,8 @@ def allow_randomness(loss_fn: LossFn) -> LossFn:
 def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                   *args: Any) -> None:
     """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
-    docstring); each loss_fn object is checked once. `args`: loss_fn's other arguments, after
-    the batch (`loss_fn(params, batch, *args)`): their arrays go to every check (traced ones as
-    stand-ins under jit, like the params), their other leaves as they are."""
+    docstring); each loss_fn object is checked once. `args`: loss_fn's arguments after the
+    batch (`loss_fn(params, batch, *args)`), their arrays traced like the params."""
     if _checked(loss_fn):
         return
     allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
@@ -116,14 +107,14 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
 
 
 def passed(loss_fn: Callable[..., jax.Array]) -> None:
-    """Records that loss_fn passed every check (a closure over arguments that were checked
-    as `check_loss_fn`'s `args`), so it is not checked again."""
+    """Records that loss_fn passed every check (a closure over arguments checked as
+    `check_loss_fn`'s `args`)."""
     _checked(loss_fn, add=True)
 
 
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
-    """The array leaves of `args` (traced or not) and the function that puts arrays in their
-    places; every other leaf (a Python flag, a string) stays as it is."""
+    """The array leaves of `args` and the function that puts arrays in their places (other
+    leaves stay as they are)."""
     leaves, tree = jax.tree.flatten(args)
     where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
                                                                np.generic))]

@@ -9,13 +9,11 @@
         params = optax.apply_updates(params, updates)
 
 Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics
-carry them) into bias-corrected EMAs, numerator and denominator apart (their ratio is not
-unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.smoothing.NoiseScaleEMA` in one
-compiled update that stays on the device. Every `every` calls the smoothed values are read
-back once, appended to `history`, passed to `log` and written to `writer`: any metric writer
-with clu's `write_scalars(step, scalars)` (`cbs.results.writers`: JSON lines, TensorBoard,
-W&B, several at once; or a clu writer). `b_simple` / `b_noise` read the current values (a host
-sync).
+carry them) into bias-corrected EMAs, numerator and denominator apart
+(`cbs.stats.smoothing.NoiseScaleEMA`), in one compiled update on the device. Every `every`
+calls the smoothed values are read back once, appended to `history`, passed to `log` and
+written to `writer` (anything with clu's `write_scalars(step, scalars)`, such as
+`cbs.results.writers`). `b_simple` / `b_noise` read the current values (a host sync).
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ __all__ = ["NoiseMonitor"]
 
 
 @jax.jit
-def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma) -> NoiseScaleEMA:
-    return ema.update(grad_sq_norm, trace_sigma)
-
-
-@jax.jit
-def _fold_curvature(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma, g_h_g
-                    ) -> NoiseScaleEMA:
+def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma=None, g_h_g=None
+          ) -> NoiseScaleEMA:
     return ema.update(grad_sq_norm, trace_sigma, trace_h_sigma=trace_h_sigma, g_h_g=g_h_g)
 
 
@@ -74,8 +67,8 @@ class NoiseMonitor:
         """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`);
         `step`: the training loop's step (default: the number of updates)."""
         if stats.g_h_g is not None and stats.trace_h_sigma is not None:
-            self.ema = _fold_curvature(self.ema, stats.grad_sq_norm, stats.trace_sigma,
-                                       stats.trace_h_sigma, stats.g_h_g)
+            self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
+                             stats.trace_h_sigma, stats.g_h_g)
         else:
             self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma)
         self.updates += 1

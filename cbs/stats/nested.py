@@ -1,13 +1,12 @@
 """The higher-order primitives that cbs's jaxpr walkers enter, read the same way on every JAX
 release from 0.9.2 on.
 
-A walker (`cbs.stats.ghost_trace`, `cbs.stats.ghost`, `cbs.stats.coupling`,
-`cbs.stats.loss_checks`) needs a nested primitive's body (an open jaxpr and its closed-over
-constants) and how the equation's operands and results map onto the body's inputs and
-outputs. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became a
-flat-tree `ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became
-`jit`, `remat`'s `prevent_cse` became per operand), so every walker reads them here, each
-split derived from the jaxpr's own avals where the parameters do not name it:
+A walker (`ghost_trace`, `ghost`, `coupling`, `loss_checks`) needs a nested primitive's body
+(an open jaxpr and its constants) and how the equation's operands and results map onto the
+body's. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became
+`ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became `jit`,
+`remat`'s `prevent_cse` became per operand), so every walker reads them here, each split
+derived from the jaxpr's own avals where the parameters do not name it:
 
 - scan: operands `consts + carry + xs`, results `carry + ys`; an `xs` operand (a `ys`
   result) has one axis more than its body input (output), so the split is the first whose
@@ -47,8 +46,7 @@ class Body:
 
 @dataclasses.dataclass(frozen=True)
 class Scan:
-    """A `scan` equation read: operands `[:n_consts]`, `[n_consts:n_consts + n_carry]`, the
-    rest are xs; results `[:n_carry]` carry, the rest ys."""
+    """A `scan` equation read: operands consts, carry, xs; results carry, ys."""
 
     body: Body
     n_consts: int
@@ -101,8 +99,7 @@ def _rank(v: Any) -> int:
 
 
 def _first_rank_change(outer: list, inner: list) -> int:
-    """Index of the first outer variable one rank above its inner counterpart (the scanned
-    axis), or len(inner) when there is none."""
+    """Index of the first outer variable whose rank differs from its inner one, or len(inner)."""
     for i, (o, b) in enumerate(zip(outer, inner, strict=True)):
         if _rank(o) != _rank(b):
             return i
@@ -120,8 +117,7 @@ def _scan_split_from_avals(eqn: Any, jaxpr: Any) -> tuple[int, int]:
 
 
 def while_parts(eqn: Any) -> While:
-    """`while`'s cond and body and its operand split (derived from the jaxprs: the body returns
-    the carry; each jaxpr's inputs are its consts, then the carry)."""
+    """`while`'s cond and body and its operand split (module docstring)."""
     p = eqn.params
     cond, body = body_of(p["cond_jaxpr"]), body_of(p["body_jaxpr"])
     n_carry = len(body.jaxpr.outvars)

@@ -10,15 +10,13 @@ draw of h examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, �
     g_h_g         = mean_g_h_g − trace_h_sigma / n
     b_noise       = trace_h_sigma / g_h_g
 
-Why a separate 𝓒: with H from the examples whose deviations it measures
-(`noise.exact(curvature=True)`), each example's own Hessian enters its term (d_iᵀH_i d_i / m):
-with m = 32 on the digits MLP that inflated tr(HΣ) about threefold and drove g_h_g negative.
-With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without
-replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG −
-E[trace_h_sigma]/N, as `noise.exact(curvature=True)` on all N. Cost: m per-example gradients
-and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
-E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is
-a ratio of window means (biased by O(variance/mean²) of the window mean).
+Why a separate 𝓒: with H from the examples whose deviations it measures, each example's own
+Hessian enters its term (on the digits MLP at m = 32 that inflated tr(HΣ) about threefold
+and drove g_h_g negative). With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear
+in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and
+E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients and m + 1 HVPs on h
+examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² − E[trace_sigma]/N (relative
+1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a ratio of window means.
 
 Full training set (`measure_full_data`, for small N): G, |G|², tr(Σ) and GᵀHG exactly over
 all N (H = ∇²L over all N), tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of
@@ -30,14 +28,13 @@ m examples drawn without replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i
     trace_h_sigma = N/(N − 1) · (1/m) Σ_{i∈𝓐} d_iᵀ H d_i
     b_simple = trace_sigma / grad_sq_norm,   b_noise = trace_h_sigma / g_h_g
 
-Cost: one pass over N and m + 1 HVPs over N (optionally the m HVPs over h examples drawn
-independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples the per-example
-norms, gradient and HVPs are summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k,
-Hv and mean |g_i|² likewise; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)) and the deviations'
-HVPs run one after another: memory of one chunk.
+Cost: one pass over N and m + 1 HVPs over N (or the m HVPs over h examples drawn
+independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples everything is
+summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k, Hv and mean |g_i|² likewise;
+tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk.
 
-Both are registered noise methods ("sampled", "full_data"); the batches are the caller's
-(`cbs.engine.measure.draw`), so the same draws give the same numbers in every back end.
+Both are registered noise methods ("sampled", "full_data") on the caller's batches
+(`cbs.engine.measure.draw`).
 """
 
 from __future__ import annotations
@@ -94,22 +91,17 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                    num_probes: int | None = None, chunk_size: int | None = None,
                    hessian_batch: PyTree | None = None, deviations: int = 0
                    ) -> noise.NoiseStats:
-    """The noise method "sampled" (`cbs.stats.noise.register_method`; what
-    `config.noise.method = "auto"` measures on a fresh stream): `measure_noise` on `batch`
-    (𝓑); with `curvature`, tr(HΣ) from the deviations of its first `deviations` examples
-    (0: all) and the Hessian of `hessian_batch` (𝓒, independent of 𝓑). `key` and
-    `num_probes` are unused."""
+    """The noise method "sampled": `measure_noise` on `batch` (𝓑); with `curvature`, tr(HΣ)
+    from the deviations of its first `deviations` examples (0: all) and the Hessian of
+    `hessian_batch` (𝓒, independent of 𝓑). `key` and `num_probes` are unused."""
     del key, num_probes
     if curvature and hessian_batch is None:
         raise ValueError("the sampled noise method needs a hessian_batch for curvature")
     n = jax.tree.leaves(batch)[0].shape[0]
     out = measure_noise(loss_fn, params, batch, hessian_batch if curvature else None,
                         deviations=deviations, chunk_size=chunk_size)
-    return noise.NoiseStats(batch_size=n, mean_grad_sq_norm=out["mean_grad_sq_norm"],
-                            grad_sq_norm=out["grad_sq_norm"], trace_sigma=out["trace_sigma"],
-                            b_simple=out["b_simple"], mean_g_h_g=out.get("mean_g_h_g"),
-                            g_h_g=out.get("g_h_g"), trace_h_sigma=out.get("trace_h_sigma"),
-                            b_noise=out.get("b_noise"))
+    stats: dict[str, Any] = {k: out.get(k) for k in noise.STAT_KEYS}
+    return noise.NoiseStats(batch_size=n, **stats)
 
 
 noise.register_method(SAMPLED_METHOD, sampled_method, takes=("hessian_batch", "deviations"))
@@ -119,10 +111,9 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                      key: jax.Array | None = None, curvature: bool = False,
                      num_probes: int | None = None, chunk_size: int | None = None,
                      deviations: int = 0, hessian_examples: int = 0) -> noise.NoiseStats:
-    """The noise method "full_data" of the registry: `measure_full_data` on `batch`, all N
-    training examples (what `config.noise.method = "auto"` measures with
-    `noise.examples = "all"`); with `curvature`, tr(HΣ) from `deviations` examples drawn
-    with `key` and the Hessian of `hessian_examples` (0: all N). `num_probes` is unused."""
+    """The noise method "full_data": `measure_full_data` on `batch`, all N training examples;
+    with `curvature`, tr(HΣ) from `deviations` examples drawn with `key` and the Hessian of
+    `hessian_examples` (0: all N). `num_probes` is unused."""
     del num_probes
     out = measure_full_data(loss_fn, params, batch, key, deviations=deviations if curvature
                             else 0, hessian_examples=hessian_examples, chunk_size=chunk_size)
@@ -221,10 +212,9 @@ def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
 def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
                    one_pass: int = FULL_DATA_ONE_PASS, chunk: int = FULL_DATA_CHUNK
                    ) -> tuple[PyTree, Callable]:
-    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: for N ≤ `one_pass`,
-    `cbs.stats.curvature.hvp_fn` (one linearisation, which keeps the activations of all N);
-    for larger N, sums over chunks of `chunk` examples weighted by their share n_k/N, each
-    HVP recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
+    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: `curvature.hvp_fn` for
+    N ≤ `one_pass`; else sums over chunks of `chunk` examples weighted by n_k/N, each HVP
+    recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
     num = jax.tree.leaves(batch)[0].shape[0]
     if num <= one_pass:
         return curvature.hvp_fn(loss_fn, params, batch)
