@@ -2,10 +2,8 @@
 statistics of the same batch (`value_grad_and_stats`), and its NNX form, which takes the
 module as `nnx.value_and_grad` does (`nnx_value_grad_and_stats`).
 
-Arguments follow JAX's per-example libraries (jax_privacy's `clipped_grad`): `argnums` names
-the differentiated argument(s), `batch_argnums` the argument(s) whose leaves share the leading
-example axis B, `prng_argnum` a PRNG key argument, and `has_aux` a loss returning
-`(loss, aux)`. Any other argument is passed through unchanged.
+Arguments follow jax_privacy's `clipped_grad`: `argnums`, `batch_argnums` (leaves sharing
+the leading example axis B), `prng_argnum` and `has_aux`; any other argument passes through.
 
 Randomness. With a key, the example at position i of the batch (0 ≤ i < B) draws from
 `example_keys(key, B)[i] = jax.random.fold_in(key, i)`, and its loss is
@@ -77,10 +75,8 @@ def _wrapper(key: jax.Array) -> Callable[[jax.Array], jax.Array]:
 def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: jax.Array
                ) -> Callable[[PyTree, PyTree], jax.Array]:
     """`L(params, (batch, data)) = (1/B) Σ_i loss_fn(params, batch[i:i+1], key_i)` with key_i
-    unwrapped from data[i] (`data = key_data(example_keys(key, B))`, what the drop-in builds):
-    the per-example-keyed loss of the module docstring, for `noise.exact` / `noise.probe`.
-    Reuse the returned function (the estimators compile for it). Random draws are let through
-    the randomness check (each example's are the same in every batch that holds it)."""
+    unwrapped from data[i] (`with_keys`): the per-example-keyed loss of the module docstring,
+    let through the randomness check. Reuse it (the estimators compile for it)."""
     wrap = _wrapper(key)
 
     def loss(params: PyTree, batch_and_keys: tuple[PyTree, jax.Array]) -> jax.Array:
@@ -159,15 +155,13 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     Args:
         loss_fn: the MEAN loss over the batch's leading axis (or `(loss, aux)`).
         has_aux: loss_fn returns (loss, aux); the call returns ((loss, aux), grads, stats).
-            aux is loss_fn's own on the whole batch; with a key it is each example's, stacked
-            [B, ...] (as jax_privacy returns it), since each example is its own call.
+            aux is loss_fn's own on the whole batch; with a key each example's, stacked [B, ...].
         argnums: the argument(s) differentiated (a tuple gives grads as a tuple).
         batch_argnums: the argument(s) holding the examples, every leaf with leading axis B.
         prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` and a one-example
             call (module docstring).
         curvature: also B_noise, from the even and odd halves (module docstring).
-        method: "auto" | "fast" | "vmap" as in `noise.exact` ("vmap": the reference, slow).
-        chunk_size, groups: as in `noise.exact` (groups get curvature per diagonal block).
+        method, chunk_size, groups: as in `noise.exact`.
     Returns:
         fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats); keyword arguments
         go to loss_fn undifferentiated, as in `jax.value_and_grad`.
@@ -210,8 +204,8 @@ def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
 
 
 def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
-    """The structural coupling check on the loss of the whole batch with one key (the keyed
-    loss calls it one example at a time, where no batch statistic can show)."""
+    """The structural coupling check on the whole batch's loss with one key (the keyed loss
+    sees one example at a time)."""
     site = coupling.loss_coupling(loss, params, batch, key)
     if site is not None:
         loss_checks.raise_coupled(site)

@@ -1,50 +1,43 @@
 """Exact per-example gradient norms in one forward and one backward pass ("ghost norms"),
-for any JAX model: the operations that read each parameter are found in the jaxpr of the
-user's own `loss_fn`.
+for any JAX model, from the operations that read each parameter in the jaxpr of `loss_fn`.
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, L scan length, P parameters.
 
-For a loss `L = (1/B) Σ_i ℓ_i` (the mean loss of the DESIGN contract) the per-example gradient
-of a dense kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the operation's data
-operand at position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass
-already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022,
-"ghost clipping"):
+For the mean loss `L = (1/B) Σ_i ℓ_i` the per-example gradient of a dense kernel is
+`∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, with `x_it` the operation's data operand at position t and
+`g_it = ∂L/∂y_it` the output cotangent of the ordinary backward pass. Its squared norm needs
+no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
 
     |∂ℓ_i/∂W|² = B² |x_i|² |g_i|²                            (no position axis, T = 1)
                = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
-whichever is cheaper. Where the direct form is taken its per-example gradients, summed, also
-give the weight gradient ("fused", `ghost_rules.fuse_direct`). A convolution is the dense
-rule on its input windows, an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an
-elementwise scale or shift w broadcast over positions (norm layers, biases)
-`|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, fused too (`cbs.stats.ghost_rules`).
+whichever is cheaper; the direct form's per-example gradients, summed, also give the weight
+gradient ("fused", `ghost_rules.fuse_direct`). A convolution is the dense rule on its input
+windows, an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or
+shift broadcast over positions `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²` (`ghost_rules`).
 
-Mechanism. `cbs.stats.ghost_trace` finds, in one shape-only trace of `loss_fn(params,
-batch)`, the operations that read each params leaf (its *uses*). The jaxpr is then evaluated
-again under one `jax.value_and_grad`, which returns the loss, ḡ and the norms:
+Mechanism. `ghost_trace` finds, in one shape-only trace, the operations that read each params
+leaf (its *uses*). The jaxpr is then evaluated again under one `jax.value_and_grad`:
 
-- a leaf read by one use through norm-preserving layout ops, in a layout a ghost rule reads,
-  has the use's output routed through a *tap*: an identity whose custom backward applies the
-  rule to x and g and returns the [B] norms as the cotangent of a zero *slot* input (a fused
-  use's custom backward also returns the parameter's gradient). Inside `scan` the slots are
-  stacked (one [B] row per step), so nothing is kept beyond what the ordinary backward keeps.
-- any other use gets a zero *perturbation* added to its output and its data operand kept as
-  an auxiliary output, so the backward pass also returns its cotangent g. A leaf read only
-  by `dot_general`s and embedding gathers (a tied embedding and head, a kernel read by two
-  matmuls) takes the cheaper form of `cbs.stats.ghost_tied`. Any other leaf is
-  *materialised*: `Σ_uses transpose(use)(x_i, g_i)` in the leaf's layout, squared, in chunks
-  of examples.
+- a leaf read by one use in a layout a ghost rule reads has the use's output routed through
+  a *tap*: an identity whose custom backward applies the rule to x and g and returns the [B]
+  norms as the cotangent of a zero *slot* input (stacked per step inside `scan`), so nothing
+  is kept beyond what the ordinary backward keeps; a fused use's also returns the gradient.
+- any other use gets a zero *perturbation* added to its output and its data operand kept, so
+  the backward pass also returns its cotangent g. A leaf read only by `dot_general`s and
+  embedding gathers (a tied embedding and head) takes the cheaper form of `ghost_tied`; any
+  other is *materialised*: `Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples.
 
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
-`custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule
-taken to be the derivative of their body). Leaves read in any other way fall back to
-`vmap(grad)` restricted to them, chunked to a memory budget (`uncovered_leaves` says which).
+`custom_jvp`/`custom_vjp` bodies are inlined (their custom rule taken to be the derivative of
+their body). Leaves read in any other way fall back to `vmap(grad)` restricted to them,
+chunked to a memory budget (`uncovered_leaves` says which).
 
-Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
-fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A batch statistic mixed
-into every example (BatchNorm in training mode) removes the example axis in the trace.
+ℓ_i is `loss_fn` on the one-example batch i, as in the vmap reference; the fast path equals
+it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A batch statistic mixed into every
+example (BatchNorm in training mode) removes the example axis in the trace.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Ghost norms of a params leaf read by several uses, every one a `dot_general` or an embedding
-`gather` (a tied input/output embedding, a kernel read by two matmuls), without forming
-the leaf's per-example gradients when that is the costlier way.
+`gather` (a tied input/output embedding, a kernel read by two matmuls).
 
-Example i's gradient of the leaf is the sum of its uses' per-example gradients A_u,i (each
-the use's transpose applied to example i's data operand and output cotangent, pulled back to
-the leaf's layout), so
-
-    |Σ_u A_u,i|² = Σ_u |A_u,i|² + 2 Σ_{u<v} <A_u,i, A_v,i>,
-
-and every term is a sum over pairs of positions of example i alone (`cbs.stats.ghost` for the
-letters and the mean-loss scaling):
+Example i's gradient of the leaf is the sum of its uses' per-example gradients A_u,i (in the
+leaf's layout), so |Σ_u A_u,i|² = Σ_u |A_u,i|² + 2 Σ_{u<v} <A_u,i, A_v,i>, every term a sum
+over pairs of positions of example i alone (letters and scaling as in `cbs.stats.ghost`):
 
 - a `dot_general` use reads the leaf as a kernel: A_u,i = Σ_t x_t g_tᵀ, x_t over the leaf
   axes it contracts (its *x side*), g_t over the others (its *g side*);
@@ -75,14 +69,6 @@ class Part:
     x_sizes: tuple[int, ...]
     g_sizes: tuple[int, ...]
     positions: int  # T: positions per example (per scan step)
-
-    @property
-    def x_features(self) -> int:
-        return int(np.prod(self.x_sizes))
-
-    @property
-    def g_features(self) -> int:
-        return int(np.prod(self.g_sizes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,25 +161,25 @@ def _pair_cost(p: Part, q: Part) -> int:
     """Multiply-adds of one example's term <A_p, A_q> in the Gram form."""
     t = p.positions * q.positions
     if p.kind == q.kind == "dot":
-        return (1 if p is q and p.positions == 1 else t) * (p.x_features + p.g_features)
+        return (1 if p is q and p.positions == 1 else t) * (int(np.prod(p.x_sizes))
+                                                            + int(np.prod(p.g_sizes)))
     gather = p if p.kind == "gather" else q
-    return t * (gather.g_features + 1)
+    return t * (int(np.prod(gather.g_sizes)) + 1)
 
 
 ENTRY_COST = 4  # multiply-adds per entry of a per-example gradient: its memory traffic
 
 
 def _direct_cost(parts: tuple[Part, ...], size: int) -> int:
-    """What the direct form adds to one example's plain gradient, in multiply-adds: each use's
-    per-example gradient in the leaf's layout and their sum, `ENTRY_COST` per entry (their
-    products replace the weight gradient's)."""
+    """What the direct form adds to one example's plain gradient, in multiply-adds:
+    `ENTRY_COST` per entry of each use's per-example gradient and of their sum."""
     return ENTRY_COST * (len(parts) + 1) * size
 
 
 def plan(uses, form: str | None = None) -> Tied | None:
-    """The rule for a leaf read by `uses` (two or more, in one scan context), or None when it
-    takes the materialised path (a use or a pair of uses the rule cannot read, or
-    FORM = "materialised"). `form` overrides FORM."""
+    """The rule for a leaf read by `uses` (two or more, in one scan context), or None for the
+    materialised path (a use or pair the rule cannot read, or "materialised"). `form`
+    overrides FORM."""
     form = FORM if form is None else form
     if form not in FORMS:
         raise ValueError(f"ghost_tied.FORM must be one of {FORMS}, got {form!r}")
@@ -277,15 +263,6 @@ def _term(how: str, p: Part, q: Part, op_p, op_q, dtype) -> jax.Array:
     return jnp.sum(picked.astype(dtype) * other)
 
 
-def _gram_sq_norm(tied: Tied, ops: list, dtype) -> jax.Array:
-    """|Σ_u A_u|² of one example (one scan step) from the Gram terms."""
-    total = jnp.zeros((), dtype)
-    for (j, k), how in tied.pairs.items():
-        term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
-        total = total + (term if j == k else 2 * term)
-    return total
-
-
 def _natural(part: Part) -> tuple[int, ...]:
     """The leaf axes of a part's per-example gradient as formed: a dot's g side then its x
     side ([F, C]), a gather's rows then columns ([V, O])."""
@@ -304,10 +281,8 @@ def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
         grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(
             e.astype(dtype))
     else:
-        # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes the
-        # library kernel the materialised path's products take (a [B, D, V] product or a
-        # [B, V, D] one over T alone ran its generic loop, up to 1.6× the LM step's tied-head
-        # share at T = 16; on a GPU the unit axis is dropped).
+        # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes its library
+        # kernel (over T alone, its generic loop: up to 1.6× the LM step's tied-head share).
         x, g = op
         common = jnp.promote_types(x.dtype, g.dtype)
         grad = jax.lax.dot_general(g.astype(common)[None], x.astype(common)[None],
@@ -330,8 +305,12 @@ def _slice_norm(tied: Tied, items: list, dtype):
     """(|Σ_u A_u|², Σ_u A_u in `tied.work` order, or () in the Gram form) of one example at
     one scan step."""
     ops = [_operands(p, x, g) for p, (x, g) in zip(tied.parts, items, strict=True)]
-    if tied.form == "gram":
-        return _gram_sq_norm(tied, ops, dtype), ()
+    if tied.form == "gram":  # |Σ_u A_u|² from the Gram terms
+        sq = jnp.zeros((), dtype)
+        for (j, k), how in tied.pairs.items():
+            term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
+            sq = sq + (term if j == k else 2 * term)
+        return sq, ()
     total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops,
                                                                        strict=True))
     return jnp.sum(jnp.square(total)), total

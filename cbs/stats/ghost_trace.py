@@ -113,17 +113,12 @@ def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
 
 
 def _walk(jaxpr, in_tags, disc, ctx, stack, scans) -> list[_Var]:
-    env: dict[Any, _Var] = {}
+    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))
+    env.update({v: _Var() for v in jaxpr.constvars})
     read = lambda v: _Var() if isinstance(v, core.Literal) else env.get(v, _Var())
-    for v, t in zip(jaxpr.invars, in_tags, strict=True):
-        env[v] = t
-    for v in jaxpr.constvars:
-        env[v] = _Var()
     for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        outs = _eqn(eqn, ins, disc, ctx, stack, scans)
-        for v, t in zip(eqn.outvars, outs, strict=True):
-            env[v] = t
+        outs = _eqn(eqn, [read(v) for v in eqn.invars], disc, ctx, stack, scans)
+        env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -138,8 +133,13 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     dep = any(t.dep for t in ins)
     n_out = len(eqn.outvars)
     ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
-    if name in nested.CALLS or name == "scan":
-        return _nested(eqn, ins, disc, ctx, stack, scans)
+    if name == "scan":
+        return _scan(eqn, ins, disc, ctx, stack, scans)
+    if name in nested.CALLS:
+        outs = _walk(nested.call_body(eqn).jaxpr, ins, disc, ctx, stack, scans + [id(eqn)])
+        if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
+            outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
+        return outs
     if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
         p = ins[0].ptag
         # a `broadcast_in_dim` that only inserts size-1 axes (a bias [O] as [1, 1, O]) keeps it
@@ -177,16 +177,6 @@ def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
         disc.inner_uses.setdefault(s, set()).add(uid)
     disc.reads[id(eqn), p.leaf] = Use(uid, eqn, p.leaf, ctx, stack, ptagged[0], p.chain,
                                       p.keeps_norm, other.eaxis, eaxis[0])
-
-
-def _nested(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
-    name = eqn.primitive.name
-    if name == "scan":
-        return _scan(eqn, ins, disc, ctx, stack, scans)
-    outs = _walk(nested.call_body(eqn).jaxpr, ins, disc, ctx, stack, scans + [id(eqn)])
-    if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
-        outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
-    return outs
 
 
 def _passed(t: _Var, ctx, why: str) -> _Var:

@@ -129,8 +129,8 @@ def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]
 
 
 def raise_if_batch_stats(err: Exception) -> None:
-    """Turns flax's error for a BatchNorm statistic or an nnx.Rngs stream mutated under a
-    trace into one line."""
+    """Turns flax's error for a BatchNorm statistic or nnx.Rngs stream mutated under a trace
+    into one line."""
     text = str(err)
     if "RngCount" in text or "RngKey" in text:
         raise ValueError("loss_fn draws from an nnx.Rngs stream of a model it closes over "
@@ -146,8 +146,7 @@ def raise_if_batch_stats(err: Exception) -> None:
 
 
 def raise_coupled(site: str) -> None:
-    """The one-line refusal of a loss whose jaxpr combines a statistic over the examples with
-    each example (`cbs.stats.coupling`, at `site`)."""
+    """The one-line refusal of a loss coupled at `site` (`cbs.stats.coupling`)."""
     raise ValueError(f"loss_fn couples the examples of a batch: a statistic over the batch axis"
                      f" is combined with every example ({site}), so per-example gradients are "
                      "undefined (a batch statistic, e.g. BatchNorm in training mode: linen "
@@ -189,8 +188,8 @@ def _check_values(once: float, other: float | None, pair: float | None, twice: f
 def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                    args: list[Any]) -> tuple[float, float | None, float | None, float] | None:
     """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) of `loss_fn(params, batch, args)` on the
-    inputs, or on stand-ins of their shapes when any is traced (each traced array of `args`:
-    ones, or a key); None when loss_fn cannot run on them or a loss is not finite."""
+    inputs, or on stand-ins when any is traced; None when loss_fn cannot run on them or a
+    loss is not finite."""
     if not all(concrete(x) for x in jax.tree.leaves((params, batch))):
         params = stand_in(params, kernels=True)
         batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -224,9 +223,9 @@ def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyT
 
 
 def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """An argument as it is when concrete, else ones of its shape and dtype (a temperature, a
-    mask, a count or a running variance stays valid), or zero key data for a typed key; and
-    the function that makes it the argument again inside the check (wraps the key)."""
+    """An argument as it is when concrete, else ones of its shape and dtype (a temperature or
+    a mask stays valid) or zero key data for a typed key; and the function that makes it the
+    argument again inside the check."""
     if concrete(x):
         return x, lambda a: a
     shape, dtype = jnp.shape(x), jnp.result_type(x)
@@ -255,8 +254,8 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
 
 
 def _first_two(loss_fn: Callable[..., jax.Array], abstract: tuple[PyTree, PyTree, Any]) -> Any:
-    """The jaxpr of loss_fn on the first two examples (what the value checks run), which
-    depends on the per-example shapes, not on the batch size; None if it cannot be traced."""
+    """The jaxpr of loss_fn on the first two examples (what the value checks run, whatever
+    the batch size); None if it cannot be traced."""
     params, batch, args = abstract
     two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
                                                       x.dtype), batch)
@@ -267,9 +266,8 @@ def _first_two(loss_fn: Callable[..., jax.Array], abstract: tuple[PyTree, PyTree
 
 
 def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
-    """What the value checks' verdict depends on: the printed jaxpr (shapes, dtypes and every
-    operation) and its constants (their values where small, else shape, dtype and a
-    checksum); None (checked every time, never recorded) when a constant has no host value."""
+    """What the value checks' verdict depends on: the printed jaxpr and its constants (values
+    where small, else shape, dtype and a checksum); None when a constant has no host value."""
     consts = []
     for c in jaxpr.consts:
         try:
@@ -282,8 +280,8 @@ def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
 
 
 def _checked(loss_fn: LossFn, add: bool = False) -> bool:
-    """Whether loss_fn already passed (add: record that it did). A callable that cannot be
-    weakly referenced is never recorded, so it is checked every time."""
+    """Whether loss_fn already passed (add: record that it did); a callable that cannot be
+    weakly referenced never is."""
     try:
         if add:
             _CHECKED.add(loss_fn)

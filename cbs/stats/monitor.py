@@ -43,11 +43,9 @@ class NoiseMonitor:
       decay: EMA decay per update (0.95 averages about the last 20 batches).
       every: read back and log every this many updates (0: never log, read on demand).
       log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats.
-      writer: a metric writer, called as writer.write_scalars(step, {...}) with the same
-        values (`cbs.results.writers`); the caller closes it.
+      writer: a metric writer given the same values (write_scalars); the caller closes it.
 
-    The step of a log is the number of updates so far, or the `step` given to `update` (the
-    training loop's own, so that the noise scale lines up with its other metrics).
+    The step of a log is the `step` given to `update`, else the number of updates so far.
     """
 
     def __init__(self, *, decay: float = 0.95, every: int = 100,
@@ -64,8 +62,7 @@ class NoiseMonitor:
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def update(self, stats: NoiseStats, *, step: int | None = None) -> None:
-        """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`);
-        `step`: the training loop's step (default: the number of updates)."""
+        """Folds one batch's statistics in; `step`: the training loop's step."""
         if stats.g_h_g is not None and stats.trace_h_sigma is not None:
             self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
                              stats.trace_h_sigma, stats.g_h_g)
@@ -82,8 +79,7 @@ class NoiseMonitor:
                 self.writer.write_scalars(self.step, values)
 
     def values(self) -> dict[str, float]:
-        """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN before the
-        first update, and the curvature ones until they are fed)."""
+        """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN until fed)."""
         return {k: float(np.asarray(v)) for k, v in self.ema.to_dict().items()}
 
     @property

@@ -8,11 +8,10 @@ body's. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` beca
 `remat`'s `prevent_cse` became per operand), so every walker reads them here, each split
 derived from the jaxpr's own avals where the parameters do not name it:
 
-- scan: operands `consts + carry + xs`, results `carry + ys`; an `xs` operand (a `ys`
-  result) has one axis more than its body input (output), so the split is the first whose
-  rank differs from the body's.
-- while: operands `cond_consts + body_consts + carry`; the body returns the carry, so its
-  length is the body's output count, and each jaxpr's consts are its inputs before it.
+- scan: operands `consts + carry + xs`, results `carry + ys`; the split is the first operand
+  (result) whose rank differs from its body input (output).
+- while: operands `cond_consts + body_consts + carry`; the carry is as long as the body's
+  outputs, and each jaxpr's consts are its inputs before it.
 - cond: operands `index + ops`, every branch a jaxpr over `ops`.
 - calls (`jit`, `pjit`, `closed_call`, `core_call`, `remat`, `custom_jvp_call`,
   `custom_vjp_call`, `shard_map`): one body over all operands.

@@ -168,10 +168,9 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        params: pytree of floating-point arrays (P numbers in all).
-        batch: pytree of arrays with a shared leading axis B ≥ 2 (may be sharded on a mesh).
-        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from a memory
-            budget (`cbs.stats.ghost.MEMORY_BUDGET_BYTES`).
+        params, batch: float arrays (P numbers); arrays with a shared leading axis B ≥ 2.
+        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
+            `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
         curvature: also mean_g_h_g, g_h_g, trace_h_sigma and b_noise (one HVP of the mean
             batch loss per example: cost O(B²)).
         groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's

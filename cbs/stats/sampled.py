@@ -69,15 +69,12 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
     """Noise statistics at `params` (float32 scalars, keys without prefix).
 
     Args:
-      loss_fn: loss_fn(params, batch) -> mean loss.
       grad_batch: 𝓑, n examples: trace_sigma, grad_sq_norm, b_simple, and ḡ_𝓑.
       hess_batch: 𝓒, examples drawn independently of 𝓑 for the Hessian; None: no curvature.
       deviations: m, the first m examples of 𝓑 whose deviations give trace_h_sigma
         (2 ≤ m ≤ n; 0 = all n).
-      chunk_size: examples per vmap chunk (memory).
     Returns:
-      {"trace_sigma", "grad_sq_norm", "mean_grad_sq_norm", "b_simple"} and, with hess_batch,
-      {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"} (module docstring).
+      `noise.SIMPLE_KEYS` and, with hess_batch, `noise.CURVATURE_KEYS` (module docstring).
     """
     stats = noise.exact(loss_fn, params, grad_batch, chunk_size=chunk_size)
     out = {k: getattr(stats, k) for k in noise.SIMPLE_KEYS}
@@ -156,18 +153,15 @@ def measure_full_data(loss_fn: LossFn, params: PyTree, train_batch: PyTree,
     """Noise statistics of the whole training set at `params` (module docstring).
 
     Args:
-      loss_fn: loss_fn(params, batch) -> mean loss.
       train_batch: all N training examples (the population: G, Σ and H are theirs).
       key: PRNG key drawing the subset 𝓐 of `deviations` examples (needed when > 0).
       deviations: m, examples whose deviations give trace_h_sigma (0 = no curvature,
         m ≥ N: every example, no sampling).
       hessian_examples: 0 (or ≥ N): trace_h_sigma's H over all N; h > 0: H of h examples
-        drawn uniformly without replacement, independently of 𝓐 (E[Ĥ] = H, so still
-        unbiased, at h/N of the HVP cost). GᵀHG always uses all N.
-      chunk_size: examples per vmap chunk (memory).
+        drawn without replacement, independently of 𝓐 (still unbiased, at h/N of the HVP
+        cost). GᵀHG always uses all N.
     Returns:
-      float32 scalars {"trace_sigma", "grad_sq_norm", "mean_grad_sq_norm", "b_simple"} and,
-      when deviations > 0, {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"}.
+      float32 scalars: `noise.SIMPLE_KEYS` and, when deviations > 0, `noise.CURVATURE_KEYS`.
     """
     num = jax.tree.leaves(train_batch)[0].shape[0]
     trace_sigma, grad_sq_norm = _population_noise(loss_fn, params, train_batch, chunk_size)
@@ -191,8 +185,8 @@ def _draw(batch, key, size, num):
 
 
 def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
-    """Σ_k (n_k/N) f(chunk_k) over the chunks of at most `chunk` examples of `batch` (a scan
-    over the whole ones, then the rest): the mean over all N of a per-chunk mean."""
+    """Σ_k (n_k/N) f(chunk_k) over the chunks of at most `chunk` examples of `batch`: the mean
+    over all N of a per-chunk mean."""
     num = jax.tree.leaves(batch)[0].shape[0]
     whole, rest = divmod(num, chunk)
     chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
@@ -281,11 +275,8 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
 
 
 def resolve_b_noise(trace_h_sigma: float, g_h_g: float) -> tuple[float | None, str]:
-    """(b_noise, "") when resolved, else (None, the reason in words).
-
-    B_noise is unresolved when either window average is missing or non-finite, or when
-    g_h_g ≤ 0 (its estimate is noisier than its size: more or larger measurements needed).
-    """
+    """(b_noise, "") when resolved, else (None, the reason): either window average missing
+    or non-finite, or g_h_g ≤ 0 or trace_h_sigma ≤ 0 (the estimate noisier than its size)."""
     if not (math.isfinite(trace_h_sigma) and math.isfinite(g_h_g)):
         return None, "no finite curvature measurement near the crossing"
     if g_h_g <= 0:

@@ -1,7 +1,5 @@
 """Estimates from scalars: the two-batch solve for |G|² and tr(Σ), and the bias-corrected
 EMA of a noise scale's numerator and denominator (McCandlish et al. 2018, App. A).
-
-Both are public through the `cbs.noise` façade.
 """
 
 from __future__ import annotations
