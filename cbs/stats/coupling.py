@@ -59,9 +59,8 @@ class _Coupled(Exception):
 
 
 def coupling_site(jaxpr: Any, batch_invars: range) -> str | None:
-    """Where `jaxpr` (an open jaxpr) combines a statistic over the examples with per-example
-    values ("`sub` at file:line"), or None. `batch_invars`: the indices of the inputs whose
-    leading axis is the example axis."""
+    """Where the open `jaxpr` combines a statistic over the examples with per-example values
+    ("`sub` at file:line"), or None; `batch_invars`: the inputs led by the example axis."""
     tags = [_Tag(0 if i in batch_invars and _shape(v) else None)
             for i, v in enumerate(jaxpr.invars)]
     try:
@@ -122,8 +121,7 @@ def _eqn(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
 
 
 def _reduces_examples(eqn, ins) -> bool:
-    """Whether a known operation reduces, accumulates or contracts an axis holding the
-    examples, or pairs the examples of two operands (`z @ z.T`)."""
+    """Whether an operation reduces or contracts an axis holding the examples, or pairs them."""
     name, params = eqn.primitive.name, eqn.params
     e = next(t.eaxis for t in ins if t.eaxis is not None)
     if name in ghost_trace._REDUCE:
@@ -194,8 +192,7 @@ def _shard_map(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
 
 
 def _spec_names(spec: Any, dim: int) -> tuple[str, ...]:
-    """The mesh axes a `shard_map` spec splits dimension `dim` on (a PartitionSpec, or an
-    `in_names` dict of dimension to names on older releases)."""
+    """The mesh axes a `shard_map` spec (a PartitionSpec or an `in_names` dict) splits `dim` on."""
     try:
         entry = spec.get(dim) if isinstance(spec, dict) else tuple(spec)[dim]
     except (IndexError, TypeError):
@@ -261,8 +258,8 @@ def _where(eqn) -> str:
 
 
 def loss_coupling(fn: Any, *args: Any, batch_argnum: int = 1) -> str | None:
-    """`coupling_site` of `fn(*args)` traced on shapes only, args[batch_argnum] holding the
-    batch (its leaves' leading axis is the example axis); None also when fn cannot be traced."""
+    """`coupling_site` of `fn(*args)` traced on shapes, args[batch_argnum] holding the batch;
+    None also when fn cannot be traced."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x),
                                                            jax.numpy.result_type(x)), args)
     try:

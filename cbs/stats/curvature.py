@@ -25,8 +25,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def hvp(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> PyTree:
-    """H v of the mean loss `loss_fn(·, batch)` at `params`, shaped like `params` (v is cast
-    to the parameters' dtypes)."""
+    """H v of the mean loss `loss_fn(·, batch)` at `params` (v cast to the params' dtypes)."""
     grad_fn = lambda p: jax.grad(loss_fn)(p, batch)
     return jax.jvp(grad_fn, (params,), (tree_cast_like(v, params),))[1]
 

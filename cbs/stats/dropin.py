@@ -204,8 +204,7 @@ def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
 
 
 def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
-    """The structural coupling check on the whole batch's loss with one key (the keyed loss
-    sees one example at a time)."""
+    """The structural coupling check on the whole batch's loss with one key."""
     site = coupling.loss_coupling(loss, params, batch, key)
     if site is not None:
         loss_checks.raise_coupled(site)

@@ -121,8 +121,7 @@ def sum_over_examples(a: jax.Array, weights: jax.Array | None = None) -> jax.Arr
 
 
 def _interleaved(x: jax.Array, chunk: int, n: int) -> jax.Array:
-    """[n, chunk, ...] of x [n·chunk, ...], chunk j holding examples j, j + n, j + 2n, ...:
-    a batch sharded over devices stays spread over them in every chunk."""
+    """[n, chunk, ...] of x [n·chunk, ...], chunk j holding examples j, j + n, j + 2n, ..."""
     return x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
 
 
@@ -162,9 +161,8 @@ def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
 
 
 def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[PyTree, PyTree]:
-    """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`;
-    the sum is accumulated chunk by chunk (padding examples left out, `sum_over_examples`),
-    never stacked [B, ...] beyond one chunk."""
+    """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`,
+    the sum accumulated chunk by chunk (padding examples left out)."""
     size = jax.tree.leaves(batch)[0].shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")

@@ -267,8 +267,7 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
 
 
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
-    """([B] |Σ_uses per-example gradient|², the leaf's gradient: their sum over the examples),
-    chunk by chunk of examples."""
+    """([B] |Σ_uses per-example gradient|², their sum over the examples), in chunks."""
     items, per_example_bytes = [], 0
     for u in uses:
         k = len(u.stack)

@@ -101,8 +101,7 @@ def dense_operands(use, x, g):
 
 
 def dense_sq_norm(use, x, g) -> jax.Array | None:
-    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
-    free) order, which is a permutation of W's entries."""
+    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² (W's entries permuted)."""
     x_BxTxC, g_BxTxF, _, _ = dense_operands(use, x, g)
     return _kernel_sq_norm(x_BxTxC, g_BxTxF)
 
@@ -195,8 +194,7 @@ def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
 
 
 def conv_sq_norm(use, x, g) -> jax.Array | None:
-    """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
-    the input windows, in chunks of examples."""
+    """`conv_general_dilated`: the dense rule on the input windows, in chunks of examples."""
     inputs = _conv_inputs(use, x, g)
     if inputs is None:
         return None
@@ -204,9 +202,8 @@ def conv_sq_norm(use, x, g) -> jax.Array | None:
 
 
 def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """`conv_general_dilated`: (the kernel's gradient in its layout, [B] squared norms) from
-    the per-example gradients on the input windows, in chunks of examples, when
-    `fuse_direct` admits the shapes of the whole batch."""
+    """`conv_general_dilated`: (the kernel's gradient, [B] squared norms) from the per-example
+    gradients on the input windows, when `fuse_direct` admits the whole batch's shapes."""
     inputs = _conv_inputs(use, x, g)
     if inputs is None:
         return None
@@ -243,9 +240,8 @@ def embed_layout(use) -> tuple[int, int] | None:
 
 
 def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
-    """(ids [B, T] in [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`): clipped
-    ids where the gather clips, and a zero cotangent where an out-of-range id read the fill
-    value (no gradient; its id is then clipped too, so that it indexes safely)."""
+    """(ids [B, T] clipped to [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`),
+    g zero where an out-of-range id read the fill value (no gradient)."""
     layout = embed_layout(use)
     if layout is None:
         return None
@@ -311,8 +307,7 @@ def elementwise_sq_norm(use, x, g) -> jax.Array | None:
 
 def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """Elementwise use of a broadcast parameter: (w's gradient as the sum of its per-example
-    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent where
-    the tapped rule and the ordinary gradient take one each."""
+    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent."""
     if use.e_out >= g.ndim:
         return None
     per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
@@ -340,16 +335,14 @@ FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused,
 
 def _bind(eqn, args, params=None):
     params = dict(eqn.params if params is None else params)
-    if "sharding" in params:
-        params["sharding"] = None
-    if "out_sharding" in params:
-        params["out_sharding"] = None
+    for key in ("sharding", "out_sharding"):
+        if key in params:
+            params[key] = None
     return eqn.primitive.bind(*args, **params)
 
 
 def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
-    """∂(one example's share of the loss)/∂(origin) for one example: x_i, g_i without the
-    example axis; the result has the shape of the leaf (or of its scanned slice)."""
+    """One example's gradient (x_i, g_i without the example axis) in the leaf's shape."""
     origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
     x1 = in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
     g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)

@@ -142,8 +142,7 @@ def _part(use) -> Part | None:
 
 
 def _pairing(p: Part, q: Part) -> str | None:
-    """How the per-example gradients of p and q meet in the leaf's layout (see the module
-    docstring), or None when their sides share leaf axes only in part."""
+    """How p's and q's per-example gradients meet (module docstring), or None."""
     px, pg, qx, qg = set(p.x_axes), set(p.g_axes), set(q.x_axes), set(q.g_axes)
     if p.kind == q.kind == "dot":
         return "same" if px == qx else "transposed" if px == qg and pg == qx else None
@@ -302,8 +301,7 @@ def _to_leaf_layout(tied: Tied, total: jax.Array, depth: int) -> jax.Array:
 
 
 def _slice_norm(tied: Tied, items: list, dtype):
-    """(|Σ_u A_u|², Σ_u A_u in `tied.work` order, or () in the Gram form) of one example at
-    one scan step."""
+    """(|Σ_u A_u|², Σ_u A_u in `tied.work` order or () in the Gram form) of one example."""
     ops = [_operands(p, x, g) for p, (x, g) in zip(tied.parts, items, strict=True)]
     if tied.form == "gram":  # |Σ_u A_u|² from the Gram terms
         sq = jnp.zeros((), dtype)
@@ -318,9 +316,8 @@ def _slice_norm(tied: Tied, items: list, dtype):
 
 def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | None,
              budget_bytes: int) -> tuple[jax.Array, jax.Array | None]:
-    """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i in
-    the direct form or None in the Gram form), in chunks of examples (`chunk_size`, else as
-    many as `budget_bytes` holds)."""
+    """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i or
+    None in the Gram form), in chunks of `chunk_size` examples, else as `budget_bytes` holds."""
     items = []
     for p in tied.parts:
         u = p.use

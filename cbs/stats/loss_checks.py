@@ -107,14 +107,12 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
 
 
 def passed(loss_fn: Callable[..., jax.Array]) -> None:
-    """Records that loss_fn passed every check (a closure over arguments checked as
-    `check_loss_fn`'s `args`)."""
+    """Records that loss_fn passed every check."""
     _checked(loss_fn, add=True)
 
 
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
-    """The array leaves of `args` and the function that puts arrays in their places (other
-    leaves stay as they are)."""
+    """The array leaves of `args` and the function that puts arrays back in their places."""
     leaves, tree = jax.tree.flatten(args)
     where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
                                                                np.generic))]
@@ -129,8 +127,7 @@ def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]
 
 
 def raise_if_batch_stats(err: Exception) -> None:
-    """Turns flax's error for a BatchNorm statistic or nnx.Rngs stream mutated under a trace
-    into one line."""
+    """One line for flax's error on a BatchNorm statistic or nnx.Rngs stream mutated in a trace."""
     text = str(err)
     if "RngCount" in text or "RngKey" in text:
         raise ValueError("loss_fn draws from an nnx.Rngs stream of a model it closes over "
@@ -280,8 +277,7 @@ def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
 
 
 def _checked(loss_fn: LossFn, add: bool = False) -> bool:
-    """Whether loss_fn already passed (add: record that it did); a callable that cannot be
-    weakly referenced never is."""
+    """Whether loss_fn already passed (add: record that it did)."""
     try:
         if add:
             _CHECKED.add(loss_fn)

@@ -114,8 +114,7 @@ def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None)
 
 
 def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch=None):
-    """Centred sums from materialised per-example gradients, chunk by chunk (H from
-    `hessian_batch` when given, else from `batch`)."""
+    """Centred sums from per-example gradients, in chunks (H of `hessian_batch`, else `batch`)."""
     dtype = trees.accum_dtype()
     if curvature:
         grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
@@ -219,8 +218,7 @@ def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, grou
 
 def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
                          chunk_size: int | None = None) -> jax.Array:
-    """|g_i|² for every example (float32, float64 under x64): array [B]; method as in
-    `exact`."""
+    """|g_i|² for every example, [B] (float32, float64 under x64); method as in `exact`."""
     check_inputs(loss_fn, params, batch, min_batch=1)
     _check_method(method)
     return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)

@@ -185,8 +185,7 @@ def _draw(batch, key, size, num):
 
 
 def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
-    """Σ_k (n_k/N) f(chunk_k) over the chunks of at most `chunk` examples of `batch`: the mean
-    over all N of a per-chunk mean."""
+    """Σ_k (n_k/N) f(chunk_k) over chunks of at most `chunk` examples: the mean over all N."""
     num = jax.tree.leaves(batch)[0].shape[0]
     whole, rest = divmod(num, chunk)
     chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
@@ -224,8 +223,7 @@ def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
 
 def _population_noise(loss_fn: LossFn, params: PyTree, batch: PyTree, chunk_size: int | None
                       ) -> tuple[jax.Array, jax.Array]:
-    """(tr(Σ), |G|²) over all N examples: `noise.exact` for N ≤ `FULL_DATA_ONE_PASS`, else
-    from the chunks' mean gradients and mean per-example squared norms."""
+    """(tr(Σ), |G|²) over all N examples, in chunks beyond `FULL_DATA_ONE_PASS`."""
     num = jax.tree.leaves(batch)[0].shape[0]
     if num <= FULL_DATA_ONE_PASS:
         stats = noise.exact(loss_fn, params, batch, chunk_size=chunk_size)
