@@ -1,9 +1,8 @@
 """A structural test for examples coupled through a batch statistic, read from the jaxpr.
 
-Per-example gradients need ℓ_i to depend on example i alone. BatchNorm in training mode
-breaks that: it reduces over the example axis and combines the result with every example.
-That is a property of the program, so it is read from one shape-only trace of
-`loss_fn(params, batch)` and holds whatever the parameters.
+Per-example gradients need ℓ_i to depend on example i alone; BatchNorm in training mode
+reduces over the example axis and combines the result with every example. That is a
+property of the program, read from one shape-only trace whatever the parameters.
 
 Every jaxpr variable gets two tags, propagated forward from the batch inputs (example axis 0):
 
@@ -17,11 +16,10 @@ Every jaxpr variable gets two tags, propagated forward from the batch inputs (ex
   name), or by a collective over a mesh axis a `shard_map` splits the examples on.
 
 A known operation whose output keeps an example axis while an operand is mixed is a
-coupling: `x − mean(x, axis=0)`. The mean loss, or a token-weighted mean `Σ mask·ℓ / Σ mask`,
-is mixed but read by nothing per-example. A value whose example axis was lost through an
-unknown operation is never reported, nor a collective over a mesh axis the loss does not
-bind itself. Nested `jit`, `remat`, `custom_jvp`/`custom_vjp`, `scan`, `while`, `cond` and
-`shard_map` bodies are walked.
+coupling: `x − mean(x, axis=0)`. The mean loss (or `Σ mask·ℓ / Σ mask`) is mixed but read by
+nothing per-example. An axis lost through an unknown operation is never reported, nor a
+collective over a mesh axis the loss does not bind. Nested bodies (`jit`, `remat`, custom
+rules, `scan`, `while`, `cond`, `shard_map`) are walked.
 """
 
 from __future__ import annotations

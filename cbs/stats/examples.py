@@ -1,10 +1,9 @@
 """Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
 
-`check_inputs` validates (loss_fn, params, batch) with one-line errors (`check_finite` names
-a NaN/inf input; `cbs.stats.loss_checks` refuses a loss it cannot measure); `map_examples`
-maps a function over the examples of a batch in chunks; `run_auto_axes` runs per-example
-code under an explicitly sharded mesh; `jit_per_settings` compiles an estimator once per
-settings.
+`check_inputs` validates (loss_fn, params, batch) with one-line errors (`check_finite` names a
+NaN/inf input; `cbs.stats.loss_checks` refuses a loss it cannot measure); `map_examples` maps a
+function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under an
+explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
 """
 
 from __future__ import annotations

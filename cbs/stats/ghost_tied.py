@@ -19,13 +19,12 @@ over pairs of positions of example i alone (letters and scaling as in `cbs.stats
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more
-than the plain gradient. The *direct form* forms each example's gradient in the leaf's
-layout, sums and squares it, and takes the leaf's gradient as the sum over the examples: it
-adds `ENTRY_COST` multiply-adds (memory traffic) per entry of each use's per-example
-gradient and of their sum. `plan` takes the cheaper (docs/guides/benchmarks.md measures
-both). Operands stay in their own dtype; products accumulate in the leaf's accumulation
-dtype (`preferred_element_type`).
+This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more than
+the plain gradient. The *direct form* forms each example's gradient in the leaf's layout, sums and
+squares it, and takes the leaf's gradient as the sum over the examples: it adds `ENTRY_COST`
+multiply-adds (memory traffic) per entry of each use's per-example gradient and of their sum. `plan`
+takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own dtype;
+products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
 
 The layout operations from the leaf to each use's operand may transpose it, change its dtype
 or sharding, and add or remove unit axes; anything else (a reshape that merges or splits
@@ -81,8 +80,6 @@ class Tied:
     form: str  # "gram" | "direct"
     slice_shape: tuple[int, ...]  # the leaf (or one scan step's slice of it)
     work: tuple[int, ...]  # the direct form's layout: the leaf's non-unit axes in this order
-    gram_cost: int  # multiply-adds per example (per scan step)
-    direct_cost: int
 
 
 # ----------------------------------------------------------------------------- plan
@@ -205,7 +202,7 @@ def plan(uses, form: str | None = None) -> Tied | None:
     # The direct form sums the per-example gradients in the layout its first dot use forms
     # them in, so that only their sum is transposed to the leaf's.
     work = _natural(next((p for p in parts if p.kind == "dot"), parts[0]))
-    return Tied(parts, pairs, form, slice_shape, work, gram, direct)
+    return Tied(parts, pairs, form, slice_shape, work)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -292,14 +289,6 @@ def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
     return jnp.transpose(grad, [natural.index(a) for a in tied.work])
 
 
-def _to_leaf_layout(tied: Tied, total: jax.Array, depth: int) -> jax.Array:
-    """The summed gradient from `tied.work` order (after `depth` stack axes) to the leaf's."""
-    stack = total.shape[:depth]
-    total = total.reshape(*stack, *[tied.slice_shape[a] for a in tied.work])
-    order = [depth + int(i) for i in np.argsort(tied.work)]
-    return jnp.transpose(total, [*range(depth), *order]).reshape(*stack, *tied.slice_shape)
-
-
 def _slice_norm(tied: Tied, items: list, dtype):
     """(|Σ_u A_u|², Σ_u A_u in `tied.work` order or () in the Gram form) of one example."""
     ops = [_operands(p, x, g) for p, (x, g) in zip(tied.parts, items, strict=True)]
@@ -345,4 +334,10 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
         per_example = per_step * int(np.prod(stack))
         chunk_size = int(max(1, min(batch_size, budget_bytes // max(per_example, 1))))
     sq, total = map_and_sum(one, items, chunk_size)
-    return sq, (None if tied.form == "gram" else _to_leaf_layout(tied, total, len(stack)))
+    if tied.form == "gram":
+        return sq, None
+    # the summed gradient from `tied.work` order (after the stack axes) to the leaf's layout
+    depth, stack = len(stack), total.shape[:len(stack)]
+    total = total.reshape(*stack, *[tied.slice_shape[a] for a in tied.work])
+    order = [depth + int(i) for i in np.argsort(tied.work)]
+    return sq, jnp.transpose(total, [*range(depth), *order]).reshape(*stack, *tied.slice_shape)

@@ -13,11 +13,10 @@ leaves, then the batch leaves) gives every variable two tags:
 
 An operation reading a tagged parameter is a *use* when it is linear in it and its other
 operand and output carry the example axis: `dot_general`, `conv_general_dilated`, `gather`
-from the table (embeddings), and elementwise `mul`/`add`/`sub` (norm scales and shifts,
-biases). The walk enters nested `jit`, `remat`, `custom_jvp`/`custom_vjp` and `scan` bodies
-(a leaf scanned over as `xs` gives one use per step; one closed over by the body would be
-shared by every step). Any other read (a weight-decay term, an op not listed, a carry)
-makes the leaf uncovered, with the reason.
+from the table, and elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk
+enters nested `jit`, `remat`, custom-rule and `scan` bodies (a leaf scanned over as `xs`
+gives one use per step). Any other read (a weight-decay term, an op not listed, a carry, a
+scan's closed-over constant) makes the leaf uncovered, with the reason.
 
 Letters: B batch, L scan length.
 """

@@ -49,6 +49,9 @@ _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions that passed ever
 _PASSED_PROGRAMS: dict[tuple, None] = {}
 _MAX_PROGRAMS = 256
 _ALLOWED_FLAG = "_cbs_allow_randomness"
+_COUPLED_FIX = ("so per-example gradients are undefined (a batch statistic, e.g. BatchNorm in "
+                "training mode: linen mutable=['batch_stats'], nnx model.train()); measure in "
+                "evaluation mode (use_running_average=True / model.eval())")
 
 
 def allow_randomness(loss_fn: LossFn) -> LossFn:
@@ -145,10 +148,7 @@ def raise_if_batch_stats(err: Exception) -> None:
 def raise_coupled(site: str) -> None:
     """The one-line refusal of a loss coupled at `site` (`cbs.stats.coupling`)."""
     raise ValueError(f"loss_fn couples the examples of a batch: a statistic over the batch axis"
-                     f" is combined with every example ({site}), so per-example gradients are "
-                     "undefined (a batch statistic, e.g. BatchNorm in training mode: linen "
-                     "mutable=['batch_stats'], nnx model.train()); measure in evaluation mode "
-                     "(use_running_average=True / model.eval())")
+                     f" is combined with every example ({site}), {_COUPLED_FIX}")
 
 
 def random_primitives(jaxpr: Any) -> set[str]:
@@ -175,11 +175,8 @@ def _check_values(once: float, other: float | None, pair: float | None, twice: f
     mean = (once + other) / 2
     if abs(pair - mean) > COUPLING_TOLERANCE * (abs(once) + abs(other)) + 1e-6:
         raise ValueError(f"loss_fn couples the examples of a batch: examples 0 and 1 together "
-                         f"give {pair:.6g}, not the mean {mean:.6g} of their losses alone, so "
-                         "per-example gradients are undefined (a batch statistic, e.g. "
-                         "BatchNorm in training mode: linen mutable=['batch_stats'], nnx "
-                         "model.train()); measure in evaluation mode (use_running_average=True"
-                         " / model.eval())")
+                         f"give {pair:.6g}, not the mean {mean:.6g} of their losses alone, "
+                         f"{_COUPLED_FIX}")
 
 
 def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,

@@ -167,7 +167,8 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        params, batch: float arrays (P numbers); arrays with a shared leading axis B ≥ 2.
+        params, batch: float arrays (P numbers); arrays sharing a leading axis B ≥ 2 (may be
+            sharded on a mesh).
         chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
             `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
         curvature: also mean_g_h_g, g_h_g, trace_h_sigma and b_noise (one HVP of the mean
@@ -179,10 +180,9 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
             "fast": per-example squared norms from `cbs.stats.ghost` (trace_sigma =
             (Σ|g_i|² − B|ḡ|²)/(B−1)); raises naming the leaves it cannot read. "auto":
             "fast", with vmap for those leaves only. curvature=True takes the vmap route.
-        hessian_batch: examples drawn independently of `batch` whose mean-loss Hessian is H
-            (curvature only). None: H of `batch` itself, whose trace_h_sigma then holds each
-            example's own Hessian with weight 1/B (biased high for small B); independent
-            examples make trace_h_sigma and g_h_g unbiased.
+        hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
+            only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
+            each example's own Hessian with weight 1/B (biased high for small B).
     Returns:
         NoiseStats (scalars in float32, float64 under jax_enable_x64).
     """
@@ -265,11 +265,8 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
     Both are exactly unbiased given the batch, averaged over `num_probes` probes (one after
     another). |ḡ|² and ḡᵀHḡ are exact (one gradient, one HVP).
 
-    Args:
-        key: PRNG key for the probes. distribution: "rademacher" (lower variance) or "gaussian".
-        hessian_batch: independent examples whose Hessian is H (as in `exact`).
-    Returns:
-        NoiseStats with estimated trace_sigma / trace_h_sigma and the unbiased corrections.
+    key: PRNG key for the probes; distribution: "rademacher" (lower variance) or "gaussian";
+    hessian_batch: as in `exact`. Returns NoiseStats.
     """
     check_inputs(loss_fn, params, batch)
     if distribution not in ("rademacher", "gaussian"):
@@ -325,12 +322,11 @@ _ARGUMENTS: dict[str, tuple[str, ...]] = {}
 def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> MethodFn:
     """Registers a noise-measurement method under `name` (a value of `config.noise.method`).
 
-    fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a
-    fresh PRNG key, curvature asks for the curvature fields too, num_probes / chunk_size the
-    config's (None for 0). `takes` declares the further keywords it is given
-    (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn independently of the measured
-    ones; `deviations`, the config's m; `hessian_examples`, its h. A repeated name is an
-    error. Returns fn.
+    fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a fresh
+    PRNG key, curvature asks for the curvature fields too, num_probes / chunk_size the config's
+    (None for 0). `takes` declares the further keywords it is given (`METHOD_ARGUMENTS`):
+    `hessian_batch`, examples for H drawn independently of the measured ones; `deviations`, the
+    config's m; `hessian_examples`, its h. A repeated name is an error. Returns fn.
     """
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
