@@ -190,17 +190,13 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             _refuse_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
             loss = keyed_loss(lambda p, b, k: value(call(p, b, k)), key)
             measured = with_keys(batch, key)
-            aux_fn = _keyed_aux(call, key) if has_aux else None
+            wrap = _wrapper(key)
+            one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
+            aux_fn = (lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)) if has_aux else None
         return _measure(loss, aux_fn, params, measured, method=method, chunk_size=chunk_size,
                         groups=groups, curvature=curvature, has_aux=has_aux)
 
     return fn
-
-
-def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
-    wrap = _wrapper(key)
-    one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
-    return lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)
 
 
 def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
@@ -227,8 +223,7 @@ def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyT
         stats = _assemble(batch_size, sums, grouping)
         if curvature:
             stats = _with_curvature(stats, loss, params, batch, chunk_size, grouping)
-        # a second forward pass in the program, the same operations on the same operands as
-        # the first: XLA's common-subexpression elimination merges them
+        # the first forward pass again: XLA's common-subexpression elimination merges them
         aux = aux_fn(params, batch) if aux_fn is not None else None
         return value, aux, grad, stats
 
@@ -309,8 +304,7 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
             nnx.update(model, nnx.state(counted, nnx.RngCount))
             return out
         loss = lambda p, b: value(run(p, b, keys)[0])
-        # checked with the model's other state and the other arguments as arguments: under
-        # nnx.jit they are traced
+        # checked with the model's other state and arguments as arguments (traced in nnx.jit)
         loss_checks.check_loss_fn(lambda p, b, k, r, *a: value(run(p, b, k, r, a)[0]), params,
                                   batch, keys, rest, *args)
         loss_checks.passed(loss)

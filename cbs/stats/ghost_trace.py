@@ -228,8 +228,7 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     name = eqn.primitive.name
     if any(t.dep and t.eaxis is not None for t in ins):
         # A batch-independent value's axis is a guess from its size (`_broadcast_axis`): it
-        # yields to the data's. A constant broadcast over a vmapped axis of size B (equinox's
-        # per-position LayerNorm with B equal to the width) is not per example.
+        # yields to the data's (equinox's per-position LayerNorm with B equal to the width).
         ins = [dataclasses.replace(t, eaxis=None) if not t.dep else t for t in ins]
     axes = [t.eaxis for t in ins]
     if name == "broadcast_in_dim":

@@ -44,8 +44,7 @@ RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "ran
 # examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
 COUPLING_TOLERANCE = 0.01
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions that passed every check
-# programs (a jaxpr and its constants) that passed every check: a new closure over the same
-# loss (each Trainer, sweep group or reference run builds its own) is not value-checked again
+# programs (a jaxpr and its constants) that passed: a new closure over one loss is not rechecked
 _PASSED_PROGRAMS: dict[tuple, None] = {}
 _MAX_PROGRAMS = 256
 _ALLOWED_FLAG = "_cbs_allow_randomness"
@@ -97,7 +96,14 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
                          "run the model deterministically (dropout off) for the measurement, "
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
-    program = _program_key(_first_two(fn, abstract) or jaxpr, allowed)
+    # keyed by the jaxpr on the first two examples (what the value checks run), if it traces
+    two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
+                                                      x.dtype), abstract[1])
+    try:
+        first_two = jax.make_jaxpr(fn)(abstract[0], two, abstract[2])
+    except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
+        first_two = None
+    program = _program_key(first_two or jaxpr, allowed)
     if program is None or program not in _PASSED_PROGRAMS:
         losses = _sample_losses(fn, params, batch, arrays)
         if losses is not None:
@@ -245,18 +251,6 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
         return rng.integers(0, 2, shape).astype(dtype)  # numpy: stays concrete under a trace
 
     return jax.tree.map(one, tree)
-
-
-def _first_two(loss_fn: Callable[..., jax.Array], abstract: tuple[PyTree, PyTree, Any]) -> Any:
-    """The jaxpr of loss_fn on the first two examples (what the value checks run, whatever
-    the batch size); None if it cannot be traced."""
-    params, batch, args = abstract
-    two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
-                                                      x.dtype), batch)
-    try:
-        return jax.make_jaxpr(loss_fn)(params, two, args)
-    except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
-        return None
 
 
 def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:

@@ -43,8 +43,7 @@ __all__ = [
     "register_method",
 ]
 
-# The statistics of a measurement, recorded as `noise/<key>` (with `noise/batch_size`): the
-# one list every consumer (the loop's records, the sweep measurement, the step) reads.
+# The statistics of a measurement, recorded as `noise/<key>`: the one list every consumer reads.
 SIMPLE_KEYS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
 CURVATURE_KEYS = ("mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")
 STAT_KEYS = SIMPLE_KEYS + CURVATURE_KEYS
@@ -310,8 +309,7 @@ def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature,
     return run_auto_axes(compute, params, batch, key, hessian_batch)
 
 
-# A measurement method: fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size)
-# -> NoiseStats of `batch` at `params`, jittable (the train step calls it under its jit).
+# A measurement method (`register_method`), jittable: the train step calls it under its jit.
 MethodFn = Callable[..., NoiseStats]
 # The keywords a method may declare it takes besides the common ones (`register_method`).
 METHOD_ARGUMENTS = ("hessian_batch", "deviations", "hessian_examples")

@@ -59,8 +59,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
 FULL_DATA_ONE_PASS = 32768  # up to this many training examples: one pass over all of them
-FULL_DATA_CHUNK = 4096  # beyond it: examples per pass of the per-example norms, gradient
-#                         and HVPs, summed over the chunks (memory of one chunk)
+FULL_DATA_CHUNK = 4096  # beyond it: examples per chunk, the chunks' sums added up
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
