@@ -249,8 +249,7 @@ def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
     b = ids.shape[use.e_in]
     ids_BxT = jnp.moveaxis(ids[..., 0], use.e_in, 0).reshape(b, -1)
     g_BxTxO = jnp.moveaxis(g, use.e_out, 0).reshape(b, -1, o)
-    mode = str(use.eqn.params["mode"])
-    if "FILL" in mode:  # out-of-range ids read the fill value: no gradient
+    if "FILL" in str(use.eqn.params["mode"]):  # out-of-range ids read the fill value
         g_BxTxO = jnp.where(((ids_BxT >= 0) & (ids_BxT < v))[..., None], g_BxTxO,
                             jnp.zeros((), g_BxTxO.dtype))
     return jnp.clip(ids_BxT, 0, v - 1), g_BxTxO
@@ -276,19 +275,16 @@ def embed_sq_norm(use, ids, g) -> jax.Array | None:
 
 
 def _elementwise_per_example(use, x, g) -> jax.Array | None:
-    """`mul`/`add`/`sub` of a parameter operand w that size-1 axes broadcast over the output
-    (a norm scale, a bias): the per-example gradients ∂ℓ_i/∂w, x·g (mul) or g (add, sub; the
-    sign of a subtracted w left out) summed over those axes, in w's shape with B on the
-    example axis; None for other layouts."""
+    """`mul`/`add`/`sub` of a parameter w that size-1 axes broadcast (a norm scale, a bias):
+    the per-example gradients x·g (mul) or g (add, sub; a subtracted w's sign left out) summed
+    over those axes, in w's shape with B on the example axis; None for other layouts."""
     w_shape = use.eqn.invars[use.pos].aval.shape
     if len(w_shape) != g.ndim or (use.e_out < len(w_shape) and w_shape[use.e_out] != 1):
         return None
-    if use.eqn.primitive.name == "mul":
-        if x.ndim != g.ndim:
-            return None
-        prod = x * g
-    else:
-        prod = g
+    mul = use.eqn.primitive.name == "mul"
+    if mul and x.ndim != g.ndim:
+        return None
+    prod = x * g if mul else g
     summed = tuple(a for a in range(g.ndim) if a != use.e_out and w_shape[a] == 1)
     return jnp.sum(prod, summed, keepdims=True)
 

@@ -7,12 +7,11 @@ over pairs of positions of example i alone (letters and scaling as in `cbs.stats
 
 - a `dot_general` use reads the leaf as a kernel: A_u,i = Σ_t x_t g_tᵀ, x_t over the leaf
   axes it contracts (its *x side*), g_t over the others (its *g side*);
-- an embedding `gather` reads the leaf as a table [V, O]: A_u,i = Σ_t onehot(id_t) e_tᵀ, its
-  x side the rows, its g side the columns, e_t the output cotangent at position t;
-- two dot uses whose x sides are the same leaf axes (two matmuls by one kernel):
-  Σ_{t,s} (x_t·x'_s)(g_t·g'_s); whose x side is the other's g side (a tied head `h @ Wᵀ`
-  against `z @ W`): Σ_{t,s} (x_t·g'_s)(g_t·x'_s); a dot use against itself: |x_i|²|g_i|² for
-  one position, else the first of these with x' = x, g' = g;
+- an embedding `gather` reads it as a table [V, O]: A_u,i = Σ_t onehot(id_t) e_tᵀ (x side
+  the rows, g side the columns, e_t the output cotangent);
+- two dot uses with the same x side: Σ_{t,s} (x_t·x'_s)(g_t·g'_s); with each one's x side the
+  other's g side (a tied head `h @ Wᵀ` against `z @ W`): Σ_{t,s} (x_t·g'_s)(g_t·x'_s); a dot
+  use against itself: |x_i|²|g_i|² for one position, else the first with x' = x, g' = g;
 - a gather against a dot use whose g side is the table's rows (the tied output projection
   logits_t = W h_t of a table W [V, O], data h_t ∈ R^O, cotangent g_t ∈ R^V):
   Σ_{t,s} g_t[id_s] (h_t·e_s); whose x side is the rows (one-hot inputs times W):

@@ -93,14 +93,10 @@ def scan_parts(eqn: Any) -> Scan:
                 p.get("unroll", 1))
 
 
-def _rank(v: Any) -> int:
-    return len(getattr(v.aval, "shape", ()))
-
-
 def _first_rank_change(outer: list, inner: list) -> int:
     """Index of the first outer variable whose rank differs from its inner one, or len(inner)."""
     for i, (o, b) in enumerate(zip(outer, inner, strict=True)):
-        if _rank(o) != _rank(b):
+        if len(getattr(o.aval, "shape", ())) != len(getattr(b.aval, "shape", ())):
             return i
     return len(inner)
 
