@@ -188,10 +188,9 @@ def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
 
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
-    env: dict[Any, Any] = {}
-    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
     caps = {}
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]

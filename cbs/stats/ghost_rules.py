@@ -195,8 +195,7 @@ def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
 
 def conv_sq_norm(use, x, g) -> jax.Array | None:
     """`conv_general_dilated`: the dense rule on the input windows, in chunks of examples."""
-    inputs = _conv_inputs(use, x, g)
-    if inputs is None:
+    if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     return _windowed(use, lambda xw, gw: ((), _kernel_sq_norm(xw, gw)), *inputs)[1]
 
@@ -204,8 +203,7 @@ def conv_sq_norm(use, x, g) -> jax.Array | None:
 def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`conv_general_dilated`: (the kernel's gradient, [B] squared norms) from the per-example
     gradients on the input windows, when `fuse_direct` admits the whole batch's shapes."""
-    inputs = _conv_inputs(use, x, g)
-    if inputs is None:
+    if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     spatial = inputs[2]
     if not fuse_direct(*_window_shape(*inputs)):
@@ -242,8 +240,7 @@ def embed_layout(use) -> tuple[int, int] | None:
 def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
     """(ids [B, T] clipped to [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`),
     g zero where an out-of-range id read the fill value (no gradient)."""
-    layout = embed_layout(use)
-    if layout is None:
+    if (layout := embed_layout(use)) is None:
         return None
     v, o = layout
     b = ids.shape[use.e_in]
@@ -258,8 +255,7 @@ def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
 def embed_sq_norm(use, ids, g) -> jax.Array | None:
     """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
     when V < T)."""
-    operands = embed_operands(use, ids, g)
-    if operands is None:
+    if (operands := embed_operands(use, ids, g)) is None:
         return None
     ids_BxT, g_BxTxO = operands
     v = use.eqn.invars[0].aval.shape[0]

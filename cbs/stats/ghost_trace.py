@@ -246,9 +246,7 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     if name in _ELEMENTWISE:
         return [e] * len(out_shapes) if rank_ok else None
     rule = _AXIS_RULES.get(name)
-    if rule is None:
-        return None
-    out = rule(eqn, ins, e)
+    out = None if rule is None else rule(eqn, ins, e)
     if out is None:
         return None
     out = out if isinstance(out, list) else [out] * len(out_shapes)

@@ -71,11 +71,8 @@ class NoiseStats:
 
     def to_dict(self, prefix: str = "noise/") -> dict[str, jax.Array]:
         """Flat metrics: `noise/b_simple`, ..., and `noise/<group>/b_simple` per group."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name not in ("batch_size", "groups") and value is not None:
-                out[prefix + f.name] = value
+        out = {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("batch_size", "groups") and getattr(self, f.name) is not None}
         for name, stats in (self.groups or {}).items():
             out.update(stats.to_dict(f"{prefix}{name}/"))
         return out

@@ -108,8 +108,7 @@ def resolve_groups(params: PyTree, groups: GroupSpec) -> list[str] | None:
 def group_matrix(params: PyTree, groups: GroupSpec
                  ) -> tuple[list[str], np.ndarray, list[list[bool]]] | None:
     """(group names, 0/1 matrix [L, K] mapping leaves to groups, per-group leaf flags)."""
-    leaf_groups = resolve_groups(params, groups)
-    if leaf_groups is None:
+    if (leaf_groups := resolve_groups(params, groups)) is None:
         return None
     names = list(dict.fromkeys(leaf_groups))
     blocks = [[g == name for g in leaf_groups] for name in names]
