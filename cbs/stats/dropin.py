@@ -51,8 +51,7 @@ Argnums = int | Sequence[int]
 
 
 def example_keys(key: jax.Array, batch_size: int) -> jax.Array:
-    """The key of each example position: `jax.random.fold_in(key, i)` for i < B, shape [B]
-    (typed keys) or [B, 2] (raw uint32 keys)."""
+    """`jax.random.fold_in(key, i)` for each position i < B: [B] (typed) or [B, 2] (raw keys)."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch_size))
 
 

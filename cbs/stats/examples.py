@@ -66,8 +66,8 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
 
 
 def check_finite(params: PyTree, batch: PyTree) -> None:
-    """Raises ValueError naming the first params or batch leaf holding NaN or inf (and, for
-    the batch, the first such example). Traced leaves are not checked."""
+    """Raises ValueError naming the first concrete params or batch leaf (and example) holding
+    NaN or inf."""
     named = [(f"{what} leaf {p!r}", x, what == "batch")
              for what, tree in (("params", params), ("batch", batch))
              for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]

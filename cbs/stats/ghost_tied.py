@@ -208,8 +208,7 @@ def plan(uses, form: str | None = None) -> Tied | None:
 
 
 def _sorted_side(a: jax.Array, axes: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
-    """a [T, prod(sizes)] with its feature axis reordered from `axes` order to ascending leaf
-    axes (the order every part shares)."""
+    """a [T, prod(sizes)] with its features reordered from `axes` order to ascending leaf axes."""
     order = [int(i) for i in np.argsort(axes)]
     if order == list(range(len(axes))):
         return a

@@ -66,8 +66,7 @@ class While:
 
 
 def body_of(value: Any) -> Body:
-    """A closed jaxpr (a wrapper up to JAX 0.10, the jaxpr itself with consts from 0.11) or an
-    open jaxpr, as a Body."""
+    """A closed jaxpr (a wrapper up to JAX 0.10, with consts from 0.11) or open jaxpr, as a Body."""
     jaxpr = getattr(value, "jaxpr", value)
     return Body(jaxpr, tuple(getattr(value, "consts", ()) or ()))
 
