@@ -1,30 +1,25 @@
 """A structural test for examples coupled through a batch statistic, read from the jaxpr.
 
-Per-example gradients need ℓ_i to depend on example i alone. BatchNorm in training mode
-breaks that: it reduces over the example axis and combines the result with every example.
-That is a property of the program, not of the numbers, so it is read from one shape-only
-trace of `loss_fn(params, batch)` and holds whatever the parameters (a value test on two
-examples can miss a coupling the parameters make small).
+Per-example gradients need ℓ_i to depend on example i alone; BatchNorm in training mode
+reduces over the example axis and combines the result with every example. That is a
+property of the program, read from one shape-only trace whatever the parameters.
 
 Every jaxpr variable gets two tags, propagated forward from the batch inputs (example axis 0):
 
 - its *example axis*, mapped through each operation whose axis rule is known (those of
-  `cbs.stats.ghost_trace`), lost through any other. A reshape that merges the example axis
-  with others (`[B, T, C] -> [B·T, C]`) keeps an axis that *holds* the examples, and one
-  that splits it out again gives the example axis back;
+  `cbs.stats.ghost_trace`), lost through any other. A reshape merging the example axis with
+  others (`[B, T, C] -> [B·T, C]`) keeps an axis that *holds* the examples; one splitting it
+  out again gives the example axis back;
 - *mixed*: a statistic over several examples, formed by a known operation that reduces or
   contracts an axis holding the examples (`reduce_sum`, `argmax`, cumulative ops, a
   `dot_general` contracting or pairing them, `psum`/`pmax`/`pmin` over a `jax.vmap` axis
-  name), or by a collective over a mesh axis a `shard_map` splits the examples on; kept by
-  everything computed from it.
+  name), or by a collective over a mesh axis a `shard_map` splits the examples on.
 
 A known operation whose output keeps an example axis while an operand is mixed is a
-coupling: `x − mean(x, axis=0)`, `x / std(x, axis=0)`. The mean loss, or a token-weighted
-mean `Σ mask·ℓ / Σ mask`, is mixed but read by nothing per-example. A value whose example
-axis was lost through an unknown operation is never reported (the value test of
-`cbs.stats.loss_checks` still runs), nor a collective over a mesh axis the loss does not
-bind itself. Nested `jit`, `remat`, `custom_jvp`/`custom_vjp`, `scan`, `while`, `cond` and
-`shard_map` bodies are walked.
+coupling: `x − mean(x, axis=0)`. The mean loss (or `Σ mask·ℓ / Σ mask`) is mixed but read by
+nothing per-example. An axis lost through an unknown operation is never reported, nor a
+collective over a mesh axis the loss does not bind. Nested bodies (`jit`, `remat`, custom
+rules, `scan`, `while`, `cond`, `shard_map`) are walked.
 """
 
 from __future__ import annotations
@@ -37,14 +32,13 @@ import jax
 from jax.extend import core
 
 from cbs.stats import ghost_trace, nested
+from cbs.stats.ghost_trace import _shape
 
 __all__ = ["coupling_site"]
 
-_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                     "reduce_or", "reduce_xor", "argmax", "argmin"})
-_ALONG_AXIS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"})
-# collectives by name prefix (each release adds `_invariant`, `_start`/`_done` and `unreduced_`
-# forms); `psum`, `pmax` and `pmin` also take positional axes: `lax.psum` over a vmapped axis
+_ALONG_AXIS = ghost_trace._AXIS_OPS | {"sort"}
+# collectives by name prefix (releases add `_invariant`, `_start`/`_done`, `unreduced_` forms);
+# `psum`, `pmax` and `pmin` also take positional axes: `lax.psum` over a vmapped axis
 _COLLECTIVES = ("psum", "pmax", "pmin", "pmean", "all_gather", "reduce_scatter", "psum_scatter",
                 "all_to_all", "ragged_all_to_all", "ppermute", "pbroadcast", "pswapaxes",
                 "unreduced_psum", "unreduced_reduce_scatter", "psend", "precv")
@@ -63,9 +57,8 @@ class _Coupled(Exception):
 
 
 def coupling_site(jaxpr: Any, batch_invars: range) -> str | None:
-    """Where `jaxpr` (an open jaxpr) combines a statistic over the examples with per-example
-    values ("`sub` at file:line"), or None. `batch_invars`: the indices of the inputs whose
-    leading axis is the example axis."""
+    """Where the open `jaxpr` combines a statistic over the examples with per-example values
+    ("`sub` at file:line"), or None; `batch_invars`: the inputs led by the example axis."""
     tags = [_Tag(0 if i in batch_invars and _shape(v) else None)
             for i, v in enumerate(jaxpr.invars)]
     try:
@@ -73,10 +66,6 @@ def coupling_site(jaxpr: Any, batch_invars: range) -> str | None:
     except _Coupled as found:
         return str(found)
     return None
-
-
-def _shape(v) -> tuple[int, ...]:
-    return tuple(getattr(v.aval, "shape", ()))
 
 
 def _walk(jaxpr, in_tags: list[_Tag], named: frozenset[str]) -> list[_Tag]:
@@ -130,11 +119,10 @@ def _eqn(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
 
 
 def _reduces_examples(eqn, ins) -> bool:
-    """Whether a known operation reduces, accumulates or contracts an axis holding the
-    examples, or pairs the examples of two operands (`z @ z.T`)."""
+    """Whether an operation reduces or contracts an axis holding the examples, or pairs them."""
     name, params = eqn.primitive.name, eqn.params
     e = next(t.eaxis for t in ins if t.eaxis is not None)
-    if name in _REDUCE:
+    if name in ghost_trace._REDUCE:
         return e in params["axes"]
     if name in _ALONG_AXIS:
         return params.get("axis", params.get("dimension")) == e
@@ -202,8 +190,7 @@ def _shard_map(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
 
 
 def _spec_names(spec: Any, dim: int) -> tuple[str, ...]:
-    """The mesh axes a `shard_map` spec splits dimension `dim` on (a PartitionSpec, or an
-    `in_names` dict of dimension to names on older releases)."""
+    """The mesh axes a `shard_map` spec (a PartitionSpec or an `in_names` dict) splits `dim` on."""
     try:
         entry = spec.get(dim) if isinstance(spec, dict) else tuple(spec)[dim]
     except (IndexError, TypeError):
@@ -269,8 +256,8 @@ def _where(eqn) -> str:
 
 
 def loss_coupling(fn: Any, *args: Any, batch_argnum: int = 1) -> str | None:
-    """`coupling_site` of `fn(*args)` traced on shapes only, args[batch_argnum] holding the
-    batch (its leaves' leading axis is the example axis); None also when fn cannot be traced."""
+    """`coupling_site` of `fn(*args)` traced on shapes, args[batch_argnum] holding the batch;
+    None also when fn cannot be traced."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x),
                                                            jax.numpy.result_type(x)), args)
     try:

@@ -1,14 +1,11 @@
-"""Hessian-vector products, and the pytree helpers the noise statistics are built from.
+"""Hessian-vector products of the mean batch loss.
 
-Letters: P number of parameters, B batch size, C chunk of examples, L loss (the MEAN loss over
-the batch, docs/design.md), H = ∇²L at `params` (the Hessian of the mean batch loss), v a pytree
-shaped like `params`.
+Letters: P number of parameters, L the MEAN loss over the batch (docs/design.md), H = ∇²L at
+`params`, v a pytree shaped like `params`.
 
-`hvp` is forward-over-reverse: Hv = d/dε ∇L(θ + εv) at ε = 0, i.e. `jax.jvp` of `jax.grad`
-(Pearlmutter 1994). It costs about two gradient evaluations and never forms the P×P Hessian.
-`hvp_fn` linearises ∇L once so that many HVPs at the same point (vmapped over the centred
-per-example gradients in `cbs.stats.noise.exact`) reuse the forward residuals.
-
+`hvp` is forward-over-reverse: Hv = d/dε ∇L(θ + εv) at ε = 0, `jax.jvp` of `jax.grad`
+(Pearlmutter 1994): about two gradient evaluations, never the P×P Hessian. `hvp_fn`
+linearises ∇L once so that many HVPs at the same point reuse the forward residuals.
 """
 
 from __future__ import annotations
@@ -28,16 +25,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def hvp(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> PyTree:
-    """Hessian-vector product H v of `loss_fn(·, batch)` at `params` (forward-over-reverse).
-
-    Args:
-        loss_fn: loss_fn(params, batch) -> scalar mean loss.
-        params: point at which H is taken.
-        batch: pytree of arrays with a shared leading axis.
-        v: pytree shaped like `params` (cast to the parameters' dtypes).
-    Returns:
-        H v, a pytree shaped like `params`.
-    """
+    """H v of the mean loss `loss_fn(·, batch)` at `params` (v cast to the params' dtypes)."""
     grad_fn = lambda p: jax.grad(loss_fn)(p, batch)
     return jax.jvp(grad_fn, (params,), (tree_cast_like(v, params),))[1]
 
@@ -48,10 +36,8 @@ def vhv(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> jax.Array:
 
 
 def hvp_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[PyTree, Callable]:
-    """Linearises ∇L at `params`: returns (ḡ, v ↦ H v) for many HVPs at one point.
-
-    The returned function is linear, vmappable, and casts its input to the parameter dtypes.
-    """
+    """(ḡ, v ↦ H v) from one linearisation of ∇L at `params`; the function is linear,
+    vmappable, and casts its input to the parameter dtypes."""
     grad, lin = jax.linearize(lambda p: jax.grad(loss_fn)(p, batch), params)
     return grad, lambda v: lin(tree_cast_like(v, params))
 
@@ -60,9 +46,9 @@ def block_quadratic_forms(hvp_lin: Callable, v: PyTree, blocks: list[list[bool]]
                           ) -> tuple[jax.Array, jax.Array | None]:
     """vᵀHv and, per block k, the block-diagonal form v_kᵀ H_kk v_k (one HVP per block).
 
-    `blocks[k]` flags the leaves of block k. v_kᵀH_kk v_k is computed as ṽᵀHṽ with ṽ equal to
-    v on block k and zero elsewhere. The K + 1 HVPs run one after another (lax.map), so
-    memory stays that of one HVP and the HVP is compiled once. Returns (total, [K] or None).
+    `blocks[k]` flags the leaves of block k; v_kᵀH_kk v_k = ṽᵀHṽ with ṽ = v on block k, zero
+    elsewhere. The K + 1 HVPs run one after another (lax.map): memory of one HVP. Returns
+    (total, [K] or None).
     """
     if blocks is None:
         return tree_dot(v, hvp_lin(v)), None

@@ -2,21 +2,18 @@
 statistics of the same batch (`value_grad_and_stats`), and its NNX form, which takes the
 module as `nnx.value_and_grad` does (`nnx_value_grad_and_stats`).
 
-Arguments follow JAX's per-example libraries (jax_privacy's `clipped_grad`): `argnums` names
-the differentiated argument(s), `batch_argnums` the argument(s) whose leaves share the leading
-example axis B, `prng_argnum` a PRNG key argument, and `has_aux` a loss returning
-`(loss, aux)`. Any other argument is passed through unchanged.
+Arguments follow jax_privacy's `clipped_grad`: `argnums`, `batch_argnums` (leaves sharing
+the leading example axis B), `prng_argnum` and `has_aux`; any other argument passes through.
 
 Randomness. With a key, the example at position i of the batch (0 ≤ i < B) draws from
 `example_keys(key, B)[i] = jax.random.fold_in(key, i)`, and its loss is
 
     ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
 
-with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves, and
-`keyed_loss` for `noise.exact` and `noise.probe`) applies this one definition, so a dropout
-mask is a function of (key, position, example). In the NNX form the model's `nnx.Rngs`
-streams play the key: example i draws from each stream's key folded with i, and the streams
-advance once per call, as `nnx.value_and_grad` would advance them.
+with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves,
+`keyed_loss`) applies this one definition, so a dropout mask is a function of (key,
+position, example). In the NNX form each `nnx.Rngs` stream's key, folded with i, plays the
+key, and the streams advance once per call, as under `nnx.value_and_grad`.
 
 Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations it
 weighs, so the batch is split into its even and odd positions (B_e = ⌈B/2⌉, B_o = ⌊B/2⌋):
@@ -28,9 +25,8 @@ estimates averaged. With h ∈ {e, o} and h' the other half:
     g_h_g         = ½ Σ_h (ḡ_hᵀ H_h' ḡ_h − tr(H_h'Σ)_h / B_h)       unbiased for GᵀHG
     b_noise       = trace_h_sigma / g_h_g
 
-Cost: B per-example gradients and B HVPs over B/2 examples each, about B²/2 example passes
-times an HVP's cost, against B for the step: for measurement steps, not every step. The
-simple fields come from the whole batch.
+Cost: B per-example gradients and B HVPs over B/2 examples each (about B²/2 example passes
+times an HVP's cost): for measurement steps. The simple fields come from the whole batch.
 """
 
 from __future__ import annotations
@@ -43,16 +39,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cbs.stats import coupling, examples, loss_checks
+from cbs.stats import coupling, examples, ghost, loss_checks
 from cbs.stats.examples import PyTree, check_inputs, run_auto_axes
-from cbs.stats.noise import (
-    NoiseStats,
-    _assemble,
-    _check_method,
-    _fast_sums,
-    _ghost_info,
-    _vmap_sums,
-)
+from cbs.stats.noise import NoiseStats, _assemble, _check_method, _fast_sums, _vmap_sums
 from cbs.stats.trees import GroupSpec, group_matrix
 
 __all__ = ["example_keys", "keyed_loss", "nnx_value_grad_and_stats", "value_grad_and_stats",
@@ -62,8 +51,7 @@ Argnums = int | Sequence[int]
 
 
 def example_keys(key: jax.Array, batch_size: int) -> jax.Array:
-    """The key of each example position: `jax.random.fold_in(key, i)` for i < B, shape [B]
-    (typed keys) or [B, 2] (raw uint32 keys)."""
+    """`jax.random.fold_in(key, i)` for each position i < B: [B] (typed) or [B, 2] (raw keys)."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch_size))
 
 
@@ -86,10 +74,8 @@ def _wrapper(key: jax.Array) -> Callable[[jax.Array], jax.Array]:
 def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: jax.Array
                ) -> Callable[[PyTree, PyTree], jax.Array]:
     """`L(params, (batch, data)) = (1/B) Σ_i loss_fn(params, batch[i:i+1], key_i)` with key_i
-    unwrapped from data[i] (`data = key_data(example_keys(key, B))`, what the drop-in builds):
-    the per-example-keyed loss of the module docstring, for `noise.exact` / `noise.probe`.
-    Reuse the returned function (the estimators compile for it). Random draws are let through
-    the randomness check (each example's are the same in every batch that holds it)."""
+    unwrapped from data[i] (`with_keys`): the per-example-keyed loss of the module docstring,
+    let through the randomness check. Reuse it (the estimators compile for it)."""
     wrap = _wrapper(key)
 
     def loss(params: PyTree, batch_and_keys: tuple[PyTree, jax.Array]) -> jax.Array:
@@ -159,9 +145,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     statistics of the batch.
 
     `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
-    forward and ONE backward pass over the batch when `cbs.stats.ghost` reads every parameter
-    from the jaxpr (any nnx, linen, equinox or plain-JAX model; leaves it cannot read add a
-    chunked vmap, or raise under method="fast"). Jittable: call it inside your jitted step.
+    forward and ONE backward pass when `cbs.stats.ghost` reads every parameter from the jaxpr
+    (leaves it cannot read add a chunked vmap, or raise under method="fast"). Jittable.
 
         vgs = noise.value_grad_and_stats(loss_fn, has_aux=True)
         (loss, aux), grads, stats = vgs(params, batch)    # stats.b_simple, stats.to_dict()
@@ -169,16 +154,13 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     Args:
         loss_fn: the MEAN loss over the batch's leading axis (or `(loss, aux)`).
         has_aux: loss_fn returns (loss, aux); the call returns ((loss, aux), grads, stats).
-            aux is loss_fn's own on the whole batch; with a key it is each example's, stacked
-            [B, ...] (as jax_privacy returns it), since each example is its own call.
+            aux is loss_fn's own on the whole batch; with a key each example's, stacked [B, ...].
         argnums: the argument(s) differentiated (a tuple gives grads as a tuple).
         batch_argnums: the argument(s) holding the examples, every leaf with leading axis B.
         prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` and a one-example
-            call (module docstring), so its random draws are the same on every route.
-        curvature: also B_noise, with H of each half of the batch weighing the other half's
-            deviations (module docstring: cost about B²/2 example passes × an HVP).
-        method: "auto" | "fast" | "vmap" as in `noise.exact` ("vmap": the reference, slow).
-        chunk_size, groups: as in `noise.exact` (groups get curvature per diagonal block).
+            call (module docstring).
+        curvature: also B_noise, from the even and odd halves (module docstring).
+        method, chunk_size, groups: as in `noise.exact`.
     Returns:
         fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats); keyword arguments
         go to loss_fn undifferentiated, as in `jax.value_and_grad`.
@@ -207,22 +189,17 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             _refuse_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
             loss = keyed_loss(lambda p, b, k: value(call(p, b, k)), key)
             measured = with_keys(batch, key)
-            aux_fn = _keyed_aux(call, key) if has_aux else None
+            wrap = _wrapper(key)
+            one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
+            aux_fn = (lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)) if has_aux else None
         return _measure(loss, aux_fn, params, measured, method=method, chunk_size=chunk_size,
                         groups=groups, curvature=curvature, has_aux=has_aux)
 
     return fn
 
 
-def _keyed_aux(call: Callable, key: jax.Array) -> Callable:
-    wrap = _wrapper(key)
-    one = lambda p, ex, k: call(p, examples.one_example(ex), wrap(k))[1]
-    return lambda p, bk: jax.vmap(lambda ex, k: one(p, ex, k))(*bk)
-
-
 def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
-    """The structural coupling check on the loss of the whole batch with one key (the keyed
-    loss calls it one example at a time, where no batch statistic can show)."""
+    """The structural coupling check on the whole batch's loss with one key."""
     site = coupling.loss_coupling(loss, params, batch, key)
     if site is not None:
         loss_checks.raise_coupled(site)
@@ -239,13 +216,13 @@ def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyT
             value, grad = jax.value_and_grad(loss)(params, batch)
             sums = _vmap_sums(loss, params, batch, chunk_size, False, None)
         else:
-            value, grad, sq_norms = _ghost_info(loss, params, batch, method, chunk_size)
+            value, grad, sq_norms = ghost.per_example_grads_info(
+                loss, params, batch, method=method, chunk_size=chunk_size)
             sums = _fast_sums(batch_size, grad, sq_norms)
         stats = _assemble(batch_size, sums, grouping)
         if curvature:
             stats = _with_curvature(stats, loss, params, batch, chunk_size, grouping)
-        # a second forward pass in the program, the same operations on the same operands as
-        # the first: XLA's common-subexpression elimination merges them
+        # the first forward pass again: XLA's common-subexpression elimination merges them
         aux = aux_fn(params, batch) if aux_fn is not None else None
         return value, aux, grad, stats
 
@@ -286,17 +263,13 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
     `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (an `nnx.Param`
-    State, as `nnx.value_and_grad` returns them). Everything else of the model (BatchNorm
-    statistics, `nnx.Rngs` streams) and the other arguments `args` (not differentiated, the
-    same for every example: class weights, a temperature, a mask over positions) are passed
-    through unchanged.
+    State, as `nnx.value_and_grad` returns them). The rest of the model and the other
+    arguments `args` (the same for every example: class weights, a mask) pass through.
 
-    A model whose loss draws from its `nnx.Rngs` streams (`nnx.Dropout`) is measured per
-    example: example i draws from each stream's key folded with i (module docstring), and the
-    streams' counts advance as one call of the model would advance them. Call it eagerly or
-    inside `nnx.jit` (the streams live in the module). BatchNorm in training mode is refused
-    (`cbs.stats.coupling`); `model.eval()` measures it with its running statistics.
-    Other arguments as in `value_grad_and_stats`.
+    A loss drawing from the model's `nnx.Rngs` streams (`nnx.Dropout`) is measured per
+    example (module docstring); the streams' counts advance as one call would advance them.
+    Call it eagerly or inside `nnx.jit`. BatchNorm in training mode is refused; `model.eval()`
+    measures with the running statistics. Other arguments as in `value_grad_and_stats`.
     """
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)
@@ -330,8 +303,7 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
             nnx.update(model, nnx.state(counted, nnx.RngCount))
             return out
         loss = lambda p, b: value(run(p, b, keys)[0])
-        # checked with the model's other state and the other arguments as arguments: under
-        # nnx.jit they are traced
+        # checked with the model's other state and arguments as arguments (traced in nnx.jit)
         loss_checks.check_loss_fn(lambda p, b, k, r, *a: value(run(p, b, k, r, a)[0]), params,
                                   batch, keys, rest, *args)
         loss_checks.passed(loss)

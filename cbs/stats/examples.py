@@ -1,11 +1,9 @@
 """Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
 
-`check_inputs` validates (loss_fn, params, batch) with one-line errors (when the arrays are
-concrete, `check_finite` names a NaN/inf input instead of returning NaN; once per loss_fn,
-jitted or not, `cbs.stats.loss_checks` refuses a loss it cannot measure: random, coupling the
-examples of a batch, or summed over it); `map_examples` maps a
-function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under
-an explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
+`check_inputs` validates (loss_fn, params, batch) with one-line errors (`check_finite` names a
+NaN/inf input; `cbs.stats.loss_checks` refuses a loss it cannot measure); `map_examples` maps a
+function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under an
+explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
 """
 
 from __future__ import annotations
@@ -68,9 +66,8 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
 
 
 def check_finite(params: PyTree, batch: PyTree) -> None:
-    """Raises ValueError naming the first params or batch leaf holding NaN or inf (and, for
-    the batch, the first such example). Leaves being traced (under jit) are not checked: the
-    statistics would be NaN, which the caller's non-finite checks see."""
+    """Raises ValueError naming the first concrete params or batch leaf (and example) holding
+    NaN or inf."""
     named = [(f"{what} leaf {p!r}", x, what == "batch")
              for what, tree in (("params", params), ("batch", batch))
              for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]
@@ -94,12 +91,9 @@ def check_finite(params: PyTree, batch: PyTree) -> None:
 
 
 def run_auto_axes(fn: Callable, *args):
-    """Calls fn(*args), switching explicitly sharded mesh axes to automatic inside it.
-
-    Per-example slicing and chunking reshape the (possibly sharded) batch axis, which
-    explicit sharding refuses; under automatic axes the compiler partitions them. Outputs
-    are replicated. Without explicit axes (no mesh, or an Auto mesh) fn is called as is.
-    """
+    """Calls fn(*args), switching explicitly sharded mesh axes to automatic inside it (per-
+    example slicing reshapes the batch axis, which explicit sharding refuses). Outputs are
+    replicated. Without explicit axes fn is called as is."""
     for leaf in jax.tree.leaves(args):
         mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
         if mesh is None or not mesh.axis_names:
@@ -126,19 +120,17 @@ def sum_over_examples(a: jax.Array, weights: jax.Array | None = None) -> jax.Arr
 
 
 def _interleaved(x: jax.Array, chunk: int, n: int) -> jax.Array:
-    """[n, chunk, ...] of x [n·chunk, ...], chunk j holding examples j, j + n, j + 2n, ...:
-    a batch sharded over devices stays spread over them in every chunk."""
+    """[n, chunk, ...] of x [n·chunk, ...], chunk j holding examples j, j + n, j + 2n, ..."""
     return x.reshape(chunk, n, *x.shape[1:]).swapaxes(0, 1)
 
 
 def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = True
                 ) -> tuple[PyTree, jax.Array]:
     """(Σ over chunks of fn(*chunk)[0], fn(*chunk)[1] reassembled [B, ...]) for `arrays`
-    sharing a leading axis B, in chunks of `chunk` examples (a divisor of B) run one after
-    another (`lax.scan`). `interleave`: chunk j holds examples j, j + n, j + 2n, ...
-    (n = B / chunk) as in `map_examples`, so a batch sharded over devices stays spread over
-    them, at the cost of a transposed copy of the arrays; else chunk j holds examples
-    j·chunk, ..., (j + 1)·chunk − 1 (no copy). chunk = B: fn on the whole batch, no loop."""
+    sharing a leading axis B, in chunks of `chunk` examples (a divisor of B) one after
+    another (`lax.scan`). `interleave`: chunk j holds examples j, j + n, j + 2n, ... (n =
+    B / chunk), at the cost of a transposed copy; else examples j·chunk, ..., (j + 1)·chunk − 1.
+    chunk = B: fn on the whole batch, no loop."""
     size = arrays[0].shape[0]
     if chunk >= size:
         return fn(*arrays)
@@ -161,19 +153,15 @@ def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = T
 
 
 def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
-    """fn(example) for every example, stacked [B, ...]: vmap in a chunk, lax.scan across n chunks.
-
-    The chunk is shrunk to ceil(B/n) ≤ chunk_size and the batch padded with copies of its
-    last example (outputs dropped), so the body is compiled once. Chunk j holds examples
-    j, j + n, j + 2n, ..., so a batch sharded over devices stays spread over them.
-    """
+    """fn(example) for every example, stacked [B, ...]: vmap in a chunk, lax.scan across n
+    chunks of ceil(B/n) ≤ chunk_size examples (padded with copies of the last example, outputs
+    dropped). Chunk j holds examples j, j + n, j + 2n, ..., so a sharded batch stays spread."""
     return map_and_sum(lambda x: (fn(x), ()), batch, chunk_size)[0]
 
 
 def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[PyTree, PyTree]:
-    """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`;
-    the sum is accumulated chunk by chunk (padding examples left out, `sum_over_examples`),
-    never stacked [B, ...] beyond one chunk."""
+    """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`,
+    the sum accumulated chunk by chunk (padding examples left out)."""
     size = jax.tree.leaves(batch)[0].shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
@@ -201,8 +189,7 @@ def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[Py
 
 def jit_per_settings(fn: Callable) -> Callable:
     """`fn(loss_fn, params, batch, ..., **settings)` compiled once per (loss_fn, settings,
-    shapes): called eagerly, an estimator would otherwise run op by op; inside an outer jit
-    this is inlined. Every argument but params, batch, key and hessian_batch is static."""
+    shapes); every argument but params, batch, key and hessian_batch is static."""
     names = [n for n in inspect.signature(fn).parameters
              if n not in ("params", "batch", "key", "hessian_batch")]
     jitted = jax.jit(fn, static_argnames=names)

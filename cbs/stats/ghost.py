@@ -1,55 +1,43 @@
 """Exact per-example gradient norms in one forward and one backward pass ("ghost norms"),
-for any JAX model: the operations that read each parameter are found in the jaxpr of the
-user's own `loss_fn`.
+for any JAX model, from the operations that read each parameter in the jaxpr of `loss_fn`.
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, L scan length, P parameters.
 
-For a loss `L = (1/B) Σ_i ℓ_i` (the mean loss of the DESIGN contract) the per-example gradient
-of a dense kernel is `∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, where `x_it` is the operation's data
-operand at position t and `g_it = ∂L/∂y_it` the output cotangent the ordinary backward pass
-already has. Its squared norm needs no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022,
-"ghost clipping"):
+For the mean loss `L = (1/B) Σ_i ℓ_i` the per-example gradient of a dense kernel is
+`∂ℓ_i/∂W = B Σ_t x_it g_itᵀ`, with `x_it` the operation's data operand at position t and
+`g_it = ∂L/∂y_it` the output cotangent of the ordinary backward pass. Its squared norm needs
+no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
 
     |∂ℓ_i/∂W|² = B² |x_i|² |g_i|²                            (no position axis, T = 1)
                = B² Σ_{t,s} (x_it·x_is)(g_it·g_is)          (Gram form, cost T²(D+O))
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
-whichever is cheaper. Where the direct form is taken its per-example gradients, summed, also
-give the weight gradient, so that pass is not run twice ("fused", `ghost_rules.fuse_direct`).
-A convolution is the dense rule on its input windows (in cache-sized chunks of examples on
-XLA:CPU, `ghost_rules.example_chunk`), an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`,
-and an elementwise scale or shift w broadcast over positions (norm layers, biases)
-`|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²`, fused too (`cbs.stats.ghost_rules`).
+whichever is cheaper; the direct form's per-example gradients, summed, also give the weight
+gradient ("fused", `ghost_rules.fuse_direct`). A convolution is the dense rule on its input
+windows, an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or
+shift broadcast over positions `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²` (`ghost_rules`).
 
-Mechanism. `cbs.stats.ghost_trace` walks one shape-only trace of `loss_fn(params, batch)` and
-finds, for every params leaf, the operations that read it (its *uses*). The jaxpr is then
-evaluated again under one `jax.value_and_grad`, which returns the loss, ḡ and the norms:
+Mechanism. `ghost_trace` finds, in one shape-only trace, the operations that read each params
+leaf (its *uses*). The jaxpr is then evaluated again under one `jax.value_and_grad`:
 
-- a leaf read by one use through norm-preserving layout ops, in a layout a ghost rule reads,
-  has the use's output routed through a *tap*: an identity whose custom backward applies the
-  rule to x and g where the backward pass meets it and returns the [B] norms as the
-  cotangent of a zero *slot* input (a fused use is evaluated under a custom backward that
-  also returns the parameter's gradient). Inside `scan` the slots are stacked (one [B] row
-  per step, summed afterwards), so nothing is kept beyond what the ordinary backward keeps;
-  under `remat` x is recomputed with the step.
-- any other use gets a zero *perturbation* added to its output and its data operand kept as
-  an auxiliary output, so the backward pass also returns its cotangent g. A leaf read only
-  by `dot_general`s and embedding gathers that `cbs.stats.ghost_tied` reads (a tied
-  embedding and head, a kernel read by two matmuls) takes |Σ_u A_u,i|² from Gram terms or
-  from its per-example gradients, whichever costs less. Any other leaf is *materialised*:
-  `Σ_uses transpose(use)(x_i, g_i)` pulled back to the leaf's layout and squared, in chunks
-  of examples.
+- a leaf read by one use in a layout a ghost rule reads has the use's output routed through
+  a *tap*: an identity whose custom backward applies the rule to x and g and returns the [B]
+  norms as the cotangent of a zero *slot* input (stacked per step inside `scan`), so nothing
+  is kept beyond what the ordinary backward keeps; a fused use's also returns the gradient.
+- any other use gets a zero *perturbation* added to its output and its data operand kept, so
+  the backward pass also returns its cotangent g. A leaf read only by `dot_general`s and
+  embedding gathers (a tied embedding and head) takes the cheaper form of `ghost_tied`; any
+  other is *materialised*: `Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples.
 
 `remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
-`custom_jvp`/`custom_vjp` bodies that read a covered leaf are inlined (their custom rule
-taken to be the derivative of their body). Leaves read in any other way fall back to
-`vmap(grad)` restricted to them, chunked to a memory budget (`uncovered_leaves` says which).
+`custom_jvp`/`custom_vjp` bodies are inlined (their custom rule taken to be the derivative of
+their body). Leaves read in any other way fall back to `vmap(grad)` restricted to them,
+chunked to a memory budget (`uncovered_leaves` says which).
 
-Per-example loss `ℓ_i` is `loss_fn` on the one-example batch i, as in the vmap reference; the
-fast path equals it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A layer that mixes a
-batch statistic into every example (BatchNorm in training mode) removes the example axis in
-the trace, so the leaves after it fall back to vmap.
+ℓ_i is `loss_fn` on the one-example batch i, as in the vmap reference; the fast path equals
+it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A batch statistic mixed into every
+example (BatchNorm in training mode) removes the example axis in the trace.
 """
 
 from __future__ import annotations
@@ -93,11 +81,9 @@ class _Plan:
     uncovered: dict[int, str]  # leaf -> why it needs vmap
     unused: tuple[int, ...]  # leaves the loss does not read: zero gradient
     tapped: dict[int, Any]  # uid -> accumulation dtype: norm by its rule inside the backward
-    fused: frozenset[int]  # tapped uids whose weight gradient is the sum of their per-example
-    #                        gradients (formed for the norms: no separate weight gradient)
+    fused: frozenset[int]  # tapped uids whose weight gradient is their per-example sum
     tied: dict[int, ghost_tied.Tied]  # leaf read by several dot/gather uses -> its rule
-    ordinary: frozenset[int]  # uids of uses captured for a rule whose leaf's gradient is
-    #                           the ordinary one (the Gram form of `ghost_tied`)
+    ordinary: frozenset[int]  # captured uids whose leaf's gradient is the ordinary one (Gram)
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -151,9 +137,8 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
 
 
 def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
-    """Whether a ghost rule reads this use's layout (checked on shapes only); `fused`: a rule
-    that also gives the parameter's gradient (`ghost_rules.FUSED_RULES`), on the operands in
-    their own dtypes."""
+    """Whether a ghost rule reads this use's layout (on shapes only); `fused`: one that also
+    gives the parameter's gradient, on the operands in their own dtypes."""
     rules: dict[str, Callable[..., Any]] = FUSED_RULES if fused else SQ_NORM_RULES
     rule = rules.get(use.eqn.primitive.name)
     if rule is None or not use.keeps_norm:
@@ -178,10 +163,8 @@ def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str
 
 
 def leaf_rules(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
-    """Per params leaf path, how its norms are taken (traces, never runs): "fused" or
-    "tapped" (one use, its ghost rule in the backward pass), "tied gram" or "tied direct"
-    (several dot/gather uses, `cbs.stats.ghost_tied`), "materialised" (its per-example
-    gradients by each use's transpose), "vmap" (uncovered) or "unused"."""
+    """Per params leaf path, how its norms are taken (traces, never runs): "fused", "tapped",
+    "tied gram", "tied direct", "materialised", "vmap" (uncovered) or "unused"."""
     plan = _plan(loss_fn, params, batch)
     rules = {leaf: "vmap" for leaf in plan.uncovered} | {leaf: "unused" for leaf in plan.unused}
     for leaf, uses in plan.uses.items():
@@ -205,10 +188,9 @@ def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
 
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
-    env: dict[Any, Any] = {}
-    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
     caps = {}
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
@@ -225,9 +207,8 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
                     ghost_rules.bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
                     pert[use.uid])]
             elif use is not None:  # captured: x kept, g the cotangent of a zero added to the
-                #                    output; where the leaf's gradient is the sum of the
-                #                    per-example gradients formed for its norms (materialised,
-                #                    direct), the use holds the leaf constant
+                #                    output; the leaf held constant unless its gradient is
+                #                    the ordinary one
                 held = list(invals)
                 if use.uid not in plan.ordinary:
                     held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
@@ -262,8 +243,8 @@ def _eval_nested(eqn, invals, pert, plan):
 
 
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
-    """One forward + one backward: loss, ḡ leaves, and per active use either its summed norms
-    (tapped uses: the cotangent of their [stack..., B] slot) or its captures and cotangents."""
+    """One forward + one backward: loss, ḡ leaves, captures, and per active use the cotangent
+    of its [stack..., B] slot (tapped: its norms) or of its output."""
     pert = {}
     for use in plan.active.values():
         aval = use.eqn.outvars[0].aval
@@ -284,15 +265,8 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
 # ----------------------------------------------------------------------------- norms
 
 
-def _stacked(fn: Callable, depth: int) -> Callable:
-    for _ in range(depth):
-        fn = jax.vmap(fn)
-    return fn
-
-
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
-    """([B] |Σ_uses per-example gradient|², the leaf's gradient: the sum of those per-example
-    gradients over the examples), the gradients formed chunk by chunk of examples."""
+    """([B] |Σ_uses per-example gradient|², their sum over the examples), in chunks."""
     items, per_example_bytes = [], 0
     for u in uses:
         k = len(u.stack)
@@ -305,9 +279,11 @@ def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array,
             + g.size // g.shape[0])
 
     def one(items_i):
-        total = 0
+        total: Any = 0
         for u, (x_i, g_i) in zip(uses, items_i, strict=True):
-            grad = _stacked(lambda x, g, u=u: per_example_grad(u, x, g, dtype), len(u.stack))
+            grad = lambda x, g, u=u: per_example_grad(u, x, g, dtype)
+            for _ in u.stack:
+                grad = jax.vmap(grad)
             total = total + grad(x_i, g_i)
         return jnp.sum(jnp.square(total)), total
 
@@ -323,8 +299,8 @@ def auto_chunk_size(per_example_bytes: int, batch_size: int,
 
 
 def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None) -> int:
-    """The vmap(grad) chunk: `chunk_size` when given (checked), else automatic, with the
-    per-example gradients and activations of a chunk inside the memory budget."""
+    """The vmap(grad) chunk: `chunk_size` when given (checked), else one whose per-example
+    gradients and activations fit the memory budget."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive number of examples, got "
@@ -369,11 +345,9 @@ def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       params: pytree of float arrays (any model: nnx, linen, plain jax.numpy).
       batch: pytree of arrays sharing a leading axis B.
       method: "fast" reads the jaxpr (one forward + one backward) and raises ValueError
-        naming any leaf it cannot cover; "auto" does the same but computes uncovered leaves
-        by vmap(grad) restricted to them; "vmap" is the reference: every norm by vmap(grad),
-        chunked, with loss and ḡ from one ordinary pass.
-      chunk_size: examples per vmap chunk; None picks it from a memory budget
-        (`MEMORY_BUDGET_BYTES`), never all B examples' gradients at once for a large model.
+        naming any leaf it cannot cover; "auto" computes those by vmap(grad) instead; "vmap"
+        is the reference: every norm by vmap(grad), loss and ḡ from one ordinary pass.
+      chunk_size: examples per vmap chunk; None: from `MEMORY_BUDGET_BYTES`.
 
     Returns:
       (loss, grad, sq_norms): scalar mean loss; grad like params; sq_norms like params with

@@ -1,13 +1,11 @@
 """Per-operation rules of the ghost-norm pass: per-example squared parameter-gradient norms from
-an operation's data operand x and its output cotangent g (see `cbs.stats.ghost` for the
+an operation's data operand x and its output cotangent g (`cbs.stats.ghost` gives the
 mechanism and the formulas).
 
-Each `*_sq_norm` rule takes a `cbs.stats.ghost_trace.Use` (the jaxpr equation, which operand
-is the parameter, where the example axis is) and x, g for one scan step (g of the MEAN loss:
-`cbs.stats.ghost` rescales by B²), and returns the [B] squared norms, or None when the
-equation's layout is not one it reads (the caller then uses `per_example_grad`).
-`per_example_grad` is exact for any use: the transpose of the operation applied to one
-example's cotangent, in the layout of the leaf (or of its scanned slice).
+Each `*_sq_norm` rule takes a `cbs.stats.ghost_trace.Use` and x, g for one scan step (g of
+the MEAN loss: `cbs.stats.ghost` rescales by B²) and returns the [B] squared norms, or None
+for a layout it does not read. `per_example_grad` is exact for any use: the operation's
+transpose applied to one example's cotangent, in the layout of the leaf (or its scanned slice).
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, V vocabulary.
@@ -29,8 +27,7 @@ __all__ = [
     "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
     "conv_sq_norm", "dense_fused", "dense_operands", "dense_sq_norm", "elementwise_fused",
     "elementwise_sq_norm", "embed_layout", "embed_operands", "embed_sq_norm", "example_chunk",
-    "fuse_direct", "in_dtype", "per_example_grad", "replay_chain", "bind", "fused", "tap",
-    "use_gram",
+    "fuse_direct", "in_dtype", "per_example_grad", "bind", "fused", "tap", "use_gram",
 ]
 
 
@@ -43,13 +40,10 @@ FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example gradi
 
 
 def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
-    """Whether a layer's weight gradient is taken as the sum of its B per-example gradients
-    [B, D, O] (formed for their norms; no separate weight-gradient pass).
-
-    Fused, the norms cost the squares of the [B, D, O] tensor (memory traffic: counted as 4
-    multiply-adds per entry) on top of the layer's own weight gradient; unfused, the Gram
-    form costs T²(D + O) per example more. One position (T = 1) has the cheaper outer rule.
-    """
+    """Whether a layer's weight gradient is the sum of its B per-example gradients [B, D, O]
+    (formed for their norms): fused, the norms cost the squares of that tensor (4
+    multiply-adds per entry of memory traffic); unfused, the Gram form T²(D + O) per example.
+    One position (T = 1) has the cheaper outer rule."""
     return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= FUSED_BYTES
 
 
@@ -107,8 +101,7 @@ def dense_operands(use, x, g):
 
 
 def dense_sq_norm(use, x, g) -> jax.Array | None:
-    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² in W's (contracting,
-    free) order, which is a permutation of W's entries."""
+    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² (W's entries permuted)."""
     x_BxTxC, g_BxTxF, _, _ = dense_operands(use, x, g)
     return _kernel_sq_norm(x_BxTxC, g_BxTxF)
 
@@ -127,12 +120,9 @@ def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
 
 
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
-    """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices.
-
-    `conv_general_dilated_patches` would do it as a convolution with a one-hot kernel: with
-    it the default CNN's ghost pass took 3.3× a plain gradient on XLA:CPU, 2.1× with these
-    slices (both on all 128 examples at once).
-    """
+    """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices (the
+    default CNN's ghost pass on XLA:CPU: 2.1× a plain gradient, against 3.3× with
+    `conv_general_dilated_patches`, a convolution with a one-hot kernel)."""
     x = jnp.pad(x_BxSxD, ((0, 0), *padding, (0, 0)))
     outs = [(x.shape[1 + k] - w) // s + 1
             for k, (w, s) in enumerate(zip(window, strides, strict=True))]
@@ -150,14 +140,11 @@ CPU_CHUNK_BYTES = 2 * 2**20  # on XLA:CPU, most bytes of a chunk's input windows
 def example_chunk(b: int, bytes_per_example: int) -> int:
     """Examples per chunk of a convolution's per-example work (a divisor of b; b: one chunk).
 
-    On XLA:CPU the windows and products of all B examples at once ran several times slower
-    than the same work in chunks that stay in cache, one after another (the default CNN's
-    convolutions at B = 128: the ghost pass 1.85× a plain gradient at once, 1.1–1.2× in
-    chunks of 16 and 8 examples, and its live-estimate step 0.86× the step without it with
-    contiguous chunks). Chunks hold at most `CPU_CHUNK_BYTES` and a multiple of the device
-    count (with several devices the chunks interleave the examples, `scan_chunks`, so a
-    batch sharded over them stays spread); other backends, and a b with no such divisor of
-    at least a quarter of the largest chunk, take one chunk.
+    On XLA:CPU all B examples at once ran several times slower than chunks that stay in
+    cache (the default CNN at B = 128: 1.85× a plain gradient at once, 1.1–1.2× in chunks of
+    16 and 8). Chunks hold at most `CPU_CHUNK_BYTES` and a multiple of the device count
+    (interleaved, `scan_chunks`, so a sharded batch stays spread); other backends, and a b
+    with no such divisor of at least a quarter of the largest chunk, take one chunk.
     """
     most = CPU_CHUNK_BYTES // max(bytes_per_example, 1)
     if jax.default_backend() != "cpu" or most >= b:
@@ -207,20 +194,16 @@ def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
 
 
 def conv_sq_norm(use, x, g) -> jax.Array | None:
-    """`conv_general_dilated` (kernel on the right, no dilation or groups): the dense rule on
-    the input windows, in chunks of examples."""
-    inputs = _conv_inputs(use, x, g)
-    if inputs is None:
+    """`conv_general_dilated`: the dense rule on the input windows, in chunks of examples."""
+    if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     return _windowed(use, lambda xw, gw: ((), _kernel_sq_norm(xw, gw)), *inputs)[1]
 
 
 def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """`conv_general_dilated`: (the kernel's gradient in its layout, [B] squared norms) from
-    the per-example gradients on the input windows, in chunks of examples, when
-    `fuse_direct` admits the shapes of the whole batch."""
-    inputs = _conv_inputs(use, x, g)
-    if inputs is None:
+    """`conv_general_dilated`: (the kernel's gradient, [B] squared norms) from the per-example
+    gradients on the input windows, when `fuse_direct` admits the whole batch's shapes."""
+    if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     spatial = inputs[2]
     if not fuse_direct(*_window_shape(*inputs)):
@@ -255,18 +238,15 @@ def embed_layout(use) -> tuple[int, int] | None:
 
 
 def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
-    """(ids [B, T] in [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`): clipped
-    ids where the gather clips, and a zero cotangent where an out-of-range id read the fill
-    value (no gradient; its id is then clipped too, so that it indexes safely)."""
-    layout = embed_layout(use)
-    if layout is None:
+    """(ids [B, T] clipped to [0, V), g [B, T, O]) of an embedding `gather` (`embed_layout`),
+    g zero where an out-of-range id read the fill value (no gradient)."""
+    if (layout := embed_layout(use)) is None:
         return None
     v, o = layout
     b = ids.shape[use.e_in]
     ids_BxT = jnp.moveaxis(ids[..., 0], use.e_in, 0).reshape(b, -1)
     g_BxTxO = jnp.moveaxis(g, use.e_out, 0).reshape(b, -1, o)
-    mode = str(use.eqn.params["mode"])
-    if "FILL" in mode:  # out-of-range ids read the fill value: no gradient
+    if "FILL" in str(use.eqn.params["mode"]):  # out-of-range ids read the fill value
         g_BxTxO = jnp.where(((ids_BxT >= 0) & (ids_BxT < v))[..., None], g_BxTxO,
                             jnp.zeros((), g_BxTxO.dtype))
     return jnp.clip(ids_BxT, 0, v - 1), g_BxTxO
@@ -275,8 +255,7 @@ def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
 def embed_sq_norm(use, ids, g) -> jax.Array | None:
     """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
     when V < T)."""
-    operands = embed_operands(use, ids, g)
-    if operands is None:
+    if (operands := embed_operands(use, ids, g)) is None:
         return None
     ids_BxT, g_BxTxO = operands
     v = use.eqn.invars[0].aval.shape[0]
@@ -292,19 +271,16 @@ def embed_sq_norm(use, ids, g) -> jax.Array | None:
 
 
 def _elementwise_per_example(use, x, g) -> jax.Array | None:
-    """`mul`/`add`/`sub` of a parameter operand w that size-1 axes broadcast over the output
-    (a norm scale, a bias): the per-example gradients ∂ℓ_i/∂w, x·g (mul) or g (add, sub; the
-    sign of a subtracted w left out) summed over those axes, in w's shape with B on the
-    example axis; None for other layouts."""
+    """`mul`/`add`/`sub` of a parameter w that size-1 axes broadcast (a norm scale, a bias):
+    the per-example gradients x·g (mul) or g (add, sub; a subtracted w's sign left out) summed
+    over those axes, in w's shape with B on the example axis; None for other layouts."""
     w_shape = use.eqn.invars[use.pos].aval.shape
     if len(w_shape) != g.ndim or (use.e_out < len(w_shape) and w_shape[use.e_out] != 1):
         return None
-    if use.eqn.primitive.name == "mul":
-        if x.ndim != g.ndim:
-            return None
-        prod = x * g
-    else:
-        prod = g
+    mul = use.eqn.primitive.name == "mul"
+    if mul and x.ndim != g.ndim:
+        return None
+    prod = x * g if mul else g
     summed = tuple(a for a in range(g.ndim) if a != use.e_out and w_shape[a] == 1)
     return jnp.sum(prod, summed, keepdims=True)
 
@@ -323,8 +299,7 @@ def elementwise_sq_norm(use, x, g) -> jax.Array | None:
 
 def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """Elementwise use of a broadcast parameter: (w's gradient as the sum of its per-example
-    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent where
-    the tapped rule and the ordinary gradient take one each."""
+    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent."""
     if use.e_out >= g.ndim:
         return None
     per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
@@ -352,24 +327,14 @@ FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused,
 
 def _bind(eqn, args, params=None):
     params = dict(eqn.params if params is None else params)
-    if "sharding" in params:
-        params["sharding"] = None
-    if "out_sharding" in params:
-        params["out_sharding"] = None
+    for key in ("sharding", "out_sharding"):
+        if key in params:
+            params[key] = None
     return eqn.primitive.bind(*args, **params)
 
 
-def replay_chain(chain, w: jax.Array) -> jax.Array:
-    """The layout ops from a leaf to the operand of its use, in the dtype of `w`."""
-    for eqn in chain:
-        if eqn.primitive.name not in ("convert_element_type", "reduce_precision"):
-            w = _bind(eqn, [w])
-    return w
-
-
 def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
-    """∂(one example's share of the loss)/∂(origin) for one example: x_i, g_i without the
-    example axis; the result has the shape of the leaf (or of its scanned slice)."""
+    """One example's gradient (x_i, g_i without the example axis) in the leaf's shape."""
     origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
     x1 = in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
     g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)
@@ -385,7 +350,9 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
             last["shape"] = tuple(1 if a == use.e_in else n for a, n in enumerate(last["shape"]))
 
     def apply(w):
-        w = replay_chain(chain, w)
+        for eqn in chain:  # the layout ops from the leaf to the use's operand, in w's dtype
+            if eqn.primitive.name not in ("convert_element_type", "reduce_precision"):
+                w = _bind(eqn, [w])
         if last is not None:
             w = _bind(use.chain[-1], [w], last)
         if elementwise and w.ndim and w.shape[use.e_in] != 1:  # the same for every example:
@@ -406,12 +373,8 @@ def bind(eqn: Any, invals: list) -> list:
 
 def tap(use: Any, dtype: Any) -> Callable:
     """`tap(y, x, slot) = y`, whose backward also returns the use's [B] per-example squared
-    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`.
-
-    The norms are formed where the backward pass meets the use, one scan step at a time, so
-    neither x nor g is kept beyond what the ordinary backward keeps (under remat, x is
-    recomputed with the rest of the step).
-    """
+    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`: formed
+    where the backward pass meets the use, so nothing is kept beyond the ordinary backward."""
     rule = SQ_NORM_RULES[use.eqn.primitive.name]
 
     @jax.custom_vjp
@@ -432,12 +395,10 @@ def tap(use: Any, dtype: Any) -> Callable:
 
 
 def fused(use: Any, dtype: Any) -> Callable:
-    """`fused(lhs, rhs, slot) = use(lhs, rhs)` (a `dot_general` or convolution), whose
-    backward forms the B per-example gradients of the parameter operand once, for both its
-    [B] squared norms (the cotangent of `slot`) and its gradient (their sum), instead of the
-    ordinary weight gradient plus a ghost rule (`ghost_rules.fuse_direct` says when: the
-    direct form, B·T·D·O multiply-adds, costs what the weight gradient costs). The data
-    operand's cotangent is the ordinary one."""
+    """`fused(lhs, rhs, slot) = use(lhs, rhs)`, whose backward forms the B per-example
+    gradients of the parameter operand once, for both its [B] squared norms (the cotangent of
+    `slot`) and its gradient (their sum), instead of the weight gradient plus a ghost rule
+    (when `fuse_direct` admits the shapes). The data operand's cotangent is the ordinary one."""
     rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
 
     @jax.custom_vjp

@@ -1,44 +1,35 @@
 """Ghost norms of a params leaf read by several uses, every one a `dot_general` or an embedding
-`gather` (a tied input/output embedding, a kernel read by two matmuls), without forming
-the leaf's per-example gradients when that is the costlier way.
+`gather` (a tied input/output embedding, a kernel read by two matmuls).
 
-Example i's gradient of the leaf is the sum of its uses' per-example gradients A_u,i (each
-the use's transpose applied to example i's data operand and output cotangent, pulled back to
-the leaf's layout), so
-
-    |Σ_u A_u,i|² = Σ_u |A_u,i|² + 2 Σ_{u<v} <A_u,i, A_v,i>,
-
-and every term is a sum over pairs of positions of example i alone (`cbs.stats.ghost` for the
-letters and the mean-loss scaling):
+Example i's gradient of the leaf is the sum of its uses' per-example gradients A_u,i (in the
+leaf's layout), so |Σ_u A_u,i|² = Σ_u |A_u,i|² + 2 Σ_{u<v} <A_u,i, A_v,i>, every term a sum
+over pairs of positions of example i alone (letters and scaling as in `cbs.stats.ghost`):
 
 - a `dot_general` use reads the leaf as a kernel: A_u,i = Σ_t x_t g_tᵀ, x_t over the leaf
   axes it contracts (its *x side*), g_t over the others (its *g side*);
-- an embedding `gather` reads the leaf as a table [V, O]: A_u,i = Σ_t onehot(id_t) e_tᵀ, its
-  x side the rows, its g side the columns, e_t the output cotangent at position t;
-- two dot uses whose x sides are the same leaf axes (two matmuls by one kernel):
-  Σ_{t,s} (x_t·x'_s)(g_t·g'_s); whose x side is the other's g side (a tied head `h @ Wᵀ`
-  against `z @ W`): Σ_{t,s} (x_t·g'_s)(g_t·x'_s); a dot use against itself: |x_i|²|g_i|² for
-  one position, else the first of these with x' = x, g' = g;
+- an embedding `gather` reads it as a table [V, O]: A_u,i = Σ_t onehot(id_t) e_tᵀ (x side
+  the rows, g side the columns, e_t the output cotangent);
+- two dot uses with the same x side: Σ_{t,s} (x_t·x'_s)(g_t·g'_s); with each one's x side the
+  other's g side (a tied head `h @ Wᵀ` against `z @ W`): Σ_{t,s} (x_t·g'_s)(g_t·x'_s); a dot
+  use against itself: |x_i|²|g_i|² for one position, else the first with x' = x, g' = g;
 - a gather against a dot use whose g side is the table's rows (the tied output projection
   logits_t = W h_t of a table W [V, O], data h_t ∈ R^O, cotangent g_t ∈ R^V):
   Σ_{t,s} g_t[id_s] (h_t·e_s); whose x side is the rows (one-hot inputs times W):
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more
-than the plain gradient (which the ordinary backward gives). The *direct form* forms each
-example's gradient in the leaf's layout, sums and squares it, and takes the leaf's gradient
-as the sum over the examples (as `cbs.stats.ghost`'s materialised path): what it adds is
-the memory traffic of the [P] per-example gradients, `ENTRY_COST` multiply-adds per entry
-for each use's gradient and their sum (as `ghost_rules.fuse_direct` for one layer). `plan`
-takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own
-dtype; products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
+This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more than
+the plain gradient. The *direct form* forms each example's gradient in the leaf's layout, sums and
+squares it, and takes the leaf's gradient as the sum over the examples: it adds `ENTRY_COST`
+multiply-adds (memory traffic) per entry of each use's per-example gradient and of their sum. `plan`
+takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own dtype;
+products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
 
-The chain of layout operations from the leaf to each use's operand may transpose it, change
-its dtype or sharding, and add or remove unit axes; anything else (a reshape that merges or
-splits axes, dot uses whose x sides share only some leaf axes, a table read transposed by
-another gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
-"gram", "direct" or "materialised" (kept for benchmarks/lm_step.py to compare against).
+The layout operations from the leaf to each use's operand may transpose it, change its dtype
+or sharding, and add or remove unit axes; anything else (a reshape that merges or splits
+axes, dot uses whose x sides share only some leaf axes, a table read transposed by another
+gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
+"gram", "direct" or "materialised" (benchmarks/lm_step.py compares them).
 """
 
 from __future__ import annotations
@@ -77,14 +68,6 @@ class Part:
     g_sizes: tuple[int, ...]
     positions: int  # T: positions per example (per scan step)
 
-    @property
-    def x_features(self) -> int:
-        return int(np.prod(self.x_sizes))
-
-    @property
-    def g_features(self) -> int:
-        return int(np.prod(self.g_sizes))
-
 
 @dataclasses.dataclass(frozen=True)
 class Tied:
@@ -96,8 +79,6 @@ class Tied:
     form: str  # "gram" | "direct"
     slice_shape: tuple[int, ...]  # the leaf (or one scan step's slice of it)
     work: tuple[int, ...]  # the direct form's layout: the leaf's non-unit axes in this order
-    gram_cost: int  # multiply-adds per example (per scan step)
-    direct_cost: int
 
 
 # ----------------------------------------------------------------------------- plan
@@ -157,8 +138,7 @@ def _part(use) -> Part | None:
 
 
 def _pairing(p: Part, q: Part) -> str | None:
-    """How the per-example gradients of p and q meet in the leaf's layout (see the module
-    docstring), or None when their sides share leaf axes only in part."""
+    """How p's and q's per-example gradients meet (module docstring), or None."""
     px, pg, qx, qg = set(p.x_axes), set(p.g_axes), set(q.x_axes), set(q.g_axes)
     if p.kind == q.kind == "dot":
         return "same" if px == qx else "transposed" if px == qg and pg == qx else None
@@ -176,25 +156,25 @@ def _pair_cost(p: Part, q: Part) -> int:
     """Multiply-adds of one example's term <A_p, A_q> in the Gram form."""
     t = p.positions * q.positions
     if p.kind == q.kind == "dot":
-        return (1 if p is q and p.positions == 1 else t) * (p.x_features + p.g_features)
+        return (1 if p is q and p.positions == 1 else t) * (int(np.prod(p.x_sizes))
+                                                            + int(np.prod(p.g_sizes)))
     gather = p if p.kind == "gather" else q
-    return t * (gather.g_features + 1)
+    return t * (int(np.prod(gather.g_sizes)) + 1)
 
 
 ENTRY_COST = 4  # multiply-adds per entry of a per-example gradient: its memory traffic
 
 
 def _direct_cost(parts: tuple[Part, ...], size: int) -> int:
-    """What the direct form adds to one example's plain gradient, in multiply-adds: each use's
-    per-example gradient in the leaf's layout and their sum, `ENTRY_COST` per entry (their
-    products replace the weight gradient's)."""
+    """What the direct form adds to one example's plain gradient, in multiply-adds:
+    `ENTRY_COST` per entry of each use's per-example gradient and of their sum."""
     return ENTRY_COST * (len(parts) + 1) * size
 
 
 def plan(uses, form: str | None = None) -> Tied | None:
-    """The rule for a leaf read by `uses` (two or more, in one scan context), or None when it
-    takes the materialised path (a use or a pair of uses the rule cannot read, or
-    FORM = "materialised"). `form` overrides FORM."""
+    """The rule for a leaf read by `uses` (two or more, in one scan context), or None for the
+    materialised path (a use or pair the rule cannot read, or "materialised"). `form`
+    overrides FORM."""
     form = FORM if form is None else form
     if form not in FORMS:
         raise ValueError(f"ghost_tied.FORM must be one of {FORMS}, got {form!r}")
@@ -221,15 +201,14 @@ def plan(uses, form: str | None = None) -> Tied | None:
     # The direct form sums the per-example gradients in the layout its first dot use forms
     # them in, so that only their sum is transposed to the leaf's.
     work = _natural(next((p for p in parts if p.kind == "dot"), parts[0]))
-    return Tied(parts, pairs, form, slice_shape, work, gram, direct)
+    return Tied(parts, pairs, form, slice_shape, work)
 
 
 # ----------------------------------------------------------------------------- norms
 
 
 def _sorted_side(a: jax.Array, axes: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
-    """a [T, prod(sizes)] with its feature axis reordered from `axes` order to ascending leaf
-    axes (the order every part shares)."""
+    """a [T, prod(sizes)] with its features reordered from `axes` order to ascending leaf axes."""
     order = [int(i) for i in np.argsort(axes)]
     if order == list(range(len(axes))):
         return a
@@ -278,15 +257,6 @@ def _term(how: str, p: Part, q: Part, op_p, op_q, dtype) -> jax.Array:
     return jnp.sum(picked.astype(dtype) * other)
 
 
-def _gram_sq_norm(tied: Tied, ops: list, dtype) -> jax.Array:
-    """|Σ_u A_u|² of one example (one scan step) from the Gram terms."""
-    total = jnp.zeros((), dtype)
-    for (j, k), how in tied.pairs.items():
-        term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
-        total = total + (term if j == k else 2 * term)
-    return total
-
-
 def _natural(part: Part) -> tuple[int, ...]:
     """The leaf axes of a part's per-example gradient as formed: a dot's g side then its x
     side ([F, C]), a gather's rows then columns ([V, O])."""
@@ -305,10 +275,8 @@ def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
         grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(
             e.astype(dtype))
     else:
-        # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes the
-        # library kernel the materialised path's products take (a [B, D, V] product or a
-        # [B, V, D] one over T alone ran its generic loop, up to 1.6× the LM step's tied-head
-        # share at T = 16; on a GPU the unit axis is dropped).
+        # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes its library
+        # kernel (over T alone, its generic loop: up to 1.6× the LM step's tied-head share).
         x, g = op
         common = jnp.promote_types(x.dtype, g.dtype)
         grad = jax.lax.dot_general(g.astype(common)[None], x.astype(common)[None],
@@ -319,41 +287,24 @@ def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
     return jnp.transpose(grad, [natural.index(a) for a in tied.work])
 
 
-def _to_leaf_layout(tied: Tied, total: jax.Array, depth: int) -> jax.Array:
-    """The summed gradient from `tied.work` order (after `depth` stack axes) to the leaf's."""
-    stack = total.shape[:depth]
-    total = total.reshape(*stack, *[tied.slice_shape[a] for a in tied.work])
-    order = [depth + int(i) for i in np.argsort(tied.work)]
-    return jnp.transpose(total, [*range(depth), *order]).reshape(*stack, *tied.slice_shape)
-
-
 def _slice_norm(tied: Tied, items: list, dtype):
-    """(|Σ_u A_u|², Σ_u A_u in `tied.work` order, or () in the Gram form) of one example at
-    one scan step."""
+    """(|Σ_u A_u|², Σ_u A_u in `tied.work` order or () in the Gram form) of one example."""
     ops = [_operands(p, x, g) for p, (x, g) in zip(tied.parts, items, strict=True)]
-    if tied.form == "gram":
-        return _gram_sq_norm(tied, ops, dtype), ()
+    if tied.form == "gram":  # |Σ_u A_u|² from the Gram terms
+        sq = jnp.zeros((), dtype)
+        for (j, k), how in tied.pairs.items():
+            term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
+            sq = sq + (term if j == k else 2 * term)
+        return sq, ()
     total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops,
                                                                        strict=True))
     return jnp.sum(jnp.square(total)), total
 
 
-def _per_example_bytes(tied: Tied, dtype) -> int:
-    """Bytes one example (one scan step) adds to the operands the backward pass already
-    holds: two [T_u, T_v] matrices per pair of uses (Gram form), or each use's gradient in
-    the leaf's layout and their sum (direct form)."""
-    item = np.dtype(dtype).itemsize
-    if tied.form == "gram":
-        return 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions
-                              for j, k in tied.pairs)
-    return item * (len(tied.parts) + 1) * int(np.prod(tied.slice_shape))
-
-
 def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | None,
              budget_bytes: int) -> tuple[jax.Array, jax.Array | None]:
-    """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i in
-    the direct form or None in the Gram form), in chunks of examples (`chunk_size`, else as
-    many as `budget_bytes` holds)."""
+    """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i or
+    None in the Gram form), in chunks of `chunk_size` examples, else as `budget_bytes` holds."""
     items = []
     for p in tied.parts:
         u = p.use
@@ -370,8 +321,21 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
         return jnp.sum(sq), total
 
     batch_size = items[0][0].shape[0]
-    if chunk_size is None:
-        per_example = _per_example_bytes(tied, dtype) * int(np.prod(stack))
+    if chunk_size is None:  # bytes per scan step: two [T_u, T_v] matrices per pair of uses
+        #                     (Gram form), or each use's gradient and their sum (direct form)
+        item = np.dtype(dtype).itemsize
+        if tied.form == "gram":
+            per_step = 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions
+                                      for j, k in tied.pairs)
+        else:
+            per_step = item * (len(tied.parts) + 1) * int(np.prod(tied.slice_shape))
+        per_example = per_step * int(np.prod(stack))
         chunk_size = int(max(1, min(batch_size, budget_bytes // max(per_example, 1))))
     sq, total = map_and_sum(one, items, chunk_size)
-    return sq, (None if tied.form == "gram" else _to_leaf_layout(tied, total, len(stack)))
+    if tied.form == "gram":
+        return sq, None
+    # the summed gradient from `tied.work` order (after the stack axes) to the leaf's layout
+    depth, stack = len(stack), total.shape[:len(stack)]
+    total = total.reshape(*stack, *[tied.slice_shape[a] for a in tied.work])
+    order = [depth + int(i) for i in np.argsort(tied.work)]
+    return sq, jnp.transpose(total, [*range(depth), *order]).reshape(*stack, *tied.slice_shape)

@@ -1,25 +1,22 @@
 """Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf.
 
-One shape-only trace of `loss_fn(params, batch)` gives a jaxpr with the params leaves and the
-batch leaves as inputs. A forward walk over it gives every variable two tags:
+A forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params
+leaves, then the batch leaves) gives every variable two tags:
 
 - a *parameter tag* when it is a params leaf seen through layout-only operations (reshape,
-  transpose, convert_element_type, squeeze, sharding changes: they keep the norm; broadcast
-  and static slices: they do not, and are undone by their transpose), or one step's slice of
-  a leaf stacked under `scan`;
-- an *example axis* when one of its axes is the batch's example axis: the batch inputs have
-  it at 0, and each known operation maps it (or drops it, when it reduces or mixes that
-  axis). A value combining an example-axis operand with a batch-dependent operand that has
-  lost the axis (a batch mean: BatchNorm) loses it too, so coupled examples are not read.
+  transpose, convert_element_type, squeeze, sharding changes keep the norm; broadcast and
+  static slices do not), or one step's slice of a leaf stacked under `scan`;
+- an *example axis* when one of its axes is the batch's example axis (0 on the batch
+  inputs), mapped by each known operation or dropped where it reduces or mixes that axis. A
+  value combining it with a batch-dependent operand that has lost the axis (a batch mean:
+  BatchNorm) loses it too, so coupled examples are not read.
 
 An operation reading a tagged parameter is a *use* when it is linear in it and its other
-operand and output carry the example axis: `dot_general` (dense, einsum, attention and tied
-output projections), `conv_general_dilated`, `gather` from the table (embeddings), and
-elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk enters nested
-`jit`, `remat`, `custom_jvp`/`custom_vjp` bodies and `scan` bodies (a leaf scanned over as
-`xs` gives one use per step; closed over by the body it would be shared by every step).
-Any other read of a leaf (a weight-decay term, an op not listed, a carry) makes that leaf
-uncovered, with the reason.
+operand and output carry the example axis: `dot_general`, `conv_general_dilated`, `gather`
+from the table, and elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk
+enters nested `jit`, `remat`, custom-rule and `scan` bodies (a leaf scanned over as `xs`
+gives one use per step). Any other read (a weight-decay term, an op not listed, a carry, a
+scan's closed-over constant) makes the leaf uncovered, with the reason.
 
 Letters: B batch, L scan length.
 """
@@ -115,17 +112,12 @@ def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
 
 
 def _walk(jaxpr, in_tags, disc, ctx, stack, scans) -> list[_Var]:
-    env: dict[Any, _Var] = {}
+    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))
+    env.update({v: _Var() for v in jaxpr.constvars})
     read = lambda v: _Var() if isinstance(v, core.Literal) else env.get(v, _Var())
-    for v, t in zip(jaxpr.invars, in_tags, strict=True):
-        env[v] = t
-    for v in jaxpr.constvars:
-        env[v] = _Var()
     for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        outs = _eqn(eqn, ins, disc, ctx, stack, scans)
-        for v, t in zip(eqn.outvars, outs, strict=True):
-            env[v] = t
+        outs = _eqn(eqn, [read(v) for v in eqn.invars], disc, ctx, stack, scans)
+        env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -140,23 +132,24 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     dep = any(t.dep for t in ins)
     n_out = len(eqn.outvars)
     ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
-    if name in nested.CALLS or name == "scan":
-        return _nested(eqn, ins, disc, ctx, stack, scans)
+    if name == "scan":
+        return _scan(eqn, ins, disc, ctx, stack, scans)
+    if name in nested.CALLS:
+        outs = _walk(nested.call_body(eqn).jaxpr, ins, disc, ctx, stack, scans + [id(eqn)])
+        if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
+            outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
+        return outs
     if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
         p = ins[0].ptag
-        keeps = p.keeps_norm and (name in NORM_KEEPING or _only_adds_unit_axes(eqn))
+        # a `broadcast_in_dim` that only inserts size-1 axes (a bias [O] as [1, 1, O]) keeps it
+        keeps = p.keeps_norm and (name in NORM_KEEPING or (
+            name == "broadcast_in_dim"
+            and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape)))
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
     eaxis = _example_axis(eqn, ins, disc.batch_size)
     if ptagged:
         _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
     return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
-
-
-def _only_adds_unit_axes(eqn) -> bool:
-    """A `broadcast_in_dim` that only inserts size-1 axes (a bias [O] seen as [1, 1, O]): a
-    reshape, which keeps the norm."""
-    return (eqn.primitive.name == "broadcast_in_dim"
-            and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape))
 
 
 def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
@@ -183,16 +176,6 @@ def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
         disc.inner_uses.setdefault(s, set()).add(uid)
     disc.reads[id(eqn), p.leaf] = Use(uid, eqn, p.leaf, ctx, stack, ptagged[0], p.chain,
                                       p.keeps_norm, other.eaxis, eaxis[0])
-
-
-def _nested(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
-    name = eqn.primitive.name
-    if name == "scan":
-        return _scan(eqn, ins, disc, ctx, stack, scans)
-    outs = _walk(nested.call_body(eqn).jaxpr, ins, disc, ctx, stack, scans + [id(eqn)])
-    if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
-        outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
-    return outs
 
 
 def _passed(t: _Var, ctx, why: str) -> _Var:
@@ -245,8 +228,7 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     name = eqn.primitive.name
     if any(t.dep and t.eaxis is not None for t in ins):
         # A batch-independent value's axis is a guess from its size (`_broadcast_axis`): it
-        # yields to the data's. A constant broadcast over a vmapped axis of size B (equinox's
-        # per-position LayerNorm with B equal to the width) is not per example.
+        # yields to the data's (equinox's per-position LayerNorm with B equal to the width).
         ins = [dataclasses.replace(t, eaxis=None) if not t.dep else t for t in ins]
     axes = [t.eaxis for t in ins]
     if name == "broadcast_in_dim":
@@ -264,9 +246,7 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     if name in _ELEMENTWISE:
         return [e] * len(out_shapes) if rank_ok else None
     rule = _AXIS_RULES.get(name)
-    if rule is None:
-        return None
-    out = rule(eqn, ins, e)
+    out = None if rule is None else rule(eqn, ins, e)
     if out is None:
         return None
     out = out if isinstance(out, list) else [out] * len(out_shapes)

@@ -1,26 +1,20 @@
 """What a `loss_fn` must be for its noise statistics to mean anything, checked once per loss_fn.
 
 Every estimator assumes L(batch) = (1/B) Σ_i ℓ_i with ℓ_i depending on example i alone, the
-same whichever batch holds it (the ghost, vmap, probe and curvature routes apply loss_fn to
-different batches). Refused, each in one line naming the cause and the fix:
+same whichever batch holds it. Refused, each in one line naming the cause and the fix:
 
-- randomness loss_fn does not take as an argument (dropout with a fixed key, an nnx.Rngs
-  stream), found in the jaxpr (`RANDOM_PRIMITIVES`): each route would draw different masks.
-  A caller whose draws are the same for an example in every batch says so with
-  `allow_randomness(loss_fn)`;
+- randomness loss_fn does not take as an argument (`RANDOM_PRIMITIVES` in the jaxpr, or an
+  nnx.Rngs stream): each route would draw different masks, unless `allow_randomness(loss_fn)`
+  declares the draws the same for an example in every batch that holds it;
 - examples coupled through a batch statistic (BatchNorm in training mode): found in the
-  jaxpr (`cbs.stats.coupling`); a loss_fn that updates nnx BatchNorm statistics it closes
-  over fails to trace (named here); and a loss of examples 0 and 1 together that is not the
-  mean of their losses alone;
-- a loss SUMMED over the batch: example 0 twice gives twice its loss alone, which would
-  scale ḡ by B and the ghost norms by B².
+  jaxpr (`cbs.stats.coupling`), as flax's error for a mutated statistic, or as a loss of
+  examples 0 and 1 together that is not the mean of their losses alone;
+- a loss SUMMED over the batch: example 0 twice gives twice its loss alone.
 
 The value checks use examples 0 and 1 of concrete inputs; under jit they run once at trace
-time on stand-in inputs of the same shapes and dtypes (normal floats, scaled kernels, 0/1
-integers; ones for a traced extra argument of `check_loss_fn`), so a jitted step pays nothing
-per step. A loss_fn that cannot run on one or two examples, or gives non-finite stand-in
-losses, is not value-checked, nor one whose jaxpr and constants equal those of one that
-passed (the checks cost a compilation, once per program and process).
+time on stand-ins of the same shapes and dtypes (`stand_in`; ones for a traced extra
+argument). A loss_fn that cannot run on one or two examples, or gives non-finite losses, is
+not value-checked, nor one whose jaxpr and constants equal those of one that passed.
 """
 
 from __future__ import annotations
@@ -50,20 +44,20 @@ RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "ran
 # examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
 COUPLING_TOLERANCE = 0.01
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loss functions that passed every check
-# programs (a jaxpr and its constants) that passed every check: a new closure over the same
-# loss (each Trainer, sweep group or reference run builds its own) is not value-checked again
+# programs (a jaxpr and its constants) that passed: a new closure over one loss is not rechecked
 _PASSED_PROGRAMS: dict[tuple, None] = {}
 _MAX_PROGRAMS = 256
 _ALLOWED_FLAG = "_cbs_allow_randomness"
+_COUPLED_FIX = ("so per-example gradients are undefined (a batch statistic, e.g. BatchNorm in "
+                "training mode: linen mutable=['batch_stats'], nnx model.train()); measure in "
+                "evaluation mode (use_running_average=True / model.eval())")
 
 
 def allow_randomness(loss_fn: LossFn) -> LossFn:
     """Declares that loss_fn's random draws are the same for an example in every batch that
-    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)` with the id in
-    the batch), so every route measures the same per-example loss. Returns a wrapper the
-    randomness check lets through (the coupling check is then skipped: random draws differ
-    from one call to the next by design). Reuse the returned function: it is the static
-    argument the estimators compile for."""
+    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)`). Returns a
+    wrapper the randomness check lets through (the value coupling check is skipped); reuse
+    it: it is the static argument the estimators compile for."""
 
     def wrapped(params: PyTree, batch: PyTree) -> jax.Array:
         return loss_fn(params, batch)
@@ -76,9 +70,8 @@ def allow_randomness(loss_fn: LossFn) -> LossFn:
 def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                   *args: Any) -> None:
     """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
-    docstring); each loss_fn object is checked once. `args`: loss_fn's other arguments, after
-    the batch (`loss_fn(params, batch, *args)`): their arrays go to every check (traced ones as
-    stand-ins under jit, like the params), their other leaves as they are."""
+    docstring); each loss_fn object is checked once. `args`: loss_fn's arguments after the
+    batch (`loss_fn(params, batch, *args)`), their arrays traced like the params."""
     if _checked(loss_fn):
         return
     allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
@@ -103,7 +96,14 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
                          "run the model deterministically (dropout off) for the measurement, "
                          "or wrap loss_fn in noise.allow_randomness if each example's draws are"
                          " the same in every batch that holds it")
-    program = _program_key(_first_two(fn, abstract) or jaxpr, allowed)
+    # keyed by the jaxpr on the first two examples (what the value checks run), if it traces
+    two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
+                                                      x.dtype), abstract[1])
+    try:
+        first_two = jax.make_jaxpr(fn)(abstract[0], two, abstract[2])
+    except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
+        first_two = None
+    program = _program_key(first_two or jaxpr, allowed)
     if program is None or program not in _PASSED_PROGRAMS:
         losses = _sample_losses(fn, params, batch, arrays)
         if losses is not None:
@@ -116,14 +116,12 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
 
 
 def passed(loss_fn: Callable[..., jax.Array]) -> None:
-    """Records that loss_fn passed every check (a closure over arguments that were checked
-    as `check_loss_fn`'s `args`), so it is not checked again."""
+    """Records that loss_fn passed every check."""
     _checked(loss_fn, add=True)
 
 
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
-    """The array leaves of `args` (traced or not) and the function that puts arrays in their
-    places; every other leaf (a Python flag, a string) stays as it is."""
+    """The array leaves of `args` and the function that puts arrays back in their places."""
     leaves, tree = jax.tree.flatten(args)
     where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
                                                                np.generic))]
@@ -138,8 +136,7 @@ def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]
 
 
 def raise_if_batch_stats(err: Exception) -> None:
-    """Turns flax's error for a BatchNorm statistic or an nnx.Rngs stream mutated under a
-    trace into one line."""
+    """One line for flax's error on a BatchNorm statistic or nnx.Rngs stream mutated in a trace."""
     text = str(err)
     if "RngCount" in text or "RngKey" in text:
         raise ValueError("loss_fn draws from an nnx.Rngs stream of a model it closes over "
@@ -155,13 +152,9 @@ def raise_if_batch_stats(err: Exception) -> None:
 
 
 def raise_coupled(site: str) -> None:
-    """The one-line refusal of a loss whose jaxpr combines a statistic over the examples with
-    each example (`cbs.stats.coupling`, at `site`)."""
+    """The one-line refusal of a loss coupled at `site` (`cbs.stats.coupling`)."""
     raise ValueError(f"loss_fn couples the examples of a batch: a statistic over the batch axis"
-                     f" is combined with every example ({site}), so per-example gradients are "
-                     "undefined (a batch statistic, e.g. BatchNorm in training mode: linen "
-                     "mutable=['batch_stats'], nnx model.train()); measure in evaluation mode "
-                     "(use_running_average=True / model.eval())")
+                     f" is combined with every example ({site}), {_COUPLED_FIX}")
 
 
 def random_primitives(jaxpr: Any) -> set[str]:
@@ -188,18 +181,15 @@ def _check_values(once: float, other: float | None, pair: float | None, twice: f
     mean = (once + other) / 2
     if abs(pair - mean) > COUPLING_TOLERANCE * (abs(once) + abs(other)) + 1e-6:
         raise ValueError(f"loss_fn couples the examples of a batch: examples 0 and 1 together "
-                         f"give {pair:.6g}, not the mean {mean:.6g} of their losses alone, so "
-                         "per-example gradients are undefined (a batch statistic, e.g. "
-                         "BatchNorm in training mode: linen mutable=['batch_stats'], nnx "
-                         "model.train()); measure in evaluation mode (use_running_average=True"
-                         " / model.eval())")
+                         f"give {pair:.6g}, not the mean {mean:.6g} of their losses alone, "
+                         f"{_COUPLED_FIX}")
 
 
 def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                    args: list[Any]) -> tuple[float, float | None, float | None, float] | None:
     """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) of `loss_fn(params, batch, args)` on the
-    inputs, or on stand-ins of their shapes when any is traced (each traced array of `args`:
-    ones, or a key); None when loss_fn cannot run on them or a loss is not finite."""
+    inputs, or on stand-ins when any is traced; None when loss_fn cannot run on them or a
+    loss is not finite."""
     if not all(concrete(x) for x in jax.tree.leaves((params, batch))):
         params = stand_in(params, kernels=True)
         batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -233,9 +223,9 @@ def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyT
 
 
 def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """An argument as it is when concrete, else ones of its shape and dtype (a temperature, a
-    mask, a count or a running variance stays valid), or zero key data for a typed key; and
-    the function that makes it the argument again inside the check (wraps the key)."""
+    """An argument as it is when concrete, else ones of its shape and dtype (a temperature or
+    a mask stays valid) or zero key data for a typed key; and the function that makes it the
+    argument again inside the check."""
     if concrete(x):
         return x, lambda a: a
     shape, dtype = jnp.shape(x), jnp.result_type(x)
@@ -263,22 +253,9 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def _first_two(loss_fn: Callable[..., jax.Array], abstract: tuple[PyTree, PyTree, Any]) -> Any:
-    """The jaxpr of loss_fn on the first two examples (what the value checks run), which
-    depends on the per-example shapes, not on the batch size; None if it cannot be traced."""
-    params, batch, args = abstract
-    two = jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(2, x.shape[0]), *x.shape[1:]),
-                                                      x.dtype), batch)
-    try:
-        return jax.make_jaxpr(loss_fn)(params, two, args)
-    except Exception:  # noqa: BLE001 - a loss that needs more examples: keyed by the batch's
-        return None
-
-
 def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
-    """What the value checks' verdict depends on: the printed jaxpr (shapes, dtypes and every
-    operation) and its constants (their values where small, else shape, dtype and a
-    checksum); None (checked every time, never recorded) when a constant has no host value."""
+    """What the value checks' verdict depends on: the printed jaxpr and its constants (values
+    where small, else shape, dtype and a checksum); None when a constant has no host value."""
     consts = []
     for c in jaxpr.consts:
         try:
@@ -291,8 +268,7 @@ def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
 
 
 def _checked(loss_fn: LossFn, add: bool = False) -> bool:
-    """Whether loss_fn already passed (add: record that it did). A callable that cannot be
-    weakly referenced is never recorded, so it is checked every time."""
+    """Whether loss_fn already passed (add: record that it did)."""
     try:
         if add:
             _CHECKED.add(loss_fn)

@@ -9,13 +9,11 @@
         params = optax.apply_updates(params, updates)
 
 Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics
-carry them) into bias-corrected EMAs, numerator and denominator apart (their ratio is not
-unbiased; McCandlish et al. 2018, App. A), with `cbs.stats.smoothing.NoiseScaleEMA` in one
-compiled update that stays on the device. Every `every` calls the smoothed values are read
-back once, appended to `history`, passed to `log` and written to `writer`: any metric writer
-with clu's `write_scalars(step, scalars)` (`cbs.results.writers`: JSON lines, TensorBoard,
-W&B, several at once; or a clu writer). `b_simple` / `b_noise` read the current values (a host
-sync).
+carry them) into bias-corrected EMAs, numerator and denominator apart
+(`cbs.stats.smoothing.NoiseScaleEMA`), in one compiled update on the device. Every `every`
+calls the smoothed values are read back once, appended to `history`, passed to `log` and
+written to `writer` (anything with clu's `write_scalars(step, scalars)`, such as
+`cbs.results.writers`). `b_simple` / `b_noise` read the current values (a host sync).
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ __all__ = ["NoiseMonitor"]
 
 
 @jax.jit
-def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma) -> NoiseScaleEMA:
-    return ema.update(grad_sq_norm, trace_sigma)
-
-
-@jax.jit
-def _fold_curvature(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma, g_h_g
-                    ) -> NoiseScaleEMA:
+def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma=None, g_h_g=None
+          ) -> NoiseScaleEMA:
     return ema.update(grad_sq_norm, trace_sigma, trace_h_sigma=trace_h_sigma, g_h_g=g_h_g)
 
 
@@ -50,11 +43,9 @@ class NoiseMonitor:
       decay: EMA decay per update (0.95 averages about the last 20 batches).
       every: read back and log every this many updates (0: never log, read on demand).
       log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats.
-      writer: a metric writer, called as writer.write_scalars(step, {...}) with the same
-        values (`cbs.results.writers`); the caller closes it.
+      writer: a metric writer given the same values (write_scalars); the caller closes it.
 
-    The step of a log is the number of updates so far, or the `step` given to `update` (the
-    training loop's own, so that the noise scale lines up with its other metrics).
+    The step of a log is the `step` given to `update`, else the number of updates so far.
     """
 
     def __init__(self, *, decay: float = 0.95, every: int = 100,
@@ -71,11 +62,10 @@ class NoiseMonitor:
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def update(self, stats: NoiseStats, *, step: int | None = None) -> None:
-        """Folds one batch's statistics in (`noise.value_grad_and_stats`, `noise.exact`);
-        `step`: the training loop's step (default: the number of updates)."""
+        """Folds one batch's statistics in; `step`: the training loop's step."""
         if stats.g_h_g is not None and stats.trace_h_sigma is not None:
-            self.ema = _fold_curvature(self.ema, stats.grad_sq_norm, stats.trace_sigma,
-                                       stats.trace_h_sigma, stats.g_h_g)
+            self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
+                             stats.trace_h_sigma, stats.g_h_g)
         else:
             self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma)
         self.updates += 1
@@ -89,8 +79,7 @@ class NoiseMonitor:
                 self.writer.write_scalars(self.step, values)
 
     def values(self) -> dict[str, float]:
-        """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN before the
-        first update, and the curvature ones until they are fed)."""
+        """The smoothed statistics as host floats (`noise/ema_b_simple`, ...; NaN until fed)."""
         return {k: float(np.asarray(v)) for k, v in self.ema.to_dict().items()}
 
     @property

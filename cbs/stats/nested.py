@@ -1,19 +1,17 @@
 """The higher-order primitives that cbs's jaxpr walkers enter, read the same way on every JAX
 release from 0.9.2 on.
 
-A walker (`cbs.stats.ghost_trace`, `cbs.stats.ghost`, `cbs.stats.coupling`,
-`cbs.stats.loss_checks`) needs a nested primitive's body (an open jaxpr and its closed-over
-constants) and how the equation's operands and results map onto the body's inputs and
-outputs. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became a
-flat-tree `ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became
-`jit`, `remat`'s `prevent_cse` became per operand), so every walker reads them here, each
-split derived from the jaxpr's own avals where the parameters do not name it:
+A walker (`ghost_trace`, `ghost`, `coupling`, `loss_checks`) needs a nested primitive's body
+(an open jaxpr and its constants) and how the equation's operands and results map onto the
+body's. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became
+`ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became `jit`,
+`remat`'s `prevent_cse` became per operand), so every walker reads them here, each split
+derived from the jaxpr's own avals where the parameters do not name it:
 
-- scan: operands `consts + carry + xs`, results `carry + ys`; an `xs` operand (a `ys`
-  result) has one axis more than its body input (output), so the split is the first whose
-  rank differs from the body's.
-- while: operands `cond_consts + body_consts + carry`; the body returns the carry, so its
-  length is the body's output count, and each jaxpr's consts are its inputs before it.
+- scan: operands `consts + carry + xs`, results `carry + ys`; the split is the first operand
+  (result) whose rank differs from its body input (output).
+- while: operands `cond_consts + body_consts + carry`; the carry is as long as the body's
+  outputs, and each jaxpr's consts are its inputs before it.
 - cond: operands `index + ops`, every branch a jaxpr over `ops`.
 - calls (`jit`, `pjit`, `closed_call`, `core_call`, `remat`, `custom_jvp_call`,
   `custom_vjp_call`, `shard_map`): one body over all operands.
@@ -47,8 +45,7 @@ class Body:
 
 @dataclasses.dataclass(frozen=True)
 class Scan:
-    """A `scan` equation read: operands `[:n_consts]`, `[n_consts:n_consts + n_carry]`, the
-    rest are xs; results `[:n_carry]` carry, the rest ys."""
+    """A `scan` equation read: operands consts, carry, xs; results carry, ys."""
 
     body: Body
     n_consts: int
@@ -69,8 +66,7 @@ class While:
 
 
 def body_of(value: Any) -> Body:
-    """A closed jaxpr (a wrapper up to JAX 0.10, the jaxpr itself with consts from 0.11) or an
-    open jaxpr, as a Body."""
+    """A closed jaxpr (a wrapper up to JAX 0.10, with consts from 0.11) or open jaxpr, as a Body."""
     jaxpr = getattr(value, "jaxpr", value)
     return Body(jaxpr, tuple(getattr(value, "consts", ()) or ()))
 
@@ -96,15 +92,10 @@ def scan_parts(eqn: Any) -> Scan:
                 p.get("unroll", 1))
 
 
-def _rank(v: Any) -> int:
-    return len(getattr(v.aval, "shape", ()))
-
-
 def _first_rank_change(outer: list, inner: list) -> int:
-    """Index of the first outer variable one rank above its inner counterpart (the scanned
-    axis), or len(inner) when there is none."""
+    """Index of the first outer variable whose rank differs from its inner one, or len(inner)."""
     for i, (o, b) in enumerate(zip(outer, inner, strict=True)):
-        if _rank(o) != _rank(b):
+        if len(getattr(o.aval, "shape", ())) != len(getattr(b.aval, "shape", ())):
             return i
     return len(inner)
 
@@ -120,8 +111,7 @@ def _scan_split_from_avals(eqn: Any, jaxpr: Any) -> tuple[int, int]:
 
 
 def while_parts(eqn: Any) -> While:
-    """`while`'s cond and body and its operand split (derived from the jaxprs: the body returns
-    the carry; each jaxpr's inputs are its consts, then the carry)."""
+    """`while`'s cond and body and its operand split (module docstring)."""
     p = eqn.params
     cond, body = body_of(p["cond_jaxpr"]), body_of(p["body_jaxpr"])
     n_carry = len(body.jaxpr.outvars)

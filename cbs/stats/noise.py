@@ -14,19 +14,13 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
     g_h_g             = ḡᵀ H ḡ − trace_h_sigma / B
     b_noise           = trace_h_sigma / g_h_g                     eq. 2.8
 
-Three estimators: `exact` (per-example gradients, chunked), `probe` (Hutchinson, memory
-O(params)) and `two_batch` (App. A, from two mean-gradient norms) with `NoiseScaleEMA`.
-The periodic measurement of a run is chosen by name from a registry of methods
-(`register_method`, `get_method`, `method_names`; config field `noise.method`): the exact
-"auto" | "fast" | "vmap" and "probe" here, and "sampled" and "full_data" (`cbs.stats.sampled`,
-registered when `cbs.stats` is imported); `cbs.engine.measure.measure` calls them all.
-Per-example quantities apply `loss_fn` to one-example batches, so a loss that couples the
-examples of a batch (BatchNorm in training mode) or draws randomness it does not take as an
-argument (dropout with a fixed key) has none: every estimator refuses it in one line
-(`cbs.stats.loss_checks`, once per loss_fn, under jit too; `allow_randomness` declares
-randomness that is the same for an example in every batch).
-Each estimator is compiled with `loss_fn` as a static argument: reuse one function object to
-reuse the compilation (inside an outer jit it is simply inlined).
+Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory
+O(params)). A run's periodic measurement is chosen by name (`config.noise.method`) from a
+registry (`register_method`, `get_method`, `method_names`): "auto" | "fast" | "vmap" and
+"probe" here, "sampled" and "full_data" in `cbs.stats.sampled`. Per-example quantities apply
+`loss_fn` to one-example batches, so a loss that couples the examples of a batch or draws
+randomness it does not take as an argument is refused in one line (`cbs.stats.loss_checks`).
+Each estimator compiles with `loss_fn` as a static argument: reuse one function object.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ __all__ = [
     "register_method",
 ]
 
-# The statistics of a measurement, recorded as `noise/<key>` (with `noise/batch_size`): the
-# one list every consumer (the loop's records, the sweep measurement, the step) reads.
+# The statistics of a measurement, recorded as `noise/<key>`: the one list every consumer reads.
 SIMPLE_KEYS = ("mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple")
 CURVATURE_KEYS = ("mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")
 STAT_KEYS = SIMPLE_KEYS + CURVATURE_KEYS
@@ -78,11 +71,8 @@ class NoiseStats:
 
     def to_dict(self, prefix: str = "noise/") -> dict[str, jax.Array]:
         """Flat metrics: `noise/b_simple`, ..., and `noise/<group>/b_simple` per group."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name not in ("batch_size", "groups") and value is not None:
-                out[prefix + f.name] = value
+        out = {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("batch_size", "groups") and getattr(self, f.name) is not None}
         for name, stats in (self.groups or {}).items():
             out.update(stats.to_dict(f"{prefix}{name}/"))
         return out
@@ -120,8 +110,7 @@ def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None)
 
 
 def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch=None):
-    """Centred sums from materialised per-example gradients, chunk by chunk (H from
-    `hessian_batch` when given, else from `batch`)."""
+    """Centred sums from per-example gradients, in chunks (H of `hessian_batch`, else `batch`)."""
     dtype = trees.accum_dtype()
     if curvature:
         grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
@@ -157,12 +146,6 @@ def _grad_and_hvp(loss_fn, params, batch, hessian_batch):
     return jax.grad(loss_fn)(params, batch), hvp_fn(loss_fn, params, hessian_batch)[1]
 
 
-def _ghost_info(loss_fn, params, batch, method, chunk_size):
-    """(loss, ḡ, per-leaf [B] squared norms) from the ghost-norm path of `cbs.stats.ghost`."""
-    return ghost.per_example_grads_info(loss_fn, params, batch, method=method,
-                                        chunk_size=chunk_size)
-
-
 def _fast_sums(batch_size, grad, sq_norms):
     # Σ_i |g_i − ḡ|² = Σ_i |g_i|² − B|ḡ|² subtracts two nearly equal numbers when the signal
     # dominates: the relative error of trace_sigma is about ε·(1 + B/b_simple), with ε the
@@ -180,28 +163,22 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        params: pytree of floating-point arrays (P numbers in all).
-        batch: pytree of arrays with a shared leading axis B ≥ 2 (may be sharded on a mesh).
-        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from a memory
-            budget (`cbs.stats.ghost.MEMORY_BUDGET_BYTES`), never B × P by default.
-        curvature: also compute mean_g_h_g, g_h_g, trace_h_sigma and b_noise. trace_h_sigma
-            takes one HVP of the mean batch loss per example, each a pass over the whole batch
-            (cost O(B²), memory O(chunk_size × activations of the batch)).
-        groups: per-parameter-group breakdown (see `cbs.stats.trees.resolve_groups`). A group's
-            trace_h_sigma / mean_g_h_g use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP
-            per group and example): the statistic the group would have if it were the only
-            parameters, so the groups' curvature terms do not sum to the total (cross blocks
-            are left out), whereas the groups' trace_sigma and |ḡ|² do.
+        params, batch: float arrays (P numbers); arrays sharing a leading axis B ≥ 2 (may be
+            sharded on a mesh).
+        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
+            `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
+        curvature: also mean_g_h_g, g_h_g, trace_h_sigma and b_noise (one HVP of the mean
+            batch loss per example: cost O(B²)).
+        groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's
+            curvature terms use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP per group
+            and example), so they do not sum to the total; its trace_sigma and |ḡ|² do.
         method: "vmap": per-example gradients by vmap(grad), centred on ḡ before squaring.
-            "fast": per-example squared norms from `cbs.stats.ghost`, read from the jaxpr of
-            loss_fn (no per-example gradients; trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1)); raises
-            naming the leaves it cannot read. "auto": "fast", with vmap for those leaves only.
-            With curvature=True the per-example gradients are needed anyway and the
-            centred vmap route is used for every field.
-        hessian_batch: examples drawn independently of `batch` whose mean-loss Hessian is H
-            (curvature only). None: H of `batch` itself, whose trace_h_sigma then holds each
-            example's own Hessian with weight 1/B (biased high for small B); independent
-            examples make trace_h_sigma and g_h_g unbiased.
+            "fast": per-example squared norms from `cbs.stats.ghost` (trace_sigma =
+            (Σ|g_i|² − B|ḡ|²)/(B−1)); raises naming the leaves it cannot read. "auto":
+            "fast", with vmap for those leaves only. curvature=True takes the vmap route.
+        hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
+            only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
+            each example's own Hessian with weight 1/B (biased high for small B).
     Returns:
         NoiseStats (scalars in float32, float64 under jax_enable_x64).
     """
@@ -224,14 +201,12 @@ def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, grou
     blocks = grouping[2] if grouping else None
 
     def compute(params, batch, hessian_batch):
-        info = None
-        if method != "vmap" and not curvature:
-            info = _ghost_info(loss_fn, params, batch, method, chunk_size)
-        if info is None:
+        if method == "vmap" or curvature:
             sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks,
                               hessian_batch)
         else:
-            sums = _fast_sums(batch_size, *info[1:])
+            sums = _fast_sums(batch_size, *ghost.per_example_grads_info(
+                loss_fn, params, batch, method=method, chunk_size=chunk_size)[1:])
         return _assemble(batch_size, sums, grouping)
 
     return run_auto_axes(compute, params, batch, hessian_batch)
@@ -239,10 +214,7 @@ def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, grou
 
 def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
                          chunk_size: int | None = None) -> jax.Array:
-    """|g_i|² for every example (float32, float64 under x64): array [B].
-
-    method as in `exact`: "fast"/"auto" use the ghost-norm path of `cbs.stats.ghost`.
-    """
+    """|g_i|² for every example, [B] (float32, float64 under x64); method as in `exact`."""
     check_inputs(loss_fn, params, batch, min_batch=1)
     _check_method(method)
     return _per_example_sq_norms(loss_fn, params, batch, method=method, chunk_size=chunk_size)
@@ -251,11 +223,11 @@ def per_example_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, *, meth
 @examples.jit_per_settings
 def _per_example_sq_norms(loss_fn, params, batch, *, method, chunk_size) -> jax.Array:
     def compute(params, batch):
-        info = None if method == "vmap" else _ghost_info(loss_fn, params, batch, method,
-                                                         chunk_size)
-        if info is not None:
+        if method != "vmap":
+            _, _, sq_norms = ghost.per_example_grads_info(loss_fn, params, batch, method=method,
+                                                          chunk_size=chunk_size)
             dtype = trees.accum_dtype()
-            return sum(x.astype(dtype) for x in jax.tree.leaves(info[2]))
+            return sum(x.astype(dtype) for x in jax.tree.leaves(sq_norms))
         per_example = lambda ex: trees.tree_sq_norm(
             jax.grad(loss_fn)(params, examples.one_example(ex)))
         chunk = ghost.vmap_chunk_size(params, batch, chunk_size)
@@ -277,26 +249,20 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
           distribution: str = "rademacher", hessian_batch: PyTree | None = None) -> NoiseStats:
     """Hutchinson estimates of trace_sigma (and trace_h_sigma); memory O(params).
 
-    For a probe z with E[zzᵀ] = I, a_i = zᵀg_i for all i is one forward-mode pass over the
-    per-example losses (no per-example gradient is formed), and with d_i = g_i − ḡ,
-    a_i − ā = zᵀd_i, so E_z[(zᵀd_i)²] = |d_i|² and
+    For a probe z with E[zzᵀ] = I, a_i = zᵀg_i (all i in one forward-mode pass over the
+    per-example losses) and d_i = g_i − ḡ give a_i − ā = zᵀd_i, E_z[(zᵀd_i)²] = |d_i|² and
 
         trace_sigma ≈ Σ_i (a_i − ā)² / (B − 1).
 
-    Curvature: with u = Hz (one HVP) and b_i = uᵀg_i (forward-mode along u),
-    E_z[(zᵀd_i)(uᵀd_i)] = d_iᵀ E[zzᵀ] H d_i = d_iᵀ H d_i, so
+    Curvature: with u = Hz (one HVP) and b_i = uᵀg_i, E_z[(zᵀd_i)(uᵀd_i)] = d_iᵀ H d_i, so
 
-        trace_h_sigma ≈ Σ_i (a_i − ā)(b_i − b̄) / (B − 1)
+        trace_h_sigma ≈ Σ_i (a_i − ā)(b_i − b̄) / (B − 1).
 
-    (equivalently (Hz)ᵀ(Σz), Σz being a weighted backward pass). Both are exactly unbiased
-    given the batch and are averaged over `num_probes` probes (processed one after another).
-    |ḡ|² and ḡᵀHḡ are exact (one gradient, one HVP).
+    Both are exactly unbiased given the batch, averaged over `num_probes` probes (one after
+    another). |ḡ|² and ḡᵀHḡ are exact (one gradient, one HVP).
 
-    Args:
-        key: PRNG key for the probes. distribution: "rademacher" (lower variance) or "gaussian".
-        hessian_batch: independent examples whose Hessian is H (as in `exact`).
-    Returns:
-        NoiseStats with estimated trace_sigma / trace_h_sigma and the unbiased corrections.
+    key: PRNG key for the probes; distribution: "rademacher" (lower variance) or "gaussian";
+    hessian_batch: as in `exact`. Returns NoiseStats.
     """
     check_inputs(loss_fn, params, batch)
     if distribution not in ("rademacher", "gaussian"):
@@ -340,8 +306,7 @@ def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature,
     return run_auto_axes(compute, params, batch, key, hessian_batch)
 
 
-# A measurement method: fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size)
-# -> NoiseStats of `batch` at `params`, jittable (the train step calls it under its jit).
+# A measurement method (`register_method`), jittable: the train step calls it under its jit.
 MethodFn = Callable[..., NoiseStats]
 # The keywords a method may declare it takes besides the common ones (`register_method`).
 METHOD_ARGUMENTS = ("hessian_batch", "deviations", "hessian_examples")
@@ -352,14 +317,11 @@ _ARGUMENTS: dict[str, tuple[str, ...]] = {}
 def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> MethodFn:
     """Registers a noise-measurement method under `name` (a value of `config.noise.method`).
 
-    fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats, where
-    key is a PRNG key (fresh every measurement, for random probes), curvature asks for the
-    curvature fields too (trace_h_sigma, g_h_g, ...), and num_probes / chunk_size are the
-    config's `noise.num_probes` and `noise.chunk_size` (None for 0). `takes` declares the
-    further keywords it is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn
-    independently of the measured ones (on the step's examples a method that takes it gets
-    curvature on half of them and the other half there; the built-ins take it); `deviations`,
-    the config's m; `hessian_examples`, its h. A repeated name is an error. Returns fn.
+    fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a fresh
+    PRNG key, curvature asks for the curvature fields too, num_probes / chunk_size the config's
+    (None for 0). `takes` declares the further keywords it is given (`METHOD_ARGUMENTS`):
+    `hessian_batch`, examples for H drawn independently of the measured ones; `deviations`, the
+    config's m; `hessian_examples`, its h. A repeated name is an error. Returns fn.
     """
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
@@ -395,8 +357,6 @@ def _exact_method(route: str) -> MethodFn:
     def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size,
                 hessian_batch=None):
         del key, num_probes
-        # without curvature: the one forward and one backward pass of the drop-in
-        # `value_grad_and_stats` (the estimator's own jit is inlined into the train step)
         return exact(loss_fn, params, batch, chunk_size=chunk_size, curvature=curvature,
                      method=route, hessian_batch=hessian_batch if curvature else None)
 

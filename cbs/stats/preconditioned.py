@@ -12,14 +12,13 @@ Adam approximates). For plain SGD (P = I) they are B_noise and B_simple.
 
 Both come from the ordinary statistics in rescaled coordinates φ = θ/√P: the loss
 φ ↦ loss(√P·φ) has per-example gradients √P·g_i and Hessian √P·H·√P, so its trace_sigma is
-tr(PΣ), its grad_sq_norm GᵀPG, its trace_h_sigma tr(PHPΣ) and its g_h_g GᵀPHPG, each with the
-same unbiased estimators as `cbs.stats.noise.exact` (whose methods, chunks and independent
-Hessian batch apply unchanged). P is held fixed over the measured batch: it is the optimizer's
-state at that step, not a function of the batch.
+tr(PΣ), its grad_sq_norm GᵀPG, its trace_h_sigma tr(PHPΣ) and its g_h_g GᵀPHPG, with the
+unbiased estimators of `cbs.stats.noise.exact`. P is the optimizer's state at that step,
+held fixed over the measured batch.
 
 Adam's P (`adam_preconditioner`): 1/(√v̂ + ε) with v̂ = ν/(1 − β₂^t) the bias-corrected second
-moment of optax's `scale_by_adam` state; the learning rate, a positive scalar, cancels in both
-ratios; the momentum and decoupled weight decay are not part of P.
+moment of optax's `scale_by_adam` state (the learning rate cancels in both ratios; momentum
+and decoupled weight decay are not part of P).
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ def rescaled(loss_fn: Callable[[PyTree, PyTree], jax.Array], precond: PyTree
 def exact_preconditioned(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
                          batch: PyTree, precond: PyTree, **kw: Any) -> noise.NoiseStats:
     """`cbs.stats.noise.exact` of the update P·g (module docstring): trace_sigma = tr(PΣ),
-    grad_sq_norm = GᵀPG, b_simple = B_simple^P and, with curvature=True, trace_h_sigma =
-    tr(PHPΣ), g_h_g = GᵀPHPG, b_noise = B_noise^P. precond: positive, shaped like params;
-    **kw: `exact`'s options (curvature, hessian_batch, chunk_size, method, groups)."""
+    grad_sq_norm = GᵀPG, and with curvature=True trace_h_sigma = tr(PHPΣ), g_h_g = GᵀPHPG.
+    precond: positive, shaped like params; **kw: `exact`'s options."""
     phi = jax.tree.map(lambda p, s: p / jnp.sqrt(s), params, precond)
     return noise.exact(rescaled(loss_fn, precond), phi, batch, **kw)
 
@@ -58,9 +56,8 @@ def exact_preconditioned(loss_fn: Callable[[PyTree, PyTree], jax.Array], params:
 def adam_preconditioner(opt_state: PyTree, *, eps: float = 1e-8, b2: float = 0.999,
                         eps_root: float = 0.0) -> PyTree:
     """Adam's diagonal preconditioner 1/(√v̂ + ε) from the first `optax.ScaleByAdamState` in
-    `opt_state` (any optax chain holding `optax.adam`, `optax.adamw` or `scale_by_adam`).
-    eps, b2, eps_root: the optimizer's own (optax's defaults here). Before the first update
-    (count 0) every coordinate is 1/ε: use a state after at least one step."""
+    `opt_state`; eps, b2, eps_root: the optimizer's own. Before the first update every
+    coordinate is 1/ε: use a state after at least one step."""
     found = [s for s in jax.tree.leaves(
         opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
         if isinstance(s, optax.ScaleByAdamState)]

@@ -10,15 +10,13 @@ draw of h examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, �
     g_h_g         = mean_g_h_g − trace_h_sigma / n
     b_noise       = trace_h_sigma / g_h_g
 
-Why a separate 𝓒: with H from the examples whose deviations it measures
-(`noise.exact(curvature=True)`), each example's own Hessian enters its term (d_iᵀH_i d_i / m):
-with m = 32 on the digits MLP that inflated tr(HΣ) about threefold and drove g_h_g negative.
-With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without
-replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG −
-E[trace_h_sigma]/N, as `noise.exact(curvature=True)` on all N. Cost: m per-example gradients
-and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
-E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is
-a ratio of window means (biased by O(variance/mean²) of the window mean).
+Why a separate 𝓒: with H from the examples whose deviations it measures, each example's own
+Hessian enters its term (on the digits MLP at m = 32 that inflated tr(HΣ) about threefold
+and drove g_h_g negative). With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear
+in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and
+E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients and m + 1 HVPs on h
+examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² − E[trace_sigma]/N (relative
+1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a ratio of window means.
 
 Full training set (`measure_full_data`, for small N): G, |G|², tr(Σ) and GᵀHG exactly over
 all N (H = ∇²L over all N), tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of
@@ -30,14 +28,13 @@ m examples drawn without replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i
     trace_h_sigma = N/(N − 1) · (1/m) Σ_{i∈𝓐} d_iᵀ H d_i
     b_simple = trace_sigma / grad_sq_norm,   b_noise = trace_h_sigma / g_h_g
 
-Cost: one pass over N and m + 1 HVPs over N (optionally the m HVPs over h examples drawn
-independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples the per-example
-norms, gradient and HVPs are summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k,
-Hv and mean |g_i|² likewise; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)) and the deviations'
-HVPs run one after another: memory of one chunk.
+Cost: one pass over N and m + 1 HVPs over N (or the m HVPs over h examples drawn
+independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples everything is
+summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k, Hv and mean |g_i|² likewise;
+tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk.
 
-Both are registered noise methods ("sampled", "full_data"); the batches are the caller's
-(`cbs.engine.measure.draw`), so the same draws give the same numbers in every back end.
+Both are registered noise methods ("sampled", "full_data") on the caller's batches
+(`cbs.engine.measure.draw`).
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
 FULL_DATA_ONE_PASS = 32768  # up to this many training examples: one pass over all of them
-FULL_DATA_CHUNK = 4096  # beyond it: examples per pass of the per-example norms, gradient
-#                         and HVPs, summed over the chunks (memory of one chunk)
+FULL_DATA_CHUNK = 4096  # beyond it: examples per chunk, the chunks' sums added up
 
 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
@@ -72,15 +68,12 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
     """Noise statistics at `params` (float32 scalars, keys without prefix).
 
     Args:
-      loss_fn: loss_fn(params, batch) -> mean loss.
       grad_batch: 𝓑, n examples: trace_sigma, grad_sq_norm, b_simple, and ḡ_𝓑.
       hess_batch: 𝓒, examples drawn independently of 𝓑 for the Hessian; None: no curvature.
       deviations: m, the first m examples of 𝓑 whose deviations give trace_h_sigma
         (2 ≤ m ≤ n; 0 = all n).
-      chunk_size: examples per vmap chunk (memory).
     Returns:
-      {"trace_sigma", "grad_sq_norm", "mean_grad_sq_norm", "b_simple"} and, with hess_batch,
-      {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"} (module docstring).
+      `noise.SIMPLE_KEYS` and, with hess_batch, `noise.CURVATURE_KEYS` (module docstring).
     """
     stats = noise.exact(loss_fn, params, grad_batch, chunk_size=chunk_size)
     out = {k: getattr(stats, k) for k in noise.SIMPLE_KEYS}
@@ -94,22 +87,17 @@ def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                    num_probes: int | None = None, chunk_size: int | None = None,
                    hessian_batch: PyTree | None = None, deviations: int = 0
                    ) -> noise.NoiseStats:
-    """The noise method "sampled" (`cbs.stats.noise.register_method`; what
-    `config.noise.method = "auto"` measures on a fresh stream): `measure_noise` on `batch`
-    (𝓑); with `curvature`, tr(HΣ) from the deviations of its first `deviations` examples
-    (0: all) and the Hessian of `hessian_batch` (𝓒, independent of 𝓑). `key` and
-    `num_probes` are unused."""
+    """The noise method "sampled": `measure_noise` on `batch` (𝓑); with `curvature`, tr(HΣ)
+    from the deviations of its first `deviations` examples (0: all) and the Hessian of
+    `hessian_batch` (𝓒, independent of 𝓑). `key` and `num_probes` are unused."""
     del key, num_probes
     if curvature and hessian_batch is None:
         raise ValueError("the sampled noise method needs a hessian_batch for curvature")
     n = jax.tree.leaves(batch)[0].shape[0]
     out = measure_noise(loss_fn, params, batch, hessian_batch if curvature else None,
                         deviations=deviations, chunk_size=chunk_size)
-    return noise.NoiseStats(batch_size=n, mean_grad_sq_norm=out["mean_grad_sq_norm"],
-                            grad_sq_norm=out["grad_sq_norm"], trace_sigma=out["trace_sigma"],
-                            b_simple=out["b_simple"], mean_g_h_g=out.get("mean_g_h_g"),
-                            g_h_g=out.get("g_h_g"), trace_h_sigma=out.get("trace_h_sigma"),
-                            b_noise=out.get("b_noise"))
+    stats: dict[str, Any] = {k: out.get(k) for k in noise.STAT_KEYS}
+    return noise.NoiseStats(batch_size=n, **stats)
 
 
 noise.register_method(SAMPLED_METHOD, sampled_method, takes=("hessian_batch", "deviations"))
@@ -119,10 +107,9 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                      key: jax.Array | None = None, curvature: bool = False,
                      num_probes: int | None = None, chunk_size: int | None = None,
                      deviations: int = 0, hessian_examples: int = 0) -> noise.NoiseStats:
-    """The noise method "full_data" of the registry: `measure_full_data` on `batch`, all N
-    training examples (what `config.noise.method = "auto"` measures with
-    `noise.examples = "all"`); with `curvature`, tr(HΣ) from `deviations` examples drawn
-    with `key` and the Hessian of `hessian_examples` (0: all N). `num_probes` is unused."""
+    """The noise method "full_data": `measure_full_data` on `batch`, all N training examples;
+    with `curvature`, tr(HΣ) from `deviations` examples drawn with `key` and the Hessian of
+    `hessian_examples` (0: all N). `num_probes` is unused."""
     del num_probes
     out = measure_full_data(loss_fn, params, batch, key, deviations=deviations if curvature
                             else 0, hessian_examples=hessian_examples, chunk_size=chunk_size)
@@ -165,18 +152,15 @@ def measure_full_data(loss_fn: LossFn, params: PyTree, train_batch: PyTree,
     """Noise statistics of the whole training set at `params` (module docstring).
 
     Args:
-      loss_fn: loss_fn(params, batch) -> mean loss.
       train_batch: all N training examples (the population: G, Σ and H are theirs).
       key: PRNG key drawing the subset 𝓐 of `deviations` examples (needed when > 0).
       deviations: m, examples whose deviations give trace_h_sigma (0 = no curvature,
         m ≥ N: every example, no sampling).
       hessian_examples: 0 (or ≥ N): trace_h_sigma's H over all N; h > 0: H of h examples
-        drawn uniformly without replacement, independently of 𝓐 (E[Ĥ] = H, so still
-        unbiased, at h/N of the HVP cost). GᵀHG always uses all N.
-      chunk_size: examples per vmap chunk (memory).
+        drawn without replacement, independently of 𝓐 (still unbiased, at h/N of the HVP
+        cost). GᵀHG always uses all N.
     Returns:
-      float32 scalars {"trace_sigma", "grad_sq_norm", "mean_grad_sq_norm", "b_simple"} and,
-      when deviations > 0, {"trace_h_sigma", "mean_g_h_g", "g_h_g", "b_noise"}.
+      float32 scalars: `noise.SIMPLE_KEYS` and, when deviations > 0, `noise.CURVATURE_KEYS`.
     """
     num = jax.tree.leaves(train_batch)[0].shape[0]
     trace_sigma, grad_sq_norm = _population_noise(loss_fn, params, train_batch, chunk_size)
@@ -200,8 +184,7 @@ def _draw(batch, key, size, num):
 
 
 def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
-    """Σ_k (n_k/N) f(chunk_k) over the chunks of at most `chunk` examples of `batch` (a scan
-    over the whole ones, then the rest): the mean over all N of a per-chunk mean."""
+    """Σ_k (n_k/N) f(chunk_k) over chunks of at most `chunk` examples: the mean over all N."""
     num = jax.tree.leaves(batch)[0].shape[0]
     whole, rest = divmod(num, chunk)
     chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
@@ -221,10 +204,9 @@ def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
 def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
                    one_pass: int = FULL_DATA_ONE_PASS, chunk: int = FULL_DATA_CHUNK
                    ) -> tuple[PyTree, Callable]:
-    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: for N ≤ `one_pass`,
-    `cbs.stats.curvature.hvp_fn` (one linearisation, which keeps the activations of all N);
-    for larger N, sums over chunks of `chunk` examples weighted by their share n_k/N, each
-    HVP recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
+    """(G, v ↦ Hv) of the mean loss over all N examples of `batch`: `curvature.hvp_fn` for
+    N ≤ `one_pass`; else sums over chunks of `chunk` examples weighted by n_k/N, each HVP
+    recomputing its chunk's forward pass (memory of one chunk, ~1.5× the FLOPs)."""
     num = jax.tree.leaves(batch)[0].shape[0]
     if num <= one_pass:
         return curvature.hvp_fn(loss_fn, params, batch)
@@ -240,8 +222,7 @@ def population_hvp(loss_fn: LossFn, params: PyTree, batch: PyTree,
 
 def _population_noise(loss_fn: LossFn, params: PyTree, batch: PyTree, chunk_size: int | None
                       ) -> tuple[jax.Array, jax.Array]:
-    """(tr(Σ), |G|²) over all N examples: `noise.exact` for N ≤ `FULL_DATA_ONE_PASS`, else
-    from the chunks' mean gradients and mean per-example squared norms."""
+    """(tr(Σ), |G|²) over all N examples, in chunks beyond `FULL_DATA_ONE_PASS`."""
     num = jax.tree.leaves(batch)[0].shape[0]
     if num <= FULL_DATA_ONE_PASS:
         stats = noise.exact(loss_fn, params, batch, chunk_size=chunk_size)
@@ -291,11 +272,8 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
 
 
 def resolve_b_noise(trace_h_sigma: float, g_h_g: float) -> tuple[float | None, str]:
-    """(b_noise, "") when resolved, else (None, the reason in words).
-
-    B_noise is unresolved when either window average is missing or non-finite, or when
-    g_h_g ≤ 0 (its estimate is noisier than its size: more or larger measurements needed).
-    """
+    """(b_noise, "") when resolved, else (None, the reason): either window average missing
+    or non-finite, or g_h_g ≤ 0 or trace_h_sigma ≤ 0 (the estimate noisier than its size)."""
     if not (math.isfinite(trace_h_sigma) and math.isfinite(g_h_g)):
         return None, "no finite curvature measurement near the crossing"
     if g_h_g <= 0:

@@ -1,7 +1,5 @@
 """Estimates from scalars: the two-batch solve for |G|² and tr(Σ), and the bias-corrected
 EMA of a noise scale's numerator and denominator (McCandlish et al. 2018, App. A).
-
-Both are public through the `cbs.noise` façade.
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ __all__ = ["NoiseScaleEMA", "two_batch"]
 
 def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
               ) -> tuple[jax.Array, jax.Array]:
-    """Unbiased (|G|², tr Σ) from |ḡ|² at two batch sizes (McCandlish et al. 2018, App. A).
-
-    E|ḡ_b|² = |G|² + tr Σ / b, solved for the two unknowns:
-        grad_sq_norm = (b_big |ḡ_big|² − b_small |ḡ_small|²) / (b_big − b_small)
-        trace_sigma  = (|ḡ_small|² − |ḡ_big|²) / (1/b_small − 1/b_big)
-    Each is unbiased; their ratio is not (smooth both with `NoiseScaleEMA` first).
-    """
+    """Unbiased (|G|², tr Σ) from |ḡ|² at two batch sizes (E|ḡ_b|² = |G|² + tr Σ / b):
+    grad_sq_norm = (b_big |ḡ_big|² − b_small |ḡ_small|²) / (b_big − b_small) and
+    trace_sigma = (|ḡ_small|² − |ḡ_big|²) / (1/b_small − 1/b_big); their ratio is biased
+    (smooth both with `NoiseScaleEMA` first)."""
     concrete = all(isinstance(b, int | float | np.number) for b in (b_small, b_big))
     if concrete and not 0 < b_small < b_big:
         raise ValueError(f"two_batch needs 0 < b_small < b_big, got b_small={b_small}, "

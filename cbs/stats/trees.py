@@ -1,8 +1,5 @@
-"""Pytree helpers shared by the noise statistics: casts, dot products, norms, leaf paths,
-parameter groups.
-
-Sums of squares and dot products are accumulated in `accum_dtype()` (float32, or float64
-under `jax_enable_x64`), whatever the dtype of the leaves.
+"""Pytree helpers of the noise statistics: casts, dot products, norms, leaf paths, parameter
+groups. Sums of squares and dot products accumulate in `accum_dtype()`.
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ def tree_dot(a: PyTree, b: PyTree) -> jax.Array:
 
 
 def tree_sq_norm(a: PyTree) -> jax.Array:
-    """|a|² summed over all leaves, accumulated in float32 at least (a sum of squares, which
-    XLA fuses into the producer; a dot of a leaf with itself does not)."""
+    """|a|² summed over all leaves, accumulated in float32 at least (a sum of squares: XLA
+    fuses it into the producer, a dot of a leaf with itself not)."""
     dtype = accum_dtype()
     return sum((jnp.sum(jnp.square(x.astype(dtype))) for x in jax.tree.leaves(a)),
                jnp.zeros((), dtype))
@@ -89,10 +86,9 @@ def leaf_paths(tree: PyTree) -> list[str]:
 def resolve_groups(params: PyTree, groups: GroupSpec) -> list[str] | None:
     """Group name of every leaf of `params` (leaf order), or None for no breakdown.
 
-    groups: None/False: none. True or "auto": the module owning the leaf, i.e. its path
-    without the last key ("layers/0" for "layers/0/kernel"; a top-level leaf is its own
-    group). "top": the first key of the path. "leaf": every leaf alone. A callable maps the
-    leaf path string ("layers/0/kernel") to a group name.
+    groups: None/False: none. True or "auto": the leaf's path without the last key
+    ("layers/0" for "layers/0/kernel"; a top-level leaf is its own group). "top": the first
+    key. "leaf": every leaf alone. A callable maps the leaf path to a group name.
     """
     if groups is None or groups is False:
         return None
@@ -112,8 +108,7 @@ def resolve_groups(params: PyTree, groups: GroupSpec) -> list[str] | None:
 def group_matrix(params: PyTree, groups: GroupSpec
                  ) -> tuple[list[str], np.ndarray, list[list[bool]]] | None:
     """(group names, 0/1 matrix [L, K] mapping leaves to groups, per-group leaf flags)."""
-    leaf_groups = resolve_groups(params, groups)
-    if leaf_groups is None:
+    if (leaf_groups := resolve_groups(params, groups)) is None:
         return None
     names = list(dict.fromkeys(leaf_groups))
     blocks = [[g == name for g in leaf_groups] for name in names]
