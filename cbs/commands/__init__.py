@@ -18,12 +18,11 @@ __all__ = [
 
 
 def make_configs_importable(argv: list[str] | None = None) -> None:
-    """Resolves a packaged preset named by `--config` (`--config=digits_sweep:tiny` or
-    `cbs:digits_sweep:tiny`, `cbs.configs.resolve`) to its file, in `argv` itself, and lets a
-    config file given by path import its siblings (`from experiments.configs import base`)
-    under a console script as under `python -m`: puts the checkout holding the `--config` file
-    (the first ancestor with `experiments/__init__.py`), else the current directory, at the
-    front of sys.path. An unknown name is one line on stderr and exit status 2."""
+    """Resolves a packaged preset named by `--config` (`cbs.configs.resolve`) to its file, in
+    `argv` itself, and puts the checkout holding a `--config` file (the first ancestor with
+    `experiments/__init__.py`), else the current directory, at the front of sys.path, so a
+    config file imports its siblings under a console script as under `python -m`. An unknown
+    name is one line on stderr and exit status 2."""
     argv = sys.argv if argv is None else argv
     try:
         _resolve_presets(argv)

@@ -1,23 +1,22 @@
 """How large should my batch be now? cbs-advise --workdir=RUN.
 
 Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise scale) and
-prints the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): the predicted
-B_crit with its prediction interval, what the run's batch costs in steps and examples against
-their minima, and with --exchange=λ the batch that minimises λ·steps + examples. Writes the
-advice at every measured step to advice.md, advice.json and advice.png in the run directory
-(or --out). With --sweep_dir instead: the advice at each target of a sweep from the noise its
-trials recorded at their crossings (prediction.md, .json, .png), e.g. the one run of a
-config's `predict` argument, before that task's sweep.
+prints the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): the
+predicted B_crit with its interval, the run's batch's cost in steps and examples against their
+minima and, with --exchange=λ, the batch that minimises λ·steps + examples; writes the advice
+at every measured step to advice.md, .json and .png in the run directory (or --out). With
+--sweep_dir: the advice at each target of a sweep from the noise its trials recorded at their
+crossings (prediction.md, .json, .png), e.g. of a config's one-run `predict` argument.
 
-From a checkpoint (--checkpoint=RUN/checkpoints/STEP, or --workdir=RUN --step=STEP, or a
---workdir whose records hold no measured noise scale): restores the saved state and measures
-the noise scale exactly there (`cbs.train.measure_checkpoint`: all training examples, or
---examples=n of them), then prints the same advice and writes advice_STEP.md and .json.
+From a checkpoint (--checkpoint=RUN/checkpoints/STEP, --workdir=RUN --step=STEP, or a
+--workdir whose records hold no measured noise scale): measures the noise scale exactly at the
+restored state (`cbs.train.measure_checkpoint`: all training examples, or --examples=n), then
+prints the same advice and writes advice_STEP.md and .json.
 
 With --probe (from a checkpoint, or a --workdir's latest): also the task's own calibration,
 short branches at a few batch sizes from that state within --probe_budget of the run so far
-(`cbs.sweeps.probe_runs`), their local B_crit against the noise scale, and the prediction with
-that ratio beside the cross-task one (`cbs.analysis.advice.probe`); the branch records go to
+(`cbs.sweeps.probe_runs`), their local B_crit against the noise scale and the prediction with
+that ratio beside the cross-task one (`cbs.analysis.advice.probe`); the branches go to
 probe_STEP/, the calibration with the probed ratio (for a run's live advice:
 --config.noise.advice_calibration) to calibration_STEP.json.
 """

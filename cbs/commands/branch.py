@@ -50,8 +50,7 @@ def main(argv: list[str]) -> None:
             branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=shard)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
-        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-        # config, a shard or a preempted run stops without them
+        # scipy and matplotlib load only when a report is written
         from cbs.analysis.reports import branch_report
 
         print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))

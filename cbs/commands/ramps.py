@@ -41,8 +41,7 @@ def main(argv: list[str]) -> None:
     with preemption.active():
         launch.run_sweep(_CONFIG.value, sweep_dir)
         runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)
-    # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-    # config, a shard or a preempted run stops without them
+    # scipy and matplotlib load only when a report is written
     from cbs.analysis.reports import report, report_tables
     from cbs.analysis.studies import payoff
 

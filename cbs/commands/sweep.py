@@ -54,8 +54,7 @@ def main(argv: list[str]) -> None:
                          redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
-        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-        # config, a shard or a preempted run stops without them
+        # scipy and matplotlib load only when a report is written
         from cbs.analysis.reports import report, report_tables
 
         sweep_dir = cli.required(_SWEEP_DIR)

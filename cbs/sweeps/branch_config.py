@@ -37,15 +37,11 @@ PAPER_WINDOW_STEPS = 512
 
 
 def default_branch_config() -> ml_collections.ConfigDict:
-    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
-
-    The paper's values (its Sec. 3.1 "implementation details" 1–3 as quoted by three
-    independent readings; see README, "Local critical batch size by branched training"):
-    Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the
-    per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k whose smoothed loss is
-    within ε of every smaller k, reported as B* = k*·B. The k ladder is ours (the paper lists
-    its grids per checkpoint in its App. A). `window_fraction` and the reference-noise fields
-    are ours (off by default)."""
+    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1;
+    see README, "Local critical batch size by branched training"): Δ = 2B tokens (≈ 477 OLMo
+    steps at B), ε = 0.01 nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for
+    SGD), k* the largest k within ε of every smaller k, B* = k*·B. The k ladder,
+    `window_fraction` and the reference-noise fields (off by default) are ours."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these

@@ -1,21 +1,17 @@
 """The noise scale of a branch study's reference run at its checkpoints
 (`branch.noise_checkpoints`; in-memory data only): which checkpoints, and their records.
 
-Letters: N training examples, m of them (a fixed random draw) whose deviations give tr(HΣ),
-H the Hessian of the mean loss over all N. The measurement is the one call of every path,
-`cbs.engine.measure.measure` (`measurement_spec`: the registered method "sampled" of
-`cbs.stats.sampled` on all N examples in the random order of `branch.noise_seed`, its first m
-the deviations,
-and H over all N): G, tr(Σ) and B_simple from all N per-example gradients (exact); tr(HΣ) =
-Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased for the population value since H is the
-full-data Hessian, not the Hessian of the examples weighed (the same-batch estimator that
-inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG. Cost per
-checkpoint: N per-example gradients and m + 1 HVPs over N examples.
+Letters: N training examples, m of them (a fixed random draw, `branch.noise_seed`) whose
+deviations give tr(HΣ), H the Hessian of the mean loss over all N. The measurement
+(`measurement_spec`, through `cbs.engine.measure.measure`, the method "sampled" of
+`cbs.stats.sampled` on all N examples): G, tr(Σ) and B_simple exact from all N per-example
+gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased since H is the full-data
+Hessian, not the weighed examples'; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG.
+Cost per checkpoint: N per-example gradients and m + 1 HVPs over N examples.
 
-Records (`reference_noise.jsonl`, one per checkpoint, each a write-once part in
-`reference_noise.d/` with the file as their export, `cbs.results.shared.add_records`): step,
-examples_seen, num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`),
-estimator (`NOISE_ESTIMATOR`).
+Records (`reference_noise.jsonl`, write-once parts, `cbs.results.shared.add_records`), one
+per checkpoint: step, examples_seen, num_examples, deviations, noise/<key>
+(`cbs.stats.noise.STAT_KEYS`), estimator (`NOISE_ESTIMATOR`).
 """
 
 from __future__ import annotations

@@ -4,38 +4,29 @@
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
-1. A reference run at (B, η_0) is an ordinary engine run (`Trainer.run`, one device) in
-   `workdir/reference`, checkpointing every `train.checkpoint_every` steps (all kept).
-2. Branch points are checkpoints of it, chosen by examples seen or by the first crossing of a
+1. A reference run at (B, η_0), an ordinary engine run on one device in `workdir/reference`,
+   keeps every checkpoint (`train.checkpoint_every`).
+2. Branch points are checkpoints of it, by examples seen or by the first crossing of a
    smoothed training loss (`branch.points_examples`, `branch.points_losses`).
-3. From each point and for each k in K: restore the checkpoint, train Δ examples at batch k·B
-   with peak learning rate f(k)·η_0 (f(k) = k "linear" for SGD, √k "sqrt" for Adam), i.e.
-   Δ/(k·B) steps; record the EMA of the batch loss at the end of the window and, optionally, the
-   exact full training-set loss. The EMA decays by `loss_ema_decay` per step of the branch
-   (`loss_ema_per="step"`, the paper's α = 0.5) or per B examples (`"reference_batch"`: decay^k
-   per step of branch k, so every branch averages the same number of examples).
-4. Each (point, k) is a unit: a run of the engine's one loop (`cbs.sweeps.branch_unit`) that
-   starts at the point's step and examples seen. Its S data-order seeds (stream seeds of
-   `cbs.data`) run as one vmapped program (`VmappedBranch`: `cbs.engine.vmapped.vmapped_steps`,
-   the `jax.vmap` of a `fori_loop` of `TrainStep.apply` that `cbs.sweeps.groups` also runs), or,
-   with `branch.vmap=False` or a streamed dataset, one `Trainer` per seed started from the
-   point's state (`branch_unit.engine_branch`). The k of one seed read the same stream
-   positions [E, E + Δ), so their losses differ by the batch size and learning rate alone
-   (common random numbers), not by the examples drawn.
+3. From each point and each k: train Δ examples at batch k·B and peak rate f(k)·η_0 (k for
+   "linear", SGD; √k for "sqrt", Adam), i.e. Δ/(k·B) steps, and record the EMA of the batch
+   loss at the window's end (decay `loss_ema_decay` per step of the branch, or per B examples
+   with `loss_ema_per="reference_batch"`) and optionally the exact training-set loss.
+4. Each (point, k) is a unit, a run of the engine's loop from the point
+   (`cbs.sweeps.branch_unit`): its S data-order seeds as one vmapped program
+   (`VmappedBranch`, the program `cbs.sweeps.groups` runs too), or, with `branch.vmap=False`
+   or streamed data, one `Trainer` per seed (`branch_unit.engine_branch`). The k of one seed
+   read the same stream positions [E, E + Δ) (common random numbers).
 
-k*, B* and their uncertainty are computed from the records by `cbs.analysis.reports.branch_report`.
+k*, B* and their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
 
-Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/`
-(one record per (point, k, seed), a write-once part per (point, k), so shards on any file
-system lose none of each other's; `cbs.results.shared.write_part`), `branches.jsonl` (the
-records of older versions, then an export of the parts; readers merge both:
-`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`,
-when measured), and `units/` while a unit runs (its loop's run directory, removed once its
-records are written).
-A killed run resumes: finished (point, k) units are skipped and an unfinished one is run
-again from its point (or from the checkpoint its loop saved at the end of its window), so the
-records equal an uninterrupted run's. `shard="i/n"` runs only units whose
-index ≡ i (mod n).
+Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/` (a
+write-once part per (point, k), one record per seed: shards lose none of each other's),
+`branches.jsonl` (older records, then their export; read with
+`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`)
+and `units/` while a unit runs. A killed run resumes: finished units are skipped, an
+unfinished one reruns from its point (or its end-of-window checkpoint), so the records equal
+an uninterrupted run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -103,10 +94,8 @@ def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 class BranchRunner:
     """Runs the branches of one study; `run_unit(step, k)` returns a unit's records.
 
-    checkpoints: the directory of the checkpoints to branch from (default: the study's
-    reference run, `workdir/reference/checkpoints`; `cbs.sweeps.probe_runs` branches from any
-    run's). lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate (1: the
-    reference's; a probe whose ladder starts below the run's batch scales it down)."""
+    checkpoints: where the checkpoints to branch from are (default: the reference run's).
+    lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                  dataset: data.Dataset | None = None, checkpoints: str | None = None,

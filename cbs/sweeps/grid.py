@@ -1,23 +1,18 @@
 """Batch-size sweeps: the trial grid, sharding across launchers, and the results store.
 
-A sweep is independent trials, one per (batch size B, learning rate η, seed). Each trial
-trains until its progress metric has crossed every target loss or its budget is spent, and
-records, per target, the steps S and examples E = B·S at which the metric first crossed it
-(interpolated between evaluations), together with its loss curve and the noise statistics
-measured along the way. `cbs.analysis.fits.fit` turns those records into S_min, E_min and B_crit.
+A sweep is independent trials, one per (batch size B, learning rate η, seed), declared in
+`config.sweep` (`default_sweep_config`) next to the base run; launchers only iterate it. Each
+trial trains until its progress metric has crossed every target or its budget is spent, and
+records per target the steps S and examples E = B·S of the first crossing (interpolated between
+evaluations), its loss curve and the noise measured at its evaluations (`config.noise`,
+`default_sweep_noise`). `cbs.analysis.fits.fit` turns the records into S_min, E_min and B_crit.
 
-The sweep is declared in the config next to the base run (`config.sweep`, see
-`default_sweep_config`); launchers only iterate it. What a trial measures of its noise at
-each evaluation is `config.noise` (`default_sweep_noise`: a sweep's defaults). The learning
-rate grid is either absolute (`sweep.learning_rates`) or centred on a scaling rule from a
-base learning rate: η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear),
-1/2 (sqrt) or 0.
-
-When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
-rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
-rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.fits.edges`).
-
-The sweep directory's files are `cbs.results.store`.
+The learning-rate grid is absolute (`sweep.learning_rates`) or centred on a scaling rule:
+η(B) = base_lr · (B / base_batch_size)^p · factor, p = 1 (linear), 1/2 (sqrt) or 0. When the
+best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2 rates past
+that edge (`sweep.extend_lr_count` per round, up to `sweep.extend_lr_rounds` rounds, within
+`sweep.min_lr`/`sweep.max_lr`; the rule: `cbs.analysis.fits.edges`). The sweep directory's
+files are `cbs.results.store`.
 """
 
 from __future__ import annotations
@@ -108,9 +103,7 @@ class Trial:
         return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
 
 
-# Whole-number fields of config.sweep and their least value (what each counts is in
-# `default_sweep_config`), number fields, switches, and the lists: (what, whole, least,
-# strictly above it).
+# The type and least value of each field (`cbs.runtime.fields.check_section`).
 _INTEGER_FIELDS = {
     "base_batch_size": 1, "extend_lr_rounds": 0, "extend_lr_count": 1, "max_examples": 0,
     "max_steps": 0, "evals_per_trial": 2, "noise_window": 1, "divergence_patience": 1,
@@ -125,14 +118,6 @@ _LIST_FIELDS = {"batch_sizes": ("examples per step", True, 0, True),
                 "seeds": ("training seeds", True, 0, False)}
 
 
-def _check_types(sweep: ml_collections.ConfigDict) -> None:
-    """Every present field of the right type and sign, before any comparison reads it."""
-    targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
-    fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
-                         finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,
-                         lists=_LIST_FIELDS | {"targets": targets})
-
-
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
     """Raises `ConfigError` naming the field of an invalid sweep definition: the type and range
     of every field, then how they fit together."""
@@ -140,7 +125,10 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.sweep.{field}: {why}")
 
     check_moved_keys(sweep)
-    _check_types(sweep)
+    targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
+    fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
+                         finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,
+                         lists=_LIST_FIELDS | {"targets": targets})
     if not sweep.batch_sizes:
         fail("batch_sizes", "needs at least one batch size")
     if len(set(sweep.batch_sizes)) != len(sweep.batch_sizes):
@@ -209,10 +197,9 @@ def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, An
                 ) -> list[Trial]:
     """The base grid plus the learning rates added past edges (`cbs.analysis.fits.edges`).
 
-    Added trials follow the base grid's indices; each has a fixed index computed from its
-    (B, seed, side, step beyond the base grid), whatever order rounds happen in, so shards
-    and reruns agree on who runs it. Records of trials outside the grid are ignored.
-    """
+    Each added trial's index (after the base grid's) is fixed by its (B, seed, side, step
+    beyond the grid), whatever order rounds happen in, so shards and reruns agree on it.
+    Records of trials outside the grid are ignored."""
     base = make_trials(sweep)
     if not sweep.extend_lr_rounds:
         return base

@@ -1,21 +1,16 @@
 """The probe's branches: short runs at a few batch sizes from one checkpoint of any run, within
-a budget, through the branch machinery (`cbs.sweeps.branches.BranchRunner`; the arithmetic in
-`cbs.analysis.advice.probe`).
+a budget, through `cbs.sweeps.branches.BranchRunner` (the arithmetic: `cbs.analysis.advice
+.probe`, whose letters these are: B the run's batch at the checkpoint, b_0 the probe's
+smallest batch, k = 1, 2, 4, ... its multipliers, S seeds, Δ the window).
 
-Letters as in `cbs.analysis.advice.probe`: B the run's batch at the checkpoint, b_0 the probe's
-smallest batch, k = 1, 2, 4, ... its multipliers, S seeds, Δ the window.
+The run's `config.json` becomes a branch study's (`probe_config`): the batch constant at b_0,
+one branch point (the checkpoint), `branch.ks` = K, Δ of `probe.plan`, and as compared loss
+the exact training-set loss for in-memory data, else the EMA of the batch loss. Branch k
+trains at k·b_0 with peak rate f(k·b_0/B)·η_B, η_B the run's rate at B (its coupling
+applied), f √ for Adam and linear for SGD: the run's own rate at k·b_0 = B.
 
-The run's own config (its `config.json`) becomes a branch study's: the batch constant at b_0,
-no learning-rate coupling (the rate is set per branch), one branch point (the checkpoint),
-`branch.ks` = K, `branch.window_examples` = Δ of `probe.plan`, the compared loss the exact
-full training-set loss for in-memory data (`config.eval.train_examples` of them) or the EMA of
-the batch loss for a streamed split. Branch k trains at batch k·b_0 with peak rate
-f(k·b_0/B)·η_B, η_B the run's peak rate at B (its coupling applied) and f the branch rule of
-the optimizer family (√ for Adam, linear for SGD): the run's own rate at k·b_0 = B.
-
-Files in `out_dir` (write-once records, `cbs.results.paths` only): `branch.json` (the probe's
-branch config: a rerun with other settings is refused), `branches.d/` (one part per k),
-`branches.jsonl` (their export). A killed probe resumes: finished k are not run again.
+Files in `out_dir`: `branch.json` (a rerun with other settings is refused), `branches.d/`
+(a part per k) and `branches.jsonl` (their export). A killed probe resumes.
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Batch-size ramps run beside a sweep and placed on its fitted S–E frontier.
 
-A ramp run is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
-examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or adaptive
-on the live noise scale), with the micro-batch fixed and the accumulation count changing,
-and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, like a sweep
-trial, once the sweep's progress metric has crossed every target, and it records the steps S
-and the examples E at each crossing (each interpolated between evaluations on its own
-axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
-directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
-export, so launchers on several hosts lose none; `cbs.results.shared.add_records`), where
-`cbs.analysis.reports.report` draws them on each target's S–E plane against the frontier
-S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
-every fixed batch size; on it, it matched one.
+A ramp is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
+examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or
+adaptive on the live noise scale), with the micro-batch fixed and the learning rate coupled
+to B (`config.batch.lr_coupling`). Like a sweep trial it stops once the sweep's progress
+metric has crossed every target, and records the steps S and examples E of each crossing
+(each interpolated on its own axis: E ≠ B·S when B changes) in `ramps.jsonl` (write-once
+parts in `ramps.d/`, `cbs.results.shared.add_records`), where `cbs.analysis.reports.report`
+draws them against the frontier S = S_min + E_min/B of the fixed-batch trials.
 
-The runs are declared in the config (`config.ramps`, a list of dicts): `label`, `schedule`
-(a `cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
-"best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
-`lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`, `seed` (the run's
-seed; default `config.seed`) and `name` (the run a seed belongs to, for
-`cbs.analysis.studies.payoff`).
+The runs are `config.ramps`, a list of dicts: `label`, `schedule` (a
+`cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0, or "best@B":
+the sweep's fastest rate at B for the lowest target), `lr_coupling` (rule, base_batch_size,
+cap) and optional `micro_batch`, `seed` (default `config.seed`), `name` (the run a seed
+belongs to, for `cbs.analysis.studies.payoff`), `eval_every`, `max_steps`, `max_examples`,
+`adapt_every`.
 """
 
 from __future__ import annotations

@@ -1,36 +1,30 @@
 """One noise protocol for a committed study: the reference trajectory, over seeds.
 
-One trajectory is one draw: on plain SGD the noise scale at a target swings several-fold
-within a few evaluations of one run. So, for a study already swept, `run_seeds` runs the
-reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped group of one)
+One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold
+within a few evaluations of a run), so `run_seeds` runs the reference trajectory
+(`cbs.sweeps.reference.ReferenceRun`) of a study already swept
 
-- at the batch size B = the largest of the sweep's batch sizes with B ≤ B_crit/`fraction`
-  (`choose_batch_size`; B_crit: the study's fit at its lowest target, the deepest loss, where
-  B_crit is largest; at the higher targets B/B_crit is larger and the report states it);
-- at the best learning rate at B on the sweep's first seed (`cbs.sweeps.reference
-  .reference_trial`), for every seed;
-- for `seeds` seeds 0, 1, …: the seed sets the initialisation and the data order;
-- measured either on the whole training set ("full_data": G, |G|², tr(Σ) and GᵀHG exact,
-  tr(HΣ) from `deviations` ≥ 256 random deviations and the full-data Hessian) at each
-  evaluation at or after the first crossing of the highest target (earlier ones are never
-  read: their noise fields are NaN), until `sweep.noise_window` evaluations past the lowest
-  target; or, for a training set too large to pass over at every evaluation (`examples` =
-  n > 0), by the sampled estimator ("sampled", `cbs.stats.sampled`: G, |G|² and tr(Σ) from n
-  examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them
-  and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
-  by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
-  evaluations from each target's first crossing on: the evaluations the protocol reads
-  (`cbs.analysis.studies.reference_protocol`, which reports each window's standard error from its
-  independent draws);
-- for Adam and AdamW also the noise scale of the update actually applied, u = P·g
-  (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
-  bias-corrected Adam preconditioner of the optimizer state at that step), by the same
-  estimator on the same draws in the rescaled coordinates; recorded as `noise_p/<key>`.
+- at the largest swept B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the study's fit at
+  its lowest target, where it is largest; the report states B/B_crit at the others);
+- at the best rate at B on the sweep's first seed (`cbs.sweeps.reference.reference_trial`),
+  for `seeds` seeds 0, 1, … (initialisation and data order);
+- measured either on the whole training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ)
+  from `deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation
+  from the first crossing of the highest target on (earlier ones are NaN) until
+  `sweep.noise_window` evaluations past the lowest; or, with `examples` = n > 0, by the
+  sampled estimator (`cbs.stats.sampled`: G, |G|², tr(Σ) from n examples of an independent
+  stream, tr(HΣ) from the deviations of m = `deviations` of them and the Hessian of h =
+  `hessian_examples` independent examples; unbiased) at only the `sweep.noise_window`
+  evaluations from each target's first crossing on, the ones the protocol reads;
+- for Adam and AdamW also the noise scale of the applied update u = P·g (`cbs.stats
+  .preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
+  bias-corrected Adam preconditioner at that step; of the sampled protocol B_simple^P only),
+  on the same draws, recorded as `noise_p/<key>`.
 
 Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in the sweep
-directory (a seed whose file exists is skipped, so a second call adds only missing seeds);
-the run directories go to `reference_seeds/runs/`. `cbs.analysis.studies.reference_protocol` reads
-them: each seed's noise scale at each target and the spread over seeds.
+directory (an existing seed is skipped); the runs go to `reference_seeds/runs/`.
+`cbs.analysis.studies.reference_protocol` reports each seed's noise scale at each target,
+the spread over seeds and each window's standard error.
 """
 
 from __future__ import annotations
@@ -102,13 +96,8 @@ def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
     raw = dict(definition.get("config") or {})
     raw.setdefault("sweep", definition.get("sweep", {}))
     raw = upgrade_noise_fields(raw)
-    c = config_lib.default_config()
-    c.sweep = default_sweep_config()
-    return _merged(c, raw)
-
-
-def _merged(base: ml_collections.ConfigDict, raw: dict[str, Any]) -> ml_collections.ConfigDict:
-    out = base.to_dict()
+    out = config_lib.default_config().to_dict()
+    out["sweep"] = default_sweep_config().to_dict()
 
     def merge(into: dict[str, Any], values: dict[str, Any]) -> None:
         for k, v in values.items():
