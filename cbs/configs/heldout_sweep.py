@@ -1,15 +1,13 @@
 """Three held-out tasks for the batch-size advice (the argument picks one), each unlike the
-tasks the calibration of `cbs-advise` was fitted on (data set and model family):
+tasks `cbs-advise` was calibrated on (data set and model family):
 
-- `digits_cnn`: a CNN (conv 8 → GroupNorm → ReLU → pool, conv 16 → ..., dense 32) on the
-  8×8 digit images (the calibrated digits tasks are MLPs), Adam; batch sizes 8 to 1,024 and
-  the full training set (1,438 images);
-- `mnist1d_cnn`: a 1-D CNN (kernels 5 × 1; channels 16, 32; dense 64) on MNIST-1D (the
-  calibrated MNIST-1D tasks are MLPs), Adam; batch sizes 8 to 2,048 and the full training
-  set (4,000 signals);
+- `digits_cnn`: a CNN (conv 8 → GroupNorm → ReLU → pool, conv 16 → ..., dense 32) on the 8×8
+  digit images, Adam; batch sizes 8 to 1,024 and the full training set (1,438 images);
+- `mnist1d_cnn`: a 1-D CNN (kernels 5 × 1; channels 16, 32; dense 64) on MNIST-1D, Adam;
+  batch sizes 8 to 2,048 and the full training set (4,000 signals);
 - `regression`: a 16-64-64-1 tanh MLP regressing a random tanh teacher with label noise
-  (`cbs.data.synthetic.teacher_regression`, 8,192 examples; squared error, no calibrated task
-  is a non-linear regression), plain SGD; batch sizes 8 to 8,192 (the full training set).
+  (`cbs.data.synthetic.teacher_regression`, 8,192 examples, squared error), plain SGD; batch
+  sizes 8 to 8,192 (the full training set).
 
     cbs-sweep --config=heldout_sweep:digits_cnn,predict \
         --sweep_dir=results/heldout_digits_cnn_predict
@@ -17,11 +15,10 @@ tasks the calibration of `cbs-advise` was fitted on (data set and model family):
     cbs-sweep --config=heldout_sweep:digits_cnn --sweep_dir=results/heldout_digits_cnn
 
 `predict` is ONE run at the grid's centre batch size and rate, measured exactly on all
-training examples at every evaluation; `cbs-advise --sweep_dir` turns its noise scale at each
-target into a predicted B_crit with its interval, committed before the sweep is run to test
-it. Each sweep's batch sizes reach the full training set, so no target's B_crit can lie past
-the largest batch swept; rate grids are extended past edge optima. `tiny` shrinks any of them
-for tests; without a task the argument means `digits_cnn`.
+training examples at every evaluation; `cbs-advise --sweep_dir` turns it into a predicted
+B_crit per target, committed before the sweep tests it. The batch sizes reach the full
+training set, so no B_crit lies past the largest; rate grids are extended past edge optima.
+`tiny` shrinks any of them for tests; without a task the argument means `digits_cnn`.
 """
 
 from __future__ import annotations
