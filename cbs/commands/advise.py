@@ -35,16 +35,12 @@ from cbs.engine import trainer
 from cbs.results import calibration, paths, records
 from cbs.runtime import checkpoint, cli
 
-__all__ = [
-    "main", "run",
-]
+__all__ = ["main", "run"]
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (cbs-train "
-                               "--workdir=...).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (cbs-train --workdir=...).")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "
-                                 "the advice at each of its targets from the noise scale its "
-                                 "trials recorded there (a one-run `predict` sweep: the "
-                                 "prediction before the task's sweep).")
+                                 "the advice at each target from the noise scale its trials "
+                                 "recorded there (e.g. a one-run `predict` sweep).")
 _SCALE = flags.DEFINE_enum("scale", "b_simple", ["b_simple", "b_noise"],
                            "The measured noise scale to predict from (b_noise needs "
                            "noise.curvature=True in the run).")
@@ -61,10 +57,10 @@ _STEP = flags.DEFINE_integer("step", None, "With --workdir: measure at this chec
 _EXAMPLES = flags.DEFINE_integer("examples", 0, "From a checkpoint: measure on this many "
                                  "training examples (0: all of them, exactly; needed when the "
                                  "training split is streamed).")
-_PROBE = flags.DEFINE_bool("probe", False, "From a checkpoint (--checkpoint, or --workdir with "
-                           "or without --step: the latest): also run short branches at a few "
-                           "batch sizes from there and combine the task's own ratio of local "
-                           "B_crit to the noise scale with the cross-task calibration.")
+_PROBE = flags.DEFINE_bool("probe", False, "From a checkpoint (--checkpoint, or --workdir: "
+                           "--step or the latest): also run short branches at a few batch "
+                           "sizes and combine the task's own ratio of local B_crit to the "
+                           "noise scale with the cross-task calibration.")
 _PROBE_BUDGET = flags.DEFINE_float("probe_budget", probe.DEFAULT_BUDGET, "The probe's branches "
                                    "train at most this fraction of the run so far "
                                    "(--probe_unit).")
@@ -94,19 +90,16 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--examples={_EXAMPLES.value}: give a number of training examples "
                          "> 0, or 0 for all of them")
     scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
-    if _PROBE.value:
-        if _SWEEP_DIR.value:
+    if _PROBE.value or _CHECKPOINT.value or _STEP.value is not None:
+        if _PROBE.value and _SWEEP_DIR.value:
             raise ValueError("--probe branches from a checkpoint of a run: give --checkpoint="
                              "RUN/checkpoints/STEP or --workdir=RUN, not --sweep_dir")
         where, step = _checkpoint_of()
-        if not _has_checkpoint(where):
+        if _PROBE.value and not _has_checkpoint(where):
             raise ValueError(f"--probe branches from a checkpoint: {where} has no "
                              f"{checkpoint.CHECKPOINT_DIR}/ (rerun it with "
                              "--config.train.checkpoint_every=100)")
         _from_checkpoint(where, step, scale=scale, level=level, exchange=exchange)
-        return
-    if _CHECKPOINT.value or _STEP.value is not None:
-        _from_checkpoint(*_checkpoint_of(), scale=scale, level=level, exchange=exchange)
         return
     if _SWEEP_DIR.value:
         where, name = str(_SWEEP_DIR.value), "prediction"
@@ -136,12 +129,11 @@ def main(argv: list[str]) -> None:
 
 def _nothing_measured(where: str, scale: str, sweep: bool) -> str:
     """What is true and what to run when `where` has no measured noise scale to advise from."""
+    curvature = " --config.noise.curvature=True" if scale == "b_noise" else ""
     if sweep:
         return (f"{where}: no trial recorded {scale} at a target crossing: either none "
                 "reached a target (see its report), or the sweep measured no noise at its "
-                "evaluations (rerun it with --config.noise.examples=auto"
-                + (" --config.noise.curvature=True" if scale == "b_noise" else "") + ")")
-    curvature = " --config.noise.curvature=True" if scale == "b_noise" else ""
+                f"evaluations (rerun it with --config.noise.examples=auto{curvature})")
     return (f"{where} records no measured {scale} and has no checkpoint to measure it at: "
             f"rerun it with --config.noise.every=100{curvature} (an exact measurement every 100 "
             "steps) or --config.train.checkpoint_every=100 (then this command measures at the "

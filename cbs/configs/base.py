@@ -14,9 +14,7 @@ from ml_collections import config_dict
 from cbs import data, models
 from cbs.engine import config as config_lib
 
-__all__ = [
-    "base_config", "make_tiny", "parse_arg", "repo_root", "schedule_config", "seeded",
-]
+__all__ = ["base_config", "make_tiny", "parse_arg", "repo_root", "schedule_config", "seeded"]
 
 
 def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from cbs.configs import base
 
-__all__ = [
-    "DATASETS", "get_config",
-]
+__all__ = ["DATASETS", "get_config"]
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 from cbs.configs import base, cnn
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "TARGETS", "get_config",
-]
+__all__ = ["TARGETS", "get_config"]
 
 TARGETS = {"mnist": (0.5, 0.2, 0.1, 0.05), "fashion_mnist": (0.8, 0.5, 0.4, 0.3),
            "cifar10": (1.8, 1.5, 1.2, 1.0)}  # eval cross-entropy (nats) per dataset

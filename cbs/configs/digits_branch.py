@@ -29,9 +29,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.branch_config import default_branch_config
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):

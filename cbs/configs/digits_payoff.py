@@ -97,8 +97,7 @@ def get_config(arg: str = ""):
     measured = [ramps["adaptive"] | {"label": "adaptive (B_simple)"},
                 local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
                 ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]]
-    if "start" in words:  # each ramp against the fixed run at its first B, seed-major (a
-        #   stopped study holds whole seeds)
+    if "start" in words:  # each ramp against the fixed run at its first B, seed-major
         runs = start_runs(measured, sweep_dir)
         c.ramps = [run for s in START_SEEDS for run in base.seeded(runs, (s,))]
         return c

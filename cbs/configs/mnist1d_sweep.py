@@ -17,9 +17,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):
@@ -51,8 +49,7 @@ def get_config(arg: str = ""):
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
-    s.noise_protocol = "per_trial"  # no reference run: with the full-data Hessian over 4000
-    #                                 examples it took ≈ 30 s per evaluation here
+    s.noise_protocol = "per_trial"  # no reference run (≈ 30 s per full-data evaluation)
     if "sgd" in words:
         c.optim.name = "sgd"  # plain SGD: u = g, no momentum
         s.base_lr = 0.1  # η at B = 128

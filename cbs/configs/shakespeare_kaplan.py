@@ -35,12 +35,9 @@ from __future__ import annotations
 
 from cbs.configs import base, shakespeare_sweep
 
-__all__ = [
-    "WIDTHS", "get_config",
-]
+__all__ = ["WIDTHS", "get_config"]
 
-# Model widths of the across-sizes study (Kaplan et al. 2020, Fig. 10): the same data,
-# tokenisation, grid and protocol at D = 32 and D = 128 beside the default D = 64.
+# Widths of the across-sizes study (Kaplan et al. 2020, Fig. 10) beside the default D = 64.
 WIDTHS = {"d32": 32, "d128": 128}
 
 

@@ -20,9 +20,7 @@ import os
 
 from cbs.configs import base, digits_payoff, digits_ramps, shakespeare_sweep
 
-__all__ = [
-    "BRANCH_DIR", "FIXED", "SEEDS", "get_config",
-]
+__all__ = ["BRANCH_DIR", "FIXED", "SEEDS", "get_config"]
 
 SEEDS = (0, 1, 2)
 FIXED = (8, 16, 32, 64, 128)

@@ -21,9 +21,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):

@@ -33,8 +33,7 @@ from cbs.results import files, shared
 from cbs.stats import noise
 
 __all__ = [
-    "NOISE_ESTIMATOR", "measure_at", "measure_reference_noise", "measurement_spec",
-    "noise_steps",
+    "NOISE_ESTIMATOR", "measure_at", "measure_reference_noise", "measurement_spec", "noise_steps",
 ]
 
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "

@@ -47,9 +47,7 @@ from cbs.sweeps.groups import TrialGroup, group_name
 from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
 
-__all__ = [
-    "check_config", "group_slots", "pending_trials", "run_sweep", "sweep_definition",
-]
+__all__ = ["check_config", "group_slots", "pending_trials", "run_sweep", "sweep_definition"]
 
 
 def check_config(config: ml_collections.ConfigDict) -> list[Trial]:

@@ -42,9 +42,8 @@ from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 __all__ = [
-    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps",
-    "ramp_config", "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps",
-    "validate_ramps",
+    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps", "ramp_config",
+    "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps", "validate_ramps",
 ]
 
 RAMPS_DIR = "ramps"
@@ -56,15 +55,11 @@ def run_dir_name(label: str) -> str:
     return re.sub(r"[^a-z0-9.\-]+", "_", label.lower()).strip("_") or "ramp"
 
 
-def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
-    """label -> run directory; a directory named by the raw label (older sweeps) is kept."""
-    out = {}
-    for label in labels:
-        name = run_dir_name(label)
-        legacy = os.path.join(sweep_dir, RAMPS_DIR, label)
-        out[label] = legacy if label != name and paths.isdir(legacy) else os.path.join(
-            sweep_dir, RAMPS_DIR, name)
-    return out
+def _run_dir(out_dir: str, label: str) -> str:
+    """A ramp's run directory; one named by the raw label (older sweeps) is kept."""
+    name, legacy = run_dir_name(label), os.path.join(out_dir, RAMPS_DIR, label)
+    return legacy if label != name and paths.isdir(legacy) else os.path.join(
+        out_dir, RAMPS_DIR, name)
 
 
 def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
@@ -133,9 +128,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
             value = fields.get(run, field, at)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"{at}.{field}: must be a non-empty string, got {value!r}")
-    for field, least in _RAMP_INTEGERS.items():
-        if field in run:
-            fields.integer(run, field, at, minimum=least)
+    fields.check_section(run, at, integers=_RAMP_INTEGERS)
     schedule = fields.get(run, "schedule", at)
     try:
         schedules.batch_schedule_from_config(schedule)
@@ -159,8 +152,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
             raise ConfigError(f"{where}: must be a dict of {list(_COUPLING_FIELDS)}, got "
                               f"{coupling!r}")
         fields.choice(coupling, "rule", where, LR_RULES)
-        if "base_batch_size" in coupling:
-            fields.integer(coupling, "base_batch_size", where, minimum=0)
+        fields.check_section(coupling, where, integers={"base_batch_size": 0})
         if "cap" in coupling:
             fields.number(coupling, "cap", where)
     if isinstance(lr, str):  # the sweep's best rate is read later; any rate checks the rest
@@ -262,8 +254,6 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
     done = {r["label"]: r for r in shared.read_merged(path, files.RAMP_KEYS)}
-    labels = [run["label"] for run in config.ramps]
-    run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):
         if run["label"] in done:
@@ -274,7 +264,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     with CountBar(len(todo), unit="ramp", enabled=enabled, log=log) as bar:
         for run in todo:
             preemption.check(f"before ramp {run['label']}")
-            _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
+            _run_ramp(config, run, sweep_dir, _run_dir(out_dir, run["label"]), path, bar.log, mesh)
             bar.update()
     shared.export_parts(path, files.RAMP_KEYS)  # on an object store, once for all runs
     return shared.read_merged(path, files.RAMP_KEYS)
