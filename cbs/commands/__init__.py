@@ -24,8 +24,12 @@ def make_configs_importable(argv: list[str] | None = None) -> None:
     config file imports its siblings under a console script as under `python -m`. An unknown
     name is one line on stderr and exit status 2."""
     argv = sys.argv if argv is None else argv
-    try:
-        _resolve_presets(argv)
+    try:  # `--config=VALUE` and `--config VALUE`, in place, as `--config=PATH[:arg]`
+        for i in range(len(argv) - 1, 0, -1):
+            if argv[i].startswith("--config="):
+                argv[i] = "--config=" + configs.resolve(argv[i].split("=", 1)[1])
+            elif argv[i] == "--config" and i + 1 < len(argv):
+                argv[i:i + 2] = ["--config=" + configs.resolve(argv[i + 1])]
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(cli.USER_ERROR_EXIT)
@@ -38,13 +42,3 @@ def make_configs_importable(argv: list[str] | None = None) -> None:
     for root in reversed(roots):
         if str(root) not in sys.path:
             sys.path.insert(0, str(root))
-
-
-def _resolve_presets(argv: list[str]) -> None:
-    """`--config=VALUE` and `--config VALUE` in `argv` through `cbs.configs.resolve`, in place
-    (as `--config=PATH[:arg]`)."""
-    for i in range(len(argv) - 1, 0, -1):
-        if argv[i].startswith("--config="):
-            argv[i] = "--config=" + configs.resolve(argv[i].split("=", 1)[1])
-        elif argv[i] == "--config" and i + 1 < len(argv):
-            argv[i:i + 2] = ["--config=" + configs.resolve(argv[i + 1])]

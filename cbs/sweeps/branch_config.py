@@ -31,8 +31,8 @@ METRICS = ("loss_ema", "full_train/loss")
 EMA_UNITS = ("step", "reference_batch")
 CRITERIA = ("paper", "ladder")
 B_STAR_RULES = ("k_star", "geometric")
-# Δ of the paper: 2 billion tokens with OLMo's B = 1024 documents × 4096 tokens, i.e. ≈ 477
-# steps at B; in reference steps, rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
+# Δ of the paper in reference steps: 2B tokens at OLMo's B = 1024 × 4096 tokens ≈ 477 steps,
+# rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
 PAPER_WINDOW_STEPS = 512
 
 
@@ -47,14 +47,12 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
     b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
     b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
-    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B, rounded up to a
-    #   multiple of lcm(ks)·B (the paper's 2B tokens ≈ 477 steps at B, Sec. 3.1)
+    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B (≈ the paper's 2B
+    #   tokens) rounded up to a multiple of lcm(ks)·B
     b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the branch point,
-    #   rounded up to a multiple of lcm(ks)·B (windows short against the training before
-    #   them at every point); 0 = the fixed Δ above
+    #   rounded up to a multiple of lcm(ks)·B; 0 = the fixed Δ above
     b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
-    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or as a fraction of that min
-    #   ("relative")
+    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or a fraction of that min ("relative")
     b.criterion = "paper"  # "paper": k* = largest k within ε of every smaller k; "ladder": the
     #   same, but the first failing k ends the ladder (a lucky larger k does not count)
     b.b_star = "k_star"  # reported B*: "k_star" k*·B (paper); "geometric" √(k*·k⁺)·B, the
@@ -65,9 +63,8 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
     b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
-    b.noise_checkpoints = 0  # > 0: B_simple and B_noise measured exactly on the whole training
-    #   set at every branch point and this many log-spaced reference checkpoints (in-memory
-    #   data; `branch_noise.NOISE_ESTIMATOR`); 0 = off
+    b.noise_checkpoints = 0  # > 0: exact B_simple, B_noise on the whole training set at every
+    #   branch point and this many log-spaced reference checkpoints (in-memory data); 0 = off
     b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
     b.noise_seed = 0  # draw of those m examples
     return b

@@ -156,10 +156,6 @@ class BranchRunner:
 
         return jax.jit(jax.vmap(loss))
 
-    def window(self, examples_seen: int) -> int:
-        """Δ of the branches from a point that has seen `examples_seen` examples."""
-        return window_examples(self.config, examples_seen)
-
     def _program(self, k: int) -> Callable:
         """jit(vmap over seeds) of branch k: (states[S], seeds[S], loss_ema[S], n) ->
         (states, loss_ema, last_loss) after n steps (n traced: one compilation per k)."""
@@ -178,11 +174,11 @@ class BranchRunner:
 
     def _overrides(self, state: TrainState, k: int, seed: int | None = None,
                    evaluate: bool = True) -> spec.RunOverrides:
-        e0 = position(state)[1]
+        window = window_examples(self.config, position(state)[1])
         lr0 = float(jax.device_get(state.learning_rate)) * self.lr_scale
         return branch_unit.branch_overrides(
             state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
-            num_steps=self.window(e0) // (k * self.bsz), seed=seed, evaluate=evaluate,
+            num_steps=window // (k * self.bsz), seed=seed, evaluate=evaluate,
             full_train=self.b.metric == "full_train/loss")
 
     def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
@@ -192,6 +188,7 @@ class BranchRunner:
         seeds = [int(s) for s in self.b.seeds]
         o = self._overrides(state, k)
         e0 = position(state)[1]
+        window = window_examples(self.config, e0)
         if self.vmap:
             c = spec.run_config(self.branch_config, o, drop=())
             out = branch_unit.VmappedBranch(
@@ -202,8 +199,8 @@ class BranchRunner:
                             self.engine_branch(step, k, s), strict=True)) for s in seeds]
         return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
                  "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
-                 "learning_rate": o.learning_rate, "window_examples": self.window(e0),
-                 "steps": self.window(e0) // (k * self.bsz)} | out[i]
+                 "learning_rate": o.learning_rate, "window_examples": window,
+                 "steps": window // (k * self.bsz)} | out[i]
                 for i, s in enumerate(seeds)]
 
     def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:

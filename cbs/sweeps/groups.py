@@ -109,14 +109,14 @@ class TrialGroup:
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
                               in_shardings=(rep, rep, None), out_shardings=rep)
         # The evaluation does not depend on B: groups of one sweep share its compilation.
-        cache = {} if cache is None else cache
-        self._cache = cache
+        self._cache = cache = {} if cache is None else cache
         key = ("evaluate", len(trials), self.trial_seed)
         if key not in cache:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
         self._measure = state_measurement(self.noise, self.parts, seed=self.trial_seed)
+        self.curve_keys = [f"noise/{k}" for k in NOISE_CURVE_KEYS]  # measured, per trial
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -283,8 +283,7 @@ class TrialGroup:
             metric: [float(v) for v in m[skip:keep]]}
         evals = history["evals"][:keep]
         curve["noise/step"] = list(self.steps[:keep])
-        for k in NOISE_CURVE_KEYS:
-            key = f"noise/{k}"
+        for key in self.curve_keys:
             curve[key] = [float(np.asarray(e[key])[i]) if key in e else math.nan
                           for e in evals]
         values = [v for v in curve[metric] if math.isfinite(v)]

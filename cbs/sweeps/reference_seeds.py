@@ -163,6 +163,8 @@ class SeedReferenceRun(reference.ReferenceRun):
         self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
         self.preconditioner = str(config.optim.name) in ADAPTIVE
+        if self.preconditioner:
+            self.curve_keys += [f"noise_p/{k}" for k in PRECONDITIONED_KEYS]
         self._measure_below = max(float(t) for t in self.sweep.targets)
         self._measuring = False
         self._progress_jit = jax.jit(jax.vmap(self._progress_fn, in_axes=(0, 0, None)))
@@ -214,16 +216,6 @@ class SeedReferenceRun(reference.ReferenceRun):
         due = any(left for left in self._left.values())
         self._left = {t: (left - 1 if left else left) for t, left in self._left.items()}
         return due
-
-    def _result(self, i, trial, history):
-        result = super()._result(i, trial, history)
-        n = len(result.curve["noise/step"])
-        evals = history["evals"][:n]
-        for k in PRECONDITIONED_KEYS if self.preconditioner else ():
-            key = f"noise_p/{k}"
-            values = [float(np.asarray(e[key])[i]) if key in e else math.nan for e in evals]
-            result.curve[key] = [v if math.isfinite(v) else None for v in values]
-        return result
 
 
 def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,

@@ -181,8 +181,7 @@ def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay
 
 
 def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
-                      curve: dict[str, list[float]], status: str, seconds: float,
-                      ) -> TrialResult:
+                      curve: dict[str, list[float]], status: str, seconds: float) -> TrialResult:
     """Steps, examples and measured noise scale at each target from a progress curve."""
     metric = sweep.target_metric
     steps_to, examples_to, noise_at = {}, {}, {}
@@ -203,8 +202,7 @@ def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
         final_metric=float(final), curve=_json_safe(curve), seconds=seconds)
 
 
-def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
-              ) -> dict[str, float]:
+def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> dict[str, float]:
     x = curve.get("noise/step", [])
     if not x:
         return {}
