@@ -135,9 +135,8 @@ def _ladder_lcm(ks: Sequence[int]) -> int:
 
 
 def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None = None) -> int:
-    """Δ in examples: with `branch.window_fraction` > 0 and the branch point's examples seen,
-    that fraction of them rounded up to a multiple of lcm(ks)·B; else
-    `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a multiple of lcm(ks)·B."""
+    """Δ in examples: `branch.window_fraction` of `examples_seen` (when both are given), else
+    `branch.window_examples`, else PAPER_WINDOW_STEPS·B; rounded up to a multiple of lcm(ks)·B."""
     b, bsz = config.branch, reference_batch(config)
     frac = float(b.get("window_fraction", 0.0))
     if frac and examples_seen is not None:

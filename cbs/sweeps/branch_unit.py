@@ -46,10 +46,9 @@ def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
 def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float,
                      num_steps: int, full_train: bool, seed: int | None = None,
                      evaluate: bool = True) -> spec.RunOverrides:
-    """The run overrides of a branch from `start`: `num_steps` steps at `batch_size` and peak
-    rate `learning_rate` (a float32 value, as the state holds it), with data-order `seed`
-    (None: the config's), evaluated at the end when `evaluate` (the full training-set loss
-    too when `full_train`)."""
+    """A branch from `start`: `num_steps` steps at `batch_size` and peak rate `learning_rate`,
+    data-order `seed` (None: the config's), evaluated at the end when `evaluate` (the full
+    training-set loss too when `full_train`)."""
     end = position(start)[0] + num_steps
     return spec.RunOverrides(
         batch_size=batch_size, learning_rate=learning_rate, seed=seed, max_steps=end,
@@ -136,9 +135,8 @@ class VmappedBranch:
 def engine_branch(config: ml_collections.ConfigDict, workdir: str, start: TrainState, *,
                   ema_decay: float, device_mesh: jax.sharding.Mesh, dataset: Any = None
                   ) -> tuple[float, float, float]:
-    """One seed's branch through the engine's own `Trainer` and loop (`config`: its run
-    config from `branch_overrides` with the seed): (loss EMA at the end of the window, last
-    batch loss, the final full training-set loss or NaN when not evaluated)."""
+    """One seed's branch through the engine's `Trainer` (`config`: `branch_overrides`'s):
+    (loss EMA at the window's end, last batch loss, final full training-set loss or NaN)."""
     tr = trainer.Trainer(config, workdir, mesh=device_mesh, dataset=dataset, start=start)
     try:
         tr.run(raise_on_divergence=False)

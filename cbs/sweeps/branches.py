@@ -4,21 +4,17 @@
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
-1. A reference run at (B, η_0), an ordinary engine run on one device in `workdir/reference`,
-   keeps every checkpoint (`train.checkpoint_every`).
-2. Branch points are checkpoints of it, by examples seen or by the first crossing of a
-   smoothed training loss (`branch.points_examples`, `branch.points_losses`).
-3. From each point and each k: train Δ examples at batch k·B and peak rate f(k)·η_0 (k for
-   "linear", SGD; √k for "sqrt", Adam), i.e. Δ/(k·B) steps, and record the EMA of the batch
-   loss at the window's end (decay `loss_ema_decay` per step of the branch, or per B examples
-   with `loss_ema_per="reference_batch"`) and optionally the exact training-set loss.
-4. Each (point, k) is a unit, a run of the engine's loop from the point
-   (`cbs.sweeps.branch_unit`): its S data-order seeds as one vmapped program
-   (`VmappedBranch`, the program `cbs.sweeps.groups` runs too), or, with `branch.vmap=False`
-   or streamed data, one `Trainer` per seed (`branch_unit.engine_branch`). The k of one seed
-   read the same stream positions [E, E + Δ) (common random numbers).
-
-k*, B* and their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
+A reference run at (B, η_0) (an engine run on one device in `workdir/reference`, every
+checkpoint kept) gives the branch points: checkpoints chosen by examples seen or by the first
+crossing of a smoothed training loss (`branch.points_examples`, `branch.points_losses`). From
+each point and each k, a branch trains Δ examples (Δ/(k·B) steps) at batch k·B and peak rate
+f(k)·η_0 (k "linear" for SGD, √k "sqrt" for Adam) and records the EMA of its batch loss at the
+window's end (decay `loss_ema_decay` per step, or per B examples with
+`loss_ema_per="reference_batch"`) and optionally the exact training-set loss. Each (point, k)
+is a unit (`cbs.sweeps.branch_unit`): its S data-order seeds as one vmapped program
+(`VmappedBranch`), or with `branch.vmap=False` or streamed data one `Trainer` per seed. The k
+of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B* and
+their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
 
 Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/` (a
 write-once part per (point, k), one record per seed: shards lose none of each other's),
@@ -70,9 +66,8 @@ UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
-    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*`.
-
-    `reference`: the reference run's train records (step, train/loss)."""
+    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*` and the
+    reference run's train records (step, train/loss)."""
     b, bsz = config.branch, reference_batch(config)
     ckpts = sorted(s for s in ckpt_steps if s > 0)
     out = set()
@@ -251,10 +246,9 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
 
 
 def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes branch.json (the whole config, and the numbers the report reads) before anything
-    trains; a workdir whose branch.json holds a different config is refused in one line
-    naming the differing fields (a branch.json of an older version is compared on the fields
-    it holds)."""
+    """Writes branch.json (the config and the numbers the report reads) before anything
+    trains; one that holds a different config (an older one: on its fields) is refused in
+    one line naming the differing fields."""
     definition = {
         "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
         "window_examples": window_examples(config),
@@ -276,10 +270,8 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Reference run, then this shard's pending branch units; returns all branch records.
-
-    Every field, the shard and the reference run's config are validated before anything is
-    written. `stop_after`: run at most this many units (tests: an interrupted study)."""
+    """Validates every field, the shard and the reference run's config, then runs the
+    reference and this shard's pending units (at most `stop_after`); returns all records."""
     validate_branch_config(config)
     parse_shard(shard)
     config_lib.validate(reference_run_config(config), data_replicas=1,  # one device

@@ -60,7 +60,6 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.noise_window = 5  # evaluations averaged around a crossing for the measured noise scale
     s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged (0 = off)
     s.divergence_patience = 3  # ... when it stays above for this many consecutive evaluations
-    #                            (a shorter spike that recovers is not a divergence)
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
     s.noise_protocol = "per_trial"  # "per_trial": noise at each best trial's crossings only;
     #                                 "reference": also one rerun at noise_reference_batch_size
@@ -68,8 +67,7 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
     s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
-    #                                   config.noise.deviations); late in training one
-    #                                   example's form can dominate: more is steadier
+    #                                   config.noise.deviations; more is steadier late)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging
@@ -237,10 +235,9 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
 
 def shard_trials(trials: Sequence[Trial], shard: str | None,
                  batch_sizes: Sequence[int]) -> list[Trial]:
-    """The trials of this shard: shard i of n owns the batch sizes whose rank in
-    `batch_sizes` (sorted) is ≡ i (mod n), with every seed and learning rate at them. A
-    shard therefore runs each vmapped group whole (the records equal an unsharded sweep's,
-    bit for bit) and decides its learning-rate extensions from its own records."""
+    """The trials of this shard: shard i of n owns the batch sizes whose rank in sorted
+    `batch_sizes` is ≡ i (mod n), every seed and rate at them (so each group runs whole and
+    a shard extends its own rates)."""
     i, n = parse_shard(shard)
     rank = {int(b): k for k, b in enumerate(sorted(int(b) for b in batch_sizes))}
     return [t for t in trials if rank[int(t.batch_size)] % n == i]

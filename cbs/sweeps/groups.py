@@ -1,22 +1,19 @@
 """Several sweep trials as one program: the learning rates of one (B, seed), vmapped.
 
-Trials that differ only in the peak learning rate η_0 (a value of `cbs.engine.state
-.TrainState`) are one state with a leading axis K, run by the engine's step under `vmap`.
-`TrialGroup` drives the engine's loop (`cbs.engine.loop.Loop`: order of events, budget,
-checkpoints, records, resume, stopping) with a vmapped dispatch of many steps
-(`cbs.engine.vmapped.vmapped_steps`, a `fori_loop` of traced length, so the log-spaced grid of
-`cbs.sweeps.trials.eval_steps` costs no recompilation) and a vmapped evaluation after each: the
-progress metric (full training-set loss, eval-split loss, or the EMA of the batch loss) and
-the noise measurement of `config.noise` (`cbs.engine.measure.state_measurement`, as engine
-trials record). It stops once every trial has crossed the lowest target or diverged
-(`cbs.runtime.progress.DivergenceRule`).
+Trials that differ only in the peak learning rate η_0 (a value of the train state) are one
+state with a leading axis K, run by the engine's step under `vmap`. `TrialGroup` drives the
+engine's loop (`cbs.engine.loop.Loop`: events, budget, checkpoints, records, resume,
+stopping) with a vmapped dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, a
+`fori_loop` of traced length: the log grid of `cbs.sweeps.trials.eval_steps` costs no
+recompilation) and a vmapped evaluation after each: the progress metric and the noise
+measurement of `config.noise` (`cbs.engine.measure.state_measurement`, as engine trials
+record). It stops once every trial has crossed the lowest target or diverged.
 
 A group runs on one device. Its run directory holds the loop's files: one eval record per
 trial and evaluation in `metrics.jsonl` (step, kind="eval", trial (its index),
 data/examples_seen, the progress metric, train/loss_ema, noise/*), status.json and a
-checkpoint every `sweep.checkpoint_every_evals` evaluations; a killed group resumes there and
-ends with an uninterrupted one's records. Its progress bar and mirrors are the sweep's
-(`cbs.runtime.writer.Outputs`).
+checkpoint every `sweep.checkpoint_every_evals` evaluations; a killed group resumes there
+with an uninterrupted one's records.
 """
 
 from __future__ import annotations
@@ -159,9 +156,8 @@ class TrialGroup:
         return self.trials[0].seed
 
     def start(self, restore: Restore | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)},
-        fresh at step 0 or restored. The initialisation does not depend on B: the groups of
-        one sweep and seed share it."""
+        """{"trials": the K stacked states, "loss_ema": [K] (NaN: no loss yet)}, fresh at step
+        0 (one initialisation per sweep and seed) or restored."""
         if restore is not None:
             shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
             return restore(jax.tree.map(
@@ -260,9 +256,8 @@ class TrialGroup:
         return 1 if self.sweep.target_metric == "train/loss_ema" else 0
 
     def _finished(self, history) -> bool:
-        """Every trial crossed the lowest target or diverged (`cbs.runtime.progress`); or, with
-        `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
-        still make comes later than that trial's, so none of them can be the fastest."""
+        """Every trial crossed the lowest target or diverged; or, with
+        `sweep.stop_when_dominated`, one crossed it (the others can no longer be fastest)."""
         m = self._metric_matrix(history)[self._skip:]
         reached = np.any(m <= min(self.sweep.targets), axis=0)
         if self.sweep.stop_when_dominated and np.any(reached):

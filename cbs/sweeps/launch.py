@@ -116,12 +116,9 @@ def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
 
 def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str | None = None,
               redefine: bool = False, log: Callable[[str], Any] = print) -> list[TrialResult]:
-    """Runs this shard's unfinished trials, round after round of learning rates added past
-    edge optima; returns their results (also in trials.jsonl).
-
-    redefine: accept a sweep definition whose grid differs from the one in sweep_dir
-    (`SweepStore.write_definition`); finished trials still in the grid are kept.
-    """
+    """Runs this shard's unfinished trials, round after round of rates added past edge
+    optima; returns their results. `redefine`: accept a grid that differs from sweep_dir's
+    (`SweepStore.write_definition`), keeping the finished trials still in it."""
     base = check_config(config)
     parse_shard(shard)
     store = SweepStore(sweep_dir)

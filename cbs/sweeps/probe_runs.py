@@ -71,11 +71,9 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
               budget: float = probe.DEFAULT_BUDGET, unit: str = "examples",
               epsilon: float = 0.02, tolerance: str = "relative",
               log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Runs (or resumes) the probe's branches from the checkpoint that `measured` describes
-    (`cbs.train.measure_checkpoint(run_dir, step)`: its step, examples seen and batch size).
-
-    Returns {"rows": the branch records, "plan": `probe.plan`'s, "base": b_0, "ks", "seeds",
-    "metric", "epsilon", "tolerance", "lr_scale"}."""
+    """Runs (or resumes) the probe's branches from the checkpoint `measured` describes
+    (`cbs.train.measure_checkpoint`); returns {"rows": the branch records, "plan", "base":
+    b_0, "ks", "seeds", "metric", "epsilon", "tolerance", "lr_scale"}."""
     raw = records.read_json(os.path.join(run_dir, files.CONFIG_FILE))
     if raw is None:
         raise FileNotFoundError(f"{run_dir} has no {files.CONFIG_FILE}: give the run directory "

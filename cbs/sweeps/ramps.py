@@ -92,12 +92,10 @@ RAMP_FIELDS = (*RAMP_REQUIRED, "lr_coupling", "name", *_RAMP_INTEGERS)
 
 
 def validate_ramps(config: ml_collections.ConfigDict, *, replicas: int | None = None) -> None:
-    """Refuses, before anything is written, `config.ramps` entries that cannot run: the type
-    and range of every field (`RAMP_FIELDS`; an unknown one is a typo), labels that are not
-    unique or give clashing directory names, a "best@B" at a batch size the sweep does not
-    train, and the run config of each ramp as the engine validates it (`ramp_config`, with
-    `replicas` data replicas, by default those of `config.mesh` on this host's devices).
-    Raises `ConfigError` naming `config.ramps[i].field`."""
+    """Raises `ConfigError` naming `config.ramps[i].field` for ramps that cannot run: a bad or
+    unknown field (`RAMP_FIELDS`), labels not unique or clashing as directory names, a
+    "best@B" at an unswept B, a run config the engine refuses (`replicas` data replicas,
+    default: `config.mesh`'s on this host)."""
     runs = config.get("ramps")
     if not isinstance(runs, (list, tuple)) or not runs:
         raise ConfigError("config.ramps: must be a non-empty list of ramps (dicts with "
@@ -189,9 +187,8 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
 def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
                    ) -> spec.RunOverrides:
     """How one ramp's run differs from the base config: its schedule, η_0 and coupling, the
-    sweep's budget and an evaluation every `eval_every` (default 5) steps. A ramp measures
-    the noise only where its config's `noise.every` asks (on the step's examples), never at
-    its evaluations as the sweep's trials do."""
+    sweep's budget and an evaluation every `eval_every` (default 5) steps; the noise only
+    where `noise.every` asks, on the step's examples."""
     sweep = config.sweep
     coupling = dict(run.get("lr_coupling", {"rule": "none"}))
     every = int(run.get("eval_every", 5))
@@ -244,11 +241,8 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
               mesh: jax.sharding.Mesh | None = None, out_dir: str | None = None
               ) -> list[dict[str, Any]]:
     """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
-
-    `mesh` defaults to `config.mesh`; a schedule's batch sizes must be multiples of
-    micro_batch × data replicas. `out_dir` (default: sweep_dir) holds ramps.jsonl and the
-    runs, so a study of ramps can sit beside a finished sweep without touching it.
-    """
+    `mesh` defaults to `config.mesh` (batch sizes: multiples of micro_batch × data replicas);
+    `out_dir` (default: sweep_dir) holds ramps.jsonl and the runs."""
     check_ramps(config, sweep_dir, mesh=mesh)
     out_dir = out_dir or sweep_dir
     paths.makedirs(out_dir)

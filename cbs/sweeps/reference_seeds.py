@@ -1,30 +1,27 @@
 """One noise protocol for a committed study: the reference trajectory, over seeds.
 
 One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold
-within a few evaluations of a run), so `run_seeds` runs the reference trajectory
-(`cbs.sweeps.reference.ReferenceRun`) of a study already swept
+within a few evaluations), so `run_seeds` runs the reference trajectory
+(`cbs.sweeps.reference.ReferenceRun`) of a study already swept at the largest swept
+B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the fit at the lowest target, where it is
+largest), at the best rate there on the first seed (`cbs.sweeps.reference.reference_trial`),
+for `seeds` seeds 0, 1, … (initialisation and data order). It measures either
 
-- at the largest swept B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the study's fit at
-  its lowest target, where it is largest; the report states B/B_crit at the others);
-- at the best rate at B on the sweep's first seed (`cbs.sweeps.reference.reference_trial`),
-  for `seeds` seeds 0, 1, … (initialisation and data order);
-- measured either on the whole training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ)
-  from `deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation
-  from the first crossing of the highest target on (earlier ones are NaN) until
-  `sweep.noise_window` evaluations past the lowest; or, with `examples` = n > 0, by the
-  sampled estimator (`cbs.stats.sampled`: G, |G|², tr(Σ) from n examples of an independent
-  stream, tr(HΣ) from the deviations of m = `deviations` of them and the Hessian of h =
-  `hessian_examples` independent examples; unbiased) at only the `sweep.noise_window`
-  evaluations from each target's first crossing on, the ones the protocol reads;
-- for Adam and AdamW also the noise scale of the applied update u = P·g (`cbs.stats
-  .preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
-  bias-corrected Adam preconditioner at that step; of the sampled protocol B_simple^P only),
-  on the same draws, recorded as `noise_p/<key>`.
+- the whole training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from `deviations`
+  ≥ 256 random deviations and the full-data Hessian) at each evaluation from the first
+  crossing of the highest target on (earlier ones are NaN) until `sweep.noise_window`
+  evaluations past the lowest; or, with `examples` = n > 0,
+- the sampled estimator (`cbs.stats.sampled`: n examples of an independent stream, tr(HΣ)
+  from the deviations of m = `deviations` of them and the Hessian of h = `hessian_examples`
+  independent examples; unbiased) at only the `sweep.noise_window` evaluations from each
+  target's first crossing on, the ones the protocol reads;
 
-Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in the sweep
-directory (an existing seed is skipped); the runs go to `reference_seeds/runs/`.
-`cbs.analysis.studies.reference_protocol` reports each seed's noise scale at each target,
-the spread over seeds and each window's standard error.
+and for Adam and AdamW also the noise scale of the applied update u = P·g (`cbs.stats
+.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected
+Adam preconditioner; of the sampled protocol B_simple^P only) on the same draws, recorded as
+`noise_p/<key>`. Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in
+the sweep directory (an existing seed is skipped; runs in `reference_seeds/runs/`);
+`cbs.analysis.studies.reference_protocol` reports them.
 """
 
 from __future__ import annotations
@@ -70,10 +67,9 @@ ADAPTIVE = ("adam", "adamw")  # optimizers whose update P·g is measured too (no
 
 def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
                        examples: str | None = None) -> dict[str, jax.Array]:
-    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`; without
-    `spec.curvature` the B_simple^P ones only): `measure.measure` of the loss in the
-    coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`), on the same examples and
-    random draws as the plain measurement."""
+    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`, B_simple^P's only
+    without `spec.curvature`): `measure.measure` in the coordinates φ = θ/√P
+    (`cbs.stats.preconditioned.rescaled`) on the plain measurement's draws."""
     phi = jax.tree.map(lambda q, s: q / jnp.sqrt(s), params, precond)
     stats = measure.measure(spec, preconditioned.rescaled(loss_fn, precond), phi, batch,
                             hessian_batch=hessian_batch, key=key, examples=examples)
@@ -222,14 +218,11 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
               fraction: float = FRACTION, evals: int | None = None, batch_size: int = 0,
               examples: int = 0, hessian_examples: int = HESSIAN_EXAMPLES,
               log=print) -> list[dict[str, Any]]:
-    """Runs the protocol (module docstring) for seeds 0 … seeds − 1 of the study in
-    `sweep_dir`, skipping seeds already written; returns every seed's record.
-
-    evals: log-spaced evaluations over the budget (default `sweep.noise_reference_evals`);
-    batch_size: B (default: `choose_batch_size` with `fraction`); examples: n of the sampled
-    protocol (0: the whole training set), with m = `deviations` (default
-    `SAMPLED_DEVIATIONS`; the whole-set protocol: `DEVIATIONS`, its minimum) and h =
-    `hessian_examples`."""
+    """Runs the protocol for seeds 0 … seeds − 1 of the study in `sweep_dir` (skipping those
+    written); returns every seed's record. `evals` default `sweep.noise_reference_evals`;
+    `batch_size` default `choose_batch_size`; `examples`: n of the sampled protocol (0: the
+    whole set), m = `deviations` (default `SAMPLED_DEVIATIONS`, else `DEVIATIONS`, its
+    minimum), h = `hessian_examples`."""
     sampled = examples > 0
     if deviations is None:
         deviations = SAMPLED_DEVIATIONS if sampled else DEVIATIONS
