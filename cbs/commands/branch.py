@@ -6,10 +6,9 @@
     cbs-branch --analyze_only --workdir=results/digits_branch \
         --sweep_dir=runs/digits  # table, report.md and figure from committed records
 
-Trains (or resumes) the reference run, then this shard's branch units (see
-`cbs.sweeps.branches`); re-running the same command skips finished units. With --report
-(default, not for shards) prints the table of B* per branch point and writes
-workdir/report.md and workdir/local_cbs.png (with the swept B_crit of --sweep_dir when given).
+Trains (or resumes) the reference run, then this shard's branch units (`cbs.sweeps.branches`;
+finished units are skipped). With --report (default, not for shards) prints the table of B*
+per branch point and writes workdir/report.md and local_cbs.png (with --sweep_dir's B_crit).
 """
 
 from __future__ import annotations

@@ -3,22 +3,19 @@
     cbs-ramps --config=digits_payoff --sweep_dir=results/digits --out_dir=results/digits_payoff
 
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
-(results/digits_branch: the "local CBS" ramp's schedule); writes only to out_dir. Every run is
-repeated over seeds 0, 1, 2 and stopped once the full training loss crossed every target;
+(results/digits_branch: the "local CBS" ramp's schedule); writes only to out_dir. Each run is
+repeated over seeds 0, 1, 2 until the full training loss crossed every target;
 `cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports each
 ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md). Runs:
-
-- fixed B = 16 … 256 at the sweep's best rate at B (the frontier), and at every other rate
-  that is the sweep's best at B for some target ("fixed B=… · η=…": each fixed baseline
-  tuned per target);
-- "adaptive (B_simple)" (`digits_ramps.py:adaptive`); "local CBS", a step schedule through the
-  branched study's B*(e), 8 → 16 → 32 (`cbs.analysis.reports.branch_report
-  .local_cbs_schedule`); the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py`).
+fixed B = 16 … 256 at the sweep's best rate at B and at each other rate that is its best at B
+for some target ("fixed B=… · η=…": each fixed baseline tuned per target); "adaptive
+(B_simple)" (`digits_ramps.py:adaptive`); "local CBS", a step schedule through the branched
+study's B*(e), 8 → 16 → 32; the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py`).
 
 `--config=digits_payoff:start` (out_dir results/digits_ramp_start) is Merrill et al.'s
 comparison alone: the four ramps and the fixed runs at each ramp's first batch size (tuned
-per target as above), on seeds 0 … 21, seed by seed (22: the most a 15 % saving needed at
-the spread twelve seeds measured).
+per target), on seeds 0 … 21, seed by seed (22: the most a 15 % saving needed at the spread
+twelve seeds measured).
 """
 
 from __future__ import annotations

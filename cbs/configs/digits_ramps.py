@@ -5,29 +5,26 @@ the study that runs them beside the digits sweep.
     cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
     cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
-A single ramp is the digits sweep's run config with a batch-size schedule: the micro-batch
-stays 16 (one compilation per accumulation count) and Adam's η follows η = η_0·(B/B_0)^½
-from η_0 at the first batch size B_0, capped at 0.03:
+A single ramp is the digits sweep's run config with a batch-size schedule, the micro-batch
+fixed at 16 and Adam's η = η_0·(B/B_0)^½ from the first batch size B_0, capped at 0.03:
 
-- `:llama3` (`STEP`): Llama 3 405B doubled its batch twice (4M → 8M tokens after 252M, → 16M
-  after 2.87T, `cbs.engine.schedules.llama3_schedule`); here where the digits sweep's B_crit
-  passes the batch: 32 examples, 64 after 1,500, 128 after 4,000. Expected: full_train/loss
-  ≈ 0.05 within about 200 steps.
-- `:deepseek` (`LINEAR`): DeepSeek-V3 ramped 3,072 → 15,360 sequences over the first 469B of
-  14.8T tokens (`cbs.engine.schedules.deepseek_v3_schedule`); here 32 → 160 examples over the
-  first 4,000, in multiples of 16. Expected: full_train/loss ≈ 0.05 within about 200 steps.
+- `:llama3` (`STEP`): Llama 3 405B's two doublings (4M → 8M tokens after 252M, → 16M after
+  2.87T, `cbs.engine.schedules.llama3_schedule`) placed where the digits sweep's B_crit passes
+  the batch: 32 examples, 64 after 1,500, 128 after 4,000;
+- `:deepseek` (`LINEAR`): DeepSeek-V3's ramp (3,072 → 15,360 sequences over the first 469B of
+  14.8T tokens, `cbs.engine.schedules.deepseek_v3_schedule`) as 32 → 160 examples over the
+  first 4,000, in multiples of 16. Expected for both: full_train/loss ≈ 0.05 within about
+  200 steps;
 - `:adaptive` (`ADAPTIVE`): every 10 steps B moves on the ladder 16, 32, ..., 1024 towards
-  k·B_simple of the live estimate (`cbs.stats.smoothing.NoiseScaleEMA`,
-  `cbs.engine.adaptive.Adaptive`; hysteresis: beyond a band of factor^¾ for 3 readings).
-  Expected: B climbs from 16 to a few hundred as B_simple grows from ~30 to ~100+.
-  `:adaptive,calibrated` targets the calibrated B_crit (`rule="calibrated"`: k·r̂·B_simple,
+  k·B_simple of the live estimate (`cbs.engine.adaptive.Adaptive`; hysteresis: beyond a band
+  of factor^¾ for 3 readings). Expected: B climbs from 16 to a few hundred as B_simple grows
+  from ~30 to ~100+. `:adaptive,calibrated` targets the calibrated B_crit (k·r̂·B_simple,
   Adam's r̂ from the shipped calibration; each train record's `advice/b_crit`).
 
-The study (no ramp named) finishes the digits sweep in the same sweep_dir if needed, then
-runs fixed small and large batches (at the sweep's best rate at their B) and each ramp (from
-the best rate at its first B), each stopped once the full training loss crossed every
-target; appends them to ramps.jsonl and rewrites the report ("Batch-size ramps": S and E per
-target; figures/ramps_L*.png: each run on that target's fitted S–E frontier).
+The study (no ramp named) finishes the digits sweep in sweep_dir if needed, then runs fixed
+small and large batches (at the sweep's best rate at their B) and each ramp (from the best
+rate at its first B) until the full training loss crossed every target, and rewrites the
+report ("Batch-size ramps": S and E per target; figures/ramps_L*.png: the S–E frontiers).
 """
 
 from __future__ import annotations
