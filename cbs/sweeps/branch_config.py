@@ -24,15 +24,13 @@ __all__ = [
     "reference_run_config", "validate_branch_config", "window_examples",
 ]
 
-# The rules a branch study may scale its learning rate by, f(k) = k^p: those of
-# `cbs.engine.lr.LR_RULES` whose f grows with k (p > 0, so not "none").
+# The rules f(k) = k^p of `cbs.engine.lr.LR_RULES` that grow with k (p > 0).
 BRANCH_LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)
 METRICS = ("loss_ema", "full_train/loss")
 EMA_UNITS = ("step", "reference_batch")
 CRITERIA = ("paper", "ladder")
 B_STAR_RULES = ("k_star", "geometric")
-# Δ of the paper in reference steps: 2B tokens at OLMo's B = 1024 × 4096 tokens ≈ 477 steps,
-# rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
+# Δ of the paper (2B tokens ≈ 477 OLMo steps, Sec. 3.1) in steps, up to a power of two.
 PAPER_WINDOW_STEPS = 512
 
 

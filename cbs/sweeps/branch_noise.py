@@ -1,17 +1,14 @@
 """The noise scale of a branch study's reference run at its checkpoints
 (`branch.noise_checkpoints`; in-memory data only): which checkpoints, and their records.
 
-Letters: N training examples, m of them (a fixed random draw, `branch.noise_seed`) whose
-deviations give tr(HΣ), H the Hessian of the mean loss over all N. The measurement
-(`measurement_spec`, through `cbs.engine.measure.measure`, the method "sampled" of
-`cbs.stats.sampled` on all N examples): G, tr(Σ) and B_simple exact from all N per-example
-gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased since H is the full-data
-Hessian, not the weighed examples'; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG.
-Cost per checkpoint: N per-example gradients and m + 1 HVPs over N examples.
-
-Records (`reference_noise.jsonl`, write-once parts, `cbs.results.shared.add_records`), one
-per checkpoint: step, examples_seen, num_examples, deviations, noise/<key>
-(`cbs.stats.noise.STAT_KEYS`), estimator (`NOISE_ESTIMATOR`).
+Letters: N training examples, m of them (a fixed draw, `branch.noise_seed`) whose deviations
+give tr(HΣ), H the Hessian of the mean loss over all N. `measurement_spec` (the method
+"sampled" of `cbs.stats.sampled` on all N examples): G, tr(Σ), B_simple exact from all N
+per-example gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased as H is the
+full-data Hessian; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG. Cost per
+checkpoint: N per-example gradients and m + 1 HVPs over N examples. Records
+(`reference_noise.jsonl`, write-once parts), one per checkpoint: step, examples_seen,
+num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`), estimator.
 """
 
 from __future__ import annotations

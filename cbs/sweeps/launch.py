@@ -3,18 +3,15 @@
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
 The whole config is validated (`check_config`) before anything is written. The trials are
-the grid of `config.sweep` plus the rates added past edge optima (`cbs.sweeps.grid
-.grid_trials`, round after round); `shard="i/n"` keeps the batch sizes whose rank is ≡ i
-(mod n) with every seed and rate at them (`cbs.sweeps.grid.shard_trials`), so each group runs
-whole and a shard extends its own rates. Finished trials (records in trials.jsonl) are
-skipped, an unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an
-in-memory dataset the rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`),
-otherwise each trial is a `cbs.engine.trainer.run` (`cbs.sweeps.trials`). With
-`sweep.noise_protocol = "reference"`, an unsharded launch that finds every trial finished runs
-the reference trajectory (`cbs.sweeps.reference`). Each group is claimed (`SweepStore.claim`:
-a lock file, or an expiring lease on an object store), so launchers on one directory run
-different groups and wait for each other's; each group's records are one write-once part, and
-trials.jsonl and trials.csv are exported at the end.
+the grid plus the rates added past edge optima, round after round (`cbs.sweeps.grid`), of
+this shard's batch sizes; finished ones (records in trials.jsonl) are skipped, unfinished
+ones resume. With `sweep.vmap_trials` and in-memory data the rates of each (B, seed) run as
+one vmapped group (`cbs.sweeps.groups`), else each trial is an engine run
+(`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"`, an unsharded launch that
+finds every trial finished runs the reference trajectory (`cbs.sweeps.reference`). Each group
+is claimed (`SweepStore.claim`: a lock file, or an expiring lease on an object store), so
+launchers on one directory run different groups and wait for each other's; each group's
+records are one write-once part; trials.jsonl and trials.csv are exported at the end.
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ def _learning_rate(spec: Any, sweep_dir: str) -> float:
     return float(spec)
 
 
-# The fields of a config.ramps entry: those without a default, then the optional ones with
-# their least value (whole numbers) or their kind.
+# The fields of a config.ramps entry: the required ones, then the optional ones.
 RAMP_REQUIRED = ("label", "schedule", "learning_rate")
 _RAMP_INTEGERS = {"micro_batch": 1, "seed": 0, "eval_every": 1, "max_steps": 0,
                   "max_examples": 0, "adapt_every": 1}

@@ -57,8 +57,7 @@ __all__ = [
 SEEDS_DIR = "reference_seeds"  # in the sweep directory: seed_<k>.jsonl and runs/
 DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the whole-training-set protocol takes
 SAMPLED_DEVIATIONS = 64  # m of the sampled protocol (examples > 0): its default
-HESSIAN_EXAMPLES = 256  # h of the sampled protocol: its default (the Hessian draw's standard
-#                         error is small beside the deviations'; results.md of the LM studies)
+HESSIAN_EXAMPLES = 256  # h of the sampled protocol: its default (the Hessian draw errs little)
 FRACTION = 4  # B ≤ B_crit / FRACTION at the lowest target
 PRECONDITIONED_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                        "b_noise")  # recorded as noise_p/<key> (Adam, AdamW)

@@ -1,17 +1,14 @@
 """Running a sweep's trials and turning their records into `cbs.results.store.TrialResult`s.
 
 Two back ends, same records: "engine", each trial a `cbs.engine.trainer.run` in its own run
-directory (any model, dataset, mesh; checkpoints; resumes), stopped by `ProgressMonitor` once
-the progress metric has crossed every target, or when the budget is spent or the loss
-explodes; and "vmap" (`cbs.sweeps.groups`), the learning rates of one (B, seed) as one vmapped
-program on an in-memory dataset (`sweep.vmap_trials`).
-
-Both evaluate on one grid (`eval_steps`: `sweep.evals_per_trial` evaluations evenly spaced in
-log(step) over the budget) and measure the noise there through `cbs.engine.measure` (what
-`config.noise` says) on draws fixed by (seed, evaluation index). A target's crossing step is
-interpolated between evaluations (`cbs.analysis.fits.selection.steps_to_target`), its noise
-scale is the ratio of window averages of the statistics around it
-(`selection.noise_scale_at_crossing`).
+directory (any model, dataset, mesh), stopped by `ProgressMonitor` once the progress metric
+has crossed every target, or when the budget is spent or the loss explodes; and "vmap"
+(`cbs.sweeps.groups`), the rates of one (B, seed) as one vmapped program on in-memory data.
+Both evaluate on one grid (`eval_steps`, log-spaced over the budget) and measure the noise
+there through `cbs.engine.measure` (`config.noise`) on draws fixed by (seed, evaluation
+index). A target's crossing step is interpolated between evaluations
+(`cbs.analysis.fits.selection.steps_to_target`), its noise scale is the ratio of window
+averages of the statistics around it (`selection.noise_scale_at_crossing`).
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ __all__ = [
     "summarize", "trial_config", "trial_overrides",
 ]
 
-# The noise statistics of a trial's curve: the evaluation's (less the raw mean_* values) and
-# the live estimate's EMA.
+# The noise statistics of a trial's curve: the evaluation's (less mean_*) and the live EMA.
 NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_")) + (
     "ema_b_simple",)
 
