@@ -39,7 +39,7 @@ STEP = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}  # Llama 
 LINEAR = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}  # DeepSeek
 ADAPTIVE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
-_RUNS = {  # name: (schedule, B_0, η_0)
+_RUNS: dict[str, tuple[dict, int, float]] = {  # name: (schedule, B_0, η_0)
     "llama3": (STEP, 32, 5e-3), "deepseek": (LINEAR, 32, 5e-3), "adaptive": (ADAPTIVE, 16, 4e-3),
 }
 
