@@ -3,15 +3,16 @@
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
 The whole config is validated (`check_config`) before anything is written. The trials are
-the grid plus the rates added past edge optima, round after round (`cbs.sweeps.grid`), of
-this shard's batch sizes; finished ones (records in trials.jsonl) are skipped, unfinished
-ones resume. With `sweep.vmap_trials` and in-memory data the rates of each (B, seed) run as
-one vmapped group (`cbs.sweeps.groups`), else each trial is an engine run
-(`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"`, an unsharded launch that
-finds every trial finished runs the reference trajectory (`cbs.sweeps.reference`). Each group
-is claimed (`SweepStore.claim`: a lock file, or an expiring lease on an object store), so
-launchers on one directory run different groups and wait for each other's; each group's
-records are one write-once part; trials.jsonl and trials.csv are exported at the end.
+the grid's and the rates added past edge optima, round after round, at this shard's batch
+sizes (`cbs.sweeps.grid`: `shard="i/n"`); finished ones (in trials.jsonl) are skipped,
+unfinished ones resume from their checkpoints. With `sweep.vmap_trials` and in-memory data
+the rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`), else each trial
+is an engine run (`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"`, an
+unsharded launch that finds every trial finished runs the reference trajectory
+(`cbs.sweeps.reference`). Each group is claimed (`SweepStore.claim`: a lock file, or an
+expiring lease on an object store), so launchers on one directory run different groups and
+wait for each other's; each group's records are one write-once part; trials.jsonl and
+trials.csv are exported at the end.
 """
 
 from __future__ import annotations
