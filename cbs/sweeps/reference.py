@@ -102,14 +102,23 @@ def _deviations(config: ml_collections.ConfigDict) -> int:
     return int(config.sweep.get("noise_reference_deviations", 0) or fallback)
 
 
-def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int) -> str:
-    s = config.sweep
-    m = _deviations(config)
-    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
-            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, each exact "
-            f"on the full training set (N={num_train}; tr(HΣ) from {m} random deviations and "
-            f"the full-data Hessian); ratio of means over the first {int(s.noise_window)} "
-            "evaluations at or after each target's crossing")
+def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int,
+                  sampled: tuple[int, int, int] | None = None) -> str:
+    """The record's description of the protocol; `sampled`: (n, m, h) of the sampled one."""
+    s, window = config.sweep, int(config.sweep.noise_window)
+    head = (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
+            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, ")
+    if sampled is not None:
+        n, m, h = sampled
+        return head + (f"the {window} from each target's crossing on measured by the sampled "
+                       f"estimator (N={num_train}: n={n} examples of an independent stream for "
+                       f"G and tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of "
+                       f"h={h} examples drawn independently); ratio of means over those "
+                       "evaluations")
+    return head + (f"each exact on the full training set (N={num_train}; tr(HΣ) from "
+                   f"{_deviations(config)} random deviations and the full-data Hessian); ratio "
+                   f"of means over the first {window} evaluations at or after each target's "
+                   "crossing")
 
 
 def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,

@@ -274,9 +274,9 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
             "preconditioner": "adam" if run.preconditioner else None,
             "target_metric": result.target_metric, "status": result.status,
             "seconds": result.seconds,
-            "protocol": (_sampled_text(config, trial, run.dataset.num_train, examples,
-                                       deviations, hessian_examples) if sampled else
-                         reference.protocol_text(config, trial, run.dataset.num_train)),
+            "protocol": reference.protocol_text(
+                config, trial, run.dataset.num_train,
+                (examples, deviations, hessian_examples) if sampled else None),
             "curve": result.curve}
         if sampled:
             record |= {"method": "sampled", "examples": int(examples),
@@ -289,13 +289,3 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
         out.append(record)
     return out
 
-
-def _sampled_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int, n: int,
-                  m: int, h: int) -> str:
-    s = config.sweep
-    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
-            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, the "
-            f"{int(s.noise_window)} from each target's crossing on measured by the sampled "
-            f"estimator (N={num_train}: n={n} examples of an independent stream for G and "
-            f"tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of h={h} examples "
-            "drawn independently); ratio of means over those evaluations")
