@@ -40,5 +40,4 @@ def get_config(arg: str = ""):
     if "tiny" in words:
         base.make_tiny(c)
         c.model.channels, c.model.dense_sizes = (4, 8), (16,)  # a few hundred parameters
-        c.eval.full_train = False  # (make_tiny sets a subset; keep the large split off)
     return c

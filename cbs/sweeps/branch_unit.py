@@ -113,8 +113,7 @@ class VmappedBranch:
             for i, s in enumerate(self.seeds)])
 
     def num_compilations(self) -> int:
-        return self.program._cache_size()  # type: ignore[attr-defined]  # jax's jitted
-        #   functions have it; their stub does not
+        return self.program._cache_size()  # type: ignore[attr-defined]  # not in jax's stub
 
     def run(self) -> list[dict[str, float]]:
         """Trains (or resumes) the branch to the end of its window; one record per seed:
@@ -123,13 +122,11 @@ class VmappedBranch:
                                   self.parts.mesh)
         Loop(self, perf=perf, compilations=self.num_compilations).run()
         end = int(self.config.train.max_steps)
-        evals = [r for r in records.read_records(os.path.join(self.workdir,
-                                                              files.METRICS_FILE))
-                 if r.get("kind") == "eval" and r["step"] == end]
-        by_seed = {r["seed"]: r for r in evals}
-        return [{k: _number(by_seed[s][k]) for k in ("loss_ema", "train/loss",
-                                                     "full_train/loss")}
-                for s in self.seeds]
+        by_seed = {r["seed"]: r for r in records.read_records(
+            os.path.join(self.workdir, files.METRICS_FILE))
+            if r.get("kind") == "eval" and r["step"] == end}
+        keys = ("loss_ema", "train/loss", "full_train/loss")
+        return [{k: _number(by_seed[s][k]) for k in keys} for s in self.seeds]
 
 
 def engine_branch(config: ml_collections.ConfigDict, workdir: str, start: TrainState, *,

@@ -197,8 +197,7 @@ class TrialGroup:
             for i, t in enumerate(self.trials)])
 
     def num_compilations(self) -> int:
-        return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
-        #   functions have it; their stub does not
+        return self._chunk._cache_size()  # type: ignore[attr-defined]  # not in jax's stub
 
     def expected_steps(self) -> int | None:
         """The step where the group should stop short of its budget (None: unknown)."""
