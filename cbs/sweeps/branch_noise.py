@@ -29,9 +29,7 @@ from cbs.engine.state import count_to_int
 from cbs.results import files, shared
 from cbs.stats import noise
 
-__all__ = [
-    "NOISE_ESTIMATOR", "measure_at", "measure_reference_noise", "measurement_spec", "noise_steps",
-]
+__all__ = ["NOISE_ESTIMATOR", "measure_reference_noise", "measurement_spec"]
 
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
                    "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
@@ -45,7 +43,7 @@ def measurement_spec(deviations: int) -> NoiseSpec:
                      chunk_size=64)
 
 
-def measure_at(runner: Any, step: int) -> dict[str, Any]:
+def _measure_at(runner: Any, step: int) -> dict[str, Any]:
     """B_simple and B_noise of the reference after `step` updates, exactly on the whole
     training set (`NOISE_ESTIMATOR`): one record."""
     if not runner.parts.in_memory:
@@ -73,7 +71,7 @@ def measure_at(runner: Any, step: int) -> dict[str, Any]:
             "estimator": NOISE_ESTIMATOR}
 
 
-def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
+def _noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                 points: Sequence[int]) -> list[int]:
     """Reference checkpoints to measure the noise at: every branch point and
     `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
@@ -93,7 +91,7 @@ def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
     path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     keys = files.REFERENCE_POINT_KEYS
     done = {r["step"] for r in shared.read_merged(path, keys)}
-    for step in noise_steps(config, runner.ckpt.all_steps(), points):
+    for step in _noise_steps(config, runner.ckpt.all_steps(), points):
         if step not in done:
-            shared.add_records(path, keys, [measure_at(runner, step)])
+            shared.add_records(path, keys, [_measure_at(runner, step)])
     shared.export_parts(path, keys)  # on an object store, once for all checkpoints
