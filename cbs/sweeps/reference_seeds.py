@@ -5,23 +5,20 @@ within a few evaluations), so `run_seeds` runs the reference trajectory
 (`cbs.sweeps.reference.ReferenceRun`) of a study already swept at the largest swept
 B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the fit at the lowest target, where it is
 largest), at the best rate there on the first seed (`cbs.sweeps.reference.reference_trial`),
-for `seeds` seeds 0, 1, … (initialisation and data order). It measures either
-
-- the whole training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from `deviations`
-  ≥ 256 random deviations and the full-data Hessian) at each evaluation from the first
-  crossing of the highest target on (earlier ones are NaN) until `sweep.noise_window`
-  evaluations past the lowest; or, with `examples` = n > 0,
-- the sampled estimator (`cbs.stats.sampled`: n examples of an independent stream, tr(HΣ)
-  from the deviations of m = `deviations` of them and the Hessian of h = `hessian_examples`
-  independent examples; unbiased) at only the `sweep.noise_window` evaluations from each
-  target's first crossing on, the ones the protocol reads;
-
-and for Adam and AdamW also the noise scale of the applied update u = P·g (`cbs.stats
-.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected
-Adam preconditioner; of the sampled protocol B_simple^P only) on the same draws, recorded as
-`noise_p/<key>`. Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in
-the sweep directory (an existing seed is skipped; runs in `reference_seeds/runs/`);
-`cbs.analysis.studies.reference_protocol` reports them.
+for `seeds` seeds 0, 1, … (initialisation and data order). It measures either the whole
+training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from `deviations` ≥ 256 random
+deviations and the full-data Hessian) at each evaluation from the first crossing of the
+highest target on (earlier ones are NaN) until `sweep.noise_window` evaluations past the
+lowest; or, with `examples` = n > 0, by the sampled estimator (`cbs.stats.sampled`: n examples
+of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them and the
+Hessian of h = `hessian_examples` independent examples; unbiased) at only the
+`sweep.noise_window` evaluations from each target's first crossing on, the ones read. For
+Adam and AdamW it also measures the applied update u = P·g (`cbs.stats.preconditioned`:
+B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam
+preconditioner; of the sampled protocol B_simple^P only) on the same draws, recorded as
+`noise_p/<key>`. Each seed's record is written once (an existing one is skipped), to
+`reference_seeds/seed_<k>.jsonl` in the sweep directory (runs in `reference_seeds/runs/`),
+and reported by `cbs.analysis.studies.reference_protocol`.
 """
 
 from __future__ import annotations
