@@ -379,9 +379,9 @@ def test_ramp_directories_have_no_spaces(tmp_path):
     assert not any(" " in n or "(" in n for n in names)
     legacy = tmp_path / ramps.RAMPS_DIR / "step (Llama 3)"  # an older sweep's run is resumed
     legacy.mkdir(parents=True)
-    dirs = ramps._run_dirs(str(tmp_path), labels)
-    assert dirs["step (Llama 3)"] == str(legacy)
-    assert dirs["adaptive"] == str(tmp_path / ramps.RAMPS_DIR / "adaptive")
+    assert ramps._run_dir(str(tmp_path), "step (Llama 3)") == str(legacy)
+    assert ramps._run_dir(str(tmp_path), "adaptive") == str(tmp_path / ramps.RAMPS_DIR /
+                                                             "adaptive")
     from cbs.configs import digits_ramps  # labels that clash are refused when validated
 
     c = digits_ramps.get_config("tiny")

@@ -18,15 +18,18 @@ __all__ = [
 
 
 def make_configs_importable(argv: list[str] | None = None) -> None:
-    """Resolves a packaged preset named by `--config` (`--config=digits_sweep:tiny` or
-    `cbs:digits_sweep:tiny`, `cbs.configs.resolve`) to its file, in `argv` itself, and lets a
-    config file given by path import its siblings (`from experiments.configs import base`)
-    under a console script as under `python -m`: puts the checkout holding the `--config` file
-    (the first ancestor with `experiments/__init__.py`), else the current directory, at the
-    front of sys.path. An unknown name is one line on stderr and exit status 2."""
+    """Resolves a packaged preset named by `--config` (`cbs.configs.resolve`) to its file, in
+    `argv` itself, and puts the checkout holding a `--config` file (the first ancestor with
+    `experiments/__init__.py`), else the current directory, at the front of sys.path, so a
+    config file imports its siblings under a console script as under `python -m`. An unknown
+    name is one line on stderr and exit status 2."""
     argv = sys.argv if argv is None else argv
-    try:
-        _resolve_presets(argv)
+    try:  # `--config=VALUE` and `--config VALUE`, in place, as `--config=PATH[:arg]`
+        for i in range(len(argv) - 1, 0, -1):
+            if argv[i].startswith("--config="):
+                argv[i] = "--config=" + configs.resolve(argv[i].split("=", 1)[1])
+            elif argv[i] == "--config" and i + 1 < len(argv):
+                argv[i:i + 2] = ["--config=" + configs.resolve(argv[i + 1])]
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(cli.USER_ERROR_EXIT)
@@ -39,13 +42,3 @@ def make_configs_importable(argv: list[str] | None = None) -> None:
     for root in reversed(roots):
         if str(root) not in sys.path:
             sys.path.insert(0, str(root))
-
-
-def _resolve_presets(argv: list[str]) -> None:
-    """`--config=VALUE` and `--config VALUE` in `argv` through `cbs.configs.resolve`, in place
-    (as `--config=PATH[:arg]`)."""
-    for i in range(len(argv) - 1, 0, -1):
-        if argv[i].startswith("--config="):
-            argv[i] = "--config=" + configs.resolve(argv[i].split("=", 1)[1])
-        elif argv[i] == "--config" and i + 1 < len(argv):
-            argv[i:i + 2] = ["--config=" + configs.resolve(argv[i + 1])]

@@ -1,25 +1,22 @@
 """How large should my batch be now? cbs-advise --workdir=RUN.
 
-Reads a run directory (`config.json`, `metrics.jsonl`: the run's measured noise scale) and
-prints the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): the predicted
-B_crit with its prediction interval, what the run's batch costs in steps and examples against
-their minima, and with --exchange=λ the batch that minimises λ·steps + examples. Writes the
-advice at every measured step to advice.md, advice.json and advice.png in the run directory
-(or --out). With --sweep_dir instead: the advice at each target of a sweep from the noise its
-trials recorded at their crossings (prediction.md, .json, .png), e.g. the one run of a
-config's `predict` argument, before that task's sweep.
+Reads a run directory (`config.json`, `metrics.jsonl`: its measured noise scale) and prints
+the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): the predicted
+B_crit with its interval, the run's batch's cost in steps and examples against their minima
+and, with --exchange=λ, the batch that minimises λ·steps + examples; writes the advice at
+every measured step to advice.md, .json and .png in the run directory (or --out). With
+--sweep_dir: the advice at each target of a sweep from the noise its trials recorded at their
+crossings (prediction.md, .json, .png), e.g. of a config's one-run `predict` argument.
 
-From a checkpoint (--checkpoint=RUN/checkpoints/STEP, or --workdir=RUN --step=STEP, or a
---workdir whose records hold no measured noise scale): restores the saved state and measures
-the noise scale exactly there (`cbs.train.measure_checkpoint`: all training examples, or
---examples=n of them), then prints the same advice and writes advice_STEP.md and .json.
-
-With --probe (from a checkpoint, or a --workdir's latest): also the task's own calibration,
-short branches at a few batch sizes from that state within --probe_budget of the run so far
-(`cbs.sweeps.probe_runs`), their local B_crit against the noise scale, and the prediction with
-that ratio beside the cross-task one (`cbs.analysis.advice.probe`); the branch records go to
-probe_STEP/, the calibration with the probed ratio (for a run's live advice:
---config.noise.advice_calibration) to calibration_STEP.json.
+From a checkpoint (--checkpoint=RUN/checkpoints/STEP, --workdir=RUN --step=STEP, or a
+--workdir whose records hold no measured noise scale): measures the noise scale exactly at the
+restored state (`cbs.train.measure_checkpoint`: all training examples, or --examples=n) and
+writes advice_STEP.md and .json. With --probe also the task's own calibration: short branches
+at a few batch sizes from that state within --probe_budget of the run so far
+(`cbs.sweeps.probe_runs`, records in probe_STEP/), their local B_crit against the noise scale
+and the prediction with that ratio beside the cross-task one (`cbs.analysis.advice.probe`);
+the calibration with the probed ratio goes to calibration_STEP.json (for a run's live advice:
+--config.noise.advice_calibration).
 """
 
 from __future__ import annotations
@@ -36,16 +33,12 @@ from cbs.engine import trainer
 from cbs.results import calibration, paths, records
 from cbs.runtime import checkpoint, cli
 
-__all__ = [
-    "main", "run",
-]
+__all__ = ["main", "run"]
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (cbs-train "
-                               "--workdir=...).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (cbs-train --workdir=...).")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Instead of --workdir: a sweep directory; "
-                                 "the advice at each of its targets from the noise scale its "
-                                 "trials recorded there (a one-run `predict` sweep: the "
-                                 "prediction before the task's sweep).")
+                                 "the advice at each target from the noise scale its trials "
+                                 "recorded there (e.g. a one-run `predict` sweep).")
 _SCALE = flags.DEFINE_enum("scale", "b_simple", ["b_simple", "b_noise"],
                            "The measured noise scale to predict from (b_noise needs "
                            "noise.curvature=True in the run).")
@@ -62,10 +55,10 @@ _STEP = flags.DEFINE_integer("step", None, "With --workdir: measure at this chec
 _EXAMPLES = flags.DEFINE_integer("examples", 0, "From a checkpoint: measure on this many "
                                  "training examples (0: all of them, exactly; needed when the "
                                  "training split is streamed).")
-_PROBE = flags.DEFINE_bool("probe", False, "From a checkpoint (--checkpoint, or --workdir with "
-                           "or without --step: the latest): also run short branches at a few "
-                           "batch sizes from there and combine the task's own ratio of local "
-                           "B_crit to the noise scale with the cross-task calibration.")
+_PROBE = flags.DEFINE_bool("probe", False, "From a checkpoint (--checkpoint, or --workdir: "
+                           "--step or the latest): also run short branches at a few batch "
+                           "sizes and combine the task's own ratio of local B_crit to the "
+                           "noise scale with the cross-task calibration.")
 _PROBE_BUDGET = flags.DEFINE_float("probe_budget", probe.DEFAULT_BUDGET, "The probe's branches "
                                    "train at most this fraction of the run so far "
                                    "(--probe_unit).")
@@ -95,19 +88,16 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--examples={_EXAMPLES.value}: give a number of training examples "
                          "> 0, or 0 for all of them")
     scale, level, exchange = str(_SCALE.value), float(_LEVEL.value), _EXCHANGE.value
-    if _PROBE.value:
-        if _SWEEP_DIR.value:
+    if _PROBE.value or _CHECKPOINT.value or _STEP.value is not None:
+        if _PROBE.value and _SWEEP_DIR.value:
             raise ValueError("--probe branches from a checkpoint of a run: give --checkpoint="
                              "RUN/checkpoints/STEP or --workdir=RUN, not --sweep_dir")
         where, step = _checkpoint_of()
-        if not _has_checkpoint(where):
+        if _PROBE.value and not _has_checkpoint(where):
             raise ValueError(f"--probe branches from a checkpoint: {where} has no "
                              f"{checkpoint.CHECKPOINT_DIR}/ (rerun it with "
                              "--config.train.checkpoint_every=100)")
         _from_checkpoint(where, step, scale=scale, level=level, exchange=exchange)
-        return
-    if _CHECKPOINT.value or _STEP.value is not None:
-        _from_checkpoint(*_checkpoint_of(), scale=scale, level=level, exchange=exchange)
         return
     if _SWEEP_DIR.value:
         where, name = str(_SWEEP_DIR.value), "prediction"
@@ -137,12 +127,11 @@ def main(argv: list[str]) -> None:
 
 def _nothing_measured(where: str, scale: str, sweep: bool) -> str:
     """What is true and what to run when `where` has no measured noise scale to advise from."""
+    curvature = " --config.noise.curvature=True" if scale == "b_noise" else ""
     if sweep:
         return (f"{where}: no trial recorded {scale} at a target crossing: either none "
                 "reached a target (see its report), or the sweep measured no noise at its "
-                "evaluations (rerun it with --config.noise.examples=auto"
-                + (" --config.noise.curvature=True" if scale == "b_noise" else "") + ")")
-    curvature = " --config.noise.curvature=True" if scale == "b_noise" else ""
+                f"evaluations (rerun it with --config.noise.examples=auto{curvature})")
     return (f"{where} records no measured {scale} and has no checkpoint to measure it at: "
             f"rerun it with --config.noise.every=100{curvature} (an exact measurement every 100 "
             "steps) or --config.train.checkpoint_every=100 (then this command measures at the "

@@ -1,12 +1,10 @@
 """Fit a finished sweep and write its report: cbs-analyze --sweep_dir=DIR.
 
-Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes
-analysis.json, figures/*.png and report.md there (or into --out, which re-reports a study that
-is read-only or committed without touching it), and prints B_crit per target beside the
-measured B_simple and B_noise. With --select_on_seed=K (a sweep with several seeds), the
-report adds B_crit with each rate selected on seed K and its steps measured on the others.
-An unfinished sweep (trials missing, e.g. a shard not run) is
-refused with the count per batch size, unless --partial.
+Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes analysis.json,
+figures/*.png and report.md there (or into --out, e.g. for a read-only or committed study)
+and prints B_crit per target beside the measured B_simple and B_noise. --select_on_seed=K
+adds B_crit with each rate selected on seed K and its steps measured on the others. An
+unfinished sweep is refused with the count per batch size, unless --partial.
 """
 
 from __future__ import annotations

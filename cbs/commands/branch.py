@@ -6,10 +6,9 @@
     cbs-branch --analyze_only --workdir=results/digits_branch \
         --sweep_dir=runs/digits  # table, report.md and figure from committed records
 
-Trains (or resumes) the reference run, then this shard's branch units (see
-`cbs.sweeps.branches`); re-running the same command skips finished units. With --report
-(default, not for shards) prints the table of B* per branch point and writes
-workdir/report.md and workdir/local_cbs.png (with the swept B_crit of --sweep_dir when given).
+Trains (or resumes) the reference run, then this shard's branch units (`cbs.sweeps.branches`;
+finished units are skipped). With --report (default, not for shards) prints the table of B*
+per branch point and writes workdir/report.md and local_cbs.png (with --sweep_dir's B_crit).
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def main(argv: list[str]) -> None:
             branches.run_branches(_CONFIG.value, cli.required(_WORKDIR), shard=shard)
         print(f"reference and branches done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE_ONLY.value or (_REPORT.value and not _SHARD.value):
-        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-        # config, a shard or a preempted run stops without them
+        # scipy and matplotlib load only when a report is written
         from cbs.analysis.reports import branch_report
 
         print(branch_report.write_report(cli.required(_WORKDIR), sweep_dir=_SWEEP_DIR.value))

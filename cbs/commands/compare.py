@@ -15,12 +15,10 @@ With --sizes the studies are model sizes on the same data (Kaplan et al. 2020, F
 writes OUT/report.md (B_crit per size and target, a test of "B_crit depends on L alone", the
 joint power law) and OUT/b_crit_vs_loss_by_size.png (`cbs.analysis.studies.sizes`).
 
-Without --out the report goes to a new directory beside the studies (`default_out`:
-compare_<first study>[_and_<n>_more], with _2, _3, ... when that name is taken), never into
-one that exists; studies in different directories need --out. A study is its full path: two
-whose folders share a name are labelled by as much of their paths as tells them apart.
-
-The inputs are checked first (`check_inputs`): a bad one is one line and nothing is written.
+Without --out the report goes to a new directory beside the studies (`default_out`), never
+into one that exists; studies in different directories need --out. Two studies whose folders
+share a name are labelled by as much of their paths as tells them apart. The inputs are
+checked first (`check_inputs`): a bad one is one line and nothing is written.
 """
 
 from __future__ import annotations
@@ -48,10 +46,10 @@ _HELD_OUT = flags.DEFINE_list(
 
 
 def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool) -> None:
-    """Refuses, in one line and before anything is read at length or written, what cannot be
-    compared: no study, one named twice, a directory that is not a sweep's, a negative
-    --bootstrap (--sizes needs one: at least 2 resamples, and two studies of one experiment,
-    `cbs.analysis.studies.sizes.check_comparable`) or an --out that is a file."""
+    """Refuses in one line, before anything is read at length or written: no study, one named
+    twice, a directory that is not a sweep's, a negative --bootstrap (< 2 with --sizes, which
+    also needs two comparable studies, `cbs.analysis.studies.sizes.check_comparable`) or an
+    --out that is a file."""
     if not dirs:
         raise ValueError("name one or more sweep directories: cbs-compare results/digits "
                          "results/digits_sgd ...")
@@ -76,10 +74,9 @@ def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool
 
 
 def default_out(dirs: list[str]) -> str:
-    """The report's directory when no --out is given: a new one beside the studies,
-    compare_<first study's folder>[_and_<n>_more] (then _2, _3, ... while that exists), so
-    that no existing directory (committed results, an earlier comparison) is written into.
-    Studies in different directories have no "beside": refused, naming --out."""
+    """The report's directory without --out: a new one beside the studies,
+    compare_<first study's folder>[_and_<n>_more] (then _2, _3, ... while that exists); studies
+    in different directories are refused, naming --out."""
     full = [compare.study_path(d) for d in dirs]
     parents = sorted({os.path.dirname(p) for p in full})
     if len(parents) != 1:

@@ -1,15 +1,11 @@
 """Batch-size ramps beside a sweep: cbs-ramps --config=... --sweep_dir=DIR.
 
-Validates the sweep and every ramp first (nothing is written for a bad config), then
-finishes the sweep of the config in DIR if needed (finished trials are skipped), runs every
-`config.ramps` entry not yet recorded in DIR/ramps.jsonl (`cbs.sweeps.ramps`), and rewrites the
-report with the ramps on each target's S–E frontier.
-
-With --out_dir=OUT the ramps and their records go to OUT instead and the sweep's directory
-is only read; when the runs are repeated over seeds (config.ramps entries with `name` and
-`seed`), OUT/payoff.md compares every ramp with the fixed batch sizes run beside it
-(`cbs.analysis.studies.payoff`): steps and examples with seed intervals, and the step saving at
-equal examples against their frontier.
+Validates the sweep and every ramp first (nothing is written for a bad config), finishes the
+config's sweep in DIR if needed, runs every `config.ramps` entry not yet in DIR/ramps.jsonl
+(`cbs.sweeps.ramps`) and rewrites the report with the ramps on each target's S–E frontier.
+With --out_dir=OUT the ramps go to OUT and DIR is only read; for runs repeated over seeds
+(entries with `name` and `seed`), OUT/payoff.md compares every ramp with the fixed batch
+sizes beside it (`cbs.analysis.studies.payoff`: seed intervals, step saving at equal examples).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def main(argv: list[str]) -> None:
     with preemption.active():
         launch.run_sweep(_CONFIG.value, sweep_dir)
         runs = ramps.run_ramps(_CONFIG.value, sweep_dir, out_dir=out_dir or sweep_dir)
-    # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-    # config, a shard or a preempted run stops without them
+    # scipy and matplotlib load only when a report is written
     from cbs.analysis.reports import report, report_tables
     from cbs.analysis.studies import payoff
 

@@ -4,16 +4,13 @@
     cbs-sweep --config=...:tiny --sweep_dir=/tmp/s --config.sweep.seeds=0,1
     cbs-sweep --config=... --sweep_dir=DIR --shard=3/8 --noanalyze  # array job
 
-The config is validated before anything is written. Re-running the same command skips
-finished trials and resumes unfinished ones from their checkpoints; with --shard=i/n only
-the batch sizes whose rank is ≡ i (mod n) run (every seed and rate at them), so n copies of
-the command (Slurm array, Kubernetes indexed job, ...) cover the sweep with the records of an
-unsharded run, learning rates added past edge optima included. Run `cbs-analyze`
-once they are all done. --shard=auto --distributed=off on every host of a TPU slice or
-every task of a Slurm step runs one shard per host (`cbs.runtime.distributed`).
+The config is validated before anything is written. Re-running the command skips finished
+trials and resumes unfinished ones; with --shard=i/n only the batch sizes whose rank is ≡ i
+(mod n) run, so n copies (Slurm array, Kubernetes indexed job, ...) cover the sweep with an
+unsharded run's records; run `cbs-analyze` once all are done. --shard=auto --distributed=off
+runs one shard per host of a TPU slice or task of a Slurm step (`cbs.runtime.distributed`).
 --redefine changes the grid of an existing directory, keeping the finished trials still in
-it. Two launchers on one directory share its groups of trials. Files: see
-`cbs.results.store`.
+it. Launchers on one directory share its groups of trials. Files: `cbs.results.store`.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ def main(argv: list[str]) -> None:
                          redefine=_REDEFINE.value)
     print(f"trials done in {time.perf_counter() - start:.0f} s")
     if _ANALYZE.value and not _SHARD.value:
-        # fitting and plotting (scipy, matplotlib) load only when a report is written: a refused
-        # config, a shard or a preempted run stops without them
+        # scipy and matplotlib load only when a report is written
         from cbs.analysis.reports import report, report_tables
 
         sweep_dir = cli.required(_SWEEP_DIR)

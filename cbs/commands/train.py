@@ -3,13 +3,12 @@
     cbs-train --config=digits_mlp:tiny \
         --workdir=/tmp/digits --config.optim.learning_rate=3e-3
 
-The same command resumes from the latest checkpoint in --workdir; a run that already ended
-prints its summary again. Several hosts: start the same command on each; on a TPU pod slice,
-under Slurm (srun) or Open MPI (mpirun) the processes find each other by themselves
-(`cbs.runtime.distributed`), elsewhere add --coordinator_address=HOST:PORT --num_processes=N
---process_id=I; --distributed=off keeps each process on its own (see docs/scaling.md).
-Records are described in `cbs.engine.trainer`; the exit status is 1 when the run diverged,
-143 after SIGTERM and 130 after Ctrl-C (a checkpoint saved: rerun to resume).
+The same command resumes from the latest checkpoint in --workdir (an ended run prints its
+summary again). Several hosts: the same command on each; on a TPU pod slice, under Slurm or
+Open MPI the processes find each other (`cbs.runtime.distributed`), elsewhere add
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I; --distributed=off keeps
+each on its own (docs/scaling.md). Records: `cbs.engine.trainer`. Exit status 1 when the run
+diverged, 143 after SIGTERM and 130 after Ctrl-C (a checkpoint saved: rerun to resume).
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
     cbs-sweep --config=digits_sweep:tiny --sweep_dir=/tmp/t      # or --config=cbs:digits_sweep:tiny
 
-Each preset is a module of this package whose `get_config(arg)` returns a
-`cbs.engine.config` ConfigDict (`names()` lists them; the text after the name's `:` is `arg`).
-`base` holds helpers the presets share and is no preset itself. A
-checkout also reaches each preset by its repository path,
-`--config=experiments/configs/<name>.py[:arg]` (a thin file re-exporting the module here).
+Each preset is a module whose `get_config(arg)` returns a `cbs.engine.config` ConfigDict
+(`names()` lists them; `arg` is the text after the name's `:`); `base` holds their shared
+helpers. A checkout also reaches each by path, `--config=experiments/configs/<name>.py[:arg]`.
 
 The presets: single runs `digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`,
 `shakespeare_transformer`; sweeps `digits_sweep` (the main job), `digits_sgd_sweep`,
@@ -15,8 +13,8 @@ The presets: single runs `digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`,
 the single ramps `:llama3`, `:deepseek`, `:adaptive`), `digits_payoff`,
 `shakespeare_payoff`; branch studies `digits_branch`, `shakespeare_branch`.
 
-`resolve` turns a `--config` value into the path[:arg] that the flag library loads; this
-package's `__init__` imports no preset, so resolving a name costs nothing.
+`resolve` turns a `--config` value into the flag library's path[:arg]; this `__init__`
+imports no preset, so resolving a name costs nothing.
 """
 
 from __future__ import annotations

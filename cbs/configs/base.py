@@ -1,8 +1,6 @@
-"""Helpers shared by the config files (this file is not a config itself).
-
-Every config starts from `cbs.engine.config.default_config()`, whose fields all carry a comment with
-their meaning and units; a config file sets only what differs and comments each change.
-"""
+"""Helpers shared by the config files. Every config starts from
+`cbs.engine.config.default_config()` (each field's meaning and units are commented there) and
+sets, with a comment, what differs."""
 
 from __future__ import annotations
 
@@ -14,9 +12,7 @@ from ml_collections import config_dict
 from cbs import data, models
 from cbs.engine import config as config_lib
 
-__all__ = [
-    "base_config", "make_tiny", "parse_arg", "repo_root", "schedule_config", "seeded",
-]
+__all__ = ["base_config", "make_tiny", "parse_arg", "repo_root", "schedule_config", "seeded"]
 
 
 def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
@@ -31,11 +27,8 @@ def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
 
 
 def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
-    """Comma-separated words of the config argument ("tiny", ...), each one of `known`.
-
-    An unknown word (a typo such as "tinny") raises ValueError listing the known ones,
-    instead of silently running the full-size config.
-    """
+    """Comma-separated words of the config argument ("tiny", ...), each one of `known`; an
+    unknown word (a typo such as "tinny") raises ValueError listing the known ones."""
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
     unknown = sorted(words - set(known))
     if unknown:
@@ -50,8 +43,7 @@ def repo_root() -> str:
 
 
 def seeded(runs: list[dict], seeds: tuple[int, ...]) -> list[dict]:
-    """Each ramp spec repeated over `seeds`: label "NAME · seed S", with `name` and `seed`
-    (`cbs.sweeps.ramps`; grouped again by `cbs.analysis.studies.payoff`)."""
+    """Each ramp spec repeated over `seeds`: label "NAME · seed S", with `name` and `seed`."""
     return [run | {"label": f"{run['label']} · seed {s}", "name": run["label"], "seed": int(s)}
             for run in runs for s in seeds]
 

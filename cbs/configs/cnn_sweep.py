@@ -5,15 +5,11 @@
     cbs-sweep --config=cnn_sweep:cifar10 \
         --sweep_dir=runs/cifar10 --shard=0/4 --noanalyze    # one of 4 array tasks
 
-The model and optimizer are those of `cnn.py` (GroupNorm, so per-example statistics are well
-defined); batch sizes 16 … 4096, a factor-2 learning-rate grid on the square-root rule from
-1e-3 at B = 128, targets on the loss over a fixed subset of 2,048 evaluation images. The
-training sets (50-60k images) are loaded into memory, so each batch size's learning rates
-run as one vmapped program. Needs the TFDS dataset prepared locally (nothing downloads unless
---config.data.options.download=True); not run on the machine these configs were written on,
-so no result is recorded here. Expect B_crit of a few hundred images at the lowest targets
-on MNIST (McCandlish et al. 2018 report ~10²–10³ for MNIST-scale classifiers) and larger
-values on CIFAR-10.
+The model and optimizer of `cnn.py`; batch sizes 16 … 4096, a factor-2 rate grid on the
+square-root rule from 1e-3 at B = 128, targets on the loss over 2,048 evaluation images; each
+batch size's rates run as one vmapped program on the in-memory training set. Not run here, so
+no result is recorded; expect B_crit of a few hundred images at the lowest targets on MNIST
+(McCandlish et al. 2018: ~10²–10³ for MNIST-scale classifiers), larger on CIFAR-10.
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ from __future__ import annotations
 from cbs.configs import base, cnn
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "TARGETS", "get_config",
-]
+__all__ = ["TARGETS", "get_config"]
 
 TARGETS = {"mnist": (0.5, 0.2, 0.1, 0.05), "fashion_mnist": (0.8, 0.5, 0.4, 0.3),
            "cifar10": (1.8, 1.5, 1.2, 1.0)}  # eval cross-entropy (nats) per dataset

@@ -4,31 +4,21 @@
     cbs-branch --config=digits_branch --workdir=runs/digits_branch --sweep_dir=runs/digits
     cbs-branch --config=digits_branch:tiny --workdir=/tmp/b
 
-A reference run at B = 4, η_0 = 2e-3 (2× the sweep's square-root centre 4e-3·(B/64)^½; with
-4e-3 one of the two fastest rates of its grid at B = 4: 1125 and 1122 steps to L = 0.05, where
-the centre 1e-3 is 2-4× slower) for 4096 steps (16k examples, ≈ 11 epochs of the 1438 training
-examples); branches at k = 1 ... 64 (B up to 256) with η = √k·η_0 from 9 points between 1024
-and 16384 examples seen (the sweep's targets L = 0.5 ... 0.05 are crossed in this range), three
-data-order seeds each. The window is a quarter of the examples seen at each point (Δ = E/4: 256
-examples at E = 1024, 4096 at E = 16384; one step of the largest branch at the first point). B*
-= k*·B with the paper's criterion. B_simple and B_noise are measured exactly on the whole
-training set at the branch points and 24 more reference checkpoints
-(`branch.noise_checkpoints`; H from all 1438 examples, the deviations of 256 of them). Expected
-on 2 CPU cores: a few minutes; B* rises with training, from the ladder's floor early (B* ≤ 4)
-to tens of examples.
+A reference run at B = 4, η_0 = 2e-3 (with 4e-3, one of the two fastest rates of the sweep's
+grid at B = 4) for 4096 steps (16k examples, ≈ 11 epochs); branches at k = 1 ... 64 (B up to
+256), η = √k·η_0, from 9 points between 1024 and 16384 examples seen (where the sweep's targets
+L = 0.5 ... 0.05 are crossed), three data-order seeds each, over Δ = E/4. B* = k*·B by the
+paper's criterion. B_simple and B_noise are measured exactly on the whole training set at the
+branch points and 24 more checkpoints. Expected on 2 CPU cores: a few minutes; B* rises from
+the ladder's floor (≤ 4) to tens.
 
-Where this study departs from the paper's rules (`default_branch_config`, Merrill et al. 2025,
-Sec. 3.1), and why:
-- compared loss: the exact training-set loss at the end of the window (`metric`), not the
-  EMA (α = 0.5) of the batch loss: a batch of 4 digits is far noisier than the paper's 4M
-  tokens, and digits' 1438 examples are evaluated in one call;
-- ε = 2% of the loss (`tolerance="relative"`), not 0.01 nats: digits' loss falls from 2.3 to
-  below 0.01 within the study, where 0.01 nats would accept every k (the paper's 0.01 nats is
-  ≈ 0.4% of OLMo's loss of ≈ 2.6);
-- Δ proportional to the examples seen (`window_fraction`), not a fixed 2B tokens: the fixed
-  window of 4096 examples was 10× the training before the first point; the paper's Δ is
-  short against its branch points (2B tokens against tens to hundreds of billions).
-The criterion ("paper"), B* = k*·B and f(k) = √k are the paper's.
+Departures from the paper's rules (`default_branch_config`, Merrill et al. 2025, Sec. 3.1):
+- compared loss: the exact training-set loss at the window's end (`metric`), not the EMA of
+  the batch loss: a batch of 4 digits is far noisier than the paper's 4M tokens;
+- ε = 2% of the loss (`tolerance="relative"`), not 0.01 nats: digits' loss falls below 0.01,
+  where 0.01 nats would accept every k (the paper's is ≈ 0.4% of OLMo's loss of ≈ 2.6);
+- Δ proportional to the examples seen (`window_fraction`): a fixed 4096 examples was 10× the
+  training before the first point; the paper's Δ is short against its branch points.
 `:tiny` shrinks everything to seconds (tests, notebook).
 """
 
@@ -37,9 +27,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.branch_config import default_branch_config
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from cbs.configs import base
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):

@@ -3,26 +3,19 @@
     cbs-ramps --config=digits_payoff --sweep_dir=results/digits --out_dir=results/digits_payoff
 
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
-(results/digits_branch: the schedule of the "local CBS" ramp) and writes only to out_dir.
-Every run below is repeated over seeds 0, 1, 2 and stopped once the full training loss
-crossed every target; `cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and
-reports each ramp's step saving at equal examples with a bootstrap interval over seeds
-(payoff.md). Runs:
+(results/digits_branch: the "local CBS" ramp's schedule); writes only to out_dir. Each run is
+repeated over seeds 0, 1, 2 until the full training loss crossed every target;
+`cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports each
+ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md). Runs:
+fixed B = 16 … 256 at the sweep's best rate at B and at each other rate that is its best at B
+for some target ("fixed B=… · η=…": each fixed baseline tuned per target); "adaptive
+(B_simple)" (`digits_ramps.py:adaptive`); "local CBS", a step schedule through the branched
+study's B*(e), 8 → 16 → 32; the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py`).
 
-- fixed B = 16 … 256 at the sweep's best learning rate at B (the frontier), and again at
-  every other rate that is the sweep's best at B for some target ("fixed B=… · η=…"), so that
-  `cbs.analysis.studies.payoff` tunes each fixed baseline per target (the fastest of a B's rates
-there);
-- "adaptive (B_simple)": B follows the live noise scale (`digits_ramps.py:adaptive`);
-- "local CBS": a step schedule through the branched study's local critical batch B*(e)
-  (`cbs.analysis.reports.branch_report.local_cbs_schedule`), 8 → 16 → 32;
-- the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py:llama3`, `:deepseek`).
-
-`--config=digits_payoff:start` (out_dir results/digits_ramp_start) is
-Merrill et al.'s comparison alone, with the seeds it needs: the four ramps and the fixed runs at
-each ramp's first batch size (every rate that is the sweep's best there for some target), on
-seeds 0 … 21, seed by seed (22: the most that a 15 % saving needed at the spread twelve seeds
-measured).
+`--config=digits_payoff:start` (out_dir results/digits_ramp_start) is Merrill et al.'s
+comparison alone: the four ramps and the fixed runs at each ramp's first batch size (tuned
+per target), on seeds 0 … 21, seed by seed (22: the most a 15 % saving needed at the spread
+twelve seeds measured).
 """
 
 from __future__ import annotations
@@ -101,8 +94,7 @@ def get_config(arg: str = ""):
     measured = [ramps["adaptive"] | {"label": "adaptive (B_simple)"},
                 local_cbs_ramp(os.path.join(base.repo_root(), BRANCH_DIR), 8),
                 ramps["step (Llama 3)"], ramps["linear (DeepSeek-V3)"]]
-    if "start" in words:  # each ramp against the fixed run at its first B, seed-major (a
-        #   stopped study holds whole seeds)
+    if "start" in words:  # each ramp against the fixed run at its first B, seed-major
         runs = start_runs(measured, sweep_dir)
         c.ramps = [run for s in START_SEEDS for run in base.seeded(runs, (s,))]
         return c

@@ -5,36 +5,26 @@ the study that runs them beside the digits sweep.
     cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
     cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
-A single ramp is the digits sweep's run config with a batch-size schedule: the micro-batch
-stays 16, so only the accumulation count changes (one compilation per count), and Adam's η
-follows the square-root rule η = η_0·(B/B_0)^½ from η_0 at the first batch size B_0 (OLMo's
-batch-size warmup multiplied it by √2 per doubling), capped at 0.03:
+A single ramp is the digits sweep's run config with a batch-size schedule, the micro-batch
+fixed at 16 and Adam's η = η_0·(B/B_0)^½ from the first batch size B_0, capped at 0.03:
 
-- `:llama3` (`STEP`): Llama 3 405B stepped its batch 4M → 8M tokens after 252M tokens → 16M
-  after 2.87T (`cbs.engine.schedules.llama3_schedule`); here the same two doublings are placed
-  where the digits sweep's fitted B_crit passes the current batch: 32 examples, 64 after
-  1,500 examples, 128 after 4,000. Expected: full_train/loss ≈ 0.05 within about 200 steps.
-- `:deepseek` (`LINEAR`): DeepSeek-V3 ramped 3,072 → 15,360 sequences (5×) over the first 469B
-  of 14.8T tokens (`cbs.engine.schedules.deepseek_v3_schedule`); here 32 → 160 examples over
-  the first 4,000, in multiples of the micro-batch 16 (at most 9 accumulation counts).
-  Expected: full_train/loss ≈ 0.05 within about 200 steps.
-- `:adaptive` (`ADAPTIVE`): every 10 steps the loop reads the live estimate of B_simple (exact,
-  from the step's per-example gradient norms; EMA of numerator and denominator,
-  `cbs.stats.smoothing.NoiseScaleEMA`) and the schedule (`cbs.engine.adaptive.Adaptive`) moves
-  B on the ladder 16, 32, ..., 1024 towards k·B_simple, with hysteresis (the target must stay
-  beyond a band of factor^¾ for 3 consecutive readings); η_0 at B_0 = 16. Expected: B climbs
-  from 16 to a few hundred as the loss falls (B_simple grows from ~30 to ~100+).
-  `:adaptive,calibrated` targets the calibrated prediction of B_crit instead
-  (`rule="calibrated"`: k·r̂·B_simple with Adam's r̂ from the shipped calibration), the number
-  each train record logs as `advice/b_crit`.
+- `:llama3` (`STEP`): Llama 3 405B's two doublings (4M → 8M tokens after 252M, → 16M after
+  2.87T, `cbs.engine.schedules.llama3_schedule`) placed where the digits sweep's B_crit passes
+  the batch: 32 examples, 64 after 1,500, 128 after 4,000;
+- `:deepseek` (`LINEAR`): DeepSeek-V3's ramp (3,072 → 15,360 sequences over the first 469B of
+  14.8T tokens, `cbs.engine.schedules.deepseek_v3_schedule`) as 32 → 160 examples over the
+  first 4,000, in multiples of 16. Expected for both: full_train/loss ≈ 0.05 within about
+  200 steps;
+- `:adaptive` (`ADAPTIVE`): every 10 steps B moves on the ladder 16, 32, ..., 1024 towards
+  k·B_simple of the live estimate (`cbs.engine.adaptive.Adaptive`; hysteresis: beyond a band
+  of factor^¾ for 3 readings). Expected: B climbs from 16 to a few hundred as B_simple grows
+  from ~30 to ~100+. `:adaptive,calibrated` targets the calibrated B_crit (k·r̂·B_simple,
+  Adam's r̂ from the shipped calibration; each train record's `advice/b_crit`).
 
-The study (no ramp named): runs the digits sweep first if it is not finished
-(`digits_sweep.py`, same sweep_dir), then fixed small and large batches and each ramp with
-`cbs.engine.trainer.run`, stopped once the full training loss has crossed every target;
-appends them to ramps.jsonl and rewrites the report, whose "Batch-size ramps" section lists S
-and E per target and whose figures/ramps_L*.png place each run on that target's fitted S–E
-frontier. Fixed runs use the sweep's best learning rate at their B; the ramps start from the
-best one at their first B and follow the square-root rule.
+The study (no ramp named) finishes the digits sweep in sweep_dir if needed, then runs fixed
+small and large batches (at the sweep's best rate at their B) and each ramp (from the best
+rate at its first B) until the full training loss crossed every target, and rewrites the
+report ("Batch-size ramps": S and E per target; figures/ramps_L*.png: the S–E frontiers).
 """
 
 from __future__ import annotations
@@ -43,15 +33,13 @@ import ml_collections
 
 from cbs.configs import base, digits_sweep
 
-__all__ = [
-    "ADAPTIVE", "LINEAR", "STEP", "fixed", "get_config", "ramp_run",
-]
+__all__ = ["ADAPTIVE", "LINEAR", "STEP", "fixed", "get_config", "ramp_run"]
 
 STEP = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}  # Llama 3's shape
 LINEAR = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}  # DeepSeek
 ADAPTIVE = {"kind": "adaptive", "min_batch": 16, "max_batch": 1024, "initial": 16,
             "factor": 2, "k": 1.0, "patience": 3, "source": "b_simple", "multiple": 16}
-_RUNS = {  # name: (schedule, B_0, η_0)
+_RUNS: dict[str, tuple[dict, int, float]] = {  # name: (schedule, B_0, η_0)
     "llama3": (STEP, 32, 5e-3), "deepseek": (LINEAR, 32, 5e-3), "adaptive": (ADAPTIVE, 16, 4e-3),
 }
 

@@ -5,27 +5,22 @@
     cbs-sweep --config=digits_sweep:seeds3 --sweep_dir=results/digits_seeds3
     cbs-analyze --sweep_dir=results/digits_seeds3 --select_on_seed=0
 
-Batch sizes 4 to 1024 (factor 2), a factor-2 learning-rate grid centred on the square-root
-rule η(B) = 4e-3·(B/64)^½, extended by up to three factor-2 rounds wherever the best rate
-for a target sits at an edge, one seed, targets on the full training-set loss from 0.5 down
-to 0.05. The learning rates of each batch size train as one vmapped program. The noise scale
-is measured at every evaluation on the whole training set (exact G, tr(Σ), GᵀHG; tr(HΣ) from
-32 random deviations), and after the sweep one reference run at B = 64 (its best rate) is
-measured densely with the full-data Hessian (`cbs.sweeps.reference`). Measured
-(results/digits): 48 trials (36 + 12 added in extension rounds), no best rate at an edge,
-B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22x across batch
-sizes (8.8-192 at L = 0.05) and its median lies at 0.28-0.48 B_crit; about 25 min on 2
-shared CPU cores (the full-data measurement at every evaluation is most of it). `:tiny` runs
-3 batch sizes for a handful of steps (tests) without the reference run.
+Batch sizes 4 to 1024, a factor-2 rate grid on the square-root rule η(B) = 4e-3·(B/64)^½
+(the rates of a batch size train as one vmapped program), extended by up to three rounds past
+edge optima, one seed, targets on the full training-set loss from 0.5 down to 0.05. The noise
+is measured at every evaluation on the whole training set (tr(HΣ) from 32 random
+deviations), and after the sweep densely along one reference run at B = 64
+(`cbs.sweeps.reference`). Measured (results/digits): 48 trials (12 from extension rounds),
+B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22× across batch
+sizes (8.8-192 at L = 0.05), its median 0.28-0.48 B_crit; about 25 min on 2 shared CPU cores.
+`:tiny` runs 3 batch sizes for a handful of steps (tests) without the reference run.
 
-`:seeds3` is the held-out study (committed: results/digits_seeds3): the same grid with
-seeds 0, 1, 2 and every learning rate of a (B, seed) run until it crosses the lowest target
-(no stop once one rate has crossed, so S at seed 0's best rate is measured, not censored,
-on seeds 1 and 2);
-`--select_on_seed=0` then reports B_crit with each rate selected on seed 0 and S measured on
-seeds 1 and 2 (`cbs.analysis.fits.held_out`) beside the per-seed fits. Measured: 150 trials
-with the extension rounds, 21 minutes on 2 shared CPU cores; per-seed B_crit within
-1.08–1.72× of each other, every held-out B_crit inside the in-sample interval.
+`:seeds3` is the held-out study (committed: results/digits_seeds3): seeds 0, 1, 2 and every
+rate of a (B, seed) run until it crosses the lowest target (so S at seed 0's best rate is
+measured on seeds 1 and 2, not censored); `--select_on_seed=0` then reports B_crit with each
+rate selected on seed 0 and S measured on seeds 1 and 2 (`cbs.analysis.fits.held_out`).
+Measured: 150 trials, 21 minutes; per-seed B_crit within 1.08–1.72× of each other, every
+held-out B_crit inside the in-sample interval.
 """
 
 from __future__ import annotations
@@ -33,9 +28,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):
@@ -69,8 +62,7 @@ def get_config(arg: str = ""):
     s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
     s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
-    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 random deviations (32 are too
-    #                                     few late in training: relative std ≈ 1.4 per eval)
+    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 deviations (32: std ≈ 1.4 late)
     words = base.parse_arg(arg, ("tiny", "seeds3"))
     if "seeds3" in words:  # the held-out study: every rate's S measured on every seed
         s.seeds = (0, 1, 2)  # three seeds per (B, η): rates selected on one, S on the others

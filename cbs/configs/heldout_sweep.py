@@ -1,15 +1,13 @@
 """Three held-out tasks for the batch-size advice (the argument picks one), each unlike the
-tasks the calibration of `cbs-advise` was fitted on (data set and model family):
+tasks `cbs-advise` was calibrated on (data set and model family):
 
-- `digits_cnn`: a CNN (conv 8 → GroupNorm → ReLU → pool, conv 16 → ..., dense 32) on the
-  8×8 digit images (the calibrated digits tasks are MLPs), Adam; batch sizes 8 to 1,024 and
-  the full training set (1,438 images);
-- `mnist1d_cnn`: a 1-D CNN (kernels 5 × 1; channels 16, 32; dense 64) on MNIST-1D (the
-  calibrated MNIST-1D tasks are MLPs), Adam; batch sizes 8 to 2,048 and the full training
-  set (4,000 signals);
+- `digits_cnn`: a CNN (conv 8 → GroupNorm → ReLU → pool, conv 16 → ..., dense 32) on the 8×8
+  digit images, Adam; batch sizes 8 to 1,024 and the full training set (1,438 images);
+- `mnist1d_cnn`: a 1-D CNN (kernels 5 × 1; channels 16, 32; dense 64) on MNIST-1D, Adam;
+  batch sizes 8 to 2,048 and the full training set (4,000 signals);
 - `regression`: a 16-64-64-1 tanh MLP regressing a random tanh teacher with label noise
-  (`cbs.data.synthetic.teacher_regression`, 8,192 examples; squared error, no calibrated task
-  is a non-linear regression), plain SGD; batch sizes 8 to 8,192 (the full training set).
+  (`cbs.data.synthetic.teacher_regression`, 8,192 examples, squared error), plain SGD; batch
+  sizes 8 to 8,192 (the full training set).
 
     cbs-sweep --config=heldout_sweep:digits_cnn,predict \
         --sweep_dir=results/heldout_digits_cnn_predict
@@ -17,11 +15,10 @@ tasks the calibration of `cbs-advise` was fitted on (data set and model family):
     cbs-sweep --config=heldout_sweep:digits_cnn --sweep_dir=results/heldout_digits_cnn
 
 `predict` is ONE run at the grid's centre batch size and rate, measured exactly on all
-training examples at every evaluation; `cbs-advise --sweep_dir` turns its noise scale at each
-target into a predicted B_crit with its interval, committed before the sweep is run to test
-it. Each sweep's batch sizes reach the full training set, so no target's B_crit can lie past
-the largest batch swept; rate grids are extended past edge optima. `tiny` shrinks any of them
-for tests; without a task the argument means `digits_cnn`.
+training examples at every evaluation; `cbs-advise --sweep_dir` turns it into a predicted
+B_crit per target, committed before the sweep tests it. The batch sizes reach the full
+training set, so no B_crit lies past the largest; rate grids are extended past edge optima.
+`tiny` shrinks any of them for tests; without a task the argument means `digits_cnn`.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "TASKS", "get_config",
-]
+__all__ = ["TASKS", "get_config"]
 
 TASKS = ("digits_cnn", "mnist1d_cnn", "regression")
 
@@ -46,9 +41,7 @@ def _digits_cnn(c, s) -> None:
     c.eval.batch_size = 1438  # the whole training set in one evaluation chunk
     s.batch_sizes = (*(2 ** k for k in range(3, 11)), 1438)  # 8 ... 1024, full batch
     s.base_lr = 4e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 0.1  # cap on any rate
     s.targets = (0.5, 0.3, 0.2, 0.1, 0.05)  # full training-set cross-entropy (nats)
     s.max_examples = 600_000  # ≈ 420 epochs per trial at most
@@ -65,9 +58,7 @@ def _mnist1d_cnn(c, s) -> None:
     c.eval.batch_size = 4000  # the whole training set in one evaluation chunk
     s.batch_sizes = (*(2 ** k for k in range(3, 12)), 4000)  # 8 ... 2048, full batch
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 0.05  # cap on any rate
     s.targets = (1.5, 1.0, 0.6, 0.3, 0.15)  # full training-set cross-entropy (nats)
     s.max_examples = 1_200_000  # 300 epochs per trial at most
@@ -88,9 +79,7 @@ def _regression(c, s) -> None:
     c.eval.batch_size = 8192  # the whole training set in one evaluation chunk
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 (the full batch)
     s.base_lr = 0.05  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 1.0  # cap on any rate
     s.targets = (0.2, 0.1, 0.05, 0.03, 0.02)  # full training-set ½ squared error
     s.max_examples = 2_000_000  # ≈ 240 epochs per trial at most
@@ -104,12 +93,15 @@ def get_config(arg: str = ""):
         raise ValueError(f"heldout_sweep takes one task of {TASKS} in its argument "
                          f"(e.g. --config=heldout_sweep:digits_cnn); got {arg!r}")
     task = tasks[0] if tasks else TASKS[0]
-    data_name, model = {"digits_cnn": ("digits", "cnn"), "mnist1d_cnn": ("mnist1d", "cnn"),
-                        "regression": ("teacher_regression", "mlp")}[task]
+    data_name, model, settings = {"digits_cnn": ("digits", "cnn", _digits_cnn),
+                                  "mnist1d_cnn": ("mnist1d", "cnn", _mnist1d_cnn),
+                                  "regression": ("teacher_regression", "mlp", _regression)}[task]
     c = base.base_config(data_name, model)
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
     s = c.sweep = default_sweep_config()
-    {"digits_cnn": _digits_cnn, "mnist1d_cnn": _mnist1d_cnn, "regression": _regression}[task](c, s)
+    s.base_batch_size = 64  # B at which base_lr is the centre
+    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
+    settings(c, s)
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
     s.seeds = (0,)  # one seed per (B, η)
     s.target_metric = "full_train/loss"  # exact loss over all training examples

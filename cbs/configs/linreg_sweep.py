@@ -3,21 +3,15 @@ comparison, where the noise scales are known in closed form (`cbs.data.linreg_no
 
     cbs-sweep --config=linreg_sweep --sweep_dir=results/linreg_sgd
 
-The data: x ~ N(0, C) in D = 64 dimensions with eigenvalues of C equal to 1/(1 + k),
-k = 0..63 (condition number 64), y = x·w* + σε with σ = 0.5, 32,768 training examples; the
-model is linear (an MLP without hidden layers: 64 weights and a bias), the loss ½(x·w − y)²,
-the optimiser SGD without momentum on the linear rule η(B) ∝ B up to a cap.
-
-Near the optimum |G|² → 0 while tr(Σ) → σ²·tr C, so B_simple grows like 1/(L − L*): the
-targets (training-set losses 0.01 down to 0.0004 above its minimum, 0.1254) put B_crit in
-the thousands, the top of the cross-task figure. On a quadratic loss with SGD the theory of
-McCandlish et al. (2018, App. A) holds to second order, so this study checks the method:
-B_crit should sit near the measured B_noise. The measured statistics equal a float64
-reference and the closed form of `linreg_noise_stats` (tests/test_linreg_anchor.py).
-
-Batch sizes 8 to 8192 (factor 2), a factor-2 learning-rate grid extended past edge optima,
-two seeds; the noise scale is exact on all training examples at each best trial's crossing.
-`:tiny` shrinks it for tests.
+x ~ N(0, C) in D = 64 dimensions (eigenvalues of C 1/(1 + k), k = 0..63), y = x·w* + σε with
+σ = 0.5, 32,768 training examples; a linear model, loss ½(x·w − y)², SGD without momentum on
+the linear rule η(B) ∝ B up to a cap. Near the optimum |G|² → 0 while tr(Σ) → σ²·tr C, so
+B_simple grows like 1/(L − L*): the targets (0.01 down to 0.0004 above the minimum 0.1254) put
+B_crit in the thousands. On a quadratic loss with SGD the theory (McCandlish et al. 2018,
+App. A) holds to second order, so B_crit should sit near the measured B_noise; the measured
+statistics equal a float64 reference and `linreg_noise_stats` (tests/test_linreg_anchor.py).
+Batch sizes 8 to 8192, two seeds, the noise exact on all training examples at each best
+trial's crossing. `:tiny` shrinks it for tests.
 """
 
 from __future__ import annotations
@@ -25,9 +19,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):
@@ -51,15 +43,13 @@ def get_config(arg: str = ""):
     s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
     s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
-    s.max_lr = 1.6  # cap below the stability limit 2/λ_max(H) = 1.99 of the training set:
-    #                 a run with the cap at 1.95 needed more steps than η = 1.6 at every
-    #                 B ≥ 1024 and the deepest target (e.g. 70 vs 55 at B = 8192), so the
-    #                 capped rate of large batches is at or above their optimum
+    s.max_lr = 1.6  # cap below the stability limit 2/λ_max(H) = 1.99: a cap of 1.95 took
+    #                 more steps to the deepest target at every B ≥ 1024 (70 vs 55 at
+    #                 B = 8192), so 1.6 is at or above the large batches' optimum
     s.extend_lr_rounds = 4  # up to four factor-2 steps past an edge optimum
     s.seeds = (0, 1)  # two seeds per (B, η): the fit uses their mean steps
     s.stop_when_dominated = True  # a group stops once its best rate reached every target
-    s.targets = (0.135, 0.13, 0.1275, 0.1265, 0.126, 0.1258)  # full training-set loss; its
-    #                                                             minimum is 0.12540 (least squares)
+    s.targets = (0.135, 0.13, 0.1275, 0.1265, 0.126, 0.1258)  # training loss (min 0.12540)
     s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.max_examples = 0  # steps bound the budget
     s.max_steps = 50_000  # updates per trial

@@ -4,15 +4,12 @@ cross-study comparison, `cbs-compare`).
     cbs-sweep --config=mnist1d_sweep --sweep_dir=results/mnist1d_adam
     cbs-sweep --config=mnist1d_sweep:sgd --sweep_dir=results/mnist1d_sgd
 
-Needs the `[mnist1d]` extra (the data set is generated offline: 4,000 training signals of
-40 samples, 10 classes). Batch sizes 8 to 2048 (factor 2); Adam on a factor-2 grid centred on
-the square-root rule η(B) = 2e-3·(B/128)^½, or with `:sgd` plain SGD on the linear rule
-η(B) = 0.1·(B/128); grids extended past edge optima; targets on the full training-set loss
-from 1.5 down to 0.1 (the MLP memorises the training set, so it gets there). The noise scale
-at each target is exact on all 4000 training examples (tr(HΣ) from 32 examples' deviations
-and the Hessian of 128 independent ones) at each best trial's crossing. (A reference run
-with the full-data Hessian, as the digits studies have, took about 30 s per evaluation on
-4000 examples here, so it is off.) `:tiny` shrinks it for tests.
+Needs the `[mnist1d]` extra (4,000 training signals of 40 samples, 10 classes, generated
+offline). Batch sizes 8 to 2048; Adam on a factor-2 grid around η(B) = 2e-3·(B/128)^½, or
+with `:sgd` plain SGD around η(B) = 0.1·(B/128), extended past edge optima; targets on the
+full training-set loss from 1.5 to 0.1 (the MLP memorises the training set). The noise at
+each target is exact on all 4000 training examples at each best trial's crossing (no
+reference run: the full-data Hessian took ≈ 30 s per evaluation). `:tiny` shrinks it for tests.
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):
@@ -54,8 +49,7 @@ def get_config(arg: str = ""):
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
     s.noise_window = 5  # measurements averaged around each crossing
-    s.noise_protocol = "per_trial"  # no reference run: with the full-data Hessian over 4000
-    #                                 examples it took ≈ 30 s per evaluation here
+    s.noise_protocol = "per_trial"  # no reference run (≈ 30 s per full-data evaluation)
     if "sgd" in words:
         c.optim.name = "sgd"  # plain SGD: u = g, no momentum
         s.base_lr = 0.1  # η at B = 128

@@ -4,36 +4,25 @@
     cbs-sweep --config=shakespeare_kaplan:tiny \
         --sweep_dir=/tmp/kaplan_tiny   # seconds: the whole pipeline, meaningless numbers
 
-The model and data of `shakespeare_sweep` (2 layers, D = 64, windows of T = 32 characters,
-AdamW at a constant rate), set up so that the fit supports a claim within about an hour on
-2 CPU cores:
+The model and data of `shakespeare_sweep`, set up so that the fit supports a claim within
+about an hour on 2 CPU cores: targets 2.5 to 2.1 nats per character (past the initial
+transient); batch sizes 4 to 512 sequences, bracketing every fitted B_crit (23 to 80) by at
+least 4× on both sides; a factor-2 rate grid on the square-root rule, extended by up to four
+steps past an edge optimum, capped at 0.03; two seeds per (B, η); B_simple on 128 fresh
+windows at every evaluation, B_noise from 16 of them against the Hessian of 16 others.
+The report gives B_crit(L) in sequences and tokens beside Kaplan's α_B ≈ 0.21 and B* ≈ 2·10⁸
+tokens (per BPE token of WebText2: α_B, the trend's shape, is comparable; B* is not).
+Committed: results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
 
-- targets 2.5 to 2.1 nats per character on the evaluation windows, past the initial
-  transient (the earlier study's 3.0 and 2.6 sat inside it, where S barely depends on B);
-- batch sizes 4 to 512 sequences (128 to 16,384 tokens): every fitted B_crit (23 to 80) is
-  bracketed by at least 4× on both sides;
-- a factor-2 learning-rate grid on the square-root rule, extended by up to four factor-2
-  steps past any edge optimum (`sweep.extend_lr_rounds`), capped at 0.03;
-- two seeds per (B, η): the fit uses their mean steps, the report's "Seeds" section each
-  seed alone;
-- B_simple measured on 128 fresh windows at every evaluation, B_noise from 16 of them
-  against the Hessian of 16 others (unbiased; the cost grows as their product).
-
-The report (report.md) gives B_crit(L) in sequences and in tokens beside Kaplan's
-α_B ≈ 0.21 and B* ≈ 2·10⁸ tokens (their loss is nats per BPE token of WebText2, ours nats per
-character: α_B, the shape of the trend, is the comparable number; B* is not). Committed run:
-results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores; 66 in the
-grid of the per-seed extension rule).
-
-Held out from the advice's calibration: `depth4` (4 blocks instead of 2, D = 64), with
-`predict` for the one run that the advice is made from (B = 32, the grid's centre rate):
+Held out from the advice's calibration: `depth4` (4 blocks instead of 2), with `predict` for
+the one run the advice is made from (B = 32, the grid's centre rate):
 
     cbs-sweep --config=shakespeare_kaplan:depth4,predict \
         --sweep_dir=results/heldout_lm_depth4_predict
     cbs-advise --sweep_dir=results/heldout_lm_depth4_predict
 
-Across sizes: the argument `d32` or `d128` changes only the width (d_model, with
-d_ff = 4·d_model and 4 heads; `d128` also starts the grid at B = 8 to fit in the hour), e.g.
+Across sizes: `d32` or `d128` changes only the width (d_ff = 4·d_model, 4 heads; `d128` also
+starts the grid at B = 8 to fit in the hour), e.g.
 
     cbs-sweep --config=shakespeare_kaplan:d32 --sweep_dir=results/shakespeare_kaplan_d32
 """
@@ -42,12 +31,9 @@ from __future__ import annotations
 
 from cbs.configs import base, shakespeare_sweep
 
-__all__ = [
-    "WIDTHS", "get_config",
-]
+__all__ = ["WIDTHS", "get_config"]
 
-# Model widths of the across-sizes study (Kaplan et al. 2020, Fig. 10): the same data,
-# tokenisation, grid and protocol at D = 32 and D = 128 beside the default D = 64.
+# Widths of the across-sizes study (Kaplan et al. 2020, Fig. 10) beside the default D = 64.
 WIDTHS = {"d32": 32, "d128": 128}
 
 

@@ -3,15 +3,13 @@
     cbs-ramps --config=shakespeare_payoff \
         --sweep_dir=results/shakespeare_char --out_dir=results/shakespeare_payoff
 
-The model, data and targets of `shakespeare_sweep` (eval loss 3.0 → 2.2 nats per character);
-learning rates from its committed sweep (results/shakespeare_char), the local-CBS schedule
-from its branched study (results/shakespeare_branch); writes only to out_dir. Every run is
-repeated over seeds 0, 1, 2 (`cbs.analysis.studies.payoff` reports seed intervals and each ramp's
-step saving at equal examples against the fixed batch sizes' frontier):
-
-- fixed B = 8 … 128 sequences at the sweep's best learning rate at B;
-- "adaptive (B_simple)": B = B_simple of the live estimate on the ladder 8 … 256;
-- "local CBS": the branched study's B*(examples), 32 → 256 at 30,400 sequences.
+The model, data and targets of `shakespeare_sweep`; learning rates from its committed sweep
+(results/shakespeare_char), the local-CBS schedule from its branched study
+(results/shakespeare_branch); writes only to out_dir. Each run is repeated over seeds 0, 1, 2
+(`cbs.analysis.studies.payoff`: seed intervals, each ramp's step saving at equal examples
+against the fixed batch sizes' frontier): fixed B = 8 … 128 sequences at the sweep's best
+rate at B; "adaptive (B_simple)" on the ladder 8 … 256; "local CBS", the branched study's
+B*(examples), 32 → 256 at 30,400 sequences.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ import os
 
 from cbs.configs import base, digits_payoff, digits_ramps, shakespeare_sweep
 
-__all__ = [
-    "BRANCH_DIR", "FIXED", "SEEDS", "get_config",
-]
+__all__ = ["BRANCH_DIR", "FIXED", "SEEDS", "get_config"]
 
 SEEDS = (0, 1, 2)
 FIXED = (8, 16, 32, 64, 128)

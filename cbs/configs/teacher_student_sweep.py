@@ -6,15 +6,12 @@
     cbs-sweep --config=teacher_student_sweep --sweep_dir=results/heldout_teacher_student
 
 No committed study uses this data (`cbs.data.synthetic.teacher_student`: x ~ N(0, I) in 32
-dimensions, labels the argmax of a random tanh teacher with 64 hidden units, 10 classes,
-8,192 training examples), so the calibration of `cbs-advise` never saw it. `:predict` is ONE
-run at B = 64 at the grid's centre rate, measured exactly on all training examples at every
-evaluation; `cbs-advise --sweep_dir` turns its noise scale at each target into a predicted
-B_crit with an 80 % interval, committed before the sweep (the default argument: batch sizes 8
-to 8,192, the full training set, a factor-2 rate grid extended past edge optima) is run to
-test it. The sweep first ran to 2,048, which left the B_crit of L = 0.4, 0.3, 0.2 past the
-largest batch (extrapolated, 2.1k-2.6k); B = 4,096 and 8,192 were added to the same
-directory (`cbs-sweep ... --redefine`: the 45 trials before are kept as they were) and bound
+dimensions, labels the argmax of a random tanh teacher, 10 classes, 8,192 training examples),
+so `cbs-advise` was never calibrated on it. `:predict` is ONE run at B = 64 and the grid's
+centre rate, measured exactly on all training examples at every evaluation; its predicted
+B_crit (80 % interval) is committed before the sweep (batch sizes 8 to 8,192) tests it. The
+sweep first ran to 2,048, leaving the B_crit of L = 0.4, 0.3, 0.2 past the largest batch;
+B = 4,096 and 8,192 added with `cbs-sweep ... --redefine` (the 45 trials before kept) bound
 them: 1.65k, 2.0k and 2.16k.
 """
 
@@ -23,9 +20,7 @@ from __future__ import annotations
 from cbs.configs import base
 from cbs.sweeps.grid import default_sweep_config, default_sweep_noise
 
-__all__ = [
-    "get_config",
-]
+__all__ = ["get_config"]
 
 
 def get_config(arg: str = ""):

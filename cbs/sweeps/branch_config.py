@@ -24,41 +24,33 @@ __all__ = [
     "reference_run_config", "validate_branch_config", "window_examples",
 ]
 
-# The rules a branch study may scale its learning rate by, f(k) = k^p: those of
-# `cbs.engine.lr.LR_RULES` whose f grows with k (p > 0, so not "none").
+# The rules f(k) = k^p of `cbs.engine.lr.LR_RULES` that grow with k (p > 0).
 BRANCH_LR_RULES = tuple(r for r, p in EXPONENTS.items() if p > 0)
 METRICS = ("loss_ema", "full_train/loss")
 EMA_UNITS = ("step", "reference_batch")
 CRITERIA = ("paper", "ladder")
 B_STAR_RULES = ("k_star", "geometric")
-# Δ of the paper: 2 billion tokens with OLMo's B = 1024 documents × 4096 tokens, i.e. ≈ 477
-# steps at B; in reference steps, rounded up to a power of two (Merrill et al. 2025, Sec. 3.1).
+# Δ of the paper (2B tokens ≈ 477 OLMo steps, Sec. 3.1) in steps, up to a power of two.
 PAPER_WINDOW_STEPS = 512
 
 
 def default_branch_config() -> ml_collections.ConfigDict:
-    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1).
-
-    The paper's values (its Sec. 3.1 "implementation details" 1–3 as quoted by three
-    independent readings; see README, "Local critical batch size by branched training"):
-    Δ = 2B tokens (two billion: ≈ 477 OLMo steps at B), ε = 0.01 nats, EMA α = 0.5 on the
-    per-step loss, f(k) = √k for Adam (k for SGD), k* the largest k whose smoothed loss is
-    within ε of every smaller k, reported as B* = k*·B. The k ladder is ours (the paper lists
-    its grids per checkpoint in its App. A). `window_fraction` and the reference-noise fields
-    are ours (off by default)."""
+    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1;
+    see README, "Local critical batch size by branched training"): Δ = 2B tokens (≈ 477 OLMo
+    steps at B), ε = 0.01 nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for
+    SGD), k* the largest k within ε of every smaller k, B* = k*·B. The k ladder,
+    `window_fraction` and the reference-noise fields (off by default) are ours."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
     b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
     b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
-    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B, rounded up to a
-    #   multiple of lcm(ks)·B (the paper's 2B tokens ≈ 477 steps at B, Sec. 3.1)
+    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B (≈ the paper's 2B
+    #   tokens) rounded up to a multiple of lcm(ks)·B
     b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the branch point,
-    #   rounded up to a multiple of lcm(ks)·B (windows short against the training before
-    #   them at every point); 0 = the fixed Δ above
+    #   rounded up to a multiple of lcm(ks)·B; 0 = the fixed Δ above
     b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
-    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or as a fraction of that min
-    #   ("relative")
+    b.tolerance = "absolute"  # ε in nats ("absolute", paper) or a fraction of that min ("relative")
     b.criterion = "paper"  # "paper": k* = largest k within ε of every smaller k; "ladder": the
     #   same, but the first failing k ends the ladder (a lucky larger k does not count)
     b.b_star = "k_star"  # reported B*: "k_star" k*·B (paper); "geometric" √(k*·k⁺)·B, the
@@ -69,9 +61,8 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.metric = "loss_ema"  # compared loss: "loss_ema" (paper) or "full_train/loss" (exact)
     b.seeds = (1, 2, 3)  # data-order seeds of the branches (their spread is B*'s interval)
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
-    b.noise_checkpoints = 0  # > 0: B_simple and B_noise measured exactly on the whole training
-    #   set at every branch point and this many log-spaced reference checkpoints (in-memory
-    #   data; `branch_noise.NOISE_ESTIMATOR`); 0 = off
+    b.noise_checkpoints = 0  # > 0: exact B_simple, B_noise on the whole training set at every
+    #   branch point and this many log-spaced reference checkpoints (in-memory data); 0 = off
     b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
     b.noise_seed = 0  # draw of those m examples
     return b
@@ -142,9 +133,8 @@ def _ladder_lcm(ks: Sequence[int]) -> int:
 
 
 def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None = None) -> int:
-    """Δ in examples: with `branch.window_fraction` > 0 and the branch point's examples seen,
-    that fraction of them rounded up to a multiple of lcm(ks)·B; else
-    `branch.window_examples`, or PAPER_WINDOW_STEPS·B rounded up to a multiple of lcm(ks)·B."""
+    """Δ in examples: `branch.window_fraction` of `examples_seen` (when both are given), else
+    `branch.window_examples`, else PAPER_WINDOW_STEPS·B; rounded up to a multiple of lcm(ks)·B."""
     b, bsz = config.branch, reference_batch(config)
     frac = float(b.get("window_fraction", 0.0))
     if frac and examples_seen is not None:

@@ -1,21 +1,14 @@
 """The noise scale of a branch study's reference run at its checkpoints
 (`branch.noise_checkpoints`; in-memory data only): which checkpoints, and their records.
 
-Letters: N training examples, m of them (a fixed random draw) whose deviations give tr(HΣ),
-H the Hessian of the mean loss over all N. The measurement is the one call of every path,
-`cbs.engine.measure.measure` (`measurement_spec`: the registered method "sampled" of
-`cbs.stats.sampled` on all N examples in the random order of `branch.noise_seed`, its first m
-the deviations,
-and H over all N): G, tr(Σ) and B_simple from all N per-example gradients (exact); tr(HΣ) =
-Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased for the population value since H is the
-full-data Hessian, not the Hessian of the examples weighed (the same-batch estimator that
-inflates tr(HΣ)); GᵀHG from the full mean gradient, B_noise = tr(HΣ)/GᵀHG. Cost per
-checkpoint: N per-example gradients and m + 1 HVPs over N examples.
-
-Records (`reference_noise.jsonl`, one per checkpoint, each a write-once part in
-`reference_noise.d/` with the file as their export, `cbs.results.shared.add_records`): step,
-examples_seen, num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`),
-estimator (`NOISE_ESTIMATOR`).
+Letters: N training examples, m of them (a fixed draw, `branch.noise_seed`) whose deviations
+give tr(HΣ), H the Hessian of the mean loss over all N. `measurement_spec` (the method
+"sampled" of `cbs.stats.sampled` on all N examples): G, tr(Σ), B_simple exact from all N
+per-example gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased as H is the
+full-data Hessian; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG. Cost per
+checkpoint: N per-example gradients and m + 1 HVPs over N examples. Records
+(`reference_noise.jsonl`, write-once parts), one per checkpoint: step, examples_seen,
+num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`), estimator.
 """
 
 from __future__ import annotations
@@ -36,10 +29,7 @@ from cbs.engine.state import count_to_int
 from cbs.results import files, shared
 from cbs.stats import noise
 
-__all__ = [
-    "NOISE_ESTIMATOR", "measure_at", "measure_reference_noise", "measurement_spec",
-    "noise_steps",
-]
+__all__ = ["NOISE_ESTIMATOR", "measure_reference_noise", "measurement_spec"]
 
 NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-example "
                    "gradient; tr(HΣ) from the deviations of m random examples weighed by the "
@@ -53,7 +43,7 @@ def measurement_spec(deviations: int) -> NoiseSpec:
                      chunk_size=64)
 
 
-def measure_at(runner: Any, step: int) -> dict[str, Any]:
+def _measure_at(runner: Any, step: int) -> dict[str, Any]:
     """B_simple and B_noise of the reference after `step` updates, exactly on the whole
     training set (`NOISE_ESTIMATOR`): one record."""
     if not runner.parts.in_memory:
@@ -81,7 +71,7 @@ def measure_at(runner: Any, step: int) -> dict[str, Any]:
             "estimator": NOISE_ESTIMATOR}
 
 
-def noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
+def _noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                 points: Sequence[int]) -> list[int]:
     """Reference checkpoints to measure the noise at: every branch point and
     `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
@@ -101,7 +91,7 @@ def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
     path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     keys = files.REFERENCE_POINT_KEYS
     done = {r["step"] for r in shared.read_merged(path, keys)}
-    for step in noise_steps(config, runner.ckpt.all_steps(), points):
+    for step in _noise_steps(config, runner.ckpt.all_steps(), points):
         if step not in done:
-            shared.add_records(path, keys, [measure_at(runner, step)])
+            shared.add_records(path, keys, [_measure_at(runner, step)])
     shared.export_parts(path, keys)  # on an object store, once for all checkpoints

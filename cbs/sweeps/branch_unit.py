@@ -1,25 +1,17 @@
-"""One unit of a branch study, a branch point and a multiplier k with its S data-order seeds,
+"""One unit of a branch study (a branch point and a multiplier k, with its S data-order seeds)
 as a run of the engine's one loop (`cbs.engine.loop.Loop`).
 
-A branch is a run that starts where its point is: from a checkpoint of the reference run, at
-that checkpoint's step t_0 and examples seen E, and trains Δ/(k·B) steps at batch k·B with peak
-learning rate f(k)·η_0. Its run config is the study's config with `spec.RunOverrides` (batch
-size, learning rate, seed, `train.max_steps` = t_0 + Δ/(k·B), an evaluation at the end only,
-no periodic checkpoints, divergence only on a non-finite loss); the loop takes the state and
-its start position from the driver. Two drivers:
+A branch starts from a checkpoint of the reference run, at its step t_0 and examples seen E,
+and trains Δ/(k·B) steps at batch k·B and peak rate f(k)·η_0: the study's config with
+`branch_overrides` (an evaluation at the end only, no periodic checkpoints, divergence only on
+a non-finite loss). Two drivers: `VmappedBranch`, the S seeds as one state with a leading axis
+S, through the whole window in one dispatch of `cbs.engine.vmapped.vmapped_steps`; and
+`engine_branch`, one seed through `cbs.engine.trainer.Trainer` (streamed data too), its EMA
+read from the per-step `train/loss` records. Either records per seed the loss EMA, the last
+batch loss and the final metric (NaN when not measured; non-finite after a non-finite loss).
 
-- `VmappedBranch`: the S seeds as one state with a leading axis S, advanced through the whole
-  window in one dispatch of the vmapped step loop (`cbs.engine.vmapped.vmapped_steps`, the
-  program trial groups run) and evaluated at its end: one record per seed (loss EMA, last
-  batch loss, the final metric or NaN).
-- `engine_branch`: one seed through `cbs.engine.trainer.Trainer` (`start=` the point's state),
-  the engine's own jitted step and input pipeline (streamed data too); its EMA is read from
-  the run's per-step `train/loss` records. A branch that reaches a non-finite loss stops
-  there and records non-finite values, as a vmapped one does.
-
-Each unit runs in a directory of its own under `workdir/units/`; `cbs.sweeps.branches` writes
-its records (a part of `branches.jsonl`) and then removes the directory. A unit killed after
-its last step resumes from the checkpoint the loop saved at its end; one killed before starts again.
+A unit runs in `workdir/units/` (`unit_dir`), removed once `cbs.sweeps.branches` has written
+its records; one killed after its last step resumes from the checkpoint the loop saved there.
 """
 
 from __future__ import annotations
@@ -54,10 +46,9 @@ def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
 def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float,
                      num_steps: int, full_train: bool, seed: int | None = None,
                      evaluate: bool = True) -> spec.RunOverrides:
-    """The run overrides of a branch from `start`: `num_steps` steps at `batch_size` and peak
-    rate `learning_rate` (a float32 value, as the state holds it), with data-order `seed`
-    (None: the config's), evaluated at the end when `evaluate` (the full training-set loss
-    too when `full_train`)."""
+    """A branch from `start`: `num_steps` steps at `batch_size` and peak rate `learning_rate`,
+    data-order `seed` (None: the config's), evaluated at the end when `evaluate` (the full
+    training-set loss too when `full_train`)."""
     end = position(start)[0] + num_steps
     return spec.RunOverrides(
         batch_size=batch_size, learning_rate=learning_rate, seed=seed, max_steps=end,
@@ -68,18 +59,11 @@ def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float
 
 
 class VmappedBranch:
-    """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state.
-
-    Args:
-      config: the branch's run config (`branch_overrides`).
-      workdir: its run directory (`unit_dir`).
-      parts: the study's run parts (model, data, evaluation) on one device.
-      start: the point's state; every seed starts from it, at the config's η_0.
-      seeds: the S data-order seeds.
-      program: jit of (states[S], seeds[S], loss_ema[S], n) -> (states, loss_ema, last_loss)
-        after n steps (`vmapped_steps` with the seed an input).
-      final_loss: jit of states[S] -> the final metric [S], or None (NaN recorded).
-    """
+    """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state, each from
+    `start` at the config's η_0 (`config`: `branch_overrides`'s run config; `parts`: the
+    study's, on one device). `program`: jit of (states[S], seeds[S], loss_ema[S], n) ->
+    (states, loss_ema, last_loss) after n steps; `final_loss`: jit of states[S] -> the final
+    metric [S], or None (NaN recorded)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, parts: RunParts,
                  start: TrainState, seeds: Sequence[int], program: Callable,
@@ -129,8 +113,7 @@ class VmappedBranch:
             for i, s in enumerate(self.seeds)])
 
     def num_compilations(self) -> int:
-        return self.program._cache_size()  # type: ignore[attr-defined]  # jax's jitted
-        #   functions have it; their stub does not
+        return self.program._cache_size()  # type: ignore[attr-defined]  # not in jax's stub
 
     def run(self) -> list[dict[str, float]]:
         """Trains (or resumes) the branch to the end of its window; one record per seed:
@@ -139,21 +122,18 @@ class VmappedBranch:
                                   self.parts.mesh)
         Loop(self, perf=perf, compilations=self.num_compilations).run()
         end = int(self.config.train.max_steps)
-        evals = [r for r in records.read_records(os.path.join(self.workdir,
-                                                              files.METRICS_FILE))
-                 if r.get("kind") == "eval" and r["step"] == end]
-        by_seed = {r["seed"]: r for r in evals}
-        return [{k: _number(by_seed[s][k]) for k in ("loss_ema", "train/loss",
-                                                     "full_train/loss")}
-                for s in self.seeds]
+        by_seed = {r["seed"]: r for r in records.read_records(
+            os.path.join(self.workdir, files.METRICS_FILE))
+            if r.get("kind") == "eval" and r["step"] == end}
+        keys = ("loss_ema", "train/loss", "full_train/loss")
+        return [{k: _number(by_seed[s][k]) for k in keys} for s in self.seeds]
 
 
 def engine_branch(config: ml_collections.ConfigDict, workdir: str, start: TrainState, *,
                   ema_decay: float, device_mesh: jax.sharding.Mesh, dataset: Any = None
                   ) -> tuple[float, float, float]:
-    """One seed's branch through the engine's own `Trainer` and loop (`config`: its run
-    config from `branch_overrides` with the seed): (loss EMA at the end of the window, last
-    batch loss, the final full training-set loss or NaN when not evaluated)."""
+    """One seed's branch through the engine's `Trainer` (`config`: `branch_overrides`'s):
+    (loss EMA at the window's end, last batch loss, final full training-set loss or NaN)."""
     tr = trainer.Trainer(config, workdir, mesh=device_mesh, dataset=dataset, start=start)
     try:
         tr.run(raise_on_divergence=False)

@@ -4,38 +4,25 @@
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
-1. A reference run at (B, η_0) is an ordinary engine run (`Trainer.run`, one device) in
-   `workdir/reference`, checkpointing every `train.checkpoint_every` steps (all kept).
-2. Branch points are checkpoints of it, chosen by examples seen or by the first crossing of a
-   smoothed training loss (`branch.points_examples`, `branch.points_losses`).
-3. From each point and for each k in K: restore the checkpoint, train Δ examples at batch k·B
-   with peak learning rate f(k)·η_0 (f(k) = k "linear" for SGD, √k "sqrt" for Adam), i.e.
-   Δ/(k·B) steps; record the EMA of the batch loss at the end of the window and, optionally, the
-   exact full training-set loss. The EMA decays by `loss_ema_decay` per step of the branch
-   (`loss_ema_per="step"`, the paper's α = 0.5) or per B examples (`"reference_batch"`: decay^k
-   per step of branch k, so every branch averages the same number of examples).
-4. Each (point, k) is a unit: a run of the engine's one loop (`cbs.sweeps.branch_unit`) that
-   starts at the point's step and examples seen. Its S data-order seeds (stream seeds of
-   `cbs.data`) run as one vmapped program (`VmappedBranch`: `cbs.engine.vmapped.vmapped_steps`,
-   the `jax.vmap` of a `fori_loop` of `TrainStep.apply` that `cbs.sweeps.groups` also runs), or,
-   with `branch.vmap=False` or a streamed dataset, one `Trainer` per seed started from the
-   point's state (`branch_unit.engine_branch`). The k of one seed read the same stream
-   positions [E, E + Δ), so their losses differ by the batch size and learning rate alone
-   (common random numbers), not by the examples drawn.
+A reference run at (B, η_0) (an engine run on one device in `workdir/reference`, every
+checkpoint kept) gives the branch points: checkpoints chosen by examples seen or by the first
+crossing of a smoothed training loss (`branch.points_examples`, `branch.points_losses`). From
+each point and each k, a branch trains Δ examples (Δ/(k·B) steps) at batch k·B and peak rate
+f(k)·η_0 (k "linear" for SGD, √k "sqrt" for Adam) and records the EMA of its batch loss at the
+window's end (decay `loss_ema_decay` per step, or per B examples with
+`loss_ema_per="reference_batch"`) and optionally the exact training-set loss. Each (point, k)
+is a unit (`cbs.sweeps.branch_unit`): its S data-order seeds as one vmapped program
+(`VmappedBranch`), or with `branch.vmap=False` or streamed data one `Trainer` per seed. The k
+of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B* and
+their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
 
-k*, B* and their uncertainty are computed from the records by `cbs.analysis.reports.branch_report`.
-
-Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/`
-(one record per (point, k, seed), a write-once part per (point, k), so shards on any file
-system lose none of each other's; `cbs.results.shared.write_part`), `branches.jsonl` (the
-records of older versions, then an export of the parts; readers merge both:
-`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`,
-when measured), and `units/` while a unit runs (its loop's run directory, removed once its
-records are written).
-A killed run resumes: finished (point, k) units are skipped and an unfinished one is run
-again from its point (or from the checkpoint its loop saved at the end of its window), so the
-records equal an uninterrupted run's. `shard="i/n"` runs only units whose
-index ≡ i (mod n).
+Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/` (a
+write-once part per (point, k), one record per seed: shards lose none of each other's),
+`branches.jsonl` (older records, then their export; read with
+`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`)
+and `units/` while a unit runs. A killed run resumes: finished units are skipped, an
+unfinished one reruns from its point (or its end-of-window checkpoint), so the records equal
+an uninterrupted run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -79,9 +66,8 @@ UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
-    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*`.
-
-    `reference`: the reference run's train records (step, train/loss)."""
+    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*` and the
+    reference run's train records (step, train/loss)."""
     b, bsz = config.branch, reference_batch(config)
     ckpts = sorted(s for s in ckpt_steps if s > 0)
     out = set()
@@ -103,10 +89,8 @@ def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 class BranchRunner:
     """Runs the branches of one study; `run_unit(step, k)` returns a unit's records.
 
-    checkpoints: the directory of the checkpoints to branch from (default: the study's
-    reference run, `workdir/reference/checkpoints`; `cbs.sweeps.probe_runs` branches from any
-    run's). lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate (1: the
-    reference's; a probe whose ladder starts below the run's batch scales it down)."""
+    checkpoints: where the checkpoints to branch from are (default: the reference run's).
+    lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                  dataset: data.Dataset | None = None, checkpoints: str | None = None,
@@ -167,10 +151,6 @@ class BranchRunner:
 
         return jax.jit(jax.vmap(loss))
 
-    def window(self, examples_seen: int) -> int:
-        """Δ of the branches from a point that has seen `examples_seen` examples."""
-        return window_examples(self.config, examples_seen)
-
     def _program(self, k: int) -> Callable:
         """jit(vmap over seeds) of branch k: (states[S], seeds[S], loss_ema[S], n) ->
         (states, loss_ema, last_loss) after n steps (n traced: one compilation per k)."""
@@ -189,11 +169,11 @@ class BranchRunner:
 
     def _overrides(self, state: TrainState, k: int, seed: int | None = None,
                    evaluate: bool = True) -> spec.RunOverrides:
-        e0 = position(state)[1]
+        window = window_examples(self.config, position(state)[1])
         lr0 = float(jax.device_get(state.learning_rate)) * self.lr_scale
         return branch_unit.branch_overrides(
             state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
-            num_steps=self.window(e0) // (k * self.bsz), seed=seed, evaluate=evaluate,
+            num_steps=window // (k * self.bsz), seed=seed, evaluate=evaluate,
             full_train=self.b.metric == "full_train/loss")
 
     def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
@@ -203,6 +183,7 @@ class BranchRunner:
         seeds = [int(s) for s in self.b.seeds]
         o = self._overrides(state, k)
         e0 = position(state)[1]
+        window = window_examples(self.config, e0)
         if self.vmap:
             c = spec.run_config(self.branch_config, o, drop=())
             out = branch_unit.VmappedBranch(
@@ -213,8 +194,8 @@ class BranchRunner:
                             self.engine_branch(step, k, s), strict=True)) for s in seeds]
         return [{"point_step": step, "point_examples": e0, "k": k, "seed": s,
                  "batch_size": k * self.bsz, "reference_batch_size": self.bsz,
-                 "learning_rate": o.learning_rate, "window_examples": self.window(e0),
-                 "steps": self.window(e0) // (k * self.bsz)} | out[i]
+                 "learning_rate": o.learning_rate, "window_examples": window,
+                 "steps": window // (k * self.bsz)} | out[i]
                 for i, s in enumerate(seeds)]
 
     def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:
@@ -265,10 +246,9 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
 
 
 def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes branch.json (the whole config, and the numbers the report reads) before anything
-    trains; a workdir whose branch.json holds a different config is refused in one line
-    naming the differing fields (a branch.json of an older version is compared on the fields
-    it holds)."""
+    """Writes branch.json (the config and the numbers the report reads) before anything
+    trains; one that holds a different config (an older one: on its fields) is refused in
+    one line naming the differing fields."""
     definition = {
         "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
         "window_examples": window_examples(config),
@@ -290,10 +270,8 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Reference run, then this shard's pending branch units; returns all branch records.
-
-    Every field, the shard and the reference run's config are validated before anything is
-    written. `stop_after`: run at most this many units (tests: an interrupted study)."""
+    """Validates every field, the shard and the reference run's config, then runs the
+    reference and this shard's pending units (at most `stop_after`); returns all records."""
     validate_branch_config(config)
     parse_shard(shard)
     config_lib.validate(reference_run_config(config), data_replicas=1,  # one device

@@ -1,23 +1,18 @@
 """Batch-size sweeps: the trial grid, sharding across launchers, and the results store.
 
-A sweep is independent trials, one per (batch size B, learning rate η, seed). Each trial
-trains until its progress metric has crossed every target loss or its budget is spent, and
-records, per target, the steps S and examples E = B·S at which the metric first crossed it
-(interpolated between evaluations), together with its loss curve and the noise statistics
-measured along the way. `cbs.analysis.fits.fit` turns those records into S_min, E_min and B_crit.
+A sweep is independent trials, one per (batch size B, learning rate η, seed), declared in
+`config.sweep` (`default_sweep_config`) next to the base run; launchers only iterate it. Each
+trial trains until its progress metric has crossed every target or its budget is spent, and
+records per target the steps S and examples E = B·S of the first crossing (interpolated between
+evaluations), its loss curve and the noise measured at its evaluations (`config.noise`,
+`default_sweep_noise`). `cbs.analysis.fits.fit` turns the records into S_min, E_min and B_crit.
 
-The sweep is declared in the config next to the base run (`config.sweep`, see
-`default_sweep_config`); launchers only iterate it. What a trial measures of its noise at
-each evaluation is `config.noise` (`default_sweep_noise`: a sweep's defaults). The learning
-rate grid is either absolute (`sweep.learning_rates`) or centred on a scaling rule from a
-base learning rate: η(B) = base_lr · (B / base_batch_size)^p · factor, with p = 1 (linear),
-1/2 (sqrt) or 0.
-
-When the best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2
-rates past that edge, `sweep.extend_lr_count` per round for up to `sweep.extend_lr_rounds`
-rounds, within `sweep.min_lr`/`sweep.max_lr` (the rule: `cbs.analysis.fits.edges`).
-
-The sweep directory's files are `cbs.results.store`.
+The learning-rate grid is absolute (`sweep.learning_rates`) or centred on a scaling rule:
+η(B) = base_lr · (B / base_batch_size)^p · factor, p = 1 (linear), 1/2 (sqrt) or 0. When the
+best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2 rates past
+that edge (`sweep.extend_lr_count` per round, up to `sweep.extend_lr_rounds` rounds, within
+`sweep.min_lr`/`sweep.max_lr`; the rule: `cbs.analysis.fits.edges`). The sweep directory's
+files are `cbs.results.store`.
 """
 
 from __future__ import annotations
@@ -65,7 +60,6 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.noise_window = 5  # evaluations averaged around a crossing for the measured noise scale
     s.divergence_factor = 4.0  # a loss above factor × initial loss counts as diverged (0 = off)
     s.divergence_patience = 3  # ... when it stays above for this many consecutive evaluations
-    #                            (a shorter spike that recovers is not a divergence)
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
     s.noise_protocol = "per_trial"  # "per_trial": noise at each best trial's crossings only;
     #                                 "reference": also one rerun at noise_reference_batch_size
@@ -73,8 +67,7 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
     s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
-    #                                   config.noise.deviations); late in training one
-    #                                   example's form can dominate: more is steadier
+    #                                   config.noise.deviations; more is steadier late)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging
@@ -108,9 +101,7 @@ class Trial:
         return f"b{self.batch_size:06d}_lr{self.learning_rate:.4e}_s{self.seed}"
 
 
-# Whole-number fields of config.sweep and their least value (what each counts is in
-# `default_sweep_config`), number fields, switches, and the lists: (what, whole, least,
-# strictly above it).
+# The type and least value of each field (`cbs.runtime.fields.check_section`).
 _INTEGER_FIELDS = {
     "base_batch_size": 1, "extend_lr_rounds": 0, "extend_lr_count": 1, "max_examples": 0,
     "max_steps": 0, "evals_per_trial": 2, "noise_window": 1, "divergence_patience": 1,
@@ -125,14 +116,6 @@ _LIST_FIELDS = {"batch_sizes": ("examples per step", True, 0, True),
                 "seeds": ("training seeds", True, 0, False)}
 
 
-def _check_types(sweep: ml_collections.ConfigDict) -> None:
-    """Every present field of the right type and sign, before any comparison reads it."""
-    targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
-    fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
-                         finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,
-                         lists=_LIST_FIELDS | {"targets": targets})
-
-
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
     """Raises `ConfigError` naming the field of an invalid sweep definition: the type and range
     of every field, then how they fit together."""
@@ -140,7 +123,10 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.sweep.{field}: {why}")
 
     check_moved_keys(sweep)
-    _check_types(sweep)
+    targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
+    fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
+                         finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,
+                         lists=_LIST_FIELDS | {"targets": targets})
     if not sweep.batch_sizes:
         fail("batch_sizes", "needs at least one batch size")
     if len(set(sweep.batch_sizes)) != len(sweep.batch_sizes):
@@ -209,10 +195,9 @@ def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, An
                 ) -> list[Trial]:
     """The base grid plus the learning rates added past edges (`cbs.analysis.fits.edges`).
 
-    Added trials follow the base grid's indices; each has a fixed index computed from its
-    (B, seed, side, step beyond the base grid), whatever order rounds happen in, so shards
-    and reruns agree on who runs it. Records of trials outside the grid are ignored.
-    """
+    Each added trial's index (after the base grid's) is fixed by its (B, seed, side, step
+    beyond the grid), whatever order rounds happen in, so shards and reruns agree on it.
+    Records of trials outside the grid are ignored."""
     base = make_trials(sweep)
     if not sweep.extend_lr_rounds:
         return base
@@ -250,10 +235,9 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
 
 def shard_trials(trials: Sequence[Trial], shard: str | None,
                  batch_sizes: Sequence[int]) -> list[Trial]:
-    """The trials of this shard: shard i of n owns the batch sizes whose rank in
-    `batch_sizes` (sorted) is ≡ i (mod n), with every seed and learning rate at them. A
-    shard therefore runs each vmapped group whole (the records equal an unsharded sweep's,
-    bit for bit) and decides its learning-rate extensions from its own records."""
+    """The trials of this shard: shard i of n owns the batch sizes whose rank in sorted
+    `batch_sizes` is ≡ i (mod n), every seed and rate at them (so each group runs whole and
+    a shard extends its own rates)."""
     i, n = parse_shard(shard)
     rank = {int(b): k for k, b in enumerate(sorted(int(b) for b in batch_sizes))}
     return [t for t in trials if rank[int(t.batch_size)] % n == i]

@@ -1,32 +1,19 @@
 """Several sweep trials as one program: the learning rates of one (B, seed), vmapped.
 
-Trials that differ only in the peak learning rate η_0 share everything static: model, batch
-size, data order. `cbs.engine.step.TrainState` holds η_0 as a value, so K such trials are one
-state with a leading axis K, and the engine's own step (`cbs.engine.step.TrainStep`) runs on it
-under `vmap`. `TrialGroup` is a driver of the engine's one loop (`cbs.engine.loop.Loop`): the
-loop owns the order of events, the budget, checkpoints, records, resume and stopping; the group
-supplies a vmapped dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, the program
-branches also run: a `fori_loop` whose length is a value, so the log-spaced evaluation grid of
-`cbs.sweeps.trials.eval_steps` costs no recompilation; the data gathered on the device from the
-stream of `cbs.data`) and a vmapped evaluation at the end of each: the progress metric (the full
-training-set loss, the eval-split loss, or the EMA of the batch loss carried through the
-dispatch, `cbs.runtime.progress.ema_update`) and the noise measurement of `config.noise` per
-trial (`cbs.engine.measure.state_measurement`, the one engine trials record too: by default
-B_simple on a fresh batch of `noise.batch_size` training examples; for B_noise, the
-deviations of its first `noise.deviations` examples and the Hessian of an independent draw of
-`noise.hessian_batch_size` examples, so the estimate is unbiased). The group stops once
-every trial has crossed the lowest target or diverged (`cbs.runtime.progress.DivergenceRule`
-on the progress metric, as for engine trials).
+Trials that differ only in the peak learning rate η_0 (a value of the train state) are one
+state with a leading axis K, run by the engine's step under `vmap`. `TrialGroup` drives the
+engine's loop (`cbs.engine.loop.Loop`: events, budget, checkpoints, records, resume,
+stopping) with a vmapped dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, a
+`fori_loop` of traced length: the log grid of `cbs.sweeps.trials.eval_steps` costs no
+recompilation) and a vmapped evaluation after each: the progress metric and the noise
+measurement of `config.noise` (`cbs.engine.measure.state_measurement`, as engine trials
+record). It stops once every trial has crossed the lowest target or diverged.
 
-The group runs on one device (small models: the vmap is the parallelism). Its run directory
-holds the loop's files: one eval record per trial and evaluation in `metrics.jsonl` (keys:
-step, kind="eval", trial (the trial's index), data/examples_seen, the progress metric,
-train/loss_ema, noise/ema_b_simple and the measured noise/* statistics), status.json and a
-checkpoint of the stacked state and loss EMAs every `sweep.checkpoint_every_evals`
-evaluations; a killed group resumes from there and ends with the same records as an
-uninterrupted one. While it runs, a progress bar follows its steps (inside the sweep's bar of
-trials), and the sweep's `train.tensorboard` and `train.wandb` mirror its records, one curve
-per trial (`cbs.runtime.writer.Outputs`).
+A group runs on one device. Its run directory holds the loop's files: one eval record per
+trial and evaluation in `metrics.jsonl` (step, kind="eval", trial (its index),
+data/examples_seen, the progress metric, train/loss_ema, noise/*), status.json and a
+checkpoint every `sweep.checkpoint_every_evals` evaluations; a killed group resumes there
+with an uninterrupted one's records.
 """
 
 from __future__ import annotations
@@ -64,32 +51,23 @@ from cbs.sweeps.trials import (
     trial_overrides,
 )
 
-__all__ = ["PROGRESS_SPLIT", "TrialGroup", "group_dir"]
+__all__ = ["PROGRESS_SPLIT", "TrialGroup", "group_name"]
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 
 
-def group_dir(store: SweepStore, trials: Sequence[Trial]) -> str:
-    """The group's run directory, named by its trials (shards never share one)."""
+def group_name(trials: Sequence[Trial]) -> str:
+    """A group's name (its run directory's and its claim's), from its trials: shards never
+    share one."""
     t = trials[0]
-    ids = "-".join(str(x.index) for x in trials)
-    return os.path.join(store.sweep_dir, "groups", f"b{t.batch_size:06d}_s{t.seed}_t{ids}")
+    return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in trials)
 
 
 class TrialGroup:
-    """K trials with the same batch size and seed, trained as one vmapped program: a driver
-    of `cbs.engine.loop.Loop` (see `cbs.engine.loop.Driver`).
-
-    Args:
-      config: the sweep's config (`sweep` section and the base run).
-      trials: the K trials (one batch size, one seed).
-      store: the sweep's store (the group's run directory is under it).
-      cache: compiled evaluations and initial states shared by the groups of one sweep.
-      noise: the noise measurement at each evaluation (default: `config.noise`'s).
-      evals: evaluations on the log grid (default `sweep.evals_per_trial`).
-      checkpoint_every_evals: evaluations between checkpoints (default
-        `sweep.checkpoint_every_evals`).
-    """
+    """K trials of one batch size and seed as one vmapped program (a
+    `cbs.engine.loop.Driver`). `cache`: compiled evaluations and initial states shared by the
+    groups of one sweep; `noise`, `evals`, `checkpoint_every_evals` default to
+    `config.noise` and the sweep's `evals_per_trial` and `checkpoint_every_evals`."""
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None,
@@ -101,9 +79,9 @@ class TrialGroup:
         self.checkpoint_every_evals = max(1, int(
             config.sweep.checkpoint_every_evals if checkpoint_every_evals is None
             else checkpoint_every_evals))
-        self.store, self.workdir = store, group_dir(store, trials)
-        # what the group shows and mirrors: the sweep's settings (its run config is quiet); a
-        # bar over the group's steps inside the sweep's bar of trials
+        self.store, self.workdir = store, os.path.join(store.sweep_dir, "groups",
+                                                       group_name(trials))
+        # the sweep's bar and mirrors (the run config is quiet)
         self.outputs = Outputs.from_config(
             config, label=os.path.basename(self.workdir), nested=True,
             wandb_group=os.path.basename(os.path.normpath(str(store.sweep_dir))))
@@ -114,7 +92,6 @@ class TrialGroup:
         c = spec.run_config(config, overrides)
         self.mesh = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.parts = RunParts(c, mesh=self.mesh)
-        # what each evaluation measures: the run config's noise section, or the spec given
         self.noise = noise or self.parts.noise_spec
         if not self.parts.in_memory:
             raise ValueError(f"{self.parts.dataset.name} is streamed: set "
@@ -129,14 +106,14 @@ class TrialGroup:
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
                               in_shardings=(rep, rep, None), out_shardings=rep)
         # The evaluation does not depend on B: groups of one sweep share its compilation.
-        cache = {} if cache is None else cache
-        self._cache = cache
+        self._cache = cache = {} if cache is None else cache
         key = ("evaluate", len(trials), self.trial_seed)
         if key not in cache:
             cache[key] = jax.jit(jax.vmap(self._evaluate_fn, in_axes=(0, 0, None)),
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
         self._measure = state_measurement(self.noise, self.parts, seed=self.trial_seed)
+        self.curve_keys = [f"noise/{k}" for k in NOISE_CURVE_KEYS]  # measured, per trial
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -179,9 +156,8 @@ class TrialGroup:
         return self.trials[0].seed
 
     def start(self, restore: Restore | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """{"trials": the K stacked train states, "loss_ema": [K] (NaN: no loss seen yet)},
-        fresh at step 0 or restored. The initialisation does not depend on B: the groups of
-        one sweep and seed share it."""
+        """{"trials": the K stacked states, "loss_ema": [K] (NaN: no loss yet)}, fresh at step
+        0 (one initialisation per sweep and seed) or restored."""
         if restore is not None:
             shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
             return restore(jax.tree.map(
@@ -221,8 +197,7 @@ class TrialGroup:
             for i, t in enumerate(self.trials)])
 
     def num_compilations(self) -> int:
-        return self._chunk._cache_size()  # type: ignore[attr-defined]  # jax's jitted
-        #   functions have it; their stub does not
+        return self._chunk._cache_size()  # type: ignore[attr-defined]  # not in jax's stub
 
     def expected_steps(self) -> int | None:
         """The step where the group should stop short of its budget (None: unknown)."""
@@ -280,9 +255,8 @@ class TrialGroup:
         return 1 if self.sweep.target_metric == "train/loss_ema" else 0
 
     def _finished(self, history) -> bool:
-        """Every trial crossed the lowest target or diverged (`cbs.runtime.progress`); or, with
-        `sweep.stop_when_dominated`, one trial crossed it: every crossing the others could
-        still make comes later than that trial's, so none of them can be the fastest."""
+        """Every trial crossed the lowest target or diverged; or, with
+        `sweep.stop_when_dominated`, one crossed it (the others can no longer be fastest)."""
         m = self._metric_matrix(history)[self._skip:]
         reached = np.any(m <= min(self.sweep.targets), axis=0)
         if self.sweep.stop_when_dominated and np.any(reached):
@@ -303,8 +277,7 @@ class TrialGroup:
             metric: [float(v) for v in m[skip:keep]]}
         evals = history["evals"][:keep]
         curve["noise/step"] = list(self.steps[:keep])
-        for k in NOISE_CURVE_KEYS:
-            key = f"noise/{k}"
+        for key in self.curve_keys:
             curve[key] = [float(np.asarray(e[key])[i]) if key in e else math.nan
                           for e in evals]
         values = [v for v in curve[metric] if math.isfinite(v)]

@@ -2,24 +2,17 @@
 
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
-The config is validated in full (sweep fields, every batch size against the dataset, the run
-config of every batch size) before anything is written, so a bad config leaves the
-directory as it was. Trials are enumerated from `config.sweep` (`cbs.sweeps.grid.make_trials`)
-plus the learning rates added past edge optima (`cbs.sweeps.grid.grid_trials`, rounds until
-no best rate sits at an extendable edge); `shard="i/n"` keeps the batch sizes whose rank is
-≡ i (mod n), every seed and rate at them, so the same command serves as a Slurm array task,
-a Kubernetes indexed job or a plain loop, each group runs whole (sharded records equal an
-unsharded sweep's bit for bit) and a shard extends its own rates without waiting for
-another. Finished trials (records in trials.jsonl) are skipped; an
-unfinished one resumes from its checkpoint. With `sweep.vmap_trials` and an in-memory
-dataset, the learning rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`)
-whose records are written together; otherwise each trial is a `cbs.engine.trainer.run`
-(`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"` an unsharded launch that
-finds every trial finished then runs the reference trajectory (`cbs.sweeps.reference`). Each
-group is claimed (`SweepStore.claim`: a lock file, or an expiring lease object on an object
-store): launchers on one directory, on one machine or several, run different groups, and one
-waits for the others' before it goes on. Each group's records are one write-once part, so no
-launcher loses another's; trials.jsonl and trials.csv are exported at the end.
+The whole config is validated (`check_config`) before anything is written. The trials are
+the grid's and the rates added past edge optima, round after round, at this shard's batch
+sizes (`cbs.sweeps.grid`: `shard="i/n"`); finished ones (in trials.jsonl) are skipped,
+unfinished ones resume from their checkpoints. With `sweep.vmap_trials` and in-memory data
+the rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`), else each trial
+is an engine run (`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"`, an
+unsharded launch that finds every trial finished runs the reference trajectory
+(`cbs.sweeps.reference`). Each group is claimed (`SweepStore.claim`: a lock file, or an
+expiring lease on an object store), so launchers on one directory run different groups and
+wait for each other's; each group's records are one write-once part; trials.jsonl and
+trials.csv are exported at the end.
 """
 
 from __future__ import annotations
@@ -48,28 +41,18 @@ from cbs.sweeps.grid import (
     shard_trials,
     trial_table,
 )
-from cbs.sweeps.groups import TrialGroup
+from cbs.sweeps.groups import TrialGroup, group_name
 from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
 
-__all__ = [
-    "check_config", "group_slots", "num_train", "pending_trials", "resolved_config", "run_sweep",
-    "sweep_definition",
-]
-
-
-def num_train(config: ml_collections.ConfigDict) -> int:
-    """Training examples of the config's dataset (N)."""
-    return data.get_dataset(config.data.name, **config.data.options).num_train
+__all__ = ["check_config", "group_slots", "pending_trials", "run_sweep", "sweep_definition"]
 
 
 def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
-    """Validates the whole sweep before anything runs; returns its base trials.
-
-    Raises ValueError naming the field: the sweep section, the dataset, every batch size
-    (and the noise measurement) against the training split, the model (built abstractly:
-    parameter shapes only) and the run config at each B.
-    """
+    """Validates the whole sweep before anything runs; returns its base trials. Raises
+    ValueError naming the field: the sweep section, the dataset, every batch size (and the
+    noise measurement) against the training split, the model (built abstractly) and the run
+    config at each B."""
     trials = make_trials(config.sweep)
     if config.data.name not in data.known_datasets():
         raise ConfigError(f"config.data.name: {config.data.name!r} is not one of "
@@ -96,17 +79,20 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     return trials
 
 
-def resolved_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as a plain dict with every default filled in (engine, model and sweep
-    defaults under what the config sets), less the sections of studies that read a sweep."""
-    base = config_lib.default_config().to_dict()
+def sweep_definition(config: ml_collections.ConfigDict, base: list[Trial]) -> dict[str, Any]:
+    """sweep.json: the config with every default filled in (engine, model and sweep defaults
+    under what it sets; less the sections of studies that read a sweep), its sweep section,
+    the base grid and N."""
+    defaults = config_lib.default_config().to_dict()
     if config.get("model") and config.model.get("name") in models.model_names():
-        base["model"] = models.default_model_config(config.model.name).to_dict()
-    base["sweep"] = default_sweep_config().to_dict()
-    out = _merge(base, config.to_dict())
+        defaults["model"] = models.default_model_config(config.model.name).to_dict()
+    defaults["sweep"] = default_sweep_config().to_dict()
+    resolved = _merge(defaults, config.to_dict())
     for key in ("ramps", "branch"):
-        out.pop(key, None)
-    return out
+        resolved.pop(key, None)
+    ds = data.get_dataset(config.data.name, **config.data.options)
+    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base),
+            "num_train": ds.num_train}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -114,18 +100,6 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def sweep_definition(config: ml_collections.ConfigDict, base: list[Trial]) -> dict[str, Any]:
-    """sweep.json: the resolved config that determines the trials, and the base grid."""
-    resolved = resolved_config(config)
-    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base),
-            "num_train": num_train(config)}
-
-
-def _in_memory(config: ml_collections.ConfigDict) -> bool:
-    ds = data.get_dataset(config.data.name, **config.data.options)
-    return ds.in_memory("train")
 
 
 def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
@@ -140,17 +114,15 @@ def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
 
 def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str | None = None,
               redefine: bool = False, log: Callable[[str], Any] = print) -> list[TrialResult]:
-    """Runs this shard's unfinished trials, round after round of learning rates added past
-    edge optima; returns their results (also in trials.jsonl).
-
-    redefine: accept a sweep definition whose grid differs from the one in sweep_dir
-    (`SweepStore.write_definition`); finished trials still in the grid are kept.
-    """
+    """Runs this shard's unfinished trials, round after round of rates added past edge
+    optima; returns their results. `redefine`: accept a grid that differs from sweep_dir's
+    (`SweepStore.write_definition`), keeping the finished trials still in it."""
     base = check_config(config)
     parse_shard(shard)
     store = SweepStore(sweep_dir)
     store.write_definition(sweep_definition(config, base), redefine=redefine)
-    vmap = config.sweep.vmap_trials and _in_memory(config)
+    vmap = config.sweep.vmap_trials and data.get_dataset(
+        config.data.name, **config.data.options).in_memory("train")
     results: list[TrialResult] = []
     cache: dict = {}
     stuck = None
@@ -165,7 +137,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
         results += ran
         waited = _wait_for_others(store)
         stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
-    waiting = [t for t in _unfinished(config, store)
+    waiting = [t for t in pending_trials(config, store)
                if t not in shard_trials([t], shard, config.sweep.batch_sizes)]
     if waiting:
         log(f"{len(waiting)} trials of other shards are unfinished; run those shards before "
@@ -184,21 +156,15 @@ def _groups(todo: list[Trial], vmap: bool) -> list[list[Trial]]:
 
 
 def group_slots(config: ml_collections.ConfigDict, group: list[Trial]) -> list[Trial]:
-    """The trials a vmapped group runs: for trials of the base grid, every base trial at
-    their (B, seed), in index order (the group an uninterrupted sweep ran), so a
-    rerun of some of them has the same size, slots and stopping rule and gives bit-identical
-    records (the finished ones are recomputed, or replayed from the group's records, and
-    dropped); trials added past edges run as the group of those pending."""
+    """The trials a vmapped group runs: for trials of the base grid, every base trial at their
+    (B, seed) in index order (the group an uninterrupted sweep ran: a rerun of some of them
+    has its slots and stopping rule, so bit-identical records; the finished ones are
+    recomputed or replayed, and dropped); trials added past edges run as the pending group."""
     t = group[0]
     base = [b for b in make_trials(config.sweep)
             if (b.batch_size, b.seed) == (t.batch_size, t.seed)]
     ids = {b.trial_id for b in base}
     return base if all(g.trial_id in ids for g in group) else group
-
-
-def _claim_name(group: list[Trial]) -> str:
-    t = group[0]
-    return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in group)
 
 
 def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
@@ -209,10 +175,10 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
     with CountBar(len(todo), unit="trial", enabled=enabled, log=log) as bar:
         for group in _groups(todo, vmap):
             slots = group_slots(config, group) if vmap else group
-            preemption.check(f"before {_claim_name(slots)}")  # finished groups are recorded
-            held = store.claim(_claim_name(slots))
+            preemption.check(f"before {group_name(slots)}")  # finished groups are recorded
+            held = store.claim(group_name(slots))
             if held is None:
-                bar.log(f"{_claim_name(slots)}: running in another process")
+                bar.log(f"{group_name(slots)}: running in another process")
                 continue
             try:
                 done = store.finished_ids()
@@ -245,9 +211,3 @@ def _wait_for_others(store: SweepStore) -> bool:
         if held is not None:
             store.release(held)  # a waiting claim returns it
     return waited
-
-
-def _unfinished(config, store) -> list[Trial]:
-    records = store.records()
-    done = {r["trial_id"] for r in records}
-    return [t for t in grid_trials(config.sweep, records) if t.trial_id not in done]

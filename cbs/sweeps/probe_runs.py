@@ -1,21 +1,14 @@
 """The probe's branches: short runs at a few batch sizes from one checkpoint of any run, within
-a budget, through the branch machinery (`cbs.sweeps.branches.BranchRunner`; the arithmetic in
-`cbs.analysis.advice.probe`).
+a budget, through `cbs.sweeps.branches.BranchRunner` (the arithmetic and letters:
+`cbs.analysis.advice.probe`; B the run's batch at the checkpoint, b_0 the probe's smallest,
+k its multipliers).
 
-Letters as in `cbs.analysis.advice.probe`: B the run's batch at the checkpoint, b_0 the probe's
-smallest batch, k = 1, 2, 4, ... its multipliers, S seeds, Δ the window.
-
-The run's own config (its `config.json`) becomes a branch study's: the batch constant at b_0,
-no learning-rate coupling (the rate is set per branch), one branch point (the checkpoint),
-`branch.ks` = K, `branch.window_examples` = Δ of `probe.plan`, the compared loss the exact
-full training-set loss for in-memory data (`config.eval.train_examples` of them) or the EMA of
-the batch loss for a streamed split. Branch k trains at batch k·b_0 with peak rate
-f(k·b_0/B)·η_B, η_B the run's peak rate at B (its coupling applied) and f the branch rule of
-the optimizer family (√ for Adam, linear for SGD): the run's own rate at k·b_0 = B.
-
-Files in `out_dir` (write-once records, `cbs.results.paths` only): `branch.json` (the probe's
-branch config: a rerun with other settings is refused), `branches.d/` (one part per k),
-`branches.jsonl` (their export). A killed probe resumes: finished k are not run again.
+The run's `config.json` becomes a branch study of one point (`probe_config`): the batch
+constant at b_0, `branch.ks` = K, Δ of `probe.plan`, the compared loss the exact
+training-set loss for in-memory data, else the EMA of the batch loss. Branch k trains at
+k·b_0 with peak rate f(k·b_0/B)·η_B (η_B the run's rate at B, f √ for Adam, linear for SGD).
+Files in `out_dir`: `branch.json` (a rerun with other settings is refused), `branches.d/`
+(a part per k), `branches.jsonl` (their export). A killed probe resumes.
 """
 
 from __future__ import annotations
@@ -76,11 +69,9 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
               budget: float = probe.DEFAULT_BUDGET, unit: str = "examples",
               epsilon: float = 0.02, tolerance: str = "relative",
               log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Runs (or resumes) the probe's branches from the checkpoint that `measured` describes
-    (`cbs.train.measure_checkpoint(run_dir, step)`: its step, examples seen and batch size).
-
-    Returns {"rows": the branch records, "plan": `probe.plan`'s, "base": b_0, "ks", "seeds",
-    "metric", "epsilon", "tolerance", "lr_scale"}."""
+    """Runs (or resumes) the probe's branches from the checkpoint `measured` describes
+    (`cbs.train.measure_checkpoint`); returns {"rows": the branch records, "plan", "base":
+    b_0, "ks", "seeds", "metric", "epsilon", "tolerance", "lr_scale"}."""
     raw = records.read_json(os.path.join(run_dir, files.CONFIG_FILE))
     if raw is None:
         raise FileNotFoundError(f"{run_dir} has no {files.CONFIG_FILE}: give the run directory "

@@ -1,24 +1,20 @@
 """Batch-size ramps run beside a sweep and placed on its fitted S–E frontier.
 
-A ramp run is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
-examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or adaptive
-on the live noise scale), with the micro-batch fixed and the accumulation count changing,
-and the learning rate coupled to B (`config.batch.lr_coupling`). It is stopped, like a sweep
-trial, once the sweep's progress metric has crossed every target, and it records the steps S
-and the examples E at each crossing (each interpolated between evaluations on its own
-axis, since E ≠ B·S when B changes). The records go to `ramps.jsonl` in the sweep
-directory (one write-once part per run in `ramps.d/`, merged on read, and the file as their
-export, so launchers on several hosts lose none; `cbs.results.shared.add_records`), where
-`cbs.analysis.reports.report` draws them on each target's S–E plane against the frontier
-S = S_min + E_min/B fitted to the fixed-batch trials: a run below and left of the curve beat
-every fixed batch size; on it, it matched one.
+A ramp is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
+examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or
+adaptive on the live noise scale), with the micro-batch fixed and the learning rate coupled
+to B (`config.batch.lr_coupling`). Like a sweep trial it stops once the sweep's progress
+metric has crossed every target, and records the steps S and examples E of each crossing
+(each interpolated on its own axis: E ≠ B·S when B changes) in `ramps.jsonl` (write-once
+parts in `ramps.d/`, `cbs.results.shared.add_records`), where `cbs.analysis.reports.report`
+draws them against the frontier S = S_min + E_min/B of the fixed-batch trials.
 
-The runs are declared in the config (`config.ramps`, a list of dicts): `label`, `schedule`
-(a `cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0; or
-"best@B" for the sweep's fastest learning rate at batch size B at the lowest target),
-`lr_coupling` (rule, base_batch_size, cap) and optional `micro_batch`, `seed` (the run's
-seed; default `config.seed`) and `name` (the run a seed belongs to, for
-`cbs.analysis.studies.payoff`).
+The runs are `config.ramps`, a list of dicts: `label`, `schedule` (a
+`cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0, or "best@B":
+the sweep's fastest rate at B for the lowest target), `lr_coupling` (rule, base_batch_size,
+cap) and optional `micro_batch`, `seed` (default `config.seed`), `name` (the run a seed
+belongs to, for `cbs.analysis.studies.payoff`), `eval_every`, `max_steps`, `max_examples`,
+`adapt_every`.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records
 
 __all__ = [
-    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps",
-    "ramp_config", "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps",
-    "validate_ramps",
+    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps", "ramp_config",
+    "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps", "validate_ramps",
 ]
 
 RAMPS_DIR = "ramps"
@@ -60,15 +55,11 @@ def run_dir_name(label: str) -> str:
     return re.sub(r"[^a-z0-9.\-]+", "_", label.lower()).strip("_") or "ramp"
 
 
-def _run_dirs(sweep_dir: str, labels: list[str]) -> dict[str, str]:
-    """label -> run directory; a directory named by the raw label (older sweeps) is kept."""
-    out = {}
-    for label in labels:
-        name = run_dir_name(label)
-        legacy = os.path.join(sweep_dir, RAMPS_DIR, label)
-        out[label] = legacy if label != name and paths.isdir(legacy) else os.path.join(
-            sweep_dir, RAMPS_DIR, name)
-    return out
+def _run_dir(out_dir: str, label: str) -> str:
+    """A ramp's run directory; one named by the raw label (older sweeps) is kept."""
+    name, legacy = run_dir_name(label), os.path.join(out_dir, RAMPS_DIR, label)
+    return legacy if label != name and paths.isdir(legacy) else os.path.join(
+        out_dir, RAMPS_DIR, name)
 
 
 def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
@@ -91,8 +82,7 @@ def _learning_rate(spec: Any, sweep_dir: str) -> float:
     return float(spec)
 
 
-# The fields of a config.ramps entry: those without a default, then the optional ones with
-# their least value (whole numbers) or their kind.
+# The fields of a config.ramps entry: the required ones, then the optional ones.
 RAMP_REQUIRED = ("label", "schedule", "learning_rate")
 _RAMP_INTEGERS = {"micro_batch": 1, "seed": 0, "eval_every": 1, "max_steps": 0,
                   "max_examples": 0, "adapt_every": 1}
@@ -101,12 +91,10 @@ RAMP_FIELDS = (*RAMP_REQUIRED, "lr_coupling", "name", *_RAMP_INTEGERS)
 
 
 def validate_ramps(config: ml_collections.ConfigDict, *, replicas: int | None = None) -> None:
-    """Refuses, before anything is written, `config.ramps` entries that cannot run: the type
-    and range of every field (`RAMP_FIELDS`; an unknown one is a typo), labels that are not
-    unique or give clashing directory names, a "best@B" at a batch size the sweep does not
-    train, and the run config of each ramp as the engine validates it (`ramp_config`, with
-    `replicas` data replicas, by default those of `config.mesh` on this host's devices).
-    Raises `ConfigError` naming `config.ramps[i].field`."""
+    """Raises `ConfigError` naming `config.ramps[i].field` for ramps that cannot run: a bad or
+    unknown field (`RAMP_FIELDS`), labels not unique or clashing as directory names, a
+    "best@B" at an unswept B, a run config the engine refuses (`replicas` data replicas,
+    default: `config.mesh`'s on this host)."""
     runs = config.get("ramps")
     if not isinstance(runs, (list, tuple)) or not runs:
         raise ConfigError("config.ramps: must be a non-empty list of ramps (dicts with "
@@ -137,9 +125,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
             value = fields.get(run, field, at)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"{at}.{field}: must be a non-empty string, got {value!r}")
-    for field, least in _RAMP_INTEGERS.items():
-        if field in run:
-            fields.integer(run, field, at, minimum=least)
+    fields.check_section(run, at, integers=_RAMP_INTEGERS)
     schedule = fields.get(run, "schedule", at)
     try:
         schedules.batch_schedule_from_config(schedule)
@@ -163,8 +149,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
             raise ConfigError(f"{where}: must be a dict of {list(_COUPLING_FIELDS)}, got "
                               f"{coupling!r}")
         fields.choice(coupling, "rule", where, LR_RULES)
-        if "base_batch_size" in coupling:
-            fields.integer(coupling, "base_batch_size", where, minimum=0)
+        fields.check_section(coupling, where, integers={"base_batch_size": 0})
         if "cap" in coupling:
             fields.number(coupling, "cap", where)
     if isinstance(lr, str):  # the sweep's best rate is read later; any rate checks the rest
@@ -201,9 +186,8 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
 def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
                    ) -> spec.RunOverrides:
     """How one ramp's run differs from the base config: its schedule, η_0 and coupling, the
-    sweep's budget and an evaluation every `eval_every` (default 5) steps. A ramp measures
-    the noise only where its config's `noise.every` asks (on the step's examples), never at
-    its evaluations as the sweep's trials do."""
+    sweep's budget and an evaluation every `eval_every` (default 5) steps; the noise only
+    where `noise.every` asks, on the step's examples."""
     sweep = config.sweep
     coupling = dict(run.get("lr_coupling", {"rule": "none"}))
     every = int(run.get("eval_every", 5))
@@ -256,18 +240,13 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
               mesh: jax.sharding.Mesh | None = None, out_dir: str | None = None
               ) -> list[dict[str, Any]]:
     """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
-
-    `mesh` defaults to `config.mesh`; a schedule's batch sizes must be multiples of
-    micro_batch × data replicas. `out_dir` (default: sweep_dir) holds ramps.jsonl and the
-    runs, so a study of ramps can sit beside a finished sweep without touching it.
-    """
+    `mesh` defaults to `config.mesh` (batch sizes: multiples of micro_batch × data replicas);
+    `out_dir` (default: sweep_dir) holds ramps.jsonl and the runs."""
     check_ramps(config, sweep_dir, mesh=mesh)
     out_dir = out_dir or sweep_dir
     paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
     done = {r["label"]: r for r in shared.read_merged(path, files.RAMP_KEYS)}
-    labels = [run["label"] for run in config.ramps]
-    run_dirs = _run_dirs(out_dir, labels)
     todo = []
     for run in map(dict, config.ramps):
         if run["label"] in done:
@@ -278,7 +257,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
     with CountBar(len(todo), unit="ramp", enabled=enabled, log=log) as bar:
         for run in todo:
             preemption.check(f"before ramp {run['label']}")
-            _run_ramp(config, run, sweep_dir, run_dirs[run["label"]], path, bar.log, mesh)
+            _run_ramp(config, run, sweep_dir, _run_dir(out_dir, run["label"]), path, bar.log, mesh)
             bar.update()
     shared.export_parts(path, files.RAMP_KEYS)  # on an object store, once for all runs
     return shared.read_merged(path, files.RAMP_KEYS)

@@ -1,17 +1,11 @@
 """The reference-trajectory noise protocol (McCandlish et al. 2018): one run, measured densely.
 
-After a sweep, the best trial at B_ref (`sweep.noise_reference_batch_size`: the learning rate
-with the fewest steps to the lowest target any trial at B_ref reached, first seed) is run
-again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`, the same step and data
-order, so the same trajectory) with `sweep.noise_reference_evals` log-spaced evaluations, each
-a measurement of the whole training set by the method `config.noise.method` names ("auto":
-"full_data", exact, `cbs.stats.sampled`: tr(HΣ) from `sweep.noise_reference_deviations`
-random deviations and the full-data Hessian; `reference_noise`).
-It runs until `sweep.noise_window` evaluations past the lowest target's crossing. The record
-(the run's curve and settings) goes to `reference_noise.jsonl` in the sweep directory (a
-write-once part in `reference_noise.d/` and the file as its export,
-`cbs.results.shared.add_records`, so two launchers finishing at once lose nothing);
-`cbs.analysis.fits.noise_at_target` turns it into the noise scale at each target.
+After a sweep, its best trial at B_ref (`sweep.noise_reference_batch_size`; `reference_trial`)
+runs again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`: the same trajectory)
+with `sweep.noise_reference_evals` log-spaced evaluations, each measuring the whole training
+set (`reference_noise`), until `sweep.noise_window` evaluations past the lowest target's
+crossing. Its record (curve and settings) goes to `reference_noise.jsonl` in the sweep
+directory (`cbs.results.shared.add_records`); `cbs.analysis.fits.noise_at_target` reads it.
 """
 
 from __future__ import annotations
@@ -71,10 +65,9 @@ def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
 
 
 class ReferenceRun(TrialGroup):
-    """A group of one trial, `sweep.noise_reference_evals` log-spaced evaluations each measured
-    by `reference_noise` (or the spec `noise`), no mid-run checkpoints (one run of minutes),
-    that stops `sweep.noise_window` evaluations after its crossing of the lowest target (or
-    when it diverges or its budget ends)."""
+    """A group of one trial, `sweep.noise_reference_evals` evaluations each measured by
+    `reference_noise` (or `noise`), no mid-run checkpoints, that stops `sweep.noise_window`
+    evaluations after it crosses the lowest target (or diverges, or its budget ends)."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                  crossing: float | None = None, noise: NoiseSpec | None = None):
@@ -86,9 +79,8 @@ class ReferenceRun(TrialGroup):
         self.crossing = crossing  # the step where the sweep's trial crossed the lowest target
 
     def expected_steps(self) -> int | None:
-        """Where the run should stop (`cbs.engine.driver.KnowsItsEnd`): the `noise_window`-th
-        evaluation after the first at or past `crossing`, the step at which the sweep's trial
-        on this trajectory crossed the lowest target; None (the budget) without one."""
+        """Where the run should stop: the `noise_window`-th evaluation after the first at or
+        past `crossing` (where the sweep's trial crossed the lowest target); None: the budget."""
         if self.crossing is None:
             return None
         j = bisect.bisect_left(self.steps, self.crossing)
@@ -110,14 +102,23 @@ def _deviations(config: ml_collections.ConfigDict) -> int:
     return int(config.sweep.get("noise_reference_deviations", 0) or fallback)
 
 
-def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int) -> str:
-    s = config.sweep
-    m = _deviations(config)
-    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
-            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, each exact "
-            f"on the full training set (N={num_train}; tr(HΣ) from {m} random deviations and "
-            f"the full-data Hessian); ratio of means over the first {int(s.noise_window)} "
-            "evaluations at or after each target's crossing")
+def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int,
+                  sampled: tuple[int, int, int] | None = None) -> str:
+    """The record's description of the protocol; `sampled`: (n, m, h) of the sampled one."""
+    s, window = config.sweep, int(config.sweep.noise_window)
+    head = (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
+            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, ")
+    if sampled is not None:
+        n, m, h = sampled
+        return head + (f"the {window} from each target's crossing on measured by the sampled "
+                       f"estimator (N={num_train}: n={n} examples of an independent stream for "
+                       f"G and tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of "
+                       f"h={h} examples drawn independently); ratio of means over those "
+                       "evaluations")
+    return head + (f"each exact on the full training set (N={num_train}; tr(HΣ) from "
+                   f"{_deviations(config)} random deviations and the full-data Hessian); ratio "
+                   f"of means over the first {window} evaluations at or after each target's "
+                   "crossing")
 
 
 def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,

@@ -1,36 +1,24 @@
 """One noise protocol for a committed study: the reference trajectory, over seeds.
 
-One trajectory is one draw: on plain SGD the noise scale at a target swings several-fold
-within a few evaluations of one run. So, for a study already swept, `run_seeds` runs the
-reference trajectory (`cbs.sweeps.reference.ReferenceRun`, the same vmapped group of one)
-
-- at the batch size B = the largest of the sweep's batch sizes with B ≤ B_crit/`fraction`
-  (`choose_batch_size`; B_crit: the study's fit at its lowest target, the deepest loss, where
-  B_crit is largest; at the higher targets B/B_crit is larger and the report states it);
-- at the best learning rate at B on the sweep's first seed (`cbs.sweeps.reference
-  .reference_trial`), for every seed;
-- for `seeds` seeds 0, 1, …: the seed sets the initialisation and the data order;
-- measured either on the whole training set ("full_data": G, |G|², tr(Σ) and GᵀHG exact,
-  tr(HΣ) from `deviations` ≥ 256 random deviations and the full-data Hessian) at each
-  evaluation at or after the first crossing of the highest target (earlier ones are never
-  read: their noise fields are NaN), until `sweep.noise_window` evaluations past the lowest
-  target; or, for a training set too large to pass over at every evaluation (`examples` =
-  n > 0), by the sampled estimator ("sampled", `cbs.stats.sampled`: G, |G|² and tr(Σ) from n
-  examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them
-  and the Hessian of h = `hessian_examples` examples drawn independently of both, unbiased
-  by construction; of Adam's update B_simple^P only) at only the `sweep.noise_window`
-  evaluations from each target's first crossing on: the evaluations the protocol reads
-  (`cbs.analysis.studies.reference_protocol`, which reports each window's standard error from its
-  independent draws);
-- for Adam and AdamW also the noise scale of the update actually applied, u = P·g
-  (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the
-  bias-corrected Adam preconditioner of the optimizer state at that step), by the same
-  estimator on the same draws in the rescaled coordinates; recorded as `noise_p/<key>`.
-
-Each seed's record is written once, to `reference_seeds/seed_<k>.jsonl` in the sweep
-directory (a seed whose file exists is skipped, so a second call adds only missing seeds);
-the run directories go to `reference_seeds/runs/`. `cbs.analysis.studies.reference_protocol` reads
-them: each seed's noise scale at each target and the spread over seeds.
+One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold
+within a few evaluations), so `run_seeds` runs the reference trajectory
+(`cbs.sweeps.reference.ReferenceRun`) of a study already swept at the largest swept
+B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the fit at the lowest target, where it is
+largest), at the best rate there on the first seed (`cbs.sweeps.reference.reference_trial`),
+for `seeds` seeds 0, 1, … (initialisation and data order). It measures either the whole
+training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from `deviations` ≥ 256 random
+deviations and the full-data Hessian) at each evaluation from the first crossing of the
+highest target on (earlier ones are NaN) until `sweep.noise_window` evaluations past the
+lowest; or, with `examples` = n > 0, by the sampled estimator (`cbs.stats.sampled`: n examples
+of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them and the
+Hessian of h = `hessian_examples` independent examples; unbiased) at only the
+`sweep.noise_window` evaluations from each target's first crossing on, the ones read. For
+Adam and AdamW it also measures the applied update u = P·g (`cbs.stats.preconditioned`:
+B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam
+preconditioner; of the sampled protocol B_simple^P only) on the same draws, recorded as
+`noise_p/<key>`. Each seed's record is written once (an existing one is skipped), to
+`reference_seeds/seed_<k>.jsonl` in the sweep directory (runs in `reference_seeds/runs/`),
+and reported by `cbs.analysis.studies.reference_protocol`.
 """
 
 from __future__ import annotations
@@ -66,8 +54,7 @@ __all__ = [
 SEEDS_DIR = "reference_seeds"  # in the sweep directory: seed_<k>.jsonl and runs/
 DEVIATIONS = 256  # the fewest random deviations of tr(HΣ) the whole-training-set protocol takes
 SAMPLED_DEVIATIONS = 64  # m of the sampled protocol (examples > 0): its default
-HESSIAN_EXAMPLES = 256  # h of the sampled protocol: its default (the Hessian draw's standard
-#                         error is small beside the deviations'; results.md of the LM studies)
+HESSIAN_EXAMPLES = 256  # h of the sampled protocol: its default (the Hessian draw errs little)
 FRACTION = 4  # B ≤ B_crit / FRACTION at the lowest target
 PRECONDITIONED_KEYS = ("trace_sigma", "grad_sq_norm", "b_simple", "trace_h_sigma", "g_h_g",
                        "b_noise")  # recorded as noise_p/<key> (Adam, AdamW)
@@ -76,10 +63,9 @@ ADAPTIVE = ("adam", "adamw")  # optimizers whose update P·g is measured too (no
 
 def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
                        examples: str | None = None) -> dict[str, jax.Array]:
-    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`; without
-    `spec.curvature` the B_simple^P ones only): `measure.measure` of the loss in the
-    coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`), on the same examples and
-    random draws as the plain measurement."""
+    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`, B_simple^P's only
+    without `spec.curvature`): `measure.measure` in the coordinates φ = θ/√P
+    (`cbs.stats.preconditioned.rescaled`) on the plain measurement's draws."""
     phi = jax.tree.map(lambda q, s: q / jnp.sqrt(s), params, precond)
     stats = measure.measure(spec, preconditioned.rescaled(loss_fn, precond), phi, batch,
                             hessian_batch=hessian_batch, key=key, examples=examples)
@@ -102,13 +88,8 @@ def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
     raw = dict(definition.get("config") or {})
     raw.setdefault("sweep", definition.get("sweep", {}))
     raw = upgrade_noise_fields(raw)
-    c = config_lib.default_config()
-    c.sweep = default_sweep_config()
-    return _merged(c, raw)
-
-
-def _merged(base: ml_collections.ConfigDict, raw: dict[str, Any]) -> ml_collections.ConfigDict:
-    out = base.to_dict()
+    out = config_lib.default_config().to_dict()
+    out["sweep"] = default_sweep_config().to_dict()
 
     def merge(into: dict[str, Any], values: dict[str, Any]) -> None:
         for k, v in values.items():
@@ -174,6 +155,8 @@ class SeedReferenceRun(reference.ReferenceRun):
         self.workdir = os.path.join(store.sweep_dir, SEEDS_DIR, "runs",
                                     f"b{trial.batch_size:06d}_s{trial.seed}")
         self.preconditioner = str(config.optim.name) in ADAPTIVE
+        if self.preconditioner:
+            self.curve_keys += [f"noise_p/{k}" for k in PRECONDITIONED_KEYS]
         self._measure_below = max(float(t) for t in self.sweep.targets)
         self._measuring = False
         self._progress_jit = jax.jit(jax.vmap(self._progress_fn, in_axes=(0, 0, None)))
@@ -226,29 +209,16 @@ class SeedReferenceRun(reference.ReferenceRun):
         self._left = {t: (left - 1 if left else left) for t, left in self._left.items()}
         return due
 
-    def _result(self, i, trial, history):
-        result = super()._result(i, trial, history)
-        n = len(result.curve["noise/step"])
-        evals = history["evals"][:n]
-        for k in PRECONDITIONED_KEYS if self.preconditioner else ():
-            key = f"noise_p/{k}"
-            values = [float(np.asarray(e[key])[i]) if key in e else math.nan for e in evals]
-            result.curve[key] = [v if math.isfinite(v) else None for v in values]
-        return result
-
 
 def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
               fraction: float = FRACTION, evals: int | None = None, batch_size: int = 0,
               examples: int = 0, hessian_examples: int = HESSIAN_EXAMPLES,
               log=print) -> list[dict[str, Any]]:
-    """Runs the protocol (module docstring) for seeds 0 … seeds − 1 of the study in
-    `sweep_dir`, skipping seeds already written; returns every seed's record.
-
-    evals: log-spaced evaluations over the budget (default `sweep.noise_reference_evals`);
-    batch_size: B (default: `choose_batch_size` with `fraction`); examples: n of the sampled
-    protocol (0: the whole training set), with m = `deviations` (default
-    `SAMPLED_DEVIATIONS`; the whole-set protocol: `DEVIATIONS`, its minimum) and h =
-    `hessian_examples`."""
+    """Runs the protocol for seeds 0 … seeds − 1 of the study in `sweep_dir` (skipping those
+    written); returns every seed's record. `evals` default `sweep.noise_reference_evals`;
+    `batch_size` default `choose_batch_size`; `examples`: n of the sampled protocol (0: the
+    whole set), m = `deviations` (default `SAMPLED_DEVIATIONS`, else `DEVIATIONS`, its
+    minimum), h = `hessian_examples`."""
     sampled = examples > 0
     if deviations is None:
         deviations = SAMPLED_DEVIATIONS if sampled else DEVIATIONS
@@ -301,9 +271,9 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
             "preconditioner": "adam" if run.preconditioner else None,
             "target_metric": result.target_metric, "status": result.status,
             "seconds": result.seconds,
-            "protocol": (_sampled_text(config, trial, run.dataset.num_train, examples,
-                                       deviations, hessian_examples) if sampled else
-                         reference.protocol_text(config, trial, run.dataset.num_train)),
+            "protocol": reference.protocol_text(
+                config, trial, run.dataset.num_train,
+                (examples, deviations, hessian_examples) if sampled else None),
             "curve": result.curve}
         if sampled:
             record |= {"method": "sampled", "examples": int(examples),
@@ -316,13 +286,3 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
         out.append(record)
     return out
 
-
-def _sampled_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int, n: int,
-                  m: int, h: int) -> str:
-    s = config.sweep
-    return (f"one run at B={trial.batch_size} (its best rate {trial.learning_rate:.3g}, seed "
-            f"{trial.seed}), {int(s.noise_reference_evals)} log-spaced evaluations, the "
-            f"{int(s.noise_window)} from each target's crossing on measured by the sampled "
-            f"estimator (N={num_train}: n={n} examples of an independent stream for G and "
-            f"tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of h={h} examples "
-            "drawn independently); ratio of means over those evaluations")

@@ -1,22 +1,14 @@
-"""Running a sweep's trials and turning their records into `cbs.sweeps.grid.TrialResult`s.
+"""Running a sweep's trials and turning their records into `cbs.results.store.TrialResult`s.
 
-Two back ends, same records:
-
-- "engine": each trial is a `cbs.engine.trainer.run` in its own run directory (any model, dataset,
-  mesh; checkpoints; resumes), stopped by a callback once the progress metric has crossed
-  every target, or when the budget is spent or the loss explodes.
-- "vmap" (`cbs.sweeps.groups`): the learning rates of one (B, seed) train as one vmapped,
-  scanned program on a device-resident dataset: the same step, one compilation, several
-  trials per dispatch. Used for in-memory datasets when `sweep.vmap_trials` is on.
-
-Progress is measured on a dense evaluation grid (`sweep.evals_per_trial` evaluations spaced
-evenly in log(step) over the step budget, `eval_steps`, the same grid in both back ends) and
-the crossing step of each target is interpolated linearly between
-evaluations (`cbs.analysis.fits.selection.steps_to_target`). The noise scale recorded at a crossing
-is the ratio of window averages of the exact statistics measured at the evaluations around it
-(`cbs.analysis.fits.selection.noise_scale_at_crossing`). Both back ends measure at their evaluations
-through one call, `cbs.engine.measure` (what `config.noise` says), on draws fixed by (seed,
-evaluation index).
+Two back ends, same records: "engine", each trial a `cbs.engine.trainer.run` in its own run
+directory (any model, dataset, mesh), stopped by `ProgressMonitor` once the progress metric
+has crossed every target, or when the budget is spent or the loss explodes; and "vmap"
+(`cbs.sweeps.groups`), the rates of one (B, seed) as one vmapped program on in-memory data.
+Both evaluate on one grid (`eval_steps`, log-spaced over the budget) and measure the noise
+there through `cbs.engine.measure` (`config.noise`) on draws fixed by (seed, evaluation
+index). A target's crossing step is interpolated between evaluations
+(`cbs.analysis.fits.selection.steps_to_target`), its noise scale is the ratio of window
+averages of the statistics around it (`selection.noise_scale_at_crossing`).
 """
 
 from __future__ import annotations
@@ -53,8 +45,7 @@ __all__ = [
     "summarize", "trial_config", "trial_overrides",
 ]
 
-# The noise statistics of a trial's curve: the evaluation's (`cbs.stats.noise.STAT_KEYS`
-# without the raw mean_* values) and the live estimate's EMA.
+# The noise statistics of a trial's curve: the evaluation's (less mean_*) and the live EMA.
 NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_")) + (
     "ema_b_simple",)
 
@@ -78,10 +69,9 @@ def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
 
 def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int, evals: int | None = None
                ) -> list[int]:
-    """The steps at which a vmapped group evaluates: 0, then `evals` (default
-    `sweep.evals_per_trial`) points spaced evenly in log(step) up to the budget, so the
-    relative resolution of a crossing is the same early and late (a trial at B = 1024 may
-    cross in 30 steps, one at B = 4 in 3000)."""
+    """The evaluation steps: 0, then `evals` (default `sweep.evals_per_trial`) points evenly
+    spaced in log(step) up to the budget (a crossing's relative resolution is the same at
+    step 30 and 3000)."""
     return log_spaced_steps(step_budget(sweep, batch_size),
                             int(sweep.evals_per_trial if evals is None else evals))
 
@@ -103,10 +93,8 @@ def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
 def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
                     ) -> spec.RunOverrides:
     """How one trial's run differs from the base config: (B, η, seed), the sweep's budget and
-    its log-spaced evaluation grid (`eval_steps`, the grid a vmapped group evaluates on, so
-    both back ends evaluate and measure at the same steps). The in-step periodic
-    measurement is off: a sweep measures the noise at each evaluation
-    (`cbs.engine.measure`, for both back ends)."""
+    evaluation grid (`eval_steps`, as a vmapped group's); the noise is measured at the
+    evaluations, not in the step."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
     noise = NoiseSpec.of(config)
@@ -164,8 +152,7 @@ class ProgressMonitor:
 def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay: float
                        ) -> dict[str, list[float]]:
     """The progress curve (step, examples, metric) and the noise statistics measured at the
-    evaluation points (or, in runs recorded before the sweep measured at its evaluations, on
-    measured steps) from a run's metrics.jsonl records."""
+    evaluations (in older runs: at measured steps) from a run's metrics.jsonl records."""
     records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
     curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
     if metric == "train/loss_ema":
@@ -190,8 +177,7 @@ def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay
 
 
 def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
-                      curve: dict[str, list[float]], status: str, seconds: float,
-                      ) -> TrialResult:
+                      curve: dict[str, list[float]], status: str, seconds: float) -> TrialResult:
     """Steps, examples and measured noise scale at each target from a progress curve."""
     metric = sweep.target_metric
     steps_to, examples_to, noise_at = {}, {}, {}
@@ -212,8 +198,7 @@ def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
         final_metric=float(final), curve=_json_safe(curve), seconds=seconds)
 
 
-def _noise_at(curve: dict[str, list[float]], crossing: float, window: int
-              ) -> dict[str, float]:
+def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> dict[str, float]:
     x = curve.get("noise/step", [])
     if not x:
         return {}
@@ -252,9 +237,7 @@ def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
 
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
-    """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory; the
-    noise is measured at each evaluation (`cbs.engine.measure.EvalMeasurement`, which the
-    trainer adds when `config.noise` measures at evaluations)."""
+    """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory."""
     sweep = config.sweep
     replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)
@@ -270,20 +253,15 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     curve = curve_from_records(recs, sweep.target_metric, sweep.loss_ema_decay)
     for r in recs:  # a resumed monitor has not seen the records before the restart
         monitor(r["step"], r)
-    status = _status(summary["status"], monitor, curve, sweep)
+    values = [v for v in curve[sweep.target_metric] if v is not None]
+    status = ("diverged" if summary["status"] == "diverged" or monitor.exploded else
+              "done" if values and min(values) <= min(sweep.targets) else "budget")
     return result_from_curve(trial, sweep, curve, status, time.perf_counter() - start)
 
 
 def _default_replicas(config: ml_collections.ConfigDict) -> int:
     n = jax.device_count() // max(1, config.mesh.model)
     return n if config.mesh.data == -1 else config.mesh.data
-
-
-def _status(run_status: str, monitor: ProgressMonitor, curve, sweep) -> str:
-    if run_status == "diverged" or monitor.exploded:
-        return "diverged"
-    values = [v for v in curve[sweep.target_metric] if v is not None]
-    return "done" if values and min(values) <= min(sweep.targets) else "budget"
 
 
 def summarize(results: Sequence[TrialResult]) -> str:
