@@ -45,8 +45,8 @@ import numpy as np
 
 from cbs.analysis.fits import fit
 
-__all__ = ["LinregProblem", "noise_scales", "trajectory", "steps_to", "optimal_study", "grid_study",
-           "path_average", "grid_rates", "optimal_lr"]
+__all__ = ["LinregProblem", "grid_study", "noise_scales", "optimal_lr", "optimal_study",
+           "path_average", "steps_to", "trajectory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,14 +182,6 @@ def path_average(problem: LinregProblem, target: float, *, steps: int) -> float:
     w[n] = s - n
     b_noise = noise_scales(problem, moments[0, :n + 1])["b_noise"]
     return float(np.sum(w * b_noise) / np.sum(w))
-
-
-def grid_rates(batch_sizes: Sequence[float], *, base_lr: float, base_batch_size: float,
-               factors: Sequence[float], max_lr: float) -> dict[float, list[float]]:
-    """A sweep's rates per batch size: the linear rule's centre η_0·B/B_0 times each factor,
-    capped at max_lr (duplicates from the cap removed)."""
-    return {float(b): sorted({min(base_lr * b / base_batch_size * f, max_lr) for f in factors})
-            for b in batch_sizes}
 
 
 def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],
