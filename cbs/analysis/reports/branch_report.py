@@ -7,25 +7,15 @@ end of its window (mean over seeds, or one seed), ε the tolerance.
 Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3.1): k passes when
 L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`). k* is the largest
 passing k (`criterion="paper"`), or the largest k such that it and every smaller k pass
-(`criterion="ladder"`: a failing k ends the ladder, so a lucky larger k after a failure does not
-count). The paper reports B* = k*·B (`b_star="k_star"`); `b_star="geometric"` reports
-√(k*·B · k⁺·B), k⁺ the next multiplier, the log-midpoint between the last passing and the first
-failing batch. Either way `b_pass` = k*·B and `b_fail` = k⁺·B bracket the crossing; when k* is
-the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
+(`criterion="ladder"`). B* = k*·B (`b_star="k_star"`, the paper's) or √(k*·B · k⁺·B), k⁺ the
+next multiplier (`b_star="geometric"`); `b_pass` = k*·B and `b_fail` = k⁺·B bracket the
+crossing. At the bottom of the ladder (k* = 1, `floor`) B* is reported as "≤ B"; at the top
+(`censored`, only bounded below) as "≥ k_max·B".
 
-Bounds: at the bottom of the ladder (k* = 1, `floor`) the measurement only says that the
-crossing lies below 2B, possibly below B itself: B* is reported as "≤ B". At the top
-(`censored`) it is reported as "≥ k_max·B".
-
-Uncertainty: B* of each data-order seed on its own; the interval is their range
-(min, max) over seeds, the point estimate B* from the seed-mean losses.
-
-Noise scale: when the study measured it (`branch.noise_checkpoints`, file
-`reference_noise.jsonl`), B_simple and B_noise at each branch point are read from there; the
-estimator is named in its records.
-
-A study whose `branch.json` predates the `criterion` and `b_star` fields used "ladder" and
-"geometric"; `summarize` reads it that way.
+Uncertainty: the range over seeds of each data-order seed's own B*; the point estimate from
+the seed-mean losses. Noise scale: B_simple and B_noise at each branch point from the study's
+`reference_noise.jsonl` when it measured them (`branch.noise_checkpoints`). A `branch.json`
+without the `criterion` and `b_star` fields is read as "ladder" and "geometric".
 """
 
 from __future__ import annotations

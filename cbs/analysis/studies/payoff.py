@@ -16,11 +16,9 @@ are the fixed-batch baseline; every other run is a ramp. For each target L:
 - for each ramp, Merrill et al.'s comparison against the fixed run at its first batch size,
   seed by seed, with the seeds a 15 % saving needs (`cbs.analysis.studies.ramp_start`).
 
-Intervals: S and E, Student-t over seeds in log S and log E (positive, like S and E); the
-saving and the cost, a percentile bootstrap that resamples seeds within every run (ramps and
-fixed batches alike) and refits the frontier per replicate, seeded from the records so the
-interval depends only on them. A ramp beats the frontier at L when the saving's interval lies
-above zero.
+Intervals: S and E, Student-t over seeds in log S and log E; the saving and the cost, a
+percentile bootstrap over seeds within every run, the frontier refitted per replicate, seeded
+from the records. A ramp beats the frontier at L when the saving's interval lies above zero.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """B_crit against the loss across model sizes (Kaplan et al. 2020, §5 and Fig. 10).
 
-Kaplan et al. find that the critical batch depends on the loss reached, not on the model's
-size: B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep
-directory is one size trained on the same data with the same protocol; every (size, target)
-with a B_crit fit is one point, log B_crit with the covariance across its study's targets
-from that study's joint batch-size bootstrap (`cbs.analysis.fits.joint`; studies are
-independent, so the covariance of all points is block-diagonal). Three generalised least
+Kaplan et al. find that B_crit depends on the loss reached, not on the model's size:
+B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep directory
+is one size (same data, same protocol); every (size, target) with a B_crit fit is one point,
+log B_crit with the covariance across its study's targets from its joint bootstrap
+(`cbs.analysis.fits.joint`; studies are independent: block-diagonal). Three generalised least
 squares (GLS) fits of log B_crit answer:
 
 - "depends on L alone", without assuming a power law: log B_crit = μ_L (one free value per
@@ -18,16 +17,13 @@ squares (GLS) fits of log B_crit answer:
 
 Intervals per point are each study's own (the report's bootstrap-t). Needs no model.
 
-The χ² readings assume Gaussian log B_crit with the bootstrap covariance known; on one or two
-seeds that covariance is underestimated and the readings reject too often
-(`cbs.analysis.fits.misfit`). So every test is also calibrated: each study's noise (its residuals'
-shared and own variances, `misfit.study_noise`) is put on the tested law's values, every
-study is refitted as the real one (`misfit.pooled_draws`), and the statistic, with each
-simulated set's own noise estimates in its covariance (studentized), gives the null
-distribution; the calibrated p is (1 + #{Q* ≥ Q})/(1 + R). The loss whose points break the
-joint law (the one whose removal raises its calibrated p the most, from below to above 0.05)
-is named, and both laws are refitted without it (for example the first target, still in the
-initial transient).
+The χ² readings assume the bootstrap covariance known; on one or two seeds it is
+underestimated and they reject too often (`cbs.analysis.fits.misfit`). So every test is also
+calibrated: each study's noise (`misfit.study_noise`) is put on the tested law's values, every
+study refitted (`misfit.pooled_draws`), and the statistic with each simulated set's own noise
+estimates (studentized) gives the null distribution; the calibrated p is
+(1 + #{Q* ≥ Q})/(1 + R). The loss whose removal raises the law's calibrated p the most, from
+below to above 0.05, is named as breaking it, and both laws are refitted without it.
 """
 
 from __future__ import annotations
