@@ -114,8 +114,7 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     rows = shared.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
                               ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
-    noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
-    noise = {r["step"]: r for r in shared.read_merged(noise_path, files.REFERENCE_POINT_KEYS)}
+    noise = {r["step"]: r for r in _noise_records(workdir)}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
@@ -161,9 +160,13 @@ def format_b_star(p: dict[str, Any]) -> str:
 
 def noise_estimator(workdir: str) -> str | None:
     """The estimator named by the study's noise records (None when it measured none)."""
-    recs = shared.read_merged(
-       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    recs = _noise_records(workdir)
     return recs[0].get("estimator") if recs else None
+
+
+def _noise_records(workdir: str) -> list[dict[str, Any]]:
+    return shared.read_merged(os.path.join(workdir, files.REFERENCE_NOISE_FILE),
+                              files.REFERENCE_POINT_KEYS)
 
 
 def summary_table(points: Sequence[dict[str, Any]]) -> str:
@@ -271,8 +274,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     fig = Figure(figsize=(8, 6.5))
     ax = fig.subplots()
     ok = ref["E"] > 0
-    noise = shared.read_merged(
-       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    noise = _noise_records(workdir)
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
         for key, color, name in (("b_simple", "tab:blue", "B_simple"),

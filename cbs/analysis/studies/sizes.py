@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import scipy.linalg
 import scipy.stats
 
 from cbs.analysis.fits import fit, joint, misfit
@@ -125,13 +126,7 @@ def _points(studies: Sequence[dict[str, Any]], targets: Sequence[float] | None =
         x += [math.log(s["targets"][j]) for j in keep]
         k += [i] * len(keep)
         blocks.append(np.asarray(s["cov"])[np.ix_(keep, keep)])
-    n = len(y)
-    C = np.zeros((n, n))
-    at = 0
-    for b in blocks:
-        C[at:at + len(b), at:at + len(b)] = b
-        at += len(b)
-    return np.asarray(y), np.asarray(x), np.asarray(k), C
+    return np.asarray(y), np.asarray(x), np.asarray(k), scipy.linalg.block_diag(*blocks)
 
 
 def _p(q: float, dof: int) -> float:
@@ -208,11 +203,7 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
     y = np.concatenate([z.log_b_crit for z in noise])
     loss = np.concatenate([z.losses for z in noise])
     k = np.concatenate([np.full(len(z.losses), i) for i, z in enumerate(noise)])
-    C = np.zeros((y.size, y.size))
-    at = 0
-    for z in noise:
-        C[at:at + len(z.losses), at:at + len(z.losses)] = z.cov
-        at += len(z.losses)
+    C = scipy.linalg.block_diag(*(z.cov for z in noise))
     parts = np.cumsum([len(z.losses) for z in noise])[:-1]
 
     def gls_fit(X, m):  # the null values at every point (unchanged off the mask m)
