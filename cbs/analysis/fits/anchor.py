@@ -24,14 +24,12 @@ Two protocols are compared:
   B_crit = B_noise: the progress per step is ΔL_max/(1 + B_noise/B), so S(B) = S_min + E_min/B
   with B_crit = E_min/S_min the path average of B_noise (each step of the B → ∞ path weighted
   equally; `path_average`).
-- "grid": a constant rate per trial chosen, per batch size, as the rate of a grid (a factor
-  grid around the linear rule η(B) = η_0·B/B_0, capped at `max_lr`) that reaches the target in
-  the fewest steps, as a sweep does.
+- "grid": per batch size, the constant rate of a grid that reaches the target in the fewest
+  steps, as a sweep does.
 Steps to a target are the first crossing of E L_t, interpolated linearly in log loss between
-updates (as `cbs.analysis.fits.selection.steps_to_target`), and B_crit is `fit.fit_tradeoff` of
-those steps. This describes the loss of the average run; a sweep's S is the mean over seeds
-of each seed's crossing, which differs from the crossing of the mean curve by the run-to-run
-spread (small at these targets; tested against simulated SGD).
+updates, and B_crit is `fit.fit_tradeoff` of those steps. This is the average run's loss; a
+sweep's S, the mean over seeds of each seed's crossing, differs by the run-to-run spread
+(small at these targets; tested against simulated SGD).
 """
 
 from __future__ import annotations

@@ -207,14 +207,6 @@ def _initial_guesses(b: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.log(np.asarray(guesses, dtype=np.float64))
 
 
-def _fit_point(logb: np.ndarray, logs: np.ndarray, f_scale: float | None) -> np.ndarray:
-    theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
-    R = theta0.shape[0]
-    theta, cost = _solve(np.broadcast_to(logb, (R, logb.size)),
-                         np.broadcast_to(logs, (R, logs.size)), theta0, f_scale)
-    return theta[int(np.nanargmin(cost))]
-
-
 def _leverage(J_Nx2: np.ndarray) -> np.ndarray:
     A = J_Nx2.T @ J_Nx2
     return np.einsum("ni,ij,nj->n", J_Nx2, np.linalg.pinv(A), J_Nx2)
@@ -274,7 +266,11 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
 
 def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resample):
     logb, logs = np.log(b), np.log(s)
-    theta = _fit_point(logb, logs, None)
+    theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
+    R = theta0.shape[0]
+    theta, cost = _solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
+                         theta0, None)
+    theta = theta[int(np.nanargmin(cost))]  # the best of the starting points
     f_scale = None
     if method == "robust":
         theta_1x2, f_scale = _fit_robust(logb[None], logs[None], theta[None])
