@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)
+_SCALES = (("b_simple", "tab:blue", "B_simple"), ("b_noise", "tab:green", "B_noise"))
 
 
 def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
@@ -277,8 +278,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     noise = _noise_records(workdir)
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
-        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
-                                 ("b_noise", "tab:green", "B_noise")):
+        for key, color, name in _SCALES:
             y = np.asarray([r.get(f"noise/{key}", np.nan) for r in noise], np.float64)
             m = np.isfinite(y) & (y > 0) & (e > 0)
             ax.plot(e[m], y[m], "o-", color=color, ms=3, lw=1.2,
@@ -286,8 +286,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     else:
         ax.plot(ref["E"][ok], ref["ema_b_simple"][ok], color="tab:blue", lw=1, alpha=0.7,
                 label="B_simple (two-batch EMA)")
-        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
-                                 ("b_noise", "tab:green", "B_noise")):
+        for key, color, name in _SCALES:
             m = ok & np.isfinite(ref[key]) & (ref[key] > 0)
             if m.any():
                 ax.scatter(ref["E"][m], ref[key][m], s=10, color=color, alpha=0.5,
