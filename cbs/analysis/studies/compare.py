@@ -67,13 +67,11 @@ def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One row per (study, target) with a B_crit fit: study (`study_labels`), task, optimizer,
-    target, b_crit and its interval, the measured b_simple / b_noise (median over batch
-    sizes) with their min/max where recorded and each best trial's value by batch size
-    (<name>_by_batch_size, one run's value: what `cbs.analysis.advice.calibration` is fitted on),
-    the noise protocol, and the ratios B_crit/B_simple and B_crit/B_noise; and where the
-    study has the protocol (`reference_protocol`), for each name of PROTOCOL its median over
-    seeds (ref_<...>), _range (min, max), _gsd, _seeds and ratio_<...>, with ref_batch_size
-    and ref_protocol."""
+    target, b_crit and its interval, b_simple / b_noise (median over batch sizes) with their
+    _range and each best trial's value (<name>_by_batch_size: what the calibration is fitted
+    on), the noise protocol and the ratios B_crit/B_simple, B_crit/B_noise; with the protocol
+    (`reference_protocol`), for each name of PROTOCOL its median over seeds (ref_<...>),
+    _range, _gsd, _seeds and ratio_<...>, and ref_batch_size, ref_protocol."""
     rows = []
     for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)
