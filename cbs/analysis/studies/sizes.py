@@ -38,7 +38,7 @@ import scipy.linalg
 import scipy.stats
 
 from cbs.analysis.fits import fit, joint, misfit
-from cbs.analysis.reports import report, report_tables
+from cbs.analysis.reports import plots, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
@@ -382,8 +382,6 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
                             max(max(s["targets"]) for s in studies), 50)
         ax.plot(loss, j["b_star"] * loss ** (-1 / j["alpha_b"]), "k--", lw=1,
                 label=f"joint fit, α_B = {j['alpha_b']:.2g}")
-    from cbs.analysis.reports import plots
-
     ax.set_xscale("log")
     ax.set_yscale("log")
     plots.log_labels(ax.xaxis, np.concatenate([np.asarray(s["targets"], float) for s in studies]))
