@@ -2,28 +2,23 @@
 
 From a noise scale B_s measured at the current parameters (B_simple, or B_noise with
 curvature) and the optimizer, `advise` predicts B_crit with a prediction interval from the
-calibration over committed studies (`cbs.analysis.advice.calibration`, the shipped file unless one
-is given) and says what the current batch B costs (McCandlish et al. 2018): S/S_min =
-1 + B_crit/B steps and E/E_min = 1 + B/B_crit examples relative to their minima, and, for an
-exchange rate λ (examples one would spend to save one step), the batch √(λ·B_crit) that
-minimises λ·S + E.
+calibration (`cbs.analysis.advice.calibration`, the shipped file unless one is given) and
+says what the current batch B costs (McCandlish et al. 2018): S/S_min = 1 + B_crit/B and
+E/E_min = 1 + B/B_crit, and, for an exchange rate λ (examples spent to save one step), the
+batch √(λ·B_crit) that minimises λ·S + E.
 
-`from_stats` takes the statistics of the drop-in API (`cbs.noise.value_grad_and_stats` on the
-user's own loss, parameters and batch: a `NoiseStats`) and `from_checkpoint` the measurement
-of a saved state (`cbs.train.measure_checkpoint`: all training examples where they fit).
+`from_stats` takes a `NoiseStats` of the drop-in API (`cbs.noise.value_grad_and_stats`),
+`from_checkpoint` the measurement of a saved state (`cbs.train.measure_checkpoint`).
+`trajectory` reads a run directory (`config.json`, `metrics.jsonl`) and gives the advice at
+every step with a measured noise scale: the measurement at each evaluation when the run makes
+one (`config.noise.examples` "all": exact; "stream": sampled), else the periodic measurement
+of the step's batch (`noise.every`), else the live EMA `noise/ema_b_simple` at each
+evaluation.
 
-`trajectory` reads a finished (or running) run directory, its `config.json` and
-`metrics.jsonl`, and gives the advice at every step with a measured noise scale: the
-measurement at each evaluation when the run makes one (`config.noise.examples` "all": exact on
-the whole training set, the calibration's own protocol for small data; "stream": sampled),
-else the periodic measurement of the step's batch (`noise.every`), else the live EMA
-`noise/ema_b_simple` at each evaluation; beside the training loss there.
-
-What the calibration's ratios were measured with: B_crit fitted from batch-size sweeps and
-the noise scale measured at the target on the whole training set (small data) or on sampled
-windows (the character LMs). A noise scale from one step's batch is noisier and, late in
-training, biased by a few badly fit examples: each advice names its measurement and flags one
-from fewer than `FEW_EXAMPLES` examples.
+The calibration's ratios were measured on the whole training set (small data) or on sampled
+windows (the character LMs); one step's batch is noisier and, late in training, biased by a
+few badly fit examples: each advice names its measurement and flags one from fewer than
+`FEW_EXAMPLES` examples.
 """
 
 from __future__ import annotations

@@ -1,39 +1,31 @@
 """Predicting B_crit from one noise-scale measurement, calibrated on committed studies.
 
-What the advice uses is ONE run's noise scale B_s (B_simple, or B_noise with curvature) at
-one batch size, so that is what the calibration is fitted and checked on: every best trial
-of a study's sweep (the best learning rate at its batch size B) measured B_s at each target's
-crossing, and each such value with the study's fitted B_crit at that target is one point
-(`cbs.analysis.studies.compare.collect`, `<scale>_by_batch_size`). A target whose B_crit lies
-outside the batch sizes swept (extrapolated) gives no point. The ratio r = B_crit/B_s is what a
-prediction needs: B_crit ≈ r·B_s.
+The advice uses ONE run's noise scale B_s (B_simple, or B_noise with curvature) at one batch
+size, so the calibration is fitted and checked on that: each best trial of a study's sweep
+measured B_s at each target's crossing, and each value with the study's B_crit at that
+target is one point (`cbs.analysis.studies.compare.collect`, `<scale>_by_batch_size`);
+extrapolated B_crit give none. A prediction needs the ratio r = B_crit/B_s.
 
-Points of one task (a data set and a model family: the Kaplan sizes and the depth-4 LM are
-one task) are not independent draws: the model is one-way random effects on log r per
-optimizer family f ("sgd"; "adaptive": Adam and AdamW), the groups j being a task's studies
-of one family,
+Points of one task (a data set and a model family) are not independent: the model is one-way
+random effects on log r per optimizer family f ("sgd"; "adaptive": Adam and AdamW), the
+groups j being a task's studies of one family,
 
     log r_jk = μ_f + a_j + e_jk,      a_j ~ N(0, τ²) (group j),  e_jk ~ N(0, σ²) (its points),
 
 estimated from the group means m_j (n_j points each): μ̂_f = mean_j m_j, σ̂² the pooled
-variance of the points about their group means (the spread over targets, batch sizes and
-runs), τ̂² = max(0, var_j(m_j) − σ̂²·mean_j(1/n_j)) (method of moments; σ̂² and τ̂² pooled over
-the families, each family keeping its μ̂_f). A new task's point is predicted as
-log B_crit = log B_s + μ̂_f, with the prediction interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)),
-var(μ̂_f) = (τ̂² + σ̂²·mean 1/n_j)/J_f, ν = J − F (groups less families, at least 1). That
-prediction, from a fitted model, is `cbs.results.calibration.predict`, below the analysis
-layer because a training run uses it too.
+variance of the points about their group means, τ̂² = max(0, var_j(m_j) − σ̂²·mean_j(1/n_j))
+(method of moments; σ̂², τ̂² pooled over the families). A new task's point is predicted as
+log B_crit = log B_s + μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)), var(μ̂_f) = (τ̂² + σ̂²·mean
+1/n_j)/J_f, ν = J − F (groups less families, at least 1): `cbs.results.calibration.predict`.
 
-`leave_one_task_out` refits without each task in turn (all its studies) and asks whether its
-points fall in their intervals: the coverage a user can expect on a task the calibration never
-saw, measured on what the advice uses. It is the coverage the calibration file records and the
-advice prints, beside the tally of held-out tasks whose predictions were committed before
-their sweeps ran (`held_out`).
+`leave_one_task_out` refits without each task in turn and asks whether its points fall in
+their intervals: the coverage to expect on a task the calibration never saw, which the file
+records and the advice prints beside the tally of held-out tasks predicted before their
+sweeps ran (`held_out`).
 
-The calibration is data: `build` returns a JSON-ready dict (version, studies, points and the
-fitted model per noise scale), which `cbs-compare` writes beside its report
-(`cbs.results.calibration.CALIBRATION_FILE`) and the package ships
-(`cbs.results.calibration.shipped`).
+`build` returns the calibration as a JSON-ready dict (version, studies, points and the model
+per noise scale), which `cbs-compare` writes (`cbs.results.calibration.CALIBRATION_FILE`)
+and the package ships (`cbs.results.calibration.shipped`).
 """
 
 from __future__ import annotations

@@ -7,40 +7,28 @@ examples (the same for every k), E and t the examples and steps the run has seen
 noise scale measured at the checkpoint, φ the budget as a fraction of the run so far.
 
 Cost: the branches train S·|K|·Δ examples in S·Σ_k Δ/(k·b_0) steps. `plan` gives the longest
-Δ (a multiple of lcm(K)·b_0, a whole number of steps for every k) within φ·E examples
-(`unit="examples"`, the compute) or φ·t steps (`unit="steps"`, the wall time of a device that
-a batch of k·b_0 does not saturate).
+Δ (a multiple of lcm(K)·b_0: whole steps for every k) within φ·E examples (`unit="examples"`)
+or φ·t steps (`unit="steps"`, the wall time where a batch of k·b_0 does not fill the device).
 
-Local B_crit: Merrill et al.'s criterion on the branch losses (`cbs.analysis.reports.branch_report`:
-k* the largest k whose loss at the end of the window is within ε of every smaller k's),
-reported as the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0) that the crossing
-lies in. Its standard error in log space joins two parts:
+Local B_crit: Merrill et al.'s criterion on the branch losses (`cbs.analysis.reports
+.branch_report`), reported as the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0).
+Its standard error in log space is se² = sd_seeds² + sd_ladder², sd_ladder = log(k⁺/k*)/√12
+(the crossing uniform in log within the bracket), sd_seeds the spread of log B* over the
+exact bootstrap of the seeds (all S^S resamples, losses averaged per resample; 2,000 random
+ones past S = 5; a resample at the top of the ladder counts as k_max·b_0). At either end of
+the ladder B* is only a bound: no ratio, the advice keeps the cross-task prior. The probed
+log ratio is y = log(B*/B_s); B_s measured on all training examples adds no error.
 
-    se² = sd_seeds² + sd_ladder²,   sd_ladder = log(k⁺/k*)/√12,
+Combination (one-way random effects, `cbs.analysis.advice.calibration`): the task's mean log
+ratio θ has the prior N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f); the probe measures y ~ N(θ, se²).
+The posterior N(m_1, v_1) has 1/v_1 = 1/v_0 + 1/se², m_1 = v_1·(μ̂_f/v_0 + y/se²), and one
+run's B_crit at a target is predicted as log B_s + m_1 ± t_{q,ν}·√(v_1 + σ̂²), the
+calibration's ν. Without the probe: the advice's own prediction (m_1 = μ̂_f, v_1 = v_0).
 
-sd_seeds the spread of log B* over the exact bootstrap of the seeds (all S^S resamples of the
-S seeds with replacement, the losses averaged per resample; 2,000 random ones past S = 5),
-sd_ladder the resolution of the ladder (the crossing uniform in log between the bracket's
-ends; a resample whose k* is the top of the ladder counts as k_max·b_0, its lower bound). At
-either end of the ladder (k* = 1, or the top) B* is only a bound: no ratio, and the
-advice keeps the cross-task prior. The probed log ratio is y = log(B*/B_s); B_s measured on
-all training examples is exact for the training set and adds no error (a sampled one would:
-it is not counted).
-
-Combination (one-way random effects, `cbs.analysis.advice.calibration`): the task's mean log ratio θ
-has the prior N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f); the probe measures it as y ~ N(θ, se²).
-The posterior is N(m_1, v_1) with 1/v_1 = 1/v_0 + 1/se² and m_1 = v_1·(μ̂_f/v_0 + y/se²)
-(precision weighting in log space), and a point of the task (one run's B_crit at a target)
-is predicted as log B_s + m_1 with the interval ± t_{q,ν}·√(v_1 + σ̂²), the calibration's ν.
-Without the probe this is the advice's own prediction (m_1 = μ̂_f, v_1 = v_0).
-
-What each predicts: the probe measures the LOCAL critical batch at this checkpoint (B*,
-Merrill et al.: the batch beyond which a short window from here loses more than ε), and
-`local_now` is that, with the probe's own interval. The combination predicts the quantity
-the calibration was fitted on, the fixed-batch B_crit of a target loss from a batch-size
-sweep (S/S_min = 1 + B_crit/B), on the stated ASSUMPTION that the task's ratio of local B*
-to B_s equals its ratio of swept B_crit to B_s. The committed studies test that assumption
-(`cbs.analysis.advice.probe_evidence`, results/probe).
+The probe measures the LOCAL critical batch at this checkpoint (`local_now`, with its own
+interval). The combination predicts what the calibration was fitted on, the fixed-batch
+B_crit of a target loss from a sweep, ASSUMING the task's ratio of local B* to B_s equals
+its ratio of swept B_crit to B_s (tested in `cbs.analysis.advice.probe_evidence`).
 """
 
 from __future__ import annotations

@@ -4,30 +4,21 @@
 
 Each committed branch study (`results/digits_branch`, `results/shakespeare_branch`) measured
 the local critical batch B* at a few checkpoints of a reference run at batch B; each branch
-point is taken as a probe (`cbs.analysis.advice.probe.local_ratio` on its records, the study's own
-ε, tolerance, metric and criterion) with the noise scale B_s at that checkpoint: the exact
-whole-training-set B_simple of the study's `reference_noise.jsonl`, or, for a study without
-one, the run's live EMA of B_simple at that step (`noise/ema_b_simple`, what live advice sees).
+point is a probe (`probe.local_ratio` with the study's own ε, tolerance, metric and
+criterion) with the noise scale B_s there: the exact B_simple of the study's
+`reference_noise.jsonl`, else the run's live EMA of B_simple at that step.
 
-What is predicted: the swept B_crit at each target of the task's committed sweep
-(`results/digits`, `results/shakespeare_char`; the calibration's points, extrapolated B_crit
-left out), from the one-run noise scale that the calibration itself uses, B_simple of the
-sweep's best trial at the reference's batch B at that target's crossing. Three predictions:
+Predicted: the swept B_crit at each target of the task's committed sweep (the calibration's
+points, extrapolated ones left out) from the one-run noise scale the calibration uses,
+B_simple of the sweep's best trial at batch B at that target's crossing, three ways:
+cross-task (the calibration refitted WITHOUT the task: log B_s + μ̂_f), probed (that prior
+updated by the probe's log ratio, `probe.combine`) and probe alone (log B_s + y).
 
-- cross-task: the calibration refitted WITHOUT the task (leave-one-task-out, as the advice's
-  coverage is measured): log B_crit = log B_s + μ̂_f;
-- probed: the same prior updated by the probe's log ratio (`cbs.analysis.advice.probe.combine`);
-- probe alone: log B_s + y (the probe's ratio with no prior).
-
-Error: |log(prediction / measured)|. Every (probe point, target) pair is scored, and apart the
-pairs whose point lies nearest the reference's crossing of the target (in log examples). This
-tests the assumption the probed line states: that the task's ratio of LOCAL B* (Merrill et
-al., a criterion with a tolerance ε over a window Δ) to B_s is its ratio of swept,
-fixed-batch B_crit to B_s.
-
-Cost: the study's branches per point (S seeds × |K| batch sizes × Δ examples), as a fraction
-of the examples and steps the reference had seen there; and the window that `cbs-advise
---probe`'s defaults (B/2 ... 8B, 2 seeds, 10 % of the examples) would have there.
+Error: |log(prediction / measured)|, over every (probe point, target) pair and apart over
+the pairs whose point lies nearest the reference's crossing of the target: a test of the
+probed line's assumption that the task's ratio of LOCAL B* to B_s is its ratio of swept
+B_crit to B_s. Cost: the study's branches per point as a fraction of the examples and steps
+the reference had seen there, beside the window `cbs-advise --probe`'s defaults would have.
 """
 
 from __future__ import annotations

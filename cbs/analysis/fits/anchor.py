@@ -24,14 +24,12 @@ Two protocols are compared:
   B_crit = B_noise: the progress per step is ΔL_max/(1 + B_noise/B), so S(B) = S_min + E_min/B
   with B_crit = E_min/S_min the path average of B_noise (each step of the B → ∞ path weighted
   equally; `path_average`).
-- "grid": a constant rate per trial chosen, per batch size, as the rate of a grid (a factor
-  grid around the linear rule η(B) = η_0·B/B_0, capped at `max_lr`) that reaches the target in
-  the fewest steps, as a sweep does.
+- "grid": per batch size, the constant rate of a grid that reaches the target in the fewest
+  steps, as a sweep does.
 Steps to a target are the first crossing of E L_t, interpolated linearly in log loss between
-updates (as `cbs.analysis.fits.selection.steps_to_target`), and B_crit is `fit.fit_tradeoff` of
-those steps. This describes the loss of the average run; a sweep's S is the mean over seeds
-of each seed's crossing, which differs from the crossing of the mean curve by the run-to-run
-spread (small at these targets; tested against simulated SGD).
+updates, and B_crit is `fit.fit_tradeoff` of those steps. This is the average run's loss; a
+sweep's S, the mean over seeds of each seed's crossing, differs by the run-to-run spread
+(small at these targets; tested against simulated SGD).
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ import numpy as np
 
 from cbs.analysis.fits import fit
 
-__all__ = ["LinregProblem", "noise_scales", "trajectory", "steps_to", "optimal_study", "grid_study",
-           "path_average", "grid_rates", "optimal_lr"]
+__all__ = ["LinregProblem", "grid_study", "noise_scales", "optimal_lr", "optimal_study",
+           "path_average", "steps_to", "trajectory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,14 +180,6 @@ def path_average(problem: LinregProblem, target: float, *, steps: int) -> float:
     w[n] = s - n
     b_noise = noise_scales(problem, moments[0, :n + 1])["b_noise"]
     return float(np.sum(w * b_noise) / np.sum(w))
-
-
-def grid_rates(batch_sizes: Sequence[float], *, base_lr: float, base_batch_size: float,
-               factors: Sequence[float], max_lr: float) -> dict[float, list[float]]:
-    """A sweep's rates per batch size: the linear rule's centre η_0·B/B_0 times each factor,
-    capped at max_lr (duplicates from the cap removed)."""
-    return {float(b): sorted({min(base_lr * b / base_batch_size * f, max_lr) for f in factors})
-            for b in batch_sizes}
 
 
 def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],

@@ -1,9 +1,9 @@
 """Learning-rate grids that bracket the optimum: edges, caps and factor-2 extensions.
 
-At a batch size B the best learning rate for a target loss L is the one with the fewest steps
-S to reach it (`cbs.analysis.fits.selection.best_per_batch_size`). When it is the largest or the
-smallest rate tried, S(B) is only an upper bound on the optimum and B_crit is biased. The rule here
-decides, from the trial records alone, which further rates a sweep must try:
+At a batch size B the best learning rate for a target loss L has the fewest steps S to reach it
+(`cbs.analysis.fits.selection.best_per_batch_size`). When it is the largest or smallest rate
+tried, S(B) is only an upper bound and B_crit is biased. From the trial records alone, the
+rule decides which further rates a sweep must try:
 
 - the best rate (for any target) is the largest tried → try `count` more rates above it, each
   a factor 2 beyond the last (never above `max_lr`; the cap itself is tried when the next
@@ -13,9 +13,9 @@ decides, from the trial records alone, which further rates a sweep must try:
 - a batch size is extended only when every trial at it has a record (all seeds, all rates),
   so the decision is a function of the finished records: shards and reruns agree.
 
-A best rate that sits at `max_lr` (or `min_lr`) is "capped"; one at an edge after the last
-allowed step is "edge". Both are listed by the report. Everything here works on plain numbers
-and dicts (the sweep section of sweep.json, the records of trials.jsonl).
+A best rate at `max_lr` (or `min_lr`) is "capped"; one at an edge after the last allowed step
+is "edge"; the report lists both. Works on plain dicts (sweep.json's sweep section, the records
+of trials.jsonl).
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ def edge_directions(records: Sequence[Mapping[str, Any]], targets: Iterable[floa
     go up), "low" (smallest tried, may go down) or "capped" (at max_lr/min_lr); absent when
     it is inside the grid or no rate reached the target.
 
-    The best rate is each seed's own (fewest steps in that seed), as the analysis selects it
-    (`selection.best_per_batch_size`): one seed at an edge puts the batch size at that edge. When
-    seeds sit at opposite edges, "high" is reported first; the next round sees "low"."""
+    The best rate is each seed's own, as `selection.best_per_batch_size` selects it: one seed
+    at an edge puts the batch size there; with seeds at opposite edges "high" comes first."""
     out = {}
     top, bottom = max(lrs), min(lrs)
     for target in targets:
@@ -95,34 +94,27 @@ def next_learning_rates(lrs: Sequence[float], base_lrs: Sequence[float], directi
                         rules: Mapping[str, float]) -> list[float]:
     """Up to `count` rates beyond the current edge in `direction`, a factor 2 apart."""
     out: list[float] = []
-    if direction == HIGH:
-        edge, k0 = max(base_lrs), step_of(max(lrs), base_lrs)[1]
-        for k in range(k0 + 1, min(k0 + int(rules["count"]), int(rules["steps"])) + 1):
-            lr = edge * 2.0 ** k
-            if rules["max_lr"]:
-                lr = min(lr, rules["max_lr"])
-            if lr > max(lrs) * (1 + _REL) and not any(_same(lr, x) for x in out):
-                out.append(lr)
-    elif direction == LOW:
-        edge, k0 = min(base_lrs), step_of(min(lrs), base_lrs)[1]
-        for k in range(k0 + 1, min(k0 + int(rules["count"]), int(rules["steps"])) + 1):
-            lr = max(edge / 2.0 ** k, rules["min_lr"])
-            if lr < min(lrs) * (1 - _REL) and not any(_same(lr, x) for x in out):
-                out.append(lr)
+    if direction not in (HIGH, LOW):
+        return out
+    up = direction == HIGH
+    k0 = step_of(max(lrs) if up else min(lrs), base_lrs)[1]
+    for k in range(k0 + 1, min(k0 + int(rules["count"]), int(rules["steps"])) + 1):
+        lr = (min(max(base_lrs) * 2.0 ** k, rules["max_lr"] or math.inf) if up
+              else max(min(base_lrs) / 2.0 ** k, rules["min_lr"]))
+        beyond = lr > max(lrs) * (1 + _REL) if up else lr < min(lrs) * (1 - _REL)
+        if beyond and not any(_same(lr, x) for x in out):
+            out.append(lr)
     return out
 
 
 def grid_at_batch_size(base_lrs: Sequence[float], seeds: Sequence[int],
                        records: Sequence[Mapping[str, Any]], targets: Sequence[float],
                        rules: Mapping[str, float]) -> dict[str, Any]:
-    """The learning rates one batch size must try given its finished records.
-
-    Starting from the base grid, while every (rate, seed) tried has a record and the best rate
-    for some target is at an extendable edge, adds the next rates beyond it. Returns
-    {"lrs": sorted rates, "complete": every (rate, seed) has a record, "edges": per target
-    key the final position of the best rate ("high"/"low" = still at an edge, "capped"),
-    "records": the records that belong to the grid}.
-    """
+    """The learning rates one batch size must try given its finished records: from the base
+    grid, while every (rate, seed) has a record and some target's best rate is at an
+    extendable edge, the next rates beyond it. Returns {"lrs": sorted rates, "complete": every
+    (rate, seed) has a record, "edges": per target key the final position of the best rate
+    ("high"/"low": still at an edge, "capped"), "records": those belonging to the grid}."""
     lrs = sorted(float(x) for x in base_lrs)
     done: dict[tuple[float, int], Mapping[str, Any]] = {}
     for r in records:
@@ -150,11 +142,8 @@ def grid_at_batch_size(base_lrs: Sequence[float], seeds: Sequence[int],
 
 def sweep_grid(base: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
                sweep: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """`grid_at_batch_size` for every batch size of a sweep.
-
-    base: the base trials, dicts with batch_size, learning_rate and seed (sweep.json's
-    "trials"); sweep: the sweep section (targets, seeds and the extension fields).
-    """
+    """`grid_at_batch_size` for every batch size of a sweep. base: the base trials (dicts with
+    batch_size, learning_rate, seed: sweep.json's "trials"); sweep: the sweep section."""
     rules = extension_rules(sweep)
     out = {}
     for b in sorted({int(t["batch_size"]) for t in base}):
@@ -171,11 +160,10 @@ def grid_status(definition: Mapping[str, Any], records: Sequence[Mapping[str, An
                 ) -> dict[str, Any]:
     """What a sweep directory holds against what its grid needs.
 
-    definition: sweep.json (its "trials" is the base grid; without it, e.g. a directory
-    written before grids were recorded, the records are taken as the grid: "known" False).
-    Returns {"known", "complete", "num_expected", "num_missing", "missing" {B: trials without
-    a record}, "records" (those in the grid), "edges" {B: {target key: position}}}; a batch
-    size with missing trials may need more extension rounds, so its expected count is a
+    definition: sweep.json (its "trials" is the base grid; without them the records are the
+    grid: "known" False). Returns {"known", "complete", "num_expected", "num_missing",
+    "missing" {B: trials without a record}, "records" (those in the grid), "edges" {B: {target
+    key: position}}}; where trials are missing, more rounds may follow: num_expected is a
     lower bound.
     """
     base = definition.get("trials") if definition else None

@@ -1,23 +1,20 @@
 """Fits of the steps–examples trade-off and of B_crit against loss (numpy/scipy, no model).
 
-Letters: B batch size, S optimizer steps to reach a target loss, E = B·S examples to reach it,
-L the target loss.
+Letters: B batch size, S optimizer steps and E = B·S examples to reach a target loss L.
 
 - McCandlish et al. 2018 (as Kaplan et al. 2020, eqs. 5.1–5.2): S/S_min = 1 + B_crit/B and
-  E/E_min = 1 + B/B_crit with B_crit = E_min/S_min; equivalently S(B) = S_min + E_min/B,
-  the hyperbola (S/S_min − 1)(E/E_min − 1) = 1. `fit_tradeoff` fits (log S_min, log E_min)
-  by least squares of log S against log(S_min + E_min/B), so both parameters stay positive
-  and every point weighs by its relative error.
+  E/E_min = 1 + B/B_crit with B_crit = E_min/S_min, i.e. S(B) = S_min + E_min/B.
+  `fit_tradeoff` fits (log S_min, log E_min) by least squares of log S against
+  log(S_min + E_min/B): both stay positive and every point weighs by its relative error.
 - Kaplan et al. 2020, eq. 5.3: B_crit(L) = B*/L^(1/α_B); `fit_power_law` fits
   log B_crit = log B* − (1/α_B)·log L.
 
-Confidence intervals are studentized (bootstrap-t) intervals from a residual bootstrap
-(Davison & Hinkley 1997, §5.2.1 and Alg. 6.3): log-space residuals, divided by √(1 − h_ii)
-(leverage) and centred, are resampled onto the fitted curve; each refit gives
-t* = (θ* − θ̂)/se*, and the interval is θ̂ − t*_(hi)·se, θ̂ − t*_(lo)·se for θ the log parameters.
-Plain percentile intervals under-cover with ~10 points (about 88 % for a nominal 95 %, the
-normal-versus-Student gap); bootstrap-t covers S_min, E_min, B_crit in 94.8 %, 93.2 %,
-92.9 % of 1000 synthetic sweeps (10 batch sizes, 10 % noise). Resampling (B, S) pairs
+Intervals are studentized (bootstrap-t) from a residual bootstrap (Davison & Hinkley 1997,
+§5.2.1 and Alg. 6.3): log-space residuals, divided by √(1 − h_ii) and centred, are resampled
+onto the fitted curve; each refit gives t* = (θ* − θ̂)/se*, and the interval of the log
+parameters θ is θ̂ − t*_(hi)·se, θ̂ − t*_(lo)·se. Percentile intervals under-cover with ~10
+points (about 88 % for a nominal 95 %); bootstrap-t covers S_min, E_min, B_crit in 94.8 %,
+93.2 %, 92.9 % of 1000 synthetic sweeps (10 batch sizes, 10 % noise). Resampling (B, S) pairs
 (`resample="pairs"`) often draws fewer than three distinct batch sizes from a small table.
 """
 
@@ -98,9 +95,7 @@ class TradeoffFit:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN and inf become None)."""
-        d = dataclasses.asdict(self)
-        d["warnings"] = list(self.warnings)
-        return {k: _json_float(v) for k, v in d.items()}
+        return json_ready(dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +122,7 @@ class PowerLawFit:
         return self.b_star * np.asarray(loss, dtype=np.float64) ** self.slope
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
+        return json_ready(dataclasses.asdict(self))
 
 
 # ---------------------------------------------------------------- the hyperbola fit
@@ -212,14 +207,6 @@ def _initial_guesses(b: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.log(np.asarray(guesses, dtype=np.float64))
 
 
-def _fit_point(logb: np.ndarray, logs: np.ndarray, f_scale: float | None) -> np.ndarray:
-    theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
-    R = theta0.shape[0]
-    theta, cost = _solve(np.broadcast_to(logb, (R, logb.size)),
-                         np.broadcast_to(logs, (R, logs.size)), theta0, f_scale)
-    return theta[int(np.nanargmin(cost))]
-
-
 def _leverage(J_Nx2: np.ndarray) -> np.ndarray:
     A = J_Nx2.T @ J_Nx2
     return np.einsum("ni,ij,nj->n", J_Nx2, np.linalg.pinv(A), J_Nx2)
@@ -246,14 +233,12 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
       batch_sizes, steps: one entry per trial (repeats of a B are fine); None, NaN or ≤ 0
         steps (target never reached) are dropped and counted in n_dropped.
       bootstrap: number of bootstrap refits for the intervals (0: no intervals).
-      method: "lsq", least squares in log S; or "robust", a Cauchy loss in log S,
-        ½f²·log(1 + (r/f)²), starting from the least-squares fit, with f = 1.4826·MAD of the
-        residuals (≥ 1e-3) re-estimated until it settles. A few points off the hyperbola (the
-        largest batch sizes stuck on a floor of S above S_min, set by warmup or the evaluation
-        interval; a trial whose LR grid was too narrow) then barely move the fit: with 2 of 10
+      method: "lsq", least squares in log S; or "robust", a Cauchy loss ½f²·log(1 + (r/f)²)
+        in log S from the least-squares fit, f = 1.4826·MAD of the residuals (≥ 1e-3)
+        re-estimated until it settles. A few points off the hyperbola (the largest B stuck on
+        a floor of S above S_min; a too narrow LR grid) then barely move the fit: with 2 of 10
         batch sizes on a floor at 2·S_min, B_crit is off by a median 5 % instead of 36 %
-        (lsq). It cannot help when most points with B ≫ B_crit share the floor: that is
-        indistinguishable from S_min itself.
+        (lsq). It cannot help when most points with B ≫ B_crit share the floor.
       resample: "residual" (default; see module docstring) or "pairs".
     Returns:
       TradeoffFit; status "insufficient data" (NaN values) with fewer than 3 distinct B, or
@@ -281,7 +266,11 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
 
 def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resample):
     logb, logs = np.log(b), np.log(s)
-    theta = _fit_point(logb, logs, None)
+    theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
+    R = theta0.shape[0]
+    theta, cost = _solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
+                         theta0, None)
+    theta = theta[int(np.nanargmin(cost))]  # the best of the starting points
     f_scale = None
     if method == "robust":
         theta_1x2, f_scale = _fit_robust(logb[None], logs[None], theta[None])
@@ -348,12 +337,12 @@ def _bootstrap_tradeoff(logb, logs, theta, fitted, resid, J, f_scale, n, seed, r
         logb_RxN, logs_RxN = logb[idx], logs[idx]
         distinct = np.array([np.unique(row).size for row in logb_RxN])
         logb_RxN, logs_RxN = logb_RxN[distinct >= 3], logs_RxN[distinct >= 3]
-    theta_R = np.broadcast_to(theta, (logb_RxN.shape[0], 2))
-    theta_R, f_scale_R = _solve(logb_RxN, logs_RxN, theta_R, f_scale)[0], f_scale
+    theta_R = _solve(logb_RxN, logs_RxN, np.broadcast_to(theta, (logb_RxN.shape[0], 2)),
+                     f_scale)[0]
     est = np.array([theta[0], theta[1], theta[1] - theta[0]])
     se = _log_param_se(logb[None], logs[None], theta[None], f_scale)[0]
     est_R = np.stack([theta_R[:, 0], theta_R[:, 1], theta_R[:, 1] - theta_R[:, 0]], axis=1)
-    se_R = _log_param_se(logb_RxN, logs_RxN, theta_R, f_scale_R)
+    se_R = _log_param_se(logb_RxN, logs_RxN, theta_R, f_scale)
     return [tuple(float(np.exp(v)) for v in studentized(est[k], se[k], est_R[:, k],
                                                           se_R[:, k], confidence))
             for k in range(3)]

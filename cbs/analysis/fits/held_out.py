@@ -1,19 +1,17 @@
 """Held-out seeds: each best learning rate selected on one seed, its steps measured on the others.
 
 A sweep's fit takes, at each batch size B, the fewest steps S over learning rates η on the
-same seeds it then reports: the minimum of noisy S is biased low, and more so where several
-rates are close. With several seeds, `held_out` selects η*(B, L) on seed k alone (fewest
-steps to L) and measures S at (B, η*) on every other seed, so selection and measurement use
-different data; the fit S = S_min + E_min/B through those held-out S (mean over the other
-seeds) gives a held-out B_crit. Beside it: the in-sample fit on the same other seeds (each
-seed's own best rate), and per B the ratio held-out S / in-sample S (≥ 1; how much the
-selection flattered that B).
+seeds it reports: the minimum of noisy S is biased low, more so where rates are close.
+`held_out` selects η*(B, L) on seed k alone and measures S at (B, η*) on every other seed;
+the fit S = S_min + E_min/B through those held-out S (mean over the other seeds) gives a
+held-out B_crit. Beside it: the in-sample fit on the same seeds (each seed's own best rate),
+and per B the ratio held-out S / in-sample S (≥ 1: how much the selection flattered B).
 
-A held-out trial that never crossed L leaves its B out of the held-out fit. Sweeps with
-`sweep.stop_when_dominated` stop a (B, seed) group once one rate crossed the lowest target,
-so on another seed the rate selected on seed k is censored wherever it was not that seed's
-winner: such trials (status "dominated") are counted apart, and a held-out study turns the
-stop off (`digits_sweep.py:seeds3`).
+A held-out trial that never crossed L leaves its B out. With `sweep.stop_when_dominated` a
+(B, seed) group stops once one rate crossed the lowest target, so the rate selected on seed k
+is censored on another seed wherever it was not that seed's winner: such trials (status
+"dominated") are counted apart; a held-out study turns the stop off
+(`digits_sweep.py:seeds3`).
 
 Letters: B batch size, η learning rate, S optimizer steps to a target loss L.
 """
@@ -45,9 +43,8 @@ def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_
 
     records: trial records (`batch_size`, `learning_rate`, `seed`, `steps_to_target`,
     `status`). Returns JSON-ready: "rows" (per B: the selected rate, its steps on the
-    selecting seed, the held-out steps per seed, their mean, the other seeds' in-sample mean
-    and held/in-sample ratio, or why B is left out), "fit" (held-out) and "fit_in_sample"
-    (`fit.TradeoffFit.to_dict`) and the seeds used.
+    selecting seed, the held-out steps per seed, their mean, the in-sample mean and the
+    ratio, or why B is left out), "fit" (held-out), "fit_in_sample" and the seeds used.
     """
     key = target_key(target)
     seeds = sorted({int(r.get("seed", 0)) for r in records})

@@ -4,14 +4,13 @@ Letters as in `cbs.analysis.fits.fit`: B batch size, S steps to a target, L the 
 B_crit(L) = B*/L^(1/α_B).
 
 Every target of a sweep is read off the *same* trials, so the B_crit of two targets share
-their errors, and the five or so B_crit(L) points of a power-law fit are not independent. A
-residual bootstrap of the power law on those points measures mostly how far they lie off a
-line, not how well they are measured. Here the unit of resampling is what was sampled: the
-batch sizes, drawn with replacement *jointly for all targets*, and within each drawn batch
-size its seeds, drawn with replacement (so the spread between seeds is part of the
-uncertainty). Each replicate refits S = S_min + E_min/B at every target (least squares in
-log S, as `fit_tradeoff`) and then the power law to that replicate's B_crit(L). This is the
-case ("pairs") bootstrap of Davison & Hinkley (1997, §6.2.4), with whole batch sizes as cases.
+their errors and the B_crit(L) points of a power-law fit are not independent: a residual
+bootstrap of the power law on them measures how far they lie off a line, not how well they
+are measured. Here what was sampled is resampled: the batch sizes, *jointly for all
+targets*, and within each drawn batch size its seeds (so the seed spread counts). Each
+replicate refits S = S_min + E_min/B at every target (least squares in log S) and the power
+law to its B_crit(L): the case bootstrap of Davison & Hinkley (1997, §6.2.4), with whole
+batch sizes as cases.
 
 - B_crit at each target: studentized (bootstrap-t) interval, t* = (log B_crit* − log
   B_crit)/se*, se from the weighted least-squares covariance of each replicate.
@@ -21,8 +20,8 @@ case ("pairs") bootstrap of Davison & Hinkley (1997, §6.2.4), with whole batch 
   with (targets − 2) degrees of freedom; and the local slopes between adjacent targets with
   their percentile intervals (a trend in them is curvature the single α_B averages away).
 
-The generator is seeded from the records themselves, so the intervals depend on the records
-alone (not on the order they were written in, nor on which shard ran what).
+The generator is seeded from the records, so the intervals depend on the records alone (not
+on their order, nor on which shard ran what).
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ class JointIntervals:
 
     b_crit_ci: per target (in the order given). alpha_b_ci, b_star_ci, slope_ci: the power
     law's. local_slopes / local_slope_cis: d log B_crit / d log L between adjacent targets.
-    misfit_q, misfit_dof, misfit_p: the GLS χ² test of one power law (module docstring).
-    n_replicates: replicates with a B_crit at every target. log_b_crit_cov: the replicates'
-    covariance of log B_crit over the targets with a fit (`cov_targets`, their indices), for
-    analyses that pool studies (`cbs.analysis.studies.sizes`).
+    misfit_q, misfit_dof, misfit_p: the GLS χ² test (module docstring). n_replicates: those
+    with a B_crit at every target. log_b_crit_cov: their covariance of log B_crit over the
+    targets with a fit (`cov_targets`, their indices), for pooled analyses.
     """
 
     b_crit_ci: list[tuple[float, float]]
@@ -105,9 +103,8 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
                     seed: int | None = None, confidence: float = 0.95) -> JointIntervals:
     """Joint batch-size bootstrap of every target's B_crit and of the power law.
 
-    tables: `selection.best_per_batch_size` per target (with seed_steps); losses: the targets;
-    points: the point fits `fit.fit_tradeoff` gave for those tables (their estimates centre
-    the studentized intervals and start each refit).
+    tables: `selection.best_per_batch_size` per target; losses: the targets; points:
+    `fit.fit_tradeoff` of those tables (they centre the intervals and start each refit).
     """
     seed = data_seed(tables) if seed is None else seed
     rng = np.random.default_rng(seed)
@@ -170,8 +167,7 @@ def _distinct(logb_RxN: np.ndarray, w_RxN: np.ndarray) -> np.ndarray:
 def solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
     """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once
     (arrays [R, N]; weight 0 drops a point), each started from theta0 = log(S_min, E_min);
-    returns [R, 2] log(S_min, E_min). The bootstrap refits of this module and of
-    `cbs.analysis.studies.payoff`."""
+    returns [R, 2] log(S_min, E_min)."""
     R = logb.shape[0]
     theta = np.broadcast_to(np.asarray(theta0, np.float64), (R, 2)).copy()
     cost_of = lambda th: np.sum(w * (fit.model_log_steps(th, logb)[0] - logs) ** 2, axis=1)

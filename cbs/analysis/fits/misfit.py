@@ -3,31 +3,27 @@ breaks it.
 
 `cbs.analysis.fits.joint` tests one power law through a sweep's B_crit(L) by generalised least
 squares, Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ) with y = log B_crit, X = [1, log L] and C the
-bootstrap covariance of y, against χ² on (targets − 2) degrees of freedom. The χ² reference
-assumes y Gaussian with a known C; C comes from a bootstrap over ~10 batch sizes, which
-underestimates it, so on one seed that test rejects a true law too often (9–15 % at a nominal
-5 % on the committed one-seed studies' residuals).
+bootstrap covariance of y, against χ² on (targets − 2) degrees of freedom. That assumes a
+known C; a bootstrap over ~10 batch sizes underestimates it, so on one seed the test rejects
+a true law too often (9–15 % at a nominal 5 % on the committed one-seed studies).
 
-Here Q's null distribution is simulated instead, by a studentized parametric bootstrap under
-the fitted law (Davison & Hinkley 1997, §4.2 and §5.2). The study's noise: the residuals
-r_kB = log S_k(B) − log Ŝ_k(B) of each target's fit (divided by √(1 − h), the leverage) split
-into a part a_B shared by every target at a batch size (the same trials give every target:
-σ_a² is the mean product of two targets' residuals at one B) and a part u_kB of each
-target's own (σ_u², the rest of the mean square). A simulated study puts fresh Gaussian
-a_B and u_kB of those sizes on the law's curves S₀(B) = S_min(1 + B_crit₀/B) (each target's
-fitted S_min, B_crit₀ on the least-squares line) and refits every target exactly as the
-real one. C is not the bootstrap covariance here but the one this noise implies,
-C = σ_a²C_a + σ_u²C_u (C_a, C_u: the covariance of log B_crit per unit variance of each
-part, simulated at small noise), with σ_a², σ_u² estimated from the study's own residuals,
-and each simulated study's Q uses its own estimates in the same way, so the statistic keeps
-its dependence on a noisy noise estimate (studentized). The calibrated p-value is
-(1 + #{Q* ≥ Q})/(1 + R). On synthetic one-seed studies under an exact law (5 targets, 9
-batch sizes, `tests/test_misfit.py`) it rejects at the nominal rate where the χ² reading
-rejects several times as often.
+Here Q's null distribution is simulated by a studentized parametric bootstrap under the
+fitted law (Davison & Hinkley 1997, §4.2 and §5.2). The study's noise: the residuals
+r_kB = log S_k(B) − log Ŝ_k(B) of each target's fit (divided by √(1 − h), h the leverage)
+split into a part a_B shared by every target at a batch size (the same trials give every
+target: σ_a², the mean product of two targets' residuals at one B) and a part u_kB of each
+target's own (σ_u², the rest of the mean square). A simulated study puts fresh Gaussian a_B
+and u_kB on the law's curves S₀(B) = S_min(1 + B_crit₀/B) (each target's fitted S_min,
+B_crit₀ on the least-squares line) and refits every target as the real one. C is the
+covariance this noise implies, C = σ_a²C_a + σ_u²C_u (C_a, C_u: that of log B_crit per unit
+variance of each part, simulated at small noise), with σ_a², σ_u² estimated from the
+study's own residuals, and each simulated study's Q uses its own estimates alike
+(studentized). The calibrated p-value is (1 + #{Q* ≥ Q})/(1 + R). On synthetic one-seed
+studies under an exact law (`tests/test_misfit.py`) it rejects at the nominal rate where
+the χ² reading rejects several times as often.
 
-`breaking_target` repeats the test with each target left out: the target whose removal
-raises the calibrated p the most, with that p, is what the report names as the one that
-breaks the law (for example the first target, still in the initial transient).
+`breaking_target`: the target whose removal raises the calibrated p the most, which the
+report names as breaking the law (for example the first target, still in the transient).
 """
 
 from __future__ import annotations
@@ -103,10 +99,7 @@ def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float
     y0 = X @ np.linalg.lstsq(X, y, rcond=None)[0]
     rng = np.random.default_rng(seed)
     design = _Design(tables, points, ok)
-    # C = σ_a²·C_a + σ_u²·C_u: the covariance of log B_crit per unit variance of each noise
-    # part, from small noise (SMALL) where log B_crit is linear in it
-    C_a = np.cov(design.refit(y0, design.draw(rng, n, SMALL, 0.0))[0], rowvar=False) / SMALL**2
-    C_u = np.cov(design.refit(y0, design.draw(rng, n, 0.0, SMALL))[0], rowvar=False) / SMALL**2
+    C_a, C_u = design.unit_covariances(y0, rng, n)
     var_a, var_u = design.components(design.observed_residuals())
     sims, resid = design.refit(y0, design.draw(rng, n, math.sqrt(var_a), math.sqrt(var_u)))
     sim_a, sim_u = design.components(resid)
@@ -152,11 +145,7 @@ def study_noise(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
         return None
     design = _Design(tables, points, ok)
     y = np.log([points[k].b_crit for k in ok])
-    rng = np.random.default_rng(seed)
-    c_a = np.atleast_2d(np.cov(design.refit(y, design.draw(rng, n, SMALL, 0.0))[0],
-                               rowvar=False)) / SMALL**2
-    c_u = np.atleast_2d(np.cov(design.refit(y, design.draw(rng, n, 0.0, SMALL))[0],
-                               rowvar=False)) / SMALL**2
+    c_a, c_u = design.unit_covariances(y, np.random.default_rng(seed), n)
     var_a, var_u = design.components(design.observed_residuals())
     return StudyNoise(tuple(float(losses[k]) for k in ok), y, c_a, c_u, float(var_a),
                       float(var_u), design)
@@ -222,6 +211,14 @@ class _Design:
         targets, plus u ~ N(0, σ_u²) of each target's own."""
         shared = sigma_a * rng.normal(size=(n, len(self.universe)))
         return [shared[:, c] + sigma_u * rng.normal(size=(n, c.size)) for c in self.cols]
+
+    def unit_covariances(self, y0, rng, n) -> tuple[np.ndarray, np.ndarray]:
+        """(C_a, C_u): the covariance of log B_crit per unit variance of the shared and own
+        noise, read at small noise (SMALL) where log B_crit is linear in it."""
+        c_a, c_u = (np.atleast_2d(np.cov(self.refit(y0, self.draw(rng, n, a, u))[0],
+                                         rowvar=False)) / SMALL**2
+                    for a, u in ((SMALL, 0.0), (0.0, SMALL)))
+        return c_a, c_u
 
     def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray]:
         """Refits S = S_min + E_min/B per target to S_min(1 + e^{y0}/B)·e^noise: log B_crit

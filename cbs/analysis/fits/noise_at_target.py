@@ -5,14 +5,13 @@ Two protocols (`sweep.noise_protocol`), each named in the report and in analysis
 
 - per trial: every best trial (the best learning rate at each batch size B) records B_simple
   = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG at its crossing of L as a ratio of means of the
-  `sweep.noise_window` measurements nearest the crossing (`cbs.sweeps.trials`). Across batch
-  sizes the values differ (different trajectories reach L at different points), so the
-  report gives min / median / max over B, never the median alone.
-- reference trajectory (McCandlish et al. 2018): one run at B_ref at its best learning rate
-  with dense evaluations, measured on the whole training set at each (`cbs.sweeps.reference`
-  writes `reference_noise.jsonl`); per target, the ratio of means of tr(Σ) and |G|² (tr(HΣ)
-  and GᵀHG) over the first `window` measurements at or after the crossing, and for
-  comparison the same centred window the per-trial protocol uses.
+  `sweep.noise_window` measurements nearest the crossing (`cbs.sweeps.trials`). The values
+  differ across batch sizes, so the report gives min / median / max over B.
+- reference trajectory (McCandlish et al. 2018): one run at B_ref at its best learning rate,
+  measured on the whole training set at dense evaluations (`cbs.sweeps.reference` writes
+  `reference_noise.jsonl`); per target, the ratio of means of tr(Σ) and |G|² (tr(HΣ) and
+  GᵀHG) over the first `window` measurements at or after the crossing, and beside it the
+  per-trial protocol's centred window.
 
 Reads only result files; needs no model.
 """
@@ -108,16 +107,14 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
     "<name>": ratio of means over the first `window` measurements at or after the crossing,
     "<name>_centred": over the `window` nearest it (the per-trial protocol's window)."""
     curve, metric = run["curve"], run["target_metric"]
-    x = np.asarray([math.nan if v is None else v for v in curve["noise/step"]], np.float64)
+    col = lambda key: np.asarray([math.nan if v is None else v for v in curve[key]], np.float64)
+    x = col("noise/step")
     out = []
     for target in targets:
-        row: dict[str, Any] = {"target": float(target)}
-        progress = [math.nan if v is None else v for v in curve[metric]]
-        crossing = selection.steps_to_target(curve["step"], progress, target)
-        row["crossing_step"] = crossing
+        crossing = selection.steps_to_target(curve["step"], col(metric).tolist(), target)
+        row: dict[str, Any] = {"target": float(target), "crossing_step": crossing}
         for name, (num_key, den_key) in PAIRS.items():
-            num = np.asarray([math.nan if v is None else v for v in curve[f"noise/{num_key}"]])
-            den = np.asarray([math.nan if v is None else v for v in curve[f"noise/{den_key}"]])
+            num, den = col(f"noise/{num_key}"), col(f"noise/{den_key}")
             row[name], row[f"{name}_steps"] = after_crossing(x, num, den, crossing, window)
             row[f"{name}_centred"] = (
                 math.nan if crossing is None else selection.noise_scale_at_crossing(

@@ -2,7 +2,7 @@
 batch size (per seed, then the seed mean), and the noise scale at a crossing.
 
 Letters: B batch size, S optimizer steps to reach a target loss, η learning rate. Re-exported
-by `cbs.analysis.fits.fit` (and so `cbs.fit`), where the fits that use them are.
+by `cbs.fit`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: flo
     """First step at which the loss reaches `target` (≤), or None if it never does.
 
     With `interpolate`, the crossing is interpolated linearly in log loss between the last
-    evaluation above the target and the first at or below it (exact when the loss decays
-    exponentially between evaluations, as it roughly does late in training; linear in the
-    loss itself would place every crossing late on a convex curve). Falls back to linear in
-    the loss when a value is not positive. Non-finite losses count as not reached. `steps`
-    may equally be examples seen.
+    evaluation above the target and the first at or below it (exact for an exponential decay
+    between evaluations; linear in the loss would place every crossing late on a convex
+    curve), linearly in the loss when a value is not positive. Non-finite losses count as not
+    reached. `steps` may equally be examples seen.
     """
     x = np.asarray(steps, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
@@ -47,12 +46,11 @@ class BestPerBatchSize:
     """Per batch size, the steps to the target at the best learning rate, averaged over seeds.
 
     Arrays are sorted by batch size and aligned. steps: the mean over seeds of each seed's
-    fewest steps; learning_rates: the best rate when every seed agrees, else the geometric
-    mean of the seeds' best rates; seed_steps / seed_learning_rates / best_rows: per batch
-    size, one entry per seed (sorted by seed). unreached: the records that did not reach the
-    target; missing_batch_sizes: B where some seed has no learning rate that reached it
-    (excluded from the fit); edge_batch_sizes: B where some seed's best learning rate is the
-    smallest or largest it tried (the grid may be too narrow there).
+    fewest steps; learning_rates: the seeds' common best rate, else their geometric mean;
+    seed_steps / seed_learning_rates / best_rows: per batch size, one entry per seed (in seed
+    order). unreached: the records that never reached the target; missing_batch_sizes: B
+    where some seed has no rate that reached it (not fitted); edge_batch_sizes: B where some
+    seed's best rate is the smallest or largest it tried (the grid may be too narrow).
     """
 
     batch_sizes: np.ndarray
@@ -76,13 +74,11 @@ def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
 
     records: one dict per trial with `batch_key`, `lr_key`, `steps_key` (None or NaN when the
     trial never reached the target) and `seed_key` (absent: seed 0). The optimum is taken per
-    seed *before* averaging because sweeps stop a (B, seed) group as soon as one learning rate
-    has crossed: the other rates of that seed have no crossing, so a rate that wins in one
-    seed usually has none in the other, and averaging per (B, η) first would drop every
-    winner and keep a slower rate that both seeds happened to finish. A batch size counts as
-    reaching the target only if every seed tried there reached it at some learning rate
-    (averaging the seeds that did would bias S low). Repeats of one (B, η, seed) are averaged,
-    and count as reaching only if all of them did.
+    seed *before* averaging: sweeps stop a (B, seed) group once one rate has crossed, so a
+    rate that wins in one seed usually has no crossing in another, and averaging per (B, η)
+    first would keep a slower rate that both seeds happened to finish. A batch size reaches
+    the target only if every seed did at some rate (else S would be biased low). Repeats of
+    one (B, η, seed) are averaged and reach it only if all of them did.
     """
     reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
     unreached = [dict(r) for r in records if not reached(r)]
@@ -134,11 +130,10 @@ def noise_scale_at_crossing(steps: Sequence[float] | np.ndarray,
                             min_points: int = 3) -> float:
     """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|².
 
-    A single snapshot of B_simple swings several-fold because |G|² oscillates; averaging
-    numerator and denominator separately over the measurements with |step − crossing| ≤
-    width/2 (width = `window` steps, else rel_window·crossing_step) is far steadier. If fewer
-    than `min_points` fall in the window, the `min_points` nearest measurements are used.
-    Pass trace_h_sigma and g_h_g for B_noise. Returns NaN without a crossing or data.
+    One snapshot swings several-fold as |G|² oscillates; averaging numerator and denominator
+    over the measurements with |step − crossing| ≤ width/2 (width = `window` steps, else
+    rel_window·crossing_step; the `min_points` nearest when fewer fall in it) is far steadier.
+    Pass trace_h_sigma and g_h_g for B_noise. NaN without a crossing or data.
     """
     x = np.asarray(steps, dtype=np.float64)
     num = np.asarray(trace_sigma, dtype=np.float64)

@@ -7,25 +7,15 @@ end of its window (mean over seeds, or one seed), ε the tolerance.
 Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3.1): k passes when
 L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`). k* is the largest
 passing k (`criterion="paper"`), or the largest k such that it and every smaller k pass
-(`criterion="ladder"`: a failing k ends the ladder, so a lucky larger k after a failure does not
-count). The paper reports B* = k*·B (`b_star="k_star"`); `b_star="geometric"` reports
-√(k*·B · k⁺·B), k⁺ the next multiplier, the log-midpoint between the last passing and the first
-failing batch. Either way `b_pass` = k*·B and `b_fail` = k⁺·B bracket the crossing; when k* is
-the top of the ladder, B* is only bounded below (`censored`, B* = k*·B).
+(`criterion="ladder"`). B* = k*·B (`b_star="k_star"`, the paper's) or √(k*·B · k⁺·B), k⁺ the
+next multiplier (`b_star="geometric"`); `b_pass` = k*·B and `b_fail` = k⁺·B bracket the
+crossing. At the bottom of the ladder (k* = 1, `floor`) B* is reported as "≤ B"; at the top
+(`censored`, only bounded below) as "≥ k_max·B".
 
-Bounds: at the bottom of the ladder (k* = 1, `floor`) the measurement only says that the
-crossing lies below 2B, possibly below B itself: B* is reported as "≤ B". At the top
-(`censored`) it is reported as "≥ k_max·B".
-
-Uncertainty: B* of each data-order seed on its own; the interval is their range
-(min, max) over seeds, the point estimate B* from the seed-mean losses.
-
-Noise scale: when the study measured it (`branch.noise_checkpoints`, file
-`reference_noise.jsonl`), B_simple and B_noise at each branch point are read from there; the
-estimator is named in its records.
-
-A study whose `branch.json` predates the `criterion` and `b_star` fields used "ladder" and
-"geometric"; `summarize` reads it that way.
+Uncertainty: the range over seeds of each data-order seed's own B*; the point estimate from
+the seed-mean losses. Noise scale: B_simple and B_noise at each branch point from the study's
+`reference_noise.jsonl` when it measured them (`branch.noise_checkpoints`). A `branch.json`
+without the `criterion` and `b_star` fields is read as "ladder" and "geometric".
 """
 
 from __future__ import annotations
@@ -47,6 +37,7 @@ __all__ = [
 ]
 
 REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)
+_SCALES = (("b_simple", "tab:blue", "B_simple"), ("b_noise", "tab:green", "B_noise"))
 
 
 def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
@@ -124,8 +115,7 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     rows = shared.read_merged(os.path.join(workdir, files.BRANCHES_FILE),
                               ("point_step", "k", "seed"))  # the export and its parts
     want = len(b["ks"]) * len(b["seeds"])
-    noise_path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
-    noise = {r["step"]: r for r in shared.read_merged(noise_path, files.REFERENCE_POINT_KEYS)}
+    noise = {r["step"]: r for r in _noise_records(workdir)}
     out = []
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
@@ -171,9 +161,13 @@ def format_b_star(p: dict[str, Any]) -> str:
 
 def noise_estimator(workdir: str) -> str | None:
     """The estimator named by the study's noise records (None when it measured none)."""
-    recs = shared.read_merged(
-       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    recs = _noise_records(workdir)
     return recs[0].get("estimator") if recs else None
+
+
+def _noise_records(workdir: str) -> list[dict[str, Any]]:
+    return shared.read_merged(os.path.join(workdir, files.REFERENCE_NOISE_FILE),
+                              files.REFERENCE_POINT_KEYS)
 
 
 def summary_table(points: Sequence[dict[str, Any]]) -> str:
@@ -281,12 +275,10 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     fig = Figure(figsize=(8, 6.5))
     ax = fig.subplots()
     ok = ref["E"] > 0
-    noise = shared.read_merged(
-       os.path.join(workdir, files.REFERENCE_NOISE_FILE), files.REFERENCE_POINT_KEYS)
+    noise = _noise_records(workdir)
     if noise:  # exact on the whole training set: the study's own measurement
         e = np.asarray([r["examples_seen"] for r in noise], np.float64)
-        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
-                                 ("b_noise", "tab:green", "B_noise")):
+        for key, color, name in _SCALES:
             y = np.asarray([r.get(f"noise/{key}", np.nan) for r in noise], np.float64)
             m = np.isfinite(y) & (y > 0) & (e > 0)
             ax.plot(e[m], y[m], "o-", color=color, ms=3, lw=1.2,
@@ -294,8 +286,7 @@ def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | No
     else:
         ax.plot(ref["E"][ok], ref["ema_b_simple"][ok], color="tab:blue", lw=1, alpha=0.7,
                 label="B_simple (two-batch EMA)")
-        for key, color, name in (("b_simple", "tab:blue", "B_simple"),
-                                 ("b_noise", "tab:green", "B_noise")):
+        for key, color, name in _SCALES:
             m = ok & np.isfinite(ref[key]) & (ref[key] > 0)
             if m.any():
                 ax.scatter(ref["E"][m], ref[key][m], s=10, color=color, alpha=0.5,

@@ -43,7 +43,6 @@ def save_figure(fig: Figure, path: PathLike, dpi: int = 120) -> str:
     return path
 
 
-
 def _new(ncols: int = 1, width: float = 6.0) -> tuple[Figure, list[Any]]:
     fig = Figure(figsize=(width * ncols, 4.5), layout="constrained")
     return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]

@@ -1,23 +1,15 @@
 """Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
 
-Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, and `ramps.jsonl` when
-batch-size ramps were run beside it); needs no model. For each target loss L:
+Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, `ramps.jsonl` with
+batch-size ramps); needs no model. For each target loss L: each trial's steps S to reach L;
+per batch size the learning rate with the fewest steps (`cbs.analysis.fits.selection`); the
+fit S = S_min + E_min/B with bootstrap intervals (`cbs.analysis.fits.fit.fit_tradeoff`); the
+noise scale measured when those best trials passed L (median over batch sizes). Then
+B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`fit.fit_power_law`).
 
-1. each trial's steps S to reach L (None when it never did; diverged trials never do);
-2. per batch size the learning rate with the fewest steps
-   (`cbs.analysis.fits.selection.best_per_batch_size`);
-3. the fit S = S_min + E_min/B with bootstrap intervals (`cbs.analysis.fits.fit.fit_tradeoff`);
-4. the noise scale measured when those best trials passed L: per trial a ratio of window
-   averages (`cbs.analysis.fits.selection.noise_scale_at_crossing`), then the median over batch
-   sizes.
-
-Then B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`cbs.analysis.fits.fit.fit_power_law`).
-
-The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): trials without a
-record are counted per batch size, fits from an incomplete grid are marked, and
-`write_report` refuses a partial sweep unless asked for a report headed as partial. Per
-target the report lists the batch sizes whose best learning rate is still at an edge of the
-(extended) grid or at its cap, and marks a B_crit outside the batch sizes fitted. The
+The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): missing
+trials are counted per batch size, fits from an incomplete grid are marked, and
+`write_report` refuses a partial sweep unless asked for a report headed as partial. The
 report's tables and sentences are `cbs.analysis.reports.report_tables` (the tables
 re-exported here).
 """
@@ -59,10 +51,7 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
                    grid: dict[str, Any] | None = None) -> dict[str, Any]:
     """Best learning rate per batch size (per seed, then the seed mean), the trade-off fit and
     the measured noise at L. seed: of the bootstrap (None: derived from the selected steps).
-
-    grid: `cbs.analysis.fits.edges.grid_status` of the sweep, for the batch sizes with missing
-    trials and those whose best learning rate is at the max_lr/min_lr cap.
-    """
+    grid: `edges.grid_status` of the sweep (batch sizes with missing trials or capped)."""
     key = target_key(target)
     rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
              "seed": int(r.get("seed", 0)), "steps": r["steps_to_target"].get(key),
@@ -102,18 +91,16 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
             out_dir: str | None = None) -> dict[str, Any]:
     """Fits every target of the sweep in `sweep_dir`.
 
-    Intervals: B_crit at every target and the power law's α_B, B* come from one bootstrap
-    over batch sizes, resampled jointly across targets (`cbs.analysis.fits.joint`); S_min and E_min
-    from the residual bootstrap-t of `fit.fit_tradeoff`. seed: of the bootstrap (None:
-    derived from the records, so the intervals depend on the records alone). select_on_seed:
-    also each best rate selected on that seed and S measured on the others
-    (`cbs.analysis.fits.held_out`, under "held_out"; None: not done).
+    Intervals: B_crit at every target and the power law's α_B, B* from one bootstrap over
+    batch sizes, joint across targets (`cbs.analysis.fits.joint`); S_min and E_min from the
+    residual bootstrap-t of `fit.fit_tradeoff`. seed: of the bootstrap (None: derived from
+    the records). select_on_seed: also the held-out selection (`cbs.analysis.fits.held_out`,
+    under "held_out"; None: not done).
 
-    Returns the JSON-ready analysis (also written to analysis.json in `out_dir`, default the
-    sweep directory, unless `write=False`) plus
-    the fit objects under "fits" (one `cbs.analysis.fits.fit.TradeoffFit` per target, in target
-    order), "power_law_fit" (`cbs.analysis.fits.fit.PowerLawFit`), which `make_figures` draws, and
-    "tables" (each target's `cbs.analysis.fits.selection.BestPerBatchSize`, for pooled tests).
+    Returns the JSON-ready analysis (written to analysis.json in `out_dir`, default the sweep
+    directory, unless `write=False`) plus "fits" (a `fit.TradeoffFit` per target, in order),
+    "power_law_fit" (`fit.PowerLawFit`), which `make_figures` draws, and "tables" (each
+    target's `selection.BestPerBatchSize`, for pooled tests).
     """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
@@ -153,9 +140,9 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
 
 def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | None
                 ) -> tuple[fit.PowerLawFit, dict[str, Any] | None]:
-    """The power law through the targets' B_crit, and every interval of B_crit and of the
-    power law replaced by the joint batch-size bootstrap (`cbs.analysis.fits.joint`); updates
-    each target's "fit" in place. Returns the power law and the misfit check (or None)."""
+    """The power law through the targets' B_crit, its and every B_crit interval from the joint
+    bootstrap (each target's "fit" updated in place); returns it and the misfit check (or
+    None)."""
     ok = [t for t in per_target if t["fit"].ok]
     power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
                                   bootstrap=0)
@@ -181,7 +168,7 @@ def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | No
 def _calibrated(per_target: list[dict[str, Any]], bootstrap: int, seed: int
                 ) -> dict[str, Any]:
     """The calibrated misfit test (`cbs.analysis.fits.misfit`) and, where one target breaks the
-    law (calibrated p < 0.05 with it, ≥ 0.05 without), the power law without that target."""
+    law (p < 0.05 with it, ≥ 0.05 without), the power law without it."""
     tables = [t["_table"] for t in per_target]
     losses = [t["target"] for t in per_target]
     points = [t["fit"] for t in per_target]
@@ -283,12 +270,11 @@ def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
 def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False,
                  select_on_seed: int | None = None, out_dir: str | None = None) -> str:
     """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`, written into
-    `out_dir` (default: the sweep directory; another one re-reports a study that is
-    read-only, or committed, without touching it).
+    `out_dir` (default: the sweep directory; another re-reports a read-only study).
 
-    Refuses (ValueError) a sweep whose grid has trials without records, naming how many per
-    batch size; with `partial` it writes the report anyway, headed as partial, with every fit
-    from an incomplete grid marked. select_on_seed: adds the held-out section (`analyze`).
+    Refuses (ValueError) a sweep whose grid has trials without records; with `partial` writes
+    the report headed as partial, fits from an incomplete grid marked. select_on_seed: adds
+    the held-out section (`analyze`).
     """
     out = out_dir or sweep_dir
     if out_dir:

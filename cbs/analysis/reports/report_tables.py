@@ -1,12 +1,10 @@
 """The text of a sweep report: its markdown tables and the sentences around them.
 
-Each function reads the `analysis` dict of `cbs.analysis.reports.report.analyze` (or analysis.json)
-and returns markdown: B_crit per target beside the measured noise scales (`summary_table`),
-in tokens beside Kaplan et al. 2020 (`kaplan_table`), per seed (`seed_table`), with rates
-selected on one seed and S measured on the others (`held_out_table`), batch-size
-ramps against the fixed-batch frontier (`ramp_table`), and the report's notes on intervals,
-the power law, missing trials and the learning-rate grid. `cbs.analysis.reports.report` assembles
-them into report.md and re-exports the tables.
+Each function reads the `analysis` dict of `cbs.analysis.reports.report.analyze` (or
+analysis.json) and returns markdown: B_crit per target beside the measured noise scales
+(`summary_table`), in tokens (`kaplan_table`), per seed (`seed_table`), held out
+(`held_out_table`), batch-size ramps (`ramp_table`), and the report's notes on intervals, the
+power law, missing trials and the grid. `cbs.analysis.reports.report` assembles report.md.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ __all__ = ["b_crit_cell", "held_out_table", "kaplan_table", "ramp_table", "seed_
 
 
 def unresolved(f: Mapping[str, Any]) -> bool:
-    """Whether a fit's B_crit interval has no width at the precision printed (3 significant
-    figures) while its points scatter about the fit (log-step residuals above 1e-6): the
-    bootstrap over its batch sizes resolved nothing ("101 (101–101)" from 3 batch sizes).
-    Points exactly on the curve give a zero-width interval honestly."""
+    """Whether a fit's B_crit interval has no width at the 3 significant figures printed while
+    its points scatter about the fit (log-step residuals above 1e-6): the bootstrap resolved
+    nothing ("101 (101–101)" from 3 batch sizes); points exactly on the curve are exempt."""
     lo, hi = (f.get("b_crit_ci") or (None, None))[:2]
     scatter = f.get("residual_std")
     return (f.get("status") == fit.OK and lo is not None and hi is not None

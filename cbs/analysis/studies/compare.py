@@ -1,20 +1,16 @@
 """B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4).
 
-McCandlish et al. claim that the noise scale measured in one run predicts the critical batch
-of a task within an order of magnitude, across tasks whose B_crit spans several decades. Here
-every (study, target) of one or more sweep directories is one point: the fitted B_crit with
-its interval (`cbs.analysis.reports.report.analyze`, recomputed from the records, so the points are
-exactly what the studies' reports say) against the noise scale measured at that target
-(B_simple and B_noise, with their spread over batch sizes where the analysis has one), with
-y = x and the factor-10 band drawn. Needs no model.
+McCandlish et al. claim that one run's noise scale predicts a task's critical batch within
+an order of magnitude, across tasks whose B_crit spans decades. Here every (study, target) is
+one point: the fitted B_crit with its interval (`cbs.analysis.reports.report.analyze`,
+recomputed from the records) against the noise scale measured at that target, with y = x and
+the factor-10 band drawn. Needs no model.
 
-Two views of the noise scale. The protocol (`cbs.analysis.studies.reference_protocol`, where a study
-has it: the reference trajectory at B ≤ B_crit/4 over ≥ 3 seeds, whole training set, the
-full-data Hessian, ≥ 256 deviations): the median over seeds with its min–max and geometric
-SD, for B_simple, B_noise and, for Adam/AdamW, the noise scale of the update applied
-(B_simple^P, B_noise^P; for SGD the update is the gradient and these are B_simple, B_noise).
-Its figure is `files.FIGURE_FILE`. The second view, per trial: the median over the best trial
-at each batch size, with the min–max over batch sizes (`files.PER_TRIAL_FIGURE_FILE`).
+Two views of the noise scale. The protocol (`cbs.analysis.studies.reference_protocol`, where
+a study has it): the median over seeds with its min–max and geometric SD, for B_simple,
+B_noise and, for Adam/AdamW, those of the update applied (B_simple^P, B_noise^P; for SGD the
+update is the gradient); figure `files.FIGURE_FILE`. Per trial: the median over the best
+trial at each batch size, with the min–max over batch sizes (`files.PER_TRIAL_FIGURE_FILE`).
 """
 
 from __future__ import annotations
@@ -71,13 +67,11 @@ def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One row per (study, target) with a B_crit fit: study (`study_labels`), task, optimizer,
-    target, b_crit and its interval, the measured b_simple / b_noise (median over batch
-    sizes) with their min/max where recorded and each best trial's value by batch size
-    (<name>_by_batch_size, one run's value: what `cbs.analysis.advice.calibration` is fitted on),
-    the noise protocol, and the ratios B_crit/B_simple and B_crit/B_noise; and where the
-    study has the protocol (`reference_protocol`), for each name of PROTOCOL its median over
-    seeds (ref_<...>), _range (min, max), _gsd, _seeds and ratio_<...>, with ref_batch_size
-    and ref_protocol."""
+    target, b_crit and its interval, b_simple / b_noise (median over batch sizes) with their
+    _range and each best trial's value (<name>_by_batch_size: what the calibration is fitted
+    on), the noise protocol and the ratios B_crit/B_simple, B_crit/B_noise; with the protocol
+    (`reference_protocol`), for each name of PROTOCOL its median over seeds (ref_<...>),
+    _range, _gsd, _seeds and ratio_<...>, and ref_batch_size, ref_protocol."""
     rows = []
     for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)

@@ -1,26 +1,23 @@
 """The payoff of a batch ramp: seeds of ramps against seeds of fixed batch sizes.
 
-Reads the records `cbs.sweeps.ramps` writes (`ramps.jsonl`) when every run of a ramp
-study is repeated over seeds (spec fields `name` and `seed`). Runs with a constant schedule
-are the fixed-batch baseline; every other run is a ramp. For each target L:
+Reads the records `cbs.sweeps.ramps` writes (`ramps.jsonl`) when every run of a ramp study
+is repeated over seeds (spec fields `name` and `seed`). Runs with a constant schedule are the
+fixed-batch baseline; every other run is a ramp. For each target L:
 
-- S and E of every run (geometric mean over its seeds; a run where a seed never reached L is
-  reported as "k/n seeds reached", not averaged);
-- the fixed-batch frontier S = S_min + E_min/B fitted (`cbs.analysis.fits.fit.fit_tradeoff`) to
-  the fixed runs' mean steps, the same protocol as the ramps (same evaluation points,
-  same stopping rule), not to a sweep run under another; where several fixed runs share a B
-  (other learning rates), the fastest at L stands for B at L (baselines tuned per target);
+- S and E of every run (geometric mean over its seeds; "k/n seeds reached" where a seed
+  never reached L);
+- the fixed-batch frontier S = S_min + E_min/B fitted (`fit.fit_tradeoff`) to the fixed runs'
+  mean steps under the ramps' own protocol; where fixed runs share a B (other learning
+  rates), the fastest at L stands for B (baselines tuned per target);
 - for each ramp, the step saving at equal examples, 1 − S_ramp / S_frontier(E_ramp), with
   S_frontier(E) = S_min·E/(E − E_min) (+∞ when E ≤ E_min: no fixed batch reaches L with so
   few examples), and the example cost at equal steps, E_ramp / E_frontier(S_ramp) − 1;
 - for each ramp, Merrill et al.'s comparison against the fixed run at its first batch size,
   seed by seed, with the seeds a 15 % saving needs (`cbs.analysis.studies.ramp_start`).
 
-Intervals: S and E, Student-t over seeds in log S and log E (positive, like S and E); the
-saving and the cost, a percentile bootstrap that resamples seeds within every run (ramps and
-fixed batches alike) and refits the frontier per replicate, seeded from the records so the
-interval depends only on them. A ramp beats the frontier at L when the saving's interval lies
-above zero.
+Intervals: S and E, Student-t over seeds in log S and log E; the saving and the cost, a
+percentile bootstrap over seeds within every run, the frontier refitted per replicate, seeded
+from the records. A ramp beats the frontier at L when the saving's interval lies above zero.
 """
 
 from __future__ import annotations

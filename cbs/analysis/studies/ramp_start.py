@@ -8,17 +8,14 @@ initialisation and data order: a paired design), at each target L and seed s:
     r_s = log(S_ramp,s / S_fixed,s)    q_s = log(E_ramp,s / E_fixed,s)
 
 with S the steps and E the examples to reach L. Steps saved at L: 1 − exp(mean r); examples
-beside it: exp(mean q) − 1. Merrill et al.'s saving is this steps saving where the examples
-are no more than the fixed run's (q ≤ 0: at the fixed run's examples the ramp had reached L
-too). Intervals: a percentile bootstrap over seeds (pairs resampled together) and the paired
-Student-t interval of mean r (with 3 seeds the bootstrap has 10 distinct resamples and is
-narrow; the t interval is the one the power calculation assumes).
+beside: exp(mean q) − 1 (Merrill et al.'s saving is the steps saved where q ≤ 0). Intervals:
+a percentile bootstrap over seed pairs and the paired Student-t interval of mean r (with 3
+seeds the bootstrap has 10 distinct resamples; the t interval is the power calculation's).
 
 Seeds needed: the fewest n for which a two-sided paired t-test at level α detects a saving of
-`effect` (|mean r| = −log(1 − effect)) with probability `power`, given the seeds' standard
-deviation σ of r: power(n) = P(|T| > t_{1−α/2, n−1}) with T noncentral t, n − 1 degrees of
-freedom, noncentrality −log(1 − effect)·√n/σ. σ is itself estimated from the seeds run, so
-with three of them the answer is a rough guide (its own 95 % interval is wide).
+`effect` with probability `power` given the seeds' σ of r: power(n) = P(|T| > t_{1−α/2, n−1}),
+T noncentral t with n − 1 degrees of freedom and noncentrality −log(1 − effect)·√n/σ. σ is
+estimated from the seeds run, so with three the answer is a rough guide.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 Reads the records `cbs.sweeps.reference_seeds` writes (`reference_seeds/seed_<k>.jsonl`: one
 reference trajectory per seed at B ≤ B_crit/4, measured on the whole training set). Per seed
-and target, each noise scale is read as the reference protocol of `cbs.analysis
-.noise_at_target` reads it: the ratio of means of its numerator and denominator over the first
-`window` measurements at or after the crossing (the crossing interpolated between
-evaluations, `cbs.analysis.fits.selection.steps_to_target`). Across seeds: the median, the
-min–max and the geometric standard deviation exp(sd(log value)).
+and target, each noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it
+(ratio of means over the first `window` measurements at or after the crossing). Across seeds:
+the median, the min–max and the geometric standard deviation exp(sd(log value)).
 
 Names: b_simple = tr(Σ)/|G|², b_noise = tr(HΣ)/GᵀHG of the plain gradient; b_simple_p =
 tr(PΣ)/GᵀPG, b_noise_p = tr(PHPΣ)/GᵀPHPG of the update u = P·g applied by Adam/AdamW

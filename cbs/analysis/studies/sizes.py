@@ -1,11 +1,10 @@
 """B_crit against the loss across model sizes (Kaplan et al. 2020, §5 and Fig. 10).
 
-Kaplan et al. find that the critical batch depends on the loss reached, not on the model's
-size: B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep
-directory is one size trained on the same data with the same protocol; every (size, target)
-with a B_crit fit is one point, log B_crit with the covariance across its study's targets
-from that study's joint batch-size bootstrap (`cbs.analysis.fits.joint`; studies are
-independent, so the covariance of all points is block-diagonal). Three generalised least
+Kaplan et al. find that B_crit depends on the loss reached, not on the model's size:
+B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep directory
+is one size (same data, same protocol); every (size, target) with a B_crit fit is one point,
+log B_crit with the covariance across its study's targets from its joint bootstrap
+(`cbs.analysis.fits.joint`; studies are independent: block-diagonal). Three generalised least
 squares (GLS) fits of log B_crit answer:
 
 - "depends on L alone", without assuming a power law: log B_crit = μ_L (one free value per
@@ -18,16 +17,13 @@ squares (GLS) fits of log B_crit answer:
 
 Intervals per point are each study's own (the report's bootstrap-t). Needs no model.
 
-The χ² readings assume Gaussian log B_crit with the bootstrap covariance known; on one or two
-seeds that covariance is underestimated and the readings reject too often
-(`cbs.analysis.fits.misfit`). So every test is also calibrated: each study's noise (its residuals'
-shared and own variances, `misfit.study_noise`) is put on the tested law's values, every
-study is refitted as the real one (`misfit.pooled_draws`), and the statistic, with each
-simulated set's own noise estimates in its covariance (studentized), gives the null
-distribution; the calibrated p is (1 + #{Q* ≥ Q})/(1 + R). The loss whose points break the
-joint law (the one whose removal raises its calibrated p the most, from below to above 0.05)
-is named, and both laws are refitted without it (for example the first target, still in the
-initial transient).
+The χ² readings assume the bootstrap covariance known; on one or two seeds it is
+underestimated and they reject too often (`cbs.analysis.fits.misfit`). So every test is also
+calibrated: each study's noise (`misfit.study_noise`) is put on the tested law's values, every
+study refitted (`misfit.pooled_draws`), and the statistic with each simulated set's own noise
+estimates (studentized) gives the null distribution; the calibrated p is
+(1 + #{Q* ≥ Q})/(1 + R). The loss whose removal raises the law's calibrated p the most, from
+below to above 0.05, is named as breaking it, and both laws are refitted without it.
 """
 
 from __future__ import annotations
@@ -38,10 +34,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import scipy.linalg
 import scipy.stats
 
 from cbs.analysis.fits import fit, joint, misfit
-from cbs.analysis.reports import report, report_tables
+from cbs.analysis.reports import plots, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
@@ -129,13 +126,7 @@ def _points(studies: Sequence[dict[str, Any]], targets: Sequence[float] | None =
         x += [math.log(s["targets"][j]) for j in keep]
         k += [i] * len(keep)
         blocks.append(np.asarray(s["cov"])[np.ix_(keep, keep)])
-    n = len(y)
-    C = np.zeros((n, n))
-    at = 0
-    for b in blocks:
-        C[at:at + len(b), at:at + len(b)] = b
-        at += len(b)
-    return np.asarray(y), np.asarray(x), np.asarray(k), C
+    return np.asarray(y), np.asarray(x), np.asarray(k), scipy.linalg.block_diag(*blocks)
 
 
 def _p(q: float, dof: int) -> float:
@@ -212,11 +203,7 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
     y = np.concatenate([z.log_b_crit for z in noise])
     loss = np.concatenate([z.losses for z in noise])
     k = np.concatenate([np.full(len(z.losses), i) for i, z in enumerate(noise)])
-    C = np.zeros((y.size, y.size))
-    at = 0
-    for z in noise:
-        C[at:at + len(z.losses), at:at + len(z.losses)] = z.cov
-        at += len(z.losses)
+    C = scipy.linalg.block_diag(*(z.cov for z in noise))
     parts = np.cumsum([len(z.losses) for z in noise])[:-1]
 
     def gls_fit(X, m):  # the null values at every point (unchanged off the mask m)
@@ -395,8 +382,6 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
                             max(max(s["targets"]) for s in studies), 50)
         ax.plot(loss, j["b_star"] * loss ** (-1 / j["alpha_b"]), "k--", lw=1,
                 label=f"joint fit, α_B = {j['alpha_b']:.2g}")
-    from cbs.analysis.reports import plots
-
     ax.set_xscale("log")
     ax.set_yscale("log")
     plots.log_labels(ax.xaxis, np.concatenate([np.asarray(s["targets"], float) for s in studies]))
