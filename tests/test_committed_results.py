@@ -1,5 +1,6 @@
-"""Every committed sweep's report is what today's code writes from its records: report.md
-byte for byte and analysis.json to the last bits a different BLAS may change.
+"""Every committed study's report is what today's code writes from its records: the Markdown
+byte for byte, the JSON to the last bits a different BLAS may change. Sweeps, branch
+studies, ramp studies, the cross-study comparison and the model-size pooling.
 
 Each committed sweep under results/ (a directory with analysis.json) is re-reported into a
 temporary directory with `cbs.analysis.reports.report.write_report`, from the repository's
@@ -19,7 +20,9 @@ import json
 import math
 import os
 import pathlib
+import shutil
 
+import _warm
 import pytest
 
 from cbs.analysis.reports import report
@@ -61,3 +64,71 @@ def test_a_committed_sweep_reports_the_same(name, tmp_path, monkeypatch):
     assert (tmp_path / "report.md").read_text() == (committed / "report.md").read_text()
     fresh = json.loads((tmp_path / "analysis.json").read_text())
     assert _close(fresh, analysis, "analysis") == []
+
+
+def _in_copy(tmp_path, monkeypatch, name: str, linked: tuple[str, ...] = ()) -> pathlib.Path:
+    """A copy of results/NAME under tmp_path/results (the other studies it reads linked), the
+    working directory set to tmp_path: a report written there names the committed path."""
+    shutil.copytree(ROOT / "results" / name, tmp_path / "results" / name)
+    for other in linked:
+        (tmp_path / "results" / other).symlink_to(ROOT / "results" / other)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "results" / name
+
+
+@pytest.mark.parametrize("name, sweep", [("digits_branch", "digits"),
+                                         ("shakespeare_branch", "shakespeare_char")])
+def test_a_committed_branch_study_reports_the_same(name, sweep, tmp_path, monkeypatch):
+    from cbs.analysis.reports import branch_report
+    copy = _in_copy(tmp_path, monkeypatch, name, (sweep,))
+    (copy / "report.md").unlink()
+    branch_report.write_report(f"results/{name}", sweep_dir=f"results/{sweep}")
+    assert (copy / "report.md").read_text() == (ROOT / "results" / name / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name, sweep", [("digits_payoff", "digits"),
+                                         ("digits_ramp_start", "digits"),
+                                         ("shakespeare_payoff", "shakespeare_char")])
+def test_a_committed_payoff_study_reports_the_same(name, sweep, tmp_path, monkeypatch):
+    from cbs.analysis.studies import payoff
+    from cbs.results import files, shared
+    committed = ROOT / "results" / name
+    copy = _in_copy(tmp_path, monkeypatch, name)
+    for out in ("payoff.md", "payoff.json"):
+        (copy / out).unlink()
+    ramps = shared.read_merged(str(copy / files.RAMPS_FILE), files.RAMP_KEYS)
+    before = json.loads((committed / "payoff.json").read_text())
+    payoff.write_report(f"results/{name}", ramps, [t["target"] for t in before["targets"]],
+                        sweep_dir=f"results/{sweep}")
+    assert (copy / "payoff.md").read_text() == (committed / "payoff.md").read_text()
+    assert _close(json.loads((copy / "payoff.json").read_text()), before, "payoff") == []
+
+
+COMPARED = ["digits", "digits_sgd", "mnist1d_adam", "mnist1d_sgd", "shakespeare_kaplan",
+            "shakespeare_kaplan_d32", "shakespeare_kaplan_d128", "shakespeare_char",
+            "linreg_sgd"]
+HELD_OUT = ["heldout_teacher_student", "heldout_lm_depth4", "heldout_digits_cnn",
+            "heldout_mnist1d_cnn", "heldout_regression"]
+
+
+@pytest.mark.parametrize("name, args, outputs", [
+    ("compare", [f"results/{n}" for n in COMPARED]
+     + ["--held_out=" + ",".join(f"results/{n}" for n in HELD_OUT)],
+     ("report.md", "calibration.json", "compare.json")),
+    ("kaplan_sizes", ["--sizes"] + [f"results/{n}" for n in (
+        "shakespeare_kaplan_d32", "shakespeare_kaplan", "shakespeare_kaplan_d128")],
+     ("report.md", "sizes.json")),
+])
+def test_the_committed_cross_study_reports_are_what_the_command_writes(name, args, outputs,
+                                                                       tmp_path):
+    """The commands of the across-studies guide and README, into a temporary --out."""
+    out = _warm.python(["-m", "cbs.commands.compare", *args, f"--out={tmp_path / name}"],
+                       cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for file in outputs:
+        fresh, committed = tmp_path / name / file, ROOT / "results" / name / file
+        if file.endswith(".md"):
+            assert fresh.read_text() == committed.read_text(), file
+        else:
+            assert _close(json.loads(fresh.read_text()), json.loads(committed.read_text()),
+                          file) == []

@@ -103,18 +103,21 @@ def detectable_effect(n: int, sd: float, alpha: float = ALPHA, power: float = PO
 
 
 def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str
-            ) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Seeds both runs reached L with, and the per-seed log ratios of steps and examples."""
+            ) -> tuple[list[int], np.ndarray, np.ndarray, str]:
+    """Seeds both runs reached L with, the per-seed log ratios of steps and examples, and the
+    recorded values they come from as text (what the bootstrap's generator is seeded from: the
+    records, not logarithms whose last bit may differ between machines)."""
     def by_seed(runs):
         return {int((r.get("spec") or {}).get("seed", 0)): r for r in runs
                 if r["steps_to_target"].get(key) is not None
                 and r["examples_to_target"].get(key) is not None}
     a, b = by_seed(ramp), by_seed(fixed)
     seeds = sorted(set(a) & set(b))
-    r = np.log([a[s]["steps_to_target"][key] / b[s]["steps_to_target"][key] for s in seeds])
-    q = np.log([a[s]["examples_to_target"][key] / b[s]["examples_to_target"][key]
-                for s in seeds])
-    return seeds, np.asarray(r, np.float64), np.asarray(q, np.float64)
+    raw = [[x[s][f][key] for x in (a, b) for f in ("steps_to_target", "examples_to_target")]
+           for s in seeds]
+    r = np.log([a_s / b_s for a_s, _, b_s, _ in raw])
+    q = np.log([a_e / b_e for _, a_e, _, b_e in raw])
+    return seeds, np.asarray(r, np.float64), np.asarray(q, np.float64), json.dumps([seeds, raw])
 
 
 def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str, *,
@@ -123,7 +126,7 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
     key in `steps_to_target`). JSON-ready: the paired seeds, steps saved and examples beside
     (each with its bootstrap and t intervals), σ of the log step ratio, seeds needed for
     EFFECT and the saving detectable with the seeds run."""
-    seeds, r, q = _paired(ramp, fixed, key)
+    seeds, r, q, recorded = _paired(ramp, fixed, key)
     out: dict[str, Any] = {"seeds": seeds, "num_pairs": len(seeds),
                            "reached": [sum(x["steps_to_target"].get(key) is not None
                                            for x in runs) for runs in (ramp, fixed)]}
@@ -131,8 +134,7 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
         return out
     sd = float(r.std(ddof=1))
     half = stats.t.ppf(0.5 + confidence / 2, len(r) - 1) * sd / math.sqrt(len(r))
-    data = json.dumps([seeds, r.tolist(), q.tolist()])
-    rng = np.random.default_rng(int(hashlib.sha256(data.encode()).hexdigest()[:16], 16))
+    rng = np.random.default_rng(int(hashlib.sha256(recorded.encode()).hexdigest()[:16], 16))
     idx = rng.integers(0, len(r), (bootstrap, len(r)))
     pct = (50 * (1 - confidence), 50 * (1 + confidence))
     boot_r, boot_q = np.percentile(r[idx].mean(axis=1), pct), np.percentile(q[idx].mean(axis=1),
