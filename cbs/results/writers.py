@@ -242,7 +242,8 @@ class MultiWriter(MetricWriter):
                 getattr(w, method)(*args)
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-        self._each("write_scalars", step, scalars)
+        for w in self.writers:  # the one method every writer has: a missing one is an error
+            w.write_scalars(step, scalars)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         self._each("write_hparams", hparams)

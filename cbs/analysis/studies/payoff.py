@@ -22,7 +22,6 @@ from the records. A ramp beats the frontier at L when the saving's interval lies
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -123,7 +122,7 @@ def _rng(runs: dict[str, list[dict[str, Any]]], key: str) -> np.random.Generator
     """A generator seeded from the steps recorded at this target (and their order)."""
     data = json.dumps([[name, [r["steps_to_target"].get(key) for r in runs[name]]]
                        for name in sorted(runs)])
-    return np.random.default_rng(int(hashlib.sha256(data.encode()).hexdigest()[:16], 16))
+    return ramp_start.recorded_rng(data)
 
 
 def _tuned(values, fixed) -> dict[int, str]:

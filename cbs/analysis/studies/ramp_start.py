@@ -30,13 +30,19 @@ import numpy as np
 from scipy import stats
 
 __all__ = [
-    "ALPHA", "EFFECT", "POWER", "compare", "detectable_effect", "paired_power",
+    "ALPHA", "EFFECT", "POWER", "compare", "recorded_rng", "detectable_effect", "paired_power",
     "seeds_needed", "start_batch_size", "summary_lines", "table", "verdict",
 ]
 
 EFFECT = 0.15  # the step saving to detect (15 % fewer steps)
 ALPHA = 0.05  # two-sided level of the paired t-test
 POWER = 0.8  # probability of detecting EFFECT
+
+
+def recorded_rng(recorded: str) -> np.random.Generator:
+    """A bootstrap's generator seeded from the recorded values it resamples (as JSON text), so
+    the same records give the same intervals on every machine."""
+    return np.random.default_rng(int(hashlib.sha256(recorded.encode()).hexdigest()[:16], 16))
 
 
 def start_batch_size(spec: dict[str, Any]) -> int | None:
@@ -134,7 +140,7 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
         return out
     sd = float(r.std(ddof=1))
     half = stats.t.ppf(0.5 + confidence / 2, len(r) - 1) * sd / math.sqrt(len(r))
-    rng = np.random.default_rng(int(hashlib.sha256(recorded.encode()).hexdigest()[:16], 16))
+    rng = recorded_rng(recorded)
     idx = rng.integers(0, len(r), (bootstrap, len(r)))
     pct = (50 * (1 - confidence), 50 * (1 + confidence))
     boot_r, boot_q = np.percentile(r[idx].mean(axis=1), pct), np.percentile(q[idx].mean(axis=1),
