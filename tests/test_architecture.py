@@ -412,13 +412,22 @@ def _noise_section_reads(modules: dict[str, pathlib.Path]) -> dict[str, list[int
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
-                    and isinstance(node.value, ast.Attribute) and node.value.attr == "noise"
-                    and _is_config(node.value.value)):
+                    and isinstance(node.value, ast.Attribute) and (
+                        (node.value.attr == "noise" and _is_config(node.value.value))
+                        or node.value.attr in STUDY_NOISE_SECTIONS
+                        or (node.value.attr == "noise" and isinstance(node.value.value, (
+                            ast.Attribute, ast.Name)) and _name(node.value.value) == "branch"))):
                 out.setdefault(m, []).append(node.lineno)
     return out
 
 
 CONFIG_NAMES = {"config", "c", "cfg", "run_config", "base", "single", "raw"}
+# A study's own noise fields (`config.sweep.reference_noise`; `config.branch.noise` below).
+STUDY_NOISE_SECTIONS = {"reference_noise"}
+
+
+def _name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
 def _is_config(node: ast.expr) -> bool:
@@ -428,15 +437,18 @@ def _is_config(node: ast.expr) -> bool:
 
 
 def test_config_noise_is_read_in_one_place():
-    """Only `NoiseSpec.from_config` reads `config.noise`; everything else takes the spec
-    (`RunParts.noise_spec`, `NoiseSpec.of(config)`)."""
+    """Only `NoiseSpec.from_config` reads `config.noise` and only `NoiseSpec.of` a study's
+    noise section (`sweep.reference_noise`, `branch.noise`); everything else takes the spec
+    (`RunParts.noise_spec`, `NoiseSpec.of(config[, study])`)."""
     assert _noise_section_reads(_modules()) == {}
 
 
 def test_the_noise_read_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(config):\n    return config.noise.every\n")
-    assert _noise_section_reads({"cbs.engine.bad": bad}) == {"cbs.engine.bad": [2]}
+    bad.write_text("def f(config):\n    return config.noise.every\n"
+                   "def g(config, branch):\n    return (config.sweep.reference_noise.deviations,"
+                   "\n            config.branch.noise.deviations, branch.noise.chunk_size)\n")
+    assert _noise_section_reads({"cbs.engine.bad": bad}) == {"cbs.engine.bad": [2, 4, 5, 5]}
 
 
 def _public_members(cls: type) -> set[str]:

@@ -111,7 +111,7 @@ def test_a_bad_ramp_is_refused_before_anything_is_written(tmp_path, change, fiel
     ("window_examples", -128, "integer >= 0"),
     ("epsilon", "small", "finite number"),
     ("vmap", 1, "True or False"),
-    ("noise_deviations", 0, "integer >= 1"),
+    ("noise_deviations", 16, "moved to config.branch.noise.deviations"),
 ])
 def test_a_bad_branch_field_is_refused_before_anything_is_written(tmp_path, field, value,
                                                                      says):
@@ -171,7 +171,7 @@ def test_each_command_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path)
         "ramps": ([f"--config={bad_ramp}:tiny", f"--sweep_dir={d}"],
                   "config.ramps[0].learning_rate: 'best@7'"),
         "branch": ([f"--config={CONFIGS / 'digits_branch.py'}:tiny", f"--workdir={d}",
-                    "--config.branch.noise_deviations=0"], "config.branch.noise_deviations: "),
+                    "--config.branch.noise.deviations=0"], "config.branch.noise.deviations: "),
         "compare": ([str(sweep), str(tmp_path / "nowhere"), f"--out={d}"],
                     "is not a sweep directory"),
     }

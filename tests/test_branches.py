@@ -152,7 +152,8 @@ def small_study(tmp_path_factory):
     noise measured at two checkpoints: the two tests below read it (the measurement, after the
     branch units, changes none of their records)."""
     workdir = str(tmp_path_factory.mktemp("small_study"))
-    c = _small_config(noise_checkpoints=2, noise_deviations=16)
+    c = _small_config(noise_checkpoints=2)
+    c.branch.noise.deviations = 16
     return workdir, branches.run_branches(c, workdir, dataset=data.get_dataset("digits"))
 
 
@@ -259,7 +260,8 @@ def test_adam_branch_restores_the_optimizer_state_and_scales_lr_by_sqrt_k(tmp_pa
 
 @pytest.mark.xdist_group("branches_small_study")
 def test_reference_noise_is_measured_on_the_whole_training_set(small_study):
-    c = _small_config(noise_checkpoints=2, noise_deviations=16)
+    c = _small_config(noise_checkpoints=2)
+    c.branch.noise.deviations = 16
     workdir = small_study[0]
     recs = records.read_records(os.path.join(workdir, files.REFERENCE_NOISE_FILE))
     assert [r["step"] for r in recs] == [20, 40]  # log-spaced checkpoints ∪ the point

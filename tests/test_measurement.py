@@ -25,7 +25,7 @@ from cbs.results.store import SweepStore
 from cbs.runtime import fields, mesh
 from cbs.stats import noise
 from cbs.sweeps import branch_noise, grid, groups, trials
-from experiments.configs import digits_sweep
+from experiments.configs import digits_branch, digits_sweep
 
 
 def _stream(examples: str = "stream") -> NoiseSpec:
@@ -58,15 +58,61 @@ def test_the_spec_validates_once_and_names_the_field():
     assert "full_data" in noise.method_names()
 
 
-@pytest.mark.parametrize("old,new", [("noise_batch_size", "batch_size"),
-                                     ("noise_curvature_batch_size", "deviations"),
-                                     ("noise_examples", "examples")])
+@pytest.mark.parametrize("old,new", [("noise_batch_size", "noise.batch_size"),
+                                     ("noise_curvature_batch_size", "noise.deviations"),
+                                     ("noise_examples", "noise.examples"),
+                                     ("noise_reference_deviations",
+                                      "sweep.reference_noise.deviations")])
 def test_old_sweep_keys_name_their_new_place(old, new):
     s = grid.default_sweep_config()
     s[old] = 16
     with pytest.raises(fields.ConfigError, match=rf"config\.sweep\.{old}: moved to "
-                                                 rf"config\.noise\.{new}"):
+                                                 rf"config\.{new}"):
         grid.validate_sweep(s)
+
+
+def test_a_study_measurement_is_the_run_spec_with_its_section_set():
+    """m is `deviations` wherever it is set: a study's section replaces the run's fields it
+    sets (None: the run's), is parsed by the same reader and its errors name the section."""
+    c = digits_sweep.get_config()
+    run = NoiseSpec.of(c)
+    assert run.deviations == 32 and c.sweep.reference_noise.deviations == 256
+    ref = NoiseSpec.of(c, "reference")
+    assert ref == run.replace(deviations=256)
+    c.sweep.reference_noise.deviations = None
+    assert NoiseSpec.of(c, "reference") == run
+    c.sweep.reference_noise.deviations = -3
+    with pytest.raises(fields.ConfigError,
+                       match=r"^config\.sweep\.reference_noise\.deviations: "):
+        NoiseSpec.of(c, "reference")
+    c.sweep.reference_noise.deviations = 1  # checked within the spec (curvature needs 2)
+    with pytest.raises(fields.ConfigError,
+                       match=r"^config\.sweep\.reference_noise\.deviations: needs >= 2"):
+        NoiseSpec.of(c, "reference")
+    b = digits_branch.get_config()
+    spec = NoiseSpec.of(b, "branch")
+    assert (spec.method, spec.examples, spec.curvature, spec.deviations, spec.chunk_size) == (
+        "sampled", "all", True, 256, 64)
+    with b.branch.noise.unlocked():
+        b.branch.noise.deviatons = 8
+    with pytest.raises(fields.ConfigError, match=r"^config\.branch\.noise\.deviatons: not a "
+                                                 r"field of config\.noise"):
+        NoiseSpec.of(b, "branch")
+
+
+def test_old_branch_and_reference_m_read_in_their_new_place():
+    """Records written before m moved keep their meaning: a reference run's m (0: the run's,
+    None now) and a branch study's m read as `deviations` of the study's section."""
+    old = {"sweep": {"noise_reference_deviations": 256, "noise_curvature_batch_size": 32},
+           "noise": {}, "branch": {"noise_deviations": 16, "ks": [1, 2]}}
+    new = store.upgrade_noise_fields(old)
+    assert new["sweep"] == {"reference_noise": {"deviations": 256}}
+    assert new["noise"] == {"deviations": 32, "curvature": True}
+    assert new["branch"] == {"ks": [1, 2], "noise": {"deviations": 16}}
+    assert old["branch"] == {"noise_deviations": 16, "ks": [1, 2]}  # a copy
+    zero = store.upgrade_noise_fields({"sweep": {"noise_reference_deviations": 0}})
+    assert zero["sweep"]["reference_noise"] == {"deviations": None}
+    assert store.definition_diff({"config": old}, {"config": new}) == []
 
 
 def test_host_batches_are_the_device_draws():
@@ -175,7 +221,9 @@ def _golden_values() -> dict[str, dict[str, float]]:
         fn = jax.jit(lambda p, i, s=s: measure.at_evaluation(
             s, loss, p, tr.dataset, tr.train_arrays, i, seed=trial.seed))
         out[examples] = {k: float(v) for k, v in jax.device_get(fn(state.params, 2)).items()}
-    s = branch_noise.measurement_spec(16)
+    branch = digits_branch.get_config("tiny")
+    branch.branch.noise.deviations = 16
+    s = branch_noise.measurement_spec(branch)
     batch, hess = measure.all_examples(s, tr.dataset, tr.train_arrays, jax.random.key(0))
     stats = jax.jit(lambda p: measure.measure(s, loss, p, batch, hessian_batch=hess,
                                               examples="all"))(state.params)

@@ -285,7 +285,7 @@ def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
     n = reference.reference_noise(c)
     assert (n.examples, n.hessian_batch_size, n.resolved_method()) == ("all", 0, "full_data")
     assert n.batch_size == c.noise.batch_size
-    assert n.deviations == c.sweep.noise_reference_deviations > 0 and n.curvature
+    assert n.deviations == c.sweep.reference_noise.deviations > 0 and n.curvature
     trial = grid.Trial(0, int(c.sweep.noise_reference_batch_size), 1e-3, 0)
     run = reference.ReferenceRun(c, trial, types.SimpleNamespace(sweep_dir=str(tmp_path)))
     evals = int(c.sweep.noise_reference_evals)
@@ -294,7 +294,7 @@ def test_the_reference_run_measures_densely_on_all_examples(tmp_path):
     assert len(run.steps) > c.sweep.evals_per_trial + 1
     assert run.noise == n and run.checkpoint_every_evals == evals
     assert c.to_dict() == base
-    c.sweep.noise_reference_deviations = 0  # 0: the sweep's own number of deviations
+    c.sweep.reference_noise.deviations = None  # None: the sweep's own number of deviations
     assert reference.reference_noise(c).deviations == 32
     grid.validate_sweep(c.sweep)
     c.sweep.noise_reference_batch_size = 48
@@ -324,8 +324,8 @@ def test_reference_run_after_a_sweep(tmp_path, monkeypatch):
     c.train.progress_bar = True
     c.sweep.update(dict(batch_sizes=(32,), targets=(1.5,), max_steps=60, evals_per_trial=6,
                         noise_protocol="reference", noise_reference_batch_size=32,
-                        noise_reference_evals=10, noise_window=2,
-                        noise_reference_deviations=8))
+                        noise_reference_evals=10, noise_window=2))
+    c.sweep.reference_noise.deviations = 8
     d = str(tmp_path / "s")
     launch.run_sweep(c, d, log=lambda *_: None)
     run = records.read_records(os.path.join(d, files.REFERENCE_NOISE_FILE))[-1]

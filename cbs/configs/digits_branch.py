@@ -55,7 +55,7 @@ def get_config(arg: str = ""):
     b.epsilon = 0.02  # 2%
     b.seeds = (1, 2, 3)  # data-order seeds
     b.noise_checkpoints = 24  # exact B_simple/B_noise at 24 log-spaced checkpoints + points
-    b.noise_deviations = 256  # tr(HΣ) from 256 random examples' deviations
+    b.noise.deviations = 256  # tr(HΣ) from 256 random examples' deviations
     if "tiny" in base.parse_arg(arg):
         c.train.max_steps = 60  # 240 examples
         c.train.checkpoint_every = 20  # three checkpoints
@@ -66,5 +66,5 @@ def get_config(arg: str = ""):
         b.window_examples = 64  # ... of 16 steps at k = 1
         b.seeds = (1, 2)  # two seeds
         b.noise_checkpoints = 2  # two measurements besides the points
-        b.noise_deviations = 16  # on 16 deviations
+        b.noise.deviations = 16  # on 16 deviations
     return c

@@ -62,7 +62,7 @@ def get_config(arg: str = ""):
     s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
     s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
-    s.noise_reference_deviations = 256  # its tr(HΣ) from 256 deviations (32: std ≈ 1.4 late)
+    s.reference_noise.deviations = 256  # its tr(HΣ) from 256 deviations (32: std ≈ 1.4 late)
     words = base.parse_arg(arg, ("tiny", "seeds3"))
     if "seeds3" in words:  # the held-out study: every rate's S measured on every seed
         s.seeds = (0, 1, 2)  # three seeds per (B, η): rates selected on one, S on the others

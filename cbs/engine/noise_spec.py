@@ -1,6 +1,9 @@
 """What a run estimates and measures of its gradient noise, and when: `NoiseSpec`, the one
 reading of `config.noise` (`NoiseSpec.from_config`, which validates every field and raises
-`cbs.runtime.fields.ConfigError` naming it; nothing else reads that section).
+`cbs.runtime.fields.ConfigError` naming it; nothing else reads that section). A study's own
+measurement (a sweep's reference run, a branch study's checkpoints) is the same spec with the
+fields its section sets (`sweep.reference_noise`, `branch.noise`) in place of the run's
+(`NoiseSpec.of(config, study)`): m is `deviations` wherever it is set.
 
 The live estimate every step (`cbs.engine.live_noise`): `live` ("auto" | "exact" |
 "two_batch" | "none"; the config's `two_batch=False` reads as "none"), the two-batch small
@@ -34,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import ml_collections
+
 from cbs.engine import live_noise
 from cbs.runtime import fields
 from cbs.stats import noise
 
-__all__ = [  # not the refusal of keys that moved (`check_moved_keys`), which the sweep reads
+__all__ = [  # not the refusal of moved keys (`check_moved_keys`), which the studies read
     "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec",
 ]
 
@@ -47,11 +52,22 @@ FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this
 # The method "auto" stands for, by the examples measured.
 AUTO_METHOD = {"step": "auto", "stream": "sampled", "all": "full_data"}
 FULL_DATA_METHOD = "full_data"  # the whole-training-set estimator (cbs.stats.sampled)
-# Keys that moved from config.sweep to config.noise (config.sweep.<old> -> config.noise.<new>).
-MOVED_SWEEP_KEYS = {"noise_batch_size": "batch_size",
-                    "noise_curvature_batch_size": "deviations (with curvature=True)",
-                    "noise_hessian_batch_size": "hessian_batch_size",
-                    "noise_examples": "examples", "noise_chunk_size": "chunk_size"}
+# The sections of a study's own measurement (`NoiseSpec.of(config, study)`): fields of
+# config.noise that replace the run's for that measurement (m of a reference run, say).
+STUDY_SECTIONS = {"reference": "sweep.reference_noise", "branch": "branch.noise"}
+# Fields of config.noise (`NoiseSpec.from_config`; "two_batch" reads as live="none").
+CONFIG_FIELDS = frozenset({"method", "examples", "batch_size", "deviations",
+                           "hessian_batch_size", "curvature", "num_probes", "chunk_size", "every",
+                           "in_step", "live", "two_batch", "small_batch", "ema_decay",
+                           "advice_calibration"})
+# Fields that moved (config.<old> -> config.<new>): refused in one line naming the new one.
+MOVED_KEYS = {"sweep.noise_batch_size": "noise.batch_size",
+              "sweep.noise_curvature_batch_size": "noise.deviations (with curvature=True)",
+              "sweep.noise_hessian_batch_size": "noise.hessian_batch_size",
+              "sweep.noise_examples": "noise.examples",
+              "sweep.noise_chunk_size": "noise.chunk_size",
+              "sweep.noise_reference_deviations": "sweep.reference_noise.deviations",
+              "branch.noise_deviations": "branch.noise.deviations"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +95,11 @@ class NoiseSpec:
         self.check()
 
     @classmethod
-    def from_config(cls, noise_config: Any) -> NoiseSpec:
-        """The spec of `config.noise` (missing optional fields take the defaults above);
-        sizes against the batch and the mesh are `cbs.engine.config.validate`'s."""
-        at, get = "config.noise", noise_config.get
+    def from_config(cls, noise_config: Any, at: str = "config.noise") -> NoiseSpec:
+        """The spec of `config.noise` (missing optional fields take the defaults above; errors
+        name the section `at`); sizes against the batch and the mesh are
+        `cbs.engine.config.validate`'s."""
+        get = noise_config.get
         fields.integer(noise_config, "every", at, minimum=0)
         fields.choice(noise_config, "method", at, noise.method_names())
         fields.integer(noise_config, "batch_size", at, minimum=0)
@@ -120,9 +137,28 @@ class NoiseSpec:
                    advice_calibration=calibration)
 
     @classmethod
-    def of(cls, config: Any) -> NoiseSpec:
-        """The spec of a run config's `noise` section (`from_config`)."""
-        return cls.from_config(config.noise)
+    def of(cls, config: Any, study: str = "") -> NoiseSpec:
+        """The spec of a run config's `noise` section (`from_config`); with `study`, the one
+        of a study's own measurement (`STUDY_SECTIONS`): the fields its section sets (not
+        None) replace those of `noise`."""
+        spec = cls.from_config(config.noise)
+        if not study:
+            return spec
+        section: Any = config
+        for name in STUDY_SECTIONS[study].split("."):
+            section = section.get(name) if section is not None else None
+        given = {k: v for k, v in dict(section or {}).items() if v is not None}
+        at = f"config.{STUDY_SECTIONS[study]}"
+        for name in given:
+            if name not in CONFIG_FIELDS:
+                raise fields.ConfigError(f"{at}.{name}: not a field of config.noise (one of "
+                                         f"{sorted(CONFIG_FIELDS)})")
+        merged = ml_collections.ConfigDict(config.noise.to_dict())
+        merged.update(given)
+        try:
+            return cls.from_config(merged, at)
+        except fields.ConfigError as err:  # `check` names config.noise
+            raise fields.ConfigError(str(err).replace("config.noise.", f"{at}.", 1)) from None
 
     def check(self) -> None:
         """The checks within the spec; ConfigError naming the `config.noise` field."""
@@ -170,9 +206,10 @@ class NoiseSpec:
         return dataclasses.replace(self, **changes)
 
 
-def check_moved_keys(sweep: Any) -> None:
-    """ConfigError for a measurement setting still in `config.sweep` (it moved to
-    `config.noise`): one line naming the new field."""
-    for old, new in MOVED_SWEEP_KEYS.items():
-        if old in sweep:
-            raise fields.ConfigError(f"config.sweep.{old}: moved to config.noise.{new}")
+def check_moved_keys(section: Any, name: str) -> None:
+    """ConfigError for a measurement setting still where it was (`MOVED_KEYS`) in the
+    config's section `name` ("sweep", "branch"): one line naming the new field."""
+    for old, new in MOVED_KEYS.items():
+        where, _, key = old.partition(".")
+        if where == name and key in section:
+            raise fields.ConfigError(f"config.{old}: moved to config.{new}")

@@ -204,29 +204,38 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Measurement settings that moved from config.sweep to config.noise (old -> new name).
-MOVED_NOISE_FIELDS = {"noise_batch_size": "batch_size",
-                      "noise_hessian_batch_size": "hessian_batch_size",
-                      "noise_chunk_size": "chunk_size", "noise_examples": "examples",
-                      "noise_curvature_batch_size": "deviations"}
+# Measurement settings that moved (old -> new section and name).
+MOVED_NOISE_FIELDS = {("sweep", "noise_batch_size"): ("noise", "batch_size"),
+                      ("sweep", "noise_hessian_batch_size"): ("noise", "hessian_batch_size"),
+                      ("sweep", "noise_chunk_size"): ("noise", "chunk_size"),
+                      ("sweep", "noise_examples"): ("noise", "examples"),
+                      ("sweep", "noise_curvature_batch_size"): ("noise", "deviations"),
+                      ("sweep", "noise_reference_deviations"): ("sweep", "reference_noise"),
+                      ("branch", "noise_deviations"): ("branch", "noise")}
 
 
 def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """An old config's `sweep.noise_*` settings moved to `noise.*` (a copy; a current config
-    as it is): examples "sampled" reads "stream", noise_curvature_batch_size m reads
-    deviations = m with curvature = m > 0."""
-    sweep = config.get("sweep") or {}
-    if not any(k in sweep for k in MOVED_NOISE_FIELDS):
+    """An old config's moved measurement settings in their current place (a copy; a current
+    config as it is): `sweep.noise_*` in `noise.*` (examples "sampled" reads "stream",
+    noise_curvature_batch_size m reads deviations = m with curvature = m > 0), a reference
+    run's or a branch study's m in `sweep.reference_noise.deviations` or
+    `branch.noise.deviations` (a reference m of 0, "as the run's", reads None)."""
+    moved = [(o, n) for o, n in MOVED_NOISE_FIELDS.items() if o[1] in (config.get(o[0]) or {})]
+    if not moved:
         return config
-    sweep, noise = dict(sweep), dict(config.get("noise") or {})
-    for old, new in MOVED_NOISE_FIELDS.items():
-        if old in sweep:
-            noise[new] = sweep.pop(old)
-    if noise.get("examples") == "sampled":
-        noise["examples"] = "stream"
-    if "deviations" in noise:
-        noise["curvature"] = noise["deviations"] > 0
-    return config | {"sweep": sweep, "noise": noise}
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    out.setdefault("noise", {})
+    for (section, old), (where, new) in moved:
+        value = out[section].pop(old)
+        if where == "noise":
+            out["noise"][new] = value
+        else:
+            out[where][new] = dict(out[where].get(new) or {}) | {"deviations": value or None}
+    if out["noise"].get("examples") == "sampled":
+        out["noise"]["examples"] = "stream"
+    if ("sweep", "noise_curvature_batch_size") in dict(moved):
+        out["noise"]["curvature"] = out["noise"]["deviations"] > 0
+    return out
 
 
 def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import ml_collections
 
 from cbs.engine import spec
 from cbs.engine.lr import EXPONENTS, lr_multiplier
+from cbs.engine.noise_spec import NoiseSpec, check_moved_keys
 from cbs.runtime import fields
 from cbs.runtime.fields import ConfigError
 
@@ -63,7 +64,10 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.vmap = True  # the seeds of one (point, k) as one vmapped program (in-memory data)
     b.noise_checkpoints = 0  # > 0: exact B_simple, B_noise on the whole training set at every
     #   branch point and this many log-spaced reference checkpoints (in-memory data); 0 = off
-    b.noise_deviations = 256  # m, random examples whose deviations give tr(HΣ) (O(m) HVPs)
+    b.noise = ml_collections.ConfigDict({  # that measurement: fields of config.noise
+        "method": "sampled", "examples": "all",  # per-example gradients of all N, H over N
+        "curvature": True, "deviations": 256,  # m, examples whose deviations give tr(HΣ)
+        "chunk_size": 64})  # examples per vmap chunk (memory)
     b.noise_seed = 0  # draw of those m examples
     return b
 
@@ -75,8 +79,13 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
     def fail(field: str, problem: str) -> NoReturn:
         raise ConfigError(f"config.{field}: {problem}")
 
+    check_moved_keys(b, "branch")
     fields.check_section(b, "config.branch", integers=_INTEGERS, finite_fields=_FINITE,
                          switches=("vmap",), lists=_LISTS)
+    if b.noise_checkpoints:
+        m = NoiseSpec.of(config, "branch").deviations
+        if m < 1:
+            fail("branch.noise.deviations", f"must be an integer >= 1, got {m}")
     ks = [int(k) for k in b.ks]
     if not ks or ks[0] != 1 or any(y <= x for x, y in zip(ks, ks[1:], strict=False)):
         fail("branch.ks", f"give increasing multipliers starting at 1, got {tuple(b.ks)}")
@@ -113,8 +122,7 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
 
 
 # The type and sign of each field (`cbs.runtime.fields.check_section`).
-_INTEGERS = {"window_examples": 0, "noise_checkpoints": 0, "noise_deviations": 1,
-             "noise_seed": 0}
+_INTEGERS = {"window_examples": 0, "noise_checkpoints": 0, "noise_seed": 0}
 _FINITE = ("window_fraction", "epsilon", "loss_ema_decay")
 _LISTS: dict[str, tuple[str, bool, float, bool]] = {
     "ks": ("batch multipliers", True, 1, False),

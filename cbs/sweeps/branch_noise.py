@@ -37,10 +37,10 @@ NOISE_ESTIMATOR = ("exact on all N training examples: G, tr(Σ) from every per-e
 _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitted measurement
 
 
-def measurement_spec(deviations: int) -> NoiseSpec:
-    """The measurement of `NOISE_ESTIMATOR` with m = `deviations`."""
-    return NoiseSpec(method="sampled", examples="all", curvature=True, deviations=deviations,
-                     chunk_size=64)
+def measurement_spec(config: ml_collections.ConfigDict) -> NoiseSpec:
+    """The measurement at the checkpoints: `config.noise` with `branch.noise`'s fields (by
+    default `NOISE_ESTIMATOR`)."""
+    return NoiseSpec.of(config, "branch")
 
 
 def _measure_at(runner: Any, step: int) -> dict[str, Any]:
@@ -48,9 +48,8 @@ def _measure_at(runner: Any, step: int) -> dict[str, Any]:
     training set (`NOISE_ESTIMATOR`): one record."""
     if not runner.parts.in_memory:
         raise ValueError("branch.noise_checkpoints needs an in-memory training set")
-    tr, m = runner.parts, int(runner.b.noise_deviations)
+    tr, s = runner.parts, measurement_spec(runner.config)
     if runner not in _FNS:
-        s = measurement_spec(m)
         batch, hess = measure.all_examples(s, tr.dataset, tr.train_arrays,
                                            jax.random.key(int(runner.b.noise_seed)))
 
@@ -66,7 +65,7 @@ def _measure_at(runner: Any, step: int) -> dict[str, Any]:
     return {"step": step,
             "examples_seen": count_to_int(jax.device_get(state.examples_seen)),
             "num_examples": int(runner.parts.dataset.num_train),
-            "deviations": min(m, int(runner.parts.dataset.num_train)),
+            "deviations": min(s.deviations, int(runner.parts.dataset.num_train)),
             **{f"noise/{k}": float(v) for k, v in out.items()},
             "estimator": NOISE_ESTIMATOR}
 

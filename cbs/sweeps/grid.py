@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from cbs.analysis.fits import edges
 from cbs.engine.lr import LR_RULES, lr_multiplier
@@ -66,8 +67,9 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     #                                 (its best rate), measured on all examples at every eval
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
-    s.noise_reference_deviations = 0  # examples whose deviations give its tr(HΣ) (0: as
-    #                                   config.noise.deviations; more is steadier late)
+    s.reference_noise = ml_collections.ConfigDict(  # fields of config.noise replaced for
+        {"deviations": placeholder(int)})  # the reference run (None: the run's); m, more is
+    #                                        steadier late
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
     s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
     #                               target (the others cannot be fastest; off when averaging
@@ -105,8 +107,7 @@ class Trial:
 _INTEGER_FIELDS = {
     "base_batch_size": 1, "extend_lr_rounds": 0, "extend_lr_count": 1, "max_examples": 0,
     "max_steps": 0, "evals_per_trial": 2, "noise_window": 1, "divergence_patience": 1,
-    "noise_reference_batch_size": 1, "noise_reference_evals": 2,
-    "noise_reference_deviations": 0, "checkpoint_every_evals": 1,
+    "noise_reference_batch_size": 1, "noise_reference_evals": 2, "checkpoint_every_evals": 1,
 }
 _NUMBER_FIELDS = ("base_lr", "max_lr", "min_lr", "divergence_factor", "loss_ema_decay")
 _SWITCH_FIELDS = ("vmap_trials", "stop_when_dominated")
@@ -122,7 +123,7 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
     def fail(field: str, why: str) -> None:
         raise ConfigError(f"config.sweep.{field}: {why}")
 
-    check_moved_keys(sweep)
+    check_moved_keys(sweep, "sweep")
     targets = (f"losses: {sweep.get('target_metric')} is never below 0", False, 0, True)
     fields.check_section(sweep, "config.sweep", integers=_INTEGER_FIELDS,
                          finite_fields=_NUMBER_FIELDS, switches=_SWITCH_FIELDS,

@@ -67,6 +67,8 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
                           num_classes=ds.num_classes if ds.task != "regression" else None,
                           vocab_size=ds.vocab_size, seed=config.seed)
     noise = NoiseSpec.of(config)
+    if config.sweep.get("noise_protocol") == "reference":
+        NoiseSpec.of(config, "reference")  # its fields checked before anything trains
     if noise.examples == "stream" and noise.batch_size > n:
         raise ConfigError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
                           f"training split ({n} examples)")

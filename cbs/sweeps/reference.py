@@ -55,13 +55,13 @@ def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str
 
 
 def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
-    """The reference run's measurement: `config.noise` on the whole training set ("auto":
-    exact, "full_data"), tr(HΣ) from `_deviations` random deviations and the full-data
-    Hessian."""
-    m = _deviations(config)
-    return NoiseSpec.of(config).replace(
-        examples="all", curvature=m > 0, deviations=m,
-        hessian_batch_size=0)  # the full-data Hessian
+    """The reference run's measurement: `config.noise` with `sweep.reference_noise`'s fields
+    on the whole training set ("auto": exact, "full_data"), tr(HΣ) (with curvature and m > 0)
+    from m random deviations and the full-data Hessian."""
+    s = NoiseSpec.of(config, "reference")
+    return s.replace(examples="all", curvature=s.curvature and s.deviations > 0,
+                     deviations=s.deviations if s.curvature else 0,
+                     hessian_batch_size=0)  # the full-data Hessian
 
 
 class ReferenceRun(TrialGroup):
@@ -94,14 +94,6 @@ class ReferenceRun(TrialGroup):
         return self.rule.scan(m).diverged
 
 
-def _deviations(config: ml_collections.ConfigDict) -> int:
-    """m of the reference run: sweep.noise_reference_deviations, else noise.deviations (0
-    without noise.curvature)."""
-    n = NoiseSpec.of(config)
-    fallback = n.deviations if n.curvature else 0
-    return int(config.sweep.get("noise_reference_deviations", 0) or fallback)
-
-
 def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: int,
                   sampled: tuple[int, int, int] | None = None) -> str:
     """The record's description of the protocol; `sampled`: (n, m, h) of the sampled one."""
@@ -115,8 +107,9 @@ def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: in
                        f"G and tr(Σ), tr(HΣ) from m={m} of their deviations and the Hessian of "
                        f"h={h} examples drawn independently); ratio of means over those "
                        "evaluations")
+    m = reference_noise(config).deviations
     return head + (f"each exact on the full training set (N={num_train}; tr(HΣ) from "
-                   f"{_deviations(config)} random deviations and the full-data Hessian); ratio "
+                   f"{m} random deviations and the full-data Hessian); ratio "
                    f"of means over the first {window} evaluations at or after each target's "
                    "crossing")
 

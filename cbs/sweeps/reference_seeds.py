@@ -238,7 +238,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
     b = int(batch_size) or choose_batch_size(config.sweep, b_crit, fraction)
     with config.unlocked():
         config.sweep.noise_reference_batch_size = b
-        config.sweep.noise_reference_deviations = int(deviations)
+        config.sweep.reference_noise.deviations = int(deviations)
         if evals:
             config.sweep.noise_reference_evals = int(evals)
     best = reference.reference_trial(config.sweep, store.records())
