@@ -35,7 +35,7 @@ from cbs.stats import ghost, loss_checks, noise, trees
 from cbs.stats.smoothing import NoiseScaleEMA
 
 __all__ = [
-    "EXACT_MEASURE_METHODS", "LIVE_METHODS", "PyTree", "exact_stats", "ghost_unavailable",
+    "EXACT_MEASURE_METHODS", "LIVE_METHODS", "exact_stats", "ghost_unavailable",
     "log_choice", "measurement", "resolve", "small_batch_ok", "value_grad_sq_sum",
 ]
 

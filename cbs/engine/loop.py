@@ -25,7 +25,7 @@ from typing import Any, cast
 import jax
 import ml_collections
 
-from cbs.engine.driver import Deferred, Driver, Points, checkpoint_due, evaluation_due
+from cbs.engine.driver import ConfigPoints, Deferred, Driver, Points
 from cbs.engine.state import TrainState
 from cbs.results import files, records
 from cbs.runtime import checkpoint, fields, preemption, throughput, writer
@@ -53,13 +53,6 @@ class DivergedError(FloatingPointError):
 class _Diverged(Exception):
     def __init__(self, record: dict[str, Any], reason: str):
         self.record, self.reason = record, reason
-
-
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes config.json (process 0)."""
-    if jax.process_index() == 0:
-        records.write_json_atomic(os.path.join(workdir, files.CONFIG_FILE),
-                                  json.loads(config.to_json(sort_keys=True)))
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
@@ -124,12 +117,6 @@ def validate_eval_config(eval_config: Any) -> None:
     fields.integer(eval_config, "train_examples", at, minimum=0)
 
 
-def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
-    """The run's divergence rule from `config.train.divergence_{factor,patience}`."""
-    return DivergenceRule(float(config.train.divergence_factor),
-                          int(config.train.divergence_patience))
-
-
 @dataclasses.dataclass
 class _Pending:
     kind: str  # "train" | "eval"
@@ -155,7 +142,8 @@ class Loop:
     Args:
       driver: what the loop drives.
       stop_fn: stop_fn(step, record) -> bool, called on every record written; True stops.
-      points: evaluations and checkpoints of the driver's own (default: the config's).
+      points: evaluations and checkpoints of the driver's own (default: the config's,
+        `ConfigPoints`).
       read_each_evaluation: read every evaluation as soon as it is dispatched (a driver whose
         stopping depends on it), instead of up to `log_every` steps late.
       end: the step where the run should stop short of its budget, when known (the bar
@@ -174,7 +162,8 @@ class Loop:
                  compilations: Callable[[], int] | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
         self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
-        self.points, self.read_each_evaluation, self.end = points, read_each_evaluation, end
+        self.points = points if points is not None else ConfigPoints(self.config)
+        self.read_each_evaluation, self.end = read_each_evaluation, end
         self.outputs = outputs or writer.Outputs.from_config(self.config)
         self.compilations = compilations
         self.primary = jax.process_index() == 0
@@ -183,7 +172,8 @@ class Loop:
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
-        self.rule = divergence_rule(self.config)
+        self.rule = DivergenceRule(float(self.config.train.divergence_factor),
+                                   int(self.config.train.divergence_patience))
         self.divergence = DivergenceState()
 
     # ------------------------------------------------------------------ state
@@ -201,11 +191,10 @@ class Loop:
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         if latest is None:
             self.sched_state, self.last_saved = self.schedule.init(), -1
-            self.divergence = DivergenceState()
-            return
-        self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
-        self.last_saved = self.t
-        self.divergence = DivergenceState.from_dict(meta.get("divergence"))
+        else:
+            self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
+            self.last_saved = self.t
+            self.divergence = DivergenceState.from_dict(meta.get("divergence"))
 
     def _meta(self) -> dict[str, Any]:
         s = self.sched_state
@@ -222,12 +211,6 @@ class Loop:
 
     # ------------------------------------------------------------------ records
 
-    def _records(self, item: _Pending, values: Any) -> list[dict[str, Any]]:
-        """The records of one step or evaluation: the one place a record is assembled (add
-        fields, e.g. throughput, here)."""
-        base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
-        return [base | fields for fields in item.deferred.fields(values)]
-
     def _read(self, *, keep_newest: bool) -> None:
         """Fetches pending metrics (all, or all but the newest step's), writes records."""
         n = len(self.pending)
@@ -239,8 +222,9 @@ class Loop:
         fetched = jax.device_get([it.deferred.values for it in items])
         records, every = [], self.config.train.record_every
         bad = None
-        for item, values in zip(items, fetched, strict=True):
-            recs = self._records(item, values)
+        for item, values in zip(items, fetched, strict=True):  # the one place records are made
+            base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
+            recs = [base | fields for fields in item.deferred.fields(values)]
             if item.kind == "train":
                 rec = recs[0]
                 self.last_train = rec
@@ -293,16 +277,6 @@ class Loop:
             self.pending.append(_Pending("train", self.t, self.e, deferred))
         self.t, self.e = self.t + n, self.e + n * b
 
-    def _evaluation_due(self, step: int) -> bool:
-        if self.points is not None:
-            return self.points.evaluation_due(step)
-        return evaluation_due(self.config, step)
-
-    def _checkpoint_due(self, step: int) -> bool:
-        if self.points is not None:
-            return self.points.checkpoint_due(step)
-        return checkpoint_due(self.config, step)
-
     def _iterate(self) -> None:
         c, tr = self.config, self.driver
         last_eval = -1
@@ -313,13 +287,13 @@ class Loop:
                     self._save()
                 raise preemption.Preempted(f"{preemption.reason()} at step {self.t}")
             done = self._done()
-            evaluate = c.eval.enabled and (done or self._evaluation_due(self.t))
+            evaluate = c.eval.enabled and (done or self.points.evaluation_due(self.t))
             evaluated = evaluate and self.t != last_eval
             if evaluated:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
                                              tr.evaluate_at(self.state, self.t)))
-            save = done or self._checkpoint_due(self.t)
+            save = done or self.points.checkpoint_due(self.t)
             if save or (evaluated and self.read_each_evaluation):
                 self._read(keep_newest=False)
                 if save and self.t != self.last_saved:
@@ -353,7 +327,9 @@ class Loop:
         if self.primary:
             outputs.check()  # a missing extra stops the run before any file
         self._restore_or_init()
-        save_config(c, self.workdir)
+        if self.primary:
+            records.write_json_atomic(os.path.join(self.workdir, files.CONFIG_FILE),
+                                      json.loads(c.to_json(sort_keys=True)))
         self.writer = outputs.open(self.workdir, start_step=self.t,
                                    total_steps=self.end or c.train.max_steps or None,
                                    enabled=self.primary,

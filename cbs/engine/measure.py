@@ -42,15 +42,14 @@ from cbs.runtime import mesh
 from cbs.stats import noise, smoothing
 
 __all__ = [
-    "EVAL_KEYS", "Measurement", "SEED_OFFSET", "all_examples", "at_evaluation", "draw",
-    "evaluation_record", "host_draw", "measure", "measurement_batches", "measurement_key",
-    "state_measurement",
+    "EVAL_KEYS", "Measurement", "all_examples", "at_evaluation", "draw", "evaluation_record",
+    "host_draw", "measure", "measurement_batches", "state_measurement",
 ]
 
 PyTree = Any
 RunParts = Any  # a cbs.engine.parts.RunParts (not imported: the parts import this module)
 LossFn = Callable[[PyTree, PyTree], jax.Array]
-SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
+_SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 # What an evaluation records: the unbiased |G|² only (not the raw |ḡ|² of the batch).
 EVAL_KEYS = tuple(k for k in noise.STAT_KEYS if k != "mean_grad_sq_norm")
 # What the measured EMA reports (`noise/measured_ema_<key>`): the unbiased statistics.
@@ -110,10 +109,10 @@ def evaluation_record(stats: noise.NoiseStats) -> dict[str, jax.Array]:
             if getattr(stats, k) is not None}
 
 
-def measurement_key(seed: int, index: Any) -> jax.Array:
+def _measurement_key(seed: int, index: Any) -> jax.Array:
     """The key of the `index`-th measurement's random draws (its Hessian batch 𝓒, or the
     deviations of a whole-training-set measurement) for training seed `seed`."""
-    return jax.random.fold_in(jax.random.key(seed + SEED_OFFSET), index)
+    return jax.random.fold_in(jax.random.key(seed + _SEED_OFFSET), index)
 
 
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
@@ -122,17 +121,17 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
     """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`).
 
     𝓑: stream positions [index·n, (index + 1)·n) of a training stream seeded `seed +
-    SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
+    _SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
     examples drawn uniformly without replacement with a key of its own (independent of 𝓑);
     None when hessian_batch_size is 0.
     """
     num = dataset.num_train
     n = min(int(batch_size), num)
-    grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
     if not hessian_batch_size:
         return grad_batch, None
     h = min(int(hessian_batch_size), num)
-    idx_h = jax.random.choice(measurement_key(seed, index), num, (h,), replace=False)
+    idx_h = jax.random.choice(_measurement_key(seed, index), num, (h,), replace=False)
     return grad_batch, dataset.take(arrays, idx_h.astype(jnp.int32), "train")
 
 
@@ -156,7 +155,7 @@ def draw(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, index: Any, *, see
     `seed` (jittable in `index`), from the training split's stored arrays."""
     examples = spec.examples_for(dataset.num_train)
     if examples == "all":
-        key = measurement_key(seed, index)
+        key = _measurement_key(seed, index)
         return (examples, *all_examples(spec, dataset, arrays, key), key)
     grad_batch, hess_batch = measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=spec.batch_size,
@@ -171,17 +170,17 @@ def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
     train = dataset.split("train")
     num = dataset.num_train
     if spec.examples_for(num) == "all":
-        key = measurement_key(seed, index)
+        key = _measurement_key(seed, index)
         if spec.resolved_method("all") == "full_data":
             return train.read(np.arange(num)), None
         everything = train.read(np.asarray(jax.random.permutation(key, num)))
         return everything, everything
     n = min(spec.batch_size, num)
-    grad_batch = batching.host_batch(dataset, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.host_batch(dataset, index * n, n, seed=seed + _SEED_OFFSET)
     h = min(spec.hessian_batch_size if spec.curvature else 0, num)
     if not h:
         return grad_batch, None
-    idx_h = np.asarray(jax.random.choice(measurement_key(seed, index), num, (h,),
+    idx_h = np.asarray(jax.random.choice(_measurement_key(seed, index), num, (h,),
                                          replace=False)).astype(np.int32)
     return grad_batch, train.read(idx_h)
 
@@ -210,7 +209,6 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
                              tr.train_arrays, index, seed=seed)
 
     return fn
-
 
 
 class Measurement:
@@ -321,8 +319,8 @@ class Measurement:
         of which only the measurement is kept (the rest is never computed)."""
         if self._alone_jit is None:
             def alone(state, inputs, accum_steps):
-                hook = lambda st, ch, pm, ex: _keep(out, self._measure_hook(st, ch, pm, None))
                 out: list = []
+                hook = lambda *a: out.append(self._measure_hook(*a[:3], None)) or out[0]
                 self.train_step.apply(state, inputs, accum_steps, hook)
                 return out[0]
 
@@ -365,18 +363,13 @@ class Measurement:
                                                tr.dataset, arrays, index, seed=seed))
 
         def from_batches(state, grad_batch, hess_batch, index):  # streamed: read on the host
-            key = measurement_key(seed, index) if examples == "all" else None
+            key = _measurement_key(seed, index) if examples == "all" else None
             stats = measure(spec, _loss_at(tr, state), state.params, grad_batch,
                             hessian_batch=hess_batch, key=key, examples=examples)
             return record(state, evaluation_record(stats))
 
         return jax.jit(from_arrays if tr.in_memory else from_batches,
                        out_shardings=mesh.replicated(tr.mesh))
-
-
-def _keep(out: list, value: Any) -> Any:
-    out.append(value)
-    return value
 
 
 def _step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks: PyTree,

@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 
-
 def _round_to_multiple(x: float, multiple: int) -> int:
     return int(multiple * math.floor(x / multiple + 0.5))
 
@@ -190,12 +189,9 @@ _SCHEDULES: dict[str, Any] = {}
 
 
 def register(kind: str, cls: type) -> type:
-    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value).
-
-    The class follows the protocol of `_Static` (`from_config`, `init`, `update`,
-    `state_from_dict`, `batch_size_at`, `planning_batch_size`, `batch_sizes`, `observes`,
-    `to_dict`); a schedule that depends on examples seen alone subclasses `_Static`.
-    """
+    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value):
+    one with `from_config` and the protocol of `_Static` (a subclass when it depends on examples
+    seen alone)."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls
@@ -223,7 +219,6 @@ def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
     if optimizer is not None and kind == "adaptive" and c.get("optimizer") is None:
         c = dict(c) | {"optimizer": optimizer}
     return _SCHEDULES[kind].from_config(c)
-
 
 
 def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> BatchSchedule:

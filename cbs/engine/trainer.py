@@ -103,21 +103,21 @@ class Trainer(RunParts):
 
     def start(self, restore: Restore | None) -> tuple[TrainState, dict[str, Any]]:
         """A fresh state on the mesh (parameters from `config.seed`) or the `start` state,
-        or the checkpoint `restore` reads, with the config's η_0 (`restored`)."""
+        or the checkpoint `restore` reads, with the config's η_0 (`_restored`)."""
         if restore is not None:
-            restored, meta = restore(self.restore_target())
-            return self.restored(restored), meta
+            restored, meta = restore(self._restore_target())
+            return self._restored(restored), meta
         step, seen = self.start_position
         fresh = (self.init_state() if self.start_state is None else
-                 self.restored(jax.device_put(self.start_state, self.state_sharding)))
+                 self._restored(jax.device_put(self.start_state, self.state_sharding)))
         return fresh, {"step": step, "examples_seen": seen}
 
-    def restore_target(self) -> TrainState:
+    def _restore_target(self) -> TrainState:
         """The state's abstract arrays with their shardings (what a checkpoint restores)."""
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.abstract_state(), self.state_sharding)
 
-    def restored(self, state: TrainState) -> TrainState:
+    def _restored(self, state: TrainState) -> TrainState:
         """The config's η_0 wins over the checkpoint's (a deliberate change on resume)."""
         base_lr = np.asarray(self.config.optim.learning_rate, np.float32)
         if float(state.learning_rate) == float(base_lr):
@@ -152,9 +152,6 @@ class Trainer(RunParts):
 
         return Deferred(out, fields)
 
-    def num_compilations(self) -> int:
-        return self.measurement.num_compilations()
-
     # ------------------------------------------------------------------ the run
 
     def run(self, *, stop_fn: StopFn | None = None, raise_on_divergence: bool = True
@@ -168,7 +165,7 @@ class Trainer(RunParts):
             raise ValueError("Trainer.run needs a workdir")
         perf = throughput.for_run(self.config, self.workdir, self.dataset, self.mesh)
         loop = Loop(self, stop_fn, outputs=self.outputs, perf=perf,
-                    compilations=self.num_compilations)
+                    compilations=self.measurement.num_compilations)
         return loop.run(raise_on_divergence)
 
 
@@ -200,7 +197,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     fresh = not _has_checkpoint(workdir)
     try:
         trainer = Trainer(config, workdir, mesh=mesh, on_eval=on_eval)
-        trainer.outputs = outputs  # None: the config's (`writer.Outputs.of`)
+        trainer.outputs = outputs  # None: the config's
         try:
             return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
         finally:
@@ -275,7 +272,7 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
                           chunk_size=CHECKPOINT_CHUNK))
         ckpt = checkpoint.Checkpointer(directory, max_to_keep=None)
         try:
-            state, meta = ckpt.restore(step, tr.restore_target())
+            state, meta = ckpt.restore(step, tr._restore_target())
         finally:
             ckpt.close()
         seed = int(config.seed)
