@@ -186,9 +186,6 @@ class Adaptive:
                                    num_changes=state.num_changes + 1,
                                    last_change_at=float(examples_seen))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "kind": "adaptive"}
-
     @classmethod
     def from_config(cls, config: Any) -> Adaptive:
         c = fields.as_mapping(config)

@@ -307,17 +307,17 @@ class Loop:
             if self.t % c.train.log_every == 0:
                 self._read(keep_newest=True)
 
-    def _summary(self, status: str, message: str = "") -> dict[str, Any]:
-        return {"status": status, "step": self.t, "examples_seen": self.e,
-                "checkpoint_step": self.ckpt.latest_step(), "message": message,
-                "config_hash": config_hash(self.config), "last_train": self.last_train,
-                "last_eval": self.last_eval,
-                "compilations": self.compilations() if self.compilations else 0,
-                "elapsed_s": round(time.perf_counter() - self.start, 3)}
-
-    def _write_status(self, summary: dict[str, Any]) -> None:
+    def _status(self, status: str, message: str = "", **changes: Any) -> dict[str, Any]:
+        """The run's summary, written to status.json (process 0)."""
+        summary = {"status": status, "step": self.t, "examples_seen": self.e,
+                   "checkpoint_step": self.ckpt.latest_step(), "message": message,
+                   "config_hash": config_hash(self.config), "last_train": self.last_train,
+                   "last_eval": self.last_eval,
+                   "compilations": self.compilations() if self.compilations else 0,
+                   "elapsed_s": round(time.perf_counter() - self.start, 3)} | changes
         if self.primary:
             records.write_json_atomic(os.path.join(self.workdir, files.STATUS_FILE), summary)
+        return summary
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""
@@ -334,7 +334,7 @@ class Loop:
                                    total_steps=self.end or c.train.max_steps or None,
                                    enabled=self.primary,
                                    hparams=c.to_dict() if outputs.wandb else None)
-        self._write_status(self._summary("running"))
+        self._status("running")
         try:
             with preemption.active():
                 self._iterate()
@@ -347,8 +347,7 @@ class Loop:
                        f"last good checkpoint is step {self.ckpt.latest_step()} in "
                        f"{self.ckpt.directory} (rule: config.train.divergence_factor, "
                        "divergence_patience)")
-            summary = self._summary("diverged", message) | {"step": bad["step"]}
-            self._write_status(summary)
+            summary = self._status("diverged", message, step=bad["step"])
             if raise_on_divergence:
                 raise DivergedError(message, summary) from None
             return summary
@@ -356,14 +355,11 @@ class Loop:
             self.ckpt.wait()
             message = (f"{err}: checkpoint at step {self.ckpt.latest_step()} in "
                        f"{self.ckpt.directory}; rerun the same command to resume")
-            summary = self._summary(err.status, message)
-            self._write_status(summary)
+            summary = self._status(err.status, message)
             raise preemption.Preempted(message, summary) from None
         finally:
             self.perf.close()  # perf hook
             self.ckpt.close()
             self.writer.close()
-        summary = self._summary("stopped" if self.stop_requested else "finished")
-        self._write_status(summary)
-        return summary
+        return self._status("stopped" if self.stop_requested else "finished")
 

@@ -282,11 +282,9 @@ class Measurement:
     def num_compilations(self) -> int:
         """Compiled variants of the step so far (one per accumulation count and variant)."""
         fns = {id(f): f for f in (self._plain, self._with_step) if f is not None}
-        total = 0
-        for f in fns.values():
-            total += (f.num_compilations() if isinstance(f, TrainStep)
-                      else f._cache_size())  # type: ignore[attr-defined]  # jitted
-        return total
+        return sum(f.num_compilations() if isinstance(f, TrainStep)
+                   else f._cache_size()  # type: ignore[attr-defined]  # jitted
+                   for f in fns.values())
 
     def _may_serve(self) -> bool:
         s = self.spec

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -75,11 +75,6 @@ class _Static:
 
     def planning_batch_size(self, examples_seen: float) -> int:
         return self.batch_size_at(examples_seen, None)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(cast(Any, self))  # every schedule is a dataclass
-        out["kind"] = type(self).__name__.lower()
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
