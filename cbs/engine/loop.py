@@ -223,7 +223,8 @@ class Loop:
         records, every = [], self.config.train.record_every
         bad = None
         for item, values in zip(items, fetched, strict=True):  # the one place records are made
-            base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
+            base: dict[str, Any] = {"step": item.step, "kind": item.kind,
+                                    "data/examples_seen": item.examples_seen}
             recs = [base | fields for fields in item.deferred.fields(values)]
             if item.kind == "train":
                 rec = recs[0]

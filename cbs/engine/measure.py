@@ -217,7 +217,7 @@ class Measurement:
     call `evaluation`.
 
     Every `spec.every` steps, on the step's own examples: read from the step's exact live
-    statistics when they are the measurement (`serves`: an exact B_simple measurement with an
+    statistics when they are the measurement (`_serves`: an exact B_simple measurement with an
     exact live estimate, no extra pass; the step then always runs with the reading, NaN
     between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
     (the method's random draws keyed by (seed, step)), in a step variant compiled for the due
@@ -241,7 +241,6 @@ class Measurement:
         self.eval_steps = [int(s) for s in eval_steps]
         ts = train_step
         self.batch_size = spec.batch_size or ts.layout.micro_batch * ts.layout.replicas
-        self._served: dict[tuple, bool] = {}
         self._plain = jit_step(ts, self._read_live) if self._may_serve() else ts
         self._with_step = jit_step(ts, self._measure_hook) if spec.in_step else None
         self._alone_jit: Any = None
@@ -281,10 +280,9 @@ class Measurement:
 
     def num_compilations(self) -> int:
         """Compiled variants of the step so far (one per accumulation count and variant)."""
-        fns = {id(f): f for f in (self._plain, self._with_step) if f is not None}
-        return sum(f.num_compilations() if isinstance(f, TrainStep)
-                   else f._cache_size()  # type: ignore[attr-defined]  # jitted
-                   for f in fns.values())
+        fns: dict[int, Any] = {id(f): f for f in (self._plain, self._with_step) if f is not None}
+        return sum(f.num_compilations() if isinstance(f, TrainStep) else f._cache_size()
+                   for f in fns.values())  # a TrainStep, or a jitted variant
 
     def _may_serve(self) -> bool:
         s = self.spec
@@ -318,7 +316,11 @@ class Measurement:
         if self._alone_jit is None:
             def alone(state, inputs, accum_steps):
                 out: list = []
-                hook = lambda *a: out.append(self._measure_hook(*a[:3], None)) or out[0]
+
+                def hook(st, chunks, per_micro, exact):
+                    out.append(self._measure_hook(st, chunks, per_micro, None))
+                    return out[0]
+
                 self.train_step.apply(state, inputs, accum_steps, hook)
                 return out[0]
 

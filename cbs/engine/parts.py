@@ -116,12 +116,11 @@ class RunParts:
         shapes = self.abstract_state()
         mode = c.mesh.get("param_mode", "replicated")
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
-        rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
+        # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
+        r: Any = mesh_lib.replicated(self.mesh)
+        rep = lambda tree: jax.tree.map(lambda _: r, tree)
         self.state_sharding = TrainState(
-            # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
-            step=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            examples_seen=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            learning_rate=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            step=r, examples_seen=r, learning_rate=r,
             params=shard(shapes.params), opt_state=shard(shapes.opt_state),
             model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
             measure_ema=rep(shapes.measure_ema))

@@ -94,8 +94,7 @@ class Constant(_Static):
         return (int(self.batch_size),)
 
     @classmethod
-    def from_config(cls, config: Any) -> Constant:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Constant:
         return cls(int(fields.lookup(c, "batch_size", "batch_schedule")))
 
 
@@ -133,8 +132,7 @@ class Step(_Static):
             for t, b in self.steps))
 
     @classmethod
-    def from_config(cls, config: Any) -> Step:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Step:
         return cls(tuple(tuple(s) for s in fields.lookup(c, "steps", "batch_schedule")))
 
 
@@ -172,8 +170,7 @@ class Linear(_Static):
         return Linear(size(self.start), size(self.end), self.over * examples, m)
 
     @classmethod
-    def from_config(cls, config: Any) -> Linear:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Linear:
         w = "batch_schedule"
         return cls(int(fields.lookup(c, "start", w)), int(fields.lookup(c, "end", w)),
                    float(fields.lookup(c, "over", w)), int(fields.lookup(c, "multiple", w, 1)))
@@ -185,8 +182,8 @@ _SCHEDULES: dict[str, Any] = {}
 
 def register(kind: str, cls: type) -> type:
     """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value):
-    one with `from_config` and the protocol of `_Static` (a subclass when it depends on examples
-    seen alone)."""
+    one with `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol
+    of `_Static` (a subclass when it depends on examples seen alone)."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls

@@ -215,8 +215,7 @@ _RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
 
 
 def _has_checkpoint(workdir: str) -> bool:
-    ckpts = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
-    return bool(paths.listdir(ckpts))
+    return bool(paths.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR)))
 
 
 def _remove_run_files(workdir: str, created: bool) -> None:
@@ -265,11 +264,10 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
         if every and not tr.in_memory:
             raise ValueError(f"the training split of {tr.dataset.name} is streamed: measure a "
                              "stated number of examples (examples=n)")
-        spec = (NoiseSpec(examples="all", curvature=curvature, deviations=deviations,
-                          chunk_size=CHECKPOINT_CHUNK) if every else
-                NoiseSpec(examples="stream", batch_size=examples, curvature=curvature,
-                          deviations=deviations, hessian_batch_size=examples,
-                          chunk_size=CHECKPOINT_CHUNK))
+        n_stream = 0 if every else examples
+        spec = NoiseSpec(examples="all" if every else "stream", batch_size=n_stream,
+                         hessian_batch_size=n_stream, curvature=curvature,
+                         deviations=deviations, chunk_size=CHECKPOINT_CHUNK)
         ckpt = checkpoint.Checkpointer(directory, max_to_keep=None)
         try:
             state, meta = ckpt.restore(step, tr._restore_target())

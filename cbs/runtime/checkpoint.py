@@ -137,8 +137,7 @@ class Checkpointer:
         Raises CheckpointMismatchError when the stored arrays belong to another model.
         """
         latest = self.latest_step()
-        if step is None:
-            step = latest
+        step = latest if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         held = self.all_steps()
@@ -213,8 +212,7 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         try:
-            with self._os_errors():
-                self._manager.wait_until_finished()
+            self.wait()
         finally:
             self._manager.close()
 

@@ -87,9 +87,8 @@ def is_missing_extra(err: BaseException) -> bool:
 def _is_user_error(err: BaseException) -> bool:
     """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
     missing optional extra."""
-    if isinstance(err, OSError) or is_missing_extra(err):
-        return True
-    return isinstance(err, ValueError) and _raised_in_our_code(err)
+    return isinstance(err, OSError) or is_missing_extra(err) or (
+        isinstance(err, ValueError) and _raised_in_our_code(err))
 
 
 def message(err: BaseException) -> str:
@@ -163,9 +162,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except Exception as err:
-        text = None if _verbose() else _config_file_error(argv, err)
-        if text is None:
-            text = _flag_error(argv, err)
+        text = (None if _verbose() else _config_file_error(argv, err)) or _flag_error(argv, err)
     print(f"error: {text}", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 
@@ -176,7 +173,7 @@ def _flag_error(argv: list[str], err: Exception) -> str:
         cause = next((c for c in _chain(err) if _is_user_error(c)), err)
         if _verbose() and cause is not err:
             raise cause from None
-        return message(cause) if cause is not err else message(err)
+        return message(cause)
     if isinstance(err, (AttributeError, KeyError, TypeError)):
         if _verbose():
             raise err
