@@ -95,9 +95,7 @@ def validate_train_config(train_config: Any) -> None:
     if not isinstance(t.get("wandb", ""), str):
         raise fields.ConfigError(f'{at}.wandb: must be a W&B project name, or "" for none, '
                                  f"got {t.wandb!r}")
-    if not isinstance(t.get("grad_norm", True), bool):
-        raise fields.ConfigError(f"{at}.grad_norm: must be True or False, got "
-                                 f"{t.grad_norm!r}")
+    fields.check_section(t, at, switches=("grad_norm",))
     factor = fields.number(t, "divergence_factor", at)
     if 0 < factor <= 1:
         raise fields.ConfigError(f"{at}.divergence_factor: must be 0 (off) or > 1, got {factor}")
@@ -196,17 +194,14 @@ class Loop:
             self.last_saved = self.t
             self.divergence = DivergenceState.from_dict(meta.get("divergence"))
 
-    def _meta(self) -> dict[str, Any]:
-        s = self.sched_state
-        return {"step": self.t, "examples_seen": self.e,
-                "schedule_state": None if s is None else s.to_dict(),
-                "config_hash": config_hash(self.config),
-                "divergence": self.divergence.to_dict()}
-
     def _save(self) -> None:
         if self.primary:
             self.writer.sync()
-        self.ckpt.save(self.t, self.state, self._meta())
+        s = self.sched_state
+        self.ckpt.save(self.t, self.state, {  # the host side of an exact resume
+            "step": self.t, "examples_seen": self.e,
+            "schedule_state": None if s is None else s.to_dict(),
+            "config_hash": config_hash(self.config), "divergence": self.divergence.to_dict()})
         self.last_saved = self.t
 
     # ------------------------------------------------------------------ records

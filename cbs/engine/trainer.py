@@ -211,7 +211,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
 
 
 _RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE, files.WANDB_RUN_FILE)
-_RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
+_RUN_DIRS = (checkpoint.CHECKPOINT_DIR, writer.TENSORBOARD_DIR, "profile")
 
 
 def _has_checkpoint(workdir: str) -> bool:
