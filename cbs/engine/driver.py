@@ -17,7 +17,7 @@ import ml_collections
 
 from cbs.engine import schedules
 
-__all__ = ["ConfigPoints", "Deferred", "Driver", "Points", "Restore"]
+__all__ = ["Deferred", "Driver", "Points", "Restore"]
 
 # restore(target) -> (state, checkpoint metadata): the loop's checkpoint restored into the
 # abstract arrays `target` (shapes, dtypes, shardings)
@@ -72,18 +72,3 @@ class Points(Protocol):
 
     def evaluation_due(self, step: int) -> bool:
         """Evaluate the parameters after `step` updates (also done at the end)."""
-
-
-class ConfigPoints(NamedTuple):
-    """The config's `Points` (a `Loop`'s default): a checkpoint every `train.checkpoint_every`
-    steps; evaluations after the steps `eval.steps` when set, else every `eval.every` steps
-    (0: only at the end)."""
-
-    config: ml_collections.ConfigDict
-
-    def checkpoint_due(self, step: int) -> bool:
-        return step % self.config.train.checkpoint_every == 0
-
-    def evaluation_due(self, step: int) -> bool:
-        steps, every = self.config.eval.get("steps", ()), self.config.eval.every
-        return step in steps if steps else bool(every and step % every == 0)

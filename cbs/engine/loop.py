@@ -20,12 +20,12 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import ml_collections
 
-from cbs.engine.driver import ConfigPoints, Deferred, Driver, Points
+from cbs.engine.driver import Deferred, Driver, Points
 from cbs.engine.state import TrainState
 from cbs.results import files, records
 from cbs.runtime import checkpoint, fields, preemption, throughput, writer
@@ -115,6 +115,21 @@ def validate_eval_config(eval_config: Any) -> None:
     fields.integer(eval_config, "train_examples", at, minimum=0)
 
 
+class _ConfigPoints(NamedTuple):
+    """The config's `Points` (the loop's default): a checkpoint every `train.checkpoint_every`
+    steps; evaluations after the steps `eval.steps` when set, else every `eval.every` steps
+    (0: only at the end)."""
+
+    config: ml_collections.ConfigDict
+
+    def checkpoint_due(self, step: int) -> bool:
+        return step % self.config.train.checkpoint_every == 0
+
+    def evaluation_due(self, step: int) -> bool:
+        steps, every = self.config.eval.get("steps", ()), self.config.eval.every
+        return step in steps if steps else bool(every and step % every == 0)
+
+
 @dataclasses.dataclass
 class _Pending:
     kind: str  # "train" | "eval"
@@ -140,8 +155,7 @@ class Loop:
     Args:
       driver: what the loop drives.
       stop_fn: stop_fn(step, record) -> bool, called on every record written; True stops.
-      points: evaluations and checkpoints of the driver's own (default: the config's,
-        `ConfigPoints`).
+      points: evaluations and checkpoints of the driver's own (default: the config's).
       read_each_evaluation: read every evaluation as soon as it is dispatched (a driver whose
         stopping depends on it), instead of up to `log_every` steps late.
       end: the step where the run should stop short of its budget, when known (the bar
@@ -160,7 +174,7 @@ class Loop:
                  compilations: Callable[[], int] | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
         self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
-        self.points = points if points is not None else ConfigPoints(self.config)
+        self.points = points if points is not None else _ConfigPoints(self.config)
         self.read_each_evaluation, self.end = read_each_evaluation, end
         self.outputs = outputs or writer.Outputs.from_config(self.config)
         self.compilations = compilations

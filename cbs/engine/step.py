@@ -93,9 +93,8 @@ class BatchLayout:
 class StepOptions:
     """How the step estimates its noise and runs its chunks.
 
-    live: the live estimate of tr(Σ) and |G|² every step (`cbs.engine.live_noise`): "auto"
-      (exact from the backward pass's per-example gradient norms where `cbs.stats.ghost`
-      reads the model, else two-batch) | "exact" | "two_batch" | "none".
+    live: the live estimate of tr(Σ) and |G|² every step, "auto" (exact where it can, else
+      two-batch) | "exact" | "two_batch" | "none" (`cbs.engine.live_noise`).
     small_batch: b, examples per small batch of the two-batch estimator (see `_plan`):
       M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
       whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.

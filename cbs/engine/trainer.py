@@ -75,10 +75,8 @@ class Trainer(RunParts):
     before any compilation) and its run directory; the driver of `cbs.engine.loop.Loop`.
 
     Args:
-      config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
+      config, mesh, dataset: as for `RunParts`.
       workdir: run directory (records, checkpoints); None for in-memory use only.
-      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
-      dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
         at evaluations, `cbs.engine.measure.Measurement.evaluation`, when `noise.examples`
         asks for one; else none).

@@ -202,14 +202,11 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
     return None
 
 
-_QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
-
-
 def _not_from_quiet_library(record: logging.LogRecord) -> bool:
     """A log filter: orbax's lines (a traceback per failed background write) and asyncio's
     ("exception was never retrieved") reach stderr only with --verbose."""
     return _verbose() or not (record.name.startswith("asyncio")
-                             or any(part in record.pathname for part in _QUIET))
+                             or f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -117,9 +117,7 @@ class ProfileWindow:
         self.active = False
 
     def at_step(self, step: int) -> None:
-        """Call before dispatching step `step` (host int)."""
-        if self.start < 0:
-            return
+        """Call before dispatching step `step` (host int; a negative `start`: never)."""
         if step == self.start and not self.active:
             jax.profiler.start_trace(self.logdir)
             self.active = True
