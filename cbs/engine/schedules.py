@@ -177,7 +177,8 @@ class Linear(_Static):
 
 
 BatchSchedule = Constant | Step | Linear | Adaptive
-_SCHEDULES: dict[str, Any] = {}
+_SCHEDULES: dict[str, Any] = {"constant": Constant, "step": Step, "linear": Linear,
+                               "adaptive": Adaptive}
 
 
 def register(kind: str, cls: type) -> type:
@@ -188,11 +189,6 @@ def register(kind: str, cls: type) -> type:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls
     return cls
-
-
-for _kind, _cls in (("constant", Constant), ("step", Step), ("linear", Linear),
-                    ("adaptive", Adaptive)):
-    register(_kind, _cls)
 
 
 def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
