@@ -209,7 +209,7 @@ def test_the_advice_from_a_checkpoint_is_the_measurement_of_that_state(tiny_run)
     measured = trainer.measure_checkpoint(run, 10, mesh=one_device_mesh())
     tr = trainer.Trainer(c, mesh=one_device_mesh())
     ckpt = checkpoint.Checkpointer(os.path.join(run, checkpoint.CHECKPOINT_DIR))
-    state, _ = ckpt.restore(10, tr.restore_target())
+    state, _ = ckpt.restore(10, tr._restore_target())
     ckpt.close()
     n = tr.dataset.num_train
     everything = tr.dataset.take(tr.train_arrays, jax.numpy.arange(n), "train")

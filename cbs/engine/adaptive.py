@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from cbs.results import calibration
-from cbs.runtime import fields
 
 __all__ = ["ADAPTIVE_RULES", "Adaptive", "AdaptiveState"]
 
@@ -186,12 +185,8 @@ class Adaptive:
                                    num_changes=state.num_changes + 1,
                                    last_change_at=float(examples_seen))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "kind": "adaptive"}
-
     @classmethod
-    def from_config(cls, config: Any) -> Adaptive:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Adaptive:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = set(c) - set(names) - {"kind"}
         if unknown:

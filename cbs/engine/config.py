@@ -33,7 +33,6 @@ from cbs.runtime.fields import ConfigError
 __all__ = ["batch_sizes", "default_config", "validate"]
 
 
-
 def default_config() -> ml_collections.ConfigDict:
     """Every field the engine reads, with its default."""
     c = ml_collections.ConfigDict()
@@ -156,14 +155,6 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _int(config: Any, path: str, *, minimum: int = 1) -> int:
-    return fields.integer(config, path, "config", minimum=minimum)
-
-
-def _choice(config: Any, path: str, choices: tuple[str, ...]) -> str:
-    return fields.choice(config, path, "config", choices)
-
-
 def _section(config: Any, name: str) -> Any:
     return fields.get(config, name, "config")
 
@@ -181,18 +172,19 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
     data_replicas: R, the size of the mesh's data axis (every batch size must be a multiple
     of R·m). model_names / dataset_names: the known names, when the registries are given.
     """
-    _int(config, "seed", minimum=0)
+    fields.integer(config, "seed", "config", minimum=0)
     if dataset_names is not None:
-        _choice(config, "data.name", tuple(dataset_names))
+        fields.choice(config, "data.name", "config", tuple(dataset_names))
         if config.data.name in data.known_datasets():
             try:
                 data.validate_config(config.data)
             except ValueError as err:
                 raise ConfigError(str(err)) from err
     if model_names is not None:
-        _choice(config, "model.name", tuple(model_names))
+        fields.choice(config, "model.name", "config", tuple(model_names))
     optim.validate_config(_section(config, "optim"),
-                          max_examples=_int(config, "train.max_examples", minimum=0))
+                          max_examples=fields.integer(config, "train.max_examples", "config",
+                                                      minimum=0))
     schedule = schedules.validate_batch_config(_section(config, "batch"),
                                                optimizer=str(config.optim.name))
     lr.validate_coupling_config(_section(config, "batch.lr_coupling"))

@@ -17,7 +17,7 @@ import ml_collections
 
 from cbs.engine import schedules
 
-__all__ = ["Deferred", "Driver", "Points", "Restore", "checkpoint_due", "evaluation_due"]
+__all__ = ["Deferred", "Driver", "Points", "Restore"]
 
 # restore(target) -> (state, checkpoint metadata): the loop's checkpoint restored into the
 # abstract arrays `target` (shapes, dtypes, shardings)
@@ -72,18 +72,3 @@ class Points(Protocol):
 
     def evaluation_due(self, step: int) -> bool:
         """Evaluate the parameters after `step` updates (also done at the end)."""
-
-
-def checkpoint_due(config: ml_collections.ConfigDict, step: int) -> bool:
-    """The config's checkpoints: every `train.checkpoint_every` steps."""
-    return step % config.train.checkpoint_every == 0
-
-
-def evaluation_due(config: ml_collections.ConfigDict, step: int) -> bool:
-    """The config's evaluations: after the steps `eval.steps` when set, else every
-    `eval.every` steps (0: only at the end)."""
-    steps = config.eval.get("steps", ())
-    if steps:
-        return step in steps
-    every = config.eval.every
-    return bool(every and step % every == 0)

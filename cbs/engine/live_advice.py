@@ -29,10 +29,10 @@ from typing import Any
 
 from cbs.results import calibration, records
 
-__all__ = ["ADVICE_KEYS", "LiveAdvice", "SOURCE_KEY", "calibration_file"]
+__all__ = ["ADVICE_KEYS", "LiveAdvice", "calibration_file"]
 
 ADVICE_KEYS = ("b_crit", "b_crit_lo", "b_crit_hi", "steps_ratio", "examples_ratio")
-SOURCE_KEY = "noise/ema_b_simple"  # the live estimate the advice is computed from
+_SOURCE_KEY = "noise/ema_b_simple"  # the live estimate the advice is computed from
 _SCALE = "b_simple"
 
 
@@ -71,7 +71,7 @@ class LiveAdvice:
 
     def record(self, rec: Mapping[str, Any]) -> dict[str, float]:
         """The `advice/*` fields of a train record (empty without a live estimate)."""
-        b_s, batch = rec.get(SOURCE_KEY), rec.get("data/batch_size")
+        b_s, batch = rec.get(_SOURCE_KEY), rec.get("data/batch_size")
         if self.ratio is None or b_s is None or batch is None or not math.isfinite(b_s):
             return {}
         if not b_s > 0:

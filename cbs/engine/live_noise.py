@@ -35,7 +35,7 @@ from cbs.stats import ghost, loss_checks, noise, trees
 from cbs.stats.smoothing import NoiseScaleEMA
 
 __all__ = [
-    "EXACT_MEASURE_METHODS", "LIVE_METHODS", "PyTree", "exact_stats", "ghost_unavailable",
+    "EXACT_MEASURE_METHODS", "LIVE_METHODS", "exact_stats", "ghost_unavailable",
     "log_choice", "measurement", "resolve", "small_batch_ok", "value_grad_sq_sum",
 ]
 
@@ -45,7 +45,7 @@ LIVE_METHODS = ("auto", "exact", "two_batch", "none")
 
 def small_batch_ok(b: int, replicas: int, micro_batch: int) -> bool:
     """The small batches b the two-batch estimate can form from R replicas of m examples
-    (`cbs.engine.step.TrainStep.plan`): b = R·m (whole micro-batches), b = m with R ≥ 2 (one
+    (`cbs.engine.step.TrainStep._plan`): b = R·m (whole micro-batches), b = m with R ≥ 2 (one
     replica's share), or a multiple of R whose share b/R divides m (chunks)."""
     r, m = replicas, micro_batch
     return b == r * m or (b == m and r >= 2) or (b % r == 0 and m % (b // r) == 0)

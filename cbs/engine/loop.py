@@ -20,12 +20,12 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import ml_collections
 
-from cbs.engine.driver import Deferred, Driver, Points, checkpoint_due, evaluation_due
+from cbs.engine.driver import Deferred, Driver, Points
 from cbs.engine.state import TrainState
 from cbs.results import files, records
 from cbs.runtime import checkpoint, fields, preemption, throughput, writer
@@ -53,13 +53,6 @@ class DivergedError(FloatingPointError):
 class _Diverged(Exception):
     def __init__(self, record: dict[str, Any], reason: str):
         self.record, self.reason = record, reason
-
-
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes config.json (process 0)."""
-    if jax.process_index() == 0:
-        records.write_json_atomic(os.path.join(workdir, files.CONFIG_FILE),
-                                  json.loads(config.to_json(sort_keys=True)))
 
 
 def config_hash(config: ml_collections.ConfigDict) -> str:
@@ -102,9 +95,7 @@ def validate_train_config(train_config: Any) -> None:
     if not isinstance(t.get("wandb", ""), str):
         raise fields.ConfigError(f'{at}.wandb: must be a W&B project name, or "" for none, '
                                  f"got {t.wandb!r}")
-    if not isinstance(t.get("grad_norm", True), bool):
-        raise fields.ConfigError(f"{at}.grad_norm: must be True or False, got "
-                                 f"{t.grad_norm!r}")
+    fields.check_section(t, at, switches=("grad_norm",))
     factor = fields.number(t, "divergence_factor", at)
     if 0 < factor <= 1:
         raise fields.ConfigError(f"{at}.divergence_factor: must be 0 (off) or > 1, got {factor}")
@@ -124,10 +115,19 @@ def validate_eval_config(eval_config: Any) -> None:
     fields.integer(eval_config, "train_examples", at, minimum=0)
 
 
-def divergence_rule(config: ml_collections.ConfigDict) -> DivergenceRule:
-    """The run's divergence rule from `config.train.divergence_{factor,patience}`."""
-    return DivergenceRule(float(config.train.divergence_factor),
-                          int(config.train.divergence_patience))
+class _ConfigPoints(NamedTuple):
+    """The config's `Points` (the loop's default): a checkpoint every `train.checkpoint_every`
+    steps; evaluations after the steps `eval.steps` when set, else every `eval.every` steps
+    (0: only at the end)."""
+
+    config: ml_collections.ConfigDict
+
+    def checkpoint_due(self, step: int) -> bool:
+        return step % self.config.train.checkpoint_every == 0
+
+    def evaluation_due(self, step: int) -> bool:
+        steps, every = self.config.eval.get("steps", ()), self.config.eval.every
+        return step in steps if steps else bool(every and step % every == 0)
 
 
 @dataclasses.dataclass
@@ -174,7 +174,8 @@ class Loop:
                  compilations: Callable[[], int] | None = None):
         self.driver, self.config, self.stop_fn = driver, driver.config, stop_fn
         self.workdir = cast(str, driver.workdir)  # a Loop always runs in a directory
-        self.points, self.read_each_evaluation, self.end = points, read_each_evaluation, end
+        self.points = points if points is not None else _ConfigPoints(self.config)
+        self.read_each_evaluation, self.end = read_each_evaluation, end
         self.outputs = outputs or writer.Outputs.from_config(self.config)
         self.compilations = compilations
         self.primary = jax.process_index() == 0
@@ -183,7 +184,8 @@ class Loop:
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
-        self.rule = divergence_rule(self.config)
+        self.rule = DivergenceRule(float(self.config.train.divergence_factor),
+                                   int(self.config.train.divergence_patience))
         self.divergence = DivergenceState()
 
     # ------------------------------------------------------------------ state
@@ -201,32 +203,22 @@ class Loop:
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         if latest is None:
             self.sched_state, self.last_saved = self.schedule.init(), -1
-            self.divergence = DivergenceState()
-            return
-        self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
-        self.last_saved = self.t
-        self.divergence = DivergenceState.from_dict(meta.get("divergence"))
-
-    def _meta(self) -> dict[str, Any]:
-        s = self.sched_state
-        return {"step": self.t, "examples_seen": self.e,
-                "schedule_state": None if s is None else s.to_dict(),
-                "config_hash": config_hash(self.config),
-                "divergence": self.divergence.to_dict()}
+        else:
+            self.sched_state = self.schedule.state_from_dict(meta.get("schedule_state"))
+            self.last_saved = self.t
+            self.divergence = DivergenceState.from_dict(meta.get("divergence"))
 
     def _save(self) -> None:
         if self.primary:
             self.writer.sync()
-        self.ckpt.save(self.t, self.state, self._meta())
+        s = self.sched_state
+        self.ckpt.save(self.t, self.state, {  # the host side of an exact resume
+            "step": self.t, "examples_seen": self.e,
+            "schedule_state": None if s is None else s.to_dict(),
+            "config_hash": config_hash(self.config), "divergence": self.divergence.to_dict()})
         self.last_saved = self.t
 
     # ------------------------------------------------------------------ records
-
-    def _records(self, item: _Pending, values: Any) -> list[dict[str, Any]]:
-        """The records of one step or evaluation: the one place a record is assembled (add
-        fields, e.g. throughput, here)."""
-        base = {"step": item.step, "kind": item.kind, "data/examples_seen": item.examples_seen}
-        return [base | fields for fields in item.deferred.fields(values)]
 
     def _read(self, *, keep_newest: bool) -> None:
         """Fetches pending metrics (all, or all but the newest step's), writes records."""
@@ -239,8 +231,10 @@ class Loop:
         fetched = jax.device_get([it.deferred.values for it in items])
         records, every = [], self.config.train.record_every
         bad = None
-        for item, values in zip(items, fetched, strict=True):
-            recs = self._records(item, values)
+        for item, values in zip(items, fetched, strict=True):  # the one place records are made
+            base: dict[str, Any] = {"step": item.step, "kind": item.kind,
+                                    "data/examples_seen": item.examples_seen}
+            recs = [base | fields for fields in item.deferred.fields(values)]
             if item.kind == "train":
                 rec = recs[0]
                 self.last_train = rec
@@ -293,16 +287,6 @@ class Loop:
             self.pending.append(_Pending("train", self.t, self.e, deferred))
         self.t, self.e = self.t + n, self.e + n * b
 
-    def _evaluation_due(self, step: int) -> bool:
-        if self.points is not None:
-            return self.points.evaluation_due(step)
-        return evaluation_due(self.config, step)
-
-    def _checkpoint_due(self, step: int) -> bool:
-        if self.points is not None:
-            return self.points.checkpoint_due(step)
-        return checkpoint_due(self.config, step)
-
     def _iterate(self) -> None:
         c, tr = self.config, self.driver
         last_eval = -1
@@ -313,13 +297,13 @@ class Loop:
                     self._save()
                 raise preemption.Preempted(f"{preemption.reason()} at step {self.t}")
             done = self._done()
-            evaluate = c.eval.enabled and (done or self._evaluation_due(self.t))
+            evaluate = c.eval.enabled and (done or self.points.evaluation_due(self.t))
             evaluated = evaluate and self.t != last_eval
             if evaluated:
                 last_eval = self.t
                 self.pending.append(_Pending("eval", self.t, self.e,
                                              tr.evaluate_at(self.state, self.t)))
-            save = done or self._checkpoint_due(self.t)
+            save = done or self.points.checkpoint_due(self.t)
             if save or (evaluated and self.read_each_evaluation):
                 self._read(keep_newest=False)
                 if save and self.t != self.last_saved:
@@ -333,17 +317,17 @@ class Loop:
             if self.t % c.train.log_every == 0:
                 self._read(keep_newest=True)
 
-    def _summary(self, status: str, message: str = "") -> dict[str, Any]:
-        return {"status": status, "step": self.t, "examples_seen": self.e,
-                "checkpoint_step": self.ckpt.latest_step(), "message": message,
-                "config_hash": config_hash(self.config), "last_train": self.last_train,
-                "last_eval": self.last_eval,
-                "compilations": self.compilations() if self.compilations else 0,
-                "elapsed_s": round(time.perf_counter() - self.start, 3)}
-
-    def _write_status(self, summary: dict[str, Any]) -> None:
+    def _status(self, status: str, message: str = "", **changes: Any) -> dict[str, Any]:
+        """The run's summary, written to status.json (process 0)."""
+        summary = {"status": status, "step": self.t, "examples_seen": self.e,
+                   "checkpoint_step": self.ckpt.latest_step(), "message": message,
+                   "config_hash": config_hash(self.config), "last_train": self.last_train,
+                   "last_eval": self.last_eval,
+                   "compilations": self.compilations() if self.compilations else 0,
+                   "elapsed_s": round(time.perf_counter() - self.start, 3)} | changes
         if self.primary:
             records.write_json_atomic(os.path.join(self.workdir, files.STATUS_FILE), summary)
+        return summary
 
     def run(self, raise_on_divergence: bool = True) -> dict[str, Any]:
         """Runs to the end; returns the summary (also written to status.json)."""
@@ -353,12 +337,14 @@ class Loop:
         if self.primary:
             outputs.check()  # a missing extra stops the run before any file
         self._restore_or_init()
-        save_config(c, self.workdir)
+        if self.primary:
+            records.write_json_atomic(os.path.join(self.workdir, files.CONFIG_FILE),
+                                      json.loads(c.to_json(sort_keys=True)))
         self.writer = outputs.open(self.workdir, start_step=self.t,
                                    total_steps=self.end or c.train.max_steps or None,
                                    enabled=self.primary,
                                    hparams=c.to_dict() if outputs.wandb else None)
-        self._write_status(self._summary("running"))
+        self._status("running")
         try:
             with preemption.active():
                 self._iterate()
@@ -371,8 +357,7 @@ class Loop:
                        f"last good checkpoint is step {self.ckpt.latest_step()} in "
                        f"{self.ckpt.directory} (rule: config.train.divergence_factor, "
                        "divergence_patience)")
-            summary = self._summary("diverged", message) | {"step": bad["step"]}
-            self._write_status(summary)
+            summary = self._status("diverged", message, step=bad["step"])
             if raise_on_divergence:
                 raise DivergedError(message, summary) from None
             return summary
@@ -380,14 +365,11 @@ class Loop:
             self.ckpt.wait()
             message = (f"{err}: checkpoint at step {self.ckpt.latest_step()} in "
                        f"{self.ckpt.directory}; rerun the same command to resume")
-            summary = self._summary(err.status, message)
-            self._write_status(summary)
+            summary = self._status(err.status, message)
             raise preemption.Preempted(message, summary) from None
         finally:
             self.perf.close()  # perf hook
             self.ckpt.close()
             self.writer.close()
-        summary = self._summary("stopped" if self.stop_requested else "finished")
-        self._write_status(summary)
-        return summary
+        return self._status("stopped" if self.stop_requested else "finished")
 

@@ -89,7 +89,6 @@ def coupling_from_config(lr_coupling: ml_collections.ConfigDict, initial_batch_s
     return (lc.base_batch_size or initial_batch_size, lc.rule, lc.cap or None)
 
 
-
 def validate_coupling_config(lr_coupling: Any) -> None:
     """Checks `config.batch.lr_coupling` (rule, base_batch_size, cap); raises
     `fields.ConfigError` naming the first bad field."""
@@ -165,8 +164,6 @@ def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Arra
                        total_examples=None if total is None else float(total),
                        decay=o.get("decay", "constant"),
                        final_fraction=float(o.get("final_fraction", 0.0)))
-
-
 
 
 def step_rate(config: ml_collections.ConfigDict, initial_batch_size: int

@@ -42,15 +42,14 @@ from cbs.runtime import mesh
 from cbs.stats import noise, smoothing
 
 __all__ = [
-    "EVAL_KEYS", "Measurement", "SEED_OFFSET", "all_examples", "at_evaluation", "draw",
-    "evaluation_record", "host_draw", "measure", "measurement_batches", "measurement_key",
-    "state_measurement",
+    "EVAL_KEYS", "Measurement", "all_examples", "at_evaluation", "draw", "evaluation_record",
+    "host_draw", "measure", "measurement_batches", "state_measurement",
 ]
 
 PyTree = Any
 RunParts = Any  # a cbs.engine.parts.RunParts (not imported: the parts import this module)
 LossFn = Callable[[PyTree, PyTree], jax.Array]
-SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
+_SEED_OFFSET = 7919  # measurement batches use a stream independent of training's
 # What an evaluation records: the unbiased |G|² only (not the raw |ḡ|² of the batch).
 EVAL_KEYS = tuple(k for k in noise.STAT_KEYS if k != "mean_grad_sq_norm")
 # What the measured EMA reports (`noise/measured_ema_<key>`): the unbiased statistics.
@@ -110,10 +109,10 @@ def evaluation_record(stats: noise.NoiseStats) -> dict[str, jax.Array]:
             if getattr(stats, k) is not None}
 
 
-def measurement_key(seed: int, index: Any) -> jax.Array:
+def _measurement_key(seed: int, index: Any) -> jax.Array:
     """The key of the `index`-th measurement's random draws (its Hessian batch 𝓒, or the
     deviations of a whole-training-set measurement) for training seed `seed`."""
-    return jax.random.fold_in(jax.random.key(seed + SEED_OFFSET), index)
+    return jax.random.fold_in(jax.random.key(seed + _SEED_OFFSET), index)
 
 
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
@@ -122,17 +121,17 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
     """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`).
 
     𝓑: stream positions [index·n, (index + 1)·n) of a training stream seeded `seed +
-    SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
+    _SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
     examples drawn uniformly without replacement with a key of its own (independent of 𝓑);
     None when hessian_batch_size is 0.
     """
     num = dataset.num_train
     n = min(int(batch_size), num)
-    grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
     if not hessian_batch_size:
         return grad_batch, None
     h = min(int(hessian_batch_size), num)
-    idx_h = jax.random.choice(measurement_key(seed, index), num, (h,), replace=False)
+    idx_h = jax.random.choice(_measurement_key(seed, index), num, (h,), replace=False)
     return grad_batch, dataset.take(arrays, idx_h.astype(jnp.int32), "train")
 
 
@@ -156,7 +155,7 @@ def draw(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, index: Any, *, see
     `seed` (jittable in `index`), from the training split's stored arrays."""
     examples = spec.examples_for(dataset.num_train)
     if examples == "all":
-        key = measurement_key(seed, index)
+        key = _measurement_key(seed, index)
         return (examples, *all_examples(spec, dataset, arrays, key), key)
     grad_batch, hess_batch = measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=spec.batch_size,
@@ -171,17 +170,17 @@ def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
     train = dataset.split("train")
     num = dataset.num_train
     if spec.examples_for(num) == "all":
-        key = measurement_key(seed, index)
+        key = _measurement_key(seed, index)
         if spec.resolved_method("all") == "full_data":
             return train.read(np.arange(num)), None
         everything = train.read(np.asarray(jax.random.permutation(key, num)))
         return everything, everything
     n = min(spec.batch_size, num)
-    grad_batch = batching.host_batch(dataset, index * n, n, seed=seed + SEED_OFFSET)
+    grad_batch = batching.host_batch(dataset, index * n, n, seed=seed + _SEED_OFFSET)
     h = min(spec.hessian_batch_size if spec.curvature else 0, num)
     if not h:
         return grad_batch, None
-    idx_h = np.asarray(jax.random.choice(measurement_key(seed, index), num, (h,),
+    idx_h = np.asarray(jax.random.choice(_measurement_key(seed, index), num, (h,),
                                          replace=False)).astype(np.int32)
     return grad_batch, train.read(idx_h)
 
@@ -212,14 +211,13 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
     return fn
 
 
-
 class Measurement:
     """A run's noise measurement, built once from its spec: when it measures and how. The
     loop's step event calls `step` (the train step, measuring when due) and its evaluations
     call `evaluation`.
 
     Every `spec.every` steps, on the step's own examples: read from the step's exact live
-    statistics when they are the measurement (`serves`: an exact B_simple measurement with an
+    statistics when they are the measurement (`_serves`: an exact B_simple measurement with an
     exact live estimate, no extra pass; the step then always runs with the reading, NaN
     between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
     (the method's random draws keyed by (seed, step)), in a step variant compiled for the due
@@ -243,7 +241,6 @@ class Measurement:
         self.eval_steps = [int(s) for s in eval_steps]
         ts = train_step
         self.batch_size = spec.batch_size or ts.layout.micro_batch * ts.layout.replicas
-        self._served: dict[tuple, bool] = {}
         self._plain = jit_step(ts, self._read_live) if self._may_serve() else ts
         self._with_step = jit_step(ts, self._measure_hook) if spec.in_step else None
         self._alone_jit: Any = None
@@ -283,12 +280,9 @@ class Measurement:
 
     def num_compilations(self) -> int:
         """Compiled variants of the step so far (one per accumulation count and variant)."""
-        fns = {id(f): f for f in (self._plain, self._with_step) if f is not None}
-        total = 0
-        for f in fns.values():
-            total += (f.num_compilations() if isinstance(f, TrainStep)
-                      else f._cache_size())  # type: ignore[attr-defined]  # jitted
-        return total
+        fns: dict[int, Any] = {id(f): f for f in (self._plain, self._with_step) if f is not None}
+        return sum(f.num_compilations() if isinstance(f, TrainStep) else f._cache_size()
+                   for f in fns.values())  # a TrainStep, or a jitted variant
 
     def _may_serve(self) -> bool:
         s = self.spec
@@ -321,8 +315,12 @@ class Measurement:
         of which only the measurement is kept (the rest is never computed)."""
         if self._alone_jit is None:
             def alone(state, inputs, accum_steps):
-                hook = lambda st, ch, pm, ex: _keep(out, self._measure_hook(st, ch, pm, None))
                 out: list = []
+
+                def hook(st, chunks, per_micro, exact):
+                    out.append(self._measure_hook(st, chunks, per_micro, None))
+                    return out[0]
+
                 self.train_step.apply(state, inputs, accum_steps, hook)
                 return out[0]
 
@@ -365,18 +363,13 @@ class Measurement:
                                                tr.dataset, arrays, index, seed=seed))
 
         def from_batches(state, grad_batch, hess_batch, index):  # streamed: read on the host
-            key = measurement_key(seed, index) if examples == "all" else None
+            key = _measurement_key(seed, index) if examples == "all" else None
             stats = measure(spec, _loss_at(tr, state), state.params, grad_batch,
                             hessian_batch=hess_batch, key=key, examples=examples)
             return record(state, evaluation_record(stats))
 
         return jax.jit(from_arrays if tr.in_memory else from_batches,
                        out_shardings=mesh.replicated(tr.mesh))
-
-
-def _keep(out: list, value: Any) -> Any:
-    out.append(value)
-    return value
 
 
 def _step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunks: PyTree,

@@ -19,8 +19,6 @@ decay, total_examples, final_fraction (see `cbs.engine.config.default_config`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -29,10 +27,10 @@ import optax
 from cbs.engine.lr import DECAYS
 from cbs.runtime import fields
 
-__all__ = ["OPTIMIZERS", "WEIGHT_DECAY_MASKS", "make_direction", "validate_config"]
+__all__ = ["make_direction", "validate_config"]
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-WEIGHT_DECAY_MASKS = ("all", "matrices")
+_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+_WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 
 def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: int = 0) -> None:
@@ -42,25 +40,18 @@ def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: in
     or from it).
     """
     c, at = optim_config, "config.optim"
-    fields.choice(c, "name", at, OPTIMIZERS)
+    fields.choice(c, "name", at, _OPTIMIZERS)
     fields.number(c, "learning_rate", at, strict=True)
     for name in ("momentum", "b1", "b2", "weight_decay", "clip_norm", "final_fraction"):
         fields.number(c, name, at)
     fields.number(c, "eps", at, strict=True)
-    fields.choice(c, "weight_decay_mask", at, WEIGHT_DECAY_MASKS)
+    fields.choice(c, "weight_decay_mask", at, _WEIGHT_DECAY_MASKS)
     fields.choice(c, "decay", at, DECAYS)
     fields.integer(c, "warmup_examples", at, minimum=0)
     total = fields.integer(c, "total_examples", at, minimum=0)
     if c.decay != "constant" and not (total or max_examples):
         raise fields.ConfigError(f"{at}.total_examples: decay={c.decay!r} needs it (or "
                                  "train.max_examples)")
-
-
-def _decay_mask(kind: str) -> Callable | None:
-    """`matrices` decays only leaves with ndim ≥ 2 (kernels, embeddings), not biases/scales."""
-    if kind == "all":
-        return None
-    return lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 def make_direction(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -72,11 +63,12 @@ def make_direction(optim: ml_collections.ConfigDict) -> optax.GradientTransforma
     Gradient clipping by global norm (`clip_norm > 0`) comes first in every case.
     """
     name = optim.name
-    if name not in OPTIMIZERS:
+    if name not in _OPTIMIZERS:
         raise fields.ConfigError(f"config.optim.name: unknown optimizer {name!r}; known: "
-                                 f"{OPTIMIZERS}")
+                                 f"{_OPTIMIZERS}")
     wd = float(optim.get("weight_decay", 0.0))
-    mask = _decay_mask(optim.get("weight_decay_mask", "matrices"))
+    mask = None if optim.get("weight_decay_mask", "matrices") == "all" else (  # "matrices":
+        lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params))  # not biases, scales
     stages = []
     if optim.get("clip_norm", 0.0) and optim.clip_norm > 0:
         stages.append(optax.clip_by_global_norm(float(optim.clip_norm)))

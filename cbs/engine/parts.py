@@ -59,18 +59,15 @@ class RunParts:
         self.noise_spec = config_lib.validate(  # config.noise, read once
             config, data_replicas=self.replicas, model_names=models.model_names(),
             dataset_names=None if dataset else data.known_datasets())
-        self.dataset = dataset or self._load_dataset()
+        try:
+            self.dataset = dataset or data.get_dataset(config.data.name, **config.data.options)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"config.data: {err}") from err
         self.schedule = schedules.batch_schedule_from_config(
             config.batch.schedule, optimizer=str(config.optim.name))
         self._check_sizes()
         self._build_model()
         self._build_step()
-
-    def _load_dataset(self) -> data.Dataset:
-        try:
-            return data.get_dataset(self.config.data.name, **self.config.data.options)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"config.data: {err}") from err
 
     def _check_sizes(self) -> None:
         c, n = self.config, self.dataset.num_train
@@ -119,12 +116,11 @@ class RunParts:
         shapes = self.abstract_state()
         mode = c.mesh.get("param_mode", "replicated")
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
-        rep = lambda tree: jax.tree.map(lambda _: mesh_lib.replicated(self.mesh), tree)
+        # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
+        r: Any = mesh_lib.replicated(self.mesh)
+        rep = lambda tree: jax.tree.map(lambda _: r, tree)
         self.state_sharding = TrainState(
-            # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
-            step=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            examples_seen=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
-            learning_rate=mesh_lib.replicated(self.mesh),  # type: ignore[arg-type]
+            step=r, examples_seen=r, learning_rate=r,
             params=shard(shapes.params), opt_state=shard(shapes.opt_state),
             model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
             measure_ema=rep(shapes.measure_ema))
@@ -153,7 +149,7 @@ class RunParts:
         else:
             self.loader = data.HostLoader(ds, seed=c.seed,
                                           sharding=mesh_lib.batch_sharding(self.mesh),
-                                          batch_size_fn=self._static_batch_size)
+                                          batch_size_fn=self.schedule.planning_batch_size)
             self.step = self.make_step(None, mesh_lib.batch_sharding(self.mesh))
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
@@ -173,9 +169,6 @@ class RunParts:
         options = StepOptions(live=n.live, small_batch=n.small_batch,
                               grad_norm=c.train.get("grad_norm", True))
         return TrainStep(self.loss_fn, self.direction, rate, layout, options)
-
-    def _static_batch_size(self, examples_seen: int) -> int:
-        return self.schedule.planning_batch_size(examples_seen)
 
     def close(self) -> None:
         """Stops the host prefetch threads of a streamed dataset (no-op in memory)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +43,6 @@ __all__ = [
     "batch_schedule_from_config", "batch_size_trace", "checked_schedule", "deepseek_v3_schedule",
     "in_sequences", "llama3_schedule", "register", "validate_batch_config",
 ]
-
 
 
 def _round_to_multiple(x: float, multiple: int) -> int:
@@ -77,11 +76,6 @@ class _Static:
     def planning_batch_size(self, examples_seen: float) -> int:
         return self.batch_size_at(examples_seen, None)
 
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(cast(Any, self))  # every schedule is a dataclass
-        out["kind"] = type(self).__name__.lower()
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class Constant(_Static):
@@ -100,8 +94,7 @@ class Constant(_Static):
         return (int(self.batch_size),)
 
     @classmethod
-    def from_config(cls, config: Any) -> Constant:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Constant:
         return cls(int(fields.lookup(c, "batch_size", "batch_schedule")))
 
 
@@ -139,8 +132,7 @@ class Step(_Static):
             for t, b in self.steps))
 
     @classmethod
-    def from_config(cls, config: Any) -> Step:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Step:
         return cls(tuple(tuple(s) for s in fields.lookup(c, "steps", "batch_schedule")))
 
 
@@ -178,33 +170,25 @@ class Linear(_Static):
         return Linear(size(self.start), size(self.end), self.over * examples, m)
 
     @classmethod
-    def from_config(cls, config: Any) -> Linear:
-        c = fields.as_mapping(config)
+    def from_config(cls, c: Mapping[str, Any]) -> Linear:
         w = "batch_schedule"
         return cls(int(fields.lookup(c, "start", w)), int(fields.lookup(c, "end", w)),
                    float(fields.lookup(c, "over", w)), int(fields.lookup(c, "multiple", w, 1)))
 
 
 BatchSchedule = Constant | Step | Linear | Adaptive
-_SCHEDULES: dict[str, Any] = {}
+_SCHEDULES: dict[str, Any] = {"constant": Constant, "step": Step, "linear": Linear,
+                               "adaptive": Adaptive}
 
 
 def register(kind: str, cls: type) -> type:
-    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value).
-
-    The class follows the protocol of `_Static` (`from_config`, `init`, `update`,
-    `state_from_dict`, `batch_size_at`, `planning_batch_size`, `batch_sizes`, `observes`,
-    `to_dict`); a schedule that depends on examples seen alone subclasses `_Static`.
-    """
+    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value):
+    one with `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol
+    of `_Static` (a subclass when it depends on examples seen alone)."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls
     return cls
-
-
-for _kind, _cls in (("constant", Constant), ("step", Step), ("linear", Linear),
-                    ("adaptive", Adaptive)):
-    register(_kind, _cls)
 
 
 def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
@@ -223,7 +207,6 @@ def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
     if optimizer is not None and kind == "adaptive" and c.get("optimizer") is None:
         c = dict(c) | {"optimizer": optimizer}
     return _SCHEDULES[kind].from_config(c)
-
 
 
 def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> BatchSchedule:

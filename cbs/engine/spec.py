@@ -23,7 +23,7 @@ import ml_collections
 from cbs.engine.noise_spec import EXAMPLES
 from cbs.runtime.fields import ConfigError, increasing_steps
 
-__all__ = ["FIELDS", "Coupling", "RunOverrides", "run_config"]
+__all__ = ["Coupling", "RunOverrides", "run_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Coupling:
 class RunOverrides:
     """How one run differs from its base config; None (or False for `quiet`) keeps the base.
 
-    Each field names the config field it writes (`FIELDS`). Values are checked when the
+    Each field names the config field it writes (`_FIELDS`). Values are checked when the
     overrides are built: a bad one raises `cbs.runtime.fields.ConfigError` (a ValueError)
     naming the config field and the override.
     """
@@ -107,7 +107,7 @@ class RunOverrides:
 
 
 # The config field each override writes (error messages name both).
-FIELDS = {
+_FIELDS = {
     "batch_size": "batch.schedule.batch_size", "schedule": "batch.schedule",
     "micro_batch": "batch.micro_batch", "learning_rate": "optim.learning_rate",
     "lr_coupling.rule": "batch.lr_coupling.rule",
@@ -125,7 +125,7 @@ FIELDS = {
 
 def _error(name: str, problem: str) -> ConfigError:
     """`config.<field>: <problem> (override RunOverrides.<name>)`."""
-    return ConfigError(f"config.{FIELDS[name]}: {problem} (override RunOverrides.{name})")
+    return ConfigError(f"config.{_FIELDS[name]}: {problem} (override RunOverrides.{name})")
 
 
 def _integer(name: str, value: Any, *, minimum: int) -> None:
@@ -165,38 +165,25 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
         if key in c:
             del c[key]
     o = overrides
-    _set(c.batch, "micro_batch", o.micro_batch)
     if o.batch_size is not None:
         c.batch.schedule = ml_collections.ConfigDict({"kind": "constant",
                                                       "batch_size": o.batch_size})
     if o.schedule is not None:
         c.batch.schedule = ml_collections.ConfigDict(dict(o.schedule))
-    if o.lr_coupling is not None:
-        c.batch.lr_coupling.rule = o.lr_coupling.rule
-        _set(c.batch.lr_coupling, "base_batch_size", o.lr_coupling.base_batch_size)
-        _set(c.batch.lr_coupling, "cap", o.lr_coupling.cap)
-    _set(c.batch, "adapt_every", o.adapt_every)
-    _set(c.optim, "learning_rate", o.learning_rate)
-    _set(c, "seed", o.seed)
-    for field in ("max_steps", "max_examples", "log_every", "record_every", "checkpoint_every",
-                  "divergence_factor", "keep_checkpoints"):
-        _set(c.train, field, getattr(o, field))
     if o.quiet:
         c.train.progress_bar = False
         c.train.tensorboard = False
         if "wandb" in c.train:
             c.train.wandb = ""
-    _set(c.eval, "enabled", o.eval_enabled)
-    _set(c.eval, "every", o.eval_every)
-    _set(c.eval, "steps", o.eval_steps)
-    _set(c.eval, "full_train", o.full_train_eval)
-    _set(c.noise, "every", o.noise_every)
-    _set(c.noise, "batch_size", o.noise_batch_size)
-    _set(c.noise, "examples", o.noise_examples)
+    for name, path in _FIELDS.items():  # the plain fields: None keeps the base's value
+        if name in ("batch_size", "schedule", "quiet") or name.startswith("lr_coupling."):
+            continue
+        section, field = path.rpartition(".")[::2]
+        if (value := getattr(o, name)) is not None:
+            (c[section] if section else c)[field] = value
+    if o.lr_coupling is not None:
+        c.batch.lr_coupling.rule = o.lr_coupling.rule
+        for field in ("base_batch_size", "cap"):
+            if (value := getattr(o.lr_coupling, field)) is not None:
+                c.batch.lr_coupling[field] = value
     return c
-
-
-def _set(section: ml_collections.ConfigDict, field: str, value: Any) -> None:
-    """section.field = value, unless value is None (keep the base's)."""
-    if value is not None:
-        section[field] = value

@@ -45,7 +45,7 @@ def count_to_int(count: Any) -> int:
 
 
 def position(state: Any) -> tuple[int, int]:
-    """(step, examples seen) of a train state (`cbs.engine.step.TrainState`) as Python ints."""
+    """(step, examples seen) of a `TrainState` as Python ints."""
     step, seen = jax.device_get((state.step, state.examples_seen))
     return int(step), count_to_int(seen)
 

@@ -93,17 +93,13 @@ class BatchLayout:
 class StepOptions:
     """How the step estimates its noise and runs its chunks.
 
-    live: the live estimate of tr(Σ) and |G|² every step (`cbs.engine.live_noise`): "auto"
-      (exact from the backward pass's per-example gradient norms where `cbs.stats.ghost`
-      reads the model, else two-batch) | "exact" | "two_batch" | "none".
+    live: the live estimate of tr(Σ) and |G|² every step, "auto" (exact where it can, else
+      two-batch) | "exact" | "two_batch" | "none" (`cbs.engine.live_noise`).
     small_batch: b, examples per small batch of the two-batch estimator (see `_plan`):
       M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
       whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
-    grad_norm: record |ḡ| as `opt/grad_norm` every step (the loop stops a run on a
-      non-finite one). False skips the extra read of the gradient it costs when no live
-      estimate needs |ḡ|² (live="none": 5–9 % of a 3 ms MLP step on XLA:CPU, see
-      `benchmarks/train_step`); a non-finite gradient then shows as a non-finite loss one
-      step later. With a live estimate it is recorded anyway.
+    grad_norm: record |ḡ| as `opt/grad_norm` every step (what False saves, and costs: the
+      comment on `config.train.grad_norm`); with a live estimate it is recorded anyway.
     unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
     """
 
@@ -131,14 +127,12 @@ class TrainStep:
     lr_fn: Callable[[jax.Array, jax.Array, int], jax.Array]
     layout: BatchLayout
     options: StepOptions = StepOptions()
-    _logged: set[str] = dataclasses.field(init=False, repr=False, compare=False)
-    _kinds: dict[tuple, str] = dataclasses.field(init=False, repr=False, compare=False)
+    _logged: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
+    _kinds: dict[tuple, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _jit: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         live_noise.resolve(self.options.live, None)  # an unknown name fails here
-        object.__setattr__(self, "_logged", set())
-        object.__setattr__(self, "_kinds", {})
         object.__setattr__(self, "_jit", jit_step(self))
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int

@@ -75,10 +75,8 @@ class Trainer(RunParts):
     before any compilation) and its run directory; the driver of `cbs.engine.loop.Loop`.
 
     Args:
-      config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
+      config, mesh, dataset: as for `RunParts`.
       workdir: run directory (records, checkpoints); None for in-memory use only.
-      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
-      dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
         at evaluations, `cbs.engine.measure.Measurement.evaluation`, when `noise.examples`
         asks for one; else none).
@@ -103,21 +101,21 @@ class Trainer(RunParts):
 
     def start(self, restore: Restore | None) -> tuple[TrainState, dict[str, Any]]:
         """A fresh state on the mesh (parameters from `config.seed`) or the `start` state,
-        or the checkpoint `restore` reads, with the config's η_0 (`restored`)."""
+        or the checkpoint `restore` reads, with the config's η_0 (`_restored`)."""
         if restore is not None:
-            restored, meta = restore(self.restore_target())
-            return self.restored(restored), meta
+            restored, meta = restore(self._restore_target())
+            return self._restored(restored), meta
         step, seen = self.start_position
         fresh = (self.init_state() if self.start_state is None else
-                 self.restored(jax.device_put(self.start_state, self.state_sharding)))
+                 self._restored(jax.device_put(self.start_state, self.state_sharding)))
         return fresh, {"step": step, "examples_seen": seen}
 
-    def restore_target(self) -> TrainState:
+    def _restore_target(self) -> TrainState:
         """The state's abstract arrays with their shardings (what a checkpoint restores)."""
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.abstract_state(), self.state_sharding)
 
-    def restored(self, state: TrainState) -> TrainState:
+    def _restored(self, state: TrainState) -> TrainState:
         """The config's η_0 wins over the checkpoint's (a deliberate change on resume)."""
         base_lr = np.asarray(self.config.optim.learning_rate, np.float32)
         if float(state.learning_rate) == float(base_lr):
@@ -152,9 +150,6 @@ class Trainer(RunParts):
 
         return Deferred(out, fields)
 
-    def num_compilations(self) -> int:
-        return self.measurement.num_compilations()
-
     # ------------------------------------------------------------------ the run
 
     def run(self, *, stop_fn: StopFn | None = None, raise_on_divergence: bool = True
@@ -168,7 +163,7 @@ class Trainer(RunParts):
             raise ValueError("Trainer.run needs a workdir")
         perf = throughput.for_run(self.config, self.workdir, self.dataset, self.mesh)
         loop = Loop(self, stop_fn, outputs=self.outputs, perf=perf,
-                    compilations=self.num_compilations)
+                    compilations=self.measurement.num_compilations)
         return loop.run(raise_on_divergence)
 
 
@@ -200,7 +195,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     fresh = not _has_checkpoint(workdir)
     try:
         trainer = Trainer(config, workdir, mesh=mesh, on_eval=on_eval)
-        trainer.outputs = outputs  # None: the config's (`writer.Outputs.of`)
+        trainer.outputs = outputs  # None: the config's
         try:
             return trainer.run(stop_fn=stop_fn, raise_on_divergence=raise_on_divergence)
         finally:
@@ -214,12 +209,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
 
 
 _RUN_FILES = (files.CONFIG_FILE, files.STATUS_FILE, files.METRICS_FILE, files.WANDB_RUN_FILE)
-_RUN_DIRS = (checkpoint.CHECKPOINT_DIR, "tensorboard", "profile")
+_RUN_DIRS = (checkpoint.CHECKPOINT_DIR, writer.TENSORBOARD_DIR, "profile")
 
 
 def _has_checkpoint(workdir: str) -> bool:
-    ckpts = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
-    return bool(paths.listdir(ckpts))
+    return bool(paths.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR)))
 
 
 def _remove_run_files(workdir: str, created: bool) -> None:
@@ -268,14 +262,13 @@ def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int =
         if every and not tr.in_memory:
             raise ValueError(f"the training split of {tr.dataset.name} is streamed: measure a "
                              "stated number of examples (examples=n)")
-        spec = (NoiseSpec(examples="all", curvature=curvature, deviations=deviations,
-                          chunk_size=CHECKPOINT_CHUNK) if every else
-                NoiseSpec(examples="stream", batch_size=examples, curvature=curvature,
-                          deviations=deviations, hessian_batch_size=examples,
-                          chunk_size=CHECKPOINT_CHUNK))
+        n_stream = 0 if every else examples
+        spec = NoiseSpec(examples="all" if every else "stream", batch_size=n_stream,
+                         hessian_batch_size=n_stream, curvature=curvature,
+                         deviations=deviations, chunk_size=CHECKPOINT_CHUNK)
         ckpt = checkpoint.Checkpointer(directory, max_to_keep=None)
         try:
-            state, meta = ckpt.restore(step, tr.restore_target())
+            state, meta = ckpt.restore(step, tr._restore_target())
         finally:
             ckpt.close()
         seed = int(config.seed)

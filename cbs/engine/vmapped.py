@@ -20,13 +20,13 @@ import jax.numpy as jnp
 
 from cbs.runtime.progress import ema_update
 
-__all__ = ["Apply", "run_steps", "vmapped_steps"]
+__all__ = ["run_steps", "vmapped_steps"]
 
 # apply(state, inputs, accum_steps) -> (state, metrics): `cbs.engine.step.TrainStep.apply`
-Apply = Callable[[Any, Any, int], tuple[Any, dict[str, jax.Array]]]
+_Apply = Callable[[Any, Any, int], tuple[Any, dict[str, jax.Array]]]
 
 
-def run_steps(apply: Apply, accum_steps: int, ema_decay: float) -> Callable:
+def run_steps(apply: _Apply, accum_steps: int, ema_decay: float) -> Callable:
     """The step loop of one state.
 
     Args:
@@ -56,7 +56,7 @@ def run_steps(apply: Apply, accum_steps: int, ema_decay: float) -> Callable:
     return one
 
 
-def vmapped_steps(apply: Apply, accum_steps: int, ema_decay: float,
+def vmapped_steps(apply: _Apply, accum_steps: int, ema_decay: float,
                   inputs_axes: Any = None) -> Callable:
     """`run_steps` over K states (not jitted: the caller jits it with its own shardings).
 

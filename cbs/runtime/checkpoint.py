@@ -12,7 +12,7 @@ leaves the previous one as the latest. The directory may be remote (`gs://bucket
 
 Restoring the latest checkpoint survives damage: one that cannot be read is skipped with a
 `SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be
-saved again), and the newest intact one before it is restored (at least `MIN_TO_KEEP` are
+saved again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are
 kept). Arrays that do not match the model (another architecture or size in the same workdir)
 are not damage: `CheckpointMismatchError`, one line.
 """
@@ -33,13 +33,13 @@ from cbs.results import paths, records
 from cbs.results.paths import PathLike
 
 __all__ = [
-    "CHECKPOINT_DIR", "MIN_TO_KEEP", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
-    "SkippedCheckpointWarning", "os_error",
+    "CHECKPOINT_DIR", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
+    "SkippedCheckpointWarning",
 ]
 
 CHECKPOINT_DIR = "checkpoints"
 SKIPPED_SUFFIX = ".skipped"  # damaged checkpoints go to <directory>.skipped/<step>
-MIN_TO_KEEP = 2  # the newest checkpoint plus one to fall back to
+_MIN_TO_KEEP = 2  # the newest checkpoint plus one to fall back to
 
 
 class CheckpointMismatchError(ValueError):
@@ -50,15 +50,11 @@ class SkippedCheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
 
 
-def _path_str(path) -> str:
-    names = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    return "/".join(str(n) for n in names)
-
-
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """'params/w' -> shape for every array leaf of `tree` (dataclass fields as dict keys)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_str(p): tuple(getattr(v, "shape", ())) for p, v in leaves}
+    name = lambda k: str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+    return {"/".join(map(name, path)): tuple(getattr(v, "shape", ()))
+            for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _difference(stored: dict, wanted: dict) -> str:
@@ -91,7 +87,7 @@ class Checkpointer:
     """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
 
     directory: where the step directories live (created if missing; local or gs://);
-    max_to_keep: recent checkpoints to keep (None: all; at least MIN_TO_KEEP); async_save:
+    max_to_keep: recent checkpoints to keep (None: all; at least _MIN_TO_KEEP); async_save:
     write in the background or block in `save`.
     """
 
@@ -100,7 +96,7 @@ class Checkpointer:
         self.directory = (os.fspath(directory) if paths.is_remote(directory)
                           else os.path.abspath(directory))
         if max_to_keep is not None:
-            max_to_keep = max(MIN_TO_KEEP, int(max_to_keep))
+            max_to_keep = max(_MIN_TO_KEEP, int(max_to_keep))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
@@ -129,7 +125,7 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
-            found = os_error(err)
+            found = _os_error(err)
             if found is None:
                 raise
             raise records.write_error(found, found.filename or self.directory) from None
@@ -141,8 +137,7 @@ class Checkpointer:
         Raises CheckpointMismatchError when the stored arrays belong to another model.
         """
         latest = self.latest_step()
-        if step is None:
-            step = latest
+        step = latest if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         held = self.all_steps()
@@ -217,8 +212,7 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         try:
-            with self._os_errors():
-                self._manager.wait_until_finished()
+            self.wait()
         finally:
             self._manager.close()
 
@@ -226,7 +220,7 @@ class Checkpointer:
 _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded")
 
 
-def os_error(err: BaseException) -> OSError | None:
+def _os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure (an OSError in its chain, or one made
     from a message that says the disk is full, naming the file when the message does); None
     for anything else (a bug)."""

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from absl import app, flags
@@ -41,9 +41,8 @@ from cbs.results import paths
 from cbs.runtime import preemption
 
 __all__ = [
-    "HELP_FLAGS", "USER_ERROR_EXIT", "VERBOSE_ENV", "command_help", "exit_on_help", "flag_help",
-    "guarded", "is_missing_extra", "is_user_error", "message", "parse_flags", "required", "run",
-    "verbose",
+    "USER_ERROR_EXIT", "VERBOSE_ENV", "exit_on_help", "guarded", "is_missing_extra", "message",
+    "required", "run",
 ]
 
 VERBOSE_ENV = "CBS_VERBOSE"
@@ -63,7 +62,7 @@ def required(flag: flags.FlagHolder[str | None]) -> str:
     return value
 
 
-def verbose() -> bool:
+def _verbose() -> bool:
     """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
     if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return True
@@ -85,12 +84,11 @@ def is_missing_extra(err: BaseException) -> bool:
             and _raised_in_our_code(err))
 
 
-def is_user_error(err: BaseException) -> bool:
+def _is_user_error(err: BaseException) -> bool:
     """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
     missing optional extra."""
-    if isinstance(err, OSError) or is_missing_extra(err):
-        return True
-    return isinstance(err, ValueError) and _raised_in_our_code(err)
+    return isinstance(err, OSError) or is_missing_extra(err) or (
+        isinstance(err, ValueError) and _raised_in_our_code(err))
 
 
 def message(err: BaseException) -> str:
@@ -107,17 +105,14 @@ def message(err: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _outputs(names: Sequence[str]) -> list[str]:
-    values = (flags.FLAGS[n].value for n in names if n in flags.FLAGS)
-    return [v for v in values if isinstance(v, str) and v]
-
-
 def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
             ) -> Callable[[list[str]], Any]:
     """`main` with user errors turned into one line and exit status 2 (see the module doc)."""
 
     def wrapped(argv: list[str]) -> Any:
-        created = [p for p in map(paths.first_missing, _outputs(outputs)) if p is not None]
+        values = [flags.FLAGS[n].value for n in outputs if n in flags.FLAGS]
+        created = [p for v in values if isinstance(v, str) and v
+                   if (p := paths.first_missing(v)) is not None]
         try:
             return main(argv)
         except preemption.Preempted as err:
@@ -132,7 +127,7 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         except Exception as err:
             for path in created:
                 paths.remove_if_empty(path)
-            if verbose() or not is_user_error(err):
+            if _verbose() or not _is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)
             sys.unraisablehook = lambda _: None  # orbax's unfinished writes, collected at exit
@@ -141,16 +136,13 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
     return wrapped
 
 
-def _root_cause(err: BaseException) -> BaseException:
-    """The first user error in `err`'s chain (inside the flag library's wrappers), else `err`."""
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err`, then its causes and contexts (each once)."""
     seen: set[int] = set()
-    chain: BaseException | None = err
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        if is_user_error(chain):
-            return chain
-        chain = chain.__cause__ or chain.__context__
-    return err
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def _config_field_error(argv: Sequence[str], err: Exception) -> str:
@@ -164,44 +156,39 @@ def _config_field_error(argv: Sequence[str], err: Exception) -> str:
     return f"{arg}: no such config field; {hint}"
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing whose errors (bad flags, a bad config file or field) are one line and
     exit status 2."""
     try:
         return flags.FLAGS(argv)
     except Exception as err:
-        text = None if verbose() else config_file_error(argv, err)
-        if text is None:
-            text = _flag_error(argv, err)
+        text = (None if _verbose() else _config_file_error(argv, err)) or _flag_error(argv, err)
     print(f"error: {text}", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 
 
 def _flag_error(argv: list[str], err: Exception) -> str:
     """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
-    if isinstance(err, flags.Error):
-        cause = _root_cause(err)
-        if verbose() and cause is not err:
+    if isinstance(err, flags.Error):  # the first user error inside the flag library's wrappers
+        cause = next((c for c in _chain(err) if _is_user_error(c)), err)
+        if _verbose() and cause is not err:
             raise cause from None
-        return message(cause) if cause is not err else message(err)
+        return message(cause)
     if isinstance(err, (AttributeError, KeyError, TypeError)):
-        if verbose():
+        if _verbose():
             raise err
         return _config_field_error(argv, err)
-    if verbose() or not is_user_error(err):
+    if _verbose() or not _is_user_error(err):
         raise err
     return message(err)
 
 
-def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
+def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
     """`FILE:LINE: error` for a syntax error in `err`'s chain, or a bug raised by a line of
     the --config file itself; else None."""
-    seen: set[int] = set()
-    chain: BaseException | None = err
     configs = [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
                if a.startswith("--config=")]
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
+    for chain in _chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
             return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
                     f"{chain.msg}")
@@ -210,20 +197,16 @@ def config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
             if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
                 where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
             tb = tb.tb_next
-        if where is not None and not is_user_error(chain):  # a user error says what to do
+        if where is not None and not _is_user_error(chain):  # a user error says what to do
             return f"{where[0]}:{where[1]}: {type(chain).__name__}: {message(chain)}"
-        chain = chain.__cause__ or chain.__context__
     return None
-
-
-_QUIET = (os.sep + "orbax" + os.sep,)  # libraries whose log lines the terminal does not get
 
 
 def _not_from_quiet_library(record: logging.LogRecord) -> bool:
     """A log filter: orbax's lines (a traceback per failed background write) and asyncio's
     ("exception was never retrieved") reach stderr only with --verbose."""
-    return verbose() or not (record.name.startswith("asyncio")
-                             or any(part in record.pathname for part in _QUIET))
+    return _verbose() or not (record.name.startswith("asyncio")
+                             or f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -232,23 +215,11 @@ def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     def quiet(unraisable: Any) -> None:
         err = unraisable.exc_value
-        if verbose() or not (isinstance(err, RuntimeError)
+        if _verbose() or not (isinstance(err, RuntimeError)
                              and str(err) == "Event loop is closed"):
             hook(unraisable)
 
     return quiet
-
-
-def _warnings_only(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
-    """`main` with the log level at WARNING unless --verbosity was given (absl's INFO has
-    orbax's every save and gcsfs's every read)."""
-
-    def wrapped(argv: list[str]) -> Any:
-        if not flags.FLAGS["verbosity"].present:
-            absl_logging.set_verbosity(absl_logging.WARNING)
-        return main(argv)
-
-    return wrapped
 
 
 def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> None:
@@ -257,29 +228,35 @@ def run(main: Callable[[list[str]], Any], *, outputs: Sequence[str] = ()) -> Non
     preemption.install()
     absl_logging.get_absl_handler().addFilter(_not_from_quiet_library)
     sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
-    app.run(guarded(_warnings_only(main), outputs), flags_parser=parse_flags)
+
+    def quiet_main(argv: list[str]) -> Any:  # WARNING unless --verbosity: absl's INFO has
+        if not flags.FLAGS["verbosity"].present:  # orbax's every save, gcsfs's every read
+            absl_logging.set_verbosity(absl_logging.WARNING)
+        return main(argv)
+
+    app.run(guarded(quiet_main, outputs), flags_parser=_parse_flags)
 
 
-HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
+_HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
 
 
-def command_help(module_name: str, program: str) -> str:
+def _command_help(module_name: str, program: str) -> str:
     """A command's help: its module's docstring, the flags that module defines, then the flags
     every command takes."""
     module = sys.modules[module_name]
     own = flags.FLAGS.get_key_flags_for_module(module)
     lines = [f"usage: {program} [flags]", "", (module.__doc__ or "").strip(), "", "flags:"]
     for flag in sorted(own, key=lambda f: f.name):
-        lines.append(flag_help(flag))
+        lines.append(_flag_help(flag))
         if flag.name == "config":
             lines.append("  --config.FIELD=VALUE: overrides one field of the config (dotted, e.g."
                          " --config.train.max_steps=100).")
-    lines += ["", "every command:", flag_help(flags.FLAGS["verbose"]),
+    lines += ["", "every command:", _flag_help(flags.FLAGS["verbose"]),
               "  --helpfull: all flags, including those of absl and the libraries cbs uses."]
     return "\n".join(lines)
 
 
-def flag_help(flag: flags.Flag) -> str:
+def _flag_help(flag: flags.Flag) -> str:
     """One flag as `--name: help (default: value)`, wrapped under its name."""
     name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
     default = "" if flag.default is None else f" (default: {flag.default_as_str})"
@@ -288,12 +265,12 @@ def flag_help(flag: flags.Flag) -> str:
 
 
 def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    """On `--help` (HELP_FLAGS) prints `command_help` of `main`'s module and exits 0, before
+    """On `--help` (`_HELP_FLAGS`) prints `_command_help` of `main`'s module and exits 0, before
     any flag is parsed."""
-    if not any(a in HELP_FLAGS for a in argv[1:]):
+    if not any(a in _HELP_FLAGS for a in argv[1:]):
         return
     program = os.path.basename(argv[0]) if argv else "cbs"
     if program.endswith(".py") or program == "__main__":
         program = f"python -m {main.__module__}"
-    print(command_help(main.__module__, program))
+    print(_command_help(main.__module__, program))
     sys.exit(0)

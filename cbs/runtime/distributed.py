@@ -27,13 +27,12 @@ from typing import Any
 import jax
 from absl import flags
 
-__all__ = ["ENVIRONMENTS", "detect", "initialize", "shutdown"]
+__all__ = ["detect", "from_flags", "initialize", "shutdown"]
 
-ENVIRONMENTS = ("tpu", "slurm", "ompi")
-MODES = ("auto", "on", "off")
+_MODES = ("auto", "on", "off")
 
 if "distributed" not in flags.FLAGS:
-    flags.DEFINE_enum("distributed", "auto", list(MODES), "Join a multi-process runtime: auto "
+    flags.DEFINE_enum("distributed", "auto", list(_MODES), "Join a multi-process runtime: auto "
                       "(when the TPU slice, Slurm step or Open MPI says so), on (required), "
                       "off (each process runs alone; one shard per host with --shard=auto).")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-host "
@@ -98,16 +97,16 @@ def from_flags(shard: str | None = None) -> str | None:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, mode: str = "auto",
                timeout_s: int = 300) -> str:
-    """Joins this process to its multi-host runtime; returns how ("explicit", an ENVIRONMENTS
-    name, "single" when there is nothing to join, "off" when asked not to).
+    """Joins this process to its multi-host runtime; returns how ("explicit", "tpu",
+    "slurm", "ompi", "single" when there is nothing to join, "off" when asked not to).
 
     coordinator_address, num_processes, process_id: host:port of process 0, the process count
     and this process's index (all three or none; given, they override detection); mode:
     "auto", "on" (ValueError when there is nothing to join) or "off"; timeout_s: how long to
     wait for the other processes.
     """
-    if mode not in MODES:
-        raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in _MODES:
+        raise ValueError(f"--distributed must be one of {', '.join(_MODES)}, got {mode!r}")
     explicit = coordinator_address is not None
     if explicit and mode == "off":
         raise ValueError("--distributed=off contradicts --coordinator_address: drop one")

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "REQUIRED", "ConfigError", "as_mapping", "check_section", "choice", "finite", "get",
-    "increasing_steps", "integer", "lookup", "number", "number_list", "switch",
+    "ConfigError", "as_mapping", "check_section", "choice", "finite", "get", "increasing_steps",
+    "integer", "lookup", "number",
 ]
 
 
@@ -60,15 +60,7 @@ def finite(section: Any, field: str, prefix: str) -> float:
     return float(value)
 
 
-def switch(section: Any, field: str, prefix: str) -> bool:
-    """True or False (not 0, 1 or a string)."""
-    value = get(section, field, prefix)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{prefix}.{field}: must be True or False, got {value!r}")
-    return value
-
-
-def number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool = False,
+def _number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool = False,
             minimum: float = 0.0, strict: bool = False) -> tuple[Any, ...]:
     """A tuple or list of finite numbers (ints when `whole`; never bools) ≥ minimum (> when
     `strict`); `what` says what they are, for the message (e.g. "batch sizes")."""
@@ -89,7 +81,7 @@ def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | No
                   finite_fields: Sequence[str] = (), switches: Sequence[str] = (),
                   lists: Mapping[str, tuple[str, bool, float, bool]] | None = None) -> None:
     """The type and sign of each present field: `integers` {field: least value},
-    `finite_fields`, `switches` (bools), `lists` {field: `number_list`'s (what, whole,
+    `finite_fields`, `switches` (bools), `lists` {field: `_number_list`'s (what, whole,
     minimum, strict)}."""
     for field, least in (integers or {}).items():
         if field in section:
@@ -97,12 +89,13 @@ def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | No
     for field in finite_fields:
         if field in section:
             finite(section, field, prefix)
-    for field in switches:
-        if field in section:
-            switch(section, field, prefix)
+    for field in switches:  # True or False (not 0, 1 or a string)
+        if field in section and not isinstance(section[field], bool):
+            raise ConfigError(f"{prefix}.{field}: must be True or False, got "
+                              f"{section[field]!r}")
     for field, (what, whole, low, strict) in (lists or {}).items():
         if field in section:
-            number_list(section, field, prefix, what, whole=whole, minimum=low, strict=strict)
+            _number_list(section, field, prefix, what, whole=whole, minimum=low, strict=strict)
 
 
 def choice(section: Any, field: str, prefix: str, choices: tuple[str, ...]) -> str:
@@ -120,7 +113,7 @@ def increasing_steps(value: Any) -> bool:
         value) == sorted(set(value))
 
 
-REQUIRED = object()  # `lookup`'s default: the field must be present
+_REQUIRED = object()  # `lookup`'s default: the field must be present
 
 
 def as_mapping(config: Any) -> Mapping[str, Any]:
@@ -128,11 +121,11 @@ def as_mapping(config: Any) -> Mapping[str, Any]:
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
-def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = REQUIRED) -> Any:
+def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
     """`config[name]` unless missing or None, then `default`; ValueError naming `where` and the
     field when there is no default."""
     if name in config and config[name] is not None:
         return config[name]
-    if default is REQUIRED:
+    if default is _REQUIRED:
         raise ValueError(f"{where}: missing field {name!r}")
     return default

@@ -31,15 +31,15 @@ from jax.sharding import PartitionSpec as P
 from cbs.runtime import fields
 
 __all__ = [
-    "ALL_PARAM_MODES", "DATA", "LM_RULES", "MODEL", "NAMED_MODES", "PARAM_MODES", "Rules",
-    "batch_sharding", "data_replicas", "global_batch", "make_mesh", "named_shardings", "named_spec",
-    "param_shardings", "path_name", "replicated", "shard", "validate_config",
+    "LM_RULES", "MODEL", "PARAM_MODES", "batch_sharding", "data_replicas", "global_batch",
+    "make_mesh", "named_spec", "param_shardings", "path_name", "replicated", "shard",
+    "validate_config",
 ]
 
-DATA, MODEL = "data", "model"
+_DATA, MODEL = "data", "model"
 PARAM_MODES = ("replicated", "fsdp", "model")
-NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only
-ALL_PARAM_MODES = PARAM_MODES + NAMED_MODES
+_NAMED_MODES = ("fsdp_tp", "tp")  # by parameter name (LM_RULES): FSDP over data × TP, TP only
+_ALL_PARAM_MODES = PARAM_MODES + _NAMED_MODES
 
 
 def validate_config(mesh_config: Any) -> None:
@@ -49,11 +49,11 @@ def validate_config(mesh_config: Any) -> None:
         raise fields.ConfigError(f"config.mesh.data: must be -1 or a positive integer, got "
                                  f"{data!r}")
     fields.integer(mesh_config, "model", "config.mesh")
-    fields.choice(mesh_config, "param_mode", "config.mesh", ALL_PARAM_MODES)
+    fields.choice(mesh_config, "param_mode", "config.mesh", _ALL_PARAM_MODES)
 
 # (regex on the "/"-joined path, roles of the trailing axes); first match wins.
-Rules = tuple[tuple[str, tuple[str | None, ...]], ...]
-LM_RULES: Rules = (
+_Rules = tuple[tuple[str, tuple[str | None, ...]], ...]
+LM_RULES: _Rules = (
     (r"(^|/)embed$", ("tp", "fsdp")),  # [V, D]: vocabulary over model
     (r"(^|/)head$", ("fsdp", "tp")),  # [D, V]
     (r"(^|/)(wq|wk|wv|w_gate|w_up)$", ("fsdp", "tp")),  # [D, O]: column parallel
@@ -76,18 +76,18 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
     if data < 1 or data * model != n:
         raise ValueError(f"mesh.data={data} × mesh.model={model} must equal the {n} devices "
                          "(pass devices= to use fewer)")
-    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
+    return jax.make_mesh((data, model), (_DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
                          devices=devices)
 
 
 def data_replicas(mesh: Mesh) -> int:
     """Number of data-parallel replicas R (size of the "data" axis)."""
-    return mesh.shape[DATA]
+    return mesh.shape[_DATA]
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis split over "data", other axes replicated."""
-    return NamedSharding(mesh, P(DATA))
+    return NamedSharding(mesh, P(_DATA))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -112,17 +112,19 @@ def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
 
 
 def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
-                    min_size: int = 2**14, rules: Rules = LM_RULES) -> Any:
+                    min_size: int = 2**14, rules: _Rules = LM_RULES) -> Any:
     """A pytree like `params` (arrays or jax.ShapeDtypeStruct) of NamedShardings, by `mode`:
     "replicated"; "fsdp" (leaves of at least `min_size` elements split over "model" along
     their largest axis divisible by M); "model" (leaves of rank >= 2 along their last axis
     when divisible by M); "fsdp_tp" / "tp" (by name, `rules`, with / without FSDP). A leaf
     that cannot be split stays replicated.
     """
-    if mode not in ALL_PARAM_MODES:
-        raise ValueError(f"mesh.param_mode={mode!r} is not one of {ALL_PARAM_MODES}")
-    if mode in NAMED_MODES:
-        return named_shardings(params, mesh, rules, fsdp=mode == "fsdp_tp")
+    if mode not in _ALL_PARAM_MODES:
+        raise ValueError(f"mesh.param_mode={mode!r} is not one of {_ALL_PARAM_MODES}")
+    if mode in _NAMED_MODES:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: NamedSharding(mesh, named_spec(path_name(path), tuple(x.shape), mesh,
+                                                           rules, fsdp=mode == "fsdp_tp")), params)
     m = mesh.shape[MODEL]
     return jax.tree.map(
         lambda x: NamedSharding(mesh, _leaf_spec(tuple(x.shape), mode, m, min_size)), params)
@@ -138,10 +140,10 @@ def path_name(path: tuple) -> str:
     return "/".join(parts)
 
 
-def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: Rules = LM_RULES, *,
+def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: _Rules = LM_RULES, *,
                fsdp: bool = True) -> P:
     """PartitionSpec of the leaf called `name` (see the module docstring)."""
-    axis = {"fsdp": DATA if fsdp else None, "tp": MODEL, None: None}
+    axis = {"fsdp": _DATA if fsdp else None, "tp": MODEL, None: None}
     for pattern, roles in rules:
         if re.search(pattern, name):
             if len(roles) > len(shape):
@@ -154,15 +156,6 @@ def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: Rules = LM_
                 spec.append(a if a is not None and n % mesh.shape[a] == 0 else None)
             return P(*spec)
     return P()
-
-
-def named_shardings(params: Any, mesh: Mesh, rules: Rules = LM_RULES, *, fsdp: bool = True
-                    ) -> Any:
-    """NamedShardings by parameter name: `rules` map roles "fsdp" (→ "data" when `fsdp`) and
-    "tp" (→ "model") onto the trailing axes of each matching leaf; others are replicated."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, named_spec(path_name(path), tuple(x.shape), mesh,
-                                                       rules, fsdp=fsdp)), params)
 
 
 def shard(tree: Any, shardings: Any) -> Any:

@@ -33,7 +33,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EXIT_STATUS", "Preempted", "check", "clear", "install", "request", "requested"]
+__all__ = [
+    "EXIT_STATUS", "INTERRUPT_EXIT_STATUS", "Preempted", "active", "check", "clear", "install",
+    "reason", "request", "requested", "status",
+]
 
 EXIT_STATUS = 128 + signal.SIGTERM  # 143
 INTERRUPT_EXIT_STATUS = 128 + signal.SIGINT  # 130
@@ -61,8 +64,7 @@ def _distributed() -> bool:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     del signum, frame
-    if _state["signal"] is None:
-        _state["signal"] = "SIGTERM"
+    _state["signal"] = _state["signal"] or "SIGTERM"
     _requested.set()
 
 
@@ -71,8 +73,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
     if not _state["active"]:
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C stops at once
-    if _state["signal"] is None:
-        _state["signal"] = "SIGINT"
+    _state["signal"] = _state["signal"] or "SIGINT"
     _requested.set()
     print("interrupt: stopping after this step to save a checkpoint (Ctrl-C again stops at "
           "once)", file=sys.stderr, flush=True)
@@ -114,11 +115,6 @@ def requested() -> bool:
             _state["signal"] = "SIGTERM"
         return _state["synced"]
     return _state["synced"] or _requested.is_set()
-
-
-def pending() -> bool:
-    """Whether a signal arrived on this process that no check has acted on yet."""
-    return _requested.is_set() and not _state["synced"]
 
 
 def status() -> str:

@@ -4,7 +4,7 @@
 
 Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention,
 Kaplan et al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as
-overhead. Peaks (PEAK_FLOPS) are dense bfloat16 per device from data sheets; an unknown device
+overhead. Peaks (`_PEAK_FLOPS`) are dense bfloat16 per device from data sheets; an unknown device
 (any CPU) gives no MFU. Timing is on the host between metric reads (`Meter`): each train
 record of a read window gets the window's mean step time; the first (compilation) is untimed.
 
@@ -24,13 +24,13 @@ from cbs.models import registry
 from cbs.runtime import fields
 
 __all__ = [
-    "PEAK_FLOPS", "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_run",
-    "from_config", "model_flops_per_example", "peak_flops", "rates", "validate_config",
+    "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_run", "from_config",
+    "model_flops_per_example", "peak_flops", "rates", "validate_config",
 ]
 
 # Dense bfloat16 peak FLOP/s of one device, by a substring of `jax.Device.device_kind`
 # (first match in this order). TPU: per chip (v4/v5p: a megacore chip is one device).
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("TPU v5 lite", 197e12),
     ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
     ("TPU v3", 123e12), ("TPU v2", 45e12),
@@ -53,7 +53,7 @@ def peak_flops(device: jax.Device | None = None) -> float | None:
     if device.platform == "cpu":
         return None
     kind = device.device_kind
-    for name, flops in PEAK_FLOPS:
+    for name, flops in _PEAK_FLOPS:
         if name.lower() in kind.lower():
             return flops
     return None
@@ -117,9 +117,7 @@ class ProfileWindow:
         self.active = False
 
     def at_step(self, step: int) -> None:
-        """Call before dispatching step `step` (host int)."""
-        if self.start < 0:
-            return
+        """Call before dispatching step `step` (host int; a negative `start`: never)."""
         if step == self.start and not self.active:
             jax.profiler.start_trace(self.logdir)
             self.active = True

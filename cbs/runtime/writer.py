@@ -129,7 +129,7 @@ class Outputs:
     progress: a progress bar; tensorboard: events in `workdir/tensorboard`; wandb: the W&B
     project ("" = none); wandb_group: the W&B group ("" = none); label: the bar's label and
     the W&B run's name ("" = the run directory's name); nested: a bar inside another one, not
-    left behind when done. A driver may bring its own as an `outputs` attribute (`of`).
+    left behind when done.
     """
 
     progress: bool = True
@@ -150,12 +150,6 @@ class Outputs:
                                      f"for none, got {wandb!r}")
         return cls(progress=bool(t.progress_bar), tensorboard=bool(t.tensorboard),
                    wandb=wandb, **kwargs)
-
-    @classmethod
-    def of(cls, driver: Any, config: Any) -> Outputs:
-        """The driver's own `outputs`, else the config's."""
-        own = getattr(driver, "outputs", None)
-        return own if own is not None else cls.from_config(config)
 
     def check(self) -> None:
         """An ImportError naming the extra when one the outputs need is missing."""
