@@ -33,6 +33,7 @@ Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -41,7 +42,13 @@ import ml_collections
 from flax import nnx
 
 from cbs.models.registry import ModelInputs, check_positive, register
-from cbs.models.transformer import TransformerSize, lm_flops_per_token, rotary
+from cbs.models.transformer import (
+    TransformerSize,
+    causal_attention,
+    lm_flops_per_token,
+    resolve_row,
+    rotary,
+)
 
 __all__ = [
     "ATTENTION", "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "build_lm", "lm_fields",
@@ -127,13 +134,8 @@ class Block(nnx.Module):
         if self.attention_kernel == "cudnn":
             out_BxTxHxK = jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK,
                                                        is_causal=True, implementation="cudnn")
-            return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
-        scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
-                                    preferred_element_type=jnp.float32) / math.sqrt(d // h)
-        causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(self.compute_dtype)
-        out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
+        else:
+            out_BxTxHxK = causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK)
         return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -225,13 +227,7 @@ def lm_fields() -> ml_collections.ConfigDict:
 
 def resolve_size(c: ml_collections.ConfigDict) -> TransformerSize:
     """The (d_model, num_layers, num_heads, d_ff) that config `c` asks for."""
-    if c.size not in LM_SIZES:
-        raise ValueError(f"model.size={c.size!r} is not one of {tuple(LM_SIZES)}")
-    for field in ("d_model", "num_layers", "num_heads", "d_ff"):
-        check_positive(c, field, allow_zero=True)
-    row = LM_SIZES[c.size]
-    return TransformerSize(c.d_model or row.d_model, c.num_layers or row.num_layers,
-                  c.num_heads or row.num_heads, c.d_ff or row.d_ff)
+    return resolve_row(c, LM_SIZES)
 
 
 def lm_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> float:
@@ -248,7 +244,6 @@ def build_lm(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) 
         raise ValueError("model.name='lm' needs vocab_size (a dataset with a vocabulary)")
     s = resolve_size(c)
     check_positive(c, "scan_unroll")
-    return LM(inputs.vocab_size, d_model=s.d_model, num_layers=s.num_layers,
-              num_heads=s.num_heads, d_ff=s.d_ff, remat=c.remat, compute_dtype=c.compute_dtype,
-              tie_embeddings=c.tie_embeddings, scan_unroll=c.scan_unroll,
-              attention=c.attention, rngs=rngs)
+    return LM(inputs.vocab_size, **dataclasses.asdict(s), remat=c.remat,
+              compute_dtype=c.compute_dtype, tie_embeddings=c.tie_embeddings,
+              scan_unroll=c.scan_unroll, attention=c.attention, rngs=rngs)
