@@ -267,16 +267,10 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
 
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
     """([B] |Σ_uses per-example gradient|², their sum over the examples), in chunks."""
-    items, per_example_bytes = [], 0
-    for u in uses:
-        k = len(u.stack)
-        x = jnp.moveaxis(caps[u.uid], k + u.e_in, 0)
-        g = jnp.moveaxis(cotangents[u.uid], k + u.e_out, 0)
-        items.append((x, g))
-        origin = (u.chain[0].invars[0] if u.chain else u.eqn.invars[u.pos]).aval
-        per_example_bytes += 4 * np.dtype(dtype).itemsize * (
-            int(np.prod(u.stack)) * int(np.prod(origin.shape)) + x.size // x.shape[0]
-            + g.size // g.shape[0])
+    items = ghost_rules.examples_first(uses, caps, cotangents)
+    per_example_bytes = sum(4 * np.dtype(dtype).itemsize * (
+        int(np.prod(u.stack)) * int(np.prod(u.origin.shape)) + x.size // x.shape[0]
+        + g.size // g.shape[0]) for u, (x, g) in zip(uses, items, strict=True))
 
     def one(items_i):
         total: Any = 0

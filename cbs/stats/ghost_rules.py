@@ -27,7 +27,8 @@ __all__ = [
     "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
     "conv_sq_norm", "dense_fused", "dense_operands", "dense_sq_norm", "elementwise_fused",
     "elementwise_sq_norm", "embed_layout", "embed_operands", "embed_sq_norm", "example_chunk",
-    "fuse_direct", "in_dtype", "per_example_grad", "bind", "fused", "tap", "use_gram",
+    "examples_first", "fuse_direct", "in_dtype", "per_example_grad", "bind", "fused", "tap",
+    "use_gram",
 ]
 
 
@@ -333,9 +334,14 @@ def _bind(eqn, args, params=None):
     return eqn.primitive.bind(*args, **params)
 
 
+def examples_first(uses, caps: dict, cotangents: dict) -> list[tuple[jax.Array, jax.Array]]:
+    """Per use, its captured data operand and output cotangent with the examples on axis 0."""
+    return [(jnp.moveaxis(caps[u.uid], len(u.stack) + u.e_in, 0),
+             jnp.moveaxis(cotangents[u.uid], len(u.stack) + u.e_out, 0)) for u in uses]
+
+
 def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
     """One example's gradient (x_i, g_i without the example axis) in the leaf's shape."""
-    origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
     x1 = in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
     g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)
     params = dict(use.eqn.params)
@@ -360,7 +366,7 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
             w = jax.lax.slice_in_dim(w, 0, 1, axis=use.e_in)
         return _bind(use.eqn, [x1, w] if use.pos == 1 else [w, x1], params)
 
-    _, vjp = jax.vjp(apply, jnp.zeros(origin.shape, dtype))
+    _, vjp = jax.vjp(apply, jnp.zeros(use.origin.shape, dtype))
     return vjp(g1)[0]
 
 
@@ -377,20 +383,12 @@ def tap(use: Any, dtype: Any) -> Callable:
     where the backward pass meets the use, so nothing is kept beyond the ordinary backward."""
     rule = SQ_NORM_RULES[use.eqn.primitive.name]
 
-    @jax.custom_vjp
-    def tap(y, x, slot):
-        del x, slot
-        return y
-
-    def fwd(y, x, slot):
-        del slot
-        return y, x
-
     def bwd(x, g):
         sq = cast(jax.Array, rule(use, in_dtype(x, dtype), g.astype(dtype)))  # admitted by the plan
         return g, None, sq.astype(dtype)
 
-    tap.defvjp(fwd, bwd)
+    tap = jax.custom_vjp(lambda y, x, slot: y)
+    tap.defvjp(lambda y, x, slot: (y, x), bwd)
     return tap
 
 
@@ -401,15 +399,6 @@ def fused(use: Any, dtype: Any) -> Callable:
     (when `fuse_direct` admits the shapes). The data operand's cotangent is the ordinary one."""
     rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
 
-    @jax.custom_vjp
-    def fused(lhs, rhs, slot):
-        del slot
-        return bind(eqn, [lhs, rhs])[0]
-
-    def fwd(lhs, rhs, slot):
-        del slot
-        return bind(eqn, [lhs, rhs])[0], (lhs, rhs)
-
     def bwd(operands, g):
         w, x = operands[use.pos], operands[1 - use.pos]
         with_x = lambda x: bind(eqn, [x, w] if use.pos == 1 else [w, x])[0]
@@ -418,5 +407,6 @@ def fused(use: Any, dtype: Any) -> Callable:
         cts = [dw.astype(w.dtype), dx] if use.pos == 0 else [dx, dw.astype(w.dtype)]
         return (*cts, sq.astype(dtype))
 
-    fused.defvjp(fwd, bwd)
+    fused = jax.custom_vjp(lambda lhs, rhs, slot: bind(eqn, [lhs, rhs])[0])
+    fused.defvjp(lambda lhs, rhs, slot: (bind(eqn, [lhs, rhs])[0], (lhs, rhs)), bwd)
     return fused

@@ -32,7 +32,8 @@ from jax.extend import core
 from cbs.stats import nested
 
 __all__ = [
-    "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "discover",
+    "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "axis_rule",
+    "discover",
 ]
 
 # Norm-preserving layout ops (their per-example transpose keeps |g|²) and linear ones that
@@ -78,6 +79,11 @@ class Use:
     keeps_norm: bool
     e_in: int  # example axis of the other operand
     e_out: int  # example axis of the output
+
+    @property
+    def origin(self) -> Any:
+        """The aval of the leaf (or of one scan step's slice of it)."""
+        return (self.chain[0].invars[0] if self.chain else self.eqn.invars[self.pos]).aval
 
 
 @dataclasses.dataclass
@@ -240,17 +246,20 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     tagged = {a for a in axes if a is not None}
     if len(tagged) != 1:
         return None
-    e = tagged.pop()
-    out_shapes = [_shape(v) for v in eqn.outvars]
-    rank_ok = all(len(s) > e and s[e] == batch_size for s in out_shapes)
-    if name in _ELEMENTWISE:
-        return [e] * len(out_shapes) if rank_ok else None
-    rule = _AXIS_RULES.get(name)
+    out = axis_rule(eqn, ins, tagged.pop(), batch_size)
+    return None if name in _ELEMENTWISE and out and None in out else out
+
+
+def axis_rule(eqn, ins, e: int, size: int) -> list[int | None] | None:
+    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost),
+    or None for an operation without an axis rule."""
+    rule = (lambda eqn, ins, e: e) if eqn.primitive.name in _ELEMENTWISE else _AXIS_RULES.get(
+        eqn.primitive.name)
     out = None if rule is None else rule(eqn, ins, e)
     if out is None:
         return None
-    out = out if isinstance(out, list) else [out] * len(out_shapes)
-    return [a if a is not None and _shape(v)[a:a + 1] == (batch_size,) else None
+    out = out if isinstance(out, list) else [out] * len(eqn.outvars)
+    return [a if a is not None and _shape(v)[a:a + 1] == (size,) else None
             for a, v in zip(out, eqn.outvars, strict=True)]
 
 
@@ -327,6 +336,7 @@ def _fused_attention(eqn, ins, e):
 
 
 _AXIS_RULES = {
+    "broadcast_in_dim": lambda eqn, ins, e: eqn.params["broadcast_dimensions"][e],
     "reshape": _reshape,
     "dot_product_attention_fwd": _fused_attention,
     "dot_product_attention_fwd_wrapper": _fused_attention,
