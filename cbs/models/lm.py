@@ -112,13 +112,10 @@ class Block(nnx.Module):
         self.num_heads, self.compute_dtype = num_heads, compute_dtype
         self.attention_kernel = attention
         self.attn_norm = nnx.Param(jnp.ones((d_model,)))
-        self.wq = nnx.Param(init(key(), (d_model, d_model)))
-        self.wk = nnx.Param(init(key(), (d_model, d_model)))
-        self.wv = nnx.Param(init(key(), (d_model, d_model)))
+        self.wq, self.wk, self.wv = (nnx.Param(init(key(), (d_model, d_model))) for _ in "qkv")
         self.wo = nnx.Param(out_init(key(), (d_model, d_model)))
         self.mlp_norm = nnx.Param(jnp.ones((d_model,)))
-        self.w_gate = nnx.Param(init(key(), (d_model, d_ff)))
-        self.w_up = nnx.Param(init(key(), (d_model, d_ff)))
+        self.w_gate, self.w_up = (nnx.Param(init(key(), (d_model, d_ff))) for _ in "gu")
         self.w_down = nnx.Param(out_init(key(), (d_ff, d_model)))
 
     def _w(self, param: nnx.Param) -> jax.Array:
@@ -189,17 +186,11 @@ class LM(nnx.Module):
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
         h_BxTxD = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.compute_dtype)
 
-        def body(block: Block, h: jax.Array) -> jax.Array:
-            return block(h)
-
+        body = lambda block, h: block(h)
         if self.policy is not None:
             body = nnx.remat(body, policy=self.policy, prevent_cse=False)
-
-        def step(h: jax.Array, block: Block) -> jax.Array:
-            return body(block, h)
-
-        run = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-                       unroll=self.scan_unroll)
+        run = nnx.scan(lambda h, block: body(block, h), in_axes=(nnx.Carry, 0),
+                       out_axes=nnx.Carry, unroll=self.scan_unroll)
         h_BxTxD = rms_norm(run(h_BxTxD, self.blocks), self.final_norm[...])
         head_DxV = self.embed[...].T if self.head is None else self.head[...]
         # Logits in the compute dtype (accumulated in float32), widened for the loss: a float32

@@ -141,18 +141,14 @@ def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
     gives the parameter's gradient, on the operands in their own dtypes."""
     rules: dict[str, Callable[..., Any]] = FUSED_RULES if fused else SQ_NORM_RULES
     rule = rules.get(use.eqn.primitive.name)
-    if rule is None or not use.keeps_norm:
-        return False
     x_aval, g_aval = use.eqn.invars[1 - use.pos].aval, use.eqn.outvars[0].aval
-    if fused:
-        if not jnp.issubdtype(x_aval.dtype, jnp.inexact):
-            return False
-        x, g = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x_aval, g_aval))
-        return jax.eval_shape(lambda x, g: rule(use, x, g, dtype), x, g) is not None
-    x = jax.ShapeDtypeStruct(x_aval.shape, dtype if jnp.issubdtype(x_aval.dtype, jnp.inexact)
-                             else x_aval.dtype)
-    g = jax.ShapeDtypeStruct(g_aval.shape, dtype)
-    return jax.eval_shape(lambda x, g: rule(use, x, g), x, g) is not None
+    inexact = jnp.issubdtype(x_aval.dtype, jnp.inexact)
+    if rule is None or not use.keeps_norm or (fused and not inexact):
+        return False
+    x = jax.ShapeDtypeStruct(x_aval.shape, dtype if inexact and not fused else x_aval.dtype)
+    g = jax.ShapeDtypeStruct(g_aval.shape, g_aval.dtype if fused else dtype)
+    extra = (dtype,) if fused else ()
+    return jax.eval_shape(lambda x, g: rule(use, x, g, *extra), x, g) is not None
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:

@@ -118,8 +118,7 @@ def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
 
 
 def _walk(jaxpr, in_tags, disc, ctx, stack, scans) -> list[_Var]:
-    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))
-    env.update({v: _Var() for v in jaxpr.constvars})
+    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))  # consts: untagged
     read = lambda v: _Var() if isinstance(v, core.Literal) else env.get(v, _Var())
     for eqn in jaxpr.eqns:
         outs = _eqn(eqn, [read(v) for v in eqn.invars], disc, ctx, stack, scans)
