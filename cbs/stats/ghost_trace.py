@@ -31,17 +31,14 @@ from jax.extend import core
 
 from cbs.stats import nested
 
-__all__ = [
-    "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "axis_rule",
-    "discover",
-]
+__all__ = ["ELEMENTWISE_USES", "Discovery", "Use", "axis_rule", "discover"]
 
 # Norm-preserving layout ops (their per-example transpose keeps |g|²) and linear ones that
 # do not (broadcast sums, slices pad with zeros): the latter force the materialised rule.
-NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
+_NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
                           "expand_dims", "copy", "copy_p", "reduce_precision",
                           "sharding_constraint", "reshard", "mesh_cast", "pvary"})
-LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
+_LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
 ELEMENTWISE_USES = frozenset({"mul", "add", "sub", "add_any"})
 _ELEMENTWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil
 clamp conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
@@ -55,7 +52,7 @@ _AXIS_OPS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
 @dataclasses.dataclass(frozen=True)
-class PTag:
+class _PTag:
     """A value derived from params leaf `leaf` through `chain` (layout eqns, in order)."""
 
     leaf: int
@@ -88,7 +85,7 @@ class Use:
 
 @dataclasses.dataclass
 class _Var:
-    ptag: PTag | None = None
+    ptag: _PTag | None = None
     eaxis: int | None = None
     dep: bool = False  # depends on the batch
 
@@ -110,7 +107,7 @@ def _shape(v) -> tuple[int, ...]:
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
     """Walks `jaxpr` (inputs: params leaves, then batch leaves) and records every read."""
     disc = Discovery(batch_size)
-    tags = [_Var(ptag=PTag(i, (), (), True)) if i < n_params else
+    tags = [_Var(ptag=_PTag(i, (), (), True)) if i < n_params else
             _Var(eaxis=0 if _shape(v) else None, dep=True)
             for i, v in enumerate(jaxpr.invars)]
     _walk(jaxpr, tags, disc, (), (), [])
@@ -144,10 +141,10 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
             outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
         return outs
-    if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
+    if ptagged and len(ins) == 1 and (name in _NORM_KEEPING or name in _LINEAR_LAYOUT):
         p = ins[0].ptag
         # a `broadcast_in_dim` that only inserts size-1 axes (a bias [O] as [1, 1, O]) keeps it
-        keeps = p.keeps_norm and (name in NORM_KEEPING or (
+        keeps = p.keeps_norm and (name in _NORM_KEEPING or (
             name == "broadcast_in_dim"
             and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape)))
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
@@ -187,7 +184,7 @@ def _passed(t: _Var, ctx, why: str) -> _Var:
     """A leaf leaving a scan or custom rule: harmless unless something reads it."""
     if t.ptag is None:
         return t
-    return dataclasses.replace(t, ptag=PTag(t.ptag.leaf, ctx, (), False, shared=why))
+    return dataclasses.replace(t, ptag=_PTag(t.ptag.leaf, ctx, (), False, shared=why))
 
 
 def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
@@ -208,7 +205,7 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
                 disc.reads[sid, t.ptag.leaf] = (t.ptag.shared or "scanned over after an op "
                                                 "that changes its norm")
             else:
-                ptag = PTag(t.ptag.leaf, inner_ctx, (), True)
+                ptag = _PTag(t.ptag.leaf, inner_ctx, (), True)
         e = t.eaxis - 1 if t.eaxis else None
         xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
     for _ in range(3):  # fixed point on the carry's example axis
