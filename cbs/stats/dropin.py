@@ -185,7 +185,9 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch
         else:
-            _refuse_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
+            site = coupling.loss_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
+            if site is not None:  # the structural check on the whole batch's loss with one key
+                loss_checks.raise_coupled(site)
             loss = keyed_loss(lambda p, b, k: value(call(p, b, k)), key)
             measured = with_keys(batch, key)
             wrap = _wrapper(key)
@@ -195,13 +197,6 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
                         groups=groups, curvature=curvature, has_aux=has_aux)
 
     return fn
-
-
-def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
-    """The structural coupling check on the whole batch's loss with one key."""
-    site = coupling.loss_coupling(loss, params, batch, key)
-    if site is not None:
-        loss_checks.raise_coupled(site)
 
 
 def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyTree, *,

@@ -289,12 +289,9 @@ def auto_chunk_size(per_example_bytes: int, batch_size: int,
 
 
 def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None) -> int:
-    """The vmap(grad) chunk: `chunk_size` when given (checked), else one whose per-example
-    gradients and activations fit the memory budget."""
+    """The vmap(grad) chunk: `chunk_size` when given (`map_examples` checks it), else one
+    whose per-example gradients and activations fit the memory budget."""
     if chunk_size is not None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of examples, got "
-                             f"{chunk_size} (None picks one from the memory budget).")
         return chunk_size
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     batch_size = jax.tree.leaves(batch)[0].shape[0]

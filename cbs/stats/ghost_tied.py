@@ -170,11 +170,11 @@ def _direct_cost(parts: tuple[Part, ...], size: int) -> int:
     return ENTRY_COST * (len(parts) + 1) * size
 
 
-def plan(uses, form: str | None = None) -> Tied | None:
-    """The rule for a leaf read by `uses` (two or more, in one scan context), or None for the
-    materialised path (a use or pair the rule cannot read, or "materialised"). `form`
-    overrides FORM."""
-    form = FORM if form is None else form
+def plan(uses) -> Tied | None:
+    """The rule for a leaf read by `uses` (two or more, in one scan context) in the form FORM
+    asks for, or None for the materialised path (a use or pair the rule cannot read, or
+    "materialised")."""
+    form = FORM
     if form not in FORMS:
         raise ValueError(f"ghost_tied.FORM must be one of {FORMS}, got {form!r}")
     if form == "materialised" or len(uses) < 2:
