@@ -75,12 +75,14 @@ def _loader(name: str) -> Callable[..., Dataset]:
     return _REGISTRY[name]
 
 
-def _unknown_options(name: str, options) -> list[str]:
-    """Options the loader of `name` does not accept (none when it takes **kwargs)."""
+def _check_options(name: str, options, field: str = "") -> None:
+    """Raises ValueError (prefixed by `field`) naming the options the loader of `name` does not
+    accept (none when it takes **kwargs)."""
     params = inspect.signature(_loader(name)).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return []
-    return sorted(set(options) - set(dataset_options(name)))
+    unknown = sorted(set(options) - set(dataset_options(name)))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise ValueError(f"{field}unknown options {unknown} for dataset {name!r}; known: "
+                         f"{', '.join(dataset_options(name)) or 'none'}")
 
 
 def validate_config(data_config: Any) -> None:
@@ -94,19 +96,13 @@ def validate_config(data_config: Any) -> None:
     if not hasattr(options, "keys"):
         raise ValueError(f"config.data.options: must be a mapping of keyword options, got "
                          f"{options!r}")
-    unknown = _unknown_options(name, options.keys())
-    if unknown:
-        raise ValueError(f"config.data.options: unknown options {unknown} for dataset "
-                         f"{name!r}; known: {', '.join(dataset_options(name)) or 'none'}")
+    _check_options(name, options.keys(), "config.data.options: ")
 
 
 def get_dataset(name: str, **options) -> Dataset:
     """The dataset `name` built with `options`; ValueError listing the known names and
     options (`dataset_options(name)`) for unknown ones."""
-    unknown = _unknown_options(name, options)
-    if unknown:
-        raise ValueError(f"unknown options {unknown} for dataset {name!r}; known: "
-                         f"{', '.join(dataset_options(name))}")
+    _check_options(name, options)
     return _loader(name)(**options)
 
 

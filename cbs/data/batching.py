@@ -59,9 +59,9 @@ def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: i
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:
     """Sorted global batch rows held by this process's devices under `sharding`: the
     process-local data `jax.make_array_from_process_local_data` expects."""
-    if global_shape[0] % _data_shards(sharding, global_shape):
-        raise ValueError(f"batch_size={global_shape[0]} is not divisible by the "
-                         f"{_data_shards(sharding, global_shape)} shards of the batch axis")
+    if global_shape[0] % (shards := _data_shards(sharding, global_shape)):
+        raise ValueError(f"batch_size={global_shape[0]} is not divisible by the {shards} "
+                         "shards of the batch axis")
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(global_shape).values():
         rows.update(range(global_shape[0])[index[0]])  # type: ignore[index]  # jax types the
@@ -173,10 +173,8 @@ def evaluate(metric_fn: Callable[[Batch], Any], dataset: Dataset, *, batch_size:
     total = None
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))
-        if take is not None:
-            batch = take(arrays, jnp.asarray(idx, jnp.int32))
-        else:
-            batch = dataset.split(split).read(idx)
+        batch = (take(arrays, jnp.asarray(idx, jnp.int32)) if take is not None
+                 else dataset.split(split).read(idx))
         value = jax.tree.map(functools.partial(_weighted, weight=len(idx)), metric_fn(batch))
         total = value if total is None else jax.tree.map(jnp.add, total, value)
     return jax.tree.map(lambda t: float(t) / n, total)

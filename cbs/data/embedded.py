@@ -24,8 +24,7 @@ from cbs.data.dataset import ClassificationView, Dataset, Split, WindowView, num
 from cbs.results.extras import install_command
 
 __all__ = [
-    "PLAYS_FILE", "char_lm", "digits", "mnist1d", "shakespeare_char", "shakespeare_plays",
-    "shakespeare_text",
+    "char_lm", "digits", "mnist1d", "shakespeare_char", "shakespeare_plays", "shakespeare_text",
 ]
 
 
@@ -118,14 +117,14 @@ def _make_mnist1d(items: tuple, make_dataset) -> dict:
         random.setstate(py_state)
 
 
-PLAYS_FILE = "files/shakespeare_plays.json.xz"
+_PLAYS_FILE = "files/shakespeare_plays.json.xz"
 
 
 @functools.lru_cache(maxsize=1)
 def shakespeare_plays() -> dict[str, str]:
     """{"genre/stem": plain text} of the 38 plays shipped with cbs, in path order (public
     domain; markup stripped, speakers as "NAME:")."""
-    raw = importlib.resources.files("cbs.data").joinpath(PLAYS_FILE).read_bytes()
+    raw = importlib.resources.files("cbs.data").joinpath(_PLAYS_FILE).read_bytes()
     return json.loads(lzma.decompress(raw))
 
 

@@ -29,18 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "MAX_EXAMPLES", "check_batch_size", "epoch_keys", "num_rounds", "positions_to_indices_np",
-    "stream_indices", "stream_indices_jax", "stream_indices_np",
+    "check_batch_size", "positions_to_indices_np", "stream_indices", "stream_indices_jax",
+    "stream_indices_np",
 ]
 
-MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
+_MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
 _TABLE_MAX = 2**22  # host: cache whole epoch permutations up to this N
 # lowbias32 multipliers (C. Wellons, "Prospecting for hash functions", 2018).
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 
 
-def num_rounds(num_examples: int) -> int:
+def _num_rounds(num_examples: int) -> int:
     """Swap-or-not rounds R used for a split of N examples."""
     return 2 * math.ceil(math.log2(max(num_examples, 2))) + 16
 
@@ -56,7 +56,7 @@ def check_batch_size(batch_size: int, num_examples: int, what: str = "the split"
 
 
 def _check_size(num_examples: int) -> None:
-    if not 1 <= num_examples <= MAX_EXAMPLES:
+    if not 1 <= num_examples <= _MAX_EXAMPLES:
         raise ValueError(f"a split must have 1 to 2^31 examples, got {num_examples}")
 
 
@@ -67,7 +67,7 @@ def _epoch_keys_jax(seed: jax.Array, epoch: jax.Array, rounds: int) -> jax.Array
 
 
 @functools.lru_cache(maxsize=64)
-def epoch_keys(seed: int, epoch: int, rounds: int) -> np.ndarray:
+def _epoch_keys(seed: int, epoch: int, rounds: int) -> np.ndarray:
     """Round keys uint32 [2, R] of epoch permutation π_epoch (from fold_in(key(seed), epoch))."""
     return np.asarray(_epoch_keys_jax(np.uint32(seed % 2**32), np.uint32(epoch % 2**32), rounds))
 
@@ -103,7 +103,7 @@ def _swap_or_not(xp, x_B, keys_Bx2xR, num_examples: int):
 
 @functools.lru_cache(maxsize=4)
 def _epoch_table(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    keys = epoch_keys(seed, epoch, num_rounds(num_examples))
+    keys = _epoch_keys(seed, epoch, _num_rounds(num_examples))
     return _swap_or_not(np, np.arange(num_examples, dtype=np.uint32), keys, num_examples)
 
 
@@ -130,7 +130,7 @@ def positions_to_indices_np(positions: np.ndarray, num_examples: int, seed: int,
         if num_examples <= _TABLE_MAX:
             out[sel] = _epoch_table(int(seed), int(e), num_examples)[offset[sel]]
         else:
-            keys = epoch_keys(int(seed), int(e), num_rounds(num_examples))
+            keys = _epoch_keys(int(seed), int(e), _num_rounds(num_examples))
             out[sel] = _swap_or_not(np, offset[sel], keys, num_examples)
     return out
 
@@ -153,7 +153,7 @@ def stream_indices_jax(examples_seen: jax.Array | int, batch_size: int, num_exam
     first = s // num_examples
     epochs_K = (first + jnp.arange(num_epochs, dtype=s.dtype)).astype(jnp.uint32)
     seed_u32 = jnp.asarray(seed).astype(jnp.uint32)
-    epoch_keys_fn = functools.partial(_epoch_keys_jax, rounds=num_rounds(num_examples))
+    epoch_keys_fn = functools.partial(_epoch_keys_jax, rounds=_num_rounds(num_examples))
     keys_Kx2xR = jax.vmap(epoch_keys_fn, in_axes=(None, 0))(seed_u32, epochs_K)
     keys_Bx2xR = keys_Kx2xR[epoch - first]
     return _swap_or_not(jnp, offset, keys_Bx2xR, num_examples).astype(jnp.int32)

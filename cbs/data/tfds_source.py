@@ -5,7 +5,7 @@ Letters: N examples, H×W×C images, T sequence length.
 Reading prefers `tfds.data_source` (array_record files, random access, no TensorFlow);
 `tfds.load` reads a TFRecord-only copy (or `reader="load"`). Nothing is downloaded unless
 `download=True`: an unprepared dataset fails at once with the command that prepares it, and
-a download without a reachable network fails within NETWORK_TIMEOUT_S with one line.
+a download without a reachable network fails within seconds with one line.
 
 - Images: stored uint8 [N, H, W, C], batches x float32 [B, H, W, C] (or flattened).
 - tiny_shakespeare: characters as tokens, windows as for shakespeare_char.
@@ -32,19 +32,16 @@ from cbs.data.dataset import ClassificationView, Dataset, Split
 from cbs.data.embedded import char_lm
 from cbs.results.extras import install_command
 
-__all__ = [
-    "DOWNLOAD_HOST", "IMAGE_DATASETS", "NETWORK_TIMEOUT_S", "check_network", "lm1b", "read_records",
-    "resolve_data_dir", "tfds_images", "tiny_shakespeare",
-]
+__all__ = ["IMAGE_DATASETS", "lm1b", "read_records", "tfds_images", "tiny_shakespeare"]
 
 IMAGE_DATASETS = {"mnist": "test", "fashion_mnist": "test", "cifar10": "test",
                   "svhn_cropped": "test"}
 _STATS_EXAMPLES = 10_000
-DOWNLOAD_HOST = "storage.googleapis.com"  # TFDS tries its prepared copies there first
-NETWORK_TIMEOUT_S = 5.0  # the network check gives up after this long
+_DOWNLOAD_HOST = "storage.googleapis.com"  # TFDS tries its prepared copies there first
+_NETWORK_TIMEOUT_S = 5.0  # the network check gives up after this long
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
+def _resolve_data_dir(data_dir: str | os.PathLike | None) -> str:
     """data_dir, else $TFDS_DATA_DIR, else ~/tensorflow_datasets (the TFDS default)."""
     if data_dir is None:
         data_dir = os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")
@@ -65,14 +62,14 @@ def _builder(name: str, data_dir: str | None, download: bool):
     """The TFDS builder, prepared (downloading only if asked); fails fast if unprepared."""
     tfds = _tfds()
 
-    data_dir = resolve_data_dir(data_dir)
+    data_dir = _resolve_data_dir(data_dir)
     with _quiet_absl():  # an unprepared copy logs warnings before our clearer error
         builder = tfds.builder(name, data_dir=data_dir)  # reads local metadata only
         prepared = builder.is_prepared()
         looked = builder.data_dir
     if download:
         if not prepared:
-            check_network(name, data_dir, builder.download_and_prepare)
+            _check_network(name, data_dir, builder.download_and_prepare)
         builder.download_and_prepare(file_format="array_record")
     elif not prepared:
         raise FileNotFoundError(
@@ -99,14 +96,14 @@ def _quiet_absl():
 def _download_address() -> tuple[str, int]:
     """Where a TFDS download connects first: the HTTPS proxy if one is set, else GCS."""
     proxy = urllib.request.getproxies().get("https")
-    if proxy and not urllib.request.proxy_bypass(DOWNLOAD_HOST):
+    if proxy and not urllib.request.proxy_bypass(_DOWNLOAD_HOST):
         parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        return parts.hostname or DOWNLOAD_HOST, parts.port or 80
-    return DOWNLOAD_HOST, 443
+        return parts.hostname or _DOWNLOAD_HOST, parts.port or 80
+    return _DOWNLOAD_HOST, 443
 
 
-def check_network(name: str, data_dir: str, download_fn=None) -> None:
-    """Raises ConnectionError (one line) within NETWORK_TIMEOUT_S when a download of `name`
+def _check_network(name: str, data_dir: str, download_fn=None) -> None:
+    """Raises ConnectionError (one line) within _NETWORK_TIMEOUT_S when a download of `name`
     cannot reach the network; nothing is checked when `download_fn`, the download about to
     run, is not TFDS's own (`tfds.testing.mock_data`)."""
     if download_fn is not None and not getattr(download_fn, "__module__", "").startswith(
@@ -114,7 +111,7 @@ def check_network(name: str, data_dir: str, download_fn=None) -> None:
         return
     host, port = _download_address()
     try:
-        socket.create_connection((host, port), timeout=NETWORK_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=_NETWORK_TIMEOUT_S).close()
     except OSError as err:
         why = err.strerror or str(err) or type(err).__name__
         raise ConnectionError(
@@ -221,7 +218,7 @@ def tfds_images(name: str, *, data_dir: str | None = None, download: bool = Fals
     return Dataset(name=name, task="classification", input_shape=input_shape,
                    splits={"train": split_of("train"), "eval": split_of(eval_split)},
                    num_classes=num_classes,
-                   metadata={"data_dir": resolve_data_dir(data_dir), "eval_split": eval_split,
+                   metadata={"data_dir": _resolve_data_dir(data_dir), "eval_split": eval_split,
                              "normalize": normalize, "mean": mean, "std": std})
 
 
@@ -241,7 +238,7 @@ def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
     sources = _sources(builder, ("train", "validation"), reader)
     return char_lm("tiny_shakespeare", _split_text(sources["train"]),
                    _split_text(sources["validation"]), seq_len=seq_len, stride=stride,
-                   metadata={"data_dir": resolve_data_dir(data_dir)})
+                   metadata={"data_dir": _resolve_data_dir(data_dir)})
 
 
 def _byte_window_reader(source, seq_len: int):
@@ -281,4 +278,4 @@ def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "
         splits[ours] = Split(num, None, reader=read)
     return Dataset(name="lm1b", task="lm", input_shape=(seq_len,), splits=splits,
                    vocab_size=256, vocab=None, seq_len=seq_len,
-                   metadata={"data_dir": resolve_data_dir(data_dir), "tokens": "utf-8 bytes"})
+                   metadata={"data_dir": _resolve_data_dir(data_dir), "tokens": "utf-8 bytes"})

@@ -153,6 +153,4 @@ def build_cnn(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs)
         check_positive(c, field)
     check_positive(c, "ghost_batch_size", allow_zero=True)
     out = 1 if inputs.num_classes is None else inputs.num_classes
-    return CNN(inputs.input_shape, out, channels=c.channels, kernel_size=c.kernel_size,
-               pool=c.pool, dense_sizes=c.dense_sizes, norm=c.norm, num_groups=c.num_groups,
-               ghost_batch_size=c.ghost_batch_size, activation=c.activation, rngs=rngs)
+    return CNN(inputs.input_shape, out, **{k: c[k] for k in cnn_fields()}, rngs=rngs)

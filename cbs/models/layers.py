@@ -15,13 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = [
-    "Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "default_embedding_init",
-    "default_kernel_init", "embed", "linear", "scale_shift",
-]
+__all__ = ["Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "embed", "linear"]
 
-default_kernel_init = nnx.initializers.lecun_normal()
-default_embedding_init = nnx.initializers.normal(stddev=0.02)
+_default_kernel_init = nnx.initializers.lecun_normal()
+_default_embedding_init = nnx.initializers.normal(stddev=0.02)
 
 
 def _value(param: nnx.Param | None) -> jax.Array | None:
@@ -39,7 +36,7 @@ def embed(ids_BxT: jax.Array, embedding_VxO: jax.Array) -> jax.Array:
     return jnp.take(embedding_VxO, ids_BxT, axis=0)
 
 
-def scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None
+def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None
                 ) -> jax.Array:
     """xhat * scale + bias, broadcast over the trailing axes."""
     y = xhat if scale_O is None else xhat * scale_O
@@ -50,7 +47,7 @@ class Linear(nnx.Module):
     """y = x @ kernel + bias over the last axis. kernel: [D, O], bias: [O]."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
+                 kernel_init=_default_kernel_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features)))
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
@@ -64,7 +61,7 @@ class Conv(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, kernel_size: Sequence[int], *,
                  strides: Sequence[int] | int = 1, padding: str = "SAME", use_bias: bool = True,
-                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
+                 kernel_init=_default_kernel_init, rngs: nnx.Rngs):
         kh, kw = kernel_size
         self.strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
         self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
@@ -81,7 +78,7 @@ class Embed(nnx.Module):
     """Table lookup. embedding: [V, O]."""
 
     def __init__(self, num_embeddings: int, features: int, *,
-                 embedding_init=default_embedding_init, rngs: nnx.Rngs):
+                 embedding_init=_default_embedding_init, rngs: nnx.Rngs):
         self.embedding = nnx.Param(embedding_init(rngs.params(), (num_embeddings, features)))
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
@@ -102,7 +99,7 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x_BxTxD, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxD - mean), axis=-1, keepdims=True)
         xhat = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return scale_shift(xhat, _value(self.scale), _value(self.bias))
+        return _scale_shift(xhat, _value(self.scale), _value(self.bias))
 
 
 class GroupNorm(nnx.Module):
@@ -132,4 +129,4 @@ class GroupNorm(nnx.Module):
         mean = jnp.mean(x_BxTxGxK, axis=axes, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=axes, keepdims=True)
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
-        return scale_shift(xhat, _value(self.scale), _value(self.bias))
+        return _scale_shift(xhat, _value(self.scale), _value(self.bias))

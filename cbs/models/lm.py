@@ -33,6 +33,7 @@ Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -41,7 +42,13 @@ import ml_collections
 from flax import nnx
 
 from cbs.models.registry import ModelInputs, check_positive, register
-from cbs.models.transformer import TransformerSize, lm_flops_per_token, rotary
+from cbs.models.transformer import (
+    TransformerSize,
+    causal_attention,
+    lm_flops_per_token,
+    resolve_row,
+    rotary,
+)
 
 __all__ = [
     "ATTENTION", "DTYPES", "LM", "LM_SIZES", "REMAT_POLICIES", "Block", "build_lm", "lm_fields",
@@ -105,13 +112,10 @@ class Block(nnx.Module):
         self.num_heads, self.compute_dtype = num_heads, compute_dtype
         self.attention_kernel = attention
         self.attn_norm = nnx.Param(jnp.ones((d_model,)))
-        self.wq = nnx.Param(init(key(), (d_model, d_model)))
-        self.wk = nnx.Param(init(key(), (d_model, d_model)))
-        self.wv = nnx.Param(init(key(), (d_model, d_model)))
+        self.wq, self.wk, self.wv = (nnx.Param(init(key(), (d_model, d_model))) for _ in "qkv")
         self.wo = nnx.Param(out_init(key(), (d_model, d_model)))
         self.mlp_norm = nnx.Param(jnp.ones((d_model,)))
-        self.w_gate = nnx.Param(init(key(), (d_model, d_ff)))
-        self.w_up = nnx.Param(init(key(), (d_model, d_ff)))
+        self.w_gate, self.w_up = (nnx.Param(init(key(), (d_model, d_ff))) for _ in "gu")
         self.w_down = nnx.Param(out_init(key(), (d_ff, d_model)))
 
     def _w(self, param: nnx.Param) -> jax.Array:
@@ -127,13 +131,8 @@ class Block(nnx.Module):
         if self.attention_kernel == "cudnn":
             out_BxTxHxK = jax.nn.dot_product_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK,
                                                        is_causal=True, implementation="cudnn")
-            return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
-        scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
-                                    preferred_element_type=jnp.float32) / math.sqrt(d // h)
-        causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(self.compute_dtype)
-        out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
+        else:
+            out_BxTxHxK = causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK)
         return out_BxTxHxK.reshape(b, t, d) @ self._w(self.wo)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -187,17 +186,11 @@ class LM(nnx.Module):
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
         h_BxTxD = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.compute_dtype)
 
-        def body(block: Block, h: jax.Array) -> jax.Array:
-            return block(h)
-
+        body = lambda block, h: block(h)
         if self.policy is not None:
             body = nnx.remat(body, policy=self.policy, prevent_cse=False)
-
-        def step(h: jax.Array, block: Block) -> jax.Array:
-            return body(block, h)
-
-        run = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-                       unroll=self.scan_unroll)
+        run = nnx.scan(lambda h, block: body(block, h), in_axes=(nnx.Carry, 0),
+                       out_axes=nnx.Carry, unroll=self.scan_unroll)
         h_BxTxD = rms_norm(run(h_BxTxD, self.blocks), self.final_norm[...])
         head_DxV = self.embed[...].T if self.head is None else self.head[...]
         # Logits in the compute dtype (accumulated in float32), widened for the loss: a float32
@@ -225,13 +218,7 @@ def lm_fields() -> ml_collections.ConfigDict:
 
 def resolve_size(c: ml_collections.ConfigDict) -> TransformerSize:
     """The (d_model, num_layers, num_heads, d_ff) that config `c` asks for."""
-    if c.size not in LM_SIZES:
-        raise ValueError(f"model.size={c.size!r} is not one of {tuple(LM_SIZES)}")
-    for field in ("d_model", "num_layers", "num_heads", "d_ff"):
-        check_positive(c, field, allow_zero=True)
-    row = LM_SIZES[c.size]
-    return TransformerSize(c.d_model or row.d_model, c.num_layers or row.num_layers,
-                  c.num_heads or row.num_heads, c.d_ff or row.d_ff)
+    return resolve_row(c, LM_SIZES)
 
 
 def lm_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> float:
@@ -248,7 +235,6 @@ def build_lm(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: nnx.Rngs) 
         raise ValueError("model.name='lm' needs vocab_size (a dataset with a vocabulary)")
     s = resolve_size(c)
     check_positive(c, "scan_unroll")
-    return LM(inputs.vocab_size, d_model=s.d_model, num_layers=s.num_layers,
-              num_heads=s.num_heads, d_ff=s.d_ff, remat=c.remat, compute_dtype=c.compute_dtype,
-              tie_embeddings=c.tie_embeddings, scan_unroll=c.scan_unroll,
-              attention=c.attention, rngs=rngs)
+    return LM(inputs.vocab_size, **dataclasses.asdict(s), remat=c.remat,
+              compute_dtype=c.compute_dtype, tie_embeddings=c.tie_embeddings,
+              scan_unroll=c.scan_unroll, attention=c.attention, rngs=rngs)

@@ -54,14 +54,11 @@ def cross_entropy(logits_BxC: jax.Array, labels_B: jax.Array) -> jax.Array:
 
 def per_example_loss(outputs: jax.Array, targets: jax.Array, task: str) -> jax.Array:
     """ℓ_i for each example, shape [B] (see the module docstring)."""
-    if task == "classification":
-        return cross_entropy(outputs, targets)
-    if task == "lm":
-        return jnp.mean(cross_entropy(outputs, targets), axis=-1)
+    _check_task(task)
     if task == "regression":
-        preds_B = _float(outputs).reshape(targets.shape)
-        return 0.5 * jnp.square(preds_B - targets)
-    raise ValueError(f"task={task!r} is not one of {TASKS}")
+        return 0.5 * jnp.square(_float(outputs).reshape(targets.shape) - targets)
+    loss = cross_entropy(outputs, targets)
+    return jnp.mean(loss, axis=-1) if task == "lm" else loss
 
 
 def per_example_correct(outputs: jax.Array, targets: jax.Array, task: str) -> jax.Array:

@@ -22,8 +22,8 @@ Named sizes (SIZES; parameters counted without embeddings, head, positions, fina
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +35,14 @@ from cbs.models.registry import ModelInputs, check_positive, register
 
 __all__ = [
     "POSITIONS", "SIZES", "Block", "CausalSelfAttention", "TransformerLM", "TransformerSize",
-    "build_transformer", "lm_flops_per_token", "rotary", "transformer_fields", "transformer_flops",
+    "build_transformer", "causal_attention", "lm_flops_per_token", "resolve_row", "rotary",
+    "transformer_fields", "transformer_flops",
 ]
 
 POSITIONS = ("learned", "rotary")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TransformerSize:
     """One row of a size table (`SIZES`, `cbs.models.lm.LM_SIZES`)."""
 
@@ -59,6 +60,17 @@ SIZES: dict[str, TransformerSize] = {
 }
 
 
+def resolve_row(c: ml_collections.ConfigDict, table: dict[str, TransformerSize]
+                ) -> TransformerSize:
+    """The sizes config `c` asks for: its `size` row of `table`, overridden by fields not 0."""
+    if c.size not in table:
+        raise ValueError(f"model.size={c.size!r} is not one of {tuple(table)}")
+    fields = [f.name for f in dataclasses.fields(TransformerSize)]
+    for field in fields:
+        check_positive(c, field, allow_zero=True)
+    return TransformerSize(*(c[f] or getattr(table[c.size], f) for f in fields))
+
+
 def rotary(x_BxTxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
     """Rotates feature pairs (i, i + K/2) of each head by angle t · base^(-2i/K)."""
     t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
@@ -69,6 +81,18 @@ def rotary(x_BxTxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
     out = jnp.concatenate([x1 * cos_Tx1xK2 - x2 * sin_Tx1xK2, x2 * cos_Tx1xK2 + x1 * sin_Tx1xK2],
                           axis=-1)
     return out.astype(x_BxTxHxK.dtype)
+
+
+def causal_attention(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array
+                     ) -> jax.Array:
+    """softmax(q kᵀ / √K + causal mask) v per head, scores and softmax in float32."""
+    t, k = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
+    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
+                                preferred_element_type=jnp.float32) / math.sqrt(k)
+    causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -93,13 +117,7 @@ class CausalSelfAttention(nnx.Module):
         q_BxTxHxK, k_BxSxHxK, v_BxSxHxK = (split(p(x_BxTxD)) for p in (self.q, self.k, self.v))
         if self.rotary:
             q_BxTxHxK, k_BxSxHxK = rotary(q_BxTxHxK), rotary(k_BxSxHxK)
-        scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK)
-        scores_BxHxTxS = scores_BxHxTxS.astype(jnp.float32) / math.sqrt(d // self.num_heads)
-        causal_TxS = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores_BxHxTxS = jnp.where(causal_TxS, scores_BxHxTxS, jnp.finfo(jnp.float32).min)
-        probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
-        out_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
-        return self.o(out_BxTxHxK.reshape(b, t, d))
+        return self.o(causal_attention(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK).reshape(b, t, d))
 
 
 class Block(nnx.Module):
@@ -206,14 +224,8 @@ def build_transformer(c: ml_collections.ConfigDict, inputs: ModelInputs, rngs: n
                       ) -> TransformerLM:
     if inputs.vocab_size is None:
         raise ValueError("model.name='transformer' needs vocab_size (a dataset with a vocabulary)")
-    if c.size not in SIZES:
-        raise ValueError(f"model.size={c.size!r} is not one of {tuple(SIZES)}")
-    for field in ("d_model", "num_layers", "num_heads", "d_ff", "max_len"):
-        check_positive(c, field, allow_zero=True)
-    row = SIZES[c.size]
+    s = resolve_row(c, SIZES)
+    check_positive(c, "max_len", allow_zero=True)
     return TransformerLM(inputs.vocab_size, c.max_len or int(inputs.input_shape[-1]),
-                         d_model=c.d_model or row.d_model,
-                         num_layers=c.num_layers or row.num_layers,
-                         num_heads=c.num_heads or row.num_heads, d_ff=c.d_ff or row.d_ff,
-                         positions=c.positions, tie_embeddings=c.tie_embeddings,
-                         use_bias=c.use_bias, rngs=rngs)
+                         **dataclasses.asdict(s), positions=c.positions,
+                         tie_embeddings=c.tie_embeddings, use_bias=c.use_bias, rngs=rngs)

@@ -110,7 +110,9 @@ def _eqn(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
     elif name == "reshape":
         out, span = _reshape(eqn, e, span)
     else:
-        out = _out_axes(eqn, ins, e)
+        size = _shape(next(v for v, t in zip(eqn.invars, ins, strict=True)
+                           if t.eaxis is not None))[e]
+        out = ghost_trace.axis_rule(eqn, ins, e, size)
     if out is None:  # an operation whose axis rule is unknown: the axis is lost, not mixed
         return [_Tag(None, False)] * n_out
     if mixed and any(a is not None for a in out):
@@ -198,26 +200,6 @@ def _spec_names(spec: Any, dim: int) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _out_axes(eqn, ins, e) -> list[int | None] | None:
-    """The example axis of each output under the axis rules of `cbs.stats.ghost_trace`."""
-    name = eqn.primitive.name
-    shapes = [_shape(v) for v in eqn.outvars]
-    size = _shape(next(v for v, t in zip(eqn.invars, ins, strict=True)
-                       if t.eaxis is not None))[e]
-    if name == "broadcast_in_dim":
-        out: Any = eqn.params["broadcast_dimensions"][e]
-    elif name in ghost_trace._ELEMENTWISE:
-        out = e
-    else:
-        rule = ghost_trace._AXIS_RULES.get(name)
-        out = None if rule is None else rule(eqn, ins, e)
-    if out is None:
-        return None
-    out = out if isinstance(out, list) else [out] * len(shapes)
-    return [a if a is not None and s[a:a + 1] == (size,) else None
-            for a, s in zip(out, shapes, strict=True)]
 
 
 def _loop(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:

@@ -59,16 +59,13 @@ def _is_typed(key: jax.Array) -> bool:
     return jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
 
 
-def _key_data(keys: jax.Array) -> jax.Array:
-    """Per-example keys as plain uint32 batch leaves (every estimator slices the batch)."""
-    return jax.random.key_data(keys) if _is_typed(keys) else keys
-
-
-def _wrapper(key: jax.Array) -> Callable[[jax.Array], jax.Array]:
-    if not _is_typed(key):
-        return lambda data: data
-    impl = jax.random.key_impl(key)
-    return lambda data: jax.random.wrap_key_data(data, impl=impl)
+def _wrapper(keys: PyTree) -> Callable[[PyTree], PyTree]:
+    """The function that turns key data (`with_keys`) back into keys like `keys` (a key or a
+    pytree of keys)."""
+    impls = [jax.random.key_impl(k) if _is_typed(k) else None for k in jax.tree.leaves(keys)]
+    wrap = lambda d, impl: d if impl is None else jax.random.wrap_key_data(d, impl=impl)
+    return lambda data: jax.tree.unflatten(jax.tree.structure(data), [
+        wrap(d, impl) for d, impl in zip(jax.tree.leaves(data), impls, strict=True)])
 
 
 def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: jax.Array
@@ -86,10 +83,12 @@ def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: j
     return loss_checks.allow_randomness(loss)
 
 
-def with_keys(batch: PyTree, key: jax.Array) -> tuple[PyTree, jax.Array]:
-    """(batch, per-example key data): the batch `keyed_loss` takes."""
+def with_keys(batch: PyTree, key: PyTree) -> tuple[PyTree, PyTree]:
+    """(batch, per-example key data as plain uint32 batch leaves, every estimator slicing the
+    batch): the batch `keyed_loss` takes. `key`: a key or a pytree of keys."""
     size = jax.tree.leaves(batch)[0].shape[0]
-    return batch, _key_data(example_keys(key, size))
+    keys = jax.tree.map(lambda k: example_keys(k, size), key)
+    return batch, jax.tree.map(lambda k: jax.random.key_data(k) if _is_typed(k) else k, keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +185,9 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch
         else:
-            _refuse_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
+            site = coupling.loss_coupling(lambda p, b, k: value(call(p, b, k)), params, batch, key)
+            if site is not None:  # the structural check on the whole batch's loss with one key
+                loss_checks.raise_coupled(site)
             loss = keyed_loss(lambda p, b, k: value(call(p, b, k)), key)
             measured = with_keys(batch, key)
             wrap = _wrapper(key)
@@ -196,13 +197,6 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
                         groups=groups, curvature=curvature, has_aux=has_aux)
 
     return fn
-
-
-def _refuse_coupling(loss: Callable, params: PyTree, batch: PyTree, key: Any) -> None:
-    """The structural coupling check on the whole batch's loss with one key."""
-    site = coupling.loss_coupling(loss, params, batch, key)
-    if site is not None:
-        loss_checks.raise_coupled(site)
 
 
 def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyTree, *,
@@ -277,38 +271,19 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
     def fn(model: nnx.Module, batch: PyTree, *args: Any) -> tuple[Any, nnx.State, NoiseStats]:
         graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)  # type: ignore[misc]
         fresh = lambda state: jax.tree.map(lambda x: x, state)  # Variables of this trace
-
-        def run(p, b, k, r=rest, a=args):
-            merged = nnx.merge(graphdef, p, fresh(k), fresh(r))
-            return loss_fn(merged, b, *a), merged
-
-        if loss_checks.random_primitives(jax.make_jaxpr(
-                lambda p, b: value(run(p, b, keys)[0]))(params, batch).jaxpr):
-            data = jax.tree.map(lambda k: _key_data(example_keys(
-                k, jax.tree.leaves(batch)[0].shape[0])), keys)
-            wraps = [_wrapper(k) for k in jax.tree.leaves(keys)]
-            unwrap = lambda d: jax.tree.unflatten(jax.tree.structure(d), [
-                w(x) for w, x in zip(wraps, jax.tree.leaves(d), strict=True)])
-            one = lambda p, ex, d: run(p, examples.one_example(ex), unwrap(d))[0]
-            _refuse_coupling(lambda p, b, k: value(run(p, b, k)[0]), params, batch, keys)
-            loss = loss_checks.allow_randomness(
-                lambda p, bd: jnp.mean(jax.vmap(lambda ex, d: value(one(p, ex, d)))(*bd)))
-            aux_fn = ((lambda p, bd: jax.vmap(lambda ex, d: one(p, ex, d)[1])(*bd))
-                      if has_aux else None)
-            out = _measure(loss, aux_fn, params, (batch, data), method=method,
-                           chunk_size=chunk_size, groups=groups, curvature=curvature,
-                           has_aux=has_aux)
-            # the streams' counts after one call (the forward itself is dead code under jit)
-            counted = run(params, jax.tree.map(lambda x: x[:1], batch), keys)[1]
+        merged = lambda p, k, r: nnx.merge(graphdef, p, fresh(k), fresh(r))
+        call = lambda p, b, k, r, *a: loss_fn(merged(p, k, r), b, *a)
+        random = loss_checks.random_primitives(jax.make_jaxpr(
+            lambda p, b: value(call(p, b, keys, rest, *args)))(params, batch).jaxpr)
+        # the keys per example when it draws; else they, the model's other state and the
+        # arguments pass through, checked as arguments (traced in nnx.jit)
+        out = value_grad_and_stats(
+            call, has_aux=has_aux, prng_argnum=2 if random else None, curvature=curvature,
+            method=method, chunk_size=chunk_size, groups=groups)(params, batch, keys, rest, *args)
+        if random:  # the streams' counts after one call (the forward itself is dead code under jit)
+            counted = merged(params, keys, rest)
+            loss_fn(counted, jax.tree.map(lambda x: x[:1], batch), *args)
             nnx.update(model, nnx.state(counted, nnx.RngCount))
-            return out
-        loss = lambda p, b: value(run(p, b, keys)[0])
-        # checked with the model's other state and arguments as arguments (traced in nnx.jit)
-        loss_checks.check_loss_fn(lambda p, b, k, r, *a: value(run(p, b, k, r, a)[0]), params,
-                                  batch, keys, rest, *args)
-        loss_checks.passed(loss)
-        aux_fn = (lambda p, b: run(p, b, keys)[0][1]) if has_aux else None
-        return _measure(loss, aux_fn, params, batch, method=method, chunk_size=chunk_size,
-                        groups=groups, curvature=curvature, has_aux=has_aux)
+        return out
 
     return fn

@@ -1,6 +1,6 @@
 """Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
 
-`check_inputs` validates (loss_fn, params, batch) with one-line errors (`check_finite` names a
+`check_inputs` validates (loss_fn, params, batch) with one-line errors (`_check_finite` names a
 NaN/inf input; `cbs.stats.loss_checks` refuses a loss it cannot measure); `map_examples` maps a
 function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under an
 explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
@@ -20,8 +20,8 @@ from cbs.stats.loss_checks import concrete
 from cbs.stats.trees import leaf_paths
 
 __all__ = [
-    "LossFn", "PyTree", "check_finite", "check_inputs", "jit_per_settings", "map_and_sum",
-    "map_examples", "one_example", "run_auto_axes", "scan_chunks", "sum_over_examples",
+    "LossFn", "PyTree", "check_inputs", "jit_per_settings", "map_and_sum", "map_examples",
+    "one_example", "run_auto_axes", "scan_chunks", "sum_over_examples",
 ]
 
 PyTree = Any
@@ -60,12 +60,12 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
         shape = getattr(loss, "shape", type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar (the MEAN loss over the batch); got "
                          f"{shape}. Reduce per-example losses with jnp.mean over the batch axis.")
-    check_finite(params, batch)
+    _check_finite(params, batch)
     loss_checks.check_loss_fn(loss_fn, params, batch)
     return batch_size
 
 
-def check_finite(params: PyTree, batch: PyTree) -> None:
+def _check_finite(params: PyTree, batch: PyTree) -> None:
     """Raises ValueError naming the first concrete params or batch leaf (and example) holding
     NaN or inf."""
     named = [(f"{what} leaf {p!r}", x, what == "batch")

@@ -141,18 +141,14 @@ def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
     gives the parameter's gradient, on the operands in their own dtypes."""
     rules: dict[str, Callable[..., Any]] = FUSED_RULES if fused else SQ_NORM_RULES
     rule = rules.get(use.eqn.primitive.name)
-    if rule is None or not use.keeps_norm:
-        return False
     x_aval, g_aval = use.eqn.invars[1 - use.pos].aval, use.eqn.outvars[0].aval
-    if fused:
-        if not jnp.issubdtype(x_aval.dtype, jnp.inexact):
-            return False
-        x, g = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x_aval, g_aval))
-        return jax.eval_shape(lambda x, g: rule(use, x, g, dtype), x, g) is not None
-    x = jax.ShapeDtypeStruct(x_aval.shape, dtype if jnp.issubdtype(x_aval.dtype, jnp.inexact)
-                             else x_aval.dtype)
-    g = jax.ShapeDtypeStruct(g_aval.shape, dtype)
-    return jax.eval_shape(lambda x, g: rule(use, x, g), x, g) is not None
+    inexact = jnp.issubdtype(x_aval.dtype, jnp.inexact)
+    if rule is None or not use.keeps_norm or (fused and not inexact):
+        return False
+    x = jax.ShapeDtypeStruct(x_aval.shape, dtype if inexact and not fused else x_aval.dtype)
+    g = jax.ShapeDtypeStruct(g_aval.shape, g_aval.dtype if fused else dtype)
+    extra = (dtype,) if fused else ()
+    return jax.eval_shape(lambda x, g: rule(use, x, g, *extra), x, g) is not None
 
 
 def uncovered_leaves(loss_fn: LossFn, params: PyTree, batch: PyTree) -> dict[str, str]:
@@ -267,16 +263,10 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
 
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
     """([B] |Σ_uses per-example gradient|², their sum over the examples), in chunks."""
-    items, per_example_bytes = [], 0
-    for u in uses:
-        k = len(u.stack)
-        x = jnp.moveaxis(caps[u.uid], k + u.e_in, 0)
-        g = jnp.moveaxis(cotangents[u.uid], k + u.e_out, 0)
-        items.append((x, g))
-        origin = (u.chain[0].invars[0] if u.chain else u.eqn.invars[u.pos]).aval
-        per_example_bytes += 4 * np.dtype(dtype).itemsize * (
-            int(np.prod(u.stack)) * int(np.prod(origin.shape)) + x.size // x.shape[0]
-            + g.size // g.shape[0])
+    items = ghost_rules.examples_first(uses, caps, cotangents)
+    per_example_bytes = sum(4 * np.dtype(dtype).itemsize * (
+        int(np.prod(u.stack)) * int(np.prod(u.origin.shape)) + x.size // x.shape[0]
+        + g.size // g.shape[0]) for u, (x, g) in zip(uses, items, strict=True))
 
     def one(items_i):
         total: Any = 0
@@ -299,12 +289,9 @@ def auto_chunk_size(per_example_bytes: int, batch_size: int,
 
 
 def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None) -> int:
-    """The vmap(grad) chunk: `chunk_size` when given (checked), else one whose per-example
-    gradients and activations fit the memory budget."""
+    """The vmap(grad) chunk: `chunk_size` when given (`map_examples` checks it), else one
+    whose per-example gradients and activations fit the memory budget."""
     if chunk_size is not None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of examples, got "
-                             f"{chunk_size} (None picks one from the memory budget).")
         return chunk_size
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     batch_size = jax.tree.leaves(batch)[0].shape[0]

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs.stats.examples import scan_chunks, sum_over_examples
+from cbs.stats.ghost_trace import ELEMENTWISE_USES
 
 __all__ = [
-    "CPU_CHUNK_BYTES", "ELEMENTWISE", "FUSED_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "conv_fused",
-    "conv_sq_norm", "dense_fused", "dense_operands", "dense_sq_norm", "elementwise_fused",
-    "elementwise_sq_norm", "embed_layout", "embed_operands", "embed_sq_norm", "example_chunk",
-    "fuse_direct", "in_dtype", "per_example_grad", "bind", "fused", "tap", "use_gram",
+    "CPU_CHUNK_BYTES", "FUSED_RULES", "SQ_NORM_RULES", "bind", "dense_operands",
+    "elementwise_fused", "embed_layout", "embed_operands", "example_chunk", "examples_first",
+    "fuse_direct", "fused", "per_example_grad", "tap", "use_gram",
 ]
 
 
@@ -36,7 +36,7 @@ def use_gram(t: int, d: int, o: int) -> bool:
     return t * (d + o) < d * o
 
 
-FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example gradients
+_FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example gradients
 
 
 def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
@@ -44,7 +44,7 @@ def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
     (formed for their norms): fused, the norms cost the squares of that tensor (4
     multiply-adds per entry of memory traffic); unfused, the Gram form T²(D + O) per example.
     One position (T = 1) has the cheaper outer rule."""
-    return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= FUSED_BYTES
+    return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= _FUSED_BYTES
 
 
 def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
@@ -100,13 +100,13 @@ def dense_operands(use, x, g):
     return x_BxTxC, g_BxTxF, list(wc), w_free
 
 
-def dense_sq_norm(use, x, g) -> jax.Array | None:
+def _dense_sq_norm(use, x, g) -> jax.Array | None:
     """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² (W's entries permuted)."""
     x_BxTxC, g_BxTxF, _, _ = dense_operands(use, x, g)
     return _kernel_sq_norm(x_BxTxC, g_BxTxF)
 
 
-def dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
+def _dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
     gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
     x_BxTxC, g_BxTxF, wc, w_free = dense_operands(use, x, g)
@@ -193,14 +193,14 @@ def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
     return scan_chunks(one, (x_BxSxD, g_BxSxO), chunk, interleave=jax.device_count() > 1)
 
 
-def conv_sq_norm(use, x, g) -> jax.Array | None:
+def _conv_sq_norm(use, x, g) -> jax.Array | None:
     """`conv_general_dilated`: the dense rule on the input windows, in chunks of examples."""
     if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     return _windowed(use, lambda xw, gw: ((), _kernel_sq_norm(xw, gw)), *inputs)[1]
 
 
-def conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
+def _conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     """`conv_general_dilated`: (the kernel's gradient, [B] squared norms) from the per-example
     gradients on the input windows, when `fuse_direct` admits the whole batch's shapes."""
     if (inputs := _conv_inputs(use, x, g)) is None:
@@ -252,7 +252,7 @@ def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
     return jnp.clip(ids_BxT, 0, v - 1), g_BxTxO
 
 
-def embed_sq_norm(use, ids, g) -> jax.Array | None:
+def _embed_sq_norm(use, ids, g) -> jax.Array | None:
     """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
     when V < T)."""
     if (operands := embed_operands(use, ids, g)) is None:
@@ -291,7 +291,7 @@ def _sq_norms(per_example: jax.Array, example_axis: int) -> jax.Array:
                    tuple(a for a in range(per_example.ndim) if a != example_axis))
 
 
-def elementwise_sq_norm(use, x, g) -> jax.Array | None:
+def _elementwise_sq_norm(use, x, g) -> jax.Array | None:
     """Elementwise use of a broadcast parameter: Σ of the squared per-example gradients."""
     per_example = _elementwise_per_example(use, x, g)
     return None if per_example is None else _sq_norms(per_example, use.e_out)
@@ -302,7 +302,7 @@ def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent."""
     if use.e_out >= g.ndim:
         return None
-    per_example = _elementwise_per_example(use, in_dtype(x, dtype), g.astype(dtype))
+    per_example = _elementwise_per_example(use, _in_dtype(x, dtype), g.astype(dtype))
     if per_example is None:
         return None
     sq = _sq_norms(per_example, use.e_out)
@@ -312,16 +312,15 @@ def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
     return total, sq
 
 
-def in_dtype(x: jax.Array, dtype) -> jax.Array:
+def _in_dtype(x: jax.Array, dtype) -> jax.Array:
     """x in the accumulation dtype when it is floating point (integer ids stay as they are)."""
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
-ELEMENTWISE = ("mul", "add", "sub", "add_any")
-SQ_NORM_RULES = {"dot_general": dense_sq_norm, "conv_general_dilated": conv_sq_norm,
-                 "gather": embed_sq_norm, **{name: elementwise_sq_norm for name in ELEMENTWISE}}
+SQ_NORM_RULES = {"dot_general": _dense_sq_norm, "conv_general_dilated": _conv_sq_norm,
+                 "gather": _embed_sq_norm, **dict.fromkeys(ELEMENTWISE_USES, _elementwise_sq_norm)}
 # Rules that also give the parameter's gradient (weight gradient = Σ per-example gradients).
-FUSED_RULES = {"dot_general": dense_fused, "conv_general_dilated": conv_fused,
+FUSED_RULES = {"dot_general": _dense_fused, "conv_general_dilated": _conv_fused,
                **{name: elementwise_fused for name in ("mul", "add", "sub")}}
 
 
@@ -333,16 +332,21 @@ def _bind(eqn, args, params=None):
     return eqn.primitive.bind(*args, **params)
 
 
+def examples_first(uses, caps: dict, cotangents: dict) -> list[tuple[jax.Array, jax.Array]]:
+    """Per use, its captured data operand and output cotangent with the examples on axis 0."""
+    return [(jnp.moveaxis(caps[u.uid], len(u.stack) + u.e_in, 0),
+             jnp.moveaxis(cotangents[u.uid], len(u.stack) + u.e_out, 0)) for u in uses]
+
+
 def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
     """One example's gradient (x_i, g_i without the example axis) in the leaf's shape."""
-    origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
-    x1 = in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
+    x1 = _in_dtype(jnp.expand_dims(x_i, use.e_in), dtype)
     g1 = jnp.expand_dims(g_i, use.e_out).astype(dtype)
     params = dict(use.eqn.params)
     if params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = dtype
 
-    elementwise = use.eqn.primitive.name in ELEMENTWISE
+    elementwise = use.eqn.primitive.name in ELEMENTWISE_USES
     chain, last = use.chain, None
     if elementwise and chain and chain[-1].primitive.name == "broadcast_in_dim":
         chain, last = chain[:-1], dict(chain[-1].params)
@@ -360,7 +364,7 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
             w = jax.lax.slice_in_dim(w, 0, 1, axis=use.e_in)
         return _bind(use.eqn, [x1, w] if use.pos == 1 else [w, x1], params)
 
-    _, vjp = jax.vjp(apply, jnp.zeros(origin.shape, dtype))
+    _, vjp = jax.vjp(apply, jnp.zeros(use.origin.shape, dtype))
     return vjp(g1)[0]
 
 
@@ -377,20 +381,12 @@ def tap(use: Any, dtype: Any) -> Callable:
     where the backward pass meets the use, so nothing is kept beyond the ordinary backward."""
     rule = SQ_NORM_RULES[use.eqn.primitive.name]
 
-    @jax.custom_vjp
-    def tap(y, x, slot):
-        del x, slot
-        return y
-
-    def fwd(y, x, slot):
-        del slot
-        return y, x
-
     def bwd(x, g):
-        sq = cast(jax.Array, rule(use, in_dtype(x, dtype), g.astype(dtype)))  # admitted by the plan
+        sq = cast(jax.Array, rule(use, _in_dtype(x, dtype), g.astype(dtype)))  # plan admitted
         return g, None, sq.astype(dtype)
 
-    tap.defvjp(fwd, bwd)
+    tap = jax.custom_vjp(lambda y, x, slot: y)
+    tap.defvjp(lambda y, x, slot: (y, x), bwd)
     return tap
 
 
@@ -401,15 +397,6 @@ def fused(use: Any, dtype: Any) -> Callable:
     (when `fuse_direct` admits the shapes). The data operand's cotangent is the ordinary one."""
     rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
 
-    @jax.custom_vjp
-    def fused(lhs, rhs, slot):
-        del slot
-        return bind(eqn, [lhs, rhs])[0]
-
-    def fwd(lhs, rhs, slot):
-        del slot
-        return bind(eqn, [lhs, rhs])[0], (lhs, rhs)
-
     def bwd(operands, g):
         w, x = operands[use.pos], operands[1 - use.pos]
         with_x = lambda x: bind(eqn, [x, w] if use.pos == 1 else [w, x])[0]
@@ -418,5 +405,6 @@ def fused(use: Any, dtype: Any) -> Callable:
         cts = [dw.astype(w.dtype), dx] if use.pos == 0 else [dx, dw.astype(w.dtype)]
         return (*cts, sq.astype(dtype))
 
-    fused.defvjp(fwd, bwd)
+    fused = jax.custom_vjp(lambda lhs, rhs, slot: bind(eqn, [lhs, rhs])[0])
+    fused.defvjp(lambda lhs, rhs, slot: (bind(eqn, [lhs, rhs])[0], (lhs, rhs)), bwd)
     return fused

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cbs.stats.examples import map_and_sum
-from cbs.stats.ghost_rules import dense_operands, embed_layout, embed_operands
+from cbs.stats.ghost_rules import dense_operands, embed_layout, embed_operands, examples_first
 
 __all__ = ["ENTRY_COST", "FORM", "FORMS", "Part", "Tied", "plan", "sq_norms"]
 
@@ -109,8 +109,7 @@ def _operand_axes(chain, shape) -> list[int | None] | None:
 def _part(use) -> Part | None:
     """How `use` reads its leaf, or None when the rule cannot read it."""
     name = use.eqn.primitive.name
-    origin = (use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos]).aval
-    axes = _operand_axes(use.chain, origin.shape) if use.keeps_norm else None
+    axes = _operand_axes(use.chain, use.origin.shape) if use.keeps_norm else None
     if axes is None or name not in ("dot_general", "gather"):
         return None
     w_shape = use.eqn.invars[use.pos].aval.shape
@@ -171,11 +170,11 @@ def _direct_cost(parts: tuple[Part, ...], size: int) -> int:
     return ENTRY_COST * (len(parts) + 1) * size
 
 
-def plan(uses, form: str | None = None) -> Tied | None:
-    """The rule for a leaf read by `uses` (two or more, in one scan context), or None for the
-    materialised path (a use or pair the rule cannot read, or "materialised"). `form`
-    overrides FORM."""
-    form = FORM if form is None else form
+def plan(uses) -> Tied | None:
+    """The rule for a leaf read by `uses` (two or more, in one scan context) in the form FORM
+    asks for, or None for the materialised path (a use or pair the rule cannot read, or
+    "materialised")."""
+    form = FORM
     if form not in FORMS:
         raise ValueError(f"ghost_tied.FORM must be one of {FORMS}, got {form!r}")
     if form == "materialised" or len(uses) < 2:
@@ -191,9 +190,7 @@ def plan(uses, form: str | None = None) -> Tied | None:
             if how is None:
                 return None
             pairs[j, k] = how
-    use = uses[0]
-    slice_shape = tuple((use.chain[0].invars[0] if use.chain else use.eqn.invars[use.pos])
-                        .aval.shape)
+    slice_shape = tuple(uses[0].origin.shape)
     gram = sum(_pair_cost(parts[j], parts[k]) for j, k in pairs)
     direct = _direct_cost(parts, int(np.prod(slice_shape)))
     if form == "auto":
@@ -305,12 +302,7 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
              budget_bytes: int) -> tuple[jax.Array, jax.Array | None]:
     """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i or
     None in the Gram form), in chunks of `chunk_size` examples, else as `budget_bytes` holds."""
-    items = []
-    for p in tied.parts:
-        u = p.use
-        k = len(u.stack)
-        items.append((jnp.moveaxis(caps[u.uid], k + u.e_in, 0),
-                      jnp.moveaxis(cotangents[u.uid], k + u.e_out, 0)))
+    items = examples_first([p.use for p in tied.parts], caps, cotangents)
     stack = tied.parts[0].use.stack
 
     def one(items_i):

@@ -31,16 +31,14 @@ from jax.extend import core
 
 from cbs.stats import nested
 
-__all__ = [
-    "ELEMENTWISE_USES", "LINEAR_LAYOUT", "NORM_KEEPING", "Discovery", "PTag", "Use", "discover",
-]
+__all__ = ["ELEMENTWISE_USES", "Discovery", "Use", "axis_rule", "discover"]
 
 # Norm-preserving layout ops (their per-example transpose keeps |g|²) and linear ones that
 # do not (broadcast sums, slices pad with zeros): the latter force the materialised rule.
-NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
+_NORM_KEEPING = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
                           "expand_dims", "copy", "copy_p", "reduce_precision",
                           "sharding_constraint", "reshard", "mesh_cast", "pvary"})
-LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
+_LINEAR_LAYOUT = frozenset({"broadcast_in_dim", "slice", "rev"})
 ELEMENTWISE_USES = frozenset({"mul", "add", "sub", "add_any"})
 _ELEMENTWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil
 clamp conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
@@ -54,7 +52,7 @@ _AXIS_OPS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
 @dataclasses.dataclass(frozen=True)
-class PTag:
+class _PTag:
     """A value derived from params leaf `leaf` through `chain` (layout eqns, in order)."""
 
     leaf: int
@@ -79,10 +77,15 @@ class Use:
     e_in: int  # example axis of the other operand
     e_out: int  # example axis of the output
 
+    @property
+    def origin(self) -> Any:
+        """The aval of the leaf (or of one scan step's slice of it)."""
+        return (self.chain[0].invars[0] if self.chain else self.eqn.invars[self.pos]).aval
+
 
 @dataclasses.dataclass
 class _Var:
-    ptag: PTag | None = None
+    ptag: _PTag | None = None
     eaxis: int | None = None
     dep: bool = False  # depends on the batch
 
@@ -104,7 +107,7 @@ def _shape(v) -> tuple[int, ...]:
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
     """Walks `jaxpr` (inputs: params leaves, then batch leaves) and records every read."""
     disc = Discovery(batch_size)
-    tags = [_Var(ptag=PTag(i, (), (), True)) if i < n_params else
+    tags = [_Var(ptag=_PTag(i, (), (), True)) if i < n_params else
             _Var(eaxis=0 if _shape(v) else None, dep=True)
             for i, v in enumerate(jaxpr.invars)]
     _walk(jaxpr, tags, disc, (), (), [])
@@ -112,8 +115,7 @@ def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
 
 
 def _walk(jaxpr, in_tags, disc, ctx, stack, scans) -> list[_Var]:
-    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))
-    env.update({v: _Var() for v in jaxpr.constvars})
+    env: dict[Any, _Var] = dict(zip(jaxpr.invars, in_tags, strict=True))  # consts: untagged
     read = lambda v: _Var() if isinstance(v, core.Literal) else env.get(v, _Var())
     for eqn in jaxpr.eqns:
         outs = _eqn(eqn, [read(v) for v in eqn.invars], disc, ctx, stack, scans)
@@ -139,10 +141,10 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         if name.startswith("custom"):  # their outputs follow a custom rule: not a layout chain
             outs = [_passed(t, ctx, f"returned by `{name}`") for t in outs]
         return outs
-    if ptagged and len(ins) == 1 and (name in NORM_KEEPING or name in LINEAR_LAYOUT):
+    if ptagged and len(ins) == 1 and (name in _NORM_KEEPING or name in _LINEAR_LAYOUT):
         p = ins[0].ptag
         # a `broadcast_in_dim` that only inserts size-1 axes (a bias [O] as [1, 1, O]) keeps it
-        keeps = p.keeps_norm and (name in NORM_KEEPING or (
+        keeps = p.keeps_norm and (name in _NORM_KEEPING or (
             name == "broadcast_in_dim"
             and np.prod(eqn.outvars[0].aval.shape) == np.prod(eqn.invars[0].aval.shape)))
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
@@ -182,7 +184,7 @@ def _passed(t: _Var, ctx, why: str) -> _Var:
     """A leaf leaving a scan or custom rule: harmless unless something reads it."""
     if t.ptag is None:
         return t
-    return dataclasses.replace(t, ptag=PTag(t.ptag.leaf, ctx, (), False, shared=why))
+    return dataclasses.replace(t, ptag=_PTag(t.ptag.leaf, ctx, (), False, shared=why))
 
 
 def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
@@ -203,7 +205,7 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
                 disc.reads[sid, t.ptag.leaf] = (t.ptag.shared or "scanned over after an op "
                                                 "that changes its norm")
             else:
-                ptag = PTag(t.ptag.leaf, inner_ctx, (), True)
+                ptag = _PTag(t.ptag.leaf, inner_ctx, (), True)
         e = t.eaxis - 1 if t.eaxis else None
         xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
     for _ in range(3):  # fixed point on the carry's example axis
@@ -240,17 +242,20 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
     tagged = {a for a in axes if a is not None}
     if len(tagged) != 1:
         return None
-    e = tagged.pop()
-    out_shapes = [_shape(v) for v in eqn.outvars]
-    rank_ok = all(len(s) > e and s[e] == batch_size for s in out_shapes)
-    if name in _ELEMENTWISE:
-        return [e] * len(out_shapes) if rank_ok else None
-    rule = _AXIS_RULES.get(name)
+    out = axis_rule(eqn, ins, tagged.pop(), batch_size)
+    return None if name in _ELEMENTWISE and out and None in out else out
+
+
+def axis_rule(eqn, ins, e: int, size: int) -> list[int | None] | None:
+    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost),
+    or None for an operation without an axis rule."""
+    rule = (lambda eqn, ins, e: e) if eqn.primitive.name in _ELEMENTWISE else _AXIS_RULES.get(
+        eqn.primitive.name)
     out = None if rule is None else rule(eqn, ins, e)
     if out is None:
         return None
-    out = out if isinstance(out, list) else [out] * len(out_shapes)
-    return [a if a is not None and _shape(v)[a:a + 1] == (batch_size,) else None
+    out = out if isinstance(out, list) else [out] * len(eqn.outvars)
+    return [a if a is not None and _shape(v)[a:a + 1] == (size,) else None
             for a, v in zip(out, eqn.outvars, strict=True)]
 
 
@@ -327,6 +332,7 @@ def _fused_attention(eqn, ins, e):
 
 
 _AXIS_RULES = {
+    "broadcast_in_dim": lambda eqn, ins, e: eqn.params["broadcast_dimensions"][e],
     "reshape": _reshape,
     "dot_product_attention_fwd": _fused_attention,
     "dot_product_attention_fwd_wrapper": _fused_attention,

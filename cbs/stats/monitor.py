@@ -63,11 +63,9 @@ class NoiseMonitor:
 
     def update(self, stats: NoiseStats, *, step: int | None = None) -> None:
         """Folds one batch's statistics in; `step`: the training loop's step."""
-        if stats.g_h_g is not None and stats.trace_h_sigma is not None:
-            self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
-                             stats.trace_h_sigma, stats.g_h_g)
-        else:
-            self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma)
+        curv = stats.g_h_g is not None and stats.trace_h_sigma is not None
+        self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
+                         *((stats.trace_h_sigma, stats.g_h_g) if curv else ()))
         self.updates += 1
         self.step = self.updates if step is None else int(step)
         if self.every and self.updates % self.every == 0:

@@ -112,16 +112,13 @@ def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None)
 def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch=None):
     """Centred sums from per-example gradients, in chunks (H of `hessian_batch`, else `batch`)."""
     dtype = trees.accum_dtype()
-    if curvature:
-        grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
-    else:
-        grad, hvp_lin = jax.grad(loss_fn)(params, batch), None
+    grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch, curvature)
     chunk_size = ghost.vmap_chunk_size(params, batch, chunk_size)
     grad_acc = trees.tree_cast(grad, dtype)
 
     def per_example(example):
         g = jax.grad(loss_fn)(params, examples.one_example(example))
-        d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
+        d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
         out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
         if curvature:
             out["dhd"], dhd_K = block_quadratic_forms(hvp_lin, d, blocks)
@@ -139,11 +136,13 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_ba
     return sums
 
 
-def _grad_and_hvp(loss_fn, params, batch, hessian_batch):
-    """(ḡ of `batch`, v ↦ Hv) with H of `hessian_batch` (None: of `batch` itself)."""
-    if hessian_batch is None:
+def _grad_and_hvp(loss_fn, params, batch, hessian_batch, curvature=True):
+    """(ḡ of `batch`, v ↦ Hv) with H of `hessian_batch` (None: of `batch` itself); without
+    `curvature`, (ḡ, None)."""
+    if curvature and hessian_batch is None:
         return hvp_fn(loss_fn, params, batch)
-    return jax.grad(loss_fn)(params, batch), hvp_fn(loss_fn, params, hessian_batch)[1]
+    return jax.grad(loss_fn)(params, batch), (
+        hvp_fn(loss_fn, params, hessian_batch)[1] if curvature else None)
 
 
 def _fast_sums(batch_size, grad, sq_norms):
@@ -280,11 +279,8 @@ def _probe(loss_fn, params, batch, key, hessian_batch, *, num_probes, curvature,
     dtype = trees.accum_dtype()
 
     def compute(params, batch, key, hessian_batch):
-        if curvature:
-            grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch)
-            mean_ghg = trees.tree_dot(grad, hvp_lin(grad))
-        else:
-            grad, mean_ghg = jax.grad(loss_fn)(params, batch), None
+        grad, hvp_lin = _grad_and_hvp(loss_fn, params, batch, hessian_batch, curvature)
+        mean_ghg = trees.tree_dot(grad, hvp_lin(grad)) if curvature else None
         losses_B = lambda p: jax.vmap(lambda ex: loss_fn(p, examples.one_example(ex)))(batch)
         _, jvp_lin = jax.linearize(losses_B, params)
         centred = lambda v: (lambda a_B: a_B - jnp.mean(a_B))(jvp_lin(v).astype(dtype))

@@ -257,7 +257,7 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
 
     def form(example):
         g = jax.grad(loss_fn)(params, jax.tree.map(lambda x: x[None], example))
-        d = trees.tree_sub(trees.tree_cast(g, dtype), grad_acc)
+        d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
         return trees.tree_dot(d, hvp(d))
 
     # deviations side by side (vmap) only while an HVP is one pass over at most a chunk

@@ -13,7 +13,7 @@ import numpy as np
 
 __all__ = [
     "GroupSpec", "PyTree", "accum_dtype", "group_matrix", "leaf_dots", "leaf_paths",
-    "resolve_groups", "tree_cast", "tree_cast_like", "tree_dot", "tree_sq_norm", "tree_sub",
+    "resolve_groups", "tree_cast", "tree_cast_like", "tree_dot", "tree_sq_norm",
 ]
 
 PyTree = Any
@@ -34,11 +34,6 @@ def tree_cast(tree: PyTree, dtype) -> PyTree:
 def tree_cast_like(tree: PyTree, like: PyTree) -> PyTree:
     """Casts every leaf of `tree` to the dtype of the matching leaf of `like`."""
     return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
-
-
-def tree_sub(a: PyTree, b: PyTree) -> PyTree:
-    """Leafwise a − b."""
-    return jax.tree.map(jnp.subtract, a, b)
 
 
 def leaf_dots(a: PyTree, b: PyTree) -> list[jax.Array]:
