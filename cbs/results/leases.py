@@ -108,11 +108,8 @@ def _lease(lock_dir: str, name: str) -> Claim | None:
                     and f == f"{prefix}{e}{_SUFFIX}")
     epoch = 0
     if epochs:
-        top = paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}")
-        current = _read(top)
-        if current is None:  # released between the listing and the read: look again later
-            return None
-        if _alive(current):
+        current = _read(paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}"))
+        if current is None or _alive(current):  # None: released since the listing (later)
             return None
         epoch = epochs[-1] + 1
     path = paths.join(lock_dir, f"{prefix}{epoch}{_SUFFIX}")
