@@ -23,7 +23,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cbs.results import files, leases, paths, records, shared
@@ -175,7 +175,14 @@ class SweepStore:
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
         path = paths.join(self.sweep_dir, files.CSV_FILE)
-        rows = list(_csv_rows(self.records()))
+        rows = [{"trial_id": r["trial_id"], "batch_size": r["batch_size"],
+                 "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
+                 "target": key, "steps": _blank(steps),
+                 "examples": _blank(r["examples_to_target"][key]),
+                 "b_simple": _blank(r["noise_at_target"].get(key, {}).get("b_simple")),
+                 "b_noise": _blank(r["noise_at_target"].get(key, {}).get("b_noise")),
+                 "final_steps": r["final_steps"], "final_metric": r["final_metric"]}
+                for r in self.records() for key, steps in r["steps_to_target"].items()]
         paths.makedirs(self.sweep_dir)
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, fieldnames=[
@@ -259,21 +266,6 @@ def describe(changed: Sequence[str], limit: int = 6) -> str:
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _csv_rows(records: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
-    for r in records:
-        for key, steps in r["steps_to_target"].items():
-            noise_at = r["noise_at_target"].get(key, {})
-            yield {
-                "trial_id": r["trial_id"], "batch_size": r["batch_size"],
-                "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
-                "target": key, "steps": _blank(steps), "examples": _blank(
-                    r["examples_to_target"][key]),
-                "b_simple": _blank(noise_at.get("b_simple")),
-                "b_noise": _blank(noise_at.get("b_noise")),
-                "final_steps": r["final_steps"], "final_metric": r["final_metric"],
-            }
 
 
 def _blank(value: float | None) -> Any:
