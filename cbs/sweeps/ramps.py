@@ -217,11 +217,8 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
     metric = sweep.target_metric
     curve = curve_from_records(records, metric, sweep.loss_ema_decay)
     train_recs = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
-    steps_to, examples_to = {}, {}
-    for target in sweep.targets:
-        key = target_key(target)
-        steps_to[key] = selection.steps_to_target(curve["step"], curve[metric], target)
-        examples_to[key] = selection.steps_to_target(curve["examples"], curve[metric], target)
+    steps_to, examples_to = ({target_key(t): selection.steps_to_target(curve[x], curve[metric], t)
+                              for t in sweep.targets} for x in ("step", "examples"))
     return {
         "label": label, "status": status, "learning_rate": learning_rate,
         "target_metric": metric, "steps_to_target": steps_to, "examples_to_target": examples_to,

@@ -247,8 +247,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
             out.append(done[-1])
             continue
         trial = dataclasses.replace(best, seed=seed)
-        noise = (sampled_noise(config, examples, deviations, hessian_examples) if sampled
-                 else None)
+        noise = sampled_noise(config, examples, deviations, hessian_examples) if sampled else None
         run = SeedReferenceRun(config, trial, store, crossing=crossing, noise=noise,
                                windows=sampled)
         if not sampled and run.dataset.num_train > FULL_DATA_MAX:
