@@ -112,16 +112,13 @@ def main(argv: list[str]) -> None:
             return
     if not advices:
         raise ValueError(_nothing_measured(where, scale, bool(_SWEEP_DIR.value)))
-    out = _OUT.value or where
+    out, text = _OUT.value or where, f"{advice.summary(advices[-1])}\n\n{advice.table(advices)}"
     paths.makedirs(out)
-    text = advice.table(advices)
-    records.write_atomic(os.path.join(out, f"{name}.md"), "# Batch-size advice from "
-                         f"`{where}`\n\n{advice.summary(advices[-1])}\n\n{text}\n")
+    records.write_atomic(os.path.join(out, f"{name}.md"),
+                         f"# Batch-size advice from `{where}`\n\n{text}\n")
     records.write_json_atomic(os.path.join(out, f"{name}.json"), {"advice": json.loads(
         json.dumps([a.to_dict() for a in advices], default=float))})
     advice.figure(advices, os.path.join(out, f"{name}.png"))
-    print(advice.summary(advices[-1]))
-    print()
     print(text)
 
 

@@ -28,15 +28,11 @@ PREFIX = "cbs:"  # `--config=cbs:<name>[:arg]` names a packaged preset explicitl
 _HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _defines_get_config(file: pathlib.Path) -> bool:
-    tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
-    return any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body)
-
-
 def names() -> list[str]:
     """The packaged presets' names, sorted (modules here with a top-level `get_config`)."""
-    return sorted(f.stem for f in _HERE.glob("*.py")
-                  if not f.stem.startswith("_") and _defines_get_config(f))
+    return sorted(f.stem for f in _HERE.glob("*.py") if not f.stem.startswith("_") and any(
+        isinstance(n, ast.FunctionDef) and n.name == "get_config"
+        for n in ast.parse(f.read_text(encoding="utf-8"), str(f)).body))
 
 
 def path(name: str) -> str:

@@ -12,7 +12,7 @@ from ml_collections import config_dict
 from cbs import data, models
 from cbs.engine import config as config_lib
 
-__all__ = ["base_config", "make_tiny", "parse_arg", "repo_root", "schedule_config", "seeded"]
+__all__ = ["base_config", "make_tiny", "parse_arg", "repo_root", "seeded"]
 
 
 def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
@@ -59,8 +59,3 @@ def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collection
     c.eval.train_examples = 512  # first 512 training examples for full_train/*
     c.noise.every = 10  # one exact measurement in the middle
     return c
-
-
-def schedule_config(fields: dict) -> ml_collections.ConfigDict:
-    """A `config.batch.schedule` from a plain dict (see batch_schedule_from_config)."""
-    return ml_collections.ConfigDict(dict(fields))

@@ -50,7 +50,7 @@ def ramp_run(arg: str, schedule: dict, *, base_batch_size: int, learning_rate: f
     c = digits_sweep.get_config(arg)
     del c["sweep"]
     c.batch.micro_batch = 16  # m fixed; B changes through the accumulation count
-    c.batch.schedule = base.schedule_config(schedule)  # the ramp
+    c.batch.schedule = ml_collections.ConfigDict(dict(schedule))  # the ramp
     c.batch.lr_coupling.rule = "sqrt"  # η = η_0·(B/B_0)^½ at every change
     c.batch.lr_coupling.base_batch_size = base_batch_size  # B_0, the first batch size
     c.batch.lr_coupling.cap = 0.03  # largest η allowed (Adam diverges above)

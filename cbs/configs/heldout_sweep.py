@@ -110,8 +110,6 @@ def get_config(arg: str = ""):
     n.examples = "all"  # exact G, tr(Σ) on all training examples
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
-    s.noise_window = 5  # measurements averaged around each crossing
-    s.noise_protocol = "per_trial"  # noise at each best trial's crossings
     if "predict" in words:
         s.batch_sizes = (64,)  # one batch size: the grid's centre
         s.lr_factors = (1.0,)  # one rate: the grid's centre

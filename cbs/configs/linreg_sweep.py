@@ -58,8 +58,6 @@ def get_config(arg: str = ""):
     n.examples = "all"  # exact G, tr(Σ), GᵀHG on all training examples
     n.deviations = 64  # tr(HΣ) from the deviations of 64 random examples
     n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
-    s.noise_window = 5  # measurements averaged around each crossing
-    s.noise_protocol = "per_trial"  # noise at each best trial's crossings
     if "tiny" in words:
         c.data.options.num_train = 1024  # a small training set
         s.batch_sizes = (8, 32, 128)  # three batch sizes

@@ -48,7 +48,6 @@ def get_config(arg: str = ""):
     n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
-    s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "per_trial"  # no reference run (≈ 30 s per full-data evaluation)
     if "sgd" in words:
         c.optim.name = "sgd"  # plain SGD: u = g, no momentum

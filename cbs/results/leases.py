@@ -51,7 +51,15 @@ def claim(lock_dir: PathLike, name: str, *, wait: bool = False) -> Claim | None:
     """Takes claim `name` in `lock_dir`; None when another process holds it and `wait` is
     False (with `wait`, blocks until it is free)."""
     if not paths.is_remote(lock_dir):
-        return _lock(os.fspath(lock_dir), name, wait)
+        os.makedirs(lock_dir, exist_ok=True)
+        path = os.path.join(lock_dir, f"{name}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return Claim(name, path, fd=fd)
     poll = min(5.0, lease_seconds() / 10)
     while True:
         got = _lease(os.fspath(lock_dir), name)
@@ -83,18 +91,6 @@ def names(lock_dir: PathLike) -> list[str]:
     return sorted(out)
 
 
-def _lock(lock_dir: str, name: str, wait: bool) -> Claim | None:
-    os.makedirs(lock_dir, exist_ok=True)
-    path = os.path.join(lock_dir, f"{name}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return Claim(name, path, fd=fd)
-
-
 def _epoch(fname: str) -> int | None:
     stem = fname.removesuffix(_SUFFIX).rsplit(".", 1)
     return int(stem[1]) if len(stem) == 2 and stem[1].isdigit() else None
@@ -108,11 +104,8 @@ def _lease(lock_dir: str, name: str) -> Claim | None:
                     and f == f"{prefix}{e}{_SUFFIX}")
     epoch = 0
     if epochs:
-        top = paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}")
-        current = _read(top)
-        if current is None:  # released between the listing and the read: look again later
-            return None
-        if _alive(current):
+        current = _read(paths.join(lock_dir, f"{prefix}{epochs[-1]}{_SUFFIX}"))
+        if current is None or _alive(current):  # None: released since the listing (later)
             return None
         epoch = epochs[-1] + 1
     path = paths.join(lock_dir, f"{prefix}{epoch}{_SUFFIX}")

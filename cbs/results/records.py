@@ -144,7 +144,19 @@ def repair_tail(path: PathLike) -> int:
         if len(kept) < len(raw):
             write_atomic(path, kept)
         return len(raw) - len(kept)
-    size, pos = _local_tail(os.fspath(path))
+    size = pos = 0  # the size, and the offset just past the last newline
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = pos = f.tell()
+            while pos > 0:  # scan backwards for the last newline, 4096 bytes at a time
+                start = max(0, pos - 4096)
+                f.seek(start)
+                cut = f.read(pos - start).rfind(b"\n")
+                if cut >= 0:
+                    pos = start + cut + 1
+                    break
+                pos = start
     if pos == size:
         return 0
     os.truncate(path, pos)
@@ -163,26 +175,6 @@ def _whole_lines(path: PathLike, raw: bytes) -> bytes:
     if len(kept) < len(raw):
         _warn_torn(path, len(raw) - len(kept))
     return kept
-
-
-def _local_tail(path: str) -> tuple[int, int]:
-    """(size, offset just past the last newline) of a local file; (0, 0) when missing."""
-    if not os.path.exists(path):
-        return 0, 0
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = pos = f.tell()
-        block = 4096
-        while pos > 0:  # scan backwards for the last newline
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            cut = chunk.rfind(b"\n")
-            if cut >= 0:
-                pos = start + cut + 1
-                break
-            pos = start
-    return size, pos
 
 
 def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:

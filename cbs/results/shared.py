@@ -81,21 +81,18 @@ def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]])
     target = paths.join(folder, name)
     paths.makedirs(folder)
     records.write_atomic(target, data)
-    if paths.is_remote(path):
-        _compact_levels(path, [*listed, target])
-    return target
-
-
-def _compact_levels(path: PathLike, listed: Sequence[str]) -> None:
-    """Compacts each level of `listed` (the parts of `path` a writer knows of) that holds
-    `FANOUT` parts, lowest first (a compaction may fill the next level)."""
-    listed = [p for p in listed if os.path.basename(p) != LEGACY_PART]
+    if not paths.is_remote(path):
+        return target
+    # compacts each level of the parts this writer knows of that holds `FANOUT` parts, lowest
+    # first (a compaction may fill the next level)
+    listed = [p for p in [*listed, target] if os.path.basename(p) != LEGACY_PART]
     level = 0
     while any(part_level(p) >= level for p in listed):
         same = [p for p in listed if part_level(p) == level]
         if len(same) >= FANOUT and (new := compact(path, same)) is not None:
             listed = [p for p in listed if p not in same] + [new]
         level += 1
+    return target
 
 
 def compact(path: PathLike, names: Sequence[str]) -> str | None:

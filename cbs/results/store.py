@@ -23,7 +23,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cbs.results import files, leases, paths, records, shared
@@ -93,9 +93,6 @@ class SweepStore:
             raise NotADirectoryError(f"sweep directory {sweep_dir} is a file; pass a "
                                      "directory (new or an earlier sweep's)")
 
-    def _makedirs(self) -> None:
-        paths.makedirs(self.sweep_dir)
-
     def trial_dir(self, trial: Any) -> str:
         """The run directory of a trial (anything with a `trial_id`)."""
         return paths.join(self.sweep_dir, "trials", trial.trial_id)
@@ -110,7 +107,7 @@ class SweepStore:
         previous = records.read_json(path)
         plain = json.loads(json.dumps(definition))
         if previous is None:
-            self._makedirs()
+            paths.makedirs(self.sweep_dir)
             records.write_json_atomic(path, plain)
             return
         changed = definition_diff(previous, plain)
@@ -143,10 +140,7 @@ class SweepStore:
         """Takes the claim `name` in `locks/` (`cbs.results.leases.claim`)."""
         return leases.claim(self.lock_dir, name, wait=wait)
 
-    @staticmethod
-    def release(held: leases.Claim) -> None:
-        """Gives back a claim taken by `claim`."""
-        leases.release(held)
+    release = staticmethod(leases.release)
 
     def claim_names(self) -> list[str]:
         """The names of the claims ever taken in this sweep (held or not)."""
@@ -168,26 +162,32 @@ class SweepStore:
         """Records finished trials: one write-once part with a single write (all or none)."""
         if not results:
             return
-        self._makedirs()
+        paths.makedirs(self.sweep_dir)
         shared.write_part(self.path, shared.part_name([r.trial_id for r in results]),
                           [r.to_json() for r in results])
 
     def export(self) -> None:
         """Writes the exports trials.jsonl (earlier lines kept byte for byte) and
         trials.csv."""
-        if shared.part_paths(self.path):
-            shared.export_parts(self.path, ("trial_id",), cache=self._read)
+        shared.export_parts(self.path, ("trial_id",), cache=self._read)
         self.export_csv()
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
         path = paths.join(self.sweep_dir, files.CSV_FILE)
-        rows = list(_csv_rows(self.records()))
-        self._makedirs()
+        rows = [{"trial_id": r["trial_id"], "batch_size": r["batch_size"],
+                 "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
+                 "target": key, "steps": _blank(steps),
+                 "examples": _blank(r["examples_to_target"][key]),
+                 "b_simple": _blank(r["noise_at_target"].get(key, {}).get("b_simple")),
+                 "b_noise": _blank(r["noise_at_target"].get(key, {}).get("b_noise")),
+                 "final_steps": r["final_steps"], "final_metric": r["final_metric"]}
+                for r in self.records() for key, steps in r["steps_to_target"].items()]
+        paths.makedirs(self.sweep_dir)
         text = io.StringIO(newline="")
-        fields = ["trial_id", "batch_size", "learning_rate", "seed", "status", "target",
-                  "steps", "examples", "b_simple", "b_noise", "final_steps", "final_metric"]
-        writer = csv.DictWriter(text, fieldnames=fields)
+        writer = csv.DictWriter(text, fieldnames=[
+            "trial_id", "batch_size", "learning_rate", "seed", "status", "target", "steps",
+            "examples", "b_simple", "b_noise", "final_steps", "final_metric"])
         writer.writeheader()
         writer.writerows(rows)
         records.write_atomic(path, text.getvalue())
@@ -266,21 +266,6 @@ def describe(changed: Sequence[str], limit: int = 6) -> str:
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _csv_rows(records: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
-    for r in records:
-        for key, steps in r["steps_to_target"].items():
-            noise_at = r["noise_at_target"].get(key, {})
-            yield {
-                "trial_id": r["trial_id"], "batch_size": r["batch_size"],
-                "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
-                "target": key, "steps": _blank(steps), "examples": _blank(
-                    r["examples_to_target"][key]),
-                "b_simple": _blank(noise_at.get("b_simple")),
-                "b_noise": _blank(noise_at.get("b_noise")),
-                "final_steps": r["final_steps"], "final_metric": r["final_metric"],
-            }
 
 
 def _blank(value: float | None) -> Any:

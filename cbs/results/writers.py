@@ -189,7 +189,11 @@ class WandbWriter(MetricWriter):
             run = wandb.init(project=project, name=name, group=group, id=run_id,
                              resume="allow" if run_id else None,
                              config=dict(config) if config else None, **init_kwargs)
-            print(f"wandb: {run.name} ({_where(run)})", file=sys.stderr, flush=True)
+            # where: its URL, or its local directory offline (where `wandb sync` uploads it)
+            mode = getattr(getattr(run, "settings", None), "mode", None)
+            where = (f"{mode}: {os.path.dirname(str(run.dir))}" if mode in ("offline", "disabled")
+                     else str(getattr(run, "url", None) or ""))
+            print(f"wandb: {run.name} ({where})", file=sys.stderr, flush=True)
         self.run = run
         self._last_step = -1
         self.dropped = 0  # scalars not sent: their step was below the last one written
@@ -220,14 +224,6 @@ class WandbWriter(MetricWriter):
         if self._owned and self.run is not None:
             self.run.finish()
         self.run = None
-
-
-def _where(run: Any) -> str:
-    """A run's URL, or its local directory when offline (where `wandb sync` uploads it)."""
-    mode = getattr(getattr(run, "settings", None), "mode", None)
-    if mode in ("offline", "disabled"):
-        return f"{mode}: {os.path.dirname(str(run.dir))}"
-    return str(getattr(run, "url", None) or "")
 
 
 class MultiWriter(MetricWriter):

@@ -96,16 +96,14 @@ class BranchRunner:
                  dataset: data.Dataset | None = None, checkpoints: str | None = None,
                  lr_scale: float = 1.0):
         validate_branch_config(config)
-        self.config, self.workdir, self.b = config, workdir, config.branch
+        self.config, self.workdir, self.b, self.dataset = config, workdir, config.branch, dataset
         self.bsz = reference_batch(config)
         self.ks = [int(k) for k in self.b.ks]
-        c = spec.run_config(config, spec.RunOverrides(
+        self.branch_config = c = spec.run_config(config, spec.RunOverrides(
             noise_every=0,  # no per-example measurements inside branches
             schedule=dict(config.batch.schedule.to_dict(),
                           batch_size=self.ks[-1] * self.bsz),  # sizes checked up to max k
             eval_enabled=False), drop=())
-        self.branch_config = c
-        self.dataset = dataset
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.mesh, self.rep = one, mesh.replicated(one)
         self.parts = RunParts(c, mesh=one, dataset=dataset)
@@ -302,6 +300,5 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             branch_noise.measure_reference_noise(config, workdir, runner, steps)
     finally:
         runner.close()
-    if shared.part_paths(path):
-        shared.export_parts(path, UNIT_KEYS)
+    shared.export_parts(path, UNIT_KEYS)
     return shared.read_merged(path, UNIT_KEYS)

@@ -97,12 +97,11 @@ class TrialGroup:
             raise ValueError(f"{self.parts.dataset.name} is streamed: set "
                              "config.sweep.vmap_trials=False to run its trials one by one")
         self.config, self.dataset, self.schedule = c, self.parts.dataset, self.parts.schedule
-        self._rep = mesh.replicated(self.mesh)
+        self._rep = rep = mesh.replicated(self.mesh)
         (self.batch_size,) = self.schedule.batch_sizes()  # B: the run config's constant schedule
         self.steps = eval_steps(self.sweep, self.batch_size, evals)
         self._index = {s: j for j, s in enumerate(self.steps)}
         self.rule: DivergenceRule = divergence_rule(self.sweep)
-        rep = self._rep
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
                               in_shardings=(rep, rep, None), out_shardings=rep)
         # The evaluation does not depend on B: groups of one sweep share its compilation.
@@ -121,7 +120,6 @@ class TrialGroup:
 
     def _evaluate(self, states: TrainState, loss_ema: jax.Array, index: int
                   ) -> dict[str, jax.Array]:
-        """Progress metric and noise measurement of every trial (the `index`-th evaluation)."""
         return self._evaluate_jit(states, loss_ema, jnp.asarray(index, jnp.int32))
 
     def _evaluate_fn(self, state: TrainState, loss_ema: jax.Array, index: jax.Array
@@ -230,11 +228,9 @@ class TrialGroup:
         """Trains (or resumes) the group to the end; returns one result per trial. A group
         whose run directory already ended with this config is replayed from its records."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
-        status = ended_run(self.workdir, self.config)
-        if status is not None:
-            self._replay(records.read_records(os.path.join(self.workdir,
-                                                           files.METRICS_FILE)))
-            summary = status
+        summary = ended_run(self.workdir, self.config)
+        if summary is not None:
+            self._replay(records.read_records(os.path.join(self.workdir, files.METRICS_FILE)))
         else:
             summary = Loop(self, self._observe, points=self, read_each_evaluation=True,
                            end=self.expected_steps(), outputs=self.outputs,
@@ -275,11 +271,10 @@ class TrialGroup:
         curve: dict[str, list[float]] = {
             "step": list(steps), "examples": [s * self.batch_size for s in steps],
             metric: [float(v) for v in m[skip:keep]]}
-        evals = history["evals"][:keep]
         curve["noise/step"] = list(self.steps[:keep])
         for key in self.curve_keys:
             curve[key] = [float(np.asarray(e[key])[i]) if key in e else math.nan
-                          for e in evals]
+                          for e in history["evals"][:keep]]
         values = [v for v in curve[metric] if math.isfinite(v)]
         if status != "diverged" and values and min(values) <= min(self.sweep.targets):
             status = "done"

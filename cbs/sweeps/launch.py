@@ -137,7 +137,13 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
             + (f" (shard {shard})" if shard else "") + (f", round {round_}" if round_ else ""))
         ran = _run_claimed(config, store, todo, vmap, cache, log)
         results += ran
-        waited = _wait_for_others(store)
+        waited = False  # until no other process holds a group of this sweep
+        for name in store.claim_names():
+            held = store.claim(name)
+            if held is None:
+                waited, held = True, store.claim(name, wait=True)
+            if held is not None:
+                store.release(held)  # a waiting claim returns it
         stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
     waiting = [t for t in pending_trials(config, store)
                if t not in shard_trials([t], shard, config.sweep.batch_sizes)]
@@ -148,13 +154,6 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
         run_reference(config, store, log=log)
     store.export()
     return results
-
-
-def _groups(todo: list[Trial], vmap: bool) -> list[list[Trial]]:
-    if not vmap:
-        return [[t] for t in todo]
-    key = lambda t: (t.batch_size, t.seed)
-    return [list(g) for _, g in itertools.groupby(sorted(todo, key=key), key=key)]
 
 
 def group_slots(config: ml_collections.ConfigDict, group: list[Trial]) -> list[Trial]:
@@ -173,9 +172,11 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
     """Runs each group this process can claim; skips groups another process is running.
     A bar (`CountBar`) shows the trials done, their rate and the time left."""
     results: list[TrialResult] = []
+    key = lambda t: (t.batch_size, t.seed) if vmap else t.index
     enabled = bool(config.train.progress_bar) and jax.process_index() == 0
     with CountBar(len(todo), unit="trial", enabled=enabled, log=log) as bar:
-        for group in _groups(todo, vmap):
+        for _, grouped in itertools.groupby(sorted(todo, key=key), key=key):
+            group = list(grouped)
             slots = group_slots(config, group) if vmap else group
             preemption.check(f"before {group_name(slots)}")  # finished groups are recorded
             held = store.claim(group_name(slots))
@@ -200,16 +201,3 @@ def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
             finally:
                 store.release(held)
     return results
-
-
-def _wait_for_others(store: SweepStore) -> bool:
-    """Waits until no other process holds a group of this sweep; True if one did."""
-    waited = False
-    for name in store.claim_names():
-        held = store.claim(name)
-        if held is None:
-            waited = True
-            held = store.claim(name, wait=True)
-        if held is not None:
-            store.release(held)  # a waiting claim returns it
-    return waited

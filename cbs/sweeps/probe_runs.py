@@ -108,7 +108,6 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
             runner.remove_unit(s, k)
     finally:
         runner.close()
-    if shared.part_paths(path):
-        shared.export_parts(path, branches.UNIT_KEYS)
+    shared.export_parts(path, branches.UNIT_KEYS)
     rows = [r for r in shared.read_merged(path, branches.UNIT_KEYS) if r["point_step"] == step]
     return out | {"rows": rows, "metric": metric}

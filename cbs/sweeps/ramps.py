@@ -39,7 +39,7 @@ from cbs.runtime import fields, preemption
 from cbs.runtime.fields import ConfigError
 from cbs.runtime.writer import CountBar
 from cbs.sweeps import grid, launch
-from cbs.sweeps.trials import ProgressMonitor, curve_from_records
+from cbs.sweeps.trials import ProgressMonitor, curve_from_records, default_replicas
 
 __all__ = [
     "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps", "ramp_config",
@@ -100,9 +100,7 @@ def validate_ramps(config: ml_collections.ConfigDict, *, replicas: int | None = 
         raise ConfigError("config.ramps: must be a non-empty list of ramps (dicts with "
                           f"{', '.join(RAMP_REQUIRED)}), got {runs!r}")
     sizes = sorted({int(b) for b in config.sweep.batch_sizes})
-    if replicas is None:
-        n = config.mesh
-        replicas = jax.device_count() // max(1, n.model) if n.data == -1 else int(n.data)
+    replicas = default_replicas(config) if replicas is None else replicas
     for i, run in enumerate(runs):
         _validate_ramp(config, run, f"config.ramps[{i}]", sizes, replicas)
     labels = [run["label"] for run in runs]
@@ -143,8 +141,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
     elif fields.finite(run, "learning_rate", at) <= 0:
         raise ConfigError(f"{at}.learning_rate: must be > 0, got {lr!r}")
     if "lr_coupling" in run:
-        coupling = run["lr_coupling"]
-        where = f"{at}.lr_coupling"
+        coupling, where = run["lr_coupling"], f"{at}.lr_coupling"
         if not hasattr(coupling, "keys") or set(coupling.keys()) - set(_COUPLING_FIELDS):
             raise ConfigError(f"{where}: must be a dict of {list(_COUPLING_FIELDS)}, got "
                               f"{coupling!r}")
@@ -220,11 +217,8 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
     metric = sweep.target_metric
     curve = curve_from_records(records, metric, sweep.loss_ema_decay)
     train_recs = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
-    steps_to, examples_to = {}, {}
-    for target in sweep.targets:
-        key = target_key(target)
-        steps_to[key] = selection.steps_to_target(curve["step"], curve[metric], target)
-        examples_to[key] = selection.steps_to_target(curve["examples"], curve[metric], target)
+    steps_to, examples_to = ({target_key(t): selection.steps_to_target(curve[x], curve[metric], t)
+                              for t in sweep.targets} for x in ("step", "examples"))
     return {
         "label": label, "status": status, "learning_rate": learning_rate,
         "target_metric": metric, "steps_to_target": steps_to, "examples_to_target": examples_to,

@@ -102,19 +102,6 @@ def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(out)
 
 
-def _lowest_b_crit(sweep_dir: str, targets) -> tuple[float, float]:
-    """(lowest target, its fitted B_crit) from the study's analysis.json."""
-    path = os.path.join(sweep_dir, files.ANALYSIS_FILE)
-    analysis = records.read_json(path)
-    if analysis is None:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    fitted = [(t["target"], t["fit"].get("b_crit")) for t in analysis["targets"]
-              if t["fit"].get("b_crit") is not None and math.isfinite(t["fit"]["b_crit"])]
-    if not fitted:
-        raise ValueError(f"{path}: no target has a B_crit fit")
-    return min(fitted)
-
-
 def choose_batch_size(sweep: ml_collections.ConfigDict, b_crit: float,
                       fraction: float = FRACTION) -> int:
     """The largest of the sweep's batch sizes with B ≤ b_crit / fraction."""
@@ -232,9 +219,16 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
         raise ConfigError(f"--hessian_examples: must be >= 1, got {hessian_examples}")
     if seeds < 1:
         raise ConfigError(f"--seeds: must be >= 1, got {seeds}")
-    config = study_config(sweep_dir)
-    store = SweepStore(sweep_dir)
-    target, b_crit = _lowest_b_crit(sweep_dir, config.sweep.targets)
+    config, store = study_config(sweep_dir), SweepStore(sweep_dir)
+    path = os.path.join(sweep_dir, files.ANALYSIS_FILE)  # the lowest target's fitted B_crit
+    analysis = records.read_json(path)
+    if analysis is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    fitted = [(t["target"], t["fit"].get("b_crit")) for t in analysis["targets"]
+              if t["fit"].get("b_crit") is not None and math.isfinite(t["fit"]["b_crit"])]
+    if not fitted:
+        raise ValueError(f"{path}: no target has a B_crit fit")
+    target, b_crit = min(fitted)
     b = int(batch_size) or choose_batch_size(config.sweep, b_crit, fraction)
     with config.unlocked():
         config.sweep.noise_reference_batch_size = b
@@ -253,8 +247,7 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
             out.append(done[-1])
             continue
         trial = dataclasses.replace(best, seed=seed)
-        noise = (sampled_noise(config, examples, deviations, hessian_examples) if sampled
-                 else None)
+        noise = sampled_noise(config, examples, deviations, hessian_examples) if sampled else None
         run = SeedReferenceRun(config, trial, store, crossing=crossing, noise=noise,
                                windows=sampled)
         if not sampled and run.dataset.num_train > FULL_DATA_MAX:

@@ -40,9 +40,9 @@ from cbs.stats import sampled
 from cbs.sweeps.grid import Trial
 
 __all__ = [
-    "NOISE_CURVE_KEYS", "ProgressMonitor", "curve_from_records", "divergence_rule", "eval_every",
-    "eval_steps", "micro_batch_for", "result_from_curve", "run_trial_engine", "step_budget",
-    "summarize", "trial_config", "trial_overrides",
+    "NOISE_CURVE_KEYS", "ProgressMonitor", "curve_from_records", "default_replicas",
+    "divergence_rule", "eval_every", "eval_steps", "micro_batch_for", "result_from_curve",
+    "run_trial_engine", "step_budget", "summarize", "trial_config", "trial_overrides",
 ]
 
 # The noise statistics of a trial's curve: the evaluation's (less mean_*) and the live EMA.
@@ -59,12 +59,8 @@ def divergence_rule(sweep: ml_collections.ConfigDict) -> DivergenceRule:
 
 def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
     """Steps a trial may take: the smaller of max_steps and ceil(max_examples / B)."""
-    budgets = []
-    if sweep.max_steps:
-        budgets.append(int(sweep.max_steps))
-    if sweep.max_examples:
-        budgets.append(-(-int(sweep.max_examples) // batch_size))
-    return max(1, min(budgets))
+    budgets = (int(sweep.max_steps), -(-int(sweep.max_examples) // batch_size))
+    return max(1, min(b for b in budgets if b))
 
 
 def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int, evals: int | None = None
@@ -195,7 +191,9 @@ def result_from_curve(trial: Trial, sweep: ml_collections.ConfigDict,
         target_metric=metric, steps_to_target=steps_to, examples_to_target=examples_to,
         noise_at_target=noise_at,
         final_steps=int(curve["step"][-1]) if curve["step"] else 0,
-        final_metric=float(final), curve=_json_safe(curve), seconds=seconds)
+        final_metric=float(final), seconds=seconds,
+        curve={k: [float(v) if v is not None and math.isfinite(v) else None for v in vals]
+               for k, vals in curve.items()})
 
 
 def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> dict[str, float]:
@@ -206,9 +204,13 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> di
     out: dict[str, Any] = {"b_simple": selection.noise_scale_at_crossing(
         x, curve["noise/trace_sigma"], curve["noise/grad_sq_norm"], crossing, **kw)}
     if any(math.isfinite(v) for v in curve.get("noise/trace_h_sigma", [])):
-        num, den = _window_means(x, curve["noise/trace_h_sigma"], curve["noise/g_h_g"],
-                                 crossing, kw)
-        b_noise, why = sampled.resolve_b_noise(num, den)
+        # window averages of both, over the measurements where both are finite (those
+        # `selection.noise_scale_at_crossing` divides)
+        num, den = curve["noise/trace_h_sigma"], curve["noise/g_h_g"]
+        ok = [i for i in range(len(x)) if math.isfinite(num[i]) and math.isfinite(den[i])]
+        b_noise, why = sampled.resolve_b_noise(*(selection.noise_scale_at_crossing(
+            [x[i] for i in ok], [v[i] for i in ok], [1.0] * len(ok), crossing, **kw)
+            for v in (num, den)))
         if b_noise is None:
             out["b_noise_unresolved"] = why
         else:
@@ -220,26 +222,11 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> di
     return {k: v for k, v in out.items() if isinstance(v, str) or math.isfinite(v)}
 
 
-def _window_means(x, num, den, crossing: float, kw) -> tuple[float, float]:
-    """Window averages of `num` and `den` around the crossing, over the measurements where
-    both are finite (those `selection.noise_scale_at_crossing` divides)."""
-    ok = [i for i in range(len(x)) if math.isfinite(num[i]) and math.isfinite(den[i])]
-    xs = [x[i] for i in ok]
-    ones = [1.0] * len(ok)
-    mean = lambda v: selection.noise_scale_at_crossing(xs, [v[i] for i in ok], ones, crossing, **kw)
-    return mean(num), mean(den)
-
-
-def _json_safe(curve: dict[str, list[float]]) -> dict[str, list[float | None]]:
-    return {k: [float(v) if v is not None and math.isfinite(v) else None for v in vals]
-            for k, vals in curve.items()}
-
-
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
     """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory."""
     sweep = config.sweep
-    replicas = mesh.shape["data"] if mesh is not None else _default_replicas(config)
+    replicas = mesh.shape["data"] if mesh is not None else default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)
     workdir = store.trial_dir(trial)
     monitor = ProgressMonitor(sweep)
@@ -259,9 +246,10 @@ def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: Swe
     return result_from_curve(trial, sweep, curve, status, time.perf_counter() - start)
 
 
-def _default_replicas(config: ml_collections.ConfigDict) -> int:
-    n = jax.device_count() // max(1, config.mesh.model)
-    return n if config.mesh.data == -1 else config.mesh.data
+def default_replicas(config: ml_collections.ConfigDict) -> int:
+    """The data replicas of `config.mesh` on this host's devices."""
+    n = config.mesh
+    return jax.device_count() // max(1, n.model) if n.data == -1 else int(n.data)
 
 
 def summarize(results: Sequence[TrialResult]) -> str:
