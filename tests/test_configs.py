@@ -116,3 +116,13 @@ def test_digits_ramps_refuses_two_ramps_or_calibrated_without_adaptive(arg):
     from cbs.configs import digits_ramps
     with pytest.raises(ValueError, match="at most one ramp"):
         digits_ramps.get_config(arg)
+
+
+@pytest.mark.parametrize("preset", ["cnn", "cnn_sweep"])
+def test_a_cnn_preset_refuses_two_datasets(preset):
+    """One dataset per config (two would pick one by the order of a set)."""
+    import importlib
+    module = importlib.import_module(f"cbs.configs.{preset}")
+    with pytest.raises(ValueError, match="names 2 datasets .*: name one of"):
+        module.get_config("mnist,cifar10")
+    assert module.get_config("cifar10,tiny").data.name == "cifar10"

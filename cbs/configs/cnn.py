@@ -22,7 +22,10 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10")
 
 def get_config(arg: str = ""):
     words = base.parse_arg(arg, ("tiny", *DATASETS))
-    names = [w for w in words if w in DATASETS] or ["mnist"]
+    names = sorted(w for w in words if w in DATASETS) or ["mnist"]
+    if len(names) > 1:
+        raise ValueError(f"config argument {arg!r} names {len(names)} datasets "
+                         f"({', '.join(names)}): name one of {', '.join(DATASETS)}")
     c = base.base_config(names[0], "cnn")
     c.model.channels = (16, 32) if names[0] != "cifar10" else (32, 64)  # conv block widths
     c.model.dense_sizes = (128,)  # dense head before the 10-way output
