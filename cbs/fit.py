@@ -15,6 +15,7 @@ from cbs.analysis.fits.fit import (
     json_ready,
     model_log_steps,
     quantile_interval,
+    solve,
     studentized,
     tradeoff_warnings,
 )
@@ -28,6 +29,6 @@ from cbs.analysis.fits.selection import (
 __all__ = [
     "INSUFFICIENT", "OK", "BestPerBatchSize", "PowerLawFit", "TradeoffFit", "alpha_interval",
     "best_per_batch_size", "fit_power_law", "fit_tradeoff", "json_ready", "model_log_steps",
-    "noise_scale_at_crossing", "quantile_interval", "steps_to_target", "studentized",
+    "noise_scale_at_crossing", "quantile_interval", "solve", "steps_to_target", "studentized",
     "tradeoff_warnings",
 ]

@@ -30,7 +30,7 @@ import scipy.optimize
 
 __all__ = [
     "INSUFFICIENT", "OK", "PowerLawFit", "TradeoffFit", "alpha_interval", "fit_power_law",
-    "fit_tradeoff", "json_ready", "model_log_steps", "quantile_interval", "studentized",
+    "fit_tradeoff", "json_ready", "model_log_steps", "quantile_interval", "solve", "studentized",
     "tradeoff_warnings",
 ]
 
@@ -136,16 +136,11 @@ def model_log_steps(theta_Rx2: np.ndarray, logb_RxN: np.ndarray
     return m, np.stack([w, 1.0 - w], axis=-1)
 
 
-def _cost(r_RxN: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
-    """½Σr² (least squares) or ½f²Σlog(1 + (r/f)²) (Cauchy, for method="robust")."""
+def _cost(r_RxN: np.ndarray, f_scale: np.ndarray | float | None, w: np.ndarray) -> np.ndarray:
+    """½Σw·r² (least squares) or ½f²Σw·log(1 + (r/f)²) (Cauchy, for method="robust")."""
     if f_scale is None:
-        return 0.5 * np.sum(r_RxN ** 2, axis=1)
-    return 0.5 * np.sum(f_scale ** 2 * np.log1p((r_RxN / f_scale) ** 2), axis=1)
-
-
-def _weights(r: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
-    """IRLS weights ρ'(z) of the loss, z = (r/f)²."""
-    return np.ones_like(r) if f_scale is None else 1.0 / (1.0 + (r / f_scale) ** 2)
+        return 0.5 * np.sum(w * r_RxN ** 2, axis=1)
+    return 0.5 * np.sum(w * f_scale ** 2 * np.log1p((r_RxN / f_scale) ** 2), axis=1)
 
 
 def _robust_scale(r_RxN: np.ndarray) -> np.ndarray:
@@ -159,37 +154,41 @@ def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
     r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
     for _ in range(10):
         f_scale = _robust_scale(r)
-        theta_Rx2 = _solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
+        theta_Rx2 = solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
         r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
         if np.all(np.abs(_robust_scale(r) / f_scale - 1.0) < 0.01):
             break
     return theta_Rx2, f_scale
 
 
-def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
-           f_scale: np.ndarray | float | None, iters: int = 300,
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg–Marquardt on R independent problems at once (IRLS weights for Cauchy)."""
-    theta = theta_Rx2.astype(np.float64).copy()
-    m, _ = model_log_steps(theta, logb_RxN)
-    cost = _cost(m - logs_RxN, f_scale)
+def solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta: np.ndarray,
+          f_scale: np.ndarray | float | None = None, w: np.ndarray | None = None,
+          iters: int = 300, tol: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Levenberg–Marquardt of Σ w·ρ(log(S_min + E_min/B) − log S) on R problems at once
+    (arrays [R, N]; weight 0 drops a point; IRLS weights for Cauchy), each started from theta
+    = log(S_min, E_min) ([2] or [R, 2]) until every step is below tol (default 1e-12·(1 +
+    |θ|)); returns [R, 2] log(S_min, E_min) and the costs."""
+    w = np.ones_like(logs_RxN) if w is None else w
+    theta = np.broadcast_to(np.asarray(theta, np.float64), (logb_RxN.shape[0], 2)).copy()
+    cost = _cost(model_log_steps(theta, logb_RxN)[0] - logs_RxN, f_scale, w)
     lam = np.full(theta.shape[0], 1e-3)
     eye = np.eye(2)
     for _ in range(iters):
         m, J = model_log_steps(theta, logb_RxN)
         r = m - logs_RxN
-        JtW = J * _weights(r, f_scale)[..., None]
+        irls = 1.0 if f_scale is None else 1.0 / (1.0 + (r / f_scale) ** 2)  # ρ'((r/f)²)
+        JtW = J * (w * irls)[..., None]
         A = np.einsum("rni,rnj->rij", JtW, J)
         g = np.einsum("rni,rn->ri", JtW, r)
-        damp = lam[:, None, None] * (A * eye + 1e-12 * eye)
-        delta = -np.linalg.solve(A + damp, g[..., None])[..., 0]
+        delta = -np.linalg.solve(A + lam[:, None, None] * (A * eye) + 1e-12 * eye,
+                                 g[..., None])[..., 0]
         trial = theta + delta
-        m_new, _ = model_log_steps(trial, logb_RxN)
-        new_cost = _cost(m_new - logs_RxN, f_scale)
+        new_cost = _cost(model_log_steps(trial, logb_RxN)[0] - logs_RxN, f_scale, w)
         accept = np.isfinite(new_cost) & (new_cost <= cost)
         theta[accept], cost[accept] = trial[accept], new_cost[accept]
         lam = np.clip(np.where(accept, lam / 3.0, lam * 4.0), 1e-12, 1e12)
-        small = np.max(np.abs(delta), axis=1) < 1e-12 * (1.0 + np.max(np.abs(theta), axis=1))
+        small = np.max(np.abs(delta), axis=1) < (
+            1e-12 * (1.0 + np.max(np.abs(theta), axis=1)) if tol is None else tol)
         if np.all(small | (lam >= 1e12)):
             break
     return theta, cost
@@ -268,8 +267,8 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     logb, logs = np.log(b), np.log(s)
     theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
     R = theta0.shape[0]
-    theta, cost = _solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
-                         theta0, None)
+    theta, cost = solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
+                        theta0)
     theta = theta[int(np.nanargmin(cost))]  # the best of the starting points
     f_scale = None
     if method == "robust":
@@ -337,8 +336,7 @@ def _bootstrap_tradeoff(logb, logs, theta, fitted, resid, J, f_scale, n, seed, r
         logb_RxN, logs_RxN = logb[idx], logs[idx]
         distinct = np.array([np.unique(row).size for row in logb_RxN])
         logb_RxN, logs_RxN = logb_RxN[distinct >= 3], logs_RxN[distinct >= 3]
-    theta_R = _solve(logb_RxN, logs_RxN, np.broadcast_to(theta, (logb_RxN.shape[0], 2)),
-                     f_scale)[0]
+    theta_R = solve(logb_RxN, logs_RxN, theta, f_scale)[0]
     est = np.array([theta[0], theta[1], theta[1] - theta[0]])
     se = _log_param_se(logb[None], logs[None], theta[None], f_scale)[0]
     est_R = np.stack([theta_R[:, 0], theta_R[:, 1], theta_R[:, 1] - theta_R[:, 0]], axis=1)

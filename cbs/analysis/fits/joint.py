@@ -37,10 +37,8 @@ import scipy.stats
 
 from cbs.analysis.fits import fit, selection
 
-__all__ = [
-    "METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "joint_bootstrap",
-    "solve_weighted",
-]
+__all__ = ["METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "gls_q",
+           "joint_bootstrap"]
 
 METHOD_B_CRIT = ("bootstrap-t over batch sizes (resampled jointly across targets, seeds "
                  "resampled within each batch size)")
@@ -122,7 +120,8 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
             cis.append((math.nan, math.nan))
             continue
         logb, logs, w = _replicate_points(table, universe, n_seeds, draw_b, draw_s)
-        theta = solve_weighted(logb, logs, w, np.log([point.s_min, point.e_min]))
+        theta = fit.solve(logb, logs, np.log([point.s_min, point.e_min]), w=w, iters=200,
+                          tol=1e-10)[0]
         ok = _distinct(logb, w) >= 3
         est_r = theta[:, 1] - theta[:, 0]
         se_r = _weighted_se(logb, logs, w, theta)
@@ -162,34 +161,6 @@ def _distinct(logb_RxN: np.ndarray, w_RxN: np.ndarray) -> np.ndarray:
     new = np.isfinite(srt) & ~np.isclose(srt, np.roll(srt, 1, axis=1))
     new[:, 0] = np.isfinite(srt[:, 0])
     return new.sum(axis=1)
-
-
-def solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
-    """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once
-    (arrays [R, N]; weight 0 drops a point), each started from theta0 = log(S_min, E_min);
-    returns [R, 2] log(S_min, E_min)."""
-    R = logb.shape[0]
-    theta = np.broadcast_to(np.asarray(theta0, np.float64), (R, 2)).copy()
-    cost_of = lambda th: np.sum(w * (fit.model_log_steps(th, logb)[0] - logs) ** 2, axis=1)
-    cost = cost_of(theta)
-    lam = np.full(R, 1e-3)
-    eye = np.eye(2)
-    for _ in range(iters):
-        m, J = fit.model_log_steps(theta, logb)
-        r = m - logs
-        Jw = J * w[..., None]
-        A = np.einsum("rni,rnj->rij", Jw, J)
-        g = np.einsum("rni,rn->ri", Jw, r)
-        delta = -np.linalg.solve(A + lam[:, None, None] * (A * eye) + 1e-12 * eye,
-                                 g[..., None])[..., 0]
-        trial = theta + delta
-        new = cost_of(trial)
-        accept = np.isfinite(new) & (new <= cost)
-        theta[accept], cost[accept] = trial[accept], new[accept]
-        lam = np.clip(np.where(accept, lam / 3.0, lam * 4.0), 1e-12, 1e12)
-        if np.all((np.max(np.abs(delta), axis=1) < 1e-10) | (lam >= 1e12)):
-            break
-    return theta
 
 
 def _weighted_se(logb, logs, w, theta) -> np.ndarray:
@@ -237,6 +208,19 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
                    cov_targets=list(ok_t))
     return JointIntervals(b_crit_ci=cis, n_replicates=int(Y.shape[0]), seed=int(seed),
                           confidence=confidence, **res)
+
+
+def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) for each row y of Y_RxT, [R]; C [T, T] or one per row
+    [R, T, T]."""
+    Ci = np.linalg.pinv(C)
+    if Ci.ndim == 2:
+        Ci = np.broadcast_to(Ci, (Y_RxT.shape[0], *Ci.shape))
+    A = np.einsum("ti,rts,sj->rij", X, Ci, X)
+    rhs = np.einsum("ti,rts,rs->ri", X, Ci, Y_RxT)
+    beta = np.linalg.solve(A, rhs[..., None])[..., 0]  # [R, 2]
+    r = Y_RxT - beta @ X.T
+    return np.einsum("ri,rij,rj->r", r, Ci, r)
 
 
 def _gls_misfit(X: np.ndarray, y: np.ndarray, C: np.ndarray) -> tuple[float, int]:

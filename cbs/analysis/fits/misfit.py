@@ -38,7 +38,7 @@ import numpy as np
 from cbs.analysis.fits import fit, joint
 from cbs.analysis.fits.selection import BestPerBatchSize
 
-__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p", "gls_q",
+__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p",
            "pooled_draws", "study_noise"]
 
 METHOD = ("studentized parametric bootstrap under the fitted law: each target's S_min kept, "
@@ -68,19 +68,6 @@ class CalibratedMisfit:
         d["without_target"] = {str(k): v for k, v in self.without_target.items()}
         d["method"] = METHOD
         return fit.json_ready(d)
-
-
-def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
-    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) for each row y of Y_RxT, [R]; C [T, T] or one per row
-    [R, T, T]."""
-    Ci = np.linalg.pinv(C)
-    if Ci.ndim == 2:
-        Ci = np.broadcast_to(Ci, (Y_RxT.shape[0], *Ci.shape))
-    A = np.einsum("ti,rts,sj->rij", X, Ci, X)
-    rhs = np.einsum("ti,rts,rs->ri", X, Ci, Y_RxT)
-    beta = np.linalg.solve(A, rhs[..., None])[..., 0]  # [R, 2]
-    r = Y_RxT - beta @ X.T
-    return np.einsum("ri,rij,rj->r", r, Ci, r)
 
 
 def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
@@ -187,8 +174,8 @@ def _test(X, y, C_obs, sims_RxT, C_sim_RxTxT) -> tuple[float, float]:
     """(Q, calibrated p): the study's Q (its own noise estimate in C) against each simulated
     study's Q with that study's own noise estimate (a studentized parametric bootstrap). Q
     removes the best line from each, so the law they were simulated under drops out."""
-    q = float(gls_q(X, y[None], C_obs)[0])
-    return q, calibrated_p(q, gls_q(X, sims_RxT, C_sim_RxTxT))
+    q = float(joint.gls_q(X, y[None], C_obs)[0])
+    return q, calibrated_p(q, joint.gls_q(X, sims_RxT, C_sim_RxTxT))
 
 
 class _Design:
@@ -236,8 +223,8 @@ class _Design:
         for i, (pt, logb, e) in enumerate(zip(self.points, self.logb, noise, strict=True)):
             logs = np.log(pt.s_min * (1.0 + math.exp(y0[i]) / np.exp(logb)))[None] + e
             grid = np.broadcast_to(logb, logs.shape)
-            th = joint.solve_weighted(grid, logs, np.ones_like(logs),
-                                      np.log([pt.s_min, pt.s_min * math.exp(y0[i])]))
+            th = fit.solve(grid, logs, np.log([pt.s_min, pt.s_min * math.exp(y0[i])]),
+                           iters=200, tol=1e-10)[0]
             out[:, i] = th[:, 1] - th[:, 0]
             fitted = fit.model_log_steps(th, grid)[0]
             resid[:, i, self.cols[i]] = (logs - fitted) / np.sqrt(1.0 - self.lev[i])

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from cbs.analysis.fits import fit, joint
+from cbs.analysis.fits import fit
 from cbs.analysis.reports import plots
 from cbs.analysis.studies import ramp_start
 from cbs.results import files, records
@@ -205,8 +205,7 @@ def _bootstrap(out, values, usable, sizes, n_rep, confidence, rng) -> None:
     logs = np.log(np.stack([resampled(n, 0) for n in usable], axis=1))
     logb = np.broadcast_to(np.log(np.asarray(sizes, dtype=np.float64)), logs.shape)
     f = out["frontier"]
-    theta = joint.solve_weighted(logb, logs, np.ones_like(logs),
-                                 np.log([f["s_min"], f["e_min"]]))
+    theta = fit.solve(logb, logs, np.log([f["s_min"], f["e_min"]]), iters=200, tol=1e-10)[0]
     s_min, e_min = np.exp(theta[:, 0]), np.exp(theta[:, 1])
     q = (50 * (1 - confidence), 50 * (1 + confidence))
     for row in ramps:

@@ -207,15 +207,13 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
     parts = np.cumsum([len(z.losses) for z in noise])[:-1]
 
     def gls_fit(X, m):  # the null values at every point (unchanged off the mask m)
-        Ci = np.linalg.pinv(C[np.ix_(m, m)])
-        beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y[m])
         y0 = y.copy()
-        y0[m] = X @ beta
+        y0[m] = X @ _gls(X, y[m], C[np.ix_(m, m)])[0]
         return np.split(y0, parts)
 
     def q(X, m, Y, CR):  # observed and simulated GLS statistics over the points in m
-        return (float(misfit.gls_q(X, y[m][None], C[np.ix_(m, m)])[0]),
-                misfit.gls_q(X, Y[:, m], CR[:, m][:, :, m]))
+        return (float(joint.gls_q(X, y[m][None], C[np.ix_(m, m)])[0]),
+                joint.gls_q(X, Y[:, m], CR[:, m][:, :, m]))
 
     common = out.get("common_targets") or []
     if "loss_alone" in out:
