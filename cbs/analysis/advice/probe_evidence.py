@@ -177,8 +177,7 @@ def evidence(root: str, calib: Mapping[str, Any] | None = None) -> dict[str, Any
             "summary": {"all": _errors(pooled), "nearest": _errors(nearest)}}
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
+_g = "{:.3g}".format
 
 
 def markdown(ev: Mapping[str, Any]) -> str:

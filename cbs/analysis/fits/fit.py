@@ -30,8 +30,8 @@ import scipy.optimize
 
 __all__ = [
     "INSUFFICIENT", "OK", "PowerLawFit", "TradeoffFit", "alpha_interval", "fit_power_law",
-    "fit_tradeoff", "json_ready", "model_log_steps", "quantile_interval", "solve", "studentized",
-    "tradeoff_warnings",
+    "fit_tradeoff", "g3", "json_ready", "model_log_steps", "quantile_interval", "solve",
+    "studentized", "tradeoff_warnings",
 ]
 
 OK = "ok"
@@ -44,6 +44,13 @@ def quantile_interval(values: np.ndarray, confidence: float) -> tuple[float, flo
         return (math.nan, math.nan)
     lo, hi = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2])
     return (float(lo), float(hi))
+
+
+def g3(x: Any, inf: str = "–") -> str:
+    """x to 3 significant figures as the reports print it: "–" for None or NaN, `inf` for +∞."""
+    if x is not None and float(x) == math.inf:
+        return inf
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
 
 
 def _json_float(x: Any) -> Any:

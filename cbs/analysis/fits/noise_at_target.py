@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis.fits import selection
+from cbs.analysis.fits.fit import g3
 from cbs.results import files, shared
 from cbs.results.store import upgrade_noise_fields
 
@@ -159,7 +160,7 @@ def reference_cell(ref: dict[str, Any] | None, target: float) -> str:
     row = next((r for r in ref["targets"] if r["target"] == float(target)), None)
     if row is None:
         return "–"
-    return f"{_g(row['b_simple'])} / {_g(row['b_noise'])}"
+    return f"{g3(row['b_simple'])} / {g3(row['b_noise'])}"
 
 
 def spread_cell(t: dict[str, Any], name: str) -> str:
@@ -167,8 +168,8 @@ def spread_cell(t: dict[str, Any], name: str) -> str:
     med = t.get(f"measured_{name}")
     lo, hi = t.get(f"measured_{name}_min"), t.get(f"measured_{name}_max")
     if lo is None or not math.isfinite(float(lo)):
-        return _g(med)
-    return f"{_g(med)} ({_g(lo)}–{_g(hi)})"
+        return g3(med)
+    return f"{g3(med)} ({g3(lo)}–{g3(hi)})"
 
 
 def protocol_lines(analysis: dict[str, Any]) -> list[str]:
@@ -178,10 +179,6 @@ def protocol_lines(analysis: dict[str, Any]) -> list[str]:
     if ref:
         lines += ["", f"Reference run: {ref['protocol']}. Beside it, the same run with the "
                   "per-trial protocol's centred window: " + "; ".join(
-                      f"L={r['target']:g}: {_g(r['b_simple_centred'])} / "
-                      f"{_g(r['b_noise_centred'])}" for r in ref["targets"]) + "."]
+                      f"L={r['target']:g}: {g3(r['b_simple_centred'])} / "
+                      f"{g3(r['b_noise_centred'])}" for r in ref["targets"]) + "."]
     return lines
-
-
-def _g(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"

@@ -9,6 +9,7 @@ power law, missing trials and the grid. `cbs.analysis.reports.report` assembles 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from cbs.results.store import target_key
 
 __all__ = ["b_crit_cell", "held_out_table", "kaplan_table", "ramp_table", "seed_table",
            "summary_table", "to_wandb", "unresolved", "unresolved_text"]
+
+_g = functools.partial(fit.g3, inf="∞")  # an interval's unbounded side is ∞
 
 
 def unresolved(f: Mapping[str, Any]) -> bool:
@@ -291,8 +294,7 @@ def _alpha_ci(slope_ci) -> str:
     if not slope_ci or slope_ci[0] is None or slope_ci[1] is None:
         return "–"
     lo, hi = fit.alpha_interval(tuple(slope_ci))
-    end = lambda v: "∞" if v == math.inf else _g(v)
-    return f"{end(lo)}–{end(hi)}"
+    return f"{_g(lo)}–{_g(hi)}"
 
 
 def _ci(ci) -> str:
@@ -301,12 +303,6 @@ def _ci(ci) -> str:
 
 def _bs(values: Sequence[float]) -> str:
     return ", ".join(f"{b:g}" for b in values)
-
-
-def _g(x: Any) -> str:
-    if x is not None and float(x) == math.inf:
-        return "∞"  # an interval's unbounded side
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
 
 
 def to_wandb(analysis: dict[str, Any], project: str, *, group: str) -> None:

@@ -277,8 +277,7 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
                                    **refit}
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
+_g = "{:.3g}".format
 
 
 def _verdict(d: dict[str, Any], key: str = "p") -> str:
