@@ -197,7 +197,8 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         if value is None or math.isnan(float(value)):  # no estimate there (live "none")
             continue
         loss = losses.get(step, r.get("train/loss"))
-        batch = r.get("data/batch_size") or batches.get(step) or _batch(config)
+        batch = (r.get("data/batch_size") or batches.get(step)
+                 or config.get("batch", {}).get("schedule", {}).get("batch_size", 0) or math.nan)
         out.append(advise(float(value), optimizer=optimizer, scale=scale, level=level,
                           batch_size=float(batch), exchange=exchange, source=source,
                           examples=n, calib=calib, step=step,
@@ -246,10 +247,6 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
                           step=int(round(steps[i])), loss=float(target),
                           **(run | {"learning_rate": rates[i]})))
     return out
-
-
-def _batch(config: Mapping[str, Any]) -> float:
-    return float(config.get("batch", {}).get("schedule", {}).get("batch_size", 0) or math.nan)
 
 
 def summary(a: Advice) -> str:

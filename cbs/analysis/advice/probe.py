@@ -104,14 +104,6 @@ def cost(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
             "steps": int(sum(int(r["steps"]) for r in rows))}
 
 
-def _seed_resamples(num_seeds: int) -> np.ndarray:
-    """[R, S] seed indices: every resample with replacement up to BOOTSTRAP_EXACT_SEEDS seeds,
-    else 2,000 drawn with a fixed key."""
-    if num_seeds <= BOOTSTRAP_EXACT_SEEDS:
-        return np.asarray(list(itertools.product(range(num_seeds), repeat=num_seeds)))
-    return np.random.default_rng(0).integers(0, num_seeds, (_RANDOM_RESAMPLES, num_seeds))
-
-
 def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilon: float,
                 tolerance: str = "relative", metric: str = "full_train/loss",
                 criterion: str = "paper") -> dict[str, Any]:
@@ -136,7 +128,10 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
     for r in rows:
         table[seeds.index(r["seed"]), ks.index(int(r["k"]))] = float(r[metric])
     logs = []
-    for idx in _seed_resamples(len(seeds)):
+    n = len(seeds)  # every resample with replacement up to BOOTSTRAP_EXACT_SEEDS, else 2,000
+    for idx in (np.asarray(list(itertools.product(range(n), repeat=n)))
+                if n <= BOOTSTRAP_EXACT_SEEDS else
+                np.random.default_rng(0).integers(0, n, (_RANDOM_RESAMPLES, n))):
         losses = table[idx].mean(axis=0).tolist()
         k = branch_report.critical_multiplier(ks, losses, **rule)
         logs.append(math.log(branch_report.critical_batch(ks, k, b0, "geometric")[0]))

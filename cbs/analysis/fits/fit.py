@@ -213,9 +213,11 @@ def _initial_guesses(b: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.log(np.asarray(guesses, dtype=np.float64))
 
 
-def _leverage(J_Nx2: np.ndarray) -> np.ndarray:
-    A = J_Nx2.T @ J_Nx2
-    return np.einsum("ni,ij,nj->n", J_Nx2, np.linalg.pinv(A), J_Nx2)
+def _centred(resid: np.ndarray, J_NxP: np.ndarray) -> np.ndarray:
+    """Residuals divided by √(1 − h_ii) (leverage h capped at 0.95) and centred."""
+    h = np.einsum("ni,ij,nj->n", J_NxP, np.linalg.pinv(J_NxP.T @ J_NxP), J_NxP)
+    mod = resid / np.sqrt(1.0 - np.minimum(h, 0.95))
+    return mod - mod.mean()
 
 
 def _clean(xs: Sequence[Any] | np.ndarray, ys: Sequence[Any] | np.ndarray,
@@ -255,19 +257,21 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
         raise ValueError(f"method must be lsq|robust and resample residual|pairs, got "
                          f"{method!r}, {resample!r}")
     b, s, n_dropped = _clean(batch_sizes, steps)
-    n_b = int(np.unique(b).size)
-    nan2 = (math.nan, math.nan)
-    if n_b < 3:
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
-                           n_dropped, INSUFFICIENT, method, confidence)
+    if np.unique(b).size < 3:
+        return _no_fit(b, n_dropped, INSUFFICIENT, method, confidence)
     try:
         with np.errstate(all="ignore"):  # trial steps may overflow; they are rejected
             return _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence,
                                     resample)
     except (ArithmeticError, ValueError, RuntimeError, np.linalg.LinAlgError) as err:
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
-                           n_dropped, f"failed: {type(err).__name__}: {err}", method,
-                           confidence)
+        return _no_fit(b, n_dropped, f"failed: {type(err).__name__}: {err}", method,
+                       confidence)
+
+
+def _no_fit(b, n_dropped, status, method, confidence) -> TradeoffFit:
+    nan2 = (math.nan, math.nan)
+    return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size),
+                       int(np.unique(b).size), n_dropped, status, method, confidence)
 
 
 def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resample):
@@ -285,15 +289,12 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
     b_crit = float(np.exp(theta[1] - theta[0]))
-    nan2 = (math.nan, math.nan)
     if not (s_min > 0 and math.isfinite(b_crit) and b_crit < 1e6 * b.max()):
         # S ∝ 1/B at every batch size tried: the floor S_min is not reached, B_crit is only
         # known to exceed the largest B (and a least-squares S_min → 0 would call it ∞).
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size),
-                           int(np.unique(b).size), n_dropped,
-                           f"unbounded: S falls as 1/B up to the largest batch size, so "
-                           f"B_crit > {b.max():g}", method, confidence)
-    cis = [nan2] * 3
+        return _no_fit(b, n_dropped, f"unbounded: S falls as 1/B up to the largest batch "
+                       f"size, so B_crit > {b.max():g}", method, confidence)
+    cis = [(math.nan, math.nan)] * 3
     if bootstrap > 0:
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
@@ -334,11 +335,8 @@ def _bootstrap_tradeoff(logb, logs, theta, fitted, resid, J, f_scale, n, seed, r
     N = logb.size
     idx = rng.integers(0, N, size=(n, N))
     if resample == "residual":
-        h = np.minimum(_leverage(J), 0.95)
-        mod = resid / np.sqrt(1.0 - h)
-        mod = mod - mod.mean()
         logb_RxN = np.broadcast_to(logb, (n, N))
-        logs_RxN = fitted[None, :] + mod[idx]
+        logs_RxN = fitted[None, :] + _centred(resid, J)[idx]
     else:
         logb_RxN, logs_RxN = logb[idx], logs[idx]
         distinct = np.array([np.unique(row).size for row in logb_RxN])
@@ -392,11 +390,9 @@ def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
     resid = y - X @ coef
     cis = [nan2] * 3
     if bootstrap > 0:
-        h = np.minimum(_leverage(X), 0.95)
-        mod = resid / np.sqrt(1.0 - h)
-        mod = mod - mod.mean()
         rng = np.random.default_rng(seed)
-        y_NxR = (X @ coef)[:, None] + mod[rng.integers(0, x.size, size=(x.size, bootstrap))]
+        y_NxR = (X @ coef)[:, None] + _centred(resid, X)[rng.integers(0, x.size,
+                                                                     size=(x.size, bootstrap))]
         coef_R = np.linalg.lstsq(X, y_NxR, rcond=None)[0].T
         se_R = _ols_se(X, y_NxR - X @ coef_R.T)
         se = _ols_se(X, resid[:, None])[0]

@@ -193,7 +193,7 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
         y = np.log([points[k].b_crit for k in ok_t])
         local = np.diff(y) / np.diff(x)
         local_R = np.diff(Y, axis=1) / np.diff(x)[None]
-        q, dof = _gls_misfit(X, y, np.cov(Y, rowvar=False))
+        q, dof = float(gls_q(X, y[None], np.cov(Y, rowvar=False))[0]), y.size - 2
         res.update(
             slope_ci=slope_ci, alpha_b_ci=fit.alpha_interval(slope_ci),
             b_star_ci=tuple(float(np.exp(v)) for v in fit.quantile_interval(coef_R[0],
@@ -222,10 +222,3 @@ def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
     r = Y_RxT - beta @ X.T
     return np.einsum("ri,rij,rj->r", r, Ci, r)
 
-
-def _gls_misfit(X: np.ndarray, y: np.ndarray, C: np.ndarray) -> tuple[float, int]:
-    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) and its degrees of freedom (points − 2)."""
-    Ci = np.linalg.pinv(C)
-    beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y)
-    r = y - X @ beta
-    return float(r @ Ci @ r), int(y.size - 2)

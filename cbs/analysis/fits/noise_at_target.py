@@ -39,17 +39,15 @@ NAMES = ("b_simple", "b_noise")
 PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma", "g_h_g")}
 
 
-def _finite(values: Sequence[Any]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
-
-
 def spread(best_records: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """Per name in NAMES, min / median / max over the best trials' values at target `key`:
     keys measured_<name> (the median), measured_<name>_min, measured_<name>_max, and
     measured_by_batch_size {B: {name: value}} (NaN where a trial has none)."""
     out: dict[str, Any] = {}
     for name in NAMES:
-        v = _finite([r["noise_at_target"].get(key, {}).get(name) for r in best_records])
+        v = [float(x) for r in best_records
+             if (x := r["noise_at_target"].get(key, {}).get(name)) is not None
+             and math.isfinite(float(x))]
         out[f"measured_{name}"] = float(np.median(v)) if v else math.nan
         out[f"measured_{name}_min"] = min(v) if v else math.nan
         out[f"measured_{name}_max"] = max(v) if v else math.nan

@@ -219,15 +219,11 @@ def _misfit_verdict(m: dict[str, Any]) -> str:
             f"study's noise, `cbs.analysis.fits.misfit`; uncalibrated: {chi2}).")
     w = c.get("without_breaking")
     if w:
+        lo, hi = (w["alpha_b_ci"] or [None, None])[:2]
+        ci = "interval –" if lo is None or hi is None else f"95% interval {_g(lo)}–{_g(hi)}"
         text += (f" The target that breaks it is L = {w['target']:g}: without it calibrated "
-                 f"p = {w['p']:.2g}, and α_B = {_g(w['alpha_b'])} "
-                 f"({_alpha_ci_pair(w['alpha_b_ci'])}) on the other targets.")
+                 f"p = {w['p']:.2g}, and α_B = {_g(w['alpha_b'])} ({ci}) on the other targets.")
     return text
-
-
-def _alpha_ci_pair(ci: Any) -> str:
-    lo, hi = (ci or [None, None])[:2]
-    return "interval –" if lo is None or hi is None else f"95% interval {_g(lo)}–{_g(hi)}"
 
 
 def missing_text(analysis: dict[str, Any]) -> str:

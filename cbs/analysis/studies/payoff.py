@@ -107,24 +107,6 @@ def _seed_values(runs: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.n
     return np.asarray(s, dtype=np.float64), np.asarray(e, dtype=np.float64)
 
 
-def _frontier(sizes: list[int], mean_steps: list[float]) -> tuple[float, float]:
-    f = fit.fit_tradeoff(sizes, mean_steps, bootstrap=0)
-    return (f.s_min, f.e_min) if f.ok else (math.nan, math.nan)
-
-
-def _effects(s_min, e_min, s, e) -> tuple[float, float]:
-    """(step saving at equal examples, example cost at equal steps) of one (S, E)."""
-    return (float(1.0 - s / frontier_steps(s_min, e_min, e)),
-            float(e / frontier_examples(s_min, e_min, s) - 1.0))
-
-
-def _rng(runs: dict[str, list[dict[str, Any]]], key: str) -> np.random.Generator:
-    """A generator seeded from the steps recorded at this target (and their order)."""
-    data = json.dumps([[name, [r["steps_to_target"].get(key) for r in runs[name]]]
-                       for name in sorted(runs)])
-    return ramp_start.recorded_rng(data)
-
-
 def _tuned(values, fixed) -> dict[int, str]:
     """B -> the fixed run at B with the fewest steps at this target (geometric mean over its
     seeds; runs where a seed never reached L are left out): each baseline tuned per target."""
@@ -148,7 +130,9 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
     tuned = _tuned(values, fixed)
     usable = [tuned[b] for b in sorted(tuned)]
     sizes = sorted(tuned)
-    s_min, e_min = _frontier(sizes, [geometric_mean(values[n][0]) for n in usable])
+    means = [geometric_mean(values[n][0]) for n in usable]
+    frontier = fit.fit_tradeoff(sizes, means, bootstrap=0)  # NaNs unless ok
+    s_min, e_min = frontier.s_min, frontier.e_min
     rows = []
     for name, v in runs.items():
         s, e = values[name]
@@ -158,13 +142,13 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                                "reached": int(sum(r["steps_to_target"].get(key) is not None
                                                   for r in v))}
         if s.size:
-            row |= {"steps": geometric_mean(s), "steps_ci": t_interval(s, confidence),
-                    "examples": geometric_mean(e), "examples_ci": t_interval(e, confidence)}
-            if math.isfinite(s_min):
-                row["step_saving"], row["example_cost"] = _effects(s_min, e_min, row["steps"],
-                                                                   row["examples"])
+            s_, e_ = geometric_mean(s), geometric_mean(e)
+            row |= {"steps": s_, "steps_ci": t_interval(s, confidence),
+                    "examples": e_, "examples_ci": t_interval(e, confidence)}
+            if math.isfinite(s_min):  # at equal examples, and at equal steps
+                row["step_saving"] = float(1.0 - s_ / frontier_steps(s_min, e_min, e_))
+                row["example_cost"] = float(e_ / frontier_examples(s_min, e_min, s_) - 1.0)
         rows.append(row)
-    means = np.array([geometric_mean(values[n][0]) for n in usable])
     resid = np.log(means) - np.log(s_min + e_min / np.asarray(sizes, dtype=np.float64))
     out = {"target": float(target), "frontier": {
                "s_min": s_min, "e_min": e_min, "batch_sizes": sorted(sizes),
@@ -172,7 +156,10 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
            "tuned_fixed": {str(b): n for b, n in sorted(tuned.items())}, "rows": rows,
            "start": _against_start(runs, fixed, tuned, key, bootstrap or BOOTSTRAP, confidence)}
     if math.isfinite(s_min) and bootstrap:
-        _bootstrap(out, values, usable, sizes, bootstrap, confidence, _rng(runs, key))
+        recorded = json.dumps([[n, [r["steps_to_target"].get(key) for r in runs[n]]]
+                               for n in sorted(runs)])  # the generator's seed: the records
+        _bootstrap(out, values, usable, sizes, bootstrap, confidence,
+                   ramp_start.recorded_rng(recorded))
     return out
 
 
