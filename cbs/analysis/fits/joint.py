@@ -221,4 +221,3 @@ def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
     beta = np.linalg.solve(A, rhs[..., None])[..., 0]  # [R, 2]
     r = Y_RxT - beta @ X.T
     return np.einsum("ri,rij,rj->r", r, Ci, r)
-

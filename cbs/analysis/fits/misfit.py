@@ -88,7 +88,9 @@ def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float
     design = _Design(tables, points, ok)
     C_a, C_u = design.unit_covariances(y0, rng, n)
     var_a, var_u = design.components(design.observed_residuals())
-    sims, resid = design.refit(y0, design.draw(rng, n, math.sqrt(var_a), math.sqrt(var_u)))
+    sims, resid, good = design.refit(y0, design.draw(rng, n, math.sqrt(var_a),
+                                                     math.sqrt(var_u)))
+    sims, resid = sims[good], resid[good]
     sim_a, sim_u = design.components(resid)
     C_obs = var_a * C_a + var_u * C_u
     C_sim = sim_a[:, None, None] * C_a + sim_u[:, None, None] * C_u
@@ -148,7 +150,7 @@ def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n
     sims, covs, goods = [], [], []
     for s, y0 in zip(studies, null, strict=True):
         noise = s.design.draw(rng, n, math.sqrt(s.var_a), math.sqrt(s.var_u))
-        out, resid, good = s.design.refit_all(np.asarray(y0, np.float64), noise)
+        out, resid, good = s.design.refit(np.asarray(y0, np.float64), noise)
         a, u = (np.atleast_1d(v) for v in s.design.components(resid))
         sims.append(out)
         covs.append(a[:, None, None] * s.c_a + u[:, None, None] * s.c_u)
@@ -190,7 +192,10 @@ class _Design:
             b = np.asarray(tables[k].batch_sizes, np.float64)
             self.logb.append(np.log(b))
             self.cols.append(np.asarray([col[float(v)] for v in b]))
-            self.lev.append(_leverage(points[k], np.log(b)))
+            J = fit.model_log_steps(np.log([[points[k].s_min, points[k].e_min]]),
+                                    np.log(b)[None])[1][0]  # h_ii of log S, capped at 0.9:
+            self.lev.append(np.clip(np.einsum("ni,ij,nj->n", J, np.linalg.pinv(J.T @ J), J),
+                                    0.0, 0.9))
             self.steps.append(np.asarray(tables[k].steps, np.float64))
 
     def draw(self, rng, n, sigma_a, sigma_u) -> list[np.ndarray]:
@@ -202,21 +207,16 @@ class _Design:
     def unit_covariances(self, y0, rng, n) -> tuple[np.ndarray, np.ndarray]:
         """(C_a, C_u): the covariance of log B_crit per unit variance of the shared and own
         noise, read at small noise (SMALL) where log B_crit is linear in it."""
-        c_a, c_u = (np.atleast_2d(np.cov(self.refit(y0, self.draw(rng, n, a, u))[0],
-                                         rowvar=False)) / SMALL**2
-                    for a, u in ((SMALL, 0.0), (0.0, SMALL)))
-        return c_a, c_u
+        c = []
+        for a, u in ((SMALL, 0.0), (0.0, SMALL)):
+            out, _, good = self.refit(y0, self.draw(rng, n, a, u))
+            c.append(np.atleast_2d(np.cov(out[good], rowvar=False)) / SMALL**2)
+        return c[0], c[1]
 
-    def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray]:
+    def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Refits S = S_min + E_min/B per target to S_min(1 + e^{y0}/B)·e^noise: log B_crit
-        [n', T] and the leverage-scaled residuals [n', T, len(universe)] (NaN where a target
-        lacks a batch size) of the n' simulated studies whose every refit is finite."""
-        out, resid, good = self.refit_all(y0, noise)
-        return out[good], resid[good]
-
-    def refit_all(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`refit` for every simulated study, with the mask [n] of those whose refits are
-        finite."""
+        [n, T], the leverage-scaled residuals [n, T, len(universe)] (NaN where a target lacks
+        a batch size) and the mask [n] of the simulated studies whose every refit is finite."""
         n = noise[0].shape[0]
         out = np.empty((n, len(self.points)))
         resid = np.full((n, len(self.points), len(self.universe)), np.nan)
@@ -251,9 +251,3 @@ class _Design:
         cross = np.sum((col_sum**2 - col_sq) / 2, axis=1) / np.maximum(pairs, 1)
         shared = np.clip(cross, 0.0, total)
         return np.squeeze(shared), np.squeeze(total - shared)
-
-
-def _leverage(point: fit.TradeoffFit, logb: np.ndarray) -> np.ndarray:
-    """h_ii of the least-squares fit of log S at the batch sizes (capped at 0.9)."""
-    J = fit.model_log_steps(np.log([[point.s_min, point.e_min]]), logb[None])[1][0]
-    return np.clip(np.einsum("ni,ij,nj->n", J, np.linalg.pinv(J.T @ J), J), 0.0, 0.9)

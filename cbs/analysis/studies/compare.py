@@ -231,10 +231,8 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
                         xerr=None if x_err is None else np.clip(np.nan_to_num(x_err), 0, None),
                         fmt=markers[r["optimizer"]], color=colours[r["task"]], ms=6,
                         capsize=2, lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"measured {label} at the target (examples)")
-        ax.set_ylabel("fitted B_crit (examples)")
+        ax.set(xscale="log", yscale="log", xlabel=f"measured {label} at the target (examples)",
+               ylabel="fitted B_crit (examples)")
         ax.grid(True, which="both", alpha=0.3)
     handles = [Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
     handles += [Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]

@@ -338,12 +338,9 @@ def figure(result: dict[str, Any], ramps: Sequence[dict[str, Any]], path: str) -
             b = np.geomspace(min(f["batch_sizes"]) / 4, max(f["batch_sizes"]) * 4, 200)
             ax.plot(f["s_min"] * b + f["e_min"], f["s_min"] + f["e_min"] / b, "k--", lw=1,
                     label="fixed-batch frontier" if i == 0 else None)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log", xlabel="examples E", title=f"L = {t['target']:g}")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("examples E")
-        ax.set_title(f"L = {t['target']:g}")
         ax.grid(True, which="both", alpha=0.3)
     fig.axes[0].set_ylabel("steps S")
     fig.legend(loc="outside right center", fontsize=7)
