@@ -383,12 +383,11 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
 
 
 def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
-    nan2 = (math.nan, math.nan)
     x, y = np.log(loss), np.log(bc)
     X = np.stack([np.ones_like(x), x], axis=1)
     coef = np.linalg.lstsq(X, y, rcond=None)[0]
     resid = y - X @ coef
-    cis = [nan2] * 3
+    cis = [(math.nan, math.nan)] * 3
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
         y_NxR = (X @ coef)[:, None] + _centred(resid, X)[rng.integers(0, x.size,
@@ -398,8 +397,8 @@ def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
         se = _ols_se(X, resid[:, None])[0]
         intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
                                                confidence) for k in (0, 1))
-        b_star_lo, b_star_hi = (float(v) for v in np.exp(intercept_ci))
-        cis = [(b_star_lo, b_star_hi), alpha_interval(slope_ci), slope_ci]
+        b_star_ci = (float(np.exp(intercept_ci[0])), float(np.exp(intercept_ci[1])))
+        cis = [b_star_ci, alpha_interval(slope_ci), slope_ci]
     slope = float(coef[1])
     alpha = -1.0 / slope if slope != 0 else math.inf
     return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],

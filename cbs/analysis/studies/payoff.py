@@ -39,9 +39,8 @@ from cbs.results.store import target_key
 
 __all__ = [
     "BOOTSTRAP", "BOOTSTRAP_INTERVAL", "CONFIDENCE", "T_INTERVAL", "analyze", "analyze_target",
-    "best_fixed", "figure", "fixed_batch_size", "frontier_examples", "frontier_steps",
-    "geometric_mean", "group_runs", "run_name", "summary_lines", "t_interval", "table", "verdict",
-    "write_report",
+    "best_fixed", "figure", "frontier_examples", "frontier_steps", "geometric_mean", "group_runs",
+    "run_name", "summary_lines", "t_interval", "table", "verdict", "write_report",
 ]
 
 BOOTSTRAP = 1000  # replicates of the saving's interval
@@ -54,12 +53,6 @@ BOOTSTRAP_INTERVAL = ("percentile bootstrap over seeds (resampled within every r
 def run_name(record: dict[str, Any]) -> str:
     """The run a seeded record belongs to (its spec's `name`; else its label)."""
     return str((record.get("spec") or {}).get("name", record["label"]))
-
-
-def fixed_batch_size(record: dict[str, Any]) -> int | None:
-    """B of a run with a constant schedule; None for a ramp."""
-    schedule = (record.get("spec") or {}).get("schedule", {})
-    return int(schedule["batch_size"]) if schedule.get("kind") == "constant" else None
 
 
 def group_runs(ramps: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -126,7 +119,9 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
     against the fixed run at its first batch size (`cbs.analysis.studies.ramp_start`)."""
     key = target_key(target)
     values = {name: _seed_values(v, key) for name, v in runs.items()}
-    fixed = {name: fixed_batch_size(v[0]) for name, v in runs.items()}
+    schedules = {name: (v[0].get("spec") or {}).get("schedule", {}) for name, v in runs.items()}
+    fixed = {name: int(s["batch_size"]) if s.get("kind") == "constant" else None
+             for name, s in schedules.items()}  # B of a fixed run, None for a ramp
     tuned = _tuned(values, fixed)
     usable = [tuned[b] for b in sorted(tuned)]
     sizes = sorted(tuned)

@@ -42,15 +42,7 @@ from cbs.analysis.reports import plots, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
-__all__ = ["analyze", "collect", "figure", "study_size", "summary", "table", "write_report"]
-
-
-def study_size(sweep_dir: str) -> dict[str, Any]:
-    """The model of a sweep directory: its name, width, depth and parameter count when the
-    definition has them."""
-    model = ((SweepStore(sweep_dir).definition() or {}).get("config") or {}).get("model", {})
-    return {"name": model.get("name", "?"), "d_model": model.get("d_model"),
-            "num_layers": model.get("num_layers")}
+__all__ = ["analyze", "collect", "figure", "summary", "table", "write_report"]
 
 
 def check_comparable(sweep_dirs: Sequence[str]) -> None:
@@ -90,7 +82,9 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
         if cov_targets != ok or cov.shape != (len(ok), len(ok)):
             raise ValueError(f"{d}: no bootstrap covariance of its B_crit fits (need a "
                              "bootstrap and at least one fitted target)")
-        size = study_size(d)
+        model = ((SweepStore(d).definition() or {}).get("config") or {}).get("model", {})
+        size = {"name": model.get("name", "?"), "d_model": model.get("d_model"),
+                "num_layers": model.get("num_layers")}
         noise = misfit.study_noise(a["tables"], [t["target"] for t in a["targets"]],
                                    a["fits"], n=2 * bootstrap, seed=joint.data_seed(a["tables"]))
         out.append({"study": os.path.basename(os.path.normpath(d)), "sweep_dir": d, **size,
