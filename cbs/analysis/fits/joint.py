@@ -126,9 +126,8 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
         est_r = theta[:, 1] - theta[:, 0]
         se_r = _weighted_se(logb, logs, w, theta)
         log_bc[ok, k] = est_r[ok]
-        b0, s0 = np.log(table.batch_sizes), np.log(table.steps)
-        one = np.ones((1, b0.size))
-        se0 = _weighted_se(b0[None], s0[None], one, np.log([[point.s_min, point.e_min]]))[0]
+        b0, s0 = np.log(table.batch_sizes)[None], np.log(table.steps)[None]
+        se0 = _weighted_se(b0, s0, np.ones_like(b0), np.log([[point.s_min, point.e_min]]))[0]
         lo, hi = fit.studentized(math.log(point.b_crit), se0, est_r[ok], se_r[ok], confidence)
         with np.errstate(over="ignore"):  # an unbounded side is inf, not an OverflowError
             cis.append((float(np.exp(lo)), float(np.exp(hi))))
@@ -138,10 +137,7 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
 def _replicate_points(table, universe, n_seeds, draw_b, draw_s):
     """[R, N] log B, log S (seed means of the drawn seeds) and weights (0: B not in table)."""
     index = {float(b): i for i, b in enumerate(table.batch_sizes)}
-    R, N = draw_b.shape
-    logb = np.zeros((R, N))
-    logs = np.zeros((R, N))
-    w = np.zeros((R, N))
+    logb, logs, w = np.zeros((3, *draw_b.shape))  # [R, N] each
     for j, b in enumerate(universe):
         i = index.get(b)
         if i is None:
