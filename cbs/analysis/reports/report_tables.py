@@ -63,8 +63,7 @@ def summary_table(analysis: dict[str, Any]) -> str:
         status = f["status"]
         if f["status"] == fit.OK:
             mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
-            row = [b_crit_cell(f) + mark,
-                   _g(f["s_min"]), _g(f["e_min"])]
+            row = [b_crit_cell(f) + mark, _g(f["s_min"]), _g(f["e_min"])]
             if t.get("incomplete_batch_sizes"):
                 status += ", incomplete grid"
         else:
@@ -142,10 +141,8 @@ def held_out_table(analysis: dict[str, Any]) -> str:
              "B_crit, in sample (95% CI) | held-out / in-sample S, median over B | "
              "B left out |", "|---|---|---|---|---|---|---|"]
     for t in rows:
-        cells = []
-        for f in (t["fit"], t["fit_in_sample"]):
-            ok = f["status"] == fit.OK
-            cells.append(b_crit_cell(f) if ok else "–")
+        cells = [b_crit_cell(f) if f["status"] == fit.OK else "–"
+                 for f in (t["fit"], t["fit_in_sample"])]
         ratio = f"{t['median_ratio']:.2f}" if t["median_ratio"] is not None else "–"
         left = ", ".join(f"{r['batch_size']:g} ({r['left_out']})" for r in t["rows"]
                          if "left_out" in r) or "none"
