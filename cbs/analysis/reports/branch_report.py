@@ -100,8 +100,7 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
             "b_pass": float(k_star * bsz),
             "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
             "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed,
-            "b_star_lo": min(per_seed),
-            "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
+            "b_star_lo": min(per_seed), "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:

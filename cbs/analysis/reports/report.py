@@ -239,13 +239,6 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None =
     figs["noise"] = plots.noise_over_training(runs, os.path.join(out_dir, "noise_scale.png"),
                                               xlabel="examples seen")
     ramps = read_ramps(sweep_dir)
-    if ramps and ok:
-        figs.update(_ramp_figures(ramps, analysis, out_dir))
-    return figs
-
-
-def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
-    figs = {}
     for t, f in zip(analysis["targets"], analysis["fits"], strict=True):
         key = target_key(t["target"])
         runs = [{"label": r["label"], "steps": r["steps_to_target"][key],
