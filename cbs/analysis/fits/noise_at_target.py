@@ -153,21 +153,16 @@ def reference(sweep_dir: str, targets: Sequence[float], window: int
 
 def reference_cell(ref: dict[str, Any] | None, target: float) -> str:
     """Markdown cell "B_simple / B_noise" of the reference run at `target` ("–" if none)."""
-    if not ref:
-        return "–"
-    row = next((r for r in ref["targets"] if r["target"] == float(target)), None)
-    if row is None:
-        return "–"
-    return f"{g3(row['b_simple'])} / {g3(row['b_noise'])}"
+    row = next((r for r in (ref or {}).get("targets", []) if r["target"] == float(target)), None)
+    return "–" if row is None else f"{g3(row['b_simple'])} / {g3(row['b_noise'])}"
 
 
 def spread_cell(t: dict[str, Any], name: str) -> str:
     """Markdown cell "median (min–max)" of `name` over batch sizes for target entry `t`."""
     med = t.get(f"measured_{name}")
     lo, hi = t.get(f"measured_{name}_min"), t.get(f"measured_{name}_max")
-    if lo is None or not math.isfinite(float(lo)):
-        return g3(med)
-    return f"{g3(med)} ({g3(lo)}–{g3(hi)})"
+    return g3(med) if lo is None or not math.isfinite(float(lo)) else (
+        f"{g3(med)} ({g3(lo)}–{g3(hi)})")
 
 
 def protocol_lines(analysis: dict[str, Any]) -> list[str]:
