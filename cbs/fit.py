@@ -12,9 +12,11 @@ from cbs.analysis.fits.fit import (
     alpha_interval,
     fit_power_law,
     fit_tradeoff,
+    g3,
     json_ready,
     model_log_steps,
     quantile_interval,
+    solve,
     studentized,
     tradeoff_warnings,
 )
@@ -27,7 +29,7 @@ from cbs.analysis.fits.selection import (
 
 __all__ = [
     "INSUFFICIENT", "OK", "BestPerBatchSize", "PowerLawFit", "TradeoffFit", "alpha_interval",
-    "best_per_batch_size", "fit_power_law", "fit_tradeoff", "json_ready", "model_log_steps",
-    "noise_scale_at_crossing", "quantile_interval", "steps_to_target", "studentized",
+    "best_per_batch_size", "fit_power_law", "fit_tradeoff", "g3", "json_ready", "model_log_steps",
+    "noise_scale_at_crossing", "quantile_interval", "solve", "steps_to_target", "studentized",
     "tradeoff_warnings",
 ]

@@ -34,11 +34,11 @@ def test_gls_q_is_the_generalised_least_squares_minimum():
     C = A @ A.T + 5 * np.eye(5)
     Y = rng.normal(size=(3, 5))
     Ci = np.linalg.inv(C)
-    for y, got in zip(Y, misfit.gls_q(X, Y, C), strict=True):
+    for y, got in zip(Y, joint.gls_q(X, Y, C), strict=True):
         beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y)
         assert got == pytest.approx((y - X @ beta) @ Ci @ (y - X @ beta), rel=1e-10)
-    per_row = misfit.gls_q(X, Y, np.stack([C, 2 * C, 4 * C]))
-    np.testing.assert_allclose(per_row, misfit.gls_q(X, Y, C) / [1, 2, 4], rtol=1e-10)
+    per_row = joint.gls_q(X, Y, np.stack([C, 2 * C, 4 * C]))
+    np.testing.assert_allclose(per_row, joint.gls_q(X, Y, C) / [1, 2, 4], rtol=1e-10)
 
 
 def test_a_target_off_the_law_is_rejected_and_named():

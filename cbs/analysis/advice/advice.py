@@ -33,6 +33,7 @@ import numpy as np
 
 from cbs.analysis.advice import calibration
 from cbs.analysis.fits import noise_at_target
+from cbs.analysis.fits.fit import g3
 from cbs.results import files, records
 from cbs.results.calibration import family, predict, shipped, tradeoff
 from cbs.results.store import SweepStore, target_key
@@ -196,7 +197,8 @@ def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
         if value is None or math.isnan(float(value)):  # no estimate there (live "none")
             continue
         loss = losses.get(step, r.get("train/loss"))
-        batch = r.get("data/batch_size") or batches.get(step) or _batch(config)
+        batch = (r.get("data/batch_size") or batches.get(step)
+                 or config.get("batch", {}).get("schedule", {}).get("batch_size", 0) or math.nan)
         out.append(advise(float(value), optimizer=optimizer, scale=scale, level=level,
                           batch_size=float(batch), exchange=exchange, source=source,
                           examples=n, calib=calib, step=step,
@@ -247,30 +249,22 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
     return out
 
 
-def _batch(config: Mapping[str, Any]) -> float:
-    return float(config.get("batch", {}).get("schedule", {}).get("batch_size", 0) or math.nan)
-
-
-def _g(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
-
-
 def summary(a: Advice) -> str:
     """The answer in three lines."""
     c = a.calibration
     where = "" if a.step is None else f" at step {a.step}"
     lines = [f"outside the calibration: {'; '.join(a.outside)}"] if a.outside else []
-    lines += [f"{a.scale} = {_g(a.noise_scale)}{where} ({a.source}"
+    lines += [f"{a.scale} = {g3(a.noise_scale)}{where} ({a.source}"
              + (f", {a.examples} examples" if a.examples else "") + ")",
-             f"predicted B_crit = {_g(a.b_crit)} ({a.level:.0%} interval {_g(a.interval[0])}–"
-             f"{_g(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies of "
-             f"{c['tasks']} tasks, {c['family']} optimizers: B_crit ≈ {_g(c['ratio'])} × "
+             f"predicted B_crit = {g3(a.b_crit)} ({a.level:.0%} interval {g3(a.interval[0])}–"
+             f"{g3(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies of "
+             f"{c['tasks']} tasks, {c['family']} optimizers: B_crit ≈ {g3(c['ratio'])} × "
              f"{a.scale})",
              _track_record(c),
-             f"batch {_g(a.batch_size)}: {_g(a.steps_ratio)}× the fewest steps, "
-             f"{_g(a.examples_ratio)}× the fewest examples"
+             f"batch {g3(a.batch_size)}: {g3(a.steps_ratio)}× the fewest steps, "
+             f"{g3(a.examples_ratio)}× the fewest examples"
              + ("" if a.best_batch_size is None else
-                f"; the batch that minimises λ·S + E is {_g(a.best_batch_size)}")]
+                f"; the batch that minimises λ·S + E is {g3(a.best_batch_size)}")]
     return "\n".join(lines + [f"note: {f}" for f in a.flags if not f.startswith("outside")])
 
 
@@ -278,7 +272,7 @@ def _track_record(c: Mapping[str, Any]) -> str:
     """How often such an interval held where it was tested: leave-one-task-out on one-run
     noise scales, and the held-out tasks predicted before their sweeps."""
     line = (f"interval held on tasks left out of the calibration: "
-            f"{_g(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
+            f"{g3(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
             f"one-run noise scales")
     h = c.get("held_out")
     if h:
@@ -294,9 +288,9 @@ def table(advices: Sequence[Advice]) -> str:
     short = {"learning": "rate", "loss": "loss", "task": "task", "predicted": "B_crit < 1"}
     for a in advices:
         outside = ", ".join(short.get(o.split(" ")[0], o) for o in a.outside) or "–"
-        lines.append(f"| {a.step} | {_g(a.loss)} | {_g(a.noise_scale)} | {_g(a.b_crit)} "
-                     f"({_g(a.interval[0])}–{_g(a.interval[1])}) | {_g(a.steps_ratio)} | "
-                     f"{_g(a.examples_ratio)} | {outside} |")
+        lines.append(f"| {a.step} | {g3(a.loss)} | {g3(a.noise_scale)} | {g3(a.b_crit)} "
+                     f"({g3(a.interval[0])}–{g3(a.interval[1])}) | {g3(a.steps_ratio)} | "
+                     f"{g3(a.examples_ratio)} | {outside} |")
     return "\n".join(lines)
 
 
@@ -312,9 +306,7 @@ def figure(advices: Sequence[Advice], path: str) -> str:
                     alpha=0.25, label=f"{pts[0].level:.0%} interval" if pts else None)
     ax.plot(steps, [a.b_crit for a in pts], "o-", ms=3, label="predicted B_crit")
     ax.plot(steps, [a.batch_size for a in pts], "k--", lw=1, label="batch size used")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("examples")
+    ax.set(yscale="log", xlabel="step", ylabel="examples")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from cbs.analysis.fits.fit import g3
 from cbs.analysis.reports import branch_report
 from cbs.results.calibration import family, t_quantile
 
@@ -103,14 +104,6 @@ def cost(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
             "steps": int(sum(int(r["steps"]) for r in rows))}
 
 
-def _seed_resamples(num_seeds: int) -> np.ndarray:
-    """[R, S] seed indices: every resample with replacement up to BOOTSTRAP_EXACT_SEEDS seeds,
-    else 2,000 drawn with a fixed key."""
-    if num_seeds <= BOOTSTRAP_EXACT_SEEDS:
-        return np.asarray(list(itertools.product(range(num_seeds), repeat=num_seeds)))
-    return np.random.default_rng(0).integers(0, num_seeds, (_RANDOM_RESAMPLES, num_seeds))
-
-
 def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilon: float,
                 tolerance: str = "relative", metric: str = "full_train/loss",
                 criterion: str = "paper") -> dict[str, Any]:
@@ -135,7 +128,10 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
     for r in rows:
         table[seeds.index(r["seed"]), ks.index(int(r["k"]))] = float(r[metric])
     logs = []
-    for idx in _seed_resamples(len(seeds)):
+    n = len(seeds)  # every resample with replacement up to BOOTSTRAP_EXACT_SEEDS, else 2,000
+    for idx in (np.asarray(list(itertools.product(range(n), repeat=n)))
+                if n <= BOOTSTRAP_EXACT_SEEDS else
+                np.random.default_rng(0).integers(0, n, (_RANDOM_RESAMPLES, n))):
         losses = table[idx].mean(axis=0).tolist()
         k = branch_report.critical_multiplier(ks, losses, **rule)
         logs.append(math.log(branch_report.critical_batch(ks, k, b0, "geometric")[0]))
@@ -209,10 +205,6 @@ def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
     return out
 
 
-def _g(x: float) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
-
-
 def summary(probed: Mapping[str, Any], combined: Mapping[str, Any], spent: Mapping[str, Any],
             scale: str) -> str:
     """The probe's result and both predictions in a few lines."""
@@ -227,16 +219,16 @@ def summary(probed: Mapping[str, Any], combined: Mapping[str, Any], spent: Mappi
                      "bound, no ratio; the cross-task prior alone)")
     else:
         loc = combined["local_now"]
-        lines.append(f"local B_crit now = {_g(loc['b_crit'])} ({combined['level']:.0%} interval "
-                     f"{_g(loc['interval'][0])}–{_g(loc['interval'][1])}; bracket "
-                     f"{_g(probed['b_pass'])}–{_g(probed['b_fail'])}): ratio to {scale} "
-                     f"{_g(math.exp(probed['log_ratio']))} (log se {probed['se']:.2f}: seeds "
+        lines.append(f"local B_crit now = {g3(loc['b_crit'])} ({combined['level']:.0%} interval "
+                     f"{g3(loc['interval'][0])}–{g3(loc['interval'][1])}; bracket "
+                     f"{g3(probed['b_pass'])}–{g3(probed['b_fail'])}): ratio to {scale} "
+                     f"{g3(math.exp(probed['log_ratio']))} (log se {probed['se']:.2f}: seeds "
                      f"{probed['sd_seeds']:.2f}, ladder {probed['sd_ladder']:.2f})")
     for key, name in (("cross_task", "cross-task prior"), ("probed", "with the probe")):
         p = combined[key]
-        lines.append(f"fixed-batch B_crit near here, {name}: {_g(p['b_crit'])} "
-                     f"({combined['level']:.0%} interval {_g(p['interval'][0])}–"
-                     f"{_g(p['interval'][1])}; ratio {_g(p['ratio'])} × {scale})")
+        lines.append(f"fixed-batch B_crit near here, {name}: {g3(p['b_crit'])} "
+                     f"({combined['level']:.0%} interval {g3(p['interval'][0])}–"
+                     f"{g3(p['interval'][1])}; ratio {g3(p['ratio'])} × {scale})")
     lines.append(f"the probe's weight in the task's ratio: {combined['weight']:.2f} "
                  f"({combined['rule']}); the probed line assumes local B*/{scale} equals the "
                  f"swept B_crit/{scale} (results/probe tests it)")

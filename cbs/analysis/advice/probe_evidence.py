@@ -87,17 +87,22 @@ def study(root: str, branch: str, sweep: str, task: str,
     prior = calibration.model([p for p in calib["points"] if p.get("task") != task], "b_simple")
     optimizer = str(d["optimizer"])
     points: list[dict[str, Any]] = []
+    base, ks = probe.ladder(bsz)  # `cbs-advise --probe`'s defaults: B/2 ... 8B, 2 seeds, 10 %
     for s in steps:
         pr = [r for r in rows if r["point_step"] == s]
         ratio = probe.local_ratio(pr, noise[s], **rule)
         spent = probe.cost(pr)
         e0 = int(pr[0]["point_examples"])
-        at_budget = _default_plan(e0, s, bsz)
+        try:
+            at_budget = probe.plan(examples_seen=e0, steps_seen=s, base=base, ks=ks,
+                                   seeds=2)["window"]
+        except ValueError:  # not one step of 8B fits
+            at_budget = 0
         points.append({"step": s, "examples": e0, "ratio": ratio, "cost": spent,
                        "fraction_examples": spent["examples"] / e0,
                        "fraction_steps": spent["steps"] / s,
                        "window": int(pr[0]["window_examples"]),
-                       "window_at_10pc": at_budget["window"] if at_budget else 0})
+                       "window_at_10pc": at_budget})
     targets = [p for p in calib["points"] if p["study"] == sweep and not p.get("extrapolated")]
     cross = _crossings(branch_dir, [float(p["target"]) for p in targets])
     pairs = []
@@ -127,16 +132,6 @@ def study(root: str, branch: str, sweep: str, task: str,
                       "tasks_left": sorted({str(p.get("task")) for p in calib["points"]
                                             if p.get("task") != task})},
             "points": points, "pairs": pairs, "nearest": _nearest(pairs)}
-
-
-def _default_plan(e0: int, step: int, bsz: int) -> dict[str, Any] | None:
-    """`probe.plan` of `cbs-advise --probe`'s defaults (B/2 ... 8B, 2 seeds, 10 % of the
-    examples) at this point, or None where not one step of 8B fits."""
-    base, ks = probe.ladder(bsz)
-    try:
-        return probe.plan(examples_seen=e0, steps_seen=step, base=base, ks=ks, seeds=2)
-    except ValueError:
-        return None
 
 
 def _nearest(pairs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -177,8 +172,7 @@ def evidence(root: str, calib: Mapping[str, Any] | None = None) -> dict[str, Any
             "summary": {"all": _errors(pooled), "nearest": _errors(nearest)}}
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
+_g = "{:.3g}".format
 
 
 def markdown(ev: Mapping[str, Any]) -> str:

@@ -30,8 +30,8 @@ import scipy.optimize
 
 __all__ = [
     "INSUFFICIENT", "OK", "PowerLawFit", "TradeoffFit", "alpha_interval", "fit_power_law",
-    "fit_tradeoff", "json_ready", "model_log_steps", "quantile_interval", "studentized",
-    "tradeoff_warnings",
+    "fit_tradeoff", "g3", "json_ready", "model_log_steps", "quantile_interval", "solve",
+    "studentized", "tradeoff_warnings",
 ]
 
 OK = "ok"
@@ -44,6 +44,13 @@ def quantile_interval(values: np.ndarray, confidence: float) -> tuple[float, flo
         return (math.nan, math.nan)
     lo, hi = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2])
     return (float(lo), float(hi))
+
+
+def g3(x: Any, inf: str = "–") -> str:
+    """x to 3 significant figures as the reports print it: "–" for None or NaN, `inf` for +∞."""
+    if x is not None and float(x) == math.inf:
+        return inf
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
 
 
 def _json_float(x: Any) -> Any:
@@ -136,16 +143,11 @@ def model_log_steps(theta_Rx2: np.ndarray, logb_RxN: np.ndarray
     return m, np.stack([w, 1.0 - w], axis=-1)
 
 
-def _cost(r_RxN: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
-    """½Σr² (least squares) or ½f²Σlog(1 + (r/f)²) (Cauchy, for method="robust")."""
+def _cost(r_RxN: np.ndarray, f_scale: np.ndarray | float | None, w: np.ndarray) -> np.ndarray:
+    """½Σw·r² (least squares) or ½f²Σw·log(1 + (r/f)²) (Cauchy, for method="robust")."""
     if f_scale is None:
-        return 0.5 * np.sum(r_RxN ** 2, axis=1)
-    return 0.5 * np.sum(f_scale ** 2 * np.log1p((r_RxN / f_scale) ** 2), axis=1)
-
-
-def _weights(r: np.ndarray, f_scale: np.ndarray | float | None) -> np.ndarray:
-    """IRLS weights ρ'(z) of the loss, z = (r/f)²."""
-    return np.ones_like(r) if f_scale is None else 1.0 / (1.0 + (r / f_scale) ** 2)
+        return 0.5 * np.sum(w * r_RxN ** 2, axis=1)
+    return 0.5 * np.sum(w * f_scale ** 2 * np.log1p((r_RxN / f_scale) ** 2), axis=1)
 
 
 def _robust_scale(r_RxN: np.ndarray) -> np.ndarray:
@@ -159,37 +161,41 @@ def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
     r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
     for _ in range(10):
         f_scale = _robust_scale(r)
-        theta_Rx2 = _solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
+        theta_Rx2 = solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
         r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
         if np.all(np.abs(_robust_scale(r) / f_scale - 1.0) < 0.01):
             break
     return theta_Rx2, f_scale
 
 
-def _solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta_Rx2: np.ndarray,
-           f_scale: np.ndarray | float | None, iters: int = 300,
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg–Marquardt on R independent problems at once (IRLS weights for Cauchy)."""
-    theta = theta_Rx2.astype(np.float64).copy()
-    m, _ = model_log_steps(theta, logb_RxN)
-    cost = _cost(m - logs_RxN, f_scale)
+def solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta: np.ndarray,
+          f_scale: np.ndarray | float | None = None, w: np.ndarray | None = None,
+          iters: int = 300, tol: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Levenberg–Marquardt of Σ w·ρ(log(S_min + E_min/B) − log S) on R problems at once
+    (arrays [R, N]; weight 0 drops a point; IRLS weights for Cauchy), each started from theta
+    = log(S_min, E_min) ([2] or [R, 2]) until every step is below tol (default 1e-12·(1 +
+    |θ|)); returns [R, 2] log(S_min, E_min) and the costs."""
+    w = np.ones_like(logs_RxN) if w is None else w
+    theta = np.broadcast_to(np.asarray(theta, np.float64), (logb_RxN.shape[0], 2)).copy()
+    cost = _cost(model_log_steps(theta, logb_RxN)[0] - logs_RxN, f_scale, w)
     lam = np.full(theta.shape[0], 1e-3)
     eye = np.eye(2)
     for _ in range(iters):
         m, J = model_log_steps(theta, logb_RxN)
         r = m - logs_RxN
-        JtW = J * _weights(r, f_scale)[..., None]
+        irls = 1.0 if f_scale is None else 1.0 / (1.0 + (r / f_scale) ** 2)  # ρ'((r/f)²)
+        JtW = J * (w * irls)[..., None]
         A = np.einsum("rni,rnj->rij", JtW, J)
         g = np.einsum("rni,rn->ri", JtW, r)
-        damp = lam[:, None, None] * (A * eye + 1e-12 * eye)
-        delta = -np.linalg.solve(A + damp, g[..., None])[..., 0]
+        delta = -np.linalg.solve(A + lam[:, None, None] * (A * eye) + 1e-12 * eye,
+                                 g[..., None])[..., 0]
         trial = theta + delta
-        m_new, _ = model_log_steps(trial, logb_RxN)
-        new_cost = _cost(m_new - logs_RxN, f_scale)
+        new_cost = _cost(model_log_steps(trial, logb_RxN)[0] - logs_RxN, f_scale, w)
         accept = np.isfinite(new_cost) & (new_cost <= cost)
         theta[accept], cost[accept] = trial[accept], new_cost[accept]
         lam = np.clip(np.where(accept, lam / 3.0, lam * 4.0), 1e-12, 1e12)
-        small = np.max(np.abs(delta), axis=1) < 1e-12 * (1.0 + np.max(np.abs(theta), axis=1))
+        small = np.max(np.abs(delta), axis=1) < (
+            1e-12 * (1.0 + np.max(np.abs(theta), axis=1)) if tol is None else tol)
         if np.all(small | (lam >= 1e12)):
             break
     return theta, cost
@@ -207,9 +213,11 @@ def _initial_guesses(b: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.log(np.asarray(guesses, dtype=np.float64))
 
 
-def _leverage(J_Nx2: np.ndarray) -> np.ndarray:
-    A = J_Nx2.T @ J_Nx2
-    return np.einsum("ni,ij,nj->n", J_Nx2, np.linalg.pinv(A), J_Nx2)
+def _centred(resid: np.ndarray, J_NxP: np.ndarray) -> np.ndarray:
+    """Residuals divided by √(1 − h_ii) (leverage h capped at 0.95) and centred."""
+    h = np.einsum("ni,ij,nj->n", J_NxP, np.linalg.pinv(J_NxP.T @ J_NxP), J_NxP)
+    mod = resid / np.sqrt(1.0 - np.minimum(h, 0.95))
+    return mod - mod.mean()
 
 
 def _clean(xs: Sequence[Any] | np.ndarray, ys: Sequence[Any] | np.ndarray,
@@ -249,27 +257,29 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
         raise ValueError(f"method must be lsq|robust and resample residual|pairs, got "
                          f"{method!r}, {resample!r}")
     b, s, n_dropped = _clean(batch_sizes, steps)
-    n_b = int(np.unique(b).size)
-    nan2 = (math.nan, math.nan)
-    if n_b < 3:
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
-                           n_dropped, INSUFFICIENT, method, confidence)
+    if np.unique(b).size < 3:
+        return _no_fit(b, n_dropped, INSUFFICIENT, method, confidence)
     try:
         with np.errstate(all="ignore"):  # trial steps may overflow; they are rejected
             return _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence,
                                     resample)
     except (ArithmeticError, ValueError, RuntimeError, np.linalg.LinAlgError) as err:
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size), n_b,
-                           n_dropped, f"failed: {type(err).__name__}: {err}", method,
-                           confidence)
+        return _no_fit(b, n_dropped, f"failed: {type(err).__name__}: {err}", method,
+                       confidence)
+
+
+def _no_fit(b, n_dropped, status, method, confidence) -> TradeoffFit:
+    nan2 = (math.nan, math.nan)
+    return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size),
+                       int(np.unique(b).size), n_dropped, status, method, confidence)
 
 
 def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resample):
     logb, logs = np.log(b), np.log(s)
     theta0 = _initial_guesses(np.exp(logb), np.exp(logs))
     R = theta0.shape[0]
-    theta, cost = _solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
-                         theta0, None)
+    theta, cost = solve(np.broadcast_to(logb, (R, b.size)), np.broadcast_to(logs, (R, s.size)),
+                        theta0)
     theta = theta[int(np.nanargmin(cost))]  # the best of the starting points
     f_scale = None
     if method == "robust":
@@ -279,15 +289,12 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
     b_crit = float(np.exp(theta[1] - theta[0]))
-    nan2 = (math.nan, math.nan)
     if not (s_min > 0 and math.isfinite(b_crit) and b_crit < 1e6 * b.max()):
         # S ∝ 1/B at every batch size tried: the floor S_min is not reached, B_crit is only
         # known to exceed the largest B (and a least-squares S_min → 0 would call it ∞).
-        return TradeoffFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(b.size),
-                           int(np.unique(b).size), n_dropped,
-                           f"unbounded: S falls as 1/B up to the largest batch size, so "
-                           f"B_crit > {b.max():g}", method, confidence)
-    cis = [nan2] * 3
+        return _no_fit(b, n_dropped, f"unbounded: S falls as 1/B up to the largest batch "
+                       f"size, so B_crit > {b.max():g}", method, confidence)
+    cis = [(math.nan, math.nan)] * 3
     if bootstrap > 0:
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
@@ -328,17 +335,13 @@ def _bootstrap_tradeoff(logb, logs, theta, fitted, resid, J, f_scale, n, seed, r
     N = logb.size
     idx = rng.integers(0, N, size=(n, N))
     if resample == "residual":
-        h = np.minimum(_leverage(J), 0.95)
-        mod = resid / np.sqrt(1.0 - h)
-        mod = mod - mod.mean()
         logb_RxN = np.broadcast_to(logb, (n, N))
-        logs_RxN = fitted[None, :] + mod[idx]
+        logs_RxN = fitted[None, :] + _centred(resid, J)[idx]
     else:
         logb_RxN, logs_RxN = logb[idx], logs[idx]
         distinct = np.array([np.unique(row).size for row in logb_RxN])
         logb_RxN, logs_RxN = logb_RxN[distinct >= 3], logs_RxN[distinct >= 3]
-    theta_R = _solve(logb_RxN, logs_RxN, np.broadcast_to(theta, (logb_RxN.shape[0], 2)),
-                     f_scale)[0]
+    theta_R = solve(logb_RxN, logs_RxN, theta, f_scale)[0]
     est = np.array([theta[0], theta[1], theta[1] - theta[0]])
     se = _log_param_se(logb[None], logs[None], theta[None], f_scale)[0]
     est_R = np.stack([theta_R[:, 0], theta_R[:, 1], theta_R[:, 1] - theta_R[:, 0]], axis=1)
@@ -380,25 +383,22 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
 
 
 def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
-    nan2 = (math.nan, math.nan)
     x, y = np.log(loss), np.log(bc)
     X = np.stack([np.ones_like(x), x], axis=1)
     coef = np.linalg.lstsq(X, y, rcond=None)[0]
     resid = y - X @ coef
-    cis = [nan2] * 3
+    cis = [(math.nan, math.nan)] * 3
     if bootstrap > 0:
-        h = np.minimum(_leverage(X), 0.95)
-        mod = resid / np.sqrt(1.0 - h)
-        mod = mod - mod.mean()
         rng = np.random.default_rng(seed)
-        y_NxR = (X @ coef)[:, None] + mod[rng.integers(0, x.size, size=(x.size, bootstrap))]
+        y_NxR = (X @ coef)[:, None] + _centred(resid, X)[rng.integers(0, x.size,
+                                                                     size=(x.size, bootstrap))]
         coef_R = np.linalg.lstsq(X, y_NxR, rcond=None)[0].T
         se_R = _ols_se(X, y_NxR - X @ coef_R.T)
         se = _ols_se(X, resid[:, None])[0]
         intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
                                                confidence) for k in (0, 1))
-        b_star_lo, b_star_hi = (float(v) for v in np.exp(intercept_ci))
-        cis = [(b_star_lo, b_star_hi), alpha_interval(slope_ci), slope_ci]
+        b_star_ci = (float(np.exp(intercept_ci[0])), float(np.exp(intercept_ci[1])))
+        cis = [b_star_ci, alpha_interval(slope_ci), slope_ci]
     slope = float(coef[1])
     alpha = -1.0 / slope if slope != 0 else math.inf
     return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],

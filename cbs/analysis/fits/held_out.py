@@ -95,4 +95,3 @@ def held_out(records: Sequence[dict[str, Any]], targets: Sequence[float], select
         raise ValueError(f"--select_on_seed={select_on_seed}: the sweep has seeds {seeds}; "
                          "give one of them, in a sweep with at least two (sweep.seeds)")
     return [held_out_target(records, t, select_on_seed, bootstrap=bootstrap) for t in targets]
-

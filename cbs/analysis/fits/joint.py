@@ -37,10 +37,8 @@ import scipy.stats
 
 from cbs.analysis.fits import fit, selection
 
-__all__ = [
-    "METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "joint_bootstrap",
-    "solve_weighted",
-]
+__all__ = ["METHOD_B_CRIT", "METHOD_POWER_LAW", "JointIntervals", "data_seed", "gls_q",
+           "joint_bootstrap"]
 
 METHOD_B_CRIT = ("bootstrap-t over batch sizes (resampled jointly across targets, seeds "
                  "resampled within each batch size)")
@@ -122,14 +120,14 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
             cis.append((math.nan, math.nan))
             continue
         logb, logs, w = _replicate_points(table, universe, n_seeds, draw_b, draw_s)
-        theta = solve_weighted(logb, logs, w, np.log([point.s_min, point.e_min]))
+        theta = fit.solve(logb, logs, np.log([point.s_min, point.e_min]), w=w, iters=200,
+                          tol=1e-10)[0]
         ok = _distinct(logb, w) >= 3
         est_r = theta[:, 1] - theta[:, 0]
         se_r = _weighted_se(logb, logs, w, theta)
         log_bc[ok, k] = est_r[ok]
-        b0, s0 = np.log(table.batch_sizes), np.log(table.steps)
-        one = np.ones((1, b0.size))
-        se0 = _weighted_se(b0[None], s0[None], one, np.log([[point.s_min, point.e_min]]))[0]
+        b0, s0 = np.log(table.batch_sizes)[None], np.log(table.steps)[None]
+        se0 = _weighted_se(b0, s0, np.ones_like(b0), np.log([[point.s_min, point.e_min]]))[0]
         lo, hi = fit.studentized(math.log(point.b_crit), se0, est_r[ok], se_r[ok], confidence)
         with np.errstate(over="ignore"):  # an unbounded side is inf, not an OverflowError
             cis.append((float(np.exp(lo)), float(np.exp(hi))))
@@ -139,10 +137,7 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
 def _replicate_points(table, universe, n_seeds, draw_b, draw_s):
     """[R, N] log B, log S (seed means of the drawn seeds) and weights (0: B not in table)."""
     index = {float(b): i for i, b in enumerate(table.batch_sizes)}
-    R, N = draw_b.shape
-    logb = np.zeros((R, N))
-    logs = np.zeros((R, N))
-    w = np.zeros((R, N))
+    logb, logs, w = np.zeros((3, *draw_b.shape))  # [R, N] each
     for j, b in enumerate(universe):
         i = index.get(b)
         if i is None:
@@ -162,34 +157,6 @@ def _distinct(logb_RxN: np.ndarray, w_RxN: np.ndarray) -> np.ndarray:
     new = np.isfinite(srt) & ~np.isclose(srt, np.roll(srt, 1, axis=1))
     new[:, 0] = np.isfinite(srt[:, 0])
     return new.sum(axis=1)
-
-
-def solve_weighted(logb, logs, w, theta0, iters: int = 200) -> np.ndarray:
-    """Levenberg–Marquardt of Σ w·(log(S_min + E_min/B) − log S)² on R problems at once
-    (arrays [R, N]; weight 0 drops a point), each started from theta0 = log(S_min, E_min);
-    returns [R, 2] log(S_min, E_min)."""
-    R = logb.shape[0]
-    theta = np.broadcast_to(np.asarray(theta0, np.float64), (R, 2)).copy()
-    cost_of = lambda th: np.sum(w * (fit.model_log_steps(th, logb)[0] - logs) ** 2, axis=1)
-    cost = cost_of(theta)
-    lam = np.full(R, 1e-3)
-    eye = np.eye(2)
-    for _ in range(iters):
-        m, J = fit.model_log_steps(theta, logb)
-        r = m - logs
-        Jw = J * w[..., None]
-        A = np.einsum("rni,rnj->rij", Jw, J)
-        g = np.einsum("rni,rn->ri", Jw, r)
-        delta = -np.linalg.solve(A + lam[:, None, None] * (A * eye) + 1e-12 * eye,
-                                 g[..., None])[..., 0]
-        trial = theta + delta
-        new = cost_of(trial)
-        accept = np.isfinite(new) & (new <= cost)
-        theta[accept], cost[accept] = trial[accept], new[accept]
-        lam = np.clip(np.where(accept, lam / 3.0, lam * 4.0), 1e-12, 1e12)
-        if np.all((np.max(np.abs(delta), axis=1) < 1e-10) | (lam >= 1e12)):
-            break
-    return theta
 
 
 def _weighted_se(logb, logs, w, theta) -> np.ndarray:
@@ -222,7 +189,7 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
         y = np.log([points[k].b_crit for k in ok_t])
         local = np.diff(y) / np.diff(x)
         local_R = np.diff(Y, axis=1) / np.diff(x)[None]
-        q, dof = _gls_misfit(X, y, np.cov(Y, rowvar=False))
+        q, dof = float(gls_q(X, y[None], np.cov(Y, rowvar=False))[0]), y.size - 2
         res.update(
             slope_ci=slope_ci, alpha_b_ci=fit.alpha_interval(slope_ci),
             b_star_ci=tuple(float(np.exp(v)) for v in fit.quantile_interval(coef_R[0],
@@ -239,9 +206,14 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
                           confidence=confidence, **res)
 
 
-def _gls_misfit(X: np.ndarray, y: np.ndarray, C: np.ndarray) -> tuple[float, int]:
-    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) and its degrees of freedom (points − 2)."""
+def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) for each row y of Y_RxT, [R]; C [T, T] or one per row
+    [R, T, T]."""
     Ci = np.linalg.pinv(C)
-    beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y)
-    r = y - X @ beta
-    return float(r @ Ci @ r), int(y.size - 2)
+    if Ci.ndim == 2:
+        Ci = np.broadcast_to(Ci, (Y_RxT.shape[0], *Ci.shape))
+    A = np.einsum("ti,rts,sj->rij", X, Ci, X)
+    rhs = np.einsum("ti,rts,rs->ri", X, Ci, Y_RxT)
+    beta = np.linalg.solve(A, rhs[..., None])[..., 0]  # [R, 2]
+    r = Y_RxT - beta @ X.T
+    return np.einsum("ri,rij,rj->r", r, Ci, r)

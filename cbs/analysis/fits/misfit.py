@@ -38,7 +38,7 @@ import numpy as np
 from cbs.analysis.fits import fit, joint
 from cbs.analysis.fits.selection import BestPerBatchSize
 
-__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p", "gls_q",
+__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p",
            "pooled_draws", "study_noise"]
 
 METHOD = ("studentized parametric bootstrap under the fitted law: each target's S_min kept, "
@@ -70,19 +70,6 @@ class CalibratedMisfit:
         return fit.json_ready(d)
 
 
-def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
-    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) for each row y of Y_RxT, [R]; C [T, T] or one per row
-    [R, T, T]."""
-    Ci = np.linalg.pinv(C)
-    if Ci.ndim == 2:
-        Ci = np.broadcast_to(Ci, (Y_RxT.shape[0], *Ci.shape))
-    A = np.einsum("ti,rts,sj->rij", X, Ci, X)
-    rhs = np.einsum("ti,rts,rs->ri", X, Ci, Y_RxT)
-    beta = np.linalg.solve(A, rhs[..., None])[..., 0]  # [R, 2]
-    r = Y_RxT - beta @ X.T
-    return np.einsum("ri,rij,rj->r", r, Ci, r)
-
-
 def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
                       points: Sequence[fit.TradeoffFit], *, n: int = 2000,
                       seed: int = 0) -> CalibratedMisfit:
@@ -101,7 +88,9 @@ def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float
     design = _Design(tables, points, ok)
     C_a, C_u = design.unit_covariances(y0, rng, n)
     var_a, var_u = design.components(design.observed_residuals())
-    sims, resid = design.refit(y0, design.draw(rng, n, math.sqrt(var_a), math.sqrt(var_u)))
+    sims, resid, good = design.refit(y0, design.draw(rng, n, math.sqrt(var_a),
+                                                     math.sqrt(var_u)))
+    sims, resid = sims[good], resid[good]
     sim_a, sim_u = design.components(resid)
     C_obs = var_a * C_a + var_u * C_u
     C_sim = sim_a[:, None, None] * C_a + sim_u[:, None, None] * C_u
@@ -161,7 +150,7 @@ def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n
     sims, covs, goods = [], [], []
     for s, y0 in zip(studies, null, strict=True):
         noise = s.design.draw(rng, n, math.sqrt(s.var_a), math.sqrt(s.var_u))
-        out, resid, good = s.design.refit_all(np.asarray(y0, np.float64), noise)
+        out, resid, good = s.design.refit(np.asarray(y0, np.float64), noise)
         a, u = (np.atleast_1d(v) for v in s.design.components(resid))
         sims.append(out)
         covs.append(a[:, None, None] * s.c_a + u[:, None, None] * s.c_u)
@@ -187,8 +176,8 @@ def _test(X, y, C_obs, sims_RxT, C_sim_RxTxT) -> tuple[float, float]:
     """(Q, calibrated p): the study's Q (its own noise estimate in C) against each simulated
     study's Q with that study's own noise estimate (a studentized parametric bootstrap). Q
     removes the best line from each, so the law they were simulated under drops out."""
-    q = float(gls_q(X, y[None], C_obs)[0])
-    return q, calibrated_p(q, gls_q(X, sims_RxT, C_sim_RxTxT))
+    q = float(joint.gls_q(X, y[None], C_obs)[0])
+    return q, calibrated_p(q, joint.gls_q(X, sims_RxT, C_sim_RxTxT))
 
 
 class _Design:
@@ -203,7 +192,10 @@ class _Design:
             b = np.asarray(tables[k].batch_sizes, np.float64)
             self.logb.append(np.log(b))
             self.cols.append(np.asarray([col[float(v)] for v in b]))
-            self.lev.append(_leverage(points[k], np.log(b)))
+            J = fit.model_log_steps(np.log([[points[k].s_min, points[k].e_min]]),
+                                    np.log(b)[None])[1][0]  # h_ii of log S, capped at 0.9:
+            self.lev.append(np.clip(np.einsum("ni,ij,nj->n", J, np.linalg.pinv(J.T @ J), J),
+                                    0.0, 0.9))
             self.steps.append(np.asarray(tables[k].steps, np.float64))
 
     def draw(self, rng, n, sigma_a, sigma_u) -> list[np.ndarray]:
@@ -215,29 +207,24 @@ class _Design:
     def unit_covariances(self, y0, rng, n) -> tuple[np.ndarray, np.ndarray]:
         """(C_a, C_u): the covariance of log B_crit per unit variance of the shared and own
         noise, read at small noise (SMALL) where log B_crit is linear in it."""
-        c_a, c_u = (np.atleast_2d(np.cov(self.refit(y0, self.draw(rng, n, a, u))[0],
-                                         rowvar=False)) / SMALL**2
-                    for a, u in ((SMALL, 0.0), (0.0, SMALL)))
-        return c_a, c_u
+        c = []
+        for a, u in ((SMALL, 0.0), (0.0, SMALL)):
+            out, _, good = self.refit(y0, self.draw(rng, n, a, u))
+            c.append(np.atleast_2d(np.cov(out[good], rowvar=False)) / SMALL**2)
+        return c[0], c[1]
 
-    def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray]:
+    def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Refits S = S_min + E_min/B per target to S_min(1 + e^{y0}/B)·e^noise: log B_crit
-        [n', T] and the leverage-scaled residuals [n', T, len(universe)] (NaN where a target
-        lacks a batch size) of the n' simulated studies whose every refit is finite."""
-        out, resid, good = self.refit_all(y0, noise)
-        return out[good], resid[good]
-
-    def refit_all(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`refit` for every simulated study, with the mask [n] of those whose refits are
-        finite."""
+        [n, T], the leverage-scaled residuals [n, T, len(universe)] (NaN where a target lacks
+        a batch size) and the mask [n] of the simulated studies whose every refit is finite."""
         n = noise[0].shape[0]
         out = np.empty((n, len(self.points)))
         resid = np.full((n, len(self.points), len(self.universe)), np.nan)
         for i, (pt, logb, e) in enumerate(zip(self.points, self.logb, noise, strict=True)):
             logs = np.log(pt.s_min * (1.0 + math.exp(y0[i]) / np.exp(logb)))[None] + e
             grid = np.broadcast_to(logb, logs.shape)
-            th = joint.solve_weighted(grid, logs, np.ones_like(logs),
-                                      np.log([pt.s_min, pt.s_min * math.exp(y0[i])]))
+            th = fit.solve(grid, logs, np.log([pt.s_min, pt.s_min * math.exp(y0[i])]),
+                           iters=200, tol=1e-10)[0]
             out[:, i] = th[:, 1] - th[:, 0]
             fitted = fit.model_log_steps(th, grid)[0]
             resid[:, i, self.cols[i]] = (logs - fitted) / np.sqrt(1.0 - self.lev[i])
@@ -264,9 +251,3 @@ class _Design:
         cross = np.sum((col_sum**2 - col_sq) / 2, axis=1) / np.maximum(pairs, 1)
         shared = np.clip(cross, 0.0, total)
         return np.squeeze(shared), np.squeeze(total - shared)
-
-
-def _leverage(point: fit.TradeoffFit, logb: np.ndarray) -> np.ndarray:
-    """h_ii of the least-squares fit of log S at the batch sizes (capped at 0.9)."""
-    J = fit.model_log_steps(np.log([[point.s_min, point.e_min]]), logb[None])[1][0]
-    return np.clip(np.einsum("ni,ij,nj->n", J, np.linalg.pinv(J.T @ J), J), 0.0, 0.9)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis.fits import selection
+from cbs.analysis.fits.fit import g3
 from cbs.results import files, shared
 from cbs.results.store import upgrade_noise_fields
 
@@ -38,17 +39,15 @@ NAMES = ("b_simple", "b_noise")
 PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma", "g_h_g")}
 
 
-def _finite(values: Sequence[Any]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
-
-
 def spread(best_records: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """Per name in NAMES, min / median / max over the best trials' values at target `key`:
     keys measured_<name> (the median), measured_<name>_min, measured_<name>_max, and
     measured_by_batch_size {B: {name: value}} (NaN where a trial has none)."""
     out: dict[str, Any] = {}
     for name in NAMES:
-        v = _finite([r["noise_at_target"].get(key, {}).get(name) for r in best_records])
+        v = [float(x) for r in best_records
+             if (x := r["noise_at_target"].get(key, {}).get(name)) is not None
+             and math.isfinite(float(x))]
         out[f"measured_{name}"] = float(np.median(v)) if v else math.nan
         out[f"measured_{name}_min"] = min(v) if v else math.nan
         out[f"measured_{name}_max"] = max(v) if v else math.nan
@@ -154,21 +153,16 @@ def reference(sweep_dir: str, targets: Sequence[float], window: int
 
 def reference_cell(ref: dict[str, Any] | None, target: float) -> str:
     """Markdown cell "B_simple / B_noise" of the reference run at `target` ("–" if none)."""
-    if not ref:
-        return "–"
-    row = next((r for r in ref["targets"] if r["target"] == float(target)), None)
-    if row is None:
-        return "–"
-    return f"{_g(row['b_simple'])} / {_g(row['b_noise'])}"
+    row = next((r for r in (ref or {}).get("targets", []) if r["target"] == float(target)), None)
+    return "–" if row is None else f"{g3(row['b_simple'])} / {g3(row['b_noise'])}"
 
 
 def spread_cell(t: dict[str, Any], name: str) -> str:
     """Markdown cell "median (min–max)" of `name` over batch sizes for target entry `t`."""
     med = t.get(f"measured_{name}")
     lo, hi = t.get(f"measured_{name}_min"), t.get(f"measured_{name}_max")
-    if lo is None or not math.isfinite(float(lo)):
-        return _g(med)
-    return f"{_g(med)} ({_g(lo)}–{_g(hi)})"
+    return g3(med) if lo is None or not math.isfinite(float(lo)) else (
+        f"{g3(med)} ({g3(lo)}–{g3(hi)})")
 
 
 def protocol_lines(analysis: dict[str, Any]) -> list[str]:
@@ -178,10 +172,6 @@ def protocol_lines(analysis: dict[str, Any]) -> list[str]:
     if ref:
         lines += ["", f"Reference run: {ref['protocol']}. Beside it, the same run with the "
                   "per-trial protocol's centred window: " + "; ".join(
-                      f"L={r['target']:g}: {_g(r['b_simple_centred'])} / "
-                      f"{_g(r['b_noise_centred'])}" for r in ref["targets"]) + "."]
+                      f"L={r['target']:g}: {g3(r['b_simple_centred'])} / "
+                      f"{g3(r['b_noise_centred'])}" for r in ref["targets"]) + "."]
     return lines
-
-
-def _g(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"

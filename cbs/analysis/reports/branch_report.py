@@ -32,8 +32,8 @@ from cbs.results import files, records, shared
 
 __all__ = [
     "REFERENCE_METRICS", "critical_batch", "critical_multiplier", "format_b_star", "local_cbs",
-    "local_cbs_schedule", "noise_estimator", "plot_local_cbs", "summarize", "summary_table",
-    "swept_b_crit", "write_report",
+    "local_cbs_schedule", "plot_local_cbs", "summarize", "summary_table", "swept_b_crit",
+    "write_report",
 ]
 
 REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)
@@ -100,8 +100,7 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
             "b_pass": float(k_star * bsz),
             "b_fail": float(ks[i + 1] * bsz) if i + 1 < len(ks) else math.inf,
             "censored": censored, "floor": k_star == ks[0], "b_star_seeds": per_seed,
-            "b_star_lo": min(per_seed),
-            "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
+            "b_star_lo": min(per_seed), "b_star_hi": max(per_seed), "num_seeds": len(seeds)}
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:
@@ -159,12 +158,6 @@ def format_b_star(p: dict[str, Any]) -> str:
     return f"{p['b_star']:.0f}"
 
 
-def noise_estimator(workdir: str) -> str | None:
-    """The estimator named by the study's noise records (None when it measured none)."""
-    recs = _noise_records(workdir)
-    return recs[0].get("estimator") if recs else None
-
-
 def _noise_records(workdir: str) -> list[dict[str, Any]]:
     return shared.read_merged(os.path.join(workdir, files.REFERENCE_NOISE_FILE),
                               files.REFERENCE_POINT_KEYS)
@@ -209,9 +202,9 @@ def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int =
              f"B* = `{b.get('b_star', 'geometric')}`. "
              "\"≤ B\": k* = 1, the crossing is below 2B and the ladder cannot resolve it; "
              "\"≥ B\": k* at the top of the ladder.", "", summary_table(points), ""]
-    est = noise_estimator(workdir)
-    if est:
-        lines += [f"B_simple, B_noise at each point: {est}.", ""]
+    est = [r.get("estimator") for r in _noise_records(workdir)][:1]  # None: measured none
+    if est and est[0]:
+        lines += [f"B_simple, B_noise at each point: {est[0]}.", ""]
     if sweep_dir:
         sw = swept_b_crit(sweep_dir, workdir, bootstrap=bootstrap)
         lines += ["Swept B_crit (fit of S/S_min = 1 + B_crit/B; interval: 95% bootstrap over "

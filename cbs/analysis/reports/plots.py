@@ -237,7 +237,9 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
     fig, (ax,) = _new()
     styles = ["-", "--", ":", "-."]
     labels = list(dict.fromkeys(str(run.get("label", i)) for i, run in enumerate(runs)))
-    colors = _label_colors(len(labels))
+    # the default cycle up to 10 labels, else a colour map: their order reads light to dark
+    colors = ([f"C{k}" for k in range(len(labels))] if len(labels) <= 10 else
+              [colormaps["viridis"](v) for v in np.linspace(0.0, 0.9, len(labels))])
     used_labels, used_keys = set(), set()
     for i, run in enumerate(runs):
         x = np.asarray(run.get(x_key, ()), dtype=np.float64)
@@ -262,14 +264,6 @@ def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                   ncols=1 + len(handles) // 16 if outside else 1,
                   **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if outside else {}))
     return save_figure(fig, path)
-
-
-def _label_colors(n: int) -> list[Any]:
-    """n distinct colours: the default cycle up to 10, else an ordered colour map (the
-    labels' order, e.g. increasing batch size, reads as light to dark)."""
-    if n <= 10:
-        return [f"C{k}" for k in range(n)]
-    return [colormaps["viridis"](v) for v in np.linspace(0.0, 0.9, n)]
 
 
 def se_plane(fit: TradeoffFit | None, path: PathLike, *,

@@ -10,8 +10,7 @@ B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`fit.fit_power_law`).
 The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): missing
 trials are counted per batch size, fits from an incomplete grid are marked, and
 `write_report` refuses a partial sweep unless asked for a report headed as partial. The
-report's tables and sentences are `cbs.analysis.reports.report_tables` (the tables
-re-exported here).
+report's tables and sentences are `cbs.analysis.reports.report_tables`.
 """
 
 from __future__ import annotations
@@ -29,13 +28,6 @@ import numpy as np
 from cbs.analysis.fits import edges, fit, held_out, joint, misfit, noise_at_target, selection
 from cbs.analysis.reports import plots
 from cbs.analysis.reports import report_tables as tables
-from cbs.analysis.reports.report_tables import (
-    held_out_table,
-    kaplan_table,
-    ramp_table,
-    seed_table,
-    summary_table,
-)
 from cbs.results import paths, records, shared
 from cbs.results.files import ANALYSIS_FILE, FIGURES_DIR, RAMP_KEYS, RAMPS_FILE, REPORT_FILE
 from cbs.results.store import SweepStore, target_key
@@ -110,6 +102,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
         raise ValueError(f"{sweep_dir} has no finished trials ({store.path} is empty); run "
                          "the sweep first: cbs-sweep --config=... "
                          f"--sweep_dir={sweep_dir}")
+    seq_len = definition.get("config", {}).get("data", {}).get("options", {}).get("seq_len")
     targets = definition.get("sweep", {}).get("targets") or sorted(
         {float(k) for r in recs for k in r["steps_to_target"]}, reverse=True)
     per_target = [analyze_target(recs, t, bootstrap=bootstrap, seed=seed, grid=grid)
@@ -121,7 +114,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
                 "complete": grid["complete"], "grid_known": grid["known"],
                 "num_expected": grid["num_expected"], "num_missing": grid["num_missing"],
                 "missing_per_batch_size": {str(b): n for b, n in grid["missing"].items()},
-                "tokens_per_example": _tokens_per_example(definition),
+                "tokens_per_example": int(seq_len) if seq_len else None,
                 "targets": [{**{k: v for k, v in t.items() if k != "_table"},
                              "fit": t["fit"].to_dict()} for t in per_target],
                 "power_law": power_law.to_dict() | {"misfit": misfit},
@@ -246,13 +239,6 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None =
     figs["noise"] = plots.noise_over_training(runs, os.path.join(out_dir, "noise_scale.png"),
                                               xlabel="examples seen")
     ramps = read_ramps(sweep_dir)
-    if ramps and ok:
-        figs.update(_ramp_figures(ramps, analysis, out_dir))
-    return figs
-
-
-def _ramp_figures(ramps, analysis, out_dir) -> dict[str, str]:
-    figs = {}
     for t, f in zip(analysis["targets"], analysis["fits"], strict=True):
         key = target_key(t["target"])
         runs = [{"label": r["label"], "steps": r["steps_to_target"][key],
@@ -300,19 +286,19 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
                   analysis) + " B_simple and B_noise: the noise scale measured when the "
               "best trials passed the target (ratio of window averages, median over batch "
               "sizes). \"(extrapolated)\": B_crit lies outside the batch sizes fitted.", "",
-              summary_table(analysis), "", *noise_at_target.protocol_lines(analysis), "",
+              tables.summary_table(analysis), "", *noise_at_target.protocol_lines(analysis), "",
               *tables.power_law_lines(analysis)]
     if analysis.get("tokens_per_example"):
         lines += ["## In tokens, beside Kaplan et al. 2020", "",
                   f"{analysis['tokens_per_example']} tokens per sequence.", "",
-                  kaplan_table(analysis), ""]
+                  tables.kaplan_table(analysis), ""]
     if analysis.get("seeds"):
         lines += ["## Seeds", "", "The fit above uses, at each batch size, the mean over "
                   "seeds of each seed's fewest steps; below, the same fit on each seed's "
                   "trials alone, and how far the seeds' fewest steps lie apart "
                   "((max − min)/mean, over batch sizes). The bootstrap interval resamples "
                   "batch sizes, not seeds: where the per-seed fits range wider, the seed "
-                  "spread is the larger error.", "", seed_table(analysis), ""]
+                  "spread is the larger error.", "", tables.seed_table(analysis), ""]
     if analysis.get("held_out"):
         lines += ["## Held-out seeds", "", "Each best learning rate selected on one seed "
                   "(fewest steps to L at each B) and its steps measured on the other seeds; "
@@ -320,7 +306,7 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
                   "best rate) on the same seeds. A ratio above 1: selecting and measuring on "
                   "the same seed flattered S by that factor. A B whose held-out trial never "
                   "crossed L is left out; \"censored\": its group stopped once a faster rate "
-                  "crossed (`sweep.stop_when_dominated`).", "", held_out_table(analysis), ""]
+                  "crossed (`sweep.stop_when_dominated`).", "", tables.held_out_table(analysis), ""]
     lines += ["## Learning-rate grid", "", *(f"- {n}" for n in tables.grid_notes(analysis)), ""]
     notes = tables.notes(analysis)
     if notes:
@@ -329,16 +315,10 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
                                    for k, p in figs.items()] + [""]
     ramps = read_ramps(sweep_dir)
     if ramps:
-        lines += ["## Batch-size ramps", "", ramp_table(ramps, analysis), ""]
+        lines += ["## Batch-size ramps", "", tables.ramp_table(ramps, analysis), ""]
     path = os.path.join(out, REPORT_FILE)
     records.write_atomic(path, "\n".join(lines))
     return path
-
-
-def _tokens_per_example(definition: dict[str, Any]) -> int | None:
-    """Tokens per example of a sequence dataset (its seq_len option), else None."""
-    options = definition.get("config", {}).get("data", {}).get("options", {})
-    return int(options["seq_len"]) if options.get("seq_len") else None
 
 
 def load_analysis(sweep_dir: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ power law, missing trials and the grid. `cbs.analysis.reports.report` assembles 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from cbs.results.store import target_key
 
 __all__ = ["b_crit_cell", "held_out_table", "kaplan_table", "ramp_table", "seed_table",
            "summary_table", "to_wandb", "unresolved", "unresolved_text"]
+
+_g = functools.partial(fit.g3, inf="∞")  # an interval's unbounded side is ∞
 
 
 def unresolved(f: Mapping[str, Any]) -> bool:
@@ -60,8 +63,7 @@ def summary_table(analysis: dict[str, Any]) -> str:
         status = f["status"]
         if f["status"] == fit.OK:
             mark = " (extrapolated)" if t.get("b_crit_extrapolated") else ""
-            row = [b_crit_cell(f) + mark,
-                   _g(f["s_min"]), _g(f["e_min"])]
+            row = [b_crit_cell(f) + mark, _g(f["s_min"]), _g(f["e_min"])]
             if t.get("incomplete_batch_sizes"):
                 status += ", incomplete grid"
         else:
@@ -139,10 +141,8 @@ def held_out_table(analysis: dict[str, Any]) -> str:
              "B_crit, in sample (95% CI) | held-out / in-sample S, median over B | "
              "B left out |", "|---|---|---|---|---|---|---|"]
     for t in rows:
-        cells = []
-        for f in (t["fit"], t["fit_in_sample"]):
-            ok = f["status"] == fit.OK
-            cells.append(b_crit_cell(f) if ok else "–")
+        cells = [b_crit_cell(f) if f["status"] == fit.OK else "–"
+                 for f in (t["fit"], t["fit_in_sample"])]
         ratio = f"{t['median_ratio']:.2f}" if t["median_ratio"] is not None else "–"
         left = ", ".join(f"{r['batch_size']:g} ({r['left_out']})" for r in t["rows"]
                          if "left_out" in r) or "none"
@@ -216,15 +216,11 @@ def _misfit_verdict(m: dict[str, Any]) -> str:
             f"study's noise, `cbs.analysis.fits.misfit`; uncalibrated: {chi2}).")
     w = c.get("without_breaking")
     if w:
+        lo, hi = (w["alpha_b_ci"] or [None, None])[:2]
+        ci = "interval –" if lo is None or hi is None else f"95% interval {_g(lo)}–{_g(hi)}"
         text += (f" The target that breaks it is L = {w['target']:g}: without it calibrated "
-                 f"p = {w['p']:.2g}, and α_B = {_g(w['alpha_b'])} "
-                 f"({_alpha_ci_pair(w['alpha_b_ci'])}) on the other targets.")
+                 f"p = {w['p']:.2g}, and α_B = {_g(w['alpha_b'])} ({ci}) on the other targets.")
     return text
-
-
-def _alpha_ci_pair(ci: Any) -> str:
-    lo, hi = (ci or [None, None])[:2]
-    return "interval –" if lo is None or hi is None else f"95% interval {_g(lo)}–{_g(hi)}"
 
 
 def missing_text(analysis: dict[str, Any]) -> str:
@@ -291,8 +287,7 @@ def _alpha_ci(slope_ci) -> str:
     if not slope_ci or slope_ci[0] is None or slope_ci[1] is None:
         return "–"
     lo, hi = fit.alpha_interval(tuple(slope_ci))
-    end = lambda v: "∞" if v == math.inf else _g(v)
-    return f"{end(lo)}–{end(hi)}"
+    return f"{_g(lo)}–{_g(hi)}"
 
 
 def _ci(ci) -> str:
@@ -301,12 +296,6 @@ def _ci(ci) -> str:
 
 def _bs(values: Sequence[float]) -> str:
     return ", ".join(f"{b:g}" for b in values)
-
-
-def _g(x: Any) -> str:
-    if x is not None and float(x) == math.inf:
-        return "∞"  # an interval's unbounded side
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
 
 
 def to_wandb(analysis: dict[str, Any], project: str, *, group: str) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from cbs.analysis.advice import calibration
 from cbs.analysis.fits import fit
+from cbs.analysis.fits.fit import g3
 from cbs.analysis.reports import plots, report, report_tables
 from cbs.analysis.studies import reference_protocol
 from cbs.results import files, paths, records
@@ -171,16 +172,16 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {r['study']} | {r['task']} | {r['optimizer']} | {r['target']:g} | "
             f"{_b_crit_cell(r)}{mark} | "
             f"{_with_range(r, 'b_simple')} | {_with_range(r, 'b_noise')} | "
-            f"{_g(r['ratio_b_simple'])} | {_g(r['ratio_b_noise'])} |")
+            f"{g3(r['ratio_b_simple'])} | {g3(r['ratio_b_noise'])} |")
     return "\n".join(lines)
 
 
 def _b_crit_cell(row: dict[str, Any]) -> str:
     """"B_crit (lo–hi)", or flagged unresolved when its interval collapsed."""
     if row.get("b_crit_unresolved"):
-        return f"{_g(row['b_crit'])}, {report_tables.unresolved_text(row)}"
+        return f"{g3(row['b_crit'])}, {report_tables.unresolved_text(row)}"
     lo, hi = row["b_crit_ci"]
-    return f"{_g(row['b_crit'])} ({_g(lo)}–{_g(hi)})"
+    return f"{g3(row['b_crit'])} ({g3(lo)}–{g3(hi)})"
 
 
 def _with_range(row: dict[str, Any], name: str) -> str:
@@ -188,12 +189,8 @@ def _with_range(row: dict[str, Any], name: str) -> str:
     if not math.isfinite(row[name]):
         return "–"
     if math.isfinite(lo) and math.isfinite(hi) and (lo != row[name] or hi != row[name]):
-        return f"{_g(row[name])} ({_g(lo)}–{_g(hi)})"
-    return _g(row[name])
-
-
-def _g(x: float) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.3g}"
+        return f"{g3(row[name])} ({g3(lo)}–{g3(hi)})"
+    return g3(row[name])
 
 
 def figure(rows: Sequence[dict[str, Any]], path: str,
@@ -234,10 +231,8 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
                         xerr=None if x_err is None else np.clip(np.nan_to_num(x_err), 0, None),
                         fmt=markers[r["optimizer"]], color=colours[r["task"]], ms=6,
                         capsize=2, lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"measured {label} at the target (examples)")
-        ax.set_ylabel("fitted B_crit (examples)")
+        ax.set(xscale="log", yscale="log", xlabel=f"measured {label} at the target (examples)",
+               ylabel="fitted B_crit (examples)")
         ax.grid(True, which="both", alpha=0.3)
     handles = [Line2D([], [], color=colours[t], marker="o", ls="", label=t) for t in tasks]
     handles += [Line2D([], [], color="k", marker=markers[o], ls="", label=o) for o in opts]
@@ -262,12 +257,12 @@ def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['study']} | {r['optimizer']} | {r['target']:g} | {_b_crit_cell(r)} | "
             f"{r['ref_batch_size']} | "
-            f"{_g(r['ref_batch_size'] / r['b_crit'])} | {r['ref_b_simple_seeds']} | "
+            f"{g3(r['ref_batch_size'] / r['b_crit'])} | {r['ref_b_simple_seeds']} | "
             f"{cell('ref_b_simple')} | {cell('ref_b_noise')} | "
             f"{cell('ref_update_b_simple') if adaptive else '(= B_simple)'} | "
             f"{cell('ref_update_b_noise') if adaptive else '(= B_noise)'} | "
-            f"{_g(r['ratio_ref_b_simple'])} | {_g(r['ratio_ref_b_noise'])} | "
-            f"{_g(r['ratio_ref_update_b_noise'])} |")
+            f"{g3(r['ratio_ref_b_simple'])} | {g3(r['ratio_ref_b_noise'])} | "
+            f"{g3(r['ratio_ref_update_b_noise'])} |")
     return "\n".join(lines)
 
 
@@ -276,7 +271,7 @@ def _seeds_cell(row: dict[str, Any], key: str) -> str:
     if not math.isfinite(row[key]):
         return "–"
     lo, hi = row[f"{key}_range"]
-    return f"{_g(row[key])} ({_g(lo)}–{_g(hi)}) ×{_g(row[f'{key}_gsd'])}"
+    return f"{g3(row[key])} ({g3(lo)}–{g3(hi)}) ×{g3(row[f'{key}_gsd'])}"
 
 
 def _summary_lines(s: dict[str, Any], names: Sequence[tuple[str, str]]) -> list[str]:

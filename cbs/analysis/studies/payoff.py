@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from cbs.analysis.fits import fit, joint
+from cbs.analysis.fits import fit
 from cbs.analysis.reports import plots
 from cbs.analysis.studies import ramp_start
 from cbs.results import files, records
@@ -39,9 +39,8 @@ from cbs.results.store import target_key
 
 __all__ = [
     "BOOTSTRAP", "BOOTSTRAP_INTERVAL", "CONFIDENCE", "T_INTERVAL", "analyze", "analyze_target",
-    "best_fixed", "figure", "fixed_batch_size", "frontier_examples", "frontier_steps",
-    "geometric_mean", "group_runs", "run_name", "summary_lines", "t_interval", "table", "verdict",
-    "write_report",
+    "best_fixed", "figure", "frontier_examples", "frontier_steps", "geometric_mean", "group_runs",
+    "run_name", "summary_lines", "t_interval", "table", "verdict", "write_report",
 ]
 
 BOOTSTRAP = 1000  # replicates of the saving's interval
@@ -54,12 +53,6 @@ BOOTSTRAP_INTERVAL = ("percentile bootstrap over seeds (resampled within every r
 def run_name(record: dict[str, Any]) -> str:
     """The run a seeded record belongs to (its spec's `name`; else its label)."""
     return str((record.get("spec") or {}).get("name", record["label"]))
-
-
-def fixed_batch_size(record: dict[str, Any]) -> int | None:
-    """B of a run with a constant schedule; None for a ramp."""
-    schedule = (record.get("spec") or {}).get("schedule", {})
-    return int(schedule["batch_size"]) if schedule.get("kind") == "constant" else None
 
 
 def group_runs(ramps: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -107,24 +100,6 @@ def _seed_values(runs: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.n
     return np.asarray(s, dtype=np.float64), np.asarray(e, dtype=np.float64)
 
 
-def _frontier(sizes: list[int], mean_steps: list[float]) -> tuple[float, float]:
-    f = fit.fit_tradeoff(sizes, mean_steps, bootstrap=0)
-    return (f.s_min, f.e_min) if f.ok else (math.nan, math.nan)
-
-
-def _effects(s_min, e_min, s, e) -> tuple[float, float]:
-    """(step saving at equal examples, example cost at equal steps) of one (S, E)."""
-    return (float(1.0 - s / frontier_steps(s_min, e_min, e)),
-            float(e / frontier_examples(s_min, e_min, s) - 1.0))
-
-
-def _rng(runs: dict[str, list[dict[str, Any]]], key: str) -> np.random.Generator:
-    """A generator seeded from the steps recorded at this target (and their order)."""
-    data = json.dumps([[name, [r["steps_to_target"].get(key) for r in runs[name]]]
-                       for name in sorted(runs)])
-    return ramp_start.recorded_rng(data)
-
-
 def _tuned(values, fixed) -> dict[int, str]:
     """B -> the fixed run at B with the fewest steps at this target (geometric mean over its
     seeds; runs where a seed never reached L are left out): each baseline tuned per target."""
@@ -144,11 +119,15 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
     against the fixed run at its first batch size (`cbs.analysis.studies.ramp_start`)."""
     key = target_key(target)
     values = {name: _seed_values(v, key) for name, v in runs.items()}
-    fixed = {name: fixed_batch_size(v[0]) for name, v in runs.items()}
+    schedules = {name: (v[0].get("spec") or {}).get("schedule", {}) for name, v in runs.items()}
+    fixed = {name: int(s["batch_size"]) if s.get("kind") == "constant" else None
+             for name, s in schedules.items()}  # B of a fixed run, None for a ramp
     tuned = _tuned(values, fixed)
     usable = [tuned[b] for b in sorted(tuned)]
     sizes = sorted(tuned)
-    s_min, e_min = _frontier(sizes, [geometric_mean(values[n][0]) for n in usable])
+    means = [geometric_mean(values[n][0]) for n in usable]
+    frontier = fit.fit_tradeoff(sizes, means, bootstrap=0)  # NaNs unless ok
+    s_min, e_min = frontier.s_min, frontier.e_min
     rows = []
     for name, v in runs.items():
         s, e = values[name]
@@ -158,13 +137,13 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                                "reached": int(sum(r["steps_to_target"].get(key) is not None
                                                   for r in v))}
         if s.size:
-            row |= {"steps": geometric_mean(s), "steps_ci": t_interval(s, confidence),
-                    "examples": geometric_mean(e), "examples_ci": t_interval(e, confidence)}
-            if math.isfinite(s_min):
-                row["step_saving"], row["example_cost"] = _effects(s_min, e_min, row["steps"],
-                                                                   row["examples"])
+            s_, e_ = geometric_mean(s), geometric_mean(e)
+            row |= {"steps": s_, "steps_ci": t_interval(s, confidence),
+                    "examples": e_, "examples_ci": t_interval(e, confidence)}
+            if math.isfinite(s_min):  # at equal examples, and at equal steps
+                row["step_saving"] = float(1.0 - s_ / frontier_steps(s_min, e_min, e_))
+                row["example_cost"] = float(e_ / frontier_examples(s_min, e_min, s_) - 1.0)
         rows.append(row)
-    means = np.array([geometric_mean(values[n][0]) for n in usable])
     resid = np.log(means) - np.log(s_min + e_min / np.asarray(sizes, dtype=np.float64))
     out = {"target": float(target), "frontier": {
                "s_min": s_min, "e_min": e_min, "batch_sizes": sorted(sizes),
@@ -172,7 +151,10 @@ def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
            "tuned_fixed": {str(b): n for b, n in sorted(tuned.items())}, "rows": rows,
            "start": _against_start(runs, fixed, tuned, key, bootstrap or BOOTSTRAP, confidence)}
     if math.isfinite(s_min) and bootstrap:
-        _bootstrap(out, values, usable, sizes, bootstrap, confidence, _rng(runs, key))
+        recorded = json.dumps([[n, [r["steps_to_target"].get(key) for r in runs[n]]]
+                               for n in sorted(runs)])  # the generator's seed: the records
+        _bootstrap(out, values, usable, sizes, bootstrap, confidence,
+                   ramp_start.recorded_rng(recorded))
     return out
 
 
@@ -205,8 +187,7 @@ def _bootstrap(out, values, usable, sizes, n_rep, confidence, rng) -> None:
     logs = np.log(np.stack([resampled(n, 0) for n in usable], axis=1))
     logb = np.broadcast_to(np.log(np.asarray(sizes, dtype=np.float64)), logs.shape)
     f = out["frontier"]
-    theta = joint.solve_weighted(logb, logs, np.ones_like(logs),
-                                 np.log([f["s_min"], f["e_min"]]))
+    theta = fit.solve(logb, logs, np.log([f["s_min"], f["e_min"]]), iters=200, tol=1e-10)[0]
     s_min, e_min = np.exp(theta[:, 0]), np.exp(theta[:, 1])
     q = (50 * (1 - confidence), 50 * (1 + confidence))
     for row in ramps:
@@ -352,12 +333,9 @@ def figure(result: dict[str, Any], ramps: Sequence[dict[str, Any]], path: str) -
             b = np.geomspace(min(f["batch_sizes"]) / 4, max(f["batch_sizes"]) * 4, 200)
             ax.plot(f["s_min"] * b + f["e_min"], f["s_min"] + f["e_min"] / b, "k--", lw=1,
                     label="fixed-batch frontier" if i == 0 else None)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log", xlabel="examples E", title=f"L = {t['target']:g}")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("examples E")
-        ax.set_title(f"L = {t['target']:g}")
         ax.grid(True, which="both", alpha=0.3)
     fig.axes[0].set_ylabel("steps S")
     fig.legend(loc="outside right center", fontsize=7)

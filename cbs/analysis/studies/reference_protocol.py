@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from cbs.analysis.fits import noise_at_target, selection
+from cbs.analysis.fits.fit import g3
 from cbs.results import paths, records
 
 __all__ = ["NAMES", "PAIRS", "SEEDS_GLOB", "load", "markdown", "seed_values", "spread",
@@ -121,7 +122,7 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
             "deviations": first.get("deviations"), "window": window,
             "optimizer": first.get("optimizer"),
             "protocol": (f"reference trajectory at B={b} (B_crit/"
-                         f"{_g(first.get('b_crit_lowest_target', math.nan) / b)} at the "
+                         f"{g3(first.get('b_crit_lowest_target', math.nan) / b)} at the "
                          f"lowest target), its best rate {first['learning_rate']:.3g}, "
                          f"{len(runs)} seeds (initialisation and data order); "
                          f"{first.get('protocol', '')}; median over seeds"),
@@ -154,8 +155,8 @@ def _cell(entry: dict[str, Any] | None) -> str:
     if not entry or not entry["seeds"]:
         return "–"
     se = entry.get("se_median", math.nan)
-    return (f"{_g(entry['median'])} ({_g(entry['min'])}–{_g(entry['max'])}) "
-            f"×{_g(entry['gsd'])}" + (f" ±{100 * se:.0f}%" if math.isfinite(se) else ""))
+    return (f"{g3(entry['median'])} ({g3(entry['min'])}–{g3(entry['max'])}) "
+            f"×{g3(entry['gsd'])}" + (f" ±{100 * se:.0f}%" if math.isfinite(se) else ""))
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -175,7 +176,3 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['target']:g} | " + " | ".join(_cell(r.get(n)) for n in names)
                      + " |")
     return "\n".join(lines)
-
-
-def _g(x: Any) -> str:
-    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"

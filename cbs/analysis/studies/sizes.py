@@ -42,15 +42,7 @@ from cbs.analysis.reports import plots, report, report_tables
 from cbs.results import files, paths, records
 from cbs.results.store import SweepStore
 
-__all__ = ["analyze", "collect", "figure", "study_size", "summary", "table", "write_report"]
-
-
-def study_size(sweep_dir: str) -> dict[str, Any]:
-    """The model of a sweep directory: its name, width, depth and parameter count when the
-    definition has them."""
-    model = ((SweepStore(sweep_dir).definition() or {}).get("config") or {}).get("model", {})
-    return {"name": model.get("name", "?"), "d_model": model.get("d_model"),
-            "num_layers": model.get("num_layers")}
+__all__ = ["analyze", "collect", "figure", "summary", "table", "write_report"]
 
 
 def check_comparable(sweep_dirs: Sequence[str]) -> None:
@@ -90,7 +82,9 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
         if cov_targets != ok or cov.shape != (len(ok), len(ok)):
             raise ValueError(f"{d}: no bootstrap covariance of its B_crit fits (need a "
                              "bootstrap and at least one fitted target)")
-        size = study_size(d)
+        model = ((SweepStore(d).definition() or {}).get("config") or {}).get("model", {})
+        size = {"name": model.get("name", "?"), "d_model": model.get("d_model"),
+                "num_layers": model.get("num_layers")}
         noise = misfit.study_noise(a["tables"], [t["target"] for t in a["targets"]],
                                    a["fits"], n=2 * bootstrap, seed=joint.data_seed(a["tables"]))
         out.append({"study": os.path.basename(os.path.normpath(d)), "sweep_dir": d, **size,
@@ -207,15 +201,13 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
     parts = np.cumsum([len(z.losses) for z in noise])[:-1]
 
     def gls_fit(X, m):  # the null values at every point (unchanged off the mask m)
-        Ci = np.linalg.pinv(C[np.ix_(m, m)])
-        beta = np.linalg.solve(X.T @ Ci @ X, X.T @ Ci @ y[m])
         y0 = y.copy()
-        y0[m] = X @ beta
+        y0[m] = X @ _gls(X, y[m], C[np.ix_(m, m)])[0]
         return np.split(y0, parts)
 
     def q(X, m, Y, CR):  # observed and simulated GLS statistics over the points in m
-        return (float(misfit.gls_q(X, y[m][None], C[np.ix_(m, m)])[0]),
-                misfit.gls_q(X, Y[:, m], CR[:, m][:, :, m]))
+        return (float(joint.gls_q(X, y[m][None], C[np.ix_(m, m)])[0]),
+                joint.gls_q(X, Y[:, m], CR[:, m][:, :, m]))
 
     common = out.get("common_targets") or []
     if "loss_alone" in out:
@@ -279,8 +271,7 @@ def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, s
                                    **refit}
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
+_g = "{:.3g}".format
 
 
 def _verdict(d: dict[str, Any], key: str = "p") -> str:
@@ -382,14 +373,11 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
                             max(max(s["targets"]) for s in studies), 50)
         ax.plot(loss, j["b_star"] * loss ** (-1 / j["alpha_b"]), "k--", lw=1,
                 label=f"joint fit, α_B = {j['alpha_b']:.2g}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log", xlabel="target loss L (lower: later in training)",
+           ylabel="B_crit (examples)", title="Critical batch against the loss, by model size")
     plots.log_labels(ax.xaxis, np.concatenate([np.asarray(s["targets"], float) for s in studies]))
     plots.log_labels(ax.yaxis, np.concatenate([np.asarray(s["b_crit"], float) for s in studies]))
     ax.invert_xaxis()
-    ax.set_xlabel("target loss L (lower: later in training)")
-    ax.set_ylabel("B_crit (examples)")
-    ax.set_title("Critical batch against the loss, by model size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return plots.save_figure(fig, path, dpi=110)
