@@ -23,7 +23,12 @@ def test_a_tiny_held_out_sweep_measures_its_noise_scale(tmp_path, task):
         assert b_simple, curve
         assert all(math.isfinite(v) and v > 0 for v in b_simple)
         if task == "mnist1d_cnn":  # under the suite's --xla_backend_optimization_level=0
-            continue  # its tr(HΣ) comes out NaN (finite at the default level): open question
+            # its tr(HΣ) comes out NaN (finite at the default level, as in the committed
+            # study): the compiled HVP of >= 8 examples is NaN at that level (jvp or
+            # linearize), the same linearisation evaluated op by op is finite, and so is the
+            # compiled one without any one of GroupNorm, max pooling or ReLU: the compiler's
+            # level-0 code, not the estimator
+            continue
         assert trace_h_sigma and all(math.isfinite(v) for v in trace_h_sigma)
 
 
