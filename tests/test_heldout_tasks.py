@@ -14,6 +14,8 @@ from cbs.sweeps import launch
 @pytest.mark.parametrize("task", heldout_sweep.TASKS)
 def test_a_tiny_held_out_sweep_measures_its_noise_scale(tmp_path, task):
     c = heldout_sweep.get_config(f"{task},tiny")
+    if task == "mnist1d_cnn":  # its tr(HΣ) is not checked here (below): 60 s not spent on it
+        c.noise.curvature = False
     results = launch.run_sweep(c, str(tmp_path / task), log=lambda _: None)
     assert len(results) == 2
     for trial in results:
@@ -27,7 +29,8 @@ def test_a_tiny_held_out_sweep_measures_its_noise_scale(tmp_path, task):
             # study): the compiled HVP of >= 8 examples is NaN at that level (jvp or
             # linearize), the same linearisation evaluated op by op is finite, and so is the
             # compiled one without any one of GroupNorm, max pooling or ReLU: the compiler's
-            # level-0 code, not the estimator
+            # level-0 code, not the estimator; not measured here
+            assert not trace_h_sigma
             continue
         assert trace_h_sigma and all(math.isfinite(v) for v in trace_h_sigma)
 
