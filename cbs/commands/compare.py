@@ -32,7 +32,7 @@ from cbs.analysis.studies import compare, sizes
 from cbs.results import files, paths
 from cbs.runtime import cli
 
-__all__ = ["check_inputs", "default_out", "main", "run"]
+__all__ = ["check_inputs", "main", "run"]
 
 _OUT = flags.DEFINE_string("out", None, "Directory for report.md and the figures (default: a "
                            "new directory beside the studies, compare_<first study>...).")

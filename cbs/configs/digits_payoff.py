@@ -29,7 +29,7 @@ from cbs.results.store import SweepStore
 
 __all__ = [
     "BRANCH_DIR", "FIXED", "SEEDS", "START_SEEDS", "SWEEP_DIR", "get_config", "local_cbs_ramp",
-    "start_runs", "target_rates", "tuned_fixed",
+    "target_rates", "tuned_fixed",
 ]
 
 SEEDS = (0, 1, 2)

@@ -33,7 +33,7 @@ import ml_collections
 
 from cbs.configs import base, digits_sweep
 
-__all__ = ["ADAPTIVE", "LINEAR", "STEP", "fixed", "get_config", "ramp_run"]
+__all__ = ["ADAPTIVE", "LINEAR", "STEP", "fixed", "get_config"]
 
 STEP = {"kind": "step", "steps": ((0, 32), (1_500, 64), (4_000, 128))}  # Llama 3's shape
 LINEAR = {"kind": "linear", "start": 32, "end": 160, "over": 4_000, "multiple": 16}  # DeepSeek

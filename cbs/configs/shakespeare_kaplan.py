@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from cbs.configs import base, shakespeare_sweep
 
-__all__ = ["WIDTHS", "get_config"]
+__all__ = ["get_config"]
 
 # Widths of the across-sizes study (Kaplan et al. 2020, Fig. 10) beside the default D = 64.
 WIDTHS = {"d32": 32, "d128": 128}

@@ -17,8 +17,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CALIBRATION_FILE", "FAMILIES", "family", "predict", "shipped", "t_quantile",
-           "tradeoff"]
+__all__ = ["CALIBRATION_FILE", "family", "predict", "shipped", "t_quantile", "tradeoff"]
 
 CALIBRATION_FILE = "calibration.json"
 FAMILIES = {"sgd": "sgd", "momentum": "sgd", "adam": "adaptive", "adamw": "adaptive"}

@@ -25,7 +25,7 @@ import time
 from cbs.results import paths, records
 from cbs.results.paths import PathLike
 
-__all__ = ["Claim", "LEASE_SECONDS", "claim", "lease_seconds", "names", "release"]
+__all__ = ["Claim", "claim", "names", "release"]
 
 LEASE_SECONDS = 600.0  # default lease; CBS_LEASE_SECONDS overrides it
 _SUFFIX = ".lease"

@@ -30,8 +30,7 @@ from cbs.results.paths import PathLike
 
 __all__ = [
     "CorruptRecordWarning", "append_records", "lines_in", "plain_value", "read_json",
-    "read_records", "repair_tail", "truncate_records", "write_atomic", "write_error",
-    "write_json_atomic",
+    "read_records", "truncate_records", "write_atomic", "write_error", "write_json_atomic",
 ]
 
 

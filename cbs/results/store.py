@@ -30,8 +30,8 @@ from cbs.results import files, leases, paths, records, shared
 from cbs.results.paths import PathLike
 
 __all__ = [
-    "GRID_FIELDS", "IGNORED_FIELDS", "OUTPUT_FIELDS", "SweepStore", "TrialResult",
-    "definition_diff", "describe", "flatten", "target_key",
+    "OUTPUT_FIELDS", "SweepStore", "TrialResult", "definition_diff", "describe", "flatten",
+    "target_key",
 ]
 
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",

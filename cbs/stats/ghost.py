@@ -57,8 +57,8 @@ from cbs.stats.ghost_rules import FUSED_RULES, SQ_NORM_RULES, per_example_grad
 from cbs.stats.trees import leaf_paths
 
 __all__ = [
-    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "auto_chunk_size", "coverage", "leaf_rules",
-    "per_example_grads_info", "uncovered_leaves", "vmap_chunk_size",
+    "MEMORY_BUDGET_BYTES", "LossFn", "PyTree", "coverage", "leaf_rules", "per_example_grads_info",
+    "uncovered_leaves", "vmap_chunk_size",
 ]
 
 PyTree = Any

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
-    "CALLS", "Body", "Scan", "While", "body_of", "call_body", "cond_branches", "remat_options",
-    "scan_parts", "sub_jaxprs", "while_parts",
+    "CALLS", "Scan", "body_of", "call_body", "cond_branches", "remat_options", "scan_parts",
+    "sub_jaxprs", "while_parts",
 ]
 
 # Primitives that run one body on their operands as they are (a call); shard_map runs it on

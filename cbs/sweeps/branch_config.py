@@ -20,9 +20,8 @@ from cbs.runtime import fields
 from cbs.runtime.fields import ConfigError
 
 __all__ = [
-    "BRANCH_LR_RULES", "B_STAR_RULES", "CRITERIA", "EMA_UNITS", "METRICS", "PAPER_WINDOW_STEPS",
-    "default_branch_config", "ema_decay_per_step", "lr_factor", "reference_batch",
-    "reference_run_config", "validate_branch_config", "window_examples",
+    "BRANCH_LR_RULES", "CRITERIA", "default_branch_config", "ema_decay_per_step", "lr_factor",
+    "reference_batch", "reference_run_config", "validate_branch_config", "window_examples",
 ]
 
 # The rules f(k) = k^p of `cbs.engine.lr.LR_RULES` that grow with k (p > 0).

@@ -58,8 +58,8 @@ from cbs.sweeps.branch_config import (
 from cbs.sweeps.grid import parse_shard
 
 __all__ = [
-    "UNIT_KEYS", "BranchRunner", "branch_steps", "pending_units", "run_branches",
-    "run_reference", "write_definition",
+    "UNIT_KEYS", "BranchRunner", "pending_units", "run_branches", "run_reference",
+    "write_definition",
 ]
 
 UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record

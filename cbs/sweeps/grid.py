@@ -31,8 +31,8 @@ from cbs.runtime import fields
 from cbs.runtime.fields import ConfigError
 
 __all__ = [
-    "TARGET_METRICS", "Trial", "default_sweep_config", "grid_trials", "learning_rates_for",
-    "make_trials", "parse_shard", "shard_trials", "trial_table", "validate_sweep",
+    "Trial", "default_sweep_config", "grid_trials", "learning_rates_for", "make_trials",
+    "parse_shard", "shard_trials", "trial_table", "validate_sweep",
 ]
 
 TARGET_METRICS = ("full_train/loss", "eval/loss", "train/loss_ema")

@@ -51,7 +51,7 @@ from cbs.sweeps.trials import (
     trial_overrides,
 )
 
-__all__ = ["PROGRESS_SPLIT", "TrialGroup", "group_name"]
+__all__ = ["TrialGroup", "group_name"]
 
 PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 

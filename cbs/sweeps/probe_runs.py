@@ -27,7 +27,7 @@ from cbs.runtime import checkpoint
 from cbs.sweeps import branches
 from cbs.sweeps.branch_config import default_branch_config
 
-__all__ = ["probe_config", "run_probe"]
+__all__ = ["run_probe"]
 
 
 def probe_config(run_config: Mapping[str, Any], *, base: int, ks: Sequence[int],

@@ -42,8 +42,8 @@ from cbs.sweeps import grid, launch
 from cbs.sweeps.trials import ProgressMonitor, curve_from_records, default_replicas
 
 __all__ = [
-    "RAMPS_DIR", "RAMP_FIELDS", "RAMP_REQUIRED", "best_learning_rate", "check_ramps", "ramp_config",
-    "ramp_overrides", "ramp_record", "run_dir_name", "run_ramps", "validate_ramps",
+    "RAMPS_DIR", "best_learning_rate", "check_ramps", "ramp_config", "ramp_overrides",
+    "run_dir_name", "run_ramps", "validate_ramps",
 ]
 
 RAMPS_DIR = "ramps"

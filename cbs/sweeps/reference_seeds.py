@@ -46,9 +46,8 @@ from cbs.sweeps.grid import Trial, default_sweep_config
 from cbs.sweeps.groups import TrialGroup
 
 __all__ = [
-    "ADAPTIVE", "DEVIATIONS", "FRACTION", "HESSIAN_EXAMPLES", "PRECONDITIONED_KEYS",
-    "SAMPLED_DEVIATIONS", "SEEDS_DIR", "SeedReferenceRun", "choose_batch_size", "run_seeds",
-    "sampled_noise", "seed_path", "study_config", "update_measurement",
+    "ADAPTIVE", "DEVIATIONS", "FRACTION", "HESSIAN_EXAMPLES", "SAMPLED_DEVIATIONS", "SEEDS_DIR",
+    "choose_batch_size", "run_seeds", "seed_path", "study_config", "update_measurement",
 ]
 
 SEEDS_DIR = "reference_seeds"  # in the sweep directory: seed_<k>.jsonl and runs/

@@ -39,8 +39,9 @@ import numpy as np
 
 from cbs.results.calibration import CALIBRATION_FILE, family, t_quantile
 
-__all__ = ["RATE_FACTOR", "UNIT", "VERSION", "build", "edges", "held_out", "leave_one_task_out",
-           "markdown", "model"]
+__all__ = [
+    "UNIT", "VERSION", "build", "edges", "held_out", "leave_one_task_out", "markdown", "model",
+]
 
 VERSION = 2  # the format of the file; a change of model or fields is a new version (2: points
 #              are one run's noise scale at one batch size, grouped by task; leave-one-task-out)

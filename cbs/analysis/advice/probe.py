@@ -44,8 +44,10 @@ from cbs.analysis.fits.fit import g3
 from cbs.analysis.reports import branch_report
 from cbs.results.calibration import family, t_quantile
 
-__all__ = ["BOOTSTRAP_EXACT_SEEDS", "DEFAULT_BUDGET", "UNITS", "calibration_with", "combine",
-           "cost", "ladder", "local_ratio", "plan", "summary"]
+__all__ = [
+    "DEFAULT_BUDGET", "UNITS", "calibration_with", "combine", "cost", "ladder", "local_ratio",
+    "plan", "summary",
+]
 
 DEFAULT_BUDGET = 0.1  # φ: the probe's branches at most 10 % of the run so far
 UNITS = ("examples", "steps")  # what the budget counts

@@ -43,8 +43,10 @@ import numpy as np
 
 from cbs.analysis.fits import fit
 
-__all__ = ["LinregProblem", "grid_study", "noise_scales", "optimal_lr", "optimal_study",
-           "path_average", "steps_to", "trajectory"]
+__all__ = [
+    "LinregProblem", "grid_study", "noise_scales", "optimal_lr", "optimal_study", "steps_to",
+    "trajectory",
+]
 
 
 @dataclasses.dataclass(frozen=True)

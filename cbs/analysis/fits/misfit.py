@@ -38,8 +38,10 @@ import numpy as np
 from cbs.analysis.fits import fit, joint
 from cbs.analysis.fits.selection import BestPerBatchSize
 
-__all__ = ["METHOD", "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p",
-           "pooled_draws", "study_noise"]
+__all__ = [
+    "CalibratedMisfit", "StudyNoise", "calibrated_misfit", "calibrated_p", "pooled_draws",
+    "study_noise",
+]
 
 METHOD = ("studentized parametric bootstrap under the fitted law: each target's S_min kept, "
           "B_crit on the line, Gaussian log-step noise with the study's shared (per batch "

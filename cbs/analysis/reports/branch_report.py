@@ -32,8 +32,7 @@ from cbs.results import files, records, shared
 
 __all__ = [
     "REFERENCE_METRICS", "critical_batch", "critical_multiplier", "format_b_star", "local_cbs",
-    "local_cbs_schedule", "plot_local_cbs", "summarize", "summary_table", "swept_b_crit",
-    "write_report",
+    "local_cbs_schedule", "plot_local_cbs", "summarize", "summary_table", "write_report",
 ]
 
 REFERENCE_METRICS = os.path.join(files.REFERENCE_DIR, files.METRICS_FILE)

@@ -32,9 +32,10 @@ from cbs.results import files, paths, records
 from cbs.results.calibration import CALIBRATION_FILE
 from cbs.results.store import SweepStore
 
-__all__ = ["DEFAULT_PROTOCOL", "PER_TRIAL", "PREDICTION_SUFFIX", "PROTOCOL", "collect",
-           "figure", "held_out_pairs", "prediction_path", "protocol_table", "study_labels",
-           "study_path", "summary", "table", "write_report"]
+__all__ = [
+    "collect", "figure", "held_out_pairs", "prediction_path", "study_labels", "study_path",
+    "summary", "table", "write_report",
+]
 
 DEFAULT_PROTOCOL = "per trial, ratio of window means at the crossing, median over batch sizes"
 PER_TRIAL = (("b_simple", "B_simple"), ("b_noise", "B_noise"))  # (row key, label)

@@ -38,9 +38,9 @@ from cbs.results import files, records
 from cbs.results.store import target_key
 
 __all__ = [
-    "BOOTSTRAP", "BOOTSTRAP_INTERVAL", "CONFIDENCE", "T_INTERVAL", "analyze", "analyze_target",
-    "best_fixed", "figure", "frontier_examples", "frontier_steps", "geometric_mean", "group_runs",
-    "run_name", "summary_lines", "t_interval", "table", "verdict", "write_report",
+    "BOOTSTRAP", "analyze", "analyze_target", "best_fixed", "figure", "frontier_examples",
+    "frontier_steps", "geometric_mean", "run_name", "summary_lines", "t_interval", "table",
+    "verdict", "write_report",
 ]
 
 BOOTSTRAP = 1000  # replicates of the saving's interval

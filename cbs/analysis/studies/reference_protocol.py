@@ -27,8 +27,9 @@ from cbs.analysis.fits import noise_at_target, selection
 from cbs.analysis.fits.fit import g3
 from cbs.results import paths, records
 
-__all__ = ["NAMES", "PAIRS", "SEEDS_GLOB", "load", "markdown", "seed_values", "spread",
-           "summarize", "window_se"]
+__all__ = [
+    "NAMES", "PAIRS", "load", "markdown", "seed_values", "spread", "summarize", "window_se",
+]
 
 NAMES = ("b_simple", "b_noise", "b_simple_p", "b_noise_p")
 PAIRS = {"b_simple": ("noise/trace_sigma", "noise/grad_sq_norm"),
