@@ -40,6 +40,7 @@ from typing import Any
 import ml_collections
 
 from cbs.engine import live_noise
+from cbs.results.store import MOVED_NOISE_FIELDS
 from cbs.runtime import fields
 from cbs.stats import noise
 
@@ -60,14 +61,6 @@ CONFIG_FIELDS = frozenset({"method", "examples", "batch_size", "deviations",
                            "hessian_batch_size", "curvature", "num_probes", "chunk_size", "every",
                            "in_step", "live", "two_batch", "small_batch", "ema_decay",
                            "advice_calibration"})
-# Fields that moved (config.<old> -> config.<new>): refused in one line naming the new one.
-MOVED_KEYS = {"sweep.noise_batch_size": "noise.batch_size",
-              "sweep.noise_curvature_batch_size": "noise.deviations (with curvature=True)",
-              "sweep.noise_hessian_batch_size": "noise.hessian_batch_size",
-              "sweep.noise_examples": "noise.examples",
-              "sweep.noise_chunk_size": "noise.chunk_size",
-              "sweep.noise_reference_deviations": "sweep.reference_noise.deviations",
-              "branch.noise_deviations": "branch.noise.deviations"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +200,11 @@ class NoiseSpec:
 
 
 def check_moved_keys(section: Any, name: str) -> None:
-    """ConfigError for a measurement setting still where it was (`MOVED_KEYS`) in the
-    config's section `name` ("sweep", "branch"): one line naming the new field."""
-    for old, new in MOVED_KEYS.items():
+    """ConfigError for a measurement setting still where it was
+    (`cbs.results.store.MOVED_NOISE_FIELDS`) in the config's section `name` ("sweep",
+    "branch"): one line naming the new field."""
+    for old, new in MOVED_NOISE_FIELDS.items():
         where, _, key = old.partition(".")
         if where == name and key in section:
-            raise fields.ConfigError(f"config.{old}: moved to config.{new}")
+            hint = " (with curvature=True)" if new == "noise.deviations" else ""
+            raise fields.ConfigError(f"config.{old}: moved to config.{new}{hint}")

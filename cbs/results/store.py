@@ -30,8 +30,8 @@ from cbs.results import files, leases, paths, records, shared
 from cbs.results.paths import PathLike
 
 __all__ = [
-    "OUTPUT_FIELDS", "SweepStore", "TrialResult", "definition_diff", "describe", "flatten",
-    "target_key",
+    "MOVED_NOISE_FIELDS", "OUTPUT_FIELDS", "SweepStore", "TrialResult", "definition_diff",
+    "describe", "flatten", "target_key",
 ]
 
 GRID_FIELDS = ("batch_sizes", "learning_rates", "base_lr", "base_batch_size", "lr_rule",
@@ -204,14 +204,15 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Measurement settings that moved (old -> new section and name).
-MOVED_NOISE_FIELDS = {("sweep", "noise_batch_size"): ("noise", "batch_size"),
-                      ("sweep", "noise_hessian_batch_size"): ("noise", "hessian_batch_size"),
-                      ("sweep", "noise_chunk_size"): ("noise", "chunk_size"),
-                      ("sweep", "noise_examples"): ("noise", "examples"),
-                      ("sweep", "noise_curvature_batch_size"): ("noise", "deviations"),
-                      ("sweep", "noise_reference_deviations"): ("sweep", "reference_noise"),
-                      ("branch", "noise_deviations"): ("branch", "noise")}
+# Measurement settings that moved (config.<old> -> config.<new>): refused in a config
+# (`cbs.engine.noise_spec.check_moved_keys`), read in their new place from older records.
+MOVED_NOISE_FIELDS = {"sweep.noise_batch_size": "noise.batch_size",
+                      "sweep.noise_hessian_batch_size": "noise.hessian_batch_size",
+                      "sweep.noise_chunk_size": "noise.chunk_size",
+                      "sweep.noise_examples": "noise.examples",
+                      "sweep.noise_curvature_batch_size": "noise.deviations",
+                      "sweep.noise_reference_deviations": "sweep.reference_noise.deviations",
+                      "branch.noise_deviations": "branch.noise.deviations"}
 
 
 def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -220,20 +221,21 @@ def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
     noise_curvature_batch_size m reads deviations = m with curvature = m > 0), a reference
     run's or a branch study's m in `sweep.reference_noise.deviations` or
     `branch.noise.deviations` (a reference m of 0, "as the run's", reads None)."""
-    moved = [(o, n) for o, n in MOVED_NOISE_FIELDS.items() if o[1] in (config.get(o[0]) or {})]
+    moved = [(old.split("."), new.split(".")) for old, new in MOVED_NOISE_FIELDS.items()
+             if old.split(".")[1] in (config.get(old.split(".")[0]) or {})]
     if not moved:
         return config
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     out.setdefault("noise", {})
-    for (section, old), (where, new) in moved:
+    for (section, old), new in moved:
         value = out[section].pop(old)
-        if where == "noise":
-            out["noise"][new] = value
-        else:
-            out[where][new] = dict(out[where].get(new) or {}) | {"deviations": value or None}
+        if len(new) == 2:
+            out[new[0]][new[1]] = value
+        else:  # a study's own section
+            out[new[0]][new[1]] = dict(out[new[0]].get(new[1]) or {}) | {new[2]: value or None}
     if out["noise"].get("examples") == "sampled":
         out["noise"]["examples"] = "stream"
-    if ("sweep", "noise_curvature_batch_size") in dict(moved):
+    if any(old == "noise_curvature_batch_size" for (_, old), _ in moved):
         out["noise"]["curvature"] = out["noise"]["deviations"] > 0
     return out
 
