@@ -11,8 +11,7 @@ initialisation and the examples drawn), minibatch SGD on B fresh examples with r
     E L_t = ½(tr HM_t + σ²),
 
 where ρ_B = 1 for fresh examples and (N − B)/(N − 1) for a batch drawn without replacement
-from N training examples (the variance of a mean without replacement). H is diagonal, so the
-diagonal m of M closes on itself and one step costs O(P); the expected loss needs no more.
+from N training examples. H is diagonal, so the diagonal m of M closes on itself: O(P) a step.
 
 The noise scales of McCandlish et al. (2018, App. A) at a second moment M, as ratios of
 expectations: tr(Σ) and tr(HΣ) from Σ(M), |G|² = tr(H²M), GᵀHG = tr(H³M);
@@ -20,16 +19,13 @@ B_simple = tr Σ/|G|², B_noise = tr(HΣ)/GᵀHG.
 
 Two protocols are compared:
 - "optimal": at every step the rate that minimises the next expected loss,
-  η_t = tr(H²M)/(tr(H³M) + ρ_B·tr(HΣ)/B) = η_max/(1 + ρ_B·B_noise/B). This is the premise of
-  B_crit = B_noise: the progress per step is ΔL_max/(1 + B_noise/B), so S(B) = S_min + E_min/B
-  with B_crit = E_min/S_min the path average of B_noise (each step of the B → ∞ path weighted
-  equally; `path_average`).
+  η_t = tr(H²M)/(tr(H³M) + ρ_B·tr(HΣ)/B) = η_max/(1 + ρ_B·B_noise/B): the premise of
+  B_crit = B_noise, with B_crit = E_min/S_min the path average of B_noise (`path_average`).
 - "grid": per batch size, the constant rate of a grid that reaches the target in the fewest
   steps, as a sweep does.
-Steps to a target are the first crossing of E L_t, interpolated linearly in log loss between
-updates, and B_crit is `fit.fit_tradeoff` of those steps. This is the average run's loss; a
-sweep's S, the mean over seeds of each seed's crossing, differs by the run-to-run spread
-(small at these targets; tested against simulated SGD).
+Steps to a target: the first crossing of E L_t, interpolated linearly in log loss between
+updates; B_crit: `fit.fit_tradeoff` of those. A sweep's S (the mean of each seed's crossing)
+differs by the run-to-run spread (small at these targets; tested against simulated SGD).
 """
 
 from __future__ import annotations
@@ -51,12 +47,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class LinregProblem:
-    """Gaussian linear regression in the eigenbasis of C.
-
-    eigenvalues: λ [D] of C; sigma: σ, the label noise; m0: the diagonal [D + 1] of
-    E[δ_0δ_0ᵀ] in that basis (weights, then the bias); num_train: N for sampling without
-    replacement (0: fresh examples).
-    """
+    """Gaussian linear regression in the eigenbasis of C. eigenvalues: λ [D]; sigma: σ, the
+    label noise; m0: the diagonal [D + 1] of E[δ_0δ_0ᵀ] (weights, then the bias); num_train: N
+    for sampling without replacement (0: fresh examples)."""
 
     eigenvalues: np.ndarray
     sigma: float
@@ -125,10 +118,9 @@ def optimal_lr(problem: LinregProblem, m: np.ndarray, batch: np.ndarray) -> np.n
 def trajectory(problem: LinregProblem, batch_sizes: Sequence[float] | np.ndarray,
                lrs: Sequence[float] | np.ndarray | None,
                steps: int, *, stop_below: float = -math.inf) -> tuple[np.ndarray, np.ndarray]:
-    """Expected losses [K, steps + 1] (before the first update, then after each) and second
-    moments [K, steps + 1, P] of K runs: (batch_sizes[k], lrs[k]) constant, or the per-step
-    optimal rate where `lrs` is None. Stops early once every run is below `stop_below`
-    (the rest is NaN)."""
+    """Expected losses [K, steps + 1] (from before the first update) and second moments
+    [K, steps + 1, P] of K runs at (batch_sizes[k], lrs[k]), or the per-step optimal rate
+    where `lrs` is None; NaN after every run is below `stop_below`."""
     b = np.asarray(batch_sizes, np.float64)
     k = b.size
     m = np.broadcast_to(problem.m0, (k, problem.h.size)).copy()
@@ -164,17 +156,14 @@ def steps_to(losses: np.ndarray, target: float) -> np.ndarray:
 def _crossing_moments(moments: np.ndarray, losses: np.ndarray, target: float) -> np.ndarray:
     """Second moments [K, P] at the first update at or below `target` (NaN if never)."""
     out = np.full((moments.shape[0], moments.shape[2]), np.nan)
-    for k, row in enumerate(losses):
-        below = np.flatnonzero(row <= target)
-        if below.size:
-            out[k] = moments[k, below[0]]
+    hit = np.any(losses <= target, axis=1)
+    out[hit] = moments[hit, np.argmax(losses <= target, axis=1)[hit]]
     return out
 
 
 def path_average(problem: LinregProblem, target: float, *, steps: int) -> float:
-    """B_noise averaged over the updates of the B → ∞ optimal-rate path to `target` (each
-    update weighted equally, the last by the fraction of it that the interpolated crossing
-    uses): McCandlish's B_crit when B_noise varies along the path."""
+    """B_noise averaged over the updates of the B → ∞ optimal-rate path to `target` (the last
+    weighted by the fraction the crossing uses): McCandlish's B_crit where B_noise varies."""
     losses, moments = trajectory(problem, [1e30], None, steps, stop_below=target)
     s = float(steps_to(losses, target)[0])
     n = int(math.floor(s))
@@ -186,10 +175,9 @@ def path_average(problem: LinregProblem, target: float, *, steps: int) -> float:
 
 def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],
                   targets: Sequence[float], *, steps: int) -> list[dict[str, Any]]:
-    """The "optimal" protocol (per-step optimal rate) at each batch size: per target, the
-    steps per batch size, B_crit (`fit.fit_tradeoff`'s point over `batch_sizes`: give a range
-    that brackets it), the noise scales where the runs cross the target (median, min, max
-    over batch sizes) and `path_b_noise`, McCandlish's prediction of B_crit."""
+    """The "optimal" protocol: per target, the steps per batch size, B_crit (give batch sizes
+    that bracket it), the noise scales where the runs cross the target (median and range over
+    batch sizes) and `path_b_noise`, McCandlish's prediction of B_crit."""
     b = np.asarray(sorted(batch_sizes), np.float64)
     losses, moments = trajectory(problem, b, None, steps, stop_below=min(targets))
     return [_row(problem, b, steps_to(losses, t), t, _crossing_moments(moments, losses, t))
@@ -198,9 +186,8 @@ def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],
 
 def grid_study(problem: LinregProblem, rates: Mapping[float, Sequence[float]],
                targets: Sequence[float], *, steps: int) -> list[dict[str, Any]]:
-    """The "grid" protocol (a sweep's): per batch size the constant rate of `rates[B]` that
-    reaches each target in the fewest steps. Per target: as `optimal_study`, with the best
-    rate per batch size and whether it is at an edge of that batch size's rates."""
+    """The "grid" protocol: per target as `optimal_study`, with the best rate of `rates[B]`
+    per batch size and whether it is at an edge of them."""
     b = np.asarray(sorted(rates), np.float64)
     flat_b = np.concatenate([np.full(len(rates[x]), x) for x in b])
     flat_lr = np.concatenate([np.asarray(rates[x], np.float64) for x in b])

@@ -1,21 +1,17 @@
 """Learning-rate grids that bracket the optimum: edges, caps and factor-2 extensions.
 
-At a batch size B the best learning rate for a target loss L has the fewest steps S to reach it
-(`cbs.analysis.fits.selection.best_per_batch_size`). When it is the largest or smallest rate
-tried, S(B) is only an upper bound and B_crit is biased. From the trial records alone, the
-rule decides which further rates a sweep must try:
+A best learning rate (`cbs.analysis.fits.selection.best_per_batch_size`) that is the largest
+or smallest tried makes S(B) only an upper bound. From the finished records alone (so shards
+and reruns agree) the rule decides which further rates a sweep must try at a batch size:
 
-- the best rate (for any target) is the largest tried → try `count` more rates above it, each
-  a factor 2 beyond the last (never above `max_lr`; the cap itself is tried when the next
-  factor of 2 would pass it);
-- it is the smallest tried → `count` rates below it, never below `min_lr`;
+- best rate (for any target) the largest tried → `count` more rates above it, each a factor 2
+  beyond the last (never above `max_lr`; the cap itself when the next factor would pass it);
+- the smallest tried → `count` rates below it, never below `min_lr`;
 - at most `steps` such rates on each side of the base grid (rounds × count);
-- a batch size is extended only when every trial at it has a record (all seeds, all rates),
-  so the decision is a function of the finished records: shards and reruns agree.
+- only once every trial at the batch size (all seeds, all rates) has a record.
 
 A best rate at `max_lr` (or `min_lr`) is "capped"; one at an edge after the last allowed step
-is "edge"; the report lists both. Works on plain dicts (sweep.json's sweep section, the records
-of trials.jsonl).
+is "edge". Works on plain dicts (sweep.json's sweep section, the records of trials.jsonl).
 """
 
 from __future__ import annotations
@@ -50,12 +46,9 @@ def extension_rules(sweep: Mapping[str, Any]) -> dict[str, float]:
 
 def edge_directions(records: Sequence[Mapping[str, Any]], targets: Iterable[float],
                     lrs: Sequence[float], rules: Mapping[str, float]) -> dict[str, str]:
-    """Per target key, where the best rate at one batch size sits: "high" (largest tried, may
-    go up), "low" (smallest tried, may go down) or "capped" (at max_lr/min_lr); absent when
-    it is inside the grid or no rate reached the target.
-
-    The best rate is each seed's own, as `selection.best_per_batch_size` selects it: one seed
-    at an edge puts the batch size there; with seeds at opposite edges "high" comes first."""
+    """Per target key, where the best rate at one batch size sits: "high" (largest tried),
+    "low" (smallest) or "capped" (at max_lr/min_lr); absent inside the grid or unreached. One
+    seed's own best rate at an edge puts the batch size there; "high" comes first."""
     out = {}
     top, bottom = max(lrs), min(lrs)
     for target in targets:
@@ -110,31 +103,25 @@ def next_learning_rates(lrs: Sequence[float], base_lrs: Sequence[float], directi
 def grid_at_batch_size(base_lrs: Sequence[float], seeds: Sequence[int],
                        records: Sequence[Mapping[str, Any]], targets: Sequence[float],
                        rules: Mapping[str, float]) -> dict[str, Any]:
-    """The learning rates one batch size must try given its finished records: from the base
-    grid, while every (rate, seed) has a record and some target's best rate is at an
-    extendable edge, the next rates beyond it. Returns {"lrs": sorted rates, "complete": every
-    (rate, seed) has a record, "edges": per target key the final position of the best rate
-    ("high"/"low": still at an edge, "capped"), "records": those belonging to the grid}."""
+    """The learning rates one batch size must try given its finished records: the base grid
+    extended while every (rate, seed) has a record and some best rate is at an extendable
+    edge. Returns {"lrs" (sorted), "complete" (every (rate, seed) has a record), "edges" (per
+    target key the best rate's final position), "records" (those in the grid)}."""
     lrs = sorted(float(x) for x in base_lrs)
     done: dict[tuple[float, int], Mapping[str, Any]] = {}
     for r in records:
         done.setdefault((float(r["learning_rate"]), int(r["seed"])), r)
 
     def find(lr: float, seed: int) -> Mapping[str, Any] | None:
-        for (x, s), r in done.items():
-            if s == seed and _same(x, lr):
-                return r
-        return None
+        return next((r for (x, s), r in done.items() if s == seed and _same(x, lr)), None)
 
     while True:
         found = [find(lr, int(s)) for lr in lrs for s in seeds]
         complete = all(r is not None for r in found)
         mine = [r for r in found if r is not None]
         edges = edge_directions(mine, targets, lrs, rules) if complete and mine else {}
-        new = []
-        for direction in (HIGH, LOW):
-            if direction in edges.values():
-                new += next_learning_rates(lrs, base_lrs, direction, rules)
+        new = [lr for d in (HIGH, LOW) if d in edges.values()
+               for lr in next_learning_rates(lrs, base_lrs, d, rules)]
         if not complete or not new:
             return {"lrs": lrs, "complete": complete, "edges": edges, "records": mine}
         lrs = sorted(lrs + new)
@@ -150,36 +137,29 @@ def sweep_grid(base: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str,
         base_lrs = sorted({float(t["learning_rate"]) for t in base if t["batch_size"] == b})
         seeds = sorted({int(t["seed"]) for t in base if t["batch_size"] == b})
         at_b = [r for r in records if int(r["batch_size"]) == b]
-        out[b] = grid_at_batch_size(base_lrs, seeds, at_b, sweep["targets"], rules)
-        out[b]["seeds"] = seeds
-        out[b]["base_lrs"] = base_lrs
+        out[b] = grid_at_batch_size(base_lrs, seeds, at_b, sweep["targets"], rules) | {
+            "seeds": seeds, "base_lrs": base_lrs}
     return out
 
 
 def grid_status(definition: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
                 ) -> dict[str, Any]:
-    """What a sweep directory holds against what its grid needs.
-
-    definition: sweep.json (its "trials" is the base grid; without them the records are the
-    grid: "known" False). Returns {"known", "complete", "num_expected", "num_missing",
-    "missing" {B: trials without a record}, "records" (those in the grid), "edges" {B: {target
-    key: position}}}; where trials are missing, more rounds may follow: num_expected is a
-    lower bound.
-    """
+    """What a sweep directory holds against what its grid needs. definition: sweep.json (its
+    "trials" is the base grid; without them the records are: "known" False). Returns
+    {"known", "complete", "num_expected" (a lower bound while trials are missing),
+    "num_missing", "missing" {B: count}, "records" (those in the grid), "edges" {B: {key:
+    position}}}."""
     base = definition.get("trials") if definition else None
     if not base:
         return {"known": False, "complete": True, "num_expected": len(records),
                 "num_missing": 0, "missing": {}, "records": list(records), "edges": {}}
     state = sweep_grid(base, records, definition["sweep"])
-    missing, kept, expected = {}, [], 0
-    for b, st in state.items():
-        expected += len(st["lrs"]) * len(st["seeds"])
-        kept += st["records"]
-        n = len(st["lrs"]) * len(st["seeds"]) - len(st["records"])
-        if n:
-            missing[b] = n
+    need = {b: len(st["lrs"]) * len(st["seeds"]) for b, st in state.items()}
+    missing = {b: n - len(state[b]["records"]) for b, n in need.items()
+               if n != len(state[b]["records"])}
     num_missing = sum(missing.values())
-    return {"known": True, "complete": num_missing == 0, "num_expected": expected,
+    return {"known": True, "complete": num_missing == 0, "num_expected": sum(need.values()),
             "num_missing": num_missing, "missing": missing,
-            "records": sorted(kept, key=lambda r: r["index"]),
+            "records": sorted((r for st in state.values() for r in st["records"]),
+                              key=lambda r: r["index"]),
             "edges": {b: st["edges"] for b, st in state.items()}}

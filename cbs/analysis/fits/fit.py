@@ -67,10 +67,8 @@ def json_ready(d: Mapping[str, Any]) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class TradeoffFit:
     """S(B) = s_min + e_min/B with `confidence` intervals; NaNs unless status == "ok".
-
     n_points / n_batch_sizes: usable points and distinct B; n_dropped: points dropped as
-    missing, non-finite or non-positive. residual_std: RMS of log S residuals.
-    """
+    missing, non-finite or non-positive. residual_std: RMS of log S residuals."""
 
     s_min: float
     e_min: float
@@ -172,9 +170,8 @@ def solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta: np.ndarray,
           f_scale: np.ndarray | float | None = None, w: np.ndarray | None = None,
           iters: int = 300, tol: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Levenberg–Marquardt of Σ w·ρ(log(S_min + E_min/B) − log S) on R problems at once
-    (arrays [R, N]; weight 0 drops a point; IRLS weights for Cauchy), each started from theta
-    = log(S_min, E_min) ([2] or [R, 2]) until every step is below tol (default 1e-12·(1 +
-    |θ|)); returns [R, 2] log(S_min, E_min) and the costs."""
+    (arrays [R, N]; weight 0 drops a point; IRLS weights for Cauchy) from theta ([2] or [R, 2])
+    until every step is below tol (default 1e-12·(1 + |θ|)); returns [R, 2] θ and the costs."""
     w = np.ones_like(logs_RxN) if w is None else w
     theta = np.broadcast_to(np.asarray(theta, np.float64), (logb_RxN.shape[0], 2)).copy()
     cost = _cost(model_log_steps(theta, logb_RxN)[0] - logs_RxN, f_scale, w)
@@ -237,21 +234,14 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
                  confidence: float = 0.95, resample: str = "residual") -> TradeoffFit:
     """Fits S(B) = S_min + E_min/B to a table of (B, S); never raises on bad data.
 
-    Args:
-      batch_sizes, steps: one entry per trial (repeats of a B are fine); None, NaN or ≤ 0
-        steps (target never reached) are dropped and counted in n_dropped.
-      bootstrap: number of bootstrap refits for the intervals (0: no intervals).
-      method: "lsq", least squares in log S; or "robust", a Cauchy loss ½f²·log(1 + (r/f)²)
-        in log S from the least-squares fit, f = 1.4826·MAD of the residuals (≥ 1e-3)
-        re-estimated until it settles. A few points off the hyperbola (the largest B stuck on
-        a floor of S above S_min; a too narrow LR grid) then barely move the fit: with 2 of 10
-        batch sizes on a floor at 2·S_min, B_crit is off by a median 5 % instead of 36 %
-        (lsq). It cannot help when most points with B ≫ B_crit share the floor.
-      resample: "residual" (default; see module docstring) or "pairs".
-    Returns:
-      TradeoffFit; status "insufficient data" (NaN values) with fewer than 3 distinct B, or
-      "failed: ..." if the numerics break down. Read `warnings` too: a B_crit outside the
-      sampled batch sizes is an extrapolation.
+    steps: None, NaN or ≤ 0 (target never reached) are dropped, counted in n_dropped.
+    bootstrap: refits for the intervals (0: none). method: "lsq", least squares in log S; or
+    "robust", a Cauchy loss ½f²·log(1 + (r/f)²) in log S from the least-squares fit, f =
+    1.4826·MAD of the residuals (≥ 1e-3) re-estimated until it settles: with 2 of 10 batch
+    sizes on a floor of S at 2·S_min (a too narrow LR grid), B_crit is off by a median 5 %
+    instead of 36 % (lsq); it cannot help when most points with B ≫ B_crit share the floor.
+    Status "insufficient data" (NaN values) with fewer than 3 distinct B, "failed: ..." if the
+    numerics break down; `warnings` names an extrapolated B_crit.
     """
     if method not in ("lsq", "robust") or resample not in ("residual", "pairs"):
         raise ValueError(f"method must be lsq|robust and resample residual|pairs, got "
@@ -305,11 +295,8 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
 
 
 def _log_param_se(logb_RxN, logs_RxN, theta_Rx2, f_scale) -> np.ndarray:
-    """Standard errors of (log S_min, log E_min, log B_crit), [R, 3].
-
-    M-estimator form: Σψ(r)²/(n − 2) / mean(ψ'(r))² · (JᵀJ)⁻¹, which is σ̂²(JᵀJ)⁻¹ for least
-    squares (ψ(r) = r) and ψ(r) = r/(1 + (r/f)²) for the Cauchy loss.
-    """
+    """Standard errors of (log S_min, log E_min, log B_crit), [R, 3]: Σψ(r)²/(n − 2) /
+    mean(ψ'(r))² · (JᵀJ)⁻¹, with ψ(r) = r (least squares) or r/(1 + (r/f)²) (Cauchy)."""
     m, J = model_log_steps(theta_Rx2, logb_RxN)
     r = m - logs_RxN
     n = r.shape[1]
@@ -368,11 +355,8 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
                   bootstrap: int = 1000, seed: int = 0,
                   confidence: float = 0.95) -> PowerLawFit:
     """Fits Kaplan's B_crit(L) = B*/L^(1/α_B) by least squares of log B_crit on log L.
-
-    Non-finite or non-positive points are dropped; fewer than 3 distinct L gives status
-    "insufficient data". alpha_b = −1/slope; its interval maps the slope's interval and is
-    (lo, inf) when that interval contains zero (no detectable trend).
-    """
+    Non-finite or non-positive points are dropped; fewer than 3 distinct L: "insufficient
+    data". The interval of alpha_b = −1/slope is (lo, inf) when the slope's contains zero."""
     loss, bc, _ = _clean(losses, b_crits)
     nan2 = (math.nan, math.nan)
     if np.unique(loss).size < 3:

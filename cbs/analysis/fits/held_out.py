@@ -1,19 +1,13 @@
 """Held-out seeds: each best learning rate selected on one seed, its steps measured on the others.
 
-A sweep's fit takes, at each batch size B, the fewest steps S over learning rates η on the
-seeds it reports: the minimum of noisy S is biased low, more so where rates are close.
-`held_out` selects η*(B, L) on seed k alone and measures S at (B, η*) on every other seed;
-the fit S = S_min + E_min/B through those held-out S (mean over the other seeds) gives a
-held-out B_crit. Beside it: the in-sample fit on the same seeds (each seed's own best rate),
-and per B the ratio held-out S / in-sample S (≥ 1: how much the selection flattered B).
-
-A held-out trial that never crossed L leaves its B out. With `sweep.stop_when_dominated` a
-(B, seed) group stops once one rate crossed the lowest target, so the rate selected on seed k
-is censored on another seed wherever it was not that seed's winner: such trials (status
-"dominated") are counted apart; a held-out study turns the stop off
-(`digits_sweep.py:seeds3`).
-
-Letters: B batch size, η learning rate, S optimizer steps to a target loss L.
+Letters: B batch size, η learning rate, S optimizer steps to a target loss L. The fewest S
+over η on the seeds a fit reports is biased low (the minimum of noisy S). `held_out` selects
+η*(B, L) on seed k alone, measures S at (B, η*) on every other seed and fits S = S_min +
+E_min/B through their mean; beside it the in-sample fit on the same seeds and per B the ratio
+held-out S / in-sample S (≥ 1: how much the selection flattered B). A held-out trial that
+never crossed L leaves its B out; one its group stopped once another rate crossed
+(`sweep.stop_when_dominated`, status "dominated") is counted as censored: a held-out study
+turns the stop off (`digits_sweep.py:seeds3`).
 """
 
 from __future__ import annotations
@@ -40,12 +34,9 @@ def _steps(record: dict[str, Any], key: str) -> float | None:
 def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_seed: int, *,
                     bootstrap: int = 200) -> dict[str, Any]:
     """One target: η* per B from seed `select_on_seed`, S at η* on the other seeds, both fits.
-
-    records: trial records (`batch_size`, `learning_rate`, `seed`, `steps_to_target`,
-    `status`). Returns JSON-ready: "rows" (per B: the selected rate, its steps on the
-    selecting seed, the held-out steps per seed, their mean, the in-sample mean and the
-    ratio, or why B is left out), "fit" (held-out), "fit_in_sample" and the seeds used.
-    """
+    JSON-ready: "rows" (per B: the selected rate, its steps on the selecting seed, the
+    held-out steps per seed, their mean, the in-sample mean and the ratio, or why B is left
+    out), "fit" (held-out), "fit_in_sample" and the seeds used."""
     key = target_key(target)
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     others = [s for s in seeds if s != select_on_seed]

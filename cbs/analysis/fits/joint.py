@@ -1,27 +1,19 @@
 """Intervals for B_crit at every target and for the power law B_crit(L), from one bootstrap.
 
-Letters as in `cbs.analysis.fits.fit`: B batch size, S steps to a target, L the target loss,
-B_crit(L) = B*/L^(1/α_B).
+Letters as in `cbs.analysis.fits.fit`. Every target is read off the *same* trials, so the
+B_crit of two targets share their errors: a residual bootstrap of the power law through them
+measures how far they lie off a line, not how well they are measured. Here the batch sizes
+are resampled *jointly for all targets*, and within each drawn batch size its seeds; each
+replicate refits S = S_min + E_min/B at every target and the power law to its B_crit(L) (the
+case bootstrap of Davison & Hinkley 1997, §6.2.4, whole batch sizes as cases).
 
-Every target of a sweep is read off the *same* trials, so the B_crit of two targets share
-their errors and the B_crit(L) points of a power-law fit are not independent: a residual
-bootstrap of the power law on them measures how far they lie off a line, not how well they
-are measured. Here what was sampled is resampled: the batch sizes, *jointly for all
-targets*, and within each drawn batch size its seeds (so the seed spread counts). Each
-replicate refits S = S_min + E_min/B at every target (least squares in log S) and the power
-law to its B_crit(L): the case bootstrap of Davison & Hinkley (1997, §6.2.4), with whole
-batch sizes as cases.
-
-- B_crit at each target: studentized (bootstrap-t) interval, t* = (log B_crit* − log
-  B_crit)/se*, se from the weighted least-squares covariance of each replicate.
+- B_crit at each target: bootstrap-t, se from each replicate's weighted least squares.
 - α_B, B* and the slope −1/α_B: percentile intervals of the replicates' power-law fits.
-- Misfit: a single power law is tested by generalised least squares with the replicates'
-  covariance C of log B_crit across targets, Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ) against χ²
-  with (targets − 2) degrees of freedom; and the local slopes between adjacent targets with
-  their percentile intervals (a trend in them is curvature the single α_B averages away).
+- Misfit: Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ), C the replicates' covariance of log B_crit across
+  targets, against χ² on (targets − 2) degrees of freedom; and the local slopes between
+  adjacent targets with percentile intervals (a trend in them is curvature α_B averages away).
 
-The generator is seeded from the records, so the intervals depend on the records alone (not
-on their order, nor on which shard ran what).
+The generator is seeded from the records (not their order, nor which shard ran what).
 """
 
 from __future__ import annotations
@@ -49,13 +41,10 @@ METHOD_POWER_LAW = ("percentile bootstrap over batch sizes (resampled jointly ac
 @dataclasses.dataclass(frozen=True)
 class JointIntervals:
     """What `joint_bootstrap` returns (NaN where a quantity could not be formed).
-
-    b_crit_ci: per target (in the order given). alpha_b_ci, b_star_ci, slope_ci: the power
-    law's. local_slopes / local_slope_cis: d log B_crit / d log L between adjacent targets.
-    misfit_q, misfit_dof, misfit_p: the GLS χ² test (module docstring). n_replicates: those
-    with a B_crit at every target. log_b_crit_cov: their covariance of log B_crit over the
-    targets with a fit (`cov_targets`, their indices), for pooled analyses.
-    """
+    b_crit_ci: per target as given. local_slopes: d log B_crit / d log L between adjacent
+    targets. misfit_*: the GLS χ² test. n_replicates: those with a B_crit at every target.
+    log_b_crit_cov: their covariance of log B_crit over the targets with a fit (indices
+    `cov_targets`), for pooled analyses."""
 
     b_crit_ci: list[tuple[float, float]]
     alpha_b_ci: tuple[float, float]
@@ -99,11 +88,9 @@ def data_seed(tables: Sequence[selection.BestPerBatchSize]) -> int:
 def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequence[float],
                     points: Sequence[fit.TradeoffFit], *, n: int = 1000,
                     seed: int | None = None, confidence: float = 0.95) -> JointIntervals:
-    """Joint batch-size bootstrap of every target's B_crit and of the power law.
-
-    tables: `selection.best_per_batch_size` per target; losses: the targets; points:
-    `fit.fit_tradeoff` of those tables (they centre the intervals and start each refit).
-    """
+    """Joint batch-size bootstrap of every target's B_crit and of the power law. tables:
+    `selection.best_per_batch_size` per target; points: `fit.fit_tradeoff` of those tables
+    (they centre the intervals and start each refit)."""
     seed = data_seed(tables) if seed is None else seed
     rng = np.random.default_rng(seed)
     universe = sorted({float(b) for t in tables for b in t.batch_sizes})
@@ -207,8 +194,7 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
 
 
 def gls_q(X: np.ndarray, Y_RxT: np.ndarray, C: np.ndarray) -> np.ndarray:
-    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) for each row y of Y_RxT, [R]; C [T, T] or one per row
-    [R, T, T]."""
+    """min_β (y − Xβ)ᵀC⁻¹(y − Xβ) per row y of Y_RxT, [R]; C [T, T] or [R, T, T]."""
     Ci = np.linalg.pinv(C)
     if Ci.ndim == 2:
         Ci = np.broadcast_to(Ci, (Y_RxT.shape[0], *Ci.shape))

@@ -1,29 +1,25 @@
 """A calibrated misfit test of the power law B_crit(L) = B*/L^(1/α_B), and the target that
 breaks it.
 
-`cbs.analysis.fits.joint` tests one power law through a sweep's B_crit(L) by generalised least
-squares, Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ) with y = log B_crit, X = [1, log L] and C the
-bootstrap covariance of y, against χ² on (targets − 2) degrees of freedom. That assumes a
-known C; a bootstrap over ~10 batch sizes underestimates it, so on one seed the test rejects
-a true law too often (9–15 % at a nominal 5 % on the committed one-seed studies).
+The GLS test of `cbs.analysis.fits.joint` (Q against χ² on targets − 2 degrees of freedom)
+assumes the bootstrap covariance C of y = log B_crit known; over ~10 batch sizes it is
+underestimated, so on one seed a true law is rejected too often (9–15 % at a nominal 5 % on
+the committed one-seed studies). Here Q's null distribution is simulated by a studentized
+parametric bootstrap under the fitted law (Davison & Hinkley 1997, §4.2 and §5.2).
 
-Here Q's null distribution is simulated by a studentized parametric bootstrap under the
-fitted law (Davison & Hinkley 1997, §4.2 and §5.2). The study's noise: the residuals
-r_kB = log S_k(B) − log Ŝ_k(B) of each target's fit (divided by √(1 − h), h the leverage)
-split into a part a_B shared by every target at a batch size (the same trials give every
-target: σ_a², the mean product of two targets' residuals at one B) and a part u_kB of each
-target's own (σ_u², the rest of the mean square). A simulated study puts fresh Gaussian a_B
-and u_kB on the law's curves S₀(B) = S_min(1 + B_crit₀/B) (each target's fitted S_min,
-B_crit₀ on the least-squares line) and refits every target as the real one. C is the
-covariance this noise implies, C = σ_a²C_a + σ_u²C_u (C_a, C_u: that of log B_crit per unit
-variance of each part, simulated at small noise), with σ_a², σ_u² estimated from the
-study's own residuals, and each simulated study's Q uses its own estimates alike
-(studentized). The calibrated p-value is (1 + #{Q* ≥ Q})/(1 + R). On synthetic one-seed
-studies under an exact law (`tests/test_misfit.py`) it rejects at the nominal rate where
-the χ² reading rejects several times as often.
+The study's noise: the residuals r_kB = log S_k(B) − log Ŝ_k(B) of each target's fit (over
+√(1 − h), h the leverage) split into a part a_B shared by every target at a batch size (σ_a²,
+the mean product of two targets' residuals at one B) and a part u_kB of each target's own
+(σ_u², the rest of the mean square). A simulated study puts fresh Gaussian a_B and u_kB on
+the law's curves S₀(B) = S_min(1 + B_crit₀/B) (each target's fitted S_min, B_crit₀ on the
+least-squares line) and refits every target. C = σ_a²C_a + σ_u²C_u (C_a, C_u: the covariance
+of log B_crit per unit variance of each part, simulated at small noise) with the study's own
+σ_a², σ_u², and each simulated study's Q with its own estimates (studentized). The calibrated
+p is (1 + #{Q* ≥ Q})/(1 + R); on synthetic one-seed studies (`tests/test_misfit.py`) it
+rejects at the nominal rate where the χ² reading rejects several times as often.
 
-`breaking_target`: the target whose removal raises the calibrated p the most, which the
-report names as breaking the law (for example the first target, still in the transient).
+`breaking_target`: the target whose removal raises the calibrated p the most (for example
+the first target, still in the transient).
 """
 
 from __future__ import annotations
@@ -75,10 +71,8 @@ class CalibratedMisfit:
 def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
                       points: Sequence[fit.TradeoffFit], *, n: int = 2000,
                       seed: int = 0) -> CalibratedMisfit:
-    """The calibrated misfit test (module docstring) of the targets whose point fit is ok.
-
-    tables, losses, points: as `joint.joint_bootstrap`; n: simulated studies.
-    """
+    """The calibrated misfit test of the targets whose point fit is ok; tables, losses,
+    points as `joint.joint_bootstrap`, n simulated studies."""
     ok = [k for k, p in enumerate(points) if p.ok]
     if len(ok) < 3:
         return CalibratedMisfit(math.nan, math.nan, 0, {}, None)
@@ -110,9 +104,7 @@ def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float
 @dataclasses.dataclass(frozen=True)
 class StudyNoise:
     """One study's noise, for tests that pool studies (`cbs.analysis.studies.sizes`): its fitted
-    targets' losses and log B_crit, the covariance of log B_crit per unit variance of the
-    shared (c_a) and own (c_u) log-step noise, and the study's estimates of those variances
-    from its own residuals. `cov` is the covariance that noise implies."""
+    targets' losses and log B_crit, C_a (c_a), C_u (c_u), its σ_a², σ_u² and so its C (`cov`)."""
 
     losses: tuple[float, ...]
     log_b_crit: np.ndarray
@@ -144,10 +136,9 @@ def study_noise(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
 
 def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n: int,
                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Simulated pooled log B_crit [R, N] (the studies' targets side by side) under the null
-    values `null` (one array per study), each study drawn with its own noise and refitted,
-    and each simulated row's own block-diagonal covariance [R, N, N] (the noise its studies
-    estimate for themselves: studentized); R ≤ n keeps the rows whose every refit is finite."""
+    """Simulated pooled log B_crit [R, N] (the studies' targets side by side) under `null`
+    (one array per study), each study drawn with its own noise and refitted, and each row's
+    own block-diagonal covariance [R, N, N] (studentized); R ≤ n: every refit finite."""
     rng = np.random.default_rng(seed)
     sims, covs, goods = [], [], []
     for s, y0 in zip(studies, null, strict=True):
@@ -175,9 +166,8 @@ def calibrated_p(observed: float, simulated: np.ndarray) -> float:
 
 
 def _test(X, y, C_obs, sims_RxT, C_sim_RxTxT) -> tuple[float, float]:
-    """(Q, calibrated p): the study's Q (its own noise estimate in C) against each simulated
-    study's Q with that study's own noise estimate (a studentized parametric bootstrap). Q
-    removes the best line from each, so the law they were simulated under drops out."""
+    """(Q, calibrated p) of the study against the simulated ones, each with its own C (Q
+    removes the best line from each, so the law they were simulated under drops out)."""
     q = float(joint.gls_q(X, y[None], C_obs)[0])
     return q, calibrated_p(q, joint.gls_q(X, sims_RxT, C_sim_RxTxT))
 
@@ -216,9 +206,9 @@ class _Design:
         return c[0], c[1]
 
     def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Refits S = S_min + E_min/B per target to S_min(1 + e^{y0}/B)·e^noise: log B_crit
-        [n, T], the leverage-scaled residuals [n, T, len(universe)] (NaN where a target lacks
-        a batch size) and the mask [n] of the simulated studies whose every refit is finite."""
+        """Refits every target to S_min(1 + e^{y0}/B)·e^noise: log B_crit [n, T], the
+        leverage-scaled residuals [n, T, len(universe)] (NaN where a target lacks a batch
+        size) and the mask [n] of the studies whose every refit is finite."""
         n = noise[0].shape[0]
         out = np.empty((n, len(self.points)))
         resid = np.full((n, len(self.points), len(self.universe)), np.nan)
@@ -242,8 +232,7 @@ class _Design:
 
     @staticmethod
     def components(resid_RxTxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(σ_a², σ_u²) per study from residuals: σ_a² the mean product of two targets'
-        residuals at one batch size (clipped to [0, total]), σ_u² the mean square less it."""
+        """(σ_a², σ_u²) per study from residuals (σ_a² clipped to [0, mean square])."""
         r = np.nan_to_num(resid_RxTxN)
         present = np.isfinite(resid_RxTxN)
         total = np.sum(r**2, axis=(1, 2)) / np.sum(present, axis=(1, 2))

@@ -1,19 +1,14 @@
 """The noise scale at a target loss: which protocol, its spread over batch sizes, and the
-reference trajectory.
-
-Two protocols (`sweep.noise_protocol`), each named in the report and in analysis.json:
+reference trajectory. Two protocols (`sweep.noise_protocol`), named in the report:
 
 - per trial: every best trial (the best learning rate at each batch size B) records B_simple
   = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG at its crossing of L as a ratio of means of the
-  `sweep.noise_window` measurements nearest the crossing (`cbs.sweeps.trials`). The values
-  differ across batch sizes, so the report gives min / median / max over B.
+  `sweep.noise_window` measurements nearest it (`cbs.sweeps.trials`); min / median / max
+  over B.
 - reference trajectory (McCandlish et al. 2018): one run at B_ref at its best learning rate,
-  measured on the whole training set at dense evaluations (`cbs.sweeps.reference` writes
-  `reference_noise.jsonl`); per target, the ratio of means of tr(Σ) and |G|² (tr(HΣ) and
-  GᵀHG) over the first `window` measurements at or after the crossing, and beside it the
-  per-trial protocol's centred window.
-
-Reads only result files; needs no model.
+  measured on the whole training set at dense evaluations (`cbs.sweeps.reference`); per
+  target, the ratio of means over the first `window` measurements at or after the crossing,
+  and beside it the per-trial protocol's centred window.
 """
 
 from __future__ import annotations
@@ -40,9 +35,8 @@ PAIRS = {"b_simple": ("trace_sigma", "grad_sq_norm"), "b_noise": ("trace_h_sigma
 
 
 def spread(best_records: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Per name in NAMES, min / median / max over the best trials' values at target `key`:
-    keys measured_<name> (the median), measured_<name>_min, measured_<name>_max, and
-    measured_by_batch_size {B: {name: value}} (NaN where a trial has none)."""
+    """measured_<name> (median over the best trials at target `key`), measured_<name>_min,
+    _max per name in NAMES, and measured_by_batch_size {B: {name: value or NaN}}."""
     out: dict[str, Any] = {}
     for name in NAMES:
         v = [float(x) for r in best_records
@@ -68,8 +62,8 @@ def _noise(definition: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 def examples_per_value(definition: dict[str, Any]) -> tuple[int, str]:
-    """(examples behind one per-trial value, in words): the training set when each measurement
-    used all of it, else the sampled examples of the window's measurements together."""
+    """(examples behind one per-trial value, in words): the training set, or the sampled
+    examples of the window's measurements together."""
     noise, full = _noise(definition)
     if full:
         return int(definition.get("num_train") or 0), "full training set"
@@ -101,10 +95,9 @@ def protocol(definition: dict[str, Any]) -> str:
 
 def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
                      ) -> list[dict[str, Any]]:
-    """Per target, the noise scale of the reference run `run` (a `reference_noise.jsonl`
-    record: batch_size, learning_rate, target_metric, curve) at its crossing of the target:
-    "<name>": ratio of means over the first `window` measurements at or after the crossing,
-    "<name>_centred": over the `window` nearest it (the per-trial protocol's window)."""
+    """Per target, the noise scale of the reference run (a `reference_noise.jsonl` record):
+    "<name>" over the first `window` measurements at or after the crossing (`after_crossing`),
+    "<name>_centred" over the `window` nearest it (the per-trial protocol's window)."""
     curve, metric = run["curve"], run["target_metric"]
     col = lambda key: np.asarray([math.nan if v is None else v for v in curve[key]], np.float64)
     x = col("noise/step")
@@ -124,8 +117,7 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
 
 def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
     """Ratio of means over the first `window` finite measurements at steps ≥ crossing, and
-    their steps (the reference protocol's window, also over seeds:
-    `cbs.analysis.studies.reference_protocol`)."""
+    their steps."""
     if crossing is None:
         return math.nan, []
     ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)
@@ -139,8 +131,8 @@ def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
 
 def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
-    """The reference-trajectory protocol of the sweep in `sweep_dir`, or None without one:
-    {"protocol": words, "batch_size", "learning_rate", "seed", "targets": reference_values}."""
+    """The reference-trajectory protocol of the sweep (None without one): {"protocol",
+    "batch_size", "learning_rate", "seed", "targets": reference_values}."""
     runs = shared.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
                               files.REFERENCE_RUN_KEYS)
     if not runs:

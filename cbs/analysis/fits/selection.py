@@ -19,14 +19,11 @@ __all__ = ["BestPerBatchSize", "best_per_batch_size", "noise_scale_at_crossing",
 
 def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: float, *,
                     interpolate: bool = True) -> float | None:
-    """First step at which the loss reaches `target` (≤), or None if it never does.
-
-    With `interpolate`, the crossing is interpolated linearly in log loss between the last
-    evaluation above the target and the first at or below it (exact for an exponential decay
-    between evaluations; linear in the loss would place every crossing late on a convex
-    curve), linearly in the loss when a value is not positive. Non-finite losses count as not
-    reached. `steps` may equally be examples seen.
-    """
+    """First step (or example count) at which the loss reaches `target` (≤), else None.
+    With `interpolate`, linearly in log loss between the last evaluation above the target and
+    the first at or below it (exact for an exponential decay; linear in the loss would place
+    every crossing late on a convex curve), in the loss where a value is not positive.
+    Non-finite losses count as not reached."""
     x = np.asarray(steps, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
     hit = np.flatnonzero(np.isfinite(y) & (y <= target))
@@ -43,15 +40,12 @@ def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: flo
 
 @dataclasses.dataclass(frozen=True)
 class BestPerBatchSize:
-    """Per batch size, the steps to the target at the best learning rate, averaged over seeds.
-
-    Arrays are sorted by batch size and aligned. steps: the mean over seeds of each seed's
-    fewest steps; learning_rates: the seeds' common best rate, else their geometric mean;
-    seed_steps / seed_learning_rates / best_rows: per batch size, one entry per seed (in seed
-    order). unreached: the records that never reached the target; missing_batch_sizes: B
-    where some seed has no rate that reached it (not fitted); edge_batch_sizes: B where some
-    seed's best rate is the smallest or largest it tried (the grid may be too narrow).
-    """
+    """Per batch size (sorted, arrays aligned), the steps to the target at the best learning
+    rate. steps: the mean over seeds of each seed's fewest steps; learning_rates: the seeds'
+    common best rate, else their geometric mean; seed_*, best_rows: per B, one entry per
+    seed. unreached: records that never reached the target; missing_batch_sizes: B where some
+    seed has no rate that reached it (not fitted); edge_batch_sizes: B where some seed's best
+    rate is the smallest or largest it tried (the grid may be too narrow)."""
 
     batch_sizes: np.ndarray
     steps: np.ndarray
@@ -72,13 +66,12 @@ def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
                         ) -> BestPerBatchSize:
     """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds.
 
-    records: one dict per trial with `batch_key`, `lr_key`, `steps_key` (None or NaN when the
-    trial never reached the target) and `seed_key` (absent: seed 0). The optimum is taken per
-    seed *before* averaging: sweeps stop a (B, seed) group once one rate has crossed, so a
-    rate that wins in one seed usually has no crossing in another, and averaging per (B, η)
-    first would keep a slower rate that both seeds happened to finish. A batch size reaches
-    the target only if every seed did at some rate (else S would be biased low). Repeats of
-    one (B, η, seed) are averaged and reach it only if all of them did.
+    records: one dict per trial (`steps_key` None or NaN: never reached; no `seed_key`: seed
+    0). The optimum is taken per seed *before* averaging: sweeps stop a (B, seed) group once
+    one rate has crossed, so averaging per (B, η) first would keep a slower rate that both
+    seeds happened to finish. A batch size reaches the target only if every seed did at some
+    rate (else S would be biased low); repeats of one (B, η, seed) are averaged and reach it
+    only if all of them did.
     """
     reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
     unreached = [dict(r) for r in records if not reached(r)]
@@ -128,13 +121,10 @@ def noise_scale_at_crossing(steps: Sequence[float] | np.ndarray,
                             crossing_step: float | None, *,
                             window: float | None = None, rel_window: float = 0.2,
                             min_points: int = 3) -> float:
-    """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|².
-
-    One snapshot swings several-fold as |G|² oscillates; averaging numerator and denominator
-    over the measurements with |step − crossing| ≤ width/2 (width = `window` steps, else
-    rel_window·crossing_step; the `min_points` nearest when fewer fall in it) is far steadier.
-    Pass trace_h_sigma and g_h_g for B_noise. NaN without a crossing or data.
-    """
+    """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|² (one
+    snapshot swings several-fold as |G|² oscillates) over the measurements with |step −
+    crossing| ≤ width/2 (width = `window`, else rel_window·crossing_step; the `min_points`
+    nearest when fewer fall in it). trace_h_sigma and g_h_g give B_noise. NaN without data."""
     x = np.asarray(steps, dtype=np.float64)
     num = np.asarray(trace_sigma, dtype=np.float64)
     den = np.asarray(grad_sq_norm, dtype=np.float64)
