@@ -1,5 +1,3 @@
-"""Reports. Modules: `report` (a sweep's analysis) and `report_tables` (its tables), `plots`
-(figures), `branch_report` (local critical batch size from branches).
-"""
+"""Reports. Modules: `report` (a sweep's), `report_tables`, `plots`, `branch_report`."""
 
 __all__ = ["branch_report", "plots", "report", "report_tables"]  # its modules

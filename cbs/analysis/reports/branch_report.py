@@ -12,10 +12,10 @@ next multiplier (`b_star="geometric"`); `b_pass` = k*·B and `b_fail` = k⁺·B 
 crossing. At the bottom of the ladder (k* = 1, `floor`) B* is reported as "≤ B"; at the top
 (`censored`, only bounded below) as "≥ k_max·B".
 
-Uncertainty: the range over seeds of each data-order seed's own B*; the point estimate from
-the seed-mean losses. Noise scale: B_simple and B_noise at each branch point from the study's
-`reference_noise.jsonl` when it measured them (`branch.noise_checkpoints`). A `branch.json`
-without the `criterion` and `b_star` fields is read as "ladder" and "geometric".
+Uncertainty: the range of each data-order seed's own B*; the point estimate from the
+seed-mean losses. Noise scale: from the study's `reference_noise.jsonl` where it measured it
+(`branch.noise_checkpoints`). A `branch.json` without `criterion` and `b_star` is read as
+"ladder" and "geometric".
 """
 
 from __future__ import annotations
@@ -41,10 +41,7 @@ _SCALES = (("b_simple", "tab:blue", "B_simple"), ("b_noise", "tab:green", "B_noi
 
 def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: float,
                         tolerance: str = "absolute", criterion: str = "paper") -> int:
-    """k* of one ladder. `losses[i]` belongs to `ks[i]` (ascending, starting at 1).
-
-    "paper": the largest k within ε of the best smaller k; "ladder": the same, stopping at the
-    first k that is not."""
+    """k* of one ladder; `losses[i]` belongs to `ks[i]` (ascending, starting at 1)."""
     best, k_star = losses[0], ks[0]
     for k, loss in zip(ks[1:], losses[1:], strict=True):
         slack = epsilon * abs(best) if tolerance == "relative" else epsilon
@@ -59,8 +56,7 @@ def critical_multiplier(ks: Sequence[int], losses: Sequence[float], epsilon: flo
 
 def critical_batch(ks: Sequence[int], k_star: int, batch_size: int,
                    b_star: str = "k_star") -> tuple[float, bool]:
-    """(B*, censored): k*·B ("k_star") or √(k*·B·k⁺·B) ("geometric"); (k*·B, True) at the top
-    of the ladder."""
+    """(B*, censored): (k*·B, True) at the top of the ladder."""
     i = list(ks).index(k_star)
     if i + 1 == len(ks):
         return float(k_star * batch_size), True
@@ -72,12 +68,9 @@ def critical_batch(ks: Sequence[int], k_star: int, batch_size: int,
 def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str = "absolute",
               metric: str = "loss_ema", criterion: str = "paper", b_star: str = "k_star"
               ) -> dict[str, Any]:
-    """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`).
-
-    Returns point_step, point_examples, window_examples (Δ), ks, losses (seed means), loss_se
-    (their standard errors over seeds), k_star, b_star, b_pass (k*·B), b_fail (k⁺·B, inf at the
-    top), censored (k* at the top: B* ≥ b_star), floor (k* at the bottom: B* ≤ b_star),
-    b_star_seeds, b_star_lo, b_star_hi (range over seeds), num_seeds."""
+    """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`):
+    losses (seed means) and loss_se, k_star, b_star, b_pass, b_fail (inf at the top),
+    censored, floor, b_star_seeds and their range b_star_lo, b_star_hi."""
     ks = sorted({int(r["k"]) for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     bsz = int(rows[0]["reference_batch_size"])
@@ -103,8 +96,8 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:
-    """`local_cbs` of every complete branch point of the study in `workdir`, by examples, with
-    the exact noise scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
+    """`local_cbs` of every complete branch point of the study, by examples, with the noise
+    scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
     definition = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if definition is None:
         raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run cbs-branch "
@@ -130,10 +123,9 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
 
 def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
     """A step batch schedule (`cbs.engine.schedules.Step` config) that follows the study's
-    local critical batch: B(e) = the largest B* measured at any point up to e examples (a
-    ramp never shrinks), rounded down to a multiple of `multiple` (at least `multiple`);
-    before the first point it uses that point's B*. Bounds at the ladder's ends ("≤ B",
-    "≥ B") count as their value."""
+    local critical batch: B(e) = the largest B* (bounds as their value) at any point up to e
+    examples, from the first point's B* on, rounded down to a multiple of `multiple` (at
+    least `multiple`)."""
     points = summarize(workdir)
     if not points:
         raise ValueError(f"{workdir}: no complete branch point to build a schedule from; "
@@ -163,7 +155,7 @@ def _noise_records(workdir: str) -> list[dict[str, Any]]:
 
 
 def summary_table(points: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one row per branch point (bounds at either end of the ladder as "≤"/"≥")."""
+    """Markdown: one row per branch point."""
     noise = any(math.isfinite(p.get("b_simple", math.nan)) for p in points)
     head = "| examples seen | Δ | k* | B* | B* per seed | loss at k=1 |"
     lines = [head + (" B_simple | B_noise |" if noise else ""),
@@ -179,8 +171,7 @@ def summary_table(points: Sequence[dict[str, Any]]) -> str:
 
 
 def write_report(workdir: str, *, sweep_dir: str | None = None, bootstrap: int = 200) -> str:
-    """Writes `workdir/report.md` (definition, B* table, noise estimator, swept B_crit at the
-    reference's crossings of the sweep's targets); returns its text."""
+    """Writes `workdir/report.md`; returns its text."""
     d: Any = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if d is None:
         raise ValueError(f"{workdir} has no {files.DEFINITION_FILE}: give the --workdir of a "
@@ -235,9 +226,8 @@ def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
 
 def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
                  ) -> list[dict[str, float]]:
-    """The sweep's B_crit per target, placed at the examples where the reference run's
-    full training-set loss (or, when it has none, its `eval/loss`) first reaches the target
-    (targets it never reaches are left out)."""
+    """The sweep's B_crit per target reached, at the examples where the reference run's
+    full training-set loss (without one, its `eval/loss`) first reaches it."""
     analysis = report.analyze(sweep_dir, bootstrap=bootstrap, write=False)
     ref = _reference_curves(workdir)
     curve = ref["full_train"] if np.isfinite(ref["full_train"]).any() else ref["eval_loss"]
@@ -255,12 +245,9 @@ def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
 
 def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | None = None,
                    bootstrap: int = 200) -> str:
-    """Writes the figure (default `workdir/local_cbs.png`); returns its path.
-
-    Against examples seen (log x): B* with its seed range at each branch point (bounds as
-    triangles); the reference run's B_simple and B_noise (the study's exact whole-training-set
-    measurement when it made one, else the run's in-step estimates); the swept B_crit at the
-    target crossings; the loss on the right axis."""
+    """Writes the figure (default `workdir/local_cbs.png`); returns its path: against examples
+    seen, B* per branch point with its seed range, the reference run's noise scales, the swept
+    B_crit at the target crossings and the loss."""
     from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
 
     points, ref = summarize(workdir), _reference_curves(workdir)

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -33,8 +32,8 @@ PathLike = str | os.PathLike
 
 
 def save_figure(fig: Figure, path: PathLike, dpi: int = 120) -> str:
-    """Writes `fig` as a PNG to `path` (local or gs://, through `cbs.results.paths`),
-    creating its directory; returns the path. Rendered in memory and written whole."""
+    """Writes `fig` as a PNG to `path` (local or gs://, `cbs.results.paths`), whole; returns
+    the path."""
     path = os.fspath(path)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
@@ -53,9 +52,8 @@ def _no_data(ax, message: str = "no data") -> None:
 
 
 def log_labels(axis, values: np.ndarray) -> None:
-    """Plain-number tick labels on a log axis. Under ~1.5 decades there may be no major tick
-    at all, so minor ticks are labelled too: only those at 2, 3 and 5 × 10^k (which never
-    crowd each other), and under 0.5 decades evenly spaced ticks (about 8) instead."""
+    """Plain-number tick labels on a log axis; under 1.5 decades (maybe no major tick) the minor
+    ticks at 2, 3 and 5 × 10^k too, under 0.5 decades about 8 evenly spaced ticks instead."""
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     axis.set_major_formatter(plain)
     lo, hi = (values.min(), values.max()) if values.size else (1.0, 1.0)
@@ -91,7 +89,7 @@ def _even_ticks(lo: float, hi: float) -> np.ndarray:
 def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: bool = True
             ) -> bool:
     """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
-    legend when something was drawn, else a "no data" note. Returns whether data was drawn."""
+    legend when something was drawn, else a "no data" note; returns whether it was."""
     xs, ys = [np.empty(0)], [np.empty(0)]
     for line in ax.get_lines():
         x = np.asarray(line.get_xdata(), dtype=np.float64)
@@ -123,27 +121,20 @@ def _ok(fit: _Fit | None) -> TypeGuard[_Fit]:
     return fit is not None and fit.ok
 
 
-def _frontier(fit: TradeoffFit, b_lo: float, b_hi: float) -> tuple[np.ndarray, np.ndarray]:
-    """(S, E) along the fitted hyperbola for B over [b_lo, b_hi], log-spaced."""
-    b = np.geomspace(b_lo, b_hi, 200)
-    return fit.steps(b), fit.examples(b)
-
-
-def _b_range(fit: TradeoffFit, batch_sizes: npt.ArrayLike = ()) -> tuple[float, float]:
-    b = np.asarray(batch_sizes, dtype=np.float64)
+def _frontier(fit: TradeoffFit, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S, E) along the fitted hyperbola, B log-spaced from B_crit/30 to 30·B_crit and a
+    factor 2 beyond the batch sizes `b`."""
     lo = min([fit.b_crit / 30] + ([b.min() / 2] if b.size else []))
     hi = max([fit.b_crit * 30] + ([b.max() * 2] if b.size else []))
-    return lo, hi
+    grid = np.geomspace(lo, hi, 200)
+    return fit.steps(grid), fit.examples(grid)
 
 
 def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
                     title: str = "Steps vs examples to each target") -> str:
-    """S (x) against E (y), log-log, one colour per target, with the fitted hyperbolas.
-
-    series: dicts with "target" (float or label), "batch_sizes", "steps" (arrays of the
-    points) and optionally "fit" (TradeoffFit). B_crit, where S = 2·S_min and E = 2·E_min,
-    is starred on each frontier.
-    """
+    """S (x) against E (y), log-log, one colour per target, with the fitted hyperbolas and
+    B_crit (S = 2·S_min, E = 2·E_min) starred. series: dicts with "target", "batch_sizes",
+    "steps" and optionally "fit" (TradeoffFit)."""
     fig, (ax,) = _new()
     for i, item in enumerate(series):
         color = f"C{i % 10}"
@@ -153,7 +144,7 @@ def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
         label = f"L = {item.get('target')}"
         if _ok(fit):
             label += f", B_crit = {fit.b_crit:.3g}"
-            s_f, e_f = _frontier(fit, *_b_range(fit, b))
+            s_f, e_f = _frontier(fit, b)
             ax.plot(s_f, e_f, "-", color=color, lw=1.2)
             ax.plot([2 * fit.s_min], [2 * fit.e_min], "*", color=color, ms=12, mec="k")
         ax.plot(s, b * s, "o", color=color, label=label)
@@ -196,9 +187,8 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
                    power_law: PowerLawFit | None = None,
                    measured: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                    xlabel: str = "target loss L") -> str:
-    """Fitted B_crit per target loss (with intervals), the power law B*/L^(1/α_B), and
-    measured noise scales, e.g. measured={"B_simple": (losses, values), "B_noise": ...}.
-    Log-log; the loss axis runs right to left, as training does."""
+    """Fitted B_crit per target loss (with intervals), the power law and measured noise
+    scales ({"B_simple": (losses, values), ...}); the loss axis runs right to left."""
     fig, (ax,) = _new()
     loss = np.asarray(losses, dtype=np.float64)
     bc = np.asarray(b_crits, dtype=np.float64)
@@ -229,11 +219,9 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
 def noise_over_training(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                         x_key: str = "step", keys: Sequence[str] = ("b_simple", "b_noise"),
                         xlabel: str | None = None) -> str:
-    """Noise scale over training, one colour per run label, one line style per key (solid,
-    dashed, dotted...). runs: dicts with "label", `x_key` and any of `keys` (arrays; missing
-    or empty keys, arrays not aligned with `x_key`, and non-finite or non-positive values
-    are skipped). Runs sharing a label share a colour and one legend entry; the legend has
-    one entry per label and one per key, beside the axes when there are many labels."""
+    """Noise scale over training, one colour per run label, one line style per key. runs:
+    dicts with "label", `x_key` and any of `keys` (arrays; missing, misaligned, non-finite and
+    non-positive values skipped). The legend goes beside the axes when it is long."""
     fig, (ax,) = _new()
     styles = ["-", "--", ":", "-."]
     labels = list(dict.fromkeys(str(run.get("label", i)) for i, run in enumerate(runs)))
@@ -270,14 +258,13 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
              points: Mapping[str, Sequence[float]] | None = None,
              runs: Sequence[Mapping[str, Any]] = (),
              title: str = "Steps and examples to the target") -> str:
-    """The S–E plane of one target: the fitted frontier, the sweep's points
-    (points={"batch_sizes": ..., "steps": ...}) and extra runs (e.g. batch ramps) as labelled
-    markers, runs=[{"label": ..., "steps": S, "examples": E}, ...]."""
+    """The S–E plane of one target: the fitted frontier, the sweep's points ({"batch_sizes",
+    "steps"}) and extra runs ([{"label", "steps", "examples"}], e.g. batch ramps)."""
     fig, (ax,) = _new()
     b = np.asarray((points or {}).get("batch_sizes", ()), dtype=np.float64)
     s = np.asarray((points or {}).get("steps", ()), dtype=np.float64)
     if _ok(fit):
-        s_f, e_f = _frontier(fit, *_b_range(fit, b))
+        s_f, e_f = _frontier(fit, b)
         ax.plot(s_f, e_f, "k-", lw=1.2, label=f"fitted frontier (B_crit = {fit.b_crit:.3g})")
         ax.axvline(fit.s_min, color="0.6", ls=":", lw=1)
         ax.axhline(fit.e_min, color="0.6", ls=":", lw=1)
@@ -300,8 +287,7 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
 
 def batch_size_schedule(runs: Sequence[Mapping[str, Any]], path: PathLike, *,
                         x_key: str = "examples_seen", xlabel: str = "examples seen") -> str:
-    """Batch size (and, where given, the learning rate on a second axis) against examples
-    seen. runs: dicts with "label", `x_key`, "batch_size" and optionally "lr" (arrays)."""
+    """Batch size (and "lr" where given, on a second axis) against `x_key` per run dict."""
     fig, (ax,) = _new()
     ax_lr = None
     for i, run in enumerate(runs):

@@ -1,16 +1,12 @@
 """Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
 
-Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, `ramps.jsonl` with
-batch-size ramps); needs no model. For each target loss L: each trial's steps S to reach L;
-per batch size the learning rate with the fewest steps (`cbs.analysis.fits.selection`); the
-fit S = S_min + E_min/B with bootstrap intervals (`cbs.analysis.fits.fit.fit_tradeoff`); the
-noise scale measured when those best trials passed L (median over batch sizes). Then
-B_crit(L) = B*/L^(1/α_B) over the targets with a fit (`fit.fit_power_law`).
-
-The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): missing
-trials are counted per batch size, fits from an incomplete grid are marked, and
-`write_report` refuses a partial sweep unless asked for a report headed as partial. The
-report's tables and sentences are `cbs.analysis.reports.report_tables`.
+Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, `ramps.jsonl`). For each
+target loss L: per batch size the learning rate with the fewest steps
+(`cbs.analysis.fits.selection`), the fit S = S_min + E_min/B (`cbs.analysis.fits.fit`) and
+the noise scale measured when those best trials passed L; then B_crit(L) = B*/L^(1/α_B).
+The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): fits from
+an incomplete grid are marked. The report's tables and sentences are
+`cbs.analysis.reports.report_tables`.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ __all__ = [
 def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
                    bootstrap: int = 1000, seed: int | None = None,
                    grid: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Best learning rate per batch size (per seed, then the seed mean), the trade-off fit and
-    the measured noise at L. seed: of the bootstrap (None: derived from the selected steps).
-    grid: `edges.grid_status` of the sweep (batch sizes with missing trials or capped)."""
+    """Best learning rate per batch size, the trade-off fit and the measured noise at L. seed:
+    of the bootstrap (None: from the selected steps). grid: `edges.grid_status`."""
     key = target_key(target)
     rows = [{"batch_size": r["batch_size"], "learning_rate": r["learning_rate"],
              "seed": int(r.get("seed", 0)), "steps": r["steps_to_target"].get(key),
@@ -83,16 +78,12 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
             out_dir: str | None = None) -> dict[str, Any]:
     """Fits every target of the sweep in `sweep_dir`.
 
-    Intervals: B_crit at every target and the power law's α_B, B* from one bootstrap over
-    batch sizes, joint across targets (`cbs.analysis.fits.joint`); S_min and E_min from the
-    residual bootstrap-t of `fit.fit_tradeoff`. seed: of the bootstrap (None: derived from
-    the records). select_on_seed: also the held-out selection (`cbs.analysis.fits.held_out`,
-    under "held_out"; None: not done).
-
-    Returns the JSON-ready analysis (written to analysis.json in `out_dir`, default the sweep
-    directory, unless `write=False`) plus "fits" (a `fit.TradeoffFit` per target, in order),
-    "power_law_fit" (`fit.PowerLawFit`), which `make_figures` draws, and "tables" (each
-    target's `selection.BestPerBatchSize`, for pooled tests).
+    Intervals: B_crit and the power law's from the joint bootstrap (`cbs.analysis.fits.joint`);
+    S_min and E_min from `fit.fit_tradeoff`'s. select_on_seed: also "held_out"
+    (`cbs.analysis.fits.held_out`). Returns the JSON-ready analysis (analysis.json in
+    `out_dir`, default the sweep directory, unless `write=False`) plus "fits" (a
+    `fit.TradeoffFit` per target), "power_law_fit" (`fit.PowerLawFit`) and "tables" (each
+    target's `selection.BestPerBatchSize`).
     """
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
@@ -133,9 +124,8 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
 
 def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | None
                 ) -> tuple[fit.PowerLawFit, dict[str, Any] | None]:
-    """The power law through the targets' B_crit, its and every B_crit interval from the joint
-    bootstrap (each target's "fit" updated in place); returns it and the misfit check (or
-    None)."""
+    """The power law and the joint bootstrap's intervals (each target's "fit" updated in
+    place); returns the law and the misfit check (or None)."""
     ok = [t for t in per_target if t["fit"].ok]
     power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
                                   bootstrap=0)
@@ -160,8 +150,8 @@ def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | No
 
 def _calibrated(per_target: list[dict[str, Any]], bootstrap: int, seed: int
                 ) -> dict[str, Any]:
-    """The calibrated misfit test (`cbs.analysis.fits.misfit`) and, where one target breaks the
-    law (p < 0.05 with it, ≥ 0.05 without), the power law without it."""
+    """The calibrated misfit test (`cbs.analysis.fits.misfit`) and the law without a target
+    that breaks it (p < 0.05 with it, ≥ 0.05 without)."""
     tables = [t["_table"] for t in per_target]
     losses = [t["target"] for t in per_target]
     points = [t["fit"] for t in per_target]
@@ -182,9 +172,8 @@ def _calibrated(per_target: list[dict[str, Any]], bootstrap: int, seed: int
 
 def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
                 bootstrap: int = 200) -> list[dict[str, Any]]:
-    """Per target, B_crit fitted on each training seed's trials alone, and how far the seeds'
-    fewest steps S at each batch size lie apart: the median and largest of (max − min)/mean
-    over batch sizes. Empty with one seed."""
+    """Per target, B_crit fitted on each seed's trials alone, and the median and largest over
+    batch sizes of the seeds' (max − min)/mean fewest steps. Empty with one seed."""
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     if len(seeds) < 2:
         return []
@@ -211,9 +200,8 @@ def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
 
 def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None
                  ) -> dict[str, str]:
-    """Writes the report's PNG figures (default: into sweep_dir/figures); returns {name: path}
-    for "pareto", "collapse", "b_crit_vs_loss", "noise" and, with ramps, "ramps_L<target>".
-    `analysis` is what `analyze` returned (it holds the fit objects)."""
+    """Writes the report's PNG figures of `analyze`'s result (default: into sweep_dir/figures);
+    returns {name: path}."""
     out_dir = out_dir or os.path.join(sweep_dir, FIGURES_DIR)
     series = [{"target": t["target"], "batch_sizes": t["batch_sizes"], "steps": t["steps"],
                "fit": f} for t, f in zip(analysis["targets"], analysis["fits"], strict=True)]
@@ -255,13 +243,9 @@ def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None =
 
 def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False,
                  select_on_seed: int | None = None, out_dir: str | None = None) -> str:
-    """analysis.json, figures/*.png and report.md for the sweep in `sweep_dir`, written into
-    `out_dir` (default: the sweep directory; another re-reports a read-only study).
-
-    Refuses (ValueError) a sweep whose grid has trials without records; with `partial` writes
-    the report headed as partial, fits from an incomplete grid marked. select_on_seed: adds
-    the held-out section (`analyze`).
-    """
+    """analysis.json, figures/*.png and report.md of the sweep, written into `out_dir`
+    (default: the sweep directory; another re-reports a read-only study). Refuses
+    (ValueError) a grid with trials missing unless `partial` (a report headed as partial)."""
     out = out_dir or sweep_dir
     if out_dir:
         paths.makedirs(out_dir)
@@ -322,8 +306,7 @@ def write_report(sweep_dir: str, *, bootstrap: int = 1000, partial: bool = False
 
 
 def load_analysis(sweep_dir: str) -> dict[str, Any]:
-    """analysis.json of a sweep directory (written by `analyze`); FileNotFoundError when the
-    sweep has none."""
+    """analysis.json of a sweep directory; FileNotFoundError without one."""
     path = os.path.join(sweep_dir, ANALYSIS_FILE)
     analysis = records.read_json(path)
     if analysis is None:

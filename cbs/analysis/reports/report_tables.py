@@ -1,10 +1,5 @@
-"""The text of a sweep report: its markdown tables and the sentences around them.
-
-Each function reads the `analysis` dict of `cbs.analysis.reports.report.analyze` (or
-analysis.json) and returns markdown: B_crit per target beside the measured noise scales
-(`summary_table`), in tokens (`kaplan_table`), per seed (`seed_table`), held out
-(`held_out_table`), batch-size ramps (`ramp_table`), and the report's notes on intervals, the
-power law, missing trials and the grid. `cbs.analysis.reports.report` assembles report.md.
+"""The text of a sweep report: its markdown tables and the sentences around them, each from
+the `analysis` dict of `cbs.analysis.reports.report.analyze` (or analysis.json).
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ _g = functools.partial(fit.g3, inf="∞")  # an interval's unbounded side is ∞
 
 def unresolved(f: Mapping[str, Any]) -> bool:
     """Whether a fit's B_crit interval has no width at the 3 significant figures printed while
-    its points scatter about the fit (log-step residuals above 1e-6): the bootstrap resolved
-    nothing ("101 (101–101)" from 3 batch sizes); points exactly on the curve are exempt."""
+    its points scatter about the fit (log-step residuals above 1e-6): "101 (101–101)"."""
     lo, hi = (f.get("b_crit_ci") or (None, None))[:2]
     scatter = f.get("residual_std")
     return (f.get("status") == fit.OK and lo is not None and hi is not None
@@ -40,8 +34,7 @@ def unresolved_text(f: Mapping[str, Any]) -> str:
 
 
 def b_crit_cell(f: Mapping[str, Any]) -> str:
-    """A fit's B_crit as a table shows it: "B_crit (lo–hi)"; "B_crit, unresolved (k batch
-    sizes)" (`unresolved`); "B_crit" without an interval."""
+    """"B_crit (lo–hi)", "B_crit, unresolved (k batch sizes)" or "B_crit" (no interval)."""
     if unresolved(f):
         return f"{_g(f['b_crit'])}, {unresolved_text(f)}"
     ci = f.get("b_crit_ci")
@@ -49,11 +42,7 @@ def b_crit_cell(f: Mapping[str, Any]) -> str:
 
 
 def summary_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit per target with its interval beside the measured noise scales.
-
-    A B_crit outside the batch sizes fitted is marked "(extrapolated)"; a fit from a grid with
-    missing trials has status "ok, incomplete grid".
-    """
+    """Markdown: B_crit per target with its interval beside the measured noise scales."""
     ref = analysis.get("reference_noise")
     lines = ["| target L | B_crit (95% CI) | S_min | E_min | B_simple at L, median (min–max) "
              "| B_noise at L, median (min–max) | B_simple / B_noise, reference run "
@@ -77,10 +66,8 @@ def summary_table(analysis: dict[str, Any]) -> str:
 
 
 def kaplan_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit(L) in examples and in tokens (examples × tokens per example), and the
-    power law beside Kaplan et al. 2020 (α_B ≈ 0.21, B* ≈ 2·10⁸ tokens, loss in nats per
-    BPE token of WebText2; here nats per token of this dataset, so B* is not comparable as
-    is, α_B is the shape of the trend)."""
+    """Markdown: B_crit(L) in examples and in tokens, and the power law beside Kaplan et al.
+    2020 (their loss in nats per BPE token of WebText2: B* is not comparable as is)."""
     tokens = analysis.get("tokens_per_example") or 1
     lines = ["| target L | B_crit (sequences) | B_crit (tokens) | 95% CI (tokens) |",
              "|---|---|---|---|"]
@@ -105,9 +92,8 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
 
 
 def seed_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit of all seeds together with its bootstrap interval, beside each seed
-    alone and the range of those per-seed fits (the seed spread, which a one-seed interval does
-    not contain), and the seeds' spread of S at the best learning rates."""
+    """Markdown: B_crit of all seeds with its interval, beside each seed alone, their range,
+    and the seeds' spread of S at the best learning rates."""
     rows = analysis.get("seeds") or []
     seeds = list(rows[0]["b_crit_per_seed"]) if rows else []
     lines = ["| target L | B_crit (all seeds) | bootstrap 95% CI | " + " | ".join(
@@ -134,8 +120,7 @@ def seed_table(analysis: dict[str, Any]) -> str:
 
 
 def held_out_table(analysis: dict[str, Any]) -> str:
-    """Markdown: per target, B_crit with each rate selected on one seed and S measured on the
-    others (`cbs.analysis.fits.held_out`) beside the in-sample fit on those same seeds."""
+    """Markdown: per target, the held-out and in-sample B_crit (`cbs.analysis.fits.held_out`)."""
     rows = analysis.get("held_out") or []
     lines = ["| target L | rates from seed | S on seeds | B_crit, held out (95% CI) | "
              "B_crit, in sample (95% CI) | held-out / in-sample S, median over B | "
@@ -153,9 +138,8 @@ def held_out_table(analysis: dict[str, Any]) -> str:
 
 
 def ramp_table(ramps: Sequence[dict[str, Any]], analysis: dict[str, Any]) -> str:
-    """Steps S and examples E to each target for each ramp run, and E relative to the fixed-
-    batch frontier at the same S: E_frontier(S) = E_min·S/(S − S_min) (< 1: the ramp needed
-    fewer examples than any fixed batch size that takes as many steps)."""
+    """Steps S and examples E to each target per ramp run, and E/E_frontier(S), E_frontier(S) =
+    E_min·S/(S − S_min) (< 1: fewer examples than any fixed batch at as many steps)."""
     targets = analysis["targets"]
     head = "| run | " + " | ".join(f"S, E (E/E_frontier) to L={t['target']:g}"
                                    for t in targets) + " |"
@@ -201,8 +185,8 @@ def power_law_lines(analysis: dict[str, Any]) -> list[str]:
 
 
 def _misfit_verdict(m: dict[str, Any]) -> str:
-    """The misfit test's sentence: calibrated p when there is one (its verdict), the χ²
-    reading beside it, and the target that breaks the law with the law without it."""
+    """The misfit test's sentence: the calibrated verdict with the χ² reading, and the law
+    without a target that breaks it."""
     chi2 = (f"generalised least squares on the bootstrap covariance of the targets' log "
             f"B_crit, χ² = {m['misfit_q']:.3g} on {m['misfit_dof']} degrees of freedom, "
             f"p = {m['misfit_p']:.2g}")
@@ -299,9 +283,8 @@ def _bs(values: Sequence[float]) -> str:
 
 
 def to_wandb(analysis: dict[str, Any], project: str, *, group: str) -> None:
-    """The sweep's B_crit table as one W&B run of the sweep's group ("<group> summary"): a
-    table per target (B_crit, its interval, S_min, E_min, the noise scales at L, status) and
-    `b_crit/L=<target>` in the run's summary."""
+    """The sweep's B_crit table as the W&B run "<group> summary" of the sweep's group, with
+    `b_crit/L=<target>` in its summary."""
     from cbs.results.writers import WandbWriter
 
     columns = ["target", "b_crit", "b_crit_lo", "b_crit_hi", "extrapolated", "s_min", "e_min",
