@@ -1,7 +1,4 @@
-"""The batch-size answer. Modules: `calibration` (B_crit predicted from a noise scale,
-calibrated on committed studies), `advice` (the batch-size answer built on it), `probe` (the
-task's own ratio of local B_crit to the noise scale from short branches, combined with the
-calibration) and `probe_evidence` (that probe on the committed branch studies).
-"""
+"""The batch-size answer. Modules: `calibration`, `advice` (the answer built on it), `probe`
+(the task's own ratio from short branches) and `probe_evidence` (that probe tested)."""
 
 __all__ = ["advice", "calibration", "probe", "probe_evidence"]  # its modules

@@ -7,18 +7,12 @@ says what the current batch B costs (McCandlish et al. 2018): S/S_min = 1 + B_cr
 E/E_min = 1 + B/B_crit, and, for an exchange rate λ (examples spent to save one step), the
 batch √(λ·B_crit) that minimises λ·S + E.
 
-`from_stats` takes a `NoiseStats` of the drop-in API (`cbs.noise.value_grad_and_stats`),
-`from_checkpoint` the measurement of a saved state (`cbs.train.measure_checkpoint`).
-`trajectory` reads a run directory (`config.json`, `metrics.jsonl`) and gives the advice at
-every step with a measured noise scale: the measurement at each evaluation when the run makes
-one (`config.noise.examples` "all": exact; "stream": sampled), else the periodic measurement
-of the step's batch (`noise.every`), else the live EMA `noise/ema_b_simple` at each
-evaluation.
-
-The calibration's ratios were measured on the whole training set (small data) or on sampled
-windows (the character LMs); one step's batch is noisier and, late in training, biased by a
-few badly fit examples: each advice names its measurement and flags one from fewer than
-`FEW_EXAMPLES` examples.
+`trajectory` gives the advice at every step of a run directory with a measured noise scale:
+the measurement at each evaluation when the run makes one (`config.noise.examples`), else the
+periodic measurement of the step's batch (`noise.every`), else the live EMA
+`noise/ema_b_simple` at each evaluation. One step's batch is noisier than the calibration's
+measurements and, late in training, biased by a few badly fit examples: each advice names its
+measurement and flags one from fewer than `FEW_EXAMPLES` examples.
 """
 
 from __future__ import annotations
@@ -46,11 +40,9 @@ FEW_EXAMPLES = 512  # a noise scale measured on fewer examples is flagged as noi
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """The advice at one point. b_crit and interval: predicted B_crit and its `level`
-    prediction interval; steps_ratio, examples_ratio: S/S_min and E/E_min at batch_size;
-    best_batch_size: √(λ·B_crit) for the exchange rate λ (None without one); source: which
-    measurement gave noise_scale, on how many examples (0: unknown); calibration: the file's
-    version, studies and the ratio used."""
+    """The advice at one point: B_crit with its `level` prediction interval, S/S_min and
+    E/E_min at batch_size, √(λ·B_crit) (None without λ), the measurement behind noise_scale
+    and its examples (0: unknown), and the calibration's version, studies and ratio."""
 
     noise_scale: float
     scale: str
@@ -88,14 +80,10 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
            examples: int = 0, calib: Mapping[str, Any] | None = None,
            step: int | None = None, loss: float | None = None, task: str | None = None,
            learning_rate: float | None = None) -> Advice:
-    """The calibrated advice for one measured noise scale (module docstring).
-
-    scale: "b_simple" or "b_noise" (which noise scale `noise_scale` is); optimizer: the
-    config's optim.name (its family selects the calibrated ratio); exchange: λ, examples per
-    step saved (None: no best batch). calib: a calibration dict (default: the shipped one).
+    """The calibrated advice for one measured noise scale of kind `scale`. optimizer: the
+    config's optim.name; exchange: λ, examples per step saved; calib: default the shipped one.
     task ("data/model"), learning_rate (η_0) and loss place the run against the calibration
-    (`cbs.analysis.advice.calibration.edges`): what lies outside it is named first in the summary.
-    """
+    (`cbs.analysis.advice.calibration.edges`)."""
     calib = shipped() if calib is None else calib
     model = calib["models"].get(scale)
     if model is None:
@@ -126,10 +114,9 @@ def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b
                level: float = 0.8, exchange: float | None = None,
                calib: Mapping[str, Any] | None = None, step: int | None = None,
                loss: float | None = None) -> Advice:
-    """The advice from noise statistics measured in your own code: a `NoiseStats` of the
-    drop-in API (`cbs.noise.value_grad_and_stats`, `cbs.noise.exact`, ...) or anything with
-    the attribute `scale` ("b_simple", or "b_noise" when measured with curvature) and
-    `batch_size` (the examples measured). batch_size: the batch you train with."""
+    """The advice from a `NoiseStats` of the drop-in API (`cbs.noise.value_grad_and_stats`)
+    or anything with the attributes `scale` and `batch_size` (the examples measured).
+    batch_size: the batch you train with."""
     value = getattr(stats, scale, None)
     if value is None:
         raise ValueError(f"the statistics have no {scale}"
@@ -143,8 +130,7 @@ def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b
 def from_checkpoint(measured: Mapping[str, Any], *, scale: str = "b_simple",
                     level: float = 0.8, exchange: float | None = None,
                     calib: Mapping[str, Any] | None = None) -> Advice:
-    """The advice from `cbs.train.measure_checkpoint`'s measurement of a saved state, at the
-    batch size the run's schedule had there."""
+    """The advice from `cbs.train.measure_checkpoint`'s measurement of a saved state."""
     value = measured.get(f"noise/{scale}")
     if value is None:
         raise ValueError(f"the measurement has no {scale}"
@@ -218,10 +204,8 @@ def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
                exchange: float | None = None, calib: Mapping[str, Any] | None = None
                ) -> list[Advice]:
     """The advice at each target of a sweep directory from the noise scale its trials
-    recorded at their crossings (the calibration's own protocol: a ratio of window means of
-    the exact measurement nearest the crossing; the median over trials when there are
-    several). Made for a one-run "sweep" (a config's `predict` argument): the prediction
-    of B_crit before the task's sweep is run. `step` is the trial's crossing step."""
+    recorded at their crossings (the calibration's protocol; the median over trials): made
+    for a one-run "sweep" (a config's `predict` argument), B_crit before the task's sweep."""
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
     config = definition.get("config", {})
@@ -269,8 +253,7 @@ def summary(a: Advice) -> str:
 
 
 def _track_record(c: Mapping[str, Any]) -> str:
-    """How often such an interval held where it was tested: leave-one-task-out on one-run
-    noise scales, and the held-out tasks predicted before their sweeps."""
+    """How often such an interval held: leave-one-task-out, and on held-out tasks."""
     line = (f"interval held on tasks left out of the calibration: "
             f"{g3(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
             f"one-run noise scales")

@@ -19,13 +19,9 @@ log B_crit = log B_s + μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)), 
 1/n_j)/J_f, ν = J − F (groups less families, at least 1): `cbs.results.calibration.predict`.
 
 `leave_one_task_out` refits without each task in turn and asks whether its points fall in
-their intervals: the coverage to expect on a task the calibration never saw, which the file
-records and the advice prints beside the tally of held-out tasks predicted before their
-sweeps ran (`held_out`).
-
-`build` returns the calibration as a JSON-ready dict (version, studies, points and the model
-per noise scale), which `cbs-compare` writes (`cbs.results.calibration.CALIBRATION_FILE`)
-and the package ships (`cbs.results.calibration.shipped`).
+their intervals: the coverage to expect on a new task, printed beside the tally of held-out
+tasks predicted before their sweeps ran (`held_out`). `build` returns the file `cbs-compare`
+writes (`cbs.results.calibration.CALIBRATION_FILE`) and the package ships.
 """
 
 from __future__ import annotations
@@ -55,9 +51,8 @@ def _task(row: Mapping[str, Any]) -> str:
 
 
 def _points(rows: Sequence[Mapping[str, Any]], scale: str) -> list[tuple[str, str, float, str]]:
-    """(group, family, log r, task) of every one-run value of `scale` (module docstring): a
-    row's `<scale>_by_batch_size` values, or its `scale` alone where it has none; rows whose
-    B_crit is extrapolated give none."""
+    """(group, family, log r, task) of every one-run value of `scale`: a row's
+    `<scale>_by_batch_size` values, else its `scale`; none from an extrapolated B_crit."""
     out = []
     for r in rows:
         if r.get("extrapolated"):
@@ -73,12 +68,12 @@ def _points(rows: Sequence[Mapping[str, Any]], scale: str) -> list[tuple[str, st
 
 
 def model(rows: Sequence[Mapping[str, Any]], scale: str = "b_simple") -> dict[str, Any]:
-    """The random-effects model (module docstring) of the rows' B_crit against `scale`."""
+    """The random-effects model of the rows' B_crit against `scale`."""
     return _fit([p[:3] for p in _points(rows, scale)])
 
 
 def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
-    """The random-effects model of the module docstring on (group, family, log r)."""
+    """The random-effects model on (group, family, log r)."""
     studies: dict[str, list[float]] = {}
     fam: dict[str, str] = {}
     for study, f, v in points:
@@ -109,9 +104,8 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
 
 def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
                        level: float = 0.8) -> dict[str, Any]:
-    """Per task, the share of its one-run points inside the `level` interval of the model
-    fitted without the task; and over all points. A task whose family has no other task is
-    skipped."""
+    """Per task and over all, the share of its points inside the `level` interval of the
+    model fitted without the task (skipped where its family has no other task)."""
     pts = _points(rows, scale)
     per_task, inside, total = {}, 0, 0
     for task in sorted({p[3] for p in pts}):
@@ -135,10 +129,9 @@ def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
 
 
 def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> dict[str, Any]:
-    """The tally of predictions committed before their sweeps: per pair (a prediction file's
-    content, `cbs-advise --sweep_dir` on one run: `{"advice": [...]}`, and the later sweep's
-    analysis.json), how many measured B_crit fall inside the predicted interval at the same
-    target; extrapolated B_crit are counted apart."""
+    """The tally of predictions committed before their sweeps: per pair (`cbs-advise
+    --sweep_dir`'s `{"advice": [...]}`, the later sweep's analysis.json), the measured B_crit
+    inside the predicted interval at the same target (extrapolated ones counted apart)."""
     inside = points = extrapolated = 0
     tasks, per_task = [], {}
     for k, (prediction, analysis) in enumerate(pairs):
@@ -168,8 +161,8 @@ def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> di
 
 def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
           held_out_tally: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The calibration file's content: the model per noise scale, its leave-one-task-out
-    coverage, the held-out tally (`held_out`) when given, and the points it rests on."""
+    """The calibration file's content: per noise scale the model and its leave-one-task-out
+    coverage, the held-out tally when given, and the points."""
     models = {s: model(rows, s) | {"loto": leave_one_task_out(rows, s, level=level)}
               for s in SCALES if _points(rows, s)}
     keep = ("study", "task", "optimizer", "target", "b_crit", "b_crit_ci", "extrapolated",
@@ -186,13 +179,10 @@ def edges(calib: Mapping[str, Any], *, optimizer: str, batch_size: float,
           task: str | None = None, learning_rate: float | None = None,
           loss: float | None = None, b_crit: float | None = None) -> list[str]:
     """Where a prediction lies outside what the calibration measured, in words (empty: inside).
-
-    task: "data/model" of the run (None: unknown, nothing is checked against the points).
-    Checked: the task itself (a task not calibrated gets the held-out record, not the
-    leave-one-task-out one); the learning rate against the best rates the committed sweeps of
-    the same task and optimizer family found at the nearest batch size (median over targets;
-    further than RATE_FACTOR is untuned: the calibration's B_crit are those of tuned rates);
-    the loss against the targets calibrated on the same data set; B_crit below one example."""
+    task: "data/model" (None: not checked against the points). Checked: the task itself; the
+    learning rate against the best rates its sweeps found (same optimizer family, nearest batch
+    size, median over targets; further than RATE_FACTOR is untuned); the loss against the
+    targets calibrated on the same data set; B_crit below one example."""
     out = []
     if b_crit is not None and math.isfinite(b_crit) and b_crit < 1:
         out.append(f"predicted B_crit {b_crit:.3g} is below one example: the noise scale is far "
@@ -233,8 +223,8 @@ def edges(calib: Mapping[str, Any], *, optimizer: str, batch_size: float,
 
 def _best_rate(points: Sequence[Mapping[str, Any]], batch_size: float
                ) -> tuple[float, float] | None:
-    """(median best learning rate over the points' targets, at the swept batch size nearest
-    `batch_size` in log scale), or None when the points record no rates."""
+    """(median best rate over the points' targets, the swept batch size nearest `batch_size`
+    in log scale), or None without rates."""
     rates: dict[float, list[float]] = {}
     for p in points:
         for b, lr in (p.get("best_learning_rate_by_batch_size") or {}).items():
@@ -246,8 +236,7 @@ def _best_rate(points: Sequence[Mapping[str, Any]], batch_size: float
 
 
 def markdown(calib: Mapping[str, Any]) -> str:
-    """The calibration in words and a table: per noise scale and optimizer family, the ratio
-    B_crit/B_s, the spread, the interval's width and the leave-one-task-out coverage."""
+    """The calibration in words and a table per noise scale and optimizer family."""
     lines = [f"Calibration v{calib['version']} ({len(calib['studies'])} studies of "
              f"{len(calib['tasks'])} tasks; points: {calib['unit']}; {calib['level']:.0%} "
              f"prediction intervals for a new task; `{CALIBRATION_FILE}`):",

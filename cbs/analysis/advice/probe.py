@@ -11,13 +11,11 @@ Cost: the branches train S·|K|·Δ examples in S·Σ_k Δ/(k·b_0) steps. `plan
 or φ·t steps (`unit="steps"`, the wall time where a batch of k·b_0 does not fill the device).
 
 Local B_crit: Merrill et al.'s criterion on the branch losses (`cbs.analysis.reports
-.branch_report`), reported as the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0).
-Its standard error in log space is se² = sd_seeds² + sd_ladder², sd_ladder = log(k⁺/k*)/√12
-(the crossing uniform in log within the bracket), sd_seeds the spread of log B* over the
-exact bootstrap of the seeds (all S^S resamples, losses averaged per resample; 2,000 random
-ones past S = 5; a resample at the top of the ladder counts as k_max·b_0). At either end of
-the ladder B* is only a bound: no ratio, the advice keeps the cross-task prior. The probed
-log ratio is y = log(B*/B_s); B_s measured on all training examples adds no error.
+.branch_report`) at the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0), with
+se² = sd_seeds² + sd_ladder² in log space: sd_ladder = log(k⁺/k*)/√12 (the crossing uniform
+in log within the bracket), sd_seeds over the exact bootstrap of the seeds (all S^S
+resamples; 2,000 random ones past S = 5). At either end of the ladder B* is only a bound: no
+ratio, the advice keeps the cross-task prior. The probed log ratio is y = log(B*/B_s).
 
 Combination (one-way random effects, `cbs.analysis.advice.calibration`): the task's mean log
 ratio θ has the prior N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f); the probe measures y ~ N(θ, se²).
@@ -25,10 +23,10 @@ The posterior N(m_1, v_1) has 1/v_1 = 1/v_0 + 1/se², m_1 = v_1·(μ̂_f/v_0 + y
 run's B_crit at a target is predicted as log B_s + m_1 ± t_{q,ν}·√(v_1 + σ̂²), the
 calibration's ν. Without the probe: the advice's own prediction (m_1 = μ̂_f, v_1 = v_0).
 
-The probe measures the LOCAL critical batch at this checkpoint (`local_now`, with its own
-interval). The combination predicts what the calibration was fitted on, the fixed-batch
-B_crit of a target loss from a sweep, ASSUMING the task's ratio of local B* to B_s equals
-its ratio of swept B_crit to B_s (tested in `cbs.analysis.advice.probe_evidence`).
+The probe measures the LOCAL critical batch at this checkpoint (`local_now`). The
+combination predicts the fixed-batch B_crit of a target loss from a sweep, ASSUMING the task's
+ratio of local B* to B_s equals its ratio of swept B_crit to B_s (tested in
+`cbs.analysis.advice.probe_evidence`).
 """
 
 from __future__ import annotations
@@ -56,8 +54,8 @@ _RANDOM_RESAMPLES = 2000
 
 
 def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple[int, ...]]:
-    """(b_0, K) of the probe: `batch_sizes` (examples; each twice, four times, ... the smallest)
-    or by default B/2, B, 2B, 4B, 8B (B, 2B, 4B, 8B when B is odd)."""
+    """(b_0, K) of the probe: `batch_sizes` (multiples of the smallest) or by default B/2, B,
+    2B, 4B, 8B (no B/2 when B is odd)."""
     sizes = sorted(int(b) for b in batch_sizes)
     if not sizes:
         half = [batch_size // 2] if batch_size > 1 and batch_size % 2 == 0 else []
@@ -71,11 +69,9 @@ def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple
 
 def plan(*, examples_seen: int, steps_seen: int, base: int, ks: Sequence[int], seeds: int,
          budget: float = DEFAULT_BUDGET, unit: str = "examples") -> dict[str, Any]:
-    """The longest window Δ within the budget (module docstring) and what it costs.
-
-    Returns window (Δ, examples), examples and steps (the branches' totals), budget (φ), unit,
-    allowed (φ·E examples or φ·t steps), fraction (the cost in `unit` over the run so far).
-    Raises ValueError when not one step of the largest batch fits."""
+    """The longest window Δ within the budget and what it costs: window, the branches' total
+    examples and steps, budget, unit, allowed (φ·E or φ·t) and fraction (the cost in `unit`
+    over the run so far). ValueError when not one step of the largest batch fits."""
     if unit not in UNITS:
         raise ValueError(f"probe budget unit {unit!r}: use one of {UNITS}")
     if not 0 < budget <= 1:
@@ -109,12 +105,9 @@ def cost(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilon: float,
                 tolerance: str = "relative", metric: str = "full_train/loss",
                 criterion: str = "paper") -> dict[str, Any]:
-    """The probed log ratio y = log(B*/B_s) and its standard error (module docstring) from
-    the branch records of ONE point (`k`, `seed`, `metric`, `reference_batch_size` = b_0).
-
-    Returns b_star (√(k*·k⁺)·b_0), b_pass, b_fail, bound ("" or "≤ X" / "≥ X": then log_ratio
-    and se are NaN), log_ratio, se, sd_seeds, sd_ladder, seeds, noise_scale, the point's
-    losses (seed means) and ks."""
+    """The probed log ratio y and its standard error from the branch records of ONE point
+    (`reference_batch_size` = b_0): b_star, b_pass, b_fail, bound ("", "< X" or "≥ X": then
+    log_ratio and se are NaN), log_ratio, se, sd_seeds, sd_ladder, seeds, losses, ks."""
     rule: dict[str, Any] = {"epsilon": epsilon, "tolerance": tolerance, "criterion": criterion}
     p = branch_report.local_cbs([dict(r) for r in rows], metric=metric, b_star="geometric", **rule)
     ks, b0 = p["ks"], int(rows[0]["reference_batch_size"])
@@ -147,13 +140,10 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
 
 def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any], *,
             level: float = 0.8) -> dict[str, Any]:
-    """The cross-task and the probed prediction (module docstring) at the probe's noise scale.
-
-    model: a calibration model (`cbs.analysis.advice.calibration.model`, the shipped file's
-    models[scale]); probed: `local_ratio`'s result. Returns cross_task and probed ({"log_ratio",
-    "sd", "ratio", "b_crit", "interval", "predicts"}), local_now (B* with the probe's own interval,
-    None at a bound), weight (the probe's share of the task's mean log ratio, 0 without a
-    ratio), level and the rule in words."""
+    """The cross-task and the probed prediction at the probe's noise scale. model: a
+    calibration model (`cbs.analysis.advice.calibration.model`); probed: `local_ratio`'s.
+    Returns cross_task, probed, local_now (None at a bound), weight (the probe's share of the
+    task's mean log ratio), level and the rule in words."""
     fam = model["families"].get(family(optimizer))
     if fam is None:
         raise ValueError(f"the calibration has no {family(optimizer)!r} study")
@@ -194,17 +184,14 @@ def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any],
 def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
                      combined: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of the calibration whose model of `scale` predicts with the probed ratio for
-    `optimizer`'s family (mean m_1, spread √(v_1 + σ²)): what live advice reads
-    (`config.noise.advice_calibration`), so a run's logged advice uses the task's own ratio."""
+    `optimizer`'s family, for live advice (`config.noise.advice_calibration`)."""
     model = dict(calib["models"][scale])
     p, fam = combined["probed"], family(optimizer)
     model["families"] = {fam: {"mu": p["log_ratio"], "var_mu": p["var_task"],
                                "studies": model["families"][fam]["studies"]}}
     model["tau2"] = 0.0
-    out = dict(calib) | {"models": {scale: model}, "level": combined["level"],
-                         "probed": {"scale": scale, "family": fam,
-                                    "weight": combined["weight"]}}
-    return out
+    return dict(calib) | {"models": {scale: model}, "level": combined["level"],
+                          "probed": {"scale": scale, "family": fam, "weight": combined["weight"]}}
 
 
 def summary(probed: Mapping[str, Any], combined: Mapping[str, Any], spent: Mapping[str, Any],

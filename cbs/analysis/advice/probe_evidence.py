@@ -2,23 +2,17 @@
 
     python -m experiments.probe_evidence --out=results/probe
 
-Each committed branch study (`results/digits_branch`, `results/shakespeare_branch`) measured
-the local critical batch B* at a few checkpoints of a reference run at batch B; each branch
-point is a probe (`probe.local_ratio` with the study's own ε, tolerance, metric and
-criterion) with the noise scale B_s there: the exact B_simple of the study's
+Each branch point of a committed branch study (STUDIES) is a probe (`probe.local_ratio` with
+the study's own rule) with the noise scale B_s there: the exact B_simple of the study's
 `reference_noise.jsonl`, else the run's live EMA of B_simple at that step.
 
 Predicted: the swept B_crit at each target of the task's committed sweep (the calibration's
-points, extrapolated ones left out) from the one-run noise scale the calibration uses,
-B_simple of the sweep's best trial at batch B at that target's crossing, three ways:
-cross-task (the calibration refitted WITHOUT the task: log B_s + μ̂_f), probed (that prior
-updated by the probe's log ratio, `probe.combine`) and probe alone (log B_s + y).
-
-Error: |log(prediction / measured)|, over every (probe point, target) pair and apart over
-the pairs whose point lies nearest the reference's crossing of the target: a test of the
-probed line's assumption that the task's ratio of LOCAL B* to B_s is its ratio of swept
-B_crit to B_s. Cost: the study's branches per point as a fraction of the examples and steps
-the reference had seen there, beside the window `cbs-advise --probe`'s defaults would have.
+points, extrapolated ones left out) from B_simple of the sweep's best trial at batch B at
+that target's crossing, three ways: cross-task (the calibration refitted WITHOUT the task),
+probed (that prior updated by the probe, `probe.combine`) and probe alone (log B_s + y).
+Error: |log(prediction / measured)|, over every (probe point, target) pair and over the
+pairs whose point lies nearest the reference's crossing of the target. Cost: the branches
+per point as a fraction of the reference's examples and steps there.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ def _point_noise(branch_dir: str, steps: Sequence[int]) -> tuple[dict[int, float
 
 
 def _crossings(branch_dir: str, targets: Sequence[float]) -> dict[float, float]:
-    """Examples at which the reference's full training-set loss (else its eval loss) first
-    reaches each target."""
+    """Examples at which the reference's full training-set (else eval) loss reaches each target."""
     recs = [r for r in records.read_records(os.path.join(branch_dir,
                                                          branch_report.REFERENCE_METRICS))
             if r.get("kind") == "eval"]
@@ -72,7 +65,7 @@ def _crossings(branch_dir: str, targets: Sequence[float]) -> dict[float, float]:
 
 def study(root: str, branch: str, sweep: str, task: str,
           calib: Mapping[str, Any], *, level: float = 0.8) -> dict[str, Any]:
-    """The evidence of one branch study (module docstring)."""
+    """The evidence of one branch study."""
     branch_dir = os.path.join(root, "results", branch)
     d = records.read_json(os.path.join(branch_dir, files.DEFINITION_FILE))
     if d is None:
