@@ -2,15 +2,10 @@
 
 McCandlish et al. claim that one run's noise scale predicts a task's critical batch within
 an order of magnitude, across tasks whose B_crit spans decades. Here every (study, target) is
-one point: the fitted B_crit with its interval (`cbs.analysis.reports.report.analyze`,
-recomputed from the records) against the noise scale measured at that target, with y = x and
-the factor-10 band drawn. Needs no model.
-
-Two views of the noise scale. The protocol (`cbs.analysis.studies.reference_protocol`, where
-a study has it): the median over seeds with its min–max and geometric SD, for B_simple,
-B_noise and, for Adam/AdamW, those of the update applied (B_simple^P, B_noise^P; for SGD the
-update is the gradient); figure `files.FIGURE_FILE`. Per trial: the median over the best
-trial at each batch size, with the min–max over batch sizes (`files.PER_TRIAL_FIGURE_FILE`).
+one point: the fitted B_crit (`cbs.analysis.reports.report.analyze`) against the noise scale
+measured at that target, under the protocol (`cbs.analysis.studies.reference_protocol`,
+where a study has it: median over seeds, for Adam/AdamW also of the update applied) and per
+trial (median over the best trial at each batch size).
 """
 
 from __future__ import annotations
@@ -46,15 +41,14 @@ PROTOCOL = (("ref_b_simple", "B_simple"), ("ref_b_noise", "B_noise"),
 
 
 def study_path(sweep_dir: str) -> str:
-    """What identifies a study: its sweep directory's full path (absolute, or the URI as
-    given), without a trailing separator."""
+    """A study's sweep directory as an absolute path (or the URI), no trailing separator."""
     text = sweep_dir.rstrip("/") or "/"
     return text if "://" in text else os.path.abspath(text)
 
 
 def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
-    """One label per study, distinct: its folder's name, or where folders share a name, as
-    many trailing folders of the full path as tell them apart (`a/digits`, `b/digits`)."""
+    """Distinct labels: each folder's name, or as many trailing folders as tell apart folders
+    that share one (`a/digits`, `b/digits`)."""
     parts = [study_path(d).split("/") for d in sweep_dirs]
     depth = [1] * len(parts)
     while True:
@@ -68,12 +62,10 @@ def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
 
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One row per (study, target) with a B_crit fit: study (`study_labels`), task, optimizer,
-    target, b_crit and its interval, b_simple / b_noise (median over batch sizes) with their
-    _range and each best trial's value (<name>_by_batch_size: what the calibration is fitted
-    on), the noise protocol and the ratios B_crit/B_simple, B_crit/B_noise; with the protocol
-    (`reference_protocol`), for each name of PROTOCOL its median over seeds (ref_<...>),
-    _range, _gsd, _seeds and ratio_<...>, and ref_batch_size, ref_protocol."""
+    """One row per (study, target) with a B_crit fit: b_crit and its interval, per trial
+    b_simple / b_noise (median over batch sizes), their _range, _by_batch_size (what the
+    calibration is fitted on) and ratio_; under the protocol, per key of PROTOCOL its median
+    over seeds with _range, _gsd, _seeds and ratio_ (NaN without it)."""
     rows = []
     for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)
@@ -117,7 +109,6 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
 
 def _protocol_fields(ref: dict[str, Any] | None, target: float, b_crit: float,
                      optimizer: str) -> dict[str, Any]:
-    """The row's protocol values (NaN without the protocol)."""
     entry: dict[str, Any] = next(
         (r for r in (ref or {}).get("targets", []) if r["target"] == float(target)), {})
     out: dict[str, Any] = {"ref_batch_size": (ref or {}).get("batch_size"),
@@ -142,8 +133,8 @@ def _finite(x: Any) -> float:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per noise scale: points with a value, the share within a factor 2 and 10 of B_crit,
-    and the geometric mean and range of B_crit/B_noise-scale; and the decades B_crit spans."""
+    """Per noise scale: points, the share within a factor 2 and 10 of B_crit, the geometric
+    mean and range of B_crit over it; and the decades B_crit spans."""
     out: dict[str, Any] = {"points": len(rows)}
     b = np.asarray([r["b_crit"] for r in rows], dtype=np.float64)
     out["b_crit_decades"] = float(np.log10(b.max() / b.min())) if b.size else math.nan
@@ -198,9 +189,8 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
            names: Sequence[tuple[str, str]] = PER_TRIAL, *, spread: str = "over batch sizes",
            title: str = "Critical batch against the measured noise scale, one point per "
                         "study and target") -> str:
-    """Log-log B_crit against each noise scale of `names` ((row key, label); per trial:
-    B_simple left, B_noise right): y = x, the factor-10 band, B_crit's interval and the noise
-    scale's spread (`spread`: what the row's <key>_range is) as error bars, colour per task
+    """Log-log B_crit against each noise scale of `names` ((row key, label)) with y = x, the
+    factor-10 band and error bars (`spread`: what the row's <key>_range is), colour per task
     and marker per optimizer."""
     from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
     from matplotlib.lines import Line2D
@@ -244,9 +234,7 @@ def figure(rows: Sequence[dict[str, Any]], path: str,
 
 
 def protocol_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one line per (study, target) with the protocol: B_crit, the reference batch
-    size B (and B/B_crit at that target), each noise scale's median over seeds (min–max,
-    ×geometric SD) and B_crit over it."""
+    """Markdown: one line per (study, target) under the protocol."""
     lines = ["| study | optimizer | target L | B_crit (95% CI) | B | B/B_crit | seeds | "
              "B_simple | B_noise | B_simple^P | B_noise^P | B_crit/B_simple | B_crit/B_noise | "
              "B_crit/B_noise^P |", "|" + "---|" * 14]
@@ -292,15 +280,13 @@ PREDICTION_SUFFIX = "_predict"  # <held-out sweep>_predict/prediction.json: its 
 
 
 def prediction_path(held_out_dir: str) -> str:
-    """Where the prediction of held-out sweep directory D lies: D + PREDICTION_SUFFIX /
-    prediction.json (not through normpath, which makes gs://b/D of gs:/b/D)."""
+    """D + PREDICTION_SUFFIX / prediction.json for held-out sweep directory D (not through
+    normpath, which makes gs://b/D of gs:/b/D)."""
     return paths.join(str(held_out_dir).rstrip("/") + PREDICTION_SUFFIX, "prediction.json")
 
 
 def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(prediction, analysis) per held-out sweep directory D: D + PREDICTION_SUFFIX holds
-    prediction.json (`cbs-advise --sweep_dir` on one run, committed before D's sweep ran) and
-    D its analysis.json."""
+    """(prediction made before D's sweep ran, D's analysis.json) per held-out directory D."""
     pairs = []
     for d in held_out_dirs:
         pred_path = prediction_path(d)
@@ -315,10 +301,8 @@ def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], d
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000,
                  held_out: Sequence[str] = ()) -> str:
-    """report.md and the figures in out_dir (under the protocol, `files.FIGURE_FILE`, where a
-    study has it; per trial, `files.PER_TRIAL_FIGURE_FILE`); returns the report's path.
-    held_out: sweep directories of held-out tasks (`held_out_pairs`), whose tally the
-    calibration records."""
+    """report.md, the figures and the calibration in out_dir; returns the report's path.
+    held_out: sweep directories of held-out tasks (`held_out_pairs`)."""
     tally = calibration.held_out(held_out_pairs(held_out)) if held_out else None
     rows = collect(sweep_dirs, bootstrap=bootstrap)
     if not rows:

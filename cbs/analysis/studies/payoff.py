@@ -1,23 +1,15 @@
 """The payoff of a batch ramp: seeds of ramps against seeds of fixed batch sizes.
 
-Reads the records `cbs.sweeps.ramps` writes (`ramps.jsonl`) when every run of a ramp study
-is repeated over seeds (spec fields `name` and `seed`). Runs with a constant schedule are the
-fixed-batch baseline; every other run is a ramp. For each target L:
-
-- S and E of every run (geometric mean over its seeds; "k/n seeds reached" where a seed
-  never reached L);
-- the fixed-batch frontier S = S_min + E_min/B fitted (`fit.fit_tradeoff`) to the fixed runs'
-  mean steps under the ramps' own protocol; where fixed runs share a B (other learning
-  rates), the fastest at L stands for B (baselines tuned per target);
-- for each ramp, the step saving at equal examples, 1 − S_ramp / S_frontier(E_ramp), with
-  S_frontier(E) = S_min·E/(E − E_min) (+∞ when E ≤ E_min: no fixed batch reaches L with so
-  few examples), and the example cost at equal steps, E_ramp / E_frontier(S_ramp) − 1;
-- for each ramp, Merrill et al.'s comparison against the fixed run at its first batch size,
-  seed by seed, with the seeds a 15 % saving needs (`cbs.analysis.studies.ramp_start`).
-
-Intervals: S and E, Student-t over seeds in log S and log E; the saving and the cost, a
-percentile bootstrap over seeds within every run, the frontier refitted per replicate, seeded
-from the records. A ramp beats the frontier at L when the saving's interval lies above zero.
+Reads `ramps.jsonl` (`cbs.sweeps.ramps`) when every run of a ramp study is repeated over
+seeds (spec fields `name` and `seed`); constant schedules are the fixed-batch baseline. At
+each target L: S and E of every run (geometric mean over its seeds); the fixed-batch frontier
+S = S_min + E_min/B fitted to the fastest fixed run at each B (tuned per target); for each
+ramp the step saving at equal examples, 1 − S_ramp / S_frontier(E_ramp), S_frontier(E) =
+S_min·E/(E − E_min) (+∞ when E ≤ E_min), the example cost at equal steps, E_ramp /
+E_frontier(S_ramp) − 1, and Merrill et al.'s comparison against the fixed run at its first
+batch size (`cbs.analysis.studies.ramp_start`). A ramp beats the frontier at L when the
+saving's interval (percentile bootstrap over seeds, the frontier refitted per replicate)
+lies above zero.
 """
 
 from __future__ import annotations
@@ -70,8 +62,7 @@ def geometric_mean(values: Any) -> float:
 
 
 def t_interval(values: Any, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """Student-t interval of the geometric mean of positive `values`, formed in log space
-    (NaNs with fewer than two)."""
+    """Student-t interval of the geometric mean of positive `values` (NaNs below two)."""
     x = np.log(np.asarray(values, dtype=np.float64))
     if x.size < 2:
         return (math.nan, math.nan)
@@ -101,8 +92,7 @@ def _seed_values(runs: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.n
 
 
 def _tuned(values, fixed) -> dict[int, str]:
-    """B -> the fixed run at B with the fewest steps at this target (geometric mean over its
-    seeds; runs where a seed never reached L are left out): each baseline tuned per target."""
+    """B -> the fixed run at B with the fewest steps at this target (all seeds reached L)."""
     out: dict[int, str] = {}
     for name in sorted((n for n, b in fixed.items() if b is not None and values[n][0].size)):
         b = int(fixed[name])
@@ -114,9 +104,8 @@ def _tuned(values, fixed) -> dict[int, str]:
 def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                    bootstrap: int = BOOTSTRAP, confidence: float = CONFIDENCE
                    ) -> dict[str, Any]:
-    """One target: every run's S, E over seeds, the frontier through the fixed runs tuned at
-    this target (the fastest rate at each B), each ramp's saving against it, and each ramp
-    against the fixed run at its first batch size (`cbs.analysis.studies.ramp_start`)."""
+    """One target: every run's S, E over seeds, the frontier, each ramp's saving against it
+    and against the fixed run at its first batch size."""
     key = target_key(target)
     values = {name: _seed_values(v, key) for name, v in runs.items()}
     schedules = {name: (v[0].get("spec") or {}).get("schedule", {}) for name, v in runs.items()}
@@ -174,8 +163,7 @@ def _against_start(runs, fixed, tuned, key, bootstrap, confidence) -> list[dict[
 
 
 def _bootstrap(out, values, usable, sizes, n_rep, confidence, rng) -> None:
-    """Adds percentile intervals of each ramp's saving and cost: seeds resampled within
-    every run, the frontier refitted per replicate (all replicates in one vectorised fit)."""
+    """Adds percentile intervals of each ramp's saving and cost (all replicates in one fit)."""
     ramps = [row for row in out["rows"] if row["batch_size"] is None and "steps" in row]
 
     draws = {n: rng.integers(0, len(values[n][0]), (n_rep, len(values[n][0])))
@@ -199,8 +187,7 @@ def _bootstrap(out, values, usable, sizes, n_rep, confidence, rng) -> None:
 
 
 def verdict(row: dict[str, Any], best: dict[str, Any] | None = None) -> str:
-    """Whether a ramp beat the fixed-batch frontier at this target, in words; with `best`
-    (the fixed batch furthest below the fitted frontier), whether it also beat that one."""
+    """Whether a ramp beat the frontier at this target, in words, and `best` (`best_fixed`)."""
     ci = row.get("step_saving_ci")
     if "steps" not in row:
         return f"{row['reached']}/{row['num_seeds']} seeds reached"
@@ -283,8 +270,7 @@ def table(target: dict[str, Any]) -> str:
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """One line per ramp: at each target, its examples against the frontier at equal steps
-    (the better-conditioned of the two effects where ramps run, near E_min) and whether it
-    beat, matched or trailed the frontier."""
+    (the better-conditioned effect near E_min) and its verdict."""
     out = []
     names = [row["run"] for row in result["targets"][0]["rows"] if row["batch_size"] is None]
     for name in names:
@@ -303,8 +289,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 
 def figure(result: dict[str, Any], ramps: Sequence[dict[str, Any]], path: str) -> str:
-    """Each target's S–E plane: every seed as a small point, run means with their
-    intervals, and the fitted frontier of the fixed batch sizes."""
+    """Each target's S–E plane: every seed, run means with intervals, and the frontier."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter

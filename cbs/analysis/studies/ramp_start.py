@@ -13,9 +13,9 @@ a percentile bootstrap over seed pairs and the paired Student-t interval of mean
 seeds the bootstrap has 10 distinct resamples; the t interval is the power calculation's).
 
 Seeds needed: the fewest n for which a two-sided paired t-test at level α detects a saving of
-`effect` with probability `power` given the seeds' σ of r: power(n) = P(|T| > t_{1−α/2, n−1}),
-T noncentral t with n − 1 degrees of freedom and noncentrality −log(1 − effect)·√n/σ. σ is
-estimated from the seeds run, so with three the answer is a rough guide.
+`effect` with probability `power`: power(n) = P(|T| > t_{1−α/2, n−1}), T noncentral t with
+n − 1 degrees of freedom and noncentrality −log(1 − effect)·√n/σ, σ from the seeds run (with
+three, a rough guide).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ POWER = 0.8  # probability of detecting EFFECT
 
 
 def recorded_rng(recorded: str) -> np.random.Generator:
-    """A bootstrap's generator seeded from the recorded values it resamples (as JSON text), so
-    the same records give the same intervals on every machine."""
+    """A generator seeded from the recorded values (JSON text) a bootstrap resamples."""
     return np.random.default_rng(int(hashlib.sha256(recorded.encode()).hexdigest()[:16], 16))
 
 
@@ -61,8 +60,7 @@ def start_batch_size(spec: dict[str, Any]) -> int | None:
 
 
 def paired_power(n: int, sd: float, effect: float = EFFECT, alpha: float = ALPHA) -> float:
-    """Power of the two-sided paired t-test with n pairs, per-pair standard deviation `sd` of
-    the log ratio, against a true saving `effect`."""
+    """Power of the two-sided paired t-test with n pairs (log-ratio σ `sd`) against `effect`."""
     if n < 2:
         return 0.0
     delta = -math.log1p(-effect)
@@ -78,8 +76,7 @@ def paired_power(n: int, sd: float, effect: float = EFFECT, alpha: float = ALPHA
 
 def seeds_needed(sd: float, effect: float = EFFECT, alpha: float = ALPHA, power: float = POWER,
                  max_seeds: int = 10_000) -> int | None:
-    """The fewest seeds (pairs) for `power` against `effect` (None: σ not finite, or more
-    than max_seeds)."""
+    """The fewest seeds for `power` against `effect` (None: σ not finite, or > max_seeds)."""
     if not math.isfinite(sd):
         return None
     lo, hi = 2, 2
@@ -97,8 +94,7 @@ def seeds_needed(sd: float, effect: float = EFFECT, alpha: float = ALPHA, power:
 
 
 def detectable_effect(n: int, sd: float, alpha: float = ALPHA, power: float = POWER) -> float:
-    """The smallest step saving the paired test detects with `power` from n seeds (NaN with
-    fewer than 2 or σ not finite)."""
+    """The smallest step saving detected with `power` from n seeds (NaN: n < 2, σ not finite)."""
     if n < 2 or not math.isfinite(sd):
         return math.nan
     lo, hi = 0.0, 1.0 - 1e-12
@@ -111,8 +107,8 @@ def detectable_effect(n: int, sd: float, alpha: float = ALPHA, power: float = PO
 def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str
             ) -> tuple[list[int], np.ndarray, np.ndarray, str]:
     """Seeds both runs reached L with, the per-seed log ratios of steps and examples, and the
-    recorded values they come from as text (what the bootstrap's generator is seeded from: the
-    records, not logarithms whose last bit may differ between machines)."""
+    recorded values as text (the generator's seed: not logarithms, whose last bit may differ
+    between machines)."""
     def by_seed(runs):
         return {int((r.get("spec") or {}).get("seed", 0)): r for r in runs
                 if r["steps_to_target"].get(key) is not None
@@ -128,10 +124,9 @@ def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
 
 def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str, *,
             bootstrap: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
-    """One ramp's seeds against the fixed run at its B_0 at one target (key: the target's
-    key in `steps_to_target`). JSON-ready: the paired seeds, steps saved and examples beside
-    (each with its bootstrap and t intervals), σ of the log step ratio, seeds needed for
-    EFFECT and the saving detectable with the seeds run."""
+    """One ramp's seeds against the fixed run at its B_0 at target `key`, JSON-ready: steps
+    saved and examples beside with intervals, σ of the log step ratio, seeds needed for EFFECT
+    and the saving detectable with the seeds run."""
     seeds, r, q, recorded = _paired(ramp, fixed, key)
     out: dict[str, Any] = {"seeds": seeds, "num_pairs": len(seeds),
                            "reached": [sum(x["steps_to_target"].get(key) is not None
@@ -185,8 +180,7 @@ def _pct(x: float) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one line per ramp at one target (rows: `compare` results with `run`,
-    `start_batch_size` and `fixed_run`)."""
+    """Markdown: one line per ramp at one target."""
     lines = [f"| ramp | first B | fixed run at it | seed pairs | steps saved at L (95 % "
              f"bootstrap; paired t) | examples vs fixed (95 % bootstrap) | σ of log step ratio "
              f"| seeds for {EFFECT:.0%} ({POWER:.0%} power) | saving detectable with these "
@@ -213,9 +207,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def summary_lines(targets: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per ramp over the targets of `cbs.analysis.studies.payoff.analyze` (each with its
-    "start" rows): steps saved against the fixed run at its first batch size (paired t
-    interval), the examples beside, and the seeds a 15 % saving needs; then one line with the
+    """One line per ramp over the targets of `cbs.analysis.studies.payoff.analyze`, then the
     range of seeds needed where the ramp had left its first batch size."""
     out, needed = [], []
     for name in [row["run"] for row in targets[0]["start"]]:

@@ -1,16 +1,13 @@
 """The noise scale at each target under one protocol: the reference trajectory over seeds.
 
-Reads the records `cbs.sweeps.reference_seeds` writes (`reference_seeds/seed_<k>.jsonl`: one
-reference trajectory per seed at B ≤ B_crit/4, measured on the whole training set). Per seed
-and target, each noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it
-(ratio of means over the first `window` measurements at or after the crossing). Across seeds:
+Reads `reference_seeds/seed_<k>.jsonl` (`cbs.sweeps.reference_seeds`: one reference
+trajectory per seed at B ≤ B_crit/4, measured on the whole training set). Per seed and target,
+each noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it; across seeds
 the median, the min–max and the geometric standard deviation exp(sd(log value)).
 
 Names: b_simple = tr(Σ)/|G|², b_noise = tr(HΣ)/GᵀHG of the plain gradient; b_simple_p =
 tr(PΣ)/GᵀPG, b_noise_p = tr(PHPΣ)/GᵀPHPG of the update u = P·g applied by Adam/AdamW
-(`cbs.stats.preconditioned`), absent for SGD (whose update is g: the plain ones).
-
-Reads only result files; needs no model.
+(`cbs.stats.preconditioned`), absent for SGD.
 """
 
 from __future__ import annotations
@@ -45,8 +42,8 @@ def _array(values: Sequence[Any]) -> np.ndarray:
 
 def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
                 ) -> list[dict[str, Any]]:
-    """Per target, one seed's run: {"target", "crossing_step", "<name>" for each name of
-    NAMES the run recorded (NaN where it did not cross)}."""
+    """Per target, one seed's {"target", "crossing_step", "<name>", "<name>_se"} for each
+    name the run recorded (NaN where it did not cross)."""
     curve, metric = run["curve"], run["target_metric"]
     x = _array(curve["noise/step"])
     progress = _array(curve[metric]).tolist()
@@ -64,10 +61,9 @@ def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
 
 
 def window_se(x, num, den, crossing, window) -> float:
-    """The relative standard error of the window's ratio of means (`noise_at_target
-    .after_crossing`) from its k measurements, each on its own draws: the delta method,
-    var(r)/r² = (s_n²/n̄² + s_d²/d̄² − 2·s_nd/(n̄·d̄))/k. It counts the trajectory's drift
-    within the window as noise too (an upper bound on the draws' part); NaN below k = 2."""
+    """The relative standard error of the window's ratio of means from its k measurements by
+    the delta method, var(r)/r² = (s_n²/n̄² + s_d²/d̄² − 2·s_nd/(n̄·d̄))/k (drift within the
+    window counts as noise: an upper bound); NaN below k = 2."""
     if crossing is None:
         return math.nan
     ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)
@@ -85,7 +81,7 @@ def window_se(x, num, den, crossing, window) -> float:
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """{"values" (per seed), "seeds" (finite, positive ones), "median", "min", "max", "gsd"
-    (exp of the sample sd of log value; NaN below two seeds)}."""
+    (NaN below two seeds)}."""
     v = np.asarray([x for x in values if math.isfinite(x) and x > 0], np.float64)
     if not v.size:
         return {"values": list(values), "seeds": 0, "median": math.nan, "min": math.nan,
@@ -98,9 +94,7 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
 
 def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: int
               ) -> dict[str, Any]:
-    """The protocol over the seeds' runs: {"batch_size", "learning_rate", "seeds",
-    "b_crit_lowest_target", "deviations", "protocol", "targets": [{"target", "crossings",
-    "<name>": spread over seeds}]} (names the runs recorded)."""
+    """The protocol over the seeds' runs, with per target each name's `spread` over seeds."""
     per_seed = [seed_values(r, targets, window) for r in runs]
     rows = []
     for j, target in enumerate(targets):
@@ -132,8 +126,8 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
 
 def load(sweep_dir: str, targets: Sequence[float] | None = None, window: int | None = None
          ) -> dict[str, Any] | None:
-    """`summarize` of the seeds written in `sweep_dir` (None without any); targets and
-    window default to the sweep's (sweep.json)."""
+    """`summarize` of the seeds in `sweep_dir` (None without any); targets and window default
+    to the sweep's."""
     folder, pattern = os.path.split(SEEDS_GLOB)
     names = fnmatch.filter(paths.listdir(paths.join(sweep_dir, folder)), pattern)
     seed_files = [paths.join(sweep_dir, folder, n) for n in names]
@@ -151,8 +145,7 @@ def load(sweep_dir: str, targets: Sequence[float] | None = None, window: int | N
 
 
 def _cell(entry: dict[str, Any] | None) -> str:
-    """"median (min–max) ×gsd ±se" of a spread (se: the median over seeds of a window's
-    relative standard error, where known), "–" without one."""
+    """"median (min–max) ×gsd ±se" of a spread, "–" without one."""
     if not entry or not entry["seeds"]:
         return "–"
     se = entry.get("se_median", math.nan)
@@ -161,7 +154,7 @@ def _cell(entry: dict[str, Any] | None) -> str:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    """A table: per target, each noise scale's median over seeds (min–max, geometric SD)."""
+    """A table: per target, each noise scale's spread over seeds."""
     names = [n for n in NAMES if any(n in r for r in summary["targets"])]
     labels = {"b_simple": "B_simple", "b_noise": "B_noise", "b_simple_p": "B_simple^P",
               "b_noise_p": "B_noise^P"}

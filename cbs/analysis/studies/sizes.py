@@ -2,10 +2,9 @@
 
 Kaplan et al. find that B_crit depends on the loss reached, not on the model's size:
 B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep directory
-is one size (same data, same protocol); every (size, target) with a B_crit fit is one point,
-log B_crit with the covariance across its study's targets from its joint bootstrap
-(`cbs.analysis.fits.joint`; studies are independent: block-diagonal). Three generalised least
-squares (GLS) fits of log B_crit answer:
+is one size; every (size, target) with a B_crit fit is one point, log B_crit with its study's
+joint-bootstrap covariance (`cbs.analysis.fits.joint`; block-diagonal across studies). Three
+generalised least squares (GLS) fits of log B_crit answer:
 
 - "depends on L alone", without assuming a power law: log B_crit = μ_L (one free value per
   target, shared by the sizes) at the targets every size reached; its χ² on (sizes − 1) ×
@@ -15,15 +14,11 @@ squares (GLS) fits of log B_crit answer:
 - the same with one B* per size (the sizes' α_B shared): its B* ratios say how far apart
   the sizes sit, and the χ² difference from the joint law tests them.
 
-Intervals per point are each study's own (the report's bootstrap-t). Needs no model.
-
-The χ² readings assume the bootstrap covariance known; on one or two seeds it is
-underestimated and they reject too often (`cbs.analysis.fits.misfit`). So every test is also
-calibrated: each study's noise (`misfit.study_noise`) is put on the tested law's values, every
-study refitted (`misfit.pooled_draws`), and the statistic with each simulated set's own noise
-estimates (studentized) gives the null distribution; the calibrated p is
-(1 + #{Q* ≥ Q})/(1 + R). The loss whose removal raises the law's calibrated p the most, from
-below to above 0.05, is named as breaking it, and both laws are refitted without it.
+The χ² readings assume the bootstrap covariance known and reject too often on one or two
+seeds, so every test is also calibrated as `cbs.analysis.fits.misfit` does: each study's noise
+(`misfit.study_noise`) put on the tested law's values (`misfit.pooled_draws`). The loss whose
+removal raises the law's calibrated p the most, from below to above 0.05, is named as
+breaking it, and both laws are refitted without it.
 """
 
 from __future__ import annotations
@@ -46,9 +41,8 @@ __all__ = ["analyze", "collect", "figure", "summary", "table", "write_report"]
 
 
 def check_comparable(sweep_dirs: Sequence[str]) -> None:
-    """Raises ValueError (one line) unless the studies are sizes of one experiment: the same
-    data (dataset and options), model family and target metric, and at least one target in
-    common (each study's sweep.json)."""
+    """Raises ValueError unless the studies are sizes of one experiment: the same data, model
+    family and target metric, and a target in common."""
     seen: list[tuple[str, dict[str, Any]]] = []
     for d in sweep_dirs:
         config = (SweepStore(d).definition() or {}).get("config") or {}
@@ -69,8 +63,8 @@ def check_comparable(sweep_dirs: Sequence[str]) -> None:
 
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One entry per study: size, targets, B_crit and interval per target, the covariance of
-    log B_crit over its fitted targets, and its own power law."""
+    """One entry per study: size, B_crit and interval per target, their covariance in log
+    B_crit, its own power law and its noise (`_noise`)."""
     out = []
     for d in sweep_dirs:
         a = report.analyze(d, bootstrap=bootstrap, write=False)
@@ -129,10 +123,8 @@ def _p(q: float, dof: int) -> float:
 
 def analyze(studies: Sequence[dict[str, Any]], confidence: float = 0.95, *,
             calibrate: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The three GLS fits of the module docstring, JSON-ready; with every study's noise
-    (`collect` attaches it), each test's calibrated p-value from `calibrate` simulated sets of
-    studies (module docstring), the loss whose points break the joint law, and both laws refitted
-    without it."""
+    """The three GLS fits, JSON-ready; with every study's noise, each test's calibrated p from
+    `calibrate` simulated sets of studies and the laws without a loss that breaks them."""
     common = sorted(set.intersection(*(set(s["targets"]) for s in studies)), reverse=True)
     out: dict[str, Any] = {"common_targets": common, "sizes": [s["label"] for s in studies]}
     if len(studies) >= 2 and common:
@@ -159,8 +151,7 @@ def analyze(studies: Sequence[dict[str, Any]], confidence: float = 0.95, *,
 
 def _laws(studies: Sequence[dict[str, Any]], targets: Sequence[float] | None,
           confidence: float) -> dict[str, Any]:
-    """The joint power law and the law with one B* per size, over the points at `targets`
-    (None: every point), by GLS with the studies' bootstrap covariances."""
+    """The joint power law and the law with one B* per size at `targets` (None: all)."""
     out: dict[str, Any] = {}
     y, x, k, C = _points(studies, targets)
     if y.size >= 3:
@@ -192,7 +183,7 @@ def _laws(studies: Sequence[dict[str, Any]], targets: Sequence[float] | None,
 
 def _calibrate(studies: Sequence[dict[str, Any]], out: dict[str, Any], n: int, seed: int,
                confidence: float) -> None:
-    """Adds the calibrated p-values (the module docstring) to the fits in `out`."""
+    """Adds the calibrated p-values to the fits in `out`."""
     noise = [s["_noise"] for s in studies]
     y = np.concatenate([z.log_b_crit for z in noise])
     loss = np.concatenate([z.losses for z in noise])
@@ -275,8 +266,7 @@ _g = "{:.3g}".format
 
 
 def _verdict(d: dict[str, Any], key: str = "p") -> str:
-    """"rejected, p = … (calibrated; χ² reading …)", or the χ² reading alone without a
-    calibration."""
+    """"rejected, calibrated p = … (χ² reading …)", or the χ² reading alone."""
     cal = d.get({"p": "p_calibrated", "chi2_p": "p_calibrated"}.get(key, key + "_calibrated"))
     p = cal if cal is not None else d[key]
     word = "not rejected" if p >= 0.05 else "rejected"
@@ -384,8 +374,7 @@ def figure(studies: Sequence[dict[str, Any]], result: dict[str, Any], path: str)
 
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000) -> str:
-    """report.md, sizes.json and the figure in out_dir; returns the report's path. Studies
-    that are not sizes of one experiment are refused first (`check_comparable`)."""
+    """report.md, sizes.json and the figure in out_dir; returns the report's path."""
     check_comparable(sweep_dirs)
     studies = collect(sweep_dirs, bootstrap=bootstrap)
     result = analyze(studies)
