@@ -161,8 +161,7 @@ def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> di
 
 def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
           held_out_tally: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The calibration file's content: per noise scale the model and its leave-one-task-out
-    coverage, the held-out tally when given, and the points."""
+    """The calibration file: per noise scale the model and its coverage, the tally, the points."""
     models = {s: model(rows, s) | {"loto": leave_one_task_out(rows, s, level=level)}
               for s in SCALES if _points(rows, s)}
     keep = ("study", "task", "optimizer", "target", "b_crit", "b_crit_ci", "extrapolated",

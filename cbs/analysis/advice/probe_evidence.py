@@ -55,12 +55,8 @@ def _crossings(branch_dir: str, targets: Sequence[float]) -> dict[float, float]:
                                                          branch_report.REFERENCE_METRICS))
             if r.get("kind") == "eval"]
     key = "full_train/loss" if any("full_train/loss" in r for r in recs) else "eval/loss"
-    out = {}
-    for t in targets:
-        hit = [r for r in recs if r.get(key) is not None and float(r[key]) <= t]
-        if hit:
-            out[t] = float(hit[0]["data/examples_seen"])
-    return out
+    hits = {t: [r for r in recs if r.get(key) is not None and float(r[key]) <= t] for t in targets}
+    return {t: float(h[0]["data/examples_seen"]) for t, h in hits.items() if h}
 
 
 def study(root: str, branch: str, sweep: str, task: str,

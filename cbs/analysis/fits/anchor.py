@@ -137,8 +137,7 @@ def trajectory(problem: LinregProblem, batch_sizes: Sequence[float] | np.ndarray
 
 
 def steps_to(losses: np.ndarray, target: float) -> np.ndarray:
-    """First crossing of `target` per row [K], interpolated linearly in log loss between
-    updates; NaN if never reached (and 0 if the start is already below)."""
+    """First crossing of `target` per row [K], linear in log loss between updates (NaN: never)."""
     out = np.full(losses.shape[0], np.nan)
     for k, row in enumerate(losses):
         below = np.flatnonzero(row <= target)

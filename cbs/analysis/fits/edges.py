@@ -129,8 +129,7 @@ def grid_at_batch_size(base_lrs: Sequence[float], seeds: Sequence[int],
 
 def sweep_grid(base: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
                sweep: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """`grid_at_batch_size` for every batch size of a sweep. base: the base trials (dicts with
-    batch_size, learning_rate, seed: sweep.json's "trials"); sweep: the sweep section."""
+    """`grid_at_batch_size` per batch size; base: sweep.json's "trials", sweep: its section."""
     rules = extension_rules(sweep)
     out = {}
     for b in sorted({int(t["batch_size"]) for t in base}):

@@ -289,9 +289,8 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
         cis = _bootstrap_tradeoff(logb, logs, theta, fitted[0], resid, J[0], f_scale,
                                   bootstrap, seed, resample, confidence)
     return TradeoffFit(s_min, e_min, b_crit, cis[0], cis[1], cis[2], int(b.size),
-                       int(np.unique(b).size),
-                       n_dropped, OK, method, confidence, float(np.sqrt(np.mean(resid ** 2))),
-                       tradeoff_warnings(b, b_crit, cis[2]))
+                       int(np.unique(b).size), n_dropped, OK, method, confidence,
+                       float(np.sqrt(np.mean(resid ** 2))), tradeoff_warnings(b, b_crit, cis[2]))
 
 
 def _log_param_se(logb_RxN, logs_RxN, theta_Rx2, f_scale) -> np.ndarray:

@@ -71,8 +71,7 @@ class CalibratedMisfit:
 def calibrated_misfit(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
                       points: Sequence[fit.TradeoffFit], *, n: int = 2000,
                       seed: int = 0) -> CalibratedMisfit:
-    """The calibrated misfit test of the targets whose point fit is ok; tables, losses,
-    points as `joint.joint_bootstrap`, n simulated studies."""
+    """The calibrated misfit test of the targets with an ok fit (as `joint.joint_bootstrap`)."""
     ok = [k for k, p in enumerate(points) if p.ok]
     if len(ok) < 3:
         return CalibratedMisfit(math.nan, math.nan, 0, {}, None)
@@ -151,11 +150,8 @@ def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n
     keep = np.all(goods, axis=0)
     Y = np.concatenate([x[keep] for x in sims], axis=1)
     C = np.zeros((Y.shape[0], Y.shape[1], Y.shape[1]))
-    at = 0
-    for c in covs:
-        k = c.shape[1]
-        C[:, at:at + k, at:at + k] = c[keep]
-        at += k
+    for at, c in zip(np.cumsum([0] + [c.shape[1] for c in covs]), covs, strict=False):
+        C[:, at:at + c.shape[1], at:at + c.shape[1]] = c[keep]
     return Y, C
 
 

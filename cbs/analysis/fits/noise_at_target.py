@@ -62,8 +62,7 @@ def _noise(definition: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 def examples_per_value(definition: dict[str, Any]) -> tuple[int, str]:
-    """(examples behind one per-trial value, in words): the training set, or the sampled
-    examples of the window's measurements together."""
+    """(examples behind one per-trial value, in words): the training set or the window's."""
     noise, full = _noise(definition)
     if full:
         return int(definition.get("num_train") or 0), "full training set"
@@ -116,8 +115,7 @@ def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
 
 
 def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
-    """Ratio of means over the first `window` finite measurements at steps ≥ crossing, and
-    their steps."""
+    """(ratio of means, steps) of the first `window` finite measurements at steps ≥ crossing."""
     if crossing is None:
         return math.nan, []
     ok = np.isfinite(x) & np.isfinite(num) & np.isfinite(den) & (x >= crossing)

@@ -96,8 +96,7 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
 
 
 def summarize(workdir: str) -> list[dict[str, Any]]:
-    """`local_cbs` of every complete branch point of the study, by examples, with the noise
-    scale at the point (`b_simple`, `b_noise`; NaN when not measured)."""
+    """`local_cbs` of every complete branch point, by examples, with `b_simple`, `b_noise`."""
     definition = records.read_json(os.path.join(workdir, files.DEFINITION_FILE))
     if definition is None:
         raise FileNotFoundError(f"{workdir} has no {files.DEFINITION_FILE}: run cbs-branch "
@@ -111,13 +110,12 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
     for step in sorted({r["point_step"] for r in rows}):
         point = [r for r in rows if r["point_step"] == step]
         if len(point) == want:
-            p = local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
-                          metric=b["metric"], criterion=b.get("criterion", "ladder"),
-                          b_star=b.get("b_star", "geometric"))
             n = noise.get(step, {})
-            p["b_simple"] = n.get("noise/b_simple", math.nan)
-            p["b_noise"] = n.get("noise/b_noise", math.nan)
-            out.append(p)
+            out.append(local_cbs(point, epsilon=b["epsilon"], tolerance=b["tolerance"],
+                                 metric=b["metric"], criterion=b.get("criterion", "ladder"),
+                                 b_star=b.get("b_star", "geometric"))
+                       | {"b_simple": n.get("noise/b_simple", math.nan),
+                          "b_noise": n.get("noise/b_noise", math.nan)})
     return out
 
 
@@ -215,13 +213,10 @@ def _reference_curves(workdir: str) -> dict[str, np.ndarray]:
     train = [r for r in recs if r.get("kind") == "train"]
     evals = [r for r in recs if r.get("kind") == "eval"]
     col = lambda rs, k: np.asarray([r.get(k, np.nan) for r in rs], np.float64)
-    out = {"E": col(train, "data/examples_seen"), "loss": col(train, "train/loss"),
-           "eval_E": col(evals, "data/examples_seen"),
-           "full_train": col(evals, "full_train/loss"), "eval_loss": col(evals, "eval/loss")}
-    for k in ("ema_b_simple", "b_simple", "b_noise", "measured_ema_b_simple",
-              "measured_ema_b_noise"):
-        out[k] = col(train, f"noise/{k}")
-    return out
+    noise = ("ema_b_simple", "b_simple", "b_noise", "measured_ema_b_simple", "measured_ema_b_noise")
+    return {"E": col(train, "data/examples_seen"), "loss": col(train, "train/loss"),
+            "eval_E": col(evals, "data/examples_seen"), "full_train": col(evals, "full_train/loss"),
+            "eval_loss": col(evals, "eval/loss"), **{k: col(train, f"noise/{k}") for k in noise}}
 
 
 def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200

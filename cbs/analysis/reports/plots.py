@@ -32,8 +32,7 @@ PathLike = str | os.PathLike
 
 
 def save_figure(fig: Figure, path: PathLike, dpi: int = 120) -> str:
-    """Writes `fig` as a PNG to `path` (local or gs://, `cbs.results.paths`), whole; returns
-    the path."""
+    """Writes `fig` as a PNG to `path` (local or gs://, `cbs.results.paths`); returns the path."""
     path = os.fspath(path)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
@@ -76,8 +75,7 @@ def log_labels(axis, values: np.ndarray) -> None:
 
 
 def _even_ticks(lo: float, hi: float) -> np.ndarray:
-    """About 8 round, evenly spaced values over [lo, hi] (padded), powers of ten left out
-    (the major ticks label those)."""
+    """About 8 round, evenly spaced ticks over [lo, hi] (padded), powers of ten left out."""
     scale = 10.0 ** math.floor(math.log10(lo))
     step = next(d * scale for d in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if hi - lo <= 8 * d * scale)
     ticks = np.arange(math.floor(lo / 1.2 / step), math.ceil(hi * 1.2 / step) + 1) * step
@@ -122,8 +120,7 @@ def _ok(fit: _Fit | None) -> TypeGuard[_Fit]:
 
 
 def _frontier(fit: TradeoffFit, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(S, E) along the fitted hyperbola, B log-spaced from B_crit/30 to 30·B_crit and a
-    factor 2 beyond the batch sizes `b`."""
+    """(S, E) along the fitted hyperbola over B_crit/30–30·B_crit and 2× beyond the points `b`."""
     lo = min([fit.b_crit / 30] + ([b.min() / 2] if b.size else []))
     hi = max([fit.b_crit * 30] + ([b.max() * 2] if b.size else []))
     grid = np.geomspace(lo, hi, 200)

@@ -124,8 +124,7 @@ def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
 
 def _joint_fits(per_target: list[dict[str, Any]], bootstrap: int, seed: int | None
                 ) -> tuple[fit.PowerLawFit, dict[str, Any] | None]:
-    """The power law and the joint bootstrap's intervals (each target's "fit" updated in
-    place); returns the law and the misfit check (or None)."""
+    """The power law and the joint intervals (the fits updated in place); the misfit check."""
     ok = [t for t in per_target if t["fit"].ok]
     power_law = fit.fit_power_law([t["target"] for t in ok], [t["fit"].b_crit for t in ok],
                                   bootstrap=0)
@@ -179,11 +178,9 @@ def seed_spread(records: Sequence[dict[str, Any]], targets: Sequence[float], *,
         return []
     out = []
     for target in targets:
-        per_seed = {}
-        for sd in seeds:
-            one = [r for r in records if int(r.get("seed", 0)) == sd]
-            t = analyze_target(one, target, bootstrap=bootstrap)
-            per_seed[str(sd)] = t["fit"].b_crit if t["fit"].ok else None
+        fits = [analyze_target([r for r in records if int(r.get("seed", 0)) == sd], target,
+                               bootstrap=bootstrap)["fit"] for sd in seeds]
+        per_seed = {str(sd): f.b_crit if f.ok else None for sd, f in zip(seeds, fits, strict=True)}
         best = analyze_target(records, target, bootstrap=0)
         spreads = [(max(s) - min(s)) / float(np.mean(s)) for s in best["seed_steps"]
                    if len(s) > 1]
@@ -200,8 +197,7 @@ def read_ramps(sweep_dir: str) -> list[dict[str, Any]]:
 
 def make_figures(sweep_dir: str, analysis: dict[str, Any], out_dir: str | None = None
                  ) -> dict[str, str]:
-    """Writes the report's PNG figures of `analyze`'s result (default: into sweep_dir/figures);
-    returns {name: path}."""
+    """Writes the PNG figures of `analyze`'s result (default: sweep_dir/figures): {name: path}."""
     out_dir = out_dir or os.path.join(sweep_dir, FIGURES_DIR)
     series = [{"target": t["target"], "batch_sizes": t["batch_sizes"], "steps": t["steps"],
                "fit": f} for t, f in zip(analysis["targets"], analysis["fits"], strict=True)]

@@ -185,8 +185,7 @@ def power_law_lines(analysis: dict[str, Any]) -> list[str]:
 
 
 def _misfit_verdict(m: dict[str, Any]) -> str:
-    """The misfit test's sentence: the calibrated verdict with the χ² reading, and the law
-    without a target that breaks it."""
+    """The misfit test's sentence, and the law without a target that breaks it."""
     chi2 = (f"generalised least squares on the bootstrap covariance of the targets' log "
             f"B_crit, χ² = {m['misfit_q']:.3g} on {m['misfit_dof']} degrees of freedom, "
             f"p = {m['misfit_p']:.2g}")
@@ -283,8 +282,7 @@ def _bs(values: Sequence[float]) -> str:
 
 
 def to_wandb(analysis: dict[str, Any], project: str, *, group: str) -> None:
-    """The sweep's B_crit table as the W&B run "<group> summary" of the sweep's group, with
-    `b_crit/L=<target>` in its summary."""
+    """The sweep's B_crit table as the W&B run "<group> summary" (`b_crit/L=<target>`)."""
     from cbs.results.writers import WandbWriter
 
     columns = ["target", "b_crit", "b_crit_lo", "b_crit_hi", "extrapolated", "s_min", "e_min",

@@ -95,7 +95,6 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             for name in ("b_simple", "b_noise"):
                 mid = _finite(t.get(f"measured_{name}"))
                 row[name] = mid
-                # one run's value at each batch size: what the calibration is fitted on
                 row[f"{name}_by_batch_size"] = {
                     b: _finite(v.get(name)) for b, v in by_batch.items()
                     if math.isfinite(_finite(v.get(name)))}
@@ -120,11 +119,9 @@ def _protocol_fields(ref: dict[str, Any] | None, target: float, b_crit: float,
     for key, name in sources.items():
         v = entry.get(name) or {}
         mid = _finite(v.get("median"))
-        out[key] = mid
-        out[f"{key}_range"] = (_finite(v.get("min")), _finite(v.get("max")))
-        out[f"{key}_gsd"] = _finite(v.get("gsd"))
-        out[f"{key}_seeds"] = int(v.get("seeds", 0))
-        out[f"ratio_{key}"] = b_crit / mid if mid > 0 else math.nan
+        out |= {key: mid, f"{key}_range": (_finite(v.get("min")), _finite(v.get("max"))),
+                f"{key}_gsd": _finite(v.get("gsd")), f"{key}_seeds": int(v.get("seeds", 0)),
+                f"ratio_{key}": b_crit / mid if mid > 0 else math.nan}
     return out
 
 

@@ -104,8 +104,7 @@ def _tuned(values, fixed) -> dict[int, str]:
 def analyze_target(runs: dict[str, list[dict[str, Any]]], target: float, *,
                    bootstrap: int = BOOTSTRAP, confidence: float = CONFIDENCE
                    ) -> dict[str, Any]:
-    """One target: every run's S, E over seeds, the frontier, each ramp's saving against it
-    and against the fixed run at its first batch size."""
+    """One target: every run's S, E, the frontier, and each ramp against it and its first B."""
     key = target_key(target)
     values = {name: _seed_values(v, key) for name, v in runs.items()}
     schedules = {name: (v[0].get("spec") or {}).get("schedule", {}) for name, v in runs.items()}

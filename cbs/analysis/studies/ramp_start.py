@@ -152,8 +152,7 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
 
 
 def _unmoved(row: dict[str, Any]) -> bool:
-    """The ramp took the fixed run's steps on every seed (to 1e-4: interpolation rounding):
-    it had not left B_0 by L."""
+    """The ramp took the fixed run's steps on every seed (to 1e-4): it had not left B_0 by L."""
     return row["sd_log_steps"] < 1e-4 and abs(row["step_saving"]) < 1e-4
 
 

@@ -126,8 +126,7 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
 
 def load(sweep_dir: str, targets: Sequence[float] | None = None, window: int | None = None
          ) -> dict[str, Any] | None:
-    """`summarize` of the seeds in `sweep_dir` (None without any); targets and window default
-    to the sweep's."""
+    """`summarize` of the seeds in `sweep_dir` (None: none); targets, window: the sweep's."""
     folder, pattern = os.path.split(SEEDS_GLOB)
     names = fnmatch.filter(paths.listdir(paths.join(sweep_dir, folder)), pattern)
     seed_files = [paths.join(sweep_dir, folder, n) for n in names]

@@ -41,8 +41,7 @@ __all__ = ["analyze", "collect", "figure", "summary", "table", "write_report"]
 
 
 def check_comparable(sweep_dirs: Sequence[str]) -> None:
-    """Raises ValueError unless the studies are sizes of one experiment: the same data, model
-    family and target metric, and a target in common."""
+    """Raises ValueError unless the studies share data, model family, metric and a target."""
     seen: list[tuple[str, dict[str, Any]]] = []
     for d in sweep_dirs:
         config = (SweepStore(d).definition() or {}).get("config") or {}
