@@ -85,8 +85,7 @@ def frontier_examples(s_min: float, e_min: float, steps: Any) -> Any:
 def _seed_values(runs: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     s = [r["steps_to_target"].get(key) for r in runs]
     e = [r["examples_to_target"].get(key) for r in runs]
-    ok = [a is not None and b is not None for a, b in zip(s, e, strict=True)]
-    if not all(ok):
+    if any(a is None or b is None for a, b in zip(s, e, strict=True)):
         return np.array([]), np.array([])
     return np.asarray(s, dtype=np.float64), np.asarray(e, dtype=np.float64)
 

@@ -138,8 +138,7 @@ def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
     rng = recorded_rng(recorded)
     idx = rng.integers(0, len(r), (bootstrap, len(r)))
     pct = (50 * (1 - confidence), 50 * (1 + confidence))
-    boot_r, boot_q = np.percentile(r[idx].mean(axis=1), pct), np.percentile(q[idx].mean(axis=1),
-                                                                            pct)
+    boot_r, boot_q = (np.percentile(x[idx].mean(axis=1), pct) for x in (r, q))
     return out | {
         "step_saving": float(1 - math.exp(r.mean())),
         "step_saving_ci": (float(1 - math.exp(boot_r[1])), float(1 - math.exp(boot_r[0]))),
