@@ -1,7 +1,6 @@
-"""Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf.
-
-A forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params
-leaves, then the batch leaves) gives every variable two tags:
+"""Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf. A
+forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params leaves,
+then the batch leaves) gives every variable two tags:
 
 - a *parameter tag* when it is a params leaf seen through layout-only operations (reshape,
   transpose, convert_element_type, squeeze, sharding changes keep the norm; broadcast and
@@ -92,7 +91,7 @@ class _Var:
 
 @dataclasses.dataclass
 class Discovery:
-    """All reads of all leaves: uses (by eqn id) or reasons the read cannot be used."""
+    """Every read of every leaf: a use, or why it cannot be one."""
 
     batch_size: int
     reads: dict[tuple[int, int], Use | str] = dataclasses.field(default_factory=dict)
@@ -105,7 +104,6 @@ def _shape(v) -> tuple[int, ...]:
 
 
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
-    """Walks `jaxpr` (inputs: params leaves, then batch leaves) and records every read."""
     disc = Discovery(batch_size)
     tags = [_Var(ptag=_PTag(i, (), (), True)) if i < n_params else
             _Var(eaxis=0 if _shape(v) else None, dep=True)
@@ -247,8 +245,8 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
 
 
 def axis_rule(eqn, ins, e: int, size: int) -> list[int | None] | None:
-    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost),
-    or None for an operation without an axis rule."""
+    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost);
+    None without an axis rule."""
     rule = (lambda eqn, ins, e: e) if eqn.primitive.name in _ELEMENTWISE else _AXIS_RULES.get(
         eqn.primitive.name)
     out = None if rule is None else rule(eqn, ins, e)
