@@ -193,9 +193,7 @@ def _spec_names(spec: Any, dim: int) -> tuple[str, ...]:
         entry = spec.get(dim) if isinstance(spec, dict) else tuple(spec)[dim]
     except (IndexError, TypeError):
         return ()
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _loop(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:

@@ -126,8 +126,7 @@ class _Spec:
              kwargs: dict[str, Any] | None = None):
         args = dict(others)
         args.update(zip(self.argnums, (params,) if self.single_params else params, strict=True))
-        args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch,
-                        strict=True))
+        args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch, strict=True))
         if self.prng_argnum is not None:
             args[self.prng_argnum] = key
         return loss_fn(*(args[i] for i in range(len(args))), **(kwargs or {}))
@@ -234,8 +233,7 @@ def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: Py
 
     group_stats = stats.groups
     if grouping is not None and stats.groups is not None:
-        group_stats = {name: dataclasses.replace(stats.groups[name],
-                                                 **fields("dhd_K", "ghg_K", k))
+        group_stats = {name: dataclasses.replace(stats.groups[name], **fields("dhd_K", "ghg_K", k))
                        for k, name in enumerate(grouping[0])}
     return dataclasses.replace(stats, groups=group_stats, **fields("dhd", "ghg"))
 

@@ -64,9 +64,6 @@ _METHODS = ("auto", "fast", "vmap")
 MEMORY_BUDGET_BYTES = 256 * 2**20  # per-example work of a chunk, when chunk_size is None
 
 
-# ----------------------------------------------------------------------------- plan
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Plan:
     jaxpr: Any  # ClosedJaxpr of loss_fn(params leaves, batch leaves)
@@ -175,9 +172,6 @@ def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
     return 1.0 - slow / max(sum(sizes), 1)
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -198,8 +192,7 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
                 outs = [ghost_rules.tap(use, plan.tapped[use.uid])(
                     ghost_rules.bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
                     pert[use.uid])]
-            elif use is not None:  # captured (module docstring); the leaf held constant
-                #                    unless its gradient is the ordinary one
+            elif use is not None:  # captured (module docstring; `_Plan.ordinary`)
                 held = list(invals)
                 if use.uid not in plan.ordinary:
                     held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
@@ -236,12 +229,10 @@ def _eval_nested(eqn, invals, pert, plan):
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
     """One forward + one backward: loss, ḡ leaves, captures, and per active use the cotangent
     of its [stack..., B] slot (tapped: its norms) or of its output."""
-    pert = {}
-    for use in plan.active.values():
-        aval = use.eqn.outvars[0].aval
-        shape, dtype = ((plan.batch_size,), plan.tapped[use.uid]) if use.uid in plan.tapped \
-            else (aval.shape, aval.dtype)
-        pert[use.uid] = jnp.zeros(use.stack + shape, dtype)
+    pert = {u.uid: jnp.zeros(u.stack + (plan.batch_size,), plan.tapped[u.uid])
+            if u.uid in plan.tapped else jnp.zeros(u.stack + u.eqn.outvars[0].aval.shape,
+                                                  u.eqn.outvars[0].aval.dtype)
+            for u in plan.active.values()}
 
     def run(leaves, pert):
         outs, caps = _eval(plan.jaxpr.jaxpr, plan.jaxpr.consts, [*leaves, *batch_leaves],
@@ -251,9 +242,6 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
     (loss, caps), (grads, cotangents) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
         leaves, pert)
     return loss, grads, caps, cotangents
-
-
-# ----------------------------------------------------------------------------- norms
 
 
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
@@ -313,12 +301,8 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
     return map_examples(one, batch, chunk)
 
 
-# ----------------------------------------------------------------------------- public
-
-
-def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
-                           method: str = "auto", chunk_size: int | None = None
-                           ) -> tuple[jax.Array, PyTree, PyTree]:
+def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
+                           chunk_size: int | None = None) -> tuple[jax.Array, PyTree, PyTree]:
     """(mean loss, ḡ like params, sq_norms like params with [B] leaves |∂ℓ_i/∂leaf|²) of
     `loss_fn(params, batch)`, the MEAN loss over the batch's leading axis; sq_norms in float32,
     or the leaf's dtype if wider. Jittable; the batch may be sharded.

@@ -42,8 +42,7 @@ def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
     return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= _FUSED_BYTES
 
 
-def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
-                     ) -> tuple[jax.Array, jax.Array]:
+def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(Σ_i G_i [D, O], [B] |G_i|²) of G_i = Σ_t x_it g_itᵀ, accumulated in `dtype`."""
     d = x_BxTxD.shape[-1]
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
@@ -195,15 +194,10 @@ def _conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
         return None
     total, sq = _windowed(use, lambda xw, gw: _direct_products(xw, gw, dtype), *inputs)
     dn = use.eqn.params["dimension_numbers"]
-    kernel_shape = use.eqn.invars[1].aval.shape
     # The windows' features run over (window offsets..., input channel): the kernel's axes.
     total = total.reshape(*spatial, -1, total.shape[-1])
-    n = len(spatial)
-    src = [0] * len(kernel_shape)
-    src[dn.rhs_spec[0]], src[dn.rhs_spec[1]] = n + 1, n
-    for k, a in enumerate(dn.rhs_spec[2:]):
-        src[a] = k
-    return jnp.transpose(total, src), sq
+    order = np.argsort([*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0]])
+    return jnp.transpose(total, [int(a) for a in order]), sq
 
 
 def embed_layout(use) -> tuple[int, int] | None:

@@ -72,14 +72,10 @@ class Part:
 class Tied:
 
     parts: tuple[Part, ...]
-    pairs: dict[tuple[int, int], str]  # (j, k), j <= k -> "same" | "transposed" | "head" |
-    #                                    "onehot" | "ids"
+    pairs: dict[tuple[int, int], str]  # (j, k), j <= k -> how they meet (`_pairing`)
     form: str  # "gram" | "direct"
     slice_shape: tuple[int, ...]  # the leaf (or one scan step's slice of it)
     work: tuple[int, ...]  # the direct form's layout: the leaf's non-unit axes in this order
-
-
-# ----------------------------------------------------------------------------- plan
 
 
 def _operand_axes(chain, shape) -> list[int | None] | None:
@@ -177,13 +173,10 @@ def plan(uses) -> Tied | None:
     if any(p is None for p in found):
         return None
     parts = cast(tuple[Part, ...], found)
-    pairs = {}
-    for j, p in enumerate(parts):
-        for k in range(j, len(parts)):
-            how = _pairing(p, parts[k])
-            if how is None:
-                return None
-            pairs[j, k] = how
+    pairs = {(j, k): _pairing(parts[j], parts[k])
+             for j in range(len(parts)) for k in range(j, len(parts))}
+    if None in pairs.values():
+        return None
     slice_shape = tuple(uses[0].origin.shape)
     gram = sum(_pair_cost(parts[j], parts[k]) for j, k in pairs)
     direct = _direct_cost(parts, int(np.prod(slice_shape)))
@@ -192,10 +185,7 @@ def plan(uses) -> Tied | None:
     # The direct form sums the per-example gradients in the layout its first dot use forms
     # them in, so that only their sum is transposed to the leaf's.
     work = _natural(next((p for p in parts if p.kind == "dot"), parts[0]))
-    return Tied(parts, pairs, form, slice_shape, work)
-
-
-# ----------------------------------------------------------------------------- norms
+    return Tied(parts, cast(dict[tuple[int, int], str], pairs), form, slice_shape, work)
 
 
 def _sorted_side(a: jax.Array, axes: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
@@ -223,8 +213,7 @@ def _operands(part: Part, x_i: jax.Array, g_i: jax.Array) -> tuple[jax.Array, ja
 def _gram(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """[T, S]: a_t·b_s, in the operands' common dtype, accumulated in `dtype`."""
     common = jnp.promote_types(a.dtype, b.dtype)
-    return jnp.einsum("tc,sc->ts", a.astype(common), b.astype(common),
-                      preferred_element_type=dtype)
+    return jnp.einsum("tc,sc->ts", a.astype(common), b.astype(common), preferred_element_type=dtype)
 
 
 def _term(how: str, p: Part, q: Part, op_p, op_q, dtype) -> jax.Array:
@@ -262,8 +251,7 @@ def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
         if tied.work == natural[::-1]:  # columns first: scattered into the columns
             return jnp.zeros((part.g_sizes[0], part.x_sizes[0]), dtype).at[:, ids].add(
                 e.astype(dtype).T)
-        grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(
-            e.astype(dtype))
+        grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(e.astype(dtype))
     else:
         # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes its library
         # kernel (over T alone, its generic loop: up to 1.6× the LM step's tied-head share).
@@ -286,8 +274,7 @@ def _slice_norm(tied: Tied, items: list, dtype):
             term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
             sq = sq + (term if j == k else 2 * term)
         return sq, ()
-    total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops,
-                                                                       strict=True))
+    total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops, strict=True))
     return jnp.sum(jnp.square(total)), total
 
 

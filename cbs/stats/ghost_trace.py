@@ -15,9 +15,7 @@ operand and output carry the example axis: `dot_general`, `conv_general_dilated`
 from the table, and elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk
 enters nested `jit`, `remat`, custom-rule and `scan` bodies (a leaf scanned over as `xs`
 gives one use per step). Any other read (a weight-decay term, an op not listed, a carry, a
-scan's closed-over constant) makes the leaf uncovered, with the reason.
-
-Letters: B batch, L scan length.
+scan's closed-over constant) makes the leaf uncovered, with the reason. B: the batch size.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ def _shape(v) -> tuple[int, ...]:
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
     disc = Discovery(batch_size)
     tags = [_Var(ptag=_PTag(i, (), (), True)) if i < n_params else
-            _Var(eaxis=0 if _shape(v) else None, dep=True)
-            for i, v in enumerate(jaxpr.invars)]
+            _Var(eaxis=0 if _shape(v) else None, dep=True) for i, v in enumerate(jaxpr.invars)]
     _walk(jaxpr, tags, disc, (), (), [])
     return disc
 
@@ -129,8 +126,6 @@ def _reject(disc, eqn, ins, why):
 
 def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     name = eqn.primitive.name
-    dep = any(t.dep for t in ins)
-    n_out = len(eqn.outvars)
     ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
     if name == "scan":
         return _scan(eqn, ins, disc, ctx, stack, scans)
@@ -148,13 +143,13 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
     eaxis = _example_axis(eqn, ins, disc.batch_size)
     if ptagged:
-        _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
-    return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
+        _record_use(eqn, ins, ptagged, eaxis, disc, ctx, stack, scans)
+    dep = any(t.dep for t in ins)
+    return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(len(eqn.outvars))]
 
 
-def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
+def _record_use(eqn, ins, ptagged, eaxis, disc, ctx, stack, scans):
     name = eqn.primitive.name
-    ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
     others = [i for i in range(len(ins)) if i not in ptagged]
     kinds = ("dot_general", "conv_general_dilated", "gather") + tuple(ELEMENTWISE_USES)
     if name not in kinds:
@@ -204,8 +199,7 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
                                                 "that changes its norm")
             else:
                 ptag = _PTag(t.ptag.leaf, inner_ctx, (), True)
-        e = t.eaxis - 1 if t.eaxis else None
-        xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
+        xs_in.append(_Var(ptag=ptag, eaxis=t.eaxis - 1 if t.eaxis else None, dep=t.dep))
     for _ in range(3):  # fixed point on the carry's example axis
         outs = _walk(body, consts + carry + xs_in, disc, inner_ctx, inner_stack, scans + [sid])
         same = [a.eaxis == b.eaxis and a.dep == b.dep
@@ -218,9 +212,6 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     ys = [_passed(_Var(t.ptag, None if t.eaxis is None else t.eaxis + 1, t.dep), ctx, why)
           for t in outs[n_carry:]]
     return [_passed(_Var(c.ptag, c.eaxis, c.dep), ctx, why) for c in carry] + ys
-
-
-# ----------------------------------------------------------------------------- example axis
 
 
 def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:

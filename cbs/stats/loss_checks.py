@@ -37,8 +37,7 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "random_fold_in",
-                               "random_split", "threefry2x32", "rng_bit_generator",
-                               "rng_uniform"})
+                               "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 # |L([x_0, x_1]) − (ℓ_0 + ℓ_1)/2| above this fraction of |ℓ_0| + |ℓ_1| counts as coupled: above
 # the rounding of a mean of two bf16 losses (2⁻⁸), below what a batch statistic of 1 vs 2
 # examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
@@ -122,8 +121,7 @@ def passed(loss_fn: Callable[..., jax.Array]) -> None:
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
     """The array leaves of `args` and the function that puts arrays back in their places."""
     leaves, tree = jax.tree.flatten(args)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
-                                                               np.generic))]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
 
     def bind(arrays: list[Any]) -> tuple:
         filled = dict(zip(where, arrays, strict=True))
@@ -227,8 +225,7 @@ def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(x)
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-        return (np.zeros(data.shape, data.dtype),
-                lambda a: jax.random.wrap_key_data(a, impl=impl))
+        return (np.zeros(data.shape, data.dtype), lambda a: jax.random.wrap_key_data(a, impl=impl))
     return np.ones(shape, dtype), lambda a: a
 
 

@@ -46,8 +46,7 @@ class NoiseMonitor:
     """
 
     def __init__(self, *, decay: float = 0.95, every: int = 100,
-                 log: Callable[[int, dict[str, float]], Any] | None = None,
-                 writer: Any = None):
+                 log: Callable[[int, dict[str, float]], Any] | None = None, writer: Any = None):
         if every < 0:
             raise ValueError(f"every must be >= 0, got {every}")
         if writer is not None and not callable(getattr(writer, "write_scalars", None)):

@@ -24,7 +24,6 @@ with `loss_fn` as a static argument: reuse one function object.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -47,16 +46,12 @@ CURVATURE_KEYS = ("mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")
 STAT_KEYS = SIMPLE_KEYS + CURVATURE_KEYS
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple", "mean_g_h_g",
-                 "g_h_g", "trace_h_sigma", "b_noise", "groups"],
-    meta_fields=["batch_size"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoiseStats:
     """Noise statistics of one batch (scalars); curvature fields are None unless requested."""
 
-    batch_size: int
+    batch_size: int = dataclasses.field(metadata=dict(static=True))
     mean_grad_sq_norm: jax.Array
     grad_sq_norm: jax.Array
     trace_sigma: jax.Array
@@ -166,10 +161,9 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
         groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's
             curvature terms use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP per group
             and example), so they do not sum to the total; its trace_sigma and |ḡ|² do.
-        method: "vmap": per-example gradients by vmap(grad), centred on ḡ before squaring.
-            "fast": per-example squared norms from `cbs.stats.ghost` (trace_sigma =
-            (Σ|g_i|² − B|ḡ|²)/(B−1)); raises naming the leaves it cannot read. "auto":
-            "fast", with vmap for those leaves only. curvature=True takes the vmap route.
+        method: as in `cbs.stats.ghost.per_example_grads_info`; "vmap" centres each g_i on ḡ
+            before squaring, the others take trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1).
+            curvature=True takes the vmap route.
         hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
             only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
             each example's own Hessian with weight 1/B (biased high for small B).
@@ -194,8 +188,7 @@ def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, grou
 
     def compute(params, batch, hessian_batch):
         if method == "vmap" or curvature:
-            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks,
-                              hessian_batch)
+            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch)
         else:
             sums = _fast_sums(batch_size, *ghost.per_example_grads_info(
                 loss_fn, params, batch, method=method, chunk_size=chunk_size)[1:])

@@ -49,12 +49,10 @@ def adam_preconditioner(opt_state: PyTree, *, eps: float = 1e-8, b2: float = 0.9
                         eps_root: float = 0.0) -> PyTree:
     """Adam's diagonal preconditioner from the first `optax.ScaleByAdamState` in `opt_state`;
     eps, b2, eps_root: the optimizer's own. Before the first update every coordinate is 1/ε."""
-    found = [s for s in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-        if isinstance(s, optax.ScaleByAdamState)]
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
     if not found:
         raise ValueError("opt_state holds no optax.ScaleByAdamState: pass the state of an "
                          "optax.adam / adamw chain, or build P yourself")
     correction = 1.0 - b2 ** jnp.asarray(found[0].count, jnp.float32)
-    return jax.tree.map(lambda nu: 1.0 / (jnp.sqrt(nu / correction + eps_root) + eps),
-                        found[0].nu)
+    return jax.tree.map(lambda nu: 1.0 / (jnp.sqrt(nu / correction + eps_root) + eps), found[0].nu)

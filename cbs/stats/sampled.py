@@ -104,8 +104,7 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
         hessian_examples=hessian_examples, chunk_size=chunk_size))
 
 
-noise.register_method(FULL_DATA_METHOD, full_data_method,
-                      takes=("deviations", "hessian_examples"))
+noise.register_method(FULL_DATA_METHOD, full_data_method, takes=("deviations", "hessian_examples"))
 
 
 def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):
@@ -164,8 +163,7 @@ def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
     """Σ_k (n_k/N) f(chunk_k) over chunks of at most `chunk` examples: the mean over all N."""
     num = jax.tree.leaves(batch)[0].shape[0]
     whole, rest = divmod(num, chunk)
-    chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
-                          batch)
+    chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]), batch)
 
     def add(total, b):
         return jax.tree.map(lambda t, x: t + x * (chunk / num), total, f(b)), None
@@ -221,8 +219,7 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     if m < 1:
         raise ValueError(f"the curvature measurement needs >= 1 deviation example, got {m}")
     dtype = trees.accum_dtype()
-    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_ONE_PASS,
-                               FULL_DATA_CHUNK)
+    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_ONE_PASS, FULL_DATA_CHUNK)
     g_h_g = trees.tree_dot(grad, hvp(grad))
     key_a, key_c = (None, None) if key is None else jax.random.split(key)
     subset = _draw(train_batch, key_a, m, num)
