@@ -217,8 +217,8 @@ def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyT
 
 
 def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """(an argument as it is when concrete, else ones of its shape and dtype (a temperature or a
-    mask stays valid) or zero key data for a typed key, what makes it the argument again)."""
+    """(x when concrete, else ones of its shape and dtype (a temperature or a mask stays valid) or
+    zero key data for a typed key; the function that makes that the argument again)."""
     if concrete(x):
         return x, lambda a: a
     shape, dtype = jnp.shape(x), jnp.result_type(x)

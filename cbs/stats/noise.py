@@ -17,8 +17,8 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
 Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory O(params)).
 `config.noise.method` names one from the registry (`register_method`): "auto", "fast", "vmap",
 "probe", and "sampled", "full_data" of `cbs.stats.sampled`. ℓ_i is `loss_fn` on a one-example
-batch; `cbs.stats.loss_checks` refuses the losses that makes meaningless. Each estimator compiles
-with `loss_fn` as a static argument: reuse one function object.
+batch; `cbs.stats.loss_checks` refuses a loss for which that means nothing. Each estimator
+compiles with `loss_fn` as a static argument: reuse one function object.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ A Hessian of the examples whose deviations it weighs adds each example's own Hes
 E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] =
 Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients
 and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
-E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)).
+E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a
+ratio of window means.
 
 Full training set (`measure_full_data`, small N): G, |G|², tr(Σ) and GᵀHG exact over all N,
 tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of m examples drawn without
