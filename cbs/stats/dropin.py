@@ -117,8 +117,7 @@ class _Spec:
                              f"={self.batch_argnums}, prng_argnum={self.prng_argnum}")
         pick = lambda nums, single: args[nums[0]] if single else tuple(args[i] for i in nums)
         named = {*self.argnums, *self.batch_argnums, self.prng_argnum}
-        return (pick(self.argnums, self.single_params), pick(self.batch_argnums,
-                                                             self.single_batch),
+        return (pick(self.argnums, self.single_params), pick(self.batch_argnums, self.single_batch),
                 None if self.prng_argnum is None else args[self.prng_argnum],
                 {i: a for i, a in enumerate(args) if i not in named})
 
@@ -239,9 +238,8 @@ def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: Py
 
 
 def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
-                             wrt: Any = nnx.Param, curvature: bool = False,
-                             method: str = "auto", chunk_size: int | None = None,
-                             groups: GroupSpec = None
+                             wrt: Any = nnx.Param, curvature: bool = False, method: str = "auto",
+                             chunk_size: int | None = None, groups: GroupSpec = None
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
     `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (a State, as

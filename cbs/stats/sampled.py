@@ -70,11 +70,10 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
-                   key: jax.Array | None = None, curvature: bool = False,
-                   num_probes: int | None = None, chunk_size: int | None = None,
-                   hessian_batch: PyTree | None = None, deviations: int = 0
-                   ) -> noise.NoiseStats:
+def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *, key: jax.Array | None = None,
+                   curvature: bool = False, num_probes: int | None = None,
+                   chunk_size: int | None = None, hessian_batch: PyTree | None = None,
+                   deviations: int = 0) -> noise.NoiseStats:
     """The noise method "sampled": `measure_noise` on `batch` (𝓑), with `curvature` against
     `hessian_batch` (𝓒). `key` and `num_probes` are unused."""
     del key, num_probes
