@@ -1,8 +1,6 @@
-"""A structural test for examples coupled through a batch statistic, read from the jaxpr.
-
-Per-example gradients need ℓ_i to depend on example i alone; BatchNorm in training mode
-reduces over the example axis and combines the result with every example. That is a
-property of the program, read from one shape-only trace whatever the parameters.
+"""A structural test, on one shape-only trace, for examples coupled through a batch statistic
+(BatchNorm in training mode reduces over the example axis and combines the result with every
+example), where per-example gradients need ℓ_i to depend on example i alone.
 
 Every jaxpr variable gets two tags, propagated forward from the batch inputs (example axis 0):
 
@@ -15,11 +13,10 @@ Every jaxpr variable gets two tags, propagated forward from the batch inputs (ex
   `dot_general` contracting or pairing them, `psum`/`pmax`/`pmin` over a `jax.vmap` axis
   name), or by a collective over a mesh axis a `shard_map` splits the examples on.
 
-A known operation whose output keeps an example axis while an operand is mixed is a
-coupling: `x − mean(x, axis=0)`. The mean loss (or `Σ mask·ℓ / Σ mask`) is mixed but read by
-nothing per-example. An axis lost through an unknown operation is never reported, nor a
-collective over a mesh axis the loss does not bind. Nested bodies (`jit`, `remat`, custom
-rules, `scan`, `while`, `cond`, `shard_map`) are walked.
+A known operation whose output keeps an example axis while an operand is mixed is a coupling:
+`x − mean(x, axis=0)`. The mean loss is mixed but read by nothing per-example. An axis lost
+through an unknown operation is never reported, nor a collective over a mesh axis the loss does
+not bind. Nested bodies (`jit`, `remat`, custom rules, loops, `cond`, `shard_map`) are walked.
 """
 
 from __future__ import annotations
@@ -121,7 +118,6 @@ def _eqn(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
 
 
 def _reduces_examples(eqn, ins) -> bool:
-    """Whether an operation reduces or contracts an axis holding the examples, or pairs them."""
     name, params = eqn.primitive.name, eqn.params
     e = next(t.eaxis for t in ins if t.eaxis is not None)
     if name in ghost_trace._REDUCE:
@@ -139,8 +135,8 @@ def _reduces_examples(eqn, ins) -> bool:
 
 
 def _collective(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
-    """A collective mixes the examples when it runs over an axis holding them: a positional
-    axis (`psum` batched by `jax.vmap`) or a mesh axis the examples are split on."""
+    """Mixed when over an axis holding the examples: a positional axis (`psum` batched by
+    `jax.vmap`) or a mesh axis the examples are split on."""
     n_out, mixed = len(eqn.outvars), any(t.mixed for t in ins)
     axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
     axes = tuple(axes) if isinstance(axes, (tuple, list, frozenset, set)) else (axes,)
@@ -197,14 +193,11 @@ def _spec_names(spec: Any, dim: int) -> tuple[str, ...]:
         entry = spec.get(dim) if isinstance(spec, dict) else tuple(spec)[dim]
     except (IndexError, TypeError):
         return ()
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _loop(eqn, ins: list[_Tag], named: frozenset[str]) -> list[_Tag]:
-    """`scan` (consts, carry, xs sliced on axis 0) and `while` (cond consts, body consts,
-    carry): the carry's tags to a fixed point (three rounds, then lost)."""
+    """`scan` and `while`: the carry's tags to a fixed point (three rounds, then lost)."""
     if eqn.primitive.name == "scan":
         scan = nested.scan_parts(eqn)
         n_c, n_carry, body = scan.n_consts, scan.n_carry, scan.body.jaxpr

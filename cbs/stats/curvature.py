@@ -4,24 +4,20 @@ Letters: P number of parameters, L the MEAN loss over the batch (docs/design.md)
 `params`, v a pytree shaped like `params`.
 
 `hvp` is forward-over-reverse: Hv = d/dε ∇L(θ + εv) at ε = 0, `jax.jvp` of `jax.grad`
-(Pearlmutter 1994): about two gradient evaluations, never the P×P Hessian. `hvp_fn`
-linearises ∇L once so that many HVPs at the same point reuse the forward residuals.
+(Pearlmutter 1994): about two gradient evaluations, never the P×P Hessian.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from cbs.stats.examples import LossFn, PyTree
 from cbs.stats.trees import tree_cast_like, tree_dot
 
 __all__ = ["block_quadratic_forms", "hvp", "hvp_fn", "vhv"]
-
-PyTree = Any
-LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def hvp(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> PyTree:
@@ -36,20 +32,16 @@ def vhv(loss_fn: LossFn, params: PyTree, batch: PyTree, v: PyTree) -> jax.Array:
 
 
 def hvp_fn(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[PyTree, Callable]:
-    """(ḡ, v ↦ H v) from one linearisation of ∇L at `params`; the function is linear,
-    vmappable, and casts its input to the parameter dtypes."""
+    """(ḡ, v ↦ H v) from one linearisation of ∇L at `params` (many HVPs at one point reuse its
+    forward residuals); the function is linear, vmappable, and casts v to the params' dtypes."""
     grad, lin = jax.linearize(lambda p: jax.grad(loss_fn)(p, batch), params)
     return grad, lambda v: lin(tree_cast_like(v, params))
 
 
 def block_quadratic_forms(hvp_lin: Callable, v: PyTree, blocks: list[list[bool]] | None
                           ) -> tuple[jax.Array, jax.Array | None]:
-    """vᵀHv and, per block k, the block-diagonal form v_kᵀ H_kk v_k (one HVP per block).
-
-    `blocks[k]` flags the leaves of block k; v_kᵀH_kk v_k = ṽᵀHṽ with ṽ = v on block k, zero
-    elsewhere. The K + 1 HVPs run one after another (lax.map): memory of one HVP. Returns
-    (total, [K] or None).
-    """
+    """(vᵀHv, [K] v_kᵀ H_kk v_k or None): v_kᵀH_kk v_k = ṽᵀHṽ with ṽ = v on the leaves
+    `blocks[k]` flags, zero elsewhere; the K + 1 HVPs one after another (memory of one HVP)."""
     if blocks is None:
         return tree_dot(v, hvp_lin(v)), None
     masks_KxL = jnp.asarray([[True] * len(blocks[0])] + blocks)

@@ -1,24 +1,22 @@
-"""The drop-in for a training loop: `jax.value_and_grad` that also returns the noise
-statistics of the same batch (`value_grad_and_stats`), and its NNX form, which takes the
-module as `nnx.value_and_grad` does (`nnx_value_grad_and_stats`).
-
-Arguments follow jax_privacy's `clipped_grad`: `argnums`, `batch_argnums` (leaves sharing
-the leading example axis B), `prng_argnum` and `has_aux`; any other argument passes through.
+"""The drop-in for a training loop: `jax.value_and_grad` that also returns the noise statistics
+of the same batch (`value_grad_and_stats`), and its NNX form, which takes the module as
+`nnx.value_and_grad` does (`nnx_value_grad_and_stats`). Arguments follow jax_privacy's
+`clipped_grad` (`argnums`, `batch_argnums`, `prng_argnum`, `has_aux`); others pass through.
 
 Randomness. With a key, the example at position i of the batch (0 ≤ i < B) draws from
 `example_keys(key, B)[i] = jax.random.fold_in(key, i)`, and its loss is
 
     ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
 
-with L = (1/B) Σ_i ℓ_i. Every route (ghost norms, `vmap(grad)`, the curvature halves,
-`keyed_loss`) applies this one definition, so a dropout mask is a function of (key,
-position, example). In the NNX form each `nnx.Rngs` stream's key, folded with i, plays the
-key, and the streams advance once per call, as under `nnx.value_and_grad`.
+with L = (1/B) Σ_i ℓ_i on every route (ghost norms, `vmap(grad)`, the curvature halves,
+`keyed_loss`), so a dropout mask is a function of (key, position, example). In the NNX form
+each `nnx.Rngs` stream's key, folded with i, plays the key, and the streams advance once per
+call, as under `nnx.value_and_grad`.
 
 Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations it
-weighs, so the batch is split into its even and odd positions (B_e = ⌈B/2⌉, B_o = ⌊B/2⌋):
-each half's deviations are weighed by the Hessian of the other half's mean loss, and the two
-estimates averaged. With h ∈ {e, o} and h' the other half:
+weighs: each half of the batch (even positions, B_e = ⌈B/2⌉; odd, B_o = ⌊B/2⌋) has its
+deviations weighed by the Hessian of the other half's mean loss, the two estimates averaged.
+With h ∈ {e, o} and h' the other half:
 
     trace_h_sigma = ½ Σ_h Σ_{i∈h} (g_i − ḡ_h)ᵀ H_h' (g_i − ḡ_h) / (B_h − 1)
     mean_g_h_g    = ½ Σ_h ḡ_hᵀ H_h' ḡ_h
@@ -70,9 +68,9 @@ def _wrapper(keys: PyTree) -> Callable[[PyTree], PyTree]:
 
 def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: jax.Array
                ) -> Callable[[PyTree, PyTree], jax.Array]:
-    """`L(params, (batch, data)) = (1/B) Σ_i loss_fn(params, batch[i:i+1], key_i)` with key_i
-    unwrapped from data[i] (`with_keys`): the per-example-keyed loss of the module docstring,
-    let through the randomness check. Reuse it (the estimators compile for it)."""
+    """`L(params, (batch, data)) = (1/B) Σ_i loss_fn(params, batch[i:i+1], key_i)`, key_i
+    unwrapped from data[i] (`with_keys`), let through the randomness check. Reuse it (the
+    estimators compile for it)."""
     wrap = _wrapper(key)
 
     def loss(params: PyTree, batch_and_keys: tuple[PyTree, jax.Array]) -> jax.Array:
@@ -84,8 +82,8 @@ def keyed_loss(loss_fn: Callable[[PyTree, PyTree, jax.Array], jax.Array], key: j
 
 
 def with_keys(batch: PyTree, key: PyTree) -> tuple[PyTree, PyTree]:
-    """(batch, per-example key data as plain uint32 batch leaves, every estimator slicing the
-    batch): the batch `keyed_loss` takes. `key`: a key or a pytree of keys."""
+    """(batch, per-example key data as uint32 batch leaves): the batch `keyed_loss` takes.
+    `key`: a key or a pytree of keys."""
     size = jax.tree.leaves(batch)[0].shape[0]
     keys = jax.tree.map(lambda k: example_keys(k, size), key)
     return batch, jax.tree.map(lambda k: jax.random.key_data(k) if _is_typed(k) else k, keys)
@@ -119,8 +117,7 @@ class _Spec:
                              f"={self.batch_argnums}, prng_argnum={self.prng_argnum}")
         pick = lambda nums, single: args[nums[0]] if single else tuple(args[i] for i in nums)
         named = {*self.argnums, *self.batch_argnums, self.prng_argnum}
-        return (pick(self.argnums, self.single_params), pick(self.batch_argnums,
-                                                             self.single_batch),
+        return (pick(self.argnums, self.single_params), pick(self.batch_argnums, self.single_batch),
                 None if self.prng_argnum is None else args[self.prng_argnum],
                 {i: a for i, a in enumerate(args) if i not in named})
 
@@ -128,8 +125,7 @@ class _Spec:
              kwargs: dict[str, Any] | None = None):
         args = dict(others)
         args.update(zip(self.argnums, (params,) if self.single_params else params, strict=True))
-        args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch,
-                        strict=True))
+        args.update(zip(self.batch_argnums, (batch,) if self.single_batch else batch, strict=True))
         if self.prng_argnum is not None:
             args[self.prng_argnum] = key
         return loss_fn(*(args[i] for i in range(len(args))), **(kwargs or {}))
@@ -141,28 +137,21 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
                          method: str = "auto", chunk_size: int | None = None,
                          groups: GroupSpec = None) -> Callable[..., tuple[Any, PyTree, NoiseStats]]:
     """Drop-in for `jax.value_and_grad(loss_fn, argnums, has_aux)` that also returns the noise
-    statistics of the batch.
-
-    `value_grad_and_stats(loss_fn)(params, batch)` -> (loss, grads, NoiseStats), from ONE
-    forward and ONE backward pass when `cbs.stats.ghost` reads every parameter from the jaxpr
-    (leaves it cannot read add a chunked vmap, or raise under method="fast"). Jittable.
+    statistics of the batch: fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats),
+    keyword arguments passed to loss_fn undifferentiated. One forward and one backward pass
+    when `cbs.stats.ghost` reads every parameter from the jaxpr (leaves it cannot read add a
+    chunked vmap, or raise under method="fast"). Jittable.
 
         vgs = noise.value_grad_and_stats(loss_fn, has_aux=True)
         (loss, aux), grads, stats = vgs(params, batch)    # stats.b_simple, stats.to_dict()
 
     Args:
         loss_fn: the MEAN loss over the batch's leading axis (or `(loss, aux)`).
-        has_aux: loss_fn returns (loss, aux); the call returns ((loss, aux), grads, stats).
-            aux is loss_fn's own on the whole batch; with a key each example's, stacked [B, ...].
-        argnums: the argument(s) differentiated (a tuple gives grads as a tuple).
+        has_aux: aux is loss_fn's own on the whole batch; with a key each example's, stacked.
         batch_argnums: the argument(s) holding the examples, every leaf with leading axis B.
-        prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` and a one-example
-            call (module docstring).
+        prng_argnum: a PRNG key argument: example i gets `fold_in(key, i)` (module docstring).
         curvature: also B_noise, from the even and odd halves (module docstring).
         method, chunk_size, groups: as in `noise.exact`.
-    Returns:
-        fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats); keyword arguments
-        go to loss_fn undifferentiated, as in `jax.value_and_grad`.
     """
     _check_method(method)
     spec = _Spec.of(argnums, batch_argnums, prng_argnum)
@@ -226,7 +215,6 @@ def _measure(loss: Callable, aux_fn: Callable | None, params: PyTree, batch: PyT
 
 def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: PyTree,
                     chunk_size: int | None, grouping) -> NoiseStats:
-    """stats with the curvature fields of the even/odd halves (module docstring)."""
     blocks = grouping[2] if grouping else None
     halves = [jax.tree.map(lambda x, s=s: x[s::2], batch) for s in (0, 1)]
     sizes = [jax.tree.leaves(h)[0].shape[0] for h in halves]
@@ -244,26 +232,22 @@ def _with_curvature(stats: NoiseStats, loss: Callable, params: PyTree, batch: Py
 
     group_stats = stats.groups
     if grouping is not None and stats.groups is not None:
-        group_stats = {name: dataclasses.replace(stats.groups[name],
-                                                 **fields("dhd_K", "ghg_K", k))
+        group_stats = {name: dataclasses.replace(stats.groups[name], **fields("dhd_K", "ghg_K", k))
                        for k, name in enumerate(grouping[0])}
     return dataclasses.replace(stats, groups=group_stats, **fields("dhd", "ghg"))
 
 
 def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
-                             wrt: Any = nnx.Param, curvature: bool = False,
-                             method: str = "auto", chunk_size: int | None = None,
-                             groups: GroupSpec = None
+                             wrt: Any = nnx.Param, curvature: bool = False, method: str = "auto",
+                             chunk_size: int | None = None, groups: GroupSpec = None
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
-    `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (an `nnx.Param`
-    State, as `nnx.value_and_grad` returns them). The rest of the model and the other
-    arguments `args` (the same for every example: class weights, a mask) pass through.
-
-    A loss drawing from the model's `nnx.Rngs` streams (`nnx.Dropout`) is measured per
-    example (module docstring); the streams' counts advance as one call would advance them.
-    Call it eagerly or inside `nnx.jit`. BatchNorm in training mode is refused; `model.eval()`
-    measures with the running statistics. Other arguments as in `value_grad_and_stats`.
+    `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (a State, as
+    `nnx.value_and_grad` returns them); the rest of the model and `args` (the same for every
+    example) pass through. A loss drawing from the model's `nnx.Rngs` streams is measured per
+    example (module docstring). Call it eagerly or inside `nnx.jit`. BatchNorm in training mode
+    is refused (`model.eval()` measures with the running statistics). Other arguments as in
+    `value_grad_and_stats`.
     """
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)

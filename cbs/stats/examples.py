@@ -1,9 +1,6 @@
-"""Input checks and per-example mapping shared by the estimators in `cbs.stats.noise`.
-
-`check_inputs` validates (loss_fn, params, batch) with one-line errors (`_check_finite` names a
-NaN/inf input; `cbs.stats.loss_checks` refuses a loss it cannot measure); `map_examples` maps a
-function over the examples of a batch in chunks; `run_auto_axes` runs per-example code under an
-explicitly sharded mesh; `jit_per_settings` compiles an estimator once per settings.
+"""Input checks (`check_inputs`), per-example mapping in chunks (`map_examples`, `scan_chunks`),
+explicitly sharded meshes (`run_auto_axes`) and compilation per settings (`jit_per_settings`),
+shared by the estimators in `cbs.stats.noise`.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ def check_inputs(loss_fn: LossFn, params: PyTree, batch: PyTree, *, min_batch: i
 
 
 def _check_finite(params: PyTree, batch: PyTree) -> None:
-    """Raises ValueError naming the first concrete params or batch leaf (and example) holding
-    NaN or inf."""
+    """Raises ValueError naming the first concrete leaf (and example) holding NaN or inf."""
     named = [(f"{what} leaf {p!r}", x, what == "batch")
              for what, tree in (("params", params), ("batch", batch))
              for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]
@@ -91,9 +87,8 @@ def _check_finite(params: PyTree, batch: PyTree) -> None:
 
 
 def run_auto_axes(fn: Callable, *args):
-    """Calls fn(*args), switching explicitly sharded mesh axes to automatic inside it (per-
-    example slicing reshapes the batch axis, which explicit sharding refuses). Outputs are
-    replicated. Without explicit axes fn is called as is."""
+    """fn(*args), replicated, with explicitly sharded mesh axes automatic inside it (per-example
+    slicing reshapes the batch axis, which explicit sharding refuses)."""
     for leaf in jax.tree.leaves(args):
         mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
         if mesh is None or not mesh.axis_names:
@@ -126,11 +121,10 @@ def _interleaved(x: jax.Array, chunk: int, n: int) -> jax.Array:
 
 def scan_chunks(fn: Callable, arrays: tuple, chunk: int, *, interleave: bool = True
                 ) -> tuple[PyTree, jax.Array]:
-    """(Σ over chunks of fn(*chunk)[0], fn(*chunk)[1] reassembled [B, ...]) for `arrays`
-    sharing a leading axis B, in chunks of `chunk` examples (a divisor of B) one after
-    another (`lax.scan`). `interleave`: chunk j holds examples j, j + n, j + 2n, ... (n =
-    B / chunk), at the cost of a transposed copy; else examples j·chunk, ..., (j + 1)·chunk − 1.
-    chunk = B: fn on the whole batch, no loop."""
+    """(Σ over chunks of fn(*chunk)[0], fn(*chunk)[1] reassembled [B, ...]) for `arrays` sharing
+    a leading axis B, in chunks of `chunk` examples (a divisor of B; B: no loop) one after
+    another. `interleave`: chunk j holds examples j, j + n, j + 2n, ... (n = B / chunk), at the
+    cost of a transposed copy; else examples j·chunk, ..., (j + 1)·chunk − 1."""
     size = arrays[0].shape[0]
     if chunk >= size:
         return fn(*arrays)
@@ -161,7 +155,7 @@ def map_examples(fn: Callable, batch: PyTree, chunk_size: int | None) -> PyTree:
 
 def map_and_sum(fn: Callable, batch: PyTree, chunk_size: int | None) -> tuple[PyTree, PyTree]:
     """(fn(example)[0] stacked [B, ...], Σ_i fn(example)[1]) in the chunks of `map_examples`,
-    the sum accumulated chunk by chunk (padding examples left out)."""
+    padding left out of the sum."""
     size = jax.tree.leaves(batch)[0].shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of examples, got {chunk_size}.")
@@ -201,7 +195,6 @@ def jit_per_settings(fn: Callable) -> Callable:
 
 
 def _hashable(fn):
-    """Static arguments must hash; an unhashable callable is wrapped (compiled per call)."""
     try:
         hash(fn)
         return fn

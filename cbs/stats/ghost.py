@@ -1,5 +1,5 @@
-"""Exact per-example gradient norms in one forward and one backward pass ("ghost norms"),
-for any JAX model, from the operations that read each parameter in the jaxpr of `loss_fn`.
+"""Exact per-example gradient norms in one forward and one backward pass ("ghost norms"), for
+any JAX model, from the operations that read each parameter in the jaxpr of `loss_fn`.
 
 Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
 features, L scan length, P parameters.
@@ -19,25 +19,21 @@ windows, an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwis
 shift broadcast over positions `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²` (`ghost_rules`).
 
 Mechanism. `ghost_trace` finds, in one shape-only trace, the operations that read each params
-leaf (its *uses*). The jaxpr is then evaluated again under one `jax.value_and_grad`:
+leaf (its *uses*); the jaxpr is then evaluated again under one `jax.value_and_grad`. A leaf read
+by one use that a ghost rule reads is *tapped*: the use's output passes an identity whose custom
+backward applies the rule to x and g and returns the [B] norms as the cotangent of a zero *slot*
+input (stacked per step inside `scan`), keeping nothing beyond the ordinary backward; a fused use
+also returns the gradient. Any other use gets a zero *perturbation* added to its output and its
+data operand kept, so the backward pass returns its cotangent g: a leaf read only by
+`dot_general`s and embedding gathers (a tied embedding and head) takes `ghost_tied`, any other
+is *materialised* (`Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples).
 
-- a leaf read by one use in a layout a ghost rule reads has the use's output routed through
-  a *tap*: an identity whose custom backward applies the rule to x and g and returns the [B]
-  norms as the cotangent of a zero *slot* input (stacked per step inside `scan`), so nothing
-  is kept beyond what the ordinary backward keeps; a fused use's also returns the gradient.
-- any other use gets a zero *perturbation* added to its output and its data operand kept, so
-  the backward pass also returns its cotangent g. A leaf read only by `dot_general`s and
-  embedding gathers (a tied embedding and head) takes the cheaper form of `ghost_tied`; any
-  other is *materialised*: `Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples.
-
-`remat` bodies are evaluated under `jax.checkpoint` with the same policy; nested `jit` and
+`remat` bodies run under `jax.checkpoint` with the same policy; nested `jit` and
 `custom_jvp`/`custom_vjp` bodies are inlined (their custom rule taken to be the derivative of
-their body). Leaves read in any other way fall back to `vmap(grad)` restricted to them,
-chunked to a memory budget (`uncovered_leaves` says which).
-
-ℓ_i is `loss_fn` on the one-example batch i, as in the vmap reference; the fast path equals
-it when `loss_fn(batch) = mean_i loss_fn(batch_i)`. A batch statistic mixed into every
-example (BatchNorm in training mode) removes the example axis in the trace.
+their body). Leaves read in any other way fall back to `vmap(grad)` restricted to them, chunked
+to a memory budget (`uncovered_leaves` says which). ℓ_i is `loss_fn` on the one-example batch i,
+as in the vmap reference: the fast path equals it when `loss_fn(batch) = mean_i
+loss_fn(batch_i)`; a batch statistic (BatchNorm in training mode) removes the example axis.
 """
 
 from __future__ import annotations
@@ -66,9 +62,6 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 _METHODS = ("auto", "fast", "vmap")
 MEMORY_BUDGET_BYTES = 256 * 2**20  # per-example work of a chunk, when chunk_size is None
-
-
-# ----------------------------------------------------------------------------- plan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,8 +130,8 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
 
 
 def _has_rule(use: ghost_trace.Use, dtype, fused: bool = False) -> bool:
-    """Whether a ghost rule reads this use's layout (on shapes only); `fused`: one that also
-    gives the parameter's gradient, on the operands in their own dtypes."""
+    """Whether a ghost rule (`fused`: one that also gives the gradient, on the operands in their
+    own dtypes) reads this use's layout, on shapes only."""
     rules: dict[str, Callable[..., Any]] = FUSED_RULES if fused else SQ_NORM_RULES
     rule = rules.get(use.eqn.primitive.name)
     x_aval, g_aval = use.eqn.invars[1 - use.pos].aval, use.eqn.outvars[0].aval
@@ -179,9 +172,6 @@ def coverage(loss_fn: LossFn, params: PyTree, batch: PyTree) -> float:
     return 1.0 - slow / max(sum(sizes), 1)
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
 def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
     """Evaluates `jaxpr`, perturbing and capturing the active uses: (outputs, captures)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -202,9 +192,7 @@ def _eval(jaxpr, consts, args, pert: dict[int, jax.Array], plan: _Plan):
                 outs = [ghost_rules.tap(use, plan.tapped[use.uid])(
                     ghost_rules.bind(eqn, invals)[0], jax.lax.stop_gradient(invals[1 - use.pos]),
                     pert[use.uid])]
-            elif use is not None:  # captured: x kept, g the cotangent of a zero added to the
-                #                    output; the leaf held constant unless its gradient is
-                #                    the ordinary one
+            elif use is not None:  # captured (module docstring; `_Plan.ordinary`)
                 held = list(invals)
                 if use.uid not in plan.ordinary:
                     held[use.pos] = jax.lax.stop_gradient(invals[use.pos])
@@ -241,12 +229,10 @@ def _eval_nested(eqn, invals, pert, plan):
 def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
     """One forward + one backward: loss, ḡ leaves, captures, and per active use the cotangent
     of its [stack..., B] slot (tapped: its norms) or of its output."""
-    pert = {}
-    for use in plan.active.values():
-        aval = use.eqn.outvars[0].aval
-        shape, dtype = ((plan.batch_size,), plan.tapped[use.uid]) if use.uid in plan.tapped \
-            else (aval.shape, aval.dtype)
-        pert[use.uid] = jnp.zeros(use.stack + shape, dtype)
+    pert = {u.uid: jnp.zeros(u.stack + (plan.batch_size,), plan.tapped[u.uid])
+            if u.uid in plan.tapped else jnp.zeros(u.stack + u.eqn.outvars[0].aval.shape,
+                                                  u.eqn.outvars[0].aval.dtype)
+            for u in plan.active.values()}
 
     def run(leaves, pert):
         outs, caps = _eval(plan.jaxpr.jaxpr, plan.jaxpr.consts, [*leaves, *batch_leaves],
@@ -256,9 +242,6 @@ def _fast_pass(plan: _Plan, leaves: list, batch_leaves: list):
     (loss, caps), (grads, cotangents) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
         leaves, pert)
     return loss, grads, caps, cotangents
-
-
-# ----------------------------------------------------------------------------- norms
 
 
 def _materialized(uses, caps, cotangents, dtype, chunk_size) -> tuple[jax.Array, jax.Array]:
@@ -289,8 +272,8 @@ def auto_chunk_size(per_example_bytes: int, batch_size: int,
 
 
 def vmap_chunk_size(params: PyTree, batch: PyTree, chunk_size: int | None = None) -> int:
-    """The vmap(grad) chunk: `chunk_size` when given (`map_examples` checks it), else one
-    whose per-example gradients and activations fit the memory budget."""
+    """`chunk_size` when given (`map_examples` checks it), else the vmap(grad) chunk whose
+    per-example gradients and activations fit the memory budget."""
     if chunk_size is not None:
         return chunk_size
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
@@ -308,9 +291,8 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
 
     def one(example):
         def loss_of(sub):
-            full = list(leaves)
-            for i, s in zip(which, sub, strict=True):
-                full[i] = s
+            subs = dict(zip(which, sub, strict=True))
+            full = [subs.get(i, x) for i, x in enumerate(leaves)]
             return loss_fn(jax.tree.unflatten(treedef, full), one_example(example))
 
         return [jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
@@ -319,27 +301,16 @@ def _vmap_sq_norms(loss_fn: LossFn, params: PyTree, batch: PyTree, which: Sequen
     return map_examples(one, batch, chunk)
 
 
-# ----------------------------------------------------------------------------- public
+def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *, method: str = "auto",
+                           chunk_size: int | None = None) -> tuple[jax.Array, PyTree, PyTree]:
+    """(mean loss, ḡ like params, sq_norms like params with [B] leaves |∂ℓ_i/∂leaf|²) of
+    `loss_fn(params, batch)`, the MEAN loss over the batch's leading axis; sq_norms in float32,
+    or the leaf's dtype if wider. Jittable; the batch may be sharded.
 
-
-def per_example_grads_info(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
-                           method: str = "auto", chunk_size: int | None = None
-                           ) -> tuple[jax.Array, PyTree, PyTree]:
-    """Mean loss, mean gradient ḡ and per-example squared gradient norms per params leaf.
-
-    Args:
-      loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the leading batch axis.
-      params: pytree of float arrays (any model: nnx, linen, plain jax.numpy).
-      batch: pytree of arrays sharing a leading axis B.
-      method: "fast" reads the jaxpr (one forward + one backward) and raises ValueError
-        naming any leaf it cannot cover; "auto" computes those by vmap(grad) instead; "vmap"
-        is the reference: every norm by vmap(grad), loss and ḡ from one ordinary pass.
-      chunk_size: examples per vmap chunk; None: from `MEMORY_BUDGET_BYTES`.
-
-    Returns:
-      (loss, grad, sq_norms): scalar mean loss; grad like params; sq_norms like params with
-      [B] leaves |∂ℓ_i/∂leaf|² (dtype float32, or the leaf's dtype if wider), ℓ_i being
-      loss_fn on the one-example batch i. Jittable; the batch may be sharded.
+    method: "fast" reads the jaxpr (one forward + one backward) and raises ValueError naming any
+    leaf it cannot cover; "auto" computes those by vmap(grad) instead; "vmap" is the reference:
+    every norm by vmap(grad), loss and ḡ from one ordinary pass. chunk_size: examples per vmap
+    chunk; None: from `MEMORY_BUDGET_BYTES`.
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")

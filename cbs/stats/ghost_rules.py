@@ -1,14 +1,10 @@
-"""Per-operation rules of the ghost-norm pass: per-example squared parameter-gradient norms from
-an operation's data operand x and its output cotangent g (`cbs.stats.ghost` gives the
-mechanism and the formulas).
+"""Per-operation rules of the ghost-norm pass (`cbs.stats.ghost`: the mechanism, the formulas
+and the letters; V vocabulary).
 
-Each `*_sq_norm` rule takes a `cbs.stats.ghost_trace.Use` and x, g for one scan step (g of
-the MEAN loss: `cbs.stats.ghost` rescales by B²) and returns the [B] squared norms, or None
-for a layout it does not read. `per_example_grad` is exact for any use: the operation's
-transpose applied to one example's cotangent, in the layout of the leaf (or its scanned slice).
-
-Letters: B batch, T positions (sequence or spatial, flattened), D input features, O output
-features, V vocabulary.
+Each `*_sq_norm` rule takes a `cbs.stats.ghost_trace.Use` and its data operand x and output
+cotangent g for one scan step (g of the MEAN loss: `cbs.stats.ghost` rescales by B²) and returns
+the [B] squared norms, or None for a layout it does not read. `per_example_grad` is exact for
+any use: the operation's transpose applied to one example's cotangent, in the leaf's layout.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ __all__ = [
 
 
 def use_gram(t: int, d: int, o: int) -> bool:
-    """Gram form costs T²(D+O) per example, the direct form T·D·O."""
+    """Whether the Gram form (T²(D+O) per example) is cheaper than the direct one (T·D·O)."""
     return t * (d + o) < d * o
 
 
@@ -41,16 +37,13 @@ _FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example grad
 
 def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
     """Whether a layer's weight gradient is the sum of its B per-example gradients [B, D, O]
-    (formed for their norms): fused, the norms cost the squares of that tensor (4
-    multiply-adds per entry of memory traffic); unfused, the Gram form T²(D + O) per example.
-    One position (T = 1) has the cheaper outer rule."""
+    (formed for their norms), when their squares (4 multiply-adds per entry of memory traffic)
+    cost less than the Gram form T²(D + O) per example. T = 1 has the cheaper outer rule."""
     return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= _FUSED_BYTES
 
 
-def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype
-                     ) -> tuple[jax.Array, jax.Array]:
-    """(Σ_i G_i [D, O], [B] |G_i|²) of the per-example gradients G_i = Σ_t x_it g_itᵀ,
-    accumulated in `dtype` from the operands' own precision."""
+def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(Σ_i G_i [D, O], [B] |G_i|²) of G_i = Σ_t x_it g_itᵀ, accumulated in `dtype`."""
     d = x_BxTxD.shape[-1]
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
     # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
@@ -100,15 +93,8 @@ def dense_operands(use, x, g):
     return x_BxTxC, g_BxTxF, list(wc), w_free
 
 
-def _dense_sq_norm(use, x, g) -> jax.Array | None:
-    """`dot_general` with the parameter W on one side: |Σ_t x_t g_tᵀ|² (W's entries permuted)."""
-    x_BxTxC, g_BxTxF, _, _ = dense_operands(use, x, g)
-    return _kernel_sq_norm(x_BxTxC, g_BxTxF)
-
-
 def _dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """`dot_general`: (W's gradient Σ_i G_i in W's layout, [B] |G_i|²) from the per-example
-    gradients G_i = Σ_t x_it g_itᵀ, when `fuse_direct` admits the shapes."""
+    """(W's gradient Σ_i G_i in W's layout, [B] |G_i|²), when `fuse_direct` admits the shapes."""
     x_BxTxC, g_BxTxF, wc, w_free = dense_operands(use, x, g)
     b, t, d = x_BxTxC.shape
     if not fuse_direct(b, t, d, g_BxTxF.shape[-1]):
@@ -140,11 +126,11 @@ CPU_CHUNK_BYTES = 2 * 2**20  # on XLA:CPU, most bytes of a chunk's input windows
 def example_chunk(b: int, bytes_per_example: int) -> int:
     """Examples per chunk of a convolution's per-example work (a divisor of b; b: one chunk).
 
-    On XLA:CPU all B examples at once ran several times slower than chunks that stay in
-    cache (the default CNN at B = 128: 1.85× a plain gradient at once, 1.1–1.2× in chunks of
-    16 and 8). Chunks hold at most `CPU_CHUNK_BYTES` and a multiple of the device count
-    (interleaved, `scan_chunks`, so a sharded batch stays spread); other backends, and a b
-    with no such divisor of at least a quarter of the largest chunk, take one chunk.
+    On XLA:CPU all B examples at once ran several times slower than chunks that stay in cache
+    (the default CNN at B = 128: 1.85× a plain gradient at once, 1.1–1.2× in chunks of 16 and
+    8). Chunks hold at most `CPU_CHUNK_BYTES` and a multiple of the device count (interleaved,
+    so a sharded batch stays spread); other backends, and a b with no such divisor of at least
+    a quarter of the largest chunk, take one chunk.
     """
     most = CPU_CHUNK_BYTES // max(bytes_per_example, 1)
     if jax.default_backend() != "cpu" or most >= b:
@@ -194,15 +180,13 @@ def _windowed(use, fn: Callable, x_BxSxD, g_BxSxO, window):
 
 
 def _conv_sq_norm(use, x, g) -> jax.Array | None:
-    """`conv_general_dilated`: the dense rule on the input windows, in chunks of examples."""
     if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     return _windowed(use, lambda xw, gw: ((), _kernel_sq_norm(xw, gw)), *inputs)[1]
 
 
 def _conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """`conv_general_dilated`: (the kernel's gradient, [B] squared norms) from the per-example
-    gradients on the input windows, when `fuse_direct` admits the whole batch's shapes."""
+    """(the kernel's gradient, [B] squared norms), when `fuse_direct` admits the shapes."""
     if (inputs := _conv_inputs(use, x, g)) is None:
         return None
     spatial = inputs[2]
@@ -210,15 +194,10 @@ def _conv_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
         return None
     total, sq = _windowed(use, lambda xw, gw: _direct_products(xw, gw, dtype), *inputs)
     dn = use.eqn.params["dimension_numbers"]
-    kernel_shape = use.eqn.invars[1].aval.shape
     # The windows' features run over (window offsets..., input channel): the kernel's axes.
     total = total.reshape(*spatial, -1, total.shape[-1])
-    n = len(spatial)
-    src = [0] * len(kernel_shape)
-    src[dn.rhs_spec[0]], src[dn.rhs_spec[1]] = n + 1, n
-    for k, a in enumerate(dn.rhs_spec[2:]):
-        src[a] = k
-    return jnp.transpose(total, src), sq
+    order = np.argsort([*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0]])
+    return jnp.transpose(total, [int(a) for a in order]), sq
 
 
 def embed_layout(use) -> tuple[int, int] | None:
@@ -253,8 +232,7 @@ def embed_operands(use, ids, g) -> tuple[jax.Array, jax.Array] | None:
 
 
 def _embed_sq_norm(use, ids, g) -> jax.Array | None:
-    """`gather` of whole rows of a [V, O] table: Σ_{t,s} [id_t = id_s] g_t·g_s (or one-hot
-    when V < T)."""
+    """Σ_{t,s} [id_t = id_s] g_t·g_s (one-hot when V < T)."""
     if (operands := embed_operands(use, ids, g)) is None:
         return None
     ids_BxT, g_BxTxO = operands
@@ -286,20 +264,17 @@ def _elementwise_per_example(use, x, g) -> jax.Array | None:
 
 
 def _sq_norms(per_example: jax.Array, example_axis: int) -> jax.Array:
-    """[B]: each example's squared norm, over every axis but `example_axis`."""
     return jnp.sum(jnp.square(per_example),
                    tuple(a for a in range(per_example.ndim) if a != example_axis))
 
 
 def _elementwise_sq_norm(use, x, g) -> jax.Array | None:
-    """Elementwise use of a broadcast parameter: Σ of the squared per-example gradients."""
     per_example = _elementwise_per_example(use, x, g)
     return None if per_example is None else _sq_norms(per_example, use.e_out)
 
 
 def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
-    """Elementwise use of a broadcast parameter: (w's gradient as the sum of its per-example
-    gradients, their [B] squared norms), from one reduction of the [B, ...] cotangent."""
+    """(w's gradient as the sum of its per-example gradients, their [B] squared norms)."""
     if use.e_out >= g.ndim:
         return None
     per_example = _elementwise_per_example(use, _in_dtype(x, dtype), g.astype(dtype))
@@ -313,11 +288,11 @@ def elementwise_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
 
 
 def _in_dtype(x: jax.Array, dtype) -> jax.Array:
-    """x in the accumulation dtype when it is floating point (integer ids stay as they are)."""
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
-SQ_NORM_RULES = {"dot_general": _dense_sq_norm, "conv_general_dilated": _conv_sq_norm,
+SQ_NORM_RULES = {"dot_general": lambda use, x, g: _kernel_sq_norm(*dense_operands(use, x, g)[:2]),
+                 "conv_general_dilated": _conv_sq_norm,
                  "gather": _embed_sq_norm, **dict.fromkeys(ELEMENTWISE_USES, _elementwise_sq_norm)}
 # Rules that also give the parameter's gradient (weight gradient = Σ per-example gradients).
 FUSED_RULES = {"dot_general": _dense_fused, "conv_general_dilated": _conv_fused,
@@ -333,7 +308,7 @@ def _bind(eqn, args, params=None):
 
 
 def examples_first(uses, caps: dict, cotangents: dict) -> list[tuple[jax.Array, jax.Array]]:
-    """Per use, its captured data operand and output cotangent with the examples on axis 0."""
+    """Per use, its captured data operand and output cotangent, examples on axis 0."""
     return [(jnp.moveaxis(caps[u.uid], len(u.stack) + u.e_in, 0),
              jnp.moveaxis(cotangents[u.uid], len(u.stack) + u.e_out, 0)) for u in uses]
 
@@ -369,16 +344,15 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
 
 
 def bind(eqn: Any, invals: list) -> list:
-    """Evaluates one jaxpr equation on `invals` (a list of its outputs)."""
+    """One jaxpr equation on `invals`: the list of its outputs."""
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return out if eqn.primitive.multiple_results else [out]
 
 
 def tap(use: Any, dtype: Any) -> Callable:
-    """`tap(y, x, slot) = y`, whose backward also returns the use's [B] per-example squared
-    norms (its ghost rule on x and the cotangent g of y) as the cotangent of `slot`: formed
-    where the backward pass meets the use, so nothing is kept beyond the ordinary backward."""
+    """`tap(y, x, slot) = y`, whose backward also returns the use's [B] squared norms (its ghost
+    rule on x and the cotangent g of y) as the cotangent of `slot` (`cbs.stats.ghost`)."""
     rule = SQ_NORM_RULES[use.eqn.primitive.name]
 
     def bwd(x, g):
@@ -391,10 +365,9 @@ def tap(use: Any, dtype: Any) -> Callable:
 
 
 def fused(use: Any, dtype: Any) -> Callable:
-    """`fused(lhs, rhs, slot) = use(lhs, rhs)`, whose backward forms the B per-example
-    gradients of the parameter operand once, for both its [B] squared norms (the cotangent of
-    `slot`) and its gradient (their sum), instead of the weight gradient plus a ghost rule
-    (when `fuse_direct` admits the shapes). The data operand's cotangent is the ordinary one."""
+    """`fused(lhs, rhs, slot) = use(lhs, rhs)`, whose backward forms the B per-example gradients
+    of the parameter once, for both their [B] squared norms (the cotangent of `slot`) and their
+    sum (its gradient). The data operand's cotangent is the ordinary one."""
     rule, eqn = FUSED_RULES[use.eqn.primitive.name], use.eqn
 
     def bwd(operands, g):

@@ -25,11 +25,10 @@ multiply-adds (memory traffic) per entry of each use's per-example gradient and 
 takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own dtype;
 products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
 
-The layout operations from the leaf to each use's operand may transpose it, change its dtype
-or sharding, and add or remove unit axes; anything else (a reshape that merges or splits
-axes, dot uses whose x sides share only some leaf axes, a table read transposed by another
-gather) leaves the leaf to the materialised path (`plan` returns None). `FORM` forces
-"gram", "direct" or "materialised" (benchmarks/lm_step.py compares them).
+The layout operations from the leaf to each use's operand may transpose it, change its dtype or
+sharding, and add or remove unit axes; anything else (a reshape that merges or splits axes, dot
+uses whose x sides share only some leaf axes, a table read transposed by another gather) leaves
+the leaf to the materialised path. `FORM` forces a form (benchmarks/lm_step.py compares them).
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ _UNIT_AXES = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"}
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One use as the rule reads it: its x side and g side as leaf axes (non-unit ones, in the
-    order the use's operands flatten them) and their sizes."""
+    """One use as the rule reads it: its x and g sides as leaf axes (non-unit ones, in the order
+    the use's operands flatten them) and their sizes."""
 
     use: Any  # ghost_trace.Use
     kind: str  # "dot" | "gather"
@@ -71,17 +70,12 @@ class Part:
 
 @dataclasses.dataclass(frozen=True)
 class Tied:
-    """The rule for one leaf: its parts, how each pair meets, and the form taken."""
 
     parts: tuple[Part, ...]
-    pairs: dict[tuple[int, int], str]  # (j, k), j <= k -> "same" | "transposed" | "head" |
-    #                                    "onehot" | "ids"
+    pairs: dict[tuple[int, int], str]  # (j, k), j <= k -> how they meet (`_pairing`)
     form: str  # "gram" | "direct"
     slice_shape: tuple[int, ...]  # the leaf (or one scan step's slice of it)
     work: tuple[int, ...]  # the direct form's layout: the leaf's non-unit axes in this order
-
-
-# ----------------------------------------------------------------------------- plan
 
 
 def _operand_axes(chain, shape) -> list[int | None] | None:
@@ -107,7 +101,6 @@ def _operand_axes(chain, shape) -> list[int | None] | None:
 
 
 def _part(use) -> Part | None:
-    """How `use` reads its leaf, or None when the rule cannot read it."""
     name = use.eqn.primitive.name
     axes = _operand_axes(use.chain, use.origin.shape) if use.keeps_norm else None
     if axes is None or name not in ("dot_general", "gather"):
@@ -137,7 +130,6 @@ def _part(use) -> Part | None:
 
 
 def _pairing(p: Part, q: Part) -> str | None:
-    """How p's and q's per-example gradients meet (module docstring), or None."""
     px, pg, qx, qg = set(p.x_axes), set(p.g_axes), set(q.x_axes), set(q.g_axes)
     if p.kind == q.kind == "dot":
         return "same" if px == qx else "transposed" if px == qg and pg == qx else None
@@ -165,15 +157,13 @@ ENTRY_COST = 4  # multiply-adds per entry of a per-example gradient: its memory 
 
 
 def _direct_cost(parts: tuple[Part, ...], size: int) -> int:
-    """What the direct form adds to one example's plain gradient, in multiply-adds:
-    `ENTRY_COST` per entry of each use's per-example gradient and of their sum."""
+    """Multiply-adds the direct form adds to one example's plain gradient."""
     return ENTRY_COST * (len(parts) + 1) * size
 
 
 def plan(uses) -> Tied | None:
-    """The rule for a leaf read by `uses` (two or more, in one scan context) in the form FORM
-    asks for, or None for the materialised path (a use or pair the rule cannot read, or
-    "materialised")."""
+    """The rule for a leaf read by `uses` (two or more, in one scan context) in the form `FORM`
+    asks for, or None for the materialised path."""
     form = FORM
     if form not in FORMS:
         raise ValueError(f"ghost_tied.FORM must be one of {FORMS}, got {form!r}")
@@ -183,13 +173,10 @@ def plan(uses) -> Tied | None:
     if any(p is None for p in found):
         return None
     parts = cast(tuple[Part, ...], found)
-    pairs = {}
-    for j, p in enumerate(parts):
-        for k in range(j, len(parts)):
-            how = _pairing(p, parts[k])
-            if how is None:
-                return None
-            pairs[j, k] = how
+    pairs = {(j, k): _pairing(parts[j], parts[k])
+             for j in range(len(parts)) for k in range(j, len(parts))}
+    if None in pairs.values():
+        return None
     slice_shape = tuple(uses[0].origin.shape)
     gram = sum(_pair_cost(parts[j], parts[k]) for j, k in pairs)
     direct = _direct_cost(parts, int(np.prod(slice_shape)))
@@ -198,10 +185,7 @@ def plan(uses) -> Tied | None:
     # The direct form sums the per-example gradients in the layout its first dot use forms
     # them in, so that only their sum is transposed to the leaf's.
     work = _natural(next((p for p in parts if p.kind == "dot"), parts[0]))
-    return Tied(parts, pairs, form, slice_shape, work)
-
-
-# ----------------------------------------------------------------------------- norms
+    return Tied(parts, cast(dict[tuple[int, int], str], pairs), form, slice_shape, work)
 
 
 def _sorted_side(a: jax.Array, axes: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
@@ -214,8 +198,8 @@ def _sorted_side(a: jax.Array, axes: tuple[int, ...], sizes: tuple[int, ...]) ->
 
 
 def _operands(part: Part, x_i: jax.Array, g_i: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One example's (x [T, C], g [T, F]) of a dot part, features in ascending leaf axes, or
-    (ids [T], e [T, O]) of a gather part."""
+    """One example's (x [T, C], g [T, F]) of a dot part (features in ascending leaf axes), or
+    (ids [T], e [T, O]) of a gather."""
     u = part.use
     x1, g1 = jnp.expand_dims(x_i, u.e_in), jnp.expand_dims(g_i, u.e_out)
     if part.kind == "gather":
@@ -229,12 +213,10 @@ def _operands(part: Part, x_i: jax.Array, g_i: jax.Array) -> tuple[jax.Array, ja
 def _gram(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """[T, S]: a_t·b_s, in the operands' common dtype, accumulated in `dtype`."""
     common = jnp.promote_types(a.dtype, b.dtype)
-    return jnp.einsum("tc,sc->ts", a.astype(common), b.astype(common),
-                      preferred_element_type=dtype)
+    return jnp.einsum("tc,sc->ts", a.astype(common), b.astype(common), preferred_element_type=dtype)
 
 
 def _term(how: str, p: Part, q: Part, op_p, op_q, dtype) -> jax.Array:
-    """<A_p, A_q> of one example (the pairings of the module docstring)."""
     if how == "same":
         (x, g), (x2, g2) = op_p, op_q
         if p is q and p.positions == 1:
@@ -262,15 +244,14 @@ def _natural(part: Part) -> tuple[int, ...]:
 
 
 def _in_work_layout(part: Part, op, tied: Tied, dtype) -> jax.Array:
-    """One example's gradient of the leaf by `part`, its non-unit axes in `tied.work` order."""
+    """One example's gradient of the leaf by `part`, its axes in `tied.work` order."""
     natural = _natural(part)
     if part.kind == "gather":
         ids, e = op
         if tied.work == natural[::-1]:  # columns first: scattered into the columns
             return jnp.zeros((part.g_sizes[0], part.x_sizes[0]), dtype).at[:, ids].add(
                 e.astype(dtype).T)
-        grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(
-            e.astype(dtype))
+        grad = jnp.zeros((part.x_sizes[0], part.g_sizes[0]), dtype).at[ids].add(e.astype(dtype))
     else:
         # [F, C] = Σ_t g_t x_tᵀ, contracting a unit axis with T: XLA:CPU then takes its library
         # kernel (over T alone, its generic loop: up to 1.6× the LM step's tied-head share).
@@ -293,15 +274,14 @@ def _slice_norm(tied: Tied, items: list, dtype):
             term = _term(how, tied.parts[j], tied.parts[k], ops[j], ops[k], dtype)
             sq = sq + (term if j == k else 2 * term)
         return sq, ()
-    total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops,
-                                                                       strict=True))
+    total = sum(_in_work_layout(p, op, tied, dtype) for p, op in zip(tied.parts, ops, strict=True))
     return jnp.sum(jnp.square(total)), total
 
 
 def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | None,
              budget_bytes: int) -> tuple[jax.Array, jax.Array | None]:
     """([B] |Σ_u A_u,i|² of the MEAN loss's cotangents, the leaf's gradient Σ_i Σ_u A_u,i or
-    None in the Gram form), in chunks of `chunk_size` examples, else as `budget_bytes` holds."""
+    None in the Gram form), in chunks of `chunk_size` examples (None: as `budget_bytes` holds)."""
     items = examples_first([p.use for p in tied.parts], caps, cotangents)
     stack = tied.parts[0].use.stack
 

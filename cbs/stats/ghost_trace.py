@@ -1,7 +1,6 @@
-"""Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf.
-
-A forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params
-leaves, then the batch leaves) gives every variable two tags:
+"""Discovery for the ghost-norm pass: which jaxpr operations consume each parameter leaf. A
+forward walk over one shape-only trace of `loss_fn(params, batch)` (inputs: the params leaves,
+then the batch leaves) gives every variable two tags:
 
 - a *parameter tag* when it is a params leaf seen through layout-only operations (reshape,
   transpose, convert_element_type, squeeze, sharding changes keep the norm; broadcast and
@@ -16,9 +15,7 @@ operand and output carry the example axis: `dot_general`, `conv_general_dilated`
 from the table, and elementwise `mul`/`add`/`sub` (norm scales and shifts, biases). The walk
 enters nested `jit`, `remat`, custom-rule and `scan` bodies (a leaf scanned over as `xs`
 gives one use per step). Any other read (a weight-decay term, an op not listed, a carry, a
-scan's closed-over constant) makes the leaf uncovered, with the reason.
-
-Letters: B batch, L scan length.
+scan's closed-over constant) makes the leaf uncovered, with the reason. B: the batch size.
 """
 
 from __future__ import annotations
@@ -92,7 +89,7 @@ class _Var:
 
 @dataclasses.dataclass
 class Discovery:
-    """All reads of all leaves: uses (by eqn id) or reasons the read cannot be used."""
+    """Every read of every leaf: a use, or why it cannot be one."""
 
     batch_size: int
     reads: dict[tuple[int, int], Use | str] = dataclasses.field(default_factory=dict)
@@ -105,11 +102,9 @@ def _shape(v) -> tuple[int, ...]:
 
 
 def discover(jaxpr, n_params: int, batch_size: int) -> Discovery:
-    """Walks `jaxpr` (inputs: params leaves, then batch leaves) and records every read."""
     disc = Discovery(batch_size)
     tags = [_Var(ptag=_PTag(i, (), (), True)) if i < n_params else
-            _Var(eaxis=0 if _shape(v) else None, dep=True)
-            for i, v in enumerate(jaxpr.invars)]
+            _Var(eaxis=0 if _shape(v) else None, dep=True) for i, v in enumerate(jaxpr.invars)]
     _walk(jaxpr, tags, disc, (), (), [])
     return disc
 
@@ -131,8 +126,6 @@ def _reject(disc, eqn, ins, why):
 
 def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     name = eqn.primitive.name
-    dep = any(t.dep for t in ins)
-    n_out = len(eqn.outvars)
     ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
     if name == "scan":
         return _scan(eqn, ins, disc, ctx, stack, scans)
@@ -150,13 +143,13 @@ def _eqn(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
         return [_Var(ptag=dataclasses.replace(p, chain=p.chain + (eqn,), keeps_norm=keeps))]
     eaxis = _example_axis(eqn, ins, disc.batch_size)
     if ptagged:
-        _record_use(eqn, ins, eaxis, disc, ctx, stack, scans)
-    return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(n_out)]
+        _record_use(eqn, ins, ptagged, eaxis, disc, ctx, stack, scans)
+    dep = any(t.dep for t in ins)
+    return [_Var(eaxis=eaxis[k] if eaxis else None, dep=dep) for k in range(len(eqn.outvars))]
 
 
-def _record_use(eqn, ins, eaxis, disc, ctx, stack, scans):
+def _record_use(eqn, ins, ptagged, eaxis, disc, ctx, stack, scans):
     name = eqn.primitive.name
-    ptagged = [i for i, t in enumerate(ins) if t.ptag is not None]
     others = [i for i in range(len(ins)) if i not in ptagged]
     kinds = ("dot_general", "conv_general_dilated", "gather") + tuple(ELEMENTWISE_USES)
     if name not in kinds:
@@ -206,8 +199,7 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
                                                 "that changes its norm")
             else:
                 ptag = _PTag(t.ptag.leaf, inner_ctx, (), True)
-        e = t.eaxis - 1 if t.eaxis else None
-        xs_in.append(_Var(ptag=ptag, eaxis=e, dep=t.dep))
+        xs_in.append(_Var(ptag=ptag, eaxis=t.eaxis - 1 if t.eaxis else None, dep=t.dep))
     for _ in range(3):  # fixed point on the carry's example axis
         outs = _walk(body, consts + carry + xs_in, disc, inner_ctx, inner_stack, scans + [sid])
         same = [a.eaxis == b.eaxis and a.dep == b.dep
@@ -220,9 +212,6 @@ def _scan(eqn, ins, disc, ctx, stack, scans) -> list[_Var]:
     ys = [_passed(_Var(t.ptag, None if t.eaxis is None else t.eaxis + 1, t.dep), ctx, why)
           for t in outs[n_carry:]]
     return [_passed(_Var(c.ptag, c.eaxis, c.dep), ctx, why) for c in carry] + ys
-
-
-# ----------------------------------------------------------------------------- example axis
 
 
 def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
@@ -247,8 +236,8 @@ def _example_axis(eqn, ins, batch_size) -> list[int | None] | None:
 
 
 def axis_rule(eqn, ins, e: int, size: int) -> list[int | None] | None:
-    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost),
-    or None for an operation without an axis rule."""
+    """Per output, where the operands' example axis `e` (of `size` entries) goes (None: lost);
+    None without an axis rule."""
     rule = (lambda eqn, ins, e: e) if eqn.primitive.name in _ELEMENTWISE else _AXIS_RULES.get(
         eqn.primitive.name)
     out = None if rule is None else rule(eqn, ins, e)

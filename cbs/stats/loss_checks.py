@@ -11,10 +11,10 @@ same whichever batch holds it. Refused, each in one line naming the cause and th
   examples 0 and 1 together that is not the mean of their losses alone;
 - a loss SUMMED over the batch: example 0 twice gives twice its loss alone.
 
-The value checks use examples 0 and 1 of concrete inputs; under jit they run once at trace
-time on stand-ins of the same shapes and dtypes (`stand_in`; ones for a traced extra
-argument). A loss_fn that cannot run on one or two examples, or gives non-finite losses, is
-not value-checked, nor one whose jaxpr and constants equal those of one that passed.
+The value checks use examples 0 and 1 of concrete inputs; under jit they run once at trace time
+on stand-ins of the same shapes and dtypes (`stand_in`). A loss_fn that cannot run on one or two
+examples, gives non-finite losses, or has the jaxpr and constants of one that passed is not
+value-checked.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_wrap", "random_fold_in",
-                               "random_split", "threefry2x32", "rng_bit_generator",
-                               "rng_uniform"})
+                               "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 # |L([x_0, x_1]) − (ℓ_0 + ℓ_1)/2| above this fraction of |ℓ_0| + |ℓ_1| counts as coupled: above
 # the rounding of a mean of two bf16 losses (2⁻⁸), below what a batch statistic of 1 vs 2
 # examples does (a few per cent on the stand-ins of a small BatchNorm MLP, tens on data).
@@ -54,10 +53,9 @@ _COUPLED_FIX = ("so per-example gradients are undefined (a batch statistic, e.g.
 
 
 def allow_randomness(loss_fn: LossFn) -> LossFn:
-    """Declares that loss_fn's random draws are the same for an example in every batch that
-    holds it (e.g. a dropout mask from `jax.random.fold_in(key, example_id)`). Returns a
-    wrapper the randomness check lets through (the value coupling check is skipped); reuse
-    it: it is the static argument the estimators compile for."""
+    """Declares that loss_fn's random draws are the same for an example in every batch that holds
+    it (a dropout mask from `jax.random.fold_in(key, example_id)`): a wrapper the randomness and
+    value coupling checks let through. Reuse it: the estimators compile for it."""
 
     def wrapped(params: PyTree, batch: PyTree) -> jax.Array:
         return loss_fn(params, batch)
@@ -70,8 +68,8 @@ def allow_randomness(loss_fn: LossFn) -> LossFn:
 def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                   *args: Any) -> None:
     """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
-    docstring); each loss_fn object is checked once. `args`: loss_fn's arguments after the
-    batch (`loss_fn(params, batch, *args)`), their arrays traced like the params."""
+    docstring), once per loss_fn object. `args`: `loss_fn(params, batch, *args)`'s further
+    arguments, their arrays traced like the params."""
     if _checked(loss_fn):
         return
     allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
@@ -123,14 +121,11 @@ def passed(loss_fn: Callable[..., jax.Array]) -> None:
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
     """The array leaves of `args` and the function that puts arrays back in their places."""
     leaves, tree = jax.tree.flatten(args)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray,
-                                                               np.generic))]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
 
     def bind(arrays: list[Any]) -> tuple:
-        filled = list(leaves)
-        for i, x in zip(where, arrays, strict=True):
-            filled[i] = x
-        return jax.tree.unflatten(tree, filled)
+        filled = dict(zip(where, arrays, strict=True))
+        return jax.tree.unflatten(tree, [filled.get(i, x) for i, x in enumerate(leaves)])
 
     return [leaves[i] for i in where], bind
 
@@ -158,7 +153,7 @@ def raise_coupled(site: str) -> None:
 
 
 def random_primitives(jaxpr: Any) -> set[str]:
-    """Names of the random-number primitives in a jaxpr and the jaxprs nested in it."""
+    """The random-number primitives in a jaxpr and the jaxprs nested in it."""
     found = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in RANDOM_PRIMITIVES:
@@ -187,9 +182,8 @@ def _check_values(once: float, other: float | None, pair: float | None, twice: f
 
 def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTree,
                    args: list[Any]) -> tuple[float, float | None, float | None, float] | None:
-    """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) of `loss_fn(params, batch, args)` on the
-    inputs, or on stand-ins when any is traced; None when loss_fn cannot run on them or a
-    loss is not finite."""
+    """(ℓ_0, ℓ_1, L([x_0, x_1]), L([x_0, x_0])) of `loss_fn(params, batch, args)` on the inputs,
+    or on stand-ins when any is traced; None when loss_fn cannot run or a loss is not finite."""
     if not all(concrete(x) for x in jax.tree.leaves((params, batch))):
         params = stand_in(params, kernels=True)
         batch = stand_in(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -223,17 +217,15 @@ def _sample_losses(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyT
 
 
 def _stand_in_arg(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """An argument as it is when concrete, else ones of its shape and dtype (a temperature or
-    a mask stays valid) or zero key data for a typed key; and the function that makes it the
-    argument again inside the check."""
+    """(x when concrete, else ones of its shape and dtype (a temperature or a mask stays valid) or
+    zero key data for a typed key; the function that makes that the argument again)."""
     if concrete(x):
         return x, lambda a: a
     shape, dtype = jnp.shape(x), jnp.result_type(x)
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(x)
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-        return (np.zeros(data.shape, data.dtype),
-                lambda a: jax.random.wrap_key_data(a, impl=impl))
+        return (np.zeros(data.shape, data.dtype), lambda a: jax.random.wrap_key_data(a, impl=impl))
     return np.ones(shape, dtype), lambda a: a
 
 
@@ -254,8 +246,8 @@ def stand_in(tree: PyTree, *, kernels: bool, seed: int = 0) -> PyTree:
 
 
 def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
-    """What the value checks' verdict depends on: the printed jaxpr and its constants (values
-    where small, else shape, dtype and a checksum); None when a constant has no host value."""
+    """The printed jaxpr and its constants (values where small, else shape, dtype and a checksum),
+    what the value checks' verdict depends on; None when a constant has no host value."""
     consts = []
     for c in jaxpr.consts:
         try:

@@ -8,12 +8,10 @@
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
 
-Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics
-carry them) into bias-corrected EMAs, numerator and denominator apart
-(`cbs.stats.smoothing.NoiseScaleEMA`), in one compiled update on the device. Every `every`
-calls the smoothed values are read back once, appended to `history`, passed to `log` and
-written to `writer` (anything with clu's `write_scalars(step, scalars)`, such as
-`cbs.results.writers`). `b_simple` / `b_noise` read the current values (a host sync).
+Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics carry
+them) into `cbs.stats.smoothing.NoiseScaleEMA` on the device. Every `every` calls the smoothed
+values are read back once, appended to `history`, passed to `log` and written to `writer`
+(anything with clu's `write_scalars(step, scalars)`, such as `cbs.results.writers`).
 """
 
 from __future__ import annotations
@@ -37,28 +35,25 @@ def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma=None, g_h
 
 
 class NoiseMonitor:
-    """Smoothed B_simple (and B_noise) of a running training loop; see the module docstring.
+    """Smoothed B_simple (and B_noise) of a running training loop (module docstring).
 
     Args:
       decay: EMA decay per update (0.95 averages about the last 20 batches).
       every: read back and log every this many updates (0: never log, read on demand).
-      log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats.
-      writer: a metric writer given the same values (write_scalars); the caller closes it.
-
-    The step of a log is the `step` given to `update`, else the number of updates so far.
+      log: called as log(step, {"noise/ema_b_simple": ..., ...}) with host floats, step the
+        one given to `update`, else the number of updates so far.
+      writer: given the same values (write_scalars); the caller closes it.
     """
 
     def __init__(self, *, decay: float = 0.95, every: int = 100,
-                 log: Callable[[int, dict[str, float]], Any] | None = None,
-                 writer: Any = None):
+                 log: Callable[[int, dict[str, float]], Any] | None = None, writer: Any = None):
         if every < 0:
             raise ValueError(f"every must be >= 0, got {every}")
         if writer is not None and not callable(getattr(writer, "write_scalars", None)):
             raise TypeError("writer must have a write_scalars(step, scalars) method (a "
                             f"cbs.results.writers.MetricWriter), got {type(writer).__name__}")
         self.ema = NoiseScaleEMA.init(decay)
-        self.every, self.log, self.writer, self.updates = every, log, writer, 0
-        self.step = 0  # the step of the last update
+        self.every, self.log, self.writer, self.updates, self.step = every, log, writer, 0, 0
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def update(self, stats: NoiseStats, *, step: int | None = None) -> None:

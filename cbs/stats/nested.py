@@ -1,12 +1,9 @@
-"""The higher-order primitives that cbs's jaxpr walkers enter, read the same way on every JAX
-release from 0.9.2 on.
-
-A walker (`ghost_trace`, `ghost`, `coupling`, `loss_checks`) needs a nested primitive's body
-(an open jaxpr and its constants) and how the equation's operands and results map onto the
-body's. JAX moves these between releases (`scan`'s `num_consts`/`num_carry` became
-`ft_in`/`ft_out` in 0.11, the closed jaxpr stopped being a wrapper, `pjit` became `jit`,
-`remat`'s `prevent_cse` became per operand), so every walker reads them here, each split
-derived from the jaxpr's own avals where the parameters do not name it:
+"""The higher-order primitives that cbs's jaxpr walkers (`ghost_trace`, `ghost`, `coupling`,
+`loss_checks`) enter, read the same way on every JAX release from 0.9.2 on: a body (an open jaxpr
+and its constants) and how the equation's operands and results map onto the body's. JAX moves
+these between releases (`scan`'s `num_consts`/`num_carry` became `ft_in`/`ft_out` in 0.11, the
+closed jaxpr stopped being a wrapper, `pjit` became `jit`, `remat`'s `prevent_cse` became per
+operand), so each split is derived from the jaxpr's own avals where the parameters do not name it:
 
 - scan: operands `consts + carry + xs`, results `carry + ys`; the split is the first operand
   (result) whose rank differs from its body input (output).
@@ -66,13 +63,13 @@ class While:
 
 
 def body_of(value: Any) -> Body:
-    """A closed jaxpr (a wrapper up to JAX 0.10, with consts from 0.11) or open jaxpr, as a Body."""
+    """A closed jaxpr (a wrapper up to JAX 0.10, with consts from 0.11) or open jaxpr."""
     jaxpr = getattr(value, "jaxpr", value)
     return Body(jaxpr, tuple(getattr(value, "consts", ()) or ()))
 
 
 def call_body(eqn: Any) -> Body:
-    """The body of a call-like equation (CALLS, shard_map): its operands are the body's inputs."""
+    """The body of a call-like equation (CALLS, shard_map) over its operands."""
     for name in _BODY_PARAMS:
         if name in eqn.params:
             return body_of(eqn.params[name])
@@ -81,7 +78,6 @@ def call_body(eqn: Any) -> Body:
 
 
 def scan_parts(eqn: Any) -> Scan:
-    """`scan`'s body and operand split, from the parameters that name it or from the avals."""
     p = eqn.params
     body = body_of(p["jaxpr"])
     if "num_consts" in p and "num_carry" in p:  # JAX <= 0.10
@@ -111,7 +107,6 @@ def _scan_split_from_avals(eqn: Any, jaxpr: Any) -> tuple[int, int]:
 
 
 def while_parts(eqn: Any) -> While:
-    """`while`'s cond and body and its operand split (module docstring)."""
     p = eqn.params
     cond, body = body_of(p["cond_jaxpr"]), body_of(p["body_jaxpr"])
     n_carry = len(body.jaxpr.outvars)
@@ -119,13 +114,12 @@ def while_parts(eqn: Any) -> While:
 
 
 def cond_branches(eqn: Any) -> list[Body]:
-    """`cond`'s branches; each runs on the operands after the index (operand 0)."""
     return [body_of(b) for b in eqn.params["branches"]]
 
 
 def remat_options(eqn: Any) -> dict[str, Any]:
-    """`jax.checkpoint` keywords that rebuild a `remat` equation: its policy, and prevent_cse
-    as one flag (per operand from JAX 0.11: kept when any operand keeps it)."""
+    """`jax.checkpoint` keywords that rebuild a `remat` equation (prevent_cse per operand from
+    JAX 0.11: kept when any operand keeps it)."""
     pcse = eqn.params.get("prevent_cse", True)
     if isinstance(pcse, (tuple, list)):
         pcse = any(pcse)

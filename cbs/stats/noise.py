@@ -14,19 +14,16 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
     g_h_g             = ḡᵀ H ḡ − trace_h_sigma / B
     b_noise           = trace_h_sigma / g_h_g                     eq. 2.8
 
-Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory
-O(params)). A run's periodic measurement is chosen by name (`config.noise.method`) from a
-registry (`register_method`, `get_method`, `method_names`): "auto" | "fast" | "vmap" and
-"probe" here, "sampled" and "full_data" in `cbs.stats.sampled`. Per-example quantities apply
-`loss_fn` to one-example batches, so a loss that couples the examples of a batch or draws
-randomness it does not take as an argument is refused in one line (`cbs.stats.loss_checks`).
-Each estimator compiles with `loss_fn` as a static argument: reuse one function object.
+Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory O(params)).
+`config.noise.method` names one from the registry (`register_method`): "auto", "fast", "vmap",
+"probe", and "sampled", "full_data" of `cbs.stats.sampled`. ℓ_i is `loss_fn` on a one-example
+batch; `cbs.stats.loss_checks` refuses a loss for which that means nothing. Each estimator
+compiles with `loss_fn` as a static argument: reuse one function object.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -49,16 +46,12 @@ CURVATURE_KEYS = ("mean_g_h_g", "g_h_g", "trace_h_sigma", "b_noise")
 STAT_KEYS = SIMPLE_KEYS + CURVATURE_KEYS
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["mean_grad_sq_norm", "grad_sq_norm", "trace_sigma", "b_simple", "mean_g_h_g",
-                 "g_h_g", "trace_h_sigma", "b_noise", "groups"],
-    meta_fields=["batch_size"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoiseStats:
     """Noise statistics of one batch (scalars); curvature fields are None unless requested."""
 
-    batch_size: int
+    batch_size: int = dataclasses.field(metadata=dict(static=True))
     mean_grad_sq_norm: jax.Array
     grad_sq_norm: jax.Array
     trace_sigma: jax.Array
@@ -92,7 +85,6 @@ def _make_stats(batch_size: int, mean_sq, trace_sigma, mean_ghg=None, trace_h_si
 
 
 def _assemble(batch_size: int, sums: dict[str, jax.Array], groups: tuple | None) -> NoiseStats:
-    """Builds NoiseStats from per-leaf sums (`gsq_L`, `centred_L`) and curvature sums."""
     n1 = batch_size - 1
     curv = "dhd" in sums
     group_stats = None
@@ -158,28 +150,23 @@ def _fast_sums(batch_size, grad, sq_norms):
 def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | None = None,
           curvature: bool = False, groups: GroupSpec = None, method: str = "auto",
           hessian_batch: PyTree | None = None) -> NoiseStats:
-    """Exact noise statistics of one batch from per-example gradients.
+    """Exact noise statistics of one batch (B ≥ 2, may be sharded) from per-example gradients:
+    NoiseStats, scalars in float32 (float64 under jax_enable_x64).
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        params, batch: float arrays (P numbers); arrays sharing a leading axis B ≥ 2 (may be
-            sharded on a mesh).
         chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
             `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
-        curvature: also mean_g_h_g, g_h_g, trace_h_sigma and b_noise (one HVP of the mean
-            batch loss per example: cost O(B²)).
+        curvature: also the curvature fields (one HVP per example: cost O(B²)).
         groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's
             curvature terms use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP per group
             and example), so they do not sum to the total; its trace_sigma and |ḡ|² do.
-        method: "vmap": per-example gradients by vmap(grad), centred on ḡ before squaring.
-            "fast": per-example squared norms from `cbs.stats.ghost` (trace_sigma =
-            (Σ|g_i|² − B|ḡ|²)/(B−1)); raises naming the leaves it cannot read. "auto":
-            "fast", with vmap for those leaves only. curvature=True takes the vmap route.
+        method: as in `cbs.stats.ghost.per_example_grads_info`; "vmap" centres each g_i on ḡ
+            before squaring, the others take trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1).
+            curvature=True takes the vmap route.
         hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
             only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
             each example's own Hessian with weight 1/B (biased high for small B).
-    Returns:
-        NoiseStats (scalars in float32, float64 under jax_enable_x64).
     """
     check_inputs(loss_fn, params, batch)
     _check_method(method)
@@ -201,8 +188,7 @@ def _exact(loss_fn, params, batch, hessian_batch, *, chunk_size, curvature, grou
 
     def compute(params, batch, hessian_batch):
         if method == "vmap" or curvature:
-            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks,
-                              hessian_batch)
+            sums = _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_batch)
         else:
             sums = _fast_sums(batch_size, *ghost.per_example_grads_info(
                 loss_fn, params, batch, method=method, chunk_size=chunk_size)[1:])
@@ -258,10 +244,8 @@ def probe(loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array, *,
         trace_h_sigma ≈ Σ_i (a_i − ā)(b_i − b̄) / (B − 1).
 
     Both are exactly unbiased given the batch, averaged over `num_probes` probes (one after
-    another). |ḡ|² and ḡᵀHḡ are exact (one gradient, one HVP).
-
-    key: PRNG key for the probes; distribution: "rademacher" (lower variance) or "gaussian";
-    hessian_batch: as in `exact`. Returns NoiseStats.
+    another); |ḡ|² and ḡᵀHḡ are exact. `distribution`: "rademacher" (lower variance) or
+    "gaussian"; `hessian_batch` as in `exact`.
     """
     check_inputs(loss_fn, params, batch)
     if distribution not in ("rademacher", "gaussian"):
@@ -311,13 +295,12 @@ _ARGUMENTS: dict[str, tuple[str, ...]] = {}
 
 
 def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> MethodFn:
-    """Registers a noise-measurement method under `name` (a value of `config.noise.method`).
+    """Registers fn as the noise method `name` (a value of `config.noise.method`); returns fn.
 
     fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a fresh
-    PRNG key, curvature asks for the curvature fields too, num_probes / chunk_size the config's
-    (None for 0). `takes` declares the further keywords it is given (`METHOD_ARGUMENTS`):
-    `hessian_batch`, examples for H drawn independently of the measured ones; `deviations`, the
-    config's m; `hessian_examples`, its h. A repeated name is an error. Returns fn.
+    PRNG key, num_probes / chunk_size the config's (None for 0). `takes` declares the further
+    keywords it is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn independently
+    of the measured ones; `deviations`, the config's m; `hessian_examples`, its h.
     """
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
@@ -330,7 +313,7 @@ def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> Me
 
 
 def method_arguments(name: str) -> tuple[str, ...]:
-    """The further keywords the method `name` declared (`register_method`'s `takes`)."""
+    """The `takes` of the method `name` (`register_method`)."""
     get_method(name)
     return _ARGUMENTS[name]
 
@@ -348,8 +331,6 @@ def get_method(name: str) -> MethodFn:
 
 
 def _exact_method(route: str) -> MethodFn:
-    """`exact` with per-example norms by `route` ("auto" | "fast" | "vmap")."""
-
     def measure(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size,
                 hessian_batch=None):
         del key, num_probes

@@ -1,8 +1,8 @@
 """Sampled and whole-training-set noise measurements, with B_noise unbiased by construction.
 
-Letters: N training examples (the population: G, H and Σ are over them), 𝓑 the measured
-batch (n examples: gradients), 𝓐 ⊆ 𝓑 its first m examples (deviations), 𝓒 an independent
-draw of h examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, ḡ_𝓑 and ḡ_𝓐 means.
+Letters: N training examples (the population: G, H and Σ are over them), 𝓑 the measured batch
+(n examples: gradients), 𝓐 ⊆ 𝓑 its first m examples (deviations), 𝓒 an independent draw of h
+examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, ḡ_𝓑 and ḡ_𝓐 means.
 
     trace_sigma, grad_sq_norm, b_simple      cbs.stats.noise.exact on 𝓑
     trace_h_sigma = Σ_{i∈𝓐} (g_i − ḡ_𝓐)ᵀ Ĥ (g_i − ḡ_𝓐) / (m − 1)
@@ -10,31 +10,27 @@ draw of h examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, �
     g_h_g         = mean_g_h_g − trace_h_sigma / n
     b_noise       = trace_h_sigma / g_h_g
 
-Why a separate 𝓒: with H from the examples whose deviations it measures, each example's own
-Hessian enters its term (on the digits MLP at m = 32 that inflated tr(HΣ) about threefold
-and drove g_h_g negative). With 𝓒 independent of 𝓑, E[Ĥ | 𝓑] = H and every term is linear
-in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and
-E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients and m + 1 HVPs on h
-examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² − E[trace_sigma]/N (relative
-1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a ratio of window means.
+A Hessian of the examples whose deviations it weighs adds each example's own Hessian to its term
+(on the digits MLP at m = 32: tr(HΣ) about threefold, g_h_g negative). With 𝓒 independent of 𝓑,
+E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] =
+Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients
+and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
+E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a
+ratio of window means.
 
-Full training set (`measure_full_data`, for small N): G, |G|², tr(Σ) and GᵀHG exactly over
-all N (H = ∇²L over all N), tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of
-m examples drawn without replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)):
+Full training set (`measure_full_data`, small N): G, |G|², tr(Σ) and GᵀHG exact over all N,
+tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of m examples drawn without
+replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)):
 
     trace_sigma   = Σ_{i≤N} |g_i − G|² / (N − 1)
     grad_sq_norm  = mean_grad_sq_norm = |G|²
     g_h_g         = mean_g_h_g = GᵀHG
     trace_h_sigma = N/(N − 1) · (1/m) Σ_{i∈𝓐} d_iᵀ H d_i
-    b_simple = trace_sigma / grad_sq_norm,   b_noise = trace_h_sigma / g_h_g
 
-Cost: one pass over N and m + 1 HVPs over N (or the m HVPs over h examples drawn
-independently of 𝓐, still unbiased). Beyond `FULL_DATA_ONE_PASS` examples everything is
-summed over chunks of `FULL_DATA_CHUNK` (G = Σ_k (n_k/N) ∇L_k, Hv and mean |g_i|² likewise;
-tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk.
-
-Both are registered noise methods ("sampled", "full_data") on the caller's batches
-(`cbs.engine.measure.draw`).
+Cost: one pass over N and m + 1 HVPs over N (or over h examples drawn independently of 𝓐).
+Beyond `FULL_DATA_ONE_PASS` examples every sum runs over chunks of `FULL_DATA_CHUNK`
+(`population_hvp`; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk. Both are
+registered noise methods ("sampled", "full_data").
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from cbs.stats import curvature, ghost, noise, trees
+from cbs.stats.examples import LossFn, PyTree, one_example
 
 __all__ = [
     "FULL_DATA_CHUNK", "FULL_DATA_METHOD", "FULL_DATA_ONE_PASS", "SAMPLED_METHOD",
@@ -54,8 +51,6 @@ __all__ = [
     "resolve_b_noise", "sampled_method",
 ]
 
-PyTree = Any
-LossFn = Callable[[PyTree, PyTree], jax.Array]
 SAMPLED_METHOD = "sampled"  # the registered name of `sampled_method`
 FULL_DATA_METHOD = "full_data"  # the registered name of `full_data_method`
 FULL_DATA_ONE_PASS = 32768  # up to this many training examples: one pass over all of them
@@ -65,16 +60,9 @@ FULL_DATA_CHUNK = 4096  # beyond it: examples per chunk, the chunks' sums added 
 def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
                   hess_batch: PyTree | None = None, *, deviations: int = 0,
                   chunk_size: int | None = None) -> dict[str, jax.Array]:
-    """Noise statistics at `params` (float32 scalars, keys without prefix).
-
-    Args:
-      grad_batch: 𝓑, n examples: trace_sigma, grad_sq_norm, b_simple, and ḡ_𝓑.
-      hess_batch: 𝓒, examples drawn independently of 𝓑 for the Hessian; None: no curvature.
-      deviations: m, the first m examples of 𝓑 whose deviations give trace_h_sigma
-        (2 ≤ m ≤ n; 0 = all n).
-    Returns:
-      `noise.SIMPLE_KEYS` and, with hess_batch, `noise.CURVATURE_KEYS` (module docstring).
-    """
+    """`noise.SIMPLE_KEYS` of `grad_batch` (𝓑) and, with `hess_batch` (𝓒), the
+    `noise.CURVATURE_KEYS` from the deviations of 𝓑's first `deviations` examples (m, 2 ≤ m ≤ n;
+    0: all n), as float32 scalars (module docstring)."""
     stats = noise.exact(loss_fn, params, grad_batch, chunk_size=chunk_size)
     out = {k: getattr(stats, k) for k in noise.SIMPLE_KEYS}
     if hess_batch is not None:
@@ -82,22 +70,23 @@ def measure_noise(loss_fn: LossFn, params: PyTree, grad_batch: PyTree,
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
-def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
-                   key: jax.Array | None = None, curvature: bool = False,
-                   num_probes: int | None = None, chunk_size: int | None = None,
-                   hessian_batch: PyTree | None = None, deviations: int = 0
-                   ) -> noise.NoiseStats:
-    """The noise method "sampled": `measure_noise` on `batch` (𝓑); with `curvature`, tr(HΣ)
-    from the deviations of its first `deviations` examples (0: all) and the Hessian of
-    `hessian_batch` (𝓒, independent of 𝓑). `key` and `num_probes` are unused."""
+def sampled_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *, key: jax.Array | None = None,
+                   curvature: bool = False, num_probes: int | None = None,
+                   chunk_size: int | None = None, hessian_batch: PyTree | None = None,
+                   deviations: int = 0) -> noise.NoiseStats:
+    """The noise method "sampled": `measure_noise` on `batch` (𝓑), with `curvature` against
+    `hessian_batch` (𝓒). `key` and `num_probes` are unused."""
     del key, num_probes
     if curvature and hessian_batch is None:
         raise ValueError("the sampled noise method needs a hessian_batch for curvature")
-    n = jax.tree.leaves(batch)[0].shape[0]
-    out = measure_noise(loss_fn, params, batch, hessian_batch if curvature else None,
-                        deviations=deviations, chunk_size=chunk_size)
+    return _noise_stats(batch, measure_noise(
+        loss_fn, params, batch, hessian_batch if curvature else None, deviations=deviations,
+        chunk_size=chunk_size))
+
+
+def _noise_stats(batch: PyTree, out: dict[str, jax.Array]) -> noise.NoiseStats:
     stats: dict[str, Any] = {k: out.get(k) for k in noise.STAT_KEYS}
-    return noise.NoiseStats(batch_size=n, **stats)
+    return noise.NoiseStats(batch_size=jax.tree.leaves(batch)[0].shape[0], **stats)
 
 
 noise.register_method(SAMPLED_METHOD, sampled_method, takes=("hessian_batch", "deviations"))
@@ -107,19 +96,15 @@ def full_data_method(loss_fn: LossFn, params: PyTree, batch: PyTree, *,
                      key: jax.Array | None = None, curvature: bool = False,
                      num_probes: int | None = None, chunk_size: int | None = None,
                      deviations: int = 0, hessian_examples: int = 0) -> noise.NoiseStats:
-    """The noise method "full_data": `measure_full_data` on `batch`, all N training examples;
-    with `curvature`, tr(HΣ) from `deviations` examples drawn with `key` and the Hessian of
-    `hessian_examples` (0: all N). `num_probes` is unused."""
+    """The noise method "full_data": `measure_full_data` on `batch`, all N training examples
+    (curvature only with `curvature`). `num_probes` is unused."""
     del num_probes
-    out = measure_full_data(loss_fn, params, batch, key, deviations=deviations if curvature
-                            else 0, hessian_examples=hessian_examples, chunk_size=chunk_size)
-    n = jax.tree.leaves(batch)[0].shape[0]
-    stats: dict[str, Any] = {k: out.get(k) for k in noise.STAT_KEYS}
-    return noise.NoiseStats(batch_size=n, **stats)
+    return _noise_stats(batch, measure_full_data(
+        loss_fn, params, batch, key, deviations=deviations if curvature else 0,
+        hessian_examples=hessian_examples, chunk_size=chunk_size))
 
 
-noise.register_method(FULL_DATA_METHOD, full_data_method,
-                      takes=("deviations", "hessian_examples"))
+noise.register_method(FULL_DATA_METHOD, full_data_method, takes=("deviations", "hessian_examples"))
 
 
 def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):
@@ -134,8 +119,7 @@ def _curvature(loss_fn, params, grad_batch, hess_batch, deviations, chunk_size):
     grad_m = jax.grad(loss_fn)(params, batch_m)
 
     def form(example):
-        one = jax.tree.map(lambda x: x[None], example)
-        d = jax.tree.map(jnp.subtract, jax.grad(loss_fn)(params, one), grad_m)
+        d = jax.tree.map(jnp.subtract, jax.grad(loss_fn)(params, one_example(example)), grad_m)
         return trees.tree_dot(d, hvp(d))
 
     forms_m = jax.lax.map(form, batch_m, batch_size=min(chunk_size or m, m))
@@ -149,19 +133,11 @@ def measure_full_data(loss_fn: LossFn, params: PyTree, train_batch: PyTree,
                       key: jax.Array | None = None, *, deviations: int = 0,
                       hessian_examples: int = 0, chunk_size: int | None = None
                       ) -> dict[str, jax.Array]:
-    """Noise statistics of the whole training set at `params` (module docstring).
-
-    Args:
-      train_batch: all N training examples (the population: G, Σ and H are theirs).
-      key: PRNG key drawing the subset 𝓐 of `deviations` examples (needed when > 0).
-      deviations: m, examples whose deviations give trace_h_sigma (0 = no curvature,
-        m ≥ N: every example, no sampling).
-      hessian_examples: 0 (or ≥ N): trace_h_sigma's H over all N; h > 0: H of h examples
-        drawn without replacement, independently of 𝓐 (still unbiased, at h/N of the HVP
-        cost). GᵀHG always uses all N.
-    Returns:
-      float32 scalars: `noise.SIMPLE_KEYS` and, when deviations > 0, `noise.CURVATURE_KEYS`.
-    """
+    """Noise statistics of all N examples of `train_batch` (module docstring), float32:
+    `noise.SIMPLE_KEYS` and, when `deviations` (m) > 0, `noise.CURVATURE_KEYS` from m examples
+    drawn with `key` (m ≥ N: every example). `hessian_examples`: 0 (or ≥ N): trace_h_sigma's H
+    over all N; h > 0: H of h examples drawn independently of 𝓐 (still unbiased, at h/N of the
+    HVP cost). GᵀHG always uses all N."""
     num = jax.tree.leaves(train_batch)[0].shape[0]
     trace_sigma, grad_sq_norm = _population_noise(loss_fn, params, train_batch, chunk_size)
     # |G|², exact: G is the population gradient
@@ -187,8 +163,7 @@ def _chunk_mean(f: Callable, batch: PyTree, chunk: int) -> PyTree:
     """Σ_k (n_k/N) f(chunk_k) over chunks of at most `chunk` examples: the mean over all N."""
     num = jax.tree.leaves(batch)[0].shape[0]
     whole, rest = divmod(num, chunk)
-    chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]),
-                          batch)
+    chunks = jax.tree.map(lambda x: x[:whole * chunk].reshape(whole, chunk, *x.shape[1:]), batch)
 
     def add(total, b):
         return jax.tree.map(lambda t, x: t + x * (chunk / num), total, f(b)), None
@@ -244,8 +219,7 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     if m < 1:
         raise ValueError(f"the curvature measurement needs >= 1 deviation example, got {m}")
     dtype = trees.accum_dtype()
-    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_ONE_PASS,
-                               FULL_DATA_CHUNK)
+    grad, hvp = population_hvp(loss_fn, params, train_batch, FULL_DATA_ONE_PASS, FULL_DATA_CHUNK)
     g_h_g = trees.tree_dot(grad, hvp(grad))
     key_a, key_c = (None, None) if key is None else jax.random.split(key)
     subset = _draw(train_batch, key_a, m, num)
@@ -256,7 +230,7 @@ def _full_curvature(loss_fn, params, train_batch, key, m, h, chunk_size):
     grad_acc = trees.tree_cast(grad, dtype)
 
     def form(example):
-        g = jax.grad(loss_fn)(params, jax.tree.map(lambda x: x[None], example))
+        g = jax.grad(loss_fn)(params, one_example(example))
         d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
         return trees.tree_dot(d, hvp(d))
 

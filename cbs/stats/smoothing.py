@@ -5,7 +5,6 @@ EMA of a noise scale's numerator and denominator (McCandlish et al. 2018, App. A
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -35,11 +34,7 @@ def two_batch(sq_norm_small: jax.Array, sq_norm_big: jax.Array, b_small, b_big
     return grad_sq_norm, trace_sigma
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["count", "avg_grad_sq_norm", "avg_trace_sigma", "count_curvature", "avg_g_h_g",
-                 "avg_trace_h_sigma"],
-    meta_fields=["decay"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoiseScaleEMA:
     """Bias-corrected EMAs of numerator and denominator; the noise scale is their ratio.
@@ -48,7 +43,7 @@ class NoiseScaleEMA:
     The curvature pair has its own count: it is updated only when it is fed.
     """
 
-    decay: float
+    decay: float = dataclasses.field(metadata=dict(static=True))
     count: jax.Array
     avg_grad_sq_norm: jax.Array
     avg_trace_sigma: jax.Array

@@ -61,10 +61,7 @@ GroupSpec = None | bool | str | Callable[[str], str]
 
 
 def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+    return str(next((getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)), key))
 
 
 def leaf_paths(tree: PyTree) -> list[str]:
