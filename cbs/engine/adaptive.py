@@ -1,13 +1,6 @@
-"""The adaptive batch-size schedule: B follows the smoothed noise scale the loop feeds it.
-
-`Adaptive` moves B on a ladder of sizes min·factor^n towards a target, clip(k·B_s, min, max)
-with B_s the live B_simple (or the measured B_noise), with hysteresis: it moves only after the
-target has stayed beyond a band (B·band above or B/band below) for `patience` consecutive
-updates. With `rule="calibrated"` the target is k times the calibrated prediction of B_crit,
-k·r̂·B_s, r̂ the ratio B_crit/B_s of the optimizer's family in the committed studies
-(`cbs.results.calibration`, the shipped file; a run sets the optimizer from
-`config.optim.name`). Its state (`AdaptiveState`) is plain numbers, saved with each
-checkpoint. The schedule protocol and the registry are `cbs.engine.schedules`.
+"""The adaptive batch-size schedule: B follows the smoothed noise scale the loop feeds it
+(`Adaptive`); its state (`AdaptiveState`) is plain numbers, saved with each checkpoint. The
+schedule protocol and the registry are `cbs.engine.schedules`.
 """
 
 from __future__ import annotations
@@ -49,13 +42,14 @@ class AdaptiveState:
 
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
-    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n
-    (clip(k·r̂·noise_scale, ...) with rule="calibrated").
+    """B follows the target clip(k·noise_scale, min_batch, max_batch) on the ladder
+    min_batch·factor^n (clip(k·r̂·noise_scale, ...) with rule="calibrated"), with hysteresis:
+    it moves only after the target has stayed beyond a band for `patience` updates.
 
     k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1);
       with rule="calibrated", per unit of the predicted B_crit.
     rule: "multiple" (target k·B_s) or "calibrated" (target k·r̂·B_s: k times the B_crit
-      predicted from B_s by the shipped calibration for the optimizer's family, r̂ = `ratio`).
+      predicted from B_s by `cbs.results.calibration`'s shipped file, r̂ = `ratio`).
     optimizer: a config's optim.name, whose family selects r̂ (rule="calibrated"; a run sets
       it from `config.optim.name` when None).
     band: hysteresis ratio; a move up needs target > B·band, a move down target < B/band,

@@ -1,20 +1,15 @@
 """The training config: defaults with every field documented, and validation at start-up.
 
 `default_config()` is the full schema (units in the trailing comments); the presets in
-`cbs.configs` start from it and change what they need. `validate(config,
-data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a ValueError)
-whose message starts with the dotted name of the offending field.
-
-Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
-`cbs.engine.schedules.validate_batch_config` (batch), `cbs.engine.lr.validate_coupling_config`
-(batch.lr_coupling), `cbs.engine.noise_spec.NoiseSpec.from_config` (noise: the one reading
-of that section),
-`cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
-`cbs.runtime.mesh.validate_config` (mesh), `cbs.runtime.throughput.validate_config` (perf),
-`cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
-`validate` runs them and keeps the checks that join sections (batch sizes against the mesh's
-data replicas, noise sizes against the batch and the schedule, budgets). The field checks are
-in `cbs.runtime.fields`.
+`cbs.configs` start from it. `validate(config, data_replicas=R)` runs before anything is
+compiled and raises `ConfigError` (a ValueError) whose message starts with the dotted name of
+the offending field. Each component checks its own section (`validate_config` of
+`cbs.engine.optim`, `cbs.runtime.mesh`, `cbs.runtime.throughput` and `cbs.data`;
+`cbs.engine.schedules.validate_batch_config`, `cbs.engine.lr.validate_coupling_config`,
+`cbs.engine.noise_spec.NoiseSpec.from_config`, `cbs.engine.loop.validate_train_config` and
+`validate_eval_config`, the registries); `validate` runs them and keeps the checks that join
+sections (batch sizes against the data replicas, noise sizes against the batch and the
+schedule). The field checks are in `cbs.runtime.fields`.
 
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
@@ -72,17 +67,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.batch.lr_coupling.cap = 0.0  # largest learning rate allowed; 0 = no cap
 
     c.noise = ml_collections.ConfigDict()
-    c.noise.live = "auto"  # live estimate of tr(Σ), |G|² (+ EMA) every step: "auto" (exact,
-    #   from the backward pass's per-example gradient norms, where cbs.stats.ghost reads the
-    #   model; else two-batch) | "exact" | "two_batch" | "none" (cbs.engine.live_noise)
+    c.noise.live = "auto"  # live estimate of tr(Σ), |G|² (+ EMA) every step: "auto" (exact
+    #   where cbs.stats.ghost reads the model, else two-batch) | "exact" | "two_batch" | "none"
     c.noise.two_batch = True  # False: no live estimate at all (as live="none")
-    c.noise.small_batch = 0  # the two-batch estimate's small batch b: R·m (micro-batches), m
-    #   (per replica, R ≥ 2), or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2,
-    #   m if R ≥ 2, else m/2
+    c.noise.small_batch = 0  # the two-batch estimate's small batch b (cbs.engine.step); 0 =
+    #   R·m if A ≥ 2, m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
-    c.noise.advice_calibration = ""  # the calibration file of the live advice/* keys: ""
-    #   the shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json (the task's
-    #   own probed ratio)
+    c.noise.advice_calibration = ""  # the calibration file of the live advice/* keys: "" the
+    #   shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json
     # The measurement (cbs.engine.noise_spec.NoiseSpec, measured by cbs.engine.measure):
     c.noise.every = 0  # steps between measurements of the step's examples; 0 = never
     c.noise.examples = "step"  # also measured at each evaluation: "stream" (n examples of a

@@ -1,11 +1,8 @@
 """The contract between the one training loop (`cbs.engine.loop.Loop`) and what it drives:
 a single run (`cbs.engine.trainer.Trainer`), a sweep's vmapped group of trials
-(`cbs.sweeps.groups.TrialGroup`) or the vmapped seeds of a branch
-(`cbs.sweeps.branch_unit.VmappedBranch`).
-
-`Driver` is what every driver implements: six members. How a loop runs (its own evaluation
-and checkpoint points, reading each evaluation at once, the step it expects to end at, the
-bar and mirrors, the throughput hooks) is given to `Loop` by whoever starts it.
+(`cbs.sweeps.groups.TrialGroup`: many steps of K trials per dispatch) or the vmapped seeds of
+a branch (`cbs.sweeps.branch_unit.VmappedBranch`: its whole window in one dispatch). How a
+loop runs (its own points, the bar, the throughput hooks) is given to `Loop` by its caller.
 """
 
 from __future__ import annotations
