@@ -156,11 +156,8 @@ class Adaptive:
         band = cast(float, self.band)  # set in __post_init__
         rungs, b = self.rungs, state.batch_size
         target = min(max(self.k * self.ratio * noise_scale, self.min_batch), self.max_batch)
-        direction = 0
-        if target > b * band and b < rungs[-1]:
-            direction = 1
-        elif target < b / band and b > rungs[0]:
-            direction = -1
+        up, down = target > b * band and b < rungs[-1], target < b / band and b > rungs[0]
+        direction = 1 if up else -1 if down else 0
         if direction == 0:
             return dataclasses.replace(counted, streak=0, streak_target=None)
         if state.streak * direction > 0:  # the streak continues

@@ -77,16 +77,13 @@ def default_config() -> ml_collections.ConfigDict:
     #   shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json
     # The measurement (cbs.engine.noise_spec.NoiseSpec, measured by cbs.engine.measure):
     c.noise.every = 0  # steps between measurements of the step's examples; 0 = never
-    c.noise.examples = "step"  # also measured at each evaluation: "stream" (n examples of a
-    #   fresh stream, H from h independent ones) | "all" (the whole training set) | "auto"
-    #   ("all" up to 10k examples); "step": only every noise.every steps
-    c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
-    #   "auto" (exact on the step's examples, "sampled" on a stream's, "full_data" on all) |
-    #   "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson) | "sampled"
-    #   (cbs.stats.sampled: H from independent examples) | "full_data" (examples "all")
+    c.noise.examples = "step"  # also measured at each evaluation: "stream" | "all" | "auto"
+    #   (cbs.engine.noise_spec); "step": only every noise.every steps
+    c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method): "auto"
+    #   | "fast" | "vmap" (exact) | "probe" (Hutchinson) | "sampled" | "full_data"
     c.noise.batch_size = 0  # n, examples measured; of the step's: a multiple of R·m, 0 = one
-    #   micro-batch (an exact B_simple measurement with an exact live estimate uses the whole
-    #   batch B); of a stream's: 0 = no measurement
+    #   micro-batch (or the whole batch B, read from an exact live estimate); of a stream's:
+    #   0 = no measurement
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
     c.noise.deviations = 0  # m, examples whose deviations give tr(HΣ) ("sampled",
     #   "full_data"); 0 = all measured (of a stream's, the first m of n)
@@ -192,8 +189,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
 
 def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule,
                  n: noise_spec.NoiseSpec) -> None:
-    """The checks that join sections: batch sizes against micro_batch × data replicas, the
-    noise measurements against the batch and the schedule's needs."""
+    """The checks that join sections (module docstring)."""
     m, r = config.batch.micro_batch, replicas
     multiple, sizes = m * r, schedule.batch_sizes()
     for b in sizes:

@@ -30,12 +30,9 @@ class Deferred(NamedTuple):
 
 
 class Driver(Protocol):
-    """What `Loop` drives: a run config, a run directory, a batch schedule, a state, its
-    dispatches and its evaluations.
-
-    Attributes: `config` (the run config: `train`, `eval` and `batch.adapt_every` are read),
-    `workdir` (the run directory), `schedule` (`cbs.engine.schedules`).
-    """
+    """What `Loop` drives: a run config (`train`, `eval` and `batch.adapt_every` are read), a
+    run directory, a batch schedule (`cbs.engine.schedules`), a state, its dispatches and its
+    evaluations."""
 
     config: ml_collections.ConfigDict
     schedule: schedules.BatchSchedule
@@ -45,10 +42,9 @@ class Driver(Protocol):
 
     def start(self, restore: Restore | None) -> tuple[Any, dict[str, Any]]:
         """(state, metadata): a fresh state on the device with {"step", "examples_seen"} of
-        where it starts (a branch starts where its point is, so its budget `train.max_steps`
-        counts from the reference run's step 0) when `restore` is None; else the checkpoint
-        `restore` reads into this driver's abstract state, adjusted for what the config may
-        change on resume, with the checkpoint's metadata."""
+        where it starts (a branch's budget counts from its reference run's step 0) when
+        `restore` is None; else the checkpoint `restore` reads into this driver's abstract
+        state, adjusted for what the config may change on resume, and its metadata."""
 
     def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
                 ) -> tuple[Any, int, Deferred | None]:

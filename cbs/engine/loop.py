@@ -82,8 +82,7 @@ def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
 
 
 def validate_train_config(train_config: Any) -> None:
-    """Checks `config.train` (budget, read/record/checkpoint cadence, divergence rule); raises
-    `fields.ConfigError` naming the first bad field."""
+    """Checks `config.train`; raises `fields.ConfigError` naming the first bad field."""
     at, t = "config.train", train_config
     fields.integer(t, "max_steps", at, minimum=0)
     fields.integer(t, "max_examples", at, minimum=0)
@@ -102,8 +101,7 @@ def validate_train_config(train_config: Any) -> None:
 
 
 def validate_eval_config(eval_config: Any) -> None:
-    """Checks `config.eval` (cadence and sizes of the evaluations); raises `fields.ConfigError`
-    naming the first bad field."""
+    """Checks `config.eval`; raises `fields.ConfigError` naming the first bad field."""
     at = "config.eval"
     fields.integer(eval_config, "every", at, minimum=0)
     steps = eval_config.get("steps", ())
@@ -140,8 +138,7 @@ class _Pending:
 
 def noise_scale(state: Any, name: str) -> float:
     """The smoothed noise scale `name` a single run's state carries: B_simple from the EMA of
-    its live estimates, B_noise from the EMA of its periodic measurements (the only one with
-    curvature)."""
+    its live estimates, B_noise from the EMA of its periodic measurements."""
     if not isinstance(state, TrainState):
         raise ValueError(f"a {type(state).__name__} state trains at a constant batch size: it "
                          f"observes no noise scale ({name})")
@@ -267,8 +264,7 @@ class Loop:
                 or bool(tr.max_examples and self.e >= tr.max_examples))
 
     def _observe_noise(self) -> None:
-        """Feeds a schedule that observes a noise scale (`schedule.observes`) its smoothed
-        value every `batch.adapt_every` steps (fixed steps: exact resume)."""
+        """Feeds the schedule the noise scale it `observes` every `batch.adapt_every` steps."""
         name, every = self.schedule.observes, self.config.batch.adapt_every
         if name is None or self.t == 0 or self.t % every:
             return

@@ -80,8 +80,7 @@ def coupling_from_config(lr_coupling: ml_collections.ConfigDict, initial_batch_s
 
 
 def validate_coupling_config(lr_coupling: Any) -> None:
-    """Checks `config.batch.lr_coupling` (rule, base_batch_size, cap); raises
-    `fields.ConfigError` naming the first bad field."""
+    """Checks `config.batch.lr_coupling`; raises `fields.ConfigError` naming the bad field."""
     at = "config.batch.lr_coupling"
     fields.choice(lr_coupling, "rule", at, LR_RULES)
     fields.integer(lr_coupling, "base_batch_size", at, minimum=0)

@@ -51,7 +51,7 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
             hessian_batch: PyTree | None = None, key: jax.Array | None = None,
             examples: str | None = None, whole: noise.NoiseStats | None = None
             ) -> noise.NoiseStats:
-    """The method's `NoiseStats` of one measurement by the method `spec` names (jittable).
+    """One measurement by the method `spec` names: its `NoiseStats` (jittable).
 
     Args:
       loss_fn: loss_fn(params, batch) -> mean loss.
@@ -66,14 +66,12 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       examples: which examples 𝓑 is ("step" | "stream" | "all"; default the spec's).
     """
     examples = examples or spec.examples
-    fn = noise.get_method(spec.resolved_method(examples))
+    method = spec.resolved_method(examples)
+    fn, takes = noise.get_method(method), noise.method_arguments(method)
     kw: dict[str, Any] = dict(key=key, curvature=spec.curvature, num_probes=spec.num_probes,
                               chunk_size=spec.chunk_size or None)
-    takes = noise.method_arguments(spec.resolved_method(examples))
-    if "deviations" in takes:
-        kw["deviations"] = spec.deviations
-    if "hessian_examples" in takes:
-        kw["hessian_examples"] = spec.hessian_batch_size
+    kw |= {k: v for k, v in (("deviations", spec.deviations),
+                             ("hessian_examples", spec.hessian_batch_size)) if k in takes}
     split_hessian = spec.curvature and "hessian_batch" in takes
     if examples != "step" or not split_hessian:
         if split_hessian and hessian_batch is not None:
@@ -98,21 +96,17 @@ def evaluation_record(stats: noise.NoiseStats) -> dict[str, jax.Array]:
 
 
 def _measurement_key(seed: int, index: Any) -> jax.Array:
-    """The key of the `index`-th measurement's random draws (its Hessian batch 𝓒, or the
-    deviations of a whole-training-set measurement) for training seed `seed`."""
+    """The key of the `index`-th measurement's random draws (𝓒, or the deviations of "all")."""
     return jax.random.fold_in(jax.random.key(seed + _SEED_OFFSET), index)
 
 
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
                         seed: int, batch_size: int, hessian_batch_size: int = 0
                         ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`).
-
-    𝓑: stream positions [index·n, (index + 1)·n) of a training stream seeded `seed +
-    _SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
-    examples drawn uniformly without replacement with a key of its own (independent of 𝓑);
-    None when hessian_batch_size is 0.
-    """
+    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: stream
+    positions [index·n, (index + 1)·n) of a training stream independent of training's (never
+    reusing a batch within an epoch); 𝓒: h examples drawn uniformly without replacement with
+    a key of its own (independent of 𝓑), None when hessian_batch_size is 0."""
     num = dataset.num_train
     n = min(int(batch_size), num)
     grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
@@ -175,8 +169,7 @@ def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
 
 def at_evaluation(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, dataset: data.Dataset,
                   arrays: Any, index: Any, *, seed: int) -> dict[str, jax.Array]:
-    """The statistics recorded at the `index`-th evaluation (`draw`, then `measure`;
-    jittable). `arrays`: the training split's stored arrays."""
+    """The statistics recorded at the `index`-th evaluation (`draw`, then `measure`)."""
     examples, grad_batch, hess_batch, key = draw(spec, dataset, arrays, index, seed=seed)
     return evaluation_record(measure(spec, loss_fn, params, grad_batch,
                                      hessian_batch=hess_batch, key=key, examples=examples))
@@ -282,8 +275,7 @@ class Measurement:
 
     def _measure_hook(self, state: TrainState, chunks: Any, per_micro: int,
                       exact: noise.NoiseStats | None):
-        """The step hook of a due step: the method on the step's first micro-batches (B_simple
-        from the exact live statistics `exact` when the method is exact)."""
+        """The step hook of a due step: `_step_measurement` (class docstring)."""
         spec, ts = self.spec, self.train_step
         whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
         return _step_measurement(spec, lambda p, b: ts.loss_fn(p, state.model_state, b)[0],

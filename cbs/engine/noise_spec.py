@@ -107,16 +107,13 @@ class NoiseSpec:
             raise fields.ConfigError(f"{at}.advice_calibration: a path to a calibration file "
                                      f"or \"\", got {calibration!r}")
         return cls(method=str(noise_config.method), examples=str(get("examples", "step")),
-                   batch_size=int(noise_config.batch_size),
-                   deviations=int(get("deviations", 0)),
+                   batch_size=int(noise_config.batch_size), deviations=int(get("deviations", 0)),
                    hessian_batch_size=int(get("hessian_batch_size", 0)),
-                   curvature=bool(get("curvature", False)),
-                   num_probes=int(noise_config.num_probes),
+                   curvature=bool(get("curvature", False)), num_probes=int(noise_config.num_probes),
                    chunk_size=int(noise_config.chunk_size), every=int(noise_config.every),
-                   in_step=bool(get("in_step", False)),
+                   in_step=bool(get("in_step", False)), small_batch=int(noise_config.small_batch),
                    live=str(get("live", "auto")) if get("two_batch", True) else "none",
-                   small_batch=int(noise_config.small_batch), ema_decay=float(decay),
-                   advice_calibration=calibration)
+                   ema_decay=float(decay), advice_calibration=calibration)
 
     @classmethod
     def of(cls, config: Any, study: str = "") -> NoiseSpec:
@@ -187,9 +184,8 @@ class NoiseSpec:
 
 
 def check_moved_keys(section: Any, name: str) -> None:
-    """ConfigError for a measurement setting still where it was
-    (`cbs.results.store.MOVED_NOISE_FIELDS`) in the config's section `name` ("sweep",
-    "branch"): one line naming the new field."""
+    """ConfigError naming the new field of a measurement setting still in the config's
+    section `name` ("sweep", "branch"; `cbs.results.store.MOVED_NOISE_FIELDS`)."""
     for old, new in MOVED_NOISE_FIELDS.items():
         where, _, key = old.partition(".")
         if where == name and key in section:

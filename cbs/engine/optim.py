@@ -31,8 +31,8 @@ _WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 
 def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: int = 0) -> None:
-    """Checks `config.optim`; raises `fields.ConfigError` naming the first bad field.
-    max_examples: the run's `train.max_examples` (a decay's end when `total_examples` is 0)."""
+    """Checks `config.optim` (a decay ends at `max_examples` when `total_examples` is 0);
+    raises `fields.ConfigError` naming the first bad field."""
     c, at = optim_config, "config.optim"
     fields.choice(c, "name", at, _OPTIMIZERS)
     fields.number(c, "learning_rate", at, strict=True)

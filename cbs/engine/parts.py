@@ -154,11 +154,9 @@ class RunParts:
                                        parts=self, eval_steps=c.eval.get("steps", ()))
 
     def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any) -> TrainStep:
-        """A `TrainStep` of this run's model, optimizer, mesh and config (`batch.micro_batch`,
-        `batch.lr_coupling`, the live estimate of `noise`): the run's own step, or a variant
-        with other inputs (branches read a data-order seed among them). `batch_fn(inputs,
-        examples_seen, batch_size)` gathers a batch on the device (None: the inputs are the
-        batch, with sharding `inputs_sharding`)."""
+        """A `TrainStep` of this run's model, optimizer, mesh and config: the run's own step,
+        or a variant with other inputs (branches read a data-order seed among them);
+        `batch_fn` and `inputs_sharding` as in `BatchLayout`."""
         c, n = self.config, self.noise_spec
         rate = lr.step_rate(c, self.schedule.batch_size_at(0, self.schedule.init()))
         layout = BatchLayout(self.mesh, self.state_sharding, inputs_sharding,

@@ -193,8 +193,7 @@ def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
 
 
 def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> BatchSchedule:
-    """`batch_schedule_from_config`, its error as a `fields.ConfigError` naming
-    `config.batch.schedule`."""
+    """`batch_schedule_from_config`, its error a `fields.ConfigError` (`config.batch.schedule`)."""
     try:
         return batch_schedule_from_config(schedule_config, optimizer=optimizer)
     except (ValueError, TypeError, KeyError) as err:
@@ -228,12 +227,9 @@ def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
 
 
 def in_sequences(schedule: BatchSchedule, seq_len: int) -> BatchSchedule:
-    """A static schedule in tokens (thresholds and sizes) as one in sequences of `seq_len`.
-
-    With every example a sequence of T tokens, tokens seen = T · examples seen exactly, so a
-    token schedule is a sequence schedule with sizes B/T (each must divide exactly) and
-    thresholds rounded up: B changes on the first step whose tokens seen reach a threshold.
-    """
+    """A static schedule in tokens (thresholds and sizes) as one in sequences of T =
+    `seq_len`: sizes B/T (each must divide exactly), thresholds rounded up (B changes on the
+    first step whose tokens seen reach a threshold)."""
     def size(b: int) -> int:
         if b % seq_len:
             raise ValueError(f"batch size {b} tokens is not a multiple of seq_len={seq_len}")

@@ -7,8 +7,6 @@ schedule, learning rate, seed, budget, evaluation points, ...) and gets its run 
 
     c = run_config(config, RunOverrides(batch_size=64, learning_rate=1e-3, seed=2))
     trainer.Trainer(c, workdir)
-
-A field left at None keeps the base config's value. The base is never changed.
 """
 
 from __future__ import annotations
@@ -38,11 +36,8 @@ class Coupling:
 @dataclasses.dataclass(frozen=True)
 class RunOverrides:
     """How one run differs from its base config; None (or False for `quiet`) keeps the base.
-
-    Each field names the config field it writes (`_FIELDS`). Values are checked when the
-    overrides are built: a bad one raises `cbs.runtime.fields.ConfigError` (a ValueError)
-    naming the config field and the override.
-    """
+    Each field writes a config field (`_FIELDS`); a bad value raises
+    `cbs.runtime.fields.ConfigError` naming the config field and the override."""
 
     batch_size: int | None = None  # B, held constant: batch.schedule = constant B
     schedule: Mapping[str, Any] | None = None  # a whole batch.schedule; not with batch_size

@@ -57,12 +57,10 @@ CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exac
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
 
 class Trainer(RunParts):
-    """A run: its parts (`cbs.engine.parts.RunParts`, built from `config` and validated
-    before any compilation) and its run directory; the driver of `cbs.engine.loop.Loop`.
+    """A run: its parts (`cbs.engine.parts.RunParts`) and its run directory `workdir` (None
+    for in-memory use only); the driver of `cbs.engine.loop.Loop`.
 
     Args:
-      config, mesh, dataset: as for `RunParts`.
-      workdir: run directory (records, checkpoints); None for in-memory use only.
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
         at evaluations, `cbs.engine.measure.Measurement.evaluation`, when the spec has one).
       start: a state to start from instead of a fresh one (a branch from a checkpoint of its
@@ -85,8 +83,7 @@ class Trainer(RunParts):
     # ------------------------------------------------------------------ the loop's driver
 
     def start(self, restore: Restore | None) -> tuple[TrainState, dict[str, Any]]:
-        """A fresh state on the mesh (parameters from `config.seed`) or the `start` state,
-        or the checkpoint `restore` reads, with the config's η_0 (`_restored`)."""
+        """`Driver.start`, with the config's η_0 (`_restored`) on a `start` state too."""
         if restore is not None:
             restored, meta = restore(self._restore_target())
             return self._restored(restored), meta
