@@ -104,13 +104,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2  # most recent checkpoints kept on disk
     c.train.divergence_factor = 10.0  # diverged when the batch loss stays above this × the
     #   initial loss (0 = off; a non-finite loss or gradient always counts as diverged)
-    c.train.divergence_patience = 3  # ... for this many consecutive steps (a shorter spike
-    #   that recovers is not a divergence)
+    c.train.divergence_patience = 3  # ... for this many consecutive steps (not a short spike)
     # c.train.grad_norm (optional, absent by default so that existing runs keep their config
     #   hash; True when absent): record |ḡ| as opt/grad_norm every step and stop on a
-    #   non-finite one. False saves that read of the gradient when noise.live is "none"
-    #   (5–9 % of a small MLP's step on CPU); a non-finite gradient then shows in the next
-    #   step's loss. A live estimate needs |ḡ|², so it is recorded anyway.
+    #   non-finite one. False saves that read when noise.live is "none" (5–9 % of a small
+    #   MLP's step on CPU); a non-finite gradient then shows in the next step's loss.
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;
     #   needs the [tensorboard] extra, checked before anything is written)
