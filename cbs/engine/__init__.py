@@ -1,18 +1,12 @@
 """The training core: one run from a config, and the one loop that drives it (its plumbing,
-devices, files, signals, flags, is `cbs.runtime`). Modules:
-
-- the run: `config` (defaults and start-up validation), `spec` (a run as a base config plus
-  typed overrides), `parts` (`RunParts`, built once from a config), `state` (what the step
-  carries and returns: the train state, its exact example counts, the packed metrics),
-  `step` (the pure jitted train step), `vmapped` (many states as one vmapped program), `loop`
-  (the one host loop), `driver` (what it drives), `trainer` (a run in a run directory);
-- the maths it trains with: `lr` (learning-rate coupling and schedules), `schedules`
-  (batch-size schedules) and `adaptive` (the one that follows the noise scale), `optim`
-  (optimizers);
-- the noise it measures: `live_noise` (the step's live estimate), `noise_spec` (the one
-  reading of `config.noise`), `measure` (the one call every path measures through, and a
-  run's `Measurement`, the loop's one measuring event), `live_advice` (the calibrated
-  batch-size advice each record logs from the live estimate).
+devices, files, signals, flags, is `cbs.runtime`). Modules: `config` (defaults, validation),
+`spec` (a run as a base config plus overrides), `parts` (`RunParts`, built once from a
+config), `state` (what the step carries and returns), `step` (the jitted train step),
+`vmapped` (many states as one program), `loop` (the one host loop), `driver` (what it
+drives), `trainer` (a run in a run directory); `lr`, `schedules` and `adaptive` (learning-rate
+and batch-size schedules), `optim` (optimizers); `live_noise` (the step's live estimate),
+`noise_spec` (the one reading of `config.noise`), `measure` (the one measurement call and a
+run's `Measurement`), `live_advice` (the batch-size advice each record logs).
 """
 
 __all__ = [

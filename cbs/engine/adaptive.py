@@ -1,13 +1,6 @@
-"""The adaptive batch-size schedule: B follows the smoothed noise scale the loop feeds it.
-
-`Adaptive` moves B on a ladder of sizes min·factor^n towards a target, clip(k·B_s, min, max)
-with B_s the live B_simple (or the measured B_noise), with hysteresis: it moves only after the
-target has stayed beyond a band (B·band above or B/band below) for `patience` consecutive
-updates. With `rule="calibrated"` the target is k times the calibrated prediction of B_crit,
-k·r̂·B_s, r̂ the ratio B_crit/B_s of the optimizer's family in the committed studies
-(`cbs.results.calibration`, the shipped file; a run sets the optimizer from
-`config.optim.name`). Its state (`AdaptiveState`) is plain numbers, saved with each
-checkpoint. The schedule protocol and the registry are `cbs.engine.schedules`.
+"""The adaptive batch-size schedule: B follows the smoothed noise scale the loop feeds it
+(`Adaptive`); its state (`AdaptiveState`) is plain numbers, saved with each checkpoint. The
+schedule protocol and the registry are `cbs.engine.schedules`.
 """
 
 from __future__ import annotations
@@ -49,13 +42,14 @@ class AdaptiveState:
 
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
-    """B follows clip(k·noise_scale, min_batch, max_batch) on the ladder min_batch·factor^n
-    (clip(k·r̂·noise_scale, ...) with rule="calibrated").
+    """B follows the target clip(k·noise_scale, min_batch, max_batch) on the ladder
+    min_batch·factor^n (clip(k·r̂·noise_scale, ...) with rule="calibrated"), with hysteresis:
+    it moves only after the target has stayed beyond a band for `patience` updates.
 
     k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1);
       with rule="calibrated", per unit of the predicted B_crit.
     rule: "multiple" (target k·B_s) or "calibrated" (target k·r̂·B_s: k times the B_crit
-      predicted from B_s by the shipped calibration for the optimizer's family, r̂ = `ratio`).
+      predicted from B_s by `cbs.results.calibration`'s shipped file, r̂ = `ratio`).
     optimizer: a config's optim.name, whose family selects r̂ (rule="calibrated"; a run sets
       it from `config.optim.name` when None).
     band: hysteresis ratio; a move up needs target > B·band, a move down target < B/band,
@@ -162,11 +156,8 @@ class Adaptive:
         band = cast(float, self.band)  # set in __post_init__
         rungs, b = self.rungs, state.batch_size
         target = min(max(self.k * self.ratio * noise_scale, self.min_batch), self.max_batch)
-        direction = 0
-        if target > b * band and b < rungs[-1]:
-            direction = 1
-        elif target < b / band and b > rungs[0]:
-            direction = -1
+        up, down = target > b * band and b < rungs[-1], target < b / band and b > rungs[0]
+        direction = 1 if up else -1 if down else 0
         if direction == 0:
             return dataclasses.replace(counted, streak=0, streak_target=None)
         if state.streak * direction > 0:  # the streak continues

@@ -1,20 +1,15 @@
 """The training config: defaults with every field documented, and validation at start-up.
 
 `default_config()` is the full schema (units in the trailing comments); the presets in
-`cbs.configs` start from it and change what they need. `validate(config,
-data_replicas=R)` runs before anything is compiled and raises `ConfigError` (a ValueError)
-whose message starts with the dotted name of the offending field.
-
-Each component checks its own section: `cbs.engine.optim.validate_config` (optim),
-`cbs.engine.schedules.validate_batch_config` (batch), `cbs.engine.lr.validate_coupling_config`
-(batch.lr_coupling), `cbs.engine.noise_spec.NoiseSpec.from_config` (noise: the one reading
-of that section),
-`cbs.engine.loop.validate_train_config` (train) and `validate_eval_config` (eval),
-`cbs.runtime.mesh.validate_config` (mesh), `cbs.runtime.throughput.validate_config` (perf),
-`cbs.data.validate_config` (data), the registries (model, noise.method, batch.schedule);
-`validate` runs them and keeps the checks that join sections (batch sizes against the mesh's
-data replicas, noise sizes against the batch and the schedule, budgets). The field checks are
-in `cbs.runtime.fields`.
+`cbs.configs` start from it. `validate(config, data_replicas=R)` runs before anything is
+compiled and raises `ConfigError` (a ValueError) whose message starts with the dotted name of
+the offending field. Each component checks its own section (`validate_config` of
+`cbs.engine.optim`, `cbs.runtime.mesh`, `cbs.runtime.throughput` and `cbs.data`;
+`cbs.engine.schedules.validate_batch_config`, `cbs.engine.lr.validate_coupling_config`,
+`cbs.engine.noise_spec.NoiseSpec.from_config`, `cbs.engine.loop.validate_train_config` and
+`validate_eval_config`, the registries); `validate` runs them and keeps the checks that join
+sections (batch sizes against the data replicas, noise sizes against the batch and the
+schedule). The field checks are in `cbs.runtime.fields`.
 
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
@@ -72,29 +67,23 @@ def default_config() -> ml_collections.ConfigDict:
     c.batch.lr_coupling.cap = 0.0  # largest learning rate allowed; 0 = no cap
 
     c.noise = ml_collections.ConfigDict()
-    c.noise.live = "auto"  # live estimate of tr(Σ), |G|² (+ EMA) every step: "auto" (exact,
-    #   from the backward pass's per-example gradient norms, where cbs.stats.ghost reads the
-    #   model; else two-batch) | "exact" | "two_batch" | "none" (cbs.engine.live_noise)
+    c.noise.live = "auto"  # live estimate of tr(Σ), |G|² (+ EMA) every step: "auto" (exact
+    #   where cbs.stats.ghost reads the model, else two-batch) | "exact" | "two_batch" | "none"
     c.noise.two_batch = True  # False: no live estimate at all (as live="none")
-    c.noise.small_batch = 0  # the two-batch estimate's small batch b: R·m (micro-batches), m
-    #   (per replica, R ≥ 2), or a multiple of R whose share b/R divides m; 0 = R·m if A ≥ 2,
-    #   m if R ≥ 2, else m/2
+    c.noise.small_batch = 0  # the two-batch estimate's small batch b (cbs.engine.step); 0 =
+    #   R·m if A ≥ 2, m if R ≥ 2, else m/2
     c.noise.ema_decay = 0.95  # decay of the NoiseScaleEMA (per step)
-    c.noise.advice_calibration = ""  # the calibration file of the live advice/* keys: ""
-    #   the shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json (the task's
-    #   own probed ratio)
+    c.noise.advice_calibration = ""  # the calibration file of the live advice/* keys: "" the
+    #   shipped one; a path: e.g. cbs-advise --probe's calibration_STEP.json
     # The measurement (cbs.engine.noise_spec.NoiseSpec, measured by cbs.engine.measure):
     c.noise.every = 0  # steps between measurements of the step's examples; 0 = never
-    c.noise.examples = "step"  # also measured at each evaluation: "stream" (n examples of a
-    #   fresh stream, H from h independent ones) | "all" (the whole training set) | "auto"
-    #   ("all" up to 10k examples); "step": only every noise.every steps
-    c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method):
-    #   "auto" (exact on the step's examples, "sampled" on a stream's, "full_data" on all) |
-    #   "fast" | "vmap" (exact, per-example gradients) | "probe" (Hutchinson) | "sampled"
-    #   (cbs.stats.sampled: H from independent examples) | "full_data" (examples "all")
+    c.noise.examples = "step"  # also measured at each evaluation: "stream" | "all" | "auto"
+    #   (cbs.engine.noise_spec); "step": only every noise.every steps
+    c.noise.method = "auto"  # a registered method (cbs.stats.noise.register_method): "auto"
+    #   | "fast" | "vmap" (exact) | "probe" (Hutchinson) | "sampled" | "full_data"
     c.noise.batch_size = 0  # n, examples measured; of the step's: a multiple of R·m, 0 = one
-    #   micro-batch (an exact B_simple measurement with an exact live estimate uses the whole
-    #   batch B); of a stream's: 0 = no measurement
+    #   micro-batch (or the whole batch B, read from an exact live estimate); of a stream's:
+    #   0 = no measurement
     c.noise.curvature = False  # also measure tr(HΣ), GᵀHG and b_noise
     c.noise.deviations = 0  # m, examples whose deviations give tr(HΣ) ("sampled",
     #   "full_data"); 0 = all measured (of a stream's, the first m of n)
@@ -115,13 +104,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2  # most recent checkpoints kept on disk
     c.train.divergence_factor = 10.0  # diverged when the batch loss stays above this × the
     #   initial loss (0 = off; a non-finite loss or gradient always counts as diverged)
-    c.train.divergence_patience = 3  # ... for this many consecutive steps (a shorter spike
-    #   that recovers is not a divergence)
+    c.train.divergence_patience = 3  # ... for this many consecutive steps (not a short spike)
     # c.train.grad_norm (optional, absent by default so that existing runs keep their config
     #   hash; True when absent): record |ḡ| as opt/grad_norm every step and stop on a
-    #   non-finite one. False saves that read of the gradient when noise.live is "none"
-    #   (5–9 % of a small MLP's step on CPU); a non-finite gradient then shows in the next
-    #   step's loss. A live estimate needs |ḡ|², so it is recorded anyway.
+    #   non-finite one. False saves that read when noise.live is "none" (5–9 % of a small
+    #   MLP's step on CPU); a non-finite gradient then shows in the next step's loss.
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;
     #   needs the [tensorboard] extra, checked before anything is written)
@@ -200,8 +187,7 @@ def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | 
 
 def _check_sizes(config: Any, replicas: int, schedule: schedules.BatchSchedule,
                  n: noise_spec.NoiseSpec) -> None:
-    """The checks that join sections: batch sizes against micro_batch × data replicas, the
-    noise measurements against the batch and the schedule's needs."""
+    """The checks that join sections (module docstring)."""
     m, r = config.batch.micro_batch, replicas
     multiple, sizes = m * r, schedule.batch_sizes()
     for b in sizes:

@@ -1,11 +1,8 @@
 """The contract between the one training loop (`cbs.engine.loop.Loop`) and what it drives:
 a single run (`cbs.engine.trainer.Trainer`), a sweep's vmapped group of trials
-(`cbs.sweeps.groups.TrialGroup`) or the vmapped seeds of a branch
-(`cbs.sweeps.branch_unit.VmappedBranch`).
-
-`Driver` is what every driver implements: six members. How a loop runs (its own evaluation
-and checkpoint points, reading each evaluation at once, the step it expects to end at, the
-bar and mirrors, the throughput hooks) is given to `Loop` by whoever starts it.
+(`cbs.sweeps.groups.TrialGroup`: many steps of K trials per dispatch) or the vmapped seeds of
+a branch (`cbs.sweeps.branch_unit.VmappedBranch`: its whole window in one dispatch). How a
+loop runs (its own points, the bar, the throughput hooks) is given to `Loop` by its caller.
 """
 
 from __future__ import annotations
@@ -33,12 +30,9 @@ class Deferred(NamedTuple):
 
 
 class Driver(Protocol):
-    """What `Loop` drives: a run config, a run directory, a batch schedule, a state, its
-    dispatches and its evaluations.
-
-    Attributes: `config` (the run config: `train`, `eval` and `batch.adapt_every` are read),
-    `workdir` (the run directory), `schedule` (`cbs.engine.schedules`).
-    """
+    """What `Loop` drives: a run config (`train`, `eval` and `batch.adapt_every` are read), a
+    run directory, a batch schedule (`cbs.engine.schedules`), a state, its dispatches and its
+    evaluations."""
 
     config: ml_collections.ConfigDict
     schedule: schedules.BatchSchedule
@@ -48,10 +42,9 @@ class Driver(Protocol):
 
     def start(self, restore: Restore | None) -> tuple[Any, dict[str, Any]]:
         """(state, metadata): a fresh state on the device with {"step", "examples_seen"} of
-        where it starts (a branch starts where its point is, so its budget `train.max_steps`
-        counts from the reference run's step 0) when `restore` is None; else the checkpoint
-        `restore` reads into this driver's abstract state, adjusted for what the config may
-        change on resume, with the checkpoint's metadata."""
+        where it starts (a branch's budget counts from its reference run's step 0) when
+        `restore` is None; else the checkpoint `restore` reads into this driver's abstract
+        state, adjusted for what the config may change on resume, and its metadata."""
 
     def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
                 ) -> tuple[Any, int, Deferred | None]:

@@ -5,9 +5,9 @@ Letters: B the logical batch, C chunks (micro-batches) the step runs one after a
 examples per chunk, g_i = ∇ℓ_i the gradient of example i's loss, ḡ = (1/B) Σ_i g_i.
 
 Exact ("exact"): each chunk's backward pass also returns its n per-example squared norms
-|g_i|² (ghost norms: one forward and one backward, no per-example gradients). Their sum over
-all C chunks, S = Σ_{i≤B} |g_i|², with the accumulated mean gradient ḡ gives the statistics of
-the whole logical batch, the same as `cbs.stats.noise.exact` on it:
+|g_i|² (ghost norms, no per-example gradients). Their sum over all C chunks, S = Σ_{i≤B}
+|g_i|², with the mean gradient ḡ gives the statistics of the whole logical batch, the same as
+`cbs.stats.noise.exact` on it:
 
     trace_sigma  = (S − B|ḡ|²) / (B − 1)          unbiased for tr Σ
     grad_sq_norm = |ḡ|² − trace_sigma / B          unbiased for |G|²
@@ -17,9 +17,8 @@ the whole logical batch, the same as `cbs.stats.noise.exact` on it:
 over the data replicas are summed by the compiler across the replicas: S is global.
 
 Two-batch ("two_batch", `cbs.stats.smoothing.two_batch`): from the squared norms of the chunks'
-(or replicas') mean gradients and |ḡ|², when ghost norms are not available: a leaf the ghost
-rules cannot read, a model state the loss updates (BatchNorm), a loss refused by
-`cbs.stats.loss_checks` (random, coupled or summed).
+(or replicas') mean gradients and |ḡ|², where ghost norms are not available
+(`ghost_unavailable`).
 """
 
 from __future__ import annotations
@@ -54,26 +53,17 @@ EXACT_MEASURE_METHODS = ("auto", "fast", "vmap")  # measurements the exact live 
 _log = logging.getLogger(__name__)
 
 
-def _state_passes_through(loss_fn: Callable, params: PyTree, model_state: PyTree,
-                          batch: PyTree) -> bool:
-    """Whether loss_fn returns its model state unchanged (no BatchNorm update): the state's
-    outputs of its jaxpr are its inputs."""
-    leaves, treedef = jax.tree.flatten(model_state)
-    if not leaves:
-        return True
-
-    def new_state(state_leaves):
-        return jax.tree.leaves(loss_fn(params, jax.tree.unflatten(treedef, state_leaves), batch)[1])
-
-    jaxpr = jax.make_jaxpr(new_state)(leaves).jaxpr
-    return list(jaxpr.outvars) == list(jaxpr.invars)
-
-
 def ghost_unavailable(loss_fn: Callable, params: PyTree, model_state: PyTree,
                       batch: PyTree) -> str | None:
     """Why the exact live estimate cannot run on this loss and batch, or None when it can
     (traces only: shapes and dtypes, no numbers of `params` or `batch`)."""
-    if not _state_passes_through(loss_fn, params, model_state, batch):
+    leaves, treedef = jax.tree.flatten(model_state)
+
+    def new_state(state_leaves):  # the state's outputs of its jaxpr are its inputs: unchanged
+        return jax.tree.leaves(loss_fn(params, jax.tree.unflatten(treedef, state_leaves), batch)[1])
+
+    jaxpr = jax.make_jaxpr(new_state)(leaves).jaxpr if leaves else None
+    if jaxpr is not None and list(jaxpr.outvars) != list(jaxpr.invars):
         return "the loss updates its model state (e.g. BatchNorm statistics)"
     plain = lambda p, b: loss_fn(p, model_state, b)[0]
     try:

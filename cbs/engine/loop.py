@@ -2,13 +2,14 @@
 
 `Loop` owns the order of events, the run directory's records (`cbs.results.records`) and
 checkpoints (`cbs.runtime.checkpoint`), the budget, `stop_fn` and the divergence rule of
-`cbs.runtime.progress`. What it drives is a `Driver`: `cbs.engine.trainer.Trainer` for a single
-run (one step per dispatch; a branch of a local-CBS study is one started from its point's
-state), or a vmapped group of runs (`cbs.sweeps.groups.TrialGroup`: many steps of K trials per
-dispatch, evaluated at the end of each; `cbs.sweeps.branch_unit.VmappedBranch`: the S seeds of
-one branch, its whole window in one dispatch). The order of events is a function
-of the step number alone (never of timing), so a resumed run does exactly what an uninterrupted
-one does: see `cbs.engine.trainer` for the loop and the files.
+`cbs.runtime.progress`; what it drives is a `cbs.engine.driver.Driver`. At step t with E
+examples seen (host ints; the state on the device holds the same): evaluate if due; save a
+checkpoint if due (after reading every pending metric, so a saved state never follows a
+non-finite loss); stop if the budget is spent or `stop_fn` asked; feed the schedule the
+smoothed noise scale it observes every `batch.adapt_every` steps; dispatch step t at the
+schedule's B; every `log_every` steps read the metrics of all steps but the newest (the device
+never waits for the host). The order is a function of the step number alone (never of
+timing), so a resumed run does exactly what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ ENDED = ("finished", "stopped", "diverged")  # "running", "preempted", "interrup
 
 
 class DivergedError(FloatingPointError):
-    """The run diverged (`cbs.runtime.progress.DivergenceRule`: a non-finite loss or gradient,
-    or a loss that stayed far above its initial value); the last checkpoint before it is
-    kept."""
+    """The run diverged (`cbs.runtime.progress.DivergenceRule`, or a non-finite gradient);
+    the last checkpoint before it is kept."""
 
     def __init__(self, message: str, summary: dict[str, Any]):
         super().__init__(message)
@@ -82,8 +82,7 @@ def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
 
 
 def validate_train_config(train_config: Any) -> None:
-    """Checks `config.train` (budget, read/record/checkpoint cadence, divergence rule); raises
-    `fields.ConfigError` naming the first bad field."""
+    """Checks `config.train`; raises `fields.ConfigError` naming the first bad field."""
     at, t = "config.train", train_config
     fields.integer(t, "max_steps", at, minimum=0)
     fields.integer(t, "max_examples", at, minimum=0)
@@ -102,8 +101,7 @@ def validate_train_config(train_config: Any) -> None:
 
 
 def validate_eval_config(eval_config: Any) -> None:
-    """Checks `config.eval` (cadence and sizes of the evaluations); raises `fields.ConfigError`
-    naming the first bad field."""
+    """Checks `config.eval`; raises `fields.ConfigError` naming the first bad field."""
     at = "config.eval"
     fields.integer(eval_config, "every", at, minimum=0)
     steps = eval_config.get("steps", ())
@@ -111,8 +109,8 @@ def validate_eval_config(eval_config: Any) -> None:
         raise fields.ConfigError(f"{at}.steps: must be increasing integers >= 0, got "
                                  f"{steps!r}")
     fields.integer(eval_config, "batch_size", at)
-    fields.integer(eval_config, "num_examples", at, minimum=0)
-    fields.integer(eval_config, "train_examples", at, minimum=0)
+    for name in ("num_examples", "train_examples"):
+        fields.integer(eval_config, name, at, minimum=0)
 
 
 class _ConfigPoints(NamedTuple):
@@ -140,8 +138,7 @@ class _Pending:
 
 def noise_scale(state: Any, name: str) -> float:
     """The smoothed noise scale `name` a single run's state carries: B_simple from the EMA of
-    its live estimates, B_noise from the EMA of its periodic measurements (the only one with
-    curvature)."""
+    its live estimates, B_noise from the EMA of its periodic measurements."""
     if not isinstance(state, TrainState):
         raise ValueError(f"a {type(state).__name__} state trains at a constant batch size: it "
                          f"observes no noise scale ({name})")
@@ -153,15 +150,12 @@ class Loop:
     """One run of `driver` (a `Driver`, e.g. a `Trainer`) in `driver.workdir`.
 
     Args:
-      driver: what the loop drives.
       stop_fn: stop_fn(step, record) -> bool, called on every record written; True stops.
       points: evaluations and checkpoints of the driver's own (default: the config's).
       read_each_evaluation: read every evaluation as soon as it is dispatched (a driver whose
         stopping depends on it), instead of up to `log_every` steps late.
-      end: the step where the run should stop short of its budget, when known (the bar
-        counts to it).
-      outputs: the bar and mirrors (default: the config's, `cbs.runtime.writer.Outputs`).
-      perf: the throughput hooks (default: the config's `perf`, without the data's shapes).
+      end: the step where the run should stop short of its budget, when known (for the bar).
+      outputs, perf: the bar and mirrors, the throughput hooks (default: the config's).
       compilations: the number of compilations so far, for the summary.
     """
 
@@ -191,15 +185,14 @@ class Loop:
     # ------------------------------------------------------------------ state
 
     def _restore_or_init(self) -> None:
-        tr, c = self.driver, self.config
         self.ckpt = checkpoint.Checkpointer(
             os.path.join(self.workdir, checkpoint.CHECKPOINT_DIR),
-            max_to_keep=c.train.keep_checkpoints)
-        self.schedule = tr.schedule
+            max_to_keep=self.config.train.keep_checkpoints)
+        self.schedule = self.driver.schedule
         latest = self.ckpt.latest_step()
         restore = None if latest is None else (
             lambda target: self.ckpt.restore(latest, target))
-        self.state, meta = tr.start(restore)
+        self.state, meta = self.driver.start(restore)
         self.t, self.e = int(meta["step"]), int(meta["examples_seen"])
         if latest is None:
             self.sched_state, self.last_saved = self.schedule.init(), -1
@@ -271,8 +264,7 @@ class Loop:
                 or bool(tr.max_examples and self.e >= tr.max_examples))
 
     def _observe_noise(self) -> None:
-        """Feeds a schedule that observes a noise scale (`schedule.observes`) its smoothed
-        value every `batch.adapt_every` steps (fixed steps: exact resume)."""
+        """Feeds the schedule the noise scale it `observes` every `batch.adapt_every` steps."""
         name, every = self.schedule.observes, self.config.batch.adapt_every
         if name is None or self.t == 0 or self.t % every:
             return

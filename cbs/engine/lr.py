@@ -10,10 +10,8 @@ current B, so it is applied exactly once per change and never compounds. The sam
 centres a sweep's learning-rate grid (`cbs.sweeps.grid`) and scales a branch's peak learning
 rate by f(k) = k^p (`cbs.sweeps.branches`).
 
-Schedules are functions of e, not of steps, so a batch change does not stretch or squeeze
-warmup and decay; they are jnp code usable inside `jit`. The train step's η is
-η_0 · s(e) coupled to B, with s = `learning_rate_shape(config)` and the coupling from
-`coupling_from_config`.
+Schedules are jnp functions of e, not of steps, so a batch change does not stretch or squeeze
+warmup and decay. The train step's rate is `step_rate`.
 """
 
 from __future__ import annotations
@@ -52,10 +50,8 @@ def lr_multiplier(batch_size: Any, base_batch_size: int, rule: str = "none") -> 
 
 def coupled_lr(base_lr: Any, batch_size: Any, base_batch_size: int, rule: str = "none",
                cap: float | None = None) -> Any:
-    """η = min(η_0 · (B/B_0)^p, cap). Works on floats and inside `jit` (η_0 may be traced).
-
-    cap: the largest learning rate allowed (absolute, same units as η_0), or None.
-    """
+    """η = min(η_0 · (B/B_0)^p, cap), cap absolute (None: none). Works on floats and inside
+    `jit` (η_0 may be traced)."""
     lr = base_lr * lr_multiplier(batch_size, base_batch_size, rule)
     if cap is None:
         return lr
@@ -66,11 +62,8 @@ def coupled_lr(base_lr: Any, batch_size: Any, base_batch_size: int, rule: str = 
 
 def coupled_lr_history(base_lr: float, batch_sizes: Sequence[int], base_batch_size: int,
                        rule: str = "none", cap: float | None = None) -> np.ndarray:
-    """Learning rate at each step of a batch-size history, float64 [num_steps].
-
-    Each entry depends only on that step's B, so a change is applied once and held; a history
-    that returns to B_0 returns to η_0.
-    """
+    """`coupled_lr` at each step of a batch-size history, float64 [num_steps]: each entry
+    depends only on that step's B, so a history that returns to B_0 returns to η_0."""
     b = np.asarray(batch_sizes, dtype=np.float64)
     lr = base_lr * lr_multiplier(b, base_batch_size, rule)
     return lr if cap is None else np.minimum(lr, cap)
@@ -78,11 +71,8 @@ def coupled_lr_history(base_lr: float, batch_sizes: Sequence[int], base_batch_si
 
 def coupling_from_config(lr_coupling: ml_collections.ConfigDict, initial_batch_size: int,
                          ) -> tuple[int, str, float | None] | None:
-    """(B_0, rule, cap) for `coupled_lr` from `config.batch.lr_coupling`, or None (rule none).
-
-    B_0 is `base_batch_size`, or the schedule's first batch size when that is 0; a cap of 0
-    means none.
-    """
+    """(B_0, rule, cap) for `coupled_lr` from `config.batch.lr_coupling`, or None (rule none);
+    B_0 = 0 reads as the schedule's first batch size, cap = 0 as none."""
     lc = lr_coupling
     if lc.rule == "none":
         return None
@@ -90,8 +80,7 @@ def coupling_from_config(lr_coupling: ml_collections.ConfigDict, initial_batch_s
 
 
 def validate_coupling_config(lr_coupling: Any) -> None:
-    """Checks `config.batch.lr_coupling` (rule, base_batch_size, cap); raises
-    `fields.ConfigError` naming the first bad field."""
+    """Checks `config.batch.lr_coupling`; raises `fields.ConfigError` naming the bad field."""
     at = "config.batch.lr_coupling"
     fields.choice(lr_coupling, "rule", at, LR_RULES)
     fields.integer(lr_coupling, "base_batch_size", at, minimum=0)
@@ -103,11 +92,9 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
                 total_examples: float | None = None, decay: str = "constant",
                 final_fraction: float = 0.0) -> Callable[[Any], jax.Array]:
     """η(e): linear warmup 0 → η_0 over `warmup_examples`, then constant, cosine or linear
-    decay to final_fraction·η_0 at `total_examples`, held after. jnp code, usable in `jit`.
-
-    η(e) = η_0·e/warmup for e < warmup, so pass the examples seen *including* the current batch
-    if the first update should not be zero.
-    """
+    decay to final_fraction·η_0 at `total_examples`, held after (jittable). η(e) = η_0·e/warmup
+    for e < warmup: pass the examples seen *including* the current batch, or the first update
+    is zero."""
     if decay not in DECAYS:
         raise ValueError(f"decay must be constant|cosine|linear, got {decay!r}")
     if decay != "constant" and total_examples is None:
@@ -135,12 +122,9 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
 
 
 def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
-    """`lr_schedule` from a config with base_lr, warmup_examples, total_examples, decay,
-    final_fraction (the last four optional).
-
-    Public API for hand-written training loops that keep their learning rate in an
-    `ml_collections` section or a dict; the engine builds its schedule with
-    `learning_rate_shape` from `config.optim` instead."""
+    """`lr_schedule` from a section or dict with base_lr, warmup_examples, total_examples,
+    decay, final_fraction (the last four optional), for hand-written training loops (the
+    engine's is `learning_rate_shape`)."""
     c = fields.as_mapping(config)
     total = c.get("total_examples")
     return lr_schedule(float(fields.lookup(c, "base_lr", "lr_schedule")),
@@ -151,12 +135,9 @@ def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
 
 
 def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
-    """s(E) = η(E)/η_0 from `config.optim`: warmup, then constant/cosine/linear decay.
-
-    The decay ends at `optim.total_examples`, or at `train.max_examples` when that is 0.
-    Jittable; E counts the examples seen including the current batch (see `lr_schedule`).
-    The train step multiplies by η_0 = `optim.learning_rate`, which it holds in its state.
-    """
+    """s(E) = η(E)/η_0 from `config.optim` (`lr_schedule`; the decay ends at
+    `optim.total_examples`, or at `train.max_examples` when that is 0). The train step
+    multiplies by η_0, which it holds in its state."""
     o = config.optim
     total = o.get("total_examples", 0) or config.train.get("max_examples", 0) or None
     return lr_schedule(1.0,

@@ -1,24 +1,14 @@
 """The noise measurement of every path: one call, `measure(spec, ...)`, on drawn examples.
 
-What is measured and when is a `cbs.engine.noise_spec.NoiseSpec` (from `config.noise`); the
-estimator is the registered method it names (`cbs.stats.noise.register_method`: "auto",
-"fast", "vmap", "probe", and "sampled" and "full_data" of `cbs.stats.sampled`, where the
-letters and equations are). The paths, all through `measure`:
-
-- a run's `Measurement`, built once from the spec, the one event of the loop that measures:
-  every k steps on the step's own batch (`Measurement.step`: read from the step's exact live
-  statistics when they are the measurement, else the method on the step's first examples,
-  in a step variant or a jit of its own), and at each evaluation on examples of their own
-  (`Measurement.evaluation`; `draw`: 𝓑 at stream positions that depend only on (seed,
-  evaluation index), 𝓒 an independent draw; or the whole training set);
-- `state_measurement` inside a vmapped sweep group's evaluation, recording
-  `evaluation_record` as a run's evaluations do; the same (seed, index) gives the same draws,
-  so both back ends record the same numbers;
-- a sweep's reference run (a vmapped group of one, the "full_data" method) and a branch
-  study's reference checkpoints (`cbs.sweeps.branches`: "sampled" on the whole training set
-  in a random order, its first m the deviations and H over all N).
-
-Records are keyed `noise/<key>` by the one list `cbs.stats.noise.STAT_KEYS`.
+What is measured and when is a `cbs.engine.noise_spec.NoiseSpec`; the estimator is the
+registered method it names (`cbs.stats.noise.register_method`; "sampled" and "full_data" are
+`cbs.stats.sampled`'s, where the letters and equations are). The paths: a run's `Measurement`,
+the loop's one measuring event; `state_measurement` inside a vmapped sweep group's
+evaluation, recording `evaluation_record` as a run's evaluations do (the same (seed, index),
+the same draws: both back ends record the same numbers); a sweep's reference run and a branch
+study's reference checkpoints (`cbs.sweeps.branches`: "sampled" on the whole training set in
+a random order, its first m the deviations and H over all N). Records are keyed `noise/<key>`
+by the one list `cbs.stats.noise.STAT_KEYS`.
 """
 
 from __future__ import annotations
@@ -61,7 +51,7 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
             hessian_batch: PyTree | None = None, key: jax.Array | None = None,
             examples: str | None = None, whole: noise.NoiseStats | None = None
             ) -> noise.NoiseStats:
-    """One measurement by the method `spec` names, on drawn examples (jittable).
+    """One measurement by the method `spec` names: its `NoiseStats` (jittable).
 
     Args:
       loss_fn: loss_fn(params, batch) -> mean loss.
@@ -74,18 +64,14 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
         live statistics of the step's batch: no extra pass).
       key: PRNG key of the method's random draws (probes; the deviations of "full_data").
       examples: which examples 𝓑 is ("step" | "stream" | "all"; default the spec's).
-    Returns:
-      the method's `NoiseStats`.
     """
     examples = examples or spec.examples
-    fn = noise.get_method(spec.resolved_method(examples))
+    method = spec.resolved_method(examples)
+    fn, takes = noise.get_method(method), noise.method_arguments(method)
     kw: dict[str, Any] = dict(key=key, curvature=spec.curvature, num_probes=spec.num_probes,
                               chunk_size=spec.chunk_size or None)
-    takes = noise.method_arguments(spec.resolved_method(examples))
-    if "deviations" in takes:
-        kw["deviations"] = spec.deviations
-    if "hessian_examples" in takes:
-        kw["hessian_examples"] = spec.hessian_batch_size
+    kw |= {k: v for k, v in (("deviations", spec.deviations),
+                             ("hessian_examples", spec.hessian_batch_size)) if k in takes}
     split_hessian = spec.curvature and "hessian_batch" in takes
     if examples != "step" or not split_hessian:
         if split_hessian and hessian_batch is not None:
@@ -110,21 +96,17 @@ def evaluation_record(stats: noise.NoiseStats) -> dict[str, jax.Array]:
 
 
 def _measurement_key(seed: int, index: Any) -> jax.Array:
-    """The key of the `index`-th measurement's random draws (its Hessian batch 𝓒, or the
-    deviations of a whole-training-set measurement) for training seed `seed`."""
+    """The key of the `index`-th measurement's random draws (𝓒, or the deviations of "all")."""
     return jax.random.fold_in(jax.random.key(seed + _SEED_OFFSET), index)
 
 
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
                         seed: int, batch_size: int, hessian_batch_size: int = 0
                         ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`).
-
-    𝓑: stream positions [index·n, (index + 1)·n) of a training stream seeded `seed +
-    _SEED_OFFSET` (independent of training's, never reusing a batch within an epoch); 𝓒: h
-    examples drawn uniformly without replacement with a key of its own (independent of 𝓑);
-    None when hessian_batch_size is 0.
-    """
+    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: stream
+    positions [index·n, (index + 1)·n) of a training stream independent of training's (never
+    reusing a batch within an epoch); 𝓒: h examples drawn uniformly without replacement with
+    a key of its own (independent of 𝓑), None when hessian_batch_size is 0."""
     num = dataset.num_train
     n = min(int(batch_size), num)
     grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
@@ -187,8 +169,7 @@ def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
 
 def at_evaluation(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, dataset: data.Dataset,
                   arrays: Any, index: Any, *, seed: int) -> dict[str, jax.Array]:
-    """The statistics recorded at the `index`-th evaluation (`draw`, then `measure`;
-    jittable). `arrays`: the training split's stored arrays."""
+    """The statistics recorded at the `index`-th evaluation (`draw`, then `measure`)."""
     examples, grad_batch, hess_batch, key = draw(spec, dataset, arrays, index, seed=seed)
     return evaluation_record(measure(spec, loss_fn, params, grad_batch,
                                      hessian_batch=hess_batch, key=key, examples=examples))
@@ -212,27 +193,19 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
 
 
 class Measurement:
-    """A run's noise measurement, built once from its spec: when it measures and how. The
-    loop's step event calls `step` (the train step, measuring when due) and its evaluations
-    call `evaluation`.
+    """A run's noise measurement, built once from its spec: the loop's step event calls
+    `step` (the train step, measuring when due) and its evaluations call `evaluation`.
 
     Every `spec.every` steps, on the step's own examples: read from the step's exact live
     statistics when they are the measurement (`_serves`: an exact B_simple measurement with an
     exact live estimate, no extra pass; the step then always runs with the reading, NaN
     between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
-    (the method's random draws keyed by (seed, step)), in a step variant compiled for the due
-    steps (`in_step`) or in a jit of its own before the step. At each evaluation, when the
-    spec measures there, examples of their own (`draw`) at the evaluation's index on the grid
-    `eval_steps` (a final evaluation between grid points gets the next index), or at index
-    `step` without a grid.
-
-    Args:
-      spec: the run's `NoiseSpec`.
-      train_step: the run's `cbs.engine.step.TrainStep`.
-      seed: the run's seed.
-      parts: the run's `cbs.engine.parts.RunParts` (its data and mesh), for the measurements
-        at evaluations.
-      eval_steps: the evaluation grid (`config.eval.steps`; empty: none).
+    (random draws keyed by (seed, step)), in a step variant compiled for the due steps
+    (`in_step`) or in a jit of its own before the step. At each evaluation, when the spec
+    measures there, examples of their own (`draw`) at the evaluation's index on the grid
+    `eval_steps` (`config.eval.steps`; a final evaluation between grid points gets the next
+    index), or at index `step` without a grid. `parts`: the run's `cbs.engine.parts.RunParts`,
+    for the measurements at evaluations.
     """
 
     def __init__(self, spec: NoiseSpec, train_step: TrainStep, *, seed: int,
@@ -302,8 +275,7 @@ class Measurement:
 
     def _measure_hook(self, state: TrainState, chunks: Any, per_micro: int,
                       exact: noise.NoiseStats | None):
-        """The step hook of a due step: the method on the step's first micro-batches (B_simple
-        from the exact live statistics `exact` when the method is exact)."""
+        """The step hook of a due step: `_step_measurement` (class docstring)."""
         spec, ts = self.spec, self.train_step
         whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
         return _step_measurement(spec, lambda p, b: ts.loss_fn(p, state.model_state, b)[0],

@@ -2,13 +2,8 @@
 reading of `config.noise` (`NoiseSpec.from_config`, which validates every field and raises
 `cbs.runtime.fields.ConfigError` naming it; nothing else reads that section). A study's own
 measurement (a sweep's reference run, a branch study's checkpoints) is the same spec with the
-fields its section sets (`sweep.reference_noise`, `branch.noise`) in place of the run's
-(`NoiseSpec.of(config, study)`): m is `deviations` wherever it is set.
-
-The live estimate every step (`cbs.engine.live_noise`): `live` ("auto" | "exact" |
-"two_batch" | "none"; the config's `two_batch=False` reads as "none"), the two-batch small
-batch `small_batch`, the EMA's `ema_decay`, and the calibration of the live advice
-(`advice_calibration`).
+fields its section sets (`STUDY_SECTIONS`) in place of the run's (`NoiseSpec.of(config,
+study)`). The live estimate every step is `cbs.engine.live_noise`'s.
 
 Letters: n examples measured (𝓑), m of them whose deviations give tr(HΣ) (𝓐), h examples of
 an independent Hessian draw (𝓒), N training examples, k steps between measurements.
@@ -23,13 +18,9 @@ Which examples (`examples`) and when:
 - "all": at each evaluation, the whole training set (N examples);
 - "auto": "all" when N ≤ `FULL_DATA_MAX`, else "stream".
 
-`every` > 0 measures the step's own examples every k steps whatever `examples` says (a sweep's
-trials turn it off: they measure at their evaluations).
-
-The estimator is the registered method `method` (`cbs.stats.noise.register_method`); "auto"
-stands for the exact per-example estimator on the step's examples, "sampled" on a stream's
-and "full_data" on the whole training set (`resolved_method`). The settings of a sweep's
-protocol (the window around a crossing, the reference run) stay in `config.sweep`.
+`every` > 0 measures the step's own examples every k steps whatever `examples` says. The
+method "auto" stands for the exact per-example estimator on the step's examples, "sampled" on
+a stream's and "full_data" on the whole training set (`resolved_method`).
 """
 
 from __future__ import annotations
@@ -89,9 +80,8 @@ class NoiseSpec:
 
     @classmethod
     def from_config(cls, noise_config: Any, at: str = "config.noise") -> NoiseSpec:
-        """The spec of `config.noise` (missing optional fields take the defaults above; errors
-        name the section `at`); sizes against the batch and the mesh are
-        `cbs.engine.config.validate`'s."""
+        """The spec of `config.noise` (missing optional fields: the defaults above; errors
+        name the section `at`; sizes against the batch: `cbs.engine.config.validate`)."""
         get = noise_config.get
         fields.integer(noise_config, "every", at, minimum=0)
         fields.choice(noise_config, "method", at, noise.method_names())
@@ -102,10 +92,9 @@ class NoiseSpec:
         for name in ("deviations", "hessian_batch_size"):
             if name in noise_config:
                 fields.integer(noise_config, name, at, minimum=0)
-        if "examples" in noise_config:
-            fields.choice(noise_config, "examples", at, EXAMPLES)
-        if "live" in noise_config:
-            fields.choice(noise_config, "live", at, live_noise.LIVE_METHODS)
+        for name, choices in (("examples", EXAMPLES), ("live", live_noise.LIVE_METHODS)):
+            if name in noise_config:
+                fields.choice(noise_config, name, at, choices)
         for name in ("curvature", "in_step", "two_batch"):
             if not isinstance(get(name, name == "two_batch"), bool):
                 raise fields.ConfigError(f"{at}.{name}: must be True or False, got "
@@ -118,22 +107,18 @@ class NoiseSpec:
             raise fields.ConfigError(f"{at}.advice_calibration: a path to a calibration file "
                                      f"or \"\", got {calibration!r}")
         return cls(method=str(noise_config.method), examples=str(get("examples", "step")),
-                   batch_size=int(noise_config.batch_size),
-                   deviations=int(get("deviations", 0)),
+                   batch_size=int(noise_config.batch_size), deviations=int(get("deviations", 0)),
                    hessian_batch_size=int(get("hessian_batch_size", 0)),
-                   curvature=bool(get("curvature", False)),
-                   num_probes=int(noise_config.num_probes),
+                   curvature=bool(get("curvature", False)), num_probes=int(noise_config.num_probes),
                    chunk_size=int(noise_config.chunk_size), every=int(noise_config.every),
-                   in_step=bool(get("in_step", False)),
+                   in_step=bool(get("in_step", False)), small_batch=int(noise_config.small_batch),
                    live=str(get("live", "auto")) if get("two_batch", True) else "none",
-                   small_batch=int(noise_config.small_batch), ema_decay=float(decay),
-                   advice_calibration=calibration)
+                   ema_decay=float(decay), advice_calibration=calibration)
 
     @classmethod
     def of(cls, config: Any, study: str = "") -> NoiseSpec:
-        """The spec of a run config's `noise` section (`from_config`); with `study`, the one
-        of a study's own measurement (`STUDY_SECTIONS`): the fields its section sets (not
-        None) replace those of `noise`."""
+        """The spec of a run config's `noise` section; with `study`, of a study's own
+        measurement: the fields its section sets (not None) replace those of `noise`."""
         spec = cls.from_config(config.noise)
         if not study:
             return spec
@@ -179,8 +164,7 @@ class NoiseSpec:
 
     @property
     def measures_at_evals(self) -> bool:
-        """Whether each evaluation measures (examples other than "step"; "stream" with
-        n > 0)."""
+        """Whether each evaluation measures (not "step"; "stream" with n > 0)."""
         return self.examples != "step" and (self.examples != "stream" or self.batch_size > 0)
 
     def examples_for(self, num_train: int) -> str:
@@ -200,9 +184,8 @@ class NoiseSpec:
 
 
 def check_moved_keys(section: Any, name: str) -> None:
-    """ConfigError for a measurement setting still where it was
-    (`cbs.results.store.MOVED_NOISE_FIELDS`) in the config's section `name` ("sweep",
-    "branch"): one line naming the new field."""
+    """ConfigError naming the new field of a measurement setting still in the config's
+    section `name` ("sweep", "branch"; `cbs.results.store.MOVED_NOISE_FIELDS`)."""
     for old, new in MOVED_NOISE_FIELDS.items():
         where, _, key = old.partition(".")
         if where == name and key in section:

@@ -10,11 +10,8 @@ where E_t is the number of examples seen before step t, η(E) the warmup/decay s
 examples (`cbs.engine.lr.learning_rate_shape`) and c(B) the batch-size coupling factor
 (`cbs.engine.lr.coupled_lr`; 1 unless the config couples the learning rate to B). For a
 constant η this is exactly `optax.sgd / optax.adam / optax.adamw` (optax multiplies by −η in
-its last stage; we do the same outside), which the tests check.
-
-Config fields (`config.optim`): name ∈ {sgd, momentum, adam, adamw}, learning_rate,
-momentum, nesterov, b1, b2, eps, weight_decay, weight_decay_mask, clip_norm, warmup_examples,
-decay, total_examples, final_fraction (see `cbs.engine.config.default_config`).
+its last stage; we do the same outside), which the tests check. The fields of
+`config.optim`: `cbs.engine.config.default_config`.
 """
 
 from __future__ import annotations
@@ -34,11 +31,8 @@ _WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 
 def validate_config(optim_config: ml_collections.ConfigDict, *, max_examples: int = 0) -> None:
-    """Checks `config.optim`; raises `fields.ConfigError` naming the first bad field.
-
-    max_examples: the run's `train.max_examples` (a decay needs an end, from `total_examples`
-    or from it).
-    """
+    """Checks `config.optim` (a decay ends at `max_examples` when `total_examples` is 0);
+    raises `fields.ConfigError` naming the first bad field."""
     c, at = optim_config, "config.optim"
     fields.choice(c, "name", at, _OPTIMIZERS)
     fields.number(c, "learning_rate", at, strict=True)

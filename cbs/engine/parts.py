@@ -5,11 +5,9 @@
     state, metrics = parts.step(state, parts.inputs(0, 64), parts.accum_steps(64))
     parts.evaluate(state)                          # {"loss": ..., "accuracy": ...}
 
-What differs between runs of one study is a `cbs.engine.spec.RunOverrides`; the parts are
-built from `spec.run_config(base, overrides)`. `cbs.engine.trainer.Trainer` is the parts plus
-a run directory: the driver of the one loop (`cbs.engine.loop.Loop`). Programs that drive
-many runs as one (`cbs.sweeps.groups`, `cbs.sweeps.branches`) build the parts alone and
-reuse their model, data, step (`TrainStep.apply`) and evaluation sums.
+`cbs.engine.trainer.Trainer` is the parts plus a run directory. Programs that drive many runs
+as one (`cbs.sweeps.groups`, `cbs.sweeps.branches`) build the parts alone and reuse their
+model, data, step (`TrainStep.apply`) and evaluation sums.
 """
 
 from __future__ import annotations
@@ -38,9 +36,8 @@ __all__ = ["RunParts"]
 
 
 class RunParts:
-    """The parts of a run, built once from `config` (validated before any compilation):
-    mesh, dataset, batch schedule, model, optimizer direction, state shardings, the jitted
-    step and the evaluations. No run directory and no loop: `Trainer` adds those.
+    """Mesh, dataset, batch schedule, model, optimizer direction, state shardings, the jitted
+    step and the evaluations of a run, built once from `config` (validated first).
 
     Args:
       config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
@@ -157,11 +154,9 @@ class RunParts:
                                        parts=self, eval_steps=c.eval.get("steps", ()))
 
     def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any) -> TrainStep:
-        """A `TrainStep` of this run's model, optimizer, mesh and config (`batch.micro_batch`,
-        `batch.lr_coupling`, the live estimate of `noise`): the run's own step, or a variant
-        with other inputs (branches read a data-order seed among them). `batch_fn(inputs,
-        examples_seen, batch_size)` gathers a batch on the device (None: the inputs are the
-        batch, with sharding `inputs_sharding`)."""
+        """A `TrainStep` of this run's model, optimizer, mesh and config: the run's own step,
+        or a variant with other inputs (branches read a data-order seed among them);
+        `batch_fn` and `inputs_sharding` as in `BatchLayout`."""
         c, n = self.config, self.noise_spec
         rate = lr.step_rate(c, self.schedule.batch_size_at(0, self.schedule.init()))
         layout = BatchLayout(self.mesh, self.state_sharding, inputs_sharding,
@@ -253,13 +248,9 @@ class RunParts:
     @staticmethod
     def eval_record(sums: dict[str, Any]) -> dict[str, float]:
         """{"eval/loss", "eval/accuracy", "full_train/loss", ...} from fetched sums."""
-        out = {}
-        for prefix, s in sums.items():
-            count = float(s["count"])
-            out[f"{prefix}/loss"] = float(s["loss_sum"]) / count
-            if "correct_sum" in s:
-                out[f"{prefix}/accuracy"] = float(s["correct_sum"]) / count
-        return out
+        return {f"{prefix}/{name}": float(s[key]) / float(s["count"])
+                for prefix, s in sums.items()
+                for name, key in (("loss", "loss_sum"), ("accuracy", "correct_sum")) if key in s}
 
     def evaluate(self, state: TrainState, split: str = "train", num_examples: int = 0
                  ) -> dict[str, float]:

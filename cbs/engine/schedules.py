@@ -1,20 +1,12 @@
-"""Batch-size schedules in examples seen.
+"""Batch-size schedules in examples seen: host-side Python, since B sets the static number of
+accumulation steps (an `int` chosen outside `jit`).
 
 Letters: e examples (or tokens) seen so far, B the global (logical) batch size, T tokens per
-sequence.
-
-Tokens: a language-model example is a sequence of T tokens, so tokens seen = T·e exactly.
-Schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
-`in_sequences(schedule, T)` or `llama3_schedule(tokens_per_unit=T)`; learning-rate schedules
-take warmup/total in examples (tokens / T). Host counters are Python ints (no overflow); the
-device counter is exact in two int32 words (`cbs.engine.counts`) and reaches the
-learning-rate schedule as a float, whose relative rounding (6·10⁻⁸ in float32) only moves
-where on a smooth schedule η is read, never a batch-size switch (those are on the host).
-
-Batch-size schedules are host-side Python: B sets the static number of accumulation steps, so
-it is an `int` chosen outside `jit`. Every schedule answers `batch_size_at(e, state=None)`;
-the adaptive one also carries a small functional state (`init`, `update`), and the static ones
-accept the same calls as no-ops, so a training loop needs one code path.
+sequence. A language-model example is a sequence of T tokens, so tokens seen = T·e exactly:
+schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
+`in_sequences(schedule, T)` or `llama3_schedule(tokens_per_unit=T)`. Host counters are Python
+ints (no overflow); the device counter is exact in two int32 words (`cbs.engine.state`), and
+its float reaches only the learning-rate schedule, never a batch-size switch.
 
 - `Constant(B)`; `Step(((0, B_0), (e_1, B_1), ...))`: B_i once e ≥ e_i;
   `Linear(start, end, over, multiple)`: B(e) = start + (end − start)·min(e/over, 1), rounded to
@@ -22,8 +14,8 @@ accept the same calls as no-ops, so a training loop needs one code path.
 - `Adaptive` (`cbs.engine.adaptive`): follows the live noise scale on a ladder of sizes with
   hysteresis, towards k·B_s or k times the calibrated prediction of B_crit.
 
-The learning rate that goes with B (coupling, caps, warmup and decay in examples seen) is
-`cbs.engine.lr`.
+Every schedule follows the protocol of `_Static`, so the loop has one code path. The
+learning rate that goes with B is `cbs.engine.lr`.
 """
 
 from __future__ import annotations
@@ -50,14 +42,11 @@ def _round_to_multiple(x: float, multiple: int) -> int:
 
 
 class _Static:
-    """No-op state protocol shared by the schedules that depend on e only.
-
-    The protocol every schedule follows (so the loop has one code path): `observes` names
-    the smoothed noise scale the schedule wants fed to `update` every `batch.adapt_every`
-    steps (None: it wants none); `init`/`update`/`state_from_dict` carry its state;
+    """The protocol every schedule follows, as no-ops for those that depend on e only:
+    `observes` names the smoothed noise scale the schedule wants fed to `update` every
+    `batch.adapt_every` steps (None: none); `init`/`update`/`state_from_dict` carry its state;
     `batch_size_at(e, state)` is B; `planning_batch_size(e)` is B without a state (for
-    prefetching); `batch_sizes()` is every B it can produce (for validation).
-    """
+    prefetching); `batch_sizes()` is every B it can produce (for validation)."""
 
     observes: str | None = None
     batch_size_at: Callable[..., int]  # B(e, state), defined by each schedule
@@ -116,11 +105,8 @@ class Step(_Static):
             raise ValueError("Step batch sizes must be >= 1")
 
     def batch_size_at(self, examples_seen: float, state: Any = None) -> int:
-        size = self.steps[0][1]
-        for threshold, b in self.steps:
-            if examples_seen >= threshold:
-                size = b
-        return size
+        return next((b for t, b in reversed(self.steps) if examples_seen >= t),
+                    self.steps[0][1])
 
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(b for _, b in self.steps)
@@ -182,9 +168,9 @@ _SCHEDULES: dict[str, Any] = {"constant": Constant, "step": Step, "linear": Line
 
 
 def register(kind: str, cls: type) -> type:
-    """Registers a batch-size schedule class under `kind` (the `batch.schedule.kind` value):
-    one with `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol
-    of `_Static` (a subclass when it depends on examples seen alone)."""
+    """Registers a batch-size schedule class under `kind` (`batch.schedule.kind`): one with
+    `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol of
+    `_Static` (a subclass when it depends on examples seen alone)."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls
@@ -193,13 +179,10 @@ def register(kind: str, cls: type) -> type:
 
 def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
                                ) -> BatchSchedule:
-    """Builds a schedule from a config whose `kind` is a registered kind.
-
-    Fields: constant: batch_size; step: steps [(threshold, batch_size), ...]; linear: start,
-    end, over, multiple; adaptive: the fields of `Adaptive`. Errors name the missing field.
-    optimizer: the run's `config.optim.name`, for an adaptive schedule with
-    rule="calibrated" that names none.
-    """
+    """The schedule of a config whose `kind` is registered (constant: batch_size; step: steps
+    [(threshold, batch_size), ...]; linear: start, end, over, multiple; adaptive: the fields
+    of `Adaptive`); errors name the missing field. optimizer: the run's `config.optim.name`,
+    for a calibrated adaptive schedule that names none."""
     c = fields.as_mapping(config)
     kind = fields.lookup(c, "kind", "batch_schedule")
     if kind not in _SCHEDULES:
@@ -210,8 +193,7 @@ def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
 
 
 def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> BatchSchedule:
-    """`batch_schedule_from_config`, its error as a `fields.ConfigError` naming
-    `config.batch.schedule`."""
+    """`batch_schedule_from_config`, its error a `fields.ConfigError` (`config.batch.schedule`)."""
     try:
         return batch_schedule_from_config(schedule_config, optimizer=optimizer)
     except (ValueError, TypeError, KeyError) as err:
@@ -220,9 +202,8 @@ def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> B
 
 def validate_batch_config(batch_config: Any, *, optimizer: str | None = None
                           ) -> BatchSchedule:
-    """Checks `config.batch` (micro_batch, schedule, adapt_every; `lr_coupling` is checked by
-    `cbs.engine.lr.validate_coupling_config`); returns the schedule. Raises `fields.ConfigError`.
-    optimizer: `config.optim.name` (what a calibrated adaptive schedule predicts for)."""
+    """Checks `config.batch` (not `lr_coupling`: `cbs.engine.lr.validate_coupling_config`);
+    returns the schedule. Raises `fields.ConfigError`. optimizer: `config.optim.name`."""
     at = "config.batch"
     fields.integer(batch_config, "micro_batch", at)
     schedule = checked_schedule(fields.get(batch_config, "schedule", at), optimizer=optimizer)
@@ -246,12 +227,9 @@ def llama3_schedule(*, tokens_per_unit: int = 1) -> Step:
 
 
 def in_sequences(schedule: BatchSchedule, seq_len: int) -> BatchSchedule:
-    """A static schedule in tokens (thresholds and sizes) as one in sequences of `seq_len`.
-
-    With every example a sequence of T tokens, tokens seen = T · examples seen exactly, so a
-    token schedule is a sequence schedule with sizes B/T (each must divide exactly) and
-    thresholds rounded up: B changes on the first step whose tokens seen reach a threshold.
-    """
+    """A static schedule in tokens (thresholds and sizes) as one in sequences of T =
+    `seq_len`: sizes B/T (each must divide exactly), thresholds rounded up (B changes on the
+    first step whose tokens seen reach a threshold)."""
     def size(b: int) -> int:
         if b % seq_len:
             raise ValueError(f"batch size {b} tokens is not a multiple of seq_len={seq_len}")

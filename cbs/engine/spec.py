@@ -7,8 +7,6 @@ schedule, learning rate, seed, budget, evaluation points, ...) and gets its run 
 
     c = run_config(config, RunOverrides(batch_size=64, learning_rate=1e-3, seed=2))
     trainer.Trainer(c, workdir)
-
-A field left at None keeps the base config's value. The base is never changed.
 """
 
 from __future__ import annotations
@@ -38,40 +36,31 @@ class Coupling:
 @dataclasses.dataclass(frozen=True)
 class RunOverrides:
     """How one run differs from its base config; None (or False for `quiet`) keeps the base.
+    Each field writes a config field (`_FIELDS`); a bad value raises
+    `cbs.runtime.fields.ConfigError` naming the config field and the override."""
 
-    Each field names the config field it writes (`_FIELDS`). Values are checked when the
-    overrides are built: a bad one raises `cbs.runtime.fields.ConfigError` (a ValueError)
-    naming the config field and the override.
-    """
-
-    batch_size: int | None = None  # B, examples per update, held constant: batch.schedule
-    #   becomes {"kind": "constant", "batch_size": B}
-    schedule: Mapping[str, Any] | None = None  # a whole batch.schedule (ramps; see
-    #   cbs.engine.schedules.batch_schedule_from_config); not with batch_size
+    batch_size: int | None = None  # B, held constant: batch.schedule = constant B
+    schedule: Mapping[str, Any] | None = None  # a whole batch.schedule; not with batch_size
     micro_batch: int | None = None  # batch.micro_batch: examples per replica per micro-batch
     learning_rate: float | None = None  # optim.learning_rate: peak η_0
     lr_coupling: Coupling | None = None  # batch.lr_coupling: rule, B_0 and cap
-    adapt_every: int | None = None  # batch.adapt_every: steps between observations of an
-    #   adaptive schedule
+    adapt_every: int | None = None  # batch.adapt_every: steps between noise observations
     seed: int | None = None  # seed: model initialisation and data order
     max_steps: int | None = None  # train.max_steps: step budget; 0 = none
     max_examples: int | None = None  # train.max_examples: example budget; 0 = none
     log_every: int | None = None  # train.log_every: steps between reads of the metrics
     record_every: int | None = None  # train.record_every: steps between train records
     checkpoint_every: int | None = None  # train.checkpoint_every: steps between checkpoints
-    divergence_factor: float | None = None  # train.divergence_factor: × the early loss that
-    #   counts as diverged; 0 = the engine never declares divergence
+    divergence_factor: float | None = None  # train.divergence_factor; 0 = never diverged
     keep_checkpoints: int | None = None  # train.keep_checkpoints: checkpoints kept on disk
     quiet: bool = False  # True: train.progress_bar, train.tensorboard and train.wandb off
     eval_enabled: bool | None = None  # eval.enabled: evaluate at all
     eval_every: int | None = None  # eval.every: steps between evaluations; 0 = at the end
-    eval_steps: tuple[int, ...] | None = None  # eval.steps: steps after which to evaluate
-    #   (increasing), instead of eval.every
+    eval_steps: tuple[int, ...] | None = None  # eval.steps: evaluate after these steps
     full_train_eval: bool | None = None  # eval.full_train: also the whole training-set loss
     noise_every: int | None = None  # noise.every: steps between measurements; 0 = never
     noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
-    noise_examples: str | None = None  # noise.examples: "step" measures only every
-    #   noise.every steps, not at evaluations (cbs.engine.noise_spec)
+    noise_examples: str | None = None  # noise.examples (cbs.engine.noise_spec)
 
     def __post_init__(self):
         for name in ("batch_size", "micro_batch", "adapt_every", "log_every", "record_every",
@@ -124,12 +113,10 @@ _FIELDS = {
 
 
 def _error(name: str, problem: str) -> ConfigError:
-    """`config.<field>: <problem> (override RunOverrides.<name>)`."""
     return ConfigError(f"config.{_FIELDS[name]}: {problem} (override RunOverrides.{name})")
 
 
 def _integer(name: str, value: Any, *, minimum: int) -> None:
-    """None, or an int (not a bool) ≥ minimum."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -137,7 +124,6 @@ def _integer(name: str, value: Any, *, minimum: int) -> None:
 
 
 def _number(name: str, value: Any, *, strict: bool = False) -> None:
-    """None, or a finite number ≥ 0 (> 0 when `strict`)."""
     if value is None:
         return
     ok = (not isinstance(value, bool) and isinstance(value, (int, float))
@@ -149,17 +135,9 @@ def _number(name: str, value: Any, *, strict: bool = False) -> None:
 
 def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
                drop: Sequence[str] = ("sweep",)) -> ml_collections.ConfigDict:
-    """The run config of `overrides` on `base`: a new ConfigDict (`base` is not changed).
-
-    Args:
-      base: a `cbs.engine.config.default_config()`-shaped config, possibly with the sections
-        of the studies that drive it (sweep, ramps, branch).
-      overrides: the fields to write; None keeps the base's value.
-      drop: top-level sections left out of the run config where present (a sweep trial
-        does not carry the sweep that made it).
-    Returns:
-      the copy with the overrides written.
-    """
+    """A copy of `base` (a `cbs.engine.config.default_config()`-shaped config, possibly with
+    the sections of the studies that drive it) with `overrides` written and the top-level
+    sections `drop` left out (a sweep trial does not carry the sweep that made it)."""
     c = ml_collections.ConfigDict(base.to_dict())
     for key in drop:
         if key in c:

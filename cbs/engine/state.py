@@ -72,14 +72,14 @@ def count_int32(count: jax.Array) -> jax.Array:
 class TrainState:
     """Everything on the device that an exact resume needs.
 
-    step: int32 updates applied; examples_seen: examples consumed (E) as an exact two-word
-    int32 count (exact to 2^61, where a plain int32 overflows at 2.1·10⁹); learning_rate:
-    float32 η_0, the peak learning rate (a value, not a constant of the compiled step, so
-    trials that differ only in η_0 share one compilation or one vmap); params, opt_state:
-    model parameters and optax state; model_state: non-parameter model variables (BatchNorm
-    statistics; empty otherwise); noise_ema: `cbs.stats.smoothing.NoiseScaleEMA` of the
-    step's live estimates; measure_ema: the same of the every-k-steps measurements (with the
-    curvature pair when measured), which is what an adaptive schedule on b_noise reads.
+    step: int32 updates applied; examples_seen: examples consumed (E), a two-word count;
+    learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
+    compiled step, so trials that differ only in η_0 share one compilation or one vmap);
+    params, opt_state: model parameters and optax state; model_state: non-parameter model
+    variables (BatchNorm statistics; empty otherwise); noise_ema:
+    `cbs.stats.smoothing.NoiseScaleEMA` of the step's live estimates; measure_ema: the same of
+    the every-k-steps measurements (with the curvature pair), what an adaptive schedule on
+    b_noise reads.
     """
 
     step: jax.Array

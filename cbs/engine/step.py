@@ -6,20 +6,18 @@ batch of the two-batch estimator, C chunks processed one after another, P parame
 
 One step on a global batch [B, ...] sharded over `data` (`TrainStep.apply`, top to bottom):
 
-1. view it as C chunks [C, B/C] without moving data: each replica's B/R contiguous examples
-   cut into C runs, chunk k = the k-th run of every replica (C = A: the micro-batches);
+1. view it as C chunks [C, B/C] without moving data (`_chunks`; C = A: the micro-batches);
 2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and, with
-   the exact live estimate (default where `cbs.stats.ghost` reads the model), the sum of its
-   examples' squared gradient norms Σ|g_i|² from the same backward pass; else its squared
-   norm |g_small|² (or, per micro-batch, a `vmap` over the R replicas: b = m);
+   the exact live estimate, the sum of its examples' squared gradient norms Σ|g_i|² from the
+   same backward pass; else its squared norm |g_small|² (or, per micro-batch, a `vmap` over
+   the R replicas: b = m);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the live estimate (`cbs.engine.live_noise`): exact tr(Σ) and |G|² of the whole batch from
-   Σ_i |g_i|² and |ḡ|²; or the two-batch estimator (McCandlish et al. 2018, App. A;
-   `cbs.stats.smoothing.two_batch`) from the mean of the B/b values |g_small|² and |ḡ|²;
+4. the live estimate (`cbs.engine.live_noise`: exact, or the two-batch estimator of
+   McCandlish et al. 2018, App. A, from the mean of the B/b values |g_small|² and |ḡ|²),
    smoothed by `cbs.stats.smoothing.NoiseScaleEMA` in the state;
-5. the caller's `measure` hook, if any, on the step's chunks and exact statistics (the noise
-   measurement of `cbs.engine.measure.Measurement`, which picks the step variant to run);
-6. u = direction(ḡ) (optax, `cbs.engine.optim`), θ ← θ − η·u with η = lr_fn(η_0, E + B, B)
+5. the caller's `measure` hook, if any, on the step's chunks and exact statistics
+   (`cbs.engine.measure.Measurement`);
+6. u = direction(ḡ) (`cbs.engine.optim`), θ ← θ − η·u with η = lr_fn(η_0, E + B, B)
    (`cbs.engine.lr.step_rate`): a function of examples seen E, never of steps.
 
 The two-batch estimate's small batches (`_plan`): by default the A micro-batches when A ≥ 2
@@ -63,15 +61,12 @@ MeasureHook = Callable[[TrainState, PyTree, int, "noise.NoiseStats | None"],
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """Where the step's batch comes from and how it lies on the mesh.
-
-    mesh: the device mesh, the batch split over its `data_axis`; state_sharding: pytree of
-    NamedSharding like the state (in and out of the step); inputs_sharding: sharding (prefix)
-    of the step's second argument; micro_batch: m, examples per replica per micro-batch;
-    batch_fn: batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the jit
-    (e.g. a gather of device-resident data at the stream's indices); None when the inputs
-    are the batch.
-    """
+    """Where the step's batch comes from and how it lies on the mesh: mesh, the device mesh,
+    the batch split over its `data_axis`; state_sharding: pytree of NamedSharding like the
+    state (in and out of the step); inputs_sharding: sharding (prefix) of the step's second
+    argument; micro_batch: m, examples per replica per micro-batch; batch_fn: batch_fn(inputs,
+    examples_seen, batch_size) -> global batch, inside the jit (e.g. a gather of
+    device-resident data at the stream's indices); None when the inputs are the batch."""
 
     mesh: jax.sharding.Mesh
     state_sharding: PyTree
@@ -95,12 +90,11 @@ class StepOptions:
 
     live: the live estimate of tr(Σ) and |G|² every step, "auto" (exact where it can, else
       two-batch) | "exact" | "two_batch" | "none" (`cbs.engine.live_noise`).
-    small_batch: b, examples per small batch of the two-batch estimator (see `_plan`):
-      M = R·m (the micro-batches), m with R ≥ 2 (each replica's share), or a multiple of R
-      whose share b/R divides m (sub-batches); 0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
-    grad_norm: record |ḡ| as `opt/grad_norm` every step (what False saves, and costs: the
-      comment on `config.train.grad_norm`); with a live estimate it is recorded anyway.
-    unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (see `_unroll`).
+    small_batch: b of the two-batch estimator (`_plan`, `cbs.engine.live_noise.small_batch_ok`);
+      0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
+    grad_norm: record |ḡ| as `opt/grad_norm` every step (`config.train.grad_norm`); with a
+      live estimate it is recorded anyway.
+    unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (`_unroll`).
     """
 
     live: str = "auto"

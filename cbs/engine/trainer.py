@@ -5,40 +5,26 @@
     summary = cbs.train.run(config, workdir, on_eval=fn)  # fn(trainer, state, step) -> fields
 
 `Trainer(config)` exposes the pieces (state, step, `evaluate`) for programs that drive
-training themselves. The jitted step is `cbs.engine.step.TrainStep`; the config is
-`cbs.engine.config.default_config()`.
-
-Loop (`cbs.engine.loop.Loop`, with the trainer as its driver), at step t with E examples
-seen (host ints; the state on the device holds the same): evaluate if due (the parameters
-after t updates); save a checkpoint if due (after reading every pending metric, so a saved
-state never follows a non-finite loss); stop if the budget is spent or `stop_fn` asked; feed
-the schedule the smoothed noise scale it observes (`schedule.observes`, every
-`batch.adapt_every` steps); B from the schedule; dispatch step t; every `log_every` steps read
-the metrics of all steps but the newest (so the device is never idle waiting for the host).
+training themselves; the loop is `cbs.engine.loop.Loop` with the trainer as its driver.
 
 Files in `workdir` (process 0 writes records; every process writes its checkpoint shards):
 - `config.json`: the config of the latest start.
 - `metrics.jsonl`: records (see `cbs.results.records`). Train records: step, kind="train",
   data/examples_seen (before the step), data/batch_size, data/accum_steps, train/loss,
-  opt/lr, opt/grad_norm (absent with train.grad_norm=False and no live estimate),
-  noise/live_{grad_sq_norm,trace_sigma} (the live estimate) and
-  noise/live_exact (1: exact from per-example norms, 0: two-batch; `cbs.engine.live_noise`),
-  noise/ema_{b_simple,grad_sq_norm,trace_sigma} and, on measured steps, noise/{b_simple,
-  grad_sq_norm, trace_sigma, mean_grad_sq_norm[, b_noise, g_h_g, trace_h_sigma, mean_g_h_g]},
-  noise/measured_ema_*, noise/batch_size; with a live estimate the calibrated advice
-  advice/{b_crit, b_crit_lo, b_crit_hi, steps_ratio, examples_ratio}
-  (`cbs.engine.live_advice`). Eval records: step, kind="eval",
-  data/examples_seen, eval/loss, eval/accuracy, full_train/loss, full_train/accuracy, and
-  the fields of `on_eval` when given (the noise measurement at evaluations, `cbs.engine.measure`).
+  opt/lr, opt/grad_norm (absent with train.grad_norm=False and no live estimate), the live
+  estimate noise/live_{grad_sq_norm,trace_sigma,exact} (`cbs.engine.live_noise`),
+  noise/ema_{b_simple,grad_sq_norm,trace_sigma}, on measured steps the measurement
+  (`cbs.engine.measure`) and the live advice (`cbs.engine.live_advice`). Eval records: step,
+  kind="eval", data/examples_seen, eval/loss, eval/accuracy, full_train/loss,
+  full_train/accuracy and the fields of `on_eval`.
 - `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
-  "diverged"), step,
-  examples_seen, checkpoint_step, message, config_hash, last train and eval records.
+  "diverged"), step, examples_seen, checkpoint_step, message, config_hash, last records.
 - `checkpoints/`: orbax (`cbs.runtime.checkpoint`), `tensorboard/`: event files (when on).
-SIGTERM (SIGINT) after `cbs.runtime.preemption.install()` (the entry points call it) saves a
-checkpoint at the current step and raises `Preempted` with status "preempted" ("interrupted").
-A restart with the same command resumes from the latest checkpoint and first drops records
-at or after its step, so the records equal an uninterrupted run's. A run whose status.json
-says it ended, with the same config, is not run again: its summary is returned.
+SIGTERM (SIGINT) after `cbs.runtime.preemption.install()` saves a checkpoint at the current
+step and raises `Preempted` with status "preempted" ("interrupted"). A restart resumes from the
+latest checkpoint and first drops records at or after its step, so the records equal an
+uninterrupted run's. A run whose status.json says it ended, with the same config, is not run
+again: its summary is returned.
 """
 
 from __future__ import annotations
@@ -71,15 +57,12 @@ CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exac
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
 
 class Trainer(RunParts):
-    """A run: its parts (`cbs.engine.parts.RunParts`, built from `config` and validated
-    before any compilation) and its run directory; the driver of `cbs.engine.loop.Loop`.
+    """A run: its parts (`cbs.engine.parts.RunParts`) and its run directory `workdir` (None
+    for in-memory use only); the driver of `cbs.engine.loop.Loop`.
 
     Args:
-      config, mesh, dataset: as for `RunParts`.
-      workdir: run directory (records, checkpoints); None for in-memory use only.
       on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
-        at evaluations, `cbs.engine.measure.Measurement.evaluation`, when `noise.examples`
-        asks for one; else none).
+        at evaluations, `cbs.engine.measure.Measurement.evaluation`, when the spec has one).
       start: a state to start from instead of a fresh one (a branch from a checkpoint of its
         reference run): the run starts at its step and examples seen, with the config's
         η_0 (as on resume); its budget `train.max_steps` / `max_examples` counts from 0.
@@ -100,8 +83,7 @@ class Trainer(RunParts):
     # ------------------------------------------------------------------ the loop's driver
 
     def start(self, restore: Restore | None) -> tuple[TrainState, dict[str, Any]]:
-        """A fresh state on the mesh (parameters from `config.seed`) or the `start` state,
-        or the checkpoint `restore` reads, with the config's η_0 (`_restored`)."""
+        """`Driver.start`, with the config's η_0 (`_restored`) on a `start` state too."""
         if restore is not None:
             restored, meta = restore(self._restore_target())
             return self._restored(restored), meta
@@ -154,11 +136,8 @@ class Trainer(RunParts):
 
     def run(self, *, stop_fn: StopFn | None = None, raise_on_divergence: bool = True
             ) -> dict[str, Any]:
-        """Trains from the latest checkpoint in `workdir` (or from scratch) to the end.
-
-        Returns the summary written to status.json. Raises DivergedError on a non-finite
-        loss (after recording it) unless raise_on_divergence=False.
-        """
+        """Trains from the latest checkpoint in `workdir` (or from scratch) to the end; the
+        summary written to status.json (`run`)."""
         if self.workdir is None:
             raise ValueError("Trainer.run needs a workdir")
         perf = throughput.for_run(self.config, self.workdir, self.dataset, self.mesh)
@@ -171,21 +150,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         raise_on_divergence: bool = True, mesh: jax.sharding.Mesh | None = None,
         on_eval: EvalFn | None = None, outputs: writer.Outputs | None = None
         ) -> dict[str, Any]:
-    """Trains (or resumes, or returns the summary of an ended run) in `workdir`.
+    """Trains (or resumes, or returns the summary of an ended run) in `workdir` (its files:
+    the module docstring); returns the summary written to status.json.
 
-    Args:
-      config: see `cbs.engine.config.default_config()`; validated before anything compiles.
-      workdir: the run directory (see the module docstring for its files).
-      stop_fn: stop_fn(step, record) -> bool, called on every record written (train and
-        eval, in step order, up to `log_every` steps late); True ends the run as "stopped"
-        after a final evaluation and checkpoint.
-      raise_on_divergence: raise DivergedError on a non-finite loss (else return the summary
-        with status "diverged").
-      mesh: device mesh (default from config.mesh).
-      on_eval: on_eval(trainer, state, step) -> {record key: device scalar}, fields added to
-        every eval record (`EvalFn`); not part of the config, so not of its hash.
-      outputs: the bar and mirrors (default: the config's, `cbs.runtime.writer.Outputs`); a
-        sweep's trial takes the sweep's.
+    stop_fn(step, record) -> bool is called on every record written (train and eval, in step
+    order, up to `log_every` steps late); True ends the run as "stopped" after a final
+    evaluation and checkpoint. raise_on_divergence: raise `DivergedError` when the run
+    diverges (after recording it), else return the summary with status "diverged". on_eval:
+    `EvalFn`, not part of the config, so not of its hash. outputs: the bar and mirrors
+    (`cbs.runtime.writer.Outputs`; default: the config's); a sweep's trial takes the sweep's.
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)
@@ -203,8 +176,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
     except DivergedError:
         raise
     except BaseException:
-        if fresh and not _has_checkpoint(workdir):  # nothing to resume: leave no half-made run
-            _remove_run_files(workdir, created)
+        # nothing to resume: process 0 removes what the run wrote (the workdir too if this run
+        # created it), so the corrected command starts clean
+        if fresh and not _has_checkpoint(workdir) and jax.process_index() == 0:
+            for name in _RUN_FILES:
+                paths.remove(os.path.join(workdir, name))
+            for name in _RUN_DIRS:
+                if paths.isdir(os.path.join(workdir, name)):
+                    paths.rmtree(os.path.join(workdir, name))
+            if created:
+                paths.rmdir(workdir)
         raise
 
 
@@ -216,30 +197,14 @@ def _has_checkpoint(workdir: str) -> bool:
     return bool(paths.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR)))
 
 
-def _remove_run_files(workdir: str, created: bool) -> None:
-    """Removes what a run that failed before its first checkpoint wrote (process 0), so the
-    corrected command starts clean; the workdir itself too if this run created it."""
-    if jax.process_index() != 0:
-        return
-    for name in _RUN_FILES:
-        paths.remove(os.path.join(workdir, name))
-    for name in _RUN_DIRS:
-        if paths.isdir(os.path.join(workdir, name)):
-            paths.rmtree(os.path.join(workdir, name))
-    if created:
-        paths.rmdir(workdir)
-
-
 def measure_checkpoint(workdir: str, step: int | None = None, *, examples: int = 0,
                        curvature: bool = False, deviations: int = 256,
                        mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
-    """The noise scale exactly at a saved state: checkpoint `step` (None: the latest) of the
-    run in `workdir`, its model and data from the run's config.json, measured by the one
-    call `cbs.engine.measure.measure` on all N training examples (`examples` = 0 or ≥ N:
-    method "full_data", exact; the split must be in memory) or on `examples` = n < N examples
-    of the measurement stream (index 0 of `cbs.engine.measure.draw`, seed `config.seed`).
-    With `curvature`, also B_noise from `deviations` examples' deviations and H over the
-    examples measured.
+    """The noise scale exactly at checkpoint `step` (None: the latest) of the run in
+    `workdir` (its config.json), by `cbs.engine.measure.measure` on all N training examples
+    (`examples` = 0 or ≥ N: "full_data", exact; the split must be in memory) or on `examples`
+    = n < N of the measurement stream (index 0 of `cbs.engine.measure.draw`, seed
+    `config.seed`). `curvature`: also B_noise, from `deviations` examples' deviations.
 
     Returns {"step", "examples_seen", "batch_size" (the schedule's B at that state),
     "optimizer", "task" ("data/model"), "learning_rate" (η_0), "num_train", "examples"

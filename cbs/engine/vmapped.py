@@ -3,11 +3,8 @@
 Runs that differ only in values held by the state (the peak learning rate η_0 of a sweep
 group's trials) or in a value of the step's inputs (the stream seed of a branch's seeds) share
 one compiled program: a `jax.lax.fori_loop` of `TrainStep.apply` whose length is a traced
-value (no recompilation per length), vmapped over a leading axis K of the states. Both the
-trial groups (`cbs.sweeps.groups`) and the branched runs (`cbs.sweeps.branches`) use it.
-
-Along the loop it carries the EMA of the batch loss `train/loss` (`cbs.runtime.progress
-.ema_update`: a NaN EMA takes the first loss as is) and the last batch loss.
+value (no recompilation per length), vmapped over a leading axis K of the states (the trial
+groups of `cbs.sweeps.groups`, the branched runs of `cbs.sweeps.branches`).
 """
 
 from __future__ import annotations
@@ -27,19 +24,11 @@ _Apply = Callable[[Any, Any, int], tuple[Any, dict[str, jax.Array]]]
 
 
 def run_steps(apply: _Apply, accum_steps: int, ema_decay: float) -> Callable:
-    """The step loop of one state.
-
-    Args:
-      apply: the pure step, `TrainStep.apply`.
-      accum_steps: its gradient-accumulation steps A (static).
-      ema_decay: the loss EMA's decay per step.
-
-    Returns:
-      one(state, inputs, ema, num_steps) -> (state, ema, last_loss): `num_steps` (traced int)
-      applications of `apply(state, inputs, accum_steps)`; `ema` is the loss EMA before the
-      first of them (NaN: no loss seen yet) and after the last; `last_loss` the last step's
-      batch loss (NaN after no step). `ema` and `last_loss` are scalars of the EMA's dtype.
-    """
+    """The step loop of one state: one(state, inputs, ema, num_steps) -> (state, ema,
+    last_loss), `num_steps` (traced int) applications of `apply(state, inputs, accum_steps)`
+    (A static); `ema` is the EMA of the batch loss (`cbs.runtime.progress.ema_update`, decay
+    `ema_decay` per step; NaN: no loss seen yet) before the first and after the last,
+    `last_loss` the last step's batch loss (NaN after no step), both of the EMA's dtype."""
 
     def one(state: Any, inputs: Any, ema: jax.Array, num_steps: jax.Array
             ) -> tuple[Any, jax.Array, jax.Array]:
@@ -58,16 +47,8 @@ def run_steps(apply: _Apply, accum_steps: int, ema_decay: float) -> Callable:
 
 def vmapped_steps(apply: _Apply, accum_steps: int, ema_decay: float,
                   inputs_axes: Any = None) -> Callable:
-    """`run_steps` over K states (not jitted: the caller jits it with its own shardings).
-
-    Args:
-      apply, accum_steps, ema_decay: as for `run_steps`.
-      inputs_axes: vmap axes of the inputs: None when every state reads the same inputs, 0
-        when each has its own, or a pytree of these matching the inputs (e.g. arrays shared,
-        a seed per state).
-
-    Returns:
-      (states[K], inputs, ema[K], num_steps) -> (states[K], ema[K], last_loss[K]), the same
-      `num_steps` (traced int) for every state.
-    """
+    """`run_steps` over K states, (states[K], inputs, ema[K], num_steps) -> (states[K],
+    ema[K], last_loss[K]), not jitted (the caller jits it with its own shardings).
+    inputs_axes: vmap axes of the inputs: None (shared), 0 (one each), or a pytree of these
+    matching the inputs (e.g. arrays shared, a seed per state)."""
     return jax.vmap(run_steps(apply, accum_steps, ema_decay), in_axes=(0, inputs_axes, 0, None))
