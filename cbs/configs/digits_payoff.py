@@ -3,14 +3,11 @@
     cbs-ramps --config=digits_payoff --sweep_dir=results/digits --out_dir=results/digits_payoff
 
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
-(results/digits_branch: the "local CBS" ramp's schedule); writes only to out_dir. Each run is
-repeated over seeds 0, 1, 2 until the full training loss crossed every target;
-`cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports each
-ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md). Runs:
-fixed B = 16 … 256 at the sweep's best rate at B and at each other rate that is its best at B
-for some target ("fixed B=… · η=…": each fixed baseline tuned per target); "adaptive
-(B_simple)" (`digits_ramps.py:adaptive`); "local CBS", a step schedule through the branched
-study's B*(e), 8 → 16 → 32; the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py`).
+(results/digits_branch: the "local CBS" ramp's schedule, 8 → 16 → 32); writes only to
+out_dir. `cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports
+each ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md).
+Each fixed baseline runs at every rate that is the sweep's best at its B for some target
+("fixed B=… · η=…"), so that it is tuned per target.
 
 `--config=digits_payoff:start` (out_dir results/digits_ramp_start) is Merrill et al.'s
 comparison alone: the four ramps and the fixed runs at each ramp's first batch size (tuned
@@ -66,10 +63,8 @@ def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
     """A ramp through a branched study's B*(examples), from the sweep's best rate at its
     first B, square-root coupled."""
     schedule = branch_report.local_cbs_schedule(branch_dir, multiple=micro_batch)
-    first = schedule["steps"][0][1]
-    return {"label": "local CBS", "micro_batch": micro_batch, "schedule": schedule,
-            "learning_rate": f"best@{first}",
-            "lr_coupling": {"rule": "sqrt", "base_batch_size": first, "cap": 0.03}}
+    return digits_ramps._ramp("local CBS", schedule, schedule["steps"][0][1]) | {
+        "micro_batch": micro_batch}
 
 
 def start_runs(ramps: list[dict], sweep_dir: str) -> list[dict]:
