@@ -40,13 +40,10 @@ def target_rates(sweep_dir: str, batch_size: int) -> dict[str, float]:
     """target key -> the sweep's fastest learning rate at `batch_size` for that target (one
     seed's fewest steps; targets no trial at B reached are left out)."""
     trials = [r for r in SweepStore(sweep_dir).records() if r["batch_size"] == batch_size]
-    out = {}
-    for key in sorted({k for r in trials for k in r["steps_to_target"]}, key=float):
-        reached = [r for r in trials if r["steps_to_target"].get(key) is not None]
-        if reached:
-            out[key] = float(min(reached, key=lambda r: r["steps_to_target"][key])
-                             ["learning_rate"])
-    return out
+    keys = sorted({k for r in trials for k in r["steps_to_target"]}, key=float)
+    reached = {k: [r for r in trials if r["steps_to_target"].get(k) is not None] for k in keys}
+    return {k: float(min(rows, key=lambda r: r["steps_to_target"][k])["learning_rate"])
+            for k, rows in reached.items() if rows}
 
 
 def tuned_fixed(sweep_dir: str, batch_size: int) -> list[dict]:

@@ -174,13 +174,10 @@ def listdir_versions(path: PathLike) -> dict[str, str | None]:
     except FileNotFoundError:
         return {}
     here = os.path.basename(bare.rstrip("/"))
-    out = {}
-    for entry in found:
-        name = os.path.basename(entry["name"].rstrip("/"))
-        if name and name != here:
-            out[name] = str(next((entry[k] for k in ("generation", "etag", "md5Hash")
-                                  if entry.get(k)), (entry.get("size"), entry.get("created"))))
-    return dict(sorted(out.items()))
+    named = {os.path.basename(entry["name"].rstrip("/")): entry for entry in found}
+    return {name: str(next((e[k] for k in ("generation", "etag", "md5Hash") if e.get(k)),
+                           (e.get("size"), e.get("created"))))
+            for name, e in sorted(named.items()) if name and name != here}
 
 
 def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:

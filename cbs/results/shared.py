@@ -170,14 +170,11 @@ def _merged_lines(path: PathLike, keys: Sequence[str], need: Sequence[str],
                   cache: PartCache | None = None) -> list[tuple[bytes, dict[str, Any]]]:
     """(line, record) of `read_merged`, each line as stored."""
     sources = _read_parts(path, cache) or [(os.fspath(path), paths.read_bytes(path) or b"")]
-    seen: set[str] = set()
-    out = []
+    first: dict[str, tuple[bytes, dict[str, Any]]] = {}
     for name, raw in sources:
         for line, record in records.lines_in(raw, name, need):
-            if (k := json.dumps([record[x] for x in keys])) not in seen:
-                seen.add(k)
-                out.append((line, record))
-    return out
+            first.setdefault(json.dumps([record[x] for x in keys]), (line, record))
+    return list(first.values())
 
 
 def export_parts(path: PathLike, keys: Sequence[str], *,

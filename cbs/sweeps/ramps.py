@@ -66,8 +66,7 @@ def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
     if not records:
         raise ConfigError(f"config.ramps: no sweep trial at batch size {batch_size} in "
                          f"{sweep_dir}; run the sweep first or give a number")
-    keys = sorted(records[0]["steps_to_target"], key=float)
-    for key in keys:  # lowest target first
+    for key in sorted(records[0]["steps_to_target"], key=float):  # lowest target first
         reached = [r for r in records if r["steps_to_target"][key] is not None]
         if reached:
             return min(reached, key=lambda r: r["steps_to_target"][key])["learning_rate"]
