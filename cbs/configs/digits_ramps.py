@@ -5,8 +5,7 @@ the study that runs them beside the digits sweep.
     cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
     cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
-A single ramp is the digits sweep's run config with a batch-size schedule, the micro-batch
-fixed at 16 and Adam's η = η_0·(B/B_0)^½ from the first batch size B_0, capped at 0.03:
+A single ramp is the digits sweep's run config with a batch-size schedule (`ramp_run`):
 
 - `:llama3` (`STEP`): Llama 3 405B's two doublings (4M → 8M tokens after 252M, → 16M after
   2.87T, `cbs.engine.schedules.llama3_schedule`) placed where the digits sweep's B_crit passes

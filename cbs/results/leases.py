@@ -147,7 +147,6 @@ def _alive(lease: dict) -> bool:
 
 
 def _renew(path: str, stop: threading.Event) -> None:
-    """Rewrites the lease with a later expiry every quarter lease until `stop`."""
     while not stop.wait(lease_seconds() / 4):
         with contextlib.suppress(OSError):  # a missed renewal: the next one may succeed
             records.write_atomic(path, _body())

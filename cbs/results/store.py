@@ -43,15 +43,12 @@ IGNORED_FIELDS = OUTPUT_FIELDS + ("train.checkpoint_every", "train.keep_checkpoi
 
 @dataclasses.dataclass
 class TrialResult:
-    """What a finished trial records (one line of trials.jsonl).
-
-    status: "done" (every target reached), "budget", "diverged", or "dominated" (stopped once
-    another learning rate at the same (B, seed) reached every target first).
-    steps_to_target / examples_to_target: per target (`target_key`), S and E = B·S at the
-    first crossing of the progress metric, interpolated between evaluations; None if never.
-    noise_at_target: per target, the noise statistics around the crossing.
-    curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
-    """
+    """What a finished trial records (one line of trials.jsonl). `status`: "done" (every target
+    reached), "budget", "diverged", or "dominated" (stopped once another rate at the same
+    (B, seed) reached every target first); `steps_to_target`, `examples_to_target`: per target
+    (`target_key`), S and E = B·S at the first crossing of the progress metric, interpolated
+    between evaluations (None: never); `noise_at_target`: per target, the noise statistics
+    around the crossing; `curve`: {"step", "examples", metric, "noise/...": lists} at evals."""
 
     trial_id: str
     index: int
