@@ -47,8 +47,7 @@ class Claim:
 
 
 def claim(lock_dir: PathLike, name: str, *, wait: bool = False) -> Claim | None:
-    """Takes claim `name` in `lock_dir`; None when another process holds it (with `wait`,
-    blocks until it is free)."""
+    """Takes claim `name` in `lock_dir`; None when another holds it (`wait`: blocks till free)."""
     if not paths.is_remote(lock_dir):
         os.makedirs(lock_dir, exist_ok=True)
         path = os.path.join(lock_dir, f"{name}.lock")

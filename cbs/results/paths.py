@@ -146,8 +146,7 @@ def rmdir(path: PathLike) -> None:
 
 
 def _fresh_fs(path: PathLike) -> tuple[Any, str]:
-    """(fsspec file system, path without protocol), its listing cache dropped (module
-    docstring)."""
+    """(fsspec file system, bare path), its listing cache dropped (module docstring)."""
     import fsspec
 
     epath(path)  # the one-line error naming the extra when gs:// has no backend

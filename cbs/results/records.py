@@ -169,8 +169,7 @@ def _whole_lines(path: PathLike, raw: bytes) -> bytes:
 
 
 def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
-    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs,
-    after cutting off a torn last line."""
+    """Appends whole records in one write (all or none) and fsyncs, cutting a torn line first."""
     data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n" for r in records)
     if not data:
         return

@@ -63,8 +63,7 @@ def part_level(name: str) -> int:
 
 
 def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]]) -> str:
-    """Writes `records_` as the part `name` of records file `path` (module docstring);
-    returns its path."""
+    """Writes `records_` as the part `name` of file `path` (module docstring); its path."""
     data = "".join(json.dumps({k: records.plain_value(v) for k, v in r.items()}) + "\n"
                    for r in records_)
     folder = parts_dir(path)

@@ -70,8 +70,7 @@ def _measure_at(runner: Any, step: int) -> dict[str, Any]:
 
 def _noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                 points: Sequence[int]) -> list[int]:
-    """Every branch point and the kept checkpoints nearest `branch.noise_checkpoints`
-    log-spaced steps."""
+    """Every branch point and the checkpoints nearest `noise_checkpoints` log-spaced steps."""
     n = int(config.branch.get("noise_checkpoints", 0))
     ckpts = sorted(s for s in ckpt_steps if s > 0)
     if not n or not ckpts:

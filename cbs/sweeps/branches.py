@@ -55,8 +55,7 @@ UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
-    """Checkpoint steps to branch from (sorted), from `branch.points_*` and the reference
-    run's train records."""
+    """The checkpoint steps to branch from (`branch.points_*`), sorted."""
     b, bsz = config.branch, branch_config.reference_batch(config)
     ckpts = sorted(s for s in ckpt_steps if s > 0)
     train_recs = sorted((r for r in reference if r.get("kind") == "train"),

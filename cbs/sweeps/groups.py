@@ -212,8 +212,7 @@ class TrialGroup:
             self.history["evals"].append(_row_values(records[j:j + k]))
 
     def run(self) -> list[TrialResult]:
-        """Trains, resumes or (ended with this config) replays the group; one result per
-        trial."""
+        """Trains, resumes or (ended with this config) replays the group; a result per trial."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
         summary = ended_run(self.workdir, self.config)
         if summary is not None:

@@ -157,8 +157,7 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
 
 def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *,
                 mesh: jax.sharding.Mesh | None = None) -> None:
-    """Refuses, before anything trains, ramps `validate_ramps` refuses or a sweep directory of
-    a different config (`SweepStore.check_definition`); writes nothing."""
+    """Refuses ramps `validate_ramps` refuses, or a sweep directory of another config."""
     validate_ramps(config, replicas=None if mesh is None else int(mesh.shape["data"]))
     SweepStore(sweep_dir).check_definition(
         launch.sweep_definition(config, grid.make_trials(config.sweep)), "config.ramps")

@@ -112,8 +112,7 @@ def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: in
 
 def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
                   log=print) -> dict[str, Any] | None:
-    """Runs the reference trajectory once; returns its record (None: no trial at B_ref
-    reached a target)."""
+    """Runs the reference trajectory once; its record (None: none at B_ref reached a target)."""
     path = os.path.join(store.sweep_dir, files.REFERENCE_NOISE_FILE)
     done = shared.read_merged(path, files.REFERENCE_RUN_KEYS)
     if done:

@@ -180,8 +180,7 @@ class SeedReferenceRun(reference.ReferenceRun):
         return out | self._empty
 
     def _window_due(self, value: float) -> bool:
-        """Whether this evaluation lies in the `noise_window` evaluations from some target's
-        first crossing on."""
+        """Whether this evaluation lies in some target's window (from its first crossing)."""
         for t, left in self._left.items():
             if left is None and math.isfinite(value) and value <= t:
                 self._left[t] = int(self.sweep.noise_window)

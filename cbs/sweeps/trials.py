@@ -105,8 +105,7 @@ def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: i
 
 
 class ProgressMonitor:
-    """stop_fn for `cbs.train.run`: stops once the progress metric has crossed every target
-    or diverged (`divergence_rule`)."""
+    """stop_fn of `cbs.train.run`: stops once the progress metric hit every target or diverged."""
 
     def __init__(self, sweep: ml_collections.ConfigDict):
         self.metric, self.lowest_target = sweep.target_metric, min(sweep.targets)
