@@ -27,8 +27,7 @@ def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
 
 
 def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
-    """The comma-separated words of the config argument, each one of `known` (else
-    ValueError listing them)."""
+    """The comma-separated words of `arg`, each one of `known` (else ValueError)."""
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
     unknown = sorted(words - set(known))
     if unknown:

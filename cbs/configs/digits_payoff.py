@@ -57,8 +57,7 @@ def tuned_fixed(sweep_dir: str, batch_size: int) -> list[dict]:
 
 
 def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
-    """A ramp through a branched study's B*(examples), from the sweep's best rate at its
-    first B, square-root coupled."""
+    """A ramp through a branched study's B*(examples) (`digits_ramps._ramp`)."""
     schedule = branch_report.local_cbs_schedule(branch_dir, multiple=micro_batch)
     return digits_ramps._ramp("local CBS", schedule, schedule["steps"][0][1]) | {
         "micro_batch": micro_batch}

@@ -100,8 +100,7 @@ def _parse(line: bytes, required: Sequence[str]) -> tuple[dict[str, Any] | None,
 
 
 def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The readable records of a JSON-lines file holding every key in `required`, in file
-    order ([] when missing; damaged lines: module docstring)."""
+    """The readable records holding every key in `required`, in file order ([] if missing)."""
     raw = paths.read_bytes(path)
     return [] if raw is None else _records_in(raw, path, required)
 

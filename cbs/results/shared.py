@@ -122,8 +122,7 @@ def _sorted_parts(path: PathLike, names: Iterable[str]) -> list[str]:
 
 
 class PartCache:
-    """The parts already read, by path and version (an object's generation), so that a read
-    fetches only new parts (object stores only)."""
+    """The parts read, by path and object version (remote only): a read fetches only new ones."""
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[str, bytes]] = {}
@@ -178,8 +177,8 @@ def _merged_lines(path: PathLike, keys: Sequence[str], need: Sequence[str],
 
 def export_parts(path: PathLike, keys: Sequence[str], *,
                  cache: PartCache | None = None) -> bool:
-    """Rewrites file `path` as the export of its parts (their lines as stored, the first per
-    value of `keys`) if it changes; returns whether it wrote."""
+    """Rewrites file `path` as its parts' lines (the first per `keys`) if that changes it;
+    returns whether it wrote."""
     if not part_paths(path):
         return False
     with warnings.catch_warnings():

@@ -118,8 +118,7 @@ class SweepStore:
         records.write_json_atomic(path, plain)
 
     def check_definition(self, definition: dict[str, Any], reader: str) -> None:
-        """ValueError naming `reader` (e.g. "config.ramps") when `definition` differs from
-        the recorded one, grid included."""
+        """ValueError naming `reader` when `definition` differs from the recorded one."""
         previous = self.definition()
         changed = definition_diff(previous, definition) if previous else []
         if changed:

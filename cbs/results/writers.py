@@ -202,8 +202,7 @@ class WandbWriter(MetricWriter):
 
     def write_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                     summary: Mapping[str, Any] | None = None) -> None:
-        """A table (`wandb.Table`) under `key`, and scalar `summary` values in the run's
-        summary (what the project's run table shows)."""
+        """A `wandb.Table` under `key`, and `summary` scalars in the run's summary."""
         wandb = import_wandb()
         self.run.log({key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
         for k, v in _numbers(summary or {}).items():

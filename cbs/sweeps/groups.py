@@ -270,8 +270,7 @@ class TrialGroup:
 
 
 def _row_values(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """One evaluation of the group, {record key: [K] values}, from its K trial records
-    (null, a non-finite value in JSON, reads as NaN)."""
+    """One evaluation, {record key: [K] values}, from its K trial records (null reads NaN)."""
     keys = [k for k in records[0] if k not in ("step", "kind", "trial", "data/examples_seen")]
     return {k: np.asarray([math.nan if r.get(k) is None else r[k] for r in records], np.float64)
             for k in keys}

@@ -74,8 +74,7 @@ def seed_path(sweep_dir: str, seed: int) -> str:
 
 
 def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
-    """The committed study's config (sweep.json) in the current layout, over
-    `default_config()` and `default_sweep_config()` (fields added since keep their defaults)."""
+    """The committed study's config (sweep.json) in the current layout, over the defaults."""
     definition = SweepStore(sweep_dir).definition()
     if not definition:
         raise ConfigError(f"--sweep_dir: {sweep_dir} has no {files.SWEEP_FILE}; name a "
