@@ -64,9 +64,8 @@ def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
 
 
 def start_runs(ramps: list[dict], sweep_dir: str) -> list[dict]:
-    """The ramps and, for each first batch size B_0 among them, the fixed runs at B_0 at every
-    rate that is the sweep's best at B_0 for some target (so that the fixed run at B_0 is
-    tuned per target, as in the payoff study)."""
+    """The ramps, and the fixed runs at each ramp's first batch size B_0 at every rate that is
+    the sweep's best at B_0 for some target (tuned per target, as in the payoff study)."""
     starts = sorted({b for r in ramps if (b := ramp_start.start_batch_size(r)) is not None})
     return list(ramps) + [run for b in starts
                           for run in [digits_ramps.fixed(b), *tuned_fixed(sweep_dir, b)]]

@@ -158,9 +158,8 @@ def _read_parts(path: PathLike, cache: PartCache | None) -> list[tuple[str, byte
 
 def read_merged(path: PathLike, keys: Sequence[str], *, required: Sequence[str] = (),
                 cache: PartCache | None = None) -> list[dict[str, Any]]:
-    """The records of records file `path` (its parts', else the file's), the first per value of
-    `keys`, read as by `cbs.results.records.read_records` with `keys` and `required`
-    required. `cache`: the parts read before."""
+    """The records of records file `path` (its parts', else the file's) holding `keys` and
+    `required`, the first per value of `keys`. `cache`: the parts read before."""
     return [r for _, r in _merged_lines(path, keys, (*keys, *required), cache)]
 
 
@@ -192,9 +191,8 @@ def export_parts(path: PathLike, keys: Sequence[str], *,
 
 def add_records(path: PathLike, keys: Sequence[str],
                 records_: Sequence[Mapping[str, Any]]) -> str:
-    """Adds `records_` (each holding `keys`) to records file `path` as one part named after
-    the first record's keys; returns its path. Exports locally (on an object store the
-    command exports once at its end)."""
+    """Adds `records_` (each holding `keys`) to records file `path` as one part; returns its
+    path. Exports locally (on an object store the command exports once at its end)."""
     first = "_".join(str(records_[0][k]) for k in keys)
     safe = "".join(c if c.isascii() and (c.isalnum() or c in ".-") else "_" for c in first)
     part = write_part(path, part_name([safe.strip("_") or "record"]), records_)

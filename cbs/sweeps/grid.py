@@ -181,10 +181,9 @@ def trial_table(trials: Sequence[Trial]) -> list[dict[str, Any]]:
 
 def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
                 ) -> list[Trial]:
-    """The base grid plus the rates added past edges (`cbs.analysis.fits.edges`). An added
-    trial's index (after the base grid's) is fixed by its (B, seed, side, step beyond the grid)
-    whatever the order of rounds, so shards and reruns agree on it. Records of trials outside
-    the grid are ignored."""
+    """The base grid plus the rates added past edges (`cbs.analysis.fits.edges`); an added
+    trial's index is fixed by its (B, seed, side, step past the grid), whatever the order of
+    rounds, so shards and reruns agree on it. Records of trials outside the grid are ignored."""
     base = make_trials(sweep)
     if not sweep.extend_lr_rounds:
         return base

@@ -226,9 +226,8 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
 def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
               mesh: jax.sharding.Mesh | None = None, out_dir: str | None = None
               ) -> list[dict[str, Any]]:
-    """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
-    `mesh` defaults to `config.mesh`; `out_dir` (default: sweep_dir) holds ramps.jsonl and the
-    runs."""
+    """Runs (or resumes) every `config.ramps` run not in ramps.jsonl; returns all records.
+    `mesh` defaults to `config.mesh`; `out_dir` (default: sweep_dir) holds the file and runs."""
     check_ramps(config, sweep_dir, mesh=mesh)
     out_dir = out_dir or sweep_dir
     paths.makedirs(out_dir)
