@@ -2,19 +2,16 @@
 
     cbs-sweep --config=digits_sweep:tiny --sweep_dir=/tmp/t      # or --config=cbs:digits_sweep:tiny
 
-Each preset is a module whose `get_config(arg)` returns a `cbs.engine.config` ConfigDict
-(`names()` lists them; `arg` is the text after the name's `:`); `base` holds their shared
-helpers. A checkout also reaches each by path, `--config=experiments/configs/<name>.py[:arg]`.
-
-The presets: single runs `digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`,
-`shakespeare_transformer`; sweeps `digits_sweep` (the main job), `digits_sgd_sweep`,
-`mnist1d_sweep`, `linreg_sweep`, `cnn_sweep`, `shakespeare_sweep`, `shakespeare_kaplan`,
-`teacher_student_sweep`, `heldout_sweep` (three held-out tasks); ramps `digits_ramps` (also
-the single ramps `:llama3`, `:deepseek`, `:adaptive`), `digits_payoff`,
-`shakespeare_payoff`; branch studies `digits_branch`, `shakespeare_branch`.
-
-`resolve` turns a `--config` value into the flag library's path[:arg]; this `__init__`
-imports no preset, so resolving a name costs nothing.
+Each preset is a module whose `get_config(arg)` returns a `cbs.engine.config` ConfigDict (`arg`:
+the text after the name's `:`); `base` holds their shared helpers. A checkout also reaches each
+by path, `--config=experiments/configs/<name>.py[:arg]`. The presets: single runs
+`digits_mlp`, `mnist1d_mlp`, `cnn`, `lm_shakespeare`, `shakespeare_transformer`; sweeps
+`digits_sweep` (the main job), `digits_sgd_sweep`, `mnist1d_sweep`, `linreg_sweep`,
+`cnn_sweep`, `shakespeare_sweep`, `shakespeare_kaplan`, `teacher_student_sweep`,
+`heldout_sweep` (three held-out tasks); ramps `digits_ramps` (also the single ramps
+`:llama3`, `:deepseek`, `:adaptive`), `digits_payoff`, `shakespeare_payoff`; branch studies
+`digits_branch`, `shakespeare_branch`. `resolve` turns a `--config` value into the flag
+library's path[:arg] without importing a preset.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ def path(name: str) -> str:
 
 
 def resolve(value: str) -> str:
-    """A `--config` value as the flag library's `path[:arg]`: `cbs:<name>[:arg]` and a bare
-    `<name>[:arg]` that is no existing file become the packaged preset's path; a path (it
-    holds a `/` or ends in `.py`, or the file exists) is returned unchanged."""
+    """A `--config` value as the flag library's `path[:arg]`: `cbs:<name>[:arg]`, or a bare
+    `<name>[:arg]` that is no path (no `/`, no `.py`, no such file), becomes the preset's path."""
     explicit = value.startswith(PREFIX)
     rest = value[len(PREFIX):] if explicit else value
     name, sep, arg = rest.partition(":")

@@ -1,6 +1,6 @@
 """Helpers shared by the config files. Every config starts from
-`cbs.engine.config.default_config()` (each field's meaning and units are commented there) and
-sets, with a comment, what differs."""
+`cbs.engine.config.default_config()` (each field's meaning and units commented there) and sets,
+with a comment, what differs."""
 
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
 
 
 def parse_arg(arg: str, known: tuple[str, ...] = ("tiny",)) -> set[str]:
-    """Comma-separated words of the config argument ("tiny", ...), each one of `known`; an
-    unknown word (a typo such as "tinny") raises ValueError listing the known ones."""
+    """The comma-separated words of `arg`, each one of `known` (else ValueError)."""
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
     unknown = sorted(words - set(known))
     if unknown:

@@ -5,11 +5,9 @@
     cbs-sweep --config=cnn_sweep:cifar10 \
         --sweep_dir=runs/cifar10 --shard=0/4 --noanalyze    # one of 4 array tasks
 
-The model and optimizer of `cnn.py`; batch sizes 16 … 4096, a factor-2 rate grid on the
-square-root rule from 1e-3 at B = 128, targets on the loss over 2,048 evaluation images; each
-batch size's rates run as one vmapped program on the in-memory training set. Not run here, so
-no result is recorded; expect B_crit of a few hundred images at the lowest targets on MNIST
-(McCandlish et al. 2018: ~10²–10³ for MNIST-scale classifiers), larger on CIFAR-10.
+Not run here, so no result is recorded; expect B_crit of a few hundred images at the lowest
+targets on MNIST (McCandlish et al. 2018: ~10²–10³ for MNIST-scale classifiers), larger on
+CIFAR-10.
 """
 
 from __future__ import annotations

@@ -4,13 +4,9 @@
     cbs-branch --config=digits_branch --workdir=runs/digits_branch --sweep_dir=runs/digits
     cbs-branch --config=digits_branch:tiny --workdir=/tmp/b
 
-A reference run at B = 4, η_0 = 2e-3 (with 4e-3, one of the two fastest rates of the sweep's
-grid at B = 4) for 4096 steps (16k examples, ≈ 11 epochs); branches at k = 1 ... 64 (B up to
-256), η = √k·η_0, from 9 points between 1024 and 16384 examples seen (where the sweep's targets
-L = 0.5 ... 0.05 are crossed), three data-order seeds each, over Δ = E/4. B* = k*·B by the
-paper's criterion. B_simple and B_noise are measured exactly on the whole training set at the
-branch points and 24 more checkpoints. Expected on 2 CPU cores: a few minutes; B* rises from
-the ladder's floor (≤ 4) to tens.
+The branch points lie where the sweep's targets L = 0.5 ... 0.05 are crossed; B* = k*·B by the
+paper's criterion. Expected on 2 CPU cores: a few minutes; B* rises from the ladder's floor
+(≤ 4) to tens.
 
 Departures from the paper's rules (`default_branch_config`, Merrill et al. 2025, Sec. 3.1):
 - compared loss: the exact training-set loss at the window's end (`metric`), not the EMA of

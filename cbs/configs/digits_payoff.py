@@ -3,14 +3,11 @@
     cbs-ramps --config=digits_payoff --sweep_dir=results/digits --out_dir=results/digits_payoff
 
 Reads the main job's sweep (results/digits: learning rates) and the local-CBS study
-(results/digits_branch: the "local CBS" ramp's schedule); writes only to out_dir. Each run is
-repeated over seeds 0, 1, 2 until the full training loss crossed every target;
-`cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports each
-ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md). Runs:
-fixed B = 16 … 256 at the sweep's best rate at B and at each other rate that is its best at B
-for some target ("fixed B=… · η=…": each fixed baseline tuned per target); "adaptive
-(B_simple)" (`digits_ramps.py:adaptive`); "local CBS", a step schedule through the branched
-study's B*(e), 8 → 16 → 32; the Llama 3 and DeepSeek-V3 shapes (`digits_ramps.py`).
+(results/digits_branch: the "local CBS" ramp's schedule, 8 → 16 → 32); writes only to
+out_dir. `cbs.analysis.studies.payoff` fits the frontier to the fixed batch sizes and reports
+each ramp's step saving at equal examples with a bootstrap interval over seeds (payoff.md).
+Each fixed baseline runs at every rate that is the sweep's best at its B for some target
+("fixed B=… · η=…"), so that it is tuned per target.
 
 `--config=digits_payoff:start` (out_dir results/digits_ramp_start) is Merrill et al.'s
 comparison alone: the four ramps and the fixed runs at each ramp's first batch size (tuned
@@ -43,13 +40,10 @@ def target_rates(sweep_dir: str, batch_size: int) -> dict[str, float]:
     """target key -> the sweep's fastest learning rate at `batch_size` for that target (one
     seed's fewest steps; targets no trial at B reached are left out)."""
     trials = [r for r in SweepStore(sweep_dir).records() if r["batch_size"] == batch_size]
-    out = {}
-    for key in sorted({k for r in trials for k in r["steps_to_target"]}, key=float):
-        reached = [r for r in trials if r["steps_to_target"].get(key) is not None]
-        if reached:
-            out[key] = float(min(reached, key=lambda r: r["steps_to_target"][key])
-                             ["learning_rate"])
-    return out
+    keys = sorted({k for r in trials for k in r["steps_to_target"]}, key=float)
+    reached = {k: [r for r in trials if r["steps_to_target"].get(k) is not None] for k in keys}
+    return {k: float(min(rows, key=lambda r: r["steps_to_target"][k])["learning_rate"])
+            for k, rows in reached.items() if rows}
 
 
 def tuned_fixed(sweep_dir: str, batch_size: int) -> list[dict]:
@@ -63,19 +57,15 @@ def tuned_fixed(sweep_dir: str, batch_size: int) -> list[dict]:
 
 
 def local_cbs_ramp(branch_dir: str, micro_batch: int) -> dict:
-    """A ramp through a branched study's B*(examples), from the sweep's best rate at its
-    first B, square-root coupled."""
+    """A ramp through a branched study's B*(examples) (`digits_ramps._ramp`)."""
     schedule = branch_report.local_cbs_schedule(branch_dir, multiple=micro_batch)
-    first = schedule["steps"][0][1]
-    return {"label": "local CBS", "micro_batch": micro_batch, "schedule": schedule,
-            "learning_rate": f"best@{first}",
-            "lr_coupling": {"rule": "sqrt", "base_batch_size": first, "cap": 0.03}}
+    return digits_ramps._ramp("local CBS", schedule, schedule["steps"][0][1]) | {
+        "micro_batch": micro_batch}
 
 
 def start_runs(ramps: list[dict], sweep_dir: str) -> list[dict]:
-    """The ramps and, for each first batch size B_0 among them, the fixed runs at B_0 at every
-    rate that is the sweep's best at B_0 for some target (so that the fixed run at B_0 is
-    tuned per target, as in the payoff study)."""
+    """The ramps, and the fixed runs at each ramp's first batch size B_0 at every rate that is
+    the sweep's best at B_0 for some target (tuned per target, as in the payoff study)."""
     starts = sorted({b for r in ramps if (b := ramp_start.start_batch_size(r)) is not None})
     return list(ramps) + [run for b in starts
                           for run in [digits_ramps.fixed(b), *tuned_fixed(sweep_dir, b)]]

@@ -5,16 +5,14 @@ the study that runs them beside the digits sweep.
     cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
     cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
-A single ramp is the digits sweep's run config with a batch-size schedule, the micro-batch
-fixed at 16 and Adam's η = η_0·(B/B_0)^½ from the first batch size B_0, capped at 0.03:
+A single ramp is the digits sweep's run config with a batch-size schedule (`ramp_run`):
 
 - `:llama3` (`STEP`): Llama 3 405B's two doublings (4M → 8M tokens after 252M, → 16M after
   2.87T, `cbs.engine.schedules.llama3_schedule`) placed where the digits sweep's B_crit passes
-  the batch: 32 examples, 64 after 1,500, 128 after 4,000;
+  the batch;
 - `:deepseek` (`LINEAR`): DeepSeek-V3's ramp (3,072 → 15,360 sequences over the first 469B of
-  14.8T tokens, `cbs.engine.schedules.deepseek_v3_schedule`) as 32 → 160 examples over the
-  first 4,000, in multiples of 16. Expected for both: full_train/loss ≈ 0.05 within about
-  200 steps;
+  14.8T tokens, `cbs.engine.schedules.deepseek_v3_schedule`) as 32 → 160 examples. Expected
+  for both: full_train/loss ≈ 0.05 within about 200 steps;
 - `:adaptive` (`ADAPTIVE`): every 10 steps B moves on the ladder 16, 32, ..., 1024 towards
   k·B_simple of the live estimate (`cbs.engine.adaptive.Adaptive`; hysteresis: beyond a band
   of factor^¾ for 3 readings). Expected: B climbs from 16 to a few hundred as B_simple grows

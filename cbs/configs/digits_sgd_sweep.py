@@ -1,19 +1,16 @@
 """Where the theory does not hold: the digits sweep with plain SGD (no momentum).
 
     cbs-sweep --config=digits_sgd_sweep --sweep_dir=results/digits_sgd
-
-The model, data, batch sizes, targets, budget and noise protocols of `digits_sweep`, trained
-with plain SGD at a constant rate: a factor-2 grid on the linear rule η(B) = 0.1·(B/64),
-capped at 2, extended past edge optima. Measured (results/digits_sgd/report.md): B_crit stops
-growing at low loss (45 at L = 0.1, 50 at L = 0.05); the median B_simple over batch sizes is
-1.0-1.5 B_crit and the median B_noise 0.48-0.74 B_crit, but at L = 0.05 B_simple spans 31-620
-and B_noise 5.8-345 across batch sizes: at the best rates the full training loss oscillates
-between evaluations and |G|² and tr(HΣ) swing with it. About 30 min on 2 shared CPU cores.
-`:tiny` is the shrunk grid of `digits_sweep:tiny` (tests). `:seeds3` is `digits_sweep:seeds3`
-with SGD (committed: results/digits_sgd_seeds3, 159 trials, 27 min on 2 shared CPU cores):
-
     cbs-sweep --config=digits_sgd_sweep:seeds3 --sweep_dir=results/digits_sgd_seeds3
     cbs-analyze --sweep_dir=results/digits_sgd_seeds3 --select_on_seed=0
+
+`digits_sweep` with plain SGD on the linear rule. Measured (results/digits_sgd/report.md):
+B_crit stops growing at low loss (45 at L = 0.1, 50 at L = 0.05); the median B_simple over
+batch sizes is 1.0-1.5 B_crit and the median B_noise 0.48-0.74 B_crit, but at L = 0.05
+B_simple spans 31-620 and B_noise 5.8-345 across batch sizes: at the best rates the full
+training loss oscillates between evaluations and |G|² and tr(HΣ) swing with it. About 30 min
+on 2 shared CPU cores. `:tiny` and `:seeds3` as in `digits_sweep` (committed:
+results/digits_sgd_seeds3, 159 trials, 27 min on 2 shared CPU cores).
 """
 
 from __future__ import annotations

@@ -5,22 +5,18 @@
     cbs-sweep --config=digits_sweep:seeds3 --sweep_dir=results/digits_seeds3
     cbs-analyze --sweep_dir=results/digits_seeds3 --select_on_seed=0
 
-Batch sizes 4 to 1024, a factor-2 rate grid on the square-root rule η(B) = 4e-3·(B/64)^½
-(the rates of a batch size train as one vmapped program), extended by up to three rounds past
-edge optima, one seed, targets on the full training-set loss from 0.5 down to 0.05. The noise
-is measured at every evaluation on the whole training set (tr(HΣ) from 32 random
-deviations), and after the sweep densely along one reference run at B = 64
-(`cbs.sweeps.reference`). Measured (results/digits): 48 trials (12 from extension rounds),
-B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a target spans up to 22× across batch
-sizes (8.8-192 at L = 0.05), its median 0.28-0.48 B_crit; about 25 min on 2 shared CPU cores.
-`:tiny` runs 3 batch sizes for a handful of steps (tests) without the reference run.
+The noise is measured at every evaluation on the whole training set, and after the sweep
+densely along one reference run at B = 64 (`cbs.sweeps.reference`). Measured (results/digits):
+48 trials (12 from extension rounds), B_crit from 41 (L = 0.5) to 232 (L = 0.05); B_noise at a
+target spans up to 22× across batch sizes (8.8-192 at L = 0.05), its median 0.28-0.48 B_crit;
+about 25 min on 2 shared CPU cores. `:tiny` runs 3 batch sizes for a handful of steps (tests).
 
-`:seeds3` is the held-out study (committed: results/digits_seeds3): seeds 0, 1, 2 and every
-rate of a (B, seed) run until it crosses the lowest target (so S at seed 0's best rate is
-measured on seeds 1 and 2, not censored); `--select_on_seed=0` then reports B_crit with each
-rate selected on seed 0 and S measured on seeds 1 and 2 (`cbs.analysis.fits.held_out`).
-Measured: 150 trials, 21 minutes; per-seed B_crit within 1.08–1.72× of each other, every
-held-out B_crit inside the in-sample interval.
+`:seeds3` is the held-out study (committed: results/digits_seeds3): seeds 0, 1, 2, every rate
+of a (B, seed) run until it crosses the lowest target (so S at seed 0's best rate is measured
+on seeds 1 and 2, not censored); `--select_on_seed=0` then reports B_crit with each rate
+selected on seed 0 and S measured on seeds 1 and 2 (`cbs.analysis.fits.held_out`). Measured:
+150 trials, 21 minutes; per-seed B_crit within 1.08–1.72× of each other, every held-out
+B_crit inside the in-sample interval.
 """
 
 from __future__ import annotations

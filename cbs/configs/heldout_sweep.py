@@ -1,13 +1,8 @@
 """Three held-out tasks for the batch-size advice (the argument picks one), each unlike the
-tasks `cbs-advise` was calibrated on (data set and model family):
-
-- `digits_cnn`: a CNN (conv 8 → GroupNorm → ReLU → pool, conv 16 → ..., dense 32) on the 8×8
-  digit images, Adam; batch sizes 8 to 1,024 and the full training set (1,438 images);
-- `mnist1d_cnn`: a 1-D CNN (kernels 5 × 1; channels 16, 32; dense 64) on MNIST-1D, Adam;
-  batch sizes 8 to 2,048 and the full training set (4,000 signals);
-- `regression`: a 16-64-64-1 tanh MLP regressing a random tanh teacher with label noise
-  (`cbs.data.synthetic.teacher_regression`, 8,192 examples, squared error), plain SGD; batch
-  sizes 8 to 8,192 (the full training set).
+tasks `cbs-advise` was calibrated on (data set and model family): `digits_cnn`, a CNN on the
+8×8 digit images with Adam; `mnist1d_cnn`, a 1-D CNN on MNIST-1D with Adam; `regression`, a
+16-64-64-1 tanh MLP regressing a random tanh teacher with label noise
+(`cbs.data.synthetic.teacher_regression`, squared error) with plain SGD.
 
     cbs-sweep --config=heldout_sweep:digits_cnn,predict \
         --sweep_dir=results/heldout_digits_cnn_predict
@@ -17,8 +12,8 @@ tasks `cbs-advise` was calibrated on (data set and model family):
 `predict` is ONE run at the grid's centre batch size and rate, measured exactly on all
 training examples at every evaluation; `cbs-advise --sweep_dir` turns it into a predicted
 B_crit per target, committed before the sweep tests it. The batch sizes reach the full
-training set, so no B_crit lies past the largest; rate grids are extended past edge optima.
-`tiny` shrinks any of them for tests; without a task the argument means `digits_cnn`.
+training set, so no B_crit lies past the largest. `tiny` shrinks any of them for tests;
+without a task the argument means `digits_cnn`.
 """
 
 from __future__ import annotations

@@ -3,15 +3,12 @@ comparison, where the noise scales are known in closed form (`cbs.data.linreg_no
 
     cbs-sweep --config=linreg_sweep --sweep_dir=results/linreg_sgd
 
-x ~ N(0, C) in D = 64 dimensions (eigenvalues of C 1/(1 + k), k = 0..63), y = x·w* + σε with
-σ = 0.5, 32,768 training examples; a linear model, loss ½(x·w − y)², SGD without momentum on
-the linear rule η(B) ∝ B up to a cap. Near the optimum |G|² → 0 while tr(Σ) → σ²·tr C, so
-B_simple grows like 1/(L − L*): the targets (0.01 down to 0.0004 above the minimum 0.1254) put
-B_crit in the thousands. On a quadratic loss with SGD the theory (McCandlish et al. 2018,
-App. A) holds to second order, so B_crit should sit near the measured B_noise; the measured
-statistics equal a float64 reference and `linreg_noise_stats` (tests/test_linreg_anchor.py).
-Batch sizes 8 to 8192, two seeds, the noise exact on all training examples at each best
-trial's crossing. `:tiny` shrinks it for tests.
+x ~ N(0, C), y = x·w* + σε, a linear model, loss ½(x·w − y)². Near the optimum |G|² → 0 while
+tr(Σ) → σ²·tr C, so B_simple grows like 1/(L − L*): the targets (0.01 down to 0.0004 above
+the minimum 0.1254) put B_crit in the thousands. On a quadratic loss with SGD the theory
+(McCandlish et al. 2018, App. A) holds to second order, so B_crit should sit near the
+measured B_noise; the measured statistics equal a float64 reference and `linreg_noise_stats`
+(tests/test_linreg_anchor.py). `:tiny` shrinks it for tests.
 """
 
 from __future__ import annotations

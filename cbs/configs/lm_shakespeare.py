@@ -6,9 +6,8 @@ size a CPU runs.
     cbs-train --config=lm_shakespeare \
         --workdir=/tmp/lm --config.mesh.model=2 --config.mesh.param_mode=fsdp_tp
 
-Arguments (comma-separated): "tiny" (D = 32, 2 layers, 20 steps, float32: the test size),
-"124m" / "1b" (those rows of cbs.models.lm.LM_SIZES, T = 1024, bf16, remat "dots", FSDP over
-data × TP over model: for an accelerator slice; docs/scaling.md). Train records carry perf/*
+Arguments (comma-separated): "tiny" (the test size), "124m" / "1b" (those rows of
+cbs.models.lm.LM_SIZES, for an accelerator slice; docs/scaling.md). Train records carry perf/*
 (tokens/s, examples/s, step time, MFU where the peak is known) and data/tokens_seen.
 Expected (":tiny", 2 shared CPU cores): 20 steps in well under a minute; the training loss
 falls from ln 80 ≈ 4.38 nats per character.

@@ -5,11 +5,9 @@ cross-study comparison, `cbs-compare`).
     cbs-sweep --config=mnist1d_sweep:sgd --sweep_dir=results/mnist1d_sgd
 
 Needs the `[mnist1d]` extra (4,000 training signals of 40 samples, 10 classes, generated
-offline). Batch sizes 8 to 2048; Adam on a factor-2 grid around η(B) = 2e-3·(B/128)^½, or
-with `:sgd` plain SGD around η(B) = 0.1·(B/128), extended past edge optima; targets on the
-full training-set loss from 1.5 to 0.1 (the MLP memorises the training set). The noise at
-each target is exact on all 4000 training examples at each best trial's crossing (no
-reference run: the full-data Hessian took ≈ 30 s per evaluation). `:tiny` shrinks it for tests.
+offline). `:sgd`: plain SGD on the linear rule. The targets reach 0.1 because the MLP
+memorises the training set; the noise is exact at each best trial's crossing (no reference
+run: the full-data Hessian took ≈ 30 s per evaluation). `:tiny` shrinks it for tests.
 """
 
 from __future__ import annotations

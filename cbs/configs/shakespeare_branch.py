@@ -4,13 +4,10 @@
         --workdir=runs/shakespeare_branch --sweep_dir=runs/shakespeare
     cbs-branch --config=shakespeare_branch:tiny --workdir=/tmp/b
 
-A reference run at B = 16 windows of 32 characters, AdamW at η_0 = 1.5e-3 (the sweep's rule
-at B = 16), 2000 steps; branches at k = 1 ... 16 with η = √k·η_0, three seeds, otherwise the
-paper's rules (Merrill et al. 2025, Sec. 3.1; `default_branch_config`): Δ = 8192 windows =
-512 reference steps (the paper's 2B tokens are ≈ 477 OLMo steps), EMA α = 0.5 per step,
-ε = 0.01 nats, B* = k*·B. The LM case is where the paper found B_simple far below the local
-CBS. Three branch points (800, 8000, 30400 windows seen) fit the study in ≈ 30 minutes
-(1487 s on 2 shared CPU cores; results/shakespeare_branch/). `:tiny` runs in seconds.
+Branches at k = 1 ... 16 with η = √k·η_0, three seeds, otherwise the paper's rules (Merrill et
+al. 2025, Sec. 3.1; `default_branch_config`). The LM case is where the paper found B_simple far
+below the local CBS. Three branch points fit the study in ≈ 30 minutes (1487 s on 2 shared CPU
+cores; results/shakespeare_branch/). `:tiny` runs in seconds.
 """
 
 from __future__ import annotations

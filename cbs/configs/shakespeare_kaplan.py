@@ -5,14 +5,11 @@
         --sweep_dir=/tmp/kaplan_tiny   # seconds: the whole pipeline, meaningless numbers
 
 The model and data of `shakespeare_sweep`, set up so that the fit supports a claim within
-about an hour on 2 CPU cores: targets 2.5 to 2.1 nats per character (past the initial
-transient); batch sizes 4 to 512 sequences, bracketing every fitted B_crit (23 to 80) by at
-least 4× on both sides; a factor-2 rate grid on the square-root rule, extended by up to four
-steps past an edge optimum, capped at 0.03; two seeds per (B, η); B_simple on 128 fresh
-windows at every evaluation, B_noise from 16 of them against the Hessian of 16 others.
-The report gives B_crit(L) in sequences and tokens beside Kaplan's α_B ≈ 0.21 and B* ≈ 2·10⁸
-tokens (per BPE token of WebText2: α_B, the trend's shape, is comparable; B* is not).
-Committed: results/shakespeare_kaplan/ (68 trials, 68 minutes on 2 shared CPU cores).
+about an hour on 2 CPU cores: targets past the initial transient; batch sizes bracketing every
+fitted B_crit (23 to 80) by at least 4× on both sides. The report gives B_crit(L) in sequences
+and tokens beside Kaplan's α_B ≈ 0.21 and B* ≈ 2·10⁸ tokens (per BPE token of WebText2: α_B,
+the trend's shape, is comparable; B* is not). Committed: results/shakespeare_kaplan/ (68
+trials, 68 minutes on 2 shared CPU cores).
 
 Held out from the advice's calibration: `depth4` (4 blocks instead of 2), with `predict` for
 the one run the advice is made from (B = 32, the grid's centre rate):
@@ -21,8 +18,7 @@ the one run the advice is made from (B = 32, the grid's centre rate):
         --sweep_dir=results/heldout_lm_depth4_predict
     cbs-advise --sweep_dir=results/heldout_lm_depth4_predict
 
-Across sizes: `d32` or `d128` changes only the width (d_ff = 4·d_model, 4 heads; `d128` also
-starts the grid at B = 8 to fit in the hour), e.g.
+Across sizes: `d32` or `d128` changes only the width, e.g.
 
     cbs-sweep --config=shakespeare_kaplan:d32 --sweep_dir=results/shakespeare_kaplan_d32
 """

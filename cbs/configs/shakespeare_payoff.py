@@ -5,11 +5,9 @@
 
 The model, data and targets of `shakespeare_sweep`; learning rates from its committed sweep
 (results/shakespeare_char), the local-CBS schedule from its branched study
-(results/shakespeare_branch); writes only to out_dir. Each run is repeated over seeds 0, 1, 2
-(`cbs.analysis.studies.payoff`: seed intervals, each ramp's step saving at equal examples
-against the fixed batch sizes' frontier): fixed B = 8 … 128 sequences at the sweep's best
-rate at B; "adaptive (B_simple)" on the ladder 8 … 256; "local CBS", the branched study's
-B*(examples), 32 → 256 at 30,400 sequences.
+(results/shakespeare_branch); writes only to out_dir. `cbs.analysis.studies.payoff` reports
+seed intervals and each ramp's step saving at equal examples against the fixed batch sizes'
+frontier; "local CBS" runs the branched study's B*(examples), 32 → 256 at 30,400 sequences.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     cbs-sweep --config=shakespeare_sweep --sweep_dir=runs/shakespeare
 
-A 2-layer, D = 64 Transformer (rotary positions, ~109k parameters) on the embedded
-Shakespeare plays, windows of T = 32 characters; batch sizes 8 to 256 sequences, rate factors
-1, 2, 4 on the square-root rule from 3e-3 at B = 64, AdamW at a constant rate, targets on the
-loss over 512 evaluation windows (nats per character). B_simple is measured at every
+A 2-layer, D = 64 Transformer (~109k parameters) on the embedded Shakespeare plays, AdamW at a
+constant rate, targets on the loss over 512 evaluation windows. B_simple is measured at every
 evaluation on 128 fresh training windows (B_noise is off: exact curvature of a Transformer
 costs O(n²) HVPs). Expected (2 CPU cores, ~10 minutes): B_crit rises as the target loss
 falls, roughly as a power of the loss (Kaplan et al. 2020, eq. 5.3), and B_simple with it.

@@ -3,12 +3,11 @@
     cbs-train --config=shakespeare_transformer --workdir=/tmp/shakespeare
     cbs-train --config=shakespeare_transformer:tiny --workdir=/tmp/t
 
-D = 64, 2 layers, 4 heads, F = 256, rotary positions (109k parameters: about 0.14 s per step
-on 2 CPU cores); ":tiny" is the "tiny" row of cbs.models.transformer.SIZES (D = 32), 20 steps.
-Expected (2 shared CPU cores, one device): 2000 steps in about 9 minutes; eval/loss falls from
-4.40 to 1.76 nats per character (accuracy 0.48), the training loss to about 1.70;
-noise/ema_b_simple (sequences of 64 characters) rises from about 2 to 24 at step 250, 86 at
-step 1000 and 390 at the end: the noise scale grows as the loss falls (Kaplan et al. 2020).
+109k parameters: about 0.14 s per step on 2 CPU cores. Expected (2 shared CPU cores, one
+device): 2000 steps in about 9 minutes; eval/loss falls from 4.40 to 1.76 nats per character
+(accuracy 0.48), the training loss to about 1.70; noise/ema_b_simple (sequences of 64
+characters) rises from about 2 to 24 at step 250, 86 at step 1000 and 390 at the end: the
+noise scale grows as the loss falls (Kaplan et al. 2020).
 """
 
 from __future__ import annotations

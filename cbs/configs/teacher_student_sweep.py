@@ -5,11 +5,10 @@
     cbs-advise --sweep_dir=results/heldout_teacher_student_predict
     cbs-sweep --config=teacher_student_sweep --sweep_dir=results/heldout_teacher_student
 
-No committed study uses this data (`cbs.data.synthetic.teacher_student`: x ~ N(0, I) in 32
-dimensions, labels the argmax of a random tanh teacher, 10 classes, 8,192 training examples),
-so `cbs-advise` was never calibrated on it. `:predict` is ONE run at B = 64 and the grid's
-centre rate, measured exactly on all training examples at every evaluation; its predicted
-B_crit (80 % interval) is committed before the sweep (batch sizes 8 to 8,192) tests it. The
+No committed study uses this data (`cbs.data.synthetic.teacher_student`: labels the argmax of
+a random tanh teacher), so `cbs-advise` was never calibrated on it. `:predict` is ONE run at
+B = 64 and the grid's centre rate, measured exactly on all training examples at every
+evaluation; its predicted B_crit (80 % interval) is committed before the sweep tests it. The
 sweep first ran to 2,048, leaving the B_crit of L = 0.4, 0.3, 0.2 past the largest batch;
 B = 4,096 and 8,192 added with `cbs-sweep ... --redefine` (the 45 trials before kept) bound
 them: 1.65k, 2.0k and 2.16k.

@@ -1,12 +1,11 @@
 """The calibration file and the prediction its model gives: B_crit from one noise scale.
 
-The calibration (fitted by `cbs.analysis.advice.calibration`, written by `cbs-compare` as
-`CALIBRATION_FILE`) is per noise scale ("b_simple", "b_noise") a random-effects model of
-log(B_crit/B_s) per optimizer family, `{"families": {f: {"mu", "var_mu", "studies"}}, "tau2",
-"sigma2", "dof", ...}`; the package ships one (`shipped`). A new task's B_crit is predicted as
-log B_crit = log B_s + μ̂_f, with the prediction interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f))
-(`predict`); `tradeoff` is what a batch size costs against it. No fit here: this is what a
-training run needs.
+The calibration (fitted by `cbs.analysis.advice.calibration`, written by `cbs-compare`; the
+package ships one, `shipped`) is per noise scale ("b_simple", "b_noise") a random-effects model
+of log(B_crit/B_s) per optimizer family, `{"families": {f: {"mu", "var_mu", "studies"}},
+"tau2", "sigma2", "dof", ...}`. A new task's B_crit is predicted as log B_crit = log B_s + μ̂_f,
+with the interval μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)) (`predict`); `tradeoff` is what a
+batch size costs against it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""The names of the files and directories that runs, sweeps and studies write.
-
-Writers and readers take the names from here, so the two cannot disagree. The records files
-that several processes may write (TRIALS_FILE, BRANCHES_FILE, RAMPS_FILE,
-REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.shared`), each record
-identified by its keys (`trial_id`, `cbs.sweeps.branches.UNIT_KEYS`, those named here).
-
-- a run directory (`cbs.engine.trainer`): CONFIG_FILE, METRICS_FILE, STATUS_FILE,
-  WANDB_RUN_FILE, `checkpoints/`, `tensorboard/`;
-- a sweep directory (`cbs.results.store`, `cbs.sweeps`, `cbs.analysis.reports.report`):
-  TRIALS_FILE, CSV_FILE, SWEEP_FILE, RAMPS_FILE, ANALYSIS_FILE, REPORT_FILE, FIGURES_DIR,
-  the reference run in REFERENCE_DIR and REFERENCE_NOISE_FILE;
-- a branch study (`cbs.sweeps.branches`, `cbs.analysis.reports.branch_report`):
-  DEFINITION_FILE, BRANCHES_FILE, REFERENCE_DIR, REFERENCE_NOISE_FILE, REPORT_FILE, UNITS_DIR;
-- a comparison across studies (`cbs.analysis.studies.compare`): REPORT_FILE, FIGURE_FILE,
-  PER_TRIAL_FIGURE_FILE; across model sizes (`cbs.analysis.studies.sizes`): REPORT_FILE,
-  SIZES_FILE, SIZES_FIGURE_FILE; a ramp payoff study (`cbs.sweeps.ramps`,
-  `cbs.analysis.studies.payoff`): RAMPS_FILE, PAYOFF_REPORT_FILE, PAYOFF_FILE,
-  PAYOFF_FIGURE_FILE.
+"""The names of the files and directories that runs, sweeps and studies write, for writers and
+readers alike. The records files several processes may write (TRIALS_FILE, BRANCHES_FILE,
+RAMPS_FILE, REFERENCE_NOISE_FILE) are write-once parts merged on read (`cbs.results.shared`),
+each record identified by its keys (`trial_id`, `cbs.sweeps.branches.UNIT_KEYS`, those here).
+A run directory (`cbs.engine.trainer`) holds the first group below; a sweep directory
+(`cbs.results.store`) the second and the reference run's; a branch study
+(`cbs.sweeps.branches`) DEFINITION_FILE, BRANCHES_FILE, REFERENCE_DIR, REFERENCE_NOISE_FILE,
+REPORT_FILE and UNITS_DIR; the rest are the reports of comparisons across studies
+(`cbs.analysis.studies.compare`, `sizes`) and ramp payoff studies (`cbs.sweeps.ramps`,
+`cbs.analysis.studies.payoff`).
 """
 
 __all__ = [

@@ -1,14 +1,13 @@
 """Claims that let launchers share one directory: fcntl locks locally, expiring leases remotely.
-
 A claim only divides the work (records are write-once parts): a group of trials run twice by
 mistake costs time, never a record.
 
 - Local: an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the process ends.
 - Object store: a lease object `<dir>/<name>.<epoch>.lease` holding the owner (host, pid) and
-  its expiry (epoch seconds), created with a does-not-exist precondition, so one claimant
-  gets it. A thread renews it every quarter of `lease_seconds()` until `release` deletes it;
-  an expired lease, or one of a dead process of this host, is taken over by creating the
-  next epoch. Hosts' clocks must agree to well within the lease.
+  its expiry, created with a does-not-exist precondition (one claimant gets it) and renewed
+  every quarter of `lease_seconds()` until `release` deletes it; an expired lease, or one of a
+  dead process of this host, is taken over by creating the next epoch. Hosts' clocks must
+  agree to well within the lease.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class Claim:
 
 
 def claim(lock_dir: PathLike, name: str, *, wait: bool = False) -> Claim | None:
-    """Takes claim `name` in `lock_dir`; None when another process holds it and `wait` is
-    False (with `wait`, blocks until it is free)."""
+    """Takes claim `name` in `lock_dir`; None when another holds it (`wait`: blocks till free)."""
     if not paths.is_remote(lock_dir):
         os.makedirs(lock_dir, exist_ok=True)
         path = os.path.join(lock_dir, f"{name}.lock")
@@ -82,13 +80,10 @@ def release(held: Claim) -> None:
 
 def names(lock_dir: PathLike) -> list[str]:
     """The names of every lock file (held or not) and lease in `lock_dir`, sorted."""
-    out = set()
-    for f in paths.listdir(lock_dir):
-        if f.endswith(".lock"):
-            out.add(f.removesuffix(".lock"))
-        elif f.endswith(_SUFFIX) and _epoch(f) is not None:
-            out.add(f.removesuffix(_SUFFIX).rsplit(".", 1)[0])
-    return sorted(out)
+    listed = paths.listdir(lock_dir)
+    return sorted({f.removesuffix(".lock") for f in listed if f.endswith(".lock")}
+                  | {f.removesuffix(_SUFFIX).rsplit(".", 1)[0] for f in listed
+                     if f.endswith(_SUFFIX) and _epoch(f) is not None})
 
 
 def _epoch(fname: str) -> int | None:
@@ -151,7 +146,6 @@ def _alive(lease: dict) -> bool:
 
 
 def _renew(path: str, stop: threading.Event) -> None:
-    """Rewrites the lease with a later expiry every quarter lease until `stop`."""
     while not stop.wait(lease_seconds() / 4):
         with contextlib.suppress(OSError):  # a missed renewal: the next one may succeed
             records.write_atomic(path, _body())

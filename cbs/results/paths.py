@@ -109,8 +109,8 @@ def rmtree(path: PathLike) -> None:
 
 
 def first_missing(path: PathLike) -> str | None:
-    """The outermost directory on `path` that does not exist yet, which writing to `path`
-    would create (None if `path` exists; on an object store, `path` when nothing is there)."""
+    """The outermost directory on `path` that writing to it would create (None: `path`
+    exists; on an object store, `path` when nothing is there)."""
     if is_remote(path):
         try:
             return None if exists(path) else os.fspath(path)
@@ -125,14 +125,12 @@ def first_missing(path: PathLike) -> str | None:
 
 
 def remove_if_empty(root: PathLike) -> None:
-    """Removes `root` and the directories under it if none of them holds a file (nothing on
-    an object store, which has no directories)."""
+    """Removes `root` and the directories under it if none holds a file (local only)."""
     if is_remote(root) or not os.path.isdir(root):
         return
     root = os.fspath(root)
-    for _, _, filenames in os.walk(root):
-        if filenames:
-            return
+    if any(filenames for _, _, filenames in os.walk(root)):
+        return
     for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
         try:
             os.rmdir(dirpath)
@@ -141,15 +139,14 @@ def remove_if_empty(root: PathLike) -> None:
 
 
 def rmdir(path: PathLike) -> None:
-    """Removes the directory if it is empty (nothing otherwise, or on an object store)."""
+    """Removes the directory if it is empty (local only)."""
     if not is_remote(path):
         with contextlib.suppress(OSError):
             os.rmdir(path)
 
 
 def _fresh_fs(path: PathLike) -> tuple[Any, str]:
-    """(fsspec file system, path without protocol) for a remote path, its listing cache
-    dropped so that objects other processes wrote since are seen."""
+    """(fsspec file system, bare path), its listing cache dropped (module docstring)."""
     import fsspec
 
     epath(path)  # the one-line error naming the extra when gs:// has no backend
@@ -167,7 +164,7 @@ def listdir(path: PathLike) -> list[str]:
 
 def listdir_versions(path: PathLike) -> dict[str, str | None]:
     """{name: version} of the entries of directory `path`, sorted ({} when it does not exist):
-    on an object store the object's generation (from the listing), locally None."""
+    on an object store the object's generation, locally None."""
     if not is_remote(path):
         return dict.fromkeys(listdir(path))
     fs, bare = _fresh_fs(path)
@@ -176,22 +173,17 @@ def listdir_versions(path: PathLike) -> dict[str, str | None]:
     except FileNotFoundError:
         return {}
     here = os.path.basename(bare.rstrip("/"))
-    out = {}
-    for entry in found:
-        name = os.path.basename(entry["name"].rstrip("/"))
-        if name and name != here:
-            out[name] = str(next((entry[k] for k in ("generation", "etag", "md5Hash")
-                                  if entry.get(k)), (entry.get("size"), entry.get("created"))))
-    return dict(sorted(out.items()))
+    named = {os.path.basename(entry["name"].rstrip("/")): entry for entry in found}
+    return {name: str(next((e[k] for k in ("generation", "etag", "md5Hash") if e.get(k)),
+                           (e.get("size"), e.get("created"))))
+            for name, e in sorted(named.items()) if name and name != here}
 
 
 def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:
     """{path: bytes} of the files that exist among `paths` (remote ones fetched together)."""
-    out: dict[str, bytes] = {}
+    out = {os.fspath(p): raw for p in paths
+           if not is_remote(p) and (raw := read_bytes(p)) is not None}
     remote = [os.fspath(p) for p in paths if is_remote(p)]
-    for p in paths:
-        if not is_remote(p) and (raw := read_bytes(p)) is not None:
-            out[os.fspath(p)] = raw
     if remote:
         fs, _ = _fresh_fs(remote[0])
         got = fs.cat(remote, on_error="omit")  # fetched concurrently
@@ -202,9 +194,8 @@ def read_many(paths: Sequence[PathLike]) -> dict[str, bytes]:
 
 
 def create_new(path: PathLike, data: bytes) -> bool:
-    """Writes `data` to `path` only if nothing is there yet, atomically; True if it wrote.
-    Locally a temporary file hard-linked to `path`; on an object store a write with a
-    does-not-exist precondition (fsspec's `mode="create"`)."""
+    """Writes `data` to `path` only if nothing is there yet, atomically (a hard link, or a
+    does-not-exist precondition on an object store); True if it wrote."""
     if is_remote(path):
         fs, bare = _fresh_fs(path)
         try:

@@ -1,17 +1,13 @@
 """Run records: JSON lines (the record of truth) and atomically replaced JSON files.
 
-`metrics.jsonl` holds one JSON object per line, appended in whole lines: each record has
-`step` (updates applied to the parameters it describes), `kind` ("train" or "eval") and
-slash-separated metric keys (`train/loss`, `opt/lr`, `eval/loss`, ...), non-finite numbers
-as `NaN`/`Infinity`. `status.json` and other JSON files are replaced atomically.
-
-Every JSON-lines file survives crashes and damage: a torn last line (no final newline) is not
-a record, and `append_records` cuts it off first (`repair_tail`); a complete line that is not
-a JSON object holding the required keys is skipped with a `CorruptRecordWarning` naming the
-file and line, and what it recorded counts as not done.
-
-Locally a replacement is a temporary file, fsync and rename, and an append one `write` on an
-O_APPEND descriptor; on an object store (`gs://...`) both are one write of the whole object.
+`metrics.jsonl` holds one JSON object per line, appended in whole lines: `step` (updates
+applied to the parameters it describes), `kind` ("train" or "eval") and slash-separated metric
+keys (`train/loss`, `opt/lr`, `eval/loss`, ...), non-finite numbers as `NaN`/`Infinity`. A torn
+last line (no final newline) is not a record, and `append_records` cuts it off first
+(`repair_tail`); a complete line that is not a JSON object holding the required keys is skipped
+with a `CorruptRecordWarning` naming the file and line, and what it recorded counts as not
+done. Locally a replacement is a temporary file, fsync and rename, and an append one `write` on
+an O_APPEND descriptor; on an object store (`gs://...`) both are one write of the object.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def plain_value(value: Any) -> Any:
 
 
 def write_atomic(path: PathLike, data: str | bytes) -> None:
-    """Replaces the file at `path` by `data` atomically (module docstring): readers see the
-    old content or the new, never a part."""
+    """Replaces the file at `path` by `data` atomically: readers see the old or the new."""
     raw = data.encode() if isinstance(data, str) else data
     if paths.is_remote(path):
         paths.epath(path).write_bytes(raw)
@@ -76,8 +71,7 @@ def write_json_atomic(path: PathLike, obj: Mapping[str, Any]) -> None:
 
 
 def read_json(path: PathLike) -> dict[str, Any] | None:
-    """The JSON object in `path`, or None when the file does not exist; ValueError naming
-    a damaged file."""
+    """The JSON object in `path` (None: no file); ValueError naming a damaged file."""
     raw = paths.read_bytes(path)
     if raw is None:
         return None
@@ -106,9 +100,7 @@ def _parse(line: bytes, required: Sequence[str]) -> tuple[dict[str, Any] | None,
 
 
 def read_records(path: PathLike, *, required: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The complete, readable records of a JSON-lines file, in file order ([] when missing):
-    a torn last line is skipped silently, any other line that is not a JSON object holding
-    every key in `required` with a `CorruptRecordWarning` naming `path` and the line."""
+    """The readable records holding every key in `required`, in file order ([] if missing)."""
     raw = paths.read_bytes(path)
     return [] if raw is None else _records_in(raw, path, required)
 
@@ -135,8 +127,7 @@ def lines_in(raw: bytes, path: PathLike, required: Sequence[str]
 
 
 def repair_tail(path: PathLike) -> int:
-    """Cuts a torn last line (bytes after the final newline) off `path`, which an append
-    would glue the next record onto; returns how many bytes."""
+    """Cuts a torn last line (bytes after the final newline) off `path`; returns how many."""
     if paths.is_remote(path):
         raw = paths.read_bytes(path) or b""
         kept = _whole_lines(path, raw)
@@ -177,8 +168,7 @@ def _whole_lines(path: PathLike, raw: bytes) -> bytes:
 
 
 def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
-    """Appends whole records to a JSON-lines file in one write (all or none) and fsyncs,
-    after cutting off a torn last line (on an object store: rewrites the whole object)."""
+    """Appends whole records in one write (all or none) and fsyncs, cutting a torn line first."""
     data = "".join(json.dumps({k: plain_value(v) for k, v in r.items()}) + "\n" for r in records)
     if not data:
         return
@@ -206,16 +196,15 @@ def append_records(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None
 
 
 def write_error(err: OSError, path: PathLike) -> OSError:
-    """`err` (disk full, quota, read-only, I/O) as an OSError of the same errno naming the
-    file being written, for a one-line message (`cbs.runtime.cli.message`)."""
+    """`err` (disk full, quota, read-only, I/O) as an OSError of its errno naming the file
+    written, for a one-line message (`cbs.runtime.cli.message`)."""
     code = err.errno or errno.EIO
     return type(err)(code, err.strerror or os.strerror(code), os.fspath(path))
 
 
 def truncate_records(path: PathLike, step: int) -> int:
     """Keeps only the readable records with `step < step` (atomically: a resumed run writes
-    the later ones again); returns how many were dropped (torn and corrupt lines go
-    uncounted)."""
+    the later ones again); returns how many were dropped, torn and corrupt lines uncounted."""
     raw = paths.read_bytes(path)
     if raw is None:
         return 0

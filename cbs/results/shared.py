@@ -1,15 +1,14 @@
 """Records files that several processes add to: write-once parts, merged on read, compacted.
 
 A records file `<name>.jsonl` that several processes write (`cbs.results.files`) is never
-appended to: each write is a write-once part `<name>.d/<part>.jsonl` (`write_part`, one atomic
-write), and readers merge the parts (`read_merged`): the first record per key, in name order
-(write order). No writer can lose another's records on any file system. `<name>.jsonl` is an
-export of the parts (`export_parts`); a directory from before parts has the file only, and
-its first part is preceded by a copy of it (`LEGACY_PART`).
+appended to: each write is a write-once part `<name>.d/<part>.jsonl` (one atomic write), and
+readers merge the parts (`read_merged`): the first record per key, in name (write) order, so
+no writer can lose another's records on any file system. `<name>.jsonl` is the parts' export
+(`export_parts`); an older directory's file is copied into its first part (`LEGACY_PART`).
 
 On an object store a `PartCache` fetches only the parts new since its last read, and a write
-that brings `FANOUT` parts of one level together compacts them (`compact`) into one part of
-the next level: n writes cost O(n) requests and a listing stays one page. Only parts read are
+that brings `FANOUT` parts of one level together compacts them into one of the next level
+(`compact`): n writes cost O(n) requests and a listing stays one page. Only parts read are
 deleted, once their copy exists; a reader that finds a listed part gone lists again, and a
 record seen twice counts once. Local parts are never compacted.
 """
@@ -41,8 +40,7 @@ _ATTEMPTS = 20  # listings a read makes while compactions delete the parts it li
 
 
 def parts_dir(path: PathLike) -> str:
-    """The directory of the write-once parts of records file `path` (`trials.jsonl` ->
-    `trials.d`)."""
+    """The directory of the parts of records file `path` (`trials.jsonl` -> `trials.d`)."""
     return os.fspath(path).removesuffix(".jsonl") + ".d"
 
 
@@ -53,9 +51,8 @@ def _digest(*texts: str) -> str:
 
 
 def part_name(keys: Sequence[str]) -> str:
-    """A new part's file name for the records of `keys`: the time in ns (name order is write
-    order), the first key, and a digest of all keys and the writer, so no two writes share
-    a part."""
+    """A new part's file name: the time in ns (name order is write order), the first of
+    `keys`, and a digest of all keys and the writer."""
     return f"{time.time_ns():020d}-{keys[0]}-{_digest(*keys)}.jsonl"
 
 
@@ -66,9 +63,7 @@ def part_level(name: str) -> int:
 
 
 def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]]) -> str:
-    """Writes `records_` as the write-once part `name` of records file `path` in one atomic
-    write and returns its path; the first part beside an older file is preceded by a copy of
-    its whole lines (`LEGACY_PART`); on an object store, compacts (module docstring)."""
+    """Writes `records_` as the part `name` of file `path` (module docstring); its path."""
     data = "".join(json.dumps({k: records.plain_value(v) for k, v in r.items()}) + "\n"
                    for r in records_)
     folder = parts_dir(path)
@@ -96,12 +91,9 @@ def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]])
 
 
 def compact(path: PathLike, names: Sequence[str]) -> str | None:
-    """Copies the parts `names` (paths) of records file `path` into one new part, then
-    deletes those it read; returns its path (None when none was left to read).
-
-    The new part holds their whole lines in name order, is named after the first (so it sorts
-    where its records did) and is one level above the highest.
-    """
+    """Copies the parts `names` (paths) of records file `path` into one new part, one level
+    above the highest and named after the first (it sorts where its records did), then deletes
+    those it read; returns its path (None when none was left to read)."""
     found = paths.read_many(names)
     read = sorted((os.fspath(n) for n in names if os.fspath(n) in found),
                   key=os.path.basename)
@@ -119,8 +111,7 @@ def compact(path: PathLike, names: Sequence[str]) -> str | None:
 
 
 def part_paths(path: PathLike) -> list[str]:
-    """The parts of records file `path`: the older file's copy first, then in name order
-    (temporary files left out)."""
+    """The parts of records file `path`: `LEGACY_PART` first, then in name order."""
     return _sorted_parts(path, paths.listdir(parts_dir(path)))
 
 
@@ -131,15 +122,14 @@ def _sorted_parts(path: PathLike, names: Iterable[str]) -> list[str]:
 
 
 class PartCache:
-    """The parts already read, by path and version (an object's generation), so that reading
-    again fetches only new parts (object stores only: local parts are read each time)."""
+    """The parts read, by path and object version (remote only): a read fetches only new ones."""
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[str, bytes]] = {}
 
     def fetch(self, listed: Mapping[str, str | None]) -> dict[str, bytes]:
-        """{path: bytes} of the parts in `listed` ({path: version}) that exist; the cached
-        ones are not fetched again. Parts of the same folder no longer listed are dropped."""
+        """{path: bytes} of the parts in `listed` ({path: version}) that exist, fetching only
+        uncached ones; drops parts of the same folder no longer listed."""
         out = {p: raw for p, (v, raw) in self._held.items() if listed.get(p) == v}
         got = paths.read_many([p for p in listed if p not in out])
         for p, raw in got.items():
@@ -168,10 +158,8 @@ def _read_parts(path: PathLike, cache: PartCache | None) -> list[tuple[str, byte
 
 def read_merged(path: PathLike, keys: Sequence[str], *, required: Sequence[str] = (),
                 cache: PartCache | None = None) -> list[dict[str, Any]]:
-    """The records of records file `path`: those of its parts when it has any, else those of
-    the file, the first per value of `keys`. Each file is read as by
-    `cbs.results.records.read_records` with `keys` and `required` required. `cache`: the
-    parts read before (`PartCache`)."""
+    """The records of records file `path` (its parts', else the file's) holding `keys` and
+    `required`, the first per value of `keys`. `cache`: the parts read before."""
     return [r for _, r in _merged_lines(path, keys, (*keys, *required), cache)]
 
 
@@ -179,20 +167,17 @@ def _merged_lines(path: PathLike, keys: Sequence[str], need: Sequence[str],
                   cache: PartCache | None = None) -> list[tuple[bytes, dict[str, Any]]]:
     """(line, record) of `read_merged`, each line as stored."""
     sources = _read_parts(path, cache) or [(os.fspath(path), paths.read_bytes(path) or b"")]
-    seen: set[str] = set()
-    out = []
+    first: dict[str, tuple[bytes, dict[str, Any]]] = {}
     for name, raw in sources:
         for line, record in records.lines_in(raw, name, need):
-            if (k := json.dumps([record[x] for x in keys])) not in seen:
-                seen.add(k)
-                out.append((line, record))
-    return out
+            first.setdefault(json.dumps([record[x] for x in keys]), (line, record))
+    return list(first.values())
 
 
 def export_parts(path: PathLike, keys: Sequence[str], *,
                  cache: PartCache | None = None) -> bool:
-    """Rewrites file `path` as the export of its parts (their lines as stored, the first per
-    value of `keys`); returns whether it wrote (a file that gained nothing is left alone)."""
+    """Rewrites file `path` as its parts' lines (the first per `keys`) if that changes it;
+    returns whether it wrote."""
     if not part_paths(path):
         return False
     with warnings.catch_warnings():
@@ -206,9 +191,8 @@ def export_parts(path: PathLike, keys: Sequence[str], *,
 
 def add_records(path: PathLike, keys: Sequence[str],
                 records_: Sequence[Mapping[str, Any]]) -> str:
-    """Adds `records_` (each holding `keys`) to records file `path` as one write-once part
-    named after the first record's keys; returns its path. Locally `path` is then exported
-    (`export_parts`); on an object store the command exports once at its end."""
+    """Adds `records_` (each holding `keys`) to records file `path` as one part; returns its
+    path. Exports locally (on an object store the command exports once at its end)."""
     first = "_".join(str(records_[0][k]) for k in keys)
     safe = "".join(c if c.isascii() and (c.isalnum() or c in ".-") else "_" for c in first)
     part = write_part(path, part_name([safe.strip("_") or "record"]), records_)

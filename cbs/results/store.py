@@ -1,16 +1,12 @@
-"""A sweep directory on disk: the trial records, their CSV export and the sweep definition.
+"""A sweep directory on disk (local or remote; the analysis reads only these files):
 
-Files in a sweep directory (local or remote, created when something is written; the analysis
-reads only these):
-
-- `sweep.json`: the resolved config that determines the trials ("config"; its "sweep"
-  section also at the top) and the base trial grid ("trials"); a later launch must match it
-  (`write_definition`);
-- `trials.d/`: one record per finished trial (`TrialResult`), each group of trials that
-  finishes together one write-once part (`cbs.results.shared`). A corrupt line is skipped
-  with a warning: its trial reruns;
-- `trials.jsonl`: the records of sweeps from before parts, then an export of the parts
-  (`export`); `trials.csv`: one row per (trial, target);
+- `sweep.json`: the resolved config that determines the trials ("config"; its "sweep" section
+  also at the top) and the base grid ("trials"); a later launch must match it
+  (`SweepStore.write_definition`);
+- `trials.d/`: one record per finished trial (`TrialResult`), each group that finishes
+  together one write-once part (`cbs.results.shared`); a corrupt line is skipped with a
+  warning and its trial reruns; `trials.jsonl`: older sweeps' records, then the parts' export;
+  `trials.csv`: one row per (trial, target);
 - `trials/<trial_id>/`: each trial's run directory; `locks/`: one claim per group of trials
   (`cbs.results.leases`), so concurrent launchers share the work.
 """
@@ -47,15 +43,12 @@ IGNORED_FIELDS = OUTPUT_FIELDS + ("train.checkpoint_every", "train.keep_checkpoi
 
 @dataclasses.dataclass
 class TrialResult:
-    """What a finished trial records (one line of trials.jsonl).
-
-    status: "done" (every target reached), "budget", "diverged", or "dominated" (stopped once
-    another learning rate at the same (B, seed) reached every target first).
-    steps_to_target / examples_to_target: per target (`target_key`), S and E = B·S at the
-    first crossing of the progress metric, interpolated between evaluations; None if never.
-    noise_at_target: per target, the noise statistics around the crossing.
-    curve: {"step": [...], "examples": [...], metric: [...], "noise/...": [...]} at evals.
-    """
+    """What a finished trial records (one line of trials.jsonl). `status`: "done" (every target
+    reached), "budget", "diverged", or "dominated" (stopped once another rate at the same
+    (B, seed) reached every target first); `steps_to_target`, `examples_to_target`: per target
+    (`target_key`), S and E = B·S at the first crossing of the progress metric, interpolated
+    between evaluations (None: never); `noise_at_target`: per target, the noise statistics
+    around the crossing; `curve`: {"step", "examples", metric, "noise/...": lists} at evals."""
 
     trial_id: str
     index: int
@@ -98,11 +91,9 @@ class SweepStore:
         return paths.join(self.sweep_dir, "trials", trial.trial_id)
 
     def write_definition(self, definition: dict[str, Any], *, redefine: bool = False) -> None:
-        """Keeps the first launch's definition; a later launch must match it on the fields
-        both hold, `IGNORED_FIELDS` aside (`definition_diff`). With `redefine`, one that
-        changes only the grid (`GRID_FIELDS`) replaces it; any other change raises
-        ValueError (its records would not mean the same thing).
-        """
+        """Keeps the first launch's definition; a later one must match it on the fields both
+        hold, `IGNORED_FIELDS` aside (`definition_diff`), or with `redefine` differ only in
+        the grid (`GRID_FIELDS`, then it replaces it); else ValueError."""
         path = paths.join(self.sweep_dir, files.SWEEP_FILE)
         previous = records.read_json(path)
         plain = json.loads(json.dumps(definition))
@@ -127,8 +118,7 @@ class SweepStore:
         records.write_json_atomic(path, plain)
 
     def check_definition(self, definition: dict[str, Any], reader: str) -> None:
-        """ValueError naming `reader` (e.g. "config.ramps") when `definition` differs from
-        the recorded one (grid fields included; no sweep.json passes)."""
+        """ValueError naming `reader` when `definition` differs from the recorded one."""
         previous = self.definition()
         changed = definition_diff(previous, definition) if previous else []
         if changed:
@@ -150,8 +140,7 @@ class SweepStore:
         return records.read_json(paths.join(self.sweep_dir, files.SWEEP_FILE))
 
     def records(self) -> list[dict[str, Any]]:
-        """Finished trial records (`shared.read_merged`: first record per trial id), in index
-        order."""
+        """Finished trial records (the first per trial id), in index order."""
         out = shared.read_merged(self.path, ("trial_id",), required=("index",), cache=self._read)
         return sorted(out, key=lambda r: r["index"])
 
@@ -159,7 +148,7 @@ class SweepStore:
         return {r["trial_id"] for r in self.records()}
 
     def append(self, results: Sequence[TrialResult]) -> None:
-        """Records finished trials: one write-once part with a single write (all or none)."""
+        """Records finished trials as one write-once part (all or none)."""
         if not results:
             return
         paths.makedirs(self.sweep_dir)
@@ -167,16 +156,15 @@ class SweepStore:
                           [r.to_json() for r in results])
 
     def export(self) -> None:
-        """Writes the exports trials.jsonl (earlier lines kept byte for byte) and
-        trials.csv."""
+        """Writes the exports trials.jsonl (earlier lines kept byte for byte) and trials.csv."""
         shared.export_parts(self.path, ("trial_id",), cache=self._read)
         self.export_csv()
 
     def export_csv(self) -> str:
         """Writes trials.csv (one row per trial and target) atomically; returns its path."""
         path = paths.join(self.sweep_dir, files.CSV_FILE)
-        rows = [{"trial_id": r["trial_id"], "batch_size": r["batch_size"],
-                 "learning_rate": r["learning_rate"], "seed": r["seed"], "status": r["status"],
+        trial = ("trial_id", "batch_size", "learning_rate", "seed", "status")
+        rows = [{k: r[k] for k in trial} | {
                  "target": key, "steps": _blank(steps),
                  "examples": _blank(r["examples_to_target"][key]),
                  "b_simple": _blank(r["noise_at_target"].get(key, {}).get("b_simple")),
@@ -185,9 +173,9 @@ class SweepStore:
                 for r in self.records() for key, steps in r["steps_to_target"].items()]
         paths.makedirs(self.sweep_dir)
         text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=[
-            "trial_id", "batch_size", "learning_rate", "seed", "status", "target", "steps",
-            "examples", "b_simple", "b_noise", "final_steps", "final_metric"])
+        writer = csv.DictWriter(text, fieldnames=[*trial, "target", "steps", "examples",
+                                                  "b_simple", "b_noise", "final_steps",
+                                                  "final_metric"])
         writer.writeheader()
         writer.writerows(rows)
         records.write_atomic(path, text.getvalue())
@@ -216,11 +204,9 @@ MOVED_NOISE_FIELDS = {"sweep.noise_batch_size": "noise.batch_size",
 
 
 def upgrade_noise_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """An old config's moved measurement settings in their current place (a copy; a current
-    config as it is): `sweep.noise_*` in `noise.*` (examples "sampled" reads "stream",
-    noise_curvature_batch_size m reads deviations = m with curvature = m > 0), a reference
-    run's or a branch study's m in `sweep.reference_noise.deviations` or
-    `branch.noise.deviations` (a reference m of 0, "as the run's", reads None)."""
+    """An old config with its moved measurement settings (`MOVED_NOISE_FIELDS`) in their
+    current place (a copy): examples "sampled" reads "stream", noise_curvature_batch_size m
+    reads deviations = m with curvature = m > 0, a reference m of 0 ("as the run's") None."""
     moved = [(old.split("."), new.split(".")) for old, new in MOVED_NOISE_FIELDS.items()
              if old.split(".")[1] in (config.get(old.split(".")[0]) or {})]
     if not moved:
@@ -252,8 +238,8 @@ def _config_of(definition: dict[str, Any], ignored: Sequence[str]) -> dict[str, 
 
 def definition_diff(old: dict[str, Any], new: dict[str, Any],
                     ignored: Sequence[str] = IGNORED_FIELDS) -> list[str]:
-    """The dotted config fields both definitions hold whose values differ, as "name (old ->
-    new)", sorted; the `ignored` fields (and below) never count."""
+    """The dotted fields both definitions hold whose values differ, as "name (old -> new)",
+    sorted; the `ignored` fields (and below) never count."""
     a, b = (_config_of(json.loads(json.dumps(d)), ignored) for d in (old, new))
     return [f"{k} ({_short(a[k])} -> {_short(b[k])})" for k in sorted(set(a) & set(b))
             if a[k] != b[k]]

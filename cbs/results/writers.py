@@ -54,12 +54,9 @@ class MetricWriter(abc.ABC):
 
 def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
     """The numeric (not bool) values of `scalars` as floats (NumPy and JAX scalars too)."""
-    out = {}
-    for k, v in scalars.items():
-        v = plain_value(v)
-        if isinstance(v, numbers.Real) and not isinstance(v, bool):
-            out[k] = float(v)
-    return out
+    plain = {k: plain_value(v) for k, v in scalars.items()}
+    return {k: float(v) for k, v in plain.items()
+            if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
 def record_scalars(record: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
@@ -73,9 +70,7 @@ def record_scalars(record: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
 
 class JsonlWriter(MetricWriter):
     """Appends records to `filename` in `workdir`, dropping those at or after `start_step`
-    first. Locally each write is one append; on an object store the records are held and
-    written at each `flush` and at `close`.
-    """
+    first; on an object store the records are held and written at `flush` and `close`."""
 
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
                  filename: str = METRICS_FILE):
@@ -134,12 +129,8 @@ def tensorboard_writer_class(needed_by: str = "Writing TensorBoard event files",
 
 
 class TensorBoardWriter(MetricWriter):
-    """TensorBoard event files in `logdir` (tensorboardX).
-
-    Args:
-      logdir: the directory of the event files.
-      purge_step: a resumed run's step: events at or after it written before are hidden.
-    """
+    """TensorBoard event files in `logdir` (tensorboardX); `purge_step`: a resumed run's step
+    (events at or after it written before are hidden)."""
 
     def __init__(self, logdir: PathLike, *, purge_step: int | None = None):
         self._writer = tensorboard_writer_class()(str(logdir), purge_step=purge_step)
@@ -169,13 +160,11 @@ def import_wandb(needed_by: str = "W&B logging", instead: str = "") -> Any:
 
 
 class WandbWriter(MetricWriter):
-    """A Weights & Biases run: scalars as its history, hyperparameters as its config.
-
-    Logs into `run`, a run the caller started (`close` leaves it open), or starts one with
-    `wandb.init(project, name, group, id=run_id, config, **init_kwargs)` (`close` finishes
-    it; the same `run_id` continues a run). W&B keeps one increasing step axis per run:
-    scalars at a step below the last one written are not sent (a resume rewrites them).
-    """
+    """A Weights & Biases run: scalars as its history, hyperparameters as its config. Logs into
+    `run`, one the caller started (`close` leaves it open), or starts one with
+    `wandb.init(project, name, group, id=run_id, config, **init_kwargs)` (`close` finishes it;
+    the same `run_id` continues it). W&B keeps one increasing step axis per run: scalars at a
+    step below the last one written are not sent (a resume rewrites them)."""
 
     def __init__(self, project: str | None = None, *, run: Any = None, name: str | None = None,
                  group: str | None = None, run_id: str | None = None,
@@ -213,8 +202,7 @@ class WandbWriter(MetricWriter):
 
     def write_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                     summary: Mapping[str, Any] | None = None) -> None:
-        """A table (`wandb.Table`) under `key`, and scalar `summary` values in the run's
-        summary (what the project's run table shows)."""
+        """A `wandb.Table` under `key`, and `summary` scalars in the run's summary."""
         wandb = import_wandb()
         self.run.log({key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
         for k, v in _numbers(summary or {}).items():

@@ -1,8 +1,6 @@
 """The config of a branch study (`config.branch`, `cbs.sweeps.branches`): its fields with the
-paper's defaults, their validation, and the numbers derived from them (B, Δ, the EMA decay
-per step and f(k) of each branch).
-
-Letters: B the reference run's batch, k a batch multiplier, Δ the window in examples.
+paper's defaults, their validation, and the numbers derived from them. Letters: B the
+reference run's batch, k a batch multiplier, Δ the window in examples.
 """
 
 from __future__ import annotations
@@ -35,11 +33,8 @@ PAPER_WINDOW_STEPS = 512
 
 
 def default_branch_config() -> ml_collections.ConfigDict:
-    """`config.branch`, with the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1;
-    see README, "Local critical batch size by branched training"): Δ = 2B tokens (≈ 477 OLMo
-    steps at B), ε = 0.01 nats, EMA α = 0.5 on the per-step loss, f(k) = √k for Adam (k for
-    SGD), k* the largest k within ε of every smaller k, B* = k*·B. The k ladder,
-    `window_fraction` and the reference-noise fields (off by default) are ours."""
+    """`config.branch`, the paper's choices as defaults (Merrill et al. 2025, Sec. 3.1); the k
+    ladder, `window_fraction` and the reference-noise fields (off by default) are ours."""
     b = ml_collections.ConfigDict()
     b.points_examples = ()  # branch at the last checkpoint at or before these examples seen
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
@@ -94,10 +89,8 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
         fail("branch.tolerance", f"must be 'absolute' or 'relative', got {b.tolerance!r}")
     if not b.epsilon > 0:
         fail("branch.epsilon", f"must be > 0, got {b.epsilon}")
-    if b.metric not in METRICS:
-        fail("branch.metric", f"use one of {METRICS}, got {b.metric!r}")
-    for field, known in (("loss_ema_per", EMA_UNITS), ("criterion", CRITERIA),
-                         ("b_star", B_STAR_RULES)):
+    for field, known in (("metric", METRICS), ("loss_ema_per", EMA_UNITS),
+                         ("criterion", CRITERIA), ("b_star", B_STAR_RULES)):
         if b.get(field, known[0]) not in known:
             fail(f"branch.{field}", f"use one of {known}, got {b[field]!r}")
     if not 0 <= b.loss_ema_decay < 1:
@@ -108,12 +101,11 @@ def validate_branch_config(config: ml_collections.ConfigDict) -> None:
         fail("branch.seeds", "give at least one data-order seed")
     if not (b.points_examples or b.points_losses):
         fail("branch.points_examples", "give branch points (or branch.points_losses)")
-    if config.batch.schedule.kind != "constant":
-        fail("batch.schedule.kind", "must be 'constant' for the reference run of a branch "
-             f"study, got {config.batch.schedule.kind!r}")
-    if config.batch.lr_coupling.rule != "none":
-        fail("batch.lr_coupling.rule", "must be 'none' for the reference run of a branch "
-             f"study, got {config.batch.lr_coupling.rule!r}")
+    for field, value, wanted in (("batch.schedule.kind", config.batch.schedule.kind, "constant"),
+                                 ("batch.lr_coupling.rule", config.batch.lr_coupling.rule, "none")):
+        if value != wanted:
+            fail(field, f"must be {wanted!r} for the reference run of a branch study, got "
+                 f"{value!r}")
     big, unit = window_examples(config), _ladder_lcm(ks) * reference_batch(config)
     if big % unit:
         fail("branch.window_examples", f"{big} must be a multiple of lcm(ks)·B = {unit} (a "
@@ -140,8 +132,8 @@ def _ladder_lcm(ks: Sequence[int]) -> int:
 
 
 def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None = None) -> int:
-    """Δ in examples: `branch.window_fraction` of `examples_seen` (when both are given), else
-    `branch.window_examples`, else PAPER_WINDOW_STEPS·B; rounded up to a multiple of lcm(ks)·B."""
+    """Δ in examples: `branch.window_fraction` of `examples_seen` (both given), else
+    `branch.window_examples`, else PAPER_WINDOW_STEPS·B; a multiple of lcm(ks)·B."""
     b, bsz = config.branch, reference_batch(config)
     frac = float(b.get("window_fraction", 0.0))
     if frac and examples_seen is not None:
@@ -166,6 +158,5 @@ def lr_factor(k: int, rule: str) -> float:
 
 
 def reference_run_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The reference run's config: the base config, keeping every checkpoint (branch points
-    need old ones)."""
+    """The base config keeping every checkpoint (branch points need old ones)."""
     return spec.run_config(config, spec.RunOverrides(keep_checkpoints=1_000_000), drop=())

@@ -1,14 +1,14 @@
 """The noise scale of a branch study's reference run at its checkpoints
-(`branch.noise_checkpoints`; in-memory data only): which checkpoints, and their records.
+(`branch.noise_checkpoints`; in-memory data only).
 
 Letters: N training examples, m of them (a fixed draw, `branch.noise_seed`) whose deviations
-give tr(HΣ), H the Hessian of the mean loss over all N. `measurement_spec` (the method
-"sampled" of `cbs.stats.sampled` on all N examples): G, tr(Σ), B_simple exact from all N
+give tr(HΣ), H the Hessian of the mean loss over all N. The measurement (`measurement_spec`:
+the method "sampled" of `cbs.stats.sampled` on all N): G, tr(Σ), B_simple exact from all N
 per-example gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased as H is the
 full-data Hessian; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG. Cost per
-checkpoint: N per-example gradients and m + 1 HVPs over N examples. Records
-(`reference_noise.jsonl`, write-once parts), one per checkpoint: step, examples_seen,
-num_examples, deviations, noise/<key> (`cbs.stats.noise.STAT_KEYS`), estimator.
+checkpoint: N per-example gradients and m + 1 HVPs over N examples. One record per checkpoint
+in `reference_noise.jsonl`: step, examples_seen, num_examples, deviations, noise/<key>
+(`cbs.stats.noise.STAT_KEYS`), estimator.
 """
 
 from __future__ import annotations
@@ -38,14 +38,12 @@ _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> jitte
 
 
 def measurement_spec(config: ml_collections.ConfigDict) -> NoiseSpec:
-    """The measurement at the checkpoints: `config.noise` with `branch.noise`'s fields (by
-    default `NOISE_ESTIMATOR`)."""
+    """`config.noise` with `branch.noise`'s fields (by default `NOISE_ESTIMATOR`)."""
     return NoiseSpec.of(config, "branch")
 
 
 def _measure_at(runner: Any, step: int) -> dict[str, Any]:
-    """B_simple and B_noise of the reference after `step` updates, exactly on the whole
-    training set (`NOISE_ESTIMATOR`): one record."""
+    """The record of the reference after `step` updates (`NOISE_ESTIMATOR`)."""
     if not runner.parts.in_memory:
         raise ValueError("branch.noise_checkpoints needs an in-memory training set")
     tr, s = runner.parts, measurement_spec(runner.config)
@@ -72,8 +70,7 @@ def _measure_at(runner: Any, step: int) -> dict[str, Any]:
 
 def _noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                 points: Sequence[int]) -> list[int]:
-    """Reference checkpoints to measure the noise at: every branch point and
-    `branch.noise_checkpoints` log-spaced checkpoints (the nearest kept ones)."""
+    """Every branch point and the checkpoints nearest `noise_checkpoints` log-spaced steps."""
     n = int(config.branch.get("noise_checkpoints", 0))
     ckpts = sorted(s for s in ckpt_steps if s > 0)
     if not n or not ckpts:
@@ -85,8 +82,7 @@ def _noise_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
 
 def measure_reference_noise(config: ml_collections.ConfigDict, workdir: str,
                              runner: Any, points: Sequence[int]) -> None:
-    """Adds the exact noise measurements (`files.REFERENCE_NOISE_FILE`) the study does not
-    have yet, each as a write-once part."""
+    """Adds the measurements (`files.REFERENCE_NOISE_FILE`) the study does not have yet."""
     path = os.path.join(workdir, files.REFERENCE_NOISE_FILE)
     keys = files.REFERENCE_POINT_KEYS
     done = {r["step"] for r in shared.read_merged(path, keys)}

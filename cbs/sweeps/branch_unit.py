@@ -1,17 +1,14 @@
 """One unit of a branch study (a branch point and a multiplier k, with its S data-order seeds)
-as a run of the engine's one loop (`cbs.engine.loop.Loop`).
+as a run of the engine's loop (`cbs.engine.loop.Loop`).
 
-A branch starts from a checkpoint of the reference run, at its step t_0 and examples seen E,
-and trains Δ/(k·B) steps at batch k·B and peak rate f(k)·η_0: the study's config with
-`branch_overrides` (an evaluation at the end only, no periodic checkpoints, divergence only on
-a non-finite loss). Two drivers: `VmappedBranch`, the S seeds as one state with a leading axis
-S, through the whole window in one dispatch of `cbs.engine.vmapped.vmapped_steps`; and
-`engine_branch`, one seed through `cbs.engine.trainer.Trainer` (streamed data too), its EMA
-read from the per-step `train/loss` records. Either records per seed the loss EMA, the last
-batch loss and the final metric (NaN when not measured; non-finite after a non-finite loss).
-
-A unit runs in `workdir/units/` (`unit_dir`), removed once `cbs.sweeps.branches` has written
-its records; one killed after its last step resumes from the checkpoint the loop saved there.
+A branch starts from a reference checkpoint (step t_0, examples seen E) and trains Δ/(k·B)
+steps at batch k·B and peak rate f(k)·η_0 (`branch_overrides`: an evaluation at the end only,
+divergence only on a non-finite loss). Two drivers: `VmappedBranch`, the S seeds as one state
+with a leading axis S through the whole window in one dispatch; and `engine_branch`, one seed
+through `cbs.engine.trainer.Trainer` (streamed data too). Either records per seed the loss EMA,
+the last batch loss and the final metric (NaN when not measured). A unit runs in
+`workdir/units/` (`unit_dir`), removed once its records are written; one killed after its last
+step resumes from the checkpoint the loop saved there.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ def unit_dir(workdir: str, step: int, k: int, seed: int | None = None) -> str:
 def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float,
                      num_steps: int, full_train: bool, seed: int | None = None,
                      evaluate: bool = True) -> spec.RunOverrides:
-    """A branch from `start`: `num_steps` steps at `batch_size` and peak rate `learning_rate`,
-    data-order `seed` (None: the config's), evaluated at the end when `evaluate` (the full
-    training-set loss too when `full_train`)."""
+    """A branch of `num_steps` steps from `start`, data-order `seed` (None: the config's),
+    evaluated at the end when `evaluate` (the full training-set loss too when `full_train`)."""
     end = position(start)[0] + num_steps
     return spec.RunOverrides(
         batch_size=batch_size, learning_rate=learning_rate, seed=seed, max_steps=end,
@@ -59,11 +55,10 @@ def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float
 
 
 class VmappedBranch:
-    """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state, each from
-    `start` at the config's η_0 (`config`: `branch_overrides`'s run config; `parts`: the
-    study's, on one device). `program`: jit of (states[S], seeds[S], loss_ema[S], n) ->
-    (states, loss_ema, last_loss) after n steps; `final_loss`: jit of states[S] -> the final
-    metric [S], or None (NaN recorded)."""
+    """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state from `start`
+    (`config`: `branch_overrides`'s run config; `parts`: the study's, on one device).
+    `program`: jit of (states[S], seeds[S], loss_ema[S], n) -> (states, loss_ema, last_loss)
+    after n steps; `final_loss`: jit of states[S] -> the final metric [S], or None (NaN)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, parts: RunParts,
                  start: TrainState, seeds: Sequence[int], program: Callable,
@@ -117,7 +112,7 @@ class VmappedBranch:
 
     def run(self) -> list[dict[str, float]]:
         """Trains (or resumes) the branch to the end of its window; one record per seed:
-        loss_ema, train/loss (the last batch loss), full_train/loss (NaN when not measured)."""
+        loss_ema, train/loss (the last batch loss), full_train/loss."""
         perf = throughput.for_run(self.config, self.workdir, self.parts.dataset,
                                   self.parts.mesh)
         Loop(self, perf=perf, compilations=self.num_compilations).run()
@@ -143,10 +138,8 @@ def engine_branch(config: ml_collections.ConfigDict, workdir: str, start: TrainS
     recs = [r for r in records.read_records(os.path.join(workdir, files.METRICS_FILE))
             if r["step"] >= t0]
     losses = [_number(r["train/loss"]) for r in recs if r.get("kind") == "train"]
-    evals = [r for r in recs if r.get("kind") == "eval"]
-    final = math.nan
-    if evals and config.eval.full_train:
-        final = _number(evals[-1].get("full_train/loss"))
+    evals = [r for r in recs if r.get("kind") == "eval"] if config.eval.full_train else []
+    final = _number(evals[-1].get("full_train/loss")) if evals else math.nan
     return float(progress.ema_curve(losses, ema_decay)[-1]), losses[-1], final
 
 

@@ -9,20 +9,17 @@ checkpoint kept) gives the branch points: checkpoints chosen by examples seen or
 crossing of a smoothed training loss (`branch.points_examples`, `branch.points_losses`). From
 each point and each k, a branch trains Δ examples (Δ/(k·B) steps) at batch k·B and peak rate
 f(k)·η_0 (k "linear" for SGD, √k "sqrt" for Adam) and records the EMA of its batch loss at the
-window's end (decay `loss_ema_decay` per step, or per B examples with
-`loss_ema_per="reference_batch"`) and optionally the exact training-set loss. Each (point, k)
-is a unit (`cbs.sweeps.branch_unit`): its S data-order seeds as one vmapped program
-(`VmappedBranch`), or with `branch.vmap=False` or streamed data one `Trainer` per seed. The k
-of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B* and
-their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
+window's end (`branch.loss_ema_decay`, `branch.loss_ema_per`) and optionally the exact
+training-set loss. Each (point, k) is a unit of S data-order seeds (`cbs.sweeps.branch_unit`);
+the k of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B*
+and their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
 
-Files in `workdir`: `branch.json` (definition), `reference/` (engine run), `branches.d/` (a
-write-once part per (point, k), one record per seed: shards lose none of each other's),
-`branches.jsonl` (older records, then their export; read with
-`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`)
-and `units/` while a unit runs. A killed run resumes: finished units are skipped, an
-unfinished one reruns from its point (or its end-of-window checkpoint), so the records equal
-an uninterrupted run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
+Files in `workdir`: `branch.json` (definition), `reference/`, `branches.d/` (a write-once part
+per (point, k), one record per seed), `branches.jsonl` (their export; read with
+`shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`) and
+`units/` while a unit runs. A killed run resumes: finished units are skipped, an unfinished one
+reruns from its point (or its end-of-window checkpoint), so the records equal an uninterrupted
+run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -46,15 +43,7 @@ from cbs.results import files, paths, records, shared
 from cbs.results.store import OUTPUT_FIELDS, definition_diff, describe
 from cbs.runtime import checkpoint, mesh, preemption, progress
 from cbs.runtime.writer import CountBar
-from cbs.sweeps import branch_noise, branch_unit
-from cbs.sweeps.branch_config import (
-    ema_decay_per_step,
-    lr_factor,
-    reference_batch,
-    reference_run_config,
-    validate_branch_config,
-    window_examples,
-)
+from cbs.sweeps import branch_config, branch_noise, branch_unit
 from cbs.sweeps.grid import parse_shard
 
 __all__ = [
@@ -66,38 +55,30 @@ UNIT_KEYS = ("point_step", "k", "seed")  # what identifies a branch record
 
 def branch_steps(config: ml_collections.ConfigDict, ckpt_steps: Sequence[int],
                  reference: Sequence[dict[str, Any]]) -> list[int]:
-    """Checkpoint steps to branch from (sorted, unique), from `branch.points_*` and the
-    reference run's train records (step, train/loss)."""
-    b, bsz = config.branch, reference_batch(config)
+    """The checkpoint steps to branch from (`branch.points_*`), sorted."""
+    b, bsz = config.branch, branch_config.reference_batch(config)
     ckpts = sorted(s for s in ckpt_steps if s > 0)
-    out = set()
-    for e in b.points_examples:
-        before = [s for s in ckpts if s * bsz <= e]
-        if before:
-            out.add(before[-1])
     train_recs = sorted((r for r in reference if r.get("kind") == "train"),
                         key=lambda r: r["step"])
     ema = progress.ema_curve([r["train/loss"] for r in train_recs], float(b.loss_ema_decay))
-    for target in b.points_losses:
-        hit = [r["step"] + 1 for r, v in zip(train_recs, ema, strict=True) if v <= target]
-        before = [s for s in ckpts if hit and s <= hit[0]]
-        if before:
-            out.add(before[-1])
-    return sorted(out)
+    hits = ([r["step"] + 1 for r, v in zip(train_recs, ema, strict=True) if v <= target]
+            for target in b.points_losses)  # the steps whose smoothed loss is at or below
+    limits = [int(e) // bsz for e in b.points_examples] + [hit[0] for hit in hits if hit]
+    return sorted({max(s for s in ckpts if s <= limit) for limit in limits
+                   if ckpts and ckpts[0] <= limit})
 
 
 class BranchRunner:
     """Runs the branches of one study; `run_unit(step, k)` returns a unit's records.
-
-    checkpoints: where the checkpoints to branch from are (default: the reference run's).
-    lr_scale: η_0 of branch k is f(k)·lr_scale·η, η the state's peak rate."""
+    `checkpoints`: those to branch from (default: the reference run's); `lr_scale`: η_0 of
+    branch k is f(k)·lr_scale·η, η the state's peak rate."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                  dataset: data.Dataset | None = None, checkpoints: str | None = None,
                  lr_scale: float = 1.0):
-        validate_branch_config(config)
+        branch_config.validate_branch_config(config)
         self.config, self.workdir, self.b, self.dataset = config, workdir, config.branch, dataset
-        self.bsz = reference_batch(config)
+        self.bsz = branch_config.reference_batch(config)
         self.ks = [int(k) for k in self.b.ks]
         self.branch_config = c = spec.run_config(config, spec.RunOverrides(
             noise_every=0,  # no per-example measurements inside branches
@@ -155,7 +136,7 @@ class BranchRunner:
         if k in self._programs:
             return self._programs[k]
         steps = vmapped_steps(self.step.apply, self.parts.accum_steps(k * self.bsz),
-                              ema_decay_per_step(self.config, k),
+                              branch_config.ema_decay_per_step(self.config, k),
                               inputs_axes={"arrays": None, "seed": 0})  # a stream per seed
         arrays = self.parts.train_arrays
 
@@ -167,21 +148,21 @@ class BranchRunner:
 
     def _overrides(self, state: TrainState, k: int, seed: int | None = None,
                    evaluate: bool = True) -> spec.RunOverrides:
-        window = window_examples(self.config, position(state)[1])
+        window = branch_config.window_examples(self.config, position(state)[1])
         lr0 = float(jax.device_get(state.learning_rate)) * self.lr_scale
         return branch_unit.branch_overrides(
-            state, batch_size=k * self.bsz, learning_rate=lr_factor(k, self.b.lr_rule) * lr0,
+            state, batch_size=k * self.bsz,
+            learning_rate=branch_config.lr_factor(k, self.b.lr_rule) * lr0,
             num_steps=window // (k * self.bsz), seed=seed, evaluate=evaluate,
             full_train=self.b.metric == "full_train/loss")
 
     def run_unit(self, step: int, k: int) -> list[dict[str, Any]]:
-        """The S records of branch multiplier k from checkpoint `step` (each branch a run of
-        the engine's loop, `cbs.sweeps.branch_unit`)."""
+        """The S records of branch multiplier k from checkpoint `step`."""
         state = self.restore(step)
         seeds = [int(s) for s in self.b.seeds]
         o = self._overrides(state, k)
         e0 = position(state)[1]
-        window = window_examples(self.config, e0)
+        window = branch_config.window_examples(self.config, e0)
         if self.vmap:
             c = spec.run_config(self.branch_config, o, drop=())
             out = branch_unit.VmappedBranch(
@@ -197,18 +178,17 @@ class BranchRunner:
                 for i, s in enumerate(seeds)]
 
     def engine_branch(self, step: int, k: int, seed: int) -> tuple[float, float, float]:
-        """One branch through the engine's own Trainer, jitted step, input pipeline and loop
-        (data-order seed `seed`): (loss_ema, last batch loss, final metric or NaN)."""
+        """One seed's branch through the engine's Trainer (`branch_unit.engine_branch`)."""
         state = self.restore(step)
         o = self._overrides(state, k, seed, evaluate=self.b.metric == "full_train/loss")
         return branch_unit.engine_branch(
             spec.run_config(self.branch_config, o, drop=()),
             branch_unit.unit_dir(self.workdir, step, k, seed), state,
-            ema_decay=ema_decay_per_step(self.config, k), device_mesh=self.mesh,
+            ema_decay=branch_config.ema_decay_per_step(self.config, k), device_mesh=self.mesh,
             dataset=self.dataset)
 
     def remove_unit(self, step: int, k: int) -> None:
-        """Removes the run directories of a unit whose records are appended."""
+        """Removes the run directories of a unit whose records are written."""
         for seed in (None, *[int(s) for s in self.b.seeds]):
             d = branch_unit.unit_dir(self.workdir, step, k, seed)
             if paths.isdir(d):
@@ -219,7 +199,7 @@ class BranchRunner:
 def run_reference(config: ml_collections.ConfigDict, workdir: str, *,
                   dataset: data.Dataset | None = None) -> None:
     """Trains (or resumes; skips when ended) the reference run, keeping every checkpoint."""
-    c = reference_run_config(config)
+    c = branch_config.reference_run_config(config)
     ref_dir = os.path.join(workdir, files.REFERENCE_DIR)
     paths.makedirs(ref_dir)
     if loop.ended_run(ref_dir, c) is not None:  # a diverged reference run raises again
@@ -245,11 +225,11 @@ def pending_units(config: ml_collections.ConfigDict, workdir: str, steps: Sequen
 
 def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Writes branch.json (the config and the numbers the report reads) before anything
-    trains; one that holds a different config (an older one: on its fields) is refused in
-    one line naming the differing fields."""
+    trains; refuses one of a different config, naming the differing fields."""
     definition = {
-        "branch": config.branch.to_dict(), "reference_batch_size": reference_batch(config),
-        "window_examples": window_examples(config),
+        "branch": config.branch.to_dict(),
+        "reference_batch_size": branch_config.reference_batch(config),
+        "window_examples": branch_config.window_examples(config),
         "learning_rate": float(config.optim.learning_rate), "optimizer": config.optim.name,
         "config": config.to_dict()}
     path = os.path.join(workdir, files.DEFINITION_FILE)
@@ -268,11 +248,11 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Validates every field, the shard and the reference run's config, then runs the
-    reference and this shard's pending units (at most `stop_after`); returns all records."""
-    validate_branch_config(config)
+    """Validates the config and shard, runs the reference and this shard's pending units (at
+    most `stop_after`); returns all records."""
+    branch_config.validate_branch_config(config)
     parse_shard(shard)
-    config_lib.validate(reference_run_config(config), data_replicas=1,  # one device
+    config_lib.validate(branch_config.reference_run_config(config), data_replicas=1,  # one device
                         model_names=models.model_names(),
                         dataset_names=None if dataset is not None else data.known_datasets())
     write_definition(config, workdir)

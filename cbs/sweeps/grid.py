@@ -1,18 +1,12 @@
-"""Batch-size sweeps: the trial grid, sharding across launchers, and the results store.
+"""The sweep grid: one trial per (batch size B, learning rate η, seed), declared in
+`config.sweep` (`default_sweep_config`) beside the base run, and its sharding over launchers.
 
-A sweep is independent trials, one per (batch size B, learning rate η, seed), declared in
-`config.sweep` (`default_sweep_config`) next to the base run; launchers only iterate it. Each
-trial trains until its progress metric has crossed every target or its budget is spent, and
-records per target the steps S and examples E = B·S of the first crossing (interpolated between
-evaluations), its loss curve and the noise measured at its evaluations (`config.noise`,
-`default_sweep_noise`). `cbs.analysis.fits.fit` turns the records into S_min, E_min and B_crit.
-
-The learning-rate grid is absolute (`sweep.learning_rates`) or centred on a scaling rule:
-η(B) = base_lr · (B / base_batch_size)^p · factor, p = 1 (linear), 1/2 (sqrt) or 0. When the
-best rate for some target sits at an edge of its grid, `grid_trials` adds factor-2 rates past
-that edge (`sweep.extend_lr_count` per round, up to `sweep.extend_lr_rounds` rounds, within
-`sweep.min_lr`/`sweep.max_lr`; the rule: `cbs.analysis.fits.edges`). The sweep directory's
-files are `cbs.results.store`.
+The rate grid is absolute (`sweep.learning_rates`) or centred on a rule: η(B) = base_lr ·
+(B / base_batch_size)^p · factor, p = 1 (linear), 1/2 (sqrt) or 0. When the best rate for a
+target sits at an edge of its grid, `grid_trials` adds factor-2 rates past it
+(`sweep.extend_lr_count` per round, up to `sweep.extend_lr_rounds` rounds, within
+`sweep.min_lr`/`sweep.max_lr`; the rule: `cbs.analysis.fits.edges`). Trials:
+`cbs.sweeps.trials`; the sweep directory: `cbs.results.store`.
 """
 
 from __future__ import annotations
@@ -63,17 +57,14 @@ def default_sweep_config() -> ml_collections.ConfigDict:
     s.divergence_patience = 3  # ... when it stays above for this many consecutive evaluations
     s.vmap_trials = True  # run the learning rates of one (B, seed) as one vmapped program
     s.noise_protocol = "per_trial"  # "per_trial": noise at each best trial's crossings only;
-    #                                 "reference": also one rerun at noise_reference_batch_size
-    #                                 (its best rate), measured on all examples at every eval
+    #   "reference": also a rerun at noise_reference_batch_size measured on all examples
     s.noise_reference_batch_size = 64  # B_ref of the reference trajectory (a swept batch size)
     s.noise_reference_evals = 200  # evaluations of the reference run (log-spaced, to its budget)
     s.reference_noise = ml_collections.ConfigDict(  # fields of config.noise replaced for
-        {"deviations": placeholder(int)})  # the reference run (None: the run's); m, more is
-    #                                        steadier late
+        {"deviations": placeholder(int)})  # the reference run (None: the run's; more: steadier)
     s.checkpoint_every_evals = 20  # vmapped groups: evaluations between checkpoints
-    s.stop_when_dominated = True  # vmapped groups: stop once one learning rate reached every
-    #                               target (the others cannot be fastest; off when averaging
-    #                               several seeds per learning rate)
+    s.stop_when_dominated = True  # vmapped groups: stop once one rate reached every target
+    #   (the others cannot be fastest; off when averaging several seeds per rate)
     return s
 
 
@@ -118,8 +109,7 @@ _LIST_FIELDS = {"batch_sizes": ("examples per step", True, 0, True),
 
 
 def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
-    """Raises `ConfigError` naming the field of an invalid sweep definition: the type and range
-    of every field, then how they fit together."""
+    """Raises `ConfigError` naming the field of an invalid sweep definition."""
     def fail(field: str, why: str) -> None:
         raise ConfigError(f"config.sweep.{field}: {why}")
 
@@ -151,10 +141,10 @@ def validate_sweep(sweep: ml_collections.ConfigDict) -> None:
         fail("max_steps", "set max_steps or max_examples: a trial needs a budget")
     if sweep.divergence_factor < 0 or 0 < sweep.divergence_factor <= 1:
         fail("divergence_factor", f"must be 0 (off) or > 1, got {sweep.divergence_factor}")
-    if sweep.get("noise_protocol", "per_trial") not in ("per_trial", "reference"):
-        fail("noise_protocol", f"must be 'per_trial' or 'reference', got "
-             f"{sweep.noise_protocol!r}")
-    if sweep.get("noise_protocol", "per_trial") == "reference" and (
+    protocol = sweep.get("noise_protocol", "per_trial")
+    if protocol not in ("per_trial", "reference"):
+        fail("noise_protocol", f"must be 'per_trial' or 'reference', got {protocol!r}")
+    if protocol == "reference" and (
             sweep.noise_reference_batch_size not in tuple(sweep.batch_sizes)):
         fail("noise_reference_batch_size", f"{sweep.noise_reference_batch_size} is not one of "
              f"the swept batch sizes {tuple(sweep.batch_sizes)}")
@@ -179,12 +169,9 @@ def learning_rates_for(sweep: ml_collections.ConfigDict, batch_size: int) -> lis
 def make_trials(sweep: ml_collections.ConfigDict) -> list[Trial]:
     """The full grid in a fixed order: batch size, then seed, then learning rate."""
     validate_sweep(sweep)
-    trials: list[Trial] = []
-    for b in sorted(int(b) for b in sweep.batch_sizes):
-        for seed in sweep.seeds:
-            for lr in learning_rates_for(sweep, b):
-                trials.append(Trial(len(trials), b, lr, int(seed)))
-    return trials
+    points = [(b, lr, int(seed)) for b in sorted(int(b) for b in sweep.batch_sizes)
+              for seed in sweep.seeds for lr in learning_rates_for(sweep, b)]
+    return [Trial(i, *point) for i, point in enumerate(points)]
 
 
 def trial_table(trials: Sequence[Trial]) -> list[dict[str, Any]]:
@@ -194,11 +181,9 @@ def trial_table(trials: Sequence[Trial]) -> list[dict[str, Any]]:
 
 def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]]
                 ) -> list[Trial]:
-    """The base grid plus the learning rates added past edges (`cbs.analysis.fits.edges`).
-
-    Each added trial's index (after the base grid's) is fixed by its (B, seed, side, step
-    beyond the grid), whatever order rounds happen in, so shards and reruns agree on it.
-    Records of trials outside the grid are ignored."""
+    """The base grid plus the rates added past edges (`cbs.analysis.fits.edges`); an added
+    trial's index is fixed by its (B, seed, side, step past the grid), whatever the order of
+    rounds, so shards and reruns agree on it. Records of trials outside the grid are ignored."""
     base = make_trials(sweep)
     if not sweep.extend_lr_rounds:
         return base
@@ -236,9 +221,8 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
 
 def shard_trials(trials: Sequence[Trial], shard: str | None,
                  batch_sizes: Sequence[int]) -> list[Trial]:
-    """The trials of this shard: shard i of n owns the batch sizes whose rank in sorted
-    `batch_sizes` is ≡ i (mod n), every seed and rate at them (so each group runs whole and
-    a shard extends its own rates)."""
+    """Shard i of n owns the batch sizes whose rank in sorted `batch_sizes` is ≡ i (mod n),
+    with every seed and rate at them (each group runs whole; a shard extends its own rates)."""
     i, n = parse_shard(shard)
     rank = {int(b): k for k, b in enumerate(sorted(int(b) for b in batch_sizes))}
     return [t for t in trials if rank[int(t.batch_size)] % n == i]

@@ -1,19 +1,15 @@
 """Several sweep trials as one program: the learning rates of one (B, seed), vmapped.
 
-Trials that differ only in the peak learning rate η_0 (a value of the train state) are one
-state with a leading axis K, run by the engine's step under `vmap`. `TrialGroup` drives the
-engine's loop (`cbs.engine.loop.Loop`: events, budget, checkpoints, records, resume,
-stopping) with a vmapped dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, a
-`fori_loop` of traced length: the log grid of `cbs.sweeps.trials.eval_steps` costs no
-recompilation) and a vmapped evaluation after each: the progress metric and the noise
-measurement of `config.noise` (`cbs.engine.measure.state_measurement`, as engine trials
-record). It stops once every trial has crossed the lowest target or diverged.
-
-A group runs on one device. Its run directory holds the loop's files: one eval record per
-trial and evaluation in `metrics.jsonl` (step, kind="eval", trial (its index),
-data/examples_seen, the progress metric, train/loss_ema, noise/*), status.json and a
-checkpoint every `sweep.checkpoint_every_evals` evaluations; a killed group resumes there
-with an uninterrupted one's records.
+Trials that differ only in the peak rate η_0 (a value of the train state) are one state with a
+leading axis K. `TrialGroup` drives the engine's loop (`cbs.engine.loop.Loop`) on one device
+with a dispatch of many steps (`cbs.engine.vmapped.vmapped_steps`, a `fori_loop` of traced
+length: the log grid of `cbs.sweeps.trials.eval_steps` costs no recompilation) and a vmapped
+evaluation after each (the progress metric and `config.noise`'s measurement, as engine trials
+record), until every trial has crossed the lowest target or diverged. Its run directory holds
+the loop's files: one eval record per trial and evaluation in `metrics.jsonl` (step,
+kind="eval", trial (its index), data/examples_seen, the progress metric, train/loss_ema,
+noise/*), status.json and a checkpoint every `sweep.checkpoint_every_evals` evaluations; a
+killed group resumes with an uninterrupted one's records.
 """
 
 from __future__ import annotations
@@ -42,14 +38,8 @@ from cbs.results.store import SweepStore, TrialResult
 from cbs.runtime import mesh, throughput
 from cbs.runtime.progress import DivergenceRule
 from cbs.runtime.writer import Outputs
+from cbs.sweeps import trials as trials_lib
 from cbs.sweeps.grid import Trial
-from cbs.sweeps.trials import (
-    NOISE_CURVE_KEYS,
-    divergence_rule,
-    eval_steps,
-    result_from_curve,
-    trial_overrides,
-)
 
 __all__ = ["TrialGroup", "group_name"]
 
@@ -57,17 +47,15 @@ PROGRESS_SPLIT = {"full_train/loss": "train", "eval/loss": "eval"}
 
 
 def group_name(trials: Sequence[Trial]) -> str:
-    """A group's name (its run directory's and its claim's), from its trials: shards never
-    share one."""
+    """A group's name (of its run directory and claim): shards never share one."""
     t = trials[0]
     return f"b{t.batch_size:06d}_s{t.seed}_t" + "-".join(str(x.index) for x in trials)
 
 
 class TrialGroup:
-    """K trials of one batch size and seed as one vmapped program (a
-    `cbs.engine.loop.Driver`). `cache`: compiled evaluations and initial states shared by the
-    groups of one sweep; `noise`, `evals`, `checkpoint_every_evals` default to
-    `config.noise` and the sweep's `evals_per_trial` and `checkpoint_every_evals`."""
+    """K trials of one (B, seed) as one vmapped program (a `cbs.engine.loop.Driver`). `cache`:
+    compilations and initial states shared by a sweep's groups; `noise`, `evals`,
+    `checkpoint_every_evals` default to `config.noise` and the sweep's fields."""
 
     def __init__(self, config: ml_collections.ConfigDict, trials: Sequence[Trial],
                  store: SweepStore, *, cache: dict | None = None,
@@ -86,7 +74,7 @@ class TrialGroup:
             config, label=os.path.basename(self.workdir), nested=True,
             wandb_group=os.path.basename(os.path.normpath(str(store.sweep_dir))))
         overrides = dataclasses.replace(
-            trial_overrides(config, trials[0], replicas=1),
+            trials_lib.trial_overrides(config, trials[0], replicas=1),
             noise_every=0,  # measured here, on separate batches, at each evaluation
             eval_enabled=True)  # every stop is an evaluation (progress and noise)
         c = spec.run_config(config, overrides)
@@ -99,9 +87,9 @@ class TrialGroup:
         self.config, self.dataset, self.schedule = c, self.parts.dataset, self.parts.schedule
         self._rep = rep = mesh.replicated(self.mesh)
         (self.batch_size,) = self.schedule.batch_sizes()  # B: the run config's constant schedule
-        self.steps = eval_steps(self.sweep, self.batch_size, evals)
+        self.steps = trials_lib.eval_steps(self.sweep, self.batch_size, evals)
         self._index = {s: j for j, s in enumerate(self.steps)}
-        self.rule: DivergenceRule = divergence_rule(self.sweep)
+        self.rule: DivergenceRule = trials_lib.divergence_rule(self.sweep)
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(0, 1),
                               in_shardings=(rep, rep, None), out_shardings=rep)
         # The evaluation does not depend on B: groups of one sweep share its compilation.
@@ -112,7 +100,7 @@ class TrialGroup:
                                  in_shardings=(rep, rep, None), out_shardings=rep)
         self._evaluate_jit = cache[key]
         self._measure = state_measurement(self.noise, self.parts, seed=self.trial_seed)
-        self.curve_keys = [f"noise/{k}" for k in NOISE_CURVE_KEYS]  # measured, per trial
+        self.curve_keys = [f"noise/{k}" for k in trials_lib.NOISE_CURVE_KEYS]  # measured, per trial
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
@@ -154,8 +142,8 @@ class TrialGroup:
         return self.trials[0].seed
 
     def start(self, restore: Restore | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """{"trials": the K stacked states, "loss_ema": [K] (NaN: no loss yet)}, fresh at step
-        0 (one initialisation per sweep and seed) or restored."""
+        """{"trials": K stacked states, "loss_ema": [K] (NaN: no loss yet)}, fresh at step 0
+        (one initialisation per sweep and seed) or restored."""
         if restore is not None:
             shapes = jax.eval_shape(self._stacked, self.parts.abstract_state())
             return restore(jax.tree.map(
@@ -204,8 +192,7 @@ class TrialGroup:
     # ------------------------------------------------------------------ stopping, results
 
     def _observe(self, step: int, record: dict[str, Any]) -> bool:
-        """stop_fn of the loop: collects the evaluations (one record per trial, in trial
-        order) into `history` and stops once the group has `_finished`."""
+        """stop_fn of the loop: collects each evaluation's K records into `history`."""
         if record.get("kind") != "eval":
             return False
         if not self.history["evals"] and not self._row:  # a resumed run: what came before
@@ -225,8 +212,7 @@ class TrialGroup:
             self.history["evals"].append(_row_values(records[j:j + k]))
 
     def run(self) -> list[TrialResult]:
-        """Trains (or resumes) the group to the end; returns one result per trial. A group
-        whose run directory already ended with this config is replayed from its records."""
+        """Trains, resumes or (ended with this config) replays the group; a result per trial."""
         self.history, self._row = {"evals": [], "seconds": 0.0}, []
         summary = ended_run(self.workdir, self.config)
         if summary is not None:
@@ -280,12 +266,11 @@ class TrialGroup:
             status = "done"
         elif status == "budget" and len(history["evals"]) < len(self.steps):
             status = "dominated"  # stopped early: another learning rate reached every target
-        return result_from_curve(trial, self.sweep, curve, status, history["seconds"])
+        return trials_lib.result_from_curve(trial, self.sweep, curve, status, history["seconds"])
 
 
 def _row_values(records: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """One evaluation of the group, {record key: [K] values}, from its K trial records
-    (null, a non-finite value in JSON, reads as NaN)."""
+    """One evaluation, {record key: [K] values}, from its K trial records (null reads NaN)."""
     keys = [k for k in records[0] if k not in ("step", "kind", "trial", "data/examples_seen")]
     return {k: np.asarray([math.nan if r.get(k) is None else r[k] for r in records], np.float64)
             for k in keys}

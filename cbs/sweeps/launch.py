@@ -2,17 +2,13 @@
 
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
-The whole config is validated (`check_config`) before anything is written. The trials are
-the grid's and the rates added past edge optima, round after round, at this shard's batch
-sizes (`cbs.sweeps.grid`: `shard="i/n"`); finished ones (in trials.jsonl) are skipped,
-unfinished ones resume from their checkpoints. With `sweep.vmap_trials` and in-memory data
-the rates of each (B, seed) run as one vmapped group (`cbs.sweeps.groups`), else each trial
-is an engine run (`cbs.sweeps.trials`). With `sweep.noise_protocol = "reference"`, an
-unsharded launch that finds every trial finished runs the reference trajectory
-(`cbs.sweeps.reference`). Each group is claimed (`SweepStore.claim`: a lock file, or an
-expiring lease on an object store), so launchers on one directory run different groups and
-wait for each other's; each group's records are one write-once part; trials.jsonl and
-trials.csv are exported at the end.
+The config is validated (`check_config`) before anything is written. Round after round, the
+grid's trials and the rates added past edge optima at this shard's batch sizes run, finished
+ones skipped, unfinished ones resumed; with `sweep.vmap_trials` and in-memory data the rates of
+each (B, seed) as one group (`cbs.sweeps.groups`), else each as an engine run
+(`cbs.sweeps.trials`). Each group is claimed (`SweepStore.claim`), so launchers on one
+directory share the work. With `sweep.noise_protocol = "reference"`, an unsharded launch that
+finds every trial finished runs the reference trajectory (`cbs.sweeps.reference`).
 """
 
 from __future__ import annotations
@@ -32,15 +28,7 @@ from cbs.results.store import SweepStore, TrialResult
 from cbs.runtime import preemption
 from cbs.runtime.fields import ConfigError
 from cbs.runtime.writer import CountBar
-from cbs.sweeps.grid import (
-    Trial,
-    default_sweep_config,
-    grid_trials,
-    make_trials,
-    parse_shard,
-    shard_trials,
-    trial_table,
-)
+from cbs.sweeps import grid
 from cbs.sweeps.groups import TrialGroup, group_name
 from cbs.sweeps.reference import run_reference
 from cbs.sweeps.trials import run_trial_engine, summarize
@@ -48,18 +36,18 @@ from cbs.sweeps.trials import run_trial_engine, summarize
 __all__ = ["check_config", "group_slots", "pending_trials", "run_sweep", "sweep_definition"]
 
 
-def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
-    """Validates the whole sweep before anything runs; returns its base trials. Raises
-    ValueError naming the field: the sweep section, the dataset, every batch size (and the
-    noise measurement) against the training split, the model (built abstractly) and the run
-    config at each B."""
-    trials = make_trials(config.sweep)
+def check_config(config: ml_collections.ConfigDict) -> list[grid.Trial]:
+    """Validates the whole sweep before anything runs (ValueError naming the field: the sweep,
+    the dataset, the batch sizes and noise against the training split, the model, each B's
+    run config); returns its base trials."""
+    trials = grid.make_trials(config.sweep)
+    sizes = sorted({t.batch_size for t in trials})
     if config.data.name not in data.known_datasets():
         raise ConfigError(f"config.data.name: {config.data.name!r} is not one of "
                          f"{data.known_datasets()}")
     ds = data.get_dataset(config.data.name, **config.data.options)
     n = ds.num_train
-    for b in sorted({t.batch_size for t in trials}):
+    for b in sizes:
         if b > n:
             raise ConfigError(f"config.sweep.batch_sizes: {b} is larger than the training split "
                              f"of {config.data.name} ({n} examples); use batch sizes <= {n}")
@@ -72,7 +60,7 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     if noise.examples == "stream" and noise.batch_size > n:
         raise ConfigError(f"config.noise.batch_size: {noise.batch_size} is larger than the "
                           f"training split ({n} examples)")
-    for b in sorted({t.batch_size for t in trials}):
+    for b in sizes:
         c = spec.run_config(config, spec.RunOverrides(
             batch_size=b, micro_batch=b, learning_rate=trials[0].learning_rate,
             noise_every=0))
@@ -81,19 +69,18 @@ def check_config(config: ml_collections.ConfigDict) -> list[Trial]:
     return trials
 
 
-def sweep_definition(config: ml_collections.ConfigDict, base: list[Trial]) -> dict[str, Any]:
-    """sweep.json: the config with every default filled in (engine, model and sweep defaults
-    under what it sets; less the sections of studies that read a sweep), its sweep section,
-    the base grid and N."""
+def sweep_definition(config: ml_collections.ConfigDict, base: list[grid.Trial]) -> dict[str, Any]:
+    """sweep.json: the config over every default (engine, model, sweep; less the sections of
+    studies that read a sweep), its sweep section, the base grid and N."""
     defaults = config_lib.default_config().to_dict()
     if config.get("model") and config.model.get("name") in models.model_names():
         defaults["model"] = models.default_model_config(config.model.name).to_dict()
-    defaults["sweep"] = default_sweep_config().to_dict()
+    defaults["sweep"] = grid.default_sweep_config().to_dict()
     resolved = _merge(defaults, config.to_dict())
     for key in ("ramps", "branch"):
         resolved.pop(key, None)
     ds = data.get_dataset(config.data.name, **config.data.options)
-    return {"sweep": resolved["sweep"], "config": resolved, "trials": trial_table(base),
+    return {"sweep": resolved["sweep"], "config": resolved, "trials": grid.trial_table(base),
             "num_train": ds.num_train}
 
 
@@ -105,22 +92,21 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def pending_trials(config: ml_collections.ConfigDict, store: SweepStore,
-                   shard: str | None = None) -> list[Trial]:
+                   shard: str | None = None) -> list[grid.Trial]:
     """This shard's trials without a record yet, in grid order (extensions included)."""
     records = store.records()
     done = {r["trial_id"] for r in records}
-    trials = grid_trials(config.sweep, records)
-    return [t for t in shard_trials(trials, shard, config.sweep.batch_sizes)
+    trials = grid.grid_trials(config.sweep, records)
+    return [t for t in grid.shard_trials(trials, shard, config.sweep.batch_sizes)
             if t.trial_id not in done]
 
 
 def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str | None = None,
               redefine: bool = False, log: Callable[[str], Any] = print) -> list[TrialResult]:
-    """Runs this shard's unfinished trials, round after round of rates added past edge
-    optima; returns their results. `redefine`: accept a grid that differs from sweep_dir's
-    (`SweepStore.write_definition`), keeping the finished trials still in it."""
+    """Runs this shard's unfinished trials (module docstring); returns their results.
+    `redefine`: accept a grid that differs from sweep_dir's (`SweepStore.write_definition`)."""
     base = check_config(config)
-    parse_shard(shard)
+    grid.parse_shard(shard)
     store = SweepStore(sweep_dir)
     store.write_definition(sweep_definition(config, base), redefine=redefine)
     vmap = config.sweep.vmap_trials and data.get_dataset(
@@ -146,7 +132,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
                 store.release(held)  # a waiting claim returns it
         stuck = None if ran or waited else ids  # nothing could move: stop, do not spin
     waiting = [t for t in pending_trials(config, store)
-               if t not in shard_trials([t], shard, config.sweep.batch_sizes)]
+               if t not in grid.shard_trials([t], shard, config.sweep.batch_sizes)]
     if waiting:
         log(f"{len(waiting)} trials of other shards are unfinished; run those shards before "
             "the analysis")
@@ -156,21 +142,19 @@ def run_sweep(config: ml_collections.ConfigDict, sweep_dir: str, *, shard: str |
     return results
 
 
-def group_slots(config: ml_collections.ConfigDict, group: list[Trial]) -> list[Trial]:
-    """The trials a vmapped group runs: for trials of the base grid, every base trial at their
-    (B, seed) in index order (the group an uninterrupted sweep ran: a rerun of some of them
-    has its slots and stopping rule, so bit-identical records; the finished ones are
-    recomputed or replayed, and dropped); trials added past edges run as the pending group."""
+def group_slots(config: ml_collections.ConfigDict, group: list[grid.Trial]) -> list[grid.Trial]:
+    """The trials a vmapped group runs: for base-grid trials, every base trial at their
+    (B, seed) (the group an uninterrupted sweep ran, so a rerun of some of them gives
+    bit-identical records; the finished ones are dropped); added trials as they are."""
     t = group[0]
-    base = [b for b in make_trials(config.sweep)
+    base = [b for b in grid.make_trials(config.sweep)
             if (b.batch_size, b.seed) == (t.batch_size, t.seed)]
     ids = {b.trial_id for b in base}
     return base if all(g.trial_id in ids for g in group) else group
 
 
 def _run_claimed(config, store, todo, vmap, cache, log) -> list[TrialResult]:
-    """Runs each group this process can claim; skips groups another process is running.
-    A bar (`CountBar`) shows the trials done, their rate and the time left."""
+    """Runs each group this process can claim; skips those another process is running."""
     results: list[TrialResult] = []
     key = lambda t: (t.batch_size, t.seed) if vmap else t.index
     enabled = bool(config.train.progress_bar) and jax.process_index() == 0

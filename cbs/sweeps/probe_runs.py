@@ -1,14 +1,11 @@
 """The probe's branches: short runs at a few batch sizes from one checkpoint of any run, within
 a budget, through `cbs.sweeps.branches.BranchRunner` (the arithmetic and letters:
-`cbs.analysis.advice.probe`; B the run's batch at the checkpoint, b_0 the probe's smallest,
-k its multipliers).
-
-The run's `config.json` becomes a branch study of one point (`probe_config`): the batch
-constant at b_0, `branch.ks` = K, Δ of `probe.plan`, the compared loss the exact
-training-set loss for in-memory data, else the EMA of the batch loss. Branch k trains at
-k·b_0 with peak rate f(k·b_0/B)·η_B (η_B the run's rate at B, f √ for Adam, linear for SGD).
-Files in `out_dir`: `branch.json` (a rerun with other settings is refused), `branches.d/`
-(a part per k), `branches.jsonl` (their export). A killed probe resumes.
+`cbs.analysis.advice.probe`; B the run's batch at the checkpoint, b_0 the probe's smallest, k
+its multipliers). The run's `config.json` becomes a branch study of one point (`probe_config`):
+the batch constant at b_0, `branch.ks` = K, Δ of `probe.plan`, the compared loss the exact
+training-set loss for in-memory data, else the EMA of the batch loss. Branch k trains at k·b_0
+with peak rate f(k·b_0/B)·η_B (η_B the run's rate at B, f √ for Adam, linear for SGD). Files
+in `out_dir` as a branch study's (`cbs.sweeps.branches`); a killed probe resumes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """Batch-size ramps run beside a sweep and placed on its fitted S–E frontier.
 
-A ramp is an ordinary `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as
-examples are seen (`cbs.engine.schedules`: step like Llama 3, linear like DeepSeek-V3, or
-adaptive on the live noise scale), with the micro-batch fixed and the learning rate coupled
-to B (`config.batch.lr_coupling`). Like a sweep trial it stops once the sweep's progress
-metric has crossed every target, and records the steps S and examples E of each crossing
-(each interpolated on its own axis: E ≠ B·S when B changes) in `ramps.jsonl` (write-once
-parts in `ramps.d/`, `cbs.results.shared.add_records`), where `cbs.analysis.reports.report`
-draws them against the frontier S = S_min + E_min/B of the fixed-batch trials.
+A ramp is a `cbs.engine.trainer.run` whose `config.batch.schedule` changes B as examples are
+seen (`cbs.engine.schedules`), the micro-batch fixed and the rate coupled to B
+(`config.batch.lr_coupling`). Like a sweep trial it stops once the sweep's progress metric has
+crossed every target, and records the steps S and examples E of each crossing (each
+interpolated on its own axis: E ≠ B·S when B changes) in `ramps.jsonl`
+(`cbs.results.shared.add_records`); `cbs.analysis.reports.report` draws them against the
+frontier S = S_min + E_min/B.
 
-The runs are `config.ramps`, a list of dicts: `label`, `schedule` (a
-`cbs.engine.schedules.batch_schedule_from_config` dict), `learning_rate` (η_0, or "best@B":
-the sweep's fastest rate at B for the lowest target), `lr_coupling` (rule, base_batch_size,
-cap) and optional `micro_batch`, `seed` (default `config.seed`), `name` (the run a seed
-belongs to, for `cbs.analysis.studies.payoff`), `eval_every`, `max_steps`, `max_examples`,
-`adapt_every`.
+The runs are `config.ramps`, a list of dicts: `label`, `schedule`
+(`cbs.engine.schedules.batch_schedule_from_config`), `learning_rate` (η_0, or "best@B": the
+sweep's fastest rate at B for the lowest target), `lr_coupling` (rule, base_batch_size, cap)
+and optional `micro_batch`, `seed` (default `config.seed`), `name` (the run a seed belongs to,
+for `cbs.analysis.studies.payoff`), `eval_every`, `max_steps`, `max_examples`, `adapt_every`.
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ def best_learning_rate(sweep_dir: str, batch_size: int) -> float:
     if not records:
         raise ConfigError(f"config.ramps: no sweep trial at batch size {batch_size} in "
                          f"{sweep_dir}; run the sweep first or give a number")
-    keys = sorted(records[0]["steps_to_target"], key=float)
-    for key in keys:  # lowest target first
+    for key in sorted(records[0]["steps_to_target"], key=float):  # lowest target first
         reached = [r for r in records if r["steps_to_target"][key] is not None]
         if reached:
             return min(reached, key=lambda r: r["steps_to_target"][key])["learning_rate"]
@@ -91,10 +88,9 @@ RAMP_FIELDS = (*RAMP_REQUIRED, "lr_coupling", "name", *_RAMP_INTEGERS)
 
 
 def validate_ramps(config: ml_collections.ConfigDict, *, replicas: int | None = None) -> None:
-    """Raises `ConfigError` naming `config.ramps[i].field` for ramps that cannot run: a bad or
-    unknown field (`RAMP_FIELDS`), labels not unique or clashing as directory names, a
-    "best@B" at an unswept B, a run config the engine refuses (`replicas` data replicas,
-    default: `config.mesh`'s on this host)."""
+    """Raises `ConfigError` naming `config.ramps[i].field` for a ramp that cannot run: a bad
+    field, labels not unique as directory names, "best@B" at an unswept B, a run config the
+    engine refuses with `replicas` data replicas (default: `config.mesh`'s)."""
     runs = config.get("ramps")
     if not isinstance(runs, (list, tuple)) or not runs:
         raise ConfigError("config.ramps: must be a non-empty list of ramps (dicts with "
@@ -161,17 +157,14 @@ def _validate_ramp(config: ml_collections.ConfigDict, run: Any, at: str, sizes: 
 
 def check_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *,
                 mesh: jax.sharding.Mesh | None = None) -> None:
-    """Refuses, before anything trains, ramps that cannot run beside this sweep: any
-    `validate_ramps` finds, or a sweep directory whose trials were trained with a different
-    config (`SweepStore.check_definition`). Reads the directory, writes nothing."""
+    """Refuses ramps `validate_ramps` refuses, or a sweep directory of another config."""
     validate_ramps(config, replicas=None if mesh is None else int(mesh.shape["data"]))
     SweepStore(sweep_dir).check_definition(
         launch.sweep_definition(config, grid.make_trials(config.sweep)), "config.ramps")
 
 
 def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> None:
-    """A ramp recorded under this label with another spec is refused (older records, without
-    a spec, are accepted)."""
+    """Refuses a ramp recorded under this label with another spec (one without: accepted)."""
     old = done[run["label"]].get("spec")
     new = json.loads(json.dumps(run))
     if old is not None and old != new:
@@ -182,9 +175,9 @@ def _check_recorded(done: dict[str, dict[str, Any]], run: dict[str, Any]) -> Non
 
 def ramp_overrides(config: ml_collections.ConfigDict, run: dict[str, Any], sweep_dir: str
                    ) -> spec.RunOverrides:
-    """How one ramp's run differs from the base config: its schedule, η_0 and coupling, the
-    sweep's budget and an evaluation every `eval_every` (default 5) steps; the noise only
-    where `noise.every` asks, on the step's examples."""
+    """One ramp's run against the base config: its schedule, η_0 and coupling, the sweep's
+    budget, an evaluation every `eval_every` (default 5) steps; the noise only where
+    `noise.every` asks, on the step's examples."""
     sweep = config.sweep
     coupling = dict(run.get("lr_coupling", {"rule": "none"}))
     every = int(run.get("eval_every", 5))
@@ -233,20 +226,17 @@ def ramp_record(label: str, records: list[dict[str, Any]], sweep: ml_collections
 def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
               mesh: jax.sharding.Mesh | None = None, out_dir: str | None = None
               ) -> list[dict[str, Any]]:
-    """Runs (or resumes) every `config.ramps` run not yet in ramps.jsonl; returns all.
-    `mesh` defaults to `config.mesh` (batch sizes: multiples of micro_batch × data replicas);
-    `out_dir` (default: sweep_dir) holds ramps.jsonl and the runs."""
+    """Runs (or resumes) every `config.ramps` run not in ramps.jsonl; returns all records.
+    `mesh` defaults to `config.mesh`; `out_dir` (default: sweep_dir) holds the file and runs."""
     check_ramps(config, sweep_dir, mesh=mesh)
     out_dir = out_dir or sweep_dir
     paths.makedirs(out_dir)
     path = os.path.join(out_dir, files.RAMPS_FILE)
     done = {r["label"]: r for r in shared.read_merged(path, files.RAMP_KEYS)}
-    todo = []
-    for run in map(dict, config.ramps):
-        if run["label"] in done:
-            _check_recorded(done, run)  # the recorded spec must be the configured one
-        else:
-            todo.append(run)
+    runs = [dict(run) for run in config.ramps]
+    for run in (r for r in runs if r["label"] in done):
+        _check_recorded(done, run)  # the recorded spec must be the configured one
+    todo = [run for run in runs if run["label"] not in done]
     enabled = bool(config.train.progress_bar) and jax.process_index() == 0
     with CountBar(len(todo), unit="ramp", enabled=enabled, log=log) as bar:
         for run in todo:
@@ -258,8 +248,7 @@ def run_ramps(config: ml_collections.ConfigDict, sweep_dir: str, *, log=print,
 
 
 def _run_ramp(config, run, sweep_dir, workdir, path, log, mesh) -> None:
-    """Trains one ramp (or resumes it), adds its record to ramps.jsonl (a write-once part and
-    the export), logs its line."""
+    """Trains (or resumes) one ramp, adds its record to ramps.jsonl and logs its line."""
     c = ramp_config(config, run, sweep_dir)
     monitor = ProgressMonitor(config.sweep)
     summary = trainer.run(c, workdir, stop_fn=monitor, raise_on_divergence=False, mesh=mesh)

@@ -1,11 +1,10 @@
 """The reference-trajectory noise protocol (McCandlish et al. 2018): one run, measured densely.
 
 After a sweep, its best trial at B_ref (`sweep.noise_reference_batch_size`; `reference_trial`)
-runs again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`: the same trajectory)
-with `sweep.noise_reference_evals` log-spaced evaluations, each measuring the whole training
-set (`reference_noise`), until `sweep.noise_window` evaluations past the lowest target's
-crossing. Its record (curve and settings) goes to `reference_noise.jsonl` in the sweep
-directory (`cbs.results.shared.add_records`); `cbs.analysis.fits.noise_at_target` reads it.
+runs again as a vmapped group of one (`cbs.sweeps.groups.TrialGroup`: the same trajectory) at
+`sweep.noise_reference_evals` log-spaced evaluations, each measuring the whole training set
+(`reference_noise`), until `sweep.noise_window` evaluations past the lowest target's crossing.
+Its record goes to `reference_noise.jsonl` (`cbs.analysis.fits.noise_at_target` reads it).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ __all__ = ["ReferenceRun", "lowest_crossing", "protocol_text", "reference_noise"
 
 def lowest_crossing(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, Any]],
                     trial: Trial) -> float | None:
-    """The step at which `trial`'s record crossed the sweep's lowest target (None: it did
-    not, or it has no record)."""
+    """The step where `trial`'s record crossed the sweep's lowest target (None: not)."""
     key = target_key(min(sweep.targets))
     return next((r["steps_to_target"].get(key) for r in records
                  if r["index"] == trial.index and r["steps_to_target"].get(key) is not None),
@@ -55,9 +53,8 @@ def reference_trial(sweep: ml_collections.ConfigDict, records: Sequence[dict[str
 
 
 def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
-    """The reference run's measurement: `config.noise` with `sweep.reference_noise`'s fields
-    on the whole training set ("auto": exact, "full_data"), tr(HΣ) (with curvature and m > 0)
-    from m random deviations and the full-data Hessian."""
+    """`config.noise` with `sweep.reference_noise`'s fields on the whole training set, tr(HΣ)
+    (with curvature and m > 0) from m random deviations and the full-data Hessian."""
     s = NoiseSpec.of(config, "reference")
     return s.replace(examples="all", curvature=s.curvature and s.deviations > 0,
                      deviations=s.deviations if s.curvature else 0,
@@ -65,9 +62,8 @@ def reference_noise(config: ml_collections.ConfigDict) -> NoiseSpec:
 
 
 class ReferenceRun(TrialGroup):
-    """A group of one trial, `sweep.noise_reference_evals` evaluations each measured by
-    `reference_noise` (or `noise`), no mid-run checkpoints, that stops `sweep.noise_window`
-    evaluations after it crosses the lowest target (or diverges, or its budget ends)."""
+    """A group of one trial measured by `reference_noise` (or `noise`) at each evaluation, no
+    mid-run checkpoints, that stops `sweep.noise_window` evaluations past the lowest target."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                  crossing: float | None = None, noise: NoiseSpec | None = None):
@@ -79,8 +75,8 @@ class ReferenceRun(TrialGroup):
         self.crossing = crossing  # the step where the sweep's trial crossed the lowest target
 
     def expected_steps(self) -> int | None:
-        """Where the run should stop: the `noise_window`-th evaluation after the first at or
-        past `crossing` (where the sweep's trial crossed the lowest target); None: the budget."""
+        """The `noise_window`-th evaluation after the first at or past `crossing` (where the
+        sweep's trial crossed the lowest target); None: the budget."""
         if self.crossing is None:
             return None
         j = bisect.bisect_left(self.steps, self.crossing)
@@ -116,8 +112,7 @@ def protocol_text(config: ml_collections.ConfigDict, trial: Trial, num_train: in
 
 def run_reference(config: ml_collections.ConfigDict, store: SweepStore, *,
                   log=print) -> dict[str, Any] | None:
-    """Runs the reference trajectory once (skipped when reference_noise.jsonl exists);
-    returns its record, or None when no trial at B_ref reached a target."""
+    """Runs the reference trajectory once; its record (None: none at B_ref reached a target)."""
     path = os.path.join(store.sweep_dir, files.REFERENCE_NOISE_FILE)
     done = shared.read_merged(path, files.REFERENCE_RUN_KEYS)
     if done:

@@ -1,24 +1,22 @@
 """One noise protocol for a committed study: the reference trajectory, over seeds.
 
-One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold
-within a few evaluations), so `run_seeds` runs the reference trajectory
-(`cbs.sweeps.reference.ReferenceRun`) of a study already swept at the largest swept
-B ≤ B_crit/`fraction` (`choose_batch_size`; B_crit the fit at the lowest target, where it is
-largest), at the best rate there on the first seed (`cbs.sweeps.reference.reference_trial`),
-for `seeds` seeds 0, 1, … (initialisation and data order). It measures either the whole
-training set ("full_data": G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from `deviations` ≥ 256 random
-deviations and the full-data Hessian) at each evaluation from the first crossing of the
-highest target on (earlier ones are NaN) until `sweep.noise_window` evaluations past the
-lowest; or, with `examples` = n > 0, by the sampled estimator (`cbs.stats.sampled`: n examples
-of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them and the
-Hessian of h = `hessian_examples` independent examples; unbiased) at only the
-`sweep.noise_window` evaluations from each target's first crossing on, the ones read. For
-Adam and AdamW it also measures the applied update u = P·g (`cbs.stats.preconditioned`:
-B_simple^P = tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam
-preconditioner; of the sampled protocol B_simple^P only) on the same draws, recorded as
-`noise_p/<key>`. Each seed's record is written once (an existing one is skipped), to
-`reference_seeds/seed_<k>.jsonl` in the sweep directory (runs in `reference_seeds/runs/`),
-and reported by `cbs.analysis.studies.reference_protocol`.
+One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold within
+a few evaluations), so `run_seeds` runs the reference trajectory
+(`cbs.sweeps.reference.ReferenceRun`) of a swept study at the largest swept B ≤
+B_crit/`fraction` (`choose_batch_size`; B_crit fitted at the lowest target, where it is
+largest) and the best rate there on the first seed, for seeds 0, 1, … (initialisation and data
+order). It measures either the whole training set (G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from
+`deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation from the
+first crossing of the highest target on (earlier: NaN) until `sweep.noise_window` evaluations
+past the lowest; or, with `examples` = n > 0, by the sampled estimator (`cbs.stats.sampled`: n
+examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them and
+the Hessian of h = `hessian_examples` independent ones; unbiased) at only the
+`sweep.noise_window` evaluations from each target's first crossing on. For Adam and AdamW it
+also measures the update u = P·g (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG,
+B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam preconditioner; the sampled protocol
+B_simple^P only) on the same draws, as `noise_p/<key>`. Each seed's record is written once, to
+`reference_seeds/seed_<k>.jsonl` (runs in `reference_seeds/runs/`), and reported by
+`cbs.analysis.studies.reference_protocol`.
 """
 
 from __future__ import annotations
@@ -62,9 +60,8 @@ ADAPTIVE = ("adam", "adamw")  # optimizers whose update P·g is measured too (no
 
 def update_measurement(spec: NoiseSpec, loss_fn, params, precond, batch, hessian_batch, key,
                        examples: str | None = None) -> dict[str, jax.Array]:
-    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`, B_simple^P's only
-    without `spec.curvature`): `measure.measure` in the coordinates φ = θ/√P
-    (`cbs.stats.preconditioned.rescaled`) on the plain measurement's draws."""
+    """The noise statistics of the update P·g (`PRECONDITIONED_KEYS`): `measure.measure` in
+    the coordinates φ = θ/√P (`cbs.stats.preconditioned.rescaled`) on the plain draws."""
     phi = jax.tree.map(lambda q, s: q / jnp.sqrt(s), params, precond)
     stats = measure.measure(spec, preconditioned.rescaled(loss_fn, precond), phi, batch,
                             hessian_batch=hessian_batch, key=key, examples=examples)
@@ -77,9 +74,7 @@ def seed_path(sweep_dir: str, seed: int) -> str:
 
 
 def study_config(sweep_dir: str) -> ml_collections.ConfigDict:
-    """The committed study's config (sweep.json), in the current layout: the study's values
-    over `default_config()` and `default_sweep_config()` (fields added since keep their
-    defaults)."""
+    """The committed study's config (sweep.json) in the current layout, over the defaults."""
     definition = SweepStore(sweep_dir).definition()
     if not definition:
         raise ConfigError(f"--sweep_dir: {sweep_dir} has no {files.SWEEP_FILE}; name a "
@@ -113,8 +108,7 @@ def choose_batch_size(sweep: ml_collections.ConfigDict, b_crit: float,
 
 def sampled_noise(config: ml_collections.ConfigDict, examples: int, deviations: int,
                   hessian_examples: int) -> NoiseSpec:
-    """The sampled protocol's measurement: n = `examples` of an independent stream, m =
-    `deviations` of them, h = `hessian_examples` for the Hessian (module docstring)."""
+    """The sampled protocol's measurement (n, m, h: module docstring)."""
     noise = NoiseSpec.of(config)
     chunk = noise.chunk_size or SAMPLED_CHUNK
     return noise.replace(
@@ -127,9 +121,8 @@ SAMPLED_CHUNK = 1024  # examples per vmap chunk of the sampled protocol (memory)
 
 
 class SeedReferenceRun(reference.ReferenceRun):
-    """`reference.ReferenceRun` measured only from the first crossing of the highest target
-    on (with `windows`: only at the `sweep.noise_window` evaluations from each target's first
-    crossing), and for Adam/AdamW also in the update's coordinates (`noise_p/<key>`)."""
+    """`reference.ReferenceRun` measured from the first crossing of the highest target on (with
+    `windows`: only in each target's window), for Adam/AdamW also `noise_p/<key>`."""
 
     def __init__(self, config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                  crossing: float | None = None, noise: NoiseSpec | None = None,
@@ -186,8 +179,7 @@ class SeedReferenceRun(reference.ReferenceRun):
         return out | self._empty
 
     def _window_due(self, value: float) -> bool:
-        """Whether this evaluation lies in some target's window: the `noise_window`
-        evaluations from its first crossing (value <= target) on."""
+        """Whether this evaluation lies in some target's window (from its first crossing)."""
         for t, left in self._left.items():
             if left is None and math.isfinite(value) and value <= t:
                 self._left[t] = int(self.sweep.noise_window)
@@ -202,9 +194,8 @@ def run_seeds(sweep_dir: str, *, seeds: int = 3, deviations: int | None = None,
               log=print) -> list[dict[str, Any]]:
     """Runs the protocol for seeds 0 … seeds − 1 of the study in `sweep_dir` (skipping those
     written); returns every seed's record. `evals` default `sweep.noise_reference_evals`;
-    `batch_size` default `choose_batch_size`; `examples`: n of the sampled protocol (0: the
-    whole set), m = `deviations` (default `SAMPLED_DEVIATIONS`, else `DEVIATIONS`, its
-    minimum), h = `hessian_examples`."""
+    `batch_size` default `choose_batch_size`; `examples` n (0: the whole set), `deviations`
+    m (default `SAMPLED_DEVIATIONS`, else `DEVIATIONS`), `hessian_examples` h."""
     sampled = examples > 0
     if deviations is None:
         deviations = SAMPLED_DEVIATIONS if sampled else DEVIATIONS

@@ -1,14 +1,12 @@
 """Running a sweep's trials and turning their records into `cbs.results.store.TrialResult`s.
 
 Two back ends, same records: "engine", each trial a `cbs.engine.trainer.run` in its own run
-directory (any model, dataset, mesh), stopped by `ProgressMonitor` once the progress metric
-has crossed every target, or when the budget is spent or the loss explodes; and "vmap"
+directory (any model, dataset, mesh) stopped by `ProgressMonitor`; and "vmap"
 (`cbs.sweeps.groups`), the rates of one (B, seed) as one vmapped program on in-memory data.
-Both evaluate on one grid (`eval_steps`, log-spaced over the budget) and measure the noise
-there through `cbs.engine.measure` (`config.noise`) on draws fixed by (seed, evaluation
-index). A target's crossing step is interpolated between evaluations
-(`cbs.analysis.fits.selection.steps_to_target`), its noise scale is the ratio of window
-averages of the statistics around it (`selection.noise_scale_at_crossing`).
+Both evaluate at `eval_steps` and measure the noise there (`config.noise`) on draws fixed by
+(seed, evaluation index). A target's crossing step is interpolated between evaluations
+(`cbs.analysis.fits.selection.steps_to_target`), its noise scale a ratio of window averages
+around it (`selection.noise_scale_at_crossing`).
 """
 
 from __future__ import annotations
@@ -27,14 +25,8 @@ from cbs.engine import measure, spec, trainer
 from cbs.engine.noise_spec import NoiseSpec
 from cbs.results import files, records
 from cbs.results.store import SweepStore, TrialResult, target_key
+from cbs.runtime import progress
 from cbs.runtime.fields import ConfigError
-from cbs.runtime.progress import (
-    DivergenceRule,
-    DivergenceState,
-    ema_curve,
-    ema_update,
-    log_spaced_steps,
-)
 from cbs.runtime.writer import Outputs
 from cbs.stats import sampled
 from cbs.sweeps.grid import Trial
@@ -50,10 +42,9 @@ NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_
     "ema_b_simple",)
 
 
-def divergence_rule(sweep: ml_collections.ConfigDict) -> DivergenceRule:
-    """The rule of `cbs.runtime.progress` on a trial's progress metric, from
-    `sweep.divergence_factor` and `sweep.divergence_patience` (evaluations)."""
-    return DivergenceRule(float(sweep.divergence_factor),
+def divergence_rule(sweep: ml_collections.ConfigDict) -> progress.DivergenceRule:
+    """`sweep.divergence_factor` and `divergence_patience` (evaluations) as a rule."""
+    return progress.DivergenceRule(float(sweep.divergence_factor),
                           int(sweep.get("divergence_patience", 1)))
 
 
@@ -65,10 +56,9 @@ def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
 
 def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int, evals: int | None = None
                ) -> list[int]:
-    """The evaluation steps: 0, then `evals` (default `sweep.evals_per_trial`) points evenly
-    spaced in log(step) up to the budget (a crossing's relative resolution is the same at
-    step 30 and 3000)."""
-    return log_spaced_steps(step_budget(sweep, batch_size),
+    """0, then `evals` (default `sweep.evals_per_trial`) steps evenly spaced in log(step) up to
+    the budget (a crossing's relative resolution is the same at step 30 and 3000)."""
+    return progress.log_spaced_steps(step_budget(sweep, batch_size),
                             int(sweep.evals_per_trial if evals is None else evals))
 
 
@@ -88,9 +78,8 @@ def micro_batch_for(batch_size: int, micro_batch: int, replicas: int) -> int:
 
 def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
                     ) -> spec.RunOverrides:
-    """How one trial's run differs from the base config: (B, η, seed), the sweep's budget and
-    evaluation grid (`eval_steps`, as a vmapped group's); the noise is measured at the
-    evaluations, not in the step."""
+    """One trial's run against the base config: (B, η, seed), the sweep's budget and
+    `eval_steps`; the noise is measured at the evaluations, not in the step."""
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
     noise = NoiseSpec.of(config)
@@ -116,14 +105,13 @@ def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: i
 
 
 class ProgressMonitor:
-    """stop_fn for `cbs.train.run`: stops once the progress metric has crossed every target,
-    or once the sweep's divergence rule (`divergence_rule`) declares it diverged."""
+    """stop_fn of `cbs.train.run`: stops once the progress metric hit every target or diverged."""
 
     def __init__(self, sweep: ml_collections.ConfigDict):
         self.metric, self.lowest_target = sweep.target_metric, min(sweep.targets)
         self.ema_decay, self.rule = sweep.loss_ema_decay, divergence_rule(sweep)
         self.ema = math.nan
-        self.state = DivergenceState()
+        self.state = progress.DivergenceState()
 
     @property
     def exploded(self) -> bool:
@@ -133,7 +121,7 @@ class ProgressMonitor:
         if self.metric == "train/loss_ema":
             if record.get("kind") != "train" or "train/loss" not in record:
                 return None
-            self.ema = ema_update(self.ema, float(record["train/loss"]), self.ema_decay)
+            self.ema = progress.ema_update(self.ema, float(record["train/loss"]), self.ema_decay)
             return self.ema
         return record.get(self.metric)
 
@@ -148,20 +136,19 @@ class ProgressMonitor:
 def curve_from_records(records: Sequence[dict[str, Any]], metric: str, ema_decay: float
                        ) -> dict[str, list[float]]:
     """The progress curve (step, examples, metric) and the noise statistics measured at the
-    evaluations (in older runs: at measured steps) from a run's metrics.jsonl records."""
+    evaluations (older runs: at measured steps) from a run's metrics.jsonl records."""
     records = sorted(records, key=lambda r: (r["step"], r["kind"] != "train"))
-    curve: dict[str, list[float]] = {"step": [], "examples": [], metric: []}
     if metric == "train/loss_ema":
-        train_recs = [r for r in records if r["kind"] == "train"]
-        curve["step"] = [r["step"] + 1 for r in train_recs]  # the loss after the step
-        curve["examples"] = [r["data/examples_seen"] + r["data/batch_size"] for r in train_recs]
-        curve[metric] = ema_curve([r["train/loss"] for r in train_recs], ema_decay)
+        rows = [r for r in records if r["kind"] == "train"]
+        curve: dict[str, list[float]] = {
+            "step": [r["step"] + 1 for r in rows],  # the loss after the step
+            "examples": [r["data/examples_seen"] + r["data/batch_size"] for r in rows],
+            metric: progress.ema_curve([r["train/loss"] for r in rows], ema_decay)}
     else:
-        for r in records:
-            if r["kind"] == "eval" and metric in r:
-                curve["step"].append(r["step"])
-                curve["examples"].append(r["data/examples_seen"])
-                curve[metric].append(r[metric])
+        rows = [r for r in records if r["kind"] == "eval" and metric in r]
+        curve = {"step": [r["step"] for r in rows],
+                 "examples": [r["data/examples_seen"] for r in rows],
+                 metric: [r[metric] for r in rows]}
     noise_recs = [r for r in records if r["kind"] == "eval" and "noise/trace_sigma" in r]
     if not noise_recs:
         noise_recs = [r for r in records if r["kind"] == "train" and "noise/trace_sigma" in r
@@ -225,11 +212,9 @@ def _noise_at(curve: dict[str, list[float]], crossing: float, window: int) -> di
 def run_trial_engine(config: ml_collections.ConfigDict, trial: Trial, store: SweepStore, *,
                      mesh: jax.sharding.Mesh | None = None) -> TrialResult:
     """Runs (or resumes) one trial with `cbs.engine.trainer.run` in its trial directory."""
-    sweep = config.sweep
+    sweep, workdir, monitor = config.sweep, store.trial_dir(trial), ProgressMonitor(config.sweep)
     replicas = mesh.shape["data"] if mesh is not None else default_replicas(config)
     c = trial_config(config, trial, replicas=replicas)
-    workdir = store.trial_dir(trial)
-    monitor = ProgressMonitor(sweep)
     start = time.perf_counter()
     outputs = Outputs.from_config(  # the sweep's bar and mirrors (the trial's config is quiet)
         config, label=trial.trial_id, nested=True,
@@ -254,10 +239,8 @@ def default_replicas(config: ml_collections.ConfigDict) -> int:
 
 def summarize(results: Sequence[TrialResult]) -> str:
     """One line per trial: B, η, status and steps to each target."""
-    lines = []
-    for r in results:
-        cells = ", ".join(f"L={k}: {'–' if s is None else f'{s:.0f}'}"
-                          for k, s in r.steps_to_target.items())
-        lines.append(f"B={r.batch_size:<6d} lr={r.learning_rate:.3g}  {r.status:<8s} "
-                     f"steps {cells}  ({r.seconds:.1f} s)")
-    return "\n".join(lines)
+    return "\n".join(
+        f"B={r.batch_size:<6d} lr={r.learning_rate:.3g}  {r.status:<8s} steps "
+        + ", ".join(f"L={k}: {'–' if s is None else f'{s:.0f}'}"
+                    for k, s in r.steps_to_target.items()) + f"  ({r.seconds:.1f} s)"
+        for r in results)
