@@ -63,7 +63,7 @@ def finite(section: Any, field: str, prefix: str) -> float:
 def _number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool = False,
             minimum: float = 0.0, strict: bool = False) -> tuple[Any, ...]:
     """A tuple or list of finite numbers (ints when `whole`; never bools) ≥ minimum (> when
-    `strict`); `what` says what they are, for the message (e.g. "batch sizes")."""
+    `strict`); `what` names them in the message (e.g. "batch sizes")."""
     value = get(section, field, prefix)
     kind = "integers" if whole else "numbers"
     op = ">" if strict else ">="
