@@ -33,7 +33,6 @@ __all__ = [
     "stream_indices_np",
 ]
 
-_MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
 _TABLE_MAX = 2**22  # host: cache whole epoch permutations up to this N
 # lowbias32 multipliers (C. Wellons, "Prospecting for hash functions", 2018).
 _M1 = 0x7FEB352D
@@ -55,8 +54,8 @@ def check_batch_size(batch_size: int, num_examples: int, what: str = "the split"
             "batch would repeat examples; use a smaller batch or a larger dataset")
 
 
-def _check_size(num_examples: int) -> None:
-    if not 1 <= num_examples <= _MAX_EXAMPLES:
+def _check_size(num_examples: int) -> None:  # K_r + N - x must fit in uint32
+    if not 1 <= num_examples <= 2**31:
         raise ValueError(f"a split must have 1 to 2^31 examples, got {num_examples}")
 
 
@@ -73,10 +72,8 @@ def _epoch_keys(seed: int, epoch: int, rounds: int) -> np.ndarray:
 
 
 def _hash(xp, v):
-    v = v ^ (v >> 16)
-    v = v * xp.uint32(_M1)
-    v = v ^ (v >> 15)
-    v = v * xp.uint32(_M2)
+    v = (v ^ (v >> 16)) * xp.uint32(_M1)
+    v = (v ^ (v >> 15)) * xp.uint32(_M2)
     return v ^ (v >> 16)
 
 
@@ -138,10 +135,8 @@ def positions_to_indices_np(positions: np.ndarray, num_examples: int, seed: int,
 def stream_indices_jax(examples_seen: jax.Array | int, batch_size: int, num_examples: int,
                        seed: jax.Array | int, *, shuffle: bool = True) -> jax.Array:
     """Example indices int32 [B] at stream positions [s, s + B) (jittable; s may be traced).
-
-    `batch_size` and `num_examples` are static. `examples_seen` is an int32 scalar (int64
-    when x64 is on), so on device s + B must stay below 2^31 without x64.
-    """
+    `batch_size` and `num_examples` are static; `examples_seen` is an int32 scalar (int64 when
+    x64 is on), so on device s + B must stay below 2^31 without x64."""
     _check_size(num_examples)
     s = jnp.asarray(examples_seen)
     positions = s + jnp.arange(batch_size, dtype=s.dtype)

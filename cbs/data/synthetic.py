@@ -29,11 +29,9 @@ __all__ = ["linreg", "teacher_regression", "teacher_student"]
 
 
 def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndarray | float]:
-    """Population noise statistics of Gaussian linear regression at weights `w` (float64).
-
-    Returns grad [D] (= G), loss, grad_sq_norm (|G|²), trace_sigma (tr Σ), trace_h_sigma
-    (tr HΣ), g_h_g (GᵀHG), b_simple and b_noise.
-    """
+    """Population noise statistics of Gaussian linear regression at weights `w` (float64):
+    grad [D] (= G), loss, grad_sq_norm (|G|²), trace_sigma (tr Σ), trace_h_sigma (tr HΣ),
+    g_h_g (GᵀHG), b_simple and b_noise."""
     cov = np.asarray(cov, np.float64)
     delta = np.asarray(w, np.float64) - np.asarray(w_star, np.float64)
     c_delta = cov @ delta
@@ -43,16 +41,10 @@ def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndar
     scale = quad + noise_std**2
     trace_sigma = scale * float(np.trace(cov)) + grad_sq_norm
     trace_h_sigma = scale * float(np.sum(cov * cov.T)) + g_h_g
-    return {
-        "grad": c_delta,
-        "loss": 0.5 * scale,
-        "grad_sq_norm": grad_sq_norm,
-        "trace_sigma": trace_sigma,
-        "trace_h_sigma": trace_h_sigma,
-        "g_h_g": g_h_g,
-        "b_simple": trace_sigma / grad_sq_norm if grad_sq_norm > 0 else np.inf,
-        "b_noise": trace_h_sigma / g_h_g if g_h_g > 0 else np.inf,
-    }
+    return {"grad": c_delta, "loss": 0.5 * scale, "grad_sq_norm": grad_sq_norm,
+            "trace_sigma": trace_sigma, "trace_h_sigma": trace_h_sigma, "g_h_g": g_h_g,
+            "b_simple": trace_sigma / grad_sq_norm if grad_sq_norm > 0 else np.inf,
+            "b_noise": trace_h_sigma / g_h_g if g_h_g > 0 else np.inf}
 
 
 def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
