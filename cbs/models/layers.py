@@ -104,8 +104,7 @@ class LayerNorm(nnx.Module):
 
 class GroupNorm(nnx.Module):
     """Normalise each example over all non-batch axes within channel groups (channels last),
-    then scale and shift per channel. scale, bias: [O]. Matches `nnx.GroupNorm`'s defaults.
-    """
+    then scale and shift per channel. scale, bias: [O]. Matches `nnx.GroupNorm`'s defaults."""
 
     def __init__(self, num_features: int, num_groups: int | None = 32,
                  group_size: int | None = None, *, epsilon: float = 1e-6,

@@ -35,8 +35,7 @@ def get_activation(name: str, field: str = "model.activation") -> Callable[[jax.
 
 
 class MLP(nnx.Module):
-    """Flatten, then Linear → activation per hidden size, then a Linear head: [B, ...] →
-    [B, O]."""
+    """Flatten, Linear → activation per hidden size, a Linear head: [B, ...] → [B, O]."""
 
     couples_examples = False
 
