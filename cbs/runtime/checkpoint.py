@@ -10,10 +10,9 @@ checkpoint by a rename (on gs://, by a commit file written last), so a kill duri
 leaves the previous one as the latest. The directory may be remote (`gs://bucket/run/...`).
 
 Restoring the latest checkpoint survives damage: one that cannot be read is skipped with a
-`SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be
-saved again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are
-kept). Arrays of another model (architecture or size) are not damage:
-`CheckpointMismatchError`, one line.
+`SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be saved
+again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are kept). Arrays
+of another model (architecture or size) are not damage: `CheckpointMismatchError`, one line.
 """
 
 from __future__ import annotations

@@ -80,9 +80,8 @@ def _number_list(section: Any, field: str, prefix: str, what: str, *, whole: boo
 def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | None = None,
                   finite_fields: Sequence[str] = (), switches: Sequence[str] = (),
                   lists: Mapping[str, tuple[str, bool, float, bool]] | None = None) -> None:
-    """The type and sign of each present field: `integers` {field: least value},
-    `finite_fields`, `switches` (bools), `lists` {field: `_number_list`'s (what, whole,
-    minimum, strict)}."""
+    """The type and sign of each present field: `integers` {field: least value}, `finite_fields`,
+    `switches` (bools), `lists` {field: `_number_list`'s (what, whole, minimum, strict)}."""
     for field, least in (integers or {}).items():
         if field in section:
             integer(section, field, prefix, minimum=least)

@@ -100,10 +100,8 @@ def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
         # Column-parallel: the output-feature (last) axis of kernels and tables.
         ok = len(shape) >= 2 and shape[-1] % m == 0
         return P(*(None,) * (len(shape) - 1), MODEL) if ok else P()
-    if math.prod(shape) < min_size:
-        return P()
     divisible = [i for i, n in enumerate(shape) if n % m == 0]
-    if not divisible:
+    if math.prod(shape) < min_size or not divisible:
         return P()
     axis = max(divisible, key=lambda i: shape[i])  # first of the largest on ties
     return P(*(MODEL if i == axis else None for i in range(len(shape))))

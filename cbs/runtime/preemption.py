@@ -1,20 +1,18 @@
 """Preemption and Ctrl-C: SIGTERM (what Slurm, Kubernetes and TPU maintenance send before they
 kill a job) and SIGINT ask the run to save a checkpoint and stop, instead of dying mid-step.
 
-`install` (which `cbs.runtime.cli.run` calls) replaces the SIGTERM and SIGINT handlers with
-ones that set a flag. The training
-loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it writes the records read so
-far, saves a checkpoint, writes status.json ("preempted" or "interrupted") and raises
-`Preempted`; sweeps and studies check it between runs too. The command exits with status 143
-(128 + SIGTERM) or 130; rerunning it resumes, bit-identically on CPU. A second Ctrl-C stops at
-once; outside training (`active`) SIGINT stays a `KeyboardInterrupt`.
+`install` (which `cbs.runtime.cli.run` calls) replaces the SIGTERM and SIGINT handlers with ones
+that set a flag. The training loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it
+writes the records read so far, saves a checkpoint, writes status.json ("preempted" or
+"interrupted") and raises `Preempted`; sweeps and studies check it between runs too. The command
+exits with status 143 (128 + SIGTERM) or 130; rerunning it resumes, bit-identically on CPU. A second
+Ctrl-C stops at once; outside training (`active`) SIGINT stays a `KeyboardInterrupt`.
 
-Several processes must stop at the same step, so there the check is JAX's preemption sync
-point (`multihost_utils.reached_preemption_sync_point`; `jax.distributed.initialize` installs
-its SIGTERM handler): all processes get True at the same `requested()` call, so they save at
-the same step if they make the same calls in the same order. A Ctrl-C is passed on as a
-SIGTERM to this process. Install before `jax.distributed.initialize`, so as not to replace the
-service's handler.
+Several processes must stop at the same step, so there the check is JAX's preemption sync point
+(`multihost_utils.reached_preemption_sync_point`; `jax.distributed.initialize` installs its SIGTERM
+handler): all processes get True at the same `requested()` call, so they save at the same step if
+they make the same calls in the same order. A Ctrl-C is passed on as a SIGTERM to this process.
+Install before `jax.distributed.initialize`, so as not to replace the service's handler.
 """
 
 from __future__ import annotations

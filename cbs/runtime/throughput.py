@@ -2,13 +2,12 @@
 
     MFU = (model FLOPs per example × examples per second) / (peak FLOP/s per device × devices)
 
-Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention,
-Kaplan et al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as
-overhead. Peaks (`_PEAK_FLOPS`) are dense bfloat16 per device from data sheets; an unknown
-device (any CPU) gives no MFU. Timing is on the host between metric reads (`Meter`): each
-train record of a read window gets the window's mean step time; the first (compilation) is
-untimed. Also here, set by `config.perf`: a `jax.profiler` trace window and the compilation
-cache.
+Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention, Kaplan et
+al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as overhead. Peaks
+(`_PEAK_FLOPS`) are dense bfloat16 per device from data sheets; an unknown device (any CPU) gives no
+MFU. Timing is on the host between metric reads (`Meter`): each train record of a read window gets
+the window's mean step time; the first (compilation) is untimed. Also here, set by `config.perf`: a
+`jax.profiler` trace window and the compilation cache.
 """
 
 from __future__ import annotations
@@ -49,9 +48,10 @@ def validate_config(perf_config: Any) -> None:
 def peak_flops(device: jax.Device | None = None) -> float | None:
     """Peak FLOP/s of `device` (default: the first device); None when unknown (CPU)."""
     device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return None
     kind = device.device_kind.lower()
-    return None if device.platform == "cpu" else next(
-        (flops for name, flops in _PEAK_FLOPS if name.lower() in kind), None)
+    return next((flops for name, flops in _PEAK_FLOPS if name.lower() in kind), None)
 
 
 def model_flops_per_example(config: Any, input_shape: tuple[int, ...],

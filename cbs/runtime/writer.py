@@ -51,13 +51,6 @@ def in_notebook() -> bool:
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
 
-def _isatty(file: Any) -> bool:
-    try:
-        return bool(file.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
 class LogLines:
     """A bar for logs with the part of tqdm's interface used here: a line in tqdm's format
     ("label: 40%|####  | 4/10 [00:12<00:18, 3.00s/step, loss=1.2]") every `interval` seconds
@@ -106,7 +99,11 @@ def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | 
     """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines`; total None: unknown;
     file: stderr by default."""
     stream = sys.stderr if file is None else file
-    if in_notebook() or _isatty(stream):
+    try:
+        tty = bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        tty = False
+    if in_notebook() or tty:
         from tqdm.auto import tqdm
 
         try:
