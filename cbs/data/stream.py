@@ -9,14 +9,13 @@ example π_{p // N}(p mod N), and the global batch at s with size B is positions
 A resumed run sees the same batches, and a run whose batch size changes keeps reading the
 stream in order: no example is skipped or repeated within an epoch.
 
-π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by
-index: round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of
-max(x, K_r − x) is odd; each round is an involution, so the composition is a permutation for
-any N. R = 2⌈log2 N⌉ + 16 rounds (fixed points and 2-cycles then match a uniform
-permutation's in Monte Carlo checks); a batch costs O(B·R) for any N. Keys use threefry
-whatever jax's default PRNG. The numpy and jax versions are the same uint32 arithmetic, so
-the host path and the on-device gather deliver identical batches. The host caches whole
-epoch tables for N ≤ 2^22.
+π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by index:
+round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of max(x, K_r − x) is odd;
+each round is an involution, so the composition is a permutation for any N. R = 2⌈log2 N⌉ + 16
+rounds (fixed points and 2-cycles then match a uniform permutation's in Monte Carlo checks); a batch
+costs O(B·R) for any N. Keys use threefry whatever jax's default PRNG. The numpy and jax versions
+are the same uint32 arithmetic, so the host path and the on-device gather deliver identical batches.
+The host caches whole epoch tables for N ≤ 2^22.
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ so B_simple = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG are known in closed form
 Teacher-student classifier: x ~ N(0, I_D), labels from a fixed random one-hidden-layer
 tanh teacher, argmax of its logits, or sampled from softmax(logits / temperature).
 
-Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random
-one-hidden-layer tanh teacher scaled to unit variance over x, per-example loss ½(ŷ − y)²
-(the loss floor is σ²/2).
+Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random one-hidden-layer tanh
+teacher scaled to unit variance over x, per-example loss ½(ŷ − y)² (the loss floor is σ²/2).
 """
 
 from __future__ import annotations

@@ -222,8 +222,8 @@ def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
                    metadata={"data_dir": _resolve_data_dir(data_dir)})
 
 
-def _byte_window_reader(source, seq_len: int):
-    """(N, reader) of lm1b's windows (module docstring)."""
+def _byte_windows(source, seq_len: int) -> Split:
+    """The split of lm1b's windows (module docstring) over `source`."""
     num = _num(source)
 
     def read(idx_B: np.ndarray) -> dict[str, np.ndarray]:
@@ -243,7 +243,7 @@ def _byte_window_reader(source, seq_len: int):
         window = window.astype(np.int32)
         return {"x": window[:, :-1], "y": window[:, 1:]}
 
-    return num, read
+    return Split(num, None, reader=read)
 
 
 def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "auto",
@@ -253,10 +253,8 @@ def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     builder = _builder("lm1b", data_dir, download)
     sources = _sources(builder, ("train", "test"), reader)
-    splits = {}
-    for ours, theirs in (("train", "train"), ("eval", "test")):
-        num, read = _byte_window_reader(sources[theirs], seq_len)
-        splits[ours] = Split(num, None, reader=read)
+    splits = {ours: _byte_windows(sources[theirs], seq_len)
+              for ours, theirs in (("train", "train"), ("eval", "test"))}
     return Dataset(name="lm1b", task="lm", input_shape=(seq_len,), splits=splits,
                    vocab_size=256, vocab=None, seq_len=seq_len,
                    metadata={"data_dir": _resolve_data_dir(data_dir), "tokens": "utf-8 bytes"})
