@@ -33,9 +33,6 @@ __all__ = [
 ]
 
 _TABLE_MAX = 2**22  # host: cache whole epoch permutations up to this N
-# lowbias32 multipliers (C. Wellons, "Prospecting for hash functions", 2018).
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B
 
 
 def _num_rounds(num_examples: int) -> int:
@@ -70,9 +67,9 @@ def _epoch_keys(seed: int, epoch: int, rounds: int) -> np.ndarray:
     return np.asarray(_epoch_keys_jax(np.uint32(seed % 2**32), np.uint32(epoch % 2**32), rounds))
 
 
-def _hash(xp, v):
-    v = (v ^ (v >> 16)) * xp.uint32(_M1)
-    v = (v ^ (v >> 15)) * xp.uint32(_M2)
+def _hash(xp, v):  # lowbias32 (C. Wellons, "Prospecting for hash functions", 2018)
+    v = (v ^ (v >> 16)) * xp.uint32(0x7FEB352D)
+    v = (v ^ (v >> 15)) * xp.uint32(0x846CA68B)
     return v ^ (v >> 16)
 
 
