@@ -122,10 +122,9 @@ class GroupNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((num_features,))) if use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        b, *middle, d = x_BxTxD.shape
+        b, *_, d = x_BxTxD.shape
         x_BxTxGxK = x_BxTxD.reshape(b, -1, self.num_groups, d // self.num_groups)
-        axes = (1, 3)
-        mean = jnp.mean(x_BxTxGxK, axis=axes, keepdims=True)
-        var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=axes, keepdims=True)
+        mean = jnp.mean(x_BxTxGxK, axis=(1, 3), keepdims=True)
+        var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=(1, 3), keepdims=True)
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
         return _scale_shift(xhat, _value(self.scale), _value(self.bias))
