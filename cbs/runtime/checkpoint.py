@@ -111,9 +111,8 @@ class Checkpointer:
         OS error (a full disk) raises OSError naming the file or directory, here or from
         `wait` and `close`; the complete checkpoints stay as they were."""
         with self._os_errors():
-            return self._manager.save(
-                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                              meta=ocp.args.JsonSave(meta)), force=True)
+            return self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
     @contextlib.contextmanager
     def _os_errors(self):
@@ -137,8 +136,7 @@ class Checkpointer:
         held = self.all_steps()
         if step != latest and step not in held:
             raise ValueError(f"no checkpoint at step {step} in {self.directory}: it holds "
-                             + (f"{_steps_text(held)}; ask for one of those" if held
-                                else "none"))
+                             + (f"{_steps_text(held)}; ask for one of those" if held else "none"))
         candidates = [s for s in reversed(held) if s <= step] if step == latest else [step]
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         skipped: list[tuple[int, str]] = []
@@ -150,9 +148,8 @@ class Checkpointer:
                 skipped.append((s, why.lstrip("!")))
                 continue
             try:
-                restored = self._manager.restore(
-                    s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                               meta=ocp.args.JsonRestore()))
+                restored = self._manager.restore(s, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
             except Exception as err:  # a file cut short or garbled: damaged
                 skipped.append((s, _reason(err)))
                 continue
@@ -172,8 +169,7 @@ class Checkpointer:
                          "start over")
 
     def _mismatch(self, step: int, abstract: Any) -> str:
-        """'' when checkpoint `step`'s arrays match `abstract`; how they differ; or '!why'
-        when its metadata cannot be read."""
+        """'' when `step`'s arrays match `abstract`, else how they differ, or '!why' unreadable."""
         try:
             stored = _shapes(self._manager.item_metadata(step)["state"])
         except Exception as err:

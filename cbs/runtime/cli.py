@@ -56,9 +56,8 @@ def required(flag: flags.FlagHolder[str | None]) -> str:
 
 def _verbose() -> bool:
     """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
-    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    return bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
+    on = os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return on or bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
 
 
 def _raised_in_our_code(err: BaseException) -> bool:
@@ -72,13 +71,11 @@ def _raised_in_our_code(err: BaseException) -> bool:
 
 def is_missing_extra(err: BaseException) -> bool:
     """The ImportError cbs raises for a missing extra (naming the `pip install` line)."""
-    return (isinstance(err, ImportError) and "pip install" in str(err)
-            and _raised_in_our_code(err))
+    return (isinstance(err, ImportError) and "pip install" in str(err) and _raised_in_our_code(err))
 
 
 def _is_user_error(err: BaseException) -> bool:
-    """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
-    missing optional extra."""
+    """File-system errors, ValueErrors raised in cbs or experiments code, a missing extra."""
     return isinstance(err, OSError) or is_missing_extra(err) or (
         isinstance(err, ValueError) and _raised_in_our_code(err))
 
@@ -179,8 +176,7 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
                if a.startswith("--config=")]
     for chain in _chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
-            return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
-                    f"{chain.msg}")
+            return f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: {chain.msg}"
         tb, where = chain.__traceback__, None
         while tb is not None:
             if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
@@ -198,13 +194,11 @@ def _not_from_quiet_library(record: logging.LogRecord) -> bool:
 
 
 def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`sys.unraisablehook` without the tracebacks of tensorstore's write callbacks once a
-    failed save closed orbax's event loop."""
+    """`hook` minus tensorstore's write-callback tracebacks after orbax's event loop closed."""
 
     def quiet(unraisable: Any) -> None:
         err = unraisable.exc_value
-        if _verbose() or not (isinstance(err, RuntimeError)
-                             and str(err) == "Event loop is closed"):
+        if _verbose() or not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
             hook(unraisable)
 
     return quiet
@@ -252,8 +246,7 @@ def _flag_help(flag: flags.Flag) -> str:
 
 
 def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    """On `--help` (`_HELP_FLAGS`) prints `_command_help` of `main`'s module and exits 0, before
-    any flag is parsed."""
+    """On `--help` (`_HELP_FLAGS`), before parsing flags: `_command_help` of `main`, exit 0."""
     if not any(a in _HELP_FLAGS for a in argv[1:]):
         return
     program = os.path.basename(argv[0]) if argv else "cbs"

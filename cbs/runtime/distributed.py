@@ -92,8 +92,7 @@ def from_flags(shard: str | None = None) -> str | None:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, mode: str = "auto",
-               timeout_s: int = 300) -> str:
+               process_id: int | None = None, *, mode: str = "auto", timeout_s: int = 300) -> str:
     """Joins this process to its multi-host runtime; returns how ("explicit", "tpu", "slurm",
     "ompi", "single" when there is nothing to join, "off" when asked not to).
 
@@ -117,9 +116,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         return "single"
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs: dict[str, Any] = dict(coordinator_address=coordinator_address,
-                                  num_processes=num_processes, process_id=process_id
-                                  ) if explicit else {}
+    kwargs: dict[str, Any] = {} if not explicit else dict(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
     jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     return how
 

@@ -54,8 +54,7 @@ def number(section: Any, field: str, prefix: str, *, minimum: float = 0.0,
 def finite(section: Any, field: str, prefix: str) -> float:
     """A finite int or float (not a bool, NaN or ±inf); its range is the caller's check."""
     value = get(section, field, prefix)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{prefix}.{field}: must be a finite number, got {value!r}")
     return float(value)
 
@@ -121,8 +120,7 @@ def as_mapping(config: Any) -> Mapping[str, Any]:
 
 
 def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
-    """`config[name]` unless missing or None, then `default`; ValueError naming `where` and the
-    field when there is no default."""
+    """`config[name]` unless missing or None, then `default` (none: ValueError naming `where`)."""
     if name in config and config[name] is not None:
         return config[name]
     if default is _REQUIRED:

@@ -61,8 +61,7 @@ LM_RULES: _Rules = (
 )
 
 
-def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None
-              ) -> Mesh:
+def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The (R, M) = (data, model) mesh (data -1: all devices not used by `model`); R·M must
     equal the number of `devices` (default: all global devices)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -66,8 +66,7 @@ def rates(examples: int, seconds: float, steps: int, *, tokens_per_example: int 
           devices: int = 1) -> dict[str, float]:
     """perf/* of `steps` steps that consumed `examples` in `seconds`: examples/s, tokens/s,
     step time (s) and, when both FLOPs and the peak are known, MFU in [0, 1]."""
-    out = {"perf/step_time_s": seconds / max(steps, 1),
-           "perf/examples_per_s": examples / seconds,
+    out = {"perf/step_time_s": seconds / max(steps, 1), "perf/examples_per_s": examples / seconds,
            "perf/tokens_per_s": examples * tokens_per_example / seconds}
     if flops_per_example and peak:
         out["perf/mfu"] = flops_per_example * examples / seconds / (peak * devices)

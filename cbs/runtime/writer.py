@@ -96,8 +96,7 @@ class LogLines:
 def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | None = None,
                  leave: bool = True, file: Any = None, interval: float | None = None,
                  **tqdm_kwargs: Any) -> Any:
-    """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines`; total None: unknown;
-    file: stderr by default."""
+    """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines` (file: stderr default)."""
     stream = sys.stderr if file is None else file
     try:
         tty = bool(stream.isatty())
@@ -111,8 +110,7 @@ def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | 
                         file=stream, **tqdm_kwargs)
         except ImportError:  # a notebook without ipywidgets: lines in the output instead
             pass
-    return LogLines(total, unit=unit, initial=initial, desc=desc, file=stream,
-                    interval=interval)
+    return LogLines(total, unit=unit, initial=initial, desc=desc, file=stream, interval=interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +174,7 @@ class MetricsWriter:
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
                  total_steps: int | None = None, enabled: bool = True, progress: bool = True,
                  tensorboard: bool = False, wandb: str = "", wandb_group: str = "",
-                 label: str = "", nested: bool = False,
-                 hparams: Mapping[str, Any] | None = None):
+                 label: str = "", nested: bool = False, hparams: Mapping[str, Any] | None = None):
         self.enabled = enabled
         self.path = paths.join(workdir, METRICS_FILE)
         self.jsonl: JsonlWriter | None = None
