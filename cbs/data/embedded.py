@@ -155,8 +155,7 @@ def char_lm(name: str, train_text: str, eval_text: str, *, seq_len: int,
                    vocab_size=len(vocab), vocab=vocab, seq_len=seq_len, metadata=meta)
 
 
-def shakespeare_char(*, seq_len: int = 128, stride: int | None = None,
-                     eval_fraction: float = 0.1,
+def shakespeare_char(*, seq_len: int = 128, stride: int | None = None, eval_fraction: float = 0.1,
                      plays: tuple[str, ...] | list[str] | None = None) -> Dataset:
     """Shakespeare's plays as characters: x, y int32 [B, seq_len]; train windows start every
     `stride` characters (default seq_len), eval windows do not overlap."""

@@ -88,10 +88,8 @@ def _swap_or_not(xp, x_B, keys_Bx2xR, num_examples: int):
             x_B = _swap_or_not_round(np, x_B, keys_Bx2xR[..., r], n)
         return x_B
     # A rolled loop (partly unrolled) compiles several times faster than R unrolled rounds.
-    return jax.lax.fori_loop(
-        0, keys_Bx2xR.shape[-1],
-        lambda r, x: _swap_or_not_round(jnp, x, jnp.take(keys_Bx2xR, r, axis=-1), n),
-        x_B, unroll=8)
+    body = lambda r, x: _swap_or_not_round(jnp, x, jnp.take(keys_Bx2xR, r, axis=-1), n)
+    return jax.lax.fori_loop(0, keys_Bx2xR.shape[-1], body, x_B, unroll=8)
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,6 +153,5 @@ def stream_indices(examples_seen, batch_size: int, num_examples: int, seed,
     """Example indices at stream positions [s, s + B): numpy for Python/numpy ints,
     jax (jittable) when `examples_seen` or `seed` is a jax array."""
     if isinstance(examples_seen, jax.Array) or isinstance(seed, jax.Array):
-        return stream_indices_jax(examples_seen, batch_size, num_examples, seed,
-                                  shuffle=shuffle)
+        return stream_indices_jax(examples_seen, batch_size, num_examples, seed, shuffle=shuffle)
     return stream_indices_np(examples_seen, batch_size, num_examples, seed, shuffle=shuffle)

@@ -73,9 +73,8 @@ def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
     view = RegressionView()
     splits = {"train": Split(num_train, view, sample(num_train)),
               "eval": Split(num_eval, view, sample(num_eval))}
-    meta = {"cov": cov, "w_star": w_star, "noise_std": float(noise_std),
-            "noise_stats": lambda w: linreg_noise_stats(w, cov=cov, w_star=w_star,
-                                                        noise_std=noise_std)}
+    stats = lambda w: linreg_noise_stats(w, cov=cov, w_star=w_star, noise_std=noise_std)
+    meta = {"cov": cov, "w_star": w_star, "noise_std": float(noise_std), "noise_stats": stats}
     return Dataset(name="linreg", task="regression", input_shape=(dim,), splits=splits,
                    metadata=meta)
 
@@ -116,8 +115,7 @@ def teacher_student(*, dim: int = 32, hidden: int = 64, num_classes: int = 10,
 
 
 def teacher_regression(*, dim: int = 16, hidden: int = 32, num_train: int = 8192,
-                       num_eval: int = 2048, noise_std: float = 0.1,
-                       data_seed: int = 0) -> Dataset:
+                       num_eval: int = 2048, noise_std: float = 0.1, data_seed: int = 0) -> Dataset:
     """Teacher-student regression: x float32 [N, dim] ~ N(0, I), y float32 [N].
 
     f(x) = tanh(x W1) w2 / s with W1 ~ N(0, 4/dim) (so the tanh units saturate and f is

@@ -211,9 +211,8 @@ def _split_text(source) -> str:
     return b"".join(_as_bytes(t) for t in texts).decode("utf-8")
 
 
-def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
-                     reader: str = "auto", seq_len: int = 128,
-                     stride: int | None = None) -> Dataset:
+def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False, reader: str = "auto",
+                     seq_len: int = 128, stride: int | None = None) -> Dataset:
     """TFDS tiny_shakespeare as characters: x, y int32 [B, seq_len]; eval = validation."""
     builder = _builder("tiny_shakespeare", data_dir, download)
     sources = _sources(builder, ("train", "validation"), reader)
