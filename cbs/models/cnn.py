@@ -102,11 +102,10 @@ class CNN(nnx.Module):
         self.dense = nnx.List([layers.Linear(d_in, d_out, rngs=rngs)
                                for d_in, d_out in zip(sizes[:-1], sizes[1:], strict=True)])
         self.init_scheme = "kernels lecun_normal, biases zero, norm scales one"
+        ghost = f", ghost_batch={ghost_batch_size}" if norm == "batchnorm" else ""
         self.description = (f"CNN(in={self.image_shape}, channels={tuple(channels)}, "
                             f"kernel={kernel}, pool={pool}, dense={tuple(dense_sizes)}, "
-                            f"out={out_features}, norm={norm}"
-                            + (f", ghost_batch={ghost_batch_size}" if norm == "batchnorm" else "")
-                            + f", act={activation})")
+                            f"out={out_features}, norm={norm}{ghost}, act={activation})")
 
     def _pool(self, x_BxHxWxC: jax.Array) -> jax.Array:
         """2×2 stride-2 VALID pooling (1 along a size-1 axis), the values of `nnx.max_pool`,

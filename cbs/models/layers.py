@@ -36,8 +36,7 @@ def embed(ids_BxT: jax.Array, embedding_VxO: jax.Array) -> jax.Array:
     return jnp.take(embedding_VxO, ids_BxT, axis=0)
 
 
-def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None
-                ) -> jax.Array:
+def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None) -> jax.Array:
     """xhat * scale + bias, broadcast over the trailing axes."""
     y = xhat if scale_O is None else xhat * scale_O
     return y if bias_O is None else y + bias_O

@@ -144,10 +144,9 @@ class LM(nnx.Module):
 
     couples_examples = False
 
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 d_ff: int, remat: str = "none", compute_dtype: str = "bfloat16",
-                 tie_embeddings: bool = True, scan_unroll: int = 1, attention: str = "auto",
-                 rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int, d_ff: int,
+                 remat: str = "none", compute_dtype: str = "bfloat16", tie_embeddings: bool = True,
+                 scan_unroll: int = 1, attention: str = "auto", rngs: nnx.Rngs):
         if d_model % num_heads or (d_model // num_heads) % 2:
             raise ValueError(f"model.num_heads={num_heads} must divide d_model={d_model} into "
                              "heads of even width (rotary positions)")
@@ -167,18 +166,16 @@ class LM(nnx.Module):
             return Block(d_model, num_heads, d_ff, out_std=out_std, compute_dtype=dtype,
                          rngs=rngs, attention=kernel)
 
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
-                                                             (vocab_size, d_model)))
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab_size, d_model)))
         self.blocks = make_blocks(rngs)
         self.final_norm = nnx.Param(jnp.ones((d_model,)))
         self.head = (None if tie_embeddings else nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (d_model, vocab_size))))
         self.init_scheme = (f"embeddings and projections N(0, 0.02^2), residual outputs "
                             f"N(0, {out_std:.4g}^2), RMSNorm scale one")
-        self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, "
-                            f"F={d_ff}, V={vocab_size}, remat={remat}, "
-                            f"compute={compute_dtype}, attention={kernel}, "
-                            f"{'tied' if tie_embeddings else 'untied'})")
+        self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, F={d_ff}, "
+                            f"V={vocab_size}, remat={remat}, compute={compute_dtype}, "
+                            f"attention={kernel}, {'tied' if tie_embeddings else 'untied'})")
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
         h_BxTxD = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.compute_dtype)

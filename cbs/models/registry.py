@@ -80,8 +80,7 @@ def get(name: str) -> ModelSpec:
     return _MODELS[name]
 
 
-def check_positive(config: ml_collections.ConfigDict, field: str, allow_zero: bool = False
-                   ) -> None:
+def check_positive(config: ml_collections.ConfigDict, field: str, allow_zero: bool = False) -> None:
     """Raises ValueError unless `config[field]` is a (sequence of) positive integer(s)."""
     values = config[field]
     for v in values if isinstance(values, Sequence) else (values,):
