@@ -1,7 +1,5 @@
-"""`cbs.curvature`: the public API of `cbs.stats.curvature`, re-exported (`__all__` is its).
-
-Hessian-vector products and the quadratic forms the curvature-aware noise scale is built from.
-"""
+"""`cbs.curvature` re-exports `cbs.stats.curvature`: Hessian-vector products and the quadratic
+forms the curvature-aware noise scale is built from."""
 
 from cbs.stats.curvature import block_quadratic_forms, hvp, hvp_fn, vhv
 

@@ -1,8 +1,5 @@
-"""`cbs.fit`: the public API of `cbs.analysis.fits.fit` (the fits) and `cbs.analysis.fits.selection`
-(from trial records to fit points), re-exported: `__all__` is the union of theirs.
-
-Fits of the steps–examples trade-off and of B_crit against loss (numpy/scipy, no model).
-"""
+"""`cbs.fit` re-exports `cbs.analysis.fits.fit` (fits of the steps–examples trade-off and of
+B_crit against loss) and `cbs.analysis.fits.selection` (from trial records to fit points)."""
 
 from cbs.analysis.fits.fit import (
     INSUFFICIENT,

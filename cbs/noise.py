@@ -1,11 +1,6 @@
-"""`cbs.noise`: the public API of `cbs.stats.noise` (the estimators and their registry),
-`cbs.stats.dropin` (the drop-in for a training loop), `cbs.stats.smoothing` (the two-batch
-estimator and its EMA), `cbs.stats.loss_checks` (the refusal of losses without per-example
-gradients) and `cbs.stats.monitor` (the loop monitor), re-exported: `__all__` is the union of
-theirs.
-
-Gradient-noise statistics: the simple and curvature-aware noise scales of a model.
-"""
+"""`cbs.noise`, the simple and curvature-aware noise scales, re-exports `cbs.stats.noise` (the
+estimators), `cbs.stats.dropin` (for a training loop), `cbs.stats.smoothing` (two-batch
+estimator, EMA), `cbs.stats.loss_checks` and `cbs.stats.monitor` (the loop monitor)."""
 
 from cbs.stats.dropin import (
     example_keys,

@@ -1,10 +1,6 @@
-"""`cbs.report`: the public API of `cbs.analysis.reports.report` (the analysis of a sweep directory)
-and `cbs.analysis.reports.report_tables` (its Markdown tables), re-exported: `__all__` is the union
-of theirs.
-
-Analysis of a sweep directory: per-target fits, the B_crit(L) power law, figures, a report.
-The names of the files it writes are in `cbs.results.files`.
-"""
+"""`cbs.report` re-exports `cbs.analysis.reports.report` (a sweep directory's per-target fits,
+B_crit(L) power law, figures and report; file names in `cbs.results.files`) and
+`cbs.analysis.reports.report_tables` (its Markdown tables)."""
 
 from cbs.analysis.reports.report import (
     analyze,

@@ -1,10 +1,6 @@
-"""`cbs.schedules`: the public API of `cbs.engine.schedules` (batch-size schedules),
-`cbs.engine.adaptive` (the adaptive one) and
-`cbs.engine.lr` (learning-rate coupling and schedules), re-exported: `__all__` is the union
-of theirs.
-
-Batch-size schedules, learning-rate coupling and learning-rate schedules in examples seen.
-"""
+"""`cbs.schedules` re-exports `cbs.engine.schedules` (batch-size schedules in examples seen),
+`cbs.engine.adaptive` (the adaptive one) and `cbs.engine.lr` (learning-rate coupling and
+schedules)."""
 
 from cbs.engine.adaptive import ADAPTIVE_RULES, Adaptive, AdaptiveState
 from cbs.engine.lr import (

@@ -1,12 +1,6 @@
-"""`cbs.train`: the public API of `cbs.engine.trainer` (a run from a config),
-`cbs.engine.loop` (the one training loop), `cbs.engine.parts` (the parts of a run), the state of
-`cbs.engine.state`, the step of `cbs.engine.step` and the noise section's spec
-(`cbs.engine.noise_spec`),
-re-exported: `__all__` is the union of theirs.
-
-Training runs from a config: set-up (`RunParts`), the loop, evaluation, checkpoints, records,
-resume.
-"""
+"""`cbs.train`, training runs from a config, re-exports `cbs.engine.trainer` (a run),
+`cbs.engine.loop` (the training loop), `cbs.engine.parts` (`RunParts`), `cbs.engine.state`,
+`cbs.engine.step` and `cbs.engine.noise_spec` (the noise section's spec)."""
 
 from cbs.engine.loop import (
     ENDED,

@@ -13,15 +13,11 @@ Large or streamed datasets come from the host, prefetched, as global sharded arr
     loader = cbs.data.HostLoader(ds, seed=config.seed, sharding=batch_sharding)
     batch = loader(examples_seen, batch_size)                # each process reads its rows
 
-The global batch is a pure function of (seed, examples_seen, batch_size) (`cbs.data.stream`),
-so resuming, changing the batch size mid-run and splitting the batch over hosts all read the
-same example sequence.
+The global batch is a pure function of (seed, examples_seen, batch_size) (`cbs.data.stream`).
 
 Modules: `dataset` (the `Dataset` type and its views), `stream` (the seeded example stream),
-`batching` (device and host batches, evaluation), and the sources `embedded` (digits,
-mnist1d, shakespeare_char: offline), `synthetic` (linreg, teacher_student,
-teacher_regression: known answers) and `tfds_source` (mnist, fashion_mnist, cifar10,
-svhn_cropped, tiny_shakespeare, lm1b: TensorFlow Datasets, prepared locally).
+`batching` (device and host batches, evaluation), and the sources `embedded` (offline),
+`synthetic` (known answers) and `tfds_source` (TensorFlow Datasets, prepared locally).
 """
 
 from __future__ import annotations
@@ -64,8 +60,7 @@ def register(name: str, loader: Callable[..., Dataset]) -> None:
 
 def dataset_options(name: str) -> tuple[str, ...]:
     """Keyword options that `get_dataset(name, ...)` accepts."""
-    loader = _loader(name)
-    params = inspect.signature(loader).parameters.values()
+    params = inspect.signature(_loader(name)).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
@@ -76,8 +71,7 @@ def _loader(name: str) -> Callable[..., Dataset]:
 
 
 def _check_options(name: str, options, field: str = "") -> None:
-    """Raises ValueError (prefixed by `field`) naming the options the loader of `name` does not
-    accept (none when it takes **kwargs)."""
+    """ValueError (prefixed by `field`) naming the options the loader of `name` does not take."""
     params = inspect.signature(_loader(name)).parameters.values()
     unknown = sorted(set(options) - set(dataset_options(name)))
     if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -87,7 +81,7 @@ def _check_options(name: str, options, field: str = "") -> None:
 
 def validate_config(data_config: Any) -> None:
     """Checks `config.data` (a registered `name`, `options` the loader accepts) without
-    loading; raises ValueError whose message starts with the field's dotted name."""
+    loading; the ValueError's message starts with the field's dotted name."""
     name = data_config.get("name") if hasattr(data_config, "get") else None
     if name not in _REGISTRY:
         raise ValueError(f"config.data.name: unknown dataset {name!r}; known: "
@@ -100,8 +94,7 @@ def validate_config(data_config: Any) -> None:
 
 
 def get_dataset(name: str, **options) -> Dataset:
-    """The dataset `name` built with `options`; ValueError listing the known names and
-    options (`dataset_options(name)`) for unknown ones."""
+    """The dataset `name` built with `options` (ValueError for unknown names or options)."""
     _check_options(name, options)
     return _loader(name)(**options)
 

@@ -3,9 +3,7 @@
 Letters: s examples seen (stream position), B global batch size, N examples in the split.
 
 The global batch at (seed, s, B) is stream positions [s, s + B) (`cbs.data.stream`); every
-function here returns exactly that batch, or the rows of it that a process holds:
-`device_batch` inside jit from arrays on device (s may be traced), `host_batch` in numpy,
-`global_batch` as global arrays from each process's own rows, `HostLoader` with prefetch.
+function here returns exactly that batch, or the rows of it that a process holds.
 `eval_batches` and `evaluate` read a split in order from its first example.
 """
 
@@ -30,8 +28,8 @@ __all__ = [  # and, public as cbs.data.HostLoader and cbs.data.make_batch_fn, th
 
 def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, batch_size: int,
                  *, seed, split: str = "train", shuffle: bool = True) -> Batch:
-    """Global batch at stream positions [s, s + B), gathered from device-resident `arrays`;
-    jittable in `arrays`, `examples_seen` (int32 scalar) and `seed`, `batch_size` static."""
+    """The global batch gathered from device-resident `arrays`; jittable in `arrays`,
+    `examples_seen` (int32 scalar) and `seed`, `batch_size` static."""
     num = dataset.split(split).num_examples
     check_batch_size(batch_size, num, f"{dataset.name}/{split}")
     idx_B = stream_indices_jax(examples_seen, batch_size, num, seed, shuffle=shuffle)
@@ -40,15 +38,14 @@ def device_batch(dataset: Dataset, arrays: dict[str, jax.Array], examples_seen, 
 
 def make_batch_fn(dataset: Dataset, *, seed, split: str = "train", shuffle: bool = True
                   ) -> Callable[[dict[str, jax.Array], Any, int], Batch]:
-    """`batch_fn(arrays, examples_seen, batch_size)`: `device_batch` with the dataset and seed
-    bound, the form a jitted train step takes (batch_size static)."""
+    """`batch_fn(arrays, examples_seen, batch_size)`: `device_batch` with the dataset bound."""
     return functools.partial(device_batch, dataset, seed=seed, split=split, shuffle=shuffle)
 
 
 def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: int,
                split: str = "train", rows: np.ndarray | slice | None = None,
                shuffle: bool = True) -> Batch:
-    """Numpy rows `rows` (default all) of the global batch at stream positions [s, s + B)."""
+    """Numpy rows `rows` (default all) of the global batch."""
     num = dataset.split(split).num_examples
     check_batch_size(batch_size, num, f"{dataset.name}/{split}")
     rows_R = np.arange(batch_size)[rows if rows is not None else slice(None)]
@@ -57,15 +54,14 @@ def host_batch(dataset: Dataset, examples_seen: int, batch_size: int, *, seed: i
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:
-    """Sorted global batch rows held by this process's devices under `sharding`: the
-    process-local data `jax.make_array_from_process_local_data` expects."""
+    """Sorted global batch rows held by this process's devices under `sharding` (the
+    process-local data of `jax.make_array_from_process_local_data`)."""
     if global_shape[0] % (shards := _data_shards(sharding, global_shape)):
         raise ValueError(f"batch_size={global_shape[0]} is not divisible by the {shards} "
                          "shards of the batch axis")
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(global_shape).values():
-        rows.update(range(global_shape[0])[index[0]])  # type: ignore[index]  # jax types the
-        #   indices as optional; a device of the sharding always has one
+    indices = sharding.addressable_devices_indices_map(global_shape).values()
+    # jax types the indices as optional; a device of the sharding always has one
+    rows = {r for index in indices for r in range(global_shape[0])[index[0]]}  # type: ignore[index]
     return np.array(sorted(rows), np.int64)
 
 
@@ -81,7 +77,7 @@ def _data_shards(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...])
 def global_batch(dataset: Dataset, sharding: jax.sharding.Sharding, examples_seen: int,
                  batch_size: int, *, seed: int, split: str = "train",
                  shuffle: bool = True) -> dict[str, jax.Array]:
-    """Global batch as jax.Arrays sharded by `sharding`; each process reads only its rows."""
+    """The global batch as jax.Arrays sharded by `sharding`; each process reads its rows."""
     shape = (batch_size,) + tuple(dataset.input_shape)
     rows = process_rows(sharding, shape)
     local = host_batch(dataset, examples_seen, batch_size, seed=seed, split=split, rows=rows,

@@ -121,8 +121,7 @@ class Dataset:
     """A dataset from the registry (`cbs.data.get_dataset`): its `task` (TASKS), per-example
     `input_shape` of batch["x"] ([T] for lm), `splits` {"train", "eval"}, `num_classes`, the
     lm's `vocab_size`, `vocab` (characters; None for bytes) and `seq_len`, and `metadata`
-    (sources, normalisation, closed-form answers of synthetic data).
-    """
+    (sources, normalisation, closed-form answers of synthetic data)."""
 
     name: str
     task: str
@@ -139,13 +138,11 @@ class Dataset:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
 
     @property
-    def train(self) -> dict[str, np.ndarray] | None:
-        """Stored arrays of the train split (None when streamed)."""
+    def train(self) -> dict[str, np.ndarray] | None:  # stored arrays; None when streamed
         return self.splits["train"].arrays
 
     @property
     def eval(self) -> dict[str, np.ndarray] | None:
-        """Stored arrays of the eval split (None when streamed)."""
         return self.splits["eval"].arrays
 
     @property
@@ -173,8 +170,7 @@ class Dataset:
 
     def device_arrays(self, split: str = "train",
                       sharding: jax.sharding.Sharding | None = None) -> dict[str, jax.Array]:
-        """Stored arrays of `split` on device (replicated by `sharding` when given, from each
-        process's identical copy)."""
+        """Stored arrays of `split` on device (replicated by `sharding` when given)."""
         arrays = self.split(split).arrays
         if arrays is None:
             raise ValueError(f"{self.name}/{split} is streamed, not in memory: use the host "

@@ -1,11 +1,8 @@
-"""Embedded datasets that need no download: digits, mnist1d and shakespeare_char.
+"""Embedded datasets that need no download: digits (scikit-learn's 8x8 handwritten digits),
+mnist1d (Greydanus 2020, generated offline by the `mnist1d` package) and shakespeare_char (the
+38 plays, public domain, shipped compressed; the first 90% of the text trains).
 
 Letters: N examples, D features, T sequence length, V vocabulary size.
-
-- digits: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes) in [0, 1].
-- mnist1d: Greydanus (2020) MNIST-1D, generated offline by the `mnist1d` package.
-- shakespeare_char: Shakespeare's 38 plays as plain text (public domain, shipped compressed),
-  characters as tokens; the first 90% of the text trains, the last 10% evaluates.
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ def _classification(name: str, x_train, y_train, x_eval, y_eval, *, num_classes:
         x_train = x_train.reshape((-1,) + image_shape)
         x_eval = x_eval.reshape((-1,) + image_shape)
     view = ClassificationView(num_classes=num_classes, one_hot=one_hot)
-    splits = {
-        "train": Split(len(y_train), view, {"x": x_train, "y": y_train}),
-        "eval": Split(len(y_eval), view, {"x": x_eval, "y": y_eval}),
-    }
+    splits = {"train": Split(len(y_train), view, {"x": x_train, "y": y_train}),
+              "eval": Split(len(y_eval), view, {"x": x_eval, "y": y_eval})}
     return Dataset(name=name, task="classification", input_shape=tuple(x_train.shape[1:]),
                    splits=splits, num_classes=num_classes, metadata=metadata or {})
 
@@ -66,9 +61,8 @@ def digits(*, split_seed: int = 0, eval_fraction: float = 0.2, flatten: bool = T
 
 @functools.lru_cache(maxsize=1)
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(pixels float64 [1797, 64] in 0..16, labels [1797]) from scikit-learn's
-    digits.csv.gz without importing scikit-learn (about 2 s); `load_digits` where the file
-    is not at its usual place."""
+    """(pixels float64 [1797, 64] in 0..16, labels [1797]) from scikit-learn's digits.csv.gz
+    without importing scikit-learn (about 2 s), else `load_digits`."""
     spec = importlib.util.find_spec("sklearn")
     folders = list(spec.submodule_search_locations or []) if spec else []
     path = next((f for f in (os.path.join(d, "datasets", "data", "digits.csv.gz")
@@ -117,14 +111,12 @@ def _make_mnist1d(items: tuple, make_dataset) -> dict:
         random.setstate(py_state)
 
 
-_PLAYS_FILE = "files/shakespeare_plays.json.xz"
-
-
 @functools.lru_cache(maxsize=1)
 def shakespeare_plays() -> dict[str, str]:
     """{"genre/stem": plain text} of the 38 plays shipped with cbs, in path order (public
     domain; markup stripped, speakers as "NAME:")."""
-    raw = importlib.resources.files("cbs.data").joinpath(_PLAYS_FILE).read_bytes()
+    raw = importlib.resources.files("cbs.data").joinpath(
+        "files/shakespeare_plays.json.xz").read_bytes()
     return json.loads(lzma.decompress(raw))
 
 
@@ -133,13 +125,10 @@ def shakespeare_text(plays: tuple[str, ...] | None = None) -> str:
     """Plain text of the plays (all 38 in path order, or those named by file stem)."""
     texts = shakespeare_plays()
     by_stem = {key.rsplit("/", 1)[1]: key for key in texts}
-    if plays is None:
-        keys = list(texts)
-    else:
-        unknown = sorted(set(plays) - set(by_stem))
-        if unknown:
-            raise ValueError(f"unknown plays {unknown}; known: {sorted(by_stem)}")
-        keys = [by_stem[p] for p in plays]
+    unknown = sorted(set(plays or ()) - set(by_stem))
+    if unknown:
+        raise ValueError(f"unknown plays {unknown}; known: {sorted(by_stem)}")
+    keys = list(texts) if plays is None else [by_stem[p] for p in plays]
     return "\n".join(texts[k] for k in keys)
 
 
@@ -158,18 +147,15 @@ def char_lm(name: str, train_text: str, eval_text: str, *, seq_len: int,
     train_tokens, eval_tokens = encode(train_text), encode(eval_text)
     num_train = num_windows(len(train_tokens), seq_len, stride, f"{name} train")
     num_eval = num_windows(len(eval_tokens), seq_len, seq_len, f"{name} eval")
-    splits = {
-        "train": Split(num_train, WindowView(seq_len, stride), {"tokens": train_tokens}),
-        "eval": Split(num_eval, WindowView(seq_len, seq_len), {"tokens": eval_tokens}),
-    }
+    splits = {"train": Split(num_train, WindowView(seq_len, stride), {"tokens": train_tokens}),
+              "eval": Split(num_eval, WindowView(seq_len, seq_len), {"tokens": eval_tokens})}
     meta = {"stride": stride, "num_train_tokens": len(train_tokens),
             "num_eval_tokens": len(eval_tokens), **(metadata or {})}
     return Dataset(name=name, task="lm", input_shape=(seq_len,), splits=splits,
                    vocab_size=len(vocab), vocab=vocab, seq_len=seq_len, metadata=meta)
 
 
-def shakespeare_char(*, seq_len: int = 128, stride: int | None = None,
-                     eval_fraction: float = 0.1,
+def shakespeare_char(*, seq_len: int = 128, stride: int | None = None, eval_fraction: float = 0.1,
                      plays: tuple[str, ...] | list[str] | None = None) -> Dataset:
     """Shakespeare's plays as characters: x, y int32 [B, seq_len]; train windows start every
     `stride` characters (default seq_len), eval windows do not overlap."""

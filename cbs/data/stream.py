@@ -9,14 +9,13 @@ example π_{p // N}(p mod N), and the global batch at s with size B is positions
 A resumed run sees the same batches, and a run whose batch size changes keeps reading the
 stream in order: no example is skipped or repeated within an epoch.
 
-π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by
-index: round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of
-max(x, K_r − x) is odd; each round is an involution, so the composition is a permutation for
-any N. R = 2⌈log2 N⌉ + 16 rounds (fixed points and 2-cycles then match a uniform
-permutation's in Monte Carlo checks); a batch costs O(B·R) for any N. Keys use threefry
-whatever jax's default PRNG. The numpy and jax versions are the same uint32 arithmetic, so
-the host path and the on-device gather deliver identical batches. The host caches whole
-epoch tables for N ≤ 2^22.
+π_e is the swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012), evaluated index by index:
+round r pairs x with K_r − x (mod N) and swaps the pair when a keyed hash of max(x, K_r − x) is odd;
+each round is an involution, so the composition is a permutation for any N. R = 2⌈log2 N⌉ + 16
+rounds (fixed points and 2-cycles then match a uniform permutation's in Monte Carlo checks); a batch
+costs O(B·R) for any N. Keys use threefry whatever jax's default PRNG. The numpy and jax versions
+are the same uint32 arithmetic, so the host path and the on-device gather deliver identical batches.
+The host caches whole epoch tables for N ≤ 2^22.
 """
 
 from __future__ import annotations
@@ -33,11 +32,7 @@ __all__ = [
     "stream_indices_np",
 ]
 
-_MAX_EXAMPLES = 2**31  # K_r + N - x must fit in uint32
 _TABLE_MAX = 2**22  # host: cache whole epoch permutations up to this N
-# lowbias32 multipliers (C. Wellons, "Prospecting for hash functions", 2018).
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B
 
 
 def _num_rounds(num_examples: int) -> int:
@@ -55,8 +50,8 @@ def check_batch_size(batch_size: int, num_examples: int, what: str = "the split"
             "batch would repeat examples; use a smaller batch or a larger dataset")
 
 
-def _check_size(num_examples: int) -> None:
-    if not 1 <= num_examples <= _MAX_EXAMPLES:
+def _check_size(num_examples: int) -> None:  # K_r + N - x must fit in uint32
+    if not 1 <= num_examples <= 2**31:
         raise ValueError(f"a split must have 1 to 2^31 examples, got {num_examples}")
 
 
@@ -72,11 +67,9 @@ def _epoch_keys(seed: int, epoch: int, rounds: int) -> np.ndarray:
     return np.asarray(_epoch_keys_jax(np.uint32(seed % 2**32), np.uint32(epoch % 2**32), rounds))
 
 
-def _hash(xp, v):
-    v = v ^ (v >> 16)
-    v = v * xp.uint32(_M1)
-    v = v ^ (v >> 15)
-    v = v * xp.uint32(_M2)
+def _hash(xp, v):  # lowbias32 (C. Wellons, "Prospecting for hash functions", 2018)
+    v = (v ^ (v >> 16)) * xp.uint32(0x7FEB352D)
+    v = (v ^ (v >> 15)) * xp.uint32(0x846CA68B)
     return v ^ (v >> 16)
 
 
@@ -95,10 +88,8 @@ def _swap_or_not(xp, x_B, keys_Bx2xR, num_examples: int):
             x_B = _swap_or_not_round(np, x_B, keys_Bx2xR[..., r], n)
         return x_B
     # A rolled loop (partly unrolled) compiles several times faster than R unrolled rounds.
-    return jax.lax.fori_loop(
-        0, keys_Bx2xR.shape[-1],
-        lambda r, x: _swap_or_not_round(jnp, x, jnp.take(keys_Bx2xR, r, axis=-1), n),
-        x_B, unroll=8)
+    body = lambda r, x: _swap_or_not_round(jnp, x, jnp.take(keys_Bx2xR, r, axis=-1), n)
+    return jax.lax.fori_loop(0, keys_Bx2xR.shape[-1], body, x_B, unroll=8)
 
 
 @functools.lru_cache(maxsize=4)
@@ -138,10 +129,8 @@ def positions_to_indices_np(positions: np.ndarray, num_examples: int, seed: int,
 def stream_indices_jax(examples_seen: jax.Array | int, batch_size: int, num_examples: int,
                        seed: jax.Array | int, *, shuffle: bool = True) -> jax.Array:
     """Example indices int32 [B] at stream positions [s, s + B) (jittable; s may be traced).
-
-    `batch_size` and `num_examples` are static. `examples_seen` is an int32 scalar (int64
-    when x64 is on), so on device s + B must stay below 2^31 without x64.
-    """
+    `batch_size` and `num_examples` are static; `examples_seen` is an int32 scalar (int64 when
+    x64 is on), so on device s + B must stay below 2^31 without x64."""
     _check_size(num_examples)
     s = jnp.asarray(examples_seen)
     positions = s + jnp.arange(batch_size, dtype=s.dtype)
@@ -164,6 +153,5 @@ def stream_indices(examples_seen, batch_size: int, num_examples: int, seed,
     """Example indices at stream positions [s, s + B): numpy for Python/numpy ints,
     jax (jittable) when `examples_seen` or `seed` is a jax array."""
     if isinstance(examples_seen, jax.Array) or isinstance(seed, jax.Array):
-        return stream_indices_jax(examples_seen, batch_size, num_examples, seed,
-                                  shuffle=shuffle)
+        return stream_indices_jax(examples_seen, batch_size, num_examples, seed, shuffle=shuffle)
     return stream_indices_np(examples_seen, batch_size, num_examples, seed, shuffle=shuffle)

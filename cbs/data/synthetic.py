@@ -13,9 +13,8 @@ so B_simple = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG are known in closed form
 Teacher-student classifier: x ~ N(0, I_D), labels from a fixed random one-hidden-layer
 tanh teacher, argmax of its logits, or sampled from softmax(logits / temperature).
 
-Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random
-one-hidden-layer tanh teacher scaled to unit variance over x, per-example loss ½(ŷ − y)²
-(the loss floor is σ²/2).
+Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random one-hidden-layer tanh
+teacher scaled to unit variance over x, per-example loss ½(ŷ − y)² (the loss floor is σ²/2).
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ __all__ = ["linreg", "teacher_regression", "teacher_student"]
 
 
 def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndarray | float]:
-    """Population noise statistics of Gaussian linear regression at weights `w` (float64).
-
-    Returns grad [D] (= G), loss, grad_sq_norm (|G|²), trace_sigma (tr Σ), trace_h_sigma
-    (tr HΣ), g_h_g (GᵀHG), b_simple and b_noise.
-    """
+    """Population noise statistics of Gaussian linear regression at weights `w` (float64):
+    grad [D] (= G), loss, grad_sq_norm (|G|²), trace_sigma (tr Σ), trace_h_sigma (tr HΣ),
+    g_h_g (GᵀHG), b_simple and b_noise."""
     cov = np.asarray(cov, np.float64)
     delta = np.asarray(w, np.float64) - np.asarray(w_star, np.float64)
     c_delta = cov @ delta
@@ -43,16 +40,10 @@ def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndar
     scale = quad + noise_std**2
     trace_sigma = scale * float(np.trace(cov)) + grad_sq_norm
     trace_h_sigma = scale * float(np.sum(cov * cov.T)) + g_h_g
-    return {
-        "grad": c_delta,
-        "loss": 0.5 * scale,
-        "grad_sq_norm": grad_sq_norm,
-        "trace_sigma": trace_sigma,
-        "trace_h_sigma": trace_h_sigma,
-        "g_h_g": g_h_g,
-        "b_simple": trace_sigma / grad_sq_norm if grad_sq_norm > 0 else np.inf,
-        "b_noise": trace_h_sigma / g_h_g if g_h_g > 0 else np.inf,
-    }
+    return {"grad": c_delta, "loss": 0.5 * scale, "grad_sq_norm": grad_sq_norm,
+            "trace_sigma": trace_sigma, "trace_h_sigma": trace_h_sigma, "g_h_g": g_h_g,
+            "b_simple": trace_sigma / grad_sq_norm if grad_sq_norm > 0 else np.inf,
+            "b_noise": trace_h_sigma / g_h_g if g_h_g > 0 else np.inf}
 
 
 def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
@@ -82,9 +73,8 @@ def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
     view = RegressionView()
     splits = {"train": Split(num_train, view, sample(num_train)),
               "eval": Split(num_eval, view, sample(num_eval))}
-    meta = {"cov": cov, "w_star": w_star, "noise_std": float(noise_std),
-            "noise_stats": lambda w: linreg_noise_stats(w, cov=cov, w_star=w_star,
-                                                        noise_std=noise_std)}
+    stats = lambda w: linreg_noise_stats(w, cov=cov, w_star=w_star, noise_std=noise_std)
+    meta = {"cov": cov, "w_star": w_star, "noise_std": float(noise_std), "noise_stats": stats}
     return Dataset(name="linreg", task="regression", input_shape=(dim,), splits=splits,
                    metadata=meta)
 
@@ -125,8 +115,7 @@ def teacher_student(*, dim: int = 32, hidden: int = 64, num_classes: int = 10,
 
 
 def teacher_regression(*, dim: int = 16, hidden: int = 32, num_train: int = 8192,
-                       num_eval: int = 2048, noise_std: float = 0.1,
-                       data_seed: int = 0) -> Dataset:
+                       num_eval: int = 2048, noise_std: float = 0.1, data_seed: int = 0) -> Dataset:
     """Teacher-student regression: x float32 [N, dim] ~ N(0, I), y float32 [N].
 
     f(x) = tanh(x W1) w2 / s with W1 ~ N(0, 4/dim) (so the tanh units saturate and f is

@@ -7,16 +7,13 @@ Reading prefers `tfds.data_source` (array_record files, random access, no Tensor
 `download=True`: an unprepared dataset fails at once with the command that prepares it, and
 a download without a reachable network fails within seconds with one line.
 
-- Images: stored uint8 [N, H, W, C], batches x float32 [B, H, W, C] (or flattened).
-- tiny_shakespeare: characters as tokens, windows as for shakespeare_char.
-- lm1b: UTF-8 bytes (vocab 256), streamed. Example i is the first T + 1 bytes of the
-  split's sentences i, i+1, ... joined by "\n" (wrapping at the end), so every example is
-  full length and each sentence starts one example per epoch.
+Images are stored uint8 [N, H, W, C]. lm1b is UTF-8 bytes (vocab 256), streamed: example i
+is the first T + 1 bytes of the split's sentences i, i+1, ... joined by "\n" (wrapping at the
+end), so every example is full length and each sentence starts one example per epoch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
@@ -60,13 +57,16 @@ def _tfds():
 
 def _builder(name: str, data_dir: str | None, download: bool):
     """The TFDS builder, prepared (downloading only if asked); fails fast if unprepared."""
-    tfds = _tfds()
-
-    data_dir = _resolve_data_dir(data_dir)
-    with _quiet_absl():  # an unprepared copy logs warnings before our clearer error
+    tfds, data_dir = _tfds(), _resolve_data_dir(data_dir)
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(max(level, logging.ERROR))  # an unprepared copy logs warnings before our error
+    try:
         builder = tfds.builder(name, data_dir=data_dir)  # reads local metadata only
         prepared = builder.is_prepared()
         looked = builder.data_dir
+    finally:
+        log.setLevel(level)
     if download:
         if not prepared:
             _check_network(name, data_dir, builder.download_and_prepare)
@@ -82,26 +82,6 @@ def _builder(name: str, data_dir: str | None, download: bool):
     return builder
 
 
-@contextlib.contextmanager
-def _quiet_absl():
-    log = logging.getLogger("absl")
-    level = log.level
-    log.setLevel(max(level, logging.ERROR))
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _download_address() -> tuple[str, int]:
-    """Where a TFDS download connects first: the HTTPS proxy if one is set, else GCS."""
-    proxy = urllib.request.getproxies().get("https")
-    if proxy and not urllib.request.proxy_bypass(_DOWNLOAD_HOST):
-        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        return parts.hostname or _DOWNLOAD_HOST, parts.port or 80
-    return _DOWNLOAD_HOST, 443
-
-
 def _check_network(name: str, data_dir: str, download_fn=None) -> None:
     """Raises ConnectionError (one line) within _NETWORK_TIMEOUT_S when a download of `name`
     cannot reach the network; nothing is checked when `download_fn`, the download about to
@@ -109,7 +89,11 @@ def _check_network(name: str, data_dir: str, download_fn=None) -> None:
     if download_fn is not None and not getattr(download_fn, "__module__", "").startswith(
             "tensorflow_datasets.core"):
         return
-    host, port = _download_address()
+    host, port = _DOWNLOAD_HOST, 443  # where a download connects first: the proxy, else GCS
+    proxy = urllib.request.getproxies().get("https")
+    if proxy and not urllib.request.proxy_bypass(_DOWNLOAD_HOST):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = parts.hostname or _DOWNLOAD_HOST, parts.port or 80
     try:
         socket.create_connection((host, port), timeout=_NETWORK_TIMEOUT_S).close()
     except OSError as err:
@@ -120,17 +104,15 @@ def _check_network(name: str, data_dir: str, download_fn=None) -> None:
             f"--file_format=array_record) and copy it into data_dir={data_dir}") from None
 
 
-def _uses_tfrecord(builder) -> bool:
-    from tensorflow_datasets.core import file_adapters
-
-    return builder.is_prepared() and builder.info.file_format == file_adapters.FileFormat.TFRECORD
-
-
 def _sources(builder, splits: Sequence[str], reader: str) -> dict:
     """split -> random-access source (data_source) or dict of numpy arrays (tfds.load)."""
     if reader not in ("auto", "data_source", "load"):
         raise ValueError(f"reader must be 'auto', 'data_source' or 'load', got {reader!r}")
-    if reader == "load" or (reader == "auto" and _uses_tfrecord(builder)):
+    from tensorflow_datasets.core import file_adapters
+
+    tfrecord = file_adapters.FileFormat.TFRECORD
+    if reader == "load" or (reader == "auto" and builder.is_prepared()
+                            and builder.info.file_format == tfrecord):
         try:
             import tensorflow  # noqa: F401
         except ImportError as err:
@@ -197,8 +179,7 @@ def tfds_images(name: str, *, data_dir: str | None = None, download: bool = Fals
                  _column(sources["train"], "image",
                          range(min(_STATS_EXAMPLES, _num(sources["train"])))))
         pixels = first.reshape(-1, first.shape[-1]).astype(np.float64) / 255
-        mean = tuple(float(v) for v in pixels.mean(0))
-        std = tuple(float(v) for v in pixels.std(0))
+        mean, std = tuple(map(float, pixels.mean(0))), tuple(map(float, pixels.std(0)))
     view = ClassificationView(num_classes=num_classes, scale=scale, mean=mean, std=std,
                               flatten=flatten, one_hot=one_hot)
 
@@ -230,9 +211,8 @@ def _split_text(source) -> str:
     return b"".join(_as_bytes(t) for t in texts).decode("utf-8")
 
 
-def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
-                     reader: str = "auto", seq_len: int = 128,
-                     stride: int | None = None) -> Dataset:
+def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False, reader: str = "auto",
+                     seq_len: int = 128, stride: int | None = None) -> Dataset:
     """TFDS tiny_shakespeare as characters: x, y int32 [B, seq_len]; eval = validation."""
     builder = _builder("tiny_shakespeare", data_dir, download)
     sources = _sources(builder, ("train", "validation"), reader)
@@ -241,8 +221,8 @@ def tiny_shakespeare(*, data_dir: str | None = None, download: bool = False,
                    metadata={"data_dir": _resolve_data_dir(data_dir)})
 
 
-def _byte_window_reader(source, seq_len: int):
-    """Example i: the first T + 1 bytes of sentences i, i+1, ... joined by newlines."""
+def _byte_windows(source, seq_len: int) -> Split:
+    """The split of lm1b's windows (module docstring) over `source`."""
     num = _num(source)
 
     def read(idx_B: np.ndarray) -> dict[str, np.ndarray]:
@@ -262,7 +242,7 @@ def _byte_window_reader(source, seq_len: int):
         window = window.astype(np.int32)
         return {"x": window[:, :-1], "y": window[:, 1:]}
 
-    return num, read
+    return Split(num, None, reader=read)
 
 
 def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "auto",
@@ -272,10 +252,8 @@ def lm1b(*, data_dir: str | None = None, download: bool = False, reader: str = "
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     builder = _builder("lm1b", data_dir, download)
     sources = _sources(builder, ("train", "test"), reader)
-    splits = {}
-    for ours, theirs in (("train", "train"), ("eval", "test")):
-        num, read = _byte_window_reader(sources[theirs], seq_len)
-        splits[ours] = Split(num, None, reader=read)
+    splits = {ours: _byte_windows(sources[theirs], seq_len)
+              for ours, theirs in (("train", "train"), ("eval", "test"))}
     return Dataset(name="lm1b", task="lm", input_shape=(seq_len,), splits=splits,
                    vocab_size=256, vocab=None, seq_len=seq_len,
                    metadata={"data_dir": _resolve_data_dir(data_dir), "tokens": "utf-8 bytes"})

@@ -5,13 +5,10 @@
     graphdef, params, rest = split_model(model)          # nnx.split(model, nnx.Param, ...)
     loss_fn = make_loss_fn(graphdef, rest, ds.task)      # loss_fn(params, batch) -> mean loss
 
-`default_model_config(name)` documents every field of the `model` sub-config. A new
-architecture is one module with a `@register(name, default_config=...)` build function,
-imported below. Models whose `couples_examples` is True (CNN with BatchNorm) have no
-per-example loss in training mode.
-
-Modules: `registry` (names to build functions), `layers` (the shared layers), the
-architectures `mlp`, `cnn`, `transformer` and `lm`, and `losses` (losses and evaluation).
+`default_model_config(name)` documents every field of the `model` sub-config. Modules:
+`registry` (names to build functions; a new architecture registers there and is imported
+below), `layers` (the shared layers), the architectures `mlp`, `cnn`, `transformer` and `lm`,
+and `losses` (losses and evaluation).
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ def default_model_config(name: str = "mlp") -> ml_collections.ConfigDict:
 def build_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequence[int],
                 num_classes: int | None = None, vocab_size: int | None = None,
                 rngs: nnx.Rngs, verbose: bool = True) -> nnx.Module:
-    """Builds the model that `model_config` (see `default_model_config`) describes, for
-    inputs as `registry.ModelInputs` holds them; `verbose` prints `model_summary` (process 0).
-    """
+    """The model `model_config` describes, for inputs as `registry.ModelInputs` holds them;
+    `verbose` prints `model_summary` (process 0)."""
     spec = registry.get(model_config.name)
     inputs = registry.ModelInputs(tuple(input_shape), num_classes, vocab_size)
     model = spec.build(model_config, inputs, rngs)
@@ -60,9 +56,8 @@ def build_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequenc
 def abstract_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequence[int],
                    num_classes: int | None = None, vocab_size: int | None = None,
                    seed: int = 0) -> nnx.Module:
-    """The model with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`: nothing allocated or
-    computed), for validating a config before anything is written. Raises ValueError
-    starting with "config.model" when the architecture cannot be built."""
+    """The model with `jax.ShapeDtypeStruct` leaves (nothing allocated or computed), to
+    validate a config; ValueError starting with "config.model" when it cannot be built."""
     try:
         return nnx.eval_shape(lambda: build_model(
             model_config, input_shape=input_shape, num_classes=num_classes,
@@ -81,6 +76,5 @@ def param_count(model: nnx.Module) -> int:
 def model_summary(model: nnx.Module) -> str:
     """One line: architecture, parameter count, initialisation scheme."""
     flag = "; couples examples (BatchNorm)" if getattr(model, "couples_examples", False) else ""
-    return (f"{getattr(model, 'description', type(model).__name__)}: "
-            f"{param_count(model):,} parameters; init: "
-            f"{getattr(model, 'init_scheme', 'unknown')}{flag}")
+    return (f"{getattr(model, 'description', type(model).__name__)}: {param_count(model):,} "
+            f"parameters; init: {getattr(model, 'init_scheme', 'unknown')}{flag}")

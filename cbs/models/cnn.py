@@ -3,10 +3,9 @@
 Letters: B batch, H, W spatial size, C channels, G ghost-batch size, K = B / G ghost batches.
 
 Normalisation (`norm`): "none" (convolutions carry a bias), "layernorm" (over the channels
-of each position), "groupnorm" (over (H, W, C/groups) of each example), or
-"batchnorm": `nnx.BatchNorm`, with statistics over ghost batches of G examples in training
-  mode (G = 0: the whole batch). This couples the examples of a ghost batch, so the model sets
-  `couples_examples = True`: no per-example statistics in training mode.
+of each position), "groupnorm" (over (H, W, C/groups) of each example), or "batchnorm"
+(`nnx.BatchNorm` over ghost batches of G examples in training mode, G = 0: the whole batch;
+it couples examples, so `couples_examples = True`).
 
 Inputs of rank 1 ([L], e.g. a 1-D signal) are treated as [L, 1, 1] with (k, 1) kernels; inputs
 of rank 2 ([H, W]) get one channel.
@@ -76,7 +75,7 @@ def _make_norm(norm: str, channels: int, *, num_groups: int, ghost_batch_size: i
 
 
 class CNN(nnx.Module):
-    """Conv blocks then an MLP head. Input x: float [B, *input_shape]; output: [B, O]."""
+    """Conv blocks then an MLP head: float [B, *input_shape] → [B, O]."""
 
     def __init__(self, input_shape: Sequence[int], out_features: int, *,
                  channels: Sequence[int] = (16, 32), kernel_size: int = 3, pool: str = "max",
@@ -103,11 +102,10 @@ class CNN(nnx.Module):
         self.dense = nnx.List([layers.Linear(d_in, d_out, rngs=rngs)
                                for d_in, d_out in zip(sizes[:-1], sizes[1:], strict=True)])
         self.init_scheme = "kernels lecun_normal, biases zero, norm scales one"
+        ghost = f", ghost_batch={ghost_batch_size}" if norm == "batchnorm" else ""
         self.description = (f"CNN(in={self.image_shape}, channels={tuple(channels)}, "
                             f"kernel={kernel}, pool={pool}, dense={tuple(dense_sizes)}, "
-                            f"out={out_features}, norm={norm}"
-                            + (f", ghost_batch={ghost_batch_size}" if norm == "batchnorm" else "")
-                            + f", act={activation})")
+                            f"out={out_features}, norm={norm}{ghost}, act={activation})")
 
     def _pool(self, x_BxHxWxC: jax.Array) -> jax.Array:
         """2×2 stride-2 VALID pooling (1 along a size-1 axis), the values of `nnx.max_pool`,

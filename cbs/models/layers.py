@@ -36,8 +36,7 @@ def embed(ids_BxT: jax.Array, embedding_VxO: jax.Array) -> jax.Array:
     return jnp.take(embedding_VxO, ids_BxT, axis=0)
 
 
-def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None
-                ) -> jax.Array:
+def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None) -> jax.Array:
     """xhat * scale + bias, broadcast over the trailing axes."""
     y = xhat if scale_O is None else xhat * scale_O
     return y if bias_O is None else y + bias_O
@@ -104,8 +103,7 @@ class LayerNorm(nnx.Module):
 
 class GroupNorm(nnx.Module):
     """Normalise each example over all non-batch axes within channel groups (channels last),
-    then scale and shift per channel. scale, bias: [O]. Matches `nnx.GroupNorm`'s defaults.
-    """
+    then scale and shift per channel. scale, bias: [O]. Matches `nnx.GroupNorm`'s defaults."""
 
     def __init__(self, num_features: int, num_groups: int | None = 32,
                  group_size: int | None = None, *, epsilon: float = 1e-6,
@@ -123,10 +121,9 @@ class GroupNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((num_features,))) if use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        b, *middle, d = x_BxTxD.shape
+        b, *_, d = x_BxTxD.shape
         x_BxTxGxK = x_BxTxD.reshape(b, -1, self.num_groups, d // self.num_groups)
-        axes = (1, 3)
-        mean = jnp.mean(x_BxTxGxK, axis=axes, keepdims=True)
-        var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=axes, keepdims=True)
+        mean = jnp.mean(x_BxTxGxK, axis=(1, 3), keepdims=True)
+        var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=(1, 3), keepdims=True)
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
         return _scale_shift(xhat, _value(self.scale), _value(self.bias))

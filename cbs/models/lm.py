@@ -1,7 +1,6 @@
 """Decoder-only language model in the shape pod-scale JAX models take: scanned, remat, bf16.
 
-Letters: B batch, T positions, D model width, H heads, K = D / H head width, F MLP width,
-V vocabulary, L layers.
+Letters as in `cbs.models.transformer`.
 
     h_0 = E[x]
     h_l = h_{l-1} + Attn(RMSNorm(h_{l-1})),  h_l = h_l + W_down (silu(W_gate u) ⊙ W_up u),
@@ -9,9 +8,8 @@ V vocabulary, L layers.
     logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
 
 Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
-biases; `attention` (ATTENTION) picks "xla" (float32 [B, H, T, T] scores) or "cudnn" (the
-fused kernel of `jax.nn.dot_product_attention`; GPU, bfloat16/float16, head width a multiple
-of 8 up to 128), "auto" cuDNN where it applies.
+biases; `attention` (ATTENTION) picks "xla" (float32 [B, H, T, T] scores), "cudnn" (the fused
+kernel of `jax.nn.dot_product_attention`, `resolve_attention`) or "auto" (cuDNN where it can).
 
 The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...], built with
 `nnx.vmap` and run with `nnx.scan` (compile time does not grow with L). `remat`
@@ -19,9 +17,8 @@ The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...
 matmul outputs, "dots_no_batch" only those without batch dimensions.
 
 Precision: parameters float32; matmuls and activations in `compute_dtype` (bfloat16 by
-default); normalisation statistics, softmax and the loss float32.
-
-`cbs.runtime.mesh.LM_RULES` shards by the parameter names (`embed`, `head`, `blocks/wq`, ...).
+default); normalisation statistics, softmax and the loss float32. `cbs.runtime.mesh.LM_RULES`
+shards by the parameter names (`embed`, `head`, `blocks/wq`, ...).
 
 Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D each):
     tiny   D=32,   L=2,  H=2,  F=64      ~21K      (CPU tests)
@@ -147,10 +144,9 @@ class LM(nnx.Module):
 
     couples_examples = False
 
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 d_ff: int, remat: str = "none", compute_dtype: str = "bfloat16",
-                 tie_embeddings: bool = True, scan_unroll: int = 1, attention: str = "auto",
-                 rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int, d_ff: int,
+                 remat: str = "none", compute_dtype: str = "bfloat16", tie_embeddings: bool = True,
+                 scan_unroll: int = 1, attention: str = "auto", rngs: nnx.Rngs):
         if d_model % num_heads or (d_model // num_heads) % 2:
             raise ValueError(f"model.num_heads={num_heads} must divide d_model={d_model} into "
                              "heads of even width (rotary positions)")
@@ -170,18 +166,16 @@ class LM(nnx.Module):
             return Block(d_model, num_heads, d_ff, out_std=out_std, compute_dtype=dtype,
                          rngs=rngs, attention=kernel)
 
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
-                                                             (vocab_size, d_model)))
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab_size, d_model)))
         self.blocks = make_blocks(rngs)
         self.final_norm = nnx.Param(jnp.ones((d_model,)))
         self.head = (None if tie_embeddings else nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (d_model, vocab_size))))
         self.init_scheme = (f"embeddings and projections N(0, 0.02^2), residual outputs "
                             f"N(0, {out_std:.4g}^2), RMSNorm scale one")
-        self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, "
-                            f"F={d_ff}, V={vocab_size}, remat={remat}, "
-                            f"compute={compute_dtype}, attention={kernel}, "
-                            f"{'tied' if tie_embeddings else 'untied'})")
+        self.description = (f"LM(D={d_model}, L={num_layers} scanned, H={num_heads}, F={d_ff}, "
+                            f"V={vocab_size}, remat={remat}, compute={compute_dtype}, "
+                            f"attention={kernel}, {'tied' if tie_embeddings else 'untied'})")
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
         h_BxTxD = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.compute_dtype)

@@ -83,10 +83,7 @@ def _apply(graphdef: nnx.GraphDef, params: nnx.State, rest_state: nnx.State, x: 
     # copy=True: fresh Variables, so a training-mode forward (BatchNorm) never writes into the
     # caller's `rest_state` and may run under any trace.
     model = nnx.merge(graphdef, params, rest_state, copy=True)
-    if train:
-        model.train()
-    else:
-        model.eval()
+    (model.train if train else model.eval)()
     return model(x), model
 
 
@@ -94,20 +91,16 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str, *,
                  train: bool = True, return_state: bool = False) -> Callable:
     """loss_fn(params, batch) -> scalar mean of ℓ_i over the leading axis of batch["x"].
 
-    graphdef, rest_state: from `split_model(model)`; `rest_state` is closed over (build the
-    function inside the jitted step when it changes). train: training mode (BatchNorm uses
-    batch statistics) or eval mode. return_state: return (loss, new_rest_state) instead, for
-    `has_aux=True`, keeping the BatchNorm running averages the forward pass updated.
-    """
+    `rest_state` (from `split_model`) is closed over: build the function inside the jitted
+    step when it changes. train: training mode (BatchNorm uses batch statistics) or eval mode.
+    return_state: return (loss, new_rest_state), for `has_aux=True`, keeping the BatchNorm
+    running averages the forward pass updated."""
     _check_task(task)
 
     def loss_fn(params: nnx.State, batch: Batch):
         outputs, model = _apply(graphdef, params, rest_state, batch["x"], train)
         loss = jnp.mean(per_example_loss(outputs, batch["y"], task))
-        if return_state:
-            # nnx.split returns one State per filter; its stub cannot count them
-            return loss, nnx.split(model, nnx.Param, ...)[2]  # type: ignore[misc]
-        return loss
+        return (loss, split_model(model)[2]) if return_state else loss
 
     vars(loss_fn)["couples_examples"] = couples_examples(rest_state, train)
     return loss_fn
@@ -116,8 +109,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str, *,
 def make_eval_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str) -> Callable:
     """eval_fn(params, batch) -> sums in eval mode, for exact evaluation in chunks:
     {"loss_sum": Σ_i m_i ℓ_i, "count": Σ_i m_i} and, except for regression, "correct_sum":
-    Σ_i m_i acc_i; m_i = batch["mask"] (1 real, 0 padding) when given, else 1.
-    """
+    Σ_i m_i acc_i; m_i = batch["mask"] (1 real, 0 padding) when given, else 1."""
     _check_task(task)
 
     def eval_fn(params: nnx.State, batch: Batch) -> dict[str, jax.Array]:

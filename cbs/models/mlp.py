@@ -20,11 +20,7 @@ from cbs.models.registry import ModelInputs, check_positive, register
 __all__ = ["ACTIVATIONS", "MLP", "build_mlp", "get_activation", "mlp_fields"]
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "relu": jax.nn.relu,
-    "gelu": jax.nn.gelu,
-    "tanh": jax.nn.tanh,
-    "silu": jax.nn.silu,
-}
+    "relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jax.nn.tanh, "silu": jax.nn.silu}
 
 
 def get_activation(name: str, field: str = "model.activation") -> Callable[[jax.Array], jax.Array]:
@@ -35,8 +31,7 @@ def get_activation(name: str, field: str = "model.activation") -> Callable[[jax.
 
 
 class MLP(nnx.Module):
-    """Flatten, then Linear → activation per hidden size, then a Linear head: [B, ...] →
-    [B, O]."""
+    """Flatten, Linear → activation per hidden size, a Linear head: [B, ...] → [B, O]."""
 
     couples_examples = False
 

@@ -38,8 +38,7 @@ FlopsFn = Callable[[ml_collections.ConfigDict, ModelInputs], float | None]
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A registered architecture; `flops` gives the training FLOPs of one example (None:
-    no formula, so throughput records carry no MFU)."""
+    """A registered architecture; `flops`: training FLOPs of one example (None: no MFU)."""
 
     name: str
     default_config: Callable[[], ml_collections.ConfigDict]
@@ -52,8 +51,7 @@ _MODELS: dict[str, ModelSpec] = {}
 
 def register(name: str, *, default_config: Callable[[], ml_collections.ConfigDict],
              flops: FlopsFn | None = None) -> Callable[[BuildFn], BuildFn]:
-    """Decorator registering `build` under `name` (a repeated name is an error); `flops`:
-    training FLOPs of one example from (model config, inputs), if the model has a formula."""
+    """Decorator registering `build` under `name` (a repeated name is an error)."""
 
     def wrap(build: BuildFn) -> BuildFn:
         if name in _MODELS:
@@ -70,8 +68,7 @@ def names() -> tuple[str, ...]:
 
 
 def flops_per_example(config: ml_collections.ConfigDict, inputs: ModelInputs) -> float | None:
-    """Training FLOPs of one example of the model `config` describes, or None without a
-    formula for that architecture."""
+    """Training FLOPs of one example of the model `config` describes (None: no formula)."""
     spec = get(config.name)
     return None if spec.flops is None else spec.flops(config, inputs)
 
@@ -83,8 +80,7 @@ def get(name: str) -> ModelSpec:
     return _MODELS[name]
 
 
-def check_positive(config: ml_collections.ConfigDict, field: str, allow_zero: bool = False
-                   ) -> None:
+def check_positive(config: ml_collections.ConfigDict, field: str, allow_zero: bool = False) -> None:
     """Raises ValueError unless `config[field]` is a (sequence of) positive integer(s)."""
     values = config[field]
     for v in values if isinstance(values, Sequence) else (values,):

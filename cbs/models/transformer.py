@@ -60,8 +60,7 @@ SIZES: dict[str, TransformerSize] = {
 }
 
 
-def resolve_row(c: ml_collections.ConfigDict, table: dict[str, TransformerSize]
-                ) -> TransformerSize:
+def resolve_row(c: ml_collections.ConfigDict, table: dict[str, TransformerSize]) -> TransformerSize:
     """The sizes config `c` asks for: its `size` row of `table`, overridden by fields not 0."""
     if c.size not in table:
         raise ValueError(f"model.size={c.size!r} is not one of {tuple(table)}")
@@ -83,8 +82,7 @@ def rotary(x_BxTxHxK: jax.Array, base: float = 10000.0) -> jax.Array:
     return out.astype(x_BxTxHxK.dtype)
 
 
-def causal_attention(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array
-                     ) -> jax.Array:
+def causal_attention(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array) -> jax.Array:
     """softmax(q kᵀ / √K + causal mask) v per head, scores and softmax in float32."""
     t, k = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
     scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK,
@@ -214,8 +212,7 @@ def transformer_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> floa
     row = SIZES[c.size]
     seq_len = int(inputs.input_shape[-1]) if inputs.input_shape else 0
     per_token = lm_flops_per_token(c.d_model or row.d_model, c.num_layers or row.num_layers,
-                                   2 * (c.d_ff or row.d_ff) // 3, inputs.vocab_size or 0,
-                                   seq_len)
+                                   2 * (c.d_ff or row.d_ff) // 3, inputs.vocab_size or 0, seq_len)
     return seq_len * per_token
 
 

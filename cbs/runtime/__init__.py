@@ -3,9 +3,7 @@
 `checkpoint` (orbax), `writer` (a run's records and their TensorBoard and W&B mirrors, progress
 bars), `throughput` (tokens/s, MFU, profiles), `progress` (loss EMA, divergence rule,
 evaluation points), `preemption` (SIGTERM and Ctrl-C), `distributed` (multi-host start-up),
-`cli` (entry-point plumbing).
-
-It sits below `cbs.engine`: nothing here imports the training core.
+`cli` (entry-point plumbing). It sits below `cbs.engine`: nothing here imports the training core.
 """
 
 __all__ = [

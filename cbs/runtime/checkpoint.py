@@ -3,18 +3,16 @@
 A checkpoint at step s holds two items (`ocp.args.Composite`): `state`, the train state pytree
 as sharded arrays (`StandardSave`; every process writes its shards), and `meta`, a JSON object
 with the host-side state of an exact resume (step, examples seen, batch-size schedule, config
-hash, divergence rule; `cbs.engine.loop.Loop`). The learning rate is a pure function of the
-device state, so `meta` holds nothing of it.
+hash, divergence rule; `cbs.engine.loop.Loop`); the learning rate is a function of the state.
 
 Saves are asynchronous; `wait` (and `close`) block until they are durable. orbax completes a
 checkpoint by a rename (on gs://, by a commit file written last), so a kill during a save
 leaves the previous one as the latest. The directory may be remote (`gs://bucket/run/...`).
 
 Restoring the latest checkpoint survives damage: one that cannot be read is skipped with a
-`SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be
-saved again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are
-kept). Arrays that do not match the model (another architecture or size in the same workdir)
-are not damage: `CheckpointMismatchError`, one line.
+`SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be saved
+again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are kept). Arrays
+of another model (architecture or size) are not damage: `CheckpointMismatchError`, one line.
 """
 
 from __future__ import annotations
@@ -84,12 +82,9 @@ class _Manager(ocp.CheckpointManager):
 
 
 class Checkpointer:
-    """A thin wrapper around `ocp.CheckpointManager` for (state, meta) checkpoints.
-
-    directory: where the step directories live (created if missing; local or gs://);
-    max_to_keep: recent checkpoints to keep (None: all; at least _MIN_TO_KEEP); async_save:
-    write in the background or block in `save`.
-    """
+    """`ocp.CheckpointManager` for (state, meta) checkpoints in `directory` (created if
+    missing; local or gs://), keeping the `max_to_keep` newest (None: all; at least
+    _MIN_TO_KEEP); async_save: write in the background or block in `save`."""
 
     def __init__(self, directory: PathLike, *, max_to_keep: int | None = 2,
                  async_save: bool = True):
@@ -112,13 +107,12 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved.
-        A full disk (or another OS error) raises OSError naming the file or directory, here or
-        from `wait` and `close`; the complete checkpoints stay as they were."""
+        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved. An
+        OS error (a full disk) raises OSError naming the file or directory, here or from
+        `wait` and `close`; the complete checkpoints stay as they were."""
         with self._os_errors():
-            return self._manager.save(
-                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                              meta=ocp.args.JsonSave(meta)), force=True)
+            return self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
     @contextlib.contextmanager
     def _os_errors(self):
@@ -134,8 +128,7 @@ class Checkpointer:
         """Restores checkpoint `step` (latest when None) into `target`, a pytree of arrays or
         `jax.ShapeDtypeStruct`s whose shardings the restored arrays get. For the latest, a
         damaged checkpoint is skipped for an older one: read the step from the returned meta.
-        Raises CheckpointMismatchError when the stored arrays belong to another model.
-        """
+        Raises CheckpointMismatchError when the stored arrays belong to another model."""
         latest = self.latest_step()
         step = latest if step is None else step
         if step is None:
@@ -143,8 +136,7 @@ class Checkpointer:
         held = self.all_steps()
         if step != latest and step not in held:
             raise ValueError(f"no checkpoint at step {step} in {self.directory}: it holds "
-                             + (f"{_steps_text(held)}; ask for one of those" if held
-                                else "none"))
+                             + (f"{_steps_text(held)}; ask for one of those" if held else "none"))
         candidates = [s for s in reversed(held) if s <= step] if step == latest else [step]
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         skipped: list[tuple[int, str]] = []
@@ -156,9 +148,8 @@ class Checkpointer:
                 skipped.append((s, why.lstrip("!")))
                 continue
             try:
-                restored = self._manager.restore(
-                    s, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                               meta=ocp.args.JsonRestore()))
+                restored = self._manager.restore(s, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
             except Exception as err:  # a file cut short or garbled: damaged
                 skipped.append((s, _reason(err)))
                 continue
@@ -178,8 +169,7 @@ class Checkpointer:
                          "start over")
 
     def _mismatch(self, step: int, abstract: Any) -> str:
-        """'' when checkpoint `step`'s arrays match `abstract`; how they differ; or '!why'
-        when its metadata cannot be read."""
+        """'' when `step`'s arrays match `abstract`, else how they differ, or '!why' unreadable."""
         try:
             stored = _shapes(self._manager.item_metadata(step)["state"])
         except Exception as err:
@@ -222,8 +212,7 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 
 def _os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure (an OSError in its chain, or one made
-    from a message that says the disk is full, naming the file when the message does); None
-    for anything else (a bug)."""
+    from a message that says the disk is full); None for anything else (a bug)."""
     seen: set[int] = set()
     chain: BaseException | None = err
     code, texts = None, []

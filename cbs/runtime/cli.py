@@ -1,10 +1,6 @@
-"""Command-line entry points: a user error is one line and a non-zero exit; a bug keeps its
-traceback; a failed command leaves no empty directories behind.
-
-    from cbs.runtime import cli
-
-    if __name__ == "__main__":
-        cli.run(main, outputs=("workdir",))   # instead of absl's app.run(main)
+"""Command-line entry points (`run(main, outputs=("workdir",))` instead of absl's
+`app.run(main)`): a user error is one line and a non-zero exit; a bug keeps its traceback; a
+failed command leaves no empty directories behind.
 
 User errors are what a user fixes by changing the command: a `ValueError` raised by cbs or
 experiments code (a bad config field, argument, dataset or shard spec, a workdir holding
@@ -14,14 +10,11 @@ anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_V
 shows the traceback of user errors too.
 
 SIGTERM makes the running training save a checkpoint and stop (`cbs.runtime.preemption`):
-the command prints `preempted: <where, how to resume>` and exits with status 143. Ctrl-C
-does the same with `interrupted: ...` and status 130 (before training: one line, 130).
-
-orbax's log lines (the tracebacks of failed background writes) stay off the terminal unless
---verbose, and log lines below WARNING unless --verbosity is given.
-
-`outputs` names the flags that hold directories the command writes: any of them that the
-command created and that holds no file when it fails is removed again (with its parents).
+the command prints `preempted: <where, how to resume>` and exits with status 143; Ctrl-C
+prints `interrupted: ...` and exits with 130. orbax's log lines (tracebacks of failed
+background writes) stay off the terminal unless --verbose, and lines below WARNING unless
+--verbosity is given. `outputs` names the flags of directories the command writes: one that
+the command created and that holds no file when it fails is removed (with its parents).
 """
 
 from __future__ import annotations
@@ -56,17 +49,15 @@ if "verbose" not in flags.FLAGS:
 
 def required(flag: flags.FlagHolder[str | None]) -> str:
     """The value of a string flag marked required (absl refuses to start `main` without it)."""
-    value = flag.value
-    if value is None:  # unreachable once absl has checked the flag; states the type
+    if flag.value is None:  # unreachable once absl has checked the flag; states the type
         raise app.UsageError(f"--{flag.name} is required")
-    return value
+    return flag.value
 
 
 def _verbose() -> bool:
     """Whether user errors keep their tracebacks (--verbose or CBS_VERBOSE=1)."""
-    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    return bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
+    on = os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return on or bool(flags.FLAGS.is_parsed() and flags.FLAGS.verbose)
 
 
 def _raised_in_our_code(err: BaseException) -> bool:
@@ -80,13 +71,11 @@ def _raised_in_our_code(err: BaseException) -> bool:
 
 def is_missing_extra(err: BaseException) -> bool:
     """The ImportError cbs raises for a missing extra (naming the `pip install` line)."""
-    return (isinstance(err, ImportError) and "pip install" in str(err)
-            and _raised_in_our_code(err))
+    return (isinstance(err, ImportError) and "pip install" in str(err) and _raised_in_our_code(err))
 
 
 def _is_user_error(err: BaseException) -> bool:
-    """File-system errors, ValueErrors that cbs or experiments code raised on purpose, and a
-    missing optional extra."""
+    """File-system errors, ValueErrors raised in cbs or experiments code, a missing extra."""
     return isinstance(err, OSError) or is_missing_extra(err) or (
         isinstance(err, ValueError) and _raised_in_our_code(err))
 
@@ -118,15 +107,13 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
         except preemption.Preempted as err:
             print(f"{err.status}: {message(err)}", file=sys.stderr)
             sys.exit(err.exit_status)
-        except KeyboardInterrupt:  # Ctrl-C outside training (cbs.runtime.preemption)
+        except (KeyboardInterrupt, Exception) as err:
             for path in created:
                 paths.remove_if_empty(path)
-            print("interrupted (SIGINT): stopped outside training; what was written is kept, "
-                  "rerun the same command to go on", file=sys.stderr)
-            sys.exit(preemption.INTERRUPT_EXIT_STATUS)
-        except Exception as err:
-            for path in created:
-                paths.remove_if_empty(path)
+            if isinstance(err, KeyboardInterrupt):  # Ctrl-C outside training (preemption)
+                print("interrupted (SIGINT): stopped outside training; what was written is "
+                      "kept, rerun the same command to go on", file=sys.stderr)
+                sys.exit(preemption.INTERRUPT_EXIT_STATUS)
             if _verbose() or not _is_user_error(err):
                 raise
             print(f"error: {message(err)}", file=sys.stderr)
@@ -157,8 +144,7 @@ def _config_field_error(argv: Sequence[str], err: Exception) -> str:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing whose errors (bad flags, a bad config file or field) are one line and
-    exit status 2."""
+    """absl flag parsing whose errors are one line and exit status 2."""
     try:
         return flags.FLAGS(argv)
     except Exception as err:
@@ -190,8 +176,7 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
                if a.startswith("--config=")]
     for chain in _chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
-            return (f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: "
-                    f"{chain.msg}")
+            return f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: {chain.msg}"
         tb, where = chain.__traceback__, None
         while tb is not None:
             if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
@@ -203,20 +188,17 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
 
 
 def _not_from_quiet_library(record: logging.LogRecord) -> bool:
-    """A log filter: orbax's lines (a traceback per failed background write) and asyncio's
-    ("exception was never retrieved") reach stderr only with --verbose."""
+    """A log filter: orbax's and asyncio's lines reach stderr only with --verbose."""
     return _verbose() or not (record.name.startswith("asyncio")
                              or f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 def _quiet_closed_loops(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`sys.unraisablehook` without the tracebacks of tensorstore's write callbacks once a
-    failed save closed orbax's event loop."""
+    """`hook` minus tensorstore's write-callback tracebacks after orbax's event loop closed."""
 
     def quiet(unraisable: Any) -> None:
         err = unraisable.exc_value
-        if _verbose() or not (isinstance(err, RuntimeError)
-                             and str(err) == "Event loop is closed"):
+        if _verbose() or not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
             hook(unraisable)
 
     return quiet
@@ -241,8 +223,7 @@ _HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-?")
 
 
 def _command_help(module_name: str, program: str) -> str:
-    """A command's help: its module's docstring, the flags that module defines, then the flags
-    every command takes."""
+    """Its module's docstring, the flags that module defines, then those of every command."""
     module = sys.modules[module_name]
     own = flags.FLAGS.get_key_flags_for_module(module)
     lines = [f"usage: {program} [flags]", "", (module.__doc__ or "").strip(), "", "flags:"]
@@ -265,8 +246,7 @@ def _flag_help(flag: flags.Flag) -> str:
 
 
 def exit_on_help(main: Callable[[list[str]], Any], argv: Sequence[str]) -> None:
-    """On `--help` (`_HELP_FLAGS`) prints `_command_help` of `main`'s module and exits 0, before
-    any flag is parsed."""
+    """On `--help` (`_HELP_FLAGS`), before parsing flags: `_command_help` of `main`, exit 0."""
     if not any(a in _HELP_FLAGS for a in argv[1:]):
         return
     program = os.path.basename(argv[0]) if argv else "cbs"

@@ -5,17 +5,15 @@
     distributed.initialize("10.0.0.1:1234", 4, 2)    # explicit (the --coordinator_address,
                                                       # --num_processes, --process_id flags)
 
-Detection is JAX's own (`jax.distributed.initialize()` reads the environment): a multi-host
-Cloud TPU slice (TPU_WORKER_HOSTNAMES lists several workers), a Slurm step with several tasks
-or an Open MPI launch with several ranks. Elsewhere the run is one process. Call it before
-anything touches a device. Then every process runs the same program on the global mesh;
-process 0 writes records, all write their checkpoint shards: point --workdir or --sweep_dir
-at a directory every host sees (a shared file system or a bucket).
+Detection is JAX's own: a multi-host Cloud TPU slice (TPU_WORKER_HOSTNAMES lists several
+workers), a Slurm step with several tasks or an Open MPI launch with several ranks; elsewhere
+the run is one process. Call it before anything touches a device. Every process then runs the
+same program on the global mesh; process 0 writes records, all write their checkpoint shards:
+--workdir or --sweep_dir must be a directory every host sees (a shared file system, a bucket).
 
 `--distributed=auto|on|off` (`from_flags`): `auto` joins when the environment says so, `on`
-requires it (one line instead of training alone), `off` never joins, so each host runs its
-own program: with `--shard=auto` each takes the shard of its index in the environment
-(`host_shard`).
+requires it, `off` never joins, so each host runs its own program (with `--shard=auto`, the
+shard of its index in the environment: `host_shard`).
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def host_shard(environ: dict[str, str] | None = None) -> str | None:
-    """This host's shard "i/n" from its multi-process environment (None outside one): the TPU
-    worker, Slurm task or Open MPI rank."""
+    """This host's shard "i/n" (TPU worker, Slurm task or Open MPI rank), or None."""
     env = os.environ if environ is None else environ
     how = detect(env)
     if how == "tpu":
@@ -95,16 +92,12 @@ def from_flags(shard: str | None = None) -> str | None:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, mode: str = "auto",
-               timeout_s: int = 300) -> str:
-    """Joins this process to its multi-host runtime; returns how ("explicit", "tpu",
-    "slurm", "ompi", "single" when there is nothing to join, "off" when asked not to).
+               process_id: int | None = None, *, mode: str = "auto", timeout_s: int = 300) -> str:
+    """Joins this process to its multi-host runtime; returns how ("explicit", "tpu", "slurm",
+    "ompi", "single" when there is nothing to join, "off" when asked not to).
 
-    coordinator_address, num_processes, process_id: host:port of process 0, the process count
-    and this process's index (all three or none; given, they override detection); mode:
-    "auto", "on" (ValueError when there is nothing to join) or "off"; timeout_s: how long to
-    wait for the other processes.
-    """
+    coordinator_address, num_processes, process_id: all three or none; given, they override
+    detection. mode "on" raises ValueError when there is nothing to join."""
     if mode not in _MODES:
         raise ValueError(f"--distributed must be one of {', '.join(_MODES)}, got {mode!r}")
     explicit = coordinator_address is not None
@@ -123,9 +116,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         return "single"
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs: dict[str, Any] = dict(coordinator_address=coordinator_address,
-                                  num_processes=num_processes,
-                                  process_id=process_id) if explicit else {}
+    kwargs: dict[str, Any] = {} if not explicit else dict(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
     jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     return how
 

@@ -54,8 +54,7 @@ def number(section: Any, field: str, prefix: str, *, minimum: float = 0.0,
 def finite(section: Any, field: str, prefix: str) -> float:
     """A finite int or float (not a bool, NaN or ±inf); its range is the caller's check."""
     value = get(section, field, prefix)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{prefix}.{field}: must be a finite number, got {value!r}")
     return float(value)
 
@@ -63,7 +62,7 @@ def finite(section: Any, field: str, prefix: str) -> float:
 def _number_list(section: Any, field: str, prefix: str, what: str, *, whole: bool = False,
             minimum: float = 0.0, strict: bool = False) -> tuple[Any, ...]:
     """A tuple or list of finite numbers (ints when `whole`; never bools) ≥ minimum (> when
-    `strict`); `what` says what they are, for the message (e.g. "batch sizes")."""
+    `strict`); `what` names them in the message (e.g. "batch sizes")."""
     value = get(section, field, prefix)
     kind = "integers" if whole else "numbers"
     op = ">" if strict else ">="
@@ -80,9 +79,8 @@ def _number_list(section: Any, field: str, prefix: str, what: str, *, whole: boo
 def check_section(section: Any, prefix: str, *, integers: Mapping[str, int] | None = None,
                   finite_fields: Sequence[str] = (), switches: Sequence[str] = (),
                   lists: Mapping[str, tuple[str, bool, float, bool]] | None = None) -> None:
-    """The type and sign of each present field: `integers` {field: least value},
-    `finite_fields`, `switches` (bools), `lists` {field: `_number_list`'s (what, whole,
-    minimum, strict)}."""
+    """The type and sign of each present field: `integers` {field: least value}, `finite_fields`,
+    `switches` (bools), `lists` {field: `_number_list`'s (what, whole, minimum, strict)}."""
     for field, least in (integers or {}).items():
         if field in section:
             integer(section, field, prefix, minimum=least)
@@ -122,8 +120,7 @@ def as_mapping(config: Any) -> Mapping[str, Any]:
 
 
 def lookup(config: Mapping[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
-    """`config[name]` unless missing or None, then `default`; ValueError naming `where` and the
-    field when there is no default."""
+    """`config[name]` unless missing or None, then `default` (none: ValueError naming `where`)."""
     if name in config and config[name] is not None:
         return config[name]
     if default is _REQUIRED:

@@ -2,8 +2,7 @@
 
 A mesh has axes ("data", "model") of sizes (R, M) over R·M global devices. A global batch
 [B, ...] is split along its leading axis into R equal parts; parameters are replicated or
-sharded over "model" (FSDP-style or column-parallel). `global_batch` turns each process's
-slice of a batch into one global array.
+sharded over "model" (FSDP-style or column-parallel).
 
 Axis types are `AxisType.Auto`, so jit propagates the input shardings and models, losses and
 statistics need no sharding annotations (with `Explicit`, the embedding gather from a sharded
@@ -62,11 +61,9 @@ LM_RULES: _Rules = (
 )
 
 
-def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None
-              ) -> Mesh:
-    """Mesh of shape (data, model) with axes ("data", "model"), both AxisType.Auto: R = `data`
-    replicas (-1: all devices not used by `model`), M = `model`; R·M must equal the number of
-    `devices` (default: all global devices)."""
+def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (R, M) = (data, model) mesh (data -1: all devices not used by `model`); R·M must
+    equal the number of `devices` (default: all global devices)."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if model < 1 or n % model:
@@ -102,10 +99,8 @@ def _leaf_spec(shape: tuple[int, ...], mode: str, m: int, min_size: int) -> P:
         # Column-parallel: the output-feature (last) axis of kernels and tables.
         ok = len(shape) >= 2 and shape[-1] % m == 0
         return P(*(None,) * (len(shape) - 1), MODEL) if ok else P()
-    if math.prod(shape) < min_size:
-        return P()
     divisible = [i for i, n in enumerate(shape) if n % m == 0]
-    if not divisible:
+    if math.prod(shape) < min_size or not divisible:
         return P()
     axis = max(divisible, key=lambda i: shape[i])  # first of the largest on ties
     return P(*(MODEL if i == axis else None for i in range(len(shape))))
@@ -117,8 +112,7 @@ def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
     "replicated"; "fsdp" (leaves of at least `min_size` elements split over "model" along
     their largest axis divisible by M); "model" (leaves of rank >= 2 along their last axis
     when divisible by M); "fsdp_tp" / "tp" (by name, `rules`, with / without FSDP). A leaf
-    that cannot be split stays replicated.
-    """
+    that cannot be split stays replicated."""
     if mode not in _ALL_PARAM_MODES:
         raise ValueError(f"mesh.param_mode={mode!r} is not one of {_ALL_PARAM_MODES}")
     if mode in _NAMED_MODES:
@@ -132,12 +126,8 @@ def param_shardings(params: Any, mesh: Mesh, mode: str = "replicated", *,
 
 def path_name(path: tuple) -> str:
     """"blocks/wq" from a pytree key path (nnx Variable `.value` keys dropped)."""
-    parts = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-        if name != "value":
-            parts.append(str(name))
-    return "/".join(parts)
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(name) for name in names if name != "value")
 
 
 def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: _Rules = LM_RULES, *,
@@ -149,12 +139,9 @@ def named_spec(name: str, shape: tuple[int, ...], mesh: Mesh, rules: _Rules = LM
             if len(roles) > len(shape):
                 raise ValueError(f"sharding rule {pattern!r} names {len(roles)} axes; "
                                  f"parameter {name} has shape {shape}")
-            lead = (None,) * (len(shape) - len(roles))
-            spec = []
-            for n, role in zip(shape, lead + tuple(roles), strict=True):
-                a = axis[role]
-                spec.append(a if a is not None and n % mesh.shape[a] == 0 else None)
-            return P(*spec)
+            axes = [axis[r] for r in (None,) * (len(shape) - len(roles)) + tuple(roles)]
+            return P(*(a if a is not None and n % mesh.shape[a] == 0 else None
+                       for n, a in zip(shape, axes, strict=True)))
     return P()
 
 

@@ -1,26 +1,18 @@
 """Preemption and Ctrl-C: SIGTERM (what Slurm, Kubernetes and TPU maintenance send before they
 kill a job) and SIGINT ask the run to save a checkpoint and stop, instead of dying mid-step.
 
-    from cbs.runtime import preemption
+`install` (which `cbs.runtime.cli.run` calls) replaces the SIGTERM and SIGINT handlers with ones
+that set a flag. The training loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it
+writes the records read so far, saves a checkpoint, writes status.json ("preempted" or
+"interrupted") and raises `Preempted`; sweeps and studies check it between runs too. The command
+exits with status 143 (128 + SIGTERM) or 130; rerunning it resumes, bit-identically on CPU. A second
+Ctrl-C stops at once; outside training (`active`) SIGINT stays a `KeyboardInterrupt`.
 
-    preemption.install()        # the entry points do this (cbs.runtime.cli.run)
-    ...                         # the loop checks preemption.requested() before each step
-
-`install` replaces the SIGTERM and SIGINT handlers with ones that set a flag. The training
-loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it writes the records read so
-far, saves a checkpoint, writes status.json ("preempted" or "interrupted") and raises
-`Preempted`; sweeps and studies check it between runs too. A command then exits with status
-143 (128 + SIGTERM, what a killed job reports) or 130; rerunning it resumes, bit-identically
-on CPU. A second Ctrl-C stops at once (what was written stays valid). Outside training
-(`active` not entered) SIGINT stays a `KeyboardInterrupt`. Without `install` both signals
-keep their usual effect.
-
-Several processes must stop at the same step, so there the check is JAX's preemption sync
-point (`multihost_utils.reached_preemption_sync_point`, whose SIGTERM handler
-`jax.distributed.initialize` installs): each `requested()` is one protocol call, and all
-processes get True at the same call, so they save at the same step as long as they make the
-same calls in the same order. A Ctrl-C is passed on as a SIGTERM to this process. Install
-before `jax.distributed.initialize`, so as not to replace the service's handler.
+Several processes must stop at the same step, so there the check is JAX's preemption sync point
+(`multihost_utils.reached_preemption_sync_point`; `jax.distributed.initialize` installs its SIGTERM
+handler): all processes get True at the same `requested()` call, so they save at the same step if
+they make the same calls in the same order. A Ctrl-C is passed on as a SIGTERM to this process.
+Install before `jax.distributed.initialize`, so as not to replace the service's handler.
 """
 
 from __future__ import annotations
@@ -45,15 +37,15 @@ _state: dict[str, Any] = {"signal": None, "active": 0, "calls": 0, "synced": Fal
 
 
 class Preempted(Exception):  # noqa: N818 (an event, not an error)
-    """The run was asked to stop (SIGTERM or SIGINT) and saved a checkpoint; rerun it to
-    resume. `status` is "preempted" or "interrupted"; `exit_status` 143 or 130."""
+    """The run was asked to stop and saved a checkpoint. `status`: "preempted" or "interrupted";
+    `exit_status`: 143 or 130."""
 
     def __init__(self, message: str, summary: dict[str, Any] | None = None):
         super().__init__(message)
         self.summary = summary or {}
         self.status = status()
-        self.exit_status = INTERRUPT_EXIT_STATUS if self.status == "interrupted" else (
-            EXIT_STATUS)
+        interrupted = self.status == "interrupted"
+        self.exit_status = INTERRUPT_EXIT_STATUS if interrupted else EXIT_STATUS
 
 
 def _distributed() -> bool:
@@ -82,8 +74,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def install() -> bool:
-    """Turns SIGTERM and SIGINT into a request to checkpoint and stop; True if installed (only
-    the main thread can)."""
+    """Turns SIGTERM and SIGINT into a stop request; True if installed (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     if not _distributed():
@@ -94,8 +85,7 @@ def install() -> bool:
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
-    """Marks training in progress: within it the first SIGINT is a request to checkpoint and
-    stop (outside, a `KeyboardInterrupt`)."""
+    """Marks training in progress: within it the first SIGINT is a stop request."""
     _state["active"] += 1
     try:
         yield

@@ -1,16 +1,16 @@
-"""Progress of a run: the loss EMA, the divergence rule, the evaluation schedule.
+"""Progress of a run (`cbs.engine.loop.Loop`, `cbs.sweeps.groups`): the loss EMA, the divergence
+rule, the evaluation schedule.
 
-Single runs (`cbs.engine.loop.Loop`) and vmapped groups of trials (`cbs.sweeps.groups`) both
-use these. Divergence (one rule for every run): a run has diverged at the first observation that is
-non-finite, or that ends a streak of `patience` consecutive observations above
-`factor` × the initial (first finite) observation. A transient spike shorter than `patience`
-that comes back under the threshold is not a divergence. `factor = 0` keeps only the
-non-finite test.
+Divergence (one rule for every run): a run has diverged at the first observation that is
+non-finite, or that ends a streak of `patience` consecutive observations above `factor` × the
+initial (first finite) observation; a shorter spike is not a divergence. `factor = 0` keeps
+only the non-finite test.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -33,11 +33,9 @@ def ema_update(ema: Any, value: Any, decay: float) -> Any:
 
 def ema_curve(values: Sequence[float], decay: float) -> list[float]:
     """The loss EMA after each of `values` in turn (`ema_update` from NaN), as floats."""
-    out, ema = [], math.nan
-    for v in values:
-        ema = ema_update(ema, float(v), decay)
-        out.append(ema)
-    return out
+    steps = itertools.accumulate(values, lambda ema, v: ema_update(ema, float(v), decay),
+                                 initial=math.nan)
+    return list(steps)[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +43,7 @@ class DivergenceState:
     """What the rule remembers between observations (JSON-serialisable, for checkpoints):
     initial, the first finite observation (NaN before it); streak, consecutive observations
     above the threshold, the first at index streak_start (-1: none); seen, observations so
-    far; diverged_at, the index of the divergence (-1: none) and its reason in words.
-    """
+    far; diverged_at, the index of the divergence (-1: none) and its reason in words."""
 
     initial: float = math.nan
     streak: int = 0
@@ -75,9 +72,8 @@ class DivergenceState:
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceRule:
-    """The divergence rule (module docstring) over a run's progress losses in order: the
-    batch loss of each step of a single run, the progress metric at each evaluation of a
-    sweep trial."""
+    """The divergence rule (module docstring) over a run's progress losses in order: each step's
+    batch loss of a single run, each evaluation's progress metric of a sweep trial."""
 
     factor: float = 0.0
     patience: int = 1

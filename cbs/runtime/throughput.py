@@ -2,13 +2,12 @@
 
     MFU = (model FLOPs per example × examples per second) / (peak FLOP/s per device × devices)
 
-Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention,
-Kaplan et al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as
-overhead. Peaks (`_PEAK_FLOPS`) are dense bfloat16 per device from data sheets; an unknown device
-(any CPU) gives no MFU. Timing is on the host between metric reads (`Meter`): each train
-record of a read window gets the window's mean step time; the first (compilation) is untimed.
-
-Also here, set by `config.perf`: a `jax.profiler` trace window and the compilation cache.
+Model FLOPs are the matmul FLOPs of the model as written (6·N per token plus attention, Kaplan et
+al. 2020 §2.1), so rematerialisation, the noise estimate and padding count as overhead. Peaks
+(`_PEAK_FLOPS`) are dense bfloat16 per device from data sheets; an unknown device (any CPU) gives no
+MFU. Timing is on the host between metric reads (`Meter`): each train record of a read window gets
+the window's mean step time; the first (compilation) is untimed. Also here, set by `config.perf`: a
+`jax.profiler` trace window and the compilation cache.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ __all__ = [
     "model_flops_per_example", "peak_flops", "rates", "validate_config",
 ]
 
-# Dense bfloat16 peak FLOP/s of one device, by a substring of `jax.Device.device_kind`
-# (first match in this order). TPU: per chip (v4/v5p: a megacore chip is one device).
+# By a substring of `jax.Device.device_kind`, first match; TPU: a chip (v4/v5p megacore: one).
 _PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("TPU v5 lite", 197e12),
     ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
@@ -52,17 +50,13 @@ def peak_flops(device: jax.Device | None = None) -> float | None:
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return None
-    kind = device.device_kind
-    for name, flops in _PEAK_FLOPS:
-        if name.lower() in kind.lower():
-            return flops
-    return None
+    kind = device.device_kind.lower()
+    return next((flops for name, flops in _PEAK_FLOPS if name.lower() in kind), None)
 
 
 def model_flops_per_example(config: Any, input_shape: tuple[int, ...],
                             vocab_size: int | None) -> float | None:
-    """Training FLOPs of one example from the model's registry entry
-    (`cbs.models.registry.flops_per_example`); None for architectures without a formula."""
+    """`cbs.models.registry.flops_per_example` (None for architectures without a formula)."""
     return registry.flops_per_example(
         config.model, registry.ModelInputs(tuple(input_shape), None, vocab_size))
 
@@ -72,8 +66,7 @@ def rates(examples: int, seconds: float, steps: int, *, tokens_per_example: int 
           devices: int = 1) -> dict[str, float]:
     """perf/* of `steps` steps that consumed `examples` in `seconds`: examples/s, tokens/s,
     step time (s) and, when both FLOPs and the peak are known, MFU in [0, 1]."""
-    out = {"perf/step_time_s": seconds / max(steps, 1),
-           "perf/examples_per_s": examples / seconds,
+    out = {"perf/step_time_s": seconds / max(steps, 1), "perf/examples_per_s": examples / seconds,
            "perf/tokens_per_s": examples * tokens_per_example / seconds}
     if flops_per_example and peak:
         out["perf/mfu"] = flops_per_example * examples / seconds / (peak * devices)
@@ -139,8 +132,7 @@ def enable_compilation_cache(directory: str) -> None:
 
 @dataclasses.dataclass
 class Perf:
-    """What the host loop calls: `at_step(t)` before a dispatch, `annotate(records)` after a
-    read, `close()` at the end."""
+    """The host loop's calls: `at_step(t)` before a dispatch, `annotate(records)` after a read."""
 
     meter: Meter | None
     profile: ProfileWindow

@@ -3,12 +3,9 @@
 shows a progress bar; `CountBar` is the bar of a study's finished trials.
 
 On an object store (`gs://...`), which has no append, records are held in memory and `sync`
-(before each checkpoint, and at `close`) writes them in one atomic write; a resume drops
-records past its checkpoint anyway.
-
-Bars go through `tqdm.auto` (a widget in a notebook, a bar on a terminal); elsewhere (a Slurm
-or CI log) `LogLines` prints a line in tqdm's format every `LOG_INTERVAL_S` seconds and at
-the end, never a stream of carriage returns.
+(before each checkpoint, and at `close`) writes them in one atomic write. Bars go through
+`tqdm.auto` (a widget in a notebook, a bar on a terminal); elsewhere (a Slurm or CI log)
+`LogLines` prints a line in tqdm's format every `LOG_INTERVAL_S` seconds and at the end.
 """
 
 from __future__ import annotations
@@ -54,17 +51,10 @@ def in_notebook() -> bool:
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
 
-def _isatty(file: Any) -> bool:
-    try:
-        return bool(file.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
 class LogLines:
-    """A progress bar for logs with the part of tqdm's interface used here: a line in tqdm's
-    format ("label: 40%|####  | 4/10 [00:12<00:18, 3.00s/step, loss=1.2]") every `interval`
-    seconds of updates, and one at `close`."""
+    """A bar for logs with the part of tqdm's interface used here: a line in tqdm's format
+    ("label: 40%|####  | 4/10 [00:12<00:18, 3.00s/step, loss=1.2]") every `interval` seconds
+    of updates, and one at `close`."""
 
     def __init__(self, total: int | None, *, unit: str = "it", initial: int = 0,
                  desc: str | None = None, file: Any = None, interval: float | None = None):
@@ -106,11 +96,13 @@ class LogLines:
 def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | None = None,
                  leave: bool = True, file: Any = None, interval: float | None = None,
                  **tqdm_kwargs: Any) -> Any:
-    """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines` (a line every
-    `interval` seconds); total None: unknown; file: stderr by default; `tqdm_kwargs`: more
-    arguments of tqdm's bar."""
+    """A `tqdm.auto` bar in a notebook or on a terminal, else `LogLines` (file: stderr default)."""
     stream = sys.stderr if file is None else file
-    if in_notebook() or _isatty(stream):
+    try:
+        tty = bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        tty = False
+    if in_notebook() or tty:
         from tqdm.auto import tqdm
 
         try:
@@ -118,19 +110,15 @@ def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | 
                         file=stream, **tqdm_kwargs)
         except ImportError:  # a notebook without ipywidgets: lines in the output instead
             pass
-    return LogLines(total, unit=unit, initial=initial, desc=desc, file=stream,
-                    interval=interval)
+    return LogLines(total, unit=unit, initial=initial, desc=desc, file=stream, interval=interval)
 
 
 @dataclasses.dataclass(frozen=True)
 class Outputs:
-    """What a run shows and writes besides `metrics.jsonl` (on process 0).
-
-    progress: a progress bar; tensorboard: events in `workdir/tensorboard`; wandb: the W&B
-    project ("" = none); wandb_group: the W&B group ("" = none); label: the bar's label and
-    the W&B run's name ("" = the run directory's name); nested: a bar inside another one, not
-    left behind when done.
-    """
+    """What a run shows and writes besides `metrics.jsonl` (on process 0): progress: a bar;
+    tensorboard: events in `workdir/tensorboard`; wandb, wandb_group: the W&B project and group
+    ("" = none); label: the bar's label and the W&B run's name ("" = the run directory's
+    name); nested: a bar inside another one, not left behind when done."""
 
     progress: bool = True
     tensorboard: bool = False
@@ -180,15 +168,13 @@ class MetricsWriter:
     """Appends a run's records to `metrics.jsonl`, mirrors them, shows a progress bar.
 
     start_step: the restored step (records at or after it are dropped first); total_steps: the
-    bar's length (None: unknown); enabled: False on processes other than 0 (every method a
-    no-op); progress ... nested: as `Outputs`; hparams: the run's config, for W&B.
-    """
+    bar's length; enabled: False on processes other than 0 (every method a no-op); progress
+    ... nested: as `Outputs`; hparams: the run's config, for W&B."""
 
     def __init__(self, workdir: PathLike, *, start_step: int = 0,
                  total_steps: int | None = None, enabled: bool = True, progress: bool = True,
                  tensorboard: bool = False, wandb: str = "", wandb_group: str = "",
-                 label: str = "", nested: bool = False,
-                 hparams: Mapping[str, Any] | None = None):
+                 label: str = "", nested: bool = False, hparams: Mapping[str, Any] | None = None):
         self.enabled = enabled
         self.path = paths.join(workdir, METRICS_FILE)
         self.jsonl: JsonlWriter | None = None
@@ -214,11 +200,8 @@ class MetricsWriter:
                                      dynamic_ncols=True, mininterval=1.0)
 
     def write(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Appends whole records in one write; mirrors their numeric fields
-        (`cbs.results.writers.record_scalars`)."""
-        if self.jsonl is None:
-            return
-        plain = self.jsonl.write_records(records)
+        """Appends whole records in one write; mirrors their numeric fields."""
+        plain = [] if self.jsonl is None else self.jsonl.write_records(records)
         if not plain:
             return
         for r in plain:
@@ -228,8 +211,7 @@ class MetricsWriter:
         self._update_bar(plain)
 
     def _update_bar(self, records: list[dict[str, Any]]) -> None:
-        """Advances the bar to the last step done (a train record's step too, an
-        evaluation's not)."""
+        """Advances the bar to the last step done (a train record's step too)."""
         if self._bar is None:
             return
         done = max(r["step"] + (r.get("kind") == "train") for r in records)
@@ -268,12 +250,8 @@ class MetricsWriter:
 
 
 class CountBar:
-    """A `progress_bar` of a study's finished units (trials, ramps, branch units); lines given
-    to `log` appear above it.
-
-    total: units to run; unit: what one is called; enabled: False turns the bar off; log:
-    where lines go (print: stdout, around the bar); file, interval: as `progress_bar`.
-    """
+    """A `progress_bar` of a study's finished units (trials, ramps, branch units); `log` takes
+    the lines to show (print: stdout, above the bar); file, interval: as `progress_bar`."""
 
     def __init__(self, total: int, *, unit: str = "trial", enabled: bool = True,
                  log: Callable[[str], Any] = print, file: Any = None,
