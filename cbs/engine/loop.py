@@ -173,7 +173,7 @@ class Loop:
         self.outputs = outputs or writer.Outputs.from_config(self.config)
         self.compilations = compilations
         self.primary = jax.process_index() == 0
-        self.perf = perf or throughput.from_config(self.config, self.workdir)  # perf hook
+        self.perf = perf or throughput.for_run(self.config, self.workdir)  # perf hook
         self.pending: list[_Pending] = []
         self.stop_requested = False
         self.last_train: dict[str, Any] = {}

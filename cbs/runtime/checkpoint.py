@@ -1,18 +1,15 @@
 """Checkpoints: the only module that touches orbax.
 
-A checkpoint at step s holds two items (`ocp.args.Composite`): `state`, the train state pytree
-as sharded arrays (`StandardSave`; every process writes its shards), and `meta`, a JSON object
-with the host-side state of an exact resume (step, examples seen, batch-size schedule, config
-hash, divergence rule; `cbs.engine.loop.Loop`); the learning rate is a function of the state.
-
-Saves are asynchronous; `wait` (and `close`) block until they are durable. orbax completes a
-checkpoint by a rename (on gs://, by a commit file written last), so a kill during a save
-leaves the previous one as the latest. The directory may be remote (`gs://bucket/run/...`).
+A checkpoint at step s holds `state`, the train state pytree as sharded arrays (every process
+writes its shards), and `meta`, a JSON object with the host-side state of an exact resume
+(`cbs.engine.loop.Loop`). Saves are asynchronous; `wait` (and `close`) block until they are
+durable. orbax completes a checkpoint by a rename (on gs://, a commit file written last), so a
+kill during a save leaves the previous one as the latest.
 
 Restoring the latest checkpoint survives damage: one that cannot be read is skipped with a
 `SkippedCheckpointWarning`, moved aside to `checkpoints.skipped/<step>` (so that step can be saved
 again), and the newest intact one before it is restored (at least `_MIN_TO_KEEP` are kept). Arrays
-of another model (architecture or size) are not damage: `CheckpointMismatchError`, one line.
+of another model are not damage: `CheckpointMismatchError`.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from cbs.results import paths, records
 from cbs.results.paths import PathLike
+from cbs.runtime import cli
 
 __all__ = [
     "CHECKPOINT_DIR", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
@@ -82,9 +80,8 @@ class _Manager(ocp.CheckpointManager):
 
 
 class Checkpointer:
-    """`ocp.CheckpointManager` for (state, meta) checkpoints in `directory` (created if
-    missing; local or gs://), keeping the `max_to_keep` newest (None: all; at least
-    _MIN_TO_KEEP); async_save: write in the background or block in `save`."""
+    """(state, meta) checkpoints in `directory` (local or gs://), keeping the `max_to_keep`
+    newest (None: all; at least _MIN_TO_KEEP); async_save: write in the background."""
 
     def __init__(self, directory: PathLike, *, max_to_keep: int | None = 2,
                  async_save: bool = True):
@@ -107,9 +104,8 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Starts saving `state` and `meta` as checkpoint `step`; returns whether it saved. An
-        OS error (a full disk) raises OSError naming the file or directory, here or from
-        `wait` and `close`; the complete checkpoints stay as they were."""
+        """Starts saving checkpoint `step`; returns whether it saved. An OS error (a full disk)
+        raises OSError naming the file, here or from `wait` and `close`."""
         with self._os_errors():
             return self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -127,8 +123,7 @@ class Checkpointer:
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restores checkpoint `step` (latest when None) into `target`, a pytree of arrays or
         `jax.ShapeDtypeStruct`s whose shardings the restored arrays get. For the latest, a
-        damaged checkpoint is skipped for an older one: read the step from the returned meta.
-        Raises CheckpointMismatchError when the stored arrays belong to another model."""
+        damaged checkpoint is skipped for an older one: read the step from the returned meta."""
         latest = self.latest_step()
         step = latest if step is None else step
         if step is None:
@@ -195,12 +190,11 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Blocks until every started save is complete on disk."""
+        """Blocks until every started save is durable."""
         with self._os_errors():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
         try:
             self.wait()
         finally:
@@ -213,18 +207,13 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 def _os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure (an OSError in its chain, or one made
     from a message that says the disk is full); None for anything else (a bug)."""
-    seen: set[int] = set()
-    chain: BaseException | None = err
-    code, texts = None, []
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        if isinstance(chain, OSError) and chain.errno:
-            if chain.filename:
-                return chain
-            code = code or chain.errno
-        texts.append(str(chain))
-        chain = chain.__cause__ or chain.__context__
-    text = " ".join(texts)
+    chain = list(cli.exception_chain(err))
+    found = [c for c in chain if isinstance(c, OSError) and c.errno]
+    for c in found:
+        if c.filename:
+            return c
+    code = found[0].errno if found else None
+    text = " ".join(map(str, chain))
     if code is None and any(s in text for s in _NO_SPACE):
         code = errno.EDQUOT if "quota" in text else errno.ENOSPC
     if code is None and "File too large" in text:  # a file size limit (ulimit -f)

@@ -2,21 +2,14 @@
 `app.run(main)`): a user error is one line and a non-zero exit; a bug keeps its traceback; a
 failed command leaves no empty directories behind.
 
-User errors are what a user fixes by changing the command: a `ValueError` raised by cbs or
-experiments code (a bad config field, argument, dataset or shard spec, a workdir holding
-another model's checkpoint), an `OSError`, and the `ImportError` naming the install line of a
-missing optional extra. They print `error: <message>` on stderr and exit with status 2;
-anything else is a bug and keeps its traceback (status 1). `--verbose` or `CBS_VERBOSE=1`
-shows the traceback of user errors too.
-
-SIGTERM makes the running training save a checkpoint and stop (`cbs.runtime.preemption`):
-the command prints `preempted: <where, how to resume>` and exits with status 143; Ctrl-C
-prints `interrupted: ...` and exits with 130. orbax's log lines (tracebacks of failed
-background writes) stay off the terminal unless --verbose, and lines below WARNING unless
---verbosity is given. `outputs` names the flags of directories the command writes: one that
-the command created and that holds no file when it fails is removed (with its parents).
+User errors (a `ValueError` raised by cbs or experiments code, an `OSError`, the `ImportError`
+naming the install line of a missing extra) print `error: <message>` on stderr and exit with
+status 2; `--verbose` or `CBS_VERBOSE=1` keeps their traceback. A stopped training exits 143
+(SIGTERM) or 130 (Ctrl-C; `cbs.runtime.preemption`). orbax's log lines stay off the terminal
+unless --verbose, and lines below WARNING unless --verbosity is given. `outputs` names the
+flags of the directories the command writes: one it created that holds no file when it fails
+is removed. docs/guides/faults.md ("Bad input", "Preemption and Ctrl-C") gives the details.
 """
-
 from __future__ import annotations
 
 import errno
@@ -24,6 +17,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,8 +28,8 @@ from cbs.results import paths
 from cbs.runtime import preemption
 
 __all__ = [
-    "USER_ERROR_EXIT", "VERBOSE_ENV", "exit_on_help", "guarded", "is_missing_extra", "message",
-    "required", "run",
+    "USER_ERROR_EXIT", "VERBOSE_ENV", "exception_chain", "exit_on_help", "guarded",
+    "is_missing_extra", "message", "required", "run",
 ]
 
 VERBOSE_ENV = "CBS_VERBOSE"
@@ -61,12 +55,8 @@ def _verbose() -> bool:
 
 
 def _raised_in_our_code(err: BaseException) -> bool:
-    tb = err.__traceback__
-    last = None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(
-        _OUR_CODE)
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_OUR_CODE)
 
 
 def is_missing_extra(err: BaseException) -> bool:
@@ -123,7 +113,7 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
     return wrapped
 
 
-def _chain(err: BaseException | None) -> Iterator[BaseException]:
+def exception_chain(err: BaseException | None) -> Iterator[BaseException]:
     """`err`, then its causes and contexts (each once)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
@@ -156,7 +146,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def _flag_error(argv: list[str], err: Exception) -> str:
     """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
     if isinstance(err, flags.Error):  # the first user error inside the flag library's wrappers
-        cause = next((c for c in _chain(err) if _is_user_error(c)), err)
+        cause = next((c for c in exception_chain(err) if _is_user_error(c)), err)
         if _verbose() and cause is not err:
             raise cause from None
         return message(cause)
@@ -174,16 +164,13 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
     the --config file itself; else None."""
     configs = [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
                if a.startswith("--config=")]
-    for chain in _chain(err):
+    for chain in exception_chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
             return f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: {chain.msg}"
-        tb, where = chain.__traceback__, None
-        while tb is not None:
-            if os.path.abspath(tb.tb_frame.f_code.co_filename) in configs:
-                where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-            tb = tb.tb_next
-        if where is not None and not _is_user_error(chain):  # a user error says what to do
-            return f"{where[0]}:{where[1]}: {type(chain).__name__}: {message(chain)}"
+        at = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(chain.__traceback__)
+              if os.path.abspath(f.filename) in configs]
+        if at and not _is_user_error(chain):  # a user error says what to do
+            return f"{at[-1]}: {type(chain).__name__}: {message(chain)}"
     return None
 
 

@@ -5,17 +5,12 @@
     distributed.initialize("10.0.0.1:1234", 4, 2)    # explicit (the --coordinator_address,
                                                       # --num_processes, --process_id flags)
 
-Detection is JAX's own: a multi-host Cloud TPU slice (TPU_WORKER_HOSTNAMES lists several
-workers), a Slurm step with several tasks or an Open MPI launch with several ranks; elsewhere
-the run is one process. Call it before anything touches a device. Every process then runs the
-same program on the global mesh; process 0 writes records, all write their checkpoint shards:
---workdir or --sweep_dir must be a directory every host sees (a shared file system, a bucket).
-
-`--distributed=auto|on|off` (`from_flags`): `auto` joins when the environment says so, `on`
-requires it, `off` never joins, so each host runs its own program (with `--shard=auto`, the
-shard of its index in the environment: `host_shard`).
+Detection is JAX's own (`detect`); elsewhere the run is one process. Call it before anything
+touches a device. `--distributed=auto|on|off` (`from_flags`): `auto` joins when the
+environment says so, `on` requires it, `off` never joins (with `--shard=auto`, each host runs
+the shard of its index: `host_shard`). docs/scaling.md gives each platform's commands and
+where the records and checkpoints of several hosts go.
 """
-
 from __future__ import annotations
 
 import os
@@ -95,9 +90,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, *, mode: str = "auto", timeout_s: int = 300) -> str:
     """Joins this process to its multi-host runtime; returns how ("explicit", "tpu", "slurm",
     "ompi", "single" when there is nothing to join, "off" when asked not to).
-
-    coordinator_address, num_processes, process_id: all three or none; given, they override
-    detection. mode "on" raises ValueError when there is nothing to join."""
+    coordinator_address, num_processes, process_id: all three or none (override detection)."""
     if mode not in _MODES:
         raise ValueError(f"--distributed must be one of {', '.join(_MODES)}, got {mode!r}")
     explicit = coordinator_address is not None

@@ -1,20 +1,17 @@
 """Preemption and Ctrl-C: SIGTERM (what Slurm, Kubernetes and TPU maintenance send before they
 kill a job) and SIGINT ask the run to save a checkpoint and stop, instead of dying mid-step.
 
-`install` (which `cbs.runtime.cli.run` calls) replaces the SIGTERM and SIGINT handlers with ones
-that set a flag. The training loop (`cbs.engine.loop.Loop`) reads it at each step boundary: it
-writes the records read so far, saves a checkpoint, writes status.json ("preempted" or
-"interrupted") and raises `Preempted`; sweeps and studies check it between runs too. The command
-exits with status 143 (128 + SIGTERM) or 130; rerunning it resumes, bit-identically on CPU. A second
+`install` (which `cbs.runtime.cli.run` calls) replaces both handlers with ones that set a flag,
+which the training loop (`cbs.engine.loop.Loop`) reads at each step boundary (sweeps and
+studies between runs too): it saves, records the status and raises `Preempted`. A second
 Ctrl-C stops at once; outside training (`active`) SIGINT stays a `KeyboardInterrupt`.
 
-Several processes must stop at the same step, so there the check is JAX's preemption sync point
-(`multihost_utils.reached_preemption_sync_point`; `jax.distributed.initialize` installs its SIGTERM
-handler): all processes get True at the same `requested()` call, so they save at the same step if
-they make the same calls in the same order. A Ctrl-C is passed on as a SIGTERM to this process.
-Install before `jax.distributed.initialize`, so as not to replace the service's handler.
+On several processes the check is JAX's preemption sync point (`jax.distributed.initialize`
+installs its SIGTERM handler, so install before it): all processes get True at the same
+`requested()` call, so they save at the same step if they make the same calls in the same
+order. A Ctrl-C is passed on as a SIGTERM to this process. docs/scaling.md ("Resuming after
+preemption") gives the exit statuses and the resume.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +41,7 @@ class Preempted(Exception):  # noqa: N818 (an event, not an error)
         super().__init__(message)
         self.summary = summary or {}
         self.status = status()
-        interrupted = self.status == "interrupted"
-        self.exit_status = INTERRUPT_EXIT_STATUS if interrupted else EXIT_STATUS
+        self.exit_status = INTERRUPT_EXIT_STATUS if self.status == "interrupted" else EXIT_STATUS
 
 
 def _distributed() -> bool:

@@ -23,7 +23,7 @@ from cbs.models import registry
 from cbs.runtime import fields
 
 __all__ = [
-    "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_run", "from_config",
+    "Meter", "Perf", "ProfileWindow", "enable_compilation_cache", "for_run",
     "model_flops_per_example", "peak_flops", "rates", "validate_config",
 ]
 
@@ -148,24 +148,20 @@ class Perf:
         self.profile.close()
 
 
-def from_config(config: Any, workdir: str, *, input_shape: tuple[int, ...] = (),
-                vocab_size: int | None = None, devices: int | None = None) -> Perf:
-    """`Perf` from `config.perf` (absent fields: everything off)."""
+def for_run(config: Any, workdir: str, dataset: Any = None, mesh: Any = None) -> Perf:
+    """`Perf` from `config.perf` (absent fields: everything off) for a run on `dataset` (a
+    `cbs.data.Dataset`, its shapes; None: none known) and `mesh` (None: all devices)."""
     p = config.get("perf", None) or {}
     enable_compilation_cache(p.get("compilation_cache_dir", ""))
     meter = None
     if p.get("records", False):
+        input_shape = () if dataset is None else tuple(dataset.input_shape)
+        vocab_size = None if dataset is None else dataset.vocab_size
         lm_task = vocab_size is not None and len(input_shape) == 1
         meter = Meter(tokens_per_example=int(input_shape[-1]) if lm_task else 1,
                       flops_per_example=model_flops_per_example(config, input_shape, vocab_size),
                       peak=p.get("peak_flops", 0.0) or peak_flops(),
-                      devices=devices or jax.device_count())
+                      devices=jax.device_count() if mesh is None else mesh.size)
     profile = ProfileWindow(p.get("profile_start", -1), p.get("profile_steps", 5),
                             os.path.join(workdir, "profile"))
     return Perf(meter, profile)
-
-
-def for_run(config: Any, workdir: str, dataset: Any, mesh: Any) -> Perf:
-    """`from_config` for a run on `dataset` (a `cbs.data.Dataset`, its shapes) and `mesh`."""
-    return from_config(config, workdir, input_shape=tuple(dataset.input_shape),
-                       vocab_size=dataset.vocab_size, devices=mesh.size)
