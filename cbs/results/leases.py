@@ -2,12 +2,11 @@
 A claim only divides the work (records are write-once parts): a group of trials run twice by
 mistake costs time, never a record.
 
-- Local: an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the process ends.
-- Object store: a lease object `<dir>/<name>.<epoch>.lease` holding the owner (host, pid) and
-  its expiry, created with a does-not-exist precondition (one claimant gets it) and renewed
-  every quarter of `lease_seconds()` until `release` deletes it; an expired lease, or one of a
-  dead process of this host, is taken over by creating the next epoch. Hosts' clocks must
-  agree to well within the lease.
+Locally a claim is an fcntl lock on `<dir>/<name>.lock`, released by `release` or when the
+process ends. On an object store it is a lease object `<dir>/<name>.<epoch>.lease` holding the
+owner (host, pid) and its expiry, created with a does-not-exist precondition (one claimant gets
+it) and renewed every quarter of `lease_seconds()` until `release` deletes it; an expired
+lease, or one of a dead process of this host, is taken over by creating the next epoch.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def lease_seconds() -> float:
 
 @dataclasses.dataclass
 class Claim:
-    """A held claim: the lock file's descriptor, or the lease and its renewing thread."""
+    """A held claim: the lock file's descriptor, or the lease's renewing thread."""
 
     name: str
     path: str

@@ -3,11 +3,11 @@
 `metrics.jsonl` holds one JSON object per line, appended in whole lines: `step` (updates
 applied to the parameters it describes), `kind` ("train" or "eval") and slash-separated metric
 keys (`train/loss`, `opt/lr`, `eval/loss`, ...), non-finite numbers as `NaN`/`Infinity`. A torn
-last line (no final newline) is not a record, and `append_records` cuts it off first
-(`repair_tail`); a complete line that is not a JSON object holding the required keys is skipped
-with a `CorruptRecordWarning` naming the file and line, and what it recorded counts as not
-done. Locally a replacement is a temporary file, fsync and rename, and an append one `write` on
-an O_APPEND descriptor; on an object store (`gs://...`) both are one write of the object.
+last line (no final newline) is not a record, and `append_records` cuts it off first; a
+complete line that is not a JSON object holding the required keys is skipped with a
+`CorruptRecordWarning`, and what it recorded counts as not done. Locally a replacement is a
+temporary file, fsync and rename, and an append one `write` on an O_APPEND descriptor; on an
+object store (`gs://...`) both are one write of the object.
 """
 
 from __future__ import annotations
@@ -126,14 +126,8 @@ def lines_in(raw: bytes, path: PathLike, required: Sequence[str]
     return out
 
 
-def repair_tail(path: PathLike) -> int:
-    """Cuts a torn last line (bytes after the final newline) off `path`; returns how many."""
-    if paths.is_remote(path):
-        raw = paths.read_bytes(path) or b""
-        kept = _whole_lines(path, raw)
-        if len(kept) < len(raw):
-            write_atomic(path, kept)
-        return len(raw) - len(kept)
+def repair_tail(path: PathLike) -> None:
+    """Cuts a torn last line (bytes after the final newline) off local file `path`."""
     size = pos = 0  # the size, and the offset just past the last newline
     if os.path.exists(path):
         with open(path, "rb") as f:
@@ -147,11 +141,9 @@ def repair_tail(path: PathLike) -> int:
                     pos = start + cut + 1
                     break
                 pos = start
-    if pos == size:
-        return 0
-    os.truncate(path, pos)
-    _warn_torn(path, size - pos)
-    return size - pos
+    if pos < size:
+        os.truncate(path, pos)
+        _warn_torn(path, size - pos)
 
 
 def _warn_torn(path: PathLike, size: int) -> None:

@@ -1,16 +1,15 @@
 """Records files that several processes add to: write-once parts, merged on read, compacted.
 
 A records file `<name>.jsonl` that several processes write (`cbs.results.files`) is never
-appended to: each write is a write-once part `<name>.d/<part>.jsonl` (one atomic write), and
-readers merge the parts (`read_merged`): the first record per key, in name (write) order, so
-no writer can lose another's records on any file system. `<name>.jsonl` is the parts' export
-(`export_parts`); an older directory's file is copied into its first part (`LEGACY_PART`).
+appended to: each write is a write-once part `<name>.d/<part>.jsonl`, and readers merge the
+parts (`read_merged`): the first record per key, in name (write) order, so no writer can lose
+another's records on any file system. `<name>.jsonl` is the parts' export (`export_parts`); an
+older directory's file is copied into its first part (`LEGACY_PART`).
 
 On an object store a `PartCache` fetches only the parts new since its last read, and a write
 that brings `FANOUT` parts of one level together compacts them into one of the next level
-(`compact`): n writes cost O(n) requests and a listing stays one page. Only parts read are
-deleted, once their copy exists; a reader that finds a listed part gone lists again, and a
-record seen twice counts once. Local parts are never compacted.
+(`compact`), deleting the parts it read once their copy exists; a reader that finds a listed
+part gone lists again. docs/scaling.md gives the costs. Local parts are never compacted.
 """
 
 from __future__ import annotations
@@ -33,14 +32,13 @@ __all__ = [
 ]
 
 FANOUT = 16  # parts of one level that a write compacts into one of the next (object stores)
-LEGACY_PART = "0-before-parts.jsonl"  # the records a file held when its first part came
-#                                      (its name sorts before any `part_name`; never compacted)
+LEGACY_PART = "0-before-parts.jsonl"  # what the file held before parts (sorts first; kept)
 _COMPACTED = "~c"  # a compacted part: `<time>-~c<level>-<digest>.jsonl` (no key holds "~")
 _ATTEMPTS = 20  # listings a read makes while compactions delete the parts it listed
 
 
 def parts_dir(path: PathLike) -> str:
-    """The directory of the parts of records file `path` (`trials.jsonl` -> `trials.d`)."""
+    """`trials.jsonl` -> `trials.d`."""
     return os.fspath(path).removesuffix(".jsonl") + ".d"
 
 
@@ -52,7 +50,7 @@ def _digest(*texts: str) -> str:
 
 def part_name(keys: Sequence[str]) -> str:
     """A new part's file name: the time in ns (name order is write order), the first of
-    `keys`, and a digest of all keys and the writer."""
+    `keys`, a digest of all keys and the writer."""
     return f"{time.time_ns():020d}-{keys[0]}-{_digest(*keys)}.jsonl"
 
 
@@ -63,23 +61,22 @@ def part_level(name: str) -> int:
 
 
 def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]]) -> str:
-    """Writes `records_` as the part `name` of file `path` (module docstring); its path."""
+    """Writes `records_` as the part `name` of file `path`; returns its path."""
     data = "".join(json.dumps({k: records.plain_value(v) for k, v in r.items()}) + "\n"
                    for r in records_)
     folder = parts_dir(path)
     listed = part_paths(path)
-    if not listed:
+    paths.makedirs(folder)
+    if not listed:  # every writer that saw no part copies the file: same bytes, same name
         raw = paths.read_bytes(path) or b""
-        if kept := raw[:raw.rfind(b"\n") + 1]:  # every writer that saw no part copies it:
-            paths.makedirs(folder)              # the same bytes under the same name
+        if kept := raw[:raw.rfind(b"\n") + 1]:
             records.write_atomic(paths.join(folder, LEGACY_PART), kept)
     target = paths.join(folder, name)
-    paths.makedirs(folder)
     records.write_atomic(target, data)
     if not paths.is_remote(path):
         return target
-    # compacts each level of the parts this writer knows of that holds `FANOUT` parts, lowest
-    # first (a compaction may fill the next level)
+    # each level this writer knows of that holds FANOUT parts, lowest first (a compaction may
+    # fill the next level)
     listed = [p for p in [*listed, target] if os.path.basename(p) != LEGACY_PART]
     level = 0
     while any(part_level(p) >= level for p in listed):
@@ -91,9 +88,9 @@ def write_part(path: PathLike, name: str, records_: Iterable[Mapping[str, Any]])
 
 
 def compact(path: PathLike, names: Sequence[str]) -> str | None:
-    """Copies the parts `names` (paths) of records file `path` into one new part, one level
-    above the highest and named after the first (it sorts where its records did), then deletes
-    those it read; returns its path (None when none was left to read)."""
+    """Copies the parts `names` (paths) of records file `path` into one new part, a level above
+    the highest and named after the first (it sorts where they did), then deletes those it
+    read; returns its path (None when none was left to read)."""
     found = paths.read_many(names)
     read = sorted((os.fspath(n) for n in names if os.fspath(n) in found),
                   key=os.path.basename)
@@ -158,8 +155,8 @@ def _read_parts(path: PathLike, cache: PartCache | None) -> list[tuple[str, byte
 
 def read_merged(path: PathLike, keys: Sequence[str], *, required: Sequence[str] = (),
                 cache: PartCache | None = None) -> list[dict[str, Any]]:
-    """The records of records file `path` (its parts', else the file's) holding `keys` and
-    `required`, the first per value of `keys`. `cache`: the parts read before."""
+    """The records of file `path` (its parts', else the file's) holding `keys` and `required`,
+    the first per value of `keys`. `cache`: the parts read before."""
     return [r for _, r in _merged_lines(path, keys, (*keys, *required), cache)]
 
 

@@ -2,10 +2,9 @@
 (format: `cbs.results.records`), mirrors their numbers to TensorBoard and W&B (`Outputs`) and
 shows a progress bar; `CountBar` is the bar of a study's finished trials.
 
-On an object store (`gs://...`), which has no append, records are held in memory and `sync`
-(before each checkpoint, and at `close`) writes them in one atomic write. Bars go through
-`tqdm.auto` (a widget in a notebook, a bar on a terminal); elsewhere (a Slurm or CI log)
-`LogLines` prints a line in tqdm's format every `LOG_INTERVAL_S` seconds and at the end.
+On an object store records are held until `sync` (before each checkpoint) or `close`. Bars go
+through `tqdm.auto` (a widget in a notebook, a bar on a terminal); elsewhere (a Slurm or CI
+log) `LogLines` prints a line in tqdm's format every `LOG_INTERVAL_S` seconds and at the end.
 """
 
 from __future__ import annotations
@@ -52,9 +51,8 @@ def in_notebook() -> bool:
 
 
 class LogLines:
-    """A bar for logs with the part of tqdm's interface used here: a line in tqdm's format
-    ("label: 40%|####  | 4/10 [00:12<00:18, 3.00s/step, loss=1.2]") every `interval` seconds
-    of updates, and one at `close`."""
+    """A bar for logs with the part of tqdm's interface used here: a line in tqdm's format every
+    `interval` seconds of updates, and one at `close`."""
 
     def __init__(self, total: int | None, *, unit: str = "it", initial: int = 0,
                  desc: str | None = None, file: Any = None, interval: float | None = None):
@@ -117,8 +115,8 @@ def progress_bar(total: int | None, *, unit: str, initial: int = 0, desc: str | 
 class Outputs:
     """What a run shows and writes besides `metrics.jsonl` (on process 0): progress: a bar;
     tensorboard: events in `workdir/tensorboard`; wandb, wandb_group: the W&B project and group
-    ("" = none); label: the bar's label and the W&B run's name ("" = the run directory's
-    name); nested: a bar inside another one, not left behind when done."""
+    ("" = none); label: the bar's and the W&B run's name ("" = the run directory's); nested:
+    a bar inside another one, not left behind when done."""
 
     progress: bool = True
     tensorboard: bool = False
@@ -166,7 +164,6 @@ def _wandb_run_id(workdir: PathLike, start_step: int) -> str:
 
 class MetricsWriter:
     """Appends a run's records to `metrics.jsonl`, mirrors them, shows a progress bar.
-
     start_step: the restored step (records at or after it are dropped first); total_steps: the
     bar's length; enabled: False on processes other than 0 (every method a no-op); progress
     ... nested: as `Outputs`; hparams: the run's config, for W&B."""
@@ -175,7 +172,6 @@ class MetricsWriter:
                  total_steps: int | None = None, enabled: bool = True, progress: bool = True,
                  tensorboard: bool = False, wandb: str = "", wandb_group: str = "",
                  label: str = "", nested: bool = False, hparams: Mapping[str, Any] | None = None):
-        self.enabled = enabled
         self.path = paths.join(workdir, METRICS_FILE)
         self.jsonl: JsonlWriter | None = None
         self.mirrors = MultiWriter([])
@@ -246,7 +242,7 @@ class MetricsWriter:
         self.mirrors.close()
         if self._bar is not None:
             self._bar.close()
-        self.jsonl, self.enabled = None, False
+        self.jsonl = None
 
 
 class CountBar:
