@@ -172,8 +172,7 @@ class WandbWriter(MetricWriter):
         self._owned = run is None
         if run is None:
             wandb = import_wandb()
-            # W&B's own banner and summary are ~14 stderr lines per run (102 for a three-group
-            # tiny sweep): silenced, and one line per run said here instead
+            # W&B's banner and summary (~14 stderr lines a run) silenced for one line said here
             init_kwargs.setdefault("settings", wandb.Settings(silent=True))
             run = wandb.init(project=project, name=name, group=group, id=run_id,
                              resume="allow" if run_id else None,
