@@ -38,7 +38,7 @@ _ATTEMPTS = 20  # listings a read makes while compactions delete the parts it li
 
 
 def parts_dir(path: PathLike) -> str:
-    """`trials.jsonl` -> `trials.d`."""
+    """The directory of the parts of `path` (`trials.jsonl` -> `trials.d`)."""
     return os.fspath(path).removesuffix(".jsonl") + ".d"
 
 

@@ -10,6 +10,7 @@ unless --verbose, and lines below WARNING unless --verbosity is given. `outputs`
 flags of the directories the command writes: one it created that holds no file when it fails
 is removed. docs/guides/faults.md ("Bad input", "Preemption and Ctrl-C") gives the details.
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,8 +56,8 @@ def _verbose() -> bool:
 
 
 def _raised_in_our_code(err: BaseException) -> bool:
-    frames = traceback.extract_tb(err.__traceback__)
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_OUR_CODE)
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return bool(frames) and os.path.abspath(frames[-1].f_code.co_filename).startswith(_OUR_CODE)
 
 
 def is_missing_extra(err: BaseException) -> bool:
@@ -167,8 +168,9 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
     for chain in exception_chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
             return f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: {chain.msg}"
-        at = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(chain.__traceback__)
-              if os.path.abspath(f.filename) in configs]
+        at = [f"{frame.f_code.co_filename}:{line}"
+              for frame, line in traceback.walk_tb(chain.__traceback__)
+              if os.path.abspath(frame.f_code.co_filename) in configs]
         if at and not _is_user_error(chain):  # a user error says what to do
             return f"{at[-1]}: {type(chain).__name__}: {message(chain)}"
     return None

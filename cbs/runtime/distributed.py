@@ -11,6 +11,7 @@ environment says so, `on` requires it, `off` never joins (with `--shard=auto`, e
 the shard of its index: `host_shard`). docs/scaling.md gives each platform's commands and
 where the records and checkpoints of several hosts go.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,6 +91,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, *, mode: str = "auto", timeout_s: int = 300) -> str:
     """Joins this process to its multi-host runtime; returns how ("explicit", "tpu", "slurm",
     "ompi", "single" when there is nothing to join, "off" when asked not to).
+
     coordinator_address, num_processes, process_id: all three or none (override detection)."""
     if mode not in _MODES:
         raise ValueError(f"--distributed must be one of {', '.join(_MODES)}, got {mode!r}")

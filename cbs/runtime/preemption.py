@@ -12,6 +12,7 @@ installs its SIGTERM handler, so install before it): all processes get True at t
 order. A Ctrl-C is passed on as a SIGTERM to this process. docs/scaling.md ("Resuming after
 preemption") gives the exit statuses and the resume.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -164,6 +164,7 @@ def _wandb_run_id(workdir: PathLike, start_step: int) -> str:
 
 class MetricsWriter:
     """Appends a run's records to `metrics.jsonl`, mirrors them, shows a progress bar.
+
     start_step: the restored step (records at or after it are dropped first); total_steps: the
     bar's length; enabled: False on processes other than 0 (every method a no-op); progress
     ... nested: as `Outputs`; hparams: the run's config, for W&B."""
