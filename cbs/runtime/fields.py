@@ -1,9 +1,6 @@
-"""Config field checks shared by the engine's components.
-
-Each component validates its own config section (`cbs.runtime.mesh.validate_config`, ...);
-`cbs.engine.config.validate` calls them in turn. A failed check raises `ConfigError` (a
-ValueError) whose message starts with the field's dotted name, e.g.
-``config.optim.eps: must be a number > 0, got 0``.
+"""Config field checks shared by the engine's components (docs/design.md, "Config
+validation"): a failed check raises `ConfigError` (a ValueError) whose message starts with the
+field's dotted name, e.g. ``config.optim.eps: must be a number > 0, got 0``.
 """
 
 from __future__ import annotations
