@@ -86,10 +86,7 @@ def get_config(arg: str = ""):
         schedule, first, rate = _RUNS[named[0]]
         if "calibrated" in words:
             schedule = schedule | {"rule": "calibrated"}
-        c = ramp_run(size, schedule, base_batch_size=first, learning_rate=rate)
-        if named == ["adaptive"]:
-            c.batch.adapt_every = 10  # steps between noise-scale readings
-        return c
+        return ramp_run(size, schedule, base_batch_size=first, learning_rate=rate)
     c = digits_sweep.get_config(size)
     c.ramps = [  # each: label, schedule, learning_rate ("best@B" or η_0), lr_coupling
         fixed(16), fixed(256),

@@ -69,7 +69,6 @@ def _regression(c, s) -> None:
     c.model.hidden_sizes = (64, 64)  # student: 16-64-64-1
     c.model.activation = "tanh"  # smooth student
     c.optim.name = "sgd"  # plain SGD: u = g, no momentum
-    c.optim.weight_decay = 0.0  # no regularisation
     c.batch.micro_batch = 8192  # m: each trial's whole batch in one micro-batch
     c.eval.batch_size = 8192  # the whole training set in one evaluation chunk
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 (the full batch)
@@ -94,12 +93,8 @@ def get_config(arg: str = ""):
     c = base.base_config(data_name, model)
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
     s = c.sweep = default_sweep_config()
-    s.base_batch_size = 64  # B at which base_lr is the centre
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     settings(c, s)
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
-    s.seeds = (0,)  # one seed per (B, η)
-    s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.evals_per_trial = 60  # log-spaced progress evaluations up to the budget
     n = default_sweep_noise(c.noise)  # measured at each evaluation
     n.examples = "all"  # exact G, tr(Σ) on all training examples

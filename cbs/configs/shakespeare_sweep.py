@@ -36,7 +36,6 @@ def get_config(arg: str = ""):
     s = c.sweep = default_sweep_config()
     s.batch_sizes = (8, 16, 32, 64, 128, 256)  # sequences of 32 characters
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # η(B) = base_lr·(B/64)^½ (Adam)
     s.lr_factors = (1.0, 2.0, 4.0)  # three learning rates per batch size
     s.max_lr = 0.02  # cap

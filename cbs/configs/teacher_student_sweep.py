@@ -38,14 +38,10 @@ def get_config(arg: str = ""):
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 (the full training set)
     s.base_lr = 2e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 0.05  # cap on any rate
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
-    s.seeds = (0,)  # one seed per (B, η)
     s.targets = (1.0, 0.6, 0.4, 0.3, 0.2)  # full training-set cross-entropy (nats)
-    s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.max_examples = 2_000_000  # ≈ 240 epochs per trial at most
     s.max_steps = 8_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
