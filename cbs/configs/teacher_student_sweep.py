@@ -8,10 +8,8 @@
 No committed study uses this data (`cbs.data.synthetic.teacher_student`: labels the argmax of
 a random tanh teacher), so `cbs-advise` was never calibrated on it. `:predict` is ONE run at
 B = 64 and the grid's centre rate, measured exactly on all training examples at every
-evaluation; its predicted B_crit (80 % interval) is committed before the sweep tests it. The
-sweep first ran to 2,048, leaving the B_crit of L = 0.4, 0.3, 0.2 past the largest batch;
-B = 4,096 and 8,192 added with `cbs-sweep ... --redefine` (the 45 trials before kept) bound
-them: 1.65k, 2.0k and 2.16k.
+evaluation; its predicted B_crit (80 % interval) is committed before the sweep tests it.
+Measured B_crit at L = 0.4, 0.3, 0.2: 1.65k, 2.0k and 2.16k (bounded by B = 4,096 and 8,192).
 """
 
 from __future__ import annotations
