@@ -44,7 +44,6 @@ def get_config(arg: str = ""):
     n.deviations = 32  # tr(HΣ) from 32 of them
     if "tiny" in base.parse_arg(arg, ("tiny", *cnn.DATASETS)):
         s.batch_sizes = (16, 64)  # two batch sizes
-        s.max_steps, s.max_examples = 10, 0  # a few steps
-        s.evals_per_trial = 4  # four evaluations
+        base.make_tiny_sweep(s, steps=10, evals=4)
         n.batch_size, n.curvature = 16, False  # small measurements, no B_noise
     return c

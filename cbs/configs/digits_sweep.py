@@ -61,12 +61,9 @@ def get_config(arg: str = ""):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.targets = (1.5, 1.0)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
+        base.make_tiny_sweep(s, steps=60, evals=6)
         s.noise_protocol = "per_trial"  # no reference run (tests run it on their own)
         s.noise_reference_batch_size = 32  # a batch size of the tiny grid
         s.noise_reference_evals = 12  # a short reference run
         s.checkpoint_every_evals = 2  # exercise checkpoints
-        s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)
     return c

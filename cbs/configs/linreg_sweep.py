@@ -54,7 +54,5 @@ def get_config(arg: str = ""):
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.seeds = (0,)  # one seed
         s.targets = (0.17, 0.16)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds (tests)
+        base.make_tiny_sweep(s, steps=60, evals=6)
     return c

@@ -54,8 +54,5 @@ def get_config(arg: str = ""):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.targets = (2.2, 2.0)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds (tests)
+        base.make_tiny_sweep(s, steps=60, evals=6)
     return c

@@ -53,7 +53,6 @@ def get_config(arg: str = ""):
         c.model.d_model = c.model.num_layers = c.model.num_heads = c.model.d_ff = 0  # tiny row
         s.batch_sizes = (8, 32)  # two batch sizes
         s.targets = (4.0, 3.5)  # loose targets
-        s.max_steps, s.max_examples = 20, 0  # a few steps
-        s.evals_per_trial = 5  # five evaluations
+        base.make_tiny_sweep(s, steps=20, evals=5)
         n.batch_size = 16  # small measurements
     return c

@@ -55,8 +55,5 @@ def get_config(arg: str = ""):
         c.data.options.num_train = 512  # a small training set
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.targets = (2.0, 1.8)  # loose targets
-        s.max_steps = 40  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds
+        base.make_tiny_sweep(s, steps=40, evals=6)
     return c
