@@ -64,10 +64,9 @@ def dataset_options(name: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def _loader(name: str, field: str = "") -> Callable[..., Dataset]:
+def _loader(name: str) -> Callable[..., Dataset]:
     if name not in _REGISTRY:
-        raise ValueError(f"{field}unknown dataset {name!r}; known datasets: "
-                         f"{', '.join(known_datasets())}")
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_datasets())}")
     return _REGISTRY[name]
 
 
@@ -84,7 +83,9 @@ def validate_config(data_config: Any) -> None:
     """Checks `config.data` (a registered `name`, `options` the loader accepts) without
     loading; the ValueError's message starts with the field's dotted name."""
     name = data_config.get("name") if hasattr(data_config, "get") else None
-    _loader(name, "config.data.name: ")
+    if name not in _REGISTRY:
+        raise ValueError(f"config.data.name: unknown dataset {name!r}; known: "
+                         f"{', '.join(known_datasets())}")
     options = data_config.get("options") or {}
     if not hasattr(options, "keys"):
         raise ValueError(f"config.data.options: must be a mapping of keyword options, got "
