@@ -34,11 +34,10 @@ def names() -> list[str]:
 
 def path(name: str) -> str:
     """The file of the packaged preset `name`; ValueError naming the presets if there is none."""
-    file = _HERE / f"{name}.py"
     if not name.isidentifier() or name not in names():
         raise ValueError(f"--config={name}: no such config file or packaged preset; presets: "
                          f"{', '.join(names())} (or give a config file's path)")
-    return str(file)
+    return str(_HERE / f"{name}.py")
 
 
 def resolve(value: str) -> str:

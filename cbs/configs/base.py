@@ -12,7 +12,7 @@ from ml_collections import config_dict
 from cbs import data, models
 from cbs.engine import config as config_lib
 
-__all__ = ["base_config", "make_tiny", "parse_arg", "repo_root", "seeded"]
+__all__ = ["base_config", "make_tiny", "make_tiny_sweep", "parse_arg", "repo_root", "seeded"]
 
 
 def base_config(dataset: str, model: str) -> ml_collections.ConfigDict:
@@ -58,3 +58,11 @@ def make_tiny(c: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collection
     c.eval.train_examples = 512  # first 512 training examples for full_train/*
     c.noise.every = 10  # one exact measurement in the middle
     return c
+
+
+def make_tiny_sweep(s: ml_collections.ConfigDict, *, steps: int, evals: int) -> None:
+    """Shrinks a sweep's trials to `steps` updates and `evals` evaluations (tests)."""
+    s.max_steps = steps  # a few dispatches per trial
+    s.max_examples = 0  # steps bound the budget
+    s.evals_per_trial = evals  # evaluations per trial
+    s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)

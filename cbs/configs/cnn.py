@@ -32,7 +32,6 @@ def get_config(arg: str = ""):
     c.model.norm = "groupnorm"  # per-example statistics stay well defined (not batchnorm)
     c.optim.name = "adam"  # Adam
     c.optim.learning_rate = 1e-3  # η_0
-    c.batch.micro_batch = 32  # m per replica
     c.batch.schedule.batch_size = 128  # B
     c.train.max_steps = 5000  # ≈ 10.7 epochs of 60k MNIST examples (12.8 of CIFAR-10)
     c.train.log_every = 50  # read metrics every 50 steps

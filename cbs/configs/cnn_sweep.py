@@ -26,7 +26,6 @@ def get_config(arg: str = ""):
     name = c.data.name
     c.batch.micro_batch = 4096  # each trial's batch in one micro-batch (vmapped groups)
     c.eval.num_examples = 2048  # fixed evaluation subset
-    c.eval.batch_size = 1024  # evaluation chunk
 
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(4, 13))  # 16 ... 4096 images
@@ -42,11 +41,9 @@ def get_config(arg: str = ""):
     s.evals_per_trial = 80  # log-spaced evaluations
     n = default_sweep_noise(c.noise)  # measured at each evaluation, on a fresh stream
     n.every = 0  # not every k steps (the trials measure at their evaluations)
-    n.batch_size = 256  # images per exact noise measurement (ghost norms)
     n.deviations = 32  # tr(HΣ) from 32 of them
     if "tiny" in base.parse_arg(arg, ("tiny", *cnn.DATASETS)):
         s.batch_sizes = (16, 64)  # two batch sizes
-        s.max_steps, s.max_examples = 10, 0  # a few steps
-        s.evals_per_trial = 4  # four evaluations
+        base.make_tiny_sweep(s, steps=10, evals=4)
         n.batch_size, n.curvature = 16, False  # small measurements, no B_noise
     return c

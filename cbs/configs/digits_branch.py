@@ -44,14 +44,11 @@ def get_config(arg: str = ""):
     b = c.branch = default_branch_config()
     b.points_examples = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12_288, 16_384)  # E
     b.ks = (1, 2, 4, 8, 16, 32, 64)  # branch batches 4 ... 256
-    b.lr_rule = "sqrt"  # Adam (the paper's)
     b.window_fraction = 0.25  # Δ = E/4 (a multiple of 64·4 examples at every point)
     b.metric = "full_train/loss"  # exact loss over the 1438 training examples
     b.tolerance = "relative"  # ε as a fraction of the loss
     b.epsilon = 0.02  # 2%
-    b.seeds = (1, 2, 3)  # data-order seeds
     b.noise_checkpoints = 24  # exact B_simple/B_noise at 24 log-spaced checkpoints + points
-    b.noise.deviations = 256  # tr(HΣ) from 256 random examples' deviations
     if "tiny" in base.parse_arg(arg):
         c.train.max_steps = 60  # 240 examples
         c.train.checkpoint_every = 20  # three checkpoints

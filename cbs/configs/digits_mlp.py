@@ -26,7 +26,6 @@ def get_config(arg: str = ""):
     c.batch.schedule.batch_size = 128  # B, examples per update
     c.train.max_steps = 2000  # ≈ 178 epochs of the 1438 training examples
     c.train.log_every = 50  # read metrics from the device every 50 steps
-    c.train.checkpoint_every = 500  # steps between checkpoints
     c.eval.every = 100  # evaluation (eval split and whole training set) every 100 steps
     c.noise.every = 100  # exact per-example noise statistics every 100 steps
     c.noise.batch_size = 128  # measured on the step's whole batch (4 micro-batches of 32)

@@ -1,23 +1,18 @@
 """Batch ramps on digits: the Llama 3, DeepSeek-V3 and adaptive shapes as single runs, and
-the study that runs them beside the digits sweep.
+the study that runs them beside the digits sweep (docs/guides/ramps.md).
 
     cbs-train --config=digits_ramps:llama3 --workdir=/tmp/l3      # one ramp (also :deepseek,
     cbs-train --config=digits_ramps:adaptive --workdir=/tmp/ad    #   :adaptive,calibrated)
     cbs-ramps --config=digits_ramps --sweep_dir=runs/digits       # the study
 
 A single ramp is the digits sweep's run config with a batch-size schedule (`ramp_run`):
-
-- `:llama3` (`STEP`): Llama 3 405B's two doublings (4M → 8M tokens after 252M, → 16M after
-  2.87T, `cbs.engine.schedules.llama3_schedule`) placed where the digits sweep's B_crit passes
-  the batch;
-- `:deepseek` (`LINEAR`): DeepSeek-V3's ramp (3,072 → 15,360 sequences over the first 469B of
-  14.8T tokens, `cbs.engine.schedules.deepseek_v3_schedule`) as 32 → 160 examples. Expected
-  for both: full_train/loss ≈ 0.05 within about 200 steps;
-- `:adaptive` (`ADAPTIVE`): every 10 steps B moves on the ladder 16, 32, ..., 1024 towards
-  k·B_simple of the live estimate (`cbs.engine.adaptive.Adaptive`; hysteresis: beyond a band
-  of factor^¾ for 3 readings). Expected: B climbs from 16 to a few hundred as B_simple grows
-  from ~30 to ~100+. `:adaptive,calibrated` targets the calibrated B_crit (k·r̂·B_simple,
-  Adam's r̂ from the shipped calibration; each train record's `advice/b_crit`).
+`:llama3` (`STEP`, Llama 3 405B's two doublings placed where the digits sweep's B_crit passes
+the batch) and `:deepseek` (`LINEAR`, DeepSeek-V3's ramp as 32 → 160 examples); expected for
+both: full_train/loss ≈ 0.05 within about 200 steps. `:adaptive` (`ADAPTIVE`): every 10 steps
+B moves on the ladder 16, 32, ..., 1024 towards k·B_simple of the live estimate
+(`cbs.engine.adaptive.Adaptive`); expected: B climbs from 16 to a few hundred as B_simple
+grows from ~30 to ~100+. `:adaptive,calibrated` targets the calibrated B_crit (k·r̂·B_simple,
+Adam's r̂ from the shipped calibration; each train record's `advice/b_crit`).
 
 The study (no ramp named) finishes the digits sweep in sweep_dir if needed, then runs fixed
 small and large batches (at the sweep's best rate at their B) and each ramp (from the best
@@ -86,10 +81,7 @@ def get_config(arg: str = ""):
         schedule, first, rate = _RUNS[named[0]]
         if "calibrated" in words:
             schedule = schedule | {"rule": "calibrated"}
-        c = ramp_run(size, schedule, base_batch_size=first, learning_rate=rate)
-        if named == ["adaptive"]:
-            c.batch.adapt_every = 10  # steps between noise-scale readings
-        return c
+        return ramp_run(size, schedule, base_batch_size=first, learning_rate=rate)
     c = digits_sweep.get_config(size)
     c.ramps = [  # each: label, schedule, learning_rate ("best@B" or η_0), lr_coupling
         fixed(16), fixed(256),

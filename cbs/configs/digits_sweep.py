@@ -32,21 +32,17 @@ def get_config(arg: str = ""):
     c.model.hidden_sizes = (128, 128)  # 64-128-128-10
     c.optim.name = "adam"  # Adam, constant learning rate (no warmup, no decay)
     c.batch.micro_batch = 1024  # m: each trial's whole batch in one micro-batch
-    c.noise.ema_decay = 0.95  # smoothing of the in-step live estimate (per step)
     c.eval.batch_size = 2048  # the whole training set in one evaluation chunk
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
 
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(2, 11))  # 4 ... 1024 examples
     s.base_lr = 4e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
     s.lr_factors = (0.5, 1.0, 2.0, 4.0)  # factor-2 grid, one step below and two above
     s.max_lr = 0.1  # cap on any rate; divergence, not the cap, bounds the grid from above
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum, one per round
-    s.seeds = (0,)  # one seed per (B, η)
     s.targets = (0.5, 0.3, 0.2, 0.1, 0.05)  # full training-set cross-entropy (nats)
-    s.target_metric = "full_train/loss"  # exact loss over all 1438 training examples
     s.max_examples = 400_000  # ≈ 280 epochs per trial at most
     s.max_steps = 6_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
@@ -54,9 +50,7 @@ def get_config(arg: str = ""):
     n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 1438 training examples
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
-    s.noise_window = 5  # measurements averaged around each crossing
     s.noise_protocol = "reference"  # also one dense run at B_ref with the full-data Hessian
-    s.noise_reference_batch_size = 64  # B_ref of the reference trajectory
     s.noise_reference_evals = 150  # its log-spaced evaluations up to the budget
     s.reference_noise.deviations = 256  # its tr(HΣ) from 256 deviations (32: std ≈ 1.4 late)
     words = base.parse_arg(arg, ("tiny", "seeds3"))
@@ -67,12 +61,9 @@ def get_config(arg: str = ""):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.targets = (1.5, 1.0)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
+        base.make_tiny_sweep(s, steps=60, evals=6)
         s.noise_protocol = "per_trial"  # no reference run (tests run it on their own)
         s.noise_reference_batch_size = 32  # a batch size of the tiny grid
         s.noise_reference_evals = 12  # a short reference run
         s.checkpoint_every_evals = 2  # exercise checkpoints
-        s.extend_lr_rounds = 0  # no extension rounds (tests turn them on)
     return c

@@ -32,8 +32,6 @@ def _digits_cnn(c, s) -> None:
     c.model.dense_sizes = (32,)  # dense head
     c.model.norm = "groupnorm"  # per-example statistics stay well defined
     c.optim.name = "adam"  # Adam, constant rate
-    c.batch.micro_batch = 1438  # m: each trial's whole batch in one micro-batch
-    c.eval.batch_size = 1438  # the whole training set in one evaluation chunk
     s.batch_sizes = (*(2 ** k for k in range(3, 11)), 1438)  # 8 ... 1024, full batch
     s.base_lr = 4e-3  # η at B = 64, centre of the grid
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
@@ -49,8 +47,6 @@ def _mnist1d_cnn(c, s) -> None:
     c.model.dense_sizes = (64,)  # dense head
     c.model.norm = "groupnorm"  # per-example statistics stay well defined
     c.optim.name = "adam"  # Adam, constant rate
-    c.batch.micro_batch = 4000  # m: each trial's whole batch in one micro-batch
-    c.eval.batch_size = 4000  # the whole training set in one evaluation chunk
     s.batch_sizes = (*(2 ** k for k in range(3, 12)), 4000)  # 8 ... 2048, full batch
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
@@ -69,9 +65,6 @@ def _regression(c, s) -> None:
     c.model.hidden_sizes = (64, 64)  # student: 16-64-64-1
     c.model.activation = "tanh"  # smooth student
     c.optim.name = "sgd"  # plain SGD: u = g, no momentum
-    c.optim.weight_decay = 0.0  # no regularisation
-    c.batch.micro_batch = 8192  # m: each trial's whole batch in one micro-batch
-    c.eval.batch_size = 8192  # the whole training set in one evaluation chunk
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 (the full batch)
     s.base_lr = 0.05  # η at B = 64, centre of the grid
     s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
@@ -94,12 +87,10 @@ def get_config(arg: str = ""):
     c = base.base_config(data_name, model)
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
     s = c.sweep = default_sweep_config()
-    s.base_batch_size = 64  # B at which base_lr is the centre
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     settings(c, s)
+    c.batch.micro_batch = s.batch_sizes[-1]  # m: the full batch, each trial's in one micro-batch
+    c.eval.batch_size = s.batch_sizes[-1]  # the whole training set in one evaluation chunk
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
-    s.seeds = (0,)  # one seed per (B, η)
-    s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.evals_per_trial = 60  # log-spaced progress evaluations up to the budget
     n = default_sweep_noise(c.noise)  # measured at each evaluation
     n.examples = "all"  # exact G, tr(Σ) on all training examples
@@ -113,8 +104,5 @@ def get_config(arg: str = ""):
         s.batch_sizes = (8, 32)  # two batch sizes
         s.lr_factors = (1.0,)  # one rate each
         s.targets = s.targets[:1]  # the loosest target
-        s.max_steps = 30  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 4  # four evaluations
-        s.extend_lr_rounds = 0  # no extension rounds
+        base.make_tiny_sweep(s, steps=30, evals=4)
     return c

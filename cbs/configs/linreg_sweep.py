@@ -29,7 +29,6 @@ def get_config(arg: str = ""):
     c.data.options.cov_decay = 1.0  # eigenvalues of C: (1 + k)^-1, condition number 64
     c.model.hidden_sizes = ()  # linear model: 64 weights and a bias
     c.optim.name = "sgd"  # plain SGD: u = g, no momentum
-    c.optim.weight_decay = 0.0  # no regularisation
     c.batch.micro_batch = 8192  # m: each trial's whole batch in one micro-batch
     c.eval.batch_size = 8192  # examples per evaluation chunk
     c.train.checkpoint_every = 2000  # steps between checkpoints (engine back end)
@@ -37,23 +36,17 @@ def get_config(arg: str = ""):
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 examples
     s.base_lr = 0.2  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "linear"  # centre η(B) = base_lr·(B/64) (SGD)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 1.6  # cap below the stability limit 2/λ_max(H) = 1.99: a cap of 1.95 took
     #                 more steps to the deepest target at every B ≥ 1024 (70 vs 55 at
     #                 B = 8192), so 1.6 is at or above the large batches' optimum
     s.extend_lr_rounds = 4  # up to four factor-2 steps past an edge optimum
     s.seeds = (0, 1)  # two seeds per (B, η): the fit uses their mean steps
-    s.stop_when_dominated = True  # a group stops once its best rate reached every target
     s.targets = (0.135, 0.13, 0.1275, 0.1265, 0.126, 0.1258)  # training loss (min 0.12540)
-    s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.max_examples = 0  # steps bound the budget
     s.max_steps = 50_000  # updates per trial
-    s.evals_per_trial = 120  # log-spaced progress evaluations up to the budget
     n = default_sweep_noise(c.noise)  # measured at each evaluation
     n.examples = "all"  # exact G, tr(Σ), GᵀHG on all training examples
-    n.deviations = 64  # tr(HΣ) from the deviations of 64 random examples
     n.hessian_batch_size = 256  # ... and the Hessian of 256 independent ones
     if "tiny" in words:
         c.data.options.num_train = 1024  # a small training set
@@ -61,7 +54,5 @@ def get_config(arg: str = ""):
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.seeds = (0,)  # one seed
         s.targets = (0.17, 0.16)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds (tests)
+        base.make_tiny_sweep(s, steps=60, evals=6)
     return c

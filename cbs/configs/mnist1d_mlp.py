@@ -23,7 +23,6 @@ def get_config(arg: str = ""):
     c.optim.name = "adam"  # Adam
     c.optim.learning_rate = 1e-3  # η_0
     c.optim.weight_decay = 0.0  # no regularisation (MNIST-1D overfits; eval/* shows it)
-    c.batch.micro_batch = 32  # m per replica
     c.batch.schedule.batch_size = 128  # B, examples per update
     c.train.max_steps = 3000  # ≈ 96 epochs of 4000 examples
     c.train.log_every = 50  # read metrics every 50 steps

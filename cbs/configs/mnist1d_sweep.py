@@ -23,7 +23,6 @@ def get_config(arg: str = ""):
     c = base.base_config("mnist1d", "mlp")
     c.model.hidden_sizes = (256, 256)  # 40-256-256-10
     c.optim.name = "adam"  # Adam, constant learning rate (no warmup, no decay)
-    c.optim.weight_decay = 0.0  # no regularisation
     c.batch.micro_batch = 2048  # m: each trial's whole batch in one micro-batch
     c.eval.batch_size = 4000  # the whole training set in one evaluation chunk
     c.train.checkpoint_every = 1000  # steps between checkpoints (engine back end)
@@ -36,9 +35,7 @@ def get_config(arg: str = ""):
     s.lr_factors = (0.5, 1.0, 2.0, 4.0)  # factor-2 grid, one step below and two above
     s.max_lr = 0.05  # cap on any rate
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
-    s.seeds = (0,)  # one seed per (B, η)
     s.targets = (1.5, 1.0, 0.5, 0.2, 0.1)  # full training-set cross-entropy (nats)
-    s.target_metric = "full_train/loss"  # exact loss over all 4000 training examples
     s.max_examples = 1_600_000  # 400 epochs per trial at most
     s.max_steps = 16_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
@@ -46,7 +43,6 @@ def get_config(arg: str = ""):
     n.examples = "all"  # exact G, tr(Σ), GᵀHG on all 4000 training examples
     n.deviations = 32  # tr(HΣ) from the deviations of 32 random examples
     n.hessian_batch_size = 128  # ... and the Hessian of 128 independent ones (unbiased)
-    s.noise_protocol = "per_trial"  # no reference run (≈ 30 s per full-data evaluation)
     if "sgd" in words:
         c.optim.name = "sgd"  # plain SGD: u = g, no momentum
         s.base_lr = 0.1  # η at B = 128
@@ -58,8 +54,5 @@ def get_config(arg: str = ""):
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.lr_factors = (1.0, 2.0)  # two learning rates each
         s.targets = (2.2, 2.0)  # loose targets
-        s.max_steps = 60  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds (tests)
+        base.make_tiny_sweep(s, steps=60, evals=6)
     return c

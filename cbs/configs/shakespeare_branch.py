@@ -35,9 +35,7 @@ def get_config(arg: str = ""):
     b = c.branch = default_branch_config()
     b.points_examples = (800, 8000, 31_000)  # windows seen at the branches (three: 30 min)
     b.ks = (1, 2, 4, 8, 16)  # branch batches 16 ... 256
-    b.lr_rule = "sqrt"  # AdamW
     b.window_examples = 8192  # Δ: 512 steps at k = 1 (the paper's ≈ 477), 32 at k = 16
-    b.epsilon = 0.01  # the paper's ε (nats per character)
     if "tiny" in base.parse_arg(arg):
         c.model.d_model = 32  # narrower
         c.model.d_ff = 64  # narrower MLP

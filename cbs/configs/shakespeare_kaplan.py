@@ -48,7 +48,6 @@ def get_config(arg: str = ""):
     s.max_lr = 0.03  # cap on any rate (AdamW with clipping)
     s.extend_lr_rounds = 4  # factor-2 steps past an edge optimum, one per round
     s.seeds = (0, 1)  # two seeds per (B, η): the fit uses their mean steps
-    s.stop_when_dominated = True  # a group stops once its best rate reached every target
     s.targets = (2.5, 2.4, 2.3, 2.2, 2.1)  # eval loss, nats per character, past the transient
     s.max_examples = 100_000  # sequences per trial
     s.max_steps = 6_000  # updates per trial

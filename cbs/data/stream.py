@@ -15,7 +15,6 @@ each round is an involution, so the composition is a permutation for any N. R = 
 rounds (fixed points and 2-cycles then match a uniform permutation's in Monte Carlo checks); a batch
 costs O(B·R) for any N. Keys use threefry whatever jax's default PRNG. The numpy and jax versions
 are the same uint32 arithmetic, so the host path and the on-device gather deliver identical batches.
-The host caches whole epoch tables for N ≤ 2^22.
 """
 
 from __future__ import annotations

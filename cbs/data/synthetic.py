@@ -10,11 +10,8 @@ so B_simple = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG are known in closed form
 (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", Sec. 2 and App. A).
 `linreg_noise_stats` evaluates them in float64.
 
-Teacher-student classifier: x ~ N(0, I_D), labels from a fixed random one-hidden-layer
-tanh teacher, argmax of its logits, or sampled from softmax(logits / temperature).
-
-Teacher-student regression: x ~ N(0, I_D), y = f(x) + σε with f a fixed random one-hidden-layer tanh
-teacher scaled to unit variance over x, per-example loss ½(ŷ − y)² (the loss floor is σ²/2).
+Teacher-student classification and regression: x ~ N(0, I_D), labels from a fixed random
+one-hidden-layer tanh teacher (`teacher_student`, `teacher_regression`).
 """
 
 from __future__ import annotations
@@ -49,12 +46,10 @@ def linreg_noise_stats(w, *, cov, w_star, noise_std: float) -> dict[str, np.ndar
 def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
            noise_std: float = 0.5, cov_decay: float = 1.0, rotate: bool = False,
            data_seed: int = 0) -> Dataset:
-    """Gaussian linear regression: x float32 [N, dim], y float32 [N].
-
-    Covariance eigenvalues (1 + k)^(-cov_decay), k = 0..dim-1, in a random basis if
-    `rotate`; w* ~ N(0, I/dim). metadata holds cov, w_star, noise_std and `noise_stats(w)`,
-    the closed-form population statistics at w (see `linreg_noise_stats`).
-    """
+    """Gaussian linear regression: x float32 [N, dim], y float32 [N]. Covariance eigenvalues
+    (1 + k)^(-cov_decay), k = 0..dim-1, in a random basis if `rotate`; w* ~ N(0, I/dim).
+    metadata holds cov, w_star, noise_std and `noise_stats(w)`, the closed-form population
+    statistics at w (`linreg_noise_stats`)."""
     if dim < 1 or num_train < 2 or num_eval < 1:
         raise ValueError(f"need dim >= 1, num_train >= 2, num_eval >= 1; got {dim}, "
                          f"{num_train}, {num_eval}")
@@ -82,12 +77,10 @@ def linreg(*, dim: int = 16, num_train: int = 8192, num_eval: int = 2048,
 def teacher_student(*, dim: int = 32, hidden: int = 64, num_classes: int = 10,
                     num_train: int = 8192, num_eval: int = 2048, temperature: float = 0.0,
                     one_hot: bool = False, data_seed: int = 0) -> Dataset:
-    """Teacher-student classification: x float32 [N, dim] ~ N(0, I), y int32 [N].
-
-    Teacher logits = tanh(x W1) W2 with W1 ~ N(0, 1/dim), W2 ~ N(0, 4/hidden) (so logits
-    are O(1) apart); labels are argmax (temperature 0) or softmax samples (label noise).
-    metadata holds the teacher weights and the fraction of labels equal to the argmax.
-    """
+    """Teacher-student classification: x float32 [N, dim] ~ N(0, I), y int32 [N]. Teacher
+    logits = tanh(x W1) W2 with W1 ~ N(0, 1/dim), W2 ~ N(0, 4/hidden) (so logits are O(1)
+    apart); labels are argmax (temperature 0) or softmax samples (label noise). metadata holds
+    the teacher weights and the fraction of labels equal to the argmax."""
     if num_classes < 2 or temperature < 0:
         raise ValueError(f"need num_classes >= 2 and temperature >= 0; got {num_classes}, "
                          f"{temperature}")
@@ -116,13 +109,11 @@ def teacher_student(*, dim: int = 32, hidden: int = 64, num_classes: int = 10,
 
 def teacher_regression(*, dim: int = 16, hidden: int = 32, num_train: int = 8192,
                        num_eval: int = 2048, noise_std: float = 0.1, data_seed: int = 0) -> Dataset:
-    """Teacher-student regression: x float32 [N, dim] ~ N(0, I), y float32 [N].
-
-    f(x) = tanh(x W1) w2 / s with W1 ~ N(0, 4/dim) (so the tanh units saturate and f is
-    far from linear), w2 ~ N(0, 1/hidden), s the standard deviation of tanh(x W1) w2 over
-    65,536 draws of x (Var f ≈ 1); y = f(x) + noise_std·ε. metadata holds the teacher and
-    `loss_floor` = noise_std²/2, the expected loss of f itself.
-    """
+    """Teacher-student regression: x float32 [N, dim] ~ N(0, I), y float32 [N], per-example
+    loss ½(ŷ − y)². f(x) = tanh(x W1) w2 / s with W1 ~ N(0, 4/dim) (so the tanh units saturate
+    and f is far from linear), w2 ~ N(0, 1/hidden), s the standard deviation of tanh(x W1) w2
+    over 65,536 draws of x (Var f ≈ 1); y = f(x) + noise_std·ε. metadata holds the teacher and
+    `loss_floor` = noise_std²/2, the expected loss of f itself."""
     if dim < 1 or hidden < 1 or num_train < 2 or num_eval < 1 or noise_std < 0:
         raise ValueError(f"need dim, hidden >= 1, num_train >= 2, num_eval >= 1 and "
                          f"noise_std >= 0; got {dim}, {hidden}, {num_train}, {num_eval}, "

@@ -33,10 +33,9 @@ model_names = registry.names
 
 def default_model_config(name: str = "mlp") -> ml_collections.ConfigDict:
     """The `model` sub-config for `name`, every field with its meaning."""
-    spec = registry.get(name)
     c = ml_collections.ConfigDict()
     c.name = name  # architecture: a name registered in cbs.models.registry
-    c.update(spec.default_config())
+    c.update(registry.get(name).default_config())
     return c
 
 
@@ -45,9 +44,8 @@ def build_model(model_config: ml_collections.ConfigDict, *, input_shape: Sequenc
                 rngs: nnx.Rngs, verbose: bool = True) -> nnx.Module:
     """The model `model_config` describes, for inputs as `registry.ModelInputs` holds them;
     `verbose` prints `model_summary` (process 0)."""
-    spec = registry.get(model_config.name)
     inputs = registry.ModelInputs(tuple(input_shape), num_classes, vocab_size)
-    model = spec.build(model_config, inputs, rngs)
+    model = registry.get(model_config.name).build(model_config, inputs, rngs)
     if verbose and jax.process_index() == 0:
         print(model_summary(model))
     return model

@@ -15,31 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Conv", "Embed", "GroupNorm", "LayerNorm", "Linear", "embed", "linear"]
+__all__ = ["Conv", "Embed", "GroupNorm", "LayerNorm", "Linear"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _default_embedding_init = nnx.initializers.normal(stddev=0.02)
 
 
-def _value(param: nnx.Param | None) -> jax.Array | None:
-    return None if param is None else param[...]
-
-
-def linear(x_BxTxD: jax.Array, kernel_DxO: jax.Array, bias_O: jax.Array | None) -> jax.Array:
-    """y = x @ kernel + bias over the last axis."""
-    y = x_BxTxD @ kernel_DxO
-    return y if bias_O is None else y + bias_O
-
-
-def embed(ids_BxT: jax.Array, embedding_VxO: jax.Array) -> jax.Array:
-    """Rows of the table."""
-    return jnp.take(embedding_VxO, ids_BxT, axis=0)
-
-
-def _scale_shift(xhat: jax.Array, scale_O: jax.Array | None, bias_O: jax.Array | None) -> jax.Array:
+def _scale_shift(xhat: jax.Array, scale_O: nnx.Param | None, bias_O: nnx.Param | None
+                 ) -> jax.Array:
     """xhat * scale + bias, broadcast over the trailing axes."""
-    y = xhat if scale_O is None else xhat * scale_O
-    return y if bias_O is None else y + bias_O
+    y = xhat if scale_O is None else xhat * scale_O[...]
+    return y if bias_O is None else y + bias_O[...]
 
 
 class Linear(nnx.Module):
@@ -47,12 +33,12 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                  kernel_init=_default_kernel_init, rngs: nnx.Rngs):
-        self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features)))
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        return linear(x_BxTxD, self.kernel[...], _value(self.bias))
+        y_BxTxO = x_BxTxD @ self.kernel[...]
+        return y_BxTxO if self.bias is None else y_BxTxO + self.bias[...]
 
 
 class Conv(nnx.Module):
@@ -81,7 +67,7 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(embedding_init(rngs.params(), (num_embeddings, features)))
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
-        return embed(ids_BxT, self.embedding[...])
+        return jnp.take(self.embedding[...], ids_BxT, axis=0)
 
 
 class LayerNorm(nnx.Module):
@@ -98,7 +84,7 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x_BxTxD, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxD - mean), axis=-1, keepdims=True)
         xhat = (x_BxTxD - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return _scale_shift(xhat, _value(self.scale), _value(self.bias))
+        return _scale_shift(xhat, self.scale, self.bias)
 
 
 class GroupNorm(nnx.Module):
@@ -126,4 +112,4 @@ class GroupNorm(nnx.Module):
         mean = jnp.mean(x_BxTxGxK, axis=(1, 3), keepdims=True)
         var = jnp.mean(jnp.square(x_BxTxGxK - mean), axis=(1, 3), keepdims=True)
         xhat = ((x_BxTxGxK - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x_BxTxD.shape)
-        return _scale_shift(xhat, _value(self.scale), _value(self.bias))
+        return _scale_shift(xhat, self.scale, self.bias)

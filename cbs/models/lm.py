@@ -1,24 +1,16 @@
-"""Decoder-only language model in the shape pod-scale JAX models take: scanned, remat, bf16.
-
-Letters as in `cbs.models.transformer`.
+"""Decoder-only language model in the shape pod-scale JAX models take: scanned, remat, bf16
+(docs/guides/language_models.md). Letters as in `cbs.models.transformer`.
 
     h_0 = E[x]
     h_l = h_{l-1} + Attn(RMSNorm(h_{l-1})),  h_l = h_l + W_down (silu(W_gate u) ⊙ W_up u),
     u = RMSNorm(h_l)                              (SwiGLU, Shazeer 2020)
     logits = RMSNorm(h_L) W_head                  (W_head = E^T when embeddings are tied)
 
-Attention is causal softmax(q k^T / sqrt(K)) v with rotary positions (Su et al. 2021) and no
-biases; `attention` (ATTENTION) picks "xla" (float32 [B, H, T, T] scores), "cudnn" (the fused
-kernel of `jax.nn.dot_product_attention`, `resolve_attention`) or "auto" (cuDNN where it can).
-
-The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...], built with
-`nnx.vmap` and run with `nnx.scan` (compile time does not grow with L). `remat`
-(REMAT_POLICIES): "none" keeps all activations, "full" recomputes the block, "dots" keeps
-matmul outputs, "dots_no_batch" only those without batch dimensions.
-
-Precision: parameters float32; matmuls and activations in `compute_dtype` (bfloat16 by
-default); normalisation statistics, softmax and the loss float32. `cbs.runtime.mesh.LM_RULES`
-shards by the parameter names (`embed`, `head`, `blocks/wq`, ...).
+Attention is causal, with rotary positions and no biases. The L blocks are ONE `Block` whose
+parameters carry a leading layer axis [L, ...] (`nnx.vmap`), run with `nnx.scan`, so compile
+time does not grow with L. Parameters are float32; matmuls and activations run in
+`compute_dtype`; normalisation statistics, softmax and the loss in float32.
+`cbs.runtime.mesh.LM_RULES` shards by the parameter names (`embed`, `head`, `blocks/wq`, ...).
 
 Named sizes (LM_SIZES; parameters counted without the embedding and head, V·D each):
     tiny   D=32,   L=2,  H=2,  F=64      ~21K      (CPU tests)
@@ -120,8 +112,7 @@ class Block(nnx.Module):
 
     def attention(self, x_BxTxD: jax.Array) -> jax.Array:
         b, t, d = x_BxTxD.shape
-        h = self.num_heads
-        heads = lambda y: y.reshape(b, t, h, d // h)
+        heads = lambda y: y.reshape(b, t, self.num_heads, d // self.num_heads)
         q_BxTxHxK = rotary(heads(x_BxTxD @ self._w(self.wq)))
         k_BxSxHxK = rotary(heads(x_BxTxD @ self._w(self.wk)))
         v_BxSxHxK = heads(x_BxTxD @ self._w(self.wv))
@@ -153,11 +144,10 @@ class LM(nnx.Module):
         if compute_dtype not in DTYPES:
             raise ValueError(f"model.compute_dtype={compute_dtype!r} is not one of "
                              f"{tuple(DTYPES)}")
-        self.policy, self.remat = remat_policy(remat), remat
-        self.compute_dtype, self.scan_unroll = DTYPES[compute_dtype], scan_unroll
-        self.num_layers, self.tie_embeddings = num_layers, tie_embeddings
+        self.policy, self.scan_unroll = remat_policy(remat), scan_unroll
+        self.num_layers = num_layers
+        self.compute_dtype = dtype = DTYPES[compute_dtype]
         out_std = 0.02 / math.sqrt(2 * num_layers)
-        dtype = self.compute_dtype
         kernel = resolve_attention(attention, dtype, d_model // num_heads)
 
         @nnx.split_rngs(splits=num_layers)

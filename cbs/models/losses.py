@@ -2,17 +2,13 @@
 
 Letters: B batch, T positions, C classes, V vocabulary.
 
-`split_model` gives (graphdef, params, rest): every `nnx.Param` (what is differentiated) and
-everything else (BatchNorm statistics). `loss_fn(params, batch)` rebuilds the model with
-`nnx.merge` on every call, so it is pure and can be jitted, differentiated and vmapped.
-
-Per-example loss ℓ_i (the mean over a batch is what `loss_fn` returns, docs/design.md):
+`loss_fn(params, batch)` rebuilds the model with `nnx.merge` on every call, so it is pure and
+can be jitted, differentiated and vmapped. Per-example loss ℓ_i (`loss_fn` returns the mean
+over the batch, docs/design.md), in float32 (float64 when the inputs are float64):
 - "classification": ℓ_i = logsumexp(z_i) − z_{i, y_i}, logits z [B, C], labels int [B].
 - "lm": ℓ_i = (1/T) Σ_t [logsumexp(z_it) − z_{it, y_it}], logits [B, T, V], labels [B, T]:
   the example's mean token loss.
 - "regression": ℓ_i = ½ (f(x_i) − y_i)², predictions [B] or [B, 1], targets [B].
-Losses are computed in float32 (float64 when the inputs are float64).
-
 Models that couple examples (BatchNorm in training mode) have no per-example loss:
 `loss_fn.couples_examples` is True for them.
 """
@@ -92,9 +88,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest_state: nnx.State, task: str, *,
     """loss_fn(params, batch) -> scalar mean of ℓ_i over the leading axis of batch["x"].
 
     `rest_state` (from `split_model`) is closed over: build the function inside the jitted
-    step when it changes. train: training mode (BatchNorm uses batch statistics) or eval mode.
-    return_state: return (loss, new_rest_state), for `has_aux=True`, keeping the BatchNorm
-    running averages the forward pass updated."""
+    step when it changes. train: BatchNorm uses batch statistics. return_state: return
+    (loss, new_rest_state) for `has_aux=True`, with the BatchNorm running averages updated."""
     _check_task(task)
 
     def loss_fn(params: nnx.State, batch: Batch):

@@ -37,7 +37,6 @@ class MLP(nnx.Module):
 
     def __init__(self, input_shape: Sequence[int], hidden_sizes: Sequence[int], out_features: int,
                  *, activation: str = "relu", rngs: nnx.Rngs):
-        self.activation = activation
         self._act = get_activation(activation)
         sizes = [math.prod(input_shape), *hidden_sizes, out_features]
         self.layers = nnx.List([layers.Linear(d_in, d_out, rngs=rngs)

@@ -1,11 +1,7 @@
-"""The model registry: a model is one module plus one `register` call.
-
-    @register("mlp", default_config=mlp_fields)
-    def build_mlp(config, inputs, rngs) -> nnx.Module: ...
-
-`default_config` returns the architecture's fields of the `model` sub-config (each with a
-trailing comment giving its meaning); `build(config, inputs, rngs)` checks them, raising
-ValueError("model.<field>...") for a bad value, and builds the model.
+"""The model registry: a model is one module plus one `register` call (example:
+docs/guides/extending.md). `default_config` returns the architecture's fields of the `model`
+sub-config, each with a trailing comment giving its meaning; `build(config, inputs, rngs)`
+checks them, raising ValueError("model.<field>...") for a bad value, and builds the model.
 """
 
 from __future__ import annotations

@@ -209,11 +209,10 @@ def transformer_flops(c: ml_collections.ConfigDict, inputs: ModelInputs) -> floa
     counts 3·D·F); None for a size not in the table."""
     if c.size not in SIZES:
         return None
-    row = SIZES[c.size]
+    s = resolve_row(c, SIZES)
     seq_len = int(inputs.input_shape[-1]) if inputs.input_shape else 0
-    per_token = lm_flops_per_token(c.d_model or row.d_model, c.num_layers or row.num_layers,
-                                   2 * (c.d_ff or row.d_ff) // 3, inputs.vocab_size or 0, seq_len)
-    return seq_len * per_token
+    return seq_len * lm_flops_per_token(s.d_model, s.num_layers, 2 * s.d_ff // 3,
+                                        inputs.vocab_size or 0, seq_len)
 
 
 @register("transformer", default_config=transformer_fields, flops=transformer_flops)
