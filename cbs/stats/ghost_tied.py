@@ -18,12 +18,10 @@ over pairs of positions of example i alone (letters and scaling as in `cbs.stats
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more than
-the plain gradient. The *direct form* forms each example's gradient in the leaf's layout, sums and
-squares it, and takes the leaf's gradient as the sum over the examples: it adds `ENTRY_COST`
-multiply-adds (memory traffic) per entry of each use's per-example gradient and of their sum. `plan`
-takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own dtype;
-products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
+This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example. The
+*direct form* forms each example's gradient in the leaf's layout, squares it and sums it over the
+examples for the leaf's gradient, at `ENTRY_COST` multiply-adds per entry; `plan` takes the
+cheaper (docs/guides/benchmarks.md). Products accumulate in the leaf's accumulation dtype.
 
 The layout operations from the leaf to each use's operand may transpose it, change its dtype or
 sharding, and add or remove unit axes; anything else (a reshape that merges or splits axes, dot

@@ -1,12 +1,4 @@
-"""A noise-scale monitor for any training loop (hand-written optax, flax nnx, plain JAX).
-
-    step_fn = jax.jit(noise.value_grad_and_stats(loss_fn))
-    monitor = noise.NoiseMonitor(decay=0.95, every=100, log=print)
-    for step, batch in enumerate(batches):
-        loss, grads, stats = step_fn(params, batch)
-        monitor.update(stats)                    # logs every 100 calls; no host sync otherwise
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+"""A noise-scale monitor for any training loop (docs/guides/measuring.md shows one in use).
 
 Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics carry
 them) into `cbs.stats.smoothing.NoiseScaleEMA` on the device. Every `every` calls the smoothed

@@ -14,11 +14,10 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
     g_h_g             = ḡᵀ H ḡ − trace_h_sigma / B
     b_noise           = trace_h_sigma / g_h_g                     eq. 2.8
 
-Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory O(params)).
-`config.noise.method` names one from the registry (`register_method`): "auto", "fast", "vmap",
-"probe", and "sampled", "full_data" of `cbs.stats.sampled`. ℓ_i is `loss_fn` on a one-example
-batch; `cbs.stats.loss_checks` refuses a loss for which that means nothing. Each estimator
-compiles with `loss_fn` as a static argument: reuse one function object.
+Estimators: `exact` (per-example gradients) and `probe` (Hutchinson, memory O(params)), and the
+registry of methods `config.noise.method` names (`register_method`). ℓ_i is `loss_fn` on a
+one-example batch (`cbs.stats.loss_checks`). Each estimator compiles with `loss_fn` as a static
+argument: reuse one function object.
 """
 
 from __future__ import annotations
@@ -150,8 +149,8 @@ def _fast_sums(batch_size, grad, sq_norms):
 def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | None = None,
           curvature: bool = False, groups: GroupSpec = None, method: str = "auto",
           hessian_batch: PyTree | None = None) -> NoiseStats:
-    """Exact noise statistics of one batch (B ≥ 2, may be sharded) from per-example gradients:
-    NoiseStats, scalars in float32 (float64 under jax_enable_x64).
+    """Exact noise statistics of one batch (B ≥ 2, may be sharded) from per-example gradients,
+    scalars in `cbs.stats.trees.accum_dtype()`.
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
@@ -298,10 +297,9 @@ def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> Me
     """Registers fn as the noise method `name` (a value of `config.noise.method`); returns fn.
 
     fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a fresh
-    PRNG key, num_probes / chunk_size the config's (None for 0). `takes` declares the further
-    keywords it is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn independently
-    of the measured ones; `deviations`, the config's m; `hessian_examples`, its h.
-    """
+    PRNG key, num_probes / chunk_size the config's (None for 0). `takes`: the further keywords it
+    is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H independent of the measured
+    ones; `deviations` and `hessian_examples`, the config's m and h."""
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
     unknown = set(takes) - set(METHOD_ARGUMENTS)
