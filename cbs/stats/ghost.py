@@ -16,20 +16,11 @@ no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
 whichever is cheaper; the direct form's per-example gradients, summed, also give the weight
 gradient ("fused"). Convolutions, embeddings and elementwise scales and shifts: `ghost_rules`.
 
-Mechanism. `ghost_trace` finds the operations that read each params leaf (its *uses*) in one
-shape-only trace; the jaxpr is then evaluated again under one `jax.value_and_grad`. A leaf read by
-one use that a ghost rule reads is *tapped*: an identity on the use's output whose custom backward
-returns the rule's [B] norms as the cotangent of a zero *slot* input (stacked per step inside
-`scan`); a fused use also returns the gradient. Any other use gets a zero *perturbation* added to
-its output and its data operand kept, so the backward pass returns its cotangent g: a leaf read
-only by `dot_general`s and embedding gathers takes `ghost_tied`, any other is *materialised*
-(`Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples).
-
-`remat` bodies run under `jax.checkpoint` with the same policy; nested `jit` and custom-rule
-bodies are inlined (the rule taken to be the derivative of the body). Leaves read in any other
-way fall back to `vmap(grad)` restricted to them (`uncovered_leaves` says which). ℓ_i is
-`loss_fn` on the one-example batch i, as in the vmap reference; a batch statistic (BatchNorm in
-training mode) removes the example axis.
+Mechanism (docs/design.md, "Per-example gradient norms"): `ghost_trace` finds each params leaf's
+*uses*; the jaxpr is evaluated again under one `jax.value_and_grad`, a use *tapped* (its rule's
+[B] norms returned as the cotangent of a zero *slot* input), *fused* (also its gradient) or
+*captured* (a zero *perturbation* on its output returns g, for `ghost_tied` or the *materialised*
+rule). Leaves read in any other way fall back to `vmap(grad)` (`uncovered_leaves` says which).
 """
 
 from __future__ import annotations

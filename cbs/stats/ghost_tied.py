@@ -18,15 +18,9 @@ over pairs of positions of example i alone (letters and scaling as in `cbs.stats
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example. The
-*direct form* forms each example's gradient in the leaf's layout, squares it and sums it over the
-examples for the leaf's gradient, at `ENTRY_COST` multiply-adds per entry; `plan` takes the
-cheaper (docs/guides/benchmarks.md). Products accumulate in the leaf's accumulation dtype.
-
-The layout operations from the leaf to each use's operand may transpose it, change its dtype or
-sharding, and add or remove unit axes; anything else (a reshape that merges or splits axes, dot
-uses whose x sides share only some leaf axes, a table read transposed by another gather) leaves
-the leaf to the materialised path. `FORM` forces a form (benchmarks/lm_step.py compares them).
+`plan` takes the cheaper of this *Gram form* and the *direct form* (each example's gradient
+formed, squared and summed for the leaf's gradient), or leaves the leaf to the materialised path
+(docs/design.md, "Per-example gradient norms"); `FORM` forces one (benchmarks/lm_step.py).
 """
 
 from __future__ import annotations

@@ -112,18 +112,14 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_ba
         d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
         out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
         if curvature:
-            out["dhd"], dhd_K = block_quadratic_forms(hvp_lin, d, blocks)
-            if dhd_K is not None:
-                out["dhd_K"] = dhd_K
+            out["dhd"], out["dhd_K"] = block_quadratic_forms(hvp_lin, d, blocks)  # K: or None
         return out
 
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0),
                         examples.map_examples(per_example, batch, chunk_size))
     sums["gsq_L"] = jnp.stack(trees.leaf_dots(grad, grad))
     if curvature:
-        sums["ghg"], ghg_K = block_quadratic_forms(hvp_lin, grad, blocks)
-        if ghg_K is not None:
-            sums["ghg_K"] = ghg_K
+        sums["ghg"], sums["ghg_K"] = block_quadratic_forms(hvp_lin, grad, blocks)
     return sums
 
 
@@ -302,8 +298,7 @@ def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> Me
     ones; `deviations` and `hessian_examples`, the config's m and h."""
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
-    unknown = set(takes) - set(METHOD_ARGUMENTS)
-    if unknown:
+    if unknown := set(takes) - set(METHOD_ARGUMENTS):
         raise ValueError(f"noise method {name!r}: unknown arguments {sorted(unknown)}; a "
                          f"method may take {METHOD_ARGUMENTS}")
     _METHODS[name], _ARGUMENTS[name] = fn, tuple(takes)
