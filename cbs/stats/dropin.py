@@ -152,11 +152,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             loss = (loss_fn if plain and len(args) == 2 and not kwargs
                     else (lambda p, b: value(call(p, b, None))))
             if others or kwargs:  # checked with them as arguments: under jit they are traced
-                names = list(kwargs)
-                loss_checks.check_loss_fn(lambda p, b, *o: value(spec.call(
-                    loss_fn, p, b, None, dict(zip(others, o[:len(others)], strict=True)),
-                    dict(zip(names, o[len(others):], strict=True)))), params, batch,
-                    *others.values(), *kwargs.values())
+                loss_checks.check_loss_fn(lambda p, b, o, kw: value(spec.call(
+                    loss_fn, p, b, None, o, kw)), params, batch, others, kwargs)
                 loss_checks.passed(loss)
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch
@@ -230,12 +227,9 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
     `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (a State, as
-    `nnx.value_and_grad` returns them); the rest of the model and `args` (the same for every
-    example) pass through. A loss drawing from the model's `nnx.Rngs` streams is measured per
-    example (module docstring). Call it eagerly or inside `nnx.jit`. BatchNorm in training mode
-    is refused (`model.eval()` measures with the running statistics). Other arguments as in
-    `value_grad_and_stats`.
-    """
+    `nnx.value_and_grad` returns them); the rest of the model and `args` pass through. Eager or
+    inside `nnx.jit`; BatchNorm in training mode is refused (measure after `model.eval()`).
+    Other arguments as in `value_grad_and_stats`."""
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)
 

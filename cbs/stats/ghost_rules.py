@@ -294,9 +294,7 @@ FUSED_RULES = {"dot_general": _dense_fused, "conv_general_dilated": _conv_fused,
 
 def _bind(eqn, args, params=None):
     params = dict(eqn.params if params is None else params)
-    for key in ("sharding", "out_sharding"):
-        if key in params:
-            params[key] = None
+    params.update({key: None for key in ("sharding", "out_sharding") if key in params})
     return eqn.primitive.bind(*args, **params)
 
 

@@ -285,8 +285,7 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
         return jnp.sum(sq), total
 
     batch_size = items[0][0].shape[0]
-    if chunk_size is None:  # bytes per scan step: two [T_u, T_v] matrices per pair of uses
-        #                     (Gram form), or each use's gradient and their sum (direct form)
+    if chunk_size is None:  # per scan step: two [T_u, T_v] per pair, or the uses' gradients
         item = np.dtype(dtype).itemsize
         if tied.form == "gram":
             per_step = 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions

@@ -20,10 +20,7 @@ from cbs.stats.smoothing import NoiseScaleEMA
 __all__ = ["NoiseMonitor"]
 
 
-@jax.jit
-def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma=None, g_h_g=None
-          ) -> NoiseScaleEMA:
-    return ema.update(grad_sq_norm, trace_sigma, trace_h_sigma=trace_h_sigma, g_h_g=g_h_g)
+_fold = jax.jit(NoiseScaleEMA.update)
 
 
 class NoiseMonitor:
@@ -52,7 +49,8 @@ class NoiseMonitor:
         """Folds one batch's statistics in; `step`: the training loop's step."""
         curv = stats.g_h_g is not None and stats.trace_h_sigma is not None
         self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
-                         *((stats.trace_h_sigma, stats.g_h_g) if curv else ()))
+                         trace_h_sigma=stats.trace_h_sigma if curv else None,
+                         g_h_g=stats.g_h_g if curv else None)
         self.updates += 1
         self.step = self.updates if step is None else int(step)
         if self.every and self.updates % self.every == 0:

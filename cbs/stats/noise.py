@@ -150,18 +150,15 @@ def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | N
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
-            `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
+        chunk_size: examples per vmap chunk; None: from `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
         curvature: also the curvature fields (one HVP per example: cost O(B²)).
-        groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's
-            curvature terms use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP per group
-            and example), so they do not sum to the total; its trace_sigma and |ḡ|² do.
-        method: as in `cbs.stats.ghost.per_example_grads_info`; "vmap" centres each g_i on ḡ
-            before squaring, the others take trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1).
-            curvature=True takes the vmap route.
+        groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`); a group's
+            curvature terms use its diagonal block H_kk of H, so only its trace_sigma and |ḡ|²
+            sum to the total.
+        method: as in `cbs.stats.ghost.per_example_grads_info` ("vmap" centres each g_i on ḡ
+            before squaring); curvature=True takes the vmap route.
         hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
-            only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
-            each example's own Hessian with weight 1/B (biased high for small B).
+            only: unbiased trace_h_sigma and g_h_g). None: H of `batch` (biased high for small B).
     """
     check_inputs(loss_fn, params, batch)
     _check_method(method)
