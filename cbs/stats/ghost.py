@@ -98,7 +98,8 @@ def _plan(loss_fn: LossFn, params: PyTree, batch: PyTree) -> _Plan:
     uids = {u.uid for u in active.values()}
     inside = {e: frozenset(s & uids) for e, s in disc.inner_uses.items()}
     unused = tuple(i for i in range(len(leaves)) if i not in reads)
-    tapped, fused, tied, ordinary = {}, set(), {}, set()
+    tapped, fused, tied = {}, set(), {}
+    ordinary: set[int] = set()
     for leaf, us in uses.items():
         dtype = jnp.promote_types(leaves[leaf].dtype, jnp.float32)
         if len(us) == 1 and _has_rule(us[0], dtype):

@@ -110,7 +110,7 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_ba
     def per_example(example):
         g = jax.grad(loss_fn)(params, examples.one_example(example))
         d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
-        out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
+        out: dict[str, jax.Array | None] = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
         if curvature:
             out["dhd"], out["dhd_K"] = block_quadratic_forms(hvp_lin, d, blocks)  # K: or None
         return out
