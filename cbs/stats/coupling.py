@@ -1,6 +1,5 @@
 """A structural test, on one shape-only trace, for examples coupled through a batch statistic
-(BatchNorm in training mode reduces over the example axis and combines the result with every
-example), where per-example gradients need ℓ_i to depend on example i alone.
+(BatchNorm in training mode), where per-example gradients need ℓ_i to depend on example i alone.
 
 Every jaxpr variable gets two tags, propagated forward from the batch inputs (example axis 0):
 
@@ -8,15 +7,13 @@ Every jaxpr variable gets two tags, propagated forward from the batch inputs (ex
   `cbs.stats.ghost_trace`), lost through any other. A reshape merging the example axis with
   others (`[B, T, C] -> [B·T, C]`) keeps an axis that *holds* the examples; one splitting it
   out again gives the example axis back;
-- *mixed*: a statistic over several examples, formed by a known operation that reduces or
-  contracts an axis holding the examples (`reduce_sum`, `argmax`, cumulative ops, a
-  `dot_general` contracting or pairing them, `psum`/`pmax`/`pmin` over a `jax.vmap` axis
-  name), or by a collective over a mesh axis a `shard_map` splits the examples on.
+- *mixed*: a statistic over several examples, from a known operation that reduces or contracts
+  an axis holding the examples, or a collective over a `jax.vmap` axis name or a mesh axis a
+  `shard_map` splits the examples on.
 
 A known operation whose output keeps an example axis while an operand is mixed is a coupling:
-`x − mean(x, axis=0)`. The mean loss is mixed but read by nothing per-example. An axis lost
-through an unknown operation is never reported, nor a collective over a mesh axis the loss does
-not bind. Nested bodies (`jit`, `remat`, custom rules, loops, `cond`, `shard_map`) are walked.
+`x − mean(x, axis=0)`. An axis lost through an unknown operation is never reported. Nested
+bodies (`jit`, `remat`, custom rules, loops, `cond`, `shard_map`) are walked.
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """The drop-in for a training loop: `jax.value_and_grad` that also returns the noise statistics
-of the same batch (`value_grad_and_stats`), and its NNX form, which takes the module as
-`nnx.value_and_grad` does (`nnx_value_grad_and_stats`). Arguments follow jax_privacy's
-`clipped_grad` (`argnums`, `batch_argnums`, `prng_argnum`, `has_aux`); others pass through.
+of the same batch (`value_grad_and_stats`), and its NNX form (`nnx_value_grad_and_stats`).
+Arguments follow jax_privacy's `clipped_grad`; docs/guides/measuring.md shows both in use.
 
-Randomness. With a key, the example at position i of the batch (0 ≤ i < B) draws from
-`example_keys(key, B)[i] = jax.random.fold_in(key, i)`, and its loss is
+Randomness. With a key, example i of the batch draws from `example_keys(key, B)[i] =
+jax.random.fold_in(key, i)` and ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i)), with
+L = (1/B) Σ_i ℓ_i on every route. In the NNX form each `nnx.Rngs` stream's key plays the key.
 
-    ℓ_i = loss_fn(..., batch[i:i+1], ..., fold_in(key, i))         (a one-example batch)
-
-with L = (1/B) Σ_i ℓ_i on every route (ghost norms, `vmap(grad)`, the curvature halves,
-`keyed_loss`), so a dropout mask is a function of (key, position, example). In the NNX form
-each `nnx.Rngs` stream's key, folded with i, plays the key, and the streams advance once per
-call, as under `nnx.value_and_grad`.
-
-Curvature (`curvature=True`). B_noise needs H from examples independent of the deviations it
-weighs: each half of the batch (even positions, B_e = ⌈B/2⌉; odd, B_o = ⌊B/2⌋) has its
-deviations weighed by the Hessian of the other half's mean loss, the two estimates averaged.
-With h ∈ {e, o} and h' the other half:
+Curvature. Each half of the batch (even positions, B_e = ⌈B/2⌉; odd, B_o = ⌊B/2⌋) has its
+deviations weighed by the Hessian of the other half's mean loss; with h ∈ {e, o} and h' the other:
 
     trace_h_sigma = ½ Σ_h Σ_{i∈h} (g_i − ḡ_h)ᵀ H_h' (g_i − ḡ_h) / (B_h − 1)
     mean_g_h_g    = ½ Σ_h ḡ_hᵀ H_h' ḡ_h
     g_h_g         = ½ Σ_h (ḡ_hᵀ H_h' ḡ_h − tr(H_h'Σ)_h / B_h)       unbiased for GᵀHG
     b_noise       = trace_h_sigma / g_h_g
 
-Cost: B per-example gradients and B HVPs over B/2 examples each (about B²/2 example passes
-times an HVP's cost): for measurement steps. The simple fields come from the whole batch.
+Cost: B per-example gradients and B HVPs over B/2 examples each. The simple fields come from
+the whole batch.
 """
 
 from __future__ import annotations
@@ -138,12 +129,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
                          groups: GroupSpec = None) -> Callable[..., tuple[Any, PyTree, NoiseStats]]:
     """Drop-in for `jax.value_and_grad(loss_fn, argnums, has_aux)` that also returns the noise
     statistics of the batch: fn(*args, **kwargs) -> (loss or (loss, aux), grads, NoiseStats),
-    keyword arguments passed to loss_fn undifferentiated. One forward and one backward pass
-    when `cbs.stats.ghost` reads every parameter from the jaxpr (leaves it cannot read add a
-    chunked vmap, or raise under method="fast"). Jittable.
-
-        vgs = noise.value_grad_and_stats(loss_fn, has_aux=True)
-        (loss, aux), grads, stats = vgs(params, batch)    # stats.b_simple, stats.to_dict()
+    keyword arguments passed to loss_fn undifferentiated. Jittable; one forward and one backward
+    pass where `cbs.stats.ghost` covers every leaf.
 
     Args:
         loss_fn: the MEAN loss over the batch's leading axis (or `(loss, aux)`).
@@ -165,11 +152,8 @@ def value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             loss = (loss_fn if plain and len(args) == 2 and not kwargs
                     else (lambda p, b: value(call(p, b, None))))
             if others or kwargs:  # checked with them as arguments: under jit they are traced
-                names = list(kwargs)
-                loss_checks.check_loss_fn(lambda p, b, *o: value(spec.call(
-                    loss_fn, p, b, None, dict(zip(others, o[:len(others)], strict=True)),
-                    dict(zip(names, o[len(others):], strict=True)))), params, batch,
-                    *others.values(), *kwargs.values())
+                loss_checks.check_loss_fn(lambda p, b, o, kw: value(spec.call(
+                    loss_fn, p, b, None, o, kw)), params, batch, others, kwargs)
                 loss_checks.passed(loss)
             aux_fn = (lambda p, b: call(p, b, None)[1]) if has_aux else None
             measured = batch
@@ -243,12 +227,9 @@ def nnx_value_grad_and_stats(loss_fn: Callable[..., Any], *, has_aux: bool = Fal
                              ) -> Callable[..., tuple[Any, nnx.State, NoiseStats]]:
     """The NNX form: `fn(model, batch, *args)` -> (loss or (loss, aux), grads, NoiseStats) for
     `loss_fn(model, batch, *args)`, differentiating the `wrt` variables (a State, as
-    `nnx.value_and_grad` returns them); the rest of the model and `args` (the same for every
-    example) pass through. A loss drawing from the model's `nnx.Rngs` streams is measured per
-    example (module docstring). Call it eagerly or inside `nnx.jit`. BatchNorm in training mode
-    is refused (`model.eval()` measures with the running statistics). Other arguments as in
-    `value_grad_and_stats`.
-    """
+    `nnx.value_and_grad` returns them); the rest of the model and `args` pass through. Eager or
+    inside `nnx.jit`; BatchNorm in training mode is refused (measure after `model.eval()`).
+    Other arguments as in `value_grad_and_stats`."""
     _check_method(method)
     value = (lambda out: out[0]) if has_aux else (lambda out: out)
 

@@ -66,8 +66,7 @@ def _check_finite(params: PyTree, batch: PyTree) -> None:
     """Raises ValueError naming the first concrete leaf (and example) holding NaN or inf."""
     named = [(f"{what} leaf {p!r}", x, what == "batch")
              for what, tree in (("params", params), ("batch", batch))
-             for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)]
-    named = [(n, x, ex) for n, x, ex in named
+             for p, x in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True)
              if concrete(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not named:
         return

@@ -14,26 +14,13 @@ no [B, D, O] tensor (Goodfellow 2015; Li et al. 2022, "ghost clipping"):
                = B² |Σ_t x_it g_itᵀ|²                         (direct form, cost T·D·O)
 
 whichever is cheaper; the direct form's per-example gradients, summed, also give the weight
-gradient ("fused", `ghost_rules.fuse_direct`). A convolution is the dense rule on its input
-windows, an embedding table `Σ_{t,s} [id_t = id_s] g_t·g_s`, and an elementwise scale or
-shift broadcast over positions `|Σ_t x_it ⊙ g_it|²` or `|Σ_t g_it|²` (`ghost_rules`).
+gradient ("fused"). Convolutions, embeddings and elementwise scales and shifts: `ghost_rules`.
 
-Mechanism. `ghost_trace` finds, in one shape-only trace, the operations that read each params
-leaf (its *uses*); the jaxpr is then evaluated again under one `jax.value_and_grad`. A leaf read
-by one use that a ghost rule reads is *tapped*: the use's output passes an identity whose custom
-backward applies the rule to x and g and returns the [B] norms as the cotangent of a zero *slot*
-input (stacked per step inside `scan`), keeping nothing beyond the ordinary backward; a fused use
-also returns the gradient. Any other use gets a zero *perturbation* added to its output and its
-data operand kept, so the backward pass returns its cotangent g: a leaf read only by
-`dot_general`s and embedding gathers (a tied embedding and head) takes `ghost_tied`, any other
-is *materialised* (`Σ_uses transpose(use)(x_i, g_i)` squared, in chunks of examples).
-
-`remat` bodies run under `jax.checkpoint` with the same policy; nested `jit` and
-`custom_jvp`/`custom_vjp` bodies are inlined (their custom rule taken to be the derivative of
-their body). Leaves read in any other way fall back to `vmap(grad)` restricted to them, chunked
-to a memory budget (`uncovered_leaves` says which). ℓ_i is `loss_fn` on the one-example batch i,
-as in the vmap reference: the fast path equals it when `loss_fn(batch) = mean_i
-loss_fn(batch_i)`; a batch statistic (BatchNorm in training mode) removes the example axis.
+Mechanism (docs/design.md, "Per-example gradient norms"): `ghost_trace` finds each params leaf's
+*uses*; the jaxpr is evaluated again under one `jax.value_and_grad`, a use *tapped* (its rule's
+[B] norms returned as the cotangent of a zero *slot* input), *fused* (also its gradient) or
+*captured* (a zero *perturbation* on its output returns g, for `ghost_tied` or the *materialised*
+rule). Leaves read in any other way fall back to `vmap(grad)` (`uncovered_leaves` says which).
 """
 
 from __future__ import annotations
@@ -81,8 +68,6 @@ class _Plan:
 
 def _batch_size(batch: PyTree) -> int:
     sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(batch)}
-    if not sizes:
-        raise ValueError("batch has no arrays")
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"batch leaves must share a leading batch axis; got sizes {sizes}")
     return cast(int, sizes.pop())  # None was refused above

@@ -37,8 +37,8 @@ _FUSED_BYTES = 256 * 2**20  # most bytes of a layer's [B, D, O] per-example grad
 
 def fuse_direct(b: int, t: int, d: int, o: int) -> bool:
     """Whether a layer's weight gradient is the sum of its B per-example gradients [B, D, O]
-    (formed for their norms), when their squares (4 multiply-adds per entry of memory traffic)
-    cost less than the Gram form T²(D + O) per example. T = 1 has the cheaper outer rule."""
+    (formed for their norms): 4 multiply-adds per entry (memory traffic) against the Gram form's
+    T²(D + O) per example (docs/guides/benchmarks.md)."""
     return t > 1 and 4 * d * o < t * t * (d + o) and 4 * b * d * o <= _FUSED_BYTES
 
 
@@ -46,8 +46,7 @@ def _direct_products(x_BxTxD: jax.Array, g_BxTxO: jax.Array, dtype) -> tuple[jax
     """(Σ_i G_i [D, O], [B] |G_i|²) of G_i = Σ_t x_it g_itᵀ, accumulated in `dtype`."""
     d = x_BxTxD.shape[-1]
     common = jnp.promote_types(x_BxTxD.dtype, g_BxTxO.dtype)
-    # The larger feature axis minor: on CPU a [128, 196, 144]·[128, 196, 32] product into
-    # [B, O, D] ran 20-40 % faster than into [B, D, O], and the reverse when O > D.
+    # the larger feature axis minor: faster on XLA:CPU (docs/guides/benchmarks.md)
     o_major = d > g_BxTxO.shape[-1]
     grad_i = jnp.einsum("btd,bto->bod" if o_major else "btd,bto->bdo", x_BxTxD.astype(common),
                         g_BxTxO.astype(common), preferred_element_type=dtype)
@@ -106,9 +105,8 @@ def _dense_fused(use, x, g, dtype) -> tuple[jax.Array, jax.Array] | None:
 
 
 def _patches(x_BxSxD: jax.Array, window, strides, padding) -> jax.Array:
-    """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices (the
-    default CNN's ghost pass on XLA:CPU: 2.1× a plain gradient, against 3.3× with
-    `conv_general_dilated_patches`, a convolution with a one-hot kernel)."""
+    """[B, S'..., prod(window)·D] input windows of a convolution, by strided slices (faster
+    than `conv_general_dilated_patches` on XLA:CPU: docs/guides/benchmarks.md)."""
     x = jnp.pad(x_BxSxD, ((0, 0), *padding, (0, 0)))
     outs = [(x.shape[1 + k] - w) // s + 1
             for k, (w, s) in enumerate(zip(window, strides, strict=True))]
@@ -124,14 +122,9 @@ CPU_CHUNK_BYTES = 2 * 2**20  # on XLA:CPU, most bytes of a chunk's input windows
 
 
 def example_chunk(b: int, bytes_per_example: int) -> int:
-    """Examples per chunk of a convolution's per-example work (a divisor of b; b: one chunk).
-
-    On XLA:CPU all B examples at once ran several times slower than chunks that stay in cache
-    (the default CNN at B = 128: 1.85× a plain gradient at once, 1.1–1.2× in chunks of 16 and
-    8). Chunks hold at most `CPU_CHUNK_BYTES` and a multiple of the device count (interleaved,
-    so a sharded batch stays spread); other backends, and a b with no such divisor of at least
-    a quarter of the largest chunk, take one chunk.
-    """
+    """Examples per chunk of a convolution's per-example work, a divisor of b: on XLA:CPU
+    chunks that stay in cache (docs/guides/benchmarks.md), of at most `CPU_CHUNK_BYTES` and a
+    multiple of the device count, at least a quarter of the largest; else b (one chunk)."""
     most = CPU_CHUNK_BYTES // max(bytes_per_example, 1)
     if jax.default_backend() != "cpu" or most >= b:
         return b
@@ -301,9 +294,7 @@ FUSED_RULES = {"dot_general": _dense_fused, "conv_general_dilated": _conv_fused,
 
 def _bind(eqn, args, params=None):
     params = dict(eqn.params if params is None else params)
-    for key in ("sharding", "out_sharding"):
-        if key in params:
-            params[key] = None
+    params.update({key: None for key in ("sharding", "out_sharding") if key in params})
     return eqn.primitive.bind(*args, **params)
 
 
@@ -334,8 +325,7 @@ def per_example_grad(use, x_i, g_i, dtype) -> jax.Array:
                 w = _bind(eqn, [w])
         if last is not None:
             w = _bind(use.chain[-1], [w], last)
-        if elementwise and w.ndim and w.shape[use.e_in] != 1:  # the same for every example:
-            #                                                     take one (a scalar stays)
+        if elementwise and w.ndim and w.shape[use.e_in] != 1:  # the same for every example
             w = jax.lax.slice_in_dim(w, 0, 1, axis=use.e_in)
         return _bind(use.eqn, [x1, w] if use.pos == 1 else [w, x1], params)
 

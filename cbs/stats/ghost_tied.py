@@ -18,17 +18,9 @@ over pairs of positions of example i alone (letters and scaling as in `cbs.stats
   Σ_{t,s} x_t[id_s] (g_t·e_s);
 - two gathers from the same table layout: Σ_{t,s: id_t = id'_s} e_t·e'_s.
 
-This *Gram form* costs Σ_{u≤v} T_u·T_v·(features of the pair) multiply-adds per example more than
-the plain gradient. The *direct form* forms each example's gradient in the leaf's layout, sums and
-squares it, and takes the leaf's gradient as the sum over the examples: it adds `ENTRY_COST`
-multiply-adds (memory traffic) per entry of each use's per-example gradient and of their sum. `plan`
-takes the cheaper (docs/guides/benchmarks.md measures both). Operands stay in their own dtype;
-products accumulate in the leaf's accumulation dtype (`preferred_element_type`).
-
-The layout operations from the leaf to each use's operand may transpose it, change its dtype or
-sharding, and add or remove unit axes; anything else (a reshape that merges or splits axes, dot
-uses whose x sides share only some leaf axes, a table read transposed by another gather) leaves
-the leaf to the materialised path. `FORM` forces a form (benchmarks/lm_step.py compares them).
+`plan` takes the cheaper of this *Gram form* and the *direct form* (each example's gradient
+formed, squared and summed for the leaf's gradient), or leaves the leaf to the materialised path
+(docs/design.md, "Per-example gradient norms"); `FORM` forces one (benchmarks/lm_step.py).
 """
 
 from __future__ import annotations
@@ -293,8 +285,7 @@ def sq_norms(tied: Tied, caps: dict, cotangents: dict, dtype, chunk_size: int | 
         return jnp.sum(sq), total
 
     batch_size = items[0][0].shape[0]
-    if chunk_size is None:  # bytes per scan step: two [T_u, T_v] matrices per pair of uses
-        #                     (Gram form), or each use's gradient and their sum (direct form)
+    if chunk_size is None:  # per scan step: two [T_u, T_v] per pair, or the uses' gradients
         item = np.dtype(dtype).itemsize
         if tied.form == "gram":
             per_step = 2 * item * sum(tied.parts[j].positions * tied.parts[k].positions

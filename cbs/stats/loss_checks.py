@@ -19,6 +19,7 @@ value-checked.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -70,8 +71,9 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
     """Raises ValueError (one line) when loss_fn is random, couples examples or sums (module
     docstring), once per loss_fn object. `args`: `loss_fn(params, batch, *args)`'s further
     arguments, their arrays traced like the params."""
-    if _checked(loss_fn):
-        return
+    with contextlib.suppress(TypeError):  # a loss_fn without weak references is checked each time
+        if loss_fn in _CHECKED:
+            return
     allowed = getattr(loss_fn, _ALLOWED_FLAG, False)
     arrays, bind = _array_leaves(args)
     fn = lambda p, b, a: loss_fn(p, b, *bind(a))
@@ -115,7 +117,8 @@ def check_loss_fn(loss_fn: Callable[..., jax.Array], params: PyTree, batch: PyTr
 
 def passed(loss_fn: Callable[..., jax.Array]) -> None:
     """Records that loss_fn passed every check."""
-    _checked(loss_fn, add=True)
+    with contextlib.suppress(TypeError):
+        _CHECKED.add(loss_fn)
 
 
 def _array_leaves(args: tuple) -> tuple[list[Any], Callable[[list[Any]], tuple]]:
@@ -257,16 +260,6 @@ def _program_key(jaxpr: Any, allowed: bool) -> tuple | None:
         consts.append((a.shape, str(a.dtype), a.tobytes() if a.size <= 4096
                        else float(np.sum(a, dtype=np.float64))))
     return (str(jaxpr.jaxpr), tuple(consts), bool(allowed))
-
-
-def _checked(loss_fn: LossFn, add: bool = False) -> bool:
-    """Whether loss_fn already passed (add: record that it did)."""
-    try:
-        if add:
-            _CHECKED.add(loss_fn)
-        return loss_fn in _CHECKED
-    except TypeError:
-        return False
 
 
 def concrete(x: Any) -> bool:

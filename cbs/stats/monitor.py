@@ -1,12 +1,4 @@
-"""A noise-scale monitor for any training loop (hand-written optax, flax nnx, plain JAX).
-
-    step_fn = jax.jit(noise.value_grad_and_stats(loss_fn))
-    monitor = noise.NoiseMonitor(decay=0.95, every=100, log=print)
-    for step, batch in enumerate(batches):
-        loss, grads, stats = step_fn(params, batch)
-        monitor.update(stats)                    # logs every 100 calls; no host sync otherwise
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+"""A noise-scale monitor for any training loop (docs/guides/measuring.md shows one in use).
 
 Each call folds one batch's unbiased |G|² and tr(Σ) (and GᵀHG, tr(HΣ) when the statistics carry
 them) into `cbs.stats.smoothing.NoiseScaleEMA` on the device. Every `every` calls the smoothed
@@ -28,10 +20,7 @@ from cbs.stats.smoothing import NoiseScaleEMA
 __all__ = ["NoiseMonitor"]
 
 
-@jax.jit
-def _fold(ema: NoiseScaleEMA, grad_sq_norm, trace_sigma, trace_h_sigma=None, g_h_g=None
-          ) -> NoiseScaleEMA:
-    return ema.update(grad_sq_norm, trace_sigma, trace_h_sigma=trace_h_sigma, g_h_g=g_h_g)
+_fold = jax.jit(NoiseScaleEMA.update)
 
 
 class NoiseMonitor:
@@ -60,7 +49,8 @@ class NoiseMonitor:
         """Folds one batch's statistics in; `step`: the training loop's step."""
         curv = stats.g_h_g is not None and stats.trace_h_sigma is not None
         self.ema = _fold(self.ema, stats.grad_sq_norm, stats.trace_sigma,
-                         *((stats.trace_h_sigma, stats.g_h_g) if curv else ()))
+                         trace_h_sigma=stats.trace_h_sigma if curv else None,
+                         g_h_g=stats.g_h_g if curv else None)
         self.updates += 1
         self.step = self.updates if step is None else int(step)
         if self.every and self.updates % self.every == 0:

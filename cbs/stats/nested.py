@@ -56,7 +56,6 @@ class Scan:
 class While:
     """A `while` equation read: operands `cond_consts + body_consts + carry`."""
 
-    cond: Body
     body: Body
     cond_nconsts: int
     body_nconsts: int
@@ -107,10 +106,9 @@ def _scan_split_from_avals(eqn: Any, jaxpr: Any) -> tuple[int, int]:
 
 
 def while_parts(eqn: Any) -> While:
-    p = eqn.params
-    cond, body = body_of(p["cond_jaxpr"]), body_of(p["body_jaxpr"])
+    cond, body = body_of(eqn.params["cond_jaxpr"]), body_of(eqn.params["body_jaxpr"])
     n_carry = len(body.jaxpr.outvars)
-    return While(cond, body, len(cond.jaxpr.invars) - n_carry, len(body.jaxpr.invars) - n_carry)
+    return While(body, len(cond.jaxpr.invars) - n_carry, len(body.jaxpr.invars) - n_carry)
 
 
 def cond_branches(eqn: Any) -> list[Body]:

@@ -14,11 +14,10 @@ covariance, H = ∇²L at `params` (Hessian of the MEAN BATCH loss).
     g_h_g             = ḡᵀ H ḡ − trace_h_sigma / B
     b_noise           = trace_h_sigma / g_h_g                     eq. 2.8
 
-Estimators: `exact` (per-example gradients, chunked) and `probe` (Hutchinson, memory O(params)).
-`config.noise.method` names one from the registry (`register_method`): "auto", "fast", "vmap",
-"probe", and "sampled", "full_data" of `cbs.stats.sampled`. ℓ_i is `loss_fn` on a one-example
-batch; `cbs.stats.loss_checks` refuses a loss for which that means nothing. Each estimator
-compiles with `loss_fn` as a static argument: reuse one function object.
+Estimators: `exact` (per-example gradients) and `probe` (Hutchinson, memory O(params)), and the
+registry of methods `config.noise.method` names (`register_method`). ℓ_i is `loss_fn` on a
+one-example batch (`cbs.stats.loss_checks`). Each estimator compiles with `loss_fn` as a static
+argument: reuse one function object.
 """
 
 from __future__ import annotations
@@ -111,20 +110,16 @@ def _vmap_sums(loss_fn, params, batch, chunk_size, curvature, blocks, hessian_ba
     def per_example(example):
         g = jax.grad(loss_fn)(params, examples.one_example(example))
         d = jax.tree.map(jnp.subtract, trees.tree_cast(g, dtype), grad_acc)
-        out = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
+        out: dict[str, jax.Array | None] = {"centred_L": jnp.stack(trees.leaf_dots(d, d))}
         if curvature:
-            out["dhd"], dhd_K = block_quadratic_forms(hvp_lin, d, blocks)
-            if dhd_K is not None:
-                out["dhd_K"] = dhd_K
+            out["dhd"], out["dhd_K"] = block_quadratic_forms(hvp_lin, d, blocks)  # K: or None
         return out
 
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0),
                         examples.map_examples(per_example, batch, chunk_size))
     sums["gsq_L"] = jnp.stack(trees.leaf_dots(grad, grad))
     if curvature:
-        sums["ghg"], ghg_K = block_quadratic_forms(hvp_lin, grad, blocks)
-        if ghg_K is not None:
-            sums["ghg_K"] = ghg_K
+        sums["ghg"], sums["ghg_K"] = block_quadratic_forms(hvp_lin, grad, blocks)
     return sums
 
 
@@ -150,23 +145,20 @@ def _fast_sums(batch_size, grad, sq_norms):
 def exact(loss_fn: LossFn, params: PyTree, batch: PyTree, *, chunk_size: int | None = None,
           curvature: bool = False, groups: GroupSpec = None, method: str = "auto",
           hessian_batch: PyTree | None = None) -> NoiseStats:
-    """Exact noise statistics of one batch (B ≥ 2, may be sharded) from per-example gradients:
-    NoiseStats, scalars in float32 (float64 under jax_enable_x64).
+    """Exact noise statistics of one batch (B ≥ 2, may be sharded) from per-example gradients,
+    scalars in `cbs.stats.trees.accum_dtype()`.
 
     Args:
         loss_fn: loss_fn(params, batch) -> scalar MEAN loss over the batch's leading axis.
-        chunk_size: examples per vmap chunk (memory O(chunk_size × P)); None: from
-            `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
+        chunk_size: examples per vmap chunk; None: from `cbs.stats.ghost.MEMORY_BUDGET_BYTES`.
         curvature: also the curvature fields (one HVP per example: cost O(B²)).
-        groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`). A group's
-            curvature terms use its diagonal block of H, vₖᵀH_kk vₖ (one extra HVP per group
-            and example), so they do not sum to the total; its trace_sigma and |ḡ|² do.
-        method: as in `cbs.stats.ghost.per_example_grads_info`; "vmap" centres each g_i on ḡ
-            before squaring, the others take trace_sigma = (Σ|g_i|² − B|ḡ|²)/(B−1).
-            curvature=True takes the vmap route.
+        groups: per-parameter-group breakdown (`cbs.stats.trees.resolve_groups`); a group's
+            curvature terms use its diagonal block H_kk of H, so only its trace_sigma and |ḡ|²
+            sum to the total.
+        method: as in `cbs.stats.ghost.per_example_grads_info` ("vmap" centres each g_i on ḡ
+            before squaring); curvature=True takes the vmap route.
         hessian_batch: examples independent of `batch` whose mean-loss Hessian is H (curvature
-            only), making trace_h_sigma and g_h_g unbiased. None: H of `batch`, which holds
-            each example's own Hessian with weight 1/B (biased high for small B).
+            only: unbiased trace_h_sigma and g_h_g). None: H of `batch` (biased high for small B).
     """
     check_inputs(loss_fn, params, batch)
     _check_method(method)
@@ -298,14 +290,12 @@ def register_method(name: str, fn: MethodFn, *, takes: Sequence[str] = ()) -> Me
     """Registers fn as the noise method `name` (a value of `config.noise.method`); returns fn.
 
     fn(loss_fn, params, batch, *, key, curvature, num_probes, chunk_size) -> NoiseStats: key a fresh
-    PRNG key, num_probes / chunk_size the config's (None for 0). `takes` declares the further
-    keywords it is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H drawn independently
-    of the measured ones; `deviations`, the config's m; `hessian_examples`, its h.
-    """
+    PRNG key, num_probes / chunk_size the config's (None for 0). `takes`: the further keywords it
+    is given (`METHOD_ARGUMENTS`): `hessian_batch`, examples for H independent of the measured
+    ones; `deviations` and `hessian_examples`, the config's m and h."""
     if name in _METHODS:
         raise ValueError(f"noise method {name!r} is already registered")
-    unknown = set(takes) - set(METHOD_ARGUMENTS)
-    if unknown:
+    if unknown := set(takes) - set(METHOD_ARGUMENTS):
         raise ValueError(f"noise method {name!r}: unknown arguments {sorted(unknown)}; a "
                          f"method may take {METHOD_ARGUMENTS}")
     _METHODS[name], _ARGUMENTS[name] = fn, tuple(takes)

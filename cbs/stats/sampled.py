@@ -10,13 +10,11 @@ examples (the Hessian Ĥ = ∇²L_𝓒), g_i per-example gradients, ḡ_𝓑 and
     g_h_g         = mean_g_h_g − trace_h_sigma / n
     b_noise       = trace_h_sigma / g_h_g
 
-A Hessian of the examples whose deviations it weighs adds each example's own Hessian to its term
-(on the digits MLP at m = 32: tr(HΣ) about threefold, g_h_g negative). With 𝓒 independent of 𝓑,
-E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without replacement, E[trace_h_sigma] =
-Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG − E[trace_h_sigma]/N. Cost: m per-example gradients
-and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and E[grad_sq_norm] = |G|² −
-E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)), and a B reported at a crossing is a
-ratio of window means.
+With 𝓒 independent of 𝓑 (a Hessian of the examples whose deviations it weighs adds each one's
+own Hessian to its term), E[Ĥ | 𝓑] = H and every term is linear in Ĥ: for 𝓑 drawn without
+replacement, E[trace_h_sigma] = Σ_i d_iᵀHd_i / (N − 1) and E[g_h_g] = GᵀHG − E[trace_h_sigma]/N.
+Cost: m per-example gradients and m + 1 HVPs on h examples. Residual biases: E[g_h_g] and
+E[grad_sq_norm] = |G|² − E[trace_sigma]/N (relative 1/(N·B_noise), 1/(N·B_simple)).
 
 Full training set (`measure_full_data`, small N): G, |G|², tr(Σ) and GᵀHG exact over all N,
 tr(HΣ) from the deviations d_i = g_i − G of a uniform subset 𝓐 of m examples drawn without
@@ -29,8 +27,7 @@ replacement (exactly unbiased for Σ_{i≤N} d_iᵀHd_i/(N − 1)):
 
 Cost: one pass over N and m + 1 HVPs over N (or over h examples drawn independently of 𝓐).
 Beyond `FULL_DATA_ONE_PASS` examples every sum runs over chunks of `FULL_DATA_CHUNK`
-(`population_hvp`; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk. Both are
-registered noise methods ("sampled", "full_data").
+(`population_hvp`; tr(Σ) = N/(N − 1)·(mean |g_i|² − |G|²)): memory of one chunk.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ PyTree = Any
 
 def accum_dtype() -> jnp.dtype:
     """Dtype statistics are accumulated in: float64 when `jax_enable_x64` is on, else float32."""
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # jax's stub of Config lacks
-    #   the flags it sets at run time
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a flag set at run time
     return jnp.dtype(jnp.float64 if x64 else jnp.float32)
 
 
@@ -60,18 +59,15 @@ def tree_sq_norm(a: PyTree) -> jax.Array:
 GroupSpec = None | bool | str | Callable[[str], str]
 
 
-def _key_name(key) -> str:
-    return str(next((getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)), key))
-
-
 def leaf_paths(tree: PyTree) -> list[str]:
     """Slash-joined path of every leaf, e.g. "layers/0/kernel" (NNX's trailing .value dropped)."""
+    name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
     paths = []
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
         keys = list(path)
         if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
             keys = keys[:-1]
-        paths.append("/".join(_key_name(k) for k in keys))
+        paths.append("/".join(name(k) for k in keys))
     return paths
 
 
