@@ -79,8 +79,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
-    if _EXCHANGE.value is not None and not (math.isfinite(_EXCHANGE.value)
-                                            and _EXCHANGE.value > 0):
+    if _EXCHANGE.value is not None and not 0 < _EXCHANGE.value < math.inf:
         raise ValueError(f"--exchange={_EXCHANGE.value:g}: λ is the examples you would spend to "
                          "save one step, a number > 0 (e.g. --exchange=100); leave it out for "
                          "no best batch")

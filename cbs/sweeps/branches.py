@@ -1,25 +1,22 @@
 """Local critical batch size by branched training (Merrill, Arora, Groeneveld, Hajishirzi 2025,
-"Critical Batch Size Revisited", arXiv 2505.23971, Sec. 3).
+"Critical Batch Size Revisited", arXiv 2505.23971, Sec. 3; the protocol and its defaults:
+docs/guides/local_cbs.md).
 
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
 A reference run at (B, η_0) (an engine run on one device in `workdir/reference`, every
-checkpoint kept) gives the branch points: checkpoints chosen by examples seen or by the first
-crossing of a smoothed training loss (`branch.points_examples`, `branch.points_losses`). From
-each point and each k, a branch trains Δ examples (Δ/(k·B) steps) at batch k·B and peak rate
-f(k)·η_0 (k "linear" for SGD, √k "sqrt" for Adam) and records the EMA of its batch loss at the
-window's end (`branch.loss_ema_decay`, `branch.loss_ema_per`) and optionally the exact
-training-set loss. Each (point, k) is a unit of S data-order seeds (`cbs.sweeps.branch_unit`);
-the k of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B*
-and their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
+checkpoint kept) gives the branch points (`branch.points_examples`, `branch.points_losses`).
+From each point and each k, a branch trains Δ examples at batch k·B and peak rate f(k)·η_0;
+each (point, k) is a unit of S data-order seeds (`cbs.sweeps.branch_unit`), and the k of one
+seed read the same stream positions [E, E + Δ) (common random numbers). k* and B*:
+`cbs.analysis.reports.branch_report`.
 
 Files in `workdir`: `branch.json` (definition), `reference/`, `branches.d/` (a write-once part
 per (point, k), one record per seed), `branches.jsonl` (their export; read with
 `shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`) and
-`units/` while a unit runs. A killed run resumes: finished units are skipped, an unfinished one
-reruns from its point (or its end-of-window checkpoint), so the records equal an uninterrupted
-run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
+`units/` while a unit runs. A killed run resumes to an uninterrupted run's records (finished
+units skipped). `shard="i/n"` runs the units whose index is ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -115,8 +112,7 @@ class BranchRunner:
         """The reference state after `step` updates, on this runner's device."""
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.rep),
                               self.parts.abstract_state())
-        state, _ = self.ckpt.restore(step, target)
-        return state
+        return self.ckpt.restore(step, target)[0]
 
     def _final_loss_fn(self) -> Callable | None:
         """jit of states[S] -> the full training-set loss of each, or None (not measured)."""
