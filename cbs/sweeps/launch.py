@@ -3,12 +3,11 @@
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
 The config is validated (`check_config`) before anything is written. Round after round, the
-grid's trials and the rates added past edge optima at this shard's batch sizes run, finished
-ones skipped, unfinished ones resumed; with `sweep.vmap_trials` and in-memory data the rates of
-each (B, seed) as one group (`cbs.sweeps.groups`), else each as an engine run
-(`cbs.sweeps.trials`). Each group is claimed (`SweepStore.claim`), so launchers on one
-directory share the work. With `sweep.noise_protocol = "reference"`, an unsharded launch that
-finds every trial finished runs the reference trajectory (`cbs.sweeps.reference`).
+grid's trials and the rates added past edge optima at this shard's batch sizes run on a back
+end of `cbs.sweeps.trials` (`sweep.vmap_trials`), finished ones skipped, unfinished ones
+resumed. Each group is claimed (`SweepStore.claim`), so launchers on one directory share the
+work. With `sweep.noise_protocol = "reference"`, an unsharded launch that finds every trial
+finished runs the reference trajectory (`cbs.sweeps.reference`).
 """
 
 from __future__ import annotations
