@@ -76,11 +76,10 @@ class BranchRunner:
         branch_config.validate_branch_config(config)
         self.config, self.workdir, self.b, self.dataset = config, workdir, config.branch, dataset
         self.bsz = branch_config.reference_batch(config)
-        self.ks = [int(k) for k in self.b.ks]
         self.branch_config = c = spec.run_config(config, spec.RunOverrides(
             noise_every=0,  # no per-example measurements inside branches
             schedule=dict(config.batch.schedule.to_dict(),
-                          batch_size=self.ks[-1] * self.bsz),  # sizes checked up to max k
+                          batch_size=int(self.b.ks[-1]) * self.bsz),  # checked up to max k
             eval_enabled=False), drop=())
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.mesh, self.rep = one, mesh.replicated(one)
@@ -263,9 +262,7 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             + (f" (shard {shard})" if shard else ""))
         enabled = bool(config.train.progress_bar) and jax.process_index() == 0
         with CountBar(len(todo), unit="unit", enabled=enabled, log=log) as bar:
-            for i, (step, k) in enumerate(todo):
-                if stop_after is not None and i >= stop_after:
-                    break
+            for step, k in todo[:stop_after]:
                 preemption.check(f"before branch unit (step {step}, k={k})")
                 shared.write_part(path, shared.part_name([f"s{step}_k{k}"]),
                                   runner.run_unit(step, k))  # shards never share a file

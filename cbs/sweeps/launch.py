@@ -36,9 +36,8 @@ __all__ = ["check_config", "group_slots", "pending_trials", "run_sweep", "sweep_
 
 
 def check_config(config: ml_collections.ConfigDict) -> list[grid.Trial]:
-    """Validates the whole sweep before anything runs (ValueError naming the field: the sweep,
-    the dataset, the batch sizes and noise against the training split, the model, each B's
-    run config); returns its base trials."""
+    """Validates the whole sweep (each B's run config too) before anything runs, raising a
+    ValueError that names the field; returns its base trials."""
     trials = grid.make_trials(config.sweep)
     sizes = sorted({t.batch_size for t in trials})
     if config.data.name not in data.known_datasets():
