@@ -243,8 +243,7 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Validates the config and shard, runs the reference and this shard's pending units (at
-    most `stop_after`); returns all records."""
+    """Validates, then runs the reference and this shard's pending units; all records."""
     branch_config.validate_branch_config(config)
     parse_shard(shard)
     config_lib.validate(branch_config.reference_run_config(config), data_replicas=1,  # one device
