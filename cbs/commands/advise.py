@@ -5,18 +5,15 @@ the calibrated advice at its last measured step (`cbs.analysis.advice.advice`): 
 B_crit with its interval, the run's batch's cost in steps and examples against their minima
 and, with --exchange=λ, the batch that minimises λ·steps + examples; writes the advice at
 every measured step to advice.md, .json and .png in the run directory (or --out). With
---sweep_dir: the advice at each target of a sweep from the noise its trials recorded at their
-crossings (prediction.md, .json, .png), e.g. of a config's one-run `predict` argument.
+--sweep_dir: the advice at each target of a sweep (prediction.md, .json, .png).
 
-From a checkpoint (--checkpoint=RUN/checkpoints/STEP, --workdir=RUN --step=STEP, or a
---workdir whose records hold no measured noise scale): measures the noise scale exactly at the
-restored state (`cbs.train.measure_checkpoint`: all training examples, or --examples=n) and
-writes advice_STEP.md and .json. With --probe also the task's own calibration: short branches
-at a few batch sizes from that state within --probe_budget of the run so far
-(`cbs.sweeps.probe_runs`, records in probe_STEP/), their local B_crit against the noise scale
-and the prediction with that ratio beside the cross-task one (`cbs.analysis.advice.probe`);
-the calibration with the probed ratio goes to calibration_STEP.json (for a run's live advice:
---config.noise.advice_calibration).
+From a checkpoint (--checkpoint, --workdir with --step, or a --workdir whose records hold no
+measured noise scale): measures the noise scale exactly at the restored state
+(`cbs.train.measure_checkpoint`) and writes advice_STEP.md and .json. With --probe also the
+task's own calibration (`cbs.sweeps.probe_runs`, records in probe_STEP/): the prediction with
+the probed ratio of local B_crit to the noise scale beside the cross-task one
+(`cbs.analysis.advice.probe`), and that calibration in calibration_STEP.json (for a run's live
+advice: --config.noise.advice_calibration).
 """
 
 from __future__ import annotations
@@ -79,8 +76,7 @@ def main(argv: list[str]) -> None:
     del argv
     if not 0 < _LEVEL.value < 1:
         raise ValueError(f"--level must be in (0, 1), got {_LEVEL.value}")
-    if _EXCHANGE.value is not None and not (math.isfinite(_EXCHANGE.value)
-                                            and _EXCHANGE.value > 0):
+    if _EXCHANGE.value is not None and not 0 < _EXCHANGE.value < math.inf:
         raise ValueError(f"--exchange={_EXCHANGE.value:g}: λ is the examples you would spend to "
                          "save one step, a number > 0 (e.g. --exchange=100); leave it out for "
                          "no best batch")

@@ -2,9 +2,8 @@
 
 Reads only the sweep directory (trials.jsonl, sweep.json, ramps.jsonl); writes analysis.json,
 figures/*.png and report.md there (or into --out, e.g. for a read-only or committed study)
-and prints B_crit per target beside the measured B_simple and B_noise. --select_on_seed=K
-adds B_crit with each rate selected on seed K and its steps measured on the others. An
-unfinished sweep is refused with the count per batch size, unless --partial.
+and prints B_crit per target beside the measured B_simple and B_noise. An unfinished sweep is
+refused with the count per batch size, unless --partial.
 """
 
 from __future__ import annotations

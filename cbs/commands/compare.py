@@ -15,10 +15,9 @@ With --sizes the studies are model sizes on the same data (Kaplan et al. 2020, F
 writes OUT/report.md (B_crit per size and target, a test of "B_crit depends on L alone", the
 joint power law) and OUT/b_crit_vs_loss_by_size.png (`cbs.analysis.studies.sizes`).
 
-Without --out the report goes to a new directory beside the studies (`default_out`), never
-into one that exists; studies in different directories need --out. Two studies whose folders
-share a name are labelled by as much of their paths as tells them apart. The inputs are
-checked first (`check_inputs`): a bad one is one line and nothing is written.
+Without --out the report goes to a new directory beside the studies (`default_out`). Two
+studies whose folders share a name are labelled by as much of their paths as tells them apart.
+A bad input is one line and nothing is written (`check_inputs`).
 """
 
 from __future__ import annotations
@@ -46,10 +45,8 @@ _HELD_OUT = flags.DEFINE_list(
 
 
 def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool) -> None:
-    """Refuses in one line, before anything is read at length or written: no study, one named
-    twice, a directory that is not a sweep's, a negative --bootstrap (< 2 with --sizes, which
-    also needs two comparable studies, `cbs.analysis.studies.sizes.check_comparable`) or an
-    --out that is a file."""
+    """Refuses bad inputs in one line (ValueError), before anything is read at length or
+    written; --sizes also needs comparable studies (`cbs.analysis.studies.sizes`)."""
     if not dirs:
         raise ValueError("name one or more sweep directories: cbs-compare results/digits "
                          "results/digits_sgd ...")
@@ -75,8 +72,7 @@ def check_inputs(dirs: list[str], out: str | None, bootstrap: int, by_size: bool
 
 def default_out(dirs: list[str]) -> str:
     """The report's directory without --out: a new one beside the studies,
-    compare_<first study's folder>[_and_<n>_more] (then _2, _3, ... while that exists); studies
-    in different directories are refused, naming --out."""
+    compare_<first study's folder>[_and_<n>_more] (then _2, _3, ... while that exists)."""
     full = [compare.study_path(d) for d in dirs]
     parents = sorted({os.path.dirname(p) for p in full})
     if len(parents) != 1:

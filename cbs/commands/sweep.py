@@ -9,8 +9,7 @@ trials and resumes unfinished ones; with --shard=i/n only the batch sizes whose 
 (mod n) run, so n copies (Slurm array, Kubernetes indexed job, ...) cover the sweep with an
 unsharded run's records; run `cbs-analyze` once all are done. --shard=auto --distributed=off
 runs one shard per host of a TPU slice or task of a Slurm step (`cbs.runtime.distributed`).
---redefine changes the grid of an existing directory, keeping the finished trials still in
-it. Launchers on one directory share its groups of trials. Files: `cbs.results.store`.
+Launchers on one directory share its groups of trials. Files: `cbs.results.store`.
 """
 
 from __future__ import annotations

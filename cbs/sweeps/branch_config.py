@@ -40,10 +40,8 @@ def default_branch_config() -> ml_collections.ConfigDict:
     b.points_losses = ()  # ... and where the reference's smoothed train loss first falls to these
     b.ks = (1, 2, 4, 8, 16, 32)  # batch multipliers k (branch batch k·B); must start at 1
     b.lr_rule = "sqrt"  # f(k): "sqrt" η = √k·η_0 (Adam, the paper's), "linear" η = k·η_0 (SGD)
-    b.window_examples = 0  # Δ, examples each branch trains on; 0 = 512·B (≈ the paper's 2B
-    #   tokens) rounded up to a multiple of lcm(ks)·B
-    b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the branch point,
-    #   rounded up to a multiple of lcm(ks)·B; 0 = the fixed Δ above
+    b.window_examples = 0  # Δ, examples per branch; 0 = 512·B (≈ the paper's 2B tokens)
+    b.window_fraction = 0.0  # > 0: Δ = this fraction of the examples seen at the point
     b.epsilon = 0.01  # ε: k passes if its loss ≤ min over smaller k + ε (paper: 0.01 nats)
     b.tolerance = "absolute"  # ε in nats ("absolute", paper) or a fraction of that min ("relative")
     b.criterion = "paper"  # "paper": k* = largest k within ε of every smaller k; "ladder": the
@@ -147,9 +145,8 @@ def window_examples(config: ml_collections.ConfigDict, examples_seen: int | None
 
 def ema_decay_per_step(config: ml_collections.ConfigDict, k: int) -> float:
     """The EMA decay per step of branch k (see `branch.loss_ema_per`)."""
-    b = config.branch
-    decay = float(b.loss_ema_decay)
-    return decay ** k if b.get("loss_ema_per", "step") == "reference_batch" else decay
+    decay = float(config.branch.loss_ema_decay)
+    return decay ** k if config.branch.get("loss_ema_per") == "reference_batch" else decay
 
 
 def lr_factor(k: int, rule: str) -> float:

@@ -2,10 +2,9 @@
 (`branch.noise_checkpoints`; in-memory data only).
 
 Letters: N training examples, m of them (a fixed draw, `branch.noise_seed`) whose deviations
-give tr(HΣ), H the Hessian of the mean loss over all N. The measurement (`measurement_spec`:
-the method "sampled" of `cbs.stats.sampled` on all N): G, tr(Σ), B_simple exact from all N
-per-example gradients; tr(HΣ) = Σ_{i∈m}(g_i − ḡ_m)ᵀH(g_i − ḡ_m)/(m − 1), unbiased as H is the
-full-data Hessian; GᵀHG from the full mean gradient; B_noise = tr(HΣ)/GᵀHG. Cost per
+give tr(HΣ), H the Hessian of the mean loss over all N. The measurement (`measurement_spec`)
+is the method "sampled" of `cbs.stats.sampled` on all N: G, tr(Σ), GᵀHG exact, tr(HΣ)
+unbiased from the m deviations and the full-data Hessian, B_noise = tr(HΣ)/GᵀHG. Cost per
 checkpoint: N per-example gradients and m + 1 HVPs over N examples. One record per checkpoint
 in `reference_noise.jsonl`: step, examples_seen, num_examples, deviations, noise/<key>
 (`cbs.stats.noise.STAT_KEYS`), estimator.

@@ -2,13 +2,11 @@
 as a run of the engine's loop (`cbs.engine.loop.Loop`).
 
 A branch starts from a reference checkpoint (step t_0, examples seen E) and trains Δ/(k·B)
-steps at batch k·B and peak rate f(k)·η_0 (`branch_overrides`: an evaluation at the end only,
-divergence only on a non-finite loss). Two drivers: `VmappedBranch`, the S seeds as one state
-with a leading axis S through the whole window in one dispatch; and `engine_branch`, one seed
-through `cbs.engine.trainer.Trainer` (streamed data too). Either records per seed the loss EMA,
-the last batch loss and the final metric (NaN when not measured). A unit runs in
-`workdir/units/` (`unit_dir`), removed once its records are written; one killed after its last
-step resumes from the checkpoint the loop saved there.
+steps at batch k·B and peak rate f(k)·η_0 (`branch_overrides`). Two drivers: `VmappedBranch`,
+the S seeds as one state with a leading axis S, the whole window in one dispatch; and
+`engine_branch`, one seed through `cbs.engine.trainer.Trainer` (streamed data too). A unit runs
+in `workdir/units/` (`unit_dir`), removed once its records are written; one killed after its
+last step resumes from the checkpoint the loop saved there.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ def branch_overrides(start: TrainState, *, batch_size: int, learning_rate: float
 
 class VmappedBranch:
     """A `cbs.engine.loop.Driver`: the S seeds of one branch as one vmapped state from `start`
-    (`config`: `branch_overrides`'s run config; `parts`: the study's, on one device).
-    `program`: jit of (states[S], seeds[S], loss_ema[S], n) -> (states, loss_ema, last_loss)
-    after n steps; `final_loss`: jit of states[S] -> the final metric [S], or None (NaN)."""
+    (`config`: `branch_overrides`'s run config; `parts`: the study's, on one device). `program`,
+    `final_loss`: `cbs.sweeps.branches.BranchRunner`'s (`final_loss` None: NaN)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, parts: RunParts,
                  start: TrainState, seeds: Sequence[int], program: Callable,
@@ -111,8 +108,7 @@ class VmappedBranch:
         return self.program._cache_size()  # type: ignore[attr-defined]  # not in jax's stub
 
     def run(self) -> list[dict[str, float]]:
-        """Trains (or resumes) the branch to the end of its window; one record per seed:
-        loss_ema, train/loss (the last batch loss), full_train/loss."""
+        """Trains (or resumes) the branch; per seed loss_ema, train/loss, full_train/loss."""
         perf = throughput.for_run(self.config, self.workdir, self.parts.dataset,
                                   self.parts.mesh)
         Loop(self, perf=perf, compilations=self.num_compilations).run()

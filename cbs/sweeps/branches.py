@@ -1,25 +1,22 @@
 """Local critical batch size by branched training (Merrill, Arora, Groeneveld, Hajishirzi 2025,
-"Critical Batch Size Revisited", arXiv 2505.23971, Sec. 3).
+"Critical Batch Size Revisited", arXiv 2505.23971, Sec. 3; the protocol and its defaults:
+docs/guides/local_cbs.md).
 
 Letters: B the reference run's batch, η_0 its peak learning rate, E examples seen at a branch
 point, k a batch multiplier from the ladder K, Δ the window in examples, S the branch seeds.
 
 A reference run at (B, η_0) (an engine run on one device in `workdir/reference`, every
-checkpoint kept) gives the branch points: checkpoints chosen by examples seen or by the first
-crossing of a smoothed training loss (`branch.points_examples`, `branch.points_losses`). From
-each point and each k, a branch trains Δ examples (Δ/(k·B) steps) at batch k·B and peak rate
-f(k)·η_0 (k "linear" for SGD, √k "sqrt" for Adam) and records the EMA of its batch loss at the
-window's end (`branch.loss_ema_decay`, `branch.loss_ema_per`) and optionally the exact
-training-set loss. Each (point, k) is a unit of S data-order seeds (`cbs.sweeps.branch_unit`);
-the k of one seed read the same stream positions [E, E + Δ) (common random numbers). k*, B*
-and their uncertainty come from the records (`cbs.analysis.reports.branch_report`).
+checkpoint kept) gives the branch points (`branch.points_examples`, `branch.points_losses`).
+From each point and each k, a branch trains Δ examples at batch k·B and peak rate f(k)·η_0;
+each (point, k) is a unit of S data-order seeds (`cbs.sweeps.branch_unit`), and the k of one
+seed read the same stream positions [E, E + Δ) (common random numbers). k* and B*:
+`cbs.analysis.reports.branch_report`.
 
 Files in `workdir`: `branch.json` (definition), `reference/`, `branches.d/` (a write-once part
 per (point, k), one record per seed), `branches.jsonl` (their export; read with
 `shared.read_merged(path, UNIT_KEYS)`), `reference_noise.jsonl` (`cbs.sweeps.branch_noise`) and
-`units/` while a unit runs. A killed run resumes: finished units are skipped, an unfinished one
-reruns from its point (or its end-of-window checkpoint), so the records equal an uninterrupted
-run's. `shard="i/n"` runs the units whose index is ≡ i (mod n).
+`units/` while a unit runs. A killed run resumes to an uninterrupted run's records (finished
+units skipped). `shard="i/n"` runs the units whose index is ≡ i (mod n).
 """
 
 from __future__ import annotations
@@ -79,11 +76,10 @@ class BranchRunner:
         branch_config.validate_branch_config(config)
         self.config, self.workdir, self.b, self.dataset = config, workdir, config.branch, dataset
         self.bsz = branch_config.reference_batch(config)
-        self.ks = [int(k) for k in self.b.ks]
         self.branch_config = c = spec.run_config(config, spec.RunOverrides(
             noise_every=0,  # no per-example measurements inside branches
             schedule=dict(config.batch.schedule.to_dict(),
-                          batch_size=self.ks[-1] * self.bsz),  # sizes checked up to max k
+                          batch_size=int(self.b.ks[-1]) * self.bsz),  # checked up to max k
             eval_enabled=False), drop=())
         one = mesh.make_mesh(data=1, model=1, devices=jax.devices()[:1])
         self.mesh, self.rep = one, mesh.replicated(one)
@@ -115,8 +111,7 @@ class BranchRunner:
         """The reference state after `step` updates, on this runner's device."""
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.rep),
                               self.parts.abstract_state())
-        state, _ = self.ckpt.restore(step, target)
-        return state
+        return self.ckpt.restore(step, target)[0]
 
     def _final_loss_fn(self) -> Callable | None:
         """jit of states[S] -> the full training-set loss of each, or None (not measured)."""
@@ -248,8 +243,7 @@ def write_definition(config: ml_collections.ConfigDict, workdir: str) -> None:
 def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str | None = None,
                  dataset: data.Dataset | None = None, log: Callable[[str], Any] = print,
                  stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Validates the config and shard, runs the reference and this shard's pending units (at
-    most `stop_after`); returns all records."""
+    """Validates, then runs the reference and this shard's pending units; all records."""
     branch_config.validate_branch_config(config)
     parse_shard(shard)
     config_lib.validate(branch_config.reference_run_config(config), data_replicas=1,  # one device
@@ -267,9 +261,7 @@ def run_branches(config: ml_collections.ConfigDict, workdir: str, *, shard: str 
             + (f" (shard {shard})" if shard else ""))
         enabled = bool(config.train.progress_bar) and jax.process_index() == 0
         with CountBar(len(todo), unit="unit", enabled=enabled, log=log) as bar:
-            for i, (step, k) in enumerate(todo):
-                if stop_after is not None and i >= stop_after:
-                    break
+            for step, k in todo[:stop_after]:
                 preemption.check(f"before branch unit (step {step}, k={k})")
                 shared.write_part(path, shared.part_name([f"s{step}_k{k}"]),
                                   runner.run_unit(step, k))  # shards never share a file

@@ -188,8 +188,7 @@ def grid_trials(sweep: ml_collections.ConfigDict, records: Sequence[dict[str, An
     if not sweep.extend_lr_rounds:
         return base
     sweep_dict = sweep.to_dict()
-    rules = edges.extension_rules(sweep_dict)
-    steps = int(rules["steps"])
+    steps = int(edges.extension_rules(sweep_dict)["steps"])
     state = edges.sweep_grid(trial_table(base), records, sweep_dict)
     seeds = [int(s) for s in sweep.seeds]
     out = list(base)

@@ -104,8 +104,6 @@ class TrialGroup:
         self.history: dict[str, Any] = {"evals": [], "seconds": 0.0}  # evaluations so far
         self._row: list[dict[str, Any]] = []  # the records of an evaluation being collected
 
-    # ------------------------------------------------------------------ device programs
-
     def _evaluate(self, states: TrainState, loss_ema: jax.Array, index: int
                   ) -> dict[str, jax.Array]:
         return self._evaluate_jit(states, loss_ema, jnp.asarray(index, jnp.int32))
@@ -134,8 +132,6 @@ class TrialGroup:
                               self.sweep.loss_ema_decay)  # the trials share the data
         states, loss_ema, _ = steps(states, tr.train_arrays, loss_ema, num_steps)
         return states, loss_ema
-
-    # ------------------------------------------------------------------ the loop's driver
 
     @property
     def trial_seed(self) -> int:
@@ -189,8 +185,6 @@ class TrialGroup:
         """The step where the group should stop short of its budget (None: unknown)."""
         return None
 
-    # ------------------------------------------------------------------ stopping, results
-
     def _observe(self, step: int, record: dict[str, Any]) -> bool:
         """stop_fn of the loop: collects each evaluation's K records into `history`."""
         if record.get("kind") != "eval":
@@ -208,8 +202,7 @@ class TrialGroup:
     def _replay(self, records: Sequence[dict[str, Any]]) -> None:
         k = len(self.trials)
         records = [r for r in records if r.get("kind") == "eval"]
-        for j in range(0, len(records), k):
-            self.history["evals"].append(_row_values(records[j:j + k]))
+        self.history["evals"] += [_row_values(records[j:j + k]) for j in range(0, len(records), k)]
 
     def run(self) -> list[TrialResult]:
         """Trains, resumes or (ended with this config) replays the group; a result per trial."""
@@ -256,8 +249,7 @@ class TrialGroup:
         steps = self.steps[skip:keep]
         curve: dict[str, list[float]] = {
             "step": list(steps), "examples": [s * self.batch_size for s in steps],
-            metric: [float(v) for v in m[skip:keep]]}
-        curve["noise/step"] = list(self.steps[:keep])
+            metric: [float(v) for v in m[skip:keep]], "noise/step": list(self.steps[:keep])}
         for key in self.curve_keys:
             curve[key] = [float(np.asarray(e[key])[i]) if key in e else math.nan
                           for e in history["evals"][:keep]]

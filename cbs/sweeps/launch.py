@@ -3,12 +3,11 @@
     results = cbs.sweeps.launch.run_sweep(config, sweep_dir, shard="0/4")
 
 The config is validated (`check_config`) before anything is written. Round after round, the
-grid's trials and the rates added past edge optima at this shard's batch sizes run, finished
-ones skipped, unfinished ones resumed; with `sweep.vmap_trials` and in-memory data the rates of
-each (B, seed) as one group (`cbs.sweeps.groups`), else each as an engine run
-(`cbs.sweeps.trials`). Each group is claimed (`SweepStore.claim`), so launchers on one
-directory share the work. With `sweep.noise_protocol = "reference"`, an unsharded launch that
-finds every trial finished runs the reference trajectory (`cbs.sweeps.reference`).
+grid's trials and the rates added past edge optima at this shard's batch sizes run on a back
+end of `cbs.sweeps.trials` (`sweep.vmap_trials`), finished ones skipped, unfinished ones
+resumed. Each group is claimed (`SweepStore.claim`), so launchers on one directory share the
+work. With `sweep.noise_protocol = "reference"`, an unsharded launch that finds every trial
+finished runs the reference trajectory (`cbs.sweeps.reference`).
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ __all__ = ["check_config", "group_slots", "pending_trials", "run_sweep", "sweep_
 
 
 def check_config(config: ml_collections.ConfigDict) -> list[grid.Trial]:
-    """Validates the whole sweep before anything runs (ValueError naming the field: the sweep,
-    the dataset, the batch sizes and noise against the training split, the model, each B's
-    run config); returns its base trials."""
+    """Validates the whole sweep (each B's run config too) before anything runs, raising a
+    ValueError that names the field; returns its base trials."""
     trials = grid.make_trials(config.sweep)
     sizes = sorted({t.batch_size for t in trials})
     if config.data.name not in data.known_datasets():

@@ -75,8 +75,7 @@ def run_probe(run_dir: str, measured: Mapping[str, Any], out_dir: str, *,
                                 "of `cbs-train --workdir=...`")
     if seeds < 1:
         raise ValueError(f"--probe_seeds={seeds}: give at least one data-order seed")
-    step, e0, bsz = int(measured["step"]), int(measured["examples_seen"]), int(
-        measured["batch_size"])
+    step, e0, bsz = (int(measured[k]) for k in ("step", "examples_seen", "batch_size"))
     base, ks = probe.ladder(bsz, batch_sizes)
     plan = probe.plan(examples_seen=e0, steps_seen=step, base=base, ks=ks, seeds=seeds,
                       budget=budget, unit=unit)

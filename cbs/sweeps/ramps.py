@@ -8,11 +8,8 @@ interpolated on its own axis: E ≠ B·S when B changes) in `ramps.jsonl`
 (`cbs.results.shared.add_records`); `cbs.analysis.reports.report` draws them against the
 frontier S = S_min + E_min/B.
 
-The runs are `config.ramps`, a list of dicts: `label`, `schedule`
-(`cbs.engine.schedules.batch_schedule_from_config`), `learning_rate` (η_0, or "best@B": the
-sweep's fastest rate at B for the lowest target), `lr_coupling` (rule, base_batch_size, cap)
-and optional `micro_batch`, `seed` (default `config.seed`), `name` (the run a seed belongs to,
-for `cbs.analysis.studies.payoff`), `eval_every`, `max_steps`, `max_examples`, `adapt_every`.
+The runs are `config.ramps`, a list of dicts (`RAMP_FIELDS`, described in
+docs/guides/ramps.md); a `learning_rate` "best@B" is the sweep's fastest rate at B.
 """
 
 from __future__ import annotations

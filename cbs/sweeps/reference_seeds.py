@@ -1,22 +1,15 @@
-"""One noise protocol for a committed study: the reference trajectory, over seeds.
+"""One noise protocol for a committed study: the reference trajectory, over seeds (the
+protocol, its why and the measured studies: docs/guides/across_studies.md, "One noise
+protocol").
 
-One trajectory is one draw (on plain SGD the noise scale at a target swings several-fold within
-a few evaluations), so `run_seeds` runs the reference trajectory
-(`cbs.sweeps.reference.ReferenceRun`) of a swept study at the largest swept B ≤
-B_crit/`fraction` (`choose_batch_size`; B_crit fitted at the lowest target, where it is
-largest) and the best rate there on the first seed, for seeds 0, 1, … (initialisation and data
-order). It measures either the whole training set (G, |G|², tr(Σ), GᵀHG exact, tr(HΣ) from
-`deviations` ≥ 256 random deviations and the full-data Hessian) at each evaluation from the
-first crossing of the highest target on (earlier: NaN) until `sweep.noise_window` evaluations
-past the lowest; or, with `examples` = n > 0, by the sampled estimator (`cbs.stats.sampled`: n
-examples of an independent stream, tr(HΣ) from the deviations of m = `deviations` of them and
-the Hessian of h = `hessian_examples` independent ones; unbiased) at only the
-`sweep.noise_window` evaluations from each target's first crossing on. For Adam and AdamW it
-also measures the update u = P·g (`cbs.stats.preconditioned`: B_simple^P = tr(PΣ)/GᵀPG,
-B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam preconditioner; the sampled protocol
-B_simple^P only) on the same draws, as `noise_p/<key>`. Each seed's record is written once, to
-`reference_seeds/seed_<k>.jsonl` (runs in `reference_seeds/runs/`), and reported by
-`cbs.analysis.studies.reference_protocol`.
+`run_seeds` reruns the reference trajectory (`cbs.sweeps.reference.ReferenceRun`) at the
+largest swept B ≤ B_crit/`fraction` (`choose_batch_size`) for seeds 0, 1, …, measured on the
+whole training set (tr(HΣ) from ≥ `DEVIATIONS` random deviations and the full-data Hessian)
+or, with `examples` = n > 0, by the sampled estimator of `cbs.stats.sampled` (m =
+`deviations`, h = `hessian_examples`) in each target's window only. For Adam and AdamW it
+also records the update u = P·g as `noise_p/<key>` (`cbs.stats.preconditioned`: B_simple^P =
+tr(PΣ)/GᵀPG, B_noise^P = tr(PHPΣ)/GᵀPHPG, P the bias-corrected Adam preconditioner). One record
+per seed in `reference_seeds/seed_<k>.jsonl` (runs in `reference_seeds/runs/`).
 """
 
 from __future__ import annotations

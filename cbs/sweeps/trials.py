@@ -45,7 +45,7 @@ NOISE_CURVE_KEYS = tuple(k for k in measure.EVAL_KEYS if not k.startswith("mean_
 def divergence_rule(sweep: ml_collections.ConfigDict) -> progress.DivergenceRule:
     """`sweep.divergence_factor` and `divergence_patience` (evaluations) as a rule."""
     return progress.DivergenceRule(float(sweep.divergence_factor),
-                          int(sweep.get("divergence_patience", 1)))
+                                   int(sweep.get("divergence_patience", 1)))
 
 
 def step_budget(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -59,7 +59,7 @@ def eval_steps(sweep: ml_collections.ConfigDict, batch_size: int, evals: int | N
     """0, then `evals` (default `sweep.evals_per_trial`) steps evenly spaced in log(step) up to
     the budget (a crossing's relative resolution is the same at step 30 and 3000)."""
     return progress.log_spaced_steps(step_budget(sweep, batch_size),
-                            int(sweep.evals_per_trial if evals is None else evals))
+                                     int(sweep.evals_per_trial if evals is None else evals))
 
 
 def eval_every(sweep: ml_collections.ConfigDict, batch_size: int) -> int:
@@ -83,7 +83,6 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
     sweep = config.sweep
     every = eval_every(sweep, trial.batch_size)
     noise = NoiseSpec.of(config)
-    measured = bool(noise.every or noise.measures_at_evals)
     return spec.RunOverrides(
         batch_size=trial.batch_size,
         micro_batch=micro_batch_for(trial.batch_size, config.batch.micro_batch, replicas),
@@ -95,7 +94,7 @@ def trial_overrides(config: ml_collections.ConfigDict, trial: Trial, *, replicas
         log_every=min(config.train.log_every, every), quiet=True,
         divergence_factor=0.0,  # the sweep's rule decides, on the progress metric
         eval_enabled=True if noise.measures_at_evals else None,  # the noise is measured there
-        noise_every=0 if measured else None)
+        noise_every=0 if noise.every or noise.measures_at_evals else None)
 
 
 def trial_config(config: ml_collections.ConfigDict, trial: Trial, *, replicas: int = 1
