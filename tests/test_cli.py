@@ -44,6 +44,18 @@ def test_help_prints_the_description_and_own_flags_and_exits_0(capsys):
     cli.exit_on_help(analyze.main, ["cbs-analyze", "--sweep_dir=x"])  # no help: returns
 
 
+def test_training_commands_list_the_multi_host_flags():
+    """--distributed and --coordinator_address are defined in cbs.runtime.distributed; the
+    commands that start a runtime adopt them, so their --help lists them (one process each:
+    two commands' flags cannot share one)."""
+    procs = {c: subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+             for c, cmd in _help_commands().items() if c in ("cbs-train", "cbs-sweep")}
+    for name, proc in procs.items():
+        text, _ = proc.communicate(timeout=300)
+        for flag in ("--distributed", "--coordinator_address", "--num_processes", "--process_id"):
+            assert f"\n  {flag}: " in text, f"{name} --help lacks {flag}"
+
+
 def _help_commands() -> dict[str, list[str]]:
     """Both routes of every command: the console script's entry function (as the installed
     `cbs-<name>` calls it) and `python -m experiments.<name>` from the checkout."""

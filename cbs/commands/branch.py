@@ -36,6 +36,7 @@ _FIGURE = flags.DEFINE_string("figure", None, "Figure path (default workdir/loca
 _ANALYZE_ONLY = flags.DEFINE_bool("analyze_only", False, "Only the report and figure, from the "
                                   "records in --workdir (no config, nothing trained).")
 flags.mark_flags_as_required(["workdir"])
+flags.adopt_module_key_flags(distributed)  # --distributed, --coordinator_address, ...
 
 
 def main(argv: list[str]) -> None:

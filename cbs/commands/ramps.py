@@ -26,6 +26,7 @@ _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Sweep directory.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory of the ramps and their report "
                                "(default: the sweep directory).")
 flags.mark_flags_as_required(["config", "sweep_dir"])
+flags.adopt_module_key_flags(distributed)  # --distributed, --coordinator_address, ...
 
 
 def main(argv: list[str]) -> None:

@@ -38,6 +38,7 @@ _REDEFINE = flags.DEFINE_bool("redefine", False, "Accept a changed grid (batch s
                               "rates, seeds, extension rules) for an existing --sweep_dir; "
                               "finished trials still in the grid are kept.")
 flags.mark_flags_as_required(["config", "sweep_dir"])
+flags.adopt_module_key_flags(distributed)  # --distributed, --coordinator_address, ...
 
 
 def main(argv: list[str]) -> None:

@@ -30,6 +30,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:ar
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (records, checkpoints).")
 flags.mark_flags_as_required(["config", "workdir"])
+flags.adopt_module_key_flags(distributed)  # --distributed, --coordinator_address, ...
 
 
 def main(argv: list[str]) -> None:
