@@ -1,11 +1,8 @@
-"""B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4).
-
-McCandlish et al. claim that one run's noise scale predicts a task's critical batch within
-an order of magnitude, across tasks whose B_crit spans decades. Here every (study, target) is
-one point: the fitted B_crit (`cbs.analysis.reports.report.analyze`) against the noise scale
-measured at that target, under the protocol (`cbs.analysis.studies.reference_protocol`,
-where a study has it: median over seeds, for Adam/AdamW also of the update applied) and per
-trial (median over the best trial at each batch size).
+"""B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4;
+docs/guides/across_studies.md): every (study, target) is one point, the fitted B_crit
+(`cbs.analysis.reports.report.analyze`) against the noise scale measured at that target under
+the protocol (`cbs.analysis.studies.reference_protocol`, where a study has it) and per trial
+(median over the best trial at each batch size).
 """
 
 from __future__ import annotations
@@ -63,9 +60,8 @@ def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One row per (study, target) with a B_crit fit: b_crit and its interval, per trial
-    b_simple / b_noise (median over batch sizes), their _range, _by_batch_size (what the
-    calibration is fitted on) and ratio_; under the protocol, per key of PROTOCOL its median
-    over seeds with _range, _gsd, _seeds and ratio_ (NaN without it)."""
+    b_simple / b_noise (median over batch sizes) with _range, _by_batch_size and ratio_;
+    per key of PROTOCOL its median over seeds with _range, _gsd, _seeds and ratio_."""
     rows = []
     for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)

@@ -1,9 +1,7 @@
-"""The noise scale at each target under one protocol: the reference trajectory over seeds.
-
-Reads `reference_seeds/seed_<k>.jsonl` (`cbs.sweeps.reference_seeds`: one reference
-trajectory per seed at B ≤ B_crit/4, measured on the whole training set). Per seed and target,
-each noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it; across seeds
-the median, the min–max and the geometric standard deviation exp(sd(log value)).
+"""The noise scale at each target under one protocol: the reference trajectory over seeds
+(`reference_seeds/seed_<k>.jsonl`, `cbs.sweeps.reference_seeds`). Per seed and target, each
+noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it; across seeds the
+median, the min–max and the geometric standard deviation exp(sd(log value)).
 
 Names: b_simple = tr(Σ)/|G|², b_noise = tr(HΣ)/GᵀHG of the plain gradient; b_simple_p =
 tr(PΣ)/GᵀPG, b_noise_p = tr(PHPΣ)/GᵀPHPG of the update u = P·g applied by Adam/AdamW
