@@ -109,8 +109,7 @@ def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b
                level: float = 0.8, exchange: float | None = None,
                calib: Mapping[str, Any] | None = None, step: int | None = None,
                loss: float | None = None) -> Advice:
-    """The advice from a `NoiseStats` (`cbs.noise.value_grad_and_stats`) or anything with
-    the attributes `scale` and `batch_size` (the examples measured); batch_size: yours."""
+    """The advice from anything with the attributes `scale` and `batch_size` (a `NoiseStats`)."""
     value = getattr(stats, scale, None)
     if value is None:
         raise ValueError(f"the statistics have no {scale}"

@@ -97,8 +97,7 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
 
 def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
                        level: float = 0.8) -> dict[str, Any]:
-    """Per task and over all, the share of its points inside the `level` interval of the
-    model fitted without the task (skipped where its family has no other task)."""
+    """Per task and over all, the share of its points inside the interval fitted without it."""
     pts = _points(rows, scale)
     per_task, inside, total = {}, 0, 0
     for task in sorted({p[3] for p in pts}):

@@ -175,8 +175,7 @@ def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any],
 
 def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
                      combined: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of the calibration whose model of `scale` predicts with the probed ratio for
-    `optimizer`'s family, for live advice (`config.noise.advice_calibration`)."""
+    """The calibration with the probed ratio for `optimizer`'s family, for live advice."""
     model = dict(calib["models"][scale])
     p, fam = combined["probed"], family(optimizer)
     model["families"] = {fam: {"mu": p["log_ratio"], "var_mu": p["var_task"],

@@ -177,8 +177,7 @@ def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],
 
 def grid_study(problem: LinregProblem, rates: Mapping[float, Sequence[float]],
                targets: Sequence[float], *, steps: int) -> list[dict[str, Any]]:
-    """The "grid" protocol: per target as `optimal_study`, with the best rate of `rates[B]`
-    per batch size and whether it is at an edge of them."""
+    """The "grid" protocol: as `optimal_study`, with the best rate of `rates[B]` per B."""
     b = np.asarray(sorted(rates), np.float64)
     flat_b = np.concatenate([np.full(len(rates[x]), x) for x in b])
     flat_lr = np.concatenate([np.asarray(rates[x], np.float64) for x in b])

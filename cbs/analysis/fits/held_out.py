@@ -75,8 +75,7 @@ def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_
 
 def held_out(records: Sequence[dict[str, Any]], targets: Sequence[float], select_on_seed: int,
              *, bootstrap: int = 200) -> list[dict[str, Any]]:
-    """`held_out_target` at every target. Raises ValueError when `select_on_seed` is not a
-    seed of the records or there is no other seed to measure on."""
+    """`held_out_target` at every target; ValueError unless another seed is left to measure on."""
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     if select_on_seed not in seeds or len(seeds) < 2:
         raise ValueError(f"--select_on_seed={select_on_seed}: the sweep has seeds {seeds}; "

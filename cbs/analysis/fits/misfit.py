@@ -179,8 +179,7 @@ class _Design:
             self.steps.append(np.asarray(tables[k].steps, np.float64))
 
     def draw(self, rng, n, sigma_a, sigma_u) -> list[np.ndarray]:
-        """Per target, [n, N_k] log-step noise: a ~ N(0, σ_a²) per batch size shared by the
-        targets, plus u ~ N(0, σ_u²) of each target's own."""
+        """Per target [n, N_k] log-step noise: a ~ N(0, σ_a²) shared per B, own u ~ N(0, σ_u²)."""
         shared = sigma_a * rng.normal(size=(n, len(self.universe)))
         return [shared[:, c] + sigma_u * rng.normal(size=(n, c.size)) for c in self.cols]
 

@@ -126,8 +126,7 @@ def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
 
 def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
-    """The sweep's reference-trajectory protocol (None without one), with its
-    `reference_values` as "targets"."""
+    """The sweep's reference-trajectory protocol (None without one), `reference_values` too."""
     runs = shared.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
                               files.REFERENCE_RUN_KEYS)
     if not runs:

@@ -235,8 +235,7 @@ def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
 
 def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | None = None,
                    bootstrap: int = 200) -> str:
-    """Writes the figure (default `workdir/local_cbs.png`), returns its path: against examples
-    seen, B* with its seed range, the noise scales, the swept B_crit and the loss."""
+    """Writes the figure of B*, the noise scales, the swept B_crit and the loss; its path."""
     from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
 
     points, ref = summarize(workdir), _reference_curves(workdir)

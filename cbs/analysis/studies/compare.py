@@ -273,8 +273,7 @@ PREDICTION_SUFFIX = "_predict"  # <held-out sweep>_predict/prediction.json: its 
 
 
 def prediction_path(held_out_dir: str) -> str:
-    """D + PREDICTION_SUFFIX / prediction.json for held-out sweep directory D (not through
-    normpath, which makes gs://b/D of gs:/b/D)."""
+    """D + PREDICTION_SUFFIX / prediction.json (not normpath: gs://b/D would be gs:/b/D)."""
     return paths.join(str(held_out_dir).rstrip("/") + PREDICTION_SUFFIX, "prediction.json")
 
 
@@ -294,8 +293,7 @@ def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], d
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000,
                  held_out: Sequence[str] = ()) -> str:
-    """report.md, the figures and the calibration in out_dir; returns the report's path.
-    held_out: sweep directories of held-out tasks (`held_out_pairs`)."""
+    """report.md, figures and calibration in out_dir (held_out: see `held_out_pairs`); its path."""
     tally = calibration.held_out(held_out_pairs(held_out)) if held_out else None
     rows = collect(sweep_dirs, bootstrap=bootstrap)
     if not rows:

@@ -266,8 +266,7 @@ def table(target: dict[str, Any]) -> str:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per ramp: at each target, its examples against the frontier at equal steps
-    (the better-conditioned effect near E_min) and its verdict."""
+    """One line per ramp: at each target its examples vs the frontier at equal steps, verdict."""
     out = []
     names = [row["run"] for row in result["targets"][0]["rows"] if row["batch_size"] is None]
     for name in names:

@@ -119,8 +119,7 @@ def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
 
 def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str, *,
             bootstrap: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
-    """One ramp's seeds against the fixed run at its B_0 at target `key`, JSON-ready: steps
-    saved and examples beside with intervals, σ, seeds needed and the detectable saving."""
+    """One ramp's seeds against the fixed run at its B_0 at target `key`, JSON-ready."""
     seeds, r, q, recorded = _paired(ramp, fixed, key)
     out: dict[str, Any] = {"seeds": seeds, "num_pairs": len(seeds),
                            "reached": [sum(x["steps_to_target"].get(key) is not None

@@ -40,8 +40,7 @@ def _array(values: Sequence[Any]) -> np.ndarray:
 
 def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
                 ) -> list[dict[str, Any]]:
-    """Per target, one seed's {"target", "crossing_step", "<name>", "<name>_se"} for each
-    name the run recorded (NaN where it did not cross)."""
+    """Per target, one seed's crossing_step, "<name>" and "<name>_se" (NaN: not crossed)."""
     curve, metric = run["curve"], run["target_metric"]
     x = _array(curve["noise/step"])
     progress = _array(curve[metric]).tolist()

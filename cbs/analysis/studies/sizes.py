@@ -58,8 +58,7 @@ def check_comparable(sweep_dirs: Sequence[str]) -> None:
 
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One entry per study: size, B_crit and interval per target, their covariance in log
-    B_crit, its own power law and its noise (`_noise`)."""
+    """One entry per study: B_crit per target, their log covariance, power law and `_noise`."""
     out = []
     for d in sweep_dirs:
         a = report.analyze(d, bootstrap=bootstrap, write=False)
@@ -118,8 +117,7 @@ def _p(q: float, dof: int) -> float:
 
 def analyze(studies: Sequence[dict[str, Any]], confidence: float = 0.95, *,
             calibrate: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The three GLS fits, JSON-ready; with every study's noise, each test's calibrated p from
-    `calibrate` simulated sets of studies and the laws without a loss that breaks them."""
+    """The three GLS fits, JSON-ready, and with every study's noise their calibrated p."""
     common = sorted(set.intersection(*(set(s["targets"]) for s in studies)), reverse=True)
     out: dict[str, Any] = {"common_targets": common, "sizes": [s["label"] for s in studies]}
     if len(studies) >= 2 and common:
