@@ -11,10 +11,9 @@ Letters: B batch size, S optimizer steps and E = B·S examples to reach a target
 
 Intervals are studentized (bootstrap-t, `studentized`) from a residual bootstrap (Davison &
 Hinkley 1997, §5.2.1 and Alg. 6.3): log-space residuals, divided by √(1 − h_ii) and centred,
-are resampled onto the fitted curve. Percentile intervals under-cover with ~10
-points (about 88 % for a nominal 95 %); bootstrap-t covers S_min, E_min, B_crit in 94.8 %,
-93.2 %, 92.9 % of 1000 synthetic sweeps (10 batch sizes, 10 % noise). Resampling (B, S) pairs
-(`resample="pairs"`) often draws fewer than three distinct batch sizes from a small table.
+are resampled onto the fitted curve (why bootstrap-t: docs/design.md, "From records to
+B_crit"). Resampling (B, S) pairs (`resample="pairs"`) often draws fewer than three distinct
+batch sizes from a small table.
 """
 
 from __future__ import annotations

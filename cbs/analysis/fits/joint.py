@@ -159,8 +159,7 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
     ok_t = [k for k, p in enumerate(points) if p.ok]
     x = np.log(np.asarray(losses, dtype=np.float64)[ok_t])
     Y = log_bc[:, ok_t]
-    full = np.all(np.isfinite(Y), axis=1)
-    Y = Y[full]
+    Y = Y[np.all(np.isfinite(Y), axis=1)]  # the replicates with a B_crit at every target
     res: dict[str, Any] = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2,
                                local_slopes=[], local_slope_cis=[], misfit_q=math.nan,
                                misfit_dof=0, misfit_p=math.nan, log_b_crit_cov=[],

@@ -1,19 +1,15 @@
 """A calibrated misfit test of the power law B_crit(L) = B*/L^(1/α_B), and the target that
-breaks it.
+breaks it (the why: docs/design.md, "From records to B_crit").
 
 The GLS test of `cbs.analysis.fits.joint` (Q against χ² on targets − 2 degrees of freedom)
-takes the bootstrap covariance C of y = log B_crit as known; from ~10 batch sizes it is
-underestimated, and a true law is rejected too often (9–15 % at a nominal 5 % on the
-committed one-seed studies). Here Q's null distribution is simulated by a studentized
-parametric bootstrap under the fitted law (Davison & Hinkley 1997, §4.2 and §5.2).
-
-Noise: the residuals r_kB = log S_k(B) − log Ŝ_k(B) (over √(1 − h), h the leverage) split into
-a part a_B shared by the targets at a batch size (σ_a², the mean product of two targets'
-residuals at one B) and a part u_kB of each target's own (σ_u², the rest). A simulated study
-puts fresh Gaussian a_B, u_kB on the law's curves S₀(B) = S_min(1 + B_crit₀/B) and refits
-every target; C = σ_a²C_a + σ_u²C_u (C_a, C_u per unit variance, simulated at small noise),
-each simulated study's Q with its own σ_a², σ_u² (studentized). Calibrated p = (1 + #{Q* ≥
-Q})/(1 + R). `breaking_target`: the target whose removal raises it the most.
+takes the bootstrap covariance C of y = log B_crit as known. Here Q's null distribution is
+simulated by a studentized parametric bootstrap under the fitted law (Davison & Hinkley 1997,
+§4.2 and §5.2). Noise: the residuals r_kB = log S_k(B) − log Ŝ_k(B) (over √(1 − h), h the
+leverage) split into a_B shared by the targets at a batch size (σ_a², the mean product of two
+targets' residuals at one B) and u_kB of each target's own (σ_u², the rest). A simulated
+study puts fresh Gaussian a_B, u_kB on the law's curves S₀(B) = S_min(1 + B_crit₀/B) and
+refits every target; C = σ_a²C_a + σ_u²C_u (C_a, C_u per unit variance, simulated at small
+noise). Calibrated p = (1 + #{Q* ≥ Q})/(1 + R).
 """
 
 from __future__ import annotations
