@@ -7,9 +7,6 @@ multipliers k (branch batch k·b_0), S the data-order seeds, Δ the window in ex
 for every k), E and t the examples and steps the run has seen, B_s the noise scale at the
 checkpoint, φ the budget as a fraction of the run so far.
 
-Cost: S·|K|·Δ examples in S·Σ_k Δ/(k·b_0) steps; `plan` gives the longest Δ (a multiple of
-lcm(K)·b_0) within φ·E examples or φ·t steps.
-
 Local B_crit: Merrill et al.'s criterion (`cbs.analysis.reports.branch_report`) at the
 log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0), se² = sd_seeds² + sd_ladder² in log
 space: sd_ladder = log(k⁺/k*)/√12, sd_seeds over the exact bootstrap of the seeds (all S^S
@@ -63,8 +60,8 @@ def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple
 
 def plan(*, examples_seen: int, steps_seen: int, base: int, ks: Sequence[int], seeds: int,
          budget: float = DEFAULT_BUDGET, unit: str = "examples") -> dict[str, Any]:
-    """The longest window Δ within the budget and what it costs (window, examples, steps,
-    allowed φ·E or φ·t, fraction of the run so far). ValueError when not one step of the
+    """The longest window Δ (a multiple of lcm(K)·b_0) whose S·|K|·Δ examples or S·Σ_k
+    Δ/(k·b_0) steps fit in φ·E or φ·t, and what it costs. ValueError when not one step of the
     largest batch fits."""
     if unit not in UNITS:
         raise ValueError(f"probe budget unit {unit!r}: use one of {UNITS}")

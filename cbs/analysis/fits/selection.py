@@ -57,25 +57,22 @@ class BestPerBatchSize:
     best_rows: list[list[Mapping[str, Any]]] = dataclasses.field(default_factory=list)
 
 
-def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
-                        batch_key: str = "batch_size", lr_key: str = "learning_rate",
-                        steps_key: str = "steps", seed_key: str = "seed"
-                        ) -> BestPerBatchSize:
+def best_per_batch_size(records: Sequence[Mapping[str, Any]]) -> BestPerBatchSize:
     """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds
     (why per seed first: docs/design.md, "From records to B_crit"). records: one dict per
-    trial (`steps_key` None or NaN: never reached; no `seed_key`: seed 0). A batch size
-    counts only if every seed reached the target at some rate; repeats of one (B, η, seed)
-    are averaged and reach it only if all of them did."""
-    reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
+    trial ("steps" None or NaN: never reached; no "seed": seed 0). A batch size counts only if
+    every seed reached the target at some rate; repeats of one (B, η, seed) are averaged and
+    count only if all reached it."""
+    reached = lambda r: r["steps"] is not None and math.isfinite(float(r["steps"]))
     unreached = [dict(r) for r in records if not reached(r)]
     cells: dict[tuple[float, int, float], list[Mapping[str, Any]]] = {}
     for rec in records:
-        key = (float(rec[batch_key]), int(rec.get(seed_key, 0) or 0), float(rec[lr_key]))
+        key = (float(rec["batch_size"]), int(rec.get("seed", 0) or 0), float(rec["learning_rate"]))
         cells.setdefault(key, []).append(rec)
     # per (B, seed): {lr: (mean steps or None, rows)}
     per_seed: dict[float, dict[int, dict[float, tuple[float | None, list]]]] = {}
     for (b, sd, lr), recs in sorted(cells.items()):
-        mean_s = (float(np.mean([float(r[steps_key]) for r in recs]))
+        mean_s = (float(np.mean([float(r["steps"]) for r in recs]))
                   if all(reached(r) for r in recs) else None)
         per_seed.setdefault(b, {}).setdefault(sd, {})[lr] = (mean_s, recs)
     bs, missing, edge, rows = [], [], [], []

@@ -84,8 +84,7 @@ def _even_ticks(lo: float, hi: float) -> np.ndarray:
     return ticks[~decade]
 
 
-def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: bool = True
-            ) -> bool:
+def _finish(ax, *, logx: bool, logy: bool, legend: bool = True) -> bool:
     """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
     legend when something was drawn, else a "no data" note; returns whether it was."""
     xs, ys = [np.empty(0)], [np.empty(0)]
@@ -108,7 +107,7 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: boo
     if drawn and legend:
         ax.legend(fontsize=8)
     elif not drawn:
-        _no_data(ax, message)
+        _no_data(ax)
     return drawn
 
 

@@ -75,28 +75,26 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             f = t["fit"]
             if f["status"] != fit.OK:
                 continue
-            row = {"study": label, "task": task,
-                   "optimizer": optimizer, "target": t["target"], "b_crit": f["b_crit"],
+            row = {"study": label, "task": task, "optimizer": optimizer,
+                   "target": t["target"], "b_crit": f["b_crit"],
                    "b_crit_ci": tuple(f["b_crit_ci"] or (math.nan, math.nan)),
                    "n_batch_sizes": int(f["n_batch_sizes"]),
                    "b_crit_unresolved": report_tables.unresolved(f),
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
-                   or DEFAULT_PROTOCOL}
-            row["best_learning_rate_by_batch_size"] = {
-                f"{float(b):g}": float(lr)
-                for b, lr in zip(t.get("batch_sizes", []), t.get("learning_rates", []),
-                                 strict=False)}
+                   or DEFAULT_PROTOCOL,
+                   "best_learning_rate_by_batch_size": {
+                       f"{float(b):g}": float(lr) for b, lr in zip(
+                           t.get("batch_sizes", []), t.get("learning_rates", []), strict=False)}}
             by_batch = t.get("measured_by_batch_size") or {}
             for name in ("b_simple", "b_noise"):
                 mid = _finite(t.get(f"measured_{name}"))
-                row[name] = mid
-                row[f"{name}_by_batch_size"] = {
-                    b: _finite(v.get(name)) for b, v in by_batch.items()
-                    if math.isfinite(_finite(v.get(name)))}
-                row[f"{name}_range"] = (_finite(t.get(f"measured_{name}_min", mid)),
-                                        _finite(t.get(f"measured_{name}_max", mid)))
-                row[f"ratio_{name}"] = f["b_crit"] / mid if mid > 0 else math.nan
+                row |= {name: mid, f"{name}_by_batch_size": {
+                            b: _finite(v.get(name)) for b, v in by_batch.items()
+                            if math.isfinite(_finite(v.get(name)))},
+                        f"{name}_range": (_finite(t.get(f"measured_{name}_min", mid)),
+                                          _finite(t.get(f"measured_{name}_max", mid))),
+                        f"ratio_{name}": f["b_crit"] / mid if mid > 0 else math.nan}
             row.update(_protocol_fields(ref, t["target"], f["b_crit"], optimizer))
             rows.append(row)
     return rows

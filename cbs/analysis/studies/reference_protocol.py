@@ -99,11 +99,10 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
                                "crossings": [s[j]["crossing_step"] for s in per_seed]}
         for name in NAMES:
             if all(name in s[j] for s in per_seed):
-                row[name] = spread([s[j][name] for s in per_seed])
-                ses = [s[j][f"{name}_se"] for s in per_seed]
+                ses = [s[j][f"{name}_se"] for s in per_seed]  # per seed, relative
                 finite = [v for v in ses if math.isfinite(v)]
-                row[name]["se"] = ses  # per seed, relative
-                row[name]["se_median"] = float(np.median(finite)) if finite else math.nan
+                row[name] = spread([s[j][name] for s in per_seed]) | {
+                    "se": ses, "se_median": float(np.median(finite)) if finite else math.nan}
         rows.append(row)
     first = runs[0]
     b = first["batch_size"]
