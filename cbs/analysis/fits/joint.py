@@ -60,9 +60,7 @@ class JointIntervals:
     @property
     def power_law_supported(self) -> bool | None:
         """True/False from the misfit test at 1 − confidence; None without a test."""
-        if not math.isfinite(self.misfit_p):
-            return None
-        return self.misfit_p >= 1.0 - self.confidence
+        return None if not math.isfinite(self.misfit_p) else self.misfit_p >= 1.0 - self.confidence
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

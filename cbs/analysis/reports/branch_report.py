@@ -135,11 +135,8 @@ def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
 
 def format_b_star(p: dict[str, Any]) -> str:
     """B* as a measurement, or as the bound it is at either end of the ladder."""
-    if p["censored"]:
-        return f"≥ {p['b_star']:.0f}"
-    if p["floor"]:
-        return f"≤ {p['b_star']:.0f}"
-    return f"{p['b_star']:.0f}"
+    bound = "≥ " if p["censored"] else "≤ " if p["floor"] else ""
+    return f"{bound}{p['b_star']:.0f}"
 
 
 def _noise_records(workdir: str) -> list[dict[str, Any]]:

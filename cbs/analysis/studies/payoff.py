@@ -229,7 +229,7 @@ def _num(x: float) -> str:
 def _pct(x: float) -> str:
     if x >= 1.0:  # a saving of 1: E ≤ E_min, fewer examples than any fixed B reaches L with
         return "100 %*"
-    return "+∞" if x == math.inf else ("−∞" if x == -math.inf else f"{100 * x:+.0f} %")
+    return "−∞" if x == -math.inf else f"{100 * x:+.0f} %"
 
 
 def _cell_ci(value: float, ci: tuple[float, float] | None, fmt) -> str:
