@@ -1,18 +1,14 @@
-"""How large should the batch be now? The calibrated answer from a measured noise scale.
+"""How large should the batch be now? The calibrated answer from a measured noise scale
+(docs/guides/advice.md).
 
 From a noise scale B_s measured at the current parameters (B_simple, or B_noise with
 curvature) and the optimizer, `advise` predicts B_crit with a prediction interval from the
 calibration (`cbs.analysis.advice.calibration`, the shipped file unless one is given) and
-says what the current batch B costs (McCandlish et al. 2018): S/S_min = 1 + B_crit/B and
+says what the current batch B costs (McCandlish et al. 2018): S/S_min = 1 + B_crit/B,
 E/E_min = 1 + B/B_crit, and, for an exchange rate λ (examples spent to save one step), the
-batch √(λ·B_crit) that minimises λ·S + E.
-
-`trajectory` gives the advice at every step of a run directory with a measured noise scale:
-the measurement at each evaluation when the run makes one (`config.noise.examples`), else the
-periodic measurement of the step's batch (`noise.every`), else the live EMA
-`noise/ema_b_simple` at each evaluation. One step's batch is noisier than the calibration's
-measurements and, late in training, biased by a few badly fit examples: each advice names its
-measurement and flags one from fewer than `FEW_EXAMPLES` examples.
+batch √(λ·B_crit) that minimises λ·S + E. `trajectory` gives the advice at every measured
+step of a run; each advice names its measurement and flags one from fewer than
+`FEW_EXAMPLES` examples (one step's batch is noisier than the calibration's measurements).
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ FEW_EXAMPLES = 512  # a noise scale measured on fewer examples is flagged as noi
 @dataclasses.dataclass(frozen=True)
 class Advice:
     """The advice at one point: B_crit with its `level` prediction interval, S/S_min and
-    E/E_min at batch_size, √(λ·B_crit) (None without λ), the measurement behind noise_scale
-    and its examples (0: unknown), and the calibration's version, studies and ratio."""
+    E/E_min at batch_size, √(λ·B_crit) (None without λ), the measurement (`source`) and its
+    examples (0: unknown), and the calibration's version, studies and ratio."""
 
     noise_scale: float
     scale: str
@@ -81,9 +77,8 @@ def advise(noise_scale: float, *, optimizer: str, batch_size: float, scale: str 
            step: int | None = None, loss: float | None = None, task: str | None = None,
            learning_rate: float | None = None) -> Advice:
     """The calibrated advice for one measured noise scale of kind `scale`. optimizer: the
-    config's optim.name; exchange: λ, examples per step saved; calib: default the shipped one.
-    task ("data/model"), learning_rate (η_0) and loss place the run against the calibration
-    (`cbs.analysis.advice.calibration.edges`)."""
+    config's optim.name; exchange: λ; task ("data/model"), learning_rate (η_0) and loss place
+    the run against the calibration (`calibration.edges`)."""
     calib = shipped() if calib is None else calib
     model = calib["models"].get(scale)
     if model is None:
@@ -114,9 +109,7 @@ def from_stats(stats: Any, *, optimizer: str, batch_size: float, scale: str = "b
                level: float = 0.8, exchange: float | None = None,
                calib: Mapping[str, Any] | None = None, step: int | None = None,
                loss: float | None = None) -> Advice:
-    """The advice from a `NoiseStats` of the drop-in API (`cbs.noise.value_grad_and_stats`)
-    or anything with the attributes `scale` and `batch_size` (the examples measured).
-    batch_size: the batch you train with."""
+    """The advice from anything with the attributes `scale` and `batch_size` (a `NoiseStats`)."""
     value = getattr(stats, scale, None)
     if value is None:
         raise ValueError(f"the statistics have no {scale}"
@@ -149,7 +142,9 @@ def from_checkpoint(measured: Mapping[str, Any], *, scale: str = "b_simple",
 def trajectory(run_dir: str, *, scale: str = "b_simple", level: float = 0.8,
                exchange: float | None = None, calib: Mapping[str, Any] | None = None
                ) -> list[Advice]:
-    """The advice at every measured step of the run in `run_dir` (module docstring)."""
+    """The advice at every measured step of the run in `run_dir`: its measurement at each
+    evaluation (`config.noise.examples`), else the periodic one of the step's batch
+    (`noise.every`), else the live EMA `noise/ema_b_simple` at each evaluation."""
     config = records.read_json(os.path.join(run_dir, files.CONFIG_FILE))
     if config is None:
         raise ValueError(f"{run_dir} has no config.json: give a run directory "
@@ -203,9 +198,9 @@ def _run_context(config: Mapping[str, Any]) -> dict[str, Any]:
 def from_sweep(sweep_dir: str, *, scale: str = "b_simple", level: float = 0.8,
                exchange: float | None = None, calib: Mapping[str, Any] | None = None
                ) -> list[Advice]:
-    """The advice at each target of a sweep directory from the noise scale its trials
-    recorded at their crossings (the calibration's protocol; the median over trials): made
-    for a one-run "sweep" (a config's `predict` argument), B_crit before the task's sweep."""
+    """The advice at each target of a sweep directory from the median noise scale its trials
+    recorded at their crossings: for a one-run "sweep" (a config's `predict`) before the
+    task's sweep."""
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
     config = definition.get("config", {})
@@ -237,6 +232,9 @@ def summary(a: Advice) -> str:
     """The answer in three lines."""
     c = a.calibration
     where = "" if a.step is None else f" at step {a.step}"
+    h = c.get("held_out")  # how often such an interval held on tasks predicted first
+    held = (f"; on {h['tasks']} tasks predicted before their sweeps: {h['inside']} of "
+            f"{h['points']} B_crit") if h else ""
     lines = [f"outside the calibration: {'; '.join(a.outside)}"] if a.outside else []
     lines += [f"{a.scale} = {g3(a.noise_scale)}{where} ({a.source}"
              + (f", {a.examples} examples" if a.examples else "") + ")",
@@ -244,24 +242,14 @@ def summary(a: Advice) -> str:
              f"{g3(a.interval[1])}; calibration v{c['version']}, {c['studies']} studies of "
              f"{c['tasks']} tasks, {c['family']} optimizers: B_crit ≈ {g3(c['ratio'])} × "
              f"{a.scale})",
-             _track_record(c),
+             f"interval held on tasks left out of the calibration: "
+             f"{g3(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
+             f"one-run noise scales" + held,
              f"batch {g3(a.batch_size)}: {g3(a.steps_ratio)}× the fewest steps, "
              f"{g3(a.examples_ratio)}× the fewest examples"
              + ("" if a.best_batch_size is None else
                 f"; the batch that minimises λ·S + E is {g3(a.best_batch_size)}")]
     return "\n".join(lines + [f"note: {f}" for f in a.flags if not f.startswith("outside")])
-
-
-def _track_record(c: Mapping[str, Any]) -> str:
-    """How often such an interval held: leave-one-task-out, and on held-out tasks."""
-    line = (f"interval held on tasks left out of the calibration: "
-            f"{g3(100 * (c.get('loto_coverage') or math.nan))} % of {c.get('loto_points')} "
-            f"one-run noise scales")
-    h = c.get("held_out")
-    if h:
-        line += (f"; on {h['tasks']} tasks predicted before their sweeps: {h['inside']} of "
-                 f"{h['points']} B_crit")
-    return line
 
 
 def table(advices: Sequence[Advice]) -> str:

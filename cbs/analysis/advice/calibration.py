@@ -1,14 +1,11 @@
-"""Predicting B_crit from one noise-scale measurement, calibrated on committed studies.
+"""Predicting B_crit from one noise-scale measurement, calibrated on committed studies
+(docs/guides/advice.md, "The calibration").
 
-The advice uses ONE run's noise scale B_s (B_simple, or B_noise with curvature) at one batch
-size, so the calibration is fitted and checked on that: each best trial of a study's sweep
-measured B_s at each target's crossing, and each value with the study's B_crit at that
-target is one point (`cbs.analysis.studies.compare.collect`, `<scale>_by_batch_size`);
-extrapolated B_crit give none. A prediction needs the ratio r = B_crit/B_s.
-
-Points of one task (a data set and a model family) are not independent: the model is one-way
-random effects on log r per optimizer family f ("sgd"; "adaptive": Adam and AdamW), the
-groups j being a task's studies of one family,
+A point is one run's noise scale B_s at one batch size, measured at a target's crossing, with
+the study's B_crit there (`cbs.analysis.studies.compare.collect`, `<scale>_by_batch_size`;
+extrapolated B_crit give none); a prediction needs the ratio r = B_crit/B_s. The model is
+one-way random effects on log r per optimizer family f ("sgd"; "adaptive": Adam and AdamW),
+the groups j being a task's studies of one family,
 
     log r_jk = μ_f + a_j + e_jk,      a_j ~ N(0, τ²) (group j),  e_jk ~ N(0, σ²) (its points),
 
@@ -17,11 +14,8 @@ variance of the points about their group means, τ̂² = max(0, var_j(m_j) − �
 (method of moments; σ̂², τ̂² pooled over the families). A new task's point is predicted as
 log B_crit = log B_s + μ̂_f ± t_{q, ν}·√(τ̂² + σ̂² + var(μ̂_f)), var(μ̂_f) = (τ̂² + σ̂²·mean
 1/n_j)/J_f, ν = J − F (groups less families, at least 1): `cbs.results.calibration.predict`.
-
-`leave_one_task_out` refits without each task in turn and asks whether its points fall in
-their intervals: the coverage to expect on a new task, printed beside the tally of held-out
-tasks predicted before their sweeps ran (`held_out`). `build` returns the file `cbs-compare`
-writes (`cbs.results.calibration.CALIBRATION_FILE`) and the package ships.
+`leave_one_task_out` checks the intervals on each task left out; `build` returns the file
+`cbs-compare` writes (`cbs.results.calibration.CALIBRATION_FILE`) and the package ships.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ __all__ = [
     "UNIT", "VERSION", "build", "edges", "held_out", "leave_one_task_out", "markdown", "model",
 ]
 
-VERSION = 2  # the format of the file; a change of model or fields is a new version (2: points
-#              are one run's noise scale at one batch size, grouped by task; leave-one-task-out)
+VERSION = 2  # the format of the file; a change of model or fields is a new version
 UNIT = "one run's noise scale at one batch size (its best learning rate), at the target"
 RATE_FACTOR = 3.0  # a learning rate further than this factor from the task's best is untuned
 SCALES = ("b_simple", "b_noise")
@@ -104,8 +97,7 @@ def _fit(points: Sequence[tuple[str, str, float]]) -> dict[str, Any]:
 
 def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
                        level: float = 0.8) -> dict[str, Any]:
-    """Per task and over all, the share of its points inside the `level` interval of the
-    model fitted without the task (skipped where its family has no other task)."""
+    """Per task and over all, the share of its points inside the interval fitted without it."""
     pts = _points(rows, scale)
     per_task, inside, total = {}, 0, 0
     for task in sorted({p[3] for p in pts}):
@@ -130,8 +122,8 @@ def leave_one_task_out(rows: Sequence[Mapping[str, Any]], scale: str, *,
 
 def held_out(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> dict[str, Any]:
     """The tally of predictions committed before their sweeps: per pair (`cbs-advise
-    --sweep_dir`'s `{"advice": [...]}`, the later sweep's analysis.json), the measured B_crit
-    inside the predicted interval at the same target (extrapolated ones counted apart)."""
+    --sweep_dir`'s `{"advice": [...]}`, the later sweep's analysis.json), whether the measured
+    B_crit fell inside the predicted interval (extrapolated ones counted apart)."""
     inside = points = extrapolated = 0
     tasks, per_task = [], {}
     for k, (prediction, analysis) in enumerate(pairs):
@@ -177,11 +169,10 @@ def build(rows: Sequence[Mapping[str, Any]], *, level: float = 0.8,
 def edges(calib: Mapping[str, Any], *, optimizer: str, batch_size: float,
           task: str | None = None, learning_rate: float | None = None,
           loss: float | None = None, b_crit: float | None = None) -> list[str]:
-    """Where a prediction lies outside what the calibration measured, in words (empty: inside).
-    task: "data/model" (None: not checked against the points). Checked: the task itself; the
-    learning rate against the best rates its sweeps found (same optimizer family, nearest batch
-    size, median over targets; further than RATE_FACTOR is untuned); the loss against the
-    targets calibrated on the same data set; B_crit below one example."""
+    """Where a prediction lies outside what the calibration measured, in words (empty: inside):
+    the task ("data/model"; None: unchecked), the learning rate against its sweeps' best
+    (same family, nearest batch size; beyond RATE_FACTOR is untuned), the loss against the
+    targets of the same data set, B_crit below one example."""
     out = []
     if b_crit is not None and math.isfinite(b_crit) and b_crit < 1:
         out.append(f"predicted B_crit {b_crit:.3g} is below one example: the noise scale is far "
@@ -201,37 +192,26 @@ def edges(calib: Mapping[str, Any], *, optimizer: str, batch_size: float,
                   f"{h['inside']} of {h['points']} times" if h else "")
         out.append(f"task {task} with {fam} optimizers is not in the calibration "
                    f"({', '.join(known)}){record}")
-    if same and learning_rate is not None and learning_rate > 0:
-        best = _best_rate(same, batch_size)
-        if best is not None:
-            rate, at = best
-            factor = max(learning_rate / rate, rate / learning_rate)
-            if factor > RATE_FACTOR:
-                out.append(f"learning rate {learning_rate:.3g} is {factor:.3g}× "
-                           f"{'below' if learning_rate < rate else 'above'} the best "
-                           f"{rate:.3g} that this task's sweep found at B = {at:g}: the "
-                           "calibration holds near a tuned rate, so B_crit at this one can "
-                           "differ by several times (tune it: cbs-sweep)")
+    rates: dict[float, list[float]] = {}  # the best rates of the task's sweeps per B
+    for p in same:
+        for b, lr in (p.get("best_learning_rate_by_batch_size") or {}).items():
+            rates.setdefault(float(b), []).append(float(lr))
+    if rates and learning_rate is not None and learning_rate > 0 and batch_size > 0:
+        at = min(rates, key=lambda b: abs(math.log(b / batch_size)))
+        rate = float(np.median(rates[at]))
+        factor = max(learning_rate / rate, rate / learning_rate)
+        if factor > RATE_FACTOR:
+            out.append(f"learning rate {learning_rate:.3g} is {factor:.3g}× "
+                       f"{'below' if learning_rate < rate else 'above'} the best "
+                       f"{rate:.3g} that this task's sweep found at B = {at:g}: the "
+                       "calibration holds near a tuned rate, so B_crit at this one can "
+                       "differ by several times (tune it: cbs-sweep)")
     if targets and loss is not None and math.isfinite(loss):
         lo, hi = min(targets), max(targets)
         if not lo / 1.25 <= loss <= hi * 1.25:
             out.append(f"loss {loss:.3g} is {'above' if loss > hi else 'below'} every target "
                        f"calibrated on {data} ({lo:g}–{hi:g}): B_crit there was not measured")
     return out
-
-
-def _best_rate(points: Sequence[Mapping[str, Any]], batch_size: float
-               ) -> tuple[float, float] | None:
-    """(median best rate over the points' targets, the swept batch size nearest `batch_size`
-    in log scale), or None without rates."""
-    rates: dict[float, list[float]] = {}
-    for p in points:
-        for b, lr in (p.get("best_learning_rate_by_batch_size") or {}).items():
-            rates.setdefault(float(b), []).append(float(lr))
-    if not rates or not batch_size > 0:
-        return None
-    at = min(rates, key=lambda b: abs(math.log(b / batch_size)))
-    return float(np.median(rates[at])), at
 
 
 def markdown(calib: Mapping[str, Any]) -> str:

@@ -1,32 +1,23 @@
 """The task's own ratio of local B_crit to the noise scale, from short branches off a checkpoint,
-and its combination with the cross-task prior of the calibration (reads numbers only).
+and its combination with the calibration's cross-task prior (docs/guides/advice.md, "The
+task's own calibration (probe)").
 
 Letters: B the run's batch at the checkpoint, b_0 the probe's smallest batch, K the ladder of
-multipliers k (branch batch k·b_0, k = 1, 2, 4, ...), S the data-order seeds, Δ the window in
-examples (the same for every k), E and t the examples and steps the run has seen, B_s the
-noise scale measured at the checkpoint, φ the budget as a fraction of the run so far.
+multipliers k (branch batch k·b_0), S the data-order seeds, Δ the window in examples (the same
+for every k), E and t the examples and steps the run has seen, B_s the noise scale at the
+checkpoint, φ the budget as a fraction of the run so far.
 
-Cost: the branches train S·|K|·Δ examples in S·Σ_k Δ/(k·b_0) steps. `plan` gives the longest
-Δ (a multiple of lcm(K)·b_0: whole steps for every k) within φ·E examples (`unit="examples"`)
-or φ·t steps (`unit="steps"`, the wall time where a batch of k·b_0 does not fill the device).
+Local B_crit: Merrill et al.'s criterion (`cbs.analysis.reports.branch_report`) at the
+log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0), se² = sd_seeds² + sd_ladder² in log
+space: sd_ladder = log(k⁺/k*)/√12, sd_seeds over the exact bootstrap of the seeds (all S^S
+resamples; 2,000 random ones past S = 5). At either end of the ladder B* is a bound: no ratio.
+The probed log ratio is y = log(B*/B_s).
 
-Local B_crit: Merrill et al.'s criterion on the branch losses (`cbs.analysis.reports
-.branch_report`) at the log-midpoint √(k*·k⁺)·b_0 of the bracket [k*·b_0, k⁺·b_0), with
-se² = sd_seeds² + sd_ladder² in log space: sd_ladder = log(k⁺/k*)/√12 (the crossing uniform
-in log within the bracket), sd_seeds over the exact bootstrap of the seeds (all S^S
-resamples; 2,000 random ones past S = 5). At either end of the ladder B* is only a bound: no
-ratio, the advice keeps the cross-task prior. The probed log ratio is y = log(B*/B_s).
-
-Combination (one-way random effects, `cbs.analysis.advice.calibration`): the task's mean log
-ratio θ has the prior N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f); the probe measures y ~ N(θ, se²).
-The posterior N(m_1, v_1) has 1/v_1 = 1/v_0 + 1/se², m_1 = v_1·(μ̂_f/v_0 + y/se²), and one
-run's B_crit at a target is predicted as log B_s + m_1 ± t_{q,ν}·√(v_1 + σ̂²), the
-calibration's ν. Without the probe: the advice's own prediction (m_1 = μ̂_f, v_1 = v_0).
-
-The probe measures the LOCAL critical batch at this checkpoint (`local_now`). The
-combination predicts the fixed-batch B_crit of a target loss from a sweep, ASSUMING the task's
-ratio of local B* to B_s equals its ratio of swept B_crit to B_s (tested in
-`cbs.analysis.advice.probe_evidence`).
+Combination (`cbs.analysis.advice.calibration`): the task's mean log ratio θ has the prior
+N(μ̂_f, v_0), v_0 = τ̂² + var(μ̂_f), and the probe measures y ~ N(θ, se²); the posterior has
+1/v_1 = 1/v_0 + 1/se², m_1 = v_1·(μ̂_f/v_0 + y/se²), and one run's B_crit at a target is
+predicted as log B_s + m_1 ± t_{q,ν}·√(v_1 + σ̂²). This ASSUMES the task's local B*/B_s equals
+its swept B_crit/B_s (tested in `cbs.analysis.advice.probe_evidence`).
 """
 
 from __future__ import annotations
@@ -69,9 +60,9 @@ def ladder(batch_size: int, batch_sizes: Sequence[int] = ()) -> tuple[int, tuple
 
 def plan(*, examples_seen: int, steps_seen: int, base: int, ks: Sequence[int], seeds: int,
          budget: float = DEFAULT_BUDGET, unit: str = "examples") -> dict[str, Any]:
-    """The longest window Δ within the budget and what it costs: window, the branches' total
-    examples and steps, budget, unit, allowed (φ·E or φ·t) and fraction (the cost in `unit`
-    over the run so far). ValueError when not one step of the largest batch fits."""
+    """The longest window Δ (a multiple of lcm(K)·b_0) whose S·|K|·Δ examples or S·Σ_k
+    Δ/(k·b_0) steps fit in φ·E or φ·t, and what it costs. ValueError when not one step of the
+    largest batch fits."""
     if unit not in UNITS:
         raise ValueError(f"probe budget unit {unit!r}: use one of {UNITS}")
     if not 0 < budget <= 1:
@@ -106,8 +97,7 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
                 tolerance: str = "relative", metric: str = "full_train/loss",
                 criterion: str = "paper") -> dict[str, Any]:
     """The probed log ratio y and its standard error from the branch records of ONE point
-    (`reference_batch_size` = b_0): b_star, b_pass, b_fail, bound ("", "< X" or "≥ X": then
-    log_ratio and se are NaN), log_ratio, se, sd_seeds, sd_ladder, seeds, losses, ks."""
+    (`reference_batch_size` = b_0); at a bound ("< X" or "≥ X") log_ratio and se are NaN."""
     rule: dict[str, Any] = {"epsilon": epsilon, "tolerance": tolerance, "criterion": criterion}
     p = branch_report.local_cbs([dict(r) for r in rows], metric=metric, b_star="geometric", **rule)
     ks, b0 = p["ks"], int(rows[0]["reference_batch_size"])
@@ -140,10 +130,9 @@ def local_ratio(rows: Sequence[Mapping[str, Any]], noise_scale: float, *, epsilo
 
 def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any], *,
             level: float = 0.8) -> dict[str, Any]:
-    """The cross-task and the probed prediction at the probe's noise scale. model: a
-    calibration model (`cbs.analysis.advice.calibration.model`); probed: `local_ratio`'s.
-    Returns cross_task, probed, local_now (None at a bound), weight (the probe's share of the
-    task's mean log ratio), level and the rule in words."""
+    """The cross-task and the probed prediction at the probe's noise scale, local_now (None
+    at a bound) and weight (the probe's share of the task's mean log ratio). model:
+    `calibration.model`'s; probed: `local_ratio`'s."""
     fam = model["families"].get(family(optimizer))
     if fam is None:
         raise ValueError(f"the calibration has no {family(optimizer)!r} study")
@@ -183,8 +172,7 @@ def combine(model: Mapping[str, Any], optimizer: str, probed: Mapping[str, Any],
 
 def calibration_with(calib: Mapping[str, Any], scale: str, optimizer: str,
                      combined: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of the calibration whose model of `scale` predicts with the probed ratio for
-    `optimizer`'s family, for live advice (`config.noise.advice_calibration`)."""
+    """The calibration with the probed ratio for `optimizer`'s family, for live advice."""
     model = dict(calib["models"][scale])
     p, fam = combined["probed"], family(optimizer)
     model["families"] = {fam: {"mu": p["log_ratio"], "var_mu": p["var_task"],

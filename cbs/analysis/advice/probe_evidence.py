@@ -1,18 +1,14 @@
-"""Does the probe bring the held-out error down? The committed branch studies as probes.
-
-    python -m experiments.probe_evidence --out=results/probe
+"""Does the probe bring the held-out error down? The committed branch studies as probes
+(`python -m experiments.probe_evidence --out=results/probe`; docs/guides/advice.md).
 
 Each branch point of a committed branch study (STUDIES) is a probe (`probe.local_ratio` with
 the study's own rule) with the noise scale B_s there: the exact B_simple of the study's
-`reference_noise.jsonl`, else the run's live EMA of B_simple at that step.
-
-Predicted: the swept B_crit at each target of the task's committed sweep (the calibration's
-points, extrapolated ones left out) from B_simple of the sweep's best trial at batch B at
-that target's crossing, three ways: cross-task (the calibration refitted WITHOUT the task),
-probed (that prior updated by the probe, `probe.combine`) and probe alone (log B_s + y).
-Error: |log(prediction / measured)|, over every (probe point, target) pair and over the
-pairs whose point lies nearest the reference's crossing of the target. Cost: the branches
-per point as a fraction of the reference's examples and steps there.
+`reference_noise.jsonl`, else the run's live EMA of B_simple at that step. Predicted: the
+swept B_crit at each target of the task's committed sweep (extrapolated ones left out) from
+B_simple of the sweep's best trial at batch B, three ways: cross-task (the calibration
+refitted WITHOUT the task), probed (`probe.combine`) and probe alone (log B_s + y). Error:
+|log(prediction / measured)|, over every (probe point, target) pair and over the pairs whose
+point lies nearest the reference's crossing of the target.
 """
 
 from __future__ import annotations

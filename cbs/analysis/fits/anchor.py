@@ -1,31 +1,23 @@
 """The anchor in closed form: B_crit of SGD on Gaussian linear regression, exactly.
 
-Problem (as `cbs.data.linreg` and `experiments/configs/linreg_sweep.py`): x ~ N(0, C) with
-C = diag(λ) in its eigenbasis, y = x·w* + σε, a linear model with bias, loss ½(x̃·θ − y)² with
-x̃ = (x, 1). H = diag(λ, 1). With δ = θ − θ* and M_t = E[δ_t δ_tᵀ] (expectation over the
-initialisation and the examples drawn), minibatch SGD on B fresh examples with rate η obeys
-(the recursion of `tests/test_branches.py::expected_sgd_losses`)
+Problem (as `cbs.data.linreg`): x ~ N(0, C), C = diag(λ) in its eigenbasis, y = x·w* + σε, a
+linear model with bias, loss ½(x̃·θ − y)² with x̃ = (x, 1), H = diag(λ, 1). With δ = θ − θ* and
+M_t = E[δ_t δ_tᵀ], minibatch SGD on B examples with rate η obeys (the recursion of
+`tests/test_branches.py::expected_sgd_losses`)
 
     M_{t+1} = M_t − η(HM_t + M_tH) + η²(HM_tH + Σ(M_t)·ρ_B/B),
     Σ(M) = (tr HM + σ²)H + HMH − 2M_bb e_b e_bᵀ     (Isserlis; b the bias coordinate),
     E L_t = ½(tr HM_t + σ²),
 
-where ρ_B = 1 for fresh examples and (N − B)/(N − 1) for a batch drawn without replacement
-from N training examples. H is diagonal, so the diagonal m of M closes on itself: O(P) a step.
+with ρ_B = 1 for fresh examples and (N − B)/(N − 1) drawing without replacement from N. H is
+diagonal, so the diagonal m of M closes on itself: O(P) a step. Noise scales (McCandlish et al.
+2018, App. A) at M: tr(Σ), tr(HΣ) from Σ(M), |G|² = tr(H²M), GᵀHG = tr(H³M).
 
-The noise scales of McCandlish et al. (2018, App. A) at a second moment M, as ratios of
-expectations: tr(Σ) and tr(HΣ) from Σ(M), |G|² = tr(H²M), GᵀHG = tr(H³M);
-B_simple = tr Σ/|G|², B_noise = tr(HΣ)/GᵀHG.
-
-Two protocols are compared:
-- "optimal": at every step the rate that minimises the next expected loss,
-  η_t = tr(H²M)/(tr(H³M) + ρ_B·tr(HΣ)/B) = η_max/(1 + ρ_B·B_noise/B): the premise of
-  B_crit = B_noise, with B_crit = E_min/S_min the path average of B_noise (`path_average`).
-- "grid": per batch size, the constant rate of a grid that reaches the target in the fewest
-  steps, as a sweep does.
-Steps to a target: the first crossing of E L_t, interpolated linearly in log loss between
-updates; B_crit: `fit.fit_tradeoff` of those. A sweep's S (the mean of each seed's crossing)
-differs by the run-to-run spread (small at these targets; tested against simulated SGD).
+Protocols (docs/guides/across_studies.md, "The anchor in closed form"): "optimal", at every
+step η_t = tr(H²M)/(tr(H³M) + ρ_B·tr(HΣ)/B), where B_crit is the path average of B_noise
+(`path_average`); "grid", per batch size the best constant rate of a grid, as a sweep does.
+Steps to a target: the first crossing of E L_t, linear in log loss between updates; B_crit:
+`fit.fit_tradeoff` of those.
 """
 
 from __future__ import annotations
@@ -185,8 +177,7 @@ def optimal_study(problem: LinregProblem, batch_sizes: Sequence[float],
 
 def grid_study(problem: LinregProblem, rates: Mapping[float, Sequence[float]],
                targets: Sequence[float], *, steps: int) -> list[dict[str, Any]]:
-    """The "grid" protocol: per target as `optimal_study`, with the best rate of `rates[B]`
-    per batch size and whether it is at an edge of them."""
+    """The "grid" protocol: as `optimal_study`, with the best rate of `rates[B]` per B."""
     b = np.asarray(sorted(rates), np.float64)
     flat_b = np.concatenate([np.full(len(rates[x]), x) for x in b])
     flat_lr = np.concatenate([np.asarray(rates[x], np.float64) for x in b])

@@ -1,8 +1,7 @@
-"""Learning-rate grids that bracket the optimum: edges, caps and factor-2 extensions.
-
-A best learning rate (`cbs.analysis.fits.selection.best_per_batch_size`) that is the largest
-or smallest tried makes S(B) only an upper bound. From the finished records alone (so shards
-and reruns agree) the rule decides which further rates a sweep must try at a batch size:
+"""Learning-rate grids that bracket the optimum: edges, caps and factor-2 extensions
+(docs/guides/sweeps.md). A best learning rate (`cbs.analysis.fits.selection`) at an edge of
+its grid makes S(B) only an upper bound. From the finished records alone (so shards and reruns
+agree) the rule decides which further rates a sweep must try at a batch size:
 
 - best rate (for any target) the largest tried → `count` more rates above it, each a factor 2
   beyond the last (never above `max_lr`; the cap itself when the next factor would pass it);
@@ -143,11 +142,9 @@ def sweep_grid(base: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str,
 
 def grid_status(definition: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
                 ) -> dict[str, Any]:
-    """What a sweep directory holds against what its grid needs. definition: sweep.json (its
-    "trials" is the base grid; without them the records are: "known" False). Returns
-    {"known", "complete", "num_expected" (a lower bound while trials are missing),
-    "num_missing", "missing" {B: count}, "records" (those in the grid), "edges" {B: {key:
-    position}}}."""
+    """What a sweep directory holds against what its grid needs (sweep.json's "trials"; without
+    them the records are the grid: "known" False): "complete", "num_expected" (a lower bound
+    while trials are missing), "missing" {B: count}, "records" (those in the grid), "edges"."""
     base = definition.get("trials") if definition else None
     if not base:
         return {"known": False, "complete": True, "num_expected": len(records),

@@ -9,13 +9,11 @@ Letters: B batch size, S optimizer steps and E = B·S examples to reach a target
 - Kaplan et al. 2020, eq. 5.3: B_crit(L) = B*/L^(1/α_B); `fit_power_law` fits
   log B_crit = log B* − (1/α_B)·log L.
 
-Intervals are studentized (bootstrap-t) from a residual bootstrap (Davison & Hinkley 1997,
-§5.2.1 and Alg. 6.3): log-space residuals, divided by √(1 − h_ii) and centred, are resampled
-onto the fitted curve; each refit gives t* = (θ* − θ̂)/se*, and the interval of the log
-parameters θ is θ̂ − t*_(hi)·se, θ̂ − t*_(lo)·se. Percentile intervals under-cover with ~10
-points (about 88 % for a nominal 95 %); bootstrap-t covers S_min, E_min, B_crit in 94.8 %,
-93.2 %, 92.9 % of 1000 synthetic sweeps (10 batch sizes, 10 % noise). Resampling (B, S) pairs
-(`resample="pairs"`) often draws fewer than three distinct batch sizes from a small table.
+Intervals are studentized (bootstrap-t, `studentized`) from a residual bootstrap (Davison &
+Hinkley 1997, §5.2.1 and Alg. 6.3): log-space residuals, divided by √(1 − h_ii) and centred,
+are resampled onto the fitted curve (why bootstrap-t: docs/design.md, "From records to
+B_crit"). Resampling (B, S) pairs (`resample="pairs"`) often draws fewer than three distinct
+batch sizes from a small table.
 """
 
 from __future__ import annotations
@@ -67,8 +65,8 @@ def json_ready(d: Mapping[str, Any]) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class TradeoffFit:
     """S(B) = s_min + e_min/B with `confidence` intervals; NaNs unless status == "ok".
-    n_points / n_batch_sizes: usable points and distinct B; n_dropped: points dropped as
-    missing, non-finite or non-positive. residual_std: RMS of log S residuals."""
+    n_dropped: points dropped as missing, non-finite or non-positive; residual_std: RMS of
+    the log S residuals."""
 
     s_min: float
     e_min: float
@@ -91,15 +89,12 @@ class TradeoffFit:
         return self.status == OK
 
     def steps(self, batch_size: Any) -> Any:
-        """Fitted S at B."""
         return self.s_min + self.e_min / np.asarray(batch_size, dtype=np.float64)
 
     def examples(self, batch_size: Any) -> Any:
-        """Fitted E = B·S at B."""
         return self.s_min * np.asarray(batch_size, dtype=np.float64) + self.e_min
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (NaN and inf become None)."""
         return json_ready(dataclasses.asdict(self))
 
 
@@ -152,18 +147,6 @@ def _robust_scale(r_RxN: np.ndarray) -> np.ndarray:
     """1.4826·MAD per row (≥ 1e-3), [R, 1]."""
     med = np.median(r_RxN, axis=1, keepdims=True)
     return np.maximum(1.4826 * np.median(np.abs(r_RxN - med), axis=1, keepdims=True), 1e-3)
-
-
-def _fit_robust(logb_RxN, logs_RxN, theta_Rx2):
-    """Cauchy M-estimate from a starting point, re-estimating the scale until it settles."""
-    r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
-    for _ in range(10):
-        f_scale = _robust_scale(r)
-        theta_Rx2 = solve(logb_RxN, logs_RxN, theta_Rx2, f_scale)[0]
-        r = model_log_steps(theta_Rx2, logb_RxN)[0] - logs_RxN
-        if np.all(np.abs(_robust_scale(r) / f_scale - 1.0) < 0.01):
-            break
-    return theta_Rx2, f_scale
 
 
 def solve(logb_RxN: np.ndarray, logs_RxN: np.ndarray, theta: np.ndarray,
@@ -232,17 +215,13 @@ def fit_tradeoff(batch_sizes: Sequence[float] | np.ndarray,
                  steps: Sequence[float | None] | np.ndarray, *,
                  bootstrap: int = 1000, seed: int = 0, method: str = "lsq",
                  confidence: float = 0.95, resample: str = "residual") -> TradeoffFit:
-    """Fits S(B) = S_min + E_min/B to a table of (B, S); never raises on bad data.
-
-    steps: None, NaN or ≤ 0 (target never reached) are dropped, counted in n_dropped.
-    bootstrap: refits for the intervals (0: none). method: "lsq", least squares in log S; or
-    "robust", a Cauchy loss ½f²·log(1 + (r/f)²) in log S from the least-squares fit, f =
-    1.4826·MAD of the residuals (≥ 1e-3) re-estimated until it settles: with 2 of 10 batch
-    sizes on a floor of S at 2·S_min (a too narrow LR grid), B_crit is off by a median 5 %
-    instead of 36 % (lsq); it cannot help when most points with B ≫ B_crit share the floor.
-    Status "insufficient data" (NaN values) with fewer than 3 distinct B, "failed: ..." if the
-    numerics break down; `warnings` names an extrapolated B_crit.
-    """
+    """Fits S(B) = S_min + E_min/B to a table of (B, S); never raises on bad data. steps:
+    None, NaN or ≤ 0 (never reached) are dropped, counted in n_dropped. bootstrap: refits for
+    the intervals (0: none). method: "lsq", least squares in log S; or "robust", a Cauchy loss
+    (`_cost`) from the least-squares fit: with 2 of 10 batch sizes on a floor of S at 2·S_min
+    (a too narrow LR grid), B_crit is off by a median 5 % instead of 36 % (lsq); it cannot
+    help when most points with B ≫ B_crit share the floor. Status "insufficient data" (NaNs)
+    with fewer than 3 distinct B, "failed: ..." if the numerics break down."""
     if method not in ("lsq", "robust") or resample not in ("residual", "pairs"):
         raise ValueError(f"method must be lsq|robust and resample residual|pairs, got "
                          f"{method!r}, {resample!r}")
@@ -272,9 +251,15 @@ def _fit_tradeoff_ok(b, s, n_dropped, bootstrap, seed, method, confidence, resam
                         theta0)
     theta = theta[int(np.nanargmin(cost))]  # the best of the starting points
     f_scale = None
-    if method == "robust":
-        theta_1x2, f_scale = _fit_robust(logb[None], logs[None], theta[None])
-        theta, f_scale = theta_1x2[0], float(f_scale[0, 0])
+    if method == "robust":  # Cauchy M-estimate, re-estimating the scale until it settles
+        r = model_log_steps(theta[None], logb[None])[0] - logs[None]
+        for _ in range(10):
+            scale = _robust_scale(r)
+            theta = solve(logb[None], logs[None], theta[None], scale)[0][0]
+            r = model_log_steps(theta[None], logb[None])[0] - logs[None]
+            if np.all(np.abs(_robust_scale(r) / scale - 1.0) < 0.01):
+                break
+        f_scale = float(scale[0, 0])
     fitted, J = model_log_steps(theta[None], logb[None])
     resid = logs - fitted[0]
     s_min, e_min = (float(v) for v in np.exp(theta))
@@ -362,30 +347,25 @@ def fit_power_law(losses: Sequence[float], b_crits: Sequence[float | None], *,
         return PowerLawFit(math.nan, math.nan, math.nan, nan2, nan2, nan2, int(loss.size),
                            INSUFFICIENT, confidence)
     with np.errstate(all="ignore"):
-        return _fit_power_law_ok(loss, bc, bootstrap, seed, confidence)
-
-
-def _fit_power_law_ok(loss, bc, bootstrap, seed, confidence) -> PowerLawFit:
-    x, y = np.log(loss), np.log(bc)
-    X = np.stack([np.ones_like(x), x], axis=1)
-    coef = np.linalg.lstsq(X, y, rcond=None)[0]
-    resid = y - X @ coef
-    cis = [(math.nan, math.nan)] * 3
-    if bootstrap > 0:
-        rng = np.random.default_rng(seed)
-        y_NxR = (X @ coef)[:, None] + _centred(resid, X)[rng.integers(0, x.size,
-                                                                     size=(x.size, bootstrap))]
-        coef_R = np.linalg.lstsq(X, y_NxR, rcond=None)[0].T
-        se_R = _ols_se(X, y_NxR - X @ coef_R.T)
-        se = _ols_se(X, resid[:, None])[0]
-        intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
-                                               confidence) for k in (0, 1))
-        b_star_ci = (float(np.exp(intercept_ci[0])), float(np.exp(intercept_ci[1])))
-        cis = [b_star_ci, alpha_interval(slope_ci), slope_ci]
-    slope = float(coef[1])
-    alpha = -1.0 / slope if slope != 0 else math.inf
-    return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],
-                       int(loss.size), OK, confidence, float(np.sqrt(np.mean(resid ** 2))))
+        x, y = np.log(loss), np.log(bc)
+        X = np.stack([np.ones_like(x), x], axis=1)
+        coef = np.linalg.lstsq(X, y, rcond=None)[0]
+        resid = y - X @ coef
+        cis = [nan2] * 3
+        if bootstrap > 0:
+            idx = np.random.default_rng(seed).integers(0, x.size, size=(x.size, bootstrap))
+            y_NxR = (X @ coef)[:, None] + _centred(resid, X)[idx]
+            coef_R = np.linalg.lstsq(X, y_NxR, rcond=None)[0].T
+            se_R = _ols_se(X, y_NxR - X @ coef_R.T)
+            se = _ols_se(X, resid[:, None])[0]
+            intercept_ci, slope_ci = (studentized(coef[k], se[k], coef_R[:, k], se_R[:, k],
+                                                   confidence) for k in (0, 1))
+            b_star_ci = (float(np.exp(intercept_ci[0])), float(np.exp(intercept_ci[1])))
+            cis = [b_star_ci, alpha_interval(slope_ci), slope_ci]
+        slope = float(coef[1])
+        alpha = -1.0 / slope if slope != 0 else math.inf
+        return PowerLawFit(float(np.exp(coef[0])), alpha, slope, cis[0], cis[1], cis[2],
+                           int(loss.size), OK, confidence, float(np.sqrt(np.mean(resid ** 2))))
 
 
 def _ols_se(X_NxP: np.ndarray, resid_NxR: np.ndarray) -> np.ndarray:

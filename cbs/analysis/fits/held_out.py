@@ -1,13 +1,10 @@
 """Held-out seeds: each best learning rate selected on one seed, its steps measured on the others.
 
-Letters: B batch size, η learning rate, S optimizer steps to a target loss L. The fewest S
-over η on the seeds a fit reports is biased low (the minimum of noisy S). `held_out` selects
-η*(B, L) on seed k alone, measures S at (B, η*) on every other seed and fits S = S_min +
-E_min/B through their mean; beside it the in-sample fit on the same seeds and per B the ratio
-held-out S / in-sample S (≥ 1: how much the selection flattered B). A held-out trial that
-never crossed L leaves its B out; one its group stopped once another rate crossed
-(`sweep.stop_when_dominated`, status "dominated") is counted as censored: a held-out study
-turns the stop off (`digits_sweep.py:seeds3`).
+Letters: B batch size, η learning rate, S optimizer steps to a target loss L. The fewest S over
+η is biased low (the minimum of noisy S), so η*(B, L) is selected on seed k alone, S at (B, η*)
+measured on every other seed, and S = S_min + E_min/B fitted through their mean, beside the
+in-sample fit on the same seeds (docs/guides/sweeps.md, "Seeds"). A B whose held-out trial never
+crossed L, or was stopped by a faster rate (`sweep.stop_when_dominated`: censored), is left out.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ def _steps(record: dict[str, Any], key: str) -> float | None:
 def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_seed: int, *,
                     bootstrap: int = 200) -> dict[str, Any]:
     """One target: η* per B from seed `select_on_seed`, S at η* on the other seeds, both fits.
-    JSON-ready: "rows" (per B: the selected rate, its steps on the selecting seed, the
-    held-out steps per seed, their mean, the in-sample mean and the ratio, or why B is left
-    out), "fit" (held-out), "fit_in_sample" and the seeds used."""
+    JSON-ready: "rows" (per B: rate, steps on the selecting seed and held out, their mean,
+    the in-sample mean and the ratio, or why B is left out), "fit", "fit_in_sample"."""
     key = target_key(target)
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     others = [s for s in seeds if s != select_on_seed]
@@ -79,8 +75,7 @@ def held_out_target(records: Sequence[dict[str, Any]], target: float, select_on_
 
 def held_out(records: Sequence[dict[str, Any]], targets: Sequence[float], select_on_seed: int,
              *, bootstrap: int = 200) -> list[dict[str, Any]]:
-    """`held_out_target` at every target. Raises ValueError when `select_on_seed` is not a
-    seed of the records or there is no other seed to measure on."""
+    """`held_out_target` at every target; ValueError unless another seed is left to measure on."""
     seeds = sorted({int(r.get("seed", 0)) for r in records})
     if select_on_seed not in seeds or len(seeds) < 2:
         raise ValueError(f"--select_on_seed={select_on_seed}: the sweep has seeds {seeds}; "

@@ -1,19 +1,16 @@
 """Intervals for B_crit at every target and for the power law B_crit(L), from one bootstrap.
 
-Letters as in `cbs.analysis.fits.fit`. Every target is read off the *same* trials, so the
-B_crit of two targets share their errors: a residual bootstrap of the power law through them
-measures how far they lie off a line, not how well they are measured. Here the batch sizes
-are resampled *jointly for all targets*, and within each drawn batch size its seeds; each
-replicate refits S = S_min + E_min/B at every target and the power law to its B_crit(L) (the
-case bootstrap of Davison & Hinkley 1997, §6.2.4, whole batch sizes as cases).
+Letters as in `cbs.analysis.fits.fit`. Every target is read off the *same* trials, so their
+B_crit share errors: a residual bootstrap of the power law through them measures how far they
+lie off a line, not how well they are measured. Here the batch sizes are resampled *jointly
+for all targets* (and within each its seeds), and each replicate refits every target and the
+power law (the case bootstrap of Davison & Hinkley 1997, §6.2.4, batch sizes as cases).
 
 - B_crit at each target: bootstrap-t, se from each replicate's weighted least squares.
 - α_B, B* and the slope −1/α_B: percentile intervals of the replicates' power-law fits.
 - Misfit: Q = min_β (y − Xβ)ᵀC⁻¹(y − Xβ), C the replicates' covariance of log B_crit across
   targets, against χ² on (targets − 2) degrees of freedom; and the local slopes between
   adjacent targets with percentile intervals (a trend in them is curvature α_B averages away).
-
-The generator is seeded from the records (not their order, nor which shard ran what).
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ METHOD_POWER_LAW = ("percentile bootstrap over batch sizes (resampled jointly ac
 @dataclasses.dataclass(frozen=True)
 class JointIntervals:
     """What `joint_bootstrap` returns (NaN where a quantity could not be formed).
-    b_crit_ci: per target as given. local_slopes: d log B_crit / d log L between adjacent
-    targets. misfit_*: the GLS χ² test. n_replicates: those with a B_crit at every target.
-    log_b_crit_cov: their covariance of log B_crit over the targets with a fit (indices
-    `cov_targets`), for pooled analyses."""
+    local_slopes: d log B_crit / d log L between adjacent targets. misfit_*: the GLS χ² test.
+    n_replicates: those with a B_crit at every target; log_b_crit_cov: their covariance of
+    log B_crit over the targets with a fit (indices `cov_targets`)."""
 
     b_crit_ci: list[tuple[float, float]]
     alpha_b_ci: tuple[float, float]
@@ -64,9 +60,7 @@ class JointIntervals:
     @property
     def power_law_supported(self) -> bool | None:
         """True/False from the misfit test at 1 − confidence; None without a test."""
-        if not math.isfinite(self.misfit_p):
-            return None
-        return self.misfit_p >= 1.0 - self.confidence
+        return None if not math.isfinite(self.misfit_p) else self.misfit_p >= 1.0 - self.confidence
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -76,7 +70,7 @@ class JointIntervals:
 
 
 def data_seed(tables: Sequence[selection.BestPerBatchSize]) -> int:
-    """A generator seed that is a function of the selected steps alone."""
+    """A generator seed from the selected steps alone (not their order, nor the shards)."""
     h = hashlib.sha256()
     for t in tables:
         for b, s in zip(t.batch_sizes, t.seed_steps, strict=True):
@@ -89,8 +83,8 @@ def joint_bootstrap(tables: Sequence[selection.BestPerBatchSize], losses: Sequen
                     points: Sequence[fit.TradeoffFit], *, n: int = 1000,
                     seed: int | None = None, confidence: float = 0.95) -> JointIntervals:
     """Joint batch-size bootstrap of every target's B_crit and of the power law. tables:
-    `selection.best_per_batch_size` per target; points: `fit.fit_tradeoff` of those tables
-    (they centre the intervals and start each refit)."""
+    `selection.best_per_batch_size` per target; points: their `fit.fit_tradeoff` (the
+    intervals' centres and each refit's start)."""
     seed = data_seed(tables) if seed is None else seed
     rng = np.random.default_rng(seed)
     universe = sorted({float(b) for t in tables for b in t.batch_sizes})
@@ -163,8 +157,7 @@ def _power_law_part(cis, log_bc, losses, points, seed, confidence) -> JointInter
     ok_t = [k for k, p in enumerate(points) if p.ok]
     x = np.log(np.asarray(losses, dtype=np.float64)[ok_t])
     Y = log_bc[:, ok_t]
-    full = np.all(np.isfinite(Y), axis=1)
-    Y = Y[full]
+    Y = Y[np.all(np.isfinite(Y), axis=1)]  # the replicates with a B_crit at every target
     res: dict[str, Any] = dict(alpha_b_ci=nan2, b_star_ci=nan2, slope_ci=nan2,
                                local_slopes=[], local_slope_cis=[], misfit_q=math.nan,
                                misfit_dof=0, misfit_p=math.nan, log_b_crit_cov=[],

@@ -1,25 +1,15 @@
 """A calibrated misfit test of the power law B_crit(L) = B*/L^(1/α_B), and the target that
-breaks it.
+breaks it (the why: docs/design.md, "From records to B_crit").
 
 The GLS test of `cbs.analysis.fits.joint` (Q against χ² on targets − 2 degrees of freedom)
-assumes the bootstrap covariance C of y = log B_crit known; over ~10 batch sizes it is
-underestimated, so on one seed a true law is rejected too often (9–15 % at a nominal 5 % on
-the committed one-seed studies). Here Q's null distribution is simulated by a studentized
-parametric bootstrap under the fitted law (Davison & Hinkley 1997, §4.2 and §5.2).
-
-The study's noise: the residuals r_kB = log S_k(B) − log Ŝ_k(B) of each target's fit (over
-√(1 − h), h the leverage) split into a part a_B shared by every target at a batch size (σ_a²,
-the mean product of two targets' residuals at one B) and a part u_kB of each target's own
-(σ_u², the rest of the mean square). A simulated study puts fresh Gaussian a_B and u_kB on
-the law's curves S₀(B) = S_min(1 + B_crit₀/B) (each target's fitted S_min, B_crit₀ on the
-least-squares line) and refits every target. C = σ_a²C_a + σ_u²C_u (C_a, C_u: the covariance
-of log B_crit per unit variance of each part, simulated at small noise) with the study's own
-σ_a², σ_u², and each simulated study's Q with its own estimates (studentized). The calibrated
-p is (1 + #{Q* ≥ Q})/(1 + R); on synthetic one-seed studies (`tests/test_misfit.py`) it
-rejects at the nominal rate where the χ² reading rejects several times as often.
-
-`breaking_target`: the target whose removal raises the calibrated p the most (for example
-the first target, still in the transient).
+takes the bootstrap covariance C of y = log B_crit as known. Here Q's null distribution is
+simulated by a studentized parametric bootstrap under the fitted law (Davison & Hinkley 1997,
+§4.2 and §5.2). Noise: the residuals r_kB = log S_k(B) − log Ŝ_k(B) (over √(1 − h), h the
+leverage) split into a_B shared by the targets at a batch size (σ_a², the mean product of two
+targets' residuals at one B) and u_kB of each target's own (σ_u², the rest). A simulated
+study puts fresh Gaussian a_B, u_kB on the law's curves S₀(B) = S_min(1 + B_crit₀/B) and
+refits every target; C = σ_a²C_a + σ_u²C_u (C_a, C_u per unit variance, simulated at small
+noise). Calibrated p = (1 + #{Q* ≥ Q})/(1 + R).
 """
 
 from __future__ import annotations
@@ -51,9 +41,8 @@ SMALL = 1e-3  # log-step noise at which the covariance per unit variance is read
 @dataclasses.dataclass(frozen=True)
 class CalibratedMisfit:
     """q: the observed GLS statistic; p: its calibrated p-value (NaN without a test); n: the
-    simulated studies used; without_target: per target (its index among those fitted), the
-    calibrated p with that target left out; breaking_target: the index (in the targets
-    given) whose removal raises p the most (None with fewer than 4 targets)."""
+    simulated studies used; without_target: per target index, p with it left out;
+    breaking_target: the one whose removal raises p the most (None below 4 targets)."""
 
     q: float
     p: float
@@ -136,8 +125,8 @@ def study_noise(tables: Sequence[BestPerBatchSize], losses: Sequence[float],
 def pooled_draws(studies: Sequence[StudyNoise], null: Sequence[np.ndarray], *, n: int,
                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Simulated pooled log B_crit [R, N] (the studies' targets side by side) under `null`
-    (one array per study), each study drawn with its own noise and refitted, and each row's
-    own block-diagonal covariance [R, N, N] (studentized); R ≤ n: every refit finite."""
+    (one array per study) and each row's own block-diagonal covariance [R, N, N]; R ≤ n:
+    the draws whose every refit is finite."""
     rng = np.random.default_rng(seed)
     sims, covs, goods = [], [], []
     for s, y0 in zip(studies, null, strict=True):
@@ -162,8 +151,7 @@ def calibrated_p(observed: float, simulated: np.ndarray) -> float:
 
 
 def _test(X, y, C_obs, sims_RxT, C_sim_RxTxT) -> tuple[float, float]:
-    """(Q, calibrated p) of the study against the simulated ones, each with its own C (Q
-    removes the best line from each, so the law they were simulated under drops out)."""
+    """(Q, calibrated p) of the study against the simulated ones, each with its own C."""
     q = float(joint.gls_q(X, y[None], C_obs)[0])
     return q, calibrated_p(q, joint.gls_q(X, sims_RxT, C_sim_RxTxT))
 
@@ -187,8 +175,7 @@ class _Design:
             self.steps.append(np.asarray(tables[k].steps, np.float64))
 
     def draw(self, rng, n, sigma_a, sigma_u) -> list[np.ndarray]:
-        """Per target, [n, N_k] log-step noise: a ~ N(0, σ_a²) per batch size shared by the
-        targets, plus u ~ N(0, σ_u²) of each target's own."""
+        """Per target [n, N_k] log-step noise: a ~ N(0, σ_a²) shared per B, own u ~ N(0, σ_u²)."""
         shared = sigma_a * rng.normal(size=(n, len(self.universe)))
         return [shared[:, c] + sigma_u * rng.normal(size=(n, c.size)) for c in self.cols]
 
@@ -202,9 +189,8 @@ class _Design:
         return c[0], c[1]
 
     def refit(self, y0, noise) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Refits every target to S_min(1 + e^{y0}/B)·e^noise: log B_crit [n, T], the
-        leverage-scaled residuals [n, T, len(universe)] (NaN where a target lacks a batch
-        size) and the mask [n] of the studies whose every refit is finite."""
+        """Refits every target to S_min(1 + e^{y0}/B)·e^noise: log B_crit [n, T], the scaled
+        residuals [n, T, len(universe)] (NaN: B not in a target), a mask [n] of all-finite."""
         n = noise[0].shape[0]
         out = np.empty((n, len(self.points)))
         resid = np.full((n, len(self.points), len(self.universe)), np.nan)

@@ -1,14 +1,12 @@
-"""The noise scale at a target loss: which protocol, its spread over batch sizes, and the
-reference trajectory. Two protocols (`sweep.noise_protocol`), named in the report:
+"""The noise scale at a target loss L under the two protocols a report names:
 
 - per trial: every best trial (the best learning rate at each batch size B) records B_simple
-  = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG at its crossing of L as a ratio of means of the
+  = tr(Σ)/|G|² and B_noise = tr(HΣ)/GᵀHG at its crossing of L, a ratio of means over the
   `sweep.noise_window` measurements nearest it (`cbs.sweeps.trials`); min / median / max
   over B.
-- reference trajectory (McCandlish et al. 2018): one run at B_ref at its best learning rate,
-  measured on the whole training set at dense evaluations (`cbs.sweeps.reference`); per
-  target, the ratio of means over the first `window` measurements at or after the crossing,
-  and beside it the per-trial protocol's centred window.
+- reference trajectory (McCandlish et al. 2018): one run at B_ref, measured on the whole
+  training set (`cbs.sweeps.reference`); the ratio of means over the first `window`
+  measurements at or after the crossing, beside the per-trial protocol's centred window.
 """
 
 from __future__ import annotations
@@ -95,8 +93,7 @@ def protocol(definition: dict[str, Any]) -> str:
 def reference_values(run: dict[str, Any], targets: Sequence[float], window: int
                      ) -> list[dict[str, Any]]:
     """Per target, the noise scale of the reference run (a `reference_noise.jsonl` record):
-    "<name>" over the first `window` measurements at or after the crossing (`after_crossing`),
-    "<name>_centred" over the `window` nearest it (the per-trial protocol's window)."""
+    "<name>" by `after_crossing`, "<name>_centred" over the `window` nearest the crossing."""
     curve, metric = run["curve"], run["target_metric"]
     col = lambda key: np.asarray([math.nan if v is None else v for v in curve[key]], np.float64)
     x = col("noise/step")
@@ -129,8 +126,7 @@ def after_crossing(x, num, den, crossing, window) -> tuple[float, list[float]]:
 
 def reference(sweep_dir: str, targets: Sequence[float], window: int
               ) -> dict[str, Any] | None:
-    """The reference-trajectory protocol of the sweep (None without one): {"protocol",
-    "batch_size", "learning_rate", "seed", "targets": reference_values}."""
+    """The sweep's reference-trajectory protocol (None without one), `reference_values` too."""
     runs = shared.read_merged(os.path.join(sweep_dir, files.REFERENCE_NOISE_FILE),
                               files.REFERENCE_RUN_KEYS)
     if not runs:

@@ -1,8 +1,6 @@
 """From trial records to the points a fit uses: steps to a target, the best learning rate per
-batch size (per seed, then the seed mean), and the noise scale at a crossing.
-
-Letters: B batch size, S optimizer steps to reach a target loss, η learning rate. Re-exported
-by `cbs.fit`.
+batch size (per seed, then the seed mean), and the noise scale at a crossing. Re-exported by
+`cbs.fit`. Letters: B batch size, S optimizer steps to reach a target loss, η learning rate.
 """
 
 from __future__ import annotations
@@ -19,11 +17,10 @@ __all__ = ["BestPerBatchSize", "best_per_batch_size", "noise_scale_at_crossing",
 
 def steps_to_target(steps: Sequence[float], losses: Sequence[float], target: float, *,
                     interpolate: bool = True) -> float | None:
-    """First step (or example count) at which the loss reaches `target` (≤), else None.
-    With `interpolate`, linearly in log loss between the last evaluation above the target and
-    the first at or below it (exact for an exponential decay; linear in the loss would place
-    every crossing late on a convex curve), in the loss where a value is not positive.
-    Non-finite losses count as not reached."""
+    """First step (or example count) at which the loss reaches `target` (≤), else None;
+    with `interpolate`, linearly in log loss (in the loss where a value is not positive)
+    between the last evaluation above it and the first at or below: exact for an
+    exponential decay. Non-finite losses count as not reached."""
     x = np.asarray(steps, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
     hit = np.flatnonzero(np.isfinite(y) & (y <= target))
@@ -60,29 +57,22 @@ class BestPerBatchSize:
     best_rows: list[list[Mapping[str, Any]]] = dataclasses.field(default_factory=list)
 
 
-def best_per_batch_size(records: Sequence[Mapping[str, Any]], *,
-                        batch_key: str = "batch_size", lr_key: str = "learning_rate",
-                        steps_key: str = "steps", seed_key: str = "seed"
-                        ) -> BestPerBatchSize:
-    """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds.
-
-    records: one dict per trial (`steps_key` None or NaN: never reached; no `seed_key`: seed
-    0). The optimum is taken per seed *before* averaging: sweeps stop a (B, seed) group once
-    one rate has crossed, so averaging per (B, η) first would keep a slower rate that both
-    seeds happened to finish. A batch size reaches the target only if every seed did at some
-    rate (else S would be biased low); repeats of one (B, η, seed) are averaged and reach it
-    only if all of them did.
-    """
-    reached = lambda r: r[steps_key] is not None and math.isfinite(float(r[steps_key]))
+def best_per_batch_size(records: Sequence[Mapping[str, Any]]) -> BestPerBatchSize:
+    """Per batch size: each seed's best learning rate (fewest steps), then the mean over seeds
+    (why per seed first: docs/design.md, "From records to B_crit"). records: one dict per
+    trial ("steps" None or NaN: never reached; no "seed": seed 0). A batch size counts only if
+    every seed reached the target at some rate; repeats of one (B, η, seed) are averaged and
+    count only if all reached it."""
+    reached = lambda r: r["steps"] is not None and math.isfinite(float(r["steps"]))
     unreached = [dict(r) for r in records if not reached(r)]
     cells: dict[tuple[float, int, float], list[Mapping[str, Any]]] = {}
     for rec in records:
-        key = (float(rec[batch_key]), int(rec.get(seed_key, 0) or 0), float(rec[lr_key]))
+        key = (float(rec["batch_size"]), int(rec.get("seed", 0) or 0), float(rec["learning_rate"]))
         cells.setdefault(key, []).append(rec)
     # per (B, seed): {lr: (mean steps or None, rows)}
     per_seed: dict[float, dict[int, dict[float, tuple[float | None, list]]]] = {}
     for (b, sd, lr), recs in sorted(cells.items()):
-        mean_s = (float(np.mean([float(r[steps_key]) for r in recs]))
+        mean_s = (float(np.mean([float(r["steps"]) for r in recs]))
                   if all(reached(r) for r in recs) else None)
         per_seed.setdefault(b, {}).setdefault(sd, {})[lr] = (mean_s, recs)
     bs, missing, edge, rows = [], [], [], []
@@ -121,10 +111,10 @@ def noise_scale_at_crossing(steps: Sequence[float] | np.ndarray,
                             crossing_step: float | None, *,
                             window: float | None = None, rel_window: float = 0.2,
                             min_points: int = 3) -> float:
-    """B_simple at a crossing as a ratio of window averages: mean tr(Σ) / mean |G|² (one
-    snapshot swings several-fold as |G|² oscillates) over the measurements with |step −
-    crossing| ≤ width/2 (width = `window`, else rel_window·crossing_step; the `min_points`
-    nearest when fewer fall in it). trace_h_sigma and g_h_g give B_noise. NaN without data."""
+    """B_simple at a crossing as a ratio of window averages, mean tr(Σ) / mean |G|², over the
+    measurements with |step − crossing| ≤ width/2 (width = `window`, else
+    rel_window·crossing_step; the `min_points` nearest when fewer fall in it); trace_h_sigma
+    and g_h_g give B_noise. NaN without data."""
     x = np.asarray(steps, dtype=np.float64)
     num = np.asarray(trace_sigma, dtype=np.float64)
     den = np.asarray(grad_sq_norm, dtype=np.float64)

@@ -1,5 +1,5 @@
 """Local critical batch size from branch records, and the figure that sets it beside the
-noise scale and the swept B_crit (reads result files only).
+noise scale and the swept B_crit (reads result files only; docs/guides/local_cbs.md).
 
 Letters: B the reference batch, k a batch multiplier, L_k the compared loss of branch k at the
 end of its window (mean over seeds, or one seed), ε the tolerance.
@@ -7,15 +7,11 @@ end of its window (mean over seeds, or one seed), ε the tolerance.
 Criterion (Merrill et al. 2025, "Critical Batch Size Revisited", Sec. 3.1): k passes when
 L_k ≤ min_{k' < k} L_k' + ε (ε in nats, or ε·min for `tolerance="relative"`). k* is the largest
 passing k (`criterion="paper"`), or the largest k such that it and every smaller k pass
-(`criterion="ladder"`). B* = k*·B (`b_star="k_star"`, the paper's) or √(k*·B · k⁺·B), k⁺ the
-next multiplier (`b_star="geometric"`); `b_pass` = k*·B and `b_fail` = k⁺·B bracket the
-crossing. At the bottom of the ladder (k* = 1, `floor`) B* is reported as "≤ B"; at the top
-(`censored`, only bounded below) as "≥ k_max·B".
-
-Uncertainty: the range of each data-order seed's own B*; the point estimate from the
-seed-mean losses. Noise scale: from the study's `reference_noise.jsonl` where it measured it
-(`branch.noise_checkpoints`). A `branch.json` without `criterion` and `b_star` is read as
-"ladder" and "geometric".
+(`criterion="ladder"`). B* = k*·B (`b_star="k_star"`) or √(k*·B · k⁺·B), k⁺ the next
+multiplier (`b_star="geometric"`); `b_pass` = k*·B and `b_fail` = k⁺·B bracket the crossing.
+B* is a bound at either end of the ladder: "≤ B" (k* = 1, `floor`), "≥ k_max·B" (`censored`).
+Uncertainty: the range of each data-order seed's own B*. A `branch.json` without `criterion`
+and `b_star` is read as "ladder" and "geometric".
 """
 
 from __future__ import annotations
@@ -69,8 +65,8 @@ def local_cbs(rows: Sequence[dict[str, Any]], *, epsilon: float, tolerance: str 
               metric: str = "loss_ema", criterion: str = "paper", b_star: str = "k_star"
               ) -> dict[str, Any]:
     """B* of one branch point from its records (`k`, `seed`, `metric`, `reference_batch_size`):
-    losses (seed means) and loss_se, k_star, b_star, b_pass, b_fail (inf at the top),
-    censored, floor, b_star_seeds and their range b_star_lo, b_star_hi."""
+    seed-mean losses and loss_se, k_star, b_star, b_pass, b_fail (inf at the top), censored,
+    floor, b_star_seeds and their range b_star_lo, b_star_hi."""
     ks = sorted({int(r["k"]) for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     bsz = int(rows[0]["reference_batch_size"])
@@ -122,8 +118,7 @@ def summarize(workdir: str) -> list[dict[str, Any]]:
 def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
     """A step batch schedule (`cbs.engine.schedules.Step` config) that follows the study's
     local critical batch: B(e) = the largest B* (bounds as their value) at any point up to e
-    examples, from the first point's B* on, rounded down to a multiple of `multiple` (at
-    least `multiple`)."""
+    examples, rounded down to a multiple of `multiple` (at least `multiple`)."""
     points = summarize(workdir)
     if not points:
         raise ValueError(f"{workdir}: no complete branch point to build a schedule from; "
@@ -140,11 +135,8 @@ def local_cbs_schedule(workdir: str, *, multiple: int) -> dict[str, Any]:
 
 def format_b_star(p: dict[str, Any]) -> str:
     """B* as a measurement, or as the bound it is at either end of the ladder."""
-    if p["censored"]:
-        return f"≥ {p['b_star']:.0f}"
-    if p["floor"]:
-        return f"≤ {p['b_star']:.0f}"
-    return f"{p['b_star']:.0f}"
+    bound = "≥ " if p["censored"] else "≤ " if p["floor"] else ""
+    return f"{bound}{p['b_star']:.0f}"
 
 
 def _noise_records(workdir: str) -> list[dict[str, Any]]:
@@ -240,9 +232,7 @@ def swept_b_crit(sweep_dir: str, workdir: str, *, bootstrap: int = 200
 
 def plot_local_cbs(workdir: str, *, sweep_dir: str | None = None, path: str | None = None,
                    bootstrap: int = 200) -> str:
-    """Writes the figure (default `workdir/local_cbs.png`); returns its path: against examples
-    seen, B* per branch point with its seed range, the reference run's noise scales, the swept
-    B_crit at the target crossings and the loss."""
+    """Writes the figure of B*, the noise scales, the swept B_crit and the loss; its path."""
     from matplotlib.figure import Figure  # no pyplot: no backend or global state is touched
 
     points, ref = summarize(workdir), _reference_curves(workdir)

@@ -12,7 +12,7 @@ import io
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard, TypeVar
+from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
@@ -84,8 +84,7 @@ def _even_ticks(lo: float, hi: float) -> np.ndarray:
     return ticks[~decade]
 
 
-def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: bool = True
-            ) -> bool:
+def _finish(ax, *, logx: bool, logy: bool, legend: bool = True) -> bool:
     """Log scales only on axes with positive finite data (matplotlib refuses otherwise), a
     legend when something was drawn, else a "no data" note; returns whether it was."""
     xs, ys = [np.empty(0)], [np.empty(0)]
@@ -108,15 +107,8 @@ def _finish(ax, *, logx: bool, logy: bool, message: str = "no data", legend: boo
     if drawn and legend:
         ax.legend(fontsize=8)
     elif not drawn:
-        _no_data(ax, message)
+        _no_data(ax)
     return drawn
-
-
-_Fit = TypeVar("_Fit", TradeoffFit, PowerLawFit)
-
-
-def _ok(fit: _Fit | None) -> TypeGuard[_Fit]:
-    return fit is not None and fit.ok
 
 
 def _frontier(fit: TradeoffFit, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +131,7 @@ def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
         s = np.asarray(item.get("steps", ()), dtype=np.float64)
         fit = item.get("fit")
         label = f"L = {item.get('target')}"
-        if _ok(fit):
+        if fit is not None and fit.ok:
             label += f", B_crit = {fit.b_crit:.3g}"
             s_f, e_f = _frontier(fit, b)
             ax.plot(s_f, e_f, "-", color=color, lw=1.2)
@@ -151,13 +143,12 @@ def pareto_frontier(series: Sequence[Mapping[str, Any]], path: PathLike, *,
 
 
 def tradeoff_collapse(series: Sequence[Mapping[str, Any]], path: PathLike) -> str:
-    """S/S_min and E/E_min against B/B_crit for every target with a fit, on the curves
-    1 + 1/x and 1 + x (McCandlish et al. 2018). series: as for `pareto_frontier`."""
+    """S/S_min, E/E_min against B/B_crit per fitted target, on 1 + 1/x and 1 + x (`series`)."""
     fig, (ax_s, ax_e) = _new(ncols=2, width=5.0)
     xs = []
     for i, item in enumerate(series):
         fit = item.get("fit")
-        if not _ok(fit):
+        if fit is None or not fit.ok:
             continue
         b = np.asarray(item["batch_sizes"], dtype=np.float64)
         s = np.asarray(item["steps"], dtype=np.float64)
@@ -203,7 +194,7 @@ def b_crit_vs_loss(losses: Sequence[float], b_crits: Sequence[float], path: Path
                 mfc="none", label=f"measured {name}")
         finite_l.append(m_loss[np.isfinite(m_loss)])
     all_l = np.concatenate(finite_l)
-    if _ok(power_law) and all_l.size:
+    if power_law is not None and power_law.ok and all_l.size:
         grid = np.geomspace(all_l.min() * 0.9, all_l.max() * 1.1, 100)
         ax.plot(grid, power_law.b_crit(grid), "k-", lw=1,
                 label=f"B*/L^(1/α_B): B* = {power_law.b_star:.3g}, α_B = {power_law.alpha_b:.3g}")
@@ -260,7 +251,7 @@ def se_plane(fit: TradeoffFit | None, path: PathLike, *,
     fig, (ax,) = _new()
     b = np.asarray((points or {}).get("batch_sizes", ()), dtype=np.float64)
     s = np.asarray((points or {}).get("steps", ()), dtype=np.float64)
-    if _ok(fit):
+    if fit is not None and fit.ok:
         s_f, e_f = _frontier(fit, b)
         ax.plot(s_f, e_f, "k-", lw=1.2, label=f"fitted frontier (B_crit = {fit.b_crit:.3g})")
         ax.axvline(fit.s_min, color="0.6", ls=":", lw=1)

@@ -4,9 +4,8 @@ Reads only the files a sweep writes (`sweep.json`, `trials.jsonl`, `ramps.jsonl`
 target loss L: per batch size the learning rate with the fewest steps
 (`cbs.analysis.fits.selection`), the fit S = S_min + E_min/B (`cbs.analysis.fits.fit`) and
 the noise scale measured when those best trials passed L; then B_crit(L) = B*/L^(1/α_B).
-The grid is checked against sweep.json (`cbs.analysis.fits.edges.grid_status`): fits from
-an incomplete grid are marked. The report's tables and sentences are
-`cbs.analysis.reports.report_tables`.
+Fits from an incomplete grid (`cbs.analysis.fits.edges`) are marked. The report's tables and
+sentences are `cbs.analysis.reports.report_tables`.
 """
 
 from __future__ import annotations
@@ -76,15 +75,11 @@ def analyze_target(records: Sequence[dict[str, Any]], target: float, *,
 def analyze(sweep_dir: str, *, bootstrap: int = 1000, seed: int | None = None,
             write: bool = True, select_on_seed: int | None = None,
             out_dir: str | None = None) -> dict[str, Any]:
-    """Fits every target of the sweep in `sweep_dir`.
-
-    Intervals: B_crit and the power law's from the joint bootstrap (`cbs.analysis.fits.joint`);
-    S_min and E_min from `fit.fit_tradeoff`'s. select_on_seed: also "held_out"
-    (`cbs.analysis.fits.held_out`). Returns the JSON-ready analysis (analysis.json in
-    `out_dir`, default the sweep directory, unless `write=False`) plus "fits" (a
-    `fit.TradeoffFit` per target), "power_law_fit" (`fit.PowerLawFit`) and "tables" (each
-    target's `selection.BestPerBatchSize`).
-    """
+    """Fits every target of the sweep in `sweep_dir`: intervals of B_crit and the power law
+    from `cbs.analysis.fits.joint`, of S_min and E_min from `fit.fit_tradeoff`; with
+    select_on_seed also "held_out" (`cbs.analysis.fits.held_out`). Returns the JSON-ready
+    analysis (written to `out_dir`, default the sweep directory, unless `write=False`) plus
+    "fits", "power_law_fit" and "tables" (each target's `selection.BestPerBatchSize`)."""
     store = SweepStore(sweep_dir)
     definition = store.definition() or {}
     grid = edges.grid_status(definition, store.records())

@@ -92,8 +92,7 @@ def kaplan_table(analysis: dict[str, Any]) -> str:
 
 
 def seed_table(analysis: dict[str, Any]) -> str:
-    """Markdown: B_crit of all seeds with its interval, beside each seed alone, their range,
-    and the seeds' spread of S at the best learning rates."""
+    """Markdown: B_crit of all seeds with its interval beside each seed's, and the S spread."""
     rows = analysis.get("seeds") or []
     seeds = list(rows[0]["b_crit_per_seed"]) if rows else []
     lines = ["| target L | B_crit (all seeds) | bootstrap 95% CI | " + " | ".join(
@@ -258,8 +257,6 @@ def counts_text(counts: dict[str, int]) -> str:
 
 def _vs_frontier(target: dict[str, Any], steps: float, examples: float) -> str:
     f = target.get("fit")
-    if f is not None and not isinstance(f, dict):
-        f = f.to_dict()
     if not f or f.get("status") != fit.OK or not steps > f["s_min"]:
         return ""
     return f" ({examples / (f['e_min'] * steps / (steps - f['s_min'])):.2f})"

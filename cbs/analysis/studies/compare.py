@@ -1,11 +1,8 @@
-"""B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4).
-
-McCandlish et al. claim that one run's noise scale predicts a task's critical batch within
-an order of magnitude, across tasks whose B_crit spans decades. Here every (study, target) is
-one point: the fitted B_crit (`cbs.analysis.reports.report.analyze`) against the noise scale
-measured at that target, under the protocol (`cbs.analysis.studies.reference_protocol`,
-where a study has it: median over seeds, for Adam/AdamW also of the update applied) and per
-trial (median over the best trial at each batch size).
+"""B_crit against the measured noise scale across studies (McCandlish et al. 2018, Fig. 4;
+docs/guides/across_studies.md): every (study, target) is one point, the fitted B_crit
+(`cbs.analysis.reports.report.analyze`) against the noise scale measured at that target under
+the protocol (`cbs.analysis.studies.reference_protocol`, where a study has it) and per trial
+(median over the best trial at each batch size).
 """
 
 from __future__ import annotations
@@ -63,9 +60,8 @@ def study_labels(sweep_dirs: Sequence[str]) -> list[str]:
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
     """One row per (study, target) with a B_crit fit: b_crit and its interval, per trial
-    b_simple / b_noise (median over batch sizes), their _range, _by_batch_size (what the
-    calibration is fitted on) and ratio_; under the protocol, per key of PROTOCOL its median
-    over seeds with _range, _gsd, _seeds and ratio_ (NaN without it)."""
+    b_simple / b_noise (median over batch sizes) with _range, _by_batch_size and ratio_;
+    per key of PROTOCOL its median over seeds with _range, _gsd, _seeds and ratio_."""
     rows = []
     for d, label in zip(sweep_dirs, study_labels(sweep_dirs), strict=True):
         analysis = report.analyze(d, bootstrap=bootstrap, write=False)
@@ -79,28 +75,26 @@ def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[st
             f = t["fit"]
             if f["status"] != fit.OK:
                 continue
-            row = {"study": label, "task": task,
-                   "optimizer": optimizer, "target": t["target"], "b_crit": f["b_crit"],
+            row = {"study": label, "task": task, "optimizer": optimizer,
+                   "target": t["target"], "b_crit": f["b_crit"],
                    "b_crit_ci": tuple(f["b_crit_ci"] or (math.nan, math.nan)),
                    "n_batch_sizes": int(f["n_batch_sizes"]),
                    "b_crit_unresolved": report_tables.unresolved(f),
                    "extrapolated": bool(t.get("b_crit_extrapolated")),
                    "protocol": t.get("noise_protocol") or analysis.get("noise_protocol")
-                   or DEFAULT_PROTOCOL}
-            row["best_learning_rate_by_batch_size"] = {
-                f"{float(b):g}": float(lr)
-                for b, lr in zip(t.get("batch_sizes", []), t.get("learning_rates", []),
-                                 strict=False)}
+                   or DEFAULT_PROTOCOL,
+                   "best_learning_rate_by_batch_size": {
+                       f"{float(b):g}": float(lr) for b, lr in zip(
+                           t.get("batch_sizes", []), t.get("learning_rates", []), strict=False)}}
             by_batch = t.get("measured_by_batch_size") or {}
             for name in ("b_simple", "b_noise"):
                 mid = _finite(t.get(f"measured_{name}"))
-                row[name] = mid
-                row[f"{name}_by_batch_size"] = {
-                    b: _finite(v.get(name)) for b, v in by_batch.items()
-                    if math.isfinite(_finite(v.get(name)))}
-                row[f"{name}_range"] = (_finite(t.get(f"measured_{name}_min", mid)),
-                                        _finite(t.get(f"measured_{name}_max", mid)))
-                row[f"ratio_{name}"] = f["b_crit"] / mid if mid > 0 else math.nan
+                row |= {name: mid, f"{name}_by_batch_size": {
+                            b: _finite(v.get(name)) for b, v in by_batch.items()
+                            if math.isfinite(_finite(v.get(name)))},
+                        f"{name}_range": (_finite(t.get(f"measured_{name}_min", mid)),
+                                          _finite(t.get(f"measured_{name}_max", mid))),
+                        f"ratio_{name}": f["b_crit"] / mid if mid > 0 else math.nan}
             row.update(_protocol_fields(ref, t["target"], f["b_crit"], optimizer))
             rows.append(row)
     return rows
@@ -277,8 +271,7 @@ PREDICTION_SUFFIX = "_predict"  # <held-out sweep>_predict/prediction.json: its 
 
 
 def prediction_path(held_out_dir: str) -> str:
-    """D + PREDICTION_SUFFIX / prediction.json for held-out sweep directory D (not through
-    normpath, which makes gs://b/D of gs:/b/D)."""
+    """D + PREDICTION_SUFFIX / prediction.json (not normpath: gs://b/D would be gs:/b/D)."""
     return paths.join(str(held_out_dir).rstrip("/") + PREDICTION_SUFFIX, "prediction.json")
 
 
@@ -298,8 +291,7 @@ def held_out_pairs(held_out_dirs: Sequence[str]) -> list[tuple[dict[str, Any], d
 
 def write_report(sweep_dirs: Sequence[str], out_dir: str, *, bootstrap: int = 1000,
                  held_out: Sequence[str] = ()) -> str:
-    """report.md, the figures and the calibration in out_dir; returns the report's path.
-    held_out: sweep directories of held-out tasks (`held_out_pairs`)."""
+    """report.md, figures and calibration in out_dir (held_out: see `held_out_pairs`); its path."""
     tally = calibration.held_out(held_out_pairs(held_out)) if held_out else None
     rows = collect(sweep_dirs, bootstrap=bootstrap)
     if not rows:

@@ -1,15 +1,14 @@
-"""The payoff of a batch ramp: seeds of ramps against seeds of fixed batch sizes.
+"""The payoff of a batch ramp: seeds of ramps against seeds of fixed batch sizes
+(docs/guides/ramps.md).
 
-Reads `ramps.jsonl` (`cbs.sweeps.ramps`) when every run of a ramp study is repeated over
-seeds (spec fields `name` and `seed`); constant schedules are the fixed-batch baseline. At
-each target L: S and E of every run (geometric mean over its seeds); the fixed-batch frontier
-S = S_min + E_min/B fitted to the fastest fixed run at each B (tuned per target); for each
-ramp the step saving at equal examples, 1 − S_ramp / S_frontier(E_ramp), S_frontier(E) =
-S_min·E/(E − E_min) (+∞ when E ≤ E_min), the example cost at equal steps, E_ramp /
-E_frontier(S_ramp) − 1, and Merrill et al.'s comparison against the fixed run at its first
-batch size (`cbs.analysis.studies.ramp_start`). A ramp beats the frontier at L when the
-saving's interval (percentile bootstrap over seeds, the frontier refitted per replicate)
-lies above zero.
+Reads `ramps.jsonl` (`cbs.sweeps.ramps`) of a ramp study repeated over seeds (spec fields `name`
+and `seed`); constant schedules are the fixed-batch baseline. At each target L: S and E of
+every run (geometric mean over its seeds); the frontier S = S_min + E_min/B fitted to the
+fastest fixed run at each B; for each ramp the step saving at equal examples, 1 − S_ramp /
+S_frontier(E_ramp) with S_frontier(E) = S_min·E/(E − E_min) (+∞ when E ≤ E_min), the example
+cost at equal steps, E_ramp / E_frontier(S_ramp) − 1, and the comparison against the fixed
+run at its first batch size (`cbs.analysis.studies.ramp_start`). A ramp beats the frontier
+when the saving's interval (percentile bootstrap over seeds) lies above zero.
 """
 
 from __future__ import annotations
@@ -230,7 +229,7 @@ def _num(x: float) -> str:
 def _pct(x: float) -> str:
     if x >= 1.0:  # a saving of 1: E ≤ E_min, fewer examples than any fixed B reaches L with
         return "100 %*"
-    return "+∞" if x == math.inf else ("−∞" if x == -math.inf else f"{100 * x:+.0f} %")
+    return "−∞" if x == -math.inf else f"{100 * x:+.0f} %"
 
 
 def _cell_ci(value: float, ci: tuple[float, float] | None, fmt) -> str:
@@ -267,8 +266,7 @@ def table(target: dict[str, Any]) -> str:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per ramp: at each target, its examples against the frontier at equal steps
-    (the better-conditioned effect near E_min) and its verdict."""
+    """One line per ramp: at each target its examples vs the frontier at equal steps, verdict."""
     out = []
     names = [row["run"] for row in result["targets"][0]["rows"] if row["batch_size"] is None]
     for name in names:

@@ -1,21 +1,17 @@
 """A ramp against the fixed run at its starting batch size, seed by seed: the comparison
 Merrill et al. (2025) report (43 % fewer steps for OLMo 1B with batch-size warmup against the
-run that keeps the small batch, at equal tokens and equal or better loss).
+run that keeps the small batch; docs/guides/ramps.md).
 
-For a ramp whose schedule starts at B_0 and the fixed run at B_0 with the same seeds (same
-initialisation and data order: a paired design), at each target L and seed s:
+For a ramp whose schedule starts at B_0 and the fixed run at B_0 with the same seeds (a
+paired design), at each target L and seed s, with S the steps and E the examples to reach L:
 
     r_s = log(S_ramp,s / S_fixed,s)    q_s = log(E_ramp,s / E_fixed,s)
 
-with S the steps and E the examples to reach L. Steps saved at L: 1 − exp(mean r); examples
-beside: exp(mean q) − 1 (Merrill et al.'s saving is the steps saved where q ≤ 0). Intervals:
-a percentile bootstrap over seed pairs and the paired Student-t interval of mean r (with 3
-seeds the bootstrap has 10 distinct resamples; the t interval is the power calculation's).
-
-Seeds needed: the fewest n for which a two-sided paired t-test at level α detects a saving of
-`effect` with probability `power`: power(n) = P(|T| > t_{1−α/2, n−1}), T noncentral t with
-n − 1 degrees of freedom and noncentrality −log(1 − effect)·√n/σ, σ from the seeds run (with
-three, a rough guide).
+Steps saved: 1 − exp(mean r); examples beside: exp(mean q) − 1. Intervals: a percentile
+bootstrap over seed pairs and the paired Student-t interval of mean r. Seeds needed: the
+fewest n for which a two-sided paired t-test at level α detects a saving of `effect` with
+probability `power`: power(n) = P(|T| > t_{1−α/2, n−1}), T noncentral t with n − 1 degrees
+of freedom and noncentrality −log(1 − effect)·√n/σ, σ from the seeds run.
 """
 
 from __future__ import annotations
@@ -107,8 +103,7 @@ def detectable_effect(n: int, sd: float, alpha: float = ALPHA, power: float = PO
 def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str
             ) -> tuple[list[int], np.ndarray, np.ndarray, str]:
     """Seeds both runs reached L with, the per-seed log ratios of steps and examples, and the
-    recorded values as text (the generator's seed: not logarithms, whose last bit may differ
-    between machines)."""
+    recorded values as text (the generator's seed: logarithms' last bit may vary by machine)."""
     def by_seed(runs):
         return {int((r.get("spec") or {}).get("seed", 0)): r for r in runs
                 if r["steps_to_target"].get(key) is not None
@@ -124,9 +119,7 @@ def _paired(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key
 
 def compare(ramp: Sequence[dict[str, Any]], fixed: Sequence[dict[str, Any]], key: str, *,
             bootstrap: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
-    """One ramp's seeds against the fixed run at its B_0 at target `key`, JSON-ready: steps
-    saved and examples beside with intervals, σ of the log step ratio, seeds needed for EFFECT
-    and the saving detectable with the seeds run."""
+    """One ramp's seeds against the fixed run at its B_0 at target `key`, JSON-ready."""
     seeds, r, q, recorded = _paired(ramp, fixed, key)
     out: dict[str, Any] = {"seeds": seeds, "num_pairs": len(seeds),
                            "reached": [sum(x["steps_to_target"].get(key) is not None

@@ -1,9 +1,7 @@
-"""The noise scale at each target under one protocol: the reference trajectory over seeds.
-
-Reads `reference_seeds/seed_<k>.jsonl` (`cbs.sweeps.reference_seeds`: one reference
-trajectory per seed at B ≤ B_crit/4, measured on the whole training set). Per seed and target,
-each noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it; across seeds
-the median, the min–max and the geometric standard deviation exp(sd(log value)).
+"""The noise scale at each target under one protocol: the reference trajectory over seeds
+(`reference_seeds/seed_<k>.jsonl`, `cbs.sweeps.reference_seeds`). Per seed and target, each
+noise scale as `cbs.analysis.fits.noise_at_target.after_crossing` reads it; across seeds the
+median, the min–max and the geometric standard deviation exp(sd(log value)).
 
 Names: b_simple = tr(Σ)/|G|², b_noise = tr(HΣ)/GᵀHG of the plain gradient; b_simple_p =
 tr(PΣ)/GᵀPG, b_noise_p = tr(PHPΣ)/GᵀPHPG of the update u = P·g applied by Adam/AdamW
@@ -42,8 +40,7 @@ def _array(values: Sequence[Any]) -> np.ndarray:
 
 def seed_values(run: dict[str, Any], targets: Sequence[float], window: int
                 ) -> list[dict[str, Any]]:
-    """Per target, one seed's {"target", "crossing_step", "<name>", "<name>_se"} for each
-    name the run recorded (NaN where it did not cross)."""
+    """Per target, one seed's crossing_step, "<name>" and "<name>_se" (NaN: not crossed)."""
     curve, metric = run["curve"], run["target_metric"]
     x = _array(curve["noise/step"])
     progress = _array(curve[metric]).tolist()
@@ -102,11 +99,10 @@ def summarize(runs: Sequence[dict[str, Any]], targets: Sequence[float], window: 
                                "crossings": [s[j]["crossing_step"] for s in per_seed]}
         for name in NAMES:
             if all(name in s[j] for s in per_seed):
-                row[name] = spread([s[j][name] for s in per_seed])
-                ses = [s[j][f"{name}_se"] for s in per_seed]
+                ses = [s[j][f"{name}_se"] for s in per_seed]  # per seed, relative
                 finite = [v for v in ses if math.isfinite(v)]
-                row[name]["se"] = ses  # per seed, relative
-                row[name]["se_median"] = float(np.median(finite)) if finite else math.nan
+                row[name] = spread([s[j][name] for s in per_seed]) | {
+                    "se": ses, "se_median": float(np.median(finite)) if finite else math.nan}
         rows.append(row)
     first = runs[0]
     b = first["batch_size"]

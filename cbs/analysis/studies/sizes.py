@@ -1,24 +1,20 @@
 """B_crit against the loss across model sizes (Kaplan et al. 2020, §5 and Fig. 10).
 
-Kaplan et al. find that B_crit depends on the loss reached, not on the model's size:
-B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Here each sweep directory
-is one size; every (size, target) with a B_crit fit is one point, log B_crit with its study's
-joint-bootstrap covariance (`cbs.analysis.fits.joint`; block-diagonal across studies). Three
-generalised least squares (GLS) fits of log B_crit answer:
+Kaplan et al. find B_crit(L) = B*·L^(−1/α_B) with one B* and α_B ≈ 0.21 for every size. Each
+sweep directory is one size; every (size, target) with a B_crit fit is one point, log B_crit
+with its study's joint-bootstrap covariance (`cbs.analysis.fits.joint`; block-diagonal across
+studies). Three generalised least squares (GLS) fits of log B_crit:
 
-- "depends on L alone", without assuming a power law: log B_crit = μ_L (one free value per
-  target, shared by the sizes) at the targets every size reached; its χ² on (sizes − 1) ×
-  targets degrees of freedom tests whether the sizes differ at equal loss;
-- the joint power law log B_crit = log B* − (1/α_B)·log L over every point, with a normal
-  interval of the slope from the GLS covariance (α_B = −1/slope);
-- the same with one B* per size (the sizes' α_B shared): its B* ratios say how far apart
-  the sizes sit, and the χ² difference from the joint law tests them.
+- "depends on L alone": log B_crit = μ_L (one value per target, shared by the sizes) at the
+  targets every size reached, χ² on (sizes − 1) × targets degrees of freedom;
+- the joint power law log B_crit = log B* − (1/α_B)·log L, with a normal interval of the
+  slope from the GLS covariance (α_B = −1/slope);
+- the same with one B* per size (α_B shared), tested against the joint law by the χ²
+  difference.
 
-The χ² readings assume the bootstrap covariance known and reject too often on one or two
-seeds, so every test is also calibrated as `cbs.analysis.fits.misfit` does: each study's noise
-(`misfit.study_noise`) put on the tested law's values (`misfit.pooled_draws`). The loss whose
-removal raises the law's calibrated p the most, from below to above 0.05, is named as
-breaking it, and both laws are refitted without it.
+Every test's p is also calibrated as `cbs.analysis.fits.misfit` does, and the loss whose
+removal lifts the law's calibrated p above 0.05 is named and both laws refitted without it
+(docs/guides/across_studies.md, "Across model sizes").
 """
 
 from __future__ import annotations
@@ -62,8 +58,7 @@ def check_comparable(sweep_dirs: Sequence[str]) -> None:
 
 
 def collect(sweep_dirs: Sequence[str], *, bootstrap: int = 1000) -> list[dict[str, Any]]:
-    """One entry per study: size, B_crit and interval per target, their covariance in log
-    B_crit, its own power law and its noise (`_noise`)."""
+    """One entry per study: B_crit per target, their log covariance, power law and `_noise`."""
     out = []
     for d in sweep_dirs:
         a = report.analyze(d, bootstrap=bootstrap, write=False)
@@ -122,8 +117,7 @@ def _p(q: float, dof: int) -> float:
 
 def analyze(studies: Sequence[dict[str, Any]], confidence: float = 0.95, *,
             calibrate: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The three GLS fits, JSON-ready; with every study's noise, each test's calibrated p from
-    `calibrate` simulated sets of studies and the laws without a loss that breaks them."""
+    """The three GLS fits, JSON-ready, and with every study's noise their calibrated p."""
     common = sorted(set.intersection(*(set(s["targets"]) for s in studies)), reverse=True)
     out: dict[str, Any] = {"common_targets": common, "sizes": [s["label"] for s in studies]}
     if len(studies) >= 2 and common:
