@@ -162,3 +162,14 @@ def test_a_ramp_below_the_fitted_frontier_is_compared_with_the_best_fixed_batch(
                   {"run": "b", "batch_size": 16, "example_cost": -0.2},
                   {"run": "r", "batch_size": None, "example_cost": -0.5}]}
     assert payoff.best_fixed(t)["run"] == "b"
+
+
+def test_an_example_cost_of_100_percent_or_more_is_printed_as_it_is():
+    """'100 %*' marks a step saving of 1 (the run used at most E_min examples); a ramp that
+    spends twice the frontier's examples or more must not read as that."""
+    t = payoff.analyze(_study(None, 3.0), [1.0], bootstrap=50)["targets"][0]
+    ramp = next(r for r in t["rows"] if r["run"] == "ramp")
+    assert ramp["example_cost"] > 1
+    row = next(line for line in payoff.table(t).splitlines() if line.startswith("| ramp |"))
+    assert f"{100 * ramp['example_cost']:+.0f} %" in row
+    assert row.count("100 %*") == 0

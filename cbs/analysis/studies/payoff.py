@@ -227,9 +227,12 @@ def _num(x: float) -> str:
 
 
 def _pct(x: float) -> str:
-    if x >= 1.0:  # a saving of 1: E ≤ E_min, fewer examples than any fixed B reaches L with
-        return "100 %*"
     return "−∞" if x == -math.inf else f"{100 * x:+.0f} %"
+
+
+def _saving(x: float) -> str:
+    """A step saving; 1: E ≤ E_min, fewer examples than any fixed B reaches L with."""
+    return "100 %*" if x >= 1.0 else _pct(x)
 
 
 def _cell_ci(value: float, ci: tuple[float, float] | None, fmt) -> str:
@@ -251,11 +254,11 @@ def table(target: dict[str, Any]) -> str:
         else:
             cells += ["–", "–"]
         if row["batch_size"] is None and "step_saving" in row:
-            cells += [_cell_ci(row["step_saving"], row.get("step_saving_ci"), _pct),
+            cells += [_cell_ci(row["step_saving"], row.get("step_saving_ci"), _saving),
                       _cell_ci(row["example_cost"], row.get("example_cost_ci"), _pct),
                       verdict(row, best)]
         elif row["batch_size"] is not None and "step_saving" in row:
-            cells += [_pct(row["step_saving"]), _pct(row["example_cost"]),
+            cells += [_saving(row["step_saving"]), _pct(row["example_cost"]),
                       "fixed batch (frontier residual)" if row.get("tuned", True) else
                       "fixed batch, a slower rate at this L (not in the frontier)"]
         else:
