@@ -2,13 +2,11 @@
 
 What is measured and when is a `cbs.engine.noise_spec.NoiseSpec`; the estimator is the
 registered method it names (`cbs.stats.noise.register_method`; "sampled" and "full_data" are
-`cbs.stats.sampled`'s, where the letters and equations are). The paths: a run's `Measurement`,
-the loop's one measuring event; `state_measurement` inside a vmapped sweep group's
-evaluation, recording `evaluation_record` as a run's evaluations do (the same (seed, index),
-the same draws: both back ends record the same numbers); a sweep's reference run and a branch
-study's reference checkpoints (`cbs.sweeps.branches`: "sampled" on the whole training set in
-a random order, its first m the deviations and H over all N). Records are keyed `noise/<key>`
-by the one list `cbs.stats.noise.STAT_KEYS`.
+`cbs.stats.sampled`'s, where the letters and equations are). The paths (docs/design.md,
+"The noise measurement"): a run's `Measurement`; `state_measurement` inside a vmapped sweep
+group's evaluation (the same draws of (seed, index) as a run's evaluations); a branch study's
+reference checkpoints (`cbs.sweeps.branches`). Records are keyed `noise/<key>` by
+`cbs.stats.noise.STAT_KEYS`.
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       hessian_batch: 𝓒, examples for H drawn independently of 𝓑 (a stream's, or all N);
         None on the step's examples, where with curvature a method that takes a Hessian batch
         gets the deviations from the first half of 𝓑 and H from the second (E[Ĥ] = H given
-        the first half when the halves are independent draws), while trace_sigma,
-        grad_sq_norm and b_simple use the whole batch, or are `whole` when given (the exact
-        live statistics of the step's batch: no extra pass).
+        the first half when the halves are independent draws); the other statistics use the
+        whole batch, or are `whole` (the step's exact live statistics: no extra pass).
       key: PRNG key of the method's random draws (probes; the deviations of "full_data").
       examples: which examples 𝓑 is ("step" | "stream" | "all"; default the spec's).
     """
@@ -103,10 +100,9 @@ def _measurement_key(seed: int, index: Any) -> jax.Array:
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
                         seed: int, batch_size: int, hessian_batch_size: int = 0
                         ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: stream
-    positions [index·n, (index + 1)·n) of a training stream independent of training's (never
-    reusing a batch within an epoch); 𝓒: h examples drawn uniformly without replacement with
-    a key of its own (independent of 𝓑), None when hessian_batch_size is 0."""
+    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: positions
+    [index·n, (index + 1)·n) of a training stream independent of training's; 𝓒: h examples
+    drawn uniformly without replacement, independently of 𝓑 (None when h = 0)."""
     num = dataset.num_train
     n = min(int(batch_size), num)
     grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
@@ -119,10 +115,9 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
 
 def all_examples(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, key: jax.Array
                  ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of a whole-training-set measurement: all N examples in their order, 𝓒 None
-    ("full_data" draws what it needs with `key`); for another method all N in the random
-    order of `key` (so that the first m are a uniform draw of deviations) and 𝓒 the same
-    examples (H over all N)."""
+    """(𝓑, 𝓒) of a whole-training-set measurement: "full_data", all N in order and 𝓒 None;
+    another method, all N in the random order of `key` (its first m a uniform draw of
+    deviations) and 𝓒 the same (H over all N)."""
     num = dataset.num_train
     if spec.resolved_method("all") == "full_data":
         return dataset.take(arrays, jnp.arange(num, dtype=jnp.int32)), None
@@ -147,8 +142,7 @@ def draw(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, index: Any, *, see
 
 def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
               ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of `draw` read on the host from a streamed training split (all N with the
-    whole training set, in the order `draw` uses)."""
+    """(𝓑, 𝓒) of `draw`, read on the host from a streamed training split."""
     train = dataset.split("train")
     num = dataset.num_train
     if spec.examples_for(num) == "all":
@@ -193,19 +187,15 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
 
 
 class Measurement:
-    """A run's noise measurement, built once from its spec: the loop's step event calls
-    `step` (the train step, measuring when due) and its evaluations call `evaluation`.
+    """A run's noise measurement (docs/design.md, "One event"): `step` runs the train step,
+    measuring every `spec.every` steps; `evaluation` measures at an evaluation.
 
-    Every `spec.every` steps, on the step's own examples: read from the step's exact live
-    statistics when they are the measurement (`_serves`: an exact B_simple measurement with an
-    exact live estimate, no extra pass; the step then always runs with the reading, NaN
-    between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
-    (random draws keyed by (seed, step)), in a step variant compiled for the due steps
-    (`in_step`) or in a jit of its own before the step. At each evaluation, when the spec
-    measures there, examples of their own (`draw`) at the evaluation's index on the grid
-    `eval_steps` (`config.eval.steps`; a final evaluation between grid points gets the next
-    index), or at index `step` without a grid. `parts`: the run's `cbs.engine.parts.RunParts`,
-    for the measurements at evaluations.
+    A due step reads the step's exact live statistics when they are the measurement
+    (`_serves`: the step then always runs with the reading, NaN between due steps), else runs
+    the spec's method on the step's first max(1, n/M) micro-batches in a step variant
+    (`in_step`) or in a jit of its own before the step. An evaluation draws at its index on
+    the grid `eval_steps` (a final evaluation between grid points gets the next index), or
+    at index `step` without a grid. `parts`: the run's `cbs.engine.parts.RunParts`.
     """
 
     def __init__(self, spec: NoiseSpec, train_step: TrainStep, *, seed: int,

@@ -158,11 +158,6 @@ class NoiseSpec:
             fail("hessian_batch_size", "must be >= 1 for a curvature measurement on a stream")
 
     @property
-    def measures(self) -> bool:
-        """Whether anything is measured (every k steps or at evaluations)."""
-        return bool(self.every) or self.measures_at_evals
-
-    @property
     def measures_at_evals(self) -> bool:
         """Whether each evaluation measures (not "step"; "stream" with n > 0)."""
         return self.examples != "step" and (self.examples != "stream" or self.batch_size > 0)
