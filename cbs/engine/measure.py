@@ -169,7 +169,7 @@ def at_evaluation(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, dataset: dat
                                      hessian_batch=hess_batch, key=key, examples=examples))
 
 
-def _loss_at(tr: RunParts, state: TrainState) -> LossFn:
+def _loss_at(tr: RunParts | TrainStep, state: TrainState) -> LossFn:
     """loss_fn(params, batch) -> mean loss, with the state's model state (BatchNorm etc.)."""
     return lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
 
@@ -178,12 +178,8 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
                       ) -> Callable[[TrainState, jax.Array], dict[str, jax.Array]]:
     """fn(state, index) -> `at_evaluation` at the state's parameters on the parts'
     device-resident training arrays (jittable and vmappable over states)."""
-
-    def fn(state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
-        return at_evaluation(spec, _loss_at(tr, state), state.params, tr.dataset,
-                             tr.train_arrays, index, seed=seed)
-
-    return fn
+    return lambda state, index: at_evaluation(spec, _loss_at(tr, state), state.params,
+                                              tr.dataset, tr.train_arrays, index, seed=seed)
 
 
 class Measurement:
@@ -206,7 +202,11 @@ class Measurement:
         self.batch_size = spec.batch_size or ts.layout.micro_batch * ts.layout.replicas
         self._plain = jit_step(ts, self._read_live) if self._may_serve() else ts
         self._with_step = jit_step(ts, self._measure_hook) if spec.in_step else None
-        self._alone_jit: Any = None
+        lay = ts.layout
+        self._alone = jax.jit(self._measure_alone, static_argnums=(2,),
+                              in_shardings=(lay.state_sharding, lay.inputs_sharding),
+                              out_shardings=(lay.state_sharding.measure_ema,
+                                             mesh.replicated(lay.mesh)))
         self._eval_fn: Callable[..., dict[str, jax.Array]] | None = None
 
     # ------------------------------------------------------------------ every k steps
@@ -225,7 +225,7 @@ class Measurement:
         if self._with_step is not None:
             state, metrics = self._with_step(state, inputs, accum_steps)
             return state, (metrics, None)
-        ema, measured = self._measure_alone(state, inputs, accum_steps)
+        ema, measured = self._alone(state, inputs, accum_steps)
         state, metrics = self._plain(state.replace(measure_ema=ema), inputs, accum_steps)
         return state, (metrics, measured)
 
@@ -268,30 +268,20 @@ class Measurement:
         """The step hook of a due step: `_step_measurement` (class docstring)."""
         spec, ts = self.spec, self.train_step
         whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
-        return _step_measurement(spec, lambda p, b: ts.loss_fn(p, state.model_state, b)[0],
-                                 state, chunks, per_micro, ts.layout, seed=self.seed,
-                                 whole=whole)
+        return _step_measurement(spec, _loss_at(ts, state), state, chunks, per_micro,
+                                 ts.layout, seed=self.seed, whole=whole)
 
     def _measure_alone(self, state: TrainState, inputs: Any, accum_steps: int):
-        """The measurement of a due step without its update: the step variant with the hook,
-        of which only the measurement is kept (the rest is never computed)."""
-        if self._alone_jit is None:
-            def alone(state, inputs, accum_steps):
-                out: list = []
+        """The measurement of a due step without its update (jitted as `_alone`): the step
+        with the hook, of which only the measurement is kept (the rest is never computed)."""
+        out: list = []
 
-                def hook(st, chunks, per_micro, exact):
-                    out.append(self._measure_hook(st, chunks, per_micro, None))
-                    return out[0]
+        def hook(st, chunks, per_micro, exact):
+            out.append(self._measure_hook(st, chunks, per_micro, None))
+            return out[0]
 
-                self.train_step.apply(state, inputs, accum_steps, hook)
-                return out[0]
-
-            lay = self.train_step.layout
-            self._alone_jit = jax.jit(alone, static_argnums=(2,),
-                                      in_shardings=(lay.state_sharding, lay.inputs_sharding),
-                                      out_shardings=(lay.state_sharding.measure_ema,
-                                                     mesh.replicated(lay.mesh)))
-        return self._alone_jit(state, inputs, accum_steps)
+        self.train_step.apply(state, inputs, accum_steps, hook)
+        return out[0]
 
     # ------------------------------------------------------------------ evaluations
 
