@@ -260,8 +260,12 @@ class Measurement:
         """The step hook of a run the live statistics serve: their reading when due."""
         if exact is None:
             return state.measure_ema, {}
-        return live_noise.measurement(state.measure_ema, state.step % self.spec.every == 0,
-                                      exact)
+        due = state.step % self.spec.every == 0  # else NaN and the EMA unchanged
+        new, out = _measured(state.measure_ema, exact, curvature=False)
+        out["noise/batch_size"] = exact.batch_size
+        ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, state.measure_ema)
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}
 
     def _measure_hook(self, state: TrainState, chunks: Any, per_micro: int,
                       exact: noise.NoiseStats | None):
@@ -340,12 +344,18 @@ def _step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunk
     if spec.curvature and stats.trace_h_sigma is None:
         raise ValueError(f"noise method {spec.method!r} returned no curvature statistics "
                          "(trace_h_sigma, g_h_g) though curvature was asked for")
-    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if spec.curvature else {}
-    ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
-    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if spec.curvature else ())
-    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
-                                     for n in names}
+    ema, out = _measured(state.measure_ema, stats, curvature=spec.curvature)
     return ema, {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _measured(ema: smoothing.NoiseScaleEMA, stats: noise.NoiseStats, *, curvature: bool
+              ) -> tuple[smoothing.NoiseScaleEMA, dict[str, Any]]:
+    """(`ema` updated with a measurement, the measurement's noise/* metrics with the EMA's)."""
+    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if curvature else {}
+    ema = ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
+    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if curvature else ())
+    return ema, stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
+                                           for n in names}
 
 
 # the keys of a measurement in a train record (left out between due steps)
