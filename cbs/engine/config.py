@@ -147,11 +147,8 @@ def batch_sizes(config: Any) -> tuple[int, ...]:
 def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
              dataset_names: tuple[str, ...] | None = None) -> noise_spec.NoiseSpec:
     """Checks every field the engine reads; raises ConfigError naming the first bad one.
-    Returns the noise section read once (`cbs.engine.noise_spec.NoiseSpec`).
-
-    data_replicas: R, the size of the mesh's data axis (every batch size must be a multiple
-    of R·m). model_names / dataset_names: the known names, when the registries are given.
-    """
+    Returns the noise section read once (`NoiseSpec`). data_replicas: R (every batch size must
+    be a multiple of R·m); model_names / dataset_names: the known names, when given."""
     fields.integer(config, "seed", "config", minimum=0)
     if dataset_names is not None:
         fields.choice(config, "data.name", "config", tuple(dataset_names))

@@ -224,8 +224,7 @@ class Loop:
                                     "data/examples_seen": item.examples_seen}
             recs = [base | fields for fields in item.deferred.fields(values)]
             if item.kind == "train":
-                rec = recs[0]
-                self.last_train = rec
+                self.last_train = rec = recs[0]
                 bad = self._check_divergence(rec)
                 if bad is None and item.step % every and "noise/b_simple" not in rec:
                     continue

@@ -11,8 +11,7 @@ One step on a global batch [B, ...] sharded over `data` (`TrainStep.apply`, top 
    the exact live estimate, Σ|g_i|² over its examples from the same backward pass; else its
    squared norm |g_small|² (or, per micro-batch, a `vmap` over the R replicas: b = m);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the live estimate (`cbs.engine.live_noise`), smoothed by
-   `cbs.stats.smoothing.NoiseScaleEMA` in the state;
+4. the live estimate (`cbs.engine.live_noise`), smoothed by `NoiseScaleEMA` in the state;
 5. the caller's `measure` hook, if any (`cbs.engine.measure.Measurement`);
 6. u = direction(ḡ) (`cbs.engine.optim`), θ ← θ − η·u with η = lr_fn(η_0, E + B, B)
    (`cbs.engine.lr.step_rate`): a function of examples seen E, never of steps.
@@ -96,8 +95,6 @@ class TrainStep:
       direction: optax transformation without learning rate (`cbs.engine.optim.make_direction`).
       lr_fn: lr_fn(η_0, E, B) -> η, jittable, of the state's peak rate η_0, the examples seen
         E including the current batch and the batch size B (`cbs.engine.lr.step_rate`).
-      layout: the batch's source and place on the mesh (`BatchLayout`).
-      options: the live estimate and the chunk loop (`StepOptions`).
     """
 
     loss_fn: StatefulLoss
@@ -169,8 +166,8 @@ class TrainStep:
                     "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
         if measure is not None:
-            exact = (noise.NoiseStats(b_big, big_sq, grad_sq_norm, trace_sigma,
-                                      trace_sigma / grad_sq_norm) if kind == "exact" else None)
+            exact = None if kind != "exact" or big_sq is None else noise.NoiseStats(
+                b_big, big_sq, grad_sq_norm, trace_sigma, trace_sigma / grad_sq_norm)
             measure_ema, measured = measure(state, chunks, c // accum_steps, exact)
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
@@ -201,13 +198,6 @@ class TrainStep:
             raise ValueError(f"small_batch={b} must be M = R·m = {r * m}, m = {m} (R ≥ 2), or"
                              f" a multiple of R = {r} whose share b/R divides m")
         return "split", b, a * r * m // b
-
-    def _unroll(self, chunks: int) -> int | bool:
-        """Scan unrolling: full on CPU up to 16 chunks, because XLA:CPU runs convolutions
-        inside a while loop several times slower (a small CNN: 4× here), and rolled elsewhere
-        (one copy of the body, least memory and compile time)."""
-        on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
-        return True if on_cpu and chunks <= 16 else 1
 
     def _chunks(self, state: TrainState, inputs: PyTree, accum_steps: int, chunks: int):
         """The global batch [B, ...] as [C, B/C, ...]: replica r's contiguous B/R examples cut
@@ -274,8 +264,11 @@ class TrainStep:
         acc = jnp.zeros((), jnp.result_type(float))
         init = (jnp.zeros((), jnp.float32), zeros, model_state, acc)
         c = jax.tree.leaves(chunks)[0].shape[0]
+        # unrolled on CPU up to 16 chunks: XLA:CPU runs convolutions inside a while loop several
+        # times slower (a small CNN: 4× here); rolled elsewhere (least memory and compile time)
+        on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
         (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(
-            body, init, chunks, unroll=self._unroll(c))
+            body, init, chunks, unroll=True if on_cpu and c <= 16 else 1)
         return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
     def _live(self, state: TrainState, inputs: PyTree, accum_steps: int) -> str:
