@@ -29,8 +29,7 @@ class Deferred(NamedTuple):
 
 class Driver(Protocol):
     """What `Loop` drives: a run config (`train`, `eval` and `batch.adapt_every` are read), a
-    run directory, a batch schedule (`cbs.engine.schedules`), a state, its dispatches and its
-    evaluations."""
+    run directory, a batch schedule, a state, its dispatches and its evaluations."""
 
     config: ml_collections.ConfigDict
     schedule: schedules.BatchSchedule

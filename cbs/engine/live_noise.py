@@ -43,8 +43,7 @@ LIVE_METHODS = ("auto", "exact", "two_batch", "none")
 
 def small_batch_ok(b: int, replicas: int, micro_batch: int) -> bool:
     """The small batches b the two-batch estimate can form from R replicas of m examples
-    (`cbs.engine.step.TrainStep._plan`): b = R·m (whole micro-batches), b = m with R ≥ 2 (one
-    replica's share), or a multiple of R whose share b/R divides m (chunks)."""
+    (`TrainStep._plan`): R·m, m with R ≥ 2, or a multiple of R whose share b/R divides m."""
     r, m = replicas, micro_batch
     return b == r * m or (b == m and r >= 2) or (b % r == 0 and m % (b // r) == 0)
 EXACT_MEASURE_METHODS = ("auto", "fast", "vmap")  # measurements the exact live path serves

@@ -163,8 +163,7 @@ _SCHEDULES: dict[str, Any] = {"constant": Constant, "step": Step, "linear": Line
 
 def register(kind: str, cls: type) -> type:
     """Registers a batch-size schedule class under `kind` (`batch.schedule.kind`): one with
-    `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol of
-    `_Static` (a subclass when it depends on examples seen alone)."""
+    `from_config` (of the `batch.schedule` fields as a plain mapping) and `_Static`'s protocol."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls

@@ -129,9 +129,8 @@ def _number(name: str, value: Any, *, strict: bool = False) -> None:
 
 def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
                drop: Sequence[str] = ("sweep",)) -> ml_collections.ConfigDict:
-    """A copy of `base` (a `cbs.engine.config.default_config()`-shaped config, possibly with
-    the sections of the studies that drive it) with `overrides` written and the top-level
-    sections `drop` left out (a sweep trial does not carry the sweep that made it)."""
+    """A copy of `base` (with the sections of the studies that drive it, if any) with
+    `overrides` written and the top-level sections `drop` left out."""
     c = ml_collections.ConfigDict(base.to_dict())
     for key in drop:
         if key in c:

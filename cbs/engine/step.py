@@ -131,9 +131,8 @@ class TrainStep:
 
     def apply(self, state: TrainState, inputs: PyTree, accum_steps: int,
               measure: MeasureHook | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The step, pure and unjitted, for use under the caller's jit, vmap or scan (e.g.
-        several learning rates as one vmapped state); `measure` runs on the step's examples
-        before the update and its metrics join the step's."""
+        """The step, pure and unjitted, for the caller's jit, vmap or scan; `measure` runs on the
+        step's examples before the update and its metrics join the step's."""
         b_big = self.layout.batch_size(accum_steps)
         live = self._live(state, inputs, accum_steps)
         kind, b_small, c = (("exact", b_big, accum_steps) if live == "exact"
