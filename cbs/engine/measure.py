@@ -134,10 +134,9 @@ def draw(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, index: Any, *, see
     if examples == "all":
         key = _measurement_key(seed, index)
         return (examples, *all_examples(spec, dataset, arrays, key), key)
-    grad_batch, hess_batch = measurement_batches(
+    return (examples, *measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=spec.batch_size,
-        hessian_batch_size=spec.hessian_batch_size if spec.curvature else 0)
-    return examples, grad_batch, hess_batch, None
+        hessian_batch_size=spec.hessian_batch_size if spec.curvature else 0), None)
 
 
 def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
@@ -300,10 +299,9 @@ class Measurement:
         index = bisect.bisect_left(steps, int(step)) if steps else int(step)
         if self._eval_fn is None:
             self._eval_fn = self._build_evaluation()
-        if tr.in_memory:
-            return self._eval_fn(state, tr.train_arrays, jnp.int32(index))
-        grad_batch, hess_batch = host_draw(self.spec, tr.dataset, index, seed=self.seed)
-        return self._eval_fn(state, grad_batch, hess_batch, jnp.int32(index))
+        inputs = ((tr.train_arrays,) if tr.in_memory else  # streamed: 𝓑, 𝓒 read on the host
+                  host_draw(self.spec, tr.dataset, index, seed=self.seed))
+        return self._eval_fn(state, *inputs, jnp.int32(index))
 
     def _build_evaluation(self) -> Callable[..., dict[str, jax.Array]]:
         spec, seed, tr = self.spec, self.seed, self.parts

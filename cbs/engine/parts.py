@@ -112,14 +112,11 @@ class RunParts:
         shapes = self.abstract_state()
         mode = c.mesh.get("param_mode", "replicated")
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
-        # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
-        r: Any = mesh_lib.replicated(self.mesh)
-        rep = lambda tree: jax.tree.map(lambda _: r, tree)
-        self.state_sharding = TrainState(
-            step=r, examples_seen=r, learning_rate=r,
-            params=shard(shapes.params), opt_state=shard(shapes.opt_state),
-            model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
-            measure_ema=rep(shapes.measure_ema))
+        # a TrainState of shardings (a pytree like the state): replicated but the parameters
+        # and the optimizer state
+        r = mesh_lib.replicated(self.mesh)
+        self.state_sharding = jax.tree.map(lambda _: r, shapes).replace(
+            params=shard(shapes.params), opt_state=shard(shapes.opt_state))
 
     def loss_fn(self, params, model_state, batch):
         """Stateful training loss: (mean loss, new model state)."""
