@@ -39,6 +39,7 @@ CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exac
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
 
+
 class Trainer(RunParts):
     """A run: its parts (`cbs.engine.parts.RunParts`) and its run directory `workdir` (None
     for in-memory use only); the driver of `cbs.engine.loop.Loop`.
