@@ -19,15 +19,11 @@ ADAPTIVE_RULES = ("multiple", "calibrated")  # values of Adaptive.rule
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
-    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON).
-
-    streak: consecutive updates with the target beyond the band, signed (+ up, − down).
-    streak_target: the least extreme target of the current streak (what a move may trust).
-    """
+    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON)."""
 
     batch_size: int
-    streak: int = 0
-    streak_target: float | None = None
+    streak: int = 0  # consecutive updates with the target beyond the band (+ up, − down)
+    streak_target: float | None = None  # the streak's least extreme target: what a move trusts
     num_updates: int = 0
     num_changes: int = 0
     last_change_at: float = 0.0

@@ -36,12 +36,8 @@ __all__ = ["RunParts"]
 
 class RunParts:
     """Mesh, dataset, batch schedule, model, optimizer direction, state shardings, the jitted
-    step and the evaluations of a run, built once from `config` (validated first).
-
-    Args:
-      config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
-      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
-      dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
+    step and the evaluations of a run, built once from `config` (validated first). mesh:
+    default from `config.mesh`; dataset: one to use instead of `config.data` (tests, notebooks).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, *,

@@ -1,9 +1,8 @@
 """A run of the engine as a base config plus typed overrides.
 
 Everything that trains many runs from one config (sweep trials, vmapped trial groups, batch
-ramps, branches) says how one run differs from the base with a `RunOverrides` (batch size or
-schedule, learning rate, seed, budget, evaluation points, ...) and gets its run config from
-`run_config`, the one place that copies a config and writes those fields:
+ramps, branches) says how one run differs from the base with a `RunOverrides` and gets its run
+config from `run_config`, the one place that copies a config and writes those fields:
 
     c = run_config(config, RunOverrides(batch_size=64, learning_rate=1e-3, seed=2))
     trainer.Trainer(c, workdir)
