@@ -174,7 +174,7 @@ def test_measure_in_step_equals_separate(mlp):
                            live="two_batch")
     st_a, hist_a = run_steps(ts_a, st_a, batch, accum=2)
     st_b, hist_b = run_steps(ts_b, st_b, batch, accum=2)
-    assert ts_b.measurement._alone_jit is not None and ts_a.measurement._alone_jit is None
+    assert ts_b.measurement._alone._cache_size() and not ts_a.measurement._alone._cache_size()
     assert_trees_close(st_a.params, st_b.params)
     exact = noise.exact(loss_fn, params, jax.tree.map(lambda x: x[:16], batch))
     assert "noise/b_simple" not in hist_b[1] and "noise/b_simple" not in hist_a[1]

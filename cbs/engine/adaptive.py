@@ -19,15 +19,11 @@ ADAPTIVE_RULES = ("multiple", "calibrated")  # values of Adaptive.rule
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
-    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON).
-
-    streak: consecutive updates with the target beyond the band, signed (+ up, − down).
-    streak_target: the least extreme target of the current streak (what a move may trust).
-    """
+    """Checkpointable state of `Adaptive` (plain ints/floats: `to_dict` is JSON)."""
 
     batch_size: int
-    streak: int = 0
-    streak_target: float | None = None
+    streak: int = 0  # consecutive updates with the target beyond the band (+ up, − down)
+    streak_target: float | None = None  # the streak's least extreme target: what a move trusts
     num_updates: int = 0
     num_changes: int = 0
     last_change_at: float = 0.0
@@ -42,23 +38,17 @@ class AdaptiveState:
 
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
-    """B follows the target clip(k·noise_scale, min_batch, max_batch) on the ladder
-    min_batch·factor^n (clip(k·r̂·noise_scale, ...) with rule="calibrated"), with hysteresis:
-    it moves only after the target has stayed beyond a band for `patience` updates.
+    """B follows the target clip(k·r·noise_scale, min_batch, max_batch) on the ladder
+    min_batch·factor^n, with hysteresis: it moves only after the target has stayed beyond a
+    band for `patience` updates. Rule "multiple": r = 1 (McCandlish: B_crit ≈ B_noise, so
+    k ≈ 1); rule "calibrated": r = r̂ = `ratio`, the B_crit per unit of B_s that
+    `cbs.results.calibration`'s shipped file predicts for the family of `optimizer` (a run
+    sets it from `config.optim.name` when None).
 
-    k: target B per unit of measured noise scale (McCandlish: B_crit ≈ B_noise, so k ≈ 1);
-      with rule="calibrated", per unit of the predicted B_crit.
-    rule: "multiple" (target k·B_s) or "calibrated" (target k·r̂·B_s: k times the B_crit
-      predicted from B_s by `cbs.results.calibration`'s shipped file, r̂ = `ratio`).
-    optimizer: a config's optim.name, whose family selects r̂ (rule="calibrated"; a run sets
-      it from `config.optim.name` when None).
-    band: hysteresis ratio; a move up needs target > B·band, a move down target < B/band,
-      each for `patience` consecutive updates. band > √factor makes the dead zones of
-      neighbouring rungs overlap, so a target sitting between two rungs cannot flip-flop;
-      the default factor^(3/4) (1.68 for factor 2) leaves a margin of factor^(1/4) (19 %)
-      on either side of the geometric midpoint between rungs.
-    source: which smoothed noise scale the caller feeds ("b_noise" or "b_simple").
-    multiple: micro_batch × data_replicas; every rung must be a multiple of it.
+    band: a move up needs target > B·band, a move down target < B/band. band > √factor makes
+    the dead zones of neighbouring rungs overlap, so a target between two rungs cannot
+    flip-flop; the default factor^(3/4) (1.68 for factor 2) leaves a margin of factor^(1/4)
+    (19 %) on either side of the geometric midpoint between rungs.
     """
 
     min_batch: int
@@ -68,8 +58,8 @@ class Adaptive:
     k: float = 1.0
     band: float | None = None
     patience: int = 3
-    source: str = "b_simple"
-    multiple: int = 1
+    source: str = "b_simple"  # the smoothed noise scale fed: "b_simple" or "b_noise"
+    multiple: int = 1  # micro_batch × data_replicas: every rung a multiple of it
     rule: str = "multiple"
     optimizer: str | None = None
 

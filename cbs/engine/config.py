@@ -3,13 +3,8 @@
 `default_config()` is the full schema (units in the trailing comments); the presets in
 `cbs.configs` start from it. `validate(config, data_replicas=R)` runs before anything is
 compiled and raises `ConfigError` (a ValueError) whose message starts with the dotted name of
-the offending field. Each component checks its own section (`validate_config` of
-`cbs.engine.optim`, `cbs.runtime.mesh`, `cbs.runtime.throughput` and `cbs.data`;
-`cbs.engine.schedules.validate_batch_config`, `cbs.engine.lr.validate_coupling_config`,
-`cbs.engine.noise_spec.NoiseSpec.from_config`, `cbs.engine.loop.validate_train_config` and
-`validate_eval_config`, the registries); `validate` runs them and keeps the checks that join
-sections (batch sizes against the data replicas, noise sizes against the batch and the
-schedule). The field checks are in `cbs.runtime.fields`.
+the offending field. Each component checks its own section (docs/design.md, "Config
+validation"); `validate` runs them and keeps the checks that join sections.
 
 Letters: R data replicas, m micro-batch per replica, B logical batch = A·R·m.
 """
@@ -91,9 +86,8 @@ def default_config() -> ml_collections.ConfigDict:
     #   (examples "stream"; "all": 0 = all N)
     c.noise.num_probes = 1  # probe vectors per measurement ("probe" only)
     c.noise.chunk_size = 0  # examples per vmap chunk in exact; 0 = all at once
-    c.noise.in_step = False  # measure under lax.cond in the step (True) or in its own jit
-    #   call (False: cheaper on CPU, where a conditional slows the convolutions inside it;
-    #   benchmarks/train_step.py measured +11 % vs +57 % amortised for a CNN at every=10)
+    c.noise.in_step = False  # measure in a step variant (True) or in its own jit call (False:
+    #   cheaper on CPU, benchmarks/train_step.py: +11 % vs +57 % for a CNN at every=10)
 
     c.train = ml_collections.ConfigDict()
     c.train.max_steps = 1000  # stop after this many updates (0 = no step limit)
@@ -107,8 +101,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.divergence_patience = 3  # ... for this many consecutive steps (not a short spike)
     # c.train.grad_norm (optional, absent by default so that existing runs keep their config
     #   hash; True when absent): record |ḡ| as opt/grad_norm every step and stop on a
-    #   non-finite one. False saves that read when noise.live is "none" (5–9 % of a small
-    #   MLP's step on CPU); a non-finite gradient then shows in the next step's loss.
+    #   non-finite one (docs/guides/training.md: what False saves with noise.live "none").
     c.train.progress_bar = True  # tqdm bar with loss and examples/s (process 0)
     c.train.tensorboard = False  # TensorBoard events in workdir/tensorboard (process 0;
     #   needs the [tensorboard] extra, checked before anything is written)
@@ -154,11 +147,8 @@ def batch_sizes(config: Any) -> tuple[int, ...]:
 def validate(config: Any, *, data_replicas: int, model_names: tuple[str, ...] | None = None,
              dataset_names: tuple[str, ...] | None = None) -> noise_spec.NoiseSpec:
     """Checks every field the engine reads; raises ConfigError naming the first bad one.
-    Returns the noise section read once (`cbs.engine.noise_spec.NoiseSpec`).
-
-    data_replicas: R, the size of the mesh's data axis (every batch size must be a multiple
-    of R·m). model_names / dataset_names: the known names, when the registries are given.
-    """
+    Returns the noise section read once (`NoiseSpec`). data_replicas: R (every batch size must
+    be a multiple of R·m); model_names / dataset_names: the known names, when given."""
     fields.integer(config, "seed", "config", minimum=0)
     if dataset_names is not None:
         fields.choice(config, "data.name", "config", tuple(dataset_names))

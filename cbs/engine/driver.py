@@ -1,8 +1,6 @@
-"""The contract between the one training loop (`cbs.engine.loop.Loop`) and what it drives:
-a single run (`cbs.engine.trainer.Trainer`), a sweep's vmapped group of trials
-(`cbs.sweeps.groups.TrialGroup`: many steps of K trials per dispatch) or the vmapped seeds of
-a branch (`cbs.sweeps.branch_unit.VmappedBranch`: its whole window in one dispatch). How a
-loop runs (its own points, the bar, the throughput hooks) is given to `Loop` by its caller.
+"""The contract between the one training loop (`cbs.engine.loop.Loop`) and what it drives
+(a `cbs.engine.trainer.Trainer`, a sweep's `cbs.sweeps.groups.TrialGroup`, a branch's
+`cbs.sweeps.branch_unit.VmappedBranch`; docs/design.md, "The one loop").
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ class Deferred(NamedTuple):
 
 class Driver(Protocol):
     """What `Loop` drives: a run config (`train`, `eval` and `batch.adapt_every` are read), a
-    run directory, a batch schedule (`cbs.engine.schedules`), a state, its dispatches and its
-    evaluations."""
+    run directory, a batch schedule, a state, its dispatches and its evaluations."""
 
     config: ml_collections.ConfigDict
     schedule: schedules.BatchSchedule
@@ -41,10 +38,9 @@ class Driver(Protocol):
     def workdir(self) -> str | None: ...
 
     def start(self, restore: Restore | None) -> tuple[Any, dict[str, Any]]:
-        """(state, metadata): a fresh state on the device with {"step", "examples_seen"} of
-        where it starts (a branch's budget counts from its reference run's step 0) when
-        `restore` is None; else the checkpoint `restore` reads into this driver's abstract
-        state, adjusted for what the config may change on resume, and its metadata."""
+        """(state, metadata): a fresh state with {"step", "examples_seen"} of where it starts
+        when `restore` is None; else the checkpoint `restore` reads into this driver's
+        abstract state, adjusted for what the config may change on resume, and its metadata."""
 
     def advance(self, state: Any, step: int, examples_seen: int, batch_size: int
                 ) -> tuple[Any, int, Deferred | None]:

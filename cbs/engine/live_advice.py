@@ -1,21 +1,11 @@
 """The batch-size advice a run logs live, from its live noise estimate at no extra cost.
 
-Each train record with a live noise estimate (`noise/ema_b_simple`, `cbs.engine.live_noise`)
-also gets the calibrated prediction of `cbs.results.calibration` (the shipped file, for the
-optimizer family of `config.optim.name`) and what the record's batch B costs against it
-(McCandlish et al. 2018, eqs. 2.7 and 2.11), keyed `advice/<key>` by the one list
-`ADVICE_KEYS`:
-
-    b_crit                 predicted B_crit = r̂·B_simple (r̂ the family's calibrated ratio)
-    b_crit_lo, b_crit_hi   its prediction interval at the calibration's level (80 %)
-    steps_ratio            S/S_min = 1 + B_crit/B
-    examples_ratio         E/E_min = 1 + B/B_crit
-
-The prediction is log-linear in the noise scale (log B_crit = log B_s + μ̂), so the ratio and
-the interval's factors are read once per run and each record costs a few host
-multiplications: no device work. A record whose estimate is not positive gets NaN; a run
-without a live estimate or with an optimizer the calibration does not cover gets no advice
-keys. `cbs-advise --checkpoint` measures the noise scale on all training examples instead.
+Each train record with a live noise estimate (`noise/ema_b_simple`) also gets the calibrated
+prediction of `cbs.results.calibration` for the optimizer family of `config.optim.name` and
+what the record's batch B costs against it (McCandlish et al. 2018, eqs. 2.7 and 2.11), keyed
+`advice/<key>` by `ADVICE_KEYS` (their meaning: docs/guides/advice.md, "Live"). The
+prediction is log-linear in the noise scale (log B_crit = log B_s + μ̂), so the ratio and the
+interval's factors are read once per run and each record costs a few host multiplications.
 """
 
 from __future__ import annotations

@@ -30,12 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cbs.stats import ghost, loss_checks, noise, trees
-from cbs.stats.smoothing import NoiseScaleEMA
+from cbs.stats import ghost, loss_checks, trees
 
 __all__ = [
     "EXACT_MEASURE_METHODS", "LIVE_METHODS", "exact_stats", "ghost_unavailable",
-    "log_choice", "measurement", "resolve", "small_batch_ok", "value_grad_sq_sum",
+    "log_choice", "resolve", "small_batch_ok", "value_grad_sq_sum",
 ]
 
 PyTree = Any
@@ -44,8 +43,7 @@ LIVE_METHODS = ("auto", "exact", "two_batch", "none")
 
 def small_batch_ok(b: int, replicas: int, micro_batch: int) -> bool:
     """The small batches b the two-batch estimate can form from R replicas of m examples
-    (`cbs.engine.step.TrainStep._plan`): b = R·m (whole micro-batches), b = m with R ≥ 2 (one
-    replica's share), or a multiple of R whose share b/R divides m (chunks)."""
+    (`TrainStep._plan`): R·m, m with R ≥ 2, or a multiple of R whose share b/R divides m."""
     r, m = replicas, micro_batch
     return b == r * m or (b == m and r >= 2) or (b % r == 0 and m % (b // r) == 0)
 EXACT_MEASURE_METHODS = ("auto", "fast", "vmap")  # measurements the exact live path serves
@@ -120,17 +118,3 @@ def exact_stats(sq_sum: jax.Array, mean_grad_sq_norm: jax.Array, batch_size: int
     s, gsq = jnp.asarray(sq_sum, dtype), jnp.asarray(mean_grad_sq_norm, dtype)
     trace_sigma = (s - batch_size * gsq) / (batch_size - 1)
     return gsq - trace_sigma / batch_size, trace_sigma
-
-
-def measurement(measure_ema: NoiseScaleEMA, due: jax.Array, stats: noise.NoiseStats
-                ) -> tuple[NoiseScaleEMA, dict[str, jax.Array]]:
-    """(measure_ema, noise/* metrics) of an every-k-steps B_simple measurement read from the
-    exact live statistics `stats` of the step's batch: the values (and `noise/batch_size`)
-    when `due`, NaN and the EMA unchanged otherwise."""
-    new = measure_ema.update(stats.grad_sq_norm, stats.trace_sigma)
-    ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, measure_ema)
-    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(new, n)
-                                     for n in noise.SIMPLE_KEYS if not n.startswith("mean_")}
-    out["noise/batch_size"] = stats.batch_size
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}

@@ -1,15 +1,13 @@
 """The one host loop: dispatch steps, read metrics late, evaluate, checkpoint, stop, resume.
 
-`Loop` owns the order of events, the run directory's records (`cbs.results.records`) and
-checkpoints (`cbs.runtime.checkpoint`), the budget, `stop_fn` and the divergence rule of
-`cbs.runtime.progress`; what it drives is a `cbs.engine.driver.Driver`. At step t with E
-examples seen (host ints; the state on the device holds the same): evaluate if due; save a
-checkpoint if due (after reading every pending metric, so a saved state never follows a
-non-finite loss); stop if the budget is spent or `stop_fn` asked; feed the schedule the
-smoothed noise scale it observes every `batch.adapt_every` steps; dispatch step t at the
-schedule's B; every `log_every` steps read the metrics of all steps but the newest (the device
-never waits for the host). The order is a function of the step number alone (never of
-timing), so a resumed run does exactly what an uninterrupted one does.
+What `Loop` owns and drives: docs/design.md, "The one loop". At step t with E examples seen
+(host ints; the state on the device holds the same): evaluate if due; save a checkpoint if
+due (after reading every pending metric, so a saved state never follows a non-finite loss);
+stop if the budget is spent or `stop_fn` asked; feed the schedule the smoothed noise scale it
+observes every `batch.adapt_every` steps; dispatch step t at the schedule's B; every
+`log_every` steps read the metrics of all steps but the newest (the device never waits for
+the host). The order is a function of the step number alone (never of timing), so a resumed
+run does exactly what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -68,10 +66,9 @@ def config_hash(config: ml_collections.ConfigDict) -> str:
 
 def ended_run(workdir: str, config: ml_collections.ConfigDict, *,
               raise_on_divergence: bool = True) -> dict[str, Any] | None:
-    """The one "has this run ended?" check: the summary in `workdir`'s status.json when the
-    run ended (`ENDED`) with this config, else None (start, or resume from its checkpoint).
-    A run that ended "diverged" raises its `DivergedError` again (rerunning it would diverge
-    at the same step) unless `raise_on_divergence` is False."""
+    """The summary in `workdir`'s status.json when the run ended (`ENDED`) with this config,
+    else None. A run that ended "diverged" raises its `DivergedError` again (a rerun would
+    diverge at the same step) unless `raise_on_divergence` is False."""
     status = records.read_json(os.path.join(workdir, files.STATUS_FILE))
     if not (status and status.get("status") in ENDED
             and status.get("config_hash") == config_hash(config)):
@@ -114,9 +111,8 @@ def validate_eval_config(eval_config: Any) -> None:
 
 
 class _ConfigPoints(NamedTuple):
-    """The config's `Points` (the loop's default): a checkpoint every `train.checkpoint_every`
-    steps; evaluations after the steps `eval.steps` when set, else every `eval.every` steps
-    (0: only at the end)."""
+    """The config's `Points` (the loop's default): `train.checkpoint_every`, and `eval.steps`
+    when set, else `eval.every`."""
 
     config: ml_collections.ConfigDict
 
@@ -137,8 +133,7 @@ class _Pending:
 
 
 def noise_scale(state: Any, name: str) -> float:
-    """The smoothed noise scale `name` a single run's state carries: B_simple from the EMA of
-    its live estimates, B_noise from the EMA of its periodic measurements."""
+    """The smoothed noise scale `name` ("b_simple", "b_noise") a single run's state carries."""
     if not isinstance(state, TrainState):
         raise ValueError(f"a {type(state).__name__} state trains at a constant batch size: it "
                          f"observes no noise scale ({name})")
@@ -229,8 +224,7 @@ class Loop:
                                     "data/examples_seen": item.examples_seen}
             recs = [base | fields for fields in item.deferred.fields(values)]
             if item.kind == "train":
-                rec = recs[0]
-                self.last_train = rec
+                self.last_train = rec = recs[0]
                 bad = self._check_divergence(rec)
                 if bad is None and item.step % every and "noise/b_simple" not in rec:
                     continue

@@ -6,9 +6,7 @@ base learning rate was tuned at, η the learning rate, η_0 the base (peak) lear
 Coupling (Goyal et al. 2017 for SGD, linear; Malladi et al. 2022 and the OLMo batch-size
 warmup of "Critical Batch Size Revisited", arXiv:2505.23971, for Adam, square root):
 η(B) = η_0 · (B/B_0)^p with p = 0, 1 or 1/2, capped. The multiplier is a pure function of the
-current B, so it is applied exactly once per change and never compounds. The same (B/B_0)^p
-centres a sweep's learning-rate grid (`cbs.sweeps.grid`) and scales a branch's peak learning
-rate by f(k) = k^p (`cbs.sweeps.branches`).
+current B, so it is applied exactly once per change and never compounds.
 
 Schedules are jnp functions of e, not of steps, so a batch change does not stretch or squeeze
 warmup and decay. The train step's rate is `step_rate`.
@@ -92,9 +90,8 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
                 total_examples: float | None = None, decay: str = "constant",
                 final_fraction: float = 0.0) -> Callable[[Any], jax.Array]:
     """η(e): linear warmup 0 → η_0 over `warmup_examples`, then constant, cosine or linear
-    decay to final_fraction·η_0 at `total_examples`, held after (jittable). η(e) = η_0·e/warmup
-    for e < warmup: pass the examples seen *including* the current batch, or the first update
-    is zero."""
+    decay to final_fraction·η_0 at `total_examples`, held after (jittable). Pass the examples
+    seen *including* the current batch, or the first update is zero."""
     if decay not in DECAYS:
         raise ValueError(f"decay must be constant|cosine|linear, got {decay!r}")
     if decay != "constant" and total_examples is None:
@@ -122,9 +119,8 @@ def lr_schedule(base_lr: float, *, warmup_examples: float = 0.0,
 
 
 def lr_schedule_from_config(config: Any) -> Callable[[Any], jax.Array]:
-    """`lr_schedule` from a section or dict with base_lr, warmup_examples, total_examples,
-    decay, final_fraction (the last four optional), for hand-written training loops (the
-    engine's is `learning_rate_shape`)."""
+    """`lr_schedule` from a section or dict of its arguments (base_lr required), for
+    hand-written training loops (the engine's is `learning_rate_shape`)."""
     c = fields.as_mapping(config)
     total = c.get("total_examples")
     return lr_schedule(float(fields.lookup(c, "base_lr", "lr_schedule")),
@@ -149,9 +145,8 @@ def learning_rate_shape(config: ml_collections.ConfigDict) -> Callable[[jax.Arra
 
 def step_rate(config: ml_collections.ConfigDict, initial_batch_size: int
               ) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
-    """The train step's rate η(η_0, E, B) = coupled_lr(η_0 · s(E), B) from `config.optim`
-    (`learning_rate_shape`) and `config.batch.lr_coupling` (`coupling_from_config`, B_0 the
-    schedule's first batch size `initial_batch_size` when not set); jittable."""
+    """The train step's rate η(η_0, E, B) = coupled_lr(η_0 · s(E), B) (`learning_rate_shape`,
+    `coupling_from_config`); jittable."""
     shape = learning_rate_shape(config)
     coupling = coupling_from_config(config.batch.lr_coupling, initial_batch_size)
 

@@ -2,13 +2,11 @@
 
 What is measured and when is a `cbs.engine.noise_spec.NoiseSpec`; the estimator is the
 registered method it names (`cbs.stats.noise.register_method`; "sampled" and "full_data" are
-`cbs.stats.sampled`'s, where the letters and equations are). The paths: a run's `Measurement`,
-the loop's one measuring event; `state_measurement` inside a vmapped sweep group's
-evaluation, recording `evaluation_record` as a run's evaluations do (the same (seed, index),
-the same draws: both back ends record the same numbers); a sweep's reference run and a branch
-study's reference checkpoints (`cbs.sweeps.branches`: "sampled" on the whole training set in
-a random order, its first m the deviations and H over all N). Records are keyed `noise/<key>`
-by the one list `cbs.stats.noise.STAT_KEYS`.
+`cbs.stats.sampled`'s, where the letters and equations are). The paths (docs/design.md,
+"The noise measurement"): a run's `Measurement`; `state_measurement` inside a vmapped sweep
+group's evaluation (the same draws of (seed, index) as a run's evaluations); a branch study's
+reference checkpoints (`cbs.sweeps.branches`). Records are keyed `noise/<key>` by
+`cbs.stats.noise.STAT_KEYS`.
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ def measure(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, batch: PyTree, *,
       hessian_batch: 𝓒, examples for H drawn independently of 𝓑 (a stream's, or all N);
         None on the step's examples, where with curvature a method that takes a Hessian batch
         gets the deviations from the first half of 𝓑 and H from the second (E[Ĥ] = H given
-        the first half when the halves are independent draws), while trace_sigma,
-        grad_sq_norm and b_simple use the whole batch, or are `whole` when given (the exact
-        live statistics of the step's batch: no extra pass).
+        the first half when the halves are independent draws); the other statistics use the
+        whole batch, or are `whole` (the step's exact live statistics: no extra pass).
       key: PRNG key of the method's random draws (probes; the deviations of "full_data").
       examples: which examples 𝓑 is ("step" | "stream" | "all"; default the spec's).
     """
@@ -103,10 +100,9 @@ def _measurement_key(seed: int, index: Any) -> jax.Array:
 def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], index: Any, *,
                         seed: int, batch_size: int, hessian_batch_size: int = 0
                         ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: stream
-    positions [index·n, (index + 1)·n) of a training stream independent of training's (never
-    reusing a batch within an epoch); 𝓒: h examples drawn uniformly without replacement with
-    a key of its own (independent of 𝓑), None when hessian_batch_size is 0."""
+    """(𝓑, 𝓒) of the `index`-th measurement on a stream (jittable in `index`). 𝓑: positions
+    [index·n, (index + 1)·n) of a training stream independent of training's; 𝓒: h examples
+    drawn uniformly without replacement, independently of 𝓑 (None when h = 0)."""
     num = dataset.num_train
     n = min(int(batch_size), num)
     grad_batch = batching.device_batch(dataset, arrays, index * n, n, seed=seed + _SEED_OFFSET)
@@ -119,10 +115,9 @@ def measurement_batches(dataset: data.Dataset, arrays: dict[str, jax.Array], ind
 
 def all_examples(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, key: jax.Array
                  ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of a whole-training-set measurement: all N examples in their order, 𝓒 None
-    ("full_data" draws what it needs with `key`); for another method all N in the random
-    order of `key` (so that the first m are a uniform draw of deviations) and 𝓒 the same
-    examples (H over all N)."""
+    """(𝓑, 𝓒) of a whole-training-set measurement: "full_data", all N in order and 𝓒 None;
+    another method, all N in the random order of `key` (its first m a uniform draw of
+    deviations) and 𝓒 the same (H over all N)."""
     num = dataset.num_train
     if spec.resolved_method("all") == "full_data":
         return dataset.take(arrays, jnp.arange(num, dtype=jnp.int32)), None
@@ -139,16 +134,14 @@ def draw(spec: NoiseSpec, dataset: data.Dataset, arrays: Any, index: Any, *, see
     if examples == "all":
         key = _measurement_key(seed, index)
         return (examples, *all_examples(spec, dataset, arrays, key), key)
-    grad_batch, hess_batch = measurement_batches(
+    return (examples, *measurement_batches(
         dataset, arrays, index, seed=seed, batch_size=spec.batch_size,
-        hessian_batch_size=spec.hessian_batch_size if spec.curvature else 0)
-    return examples, grad_batch, hess_batch, None
+        hessian_batch_size=spec.hessian_batch_size if spec.curvature else 0), None)
 
 
 def host_draw(spec: NoiseSpec, dataset: data.Dataset, index: int, *, seed: int
               ) -> tuple[PyTree, PyTree | None]:
-    """(𝓑, 𝓒) of `draw` read on the host from a streamed training split (all N with the
-    whole training set, in the order `draw` uses)."""
+    """(𝓑, 𝓒) of `draw`, read on the host from a streamed training split."""
     train = dataset.split("train")
     num = dataset.num_train
     if spec.examples_for(num) == "all":
@@ -175,7 +168,7 @@ def at_evaluation(spec: NoiseSpec, loss_fn: LossFn, params: PyTree, dataset: dat
                                      hessian_batch=hess_batch, key=key, examples=examples))
 
 
-def _loss_at(tr: RunParts, state: TrainState) -> LossFn:
+def _loss_at(tr: RunParts | TrainStep, state: TrainState) -> LossFn:
     """loss_fn(params, batch) -> mean loss, with the state's model state (BatchNorm etc.)."""
     return lambda p, b: tr.loss_fn(p, state.model_state, b)[0]
 
@@ -184,28 +177,20 @@ def state_measurement(spec: NoiseSpec, tr: RunParts, *, seed: int
                       ) -> Callable[[TrainState, jax.Array], dict[str, jax.Array]]:
     """fn(state, index) -> `at_evaluation` at the state's parameters on the parts'
     device-resident training arrays (jittable and vmappable over states)."""
-
-    def fn(state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
-        return at_evaluation(spec, _loss_at(tr, state), state.params, tr.dataset,
-                             tr.train_arrays, index, seed=seed)
-
-    return fn
+    return lambda state, index: at_evaluation(spec, _loss_at(tr, state), state.params,
+                                              tr.dataset, tr.train_arrays, index, seed=seed)
 
 
 class Measurement:
-    """A run's noise measurement, built once from its spec: the loop's step event calls
-    `step` (the train step, measuring when due) and its evaluations call `evaluation`.
+    """A run's noise measurement (docs/design.md, "One event"): `step` runs the train step,
+    measuring every `spec.every` steps; `evaluation` measures at an evaluation.
 
-    Every `spec.every` steps, on the step's own examples: read from the step's exact live
-    statistics when they are the measurement (`_serves`: an exact B_simple measurement with an
-    exact live estimate, no extra pass; the step then always runs with the reading, NaN
-    between due steps), else the spec's method on the step's first max(1, n/M) micro-batches
-    (random draws keyed by (seed, step)), in a step variant compiled for the due steps
-    (`in_step`) or in a jit of its own before the step. At each evaluation, when the spec
-    measures there, examples of their own (`draw`) at the evaluation's index on the grid
-    `eval_steps` (`config.eval.steps`; a final evaluation between grid points gets the next
-    index), or at index `step` without a grid. `parts`: the run's `cbs.engine.parts.RunParts`,
-    for the measurements at evaluations.
+    A due step reads the step's exact live statistics when they are the measurement
+    (`_serves`: the step then always runs with the reading, NaN between due steps), else runs
+    the spec's method on the step's first max(1, n/M) micro-batches in a step variant
+    (`in_step`) or in a jit of its own before the step. An evaluation draws at its index on
+    the grid `eval_steps` (a final evaluation between grid points gets the next index), or
+    at index `step` without a grid. `parts`: the run's `cbs.engine.parts.RunParts`.
     """
 
     def __init__(self, spec: NoiseSpec, train_step: TrainStep, *, seed: int,
@@ -216,7 +201,11 @@ class Measurement:
         self.batch_size = spec.batch_size or ts.layout.micro_batch * ts.layout.replicas
         self._plain = jit_step(ts, self._read_live) if self._may_serve() else ts
         self._with_step = jit_step(ts, self._measure_hook) if spec.in_step else None
-        self._alone_jit: Any = None
+        lay = ts.layout
+        self._alone = jax.jit(self._measure_alone, static_argnums=(2,),
+                              in_shardings=(lay.state_sharding, lay.inputs_sharding),
+                              out_shardings=(lay.state_sharding.measure_ema,
+                                             mesh.replicated(lay.mesh)))
         self._eval_fn: Callable[..., dict[str, jax.Array]] | None = None
 
     # ------------------------------------------------------------------ every k steps
@@ -235,7 +224,7 @@ class Measurement:
         if self._with_step is not None:
             state, metrics = self._with_step(state, inputs, accum_steps)
             return state, (metrics, None)
-        ema, measured = self._measure_alone(state, inputs, accum_steps)
+        ema, measured = self._alone(state, inputs, accum_steps)
         state, metrics = self._plain(state.replace(measure_ema=ema), inputs, accum_steps)
         return state, (metrics, measured)
 
@@ -270,38 +259,32 @@ class Measurement:
         """The step hook of a run the live statistics serve: their reading when due."""
         if exact is None:
             return state.measure_ema, {}
-        return live_noise.measurement(state.measure_ema, state.step % self.spec.every == 0,
-                                      exact)
+        due = state.step % self.spec.every == 0  # else NaN and the EMA unchanged
+        new, out = _measured(state.measure_ema, exact, curvature=False)
+        out["noise/batch_size"] = exact.batch_size
+        ema = jax.tree.map(lambda n, o: jnp.where(due, n, o), new, state.measure_ema)
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        return ema, {k: jnp.where(due, jnp.asarray(v, jnp.float32), nan) for k, v in out.items()}
 
     def _measure_hook(self, state: TrainState, chunks: Any, per_micro: int,
                       exact: noise.NoiseStats | None):
         """The step hook of a due step: `_step_measurement` (class docstring)."""
         spec, ts = self.spec, self.train_step
         whole = exact if spec.method in live_noise.EXACT_MEASURE_METHODS else None
-        return _step_measurement(spec, lambda p, b: ts.loss_fn(p, state.model_state, b)[0],
-                                 state, chunks, per_micro, ts.layout, seed=self.seed,
-                                 whole=whole)
+        return _step_measurement(spec, _loss_at(ts, state), state, chunks, per_micro,
+                                 ts.layout, seed=self.seed, whole=whole)
 
     def _measure_alone(self, state: TrainState, inputs: Any, accum_steps: int):
-        """The measurement of a due step without its update: the step variant with the hook,
-        of which only the measurement is kept (the rest is never computed)."""
-        if self._alone_jit is None:
-            def alone(state, inputs, accum_steps):
-                out: list = []
+        """The measurement of a due step without its update (jitted as `_alone`): the step
+        with the hook, of which only the measurement is kept (the rest is never computed)."""
+        out: list = []
 
-                def hook(st, chunks, per_micro, exact):
-                    out.append(self._measure_hook(st, chunks, per_micro, None))
-                    return out[0]
+        def hook(st, chunks, per_micro, exact):
+            out.append(self._measure_hook(st, chunks, per_micro, None))
+            return out[0]
 
-                self.train_step.apply(state, inputs, accum_steps, hook)
-                return out[0]
-
-            lay = self.train_step.layout
-            self._alone_jit = jax.jit(alone, static_argnums=(2,),
-                                      in_shardings=(lay.state_sharding, lay.inputs_sharding),
-                                      out_shardings=(lay.state_sharding.measure_ema,
-                                                     mesh.replicated(lay.mesh)))
-        return self._alone_jit(state, inputs, accum_steps)
+        self.train_step.apply(state, inputs, accum_steps, hook)
+        return out[0]
 
     # ------------------------------------------------------------------ evaluations
 
@@ -316,10 +299,9 @@ class Measurement:
         index = bisect.bisect_left(steps, int(step)) if steps else int(step)
         if self._eval_fn is None:
             self._eval_fn = self._build_evaluation()
-        if tr.in_memory:
-            return self._eval_fn(state, tr.train_arrays, jnp.int32(index))
-        grad_batch, hess_batch = host_draw(self.spec, tr.dataset, index, seed=self.seed)
-        return self._eval_fn(state, grad_batch, hess_batch, jnp.int32(index))
+        inputs = ((tr.train_arrays,) if tr.in_memory else  # streamed: 𝓑, 𝓒 read on the host
+                  host_draw(self.spec, tr.dataset, index, seed=self.seed))
+        return self._eval_fn(state, *inputs, jnp.int32(index))
 
     def _build_evaluation(self) -> Callable[..., dict[str, jax.Array]]:
         spec, seed, tr = self.spec, self.seed, self.parts
@@ -360,12 +342,18 @@ def _step_measurement(spec: NoiseSpec, loss_fn: LossFn, state: TrainState, chunk
     if spec.curvature and stats.trace_h_sigma is None:
         raise ValueError(f"noise method {spec.method!r} returned no curvature statistics "
                          "(trace_h_sigma, g_h_g) though curvature was asked for")
-    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if spec.curvature else {}
-    ema = state.measure_ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
-    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if spec.curvature else ())
-    out = stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
-                                     for n in names}
+    ema, out = _measured(state.measure_ema, stats, curvature=spec.curvature)
     return ema, {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _measured(ema: smoothing.NoiseScaleEMA, stats: noise.NoiseStats, *, curvature: bool
+              ) -> tuple[smoothing.NoiseScaleEMA, dict[str, Any]]:
+    """(`ema` updated with a measurement, the measurement's noise/* metrics with the EMA's)."""
+    curv = dict(trace_h_sigma=stats.trace_h_sigma, g_h_g=stats.g_h_g) if curvature else {}
+    ema = ema.update(stats.grad_sq_norm, stats.trace_sigma, **curv)
+    names = EMA_SIMPLE_KEYS + (EMA_CURVATURE_KEYS if curvature else ())
+    return ema, stats.to_dict("noise/") | {f"noise/measured_ema_{n}": getattr(ema, n)
+                                           for n in names}
 
 
 # the keys of a measurement in a train record (left out between due steps)

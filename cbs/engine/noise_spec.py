@@ -8,19 +8,18 @@ study)`). The live estimate every step is `cbs.engine.live_noise`'s.
 Letters: n examples measured (𝓑), m of them whose deviations give tr(HΣ) (𝓐), h examples of
 an independent Hessian draw (𝓒), N training examples, k steps between measurements.
 
-Which examples (`examples`) and when:
+Which examples (`examples`):
 
-- "step": the first n examples of the train step's own batch, every k steps (`every`);
-  with curvature the deviations come from one half and H from the other
-  (`cbs.engine.measure.measure`);
-- "stream": at each evaluation (a sweep's trials, or a single run), n examples of a training
-  stream independent of training's and h independent examples for H (n = 0: off);
-- "all": at each evaluation, the whole training set (N examples);
-- "auto": "all" when N ≤ `FULL_DATA_MAX`, else "stream".
+- "step": the first n of the train step's own batch, every k steps only (with curvature, the
+  deviations from one half and H from the other);
+- "stream": at each evaluation, n examples of a training stream independent of training's and
+  h independent examples for H (n = 0: off);
+- "all": at each evaluation, the whole training set; "auto": "all" when N ≤ `FULL_DATA_MAX`,
+  else "stream".
 
 `every` > 0 measures the step's own examples every k steps whatever `examples` says. The
-method "auto" stands for the exact per-example estimator on the step's examples, "sampled" on
-a stream's and "full_data" on the whole training set (`resolved_method`).
+method "auto" stands for the exact estimator on the step's examples, "sampled" on a stream's
+and "full_data" on all N (`resolved_method`).
 """
 
 from __future__ import annotations
@@ -35,9 +34,7 @@ from cbs.results.store import MOVED_NOISE_FIELDS
 from cbs.runtime import fields
 from cbs.stats import noise
 
-__all__ = [  # not the refusal of moved keys (`check_moved_keys`), which the studies read
-    "AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec",
-]
+__all__ = ["AUTO_METHOD", "EXAMPLES", "FULL_DATA_MAX", "FULL_DATA_METHOD", "NoiseSpec"]
 
 EXAMPLES = ("step", "stream", "all", "auto")  # values of noise.examples
 FULL_DATA_MAX = 10_000  # examples "auto": the whole training set when N <= this many
@@ -47,11 +44,6 @@ FULL_DATA_METHOD = "full_data"  # the whole-training-set estimator (cbs.stats.sa
 # The sections of a study's own measurement (`NoiseSpec.of(config, study)`): fields of
 # config.noise that replace the run's for that measurement (m of a reference run, say).
 STUDY_SECTIONS = {"reference": "sweep.reference_noise", "branch": "branch.noise"}
-# Fields of config.noise (`NoiseSpec.from_config`; "two_batch" reads as live="none").
-CONFIG_FIELDS = frozenset({"method", "examples", "batch_size", "deviations",
-                           "hessian_batch_size", "curvature", "num_probes", "chunk_size", "every",
-                           "in_step", "live", "two_batch", "small_batch", "ema_decay",
-                           "advice_calibration"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +150,6 @@ class NoiseSpec:
             fail("hessian_batch_size", "must be >= 1 for a curvature measurement on a stream")
 
     @property
-    def measures(self) -> bool:
-        """Whether anything is measured (every k steps or at evaluations)."""
-        return bool(self.every) or self.measures_at_evals
-
-    @property
     def measures_at_evals(self) -> bool:
         """Whether each evaluation measures (not "step"; "stream" with n > 0)."""
         return self.examples != "step" and (self.examples != "stream" or self.batch_size > 0)
@@ -181,6 +168,10 @@ class NoiseSpec:
 
     def replace(self, **changes) -> NoiseSpec:
         return dataclasses.replace(self, **changes)
+
+
+# Fields of config.noise (`NoiseSpec.from_config`; "two_batch" reads as live="none").
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(NoiseSpec)) | {"two_batch"}
 
 
 def check_moved_keys(section: Any, name: str) -> None:

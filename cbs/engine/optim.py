@@ -10,8 +10,7 @@ where E_t is the number of examples seen before step t, η(E) the warmup/decay s
 examples (`cbs.engine.lr.learning_rate_shape`) and c(B) the batch-size coupling factor
 (`cbs.engine.lr.coupled_lr`; 1 unless the config couples the learning rate to B). For a
 constant η this is exactly `optax.sgd / optax.adam / optax.adamw` (optax multiplies by −η in
-its last stage; we do the same outside), which the tests check. The fields of
-`config.optim`: `cbs.engine.config.default_config`.
+its last stage; we do the same outside), which the tests check.
 """
 
 from __future__ import annotations

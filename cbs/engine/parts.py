@@ -5,9 +5,8 @@
     state, metrics = parts.step(state, parts.inputs(0, 64), parts.accum_steps(64))
     parts.evaluate(state)                          # {"loss": ..., "accuracy": ...}
 
-`cbs.engine.trainer.Trainer` is the parts plus a run directory. Programs that drive many runs
-as one (`cbs.sweeps.groups`, `cbs.sweeps.branches`) build the parts alone and reuse their
-model, data, step (`TrainStep.apply`) and evaluation sums.
+`cbs.engine.trainer.Trainer` is the parts plus a run directory; sweep groups and branches
+reuse the parts' model, data, step (`TrainStep.apply`) and evaluation sums.
 """
 
 from __future__ import annotations
@@ -37,12 +36,8 @@ __all__ = ["RunParts"]
 
 class RunParts:
     """Mesh, dataset, batch schedule, model, optimizer direction, state shardings, the jitted
-    step and the evaluations of a run, built once from `config` (validated first).
-
-    Args:
-      config: a `cbs.engine.config.default_config()`-shaped ConfigDict.
-      mesh: device mesh (default `cbs.runtime.mesh.make_mesh(config.mesh.data, config.mesh.model)`).
-      dataset: a `cbs.data.Dataset` to use instead of `config.data` (tests, notebooks).
+    step and the evaluations of a run, built once from `config` (validated first). mesh:
+    default from `config.mesh`; dataset: one to use instead of `config.data` (tests, notebooks).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, *,
@@ -113,14 +108,11 @@ class RunParts:
         shapes = self.abstract_state()
         mode = c.mesh.get("param_mode", "replicated")
         shard = lambda tree: mesh_lib.param_shardings(tree, self.mesh, mode)
-        # a TrainState of shardings (a pytree like the state); its fields are typed as arrays
-        r: Any = mesh_lib.replicated(self.mesh)
-        rep = lambda tree: jax.tree.map(lambda _: r, tree)
-        self.state_sharding = TrainState(
-            step=r, examples_seen=r, learning_rate=r,
-            params=shard(shapes.params), opt_state=shard(shapes.opt_state),
-            model_state=rep(shapes.model_state), noise_ema=rep(shapes.noise_ema),
-            measure_ema=rep(shapes.measure_ema))
+        # a TrainState of shardings (a pytree like the state): replicated but the parameters
+        # and the optimizer state
+        r = mesh_lib.replicated(self.mesh)
+        self.state_sharding = jax.tree.map(lambda _: r, shapes).replace(
+            params=shard(shapes.params), opt_state=shard(shapes.opt_state))
 
     def loss_fn(self, params, model_state, batch):
         """Stateful training loss: (mean loss, new model state)."""
@@ -133,10 +125,10 @@ class RunParts:
     def _build_step(self) -> None:
         c, ds = self.config, self.dataset
         self.in_memory = ds.in_memory("train")
+        batch_sh = mesh_lib.batch_sharding(self.mesh)
         if self.in_memory:
             rep = mesh_lib.replicated(self.mesh)
             self.train_arrays = ds.device_arrays("train", rep)
-            batch_sh = mesh_lib.batch_sharding(self.mesh)
 
             def batch_fn(arrays, examples_seen, batch_size):
                 batch = batching.device_batch(ds, arrays, examples_seen, batch_size, seed=c.seed)
@@ -144,19 +136,17 @@ class RunParts:
 
             self.step = self.make_step(batch_fn, rep)
         else:
-            self.loader = data.HostLoader(ds, seed=c.seed,
-                                          sharding=mesh_lib.batch_sharding(self.mesh),
+            self.loader = data.HostLoader(ds, seed=c.seed, sharding=batch_sh,
                                           batch_size_fn=self.schedule.planning_batch_size)
-            self.step = self.make_step(None, mesh_lib.batch_sharding(self.mesh))
+            self.step = self.make_step(None, batch_sh)
         self._evals: dict[tuple[str, int], Callable] = {}
         self._eval_parts: dict[tuple[str, int], tuple[Callable, Any]] = {}
         self.measurement = Measurement(self.noise_spec, self.step, seed=int(c.seed),
                                        parts=self, eval_steps=c.eval.get("steps", ()))
 
     def make_step(self, batch_fn: Callable[..., Any] | None, inputs_sharding: Any) -> TrainStep:
-        """A `TrainStep` of this run's model, optimizer, mesh and config: the run's own step,
-        or a variant with other inputs (branches read a data-order seed among them);
-        `batch_fn` and `inputs_sharding` as in `BatchLayout`."""
+        """A `TrainStep` of this run's model, optimizer, mesh and config, with the inputs of
+        `batch_fn` and `inputs_sharding` (`BatchLayout`; a branch's read a data-order seed)."""
         c, n = self.config, self.noise_spec
         rate = lr.step_rate(c, self.schedule.batch_size_at(0, self.schedule.init()))
         layout = BatchLayout(self.mesh, self.state_sharding, inputs_sharding,
@@ -180,9 +170,7 @@ class RunParts:
 
     def inputs(self, examples_seen: int, batch_size: int) -> Any:
         """The step's second argument at stream position E for batch size B."""
-        if self.in_memory:
-            return self.train_arrays
-        return self.loader(examples_seen, batch_size)
+        return self.train_arrays if self.in_memory else self.loader(examples_seen, batch_size)
 
     def accum_steps(self, batch_size: int) -> int:
         """A = B / (R·m)."""
@@ -192,9 +180,8 @@ class RunParts:
 
     def eval_sums_fn(self, split: str, num_examples: int = 0) -> tuple[Callable, Any]:
         """(fn, arrays): fn(params, model_state, arrays) -> {"loss_sum", "count"[,
-        "correct_sum"]} over the first `num_examples` (0 = all) of `split`, in fixed chunks of
-        `eval.batch_size` on the device (a `lax.scan`, padded and masked). Pure and jittable
-        (also under vmap); `arrays` are the split's device-resident arrays."""
+        "correct_sum"]} over the first `num_examples` (0 = all) of `split`, in padded and
+        masked chunks of `eval.batch_size` (a `lax.scan`; jittable, also under vmap)."""
         key = (split, num_examples)
         if key in self._eval_parts:
             return self._eval_parts[key]

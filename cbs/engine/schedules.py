@@ -3,19 +3,13 @@ accumulation steps (an `int` chosen outside `jit`).
 
 Letters: e examples (or tokens) seen so far, B the global (logical) batch size, T tokens per
 sequence. A language-model example is a sequence of T tokens, so tokens seen = T·e exactly:
-schedules written in tokens (Llama 3's 2.87·10¹² threshold) run in sequences through
-`in_sequences(schedule, T)` or `llama3_schedule(tokens_per_unit=T)`. Host counters are Python
-ints (no overflow); the device counter is exact in two int32 words (`cbs.engine.state`), and
-its float reaches only the learning-rate schedule, never a batch-size switch.
+schedules written in tokens run in sequences through `in_sequences(schedule, T)` or
+`llama3_schedule(tokens_per_unit=T)`. Host counters are Python ints (no overflow); the
+device counter's float (`cbs.engine.state`) reaches only the learning-rate schedule.
 
-- `Constant(B)`; `Step(((0, B_0), (e_1, B_1), ...))`: B_i once e ≥ e_i;
-  `Linear(start, end, over, multiple)`: B(e) = start + (end − start)·min(e/over, 1), rounded to
-  the nearest multiple of `multiple` (micro_batch × data_replicas).
-- `Adaptive` (`cbs.engine.adaptive`): follows the live noise scale on a ladder of sizes with
-  hysteresis, towards k·B_s or k times the calibrated prediction of B_crit.
-
-Every schedule follows the protocol of `_Static`, so the loop has one code path. The
-learning rate that goes with B is `cbs.engine.lr`.
+`Constant`, `Step` and `Linear` depend on e alone; `Adaptive` (`cbs.engine.adaptive`) follows
+the live noise scale. Every schedule follows the protocol of `_Static`, so the loop has one
+code path. The learning rate that goes with B is `cbs.engine.lr`.
 """
 
 from __future__ import annotations
@@ -169,8 +163,7 @@ _SCHEDULES: dict[str, Any] = {"constant": Constant, "step": Step, "linear": Line
 
 def register(kind: str, cls: type) -> type:
     """Registers a batch-size schedule class under `kind` (`batch.schedule.kind`): one with
-    `from_config` (of the `batch.schedule` fields as a plain mapping) and the protocol of
-    `_Static` (a subclass when it depends on examples seen alone)."""
+    `from_config` (of the `batch.schedule` fields as a plain mapping) and `_Static`'s protocol."""
     if kind in _SCHEDULES:
         raise ValueError(f"batch schedule kind {kind!r} is already registered")
     _SCHEDULES[kind] = cls
@@ -179,10 +172,9 @@ def register(kind: str, cls: type) -> type:
 
 def batch_schedule_from_config(config: Any, *, optimizer: str | None = None
                                ) -> BatchSchedule:
-    """The schedule of a config whose `kind` is registered (constant: batch_size; step: steps
-    [(threshold, batch_size), ...]; linear: start, end, over, multiple; adaptive: the fields
-    of `Adaptive`); errors name the missing field. optimizer: the run's `config.optim.name`,
-    for a calibrated adaptive schedule that names none."""
+    """The schedule of a config whose `kind` is registered (the other fields: the class's
+    own); errors name the missing field. optimizer: the run's `config.optim.name`, for a
+    calibrated adaptive schedule that names none."""
     c = fields.as_mapping(config)
     kind = fields.lookup(c, "kind", "batch_schedule")
     if kind not in _SCHEDULES:
@@ -202,8 +194,8 @@ def checked_schedule(schedule_config: Any, *, optimizer: str | None = None) -> B
 
 def validate_batch_config(batch_config: Any, *, optimizer: str | None = None
                           ) -> BatchSchedule:
-    """Checks `config.batch` (not `lr_coupling`: `cbs.engine.lr.validate_coupling_config`);
-    returns the schedule. Raises `fields.ConfigError`. optimizer: `config.optim.name`."""
+    """Checks `config.batch` but its `lr_coupling`; returns the schedule. Raises
+    `fields.ConfigError`. optimizer: `config.optim.name`."""
     at = "config.batch"
     fields.integer(batch_config, "micro_batch", at)
     schedule = checked_schedule(fields.get(batch_config, "schedule", at), optimizer=optimizer)

@@ -1,9 +1,8 @@
 """A run of the engine as a base config plus typed overrides.
 
 Everything that trains many runs from one config (sweep trials, vmapped trial groups, batch
-ramps, branches) says how one run differs from the base with a `RunOverrides` (batch size or
-schedule, learning rate, seed, budget, evaluation points, ...) and gets its run config from
-`run_config`, the one place that copies a config and writes those fields:
+ramps, branches) says how one run differs from the base with a `RunOverrides` and gets its run
+config from `run_config`, the one place that copies a config and writes those fields:
 
     c = run_config(config, RunOverrides(batch_size=64, learning_rate=1e-3, seed=2))
     trainer.Trainer(c, workdir)
@@ -33,34 +32,40 @@ class Coupling:
     cap: float | None = None  # largest learning rate allowed; 0 = no cap
 
 
+def _at(path: str) -> Any:
+    """An override (None: keep the base's value) that writes the config field `path`."""
+    return dataclasses.field(default=None, metadata={"at": path})
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOverrides:
     """How one run differs from its base config; None (or False for `quiet`) keeps the base.
-    Each field writes a config field (`_FIELDS`); a bad value raises
+    Each field writes the config field its `_at` names; a bad value raises
     `cbs.runtime.fields.ConfigError` naming the config field and the override."""
 
-    batch_size: int | None = None  # B, held constant: batch.schedule = constant B
-    schedule: Mapping[str, Any] | None = None  # a whole batch.schedule; not with batch_size
-    micro_batch: int | None = None  # batch.micro_batch: examples per replica per micro-batch
-    learning_rate: float | None = None  # optim.learning_rate: peak η_0
-    lr_coupling: Coupling | None = None  # batch.lr_coupling: rule, B_0 and cap
-    adapt_every: int | None = None  # batch.adapt_every: steps between noise observations
-    seed: int | None = None  # seed: model initialisation and data order
-    max_steps: int | None = None  # train.max_steps: step budget; 0 = none
-    max_examples: int | None = None  # train.max_examples: example budget; 0 = none
-    log_every: int | None = None  # train.log_every: steps between reads of the metrics
-    record_every: int | None = None  # train.record_every: steps between train records
-    checkpoint_every: int | None = None  # train.checkpoint_every: steps between checkpoints
-    divergence_factor: float | None = None  # train.divergence_factor; 0 = never diverged
-    keep_checkpoints: int | None = None  # train.keep_checkpoints: checkpoints kept on disk
-    quiet: bool = False  # True: train.progress_bar, train.tensorboard and train.wandb off
-    eval_enabled: bool | None = None  # eval.enabled: evaluate at all
-    eval_every: int | None = None  # eval.every: steps between evaluations; 0 = at the end
-    eval_steps: tuple[int, ...] | None = None  # eval.steps: evaluate after these steps
-    full_train_eval: bool | None = None  # eval.full_train: also the whole training-set loss
-    noise_every: int | None = None  # noise.every: steps between measurements; 0 = never
-    noise_batch_size: int | None = None  # noise.batch_size: examples measured; 0 = R·m
-    noise_examples: str | None = None  # noise.examples (cbs.engine.noise_spec)
+    batch_size: int | None = _at("batch.schedule.batch_size")  # B, as a constant schedule
+    schedule: Mapping[str, Any] | None = _at("batch.schedule")  # not with batch_size
+    micro_batch: int | None = _at("batch.micro_batch")  # m, examples per replica
+    learning_rate: float | None = _at("optim.learning_rate")  # peak η_0
+    lr_coupling: Coupling | None = _at("batch.lr_coupling")  # rule, B_0 and cap
+    adapt_every: int | None = _at("batch.adapt_every")  # steps between noise observations
+    seed: int | None = _at("seed")  # model initialisation and data order
+    max_steps: int | None = _at("train.max_steps")  # step budget; 0 = none
+    max_examples: int | None = _at("train.max_examples")  # example budget; 0 = none
+    log_every: int | None = _at("train.log_every")  # steps between reads of the metrics
+    record_every: int | None = _at("train.record_every")  # steps between train records
+    checkpoint_every: int | None = _at("train.checkpoint_every")
+    divergence_factor: float | None = _at("train.divergence_factor")  # 0 = never diverged
+    keep_checkpoints: int | None = _at("train.keep_checkpoints")  # checkpoints kept on disk
+    quiet: bool = dataclasses.field(  # True: the bar, TensorBoard and W&B off
+        default=False, metadata={"at": "train.progress_bar"})
+    eval_enabled: bool | None = _at("eval.enabled")  # evaluate at all
+    eval_every: int | None = _at("eval.every")  # steps between evaluations; 0 = at the end
+    eval_steps: tuple[int, ...] | None = _at("eval.steps")  # evaluate after these steps
+    full_train_eval: bool | None = _at("eval.full_train")  # the training-set loss too
+    noise_every: int | None = _at("noise.every")  # steps between measurements; 0 = never
+    noise_batch_size: int | None = _at("noise.batch_size")  # examples measured; 0 = R·m
+    noise_examples: str | None = _at("noise.examples")  # cbs.engine.noise_spec.EXAMPLES
 
     def __post_init__(self):
         for name in ("batch_size", "micro_batch", "adapt_every", "log_every", "record_every",
@@ -96,20 +101,8 @@ class RunOverrides:
 
 
 # The config field each override writes (error messages name both).
-_FIELDS = {
-    "batch_size": "batch.schedule.batch_size", "schedule": "batch.schedule",
-    "micro_batch": "batch.micro_batch", "learning_rate": "optim.learning_rate",
-    "lr_coupling.rule": "batch.lr_coupling.rule",
-    "lr_coupling.base_batch_size": "batch.lr_coupling.base_batch_size",
-    "lr_coupling.cap": "batch.lr_coupling.cap", "adapt_every": "batch.adapt_every",
-    "seed": "seed", "max_steps": "train.max_steps", "max_examples": "train.max_examples",
-    "log_every": "train.log_every", "record_every": "train.record_every",
-    "checkpoint_every": "train.checkpoint_every", "divergence_factor": "train.divergence_factor",
-    "keep_checkpoints": "train.keep_checkpoints", "quiet": "train.progress_bar",
-    "eval_enabled": "eval.enabled", "eval_every": "eval.every", "eval_steps": "eval.steps",
-    "full_train_eval": "eval.full_train", "noise_every": "noise.every",
-    "noise_batch_size": "noise.batch_size", "noise_examples": "noise.examples",
-}
+_FIELDS = {f.name: f.metadata["at"] for f in dataclasses.fields(RunOverrides)} | {
+    f"lr_coupling.{k}": f"batch.lr_coupling.{k}" for k in ("rule", "base_batch_size", "cap")}
 
 
 def _error(name: str, problem: str) -> ConfigError:
@@ -135,9 +128,8 @@ def _number(name: str, value: Any, *, strict: bool = False) -> None:
 
 def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
                drop: Sequence[str] = ("sweep",)) -> ml_collections.ConfigDict:
-    """A copy of `base` (a `cbs.engine.config.default_config()`-shaped config, possibly with
-    the sections of the studies that drive it) with `overrides` written and the top-level
-    sections `drop` left out (a sweep trial does not carry the sweep that made it)."""
+    """A copy of `base` (with the sections of the studies that drive it, if any) with
+    `overrides` written and the top-level sections `drop` left out."""
     c = ml_collections.ConfigDict(base.to_dict())
     for key in drop:
         if key in c:
@@ -154,7 +146,7 @@ def run_config(base: ml_collections.ConfigDict, overrides: RunOverrides, *,
         if "wandb" in c.train:
             c.train.wandb = ""
     for name, path in _FIELDS.items():  # the plain fields: None keeps the base's value
-        if name in ("batch_size", "schedule", "quiet") or name.startswith("lr_coupling."):
+        if name in ("batch_size", "schedule", "quiet") or name.startswith("lr_coupling"):
             continue
         section, field = path.rpartition(".")[::2]
         if (value := getattr(o, name)) is not None:

@@ -3,7 +3,7 @@ its exact example count, and `StepMetrics` (the step's scalars as one vector).
 
 A count (`TrainState.examples_seen`) is int32 words [..., (high, low)] with value
 high·2^30 + low and 0 <= low < 2^30, so adding a batch of up to 2^30 examples never
-overflows a word (a plain int32 overflows at 2.1·10⁹). Host code keeps Python ints (`count_to_int`).
+overflows a word (a plain int32 overflows at 2.1·10⁹). Host code keeps Python ints.
 """
 
 from __future__ import annotations
@@ -70,26 +70,18 @@ def count_int32(count: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything on the device that an exact resume needs.
+    """Everything on the device that an exact resume needs."""
 
-    step: int32 updates applied; examples_seen: examples consumed (E), a two-word count;
-    learning_rate: float32 η_0, the peak learning rate (a value, not a constant of the
-    compiled step, so trials that differ only in η_0 share one compilation or one vmap);
-    params, opt_state: model parameters and optax state; model_state: non-parameter model
-    variables (BatchNorm statistics; empty otherwise); noise_ema:
-    `cbs.stats.smoothing.NoiseScaleEMA` of the step's live estimates; measure_ema: the same of
-    the every-k-steps measurements (with the curvature pair), what an adaptive schedule on
-    b_noise reads.
-    """
-
-    step: jax.Array
-    examples_seen: jax.Array
+    step: jax.Array  # int32 updates applied
+    examples_seen: jax.Array  # E, examples consumed, a two-word count
+    # float32 peak learning rate η_0: a value, not a constant of the compiled step, so trials
+    # that differ only in η_0 share one compilation or one vmap
     learning_rate: jax.Array
     params: PyTree
-    opt_state: PyTree
-    model_state: PyTree
-    noise_ema: PyTree
-    measure_ema: PyTree
+    opt_state: PyTree  # optax state
+    model_state: PyTree  # non-parameter model variables (BatchNorm statistics; else empty)
+    noise_ema: PyTree  # `cbs.stats.smoothing.NoiseScaleEMA` of the step's live estimates
+    measure_ema: PyTree  # the same of the every-k-steps measurements (b_noise reads it)
 
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)

@@ -8,22 +8,18 @@ One step on a global batch [B, ...] sharded over `data` (`TrainStep.apply`, top 
 
 1. view it as C chunks [C, B/C] without moving data (`_chunks`; C = A: the micro-batches);
 2. a `lax.scan` over the chunks with float32 accumulators: each chunk's gradient and, with
-   the exact live estimate, the sum of its examples' squared gradient norms Σ|g_i|² from the
-   same backward pass; else its squared norm |g_small|² (or, per micro-batch, a `vmap` over
-   the R replicas: b = m);
+   the exact live estimate, Σ|g_i|² over its examples from the same backward pass; else its
+   squared norm |g_small|² (or, per micro-batch, a `vmap` over the R replicas: b = m);
 3. ḡ = the mean of the chunk gradients (the gradient of the mean loss over B), |ḡ|²;
-4. the live estimate (`cbs.engine.live_noise`: exact, or the two-batch estimator of
-   McCandlish et al. 2018, App. A, from the mean of the B/b values |g_small|² and |ḡ|²),
-   smoothed by `cbs.stats.smoothing.NoiseScaleEMA` in the state;
-5. the caller's `measure` hook, if any, on the step's chunks and exact statistics
-   (`cbs.engine.measure.Measurement`);
+4. the live estimate (`cbs.engine.live_noise`), smoothed by `NoiseScaleEMA` in the state;
+5. the caller's `measure` hook, if any (`cbs.engine.measure.Measurement`);
 6. u = direction(ḡ) (`cbs.engine.optim`), θ ← θ − η·u with η = lr_fn(η_0, E + B, B)
    (`cbs.engine.lr.step_rate`): a function of examples seen E, never of steps.
 
 The two-batch estimate's small batches (`_plan`): by default the A micro-batches when A ≥ 2
 (free); else each replica's share when R ≥ 2; else two halves of the batch (C = 2: the one
-case that changes the computation, by running the batch as two chunks). Splitting the logical
-batch differently changes only the order of float32 sums, never the update.
+case that changes the computation). Splitting the logical batch differently changes only the
+order of float32 sums, never the update.
 """
 
 from __future__ import annotations
@@ -61,17 +57,14 @@ MeasureHook = Callable[[TrainState, PyTree, int, "noise.NoiseStats | None"],
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """Where the step's batch comes from and how it lies on the mesh: mesh, the device mesh,
-    the batch split over its `data_axis`; state_sharding: pytree of NamedSharding like the
-    state (in and out of the step); inputs_sharding: sharding (prefix) of the step's second
-    argument; micro_batch: m, examples per replica per micro-batch; batch_fn: batch_fn(inputs,
-    examples_seen, batch_size) -> global batch, inside the jit (e.g. a gather of
-    device-resident data at the stream's indices); None when the inputs are the batch."""
+    """Where the step's batch comes from and how it lies on the mesh (the batch split over
+    its `data_axis`). batch_fn(inputs, examples_seen, batch_size) -> global batch, inside the
+    jit (e.g. a gather of device-resident data); None when the inputs are the batch."""
 
     mesh: jax.sharding.Mesh
-    state_sharding: PyTree
-    inputs_sharding: PyTree = None
-    micro_batch: int = 1
+    state_sharding: PyTree  # NamedShardings like the state (in and out of the step)
+    inputs_sharding: PyTree = None  # sharding (prefix) of the step's second argument
+    micro_batch: int = 1  # m
     batch_fn: Callable[[PyTree, jax.Array, int], PyTree] | None = None
     data_axis: str = "data"
 
@@ -86,21 +79,11 @@ class BatchLayout:
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How the step estimates its noise and runs its chunks.
+    """How the step estimates its noise and runs its chunks."""
 
-    live: the live estimate of tr(Σ) and |G|² every step, "auto" (exact where it can, else
-      two-batch) | "exact" | "two_batch" | "none" (`cbs.engine.live_noise`).
-    small_batch: b of the two-batch estimator (`_plan`, `cbs.engine.live_noise.small_batch_ok`);
-      0 = M when A ≥ 2, else m when R ≥ 2, else M/2.
-    grad_norm: record |ḡ| as `opt/grad_norm` every step (`config.train.grad_norm`); with a
-      live estimate it is recorded anyway.
-    unroll: `lax.scan` unrolling of the chunk loop; 0 = automatic (`_unroll`).
-    """
-
-    live: str = "auto"
-    small_batch: int = 0
-    grad_norm: bool = True
-    unroll: int | bool = 0
+    live: str = "auto"  # "auto" (exact where it can) | "exact" | "two_batch" | "none"
+    small_batch: int = 0  # b of the two-batch estimator (`_plan`); 0 = automatic
+    grad_norm: bool = True  # record |ḡ| as `opt/grad_norm` (always with a live estimate)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,8 +95,6 @@ class TrainStep:
       direction: optax transformation without learning rate (`cbs.engine.optim.make_direction`).
       lr_fn: lr_fn(η_0, E, B) -> η, jittable, of the state's peak rate η_0, the examples seen
         E including the current batch and the batch size B (`cbs.engine.lr.step_rate`).
-      layout: the batch's source and place on the mesh (`BatchLayout`).
-      options: the live estimate and the chunk loop (`StepOptions`).
     """
 
     loss_fn: StatefulLoss
@@ -131,8 +112,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, inputs: PyTree, accum_steps: int
                  ) -> tuple[TrainState, StepMetrics]:
-        """One update; `state` is donated. Metrics stay on the device (read them later):
-        a `StepMetrics` mapping of the names of `apply`'s dict to scalars."""
+        """One update; `state` is donated. Metrics stay on the device (`StepMetrics`)."""
         return self._jit(state, inputs, accum_steps)
 
     def num_compilations(self) -> int:
@@ -151,19 +131,15 @@ class TrainStep:
 
     def apply(self, state: TrainState, inputs: PyTree, accum_steps: int,
               measure: MeasureHook | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The step, pure and unjitted, for use under the caller's jit, vmap or scan (e.g.
-        several learning rates as one vmapped state); `measure` runs on the step's examples
-        before the update and its metrics join the step's."""
+        """The step, pure and unjitted, for the caller's jit, vmap or scan; `measure` runs on the
+        step's examples before the update and its metrics join the step's."""
         b_big = self.layout.batch_size(accum_steps)
         live = self._live(state, inputs, accum_steps)
-        if live == "exact":
-            kind, c = "exact", accum_steps
-        else:
-            kind, b_small, c = self._plan(accum_steps)
+        kind, b_small, c = (("exact", b_big, accum_steps) if live == "exact"
+                            else self._plan(accum_steps))
         chunks = self._chunks(state, inputs, accum_steps, c)
         loss, grads, model_state, small_sq = self._accumulate(
             state.params, state.model_state, chunks, kind)
-        ema = state.noise_ema
         # |ḡ|²: every live estimate needs it; without one, only `opt/grad_norm` reads it
         big_sq = tree_sq_norm(grads) if kind != "none" or self.options.grad_norm else None
         if kind == "none" or big_sq is None:
@@ -174,6 +150,7 @@ class TrainStep:
             groups = c * (self.layout.replicas if kind == "replica" else 1)
             grad_sq_norm, trace_sigma = smoothing.two_batch(small_sq / groups, big_sq,
                                                             b_small, b_big)
+        ema = state.noise_ema
         if kind != "none":
             ema = ema.update(grad_sq_norm, trace_sigma)
         f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -188,19 +165,15 @@ class TrainStep:
                     "noise/ema_b_simple": f32(ema.b_simple)}
         measure_ema = state.measure_ema
         if measure is not None:
-            exact = None
-            if live == "exact" and big_sq is not None:
-                exact = noise.NoiseStats(b_big, big_sq, grad_sq_norm, trace_sigma,
-                                         trace_sigma / grad_sq_norm)
+            exact = None if kind != "exact" or big_sq is None else noise.NoiseStats(
+                b_big, big_sq, grad_sq_norm, trace_sigma, trace_sigma / grad_sq_norm)
             measure_ema, measured = measure(state, chunks, c // accum_steps, exact)
             metrics |= measured
         updates, opt_state = self.direction.update(grads, state.opt_state, state.params)
-        lr = jnp.asarray(self.lr_fn(state.learning_rate,
-                                    count_value(count_add(state.examples_seen, b_big)), b_big),
-                         jnp.float32)
+        seen = count_add(state.examples_seen, b_big)
+        lr = jnp.asarray(self.lr_fn(state.learning_rate, count_value(seen), b_big), jnp.float32)
         metrics["opt/lr"] = lr
-        new_state = state.replace(step=state.step + 1,
-                                  examples_seen=count_add(state.examples_seen, b_big),
+        new_state = state.replace(step=state.step + 1, examples_seen=seen,
                                   params=apply_step(state.params, updates, lr),
                                   opt_state=opt_state, model_state=model_state,
                                   noise_ema=ema, measure_ema=measure_ema)
@@ -209,13 +182,10 @@ class TrainStep:
     # ------------------------------------------------------------------ internals
 
     def _plan(self, accum_steps: int) -> tuple[str, int, int]:
-        """(kind, b, C) of the two-batch estimate for A accumulation steps.
-
-        kind "split": the batch is processed as C = B/b sequential chunks of b examples
-        (b/R per replica; C = A when b = M) and the chunks are the small batches;
-        kind "replica": C = A micro-batches, each replica's m examples a small batch (a vmap
-        over the R replicas, no extra communication); kind "none": no estimate, C = A.
-        """
+        """(kind, b, C) of the two-batch estimate for A accumulation steps. "split": C = B/b
+        sequential chunks of b examples (b/R per replica; C = A when b = M), the small
+        batches; "replica": C = A micro-batches, each replica's m examples a small batch (a
+        vmap over the R replicas, no extra communication); "none": no estimate, C = A."""
         r, m, a = self.layout.replicas, self.layout.micro_batch, accum_steps
         b = self.options.small_batch or (r * m if a >= 2 else m if r >= 2
                                          else m // 2 * (1 - m % 2))
@@ -227,15 +197,6 @@ class TrainStep:
             raise ValueError(f"small_batch={b} must be M = R·m = {r * m}, m = {m} (R ≥ 2), or"
                              f" a multiple of R = {r} whose share b/R divides m")
         return "split", b, a * r * m // b
-
-    def _unroll(self, chunks: int) -> int | bool:
-        """Scan unrolling: `unroll` when set; else full on CPU up to 16 chunks, because
-        XLA:CPU runs convolutions inside a while loop several times slower (a small CNN: 4×
-        here), and rolled elsewhere (one copy of the body, least memory and compile time)."""
-        if self.options.unroll:
-            return self.options.unroll
-        on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
-        return True if on_cpu and chunks <= 16 else 1
 
     def _chunks(self, state: TrainState, inputs: PyTree, accum_steps: int, chunks: int):
         """The global batch [B, ...] as [C, B/C, ...]: replica r's contiguous B/R examples cut
@@ -302,8 +263,11 @@ class TrainStep:
         acc = jnp.zeros((), jnp.result_type(float))
         init = (jnp.zeros((), jnp.float32), zeros, model_state, acc)
         c = jax.tree.leaves(chunks)[0].shape[0]
+        # unrolled on CPU up to 16 chunks: XLA:CPU runs convolutions inside a while loop several
+        # times slower (a small CNN: 4× here); rolled elsewhere (least memory and compile time)
+        on_cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
         (loss_sum, grad_sum, model_state, sq_sum), _ = jax.lax.scan(
-            body, init, chunks, unroll=self._unroll(c))
+            body, init, chunks, unroll=True if on_cpu and c <= 16 else 1)
         return loss_sum / c, jax.tree.map(lambda g: g / c, grad_sum), model_state, sq_sum
 
     def _live(self, state: TrainState, inputs: PyTree, accum_steps: int) -> str:
@@ -326,17 +290,17 @@ class TrainStep:
         return kind
 
 
-def jit_step(train_step: TrainStep, measure: MeasureHook | None = None, *, donate: bool = True
+def jit_step(train_step: TrainStep, measure: MeasureHook | None = None
              ) -> Callable[[TrainState, PyTree, int], tuple[Any, Any]]:
     """`train_step.apply` with the hook `measure`, jitted with the layout's shardings, A
-    static, metrics packed (`StepMetrics`) and the state donated (`donate`)."""
+    static, metrics packed (`StepMetrics`) and the state donated."""
     lay = train_step.layout
 
     def packed(state: TrainState, inputs: PyTree, accum_steps: int):
         state, metrics = train_step.apply(state, inputs, accum_steps, measure)
         return state, StepMetrics.pack(metrics)
 
-    return jax.jit(packed, static_argnums=(2,), donate_argnums=(0,) if donate else (),
+    return jax.jit(packed, static_argnums=(2,), donate_argnums=(0,),
                    in_shardings=(lay.state_sharding, lay.inputs_sharding),
                    out_shardings=(lay.state_sharding, NamedSharding(lay.mesh, P())))
 

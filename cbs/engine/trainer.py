@@ -7,24 +7,7 @@
 `Trainer(config)` exposes the pieces (state, step, `evaluate`) for programs that drive
 training themselves; the loop is `cbs.engine.loop.Loop` with the trainer as its driver.
 
-Files in `workdir` (process 0 writes records; every process writes its checkpoint shards):
-- `config.json`: the config of the latest start.
-- `metrics.jsonl`: records (see `cbs.results.records`). Train records: step, kind="train",
-  data/examples_seen (before the step), data/batch_size, data/accum_steps, train/loss,
-  opt/lr, opt/grad_norm (absent with train.grad_norm=False and no live estimate), the live
-  estimate noise/live_{grad_sq_norm,trace_sigma,exact} (`cbs.engine.live_noise`),
-  noise/ema_{b_simple,grad_sq_norm,trace_sigma}, on measured steps the measurement
-  (`cbs.engine.measure`) and the live advice (`cbs.engine.live_advice`). Eval records: step,
-  kind="eval", data/examples_seen, eval/loss, eval/accuracy, full_train/loss,
-  full_train/accuracy and the fields of `on_eval`.
-- `status.json`: status ("running" | "preempted" | "interrupted" | "finished" | "stopped" |
-  "diverged"), step, examples_seen, checkpoint_step, message, config_hash, last records.
-- `checkpoints/`: orbax (`cbs.runtime.checkpoint`), `tensorboard/`: event files (when on).
-SIGTERM (SIGINT) after `cbs.runtime.preemption.install()` saves a checkpoint at the current
-step and raises `Preempted` with status "preempted" ("interrupted"). A restart resumes from the
-latest checkpoint and first drops records at or after its step, so the records equal an
-uninterrupted run's. A run whose status.json says it ended, with the same config, is not run
-again: its summary is returned.
+The files of `workdir`, and resuming: docs/guides/training.md, "The run directory".
 """
 
 from __future__ import annotations
@@ -56,16 +39,17 @@ CHECKPOINT_CHUNK = 256  # examples per vmap chunk of `measure_checkpoint`'s exac
 # at the evaluation after `step` updates (dispatched with the evaluation, read with it).
 EvalFn = Callable[["Trainer", TrainState, int], dict[str, Any]]
 
+
 class Trainer(RunParts):
     """A run: its parts (`cbs.engine.parts.RunParts`) and its run directory `workdir` (None
     for in-memory use only); the driver of `cbs.engine.loop.Loop`.
 
     Args:
-      on_eval: `EvalFn` whose fields join every eval record (None: the noise measurement
-        at evaluations, `cbs.engine.measure.Measurement.evaluation`, when the spec has one).
-      start: a state to start from instead of a fresh one (a branch from a checkpoint of its
-        reference run): the run starts at its step and examples seen, with the config's
-        η_0 (as on resume); its budget `train.max_steps` / `max_examples` counts from 0.
+      on_eval: `EvalFn` whose fields join every eval record (None: the spec's measurement
+        at evaluations, `cbs.engine.measure.Measurement.evaluation`, if any).
+      start: a state to start from (a branch from a checkpoint of its reference run): the
+        run starts at its step and examples seen, with the config's η_0; its budget counts
+        from 0.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None, *,
@@ -150,15 +134,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, stop_fn: StopFn | No
         raise_on_divergence: bool = True, mesh: jax.sharding.Mesh | None = None,
         on_eval: EvalFn | None = None, outputs: writer.Outputs | None = None
         ) -> dict[str, Any]:
-    """Trains (or resumes, or returns the summary of an ended run) in `workdir` (its files:
-    the module docstring); returns the summary written to status.json.
+    """Trains (or resumes, or returns the summary of an ended run) in `workdir`; returns the
+    summary written to status.json.
 
-    stop_fn(step, record) -> bool is called on every record written (train and eval, in step
-    order, up to `log_every` steps late); True ends the run as "stopped" after a final
-    evaluation and checkpoint. raise_on_divergence: raise `DivergedError` when the run
-    diverges (after recording it), else return the summary with status "diverged". on_eval:
-    `EvalFn`, not part of the config, so not of its hash. outputs: the bar and mirrors
-    (`cbs.runtime.writer.Outputs`; default: the config's); a sweep's trial takes the sweep's.
+    stop_fn(step, record) -> bool is called on every record written (in step order, up to
+    `log_every` steps late); True ends the run as "stopped" after a final evaluation and
+    checkpoint. raise_on_divergence: raise `DivergedError` when the run diverges (after
+    recording it), else return the summary with status "diverged". on_eval: `EvalFn`, not
+    part of the config's hash. outputs: the bar and mirrors (`cbs.runtime.writer.Outputs`;
+    default: the config's).
     """
     created = not paths.exists(workdir)
     paths.makedirs(workdir)

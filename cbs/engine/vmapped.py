@@ -24,11 +24,10 @@ _Apply = Callable[[Any, Any, int], tuple[Any, dict[str, jax.Array]]]
 
 
 def run_steps(apply: _Apply, accum_steps: int, ema_decay: float) -> Callable:
-    """The step loop of one state: one(state, inputs, ema, num_steps) -> (state, ema,
-    last_loss), `num_steps` (traced int) applications of `apply(state, inputs, accum_steps)`
-    (A static); `ema` is the EMA of the batch loss (`cbs.runtime.progress.ema_update`, decay
-    `ema_decay` per step; NaN: no loss seen yet) before the first and after the last,
-    `last_loss` the last step's batch loss (NaN after no step), both of the EMA's dtype."""
+    """one(state, inputs, ema, num_steps) -> (state, ema, last_loss): `num_steps` (traced)
+    applications of `apply(state, inputs, accum_steps)`; `ema` is the EMA of the batch loss
+    (`cbs.runtime.progress.ema_update`; NaN: no loss seen yet) before and after, `last_loss`
+    the last step's batch loss (NaN after no step), both of the EMA's dtype."""
 
     def one(state: Any, inputs: Any, ema: jax.Array, num_steps: jax.Array
             ) -> tuple[Any, jax.Array, jax.Array]:
