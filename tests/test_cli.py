@@ -105,3 +105,18 @@ def test_help_and_hints_name_the_console_scripts_a_wheel_installs():
     for name, script in (("sweep", "cbs-sweep"), ("train", "cbs-train")):  # their --help text
         doc = ast.get_docstring(ast.parse((root / "commands" / f"{name}.py").read_text()))
         assert f"{script} --config=" in doc
+
+
+def test_the_library_defines_no_command_line_flags():
+    """A researcher's own absl program imports cbs and defines its own flags (--verbose, say):
+    only the commands define flags, so importing the library must not (a fresh process)."""
+    script = ("import cbs, cbs.train, cbs.noise, cbs.fit, cbs.report, cbs.schedules, "
+              "cbs.curvature\n"
+              "from absl import flags\n"
+              "ours = [n for m, fl in flags.FLAGS.flags_by_module_dict().items() "
+              "if m.startswith('cbs') for n in (f.name for f in fl)]\n"
+              "assert ours == [], ours\n"
+              "flags.DEFINE_bool('verbose', False, 'the program\\'s own')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -16,7 +16,7 @@ import errno
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,8 @@ from cbs.results.paths import PathLike
 
 __all__ = [
     "CorruptRecordWarning", "append_records", "lines_in", "plain_value", "read_json",
-    "read_records", "truncate_records", "write_atomic", "write_error", "write_json_atomic",
+    "exception_chain", "read_records", "truncate_records", "write_atomic", "write_error",
+    "write_json_atomic",
 ]
 
 
@@ -192,6 +193,15 @@ def write_error(err: OSError, path: PathLike) -> OSError:
     written, for a one-line message (`cbs.runtime.cli.message`)."""
     code = err.errno or errno.EIO
     return type(err)(code, err.strerror or os.strerror(code), os.fspath(path))
+
+
+def exception_chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err`, then its causes and contexts (each once): where the OS error behind a failure is."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def truncate_records(path: PathLike, step: int) -> int:

@@ -26,7 +26,6 @@ import orbax.checkpoint as ocp
 
 from cbs.results import paths, records
 from cbs.results.paths import PathLike
-from cbs.runtime import cli
 
 __all__ = [
     "CHECKPOINT_DIR", "SKIPPED_SUFFIX", "CheckpointMismatchError", "Checkpointer",
@@ -207,7 +206,7 @@ _NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceed
 def _os_error(err: BaseException) -> OSError | None:
     """The OS error behind an orbax/tensorstore failure (an OSError in its chain, or one made
     from a message that says the disk is full); None for anything else (a bug)."""
-    chain = list(cli.exception_chain(err))
+    chain = list(records.exception_chain(err))
     found = [c for c in chain if isinstance(c, OSError) and c.errno]
     for c in found:
         if c.filename:

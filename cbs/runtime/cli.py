@@ -19,17 +19,17 @@ import os
 import sys
 import textwrap
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
 
-from cbs.results import paths
+from cbs.results import paths, records
 from cbs.runtime import preemption
 
 __all__ = [
-    "USER_ERROR_EXIT", "VERBOSE_ENV", "exception_chain", "exit_on_help", "guarded",
+    "USER_ERROR_EXIT", "VERBOSE_ENV", "exit_on_help", "guarded",
     "is_missing_extra", "message", "required", "run",
 ]
 
@@ -114,15 +114,6 @@ def guarded(main: Callable[[list[str]], Any], outputs: Sequence[str] = ()
     return wrapped
 
 
-def exception_chain(err: BaseException | None) -> Iterator[BaseException]:
-    """`err`, then its causes and contexts (each once)."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
 def _config_field_error(argv: Sequence[str], err: Exception) -> str:
     """One line for an override of a config field that does not exist."""
     text = str(err).replace("\\n", " ")
@@ -147,7 +138,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def _flag_error(argv: list[str], err: Exception) -> str:
     """The one line of a flag error; raises `err` (or its cause) when it keeps a traceback."""
     if isinstance(err, flags.Error):  # the first user error inside the flag library's wrappers
-        cause = next((c for c in exception_chain(err) if _is_user_error(c)), err)
+        cause = next((c for c in records.exception_chain(err) if _is_user_error(c)), err)
         if _verbose() and cause is not err:
             raise cause from None
         return message(cause)
@@ -165,7 +156,7 @@ def _config_file_error(argv: Sequence[str], err: BaseException) -> str | None:
     the --config file itself; else None."""
     configs = [os.path.abspath(a.split("=", 1)[1].split(":")[0]) for a in argv[1:]
                if a.startswith("--config=")]
-    for chain in exception_chain(err):
+    for chain in records.exception_chain(err):
         if isinstance(chain, SyntaxError) and chain.filename:
             return f"{chain.filename}:{chain.lineno}: {type(chain).__name__}: {chain.msg}"
         at = [f"{frame.f_code.co_filename}:{line}"
