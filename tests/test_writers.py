@@ -232,7 +232,8 @@ def test_wandb_writer_history_reads_back_and_a_resume_continues_the_run(tmp_path
     resumed = writer.MetricsWriter(workdir, start_step=1, progress=False, wandb="cbs-test")
     resumed.write([{"step": 1, "kind": "train", "train/loss": 1.4}])
     resumed.close()
-    runs = glob.glob(str(offline_wandb / f"offline-run-*-{run_id}"))
+    # a resume within the same second is written to `<first>-1`: match that name too
+    runs = glob.glob(str(offline_wandb / f"offline-run-*-{run_id}*"))
     (second,) = set(runs) - {first}  # the same W&B run id (`wandb sync` merges the two)
     assert [r["train/loss"] for r in _wandb_history(second)] == [1.4]
     fresh = writer.MetricsWriter(tmp_path / "other", progress=False, wandb="cbs-test")
@@ -262,7 +263,7 @@ def test_a_run_mirrors_its_records_to_an_offline_wandb_run(tmp_path, offline_wan
     c.train.max_steps = 12  # longer: resumes from the checkpoint at step 8
     trainer_lib.run(c, str(workdir), mesh=one_device_mesh())
     assert json.loads((workdir / files.WANDB_RUN_FILE).read_text())["id"] == run_id
-    runs = sorted(glob.glob(str(offline_wandb / f"offline-run-*-{run_id}")))
+    runs = sorted(glob.glob(str(offline_wandb / f"offline-run-*-{run_id}*")))
     assert len(runs) == 2  # the same W&B run, resumed (wandb sync merges them)
     later = {r["_step"] for r in _wandb_history(runs[1]) if "train/loss" in r}
     assert later == {8, 9, 10, 11}
